@@ -1,0 +1,36 @@
+#include "bench/lib/membw.h"
+
+#include <tbb/global_control.h>
+#include <tbb/info.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+
+namespace specontext::bench {
+
+BandwidthResult measure_triad(size_t bytes_per_array, int repetitions) {
+  const size_t n = bytes_per_array / sizeof(double);
+  std::unique_ptr<double[]> a(new double[n]), b(new double[n]), c(new double[n]);
+  const tbb::blocked_range<size_t> all(0, n, 1 << 16);
+  // First touch in parallel, as the triad will access them.
+  tbb::parallel_for(all, [&](const tbb::blocked_range<size_t>& r) {
+    for (size_t i = r.begin(); i < r.end(); ++i) { a[i] = 0.0; b[i] = 1.0; c[i] = 2.0; }
+  }, tbb::static_partitioner());
+  double best = 1e30;
+  for (int rep = 0; rep < repetitions; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    tbb::parallel_for(all, [&](const tbb::blocked_range<size_t>& r) {
+      for (size_t i = r.begin(); i < r.end(); ++i) a[i] = b[i] + 3.0 * c[i];
+    }, tbb::static_partitioner());
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  BandwidthResult res;
+  res.bytes_per_array = n * sizeof(double);
+  res.triad_gb_per_s = 3.0 * static_cast<double>(res.bytes_per_array) / best / 1e9;
+  res.threads = tbb::info::default_concurrency();
+  return res;
+}
+
+}  // namespace specontext::bench

@@ -1,0 +1,57 @@
+// Subcommands of the specontext CLI. Each returns the process exit code and prints errors
+// (naming the file and field) to stderr.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "core/model.h"
+#include "core/status.h"
+
+namespace specontext::cli {
+
+// Where the model comes from: a path or a synthetic shape.
+struct ModelArgs {
+  std::string model_path;
+  std::string synthetic;
+  int64_t layers = 0;
+  std::string dtype = "f32";
+  uint64_t weight_seed = 1;
+};
+void add_model_options(CLI::App& cmd, ModelArgs& args);
+Result<std::shared_ptr<Model>> load_model_from_args(const ModelArgs& args);
+
+struct GenerateArgs {
+  ModelArgs model;
+  std::string tokenizer;
+  std::string prompt;
+  std::string prompt_file;
+  std::string system_prompt;
+  int64_t n = 256;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  float repetition_penalty = 1.0f;
+  uint64_t seed = 0;
+  bool chat = false;
+  bool json = false;
+  int64_t synthetic_context = 0;
+  int64_t batch = 1;
+  int64_t prompt_tokens = 16;  // synthetic prompts: random ids
+  int64_t page_size = 16;
+  int64_t prefill_chunk = 256;
+  int64_t max_context = 0;
+  int threads = 0;
+  bool reference = false;
+};
+void register_generate(CLI::App& app, GenerateArgs& args);
+int run_generate(const GenerateArgs& args);
+
+struct InspectArgs {
+  std::string path;
+  bool json = false;
+};
+void register_inspect(CLI::App& app, InspectArgs& args);
+int run_inspect(const InspectArgs& args);
+
+}  // namespace specontext::cli

@@ -1,0 +1,23 @@
+// specontext: one binary, subcommands (generate, inspect).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+
+#include "bin/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"SpeContext: long-context LLM decoding with speculative context sparsity"};
+  app.require_subcommand(1);
+  specontext::cli::GenerateArgs gen;
+  specontext::cli::InspectArgs inspect;
+  specontext::cli::register_generate(app, gen);
+  specontext::cli::register_inspect(app, inspect);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (app.got_subcommand("generate")) return specontext::cli::run_generate(gen);
+  if (app.got_subcommand("inspect")) return specontext::cli::run_inspect(inspect);
+  return 2;
+}

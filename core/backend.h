@@ -1,0 +1,89 @@
+// The compute interface a forward pass needs. cpu::CpuBackend is the reference and default;
+// gpu::CudaBackend mirrors it. All pointers are in the backend's own memory space (host memory
+// for the CPU backend, device memory for CUDA). Shapes are validated by the caller (the engine);
+// a backend returns a non-OK Status only for conditions it cannot handle (unsupported dtype,
+// device failure).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "core/ids.h"
+#include "core/model.h"
+#include "core/model_config.h"
+#include "core/status.h"
+
+namespace specontext {
+
+enum class BackendOp {
+  kEmbed, kMatmul, kRmsNorm, kRope, kSwiglu, kAdd, kKvAppend, kAttention,
+};
+
+// RoPE frequencies after scaling (llama3 / yarn / linear), computed once per model.
+struct RopeParams {
+  int64_t head_dim = 0;
+  RopeStyle style = RopeStyle::kHalf;
+  std::vector<float> inv_freq;  // [head_dim / 2], scaling already applied
+  float mscale = 1.0f;          // YaRN attention factor multiplying cos and sin
+};
+RopeParams make_rope_params(const ModelConfig& config);
+
+// Paged KV cache of one layer of one sequence. Page p of K (and of V) holds
+// [kv_heads][page_size][head_dim] f32, so one KV head's tokens are contiguous inside a page.
+// Token t lives in page t / page_size, slot t % page_size.
+struct KvLayerView {
+  float* const* k_pages = nullptr;
+  float* const* v_pages = nullptr;
+  int64_t n_pages = 0;
+  int64_t page_size = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t capacity() const { return n_pages * page_size; }
+};
+
+// One sequence's slice of a batched forward.
+struct AttentionItem {
+  int64_t token_offset = 0;  // first row of this sequence in q / out
+  int64_t n_tokens = 0;      // new tokens of this sequence in this forward
+  int64_t start_pos = 0;     // position of the first new token (tokens cached before)
+  KvLayerView kv;            // already holds the new tokens (kv_append runs first)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+  virtual bool supports(BackendOp op, DType weight_dtype) const = 0;
+
+  // Memory in the backend's space for KV pages and activations (NUMA-local host memory for the
+  // CPU backend, device memory for CUDA). The default is 64-byte aligned host memory.
+  virtual Result<std::shared_ptr<void>> allocate(size_t bytes);
+
+  // out[i, :] = table[ids[i], :] as f32.
+  virtual Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) = 0;
+  // y[m, w.rows] = x[m, w.cols] · wᵀ (+ bias[w.rows] when bias != nullptr).
+  virtual Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                        float* y) = 0;
+  // y[r, :] = x[r, :] / sqrt(mean(x[r, :]²) + eps) · weight; y may alias x.
+  virtual Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+                         float* y) = 0;
+  // In place on x[n_tokens, n_heads, head_dim]; token i has position positions[i].
+  virtual Status rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,
+                      const RopeParams& params) = 0;
+  // out[i] = silu(gate[i]) · up[i]; out may alias gate.
+  virtual Status swiglu(const float* gate, const float* up, int64_t n, float* out) = 0;
+  // x[i] += y[i]
+  virtual Status add(float* x, const float* y, int64_t n) = 0;
+  // Writes k, v [n_tokens, kv_heads·head_dim] at positions start_pos.. of the paged cache.
+  virtual Status kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
+                           const KvLayerView& kv) = 0;
+  // Causal dense attention for a batch of sequences. q and out are [T, n_heads·head_dim];
+  // token i of an item attends to cached positions [0, start_pos + i]; GQA maps query head h
+  // to KV head h / (n_heads / kv_heads). Scale 1/sqrt(head_dim).
+  virtual Status attention(const float* q, const AttentionItem* items, int64_t n_items,
+                           int64_t n_heads, float* out) = 0;
+};
+
+}  // namespace specontext

@@ -1,0 +1,101 @@
+#include "core/dtype.h"
+
+#include <cmath>
+
+namespace specontext {
+
+std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+    case DType::kQ8_0: return "q8_0";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+    case DType::kU8: return "u8";
+  }
+  return "?";
+}
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kF32: case DType::kI32: return 4;
+    case DType::kF16: case DType::kBF16: return 2;
+    case DType::kI64: return 8;
+    case DType::kU8: return 1;
+    case DType::kQ8_0: return 0;
+  }
+  return 0;
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) { mant <<= 1; --exp; }
+      mant &= 0x3ff;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t absx = x & 0x7fffffffu;
+  if (absx > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (absx >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (absx < 0x38800000u) {  // subnormal or zero in f16
+    const float af = std::fabs(f);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(af * 16777216.0f)));
+  }
+  uint32_t rounded = absx + 0xfffu + ((absx >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+void convert_to_f32(DType t, const void* src, float* dst, size_t n) {
+  switch (t) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kF16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      return;
+    }
+    case DType::kBF16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      return;
+    }
+    case DType::kQ8_0: {  // blocks of {f16 scale; int8 q[32]}
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t b = 0; b < n / 32; ++b) {
+        uint16_t d16;
+        std::memcpy(&d16, s + b * 34, 2);
+        const float d = f16_to_f32(d16);
+        const auto* q = reinterpret_cast<const int8_t*>(s + b * 34 + 2);
+        for (int j = 0; j < 32; ++j) dst[b * 32 + j] = d * static_cast<float>(q[j]);
+      }
+      return;
+    }
+    default:
+      for (size_t i = 0; i < n; ++i) dst[i] = 0.0f;  // non-float types are never converted
+  }
+}
+
+}  // namespace specontext

@@ -1,0 +1,199 @@
+// GGUF models with general.architecture = "llama" (Llama, Mistral and llama2.c conversions).
+#include "core/gguf.h"
+#include "core/loader_internal.h"
+#include "core/model_loader.h"
+
+namespace specontext {
+
+namespace {
+
+using loader_internal::shape_string;
+
+Result<DType> ggml_to_dtype(const GgufFile& g, const GgufTensorInfo& t) {
+  switch (t.ggml_type) {
+    case 0: return DType::kF32;
+    case 1: return DType::kF16;
+    case 8: return DType::kQ8_0;
+    case 30: return DType::kBF16;
+    default:
+      return unimplemented(g.source() + ": tensor \"" + t.name + "\": ggml type " +
+                           std::to_string(t.ggml_type) +
+                           " is not supported (supported: F32, F16, BF16, Q8_0)");
+  }
+}
+
+class GgufBuilder {
+ public:
+  GgufBuilder(const GgufFile& g, Model* model, const LoadOptions& opts)
+      : g_(g), model_(model), opts_(opts) {}
+
+  Result<const GgufTensorInfo*> find(const std::string& name) const {
+    const GgufTensorInfo* t = g_.find_tensor(name);
+    if (t == nullptr) return not_found(g_.source() + ": missing tensor \"" + name + "\"");
+    return t;
+  }
+
+  // GGUF lists dims fastest-varying first, so a row-major [rows, cols] matrix has dims
+  // [cols, rows].
+  Status matrix(const std::string& name, int64_t rows, int64_t cols, WeightMatrix* out) {
+    SPX_ASSIGN_OR_RETURN(const GgufTensorInfo* t, find(name));
+    const std::vector<int64_t> want = {cols, rows};
+    if (t->dims != want) {
+      return invalid_argument(g_.source() + ": tensor \"" + name + "\": expected dims " +
+                              shape_string(want) + " (row-major [" + std::to_string(rows) + ", " +
+                              std::to_string(cols) + "]), got " + shape_string(t->dims));
+    }
+    SPX_ASSIGN_OR_RETURN(DType dt, ggml_to_dtype(g_, *t));
+    SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_matrix(model_, dt, t->data, rows, cols, opts_,
+                                                            g_.source() + ": tensor \"" + name +
+                                                                "\""));
+    return Status::ok();
+  }
+
+  Status vec(const std::string& name, int64_t n, Vec* out) {
+    SPX_ASSIGN_OR_RETURN(const GgufTensorInfo* t, find(name));
+    if (t->dims != std::vector<int64_t>{n}) {
+      return invalid_argument(g_.source() + ": tensor \"" + name + "\": expected dims [" +
+                              std::to_string(n) + "], got " + shape_string(t->dims));
+    }
+    SPX_ASSIGN_OR_RETURN(DType dt, ggml_to_dtype(g_, *t));
+    if (dt == DType::kQ8_0) {
+      return unimplemented(g_.source() + ": tensor \"" + name + "\": q8_0 vectors are not supported");
+    }
+    *out = loader_internal::to_f32_vec(dt, t->data, static_cast<size_t>(n));
+    return Status::ok();
+  }
+
+ private:
+  const GgufFile& g_;
+  Model* model_;
+  LoadOptions opts_;
+};
+
+Result<int64_t> int_or(const GgufFile& g, const std::string& key, int64_t def) {
+  if (!g.has(key)) return def;
+  return g.get_int(key);
+}
+
+Result<double> float_or(const GgufFile& g, const std::string& key, double def) {
+  if (!g.has(key)) return def;
+  return g.get_float(key);
+}
+
+// Token ids stored as uint32 use 0xFFFFFFFF for "none".
+Result<int32_t> token_id_or(const GgufFile& g, const std::string& key, int32_t def) {
+  if (!g.has(key)) return def;
+  SPX_ASSIGN_OR_RETURN(int64_t v, g.get_int(key));
+  if (v < 0 || v > INT32_MAX) return int32_t{-1};
+  return static_cast<int32_t>(v);
+}
+
+Status parse_rope_scaling(const GgufFile& g, const std::string& a, ModelConfig* c) {
+  if (g.find_tensor("rope_freqs.weight") != nullptr) {
+    // Llama 3.1+ conversions bake llama3 scaling into per-frequency factors.
+    return unimplemented(g.source() + ": tensor \"rope_freqs.weight\" (per-frequency RoPE factors) "
+                                      "is not supported");
+  }
+  const std::string type_key = a + ".rope.scaling.type";
+  if (!g.has(type_key)) return Status::ok();
+  SPX_ASSIGN_OR_RETURN(std::string type, g.get_string(type_key));
+  RopeScaling& s = c->rope_scaling;
+  if (type == "none") return Status::ok();
+  SPX_ASSIGN_OR_RETURN(s.factor, float_or(g, a + ".rope.scaling.factor", 1.0));
+  if (type == "linear") {
+    s.type = RopeScalingType::kLinear;
+  } else if (type == "yarn") {
+    s.type = RopeScalingType::kYarn;
+    SPX_ASSIGN_OR_RETURN(s.original_max_position_embeddings,
+                         int_or(g, a + ".rope.scaling.original_context_length", c->max_seq_len));
+    SPX_ASSIGN_OR_RETURN(s.attention_factor, float_or(g, a + ".rope.scaling.attn_factor", 0.0));
+  } else {
+    return unimplemented(g.source() + ": key \"" + type_key + "\" = \"" + type +
+                         "\" is not supported (supported: none, linear, yarn)");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const LoadOptions& opts) {
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<GgufFile> g, GgufFile::open(path));
+  SPX_ASSIGN_OR_RETURN(std::string arch, g->get_string("general.architecture"));
+  if (arch != "llama") {
+    return unimplemented(path + ": key \"general.architecture\" = \"" + arch +
+                         "\" is not supported (only llama)");
+  }
+  const std::string a = arch;
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  c.rope_style = RopeStyle::kInterleaved;  // llama.cpp's converter permutes q/k to (2i, 2i+1) pairs
+  SPX_ASSIGN_OR_RETURN(c.dim, g->get_int(a + ".embedding_length"));
+  SPX_ASSIGN_OR_RETURN(c.hidden_dim, g->get_int(a + ".feed_forward_length"));
+  SPX_ASSIGN_OR_RETURN(c.n_layers, g->get_int(a + ".block_count"));
+  SPX_ASSIGN_OR_RETURN(c.n_heads, g->get_int(a + ".attention.head_count"));
+  SPX_ASSIGN_OR_RETURN(c.n_kv_heads, int_or(*g, a + ".attention.head_count_kv", c.n_heads));
+  SPX_ASSIGN_OR_RETURN(c.max_seq_len, g->get_int(a + ".context_length"));
+  SPX_ASSIGN_OR_RETURN(c.rope_theta, float_or(*g, a + ".rope.freq_base", 10000.0));
+  double eps = 1e-5;
+  SPX_ASSIGN_OR_RETURN(eps, float_or(*g, a + ".attention.layer_norm_rms_epsilon", eps));
+  c.norm_eps = static_cast<float>(eps);
+  if (c.n_heads <= 0 || c.dim <= 0) {
+    return invalid_argument(path + ": keys \"" + a + ".embedding_length\" / \"" + a +
+                            ".attention.head_count\" must be positive");
+  }
+  SPX_ASSIGN_OR_RETURN(c.head_dim, int_or(*g, a + ".attention.key_length", c.dim / c.n_heads));
+  SPX_ASSIGN_OR_RETURN(int64_t rot, int_or(*g, a + ".rope.dimension_count", c.head_dim));
+  if (rot != c.head_dim) {
+    return unimplemented(path + ": key \"" + a + ".rope.dimension_count\" = " +
+                         std::to_string(rot) + " (partial rotary) differs from head_dim " +
+                         std::to_string(c.head_dim));
+  }
+  SPX_RETURN_IF_ERROR(parse_rope_scaling(*g, a, &c));
+
+  // The vocabulary size is the embedding's row count (dims [dim, vocab]).
+  const GgufTensorInfo* emb = g->find_tensor("token_embd.weight");
+  if (emb == nullptr) return not_found(path + ": missing tensor \"token_embd.weight\"");
+  if (emb->dims.size() == 2) {
+    c.vocab_size = emb->dims[1];
+  } else if (g->has("tokenizer.ggml.tokens")) {
+    SPX_ASSIGN_OR_RETURN(auto toks, g->get_string_array("tokenizer.ggml.tokens"));
+    c.vocab_size = static_cast<int64_t>(toks.size());
+  }
+  SPX_ASSIGN_OR_RETURN(c.bos_token_id, token_id_or(*g, "tokenizer.ggml.bos_token_id", 1));
+  SPX_ASSIGN_OR_RETURN(c.eos_token_id, token_id_or(*g, "tokenizer.ggml.eos_token_id", 2));
+  c.tie_embeddings = g->find_tensor("output.weight") == nullptr;
+  SPX_RETURN_IF_ERROR(c.validate(path));
+
+  auto model = std::make_shared<Model>();
+  model->config = c;
+  model->source = path;
+  model->format = "gguf";
+  model->storage.push_back(g);  // owns the memory map
+  GgufBuilder b(*g, model.get(), opts);
+  SPX_RETURN_IF_ERROR(b.matrix("token_embd.weight", c.vocab_size, c.dim, &model->tok_embeddings));
+  model->layers.resize(static_cast<size_t>(c.n_layers));
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    LayerWeights& l = model->layers[static_cast<size_t>(i)];
+    const std::string p = "blk." + std::to_string(i) + ".";
+    SPX_RETURN_IF_ERROR(b.vec(p + "attn_norm.weight", c.dim, &l.attn_norm));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_q.weight", c.q_dim(), c.dim, &l.wq));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_k.weight", c.kv_dim(), c.dim, &l.wk));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_v.weight", c.kv_dim(), c.dim, &l.wv));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_output.weight", c.dim, c.q_dim(), &l.wo));
+    SPX_RETURN_IF_ERROR(b.vec(p + "ffn_norm.weight", c.dim, &l.ffn_norm));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_gate.weight", c.hidden_dim, c.dim, &l.w_gate));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_up.weight", c.hidden_dim, c.dim, &l.w_up));
+    SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_down.weight", c.dim, c.hidden_dim, &l.w_down));
+  }
+  SPX_RETURN_IF_ERROR(b.vec("output_norm.weight", c.dim, &model->final_norm));
+  if (c.tie_embeddings) {
+    model->lm_head = model->tok_embeddings;
+  } else {
+    SPX_RETURN_IF_ERROR(b.matrix("output.weight", c.vocab_size, c.dim, &model->lm_head));
+  }
+  loader_internal::unify_weight_dtype(model.get());
+  SPX_RETURN_IF_ERROR(model->validate());
+  return model;
+}
+
+}  // namespace specontext

@@ -1,0 +1,47 @@
+// Helpers shared by the model loaders (llama2.c, safetensors/HF, GGUF). Not a public API.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "core/model.h"
+#include "core/model_loader.h"
+#include "core/status.h"
+
+namespace specontext::loader_internal {
+
+// Parses JSON without letting exceptions escape; rejects nesting deeper than `max_depth`
+// up front so hostile input cannot exhaust the stack. `source` names the file in errors.
+[[nodiscard]] Result<nlohmann::json> parse_json(std::string_view text, const std::string& source,
+                                                int max_depth = 64);
+
+// "[3, 4]" for error messages.
+std::string shape_string(const std::vector<int64_t>& shape);
+
+// a*b, false on int64 overflow or negative operands.
+[[nodiscard]] bool checked_mul(int64_t a, int64_t b, int64_t* out);
+
+// Converts `n` elements of a float dtype to an f32 vector (norm weights, biases).
+Vec to_f32_vec(DType t, const void* src, size_t n);
+
+// Builds a matrix view over `src` ([rows, cols] of dtype `t`) following the load policy:
+// f32 and bf16 stay in place (bf16 converted when opts.force_f32), f16 and q8_0 are converted
+// to f32. A converted or realigned copy is kept alive in model->storage. `what` names the
+// tensor for errors.
+[[nodiscard]] Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t rows,
+                                               int64_t cols, const LoadOptions& opts,
+                                               const std::string& what);
+
+// Makes every big matrix the same dtype (a bf16 file with a few f32 matrices ends up all f32)
+// and sets model->weight_dtype, so backends can trust that one field.
+void unify_weight_dtype(Model* model);
+
+// True when `path` names an existing regular file.
+bool is_regular_file(const std::string& path);
+
+}  // namespace specontext::loader_internal

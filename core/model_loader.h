@@ -1,0 +1,34 @@
+// Loading models from disk in any supported format, and the tokenizer that goes with them.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/model.h"
+#include "core/tokenizer.h"
+
+namespace specontext {
+
+struct LoadOptions {
+  // Convert bf16 weights to f32 at load (the CPU reference path wants f32); f16 is always
+  // converted (the CPU GEMM has no f16 weights), Q8_0 is always dequantised to f32.
+  bool force_f32 = false;
+};
+
+// Detects the format: a directory with config.json (HF safetensors, single or sharded),
+// a *.gguf file, or a llama2.c checkpoint (*.bin).
+Result<std::shared_ptr<Model>> load_model(const std::string& path, const LoadOptions& opts = {});
+
+Result<std::shared_ptr<Model>> load_llama2c_model(const std::string& path, const LoadOptions& opts = {});
+Result<std::shared_ptr<Model>> load_hf_model(const std::string& dir, const LoadOptions& opts = {});
+Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const LoadOptions& opts = {});
+
+// Parses an HF config.json text into a ModelConfig (architecture, GQA, rope scaling, ...).
+// `source` names the file in error messages.
+Result<ModelConfig> parse_hf_config(std::string_view json_text, const std::string& source);
+
+// Finds the tokenizer for a model when none is given: tokenizer.json in an HF directory,
+// the vocabulary inside a GGUF, or tokenizer.bin / tok*.bin next to a llama2.c checkpoint.
+Result<std::unique_ptr<Tokenizer>> load_tokenizer_for(const Model& model, const std::string& explicit_path);
+
+}  // namespace specontext

@@ -1,0 +1,302 @@
+// Shared tokenizer pieces: sequence decoding, chat templates, the GGUF vocabulary dispatcher and
+// helpers used by both the SentencePiece and the byte-level BPE implementations.
+#include "core/tokenizer.h"
+
+#include <algorithm>
+#include <exception>
+#include <new>
+
+#include "core/gguf.h"
+#include "core/tokenizer_internal.h"
+
+namespace specontext {
+
+std::string Tokenizer::decode(const std::vector<TokenId>& ids) const {
+  std::string out;
+  TokenId prev = -1;  // start of text: implementations strip the dummy-prefix space there
+  for (TokenId id : ids) {
+    out += decode_token(prev, id);
+    prev = id;
+  }
+  return out;
+}
+
+// Hard-coded templates (no Jinja):
+//  kLlama3: Llama-3 / 3.1 / 3.2 instruct without the default system prompt or tool blocks:
+//    <|begin_of_text|>{<|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>}...
+//    <|start_header_id|>assistant<|end_header_id|>\n\n
+//  kQwen: ChatML as used by Qwen / Qwen2 / Qwen2.5 / Qwen3 (without the default system prompt):
+//    {<|im_start|>role\ncontent<|im_end|>\n}... <|im_start|>assistant\n
+//  kNone: the contents concatenated as plain text (completion models).
+// Encode the result with parse_special = true and add_bos = false (Llama-3 already has BOS).
+std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages) {
+  std::string out;
+  switch (t) {
+    case ChatTemplate::kLlama3:
+      out = "<|begin_of_text|>";
+      for (const ChatMessage& m : messages) {
+        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + m.content + "<|eot_id|>";
+      }
+      out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case ChatTemplate::kQwen:
+      for (const ChatMessage& m : messages) {
+        out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+      }
+      out += "<|im_start|>assistant\n";
+      break;
+    case ChatTemplate::kNone:
+      for (const ChatMessage& m : messages) out += m.content;
+      break;
+  }
+  return out;
+}
+
+namespace tokenizer_internal {
+
+size_t utf8_len(uint8_t lead) {
+  static constexpr size_t kLookup[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+  return kLookup[lead >> 4];
+}
+
+size_t utf8_valid_len(std::string_view text, size_t pos) {
+  const auto b = [&](size_t i) { return static_cast<uint8_t>(text[i]); };
+  const uint8_t c = b(pos);
+  if (c < 0x80) return 1;
+  size_t n;
+  uint32_t min_cp;
+  uint32_t cp;
+  if ((c & 0xE0) == 0xC0) {
+    n = 2, min_cp = 0x80, cp = c & 0x1F;
+  } else if ((c & 0xF0) == 0xE0) {
+    n = 3, min_cp = 0x800, cp = c & 0x0F;
+  } else if ((c & 0xF8) == 0xF0) {
+    n = 4, min_cp = 0x10000, cp = c & 0x07;
+  } else {
+    return 1;
+  }
+  if (pos + n > text.size()) return 1;
+  for (size_t i = 1; i < n; ++i) {
+    if ((b(pos + i) & 0xC0) != 0x80) return 1;
+    cp = (cp << 6) | (b(pos + i) & 0x3F);
+  }
+  if (cp < min_cp || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 1;
+  return n;
+}
+
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+int parse_byte_piece(std::string_view piece) {
+  if (piece.size() != 6 || piece.substr(0, 3) != "<0x" || piece[5] != '>') return -1;
+  int v = 0;
+  for (size_t i = 3; i < 5; ++i) {
+    const char c = piece[i];
+    int d;
+    if (c >= '0' && c <= '9') {
+      d = c - '0';
+    } else if (c >= 'A' && c <= 'F') {
+      d = c - 'A' + 10;
+    } else if (c >= 'a' && c <= 'f') {
+      d = c - 'a' + 10;
+    } else {
+      return -1;
+    }
+    v = v * 16 + d;
+  }
+  return v;
+}
+
+void SpecialSplitter::add(std::string piece, TokenId id, bool special) {
+  if (piece.empty()) return;  // an empty piece would match everywhere
+  auto& list = by_first_byte_[static_cast<uint8_t>(piece[0])];
+  list.push_back(Entry{std::move(piece), id, special});
+  std::stable_sort(list.begin(), list.end(),
+                   [](const Entry& a, const Entry& b) { return a.piece.size() > b.piece.size(); });
+  ++count_;
+}
+
+std::vector<SpecialSplitter::Fragment> SpecialSplitter::split(std::string_view text,
+                                                              bool parse_special) const {
+  std::vector<Fragment> out;
+  size_t raw_start = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const Entry* hit = nullptr;
+    if (count_ != 0) {
+      for (const Entry& e : by_first_byte_[static_cast<uint8_t>(text[pos])]) {
+        if (e.special && !parse_special) continue;
+        if (text.compare(pos, e.piece.size(), e.piece) == 0) {
+          hit = &e;
+          break;
+        }
+      }
+    }
+    if (hit == nullptr) {
+      ++pos;
+      continue;
+    }
+    if (pos > raw_start) out.push_back(Fragment{text.substr(raw_start, pos - raw_start), -1});
+    out.push_back(Fragment{{}, hit->id});
+    pos += hit->piece.size();
+    raw_start = pos;
+  }
+  if (raw_start < text.size()) out.push_back(Fragment{text.substr(raw_start), -1});
+  return out;
+}
+
+std::vector<TokenId> collect_stop_ids(TokenId eos, const PieceMap& pieces) {
+  std::vector<TokenId> ids;
+  if (eos >= 0) ids.push_back(eos);
+  for (const char* name :
+       {"<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>"}) {
+    auto it = pieces.find(std::string_view(name));
+    if (it != pieces.end() && std::find(ids.begin(), ids.end(), it->second) == ids.end()) {
+      ids.push_back(it->second);
+    }
+  }
+  return ids;
+}
+
+namespace {
+
+// GGUF has no bool getter; accept a bool or an integer value.
+bool gguf_bool_or(const GgufFile& gguf, const std::string& key, bool dflt) {
+  auto it = gguf.metadata().find(key);
+  if (it == gguf.metadata().end() || it->second.is_array()) return dflt;
+  if (const bool* b = std::get_if<bool>(&it->second.scalar)) return *b;
+  if (const uint64_t* u = std::get_if<uint64_t>(&it->second.scalar)) return *u != 0;
+  if (const int64_t* i = std::get_if<int64_t>(&it->second.scalar)) return *i != 0;
+  return dflt;
+}
+
+// Special token ids: absent, or outside the vocabulary (GGUF writes 0xFFFFFFFF for "none"), -> -1.
+Result<TokenId> gguf_token_id(const GgufFile& gguf, const std::string& key, size_t n_tokens,
+                              TokenId dflt) {
+  if (!gguf.has(key)) return dflt < static_cast<int64_t>(n_tokens) ? dflt : TokenId{-1};
+  SPX_ASSIGN_OR_RETURN(int64_t v, gguf.get_int(key));
+  if (v < 0 || v >= static_cast<int64_t>(n_tokens)) return TokenId{-1};
+  return static_cast<TokenId>(v);
+}
+
+Result<std::vector<int32_t>> gguf_token_types(const GgufFile& gguf, size_t n_tokens) {
+  const std::string key = "tokenizer.ggml.token_type";
+  std::vector<int32_t> types;
+  if (!gguf.has(key)) return types;
+  SPX_ASSIGN_OR_RETURN(std::vector<int64_t> raw, gguf.get_int_array(key));
+  if (raw.size() != n_tokens) {
+    return invalid_argument(gguf.source() + ": " + key + " has " + std::to_string(raw.size()) +
+                            " entries, tokenizer.ggml.tokens has " + std::to_string(n_tokens));
+  }
+  types.reserve(raw.size());
+  for (int64_t t : raw) types.push_back(static_cast<int32_t>(std::clamp<int64_t>(t, 0, 64)));
+  return types;
+}
+
+Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer_impl(const GgufFile& gguf) {
+  const std::string& src = gguf.source();
+  SPX_ASSIGN_OR_RETURN(std::string model, gguf.get_string("tokenizer.ggml.model"));
+  SPX_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
+                       gguf.get_string_array("tokenizer.ggml.tokens"));
+  if (tokens.empty()) return invalid_argument(src + ": tokenizer.ggml.tokens is empty");
+  if (tokens.size() > static_cast<size_t>(INT32_MAX)) {
+    return invalid_argument(src + ": tokenizer.ggml.tokens is too large");
+  }
+  const size_t n = tokens.size();
+  SPX_ASSIGN_OR_RETURN(std::vector<int32_t> types, gguf_token_types(gguf, n));
+
+  if (model == "llama") {
+    tokenizer_internal::SpmVocab v;
+    v.source = src;
+    if (gguf.has("tokenizer.ggml.scores")) {
+      SPX_ASSIGN_OR_RETURN(std::vector<double> scores, gguf.get_float_array("tokenizer.ggml.scores"));
+      if (scores.size() != n) {
+        return invalid_argument(src + ": tokenizer.ggml.scores has " + std::to_string(scores.size()) +
+                                " entries, tokenizer.ggml.tokens has " + std::to_string(n));
+      }
+      v.scores.assign(scores.begin(), scores.end());
+    }
+    // Defaults as llama.cpp: <unk>=0, <s>=1, </s>=2.
+    SPX_ASSIGN_OR_RETURN(v.bos, gguf_token_id(gguf, "tokenizer.ggml.bos_token_id", n, 1));
+    SPX_ASSIGN_OR_RETURN(v.eos, gguf_token_id(gguf, "tokenizer.ggml.eos_token_id", n, 2));
+    SPX_ASSIGN_OR_RETURN(v.unk, gguf_token_id(gguf, "tokenizer.ggml.unknown_token_id", n, 0));
+    v.add_bos = gguf_bool_or(gguf, "tokenizer.ggml.add_bos_token", true);
+    v.add_space_prefix = gguf_bool_or(gguf, "tokenizer.ggml.add_space_prefix", true);
+    v.tokens = std::move(tokens);
+    v.types = std::move(types);
+    return make_spm_tokenizer(std::move(v));
+  }
+  if (model == "gpt2") {
+    tokenizer_internal::BpeVocab v;
+    v.source = src;
+    std::string pre = "default";
+    if (gguf.has("tokenizer.ggml.pre")) {
+      SPX_ASSIGN_OR_RETURN(pre, gguf.get_string("tokenizer.ggml.pre"));
+    }
+    if (pre == "default" || pre == "gpt-2" || pre == "gpt2") {
+      v.pre_steps = {{PreTokenizeStep::kRegexSplit, kGpt2Regex, "tokenizer.ggml.pre"}};
+      v.add_bos = false;
+    } else if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3") {
+      v.pre_steps = {{PreTokenizeStep::kRegexSplit, kLlama3Regex, "tokenizer.ggml.pre"}};
+      v.ignore_merges = true;  // as Llama-3's tokenizer.json ("ignore_merges": true)
+      v.add_bos = true;
+    } else if (pre == "qwen2") {
+      v.pre_steps = {{PreTokenizeStep::kRegexSplit, kQwen2Regex, "tokenizer.ggml.pre"}};
+      v.add_bos = false;
+    } else {
+      return unimplemented(src + ": tokenizer.ggml.pre \"" + pre +
+                           "\" is not supported (gpt-2, llama-bpe, qwen2)");
+    }
+    v.add_bos = gguf_bool_or(gguf, "tokenizer.ggml.add_bos_token", v.add_bos);
+    SPX_ASSIGN_OR_RETURN(std::vector<std::string> merges,
+                         gguf.get_string_array("tokenizer.ggml.merges"));
+    v.merges.reserve(merges.size());
+    for (size_t i = 0; i < merges.size(); ++i) {
+      // Split at the first space after the first character, as llama.cpp does.
+      const size_t sp = merges[i].find(' ', 1);
+      if (sp == std::string::npos) {
+        return invalid_argument(src + ": tokenizer.ggml.merges[" + std::to_string(i) +
+                                "] is not \"left right\"");
+      }
+      v.merges.emplace_back(merges[i].substr(0, sp), merges[i].substr(sp + 1));
+    }
+    SPX_ASSIGN_OR_RETURN(v.bos, gguf_token_id(gguf, "tokenizer.ggml.bos_token_id", n, -1));
+    SPX_ASSIGN_OR_RETURN(v.eos, gguf_token_id(gguf, "tokenizer.ggml.eos_token_id", n, -1));
+    SPX_ASSIGN_OR_RETURN(v.unk, gguf_token_id(gguf, "tokenizer.ggml.unknown_token_id", n, -1));
+    v.tokens = std::move(tokens);
+    v.types = std::move(types);
+    return make_bpe_tokenizer(std::move(v));
+  }
+  return unimplemented(src + ": tokenizer.ggml.model \"" + model +
+                       "\" is not supported (llama, gpt2)");
+}
+
+}  // namespace
+}  // namespace tokenizer_internal
+
+Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer(const GgufFile& gguf) {
+  try {
+    return tokenizer_internal::load_gguf_tokenizer_impl(gguf);
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted(gguf.source() + ": out of memory while building the tokenizer");
+  } catch (const std::exception& e) {
+    return internal_error(gguf.source() + ": tokenizer: " + e.what());
+  }
+}
+
+}  // namespace specontext

@@ -1,0 +1,63 @@
+// Tokenizer interface. Implementations: llama2.c tokenizer.bin, SentencePiece BPE (GGUF vocab),
+// byte-level BPE (HF tokenizer.json or GGUF gpt2 vocab). Created through load_tokenizer* below.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/ids.h"
+#include "core/status.h"
+
+namespace specontext {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::string_view kind() const = 0;  // "llama2c", "spm", "bpe"
+  virtual int32_t vocab_size() const = 0;
+  virtual TokenId bos_id() const = 0;         // -1 when the vocabulary has none
+  virtual TokenId eos_id() const = 0;
+  // Extra ids that end generation (e.g. <|eot_id|>, <|im_end|>), eos included.
+  virtual std::vector<TokenId> stop_ids() const = 0;
+  // Encodes text; BOS is prepended when add_bos and the vocabulary has one.
+  // Special tokens written in the text (e.g. "<|im_start|>") are recognised when parse_special.
+  virtual Result<std::vector<TokenId>> encode(std::string_view text, bool add_bos,
+                                              bool parse_special = false) const = 0;
+  // The raw bytes of one token as it appears in decoded text; `prev` is the previous token
+  // (llama2.c strips the leading space after BOS). Bytes may be a partial UTF-8 sequence.
+  // prev < 0 means start of text and is treated like BOS (the SentencePiece dummy-prefix space
+  // is stripped). Control tokens (BOS, EOS, <|eot_id|>, ...) decode to nothing.
+  virtual std::string decode_token(TokenId prev, TokenId id) const = 0;
+  // Decodes a whole sequence (no BOS stripping subtleties beyond the above).
+  std::string decode(const std::vector<TokenId>& ids) const;
+  // Looks up a token by its exact piece text; -1 when absent.
+  virtual TokenId piece_to_id(std::string_view piece) const = 0;
+  // Whether the vocabulary asks for BOS at the start of a prompt (GGUF tokenizer.ggml.add_bos_token,
+  // tokenizer.json post-processor / tokenizer_config.json add_bos_token, llama.cpp defaults).
+  virtual bool add_bos_by_default() const { return bos_id() >= 0; }
+};
+
+// llama2.c tokenizer.bin (vocab_size must be given: the file does not store it).
+Result<std::unique_ptr<Tokenizer>> load_llama2c_tokenizer(const std::string& path, int32_t vocab_size);
+// HF tokenizer.json (byte-level BPE: Llama-3, Qwen2/3, GPT-2 families).
+Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path);
+
+// Chat templates (hard-coded per family; see core/README.md).
+enum class ChatTemplate { kNone, kLlama3, kQwen };
+struct ChatMessage {
+  std::string role;  // "system", "user", "assistant"
+  std::string content;
+};
+// Renders messages and the assistant generation prompt.
+std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages);
+
+}  // namespace specontext
+
+namespace specontext {
+class GgufFile;
+// Tokenizer from a GGUF vocabulary: tokenizer.ggml.model "llama" (SentencePiece BPE with byte
+// fallback) or "gpt2" (byte-level BPE with merges).
+Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer(const GgufFile& gguf);
+}  // namespace specontext

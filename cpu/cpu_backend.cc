@@ -1,0 +1,803 @@
+#include "cpu/cpu_backend.h"
+
+#include <dlfcn.h>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cpu/numa.h"
+#include "cpu/reference_backend.h"
+
+// Hot loops are compiled for several ISAs and picked at load time (GCC ifunc), so the binary
+// stays portable (default x86-64 target) yet uses AVX2/AVX-512 where the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPX_MULTIVERSION \
+  __attribute__((target_clones("default", "arch=haswell", "arch=skylake-avx512")))
+#else
+#define SPX_MULTIVERSION
+#endif
+#define SPX_INLINE inline __attribute__((always_inline))
+
+namespace specontext::cpu {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Vectorisable scalar building blocks. Without -ffast-math the compiler will not reorder a
+// float reduction, so sums use 16 explicit lanes that it can map onto SIMD registers.
+
+SPX_INLINE float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];  // tree reduction: short dependency chains
+  for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
+  float s = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+SPX_INLINE float bf16_bits_to_f32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+
+// exp(x) with ~2 ulp error (Cephes expf polynomial), branch-free so loops over it vectorise.
+// Inputs are clamped to the normal range: exp(-87.3) ~ 1e-38 stands in for smaller results.
+SPX_INLINE float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = x - n * 0.693359375f - n * -2.12194440e-4f;                // Cody-Waite
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return p * std::bit_cast<float>(static_cast<uint32_t>(e) << 23);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multiversioned kernels
+
+SPX_MULTIVERSION
+void rmsnorm_rows(const float* x, const float* w, int64_t r0, int64_t r1, int64_t dim, float eps,
+                  float* y) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * dim;
+    const float ss = dot(xr, xr, dim);
+    const float scale = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    float* yr = y + r * dim;
+    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * scale * w[i];
+  }
+}
+
+SPX_MULTIVERSION
+void swiglu_range(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + fast_exp(-g)) * up[i];
+  }
+}
+
+SPX_MULTIVERSION
+void add_range(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+SPX_MULTIVERSION
+void bf16_to_f32_range(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+}
+
+SPX_MULTIVERSION
+void f32_to_bf16_range(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+// y[:, n0:n1] of x[m, K] · W[N, K]ᵀ, W f32. Fallback when oneDNN has no primitive.
+SPX_MULTIVERSION
+void matmul_rows_f32(const float* x, int64_t m, int64_t k, const float* w, const float* bias,
+                     int64_t n0, int64_t n1, int64_t n_total, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * k;
+    const float b = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t i = 0; i < m; ++i) y[i * n_total + n] = dot(x + i * k, wr, k) + b;
+  }
+}
+
+// Same with bf16 weights, each row widened once into `wbuf` [K] and reused for all m inputs.
+SPX_MULTIVERSION
+void matmul_rows_bf16(const float* x, int64_t m, int64_t k, const uint16_t* w, const float* bias,
+                      int64_t n0, int64_t n1, int64_t n_total, float* wbuf, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * k;
+    for (int64_t c = 0; c < k; ++c) wbuf[c] = bf16_bits_to_f32(wr[c]);
+    const float b = bias != nullptr ? bias[n] : 0.0f;
+    for (int64_t i = 0; i < m; ++i) y[i * n_total + n] = dot(x + i * k, wbuf, k) + b;
+  }
+}
+
+// One block of `n` consecutive keys (contiguous rows of K and V) folded into the online-softmax
+// state of `nq` queries. q is pre-scaled by 1/sqrt(d). valid[r] = how many leading keys of the
+// block query r may see (causal mask). s is scratch of >= n floats.
+SPX_MULTIVERSION
+void attend_block(const float* q, int64_t nq, int64_t d, const int64_t* valid, const float* k,
+                  const float* v, float* m_state, float* l_state, float* acc, float* s) {
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t nv = valid[r];
+    if (nv <= 0) continue;
+    const float* qr = q + r * d;
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < nv; ++j) {
+      s[j] = dot(qr, k + j * d, d);
+      block_max = std::max(block_max, s[j]);
+    }
+    const float m_old = m_state[r];
+    const float m_new = std::max(m_old, block_max);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < nv; ++j) s[j] = fast_exp(s[j] - m_new);
+    for (int64_t j = 0; j < nv; ++j) sum += s[j];
+    float* ar = acc + r * d;
+    if (m_new != m_old) {
+      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                           : fast_exp(m_old - m_new);
+      l_state[r] *= alpha;
+      for (int64_t e = 0; e < d; ++e) ar[e] *= alpha;
+      m_state[r] = m_new;
+    }
+    l_state[r] += sum;
+    for (int64_t j = 0; j < nv; ++j) {
+      const float p = s[j];
+      const float* vj = v + j * d;
+      for (int64_t e = 0; e < d; ++e) ar[e] += p * vj[e];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+// Runs f and turns any exception into a Status: nothing may escape a Backend call.
+template <typename F>
+Status guarded(const char* op, F&& f) noexcept {
+  try {
+    return f();
+  } catch (const dnnl::error& e) {
+    return internal_error(std::string(op) + ": oneDNN error: " + e.what());
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted(std::string(op) + ": out of memory");
+  } catch (const std::exception& e) {
+    return internal_error(std::string(op) + ": " + e.what());
+  } catch (...) {
+    return internal_error(std::string(op) + ": unknown exception");
+  }
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// oneDNN in Debian 12 is built with the OpenMP runtime (libgomp), which has no oneDNN-level
+// thread-count knob. omp_set_num_threads sets the calling thread's team size; it is looked up
+// dynamically because libgomp arrives only as a dependency of libdnnl.
+using OmpSetNumThreads = void (*)(int);
+OmpSetNumThreads find_omp_set_num_threads() {
+  return reinterpret_cast<OmpSetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+}
+
+struct MatmulKey {
+  int64_t m, k, n;
+  DType dtype;
+  bool bias;
+  bool operator==(const MatmulKey&) const = default;
+};
+struct MatmulKeyHash {
+  size_t operator()(const MatmulKey& key) const noexcept {
+    size_t h = std::hash<int64_t>()(key.m);
+    h = h * 1000003u ^ std::hash<int64_t>()(key.k);
+    h = h * 1000003u ^ std::hash<int64_t>()(key.n);
+    return h * 31u + static_cast<size_t>(key.dtype) * 2u + (key.bias ? 1u : 0u);
+  }
+};
+
+struct MatmulPlan {
+  bool usable = false;  // false: oneDNN offers nothing better than its reference code here
+  std::string impl;
+  dnnl::matmul prim;
+  dnnl::memory src, weights, bias, dst;
+  std::unordered_map<int, dnnl::memory> args;
+};
+
+constexpr size_t kMaxPlans = 256;      // prefill chunk sizes vary; bound the cache
+constexpr int64_t kKeyBlock = 64;      // keys per attention block (K and V block fit L1/L2)
+constexpr int64_t kMinChunk = 512;     // smallest automatic split-K chunk
+constexpr int64_t kMaxTileQueries = 32;  // queries (tokens x heads of a group) per task
+
+struct AttnTask {
+  int64_t item;
+  int64_t kvh;
+  int64_t t0, t1;       // tokens of the item (relative to its first new token)
+  int64_t k0, k1;       // key positions covered by this task
+  int64_t partial;      // offset into the partial buffer, -1: write the output directly
+};
+struct AttnGroup {  // tasks [task_begin, task_end) split one (item, tile, kv head) over keys
+  size_t task_begin, task_end;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Impl
+
+struct CpuBackend::Impl {
+  int num_threads = 1;
+  int numa_node = 0;
+  int64_t attention_chunk = 0;
+  bool force_matmul_fallback = false;
+  OmpSetNumThreads omp_set_num_threads = nullptr;
+
+  // Declaration order is destruction order reversed: the observer must go before the arena.
+  std::unique_ptr<tbb::task_arena> arena;
+  std::unique_ptr<NodePinningObserver> pinning;
+
+  std::mutex matmul_mu;  // guards everything below
+  dnnl::engine engine;
+  dnnl::stream stream;
+  std::unordered_map<MatmulKey, MatmulPlan, MatmulKeyHash> plans;
+  std::vector<uint16_t> x_bf16;  // reusable bf16 copy of the matmul input
+  std::string last_path_f32 = "none", last_path_bf16 = "none";
+
+  // Runs f(begin, end) over [0, n) on the arena, or inline when the work is too small for
+  // threads to pay off.
+  template <typename F>
+  void parallel(int64_t n, int64_t grain, F&& f) {
+    if (n <= 0) return;
+    if (num_threads <= 1 || n <= grain) {
+      f(int64_t{0}, n);
+      return;
+    }
+    arena->execute([&] {
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, static_cast<size_t>(std::max<int64_t>(grain, 1))),
+                        [&](const tbb::blocked_range<int64_t>& r) { f(r.begin(), r.end()); });
+    });
+  }
+
+  MatmulPlan& plan_for(const MatmulKey& key);
+  Status matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                         float* y);
+  Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
+                   float* out);
+};
+
+MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  if (plans.size() >= kMaxPlans) plans.clear();
+  MatmulPlan& plan = plans[key];
+  using dt = dnnl::memory::data_type;
+  using tag = dnnl::memory::format_tag;
+  const dt in_type = key.dtype == DType::kBF16 ? dt::bf16 : dt::f32;
+  try {
+    dnnl::memory::desc src_md({key.m, key.k}, in_type, tag::ab);
+    // W is [N, K] row-major = the {K, N} matrix with K innermost: format `ba`.
+    dnnl::memory::desc w_md({key.k, key.n}, in_type, tag::ba);
+    dnnl::memory::desc dst_md({key.m, key.n}, dt::f32, tag::ab);
+    dnnl::memory::desc bias_md({1, key.n}, dt::f32, tag::ab);
+    auto make_desc = [&] {
+      return key.bias ? dnnl::matmul::desc(src_md, w_md, bias_md, dst_md)
+                      : dnnl::matmul::desc(src_md, w_md, dst_md);
+    };
+    auto is_ref = [](const char* impl) { return std::strstr(impl, "ref") != nullptr; };
+    // For f32 with m <= 2 the jit GEMV beats brgemm, which repacks the weights on every call
+    // (measured 2x at K = N = 2048). Elsewhere oneDNN's first choice is its best.
+    const bool prefer_gemm = key.dtype == DType::kF32 && key.m <= 2;
+    int chosen = -1;
+    {
+      dnnl::matmul::primitive_desc pd(make_desc(), engine, /*allow_empty=*/true);
+      int index = 0;
+      int first_fast = -1;
+      if (pd) {
+        do {
+          const char* impl = pd.impl_info_str();
+          if (!is_ref(impl)) {
+            if (first_fast < 0) first_fast = index;
+            if (!prefer_gemm || std::strstr(impl, "gemm") != nullptr) {
+              chosen = index;
+              break;
+            }
+          }
+          ++index;
+        } while (pd.next_impl());
+      }
+      if (chosen < 0) chosen = first_fast;
+    }
+    if (chosen < 0) return plan;  // unusable: only reference code, or nothing
+    dnnl::matmul::primitive_desc pd(make_desc(), engine);
+    for (int i = 0; i < chosen; ++i) pd.next_impl();
+    plan.impl = pd.impl_info_str();
+    plan.prim = dnnl::matmul(pd);
+    // Null handles now; set_data_handle points them at the caller's buffers on every call.
+    plan.src = dnnl::memory(src_md, engine, nullptr);
+    plan.weights = dnnl::memory(w_md, engine, nullptr);
+    plan.dst = dnnl::memory(dst_md, engine, nullptr);
+    plan.args = {{DNNL_ARG_SRC, plan.src}, {DNNL_ARG_WEIGHTS, plan.weights}, {DNNL_ARG_DST, plan.dst}};
+    if (key.bias) {
+      plan.bias = dnnl::memory(bias_md, engine, nullptr);
+      plan.args[DNNL_ARG_BIAS] = plan.bias;
+    }
+    plan.usable = true;
+  } catch (const dnnl::error& e) {
+    // Unimplemented combination (e.g. bf16 without avx512_core): the fallback loop serves it.
+    if (verbose_logging()) {
+      std::fprintf(stderr, "[specontext cpu] no oneDNN matmul for m=%lld k=%lld n=%lld %s: %s\n",
+                   static_cast<long long>(key.m), static_cast<long long>(key.k),
+                   static_cast<long long>(key.n), std::string(dtype_name(key.dtype)).c_str(),
+                   e.what());
+    }
+    plan = MatmulPlan{};
+  }
+  return plan;
+}
+
+Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const WeightMatrix& w,
+                                         const float* bias, float* y) {
+  const int64_t n_total = w.rows;
+  const int64_t k = w.cols;
+  // Enough output rows per task that each streams a few hundred KB of weights.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
+  if (w.dtype == DType::kF32) {
+    parallel(n_total, grain, [&](int64_t n0, int64_t n1) {
+      matmul_rows_f32(x, m, k, static_cast<const float*>(w.data), bias, n0, n1, n_total, y);
+    });
+  } else {
+    parallel(n_total, grain, [&](int64_t n0, int64_t n1) {
+      thread_local std::vector<float> wbuf;
+      if (wbuf.size() < static_cast<size_t>(k)) wbuf.resize(static_cast<size_t>(k));
+      matmul_rows_bf16(x, m, k, static_cast<const uint16_t*>(w.data), bias, n0, n1, n_total,
+                       wbuf.data(), y);
+    });
+  }
+  return Status::ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention: tasks are (item, tile of new tokens, kv head, key chunk). All query heads sharing
+// a KV head are processed together, so each K/V row is read once per tile, not once per head.
+// Long contexts with too few tasks to fill the threads are split over keys (flash-decoding);
+// the per-chunk (max, sum, weighted V) partials are merged afterwards.
+
+Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, int64_t n_items,
+                                   int64_t n_heads, float* out) {
+  if (n_items == 0) return Status::ok();
+  const int64_t d = items[0].kv.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  // 1. Tiles and the split decision.
+  std::vector<AttnTask> tasks;
+  std::vector<AttnGroup> groups;
+  int64_t base_tasks = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int64_t group = n_heads / items[i].kv.kv_heads;
+    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
+    base_tasks += (items[i].n_tokens + tile - 1) / tile * items[i].kv.kv_heads;
+  }
+  const int64_t target_tasks = 4 * static_cast<int64_t>(num_threads);
+  const int64_t chunks_wanted =
+      base_tasks >= target_tasks ? 1 : (target_tasks + base_tasks - 1) / std::max<int64_t>(base_tasks, 1);
+  int64_t partial_floats = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const AttentionItem& it = items[i];
+    const int64_t group = n_heads / it.kv.kv_heads;
+    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
+    for (int64_t t0 = 0; t0 < it.n_tokens; t0 += tile) {
+      const int64_t t1 = std::min(it.n_tokens, t0 + tile);
+      const int64_t keys = it.start_pos + t1;  // keys the last token of the tile sees
+      int64_t chunk = keys;
+      if (attention_chunk > 0) {
+        chunk = attention_chunk;
+      } else if (chunks_wanted > 1) {
+        chunk = std::max(kMinChunk, (keys + chunks_wanted - 1) / chunks_wanted);
+      }
+      const int64_t n_chunks = (keys + chunk - 1) / chunk;
+      const int64_t nq = (t1 - t0) * group;
+      for (int64_t h = 0; h < it.kv.kv_heads; ++h) {
+        AttnGroup g{tasks.size(), 0};
+        for (int64_t c = 0; c < n_chunks; ++c) {
+          int64_t partial = -1;
+          if (n_chunks > 1) {
+            partial = partial_floats;
+            partial_floats += nq * (d + 2);
+          }
+          tasks.push_back({i, h, t0, t1, c * chunk, std::min(keys, (c + 1) * chunk), partial});
+        }
+        g.task_end = tasks.size();
+        if (n_chunks > 1) groups.push_back(g);
+      }
+    }
+  }
+  thread_local std::vector<float> partials;  // per calling thread: attention may run concurrently
+  if (partials.size() < static_cast<size_t>(partial_floats)) {
+    partials.resize(static_cast<size_t>(partial_floats));
+  }
+  float* partial_base = partials.data();
+
+  // 2. Every task folds its keys into online-softmax state.
+  auto run_task = [&](const AttnTask& task) {
+    const AttentionItem& it = items[task.item];
+    const KvLayerView& kv = it.kv;
+    const int64_t group = n_heads / kv.kv_heads;
+    const int64_t nq = (task.t1 - task.t0) * group;
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> limits;
+    const size_t need = static_cast<size_t>(nq * d * 2 + nq * 2 + kKeyBlock);
+    if (scratch.size() < need) scratch.resize(need);
+    if (limits.size() < static_cast<size_t>(nq * 2)) limits.resize(static_cast<size_t>(nq * 2));
+    float* qs = scratch.data();    // [nq, d] scaled queries
+    float* acc = qs + nq * d;      // [nq, d]
+    float* m_state = acc + nq * d; // [nq]
+    float* l_state = m_state + nq; // [nq]
+    float* s = l_state + nq;       // [kKeyBlock]
+    int64_t* limit = limits.data();      // [nq] first key position query r may not see
+    int64_t* valid = limit + nq;         // [nq] per block
+    for (int64_t t = task.t0; t < task.t1; ++t) {
+      // Heads kvh*group .. kvh*group+group-1 are adjacent in q's row.
+      const float* src = q + ((it.token_offset + t) * n_heads + task.kvh * group) * d;
+      float* dst = qs + (t - task.t0) * group * d;
+      for (int64_t e = 0; e < group * d; ++e) dst[e] = src[e] * scale;
+      for (int64_t g = 0; g < group; ++g) limit[(t - task.t0) * group + g] = it.start_pos + t + 1;
+    }
+    std::fill(acc, acc + nq * d, 0.0f);
+    std::fill(m_state, m_state + nq, -std::numeric_limits<float>::infinity());
+    std::fill(l_state, l_state + nq, 0.0f);
+    for (int64_t pos = task.k0; pos < task.k1;) {
+      const int64_t page = pos / kv.page_size;
+      const int64_t slot = pos % kv.page_size;
+      const int64_t n = std::min({kKeyBlock, kv.page_size - slot, task.k1 - pos});
+      for (int64_t r = 0; r < nq; ++r) valid[r] = std::clamp<int64_t>(limit[r] - pos, 0, n);
+      const int64_t off = (task.kvh * kv.page_size + slot) * d;
+      attend_block(qs, nq, d, valid, kv.k_pages[page] + off, kv.v_pages[page] + off, m_state,
+                   l_state, acc, s);
+      pos += n;
+    }
+    if (task.partial < 0) {
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t t = task.t0 + r / group;
+        const int64_t h = task.kvh * group + r % group;
+        float* o = out + ((it.token_offset + t) * n_heads + h) * d;
+        const float inv = l_state[r] > 0.0f ? 1.0f / l_state[r] : 0.0f;
+        for (int64_t e = 0; e < d; ++e) o[e] = acc[r * d + e] * inv;
+      }
+    } else {
+      float* p = partial_base + task.partial;
+      std::copy(m_state, m_state + nq, p);
+      std::copy(l_state, l_state + nq, p + nq);
+      std::copy(acc, acc + nq * d, p + 2 * nq);
+    }
+  };
+  parallel(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);
+  });
+
+  // 3. Merge split-K partials: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c.
+  parallel(static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t gi = b; gi < e; ++gi) {
+      const AttnGroup& g = groups[static_cast<size_t>(gi)];
+      const AttnTask& first = tasks[g.task_begin];
+      const AttentionItem& it = items[first.item];
+      const int64_t group = n_heads / it.kv.kv_heads;
+      const int64_t nq = (first.t1 - first.t0) * group;
+      for (int64_t r = 0; r < nq; ++r) {
+        float big_m = -std::numeric_limits<float>::infinity();
+        for (size_t ti = g.task_begin; ti < g.task_end; ++ti) {
+          big_m = std::max(big_m, partial_base[tasks[ti].partial + r]);
+        }
+        const int64_t t = first.t0 + r / group;
+        const int64_t h = first.kvh * group + r % group;
+        float* o = out + ((it.token_offset + t) * n_heads + h) * d;
+        std::fill(o, o + d, 0.0f);
+        float denom = 0.0f;
+        for (size_t ti = g.task_begin; ti < g.task_end; ++ti) {
+          const float* p = partial_base + tasks[ti].partial;
+          const float mc = p[r];
+          if (mc == -std::numeric_limits<float>::infinity()) continue;  // chunk beyond its mask
+          const float w = std::exp(mc - big_m);
+          denom += w * p[nq + r];
+          const float* a = p + 2 * nq + r * d;
+          for (int64_t k = 0; k < d; ++k) o[k] += w * a[k];
+        }
+        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+        for (int64_t k = 0; k < d; ++k) o[k] *= inv;
+      }
+    }
+  });
+  return Status::ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// CpuBackend
+
+CpuBackend::CpuBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CpuBackend::~CpuBackend() = default;
+
+Result<std::unique_ptr<CpuBackend>> CpuBackend::create(const CpuBackendOptions& options) {
+  if (options.num_threads < 0) {
+    return invalid_argument("CpuBackendOptions.num_threads must be >= 0");
+  }
+  if (options.attention_chunk < 0) {
+    return invalid_argument("CpuBackendOptions.attention_chunk must be >= 0");
+  }
+  std::unique_ptr<Impl> impl;
+  Status st = guarded("create CPU backend", [&]() -> Status {
+    impl = std::make_unique<Impl>();
+    auto topo = system_topology();
+    int nodes = 1;
+    int node = std::max(options.numa_node, 0);
+    if (topo.is_ok()) {
+      nodes = (*topo)->num_numa_nodes();
+      node = options.numa_node < 0 ? (*topo)->node_of_current_thread() : options.numa_node;
+    } else if (verbose_logging()) {
+      std::fprintf(stderr, "[specontext cpu] no hwloc topology (%s); assuming one NUMA node\n",
+                   topo.status().to_string().c_str());
+    }
+    if (node >= nodes) {
+      return invalid_argument("NUMA node " + std::to_string(node) + " does not exist (machine has " +
+                              std::to_string(nodes) + ")");
+    }
+    int threads = options.num_threads;
+    if (threads == 0 && topo.is_ok()) threads = (*topo)->cores_in_node(node);
+    if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    impl->num_threads = threads;
+    impl->numa_node = node;
+    impl->attention_chunk = options.attention_chunk;
+    impl->force_matmul_fallback = options.force_matmul_fallback;
+    impl->omp_set_num_threads = find_omp_set_num_threads();
+    impl->arena = std::make_unique<tbb::task_arena>(threads);
+    impl->arena->initialize();
+    // On one node pinning changes nothing but costs a syscall per worker entry: skip it.
+    if (topo.is_ok() && nodes > 1) {
+      impl->pinning = std::make_unique<NodePinningObserver>(*impl->arena, **topo, node);
+    }
+    impl->engine = dnnl::engine(dnnl::engine::kind::cpu, 0);
+    impl->stream = dnnl::stream(impl->engine);
+    if (verbose_logging()) {
+      std::fprintf(stderr, "[specontext cpu] backend: node %d of %d, %d threads, oneDNN %s\n", node,
+                   nodes, threads, impl->omp_set_num_threads ? "OpenMP" : "(no omp symbol)");
+    }
+    return Status::ok();
+  });
+  if (!st.is_ok()) return st;
+  return std::unique_ptr<CpuBackend>(new (std::nothrow) CpuBackend(std::move(impl)));
+}
+
+int CpuBackend::num_threads() const { return impl_->num_threads; }
+int CpuBackend::numa_node() const { return impl_->numa_node; }
+
+std::string CpuBackend::matmul_path(DType dtype) const {
+  std::lock_guard<std::mutex> lock(impl_->matmul_mu);
+  return dtype == DType::kBF16 ? impl_->last_path_bf16 : impl_->last_path_f32;
+}
+
+bool CpuBackend::supports(BackendOp op, DType weight_dtype) const {
+  switch (op) {
+    case BackendOp::kMatmul:
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
+    case BackendOp::kEmbed:
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
+             weight_dtype == DType::kF16;
+    default:
+      return true;  // no weight matrix involved
+  }
+}
+
+Status CpuBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) {
+  SPX_RETURN_IF_ERROR(check_embed_args(ids, n, table));
+  return guarded("embed", [&]() -> Status {
+    const int64_t cols = table.cols;
+    const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(cols, 1));
+    impl_->parallel(n, grain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const size_t row = static_cast<size_t>(ids[i]) * static_cast<size_t>(cols);
+        float* o = out + i * cols;
+        switch (table.dtype) {
+          case DType::kF32:
+            std::memcpy(o, static_cast<const float*>(table.data) + row, static_cast<size_t>(cols) * 4);
+            break;
+          case DType::kBF16:
+            bf16_to_f32_range(static_cast<const uint16_t*>(table.data) + row, o, cols);
+            break;
+          default:  // kF16 (checked above)
+            convert_to_f32(DType::kF16, static_cast<const uint16_t*>(table.data) + row, o,
+                           static_cast<size_t>(cols));
+            break;
+        }
+      }
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                          float* y) {
+  SPX_RETURN_IF_ERROR(check_matmul_dtype(w.dtype));
+  if (m <= 0 || w.rows <= 0) return Status::ok();
+  if (w.cols <= 0) {  // empty reduction: y = bias or 0 (oneDNN rejects zero-size K)
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t n = 0; n < w.rows; ++n) y[i * w.rows + n] = bias != nullptr ? bias[n] : 0.0f;
+    }
+    return Status::ok();
+  }
+  return guarded("matmul", [&]() -> Status {
+    Impl& s = *impl_;
+    std::lock_guard<std::mutex> lock(s.matmul_mu);
+    const MatmulKey key{m, w.cols, w.rows, w.dtype, bias != nullptr};
+    std::string& last_path = w.dtype == DType::kBF16 ? s.last_path_bf16 : s.last_path_f32;
+    if (s.force_matmul_fallback) {
+      last_path = "fallback";
+      return s.matmul_fallback(x, m, w, bias, y);
+    }
+    MatmulPlan& plan = s.plan_for(key);
+    if (!plan.usable) {
+      last_path = "fallback";
+      return s.matmul_fallback(x, m, w, bias, y);
+    }
+    const void* src = x;
+    if (w.dtype == DType::kBF16) {
+      const size_t count = static_cast<size_t>(m * w.cols);
+      if (s.x_bf16.size() < count) s.x_bf16.resize(count);
+      uint16_t* dst = s.x_bf16.data();
+      s.parallel(static_cast<int64_t>(count), 1 << 16, [&](int64_t b, int64_t e) {
+        f32_to_bf16_range(x + b, dst + b, e - b);
+      });
+      src = dst;
+    }
+    // oneDNN takes non-const handles but only reads src/weights/bias.
+    plan.src.set_data_handle(const_cast<void*>(src));
+    plan.weights.set_data_handle(const_cast<void*>(w.data));
+    
+    plan.dst.set_data_handle(y);
+    if (s.omp_set_num_threads != nullptr) s.omp_set_num_threads(s.num_threads);
+    plan.prim.execute(s.stream, plan.args);
+    s.stream.wait();
+    last_path = "onednn:" + plan.impl;
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
+                           float eps, float* y) {
+  return guarded("rmsnorm", [&]() -> Status {
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1));
+    impl_->parallel(rows, grain, [&](int64_t b, int64_t e) {
+      rmsnorm_rows(x, weight, b, e, dim, eps, y);
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,
+                        const RopeParams& params) {
+  SPX_RETURN_IF_ERROR(check_rope_params(params));
+  return guarded("rope", [&]() -> Status {
+    const int64_t d = params.head_dim;
+    const int64_t half = d / 2;
+    const bool interleaved = params.style == RopeStyle::kInterleaved;
+    const float mscale = params.mscale;
+    const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(n_heads * d, 1));
+    impl_->parallel(n_tokens, grain, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> cs;
+      if (cs.size() < static_cast<size_t>(d)) cs.resize(static_cast<size_t>(d));
+      float* cosv = cs.data();
+      float* sinv = cs.data() + half;
+      for (int64_t t = b; t < e; ++t) {
+        // Same float expressions as the reference: sin/cos once per token, reused by all heads.
+        for (int64_t i = 0; i < half; ++i) {
+          const float angle = static_cast<float>(positions[t]) * params.inv_freq[static_cast<size_t>(i)];
+          cosv[i] = std::cos(angle);
+          sinv[i] = std::sin(angle);
+        }
+        for (int64_t h = 0; h < n_heads; ++h) {
+          float* v = x + (t * n_heads + h) * d;
+          if (interleaved) {
+            for (int64_t i = 0; i < half; ++i) {
+              const float x0 = v[2 * i], x1 = v[2 * i + 1];
+              v[2 * i] = (x0 * cosv[i] - x1 * sinv[i]) * mscale;
+              v[2 * i + 1] = (x0 * sinv[i] + x1 * cosv[i]) * mscale;
+            }
+          } else {
+            for (int64_t i = 0; i < half; ++i) {
+              const float x0 = v[i], x1 = v[i + half];
+              v[i] = (x0 * cosv[i] - x1 * sinv[i]) * mscale;
+              v[i + half] = (x0 * sinv[i] + x1 * cosv[i]) * mscale;
+            }
+          }
+        }
+      }
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  return guarded("swiglu", [&]() -> Status {
+    impl_->parallel(n, 1 << 14, [&](int64_t b, int64_t e) {
+      swiglu_range(gate + b, up + b, e - b, out + b);
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::add(float* x, const float* y, int64_t n) {
+  return guarded("add", [&]() -> Status {
+    impl_->parallel(n, 1 << 15, [&](int64_t b, int64_t e) { add_range(x + b, y + b, e - b); });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
+                             const KvLayerView& kv) {
+  SPX_RETURN_IF_ERROR(check_kv_append_args(n_tokens, start_pos, kv));
+  return guarded("kv_append", [&]() -> Status {
+    const int64_t d = kv.head_dim;
+    const int64_t kv_dim = kv.kv_heads * d;
+    const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(kv_dim, 1));
+    impl_->parallel(n_tokens, grain, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t pos = start_pos + t;
+        float* kp = kv.k_pages[pos / kv.page_size];
+        float* vp = kv.v_pages[pos / kv.page_size];
+        const int64_t slot = pos % kv.page_size;
+        for (int64_t h = 0; h < kv.kv_heads; ++h) {
+          const int64_t dst = (h * kv.page_size + slot) * d;
+          std::memcpy(kp + dst, k + t * kv_dim + h * d, static_cast<size_t>(d) * 4);
+          std::memcpy(vp + dst, v + t * kv_dim + h * d, static_cast<size_t>(d) * 4);
+        }
+      }
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
+                             int64_t n_heads, float* out) {
+  SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
+  return guarded("attention", [&]() -> Status {
+    return impl_->attention(q, items, n_items, n_heads, out);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Result<std::unique_ptr<Backend>> create_cpu_backend(const CpuBackendOptions& options) {
+  if (options.reference || env_flag("SPECONTEXT_CPU_REFERENCE")) {
+    std::unique_ptr<Backend> ref;
+    SPX_RETURN_IF_ERROR(guarded("create reference backend", [&]() -> Status {
+      ref = std::make_unique<ReferenceBackend>();
+      return Status::ok();
+    }));
+    return ref;
+  }
+  auto backend = CpuBackend::create(options);
+  if (!backend.is_ok()) return backend.status();
+  return std::unique_ptr<Backend>(std::move(backend).value());
+}
+
+}  // namespace specontext::cpu

@@ -1,0 +1,65 @@
+// The optimised CPU backend (the default) and the one switch that picks it or the reference.
+// Matmul runs on oneDNN; every other op runs on oneTBB inside a task_arena owned by the backend
+// and pinned (on multi-node machines) to one NUMA node. See cpu/README.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/backend.h"
+#include "core/status.h"
+
+namespace specontext::cpu {
+
+struct CpuBackendOptions {
+  bool reference = false;  // the naive oracle instead (also SPECONTEXT_CPU_REFERENCE=1)
+  int num_threads = 0;     // 0 = all cores of the NUMA node
+  int numa_node = -1;      // -1 = the node the calling thread runs on (node 0 if unknown)
+  // Tuning knob, mostly for tests: keys per split-K attention chunk. 0 = automatic (split long
+  // contexts only when (sequence, token tile, kv head) tasks are too few to fill the threads).
+  int64_t attention_chunk = 0;
+  // Tests and debugging: skip oneDNN and use the TBB fallback matmul loops.
+  bool force_matmul_fallback = false;
+};
+
+// The default backend, or ReferenceBackend when options.reference or SPECONTEXT_CPU_REFERENCE=1.
+Result<std::unique_ptr<Backend>> create_cpu_backend(const CpuBackendOptions& options = {});
+
+class CpuBackend final : public Backend {
+ public:
+  static Result<std::unique_ptr<CpuBackend>> create(const CpuBackendOptions& options = {});
+  ~CpuBackend() override;
+  CpuBackend(const CpuBackend&) = delete;
+  CpuBackend& operator=(const CpuBackend&) = delete;
+
+  std::string_view name() const override { return "cpu"; }
+  bool supports(BackendOp op, DType weight_dtype) const override;
+
+  Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
+  // Thread-safe, but concurrent matmuls serialise on one oneDNN stream.
+  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                float* y) override;
+  Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+                 float* y) override;
+  Status rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,
+              const RopeParams& params) override;
+  Status swiglu(const float* gate, const float* up, int64_t n, float* out) override;
+  Status add(float* x, const float* y, int64_t n) override;
+  Status kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
+                   const KvLayerView& kv) override;
+  Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
+                   float* out) override;
+
+  int num_threads() const;
+  int numa_node() const;
+  // Which path the last matmul of this dtype took: "onednn:<impl>" or "fallback" (diagnostics).
+  std::string matmul_path(DType dtype) const;
+
+ private:
+  struct Impl;
+  explicit CpuBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace specontext::cpu

@@ -1,0 +1,261 @@
+#include "cpu/reference_backend.h"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace specontext::cpu {
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks shared with CpuBackend
+
+Status check_matmul_dtype(DType t) {
+  if (t == DType::kF32 || t == DType::kBF16) return Status::ok();
+  return unimplemented("CPU matmul supports f32 and bf16 weights, not " +
+                       std::string(dtype_name(t)) + " (loaders convert f16 to f32)");
+}
+
+Status check_embed_args(const TokenId* ids, int64_t n, const WeightMatrix& table) {
+  if (table.dtype != DType::kF32 && table.dtype != DType::kBF16 && table.dtype != DType::kF16) {
+    return unimplemented("CPU embed supports f32/bf16/f16 tables, not " +
+                         std::string(dtype_name(table.dtype)));
+  }
+  if (n > 0 && (ids == nullptr || table.data == nullptr)) {
+    return invalid_argument("embed: null ids or table");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= table.rows) {
+      return out_of_range("embed: token id " + std::to_string(ids[i]) + " outside vocabulary of " +
+                          std::to_string(table.rows));
+    }
+  }
+  return Status::ok();
+}
+
+Status check_rope_params(const RopeParams& params) {
+  if (params.head_dim <= 0 || params.head_dim % 2 != 0) {
+    return invalid_argument("rope: head_dim must be positive and even, got " +
+                            std::to_string(params.head_dim));
+  }
+  if (static_cast<int64_t>(params.inv_freq.size()) != params.head_dim / 2) {
+    return invalid_argument("rope: inv_freq has " + std::to_string(params.inv_freq.size()) +
+                            " entries, head_dim/2 = " + std::to_string(params.head_dim / 2));
+  }
+  return Status::ok();
+}
+
+namespace {
+Status check_kv_view(const KvLayerView& kv) {
+  if (kv.page_size <= 0 || kv.kv_heads <= 0 || kv.head_dim <= 0 || kv.n_pages < 0) {
+    return invalid_argument("KV view: page_size, kv_heads and head_dim must be positive");
+  }
+  if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
+    return invalid_argument("KV view: null page tables");
+  }
+  return Status::ok();
+}
+}  // namespace
+
+Status check_kv_append_args(int64_t n_tokens, int64_t start_pos, const KvLayerView& kv) {
+  SPX_RETURN_IF_ERROR(check_kv_view(kv));
+  if (n_tokens < 0 || start_pos < 0 || start_pos + n_tokens > kv.capacity()) {
+    return out_of_range("kv_append: positions [" + std::to_string(start_pos) + ", " +
+                        std::to_string(start_pos + n_tokens) + ") exceed cache capacity " +
+                        std::to_string(kv.capacity()));
+  }
+  return Status::ok();
+}
+
+Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t n_heads) {
+  if (n_items == 0) return Status::ok();
+  if (items == nullptr || n_heads <= 0) return invalid_argument("attention: no items or heads");
+  const int64_t head_dim = items[0].kv.head_dim;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const AttentionItem& it = items[i];
+    SPX_RETURN_IF_ERROR(check_kv_view(it.kv));
+    if (it.kv.head_dim != head_dim) {
+      return invalid_argument("attention: items disagree on head_dim");
+    }
+    if (n_heads % it.kv.kv_heads != 0) {
+      return invalid_argument("attention: n_heads " + std::to_string(n_heads) +
+                              " not a multiple of kv_heads " + std::to_string(it.kv.kv_heads));
+    }
+    if (it.n_tokens < 0 || it.start_pos < 0 || it.token_offset < 0 ||
+        it.start_pos + it.n_tokens > it.kv.capacity()) {
+      return out_of_range("attention: item " + std::to_string(i) + " positions [" +
+                          std::to_string(it.start_pos) + ", " +
+                          std::to_string(it.start_pos + it.n_tokens) + ") exceed cache capacity " +
+                          std::to_string(it.kv.capacity()));
+    }
+  }
+  return Status::ok();
+}
+
+float weight_element(const WeightMatrix& w, int64_t row, int64_t col) {
+  const size_t i = static_cast<size_t>(row * w.cols + col);
+  switch (w.dtype) {
+    case DType::kF32: return static_cast<const float*>(w.data)[i];
+    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    default: return std::numeric_limits<float>::quiet_NaN();  // callers check dtype first
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops
+
+bool ReferenceBackend::supports(BackendOp op, DType weight_dtype) const {
+  switch (op) {
+    case BackendOp::kMatmul:
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
+    case BackendOp::kEmbed:
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
+             weight_dtype == DType::kF16;
+    default:
+      return true;  // the other ops take no weight matrix; their inputs are f32
+  }
+}
+
+Status ReferenceBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& table,
+                               float* out) {
+  SPX_RETURN_IF_ERROR(check_embed_args(ids, n, table));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < table.cols; ++c) {
+      out[i * table.cols + c] = weight_element(table, ids[i], c);
+    }
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::matmul(const float* x, int64_t m, const WeightMatrix& w,
+                                const float* bias, float* y) {
+  SPX_RETURN_IF_ERROR(check_matmul_dtype(w.dtype));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t r = 0; r < w.rows; ++r) {
+      double sum = 0.0;
+      for (int64_t c = 0; c < w.cols; ++c) {
+        sum += static_cast<double>(x[i * w.cols + c]) * weight_element(w, r, c);
+      }
+      if (bias != nullptr) sum += bias[r];
+      y[i * w.rows + r] = static_cast<float>(sum);
+    }
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
+                                 float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+    const float scale = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) y[r * dim + i] = xr[i] * scale * weight[i];
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::rope(float* x, int64_t n_tokens, int64_t n_heads,
+                              const int64_t* positions, const RopeParams& params) {
+  SPX_RETURN_IF_ERROR(check_rope_params(params));
+  const int64_t d = params.head_dim;
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    for (int64_t h = 0; h < n_heads; ++h) {
+      float* v = x + (t * n_heads + h) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        // float angle, float cos/sin: what llama2.c and PyTorch's float32 rotary do.
+        const float angle = static_cast<float>(positions[t]) * params.inv_freq[i];
+        const float c = std::cos(angle);
+        const float s = std::sin(angle);
+        const int64_t i0 = params.style == RopeStyle::kInterleaved ? 2 * i : i;
+        const int64_t i1 = params.style == RopeStyle::kInterleaved ? 2 * i + 1 : i + half;
+        const float x0 = v[i0];
+        const float x1 = v[i1];
+        v[i0] = (x0 * c - x1 * s) * params.mscale;
+        v[i1] = (x0 * s + x1 * c) * params.mscale;
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::add(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  return Status::ok();
+}
+
+Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tokens,
+                                   int64_t start_pos, const KvLayerView& kv) {
+  SPX_RETURN_IF_ERROR(check_kv_append_args(n_tokens, start_pos, kv));
+  const int64_t kv_dim = kv.kv_heads * kv.head_dim;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const int64_t pos = start_pos + t;
+    const int64_t page = pos / kv.page_size;
+    const int64_t slot = pos % kv.page_size;
+    for (int64_t h = 0; h < kv.kv_heads; ++h) {
+      for (int64_t d = 0; d < kv.head_dim; ++d) {
+        const int64_t dst = (h * kv.page_size + slot) * kv.head_dim + d;
+        kv.k_pages[page][dst] = k[t * kv_dim + h * kv.head_dim + d];
+        kv.v_pages[page][dst] = v[t * kv_dim + h * kv.head_dim + d];
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
+                                   int64_t n_heads, float* out) {
+  SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
+  std::vector<double> scores;
+  for (int64_t it = 0; it < n_items; ++it) {
+    const AttentionItem& item = items[it];
+    const KvLayerView& kv = item.kv;
+    const int64_t d = kv.head_dim;
+    const int64_t group = n_heads / kv.kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (int64_t t = 0; t < item.n_tokens; ++t) {
+      const int64_t row = item.token_offset + t;
+      const int64_t n_keys = item.start_pos + t + 1;  // causal: itself and everything before
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t kvh = h / group;
+        const float* qh = q + (row * n_heads + h) * d;
+        scores.assign(static_cast<size_t>(n_keys), 0.0);
+        double max_score = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < n_keys; ++j) {
+          const float* kj = kv.k_pages[j / kv.page_size] + (kvh * kv.page_size + j % kv.page_size) * d;
+          double dot = 0.0;
+          for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * kj[e];
+          scores[j] = dot * scale;
+          if (scores[j] > max_score) max_score = scores[j];
+        }
+        double denom = 0.0;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          scores[j] = std::exp(scores[j] - max_score);
+          denom += scores[j];
+        }
+        float* oh = out + (row * n_heads + h) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < n_keys; ++j) {
+            const float* vj = kv.v_pages[j / kv.page_size] + (kvh * kv.page_size + j % kv.page_size) * d;
+            acc += scores[j] * vj[e];
+          }
+          oh[e] = static_cast<float>(acc / denom);
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace specontext::cpu

@@ -1,0 +1,452 @@
+#include "gpu/cuda_backend.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "gpu/cuda_check.h"
+#include "gpu/kernels.h"
+
+namespace specontext::gpu {
+
+namespace {
+
+// Split-K aims at this many resident blocks per SM before it stops splitting.
+constexpr int64_t kTargetBlocksPerSm = 4;
+// Chunks shorter than this cost more in partial writes and merging than they gain.
+constexpr int64_t kMinChunk = 256;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Makes `device` current for the scope of one op and restores the caller's device afterwards,
+// so that a thread driving several GPUs keeps its own notion of the current one.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ != device) {
+      status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
+      changed_ = status_.is_ok() && previous_ >= 0;
+    }
+  }
+  ~ScopedDevice() {
+    if (changed_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  bool changed_ = false;
+  Status status_;
+};
+
+#define SPX_ENTER_DEVICE()                    \
+  ScopedDevice spx_scoped_device_(device_);   \
+  SPX_RETURN_IF_ERROR(spx_scoped_device_.status())
+
+Status check_kv_view(const KvLayerView& kv, const char* op) {
+  if (kv.page_size <= 0 || kv.kv_heads <= 0 || kv.head_dim <= 0 || kv.n_pages < 0) {
+    return invalid_argument(std::string(op) + ": KV page_size, kv_heads and head_dim must be positive");
+  }
+  if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
+    return invalid_argument(std::string(op) + ": null KV page tables");
+  }
+  return Status::ok();
+}
+
+Status check_int_range(int64_t v, const char* what) {
+  if (v < 0 || v > INT_MAX) {
+    return invalid_argument(std::string("matmul: ") + what + " = " + std::to_string(v) +
+                            " outside cuBLAS's int range");
+  }
+  return Status::ok();
+}
+
+// Appends a trivially copyable array to a byte staging vector at 16-byte alignment; returns the
+// offset.
+template <typename T>
+size_t append_bytes(std::vector<uint8_t>& bytes, const T* data, size_t count) {
+  const size_t offset = (bytes.size() + 15) / 16 * 16;
+  bytes.resize(offset + count * sizeof(T));
+  if (count > 0) std::memcpy(bytes.data() + offset, data, count * sizeof(T));
+  return offset;
+}
+
+}  // namespace
+
+// ---- device discovery ----
+
+Result<int> cuda_device_count() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return unavailable(std::string("no CUDA device (") + cudaGetErrorName(err) + ": " +
+                       cudaGetErrorString(err) + ")");
+  }
+  if (count <= 0) return unavailable("no CUDA device (the driver reports 0 devices)");
+  return count;
+}
+
+bool cuda_device_available() { return cuda_device_count().is_ok(); }
+
+Result<std::unique_ptr<Backend>> create_cuda_backend(int device_ordinal) {
+  SPX_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::create(device_ordinal));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+// ---- lifetime ----
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_ordinal) {
+  SPX_ASSIGN_OR_RETURN(const int count, cuda_device_count());
+  if (device_ordinal < 0 || device_ordinal >= count) {
+    return out_of_range("CUDA device " + std::to_string(device_ordinal) + " requested, " +
+                        std::to_string(count) + " present");
+  }
+  ScopedDevice scope(device_ordinal);
+  SPX_RETURN_IF_ERROR(scope.status());
+  int major = 0;
+  int minor = 0;
+  int sms = 0;
+  SPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_ordinal));
+  SPX_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_ordinal));
+  SPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_ordinal));
+  if (major < 8) {
+    // The kernels are built for sm_80 / sm_90 (bf16, large shared memory).
+    return unavailable("CUDA device " + std::to_string(device_ordinal) + " has compute capability " +
+                       std::to_string(major) + "." + std::to_string(minor) + "; 8.0+ is required");
+  }
+  SPX_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::create());
+  SPX_ASSIGN_OR_RETURN(CublasHandle cublas, CublasHandle::create(stream.get()));
+  // Default math: CUBLAS_COMPUTE_32F stays true f32 (no TF32); bf16 inputs use tensor cores.
+  SPX_CUBLAS_CHECK(cublasSetMathMode(cublas.get(), CUBLAS_DEFAULT_MATH));
+  SPX_CUBLAS_CHECK(cublasSetPointerMode(cublas.get(), CUBLAS_POINTER_MODE_HOST));
+  return std::unique_ptr<CudaBackend>(
+      new CudaBackend(device_ordinal, std::max(sms, 1), std::move(stream), std::move(cublas)));
+}
+
+CudaBackend::CudaBackend(int device, int sm_count, CudaStream stream, CublasHandle cublas)
+    : device_(device), sm_count_(sm_count), stream_(std::move(stream)), cublas_(std::move(cublas)) {}
+
+CudaBackend::~CudaBackend() {
+  // Scratch buffers may still be read by queued kernels; cudaFree would wait anyway, but an
+  // explicit wait reports a pending fault with context instead of at an unrelated free.
+  ScopedDevice scope(device_);
+  if (!stream_.empty()) log_error(stream_.synchronize(), "CudaBackend teardown");
+}
+
+Status CudaBackend::synchronize() {
+  SPX_ENTER_DEVICE();
+  return stream_.synchronize();
+}
+
+template <typename T>
+Status CudaBackend::reserve(DeviceBuffer<T>& buffer, size_t count) {
+  if (buffer.size() >= count) return Status::ok();
+  const size_t grown = std::max(count, buffer.size() + buffer.size() / 2);
+  SPX_RETURN_IF_ERROR(stream_.synchronize());
+  buffer = DeviceBuffer<T>();  // free first: lower peak memory
+  SPX_ASSIGN_OR_RETURN(buffer, DeviceBuffer<T>::create(grown));
+  return Status::ok();
+}
+
+Status CudaBackend::upload_metadata() {
+  SPX_RETURN_IF_ERROR(reserve(meta_dev_, meta_host_.size()));
+  return meta_dev_.upload(meta_host_.data(), meta_host_.size(), stream_.get());
+}
+
+bool CudaBackend::supports(BackendOp op, DType weight_dtype) const {
+  switch (op) {
+    case BackendOp::kMatmul:
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
+    case BackendOp::kEmbed:
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
+             weight_dtype == DType::kF16;
+    default:
+      return true;  // no weight matrix; f32 activations
+  }
+}
+
+Result<std::shared_ptr<void>> CudaBackend::allocate(size_t bytes) {
+  SPX_ENTER_DEVICE();
+  SPX_ASSIGN_OR_RETURN(void* p, detail::device_alloc(std::max<size_t>(bytes, 1)));
+  return std::shared_ptr<void>(p, [](void* q) { detail::device_free(q); });
+}
+
+// ---- ops ----
+
+Status CudaBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) {
+  kernels::TableType type;
+  switch (table.dtype) {
+    case DType::kF32: type = kernels::TableType::kF32; break;
+    case DType::kF16: type = kernels::TableType::kF16; break;
+    case DType::kBF16: type = kernels::TableType::kBF16; break;
+    default:
+      return unimplemented("CUDA embed supports f32/f16/bf16 tables, not " +
+                           std::string(dtype_name(table.dtype)));
+  }
+  if (n <= 0) return Status::ok();
+  if (ids == nullptr || table.data == nullptr || out == nullptr) {
+    return invalid_argument("embed: null ids, table or output");
+  }
+  if (n > INT_MAX) return invalid_argument("embed: too many tokens for one launch");
+  SPX_ENTER_DEVICE();
+  SPX_CUDA_CHECK(kernels::launch_embed(ids, n, table.data, type, table.rows, table.cols, out,
+                                       stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                           float* y) {
+  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16) {
+    return unimplemented("CUDA matmul supports f32 and bf16 weights, not " +
+                         std::string(dtype_name(w.dtype)));
+  }
+  if (m <= 0 || w.rows <= 0) return Status::ok();
+  SPX_RETURN_IF_ERROR(check_int_range(m, "m"));
+  SPX_RETURN_IF_ERROR(check_int_range(w.rows, "rows"));
+  SPX_RETURN_IF_ERROR(check_int_range(w.cols, "cols"));
+  SPX_ENTER_DEVICE();
+  cudaStream_t s = stream_.get();
+  if (w.cols == 0) {  // empty reduction: y = bias (or 0)
+    SPX_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(m * w.rows) * sizeof(float), s));
+  } else {
+    // Row-major y[m, N] = x[m, K] · W[N, K]ᵀ is column-major yᶜ[N, m] = Wᶜᵀ[N, K] · xᶜ[K, m]
+    // with W and x read as column-major [K, N] and [K, m] (leading dimension K).
+    const int n_out = static_cast<int>(w.rows);
+    const int n_in = static_cast<int>(w.cols);
+    const int n_tok = static_cast<int>(m);
+    const float alpha = 1.0f;
+    const float beta = 0.0f;
+    const void* b_ptr = x;
+    cudaDataType_t ab_type = CUDA_R_32F;
+    if (w.dtype == DType::kBF16) {
+      const size_t count = static_cast<size_t>(m * w.cols);
+      SPX_RETURN_IF_ERROR(reserve(act_bf16_, count));
+      SPX_CUDA_CHECK(kernels::launch_f32_to_bf16(x, m * w.cols, act_bf16_.data(), s));
+      b_ptr = act_bf16_.data();
+      ab_type = CUDA_R_16BF;
+    }
+    SPX_CUBLAS_CHECK(cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, n_out, n_tok, n_in,
+                                  &alpha, w.data, ab_type, n_in, b_ptr, ab_type, n_in, &beta, y,
+                                  CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  if (bias != nullptr) SPX_CUDA_CHECK(kernels::launch_bias_add(y, bias, m, w.rows, s));
+  return Status::ok();
+}
+
+Status CudaBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
+                            float eps, float* y) {
+  if (rows <= 0 || dim <= 0) return Status::ok();
+  if (rows > INT_MAX) return invalid_argument("rmsnorm: too many rows for one launch");
+  SPX_ENTER_DEVICE();
+  SPX_CUDA_CHECK(kernels::launch_rmsnorm(x, weight, rows, dim, eps, y, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,
+                         const RopeParams& params) {
+  if (params.head_dim <= 0 || params.head_dim % 2 != 0) {
+    return invalid_argument("rope: head_dim must be positive and even, got " +
+                            std::to_string(params.head_dim));
+  }
+  if (static_cast<int64_t>(params.inv_freq.size()) != params.head_dim / 2) {
+    return invalid_argument("rope: inv_freq has " + std::to_string(params.inv_freq.size()) +
+                            " entries, head_dim/2 = " + std::to_string(params.head_dim / 2));
+  }
+  if (n_tokens <= 0 || n_heads <= 0) return Status::ok();
+  if (n_tokens > INT_MAX || n_heads > 65535) return invalid_argument("rope: shape too large");
+  SPX_ENTER_DEVICE();
+  if (rope_inv_freq_host_ != params.inv_freq) {
+    // Stream-ordered overwrite: kernels queued earlier still read the old table first.
+    SPX_RETURN_IF_ERROR(reserve(rope_inv_freq_, params.inv_freq.size()));
+    SPX_RETURN_IF_ERROR(
+        rope_inv_freq_.upload(params.inv_freq.data(), params.inv_freq.size(), stream_.get()));
+    rope_inv_freq_host_ = params.inv_freq;
+  }
+  SPX_CUDA_CHECK(kernels::launch_rope(x, n_tokens, n_heads, params.head_dim, positions,
+                                      rope_inv_freq_.data(),
+                                      params.style == RopeStyle::kInterleaved, params.mscale,
+                                      stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  if (n <= 0) return Status::ok();
+  SPX_ENTER_DEVICE();
+  SPX_CUDA_CHECK(kernels::launch_swiglu(gate, up, n, out, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::add(float* x, const float* y, int64_t n) {
+  if (n <= 0) return Status::ok();
+  SPX_ENTER_DEVICE();
+  SPX_CUDA_CHECK(kernels::launch_add(x, y, n, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
+                              const KvLayerView& kv) {
+  SPX_RETURN_IF_ERROR(check_kv_view(kv, "kv_append"));
+  if (n_tokens < 0 || start_pos < 0 || start_pos + n_tokens > kv.capacity()) {
+    return out_of_range("kv_append: positions [" + std::to_string(start_pos) + ", " +
+                        std::to_string(start_pos + n_tokens) + ") exceed cache capacity " +
+                        std::to_string(kv.capacity()));
+  }
+  if (n_tokens == 0) return Status::ok();
+  if (n_tokens > INT_MAX || kv.kv_heads > 65535) {
+    return invalid_argument("kv_append: shape too large for one launch");
+  }
+  SPX_ENTER_DEVICE();
+  // Only the pages this append touches travel: [K pointers][V pointers].
+  const int64_t first_page = start_pos / kv.page_size;
+  const int64_t n_touched = (start_pos + n_tokens - 1) / kv.page_size - first_page + 1;
+  std::vector<float*> table(kv.k_pages + first_page, kv.k_pages + first_page + n_touched);
+  table.insert(table.end(), kv.v_pages + first_page, kv.v_pages + first_page + n_touched);
+  meta_host_.clear();
+  append_bytes(meta_host_, table.data(), table.size());
+  SPX_RETURN_IF_ERROR(upload_metadata());
+  SPX_CUDA_CHECK(kernels::launch_kv_append(k, v, n_tokens, start_pos,
+                                           reinterpret_cast<float* const*>(meta_dev_.data()),
+                                           first_page, n_touched, kv.page_size, kv.kv_heads,
+                                           kv.head_dim, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
+                              int64_t n_heads, float* out) {
+  if (n_items == 0) return Status::ok();
+  if (items == nullptr || n_heads <= 0) return invalid_argument("attention: no items or heads");
+  const int64_t kv_heads = items[0].kv.kv_heads;
+  const int64_t head_dim = items[0].kv.head_dim;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const AttentionItem& it = items[i];
+    SPX_RETURN_IF_ERROR(check_kv_view(it.kv, "attention"));
+    if (it.kv.head_dim != head_dim || it.kv.kv_heads != kv_heads) {
+      return invalid_argument("attention: items disagree on kv_heads or head_dim");
+    }
+    if (it.n_tokens < 0 || it.start_pos < 0 || it.token_offset < 0 ||
+        it.start_pos + it.n_tokens > it.kv.capacity()) {
+      return out_of_range("attention: item " + std::to_string(i) + " positions [" +
+                          std::to_string(it.start_pos) + ", " +
+                          std::to_string(it.start_pos + it.n_tokens) + ") exceed cache capacity " +
+                          std::to_string(it.kv.capacity()));
+    }
+  }
+  if (n_heads % kv_heads != 0) {
+    return invalid_argument("attention: n_heads " + std::to_string(n_heads) +
+                            " not a multiple of kv_heads " + std::to_string(kv_heads));
+  }
+  if (head_dim > kernels::kAttentionMaxHeadDim) {
+    return unimplemented("CUDA attention supports head_dim up to " +
+                         std::to_string(kernels::kAttentionMaxHeadDim) + ", got " +
+                         std::to_string(head_dim));
+  }
+  if (kv_heads > 65535) return invalid_argument("attention: too many KV heads for one launch");
+  const int64_t group = n_heads / kv_heads;
+
+  // Queries per warp: enough that one block covers an item's (row, head) pairs of a KV head
+  // (decode: the GQA group), at most 4 (prefill).
+  int64_t max_pairs = 0;
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    max_pairs = std::max(max_pairs, items[i].n_tokens * group);
+    if (items[i].n_tokens > 0) max_len = std::max(max_len, items[i].start_pos + items[i].n_tokens);
+  }
+  if (max_len == 0) return Status::ok();
+  const int qpw = max_pairs <= kernels::kAttentionWarps       ? 1
+                  : max_pairs <= 2 * kernels::kAttentionWarps ? 2
+                                                              : 4;
+  const int64_t queries_per_block = static_cast<int64_t>(kernels::kAttentionWarps) * qpw;
+  int64_t base_blocks = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    base_blocks += ceil_div(items[i].n_tokens * group, queries_per_block);
+  }
+  base_blocks *= kv_heads;
+
+  // Split long contexts only while the unsplit grid would leave SMs idle (flash-decoding).
+  int64_t chunk = round_up(max_len, kernels::kAttentionKeyTile);
+  const int64_t target = static_cast<int64_t>(sm_count_) * kTargetBlocksPerSm;
+  if (base_blocks < target && max_len > kMinChunk) {
+    const int64_t splits = std::min(ceil_div(target, base_blocks), ceil_div(max_len, kMinChunk));
+    chunk = round_up(ceil_div(max_len, splits), kernels::kAttentionKeyTile);
+  }
+  const int64_t n_chunks_max = ceil_div(max_len, chunk);
+
+  // Metadata: items, block prefix, row prefix, page tables (K then V per item).
+  std::vector<kernels::AttentionItemMeta> metas(static_cast<size_t>(n_items));
+  std::vector<int64_t> block_begin(static_cast<size_t>(n_items) + 1, 0);
+  std::vector<int64_t> row_begin(static_cast<size_t>(n_items) + 1, 0);
+  std::vector<float*> pages;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const AttentionItem& it = items[i];
+    const int64_t len = it.start_pos + it.n_tokens;
+    kernels::AttentionItemMeta& meta = metas[static_cast<size_t>(i)];
+    meta.token_offset = it.token_offset;
+    meta.n_tokens = it.n_tokens;
+    meta.start_pos = it.start_pos;
+    meta.page_size = it.kv.page_size;
+    meta.page_table_offset = static_cast<int64_t>(pages.size());
+    meta.n_pages = it.n_tokens > 0 ? ceil_div(len, it.kv.page_size) : 0;
+    meta.n_tiles = ceil_div(it.n_tokens * group, queries_per_block);
+    meta.n_chunks = it.n_tokens > 0 ? ceil_div(len, chunk) : 1;
+    meta.row_begin = row_begin[static_cast<size_t>(i)];
+    pages.insert(pages.end(), it.kv.k_pages, it.kv.k_pages + meta.n_pages);
+    pages.insert(pages.end(), it.kv.v_pages, it.kv.v_pages + meta.n_pages);
+    block_begin[static_cast<size_t>(i) + 1] = block_begin[static_cast<size_t>(i)] + meta.n_tiles * meta.n_chunks;
+    row_begin[static_cast<size_t>(i) + 1] = row_begin[static_cast<size_t>(i)] + it.n_tokens;
+  }
+  const int64_t total_blocks = block_begin.back();
+  const int64_t total_rows = row_begin.back();
+  if (total_blocks > INT_MAX || ceil_div(total_rows * n_heads, kernels::kAttentionWarps) > INT_MAX) {
+    return invalid_argument("attention: batch too large for one launch");
+  }
+
+  SPX_ENTER_DEVICE();
+  meta_host_.clear();
+  const size_t items_at = append_bytes(meta_host_, metas.data(), metas.size());
+  const size_t blocks_at = append_bytes(meta_host_, block_begin.data(), block_begin.size());
+  const size_t rows_at = append_bytes(meta_host_, row_begin.data(), row_begin.size());
+  const size_t pages_at = append_bytes(meta_host_, pages.data(), pages.size());
+  SPX_RETURN_IF_ERROR(upload_metadata());
+
+  kernels::AttentionLaunch a;
+  const uint8_t* base = meta_dev_.data();
+  a.q = q;
+  a.out = out;
+  a.items = reinterpret_cast<const kernels::AttentionItemMeta*>(base + items_at);
+  a.block_begin = reinterpret_cast<const int64_t*>(base + blocks_at);
+  a.row_begin = reinterpret_cast<const int64_t*>(base + rows_at);
+  a.page_table = reinterpret_cast<float* const*>(base + pages_at);
+  a.n_items = n_items;
+  a.n_heads = n_heads;
+  a.kv_heads = kv_heads;
+  a.head_dim = head_dim;
+  a.chunk_size = chunk;
+  a.n_chunks_max = n_chunks_max;
+  a.total_blocks = total_blocks;
+  a.total_rows = total_rows;
+  a.queries_per_warp = qpw;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  if (n_chunks_max > 1) {
+    const size_t partials = static_cast<size_t>(total_rows * n_heads * n_chunks_max);
+    SPX_RETURN_IF_ERROR(reserve(partial_o_, partials * static_cast<size_t>(head_dim)));
+    SPX_RETURN_IF_ERROR(reserve(partial_ml_, 2 * partials));
+    a.partial_o = partial_o_.data();
+    a.partial_m = partial_ml_.data();
+    a.partial_l = partial_ml_.data() + partials;
+  }
+  SPX_CUDA_CHECK(kernels::launch_attention(a, stream_.get()));
+  return Status::ok();
+}
+
+}  // namespace specontext::gpu

@@ -1,0 +1,84 @@
+#include "gpu/cuda_check.h"
+
+#include <cstdio>
+#include <string>
+#include <string_view>
+
+namespace specontext::gpu {
+
+std::string short_location(std::source_location where) {
+  std::string_view file = where.file_name();
+  size_t cut = file.rfind('/');
+  if (cut != std::string_view::npos && cut > 0) {
+    const size_t parent = file.rfind('/', cut - 1);
+    if (parent != std::string_view::npos) file.remove_prefix(parent + 1);
+  }
+  return std::string(file) + ":" + std::to_string(where.line());
+}
+
+namespace {
+
+StatusCode cuda_code(cudaError_t err) {
+  switch (err) {
+    case cudaErrorMemoryAllocation:
+      return StatusCode::kResourceExhausted;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorInvalidDevice:
+    case cudaErrorCudartUnloading:
+      return StatusCode::kUnavailable;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidConfiguration:
+      return StatusCode::kInvalidArgument;
+    case cudaErrorNotReady:
+      return StatusCode::kInProgress;
+    default:
+      return StatusCode::kInternal;
+  }
+}
+
+StatusCode cublas_code(cublasStatus_t st) {
+  switch (st) {
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return StatusCode::kResourceExhausted;
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      return StatusCode::kUnimplemented;
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return StatusCode::kInvalidArgument;
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return StatusCode::kUnavailable;
+    default:
+      return StatusCode::kInternal;
+  }
+}
+
+}  // namespace
+
+Status cuda_status(cudaError_t err, const char* expr, std::source_location where) {
+  if (err == cudaSuccess) return Status::ok();
+  (void)cudaGetLastError();  // reset the non-sticky error so it is reported once
+  std::string msg = std::string(expr) + " failed: " + cudaGetErrorName(err) + " (" +
+                    cudaGetErrorString(err) + ") at " + short_location(where);
+  return Status(cuda_code(err), std::move(msg), where);
+}
+
+Status cublas_status(cublasStatus_t st, const char* expr, std::source_location where) {
+  if (st == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  // A cuBLAS failure may hide an earlier asynchronous CUDA error; surface and clear it too.
+  const cudaError_t pending = cudaGetLastError();
+  std::string msg = std::string(expr) + " failed: " + cublasGetStatusName(st) + " (" +
+                    cublasGetStatusString(st) + ")";
+  if (pending != cudaSuccess) msg += std::string("; pending CUDA error ") + cudaGetErrorName(pending);
+  msg += " at " + short_location(where);
+  return Status(cublas_code(st), std::move(msg), where);
+}
+
+void log_error(const Status& status, const char* what) noexcept {
+  if (status.is_ok()) return;
+  std::fprintf(stderr, "specontext gpu: %s: %s\n", what, status.to_string().c_str());
+}
+
+}  // namespace specontext::gpu

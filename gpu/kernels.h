@@ -1,0 +1,106 @@
+// Launchers of the CUDA backend's kernels. Plain C++ on purpose (no core/ headers): this file is
+// included by the .cu translation units (nvcc) and by cuda_backend.cc (the host compiler). Every
+// launcher enqueues on `stream`, returns immediately, and reports launch errors only
+// (cudaGetLastError after the launch); execution errors surface at the next synchronisation.
+// Arguments are assumed validated by the caller (CudaBackend).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace specontext::gpu::kernels {
+
+enum class TableType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// out[i, :] = table[ids[i], :] as f32. An id outside [0, rows) yields a row of NaN (the device
+// cannot return a Status without a synchronisation; NaN makes the bug loud).
+cudaError_t launch_embed(const int32_t* ids, int64_t n, const void* table, TableType type,
+                         int64_t rows, int64_t cols, float* out, cudaStream_t stream);
+
+// dst[i] = bf16(src[i]), round to nearest even. dst holds raw bf16 bits.
+cudaError_t launch_f32_to_bf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream);
+
+// y[r, c] += bias[c] for r < rows, c < cols.
+cudaError_t launch_bias_add(float* y, const float* bias, int64_t rows, int64_t cols,
+                            cudaStream_t stream);
+
+// y = x / sqrt(mean(x²) + eps) · weight per row; y may alias x.
+cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
+                           float eps, float* y, cudaStream_t stream);
+
+// In-place rotary embedding on x[n_tokens, n_heads, head_dim]; positions and inv_freq are device
+// arrays ([n_tokens] and [head_dim / 2]).
+cudaError_t launch_rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
+                        const int64_t* positions, const float* inv_freq, bool interleaved,
+                        float mscale, cudaStream_t stream);
+
+// out = silu(gate) · up; out may alias gate or up.
+cudaError_t launch_swiglu(const float* gate, const float* up, int64_t n, float* out,
+                          cudaStream_t stream);
+
+// x += y
+cudaError_t launch_add(float* x, const float* y, int64_t n, cudaStream_t stream);
+
+// Writes k, v [n_tokens, kv_heads, head_dim] at positions start_pos.. of a paged cache.
+// page_table is a DEVICE array: [n_touched] K page pointers then [n_touched] V page pointers,
+// for the pages first_page .. first_page + n_touched - 1.
+cudaError_t launch_kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
+                             float* const* page_table, int64_t first_page, int64_t n_touched,
+                             int64_t page_size, int64_t kv_heads, int64_t head_dim,
+                             cudaStream_t stream);
+
+// ---- attention ----
+
+// Largest head_dim the attention kernels handle (8 accumulators per lane).
+inline constexpr int64_t kAttentionMaxHeadDim = 256;
+// Keys per split-K chunk are a multiple of this (one key per lane per shared-memory tile).
+inline constexpr int64_t kAttentionKeyTile = 32;
+// Warps per attention block; a block serves kAttentionWarps · queries_per_warp query vectors.
+inline constexpr int kAttentionWarps = 4;
+
+// One sequence of the batch, as the kernels see it (uploaded as an array).
+struct AttentionItemMeta {
+  int64_t token_offset;       // first row of the item in q / out
+  int64_t n_tokens;           // query rows of the item
+  int64_t start_pos;          // position of the first query row
+  int64_t page_size;
+  int64_t page_table_offset;  // K pages at page_table[off, off + n_pages), V pages right after
+  int64_t n_pages;            // pages covering positions [0, start_pos + n_tokens)
+  int64_t n_tiles;            // query tiles (per KV head)
+  int64_t n_chunks;           // key chunks: ceil((start_pos + n_tokens) / chunk_size)
+  int64_t row_begin;          // compact index of the item's first row (prefix of n_tokens)
+};
+
+struct AttentionLaunch {
+  const float* q = nullptr;  // [rows, n_heads, head_dim]
+  float* out = nullptr;      // [rows, n_heads, head_dim]
+  const AttentionItemMeta* items = nullptr;  // device [n_items]
+  const int64_t* block_begin = nullptr;      // device [n_items + 1]: prefix of n_tiles·n_chunks
+  const int64_t* row_begin = nullptr;        // device [n_items + 1]: prefix of n_tokens
+  float* const* page_table = nullptr;        // device
+  int64_t n_items = 0;
+  int64_t n_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t chunk_size = 0;    // keys per split-K chunk (multiple of kAttentionKeyTile)
+  int64_t n_chunks_max = 0;  // stride of the partial buffers; 1 = no split, write out directly
+  int64_t total_blocks = 0;  // block_begin[n_items]
+  int64_t total_rows = 0;    // row_begin[n_items]
+  int queries_per_warp = 1;  // 1, 2 or 4
+  float scale = 0.0f;        // 1 / sqrt(head_dim)
+  // Split-K partial results, indexed by (r · n_heads + head) · n_chunks_max + chunk where r is
+  // the compact row index (row_begin of the item + row within the item); unused
+  // (may be null) when n_chunks_max == 1.
+  float* partial_o = nullptr;  // [.., head_dim], unnormalised
+  float* partial_m = nullptr;  // running max of the chunk, in log2 units
+  float* partial_l = nullptr;  // sum of exp2(score - m) of the chunk
+};
+
+// Shared memory of one attention block (bytes).
+size_t attention_smem_bytes(int64_t head_dim, int queries_per_warp);
+
+// Partial kernel (+ merge kernel when n_chunks_max > 1).
+cudaError_t launch_attention(const AttentionLaunch& a, cudaStream_t stream);
+
+}  // namespace specontext::gpu::kernels

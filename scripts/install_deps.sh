@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages the build needs. Idempotent; uses sudo when not root.
+set -euo pipefail
+PACKAGES=(build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
+          libgtest-dev libgmock-dev libdnnl-dev libtbb-dev libhwloc-dev libpcre2-dev
+          nlohmann-json3-dev libcli11-dev libboost-dev python3 python3-matplotlib)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "installing: ${missing[*]}"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi

@@ -1,0 +1,574 @@
+// Every op of the CUDA backend against the CPU reference backend on randomised shapes: inputs
+// are generated on the host, copied to the device, run on both, and compared by relative L2
+// error with a per-op tolerance. Device outputs sit between guard regions filled with a sentinel
+// byte pattern that must survive the op. Without a device every case skips ("no CUDA device").
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/dtype.h"
+#include "cpu/cpu_backend.h"
+#include "gpu/cuda_backend.h"
+
+namespace specontext::gpu {
+namespace {
+
+// Test infrastructure failures (not the code under test) abort loudly.
+void cuda_or_die(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(err));
+  std::abort();
+}
+
+// n elements of T in device memory with kGuard elements of sentinel bytes on each side.
+template <typename T>
+class Guarded {
+ public:
+  static constexpr size_t kGuard = 64;
+  static constexpr uint8_t kSentinel = 0xA5;
+
+  explicit Guarded(size_t n) : n_(n) {
+    cuda_or_die(cudaMalloc(&base_, total_bytes()), "cudaMalloc");
+    cuda_or_die(cudaMemset(base_, kSentinel, total_bytes()), "cudaMemset");
+    cuda_or_die(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  explicit Guarded(const std::vector<T>& host) : Guarded(host.size()) { upload(host); }
+  ~Guarded() { cudaFree(base_); }
+  Guarded(const Guarded&) = delete;
+  Guarded& operator=(const Guarded&) = delete;
+
+  T* data() { return base_ + kGuard; }
+  size_t size() const { return n_; }
+
+  void upload(const std::vector<T>& host) {
+    if (host.size() != n_) std::abort();
+    cuda_or_die(cudaMemcpy(data(), host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "upload");
+    // A pageable H2D cudaMemcpy may return before the DMA lands; the backend's stream is
+    // non-blocking, so make the data visible to it explicitly.
+    cuda_or_die(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n_);
+    cuda_or_die(cudaMemcpy(host.data(), base_ + kGuard, n_ * sizeof(T), cudaMemcpyDeviceToHost),
+                "download");
+    return host;
+  }
+  bool guards_intact() const {
+    std::vector<uint8_t> bytes(total_bytes());
+    cuda_or_die(cudaMemcpy(bytes.data(), base_, bytes.size(), cudaMemcpyDeviceToHost), "download");
+    const size_t guard_bytes = kGuard * sizeof(T);
+    for (size_t i = 0; i < guard_bytes; ++i) {
+      if (bytes[i] != kSentinel || bytes[bytes.size() - 1 - i] != kSentinel) return false;
+    }
+    return true;
+  }
+
+ private:
+  size_t total_bytes() const { return (n_ + 2 * kGuard) * sizeof(T); }
+  size_t n_;
+  T* base_ = nullptr;
+};
+
+std::vector<float> random_floats(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+int64_t pick(std::mt19937& rng, std::initializer_list<int64_t> choices) {
+  std::uniform_int_distribution<size_t> dist(0, choices.size() - 1);
+  return *(choices.begin() + dist(rng));
+}
+
+int64_t uniform(std::mt19937& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+// Relative L2 error of `got` against `want`, with the checks that make it meaningful.
+::testing::AssertionResult close(const std::vector<float>& got, const std::vector<float>& want,
+                                 double tolerance) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size mismatch";
+  double num = 0.0;
+  double den = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      return ::testing::AssertionFailure() << "non-finite output " << got[i] << " at " << i;
+    }
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  if (!(den > 0.0)) return ::testing::AssertionFailure() << "reference is all zero";
+  const double rel = std::sqrt(num / den);
+  if (rel > tolerance) {
+    size_t worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (std::fabs(got[i] - want[i]) > std::fabs(got[worst] - want[worst])) worst = i;
+    }
+    return ::testing::AssertionFailure() << "rel L2 " << rel << " > " << tolerance << "; worst at "
+                                         << worst << ": " << got[worst] << " vs " << want[worst];
+  }
+  return ::testing::AssertionSuccess() << "rel L2 " << rel;
+}
+
+class CudaOpsTest : public ::testing::Test {
+ public:
+  // Waits for the GPU's queued work and checks it ran without a fault.
+  void sync() {
+    const Status s = gpu_->synchronize();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+
+ protected:
+  void SetUp() override {
+    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    auto gpu = CudaBackend::create(0);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    gpu_ = std::move(gpu).value();
+    auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
+    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
+    ref_ = std::move(ref).value();
+  }
+
+  std::unique_ptr<CudaBackend> gpu_;
+  std::unique_ptr<Backend> ref_;
+  std::mt19937 rng_{20240611};
+};
+
+// ---- embed ----
+
+TEST_F(CudaOpsTest, EmbedAllTableTypes) {
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      const int64_t vocab = uniform(rng_, 5, 300);
+      const int64_t cols = pick(rng_, {1, 7, 64, 333, 1024});
+      const int64_t n = uniform(rng_, 1, 20);
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " vocab " + std::to_string(vocab) + " cols " +
+                   std::to_string(cols) + " n " + std::to_string(n));
+      const std::vector<float> values = random_floats(rng_, static_cast<size_t>(vocab * cols));
+      std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (dtype == DType::kF32) {
+          std::memcpy(bytes.data() + 4 * i, &values[i], 4);
+        } else {
+          const uint16_t h = dtype == DType::kF16 ? f32_to_f16(values[i]) : f32_to_bf16(values[i]);
+          std::memcpy(bytes.data() + 2 * i, &h, 2);
+        }
+      }
+      std::vector<TokenId> ids(static_cast<size_t>(n));
+      for (TokenId& id : ids) id = static_cast<TokenId>(uniform(rng_, 0, vocab - 1));
+
+      Guarded<uint8_t> d_table(bytes);
+      Guarded<TokenId> d_ids(ids);
+      Guarded<float> d_out(static_cast<size_t>(n * cols));
+      ASSERT_TRUE(gpu_->embed(d_ids.data(), n, WeightMatrix{dtype, vocab, cols, d_table.data()},
+                              d_out.data()).is_ok());
+      std::vector<float> want(static_cast<size_t>(n * cols));
+      ASSERT_TRUE(ref_->embed(ids.data(), n, WeightMatrix{dtype, vocab, cols, bytes.data()},
+                              want.data()).is_ok());
+      sync();
+      EXPECT_TRUE(close(d_out.download(), want, 0.0));  // a lossless conversion: exact
+      EXPECT_TRUE(d_out.guards_intact());
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, EmbedOutOfRangeIdGivesNanRow) {
+  const std::vector<float> table = random_floats(rng_, 4 * 8);
+  Guarded<float> d_table(table);
+  Guarded<TokenId> d_ids(std::vector<TokenId>{1, 4, -1});
+  Guarded<float> d_out(3 * 8);
+  ASSERT_TRUE(gpu_->embed(d_ids.data(), 3, WeightMatrix{DType::kF32, 4, 8, d_table.data()},
+                          d_out.data()).is_ok());
+  sync();
+  const std::vector<float> out = d_out.download();
+  for (int c = 0; c < 8; ++c) {
+    EXPECT_EQ(out[c], table[8 + c]);
+    EXPECT_TRUE(std::isnan(out[8 + c]));
+    EXPECT_TRUE(std::isnan(out[16 + c]));
+  }
+  EXPECT_TRUE(d_out.guards_intact());
+}
+
+// ---- matmul ----
+
+void run_matmul_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& rng, DType dtype,
+                     double tolerance) {
+  for (int trial = 0; trial < 8; ++trial) {
+    const int64_t m = pick(rng, {1, 2, 5, 32, 77});
+    const int64_t k = pick(rng, {16, 100, 512, 1000});
+    const int64_t n = pick(rng, {8, 129, 300, 1024});
+    const bool with_bias = trial % 2 == 1;
+    SCOPED_TRACE(std::string(dtype_name(dtype)) + " m " + std::to_string(m) + " k " +
+                 std::to_string(k) + " n " + std::to_string(n) + (with_bias ? " +bias" : ""));
+    const std::vector<float> x = random_floats(rng, static_cast<size_t>(m * k));
+    const std::vector<float> w32 = random_floats(rng, static_cast<size_t>(n * k));
+    const std::vector<float> bias = random_floats(rng, static_cast<size_t>(n));
+    std::vector<uint8_t> w_bytes(w32.size() * dtype_size(dtype));
+    for (size_t i = 0; i < w32.size(); ++i) {
+      if (dtype == DType::kF32) {
+        std::memcpy(w_bytes.data() + 4 * i, &w32[i], 4);
+      } else {
+        const uint16_t h = f32_to_bf16(w32[i]);
+        std::memcpy(w_bytes.data() + 2 * i, &h, 2);
+      }
+    }
+    Guarded<float> d_x(x);
+    Guarded<uint8_t> d_w(w_bytes);
+    Guarded<float> d_bias(bias);
+    Guarded<float> d_y(static_cast<size_t>(m * n));
+    const Status s = gpu.matmul(d_x.data(), m, WeightMatrix{dtype, n, k, d_w.data()},
+                                with_bias ? d_bias.data() : nullptr, d_y.data());
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    std::vector<float> want(static_cast<size_t>(m * n));
+    ASSERT_TRUE(ref.matmul(x.data(), m, WeightMatrix{dtype, n, k, w_bytes.data()},
+                           with_bias ? bias.data() : nullptr, want.data()).is_ok());
+    t.sync();
+    EXPECT_TRUE(close(d_y.download(), want, tolerance));
+    EXPECT_TRUE(d_y.guards_intact());
+    EXPECT_EQ(d_x.download(), x);  // input untouched
+  }
+}
+
+TEST_F(CudaOpsTest, MatmulF32) {
+  // True f32 GEMM (TF32 would give ~1e-3).
+  run_matmul_case(*this, *gpu_, *ref_, rng_, DType::kF32, 1e-5);
+}
+
+TEST_F(CudaOpsTest, MatmulBf16) {
+  if (!ref_->supports(BackendOp::kMatmul, DType::kBF16)) GTEST_SKIP() << "reference lacks bf16";
+  // Activations are rounded to bf16 (8 bits of mantissa): ~2^-9 relative per product.
+  run_matmul_case(*this, *gpu_, *ref_, rng_, DType::kBF16, 5e-3);
+}
+
+// ---- rmsnorm ----
+
+TEST_F(CudaOpsTest, RmsNorm) {
+  for (int trial = 0; trial < 10; ++trial) {
+    const int64_t rows = uniform(rng_, 1, 7);
+    const int64_t dim = pick(rng_, {1, 3, 64, 100, 4096, 4097, 8192});
+    const bool in_place = trial % 3 == 2;
+    SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim) +
+                 (in_place ? " in place" : ""));
+    const std::vector<float> x = random_floats(rng_, static_cast<size_t>(rows * dim), -3.0f, 3.0f);
+    const std::vector<float> w = random_floats(rng_, static_cast<size_t>(dim), 0.5f, 1.5f);
+    Guarded<float> d_x(x);
+    Guarded<float> d_w(w);
+    Guarded<float> d_y(static_cast<size_t>(rows * dim));
+    float* y = in_place ? d_x.data() : d_y.data();
+    ASSERT_TRUE(gpu_->rmsnorm(d_x.data(), d_w.data(), rows, dim, 1e-5f, y).is_ok());
+    std::vector<float> want(x.size());
+    ASSERT_TRUE(ref_->rmsnorm(x.data(), w.data(), rows, dim, 1e-5f, want.data()).is_ok());
+    sync();
+    EXPECT_TRUE(close(in_place ? d_x.download() : d_y.download(), want, 1e-5));
+    EXPECT_TRUE(d_x.guards_intact());
+    EXPECT_TRUE(d_y.guards_intact());
+  }
+}
+
+// ---- rope ----
+
+RopeParams make_params(int64_t head_dim, RopeStyle style, double theta, float mscale) {
+  RopeParams p;
+  p.head_dim = head_dim;
+  p.style = style;
+  p.mscale = mscale;
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    p.inv_freq.push_back(static_cast<float>(1.0 / std::pow(theta, 2.0 * i / head_dim)));
+  }
+  return p;
+}
+
+TEST_F(CudaOpsTest, RopeBothStyles) {
+  for (int trial = 0; trial < 12; ++trial) {
+    const RopeStyle style = trial % 2 == 0 ? RopeStyle::kHalf : RopeStyle::kInterleaved;
+    const int64_t head_dim = pick(rng_, {2, 64, 80, 128, 256});
+    const int64_t n_heads = pick(rng_, {1, 3, 8, 32});
+    const int64_t n_tokens = pick(rng_, {1, 9, 33});
+    const double theta = trial % 3 == 0 ? 500000.0 : 10000.0;
+    const float mscale = trial % 4 == 3 ? 1.3f : 1.0f;
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim) + " heads " + std::to_string(n_heads) +
+                 " tokens " + std::to_string(n_tokens) + " style " + std::to_string(trial % 2));
+    // A different table every trial also exercises the device-side cache refresh.
+    const RopeParams params = make_params(head_dim, style, theta, mscale);
+    std::vector<int64_t> positions(static_cast<size_t>(n_tokens));
+    for (int64_t& p : positions) p = uniform(rng_, 0, 8000);
+    const std::vector<float> x =
+        random_floats(rng_, static_cast<size_t>(n_tokens * n_heads * head_dim));
+    Guarded<float> d_x(x);
+    Guarded<int64_t> d_pos(positions);
+    ASSERT_TRUE(gpu_->rope(d_x.data(), n_tokens, n_heads, d_pos.data(), params).is_ok());
+    std::vector<float> want = x;
+    ASSERT_TRUE(ref_->rope(want.data(), n_tokens, n_heads, positions.data(), params).is_ok());
+    sync();
+    EXPECT_TRUE(close(d_x.download(), want, 1e-5));
+    EXPECT_TRUE(d_x.guards_intact());
+  }
+}
+
+TEST_F(CudaOpsTest, RopeRejectsBadParams) {
+  RopeParams params = make_params(64, RopeStyle::kHalf, 10000.0, 1.0f);
+  params.inv_freq.pop_back();
+  EXPECT_EQ(gpu_->rope(nullptr, 1, 1, nullptr, params).code(), StatusCode::kInvalidArgument);
+}
+
+// ---- swiglu, add ----
+
+TEST_F(CudaOpsTest, SwigluAndAdd) {
+  for (int trial = 0; trial < 8; ++trial) {
+    const int64_t n = pick(rng_, {1, 3, 4, 1000, 11008, 65537});
+    const bool in_place = trial % 2 == 1;
+    SCOPED_TRACE("n " + std::to_string(n) + (in_place ? " in place" : ""));
+    const std::vector<float> gate = random_floats(rng_, static_cast<size_t>(n), -6.0f, 6.0f);
+    const std::vector<float> up = random_floats(rng_, static_cast<size_t>(n), -2.0f, 2.0f);
+    Guarded<float> d_gate(gate);
+    Guarded<float> d_up(up);
+    Guarded<float> d_out(static_cast<size_t>(n));
+    float* out = in_place ? d_gate.data() : d_out.data();
+    ASSERT_TRUE(gpu_->swiglu(d_gate.data(), d_up.data(), n, out).is_ok());
+    std::vector<float> want(gate.size());
+    ASSERT_TRUE(ref_->swiglu(gate.data(), up.data(), n, want.data()).is_ok());
+    sync();
+    EXPECT_TRUE(close(in_place ? d_gate.download() : d_out.download(), want, 1e-6));
+    EXPECT_TRUE(d_gate.guards_intact());
+    EXPECT_TRUE(d_out.guards_intact());
+
+    // add, also on a misaligned view (offset by one element: the scalar path).
+    const size_t offset = in_place ? 1 : 0;
+    const int64_t len = n - static_cast<int64_t>(offset);
+    if (len <= 0) continue;
+    const std::vector<float> a = random_floats(rng_, static_cast<size_t>(n));
+    const std::vector<float> b = random_floats(rng_, static_cast<size_t>(n));
+    Guarded<float> d_a(a);
+    Guarded<float> d_b(b);
+    ASSERT_TRUE(gpu_->add(d_a.data() + offset, d_b.data() + offset, len).is_ok());
+    std::vector<float> want_a = a;
+    ASSERT_TRUE(ref_->add(want_a.data() + offset, b.data() + offset, len).is_ok());
+    sync();
+    EXPECT_TRUE(close(d_a.download(), want_a, 0.0));
+    EXPECT_TRUE(d_a.guards_intact());
+  }
+}
+
+// ---- paged KV cache: host mirror and device pages with identical layout ----
+
+// n_pages pages of [kv_heads][page_size][head_dim] floats, stored in one allocation in a
+// shuffled order so that logical page p is not at offset p (exercises the page tables).
+struct PagedCache {
+  int64_t n_pages, page_size, kv_heads, head_dim;
+  std::vector<float> host_k, host_v;
+  std::unique_ptr<Guarded<float>> dev_k, dev_v;
+  std::vector<float*> host_k_pages, host_v_pages, dev_k_pages, dev_v_pages;
+
+  PagedCache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh, int64_t hd)
+      : n_pages(pages), page_size(ps), kv_heads(kvh), head_dim(hd) {
+    const size_t page_floats = static_cast<size_t>(ps * kvh * hd);
+    host_k = random_floats(rng, page_floats * static_cast<size_t>(pages));
+    host_v = random_floats(rng, page_floats * static_cast<size_t>(pages));
+    dev_k = std::make_unique<Guarded<float>>(host_k);
+    dev_v = std::make_unique<Guarded<float>>(host_v);
+    std::vector<int64_t> order(static_cast<size_t>(pages));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t p = 0; p < pages; ++p) {
+      const size_t at = static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats;
+      host_k_pages.push_back(host_k.data() + at);
+      host_v_pages.push_back(host_v.data() + at);
+      dev_k_pages.push_back(dev_k->data() + at);
+      dev_v_pages.push_back(dev_v->data() + at);
+    }
+  }
+  KvLayerView host_view() const {
+    return KvLayerView{host_k_pages.data(), host_v_pages.data(), n_pages, page_size, kv_heads, head_dim};
+  }
+  KvLayerView device_view() const {
+    return KvLayerView{dev_k_pages.data(), dev_v_pages.data(), n_pages, page_size, kv_heads, head_dim};
+  }
+};
+
+TEST_F(CudaOpsTest, KvAppendAcrossPages) {
+  for (int trial = 0; trial < 10; ++trial) {
+    const int64_t page_size = pick(rng_, {1, 4, 16, 64});
+    const int64_t kv_heads = pick(rng_, {1, 2, 8});
+    const int64_t head_dim = pick(rng_, {4, 64, 128});
+    const int64_t n_pages = uniform(rng_, 1, 12);
+    const int64_t capacity = n_pages * page_size;
+    const int64_t start_pos = uniform(rng_, 0, capacity - 1);
+    const int64_t n_tokens = uniform(rng_, 1, capacity - start_pos);
+    SCOPED_TRACE("page_size " + std::to_string(page_size) + " kv_heads " +
+                 std::to_string(kv_heads) + " head_dim " + std::to_string(head_dim) + " start " +
+                 std::to_string(start_pos) + " n " + std::to_string(n_tokens));
+    PagedCache cache(rng_, n_pages, page_size, kv_heads, head_dim);
+    const std::vector<float> k = random_floats(rng_, static_cast<size_t>(n_tokens * kv_heads * head_dim));
+    const std::vector<float> v = random_floats(rng_, k.size());
+    Guarded<float> d_k(k);
+    Guarded<float> d_v(v);
+    const KvLayerView dview = cache.device_view();
+    ASSERT_TRUE(gpu_->kv_append(d_k.data(), d_v.data(), n_tokens, start_pos, dview).is_ok());
+    ASSERT_TRUE(ref_->kv_append(k.data(), v.data(), n_tokens, start_pos, cache.host_view()).is_ok());
+    sync();
+    // Whole pages compared: written slots must match, untouched slots must be unchanged.
+    EXPECT_EQ(cache.dev_k->download(), cache.host_k);
+    EXPECT_EQ(cache.dev_v->download(), cache.host_v);
+    EXPECT_TRUE(cache.dev_k->guards_intact());
+    EXPECT_TRUE(cache.dev_v->guards_intact());
+  }
+  // Beyond capacity is refused before anything is enqueued.
+  PagedCache small(rng_, 1, 4, 1, 4);
+  EXPECT_EQ(gpu_->kv_append(nullptr, nullptr, 2, 3, small.device_view()).code(),
+            StatusCode::kOutOfRange);
+}
+
+// ---- attention ----
+
+struct AttentionCase {
+  const char* name;
+  int64_t n_heads, kv_heads, head_dim, page_size;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (n_tokens, start_pos)
+  float q_scale = 1.0f;
+};
+
+void run_attention_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& rng,
+                        const AttentionCase& c) {
+  SCOPED_TRACE(c.name);
+  // One cache per item; items get token offsets in reverse order to decouple rows from items.
+  std::vector<std::unique_ptr<PagedCache>> caches;
+  std::vector<AttentionItem> host_items, dev_items;
+  int64_t total_rows = 0;
+  for (const auto& [n_tokens, start_pos] : c.items) total_rows += n_tokens;
+  int64_t next_row = total_rows;
+  for (const auto& [n_tokens, start_pos] : c.items) {
+    const int64_t len = start_pos + n_tokens;
+    const int64_t pages = std::max<int64_t>(1, (len + c.page_size - 1) / c.page_size + 1);  // + slack
+    caches.push_back(std::make_unique<PagedCache>(rng, pages, c.page_size, c.kv_heads, c.head_dim));
+    next_row -= n_tokens;
+    host_items.push_back(AttentionItem{next_row, n_tokens, start_pos, caches.back()->host_view()});
+    dev_items.push_back(AttentionItem{next_row, n_tokens, start_pos, caches.back()->device_view()});
+  }
+  const size_t q_size = static_cast<size_t>(total_rows * c.n_heads * c.head_dim);
+  std::vector<float> q = random_floats(rng, q_size, -c.q_scale, c.q_scale);
+  Guarded<float> d_q(q);
+  Guarded<float> d_out(q_size);
+  const Status s = gpu.attention(d_q.data(), dev_items.data(), static_cast<int64_t>(dev_items.size()),
+                                 c.n_heads, d_out.data());
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  std::vector<float> want(q_size);
+  ASSERT_TRUE(ref.attention(q.data(), host_items.data(), static_cast<int64_t>(host_items.size()),
+                            c.n_heads, want.data()).is_ok());
+  t.sync();
+  EXPECT_TRUE(close(d_out.download(), want, 1e-4));
+  EXPECT_TRUE(d_out.guards_intact());
+}
+
+TEST_F(CudaOpsTest, AttentionDecodeSplitK) {
+  const std::vector<AttentionCase> cases = {
+      {"mha decode, one long sequence", 4, 4, 64, 16, {{1, 3000}}},
+      {"gqa decode batch", 32, 8, 128, 16, {{1, 700}, {1, 5}, {1, 2047}, {1, 0}}},
+      {"gqa 8 decode, peaky softmax", 16, 2, 128, 32, {{1, 4100}}, 4.0f},
+      {"head_dim 256 decode", 8, 1, 256, 16, {{1, 1500}, {1, 300}}},
+      {"head_dim 80, page 1", 6, 3, 80, 1, {{1, 600}}},
+  };
+  for (const AttentionCase& c : cases) run_attention_case(*this, *gpu_, *ref_, rng_, c);
+}
+
+TEST_F(CudaOpsTest, AttentionPrefillAndMixedBatches) {
+  const std::vector<AttentionCase> cases = {
+      {"short prefill (no split)", 8, 2, 64, 16, {{100, 0}}},
+      {"prefill, many tiles (no split)", 32, 8, 64, 16, {{400, 0}}},
+      {"chunked prefill", 8, 2, 128, 16, {{40, 300}}},
+      {"head_dim 256 prefill", 4, 1, 256, 32, {{20, 100}, {1, 1000}}},
+      {"mixed batch with an empty item", 12, 4, 128, 8, {{33, 17}, {0, 50}, {1, 900}, {5, 0}}},
+      {"odd head_dim 80 prefill", 6, 3, 80, 4, {{7, 33}, {64, 0}}},
+  };
+  for (const AttentionCase& c : cases) run_attention_case(*this, *gpu_, *ref_, rng_, c);
+}
+
+TEST_F(CudaOpsTest, AttentionRejectsUnsupportedShapes) {
+  PagedCache cache(rng_, 1, 4, 1, 512);
+  AttentionItem item{0, 1, 0, cache.device_view()};
+  EXPECT_EQ(gpu_->attention(nullptr, &item, 1, 2, nullptr).code(), StatusCode::kUnimplemented);
+  PagedCache cache2(rng_, 1, 4, 3, 64);
+  AttentionItem item2{0, 1, 0, cache2.device_view()};
+  EXPECT_EQ(gpu_->attention(nullptr, &item2, 1, 4, nullptr).code(), StatusCode::kInvalidArgument);
+  AttentionItem item3{0, 5, 0, cache2.device_view()};  // beyond capacity 4
+  EXPECT_EQ(gpu_->attention(nullptr, &item3, 1, 3, nullptr).code(), StatusCode::kOutOfRange);
+}
+
+// Several decode steps of one layer (rope, kv_append, attention) queued back to back with no
+// synchronisation in between: checks that the reuse of scratch memory (metadata, rope table) is
+// correctly ordered on the stream. All inputs are uploaded before the first op is queued.
+TEST_F(CudaOpsTest, QueuedOpsWithoutSynchronisation) {
+  const int64_t page_size = 16, kv_heads = 2, head_dim = 64, n_heads = 4;
+  PagedCache cache(rng_, 8, page_size, kv_heads, head_dim);
+  const RopeParams params = make_params(head_dim, RopeStyle::kHalf, 10000.0, 1.0f);
+  struct Step {
+    int64_t n_tokens, pos;
+    std::vector<float> q, k, v;
+    std::vector<int64_t> positions;
+    std::unique_ptr<Guarded<float>> d_q, d_k, d_v, d_out;
+    std::unique_ptr<Guarded<int64_t>> d_pos;
+  };
+  std::vector<Step> steps;
+  int64_t pos = 0;
+  for (int i = 0; i < 6; ++i) {
+    Step st;
+    st.n_tokens = i == 0 ? 20 : 1;
+    st.pos = pos;
+    st.q = random_floats(rng_, static_cast<size_t>(st.n_tokens * n_heads * head_dim));
+    st.k = random_floats(rng_, static_cast<size_t>(st.n_tokens * kv_heads * head_dim));
+    st.v = random_floats(rng_, st.k.size());
+    st.positions.resize(static_cast<size_t>(st.n_tokens));
+    std::iota(st.positions.begin(), st.positions.end(), pos);
+    st.d_q = std::make_unique<Guarded<float>>(st.q);
+    st.d_k = std::make_unique<Guarded<float>>(st.k);
+    st.d_v = std::make_unique<Guarded<float>>(st.v);
+    st.d_out = std::make_unique<Guarded<float>>(st.q.size());
+    st.d_pos = std::make_unique<Guarded<int64_t>>(st.positions);
+    pos += st.n_tokens;
+    steps.push_back(std::move(st));
+  }
+  const KvLayerView dview = cache.device_view();
+  for (Step& st : steps) {
+    ASSERT_TRUE(gpu_->rope(st.d_q->data(), st.n_tokens, n_heads, st.d_pos->data(), params).is_ok());
+    ASSERT_TRUE(gpu_->rope(st.d_k->data(), st.n_tokens, kv_heads, st.d_pos->data(), params).is_ok());
+    ASSERT_TRUE(gpu_->kv_append(st.d_k->data(), st.d_v->data(), st.n_tokens, st.pos, dview).is_ok());
+    AttentionItem item{0, st.n_tokens, st.pos, dview};
+    ASSERT_TRUE(gpu_->attention(st.d_q->data(), &item, 1, n_heads, st.d_out->data()).is_ok());
+  }
+  std::vector<std::vector<float>> want;
+  for (Step& st : steps) {
+    ASSERT_TRUE(ref_->rope(st.q.data(), st.n_tokens, n_heads, st.positions.data(), params).is_ok());
+    ASSERT_TRUE(ref_->rope(st.k.data(), st.n_tokens, kv_heads, st.positions.data(), params).is_ok());
+    ASSERT_TRUE(ref_->kv_append(st.k.data(), st.v.data(), st.n_tokens, st.pos, cache.host_view()).is_ok());
+    AttentionItem item{0, st.n_tokens, st.pos, cache.host_view()};
+    want.emplace_back(st.q.size());
+    ASSERT_TRUE(ref_->attention(st.q.data(), &item, 1, n_heads, want.back().data()).is_ok());
+  }
+  sync();
+  for (size_t i = 0; i < steps.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i));
+    EXPECT_TRUE(close(steps[i].d_out->download(), want[i], 1e-4));
+    EXPECT_TRUE(steps[i].d_out->guards_intact());
+  }
+  EXPECT_EQ(cache.dev_k->download(), cache.host_k);
+  EXPECT_EQ(cache.dev_v->download(), cache.host_v);
+}
+
+}  // namespace
+}  // namespace specontext::gpu

@@ -6,8 +6,11 @@ namespace {
 
 int64_t numel(const WeightMatrix& m) { return m.empty() ? 0 : m.rows * m.cols; }
 
+// Built with append: GCC 12 -O3 warns (-Wrestrict, a known false positive) on "[" + to_string().
 std::string pair_string(int64_t a, int64_t b) {
-  return "[" + std::to_string(a) + ", " + std::to_string(b) + "]";
+  std::string s = "[";
+  s.append(std::to_string(a)).append(", ").append(std::to_string(b)).append("]");
+  return s;
 }
 
 Status check_matrix(const std::string& source, const std::string& name, const WeightMatrix& m,

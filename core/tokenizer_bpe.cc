@@ -66,7 +66,8 @@ class Regex {
     int err = 0;
     PCRE2_SIZE err_off = 0;
     pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                     PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err,
+                                     PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | PCRE2_NEVER_BACKSLASH_C,
+                                     &err,
                                      &err_off, nullptr);
     if (code == nullptr) {
       std::array<PCRE2_UCHAR, 256> msg{};

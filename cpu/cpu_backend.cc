@@ -672,8 +672,8 @@ Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, cons
     // oneDNN takes non-const handles but only reads src/weights/bias.
     plan.src.set_data_handle(const_cast<void*>(src));
     plan.weights.set_data_handle(const_cast<void*>(w.data));
-    
-    plan.dst.set_data_handle(y);
+    if (bias != nullptr) plan.bias.set_data_handle(const_cast<float*>(bias));
+    if (plan.dst.get_data_handle() == nullptr) plan.dst.set_data_handle(y);
     if (s.omp_set_num_threads != nullptr) s.omp_set_num_threads(s.num_threads);
     plan.prim.execute(s.stream, plan.args);
     s.stream.wait();

@@ -7,20 +7,13 @@
 #include <string>
 #include <utility>
 
+#include "gpu/attention_plan.h"
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
 
 namespace specontext::gpu {
 
 namespace {
-
-// Split-K aims at this many resident blocks per SM before it stops splitting.
-constexpr int64_t kTargetBlocksPerSm = 4;
-// Chunks shorter than this cost more in partial writes and merging than they gain.
-constexpr int64_t kMinChunk = 256;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Makes `device` current for the scope of one op and restores the caller's device afterwards,
 // so that a thread driving several GPUs keeps its own notion of the current one.
@@ -324,102 +317,20 @@ Status CudaBackend::kv_append(const float* k, const float* v, int64_t n_tokens, 
 
 Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
                               int64_t n_heads, float* out) {
-  if (n_items == 0) return Status::ok();
-  if (items == nullptr || n_heads <= 0) return invalid_argument("attention: no items or heads");
-  const int64_t kv_heads = items[0].kv.kv_heads;
-  const int64_t head_dim = items[0].kv.head_dim;
-  for (int64_t i = 0; i < n_items; ++i) {
-    const AttentionItem& it = items[i];
-    SPX_RETURN_IF_ERROR(check_kv_view(it.kv, "attention"));
-    if (it.kv.head_dim != head_dim || it.kv.kv_heads != kv_heads) {
-      return invalid_argument("attention: items disagree on kv_heads or head_dim");
-    }
-    if (it.n_tokens < 0 || it.start_pos < 0 || it.token_offset < 0 ||
-        it.start_pos + it.n_tokens > it.kv.capacity()) {
-      return out_of_range("attention: item " + std::to_string(i) + " positions [" +
-                          std::to_string(it.start_pos) + ", " +
-                          std::to_string(it.start_pos + it.n_tokens) + ") exceed cache capacity " +
-                          std::to_string(it.kv.capacity()));
-    }
-  }
-  if (n_heads % kv_heads != 0) {
-    return invalid_argument("attention: n_heads " + std::to_string(n_heads) +
-                            " not a multiple of kv_heads " + std::to_string(kv_heads));
-  }
-  if (head_dim > kernels::kAttentionMaxHeadDim) {
-    return unimplemented("CUDA attention supports head_dim up to " +
-                         std::to_string(kernels::kAttentionMaxHeadDim) + ", got " +
-                         std::to_string(head_dim));
-  }
-  if (kv_heads > 65535) return invalid_argument("attention: too many KV heads for one launch");
-  const int64_t group = n_heads / kv_heads;
-
-  // Queries per warp: enough that one block covers an item's (row, head) pairs of a KV head
-  // (decode: the GQA group), at most 4 (prefill).
-  int64_t max_pairs = 0;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < n_items; ++i) {
-    max_pairs = std::max(max_pairs, items[i].n_tokens * group);
-    if (items[i].n_tokens > 0) max_len = std::max(max_len, items[i].start_pos + items[i].n_tokens);
-  }
-  if (max_len == 0) return Status::ok();
-  const int qpw = max_pairs <= kernels::kAttentionWarps       ? 1
-                  : max_pairs <= 2 * kernels::kAttentionWarps ? 2
-                                                              : 4;
-  const int64_t queries_per_block = static_cast<int64_t>(kernels::kAttentionWarps) * qpw;
-  int64_t base_blocks = 0;
-  for (int64_t i = 0; i < n_items; ++i) {
-    base_blocks += ceil_div(items[i].n_tokens * group, queries_per_block);
-  }
-  base_blocks *= kv_heads;
-
-  // Split long contexts only while the unsplit grid would leave SMs idle (flash-decoding).
-  int64_t chunk = round_up(max_len, kernels::kAttentionKeyTile);
-  const int64_t target = static_cast<int64_t>(sm_count_) * kTargetBlocksPerSm;
-  if (base_blocks < target && max_len > kMinChunk) {
-    const int64_t splits = std::min(ceil_div(target, base_blocks), ceil_div(max_len, kMinChunk));
-    chunk = round_up(ceil_div(max_len, splits), kernels::kAttentionKeyTile);
-  }
-  const int64_t n_chunks_max = ceil_div(max_len, chunk);
-
-  // Metadata: items, block prefix, row prefix, page tables (K then V per item).
-  std::vector<kernels::AttentionItemMeta> metas(static_cast<size_t>(n_items));
-  std::vector<int64_t> block_begin(static_cast<size_t>(n_items) + 1, 0);
-  std::vector<int64_t> row_begin(static_cast<size_t>(n_items) + 1, 0);
-  std::vector<float*> pages;
-  for (int64_t i = 0; i < n_items; ++i) {
-    const AttentionItem& it = items[i];
-    const int64_t len = it.start_pos + it.n_tokens;
-    kernels::AttentionItemMeta& meta = metas[static_cast<size_t>(i)];
-    meta.token_offset = it.token_offset;
-    meta.n_tokens = it.n_tokens;
-    meta.start_pos = it.start_pos;
-    meta.page_size = it.kv.page_size;
-    meta.page_table_offset = static_cast<int64_t>(pages.size());
-    meta.n_pages = it.n_tokens > 0 ? ceil_div(len, it.kv.page_size) : 0;
-    meta.n_tiles = ceil_div(it.n_tokens * group, queries_per_block);
-    meta.n_chunks = it.n_tokens > 0 ? ceil_div(len, chunk) : 1;
-    meta.row_begin = row_begin[static_cast<size_t>(i)];
-    pages.insert(pages.end(), it.kv.k_pages, it.kv.k_pages + meta.n_pages);
-    pages.insert(pages.end(), it.kv.v_pages, it.kv.v_pages + meta.n_pages);
-    block_begin[static_cast<size_t>(i) + 1] = block_begin[static_cast<size_t>(i)] + meta.n_tiles * meta.n_chunks;
-    row_begin[static_cast<size_t>(i) + 1] = row_begin[static_cast<size_t>(i)] + it.n_tokens;
-  }
-  const int64_t total_blocks = block_begin.back();
-  const int64_t total_rows = row_begin.back();
-  if (total_blocks > INT_MAX || ceil_div(total_rows * n_heads, kernels::kAttentionWarps) > INT_MAX) {
-    return invalid_argument("attention: batch too large for one launch");
-  }
-
+  SPX_ASSIGN_OR_RETURN(AttentionPlan plan, plan_attention(items, n_items, n_heads, sm_count_));
+  if (plan.launch.total_blocks == 0) return Status::ok();
   SPX_ENTER_DEVICE();
   meta_host_.clear();
-  const size_t items_at = append_bytes(meta_host_, metas.data(), metas.size());
-  const size_t blocks_at = append_bytes(meta_host_, block_begin.data(), block_begin.size());
-  const size_t rows_at = append_bytes(meta_host_, row_begin.data(), row_begin.size());
-  const size_t pages_at = append_bytes(meta_host_, pages.data(), pages.size());
+  const size_t items_at = append_bytes(meta_host_, plan.items.data(), plan.items.size());
+  const size_t blocks_at = append_bytes(meta_host_, plan.block_begin.data(), plan.block_begin.size());
+  const size_t rows_at = append_bytes(meta_host_, plan.row_begin.data(), plan.row_begin.size());
+  const size_t pages_at = append_bytes(meta_host_, plan.pages.data(), plan.pages.size());
+  // Scratch growth synchronises the stream; do it before the metadata upload is queued.
+  SPX_RETURN_IF_ERROR(reserve(partial_o_, plan.partial_o_floats()));
+  SPX_RETURN_IF_ERROR(reserve(partial_ml_, plan.partial_ml_floats()));
   SPX_RETURN_IF_ERROR(upload_metadata());
 
-  kernels::AttentionLaunch a;
+  kernels::AttentionLaunch& a = plan.launch;
   const uint8_t* base = meta_dev_.data();
   a.q = q;
   a.out = out;
@@ -427,23 +338,10 @@ Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_
   a.block_begin = reinterpret_cast<const int64_t*>(base + blocks_at);
   a.row_begin = reinterpret_cast<const int64_t*>(base + rows_at);
   a.page_table = reinterpret_cast<float* const*>(base + pages_at);
-  a.n_items = n_items;
-  a.n_heads = n_heads;
-  a.kv_heads = kv_heads;
-  a.head_dim = head_dim;
-  a.chunk_size = chunk;
-  a.n_chunks_max = n_chunks_max;
-  a.total_blocks = total_blocks;
-  a.total_rows = total_rows;
-  a.queries_per_warp = qpw;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  if (n_chunks_max > 1) {
-    const size_t partials = static_cast<size_t>(total_rows * n_heads * n_chunks_max);
-    SPX_RETURN_IF_ERROR(reserve(partial_o_, partials * static_cast<size_t>(head_dim)));
-    SPX_RETURN_IF_ERROR(reserve(partial_ml_, 2 * partials));
+  if (a.n_chunks_max > 1) {
     a.partial_o = partial_o_.data();
     a.partial_m = partial_ml_.data();
-    a.partial_l = partial_ml_.data() + partials;
+    a.partial_l = partial_ml_.data() + plan.partial_ml_floats() / 2;
   }
   SPX_CUDA_CHECK(kernels::launch_attention(a, stream_.get()));
   return Status::ok();

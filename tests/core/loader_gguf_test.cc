@@ -145,6 +145,8 @@ TEST(GgufParser, StructuralErrors) {
     const uint64_t n = uint64_t{1} << 60;
     std::memcpy(bytes.data() + 16, &n, 8);
     expect_error(bytes, StatusCode::kDataLoss, {"metadata count"});
+    const uint64_t zero = 0;
+    std::memcpy(bytes.data() + 16, &zero, 8);
     std::memcpy(bytes.data() + 8, &n, 8);
     expect_error(bytes, StatusCode::kDataLoss, {"tensor count"});
   }

@@ -163,7 +163,11 @@ TEST(TokenizerSpm, AgreesWithLlama2cTokenizer) {
       auto b = (*l2c)->encode(text, true);
       ASSERT_TRUE(a.is_ok() && b.is_ok());
       EXPECT_EQ(*a, *b) << p.gguf << " text: " << escape(text);
-      EXPECT_EQ(spm->decode(*a), (*l2c)->decode(*b));
+      // <unk> renders differently (U+2585 vs the raw "<unk>" piece); compare text without it.
+      if (std::find(a->begin(), a->end(), 0) == a->end()) {
+        EXPECT_EQ(spm->decode(*a), (*l2c)->decode(*b));
+        EXPECT_EQ(spm->decode(*a), text);
+      }
     }
   }
 }

@@ -185,14 +185,31 @@ TEST(CpuMatmul, CachedPrimitiveSeesNewBuffers) {
   auto cpu = make_cpu();
   ASSERT_NE(cpu, nullptr);
   ReferenceBackend ref;
+  // All buffers stay alive so that no round can get a previous round's addresses back.
+  std::vector<std::vector<float>> xs, ws, biases;
+  std::vector<std::unique_ptr<GuardedBuffer>> outs;
   for (int round = 0; round < 3; ++round) {
-    const auto x = random_floats(4 * 64, 10 + round);
-    const auto w = random_floats(48 * 64, 20 + round);
-    const WeightMatrix wm{DType::kF32, 48, 64, w.data()};
-    GuardedBuffer got(4 * 48), want(4 * 48);
-    ASSERT_TRUE(cpu->matmul(x.data(), 4, wm, nullptr, got.data()).is_ok());
-    ASSERT_TRUE(ref.matmul(x.data(), 4, wm, nullptr, want.data()).is_ok());
-    expect_close(got.data(), want.data(), got.size(), 1e-5, "cached matmul");
+    xs.push_back(random_floats(4 * 64, 10 + round));
+    ws.push_back(random_floats(48 * 64, 20 + round));
+    biases.push_back(random_floats(48, 30 + round));
+    outs.push_back(std::make_unique<GuardedBuffer>(4 * 48));
+  }
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int round = 0; round < 3; ++round) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " round " << round);
+      std::vector<uint16_t> w16 = to_bf16(ws[round]);
+      std::vector<float> w_used = dtype == DType::kF32 ? ws[round] : round_bf16(ws[round]);
+      const WeightMatrix wm = dtype == DType::kF32 ? WeightMatrix{DType::kF32, 48, 64, ws[round].data()}
+                                                   : WeightMatrix{DType::kBF16, 48, 64, w16.data()};
+      GuardedBuffer& got = *outs[round];
+      GuardedBuffer want(4 * 48);
+      ASSERT_TRUE(cpu->matmul(xs[round].data(), 4, wm, biases[round].data(), got.data()).is_ok());
+      ASSERT_TRUE(ref.matmul(xs[round].data(), 4, WeightMatrix{DType::kF32, 48, 64, w_used.data()},
+                             biases[round].data(), want.data()).is_ok());
+      expect_close(got.data(), want.data(), got.size(), dtype == DType::kF32 ? 1e-5 : 1e-2,
+                   "cached matmul");
+      EXPECT_TRUE(got.intact());
+    }
   }
 }
 

@@ -1,0 +1,123 @@
+// The specontext binary end to end: JSON summary keys, streamed text, error messages and exit
+// codes for bad input.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "tests/tests_common.h"
+
+namespace specontext {
+namespace {
+
+using testing::repo_path;
+
+struct CliRun {
+  int exit_code = -1;
+  std::string out;  // stdout and stderr, merged when merge_stderr
+};
+
+CliRun run_cli(const std::string& args, bool merge_stderr = true) {
+  const std::string cmd = std::string(SPECONTEXT_BIN) + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  CliRun r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+TEST(Cli, GenerateJsonSummaryHasTheKeysAndMatchesGreedyGolden) {
+  const CliRun ok = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                         " --prompt 'Once upon a time' -n 40 --json",
+                     false);
+  ASSERT_EQ(ok.exit_code, 0) << ok.out;
+  const auto j = nlohmann::json::parse(ok.out);
+  for (const char* key : {"prompt_tokens", "generated_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_bytes"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["prompt_tokens"].get<int>(), 5);  // BOS + 4 pieces
+  EXPECT_EQ(j["generated_tokens"].get<int>(), 40);
+  EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0.0);
+  // 44 cached tokens (the last sampled token is never fed back) in 16-token pages of 1280 B/token
+  EXPECT_EQ(j["kv_bytes"].get<int64_t>(), 3 * 16 * 1280);
+  // Greedy: the golden continuation of "Once upon a time" begins like llama2.c's.
+  EXPECT_EQ(j["text"].get<std::string>().rfind(", there was a little girl named Lily.", 0), 0u) << j["text"];
+}
+
+TEST(Cli, GenerateStreamsTextAndPrintsSummaryToStderr) {
+  const CliRun r = run_cli("generate --model " + repo_path("models/babyllama105/model5000.bin") +
+                    " --prompt 'The cat' -n 20 --temperature 0.7 --seed 3");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("prompt tokens:"), std::string::npos);
+  EXPECT_NE(r.out.find("decode:"), std::string::npos);
+}
+
+TEST(Cli, SyntheticModelDecodesAtSyntheticContext) {
+  const CliRun r = run_cli("generate --synthetic toy --synthetic-context 1000 --batch 3 -n 4 --json", false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["generated_tokens"].get<int>(), 12);
+  EXPECT_EQ(j["batch"].get<int>(), 3);
+  EXPECT_GT(j["kv_bytes"].get<int64_t>(), 3 * 1000 * 2 * 2 * 32 * 4);
+  const CliRun note = run_cli("generate --synthetic toy --synthetic-context 100 -n 2");
+  EXPECT_NE(note.out.find("measures speed, not quality"), std::string::npos);
+}
+
+TEST(Cli, BadInputGivesClearErrorsAndNonZeroExit) {
+  const std::string dir = testing::temp_dir("spx-cli");
+  // Missing file
+  CliRun r = run_cli("generate --model /nonexistent/model.bin --prompt hi");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/model.bin"), std::string::npos) << r.out;
+  // Truncated checkpoint
+  const std::string bytes = testing::read_text_file(repo_path("models/stories260K/stories260K.bin"));
+  testing::write_file(dir + "/trunc.bin", bytes.substr(0, 5000));
+  r = run_cli("generate --model " + dir + "/trunc.bin --tokenizer " + repo_path("models/stories260K/tok512.bin") + " --prompt hi");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("trunc.bin"), std::string::npos) << r.out;
+  // Bad JSON config
+  std::filesystem::create_directories(dir + "/hf");
+  testing::write_file(dir + "/hf/config.json", "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": ");
+  r = run_cli("inspect " + dir + "/hf");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("config.json"), std::string::npos) << r.out;
+  // Prompt longer than the context
+  std::string long_prompt;
+  for (int i = 0; i < 400; ++i) long_prompt += "Lily played. ";
+  testing::write_file(dir + "/long.txt", long_prompt);
+  r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt-file " + dir + "/long.txt -n 4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("longer than the context limit of 512"), std::string::npos) << r.out;
+  // Missing prompt file, unknown synthetic name, bad option value
+  r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt-file " + dir + "/nope.txt");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("nope.txt"), std::string::npos);
+  r = run_cli("generate --synthetic gpt-5");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("unknown synthetic model 'gpt-5'"), std::string::npos);
+  r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt hi --top-p 1.5");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("top_p"), std::string::npos);
+}
+
+TEST(Cli, InspectPrintsShapeAndKvBytes) {
+  const CliRun r = run_cli("inspect --json " + repo_path("models/babyllama105/babyllama105.gguf"), false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["architecture"], "llama");
+  EXPECT_EQ(j["format"], "gguf");
+  EXPECT_GT(j["parameters"].get<int64_t>(), 900000);
+  EXPECT_EQ(j["kv_bytes_per_token"].get<int64_t>(),
+            2 * j["layers"].get<int64_t>() * j["kv_heads"].get<int64_t>() * j["head_dim"].get<int64_t>() * 4);
+  EXPECT_GT(j["max_context"].get<int64_t>(), 0);
+}
+
+}  // namespace
+}  // namespace specontext

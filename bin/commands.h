@@ -54,4 +54,24 @@ struct InspectArgs {
 void register_inspect(CLI::App& app, InspectArgs& args);
 int run_inspect(const InspectArgs& args);
 
+struct PlanArgs {
+  ModelArgs model;
+  std::string hbm;
+  std::string host;          // SIZE[,SIZE per NUMA node]
+  std::string remote;        // SIZE[,SIZE per remote node]
+  std::string host_bw;       // GB/s per NUMA node to the device
+  std::string remote_bw;     // GB/s per remote node
+  double host_to_host_bw = 0;  // GB/s across NUMA nodes
+  int64_t requests = 0;
+  int64_t budget = 0;
+  int64_t seq = -1;
+  std::string kv_dtype = "bf16";
+  std::string head_size;     // overrides the computed retrieval-head bytes M_D
+  double runtime_factor = 1.3;
+  int64_t shortlist = 0;
+  bool json = false;
+};
+void register_plan(CLI::App& app, PlanArgs& args);
+int run_plan(const PlanArgs& args);
+
 }  // namespace specontext::cli

@@ -1,4 +1,4 @@
-// specontext: one binary, subcommands (generate, inspect).
+// specontext: one binary, subcommands (generate, inspect, plan).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -10,8 +10,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   specontext::cli::GenerateArgs gen;
   specontext::cli::InspectArgs inspect;
+  specontext::cli::PlanArgs plan;
   specontext::cli::register_generate(app, gen);
   specontext::cli::register_inspect(app, inspect);
+  specontext::cli::register_plan(app, plan);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -19,5 +21,6 @@ int main(int argc, char** argv) {
   }
   if (app.got_subcommand("generate")) return specontext::cli::run_generate(gen);
   if (app.got_subcommand("inspect")) return specontext::cli::run_inspect(inspect);
+  if (app.got_subcommand("plan")) return specontext::cli::run_plan(plan);
   return 2;
 }

@@ -7,24 +7,43 @@ namespace specontext {
 namespace {
 
 enum GgufValueType : uint32_t {
-  kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7,
-  kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
+  kU8 = 0,
+  kI8 = 1,
+  kU16 = 2,
+  kI16 = 3,
+  kU32 = 4,
+  kI32 = 5,
+  kF32 = 6,
+  kBool = 7,
+  kString = 8,
+  kArray = 9,
+  kU64 = 10,
+  kI64 = 11,
+  kF64 = 12,
 };
 
 const char* value_type_name(uint32_t t) {
-  static const char* const kNames[] = {"uint8", "int8",   "uint16", "int16", "uint32",
-                                       "int32", "float32", "bool",  "string", "array",
-                                       "uint64", "int64",  "float64"};
+  static const char* const kNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
+                                       "int32",  "float32", "bool",   "string", "array",
+                                       "uint64", "int64",   "float64"};
   return t <= kF64 ? kNames[t] : "unknown";
 }
 
 // Smallest encoding of one value of type t (strings: their u64 length).
 size_t min_value_bytes(uint32_t t) {
   switch (t) {
-    case kU8: case kI8: case kBool: return 1;
-    case kU16: case kI16: return 2;
-    case kU32: case kI32: case kF32: return 4;
-    case kU64: case kI64: case kF64: case kString: return 8;
+    case kU8:
+    case kI8:
+    case kBool: return 1;
+    case kU16:
+    case kI16: return 2;
+    case kU32:
+    case kI32:
+    case kF32: return 4;
+    case kU64:
+    case kI64:
+    case kF64:
+    case kString: return 8;
     default: return 12;  // array header
   }
 }
@@ -39,16 +58,16 @@ struct GgmlType {
 // ggml's type table (ggml.c type_traits), so files holding other quantisations still parse and
 // their sizes are checked; the loader decides which it can use.
 constexpr GgmlType kGgmlTypes[] = {
-    {0, "F32", 1, 4},        {1, "F16", 1, 2},        {2, "Q4_0", 32, 18},
-    {3, "Q4_1", 32, 20},     {6, "Q5_0", 32, 22},     {7, "Q5_1", 32, 24},
-    {8, "Q8_0", 32, 34},     {9, "Q8_1", 32, 36},     {10, "Q2_K", 256, 84},
-    {11, "Q3_K", 256, 110},  {12, "Q4_K", 256, 144},  {13, "Q5_K", 256, 176},
-    {14, "Q6_K", 256, 210},  {15, "Q8_K", 256, 292},  {16, "IQ2_XXS", 256, 66},
-    {17, "IQ2_XS", 256, 74}, {18, "IQ3_XXS", 256, 98}, {19, "IQ1_S", 256, 50},
-    {20, "IQ4_NL", 32, 18},  {21, "IQ3_S", 256, 110}, {22, "IQ2_S", 256, 82},
-    {23, "IQ4_XS", 256, 136}, {24, "I8", 1, 1},       {25, "I16", 1, 2},
-    {26, "I32", 1, 4},       {27, "I64", 1, 8},       {28, "F64", 1, 8},
-    {29, "IQ1_M", 256, 56},  {30, "BF16", 1, 2},      {34, "TQ1_0", 256, 54},
+    {0, "F32", 1, 4},         {1, "F16", 1, 2},         {2, "Q4_0", 32, 18},
+    {3, "Q4_1", 32, 20},      {6, "Q5_0", 32, 22},      {7, "Q5_1", 32, 24},
+    {8, "Q8_0", 32, 34},      {9, "Q8_1", 32, 36},      {10, "Q2_K", 256, 84},
+    {11, "Q3_K", 256, 110},   {12, "Q4_K", 256, 144},   {13, "Q5_K", 256, 176},
+    {14, "Q6_K", 256, 210},   {15, "Q8_K", 256, 292},   {16, "IQ2_XXS", 256, 66},
+    {17, "IQ2_XS", 256, 74},  {18, "IQ3_XXS", 256, 98}, {19, "IQ1_S", 256, 50},
+    {20, "IQ4_NL", 32, 18},   {21, "IQ3_S", 256, 110},  {22, "IQ2_S", 256, 82},
+    {23, "IQ4_XS", 256, 136}, {24, "I8", 1, 1},         {25, "I16", 1, 2},
+    {26, "I32", 1, 4},        {27, "I64", 1, 8},        {28, "F64", 1, 8},
+    {29, "IQ1_M", 256, 56},   {30, "BF16", 1, 2},       {34, "TQ1_0", 256, 54},
     {35, "TQ2_0", 256, 66},
 };
 

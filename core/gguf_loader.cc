@@ -44,9 +44,9 @@ class GgufBuilder {
                               std::to_string(cols) + "]), got " + shape_string(t->dims));
     }
     SPX_ASSIGN_OR_RETURN(DType dt, ggml_to_dtype(g_, *t));
-    SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_matrix(model_, dt, t->data, rows, cols, opts_,
-                                                            g_.source() + ": tensor \"" + name +
-                                                                "\""));
+    SPX_ASSIGN_OR_RETURN(*out,
+                         loader_internal::make_matrix(model_, dt, t->data, rows, cols, opts_,
+                                                      g_.source() + ": tensor \"" + name + "\""));
     return Status::ok();
   }
 
@@ -58,7 +58,8 @@ class GgufBuilder {
     }
     SPX_ASSIGN_OR_RETURN(DType dt, ggml_to_dtype(g_, *t));
     if (dt == DType::kQ8_0) {
-      return unimplemented(g_.source() + ": tensor \"" + name + "\": q8_0 vectors are not supported");
+      return unimplemented(g_.source() + ": tensor \"" + name +
+                           "\": q8_0 vectors are not supported");
     }
     *out = loader_internal::to_f32_vec(dt, t->data, static_cast<size_t>(n));
     return Status::ok();
@@ -91,8 +92,9 @@ Result<int32_t> token_id_or(const GgufFile& g, const std::string& key, int32_t d
 Status parse_rope_scaling(const GgufFile& g, const std::string& a, ModelConfig* c) {
   if (g.find_tensor("rope_freqs.weight") != nullptr) {
     // Llama 3.1+ conversions bake llama3 scaling into per-frequency factors.
-    return unimplemented(g.source() + ": tensor \"rope_freqs.weight\" (per-frequency RoPE factors) "
-                                      "is not supported");
+    return unimplemented(g.source() +
+                         ": tensor \"rope_freqs.weight\" (per-frequency RoPE factors) "
+                         "is not supported");
   }
   const std::string type_key = a + ".rope.scaling.type";
   if (!g.has(type_key)) return Status::ok();
@@ -144,9 +146,9 @@ Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const Lo
   SPX_ASSIGN_OR_RETURN(c.head_dim, int_or(*g, a + ".attention.key_length", c.dim / c.n_heads));
   SPX_ASSIGN_OR_RETURN(int64_t rot, int_or(*g, a + ".rope.dimension_count", c.head_dim));
   if (rot != c.head_dim) {
-    return unimplemented(path + ": key \"" + a + ".rope.dimension_count\" = " +
-                         std::to_string(rot) + " (partial rotary) differs from head_dim " +
-                         std::to_string(c.head_dim));
+    return unimplemented(path + ": key \"" + a +
+                         ".rope.dimension_count\" = " + std::to_string(rot) +
+                         " (partial rotary) differs from head_dim " + std::to_string(c.head_dim));
   }
   SPX_RETURN_IF_ERROR(parse_rope_scaling(*g, a, &c));
 

@@ -36,8 +36,8 @@ bool safe_relative_name(const std::string& name) {
   size_t start = 0;
   while (start <= name.size()) {
     const size_t slash = name.find('/', start);
-    const std::string part = name.substr(start, slash == std::string::npos ? std::string::npos
-                                                                             : slash - start);
+    const std::string part =
+        name.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
     if (part == "..") return false;
     if (slash == std::string::npos) break;
     start = slash + 1;
@@ -123,9 +123,9 @@ class HfBuilder {
   Status matrix(const std::string& name, int64_t rows, int64_t cols, WeightMatrix* out) {
     SPX_ASSIGN_OR_RETURN(Located l, find(name));
     SPX_RETURN_IF_ERROR(check(l, {rows, cols}));
-    SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_matrix(
-                                   model_, l.tensor->dtype, l.tensor->data, rows, cols, opts_,
-                                   l.file->source() + ": tensor \"" + name + "\""));
+    SPX_ASSIGN_OR_RETURN(
+        *out, loader_internal::make_matrix(model_, l.tensor->dtype, l.tensor->data, rows, cols,
+                                           opts_, l.file->source() + ": tensor \"" + name + "\""));
     return Status::ok();
   }
 
@@ -157,8 +157,8 @@ Result<std::shared_ptr<Model>> load_hf_model(const std::string& dir, const LoadO
   ModelConfig& c = config;
   HfBuilder b(weights, model.get(), opts);
 
-  SPX_RETURN_IF_ERROR(b.matrix("model.embed_tokens.weight", c.vocab_size, c.dim,
-                               &model->tok_embeddings));
+  SPX_RETURN_IF_ERROR(
+      b.matrix("model.embed_tokens.weight", c.vocab_size, c.dim, &model->tok_embeddings));
   model->layers.resize(static_cast<size_t>(c.n_layers));
   for (int64_t i = 0; i < c.n_layers; ++i) {
     LayerWeights& l = model->layers[static_cast<size_t>(i)];

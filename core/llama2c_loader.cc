@@ -17,8 +17,8 @@ struct Llama2cHeader {
 std::string header_string(const Llama2cHeader& h) {
   return "dim=" + std::to_string(h.dim) + " hidden_dim=" + std::to_string(h.hidden_dim) +
          " n_layers=" + std::to_string(h.n_layers) + " n_heads=" + std::to_string(h.n_heads) +
-         " n_kv_heads=" + std::to_string(h.n_kv_heads) + " vocab_size=" +
-         std::to_string(h.vocab_size) + " seq_len=" + std::to_string(h.seq_len);
+         " n_kv_heads=" + std::to_string(h.n_kv_heads) +
+         " vocab_size=" + std::to_string(h.vocab_size) + " seq_len=" + std::to_string(h.seq_len);
 }
 
 Status check_field(const std::string& path, const char* field, int64_t v) {
@@ -47,7 +47,8 @@ class Cursor {
 
 }  // namespace
 
-Result<std::shared_ptr<Model>> load_llama2c_model(const std::string& path, const LoadOptions& opts) {
+Result<std::shared_ptr<Model>> load_llama2c_model(const std::string& path,
+                                                  const LoadOptions& opts) {
   SPX_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> map, MappedFile::open(path));
   Llama2cHeader h{};
   if (map->size() < sizeof(h)) {
@@ -87,7 +88,7 @@ Result<std::shared_ptr<Model>> load_llama2c_model(const std::string& path, const
   c.rope_theta = 10000.0;
   c.rope_style = RopeStyle::kInterleaved;  // llama2.c rotates (2i, 2i+1) pairs
   c.norm_eps = 1e-5f;
-  c.tie_embeddings = h.vocab_size > 0;  // a negative vocab_size flags a separate classifier
+  c.tie_embeddings = h.vocab_size > 0;         // a negative vocab_size flags a separate classifier
   c.bos_token_id = c.vocab_size > 1 ? 1 : -1;  // the llama2.c tokenizer's <s> and </s>
   c.eos_token_id = c.vocab_size > 2 ? 2 : -1;
   SPX_RETURN_IF_ERROR(c.validate(path));
@@ -115,8 +116,8 @@ Result<std::shared_ptr<Model>> load_llama2c_model(const std::string& path, const
   model->format = "llama2c";
   model->storage.push_back(map);
   Cursor cur(map->data(), sizeof(h));
-  auto mat = [&](const float* p, int64_t rows, int64_t cols, const std::string& what)
-      -> Result<WeightMatrix> {
+  auto mat = [&](const float* p, int64_t rows, int64_t cols,
+                 const std::string& what) -> Result<WeightMatrix> {
     return loader_internal::make_matrix(model.get(), DType::kF32, p, rows, cols, opts,
                                         path + ": " + what);
   };

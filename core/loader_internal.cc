@@ -117,8 +117,7 @@ Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t
   }
   switch (t) {
     case DType::kF16:
-    case DType::kBF16:
-      break;
+    case DType::kBF16: break;
     case DType::kQ8_0:
       if (cols % 32 != 0) {
         return invalid_argument(what + ": q8_0 rows need a multiple of 32 columns, got " +
@@ -132,7 +131,8 @@ Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t
   auto buf = alloc_array<float>(static_cast<size_t>(n));
   if (!buf) return resource_exhausted(what + ": out of memory converting to f32");
   if (t == DType::kQ8_0) {
-    convert_to_f32(t, src, buf.get(), static_cast<size_t>(n));  // byte-wise reads: no alignment need
+    convert_to_f32(t, src, buf.get(),
+                   static_cast<size_t>(n));  // byte-wise reads: no alignment need
   } else {
     convert_aligned(t, src, buf.get(), static_cast<size_t>(n));
   }
@@ -164,7 +164,8 @@ void unify_weight_dtype(Model* model) {
       if (it == converted.end()) {
         const size_t n = static_cast<size_t>(m->rows * m->cols);
         auto buf = alloc_array<float>(n);
-        if (!buf) continue;  // out of memory: leave this one as bf16; weight_dtype stays honest below
+        if (!buf)
+          continue;  // out of memory: leave this one as bf16; weight_dtype stays honest below
         convert_aligned(DType::kBF16, m->data, buf.get(), n);
         model->storage.push_back(std::shared_ptr<const void>(buf, buf.get()));
         it = converted.emplace(m->data, buf.get()).first;

@@ -57,7 +57,8 @@ Status Model::validate() const {
   SPX_RETURN_IF_ERROR(check_matrix(src, "lm_head", lm_head, c.vocab_size, c.dim));
   SPX_RETURN_IF_ERROR(check_vec(src, "final_norm", final_norm, c.dim));
   if (c.tie_embeddings && lm_head.data != tok_embeddings.data) {
-    return invalid_argument(src + ": lm_head: config says tied embeddings but lm_head has its own data");
+    return invalid_argument(src +
+                            ": lm_head: config says tied embeddings but lm_head has its own data");
   }
   if (static_cast<int64_t>(layers.size()) != c.n_layers) {
     return invalid_argument(src + ": layers: expected " + std::to_string(c.n_layers) + ", got " +

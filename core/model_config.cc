@@ -71,18 +71,19 @@ Status ModelConfig::validate(std::string_view source) const {
   }
   const RopeScaling& s = rope_scaling;
   switch (s.type) {
-    case RopeScalingType::kNone:
-      break;
+    case RopeScalingType::kNone: break;
     case RopeScalingType::kLinear:
       SPX_RETURN_IF_ERROR(check_positive(source, "rope_scaling.factor", s.factor));
       break;
     case RopeScalingType::kLlama3:
       SPX_RETURN_IF_ERROR(check_positive(source, "rope_scaling.factor", s.factor));
-      SPX_RETURN_IF_ERROR(check_positive(source, "rope_scaling.low_freq_factor", s.low_freq_factor));
+      SPX_RETURN_IF_ERROR(
+          check_positive(source, "rope_scaling.low_freq_factor", s.low_freq_factor));
       SPX_RETURN_IF_ERROR(
           check_positive(source, "rope_scaling.high_freq_factor", s.high_freq_factor));
       if (!(s.high_freq_factor > s.low_freq_factor)) {
-        return invalid_argument(src + ": rope_scaling.high_freq_factor must exceed low_freq_factor");
+        return invalid_argument(src +
+                                ": rope_scaling.high_freq_factor must exceed low_freq_factor");
       }
       SPX_RETURN_IF_ERROR(check_range(source, "rope_scaling.original_max_position_embeddings",
                                       s.original_max_position_embeddings, kMaxSeq));

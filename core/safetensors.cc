@@ -27,13 +27,13 @@ struct DTypeInfo {
 // Every dtype the safetensors spec defines, so files with extra tensors of exotic types still
 // parse; only `supported` ones can be turned into weights.
 constexpr DTypeInfo kDTypes[] = {
-    {"F64", 8, false, DType::kU8},      {"F32", 4, true, DType::kF32},
-    {"F16", 2, true, DType::kF16},      {"BF16", 2, true, DType::kBF16},
-    {"I64", 8, true, DType::kI64},      {"I32", 4, true, DType::kI32},
-    {"I16", 2, false, DType::kU8},      {"I8", 1, false, DType::kU8},
-    {"U64", 8, false, DType::kU8},      {"U32", 4, false, DType::kU8},
-    {"U16", 2, false, DType::kU8},      {"U8", 1, true, DType::kU8},
-    {"BOOL", 1, false, DType::kU8},     {"F8_E4M3", 1, false, DType::kU8},
+    {"F64", 8, false, DType::kU8},     {"F32", 4, true, DType::kF32},
+    {"F16", 2, true, DType::kF16},     {"BF16", 2, true, DType::kBF16},
+    {"I64", 8, true, DType::kI64},     {"I32", 4, true, DType::kI32},
+    {"I16", 2, false, DType::kU8},     {"I8", 1, false, DType::kU8},
+    {"U64", 8, false, DType::kU8},     {"U32", 4, false, DType::kU8},
+    {"U16", 2, false, DType::kU8},     {"U8", 1, true, DType::kU8},
+    {"BOOL", 1, false, DType::kU8},    {"F8_E4M3", 1, false, DType::kU8},
     {"F8_E5M2", 1, false, DType::kU8},
 };
 
@@ -248,10 +248,10 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
       if (bytes > 0 && t.data == nullptr) {
         return invalid_argument(path + ": tensor " + quote_name(t.name) + ": no data");
       }
-      header[t.name] = {{"dtype", std::string(dn)},
-                        {"shape", t.shape},
-                        {"data_offsets",
-                         nlohmann::json::array({offset, offset + static_cast<uint64_t>(bytes)})}};
+      header[t.name] = {
+          {"dtype", std::string(dn)},
+          {"shape", t.shape},
+          {"data_offsets", nlohmann::json::array({offset, offset + static_cast<uint64_t>(bytes)})}};
       offset += static_cast<uint64_t>(bytes);
       sizes.push_back(static_cast<uint64_t>(bytes));
     }

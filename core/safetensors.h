@@ -17,12 +17,12 @@ namespace specontext {
 
 struct SafetensorsTensor {
   std::string name;
-  std::string dtype_name;      // as written in the file: "F32", "BF16", "I8", ...
-  size_t element_size = 0;     // bytes per element of dtype_name
-  bool supported = false;      // dtype maps to a DType this project handles
-  DType dtype = DType::kU8;    // meaningful only when supported
+  std::string dtype_name;    // as written in the file: "F32", "BF16", "I8", ...
+  size_t element_size = 0;   // bytes per element of dtype_name
+  bool supported = false;    // dtype maps to a DType this project handles
+  DType dtype = DType::kU8;  // meaningful only when supported
   std::vector<int64_t> shape;
-  uint64_t begin = 0;          // byte offsets relative to the data section
+  uint64_t begin = 0;  // byte offsets relative to the data section
   uint64_t end = 0;
   const uint8_t* data = nullptr;  // resolved pointer into the buffer
   size_t n_bytes() const { return static_cast<size_t>(end - begin); }
@@ -66,7 +66,8 @@ struct NamedTensor {
 
 // Writes a safetensors file (tensors laid out in the given order, header padded to 8 bytes so
 // f32 payloads stay aligned in a memory map). Fails on duplicate names or unsupported dtypes.
-[[nodiscard]] Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+[[nodiscard]] Status write_safetensors(const std::string& path,
+                                       const std::vector<NamedTensor>& tensors,
                                        const std::map<std::string, std::string>& metadata = {});
 
 // Safetensors dtype string for a DType ("F32", "BF16", ...); empty when it has none (q8_0).

@@ -125,9 +125,10 @@ int parse_byte_piece(std::string_view piece) {
 void SpecialSplitter::add(std::string piece, TokenId id, bool special) {
   if (piece.empty()) return;  // an empty piece would match everywhere
   auto& list = by_first_byte_[static_cast<uint8_t>(piece[0])];
-  list.push_back(Entry{std::move(piece), id, special});
-  std::stable_sort(list.begin(), list.end(),
-                   [](const Entry& a, const Entry& b) { return a.piece.size() > b.piece.size(); });
+  // Keep longest first; equal lengths stay in insertion order (lower ids win).
+  auto at = std::upper_bound(list.begin(), list.end(), piece.size(),
+                             [](size_t len, const Entry& e) { return len > e.piece.size(); });
+  list.insert(at, Entry{std::move(piece), id, special});
   ++count_;
 }
 

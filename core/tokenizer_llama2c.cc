@@ -231,6 +231,10 @@ Result<std::unique_ptr<Tokenizer>> parse_llama2c_tokenizer(const uint8_t* data, 
         return data_loss(source + ": " + at + " length " + std::to_string(len) +
                          " exceeds max_token_length " + std::to_string(max_len));
       }
+      if (static_cast<size_t>(len) > rd.remaining()) {  // before allocating: len is untrusted
+        return data_loss(source + ": truncated: " + at + " has length " + std::to_string(len) +
+                         " but only " + std::to_string(rd.remaining()) + " bytes remain");
+      }
       std::string piece(static_cast<size_t>(len), '\0');
       SPX_RETURN_IF_ERROR(rd.read_bytes(piece.data(), piece.size(), at + " bytes"));
       pieces.push_back(std::move(piece));

@@ -15,7 +15,8 @@ namespace specontext {
 namespace {
 
 bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 bool has_gguf_magic(const std::string& path) {
@@ -71,8 +72,9 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer_for(const Model& model,
       const std::string tok = find_llama2c_tokenizer(d);
       if (!tok.empty()) return load_llama2c_tokenizer(tok, vocab);
     }
-    return not_found(dir + ": no tokenizer.json, tokenizer.bin or tok*.bin here or in the parent "
-                           "directory; pass the tokenizer explicitly");
+    return not_found(dir +
+                     ": no tokenizer.json, tokenizer.bin or tok*.bin here or in the parent "
+                     "directory; pass the tokenizer explicitly");
   }
   if (model.format == "llama2c") {
     const std::string dir = parent_dir(model.source);

@@ -1,10 +1,10 @@
 #include "cpu/cpu_backend.h"
 
 #include <dlfcn.h>
-#include <oneapi/dnnl/dnnl.hpp>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
+#include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -23,13 +23,17 @@
 #include "cpu/numa.h"
 #include "cpu/reference_backend.h"
 
-// Hot loops are compiled for several ISAs and picked at load time (GCC ifunc), so the binary
-// stays portable (default x86-64 target) yet uses AVX2/AVX-512 where the CPU has them.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SPX_MULTIVERSION \
-  __attribute__((target_clones("default", "arch=haswell", "arch=skylake-avx512")))
+// Hot loops are compiled three times (baseline x86-64, AVX2+FMA, AVX-512) and one variant is
+// picked per process from the CPU's features, so the binary keeps the portable default target
+// yet uses wide vectors where they exist. SPECONTEXT_CPU_ISA=base|avx2|avx512 caps the choice
+// (for tests and comparisons). target_clones("arch=...") is not used: GCC 12 dispatches those
+// on the CPU model name, which VMs often hide.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPX_HAVE_ISA_VARIANTS 1
+#define SPX_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
+#define SPX_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")))
 #else
-#define SPX_MULTIVERSION
+#define SPX_HAVE_ISA_VARIANTS 0
 #endif
 #define SPX_INLINE inline __attribute__((always_inline))
 
@@ -53,16 +57,59 @@ SPX_INLINE float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-SPX_INLINE float bf16_bits_to_f32(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+// Dot products of q with four consecutive rows of k (row stride n).
+SPX_INLINE void dot4(const float* q, const float* k, int64_t n, float* out) {
+  float a0[16] = {}, a1[16] = {}, a2[16] = {}, a3[16] = {};
+  const float* k0 = k;
+  const float* k1 = k + n;
+  const float* k2 = k + 2 * n;
+  const float* k3 = k + 3 * n;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const float qv = q[i + l];
+      a0[l] += qv * k0[i + l];
+      a1[l] += qv * k1[i + l];
+      a2[l] += qv * k2[i + l];
+      a3[l] += qv * k3[i + l];
+    }
+  }
+  for (int l = 0; l < 8; ++l) {
+    a0[l] += a0[l + 8];
+    a1[l] += a1[l + 8];
+    a2[l] += a2[l + 8];
+    a3[l] += a3[l + 8];
+  }
+  for (int l = 0; l < 4; ++l) {
+    a0[l] += a0[l + 4];
+    a1[l] += a1[l + 4];
+    a2[l] += a2[l + 4];
+    a3[l] += a3[l + 4];
+  }
+  float s0 = (a0[0] + a0[2]) + (a0[1] + a0[3]);
+  float s1 = (a1[0] + a1[2]) + (a1[1] + a1[3]);
+  float s2 = (a2[0] + a2[2]) + (a2[1] + a2[3]);
+  float s3 = (a3[0] + a3[2]) + (a3[1] + a3[3]);
+  for (; i < n; ++i) {
+    s0 += q[i] * k0[i];
+    s1 += q[i] * k1[i];
+    s2 += q[i] * k2[i];
+    s3 += q[i] * k3[i];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
 }
+
+SPX_INLINE float bf16_bits_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 
 // exp(x) with ~2 ulp error (Cephes expf polynomial), branch-free so loops over it vectorise.
 // Inputs are clamped to the normal range: exp(-87.3) ~ 1e-38 stands in for smaller results.
 SPX_INLINE float fast_exp(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = x - n * 0.693359375f - n * -2.12194440e-4f;                // Cody-Waite
+  const float r = x - n * 0.693359375f - n * -2.12194440e-4f;              // Cody-Waite
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -75,11 +122,10 @@ SPX_INLINE float fast_exp(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Multiversioned kernels
+// Kernel bodies, instantiated once per ISA by SPX_DISPATCH below
 
-SPX_MULTIVERSION
-void rmsnorm_rows(const float* x, const float* w, int64_t r0, int64_t r1, int64_t dim, float eps,
-                  float* y) {
+SPX_INLINE void rmsnorm_rows_body(const float* x, const float* w, int64_t r0, int64_t r1, int64_t dim,
+                                  float eps, float* y) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = x + r * dim;
     const float ss = dot(xr, xr, dim);
@@ -89,33 +135,28 @@ void rmsnorm_rows(const float* x, const float* w, int64_t r0, int64_t r1, int64_
   }
 }
 
-SPX_MULTIVERSION
-void swiglu_range(const float* gate, const float* up, int64_t n, float* out) {
+SPX_INLINE void swiglu_range_body(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     out[i] = g / (1.0f + fast_exp(-g)) * up[i];
   }
 }
 
-SPX_MULTIVERSION
-void add_range(float* x, const float* y, int64_t n) {
+SPX_INLINE void add_range_body(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
-SPX_MULTIVERSION
-void bf16_to_f32_range(const uint16_t* src, float* dst, int64_t n) {
+SPX_INLINE void bf16_to_f32_range_body(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(src[i]);
 }
 
-SPX_MULTIVERSION
-void f32_to_bf16_range(const float* src, uint16_t* dst, int64_t n) {
+SPX_INLINE void f32_to_bf16_range_body(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
 // y[:, n0:n1] of x[m, K] · W[N, K]ᵀ, W f32. Fallback when oneDNN has no primitive.
-SPX_MULTIVERSION
-void matmul_rows_f32(const float* x, int64_t m, int64_t k, const float* w, const float* bias,
-                     int64_t n0, int64_t n1, int64_t n_total, float* y) {
+SPX_INLINE void matmul_rows_f32_body(const float* x, int64_t m, int64_t k, const float* w, const float* bias,
+                                     int64_t n0, int64_t n1, int64_t n_total, float* y) {
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * k;
     const float b = bias != nullptr ? bias[n] : 0.0f;
@@ -124,9 +165,9 @@ void matmul_rows_f32(const float* x, int64_t m, int64_t k, const float* w, const
 }
 
 // Same with bf16 weights, each row widened once into `wbuf` [K] and reused for all m inputs.
-SPX_MULTIVERSION
-void matmul_rows_bf16(const float* x, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-                      int64_t n0, int64_t n1, int64_t n_total, float* wbuf, float* y) {
+SPX_INLINE void matmul_rows_bf16_body(const float* x, int64_t m, int64_t k, const uint16_t* w,
+                                      const float* bias, int64_t n0, int64_t n1, int64_t n_total, float* wbuf,
+                                      float* y) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* wr = w + n * k;
     for (int64_t c = 0; c < k; ++c) wbuf[c] = bf16_bits_to_f32(wr[c]);
@@ -138,39 +179,126 @@ void matmul_rows_bf16(const float* x, int64_t m, int64_t k, const uint16_t* w, c
 // One block of `n` consecutive keys (contiguous rows of K and V) folded into the online-softmax
 // state of `nq` queries. q is pre-scaled by 1/sqrt(d). valid[r] = how many leading keys of the
 // block query r may see (causal mask). s is scratch of >= n floats.
-SPX_MULTIVERSION
-void attend_block(const float* q, int64_t nq, int64_t d, const int64_t* valid, const float* k,
-                  const float* v, float* m_state, float* l_state, float* acc, float* s) {
+SPX_INLINE void attend_block_body(const float* q, int64_t nq, int64_t d, const int64_t* valid, const float* k,
+                                  const float* v, float* m_state, float* l_state, float* acc, float* s) {
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t nv = valid[r];
     if (nv <= 0) continue;
     const float* qr = q + r * d;
+    // Scores four keys at a time: four independent accumulator chains, q loaded once.
+    int64_t j = 0;
+    for (; j + 4 <= nv; j += 4) dot4(qr, k + j * d, d, s + j);
+    for (; j < nv; ++j) s[j] = dot(qr, k + j * d, d);
     float block_max = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < nv; ++j) {
-      s[j] = dot(qr, k + j * d, d);
-      block_max = std::max(block_max, s[j]);
-    }
+    for (j = 0; j < nv; ++j) block_max = std::max(block_max, s[j]);
     const float m_old = m_state[r];
     const float m_new = std::max(m_old, block_max);
     float sum = 0.0f;
-    for (int64_t j = 0; j < nv; ++j) s[j] = fast_exp(s[j] - m_new);
-    for (int64_t j = 0; j < nv; ++j) sum += s[j];
+    for (j = 0; j < nv; ++j) s[j] = fast_exp(s[j] - m_new);
+    for (j = 0; j < nv; ++j) sum += s[j];
     float* ar = acc + r * d;
     if (m_new != m_old) {
-      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f
-                                                                           : fast_exp(m_old - m_new);
+      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m_old - m_new);
       l_state[r] *= alpha;
       for (int64_t e = 0; e < d; ++e) ar[e] *= alpha;
       m_state[r] = m_new;
     }
     l_state[r] += sum;
-    for (int64_t j = 0; j < nv; ++j) {
+    // Four V rows per pass: one load/store of the accumulator row per four keys.
+    for (j = 0; j + 4 <= nv; j += 4) {
+      const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
+      const float* v0 = v + j * d;
+      const float* v1 = v0 + d;
+      const float* v2 = v1 + d;
+      const float* v3 = v2 + d;
+      for (int64_t e = 0; e < d; ++e) ar[e] += (p0 * v0[e] + p1 * v1[e]) + (p2 * v2[e] + p3 * v3[e]);
+    }
+    for (; j < nv; ++j) {
       const float p = s[j];
       const float* vj = v + j * d;
       for (int64_t e = 0; e < d; ++e) ar[e] += p * vj[e];
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// ISA dispatch
+
+enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa detect_isa() {
+  Isa best = Isa::kBase;
+#if SPX_HAVE_ISA_VARIANTS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("bmi2")) {
+    best = Isa::kAvx2;
+  }
+  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    best = Isa::kAvx512;
+  }
+#endif
+  if (const char* cap = std::getenv("SPECONTEXT_CPU_ISA")) {
+    Isa limit = best;
+    if (std::strcmp(cap, "base") == 0) limit = Isa::kBase;
+    if (std::strcmp(cap, "avx2") == 0) limit = Isa::kAvx2;
+    if (static_cast<int>(limit) < static_cast<int>(best)) best = limit;
+  }
+  return best;
+}
+
+Isa active_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "base";
+  }
+}
+
+#if SPX_HAVE_ISA_VARIANTS
+#define SPX_DISPATCH(name, params, args)                                 \
+  SPX_TARGET_AVX512 void name##_avx512 params { name##_body args; }      \
+  SPX_TARGET_AVX2 void name##_avx2 params { name##_body args; }          \
+  void name##_base params { name##_body args; }                          \
+  void name params {                                                     \
+    static const auto fn = active_isa() == Isa::kAvx512 ? &name##_avx512 \
+                           : active_isa() == Isa::kAvx2 ? &name##_avx2   \
+                                                        : &name##_base;  \
+    fn args;                                                             \
+  }
+#else
+#define SPX_DISPATCH(name, params, args) \
+  void name params { name##_body args; }
+#endif
+
+SPX_DISPATCH(rmsnorm_rows,
+             (const float* x, const float* w, int64_t r0, int64_t r1, int64_t dim, float eps, float* y),
+             (x, w, r0, r1, dim, eps, y))
+SPX_DISPATCH(swiglu_range, (const float* gate, const float* up, int64_t n, float* out), (gate, up, n, out))
+SPX_DISPATCH(add_range, (float* x, const float* y, int64_t n), (x, y, n))
+SPX_DISPATCH(bf16_to_f32_range, (const uint16_t* src, float* dst, int64_t n), (src, dst, n))
+SPX_DISPATCH(f32_to_bf16_range, (const float* src, uint16_t* dst, int64_t n), (src, dst, n))
+SPX_DISPATCH(matmul_rows_f32,
+             (const float* x, int64_t m, int64_t k, const float* w, const float* bias, int64_t n0, int64_t n1,
+              int64_t n_total, float* y),
+             (x, m, k, w, bias, n0, n1, n_total, y))
+SPX_DISPATCH(matmul_rows_bf16,
+             (const float* x, int64_t m, int64_t k, const uint16_t* w, const float* bias, int64_t n0,
+              int64_t n1, int64_t n_total, float* wbuf, float* y),
+             (x, m, k, w, bias, n0, n1, n_total, wbuf, y))
+SPX_DISPATCH(attend_block,
+             (const float* q, int64_t nq, int64_t d, const int64_t* valid, const float* k, const float* v,
+              float* m_state, float* l_state, float* acc, float* s),
+             (q, nq, d, valid, k, v, m_state, l_state, acc, s))
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -227,17 +355,17 @@ struct MatmulPlan {
   std::unordered_map<int, dnnl::memory> args;
 };
 
-constexpr size_t kMaxPlans = 256;      // prefill chunk sizes vary; bound the cache
-constexpr int64_t kKeyBlock = 64;      // keys per attention block (K and V block fit L1/L2)
-constexpr int64_t kMinChunk = 512;     // smallest automatic split-K chunk
+constexpr size_t kMaxPlans = 256;        // prefill chunk sizes vary; bound the cache
+constexpr int64_t kKeyBlock = 64;        // keys per attention block (K and V block fit L1/L2)
+constexpr int64_t kMinChunk = 512;       // smallest automatic split-K chunk
 constexpr int64_t kMaxTileQueries = 32;  // queries (tokens x heads of a group) per task
 
 struct AttnTask {
   int64_t item;
   int64_t kvh;
-  int64_t t0, t1;       // tokens of the item (relative to its first new token)
-  int64_t k0, k1;       // key positions covered by this task
-  int64_t partial;      // offset into the partial buffer, -1: write the output directly
+  int64_t t0, t1;   // tokens of the item (relative to its first new token)
+  int64_t k0, k1;   // key positions covered by this task
+  int64_t partial;  // offset into the partial buffer, -1: write the output directly
 };
 struct AttnGroup {  // tasks [task_begin, task_end) split one (item, tile, kv head) over keys
   size_t task_begin, task_end;
@@ -282,10 +410,8 @@ struct CpuBackend::Impl {
   }
 
   MatmulPlan& plan_for(const MatmulKey& key);
-  Status matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
-                         float* y);
-  Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
-                   float* out);
+  Status matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
+  Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads, float* out);
 };
 
 MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
@@ -302,17 +428,17 @@ MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
     dnnl::memory::desc w_md({key.k, key.n}, in_type, tag::ba);
     dnnl::memory::desc dst_md({key.m, key.n}, dt::f32, tag::ab);
     dnnl::memory::desc bias_md({1, key.n}, dt::f32, tag::ab);
-    auto make_desc = [&] {
-      return key.bias ? dnnl::matmul::desc(src_md, w_md, bias_md, dst_md)
-                      : dnnl::matmul::desc(src_md, w_md, dst_md);
-    };
+    // Must outlive every primitive_desc built from it: the implementation iterator behind
+    // next_impl() keeps a pointer to it.
+    const dnnl::matmul::desc desc = key.bias ? dnnl::matmul::desc(src_md, w_md, bias_md, dst_md)
+                                             : dnnl::matmul::desc(src_md, w_md, dst_md);
     auto is_ref = [](const char* impl) { return std::strstr(impl, "ref") != nullptr; };
     // For f32 with m <= 2 the jit GEMV beats brgemm, which repacks the weights on every call
     // (measured 2x at K = N = 2048). Elsewhere oneDNN's first choice is its best.
     const bool prefer_gemm = key.dtype == DType::kF32 && key.m <= 2;
     int chosen = -1;
     {
-      dnnl::matmul::primitive_desc pd(make_desc(), engine, /*allow_empty=*/true);
+      dnnl::matmul::primitive_desc pd(desc, engine, /*allow_empty=*/true);
       int index = 0;
       int first_fast = -1;
       if (pd) {
@@ -331,9 +457,15 @@ MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
       if (chosen < 0) chosen = first_fast;
     }
     if (chosen < 0) return plan;  // unusable: only reference code, or nothing
-    dnnl::matmul::primitive_desc pd(make_desc(), engine);
+    dnnl::matmul::primitive_desc pd(desc, engine);
     for (int i = 0; i < chosen; ++i) pd.next_impl();
     plan.impl = pd.impl_info_str();
+    if (verbose_logging()) {
+      std::fprintf(stderr, "[specontext cpu] matmul m=%lld k=%lld n=%lld %s%s: oneDNN %s\n",
+                   static_cast<long long>(key.m), static_cast<long long>(key.k),
+                   static_cast<long long>(key.n), std::string(dtype_name(key.dtype)).c_str(),
+                   key.bias ? " +bias" : "", plan.impl.c_str());
+    }
     plan.prim = dnnl::matmul(pd);
     // Null handles now; set_data_handle points them at the caller's buffers on every call.
     plan.src = dnnl::memory(src_md, engine, nullptr);
@@ -350,16 +482,15 @@ MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
     if (verbose_logging()) {
       std::fprintf(stderr, "[specontext cpu] no oneDNN matmul for m=%lld k=%lld n=%lld %s: %s\n",
                    static_cast<long long>(key.m), static_cast<long long>(key.k),
-                   static_cast<long long>(key.n), std::string(dtype_name(key.dtype)).c_str(),
-                   e.what());
+                   static_cast<long long>(key.n), std::string(dtype_name(key.dtype)).c_str(), e.what());
     }
     plan = MatmulPlan{};
   }
   return plan;
 }
 
-Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const WeightMatrix& w,
-                                         const float* bias, float* y) {
+Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                                         float* y) {
   const int64_t n_total = w.rows;
   const int64_t k = w.cols;
   // Enough output rows per task that each streams a few hundred KB of weights.
@@ -372,8 +503,7 @@ Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const Weight
     parallel(n_total, grain, [&](int64_t n0, int64_t n1) {
       thread_local std::vector<float> wbuf;
       if (wbuf.size() < static_cast<size_t>(k)) wbuf.resize(static_cast<size_t>(k));
-      matmul_rows_bf16(x, m, k, static_cast<const uint16_t*>(w.data), bias, n0, n1, n_total,
-                       wbuf.data(), y);
+      matmul_rows_bf16(x, m, k, static_cast<const uint16_t*>(w.data), bias, n0, n1, n_total, wbuf.data(), y);
     });
   }
   return Status::ok();
@@ -451,13 +581,13 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
     const size_t need = static_cast<size_t>(nq * d * 2 + nq * 2 + kKeyBlock);
     if (scratch.size() < need) scratch.resize(need);
     if (limits.size() < static_cast<size_t>(nq * 2)) limits.resize(static_cast<size_t>(nq * 2));
-    float* qs = scratch.data();    // [nq, d] scaled queries
-    float* acc = qs + nq * d;      // [nq, d]
-    float* m_state = acc + nq * d; // [nq]
-    float* l_state = m_state + nq; // [nq]
-    float* s = l_state + nq;       // [kKeyBlock]
-    int64_t* limit = limits.data();      // [nq] first key position query r may not see
-    int64_t* valid = limit + nq;         // [nq] per block
+    float* qs = scratch.data();      // [nq, d] scaled queries
+    float* acc = qs + nq * d;        // [nq, d]
+    float* m_state = acc + nq * d;   // [nq]
+    float* l_state = m_state + nq;   // [nq]
+    float* s = l_state + nq;         // [kKeyBlock]
+    int64_t* limit = limits.data();  // [nq] first key position query r may not see
+    int64_t* valid = limit + nq;     // [nq] per block
     for (int64_t t = task.t0; t < task.t1; ++t) {
       // Heads kvh*group .. kvh*group+group-1 are adjacent in q's row.
       const float* src = q + ((it.token_offset + t) * n_heads + task.kvh * group) * d;
@@ -474,8 +604,8 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
       const int64_t n = std::min({kKeyBlock, kv.page_size - slot, task.k1 - pos});
       for (int64_t r = 0; r < nq; ++r) valid[r] = std::clamp<int64_t>(limit[r] - pos, 0, n);
       const int64_t off = (task.kvh * kv.page_size + slot) * d;
-      attend_block(qs, nq, d, valid, kv.k_pages[page] + off, kv.v_pages[page] + off, m_state,
-                   l_state, acc, s);
+      attend_block(qs, nq, d, valid, kv.k_pages[page] + off, kv.v_pages[page] + off, m_state, l_state, acc,
+                   s);
       pos += n;
     }
     if (task.partial < 0) {
@@ -579,8 +709,9 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(const CpuBackendOptions& 
     impl->engine = dnnl::engine(dnnl::engine::kind::cpu, 0);
     impl->stream = dnnl::stream(impl->engine);
     if (verbose_logging()) {
-      std::fprintf(stderr, "[specontext cpu] backend: node %d of %d, %d threads, oneDNN %s\n", node,
-                   nodes, threads, impl->omp_set_num_threads ? "OpenMP" : "(no omp symbol)");
+      std::fprintf(stderr, "[specontext cpu] backend: node %d of %d, %d threads, kernels %s, oneDNN %s\n",
+                   node, nodes, threads, isa_name(active_isa()),
+                   impl->omp_set_num_threads ? "OpenMP" : "(no omp symbol)");
     }
     return Status::ok();
   });
@@ -601,8 +732,7 @@ bool CpuBackend::supports(BackendOp op, DType weight_dtype) const {
     case BackendOp::kMatmul:
       return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
     case BackendOp::kEmbed:
-      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
-             weight_dtype == DType::kF16;
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 || weight_dtype == DType::kF16;
     default:
       return true;  // no weight matrix involved
   }
@@ -635,8 +765,7 @@ Status CpuBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& tabl
   });
 }
 
-Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
-                          float* y) {
+Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) {
   SPX_RETURN_IF_ERROR(check_matmul_dtype(w.dtype));
   if (m <= 0 || w.rows <= 0) return Status::ok();
   if (w.cols <= 0) {  // empty reduction: y = bias or 0 (oneDNN rejects zero-size K)
@@ -664,16 +793,15 @@ Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, cons
       const size_t count = static_cast<size_t>(m * w.cols);
       if (s.x_bf16.size() < count) s.x_bf16.resize(count);
       uint16_t* dst = s.x_bf16.data();
-      s.parallel(static_cast<int64_t>(count), 1 << 16, [&](int64_t b, int64_t e) {
-        f32_to_bf16_range(x + b, dst + b, e - b);
-      });
+      s.parallel(static_cast<int64_t>(count), 1 << 16,
+                 [&](int64_t b, int64_t e) { f32_to_bf16_range(x + b, dst + b, e - b); });
       src = dst;
     }
     // oneDNN takes non-const handles but only reads src/weights/bias.
     plan.src.set_data_handle(const_cast<void*>(src));
     plan.weights.set_data_handle(const_cast<void*>(w.data));
     if (bias != nullptr) plan.bias.set_data_handle(const_cast<float*>(bias));
-    if (plan.dst.get_data_handle() == nullptr) plan.dst.set_data_handle(y);
+    plan.dst.set_data_handle(y);
     if (s.omp_set_num_threads != nullptr) s.omp_set_num_threads(s.num_threads);
     plan.prim.execute(s.stream, plan.args);
     s.stream.wait();
@@ -682,13 +810,11 @@ Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, cons
   });
 }
 
-Status CpuBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
-                           float eps, float* y) {
+Status CpuBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+                           float* y) {
   return guarded("rmsnorm", [&]() -> Status {
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1));
-    impl_->parallel(rows, grain, [&](int64_t b, int64_t e) {
-      rmsnorm_rows(x, weight, b, e, dim, eps, y);
-    });
+    impl_->parallel(rows, grain, [&](int64_t b, int64_t e) { rmsnorm_rows(x, weight, b, e, dim, eps, y); });
     return Status::ok();
   });
 }
@@ -738,9 +864,8 @@ Status CpuBackend::rope(float* x, int64_t n_tokens, int64_t n_heads, const int64
 
 Status CpuBackend::swiglu(const float* gate, const float* up, int64_t n, float* out) {
   return guarded("swiglu", [&]() -> Status {
-    impl_->parallel(n, 1 << 14, [&](int64_t b, int64_t e) {
-      swiglu_range(gate + b, up + b, e - b, out + b);
-    });
+    impl_->parallel(n, 1 << 14,
+                    [&](int64_t b, int64_t e) { swiglu_range(gate + b, up + b, e - b, out + b); });
     return Status::ok();
   });
 }
@@ -776,12 +901,10 @@ Status CpuBackend::kv_append(const float* k, const float* v, int64_t n_tokens, i
   });
 }
 
-Status CpuBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
-                             int64_t n_heads, float* out) {
+Status CpuBackend::attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
+                             float* out) {
   SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
-  return guarded("attention", [&]() -> Status {
-    return impl_->attention(q, items, n_items, n_heads, out);
-  });
+  return guarded("attention", [&]() -> Status { return impl_->attention(q, items, n_items, n_heads, out); });
 }
 
 // ---------------------------------------------------------------------------------------------

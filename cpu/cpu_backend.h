@@ -38,8 +38,7 @@ class CpuBackend final : public Backend {
 
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
   // Thread-safe, but concurrent matmuls serialise on one oneDNN stream.
-  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
-                float* y) override;
+  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) override;
   Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
                  float* y) override;
   Status rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,

@@ -59,15 +59,14 @@ int Topology::num_numa_nodes() const {
 int Topology::pus_in_node(int node) const {
   hwloc_obj_t obj = numa_obj(topo_.get(), node);
   if (obj == nullptr || obj->cpuset == nullptr) return 0;
-  return static_cast<int>(
-      hwloc_get_nbobjs_inside_cpuset_by_type(topo_.get(), obj->cpuset, HWLOC_OBJ_PU));
+  return static_cast<int>(hwloc_get_nbobjs_inside_cpuset_by_type(topo_.get(), obj->cpuset, HWLOC_OBJ_PU));
 }
 
 int Topology::cores_in_node(int node) const {
   hwloc_obj_t obj = numa_obj(topo_.get(), node);
   if (obj == nullptr || obj->cpuset == nullptr) return 0;
-  const int cores = static_cast<int>(
-      hwloc_get_nbobjs_inside_cpuset_by_type(topo_.get(), obj->cpuset, HWLOC_OBJ_CORE));
+  const int cores =
+      static_cast<int>(hwloc_get_nbobjs_inside_cpuset_by_type(topo_.get(), obj->cpuset, HWLOC_OBJ_CORE));
   return cores > 0 ? cores : pus_in_node(node);
 }
 
@@ -184,8 +183,10 @@ void numa_free(void* p, size_t bytes) noexcept {
 NumaBuffer::~NumaBuffer() { release(); }
 
 NumaBuffer::NumaBuffer(NumaBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)),
-      node_(other.node_), bound_(std::exchange(other.bound_, false)) {}
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      node_(other.node_),
+      bound_(std::exchange(other.bound_, false)) {}
 
 NumaBuffer& NumaBuffer::operator=(NumaBuffer&& other) noexcept {
   if (this != &other) {

@@ -12,8 +12,8 @@ namespace specontext::cpu {
 
 Status check_matmul_dtype(DType t) {
   if (t == DType::kF32 || t == DType::kBF16) return Status::ok();
-  return unimplemented("CPU matmul supports f32 and bf16 weights, not " +
-                       std::string(dtype_name(t)) + " (loaders convert f16 to f32)");
+  return unimplemented("CPU matmul supports f32 and bf16 weights, not " + std::string(dtype_name(t)) +
+                       " (loaders convert f16 to f32)");
 }
 
 Status check_embed_args(const TokenId* ids, int64_t n, const WeightMatrix& table) {
@@ -84,9 +84,8 @@ Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t
     if (it.n_tokens < 0 || it.start_pos < 0 || it.token_offset < 0 ||
         it.start_pos + it.n_tokens > it.kv.capacity()) {
       return out_of_range("attention: item " + std::to_string(i) + " positions [" +
-                          std::to_string(it.start_pos) + ", " +
-                          std::to_string(it.start_pos + it.n_tokens) + ") exceed cache capacity " +
-                          std::to_string(it.kv.capacity()));
+                          std::to_string(it.start_pos) + ", " + std::to_string(it.start_pos + it.n_tokens) +
+                          ") exceed cache capacity " + std::to_string(it.kv.capacity()));
     }
   }
   return Status::ok();
@@ -95,10 +94,14 @@ Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t
 float weight_element(const WeightMatrix& w, int64_t row, int64_t col) {
   const size_t i = static_cast<size_t>(row * w.cols + col);
   switch (w.dtype) {
-    case DType::kF32: return static_cast<const float*>(w.data)[i];
-    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    default: return std::numeric_limits<float>::quiet_NaN();  // callers check dtype first
+    case DType::kF32:
+      return static_cast<const float*>(w.data)[i];
+    case DType::kBF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    case DType::kF16:
+      return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    default:
+      return std::numeric_limits<float>::quiet_NaN();  // callers check dtype first
   }
 }
 
@@ -110,15 +113,13 @@ bool ReferenceBackend::supports(BackendOp op, DType weight_dtype) const {
     case BackendOp::kMatmul:
       return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
     case BackendOp::kEmbed:
-      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
-             weight_dtype == DType::kF16;
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 || weight_dtype == DType::kF16;
     default:
       return true;  // the other ops take no weight matrix; their inputs are f32
   }
 }
 
-Status ReferenceBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& table,
-                               float* out) {
+Status ReferenceBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) {
   SPX_RETURN_IF_ERROR(check_embed_args(ids, n, table));
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t c = 0; c < table.cols; ++c) {
@@ -128,8 +129,8 @@ Status ReferenceBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix
   return Status::ok();
 }
 
-Status ReferenceBackend::matmul(const float* x, int64_t m, const WeightMatrix& w,
-                                const float* bias, float* y) {
+Status ReferenceBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                                float* y) {
   SPX_RETURN_IF_ERROR(check_matmul_dtype(w.dtype));
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t r = 0; r < w.rows; ++r) {
@@ -144,8 +145,8 @@ Status ReferenceBackend::matmul(const float* x, int64_t m, const WeightMatrix& w
   return Status::ok();
 }
 
-Status ReferenceBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
-                                 float eps, float* y) {
+Status ReferenceBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
+                                 float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
     float ss = 0.0f;
@@ -156,8 +157,8 @@ Status ReferenceBackend::rmsnorm(const float* x, const float* weight, int64_t ro
   return Status::ok();
 }
 
-Status ReferenceBackend::rope(float* x, int64_t n_tokens, int64_t n_heads,
-                              const int64_t* positions, const RopeParams& params) {
+Status ReferenceBackend::rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,
+                              const RopeParams& params) {
   SPX_RETURN_IF_ERROR(check_rope_params(params));
   const int64_t d = params.head_dim;
   const int64_t half = d / 2;
@@ -194,8 +195,8 @@ Status ReferenceBackend::add(float* x, const float* y, int64_t n) {
   return Status::ok();
 }
 
-Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tokens,
-                                   int64_t start_pos, const KvLayerView& kv) {
+Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
+                                   const KvLayerView& kv) {
   SPX_RETURN_IF_ERROR(check_kv_append_args(n_tokens, start_pos, kv));
   const int64_t kv_dim = kv.kv_heads * kv.head_dim;
   for (int64_t t = 0; t < n_tokens; ++t) {

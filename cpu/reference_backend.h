@@ -14,8 +14,7 @@ class ReferenceBackend final : public Backend {
   bool supports(BackendOp op, DType weight_dtype) const override;
 
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
-  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
-                float* y) override;
+  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) override;
   Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
                  float* y) override;
   Status rope(float* x, int64_t n_tokens, int64_t n_heads, const int64_t* positions,

@@ -58,7 +58,8 @@ class CudaBackend final : public Backend {
   Status add(float* x, const float* y, int64_t n) override;
   Status kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
                    const KvLayerView& kv) override;
-  // Split-K (flash-decoding) causal attention; head_dim up to 256.
+  // Split-K (flash-decoding) causal attention; head_dim up to 256. out must not alias q (blocks
+  // of other heads may still be reading q while one writes its output).
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
                    float* out) override;
 

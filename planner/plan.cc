@@ -62,8 +62,10 @@ std::string fmt_double(double v) {
   return buf;
 }
 
-int64_t relaxed_threshold(int64_t threshold, double margin) {
-  return static_cast<int64_t>(std::floor(static_cast<long double>(threshold) * (1.0L - margin)));
+// floor(x · (1 − margin)); the nudge keeps 10 · (1 − 0.1) at 9 although 0.1 is not exact in binary.
+int64_t relaxed_threshold(int64_t x, double margin) {
+  const long double v = static_cast<long double>(x) * (1.0L - static_cast<long double>(margin));
+  return static_cast<int64_t>(std::floor(v + 1e-9L * std::max<long double>(1, v)));
 }
 
 // Tiers of a snapshot: device, host pools, remote pools, in that id order.

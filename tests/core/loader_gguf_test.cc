@@ -24,7 +24,8 @@ Result<std::shared_ptr<GgufFile>> parse(const std::string& bytes) {
   return GgufFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "test.gguf");
 }
 
-void expect_error(const std::string& bytes, StatusCode code, const std::vector<std::string>& words) {
+void expect_error(const std::string& bytes, StatusCode code,
+                  const std::vector<std::string>& words) {
   auto r = parse(bytes);
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), code) << r.status().to_string();
@@ -35,7 +36,7 @@ void expect_error(const std::string& bytes, StatusCode code, const std::vector<s
   }
 }
 
-TEST(GgufParser, ReadsStories260KMetadataAndTensors) {
+TEST(LoaderGgufParser, ReadsStories260KMetadataAndTensors) {
   auto r = GgufFile::open(repo_path(kStoriesGguf));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const GgufFile& g = **r;
@@ -63,7 +64,7 @@ TEST(GgufParser, ReadsStories260KMetadataAndTensors) {
   EXPECT_EQ(g.find_tensor("nope"), nullptr);
 }
 
-TEST(GgufParser, GetterErrorsNameTheKey) {
+TEST(LoaderGgufParser, GetterErrorsNameTheKey) {
   auto r = GgufFile::open(repo_path(kStoriesGguf));
   ASSERT_TRUE(r.is_ok());
   const GgufFile& g = **r;
@@ -80,7 +81,7 @@ TEST(GgufParser, GetterErrorsNameTheKey) {
   EXPECT_FALSE(g.get_float("tokenizer.ggml.model").is_ok());
 }
 
-TEST(GgufParser, AllValueTypes) {
+TEST(LoaderGgufParser, AllValueTypes) {
   GgufBuilder b;
   b.kv_raw("u8", 0, GgufBuilder::pod(uint8_t{200}));
   b.kv_raw("i8", 1, GgufBuilder::pod(int8_t{-100}));
@@ -99,8 +100,8 @@ TEST(GgufParser, AllValueTypes) {
            GgufBuilder::pod(uint32_t{3}) + GgufBuilder::pod(uint64_t{2}) +
                GgufBuilder::pod(int16_t{-1}) + GgufBuilder::pod(int16_t{7}));
   b.kv_raw("arr_f32", 9,
-           GgufBuilder::pod(uint32_t{6}) + GgufBuilder::pod(uint64_t{2}) +
-               GgufBuilder::pod(1.0f) + GgufBuilder::pod(-3.0f));
+           GgufBuilder::pod(uint32_t{6}) + GgufBuilder::pod(uint64_t{2}) + GgufBuilder::pod(1.0f) +
+               GgufBuilder::pod(-3.0f));
   b.kv_raw("arr_empty", 9, GgufBuilder::pod(uint32_t{8}) + GgufBuilder::pod(uint64_t{0}));
   b.kv_str_array("arr_str", {"a", "", "ccc"});
   auto r = parse(b.build());
@@ -127,7 +128,7 @@ TEST(GgufParser, AllValueTypes) {
   EXPECT_TRUE(g.tensors().empty());
 }
 
-TEST(GgufParser, Version2IsAccepted) {
+TEST(LoaderGgufParser, Version2IsAccepted) {
   GgufBuilder b(2);
   b.kv_str("general.architecture", "llama");
   auto r = parse(b.build());
@@ -135,7 +136,7 @@ TEST(GgufParser, Version2IsAccepted) {
   EXPECT_EQ((*r)->version(), 2u);
 }
 
-TEST(GgufParser, StructuralErrors) {
+TEST(LoaderGgufParser, StructuralErrors) {
   expect_error("", StatusCode::kDataLoss, {"magic"});
   expect_error("GGML\x03\0\0\0", StatusCode::kInvalidArgument, {"magic"});
   expect_error(GgufBuilder(1).build(), StatusCode::kUnimplemented, {"version 1"});
@@ -183,7 +184,7 @@ TEST(GgufParser, StructuralErrors) {
   }
 }
 
-TEST(GgufParser, TensorInfoErrorsNameTheTensor) {
+TEST(LoaderGgufParser, TensorInfoErrorsNameTheTensor) {
   const std::string data(128, '\1');
   {
     GgufBuilder b;
@@ -233,7 +234,7 @@ TEST(GgufParser, TensorInfoErrorsNameTheTensor) {
   }
 }
 
-TEST(GgufParser, HonoursGeneralAlignment) {
+TEST(LoaderGgufParser, HonoursGeneralAlignment) {
   GgufBuilder b;
   b.set_alignment(64);
   b.kv_u32("general.alignment", 64);
@@ -254,7 +255,7 @@ TEST(GgufParser, HonoursGeneralAlignment) {
   EXPECT_EQ(got[1], 5.0f);
 }
 
-TEST(GgufParser, Q8_0BlockDequantisation) {
+TEST(LoaderGgufParser, Q8_0BlockDequantisation) {
   // One hand-made block: scale 0.5 (f16 0x3800), quants -16..15.
   std::string block = GgufBuilder::pod(uint16_t{0x3800});
   for (int j = 0; j < 32; ++j) block.push_back(static_cast<char>(j - 16));
@@ -272,7 +273,7 @@ TEST(GgufParser, Q8_0BlockDequantisation) {
   for (int j = 0; j < 32; ++j) EXPECT_EQ(out[j], 0.5f * static_cast<float>(j - 16)) << j;
 }
 
-TEST(GgufLoader, LoadsStories260K) {
+TEST(LoaderGguf, LoadsStories260K) {
   auto r = load_gguf_model(repo_path(kStoriesGguf));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const Model& m = **r;
@@ -295,7 +296,7 @@ TEST(GgufLoader, LoadsStories260K) {
   EXPECT_TRUE(m.validate().is_ok());
 }
 
-TEST(GgufLoader, AgreesWithLlama2cCheckpoints) {
+TEST(LoaderGguf, AgreesWithLlama2cCheckpoints) {
   for (const auto& [bin, gguf] :
        {std::pair<std::string, std::string>{"models/stories260K/stories260K.bin", kStoriesGguf},
         {"models/babyllama105/model5000.bin", "models/babyllama105/babyllama105.gguf"}}) {
@@ -318,7 +319,7 @@ TEST(GgufLoader, AgreesWithLlama2cCheckpoints) {
   }
 }
 
-TEST(GgufLoader, TruncatedFileIsDataLossNamingTheFile) {
+TEST(LoaderGguf, TruncatedFileIsDataLossNamingTheFile) {
   const std::string bytes = read_text_file(repo_path(kStoriesGguf));
   const std::string dir = temp_dir("spx-gguf");
   for (size_t n : {bytes.size() - 1, bytes.size() / 2, size_t{3000}, size_t{20}}) {
@@ -426,7 +427,7 @@ void expect_tiny_values(const Model& m, const TinyGguf& t) {
   EXPECT_EQ(m.final_norm, t.f32.at("output_norm.weight"));
 }
 
-TEST(GgufLoader, HandMadeModelsInEveryMatrixType) {
+TEST(LoaderGguf, HandMadeModelsInEveryMatrixType) {
   const std::string dir = temp_dir("spx-gguf");
   for (uint32_t type : {0u, 1u, 8u, 30u}) {
     SCOPED_TRACE("ggml type " + std::to_string(type));
@@ -451,7 +452,7 @@ TEST(GgufLoader, HandMadeModelsInEveryMatrixType) {
   }
 }
 
-TEST(GgufLoader, Bf16ForceF32Converts) {
+TEST(LoaderGguf, Bf16ForceF32Converts) {
   const TinyGguf t = make_tiny_gguf(30, false);
   const std::string path = temp_dir("spx-gguf") + "/bf16.gguf";
   write_file(path, t.bytes);
@@ -462,7 +463,7 @@ TEST(GgufLoader, Bf16ForceF32Converts) {
   expect_tiny_values(**r, t);
 }
 
-TEST(GgufLoader, MissingOutputMeansTied) {
+TEST(LoaderGguf, MissingOutputMeansTied) {
   const TinyGguf t = make_tiny_gguf(0, false);
   const std::string path = temp_dir("spx-gguf") + "/tied.gguf";
   write_file(path, t.bytes);
@@ -472,7 +473,7 @@ TEST(GgufLoader, MissingOutputMeansTied) {
   EXPECT_EQ((*r)->lm_head.data, (*r)->tok_embeddings.data);
 }
 
-TEST(GgufLoader, ErrorsNameTheKeyOrTensor) {
+TEST(LoaderGguf, ErrorsNameTheKeyOrTensor) {
   const std::string dir = temp_dir("spx-gguf");
   auto load_bytes = [&](const std::string& bytes) {
     write_file(dir + "/m.gguf", bytes);

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-
 #include <nlohmann/json.hpp>
 
 #include "core/model_loader.h"
@@ -77,17 +76,19 @@ std::shared_ptr<Model> load_ok(const std::string& dir, const LoadOptions& opts =
   return r.is_ok() ? *r : nullptr;
 }
 
-void expect_error_contains(const Status& s, StatusCode code, const std::vector<std::string>& words) {
+void expect_error_contains(const Status& s, StatusCode code,
+                           const std::vector<std::string>& words) {
   ASSERT_FALSE(s.is_ok());
   EXPECT_EQ(s.code(), code) << s.to_string();
   for (const auto& w : words) {
-    EXPECT_NE(s.message().find(w), std::string::npos) << "missing '" << w << "' in " << s.to_string();
+    EXPECT_NE(s.message().find(w), std::string::npos)
+        << "missing '" << w << "' in " << s.to_string();
   }
 }
 
 // ---- the bundled stories260K copy ----
 
-TEST(HfLoader, LoadsStories260K) {
+TEST(LoaderHf, LoadsStories260K) {
   auto m = load_ok(repo_path(kHfDir));
   ASSERT_NE(m, nullptr);
   const ModelConfig& c = m->config;
@@ -109,7 +110,7 @@ TEST(HfLoader, LoadsStories260K) {
   EXPECT_TRUE(m->validate().is_ok());
 }
 
-TEST(HfLoader, AgreesWithLlama2cUpToTheRopePermutation) {
+TEST(LoaderHf, AgreesWithLlama2cUpToTheRopePermutation) {
   auto hf = load_ok(repo_path(kHfDir));
   auto bin = load_llama2c_model(repo_path("models/stories260K/stories260K.bin"));
   ASSERT_NE(hf, nullptr);
@@ -139,7 +140,7 @@ TEST(HfLoader, AgreesWithLlama2cUpToTheRopePermutation) {
 
 // ---- sharding ----
 
-TEST(HfLoader, ShardedIndex) {
+TEST(LoaderHf, ShardedIndex) {
   const auto ts = stories_tensors(DType::kF32);
   const std::string dir = new_model_dir(stories_config());
   std::vector<OwnedTensor> a(ts.begin(), ts.begin() + ts.size() / 2);
@@ -187,7 +188,7 @@ TEST(HfLoader, ShardedIndex) {
 
 // ---- dtypes ----
 
-TEST(HfLoader, Bf16WeightsStayBf16AndMatchWithinRounding) {
+TEST(LoaderHf, Bf16WeightsStayBf16AndMatchWithinRounding) {
   const std::string dir = new_model_dir(stories_config());
   ASSERT_TRUE(write_owned(dir + "/model.safetensors", stories_tensors(DType::kBF16)).is_ok());
   auto ref = load_ok(repo_path(kHfDir));
@@ -216,7 +217,7 @@ TEST(HfLoader, Bf16WeightsStayBf16AndMatchWithinRounding) {
   testing::expect_same_weights(*m, *f);
 }
 
-TEST(HfLoader, F16WeightsAreConvertedToF32) {
+TEST(LoaderHf, F16WeightsAreConvertedToF32) {
   const std::string dir = new_model_dir(stories_config());
   ASSERT_TRUE(write_owned(dir + "/model.safetensors", stories_tensors(DType::kF16)).is_ok());
   auto ref = load_ok(repo_path(kHfDir));
@@ -235,7 +236,7 @@ TEST(HfLoader, F16WeightsAreConvertedToF32) {
   }
 }
 
-TEST(HfLoader, MixedBf16AndF32BecomeF32) {
+TEST(LoaderHf, MixedBf16AndF32BecomeF32) {
   auto ts = stories_tensors(DType::kBF16);
   const auto f32 = stories_tensors(DType::kF32);
   for (size_t i = 0; i < ts.size(); ++i) {
@@ -252,7 +253,7 @@ TEST(HfLoader, MixedBf16AndF32BecomeF32) {
 
 // ---- errors ----
 
-TEST(HfLoader, ErrorsNameTheFileAndField) {
+TEST(LoaderHf, ErrorsNameTheFileAndField) {
   const auto ts = stories_tensors(DType::kF32);
   {  // invalid JSON
     const std::string dir = new_model_dir("{\"architectures\": [");
@@ -341,21 +342,18 @@ TEST(HfLoader, ErrorsNameTheFileAndField) {
 // ---- config parsing ----
 
 nlohmann::json base_config(const std::string& arch) {
-  return {{"architectures", {arch}},
-          {"hidden_size", 32},
-          {"intermediate_size", 48},
-          {"num_hidden_layers", 2},
-          {"num_attention_heads", 4},
-          {"num_key_value_heads", 2},
-          {"vocab_size", 40},
-          {"max_position_embeddings", 256},
-          {"rms_norm_eps", 1e-6},
-          {"rope_theta", 1000000.0}};
+  return {{"architectures", {arch}},  {"hidden_size", 32},
+          {"intermediate_size", 48},  {"num_hidden_layers", 2},
+          {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+          {"vocab_size", 40},         {"max_position_embeddings", 256},
+          {"rms_norm_eps", 1e-6},     {"rope_theta", 1000000.0}};
 }
 
-Result<ModelConfig> parse(const nlohmann::json& j) { return parse_hf_config(j.dump(), "cfg/config.json"); }
+Result<ModelConfig> parse(const nlohmann::json& j) {
+  return parse_hf_config(j.dump(), "cfg/config.json");
+}
 
-TEST(HfConfig, DefaultsAndGqaVariants) {
+TEST(LoaderHfConfig, DefaultsAndGqaVariants) {
   auto j = base_config("LlamaForCausalLM");
   auto c = parse(j);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
@@ -388,7 +386,7 @@ TEST(HfConfig, DefaultsAndGqaVariants) {
   EXPECT_TRUE(parse(j).is_ok());
 }
 
-TEST(HfConfig, ArchitectureSpecifics) {
+TEST(LoaderHfConfig, ArchitectureSpecifics) {
   auto q2 = parse(base_config("Qwen2ForCausalLM"));
   ASSERT_TRUE(q2.is_ok()) << q2.status().to_string();
   EXPECT_EQ(q2->arch, Architecture::kQwen2);
@@ -415,7 +413,7 @@ TEST(HfConfig, ArchitectureSpecifics) {
   EXPECT_EQ(parse(no_arch)->arch, Architecture::kQwen3);
 }
 
-TEST(HfConfig, RopeScaling) {
+TEST(LoaderHfConfig, RopeScaling) {
   auto j = base_config("LlamaForCausalLM");
   j["rope_scaling"] = {{"rope_type", "llama3"},
                        {"factor", 32.0},
@@ -468,17 +466,20 @@ TEST(HfConfig, RopeScaling) {
   j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
   expect_error_contains(parse(j).status(), StatusCode::kNotFound,
                         {"rope_scaling.original_max_position_embeddings"});
-  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", "big"},
-                       {"original_max_position_embeddings", 8192}};
+  j["rope_scaling"] = {
+      {"rope_type", "llama3"}, {"factor", "big"}, {"original_max_position_embeddings", 8192}};
   expect_error_contains(parse(j).status(), StatusCode::kInvalidArgument, {"rope_scaling.factor"});
-  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 4.0},
-                       {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  j["rope_scaling"] = {{"rope_type", "llama3"},
+                       {"factor", 8.0},
+                       {"low_freq_factor", 4.0},
+                       {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
   expect_error_contains(parse(j).status(), StatusCode::kInvalidArgument, {"high_freq_factor"});
   j["rope_scaling"] = "yarn";
   expect_error_contains(parse(j).status(), StatusCode::kInvalidArgument, {"rope_scaling"});
 }
 
-TEST(HfConfig, FieldErrors) {
+TEST(LoaderHfConfig, FieldErrors) {
   struct Case {
     std::string field;
     nlohmann::json value;  // null = erase
@@ -513,8 +514,8 @@ TEST(HfConfig, FieldErrors) {
   }
   expect_error_contains(parse_hf_config("[1, 2]", "x/config.json").status(),
                         StatusCode::kInvalidArgument, {"x/config.json"});
-  expect_error_contains(parse_hf_config("", "x/config.json").status(),
-                        StatusCode::kInvalidArgument, {"x/config.json", "JSON"});
+  expect_error_contains(parse_hf_config("", "x/config.json").status(), StatusCode::kInvalidArgument,
+                        {"x/config.json", "JSON"});
 }
 
 // ---- synthetic checkpoints of each architecture ----
@@ -586,7 +587,7 @@ void expect_common_values(const Model& m, const Synthetic& s) {
   }
 }
 
-TEST(HfLoader, Qwen2WithAttentionBias) {
+TEST(LoaderHf, Qwen2WithAttentionBias) {
   auto j = base_config("Qwen2ForCausalLM");
   j["tie_word_embeddings"] = true;
   const Synthetic s = write_synthetic(j, /*with_lm_head=*/false);
@@ -612,14 +613,15 @@ TEST(HfLoader, Qwen2WithAttentionBias) {
   const Synthetic no_bias = write_synthetic(k, false);
   std::filesystem::copy_file(no_bias.dir + "/model.safetensors", s.dir + "/model.safetensors");
   auto r = load_hf_model(s.dir);
-  expect_error_contains(r.status(), StatusCode::kNotFound, {"\"model.layers.0.self_attn.q_proj.bias\""});
+  expect_error_contains(r.status(), StatusCode::kNotFound,
+                        {"\"model.layers.0.self_attn.q_proj.bias\""});
 }
 
-TEST(HfLoader, Qwen3WithQkNormAndExplicitHeadDim) {
+TEST(LoaderHf, Qwen3WithQkNormAndExplicitHeadDim) {
   auto j = base_config("Qwen3ForCausalLM");
   j["head_dim"] = 16;
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0},
-                       {"original_max_position_embeddings", 64}};
+  j["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 64}};
   const Synthetic s = write_synthetic(j, /*with_lm_head=*/true);
   auto m = load_ok(s.dir);
   ASSERT_NE(m, nullptr);
@@ -645,7 +647,7 @@ TEST(HfLoader, Qwen3WithQkNormAndExplicitHeadDim) {
   EXPECT_TRUE(m->validate().is_ok());
 }
 
-TEST(HfLoader, MistralGqa) {
+TEST(LoaderHf, MistralGqa) {
   auto j = base_config("MistralForCausalLM");
   j["num_key_value_heads"] = 1;
   j["sliding_window"] = 4096;
@@ -658,7 +660,7 @@ TEST(HfLoader, MistralGqa) {
   expect_common_values(*m, s);
 }
 
-TEST(HfLoader, Llama3WithRopeScalingAndUntiedHead) {
+TEST(LoaderHf, Llama3WithRopeScalingAndUntiedHead) {
   auto j = base_config("LlamaForCausalLM");
   j["rope_scaling"] = {{"rope_type", "llama3"},
                        {"factor", 8.0},
@@ -691,7 +693,7 @@ TEST(HfLoader, Llama3WithRopeScalingAndUntiedHead) {
   EXPECT_EQ(t->lm_head.data, t->tok_embeddings.data);
 }
 
-TEST(HfLoader, MissingLmHeadMeansTied) {
+TEST(LoaderHf, MissingLmHeadMeansTied) {
   const Synthetic s = write_synthetic(base_config("LlamaForCausalLM"), /*with_lm_head=*/false);
   auto m = load_ok(s.dir);
   ASSERT_NE(m, nullptr);

@@ -28,7 +28,7 @@ std::string with_header(std::string bytes, int field, int32_t value) {
   return bytes;
 }
 
-TEST(Llama2cLoader, LoadsStories260K) {
+TEST(LoaderLlama2c, LoadsStories260K) {
   auto r = load_llama2c_model(repo_path(kStories));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const Model& m = **r;
@@ -63,7 +63,7 @@ TEST(Llama2cLoader, LoadsStories260K) {
   EXPECT_EQ(m.parameter_count(), 512 * 64 + 5 * per_layer + 64);
 }
 
-TEST(Llama2cLoader, TensorsComeFromTheDocumentedOffsets) {
+TEST(LoaderLlama2c, TensorsComeFromTheDocumentedOffsets) {
   const std::string bytes = read_text_file(repo_path(kStories));
   auto r = load_llama2c_model(repo_path(kStories));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -74,13 +74,15 @@ TEST(Llama2cLoader, TensorsComeFromTheDocumentedOffsets) {
   off += V * D;
   EXPECT_EQ(m.layers[1].attn_norm[3], raw_float(bytes, off + D + 3));
   off += L * D;
-  EXPECT_EQ(static_cast<const float*>(m.layers[2].wq.data)[5], raw_float(bytes, off + 2 * D * D + 5));
+  EXPECT_EQ(static_cast<const float*>(m.layers[2].wq.data)[5],
+            raw_float(bytes, off + 2 * D * D + 5));
   off += L * D * D;
   EXPECT_EQ(static_cast<const float*>(m.layers[1].wk.data)[0], raw_float(bytes, off + KV * D));
   off += L * KV * D;
   EXPECT_EQ(static_cast<const float*>(m.layers[0].wv.data)[9], raw_float(bytes, off + 9));
   off += L * KV * D;
-  EXPECT_EQ(static_cast<const float*>(m.layers[4].wo.data)[1], raw_float(bytes, off + 4 * D * D + 1));
+  EXPECT_EQ(static_cast<const float*>(m.layers[4].wo.data)[1],
+            raw_float(bytes, off + 4 * D * D + 1));
   off += L * D * D;
   EXPECT_EQ(m.layers[4].ffn_norm[0], raw_float(bytes, off + 4 * D));
   off += L * D;
@@ -89,12 +91,13 @@ TEST(Llama2cLoader, TensorsComeFromTheDocumentedOffsets) {
   off += L * H * D;
   EXPECT_EQ(static_cast<const float*>(m.layers[0].w_down.data)[2], raw_float(bytes, off + 2));
   off += L * D * H;
-  EXPECT_EQ(static_cast<const float*>(m.layers[3].w_up.data)[2], raw_float(bytes, off + 3 * H * D + 2));
+  EXPECT_EQ(static_cast<const float*>(m.layers[3].w_up.data)[2],
+            raw_float(bytes, off + 3 * H * D + 2));
   off += L * H * D;
   EXPECT_EQ(m.final_norm[63], raw_float(bytes, off + 63));
 }
 
-TEST(Llama2cLoader, LoadsBabyLlama105) {
+TEST(LoaderLlama2c, LoadsBabyLlama105) {
   auto r = load_llama2c_model(repo_path("models/babyllama105/model5000.bin"));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const ModelConfig& c = (*r)->config;
@@ -108,7 +111,7 @@ TEST(Llama2cLoader, LoadsBabyLlama105) {
   EXPECT_TRUE((*r)->validate().is_ok());
 }
 
-TEST(Llama2cLoader, ForceF32KeepsWeightsInPlace) {
+TEST(LoaderLlama2c, ForceF32KeepsWeightsInPlace) {
   auto a = load_llama2c_model(repo_path(kStories));
   auto b = load_llama2c_model(repo_path(kStories), LoadOptions{.force_f32 = true});
   ASSERT_TRUE(a.is_ok() && b.is_ok());
@@ -116,7 +119,7 @@ TEST(Llama2cLoader, ForceF32KeepsWeightsInPlace) {
   testing::expect_same_weights(**a, **b);
 }
 
-TEST(Llama2cLoader, TruncatedFileIsDataLossNamingTheFile) {
+TEST(LoaderLlama2c, TruncatedFileIsDataLossNamingTheFile) {
   const std::string bytes = read_text_file(repo_path(kStories));
   const std::string path = temp_dir("spx-l2c") + "/stories260K.bin";
   write_file(path, bytes.substr(0, bytes.size() - 100));
@@ -130,7 +133,7 @@ TEST(Llama2cLoader, TruncatedFileIsDataLossNamingTheFile) {
   EXPECT_NE(msg.find("expects 1056540 bytes, file has 1056440"), std::string::npos) << msg;
 }
 
-TEST(Llama2cLoader, TinyAndHeaderOnlyFilesAreDataLoss) {
+TEST(LoaderLlama2c, TinyAndHeaderOnlyFilesAreDataLoss) {
   const std::string bytes = read_text_file(repo_path(kStories));
   const std::string dir = temp_dir("spx-l2c");
   for (size_t n : {size_t{0}, size_t{10}, size_t{28}}) {
@@ -143,7 +146,7 @@ TEST(Llama2cLoader, TinyAndHeaderOnlyFilesAreDataLoss) {
   }
 }
 
-TEST(Llama2cLoader, TrailingBytesAreRejected) {
+TEST(LoaderLlama2c, TrailingBytesAreRejected) {
   const std::string path = temp_dir("spx-l2c") + "/long.bin";
   write_file(path, read_text_file(repo_path(kStories)) + std::string(64 * 4, '\0'));
   auto r = load_llama2c_model(path);
@@ -152,7 +155,7 @@ TEST(Llama2cLoader, TrailingBytesAreRejected) {
   EXPECT_NE(r.status().message().find("size mismatch"), std::string::npos);
 }
 
-TEST(Llama2cLoader, InconsistentHeaderNamesTheField) {
+TEST(LoaderLlama2c, InconsistentHeaderNamesTheField) {
   const std::string bytes = read_text_file(repo_path(kStories));
   const std::string dir = temp_dir("spx-l2c");
   struct Case {
@@ -160,9 +163,9 @@ TEST(Llama2cLoader, InconsistentHeaderNamesTheField) {
     int32_t value;
     const char* expect;
   } cases[] = {
-      {0, 0, "dim"},        {1, -5, "hidden_dim"}, {2, 0, "n_layers"},  {3, 0, "n_heads"},
-      {3, 7, "n_heads"},    {4, 3, "n_kv_heads"},  {4, 16, "n_kv_heads"}, {5, 0, "vocab_size"},
-      {6, -1, "seq_len"},
+      {0, 0, "dim"},         {1, -5, "hidden_dim"}, {2, 0, "n_layers"},
+      {3, 0, "n_heads"},     {3, 7, "n_heads"},     {4, 3, "n_kv_heads"},
+      {4, 16, "n_kv_heads"}, {5, 0, "vocab_size"},  {6, -1, "seq_len"},
   };
   for (const auto& c : cases) {
     const std::string path = dir + "/bad.bin";
@@ -175,7 +178,7 @@ TEST(Llama2cLoader, InconsistentHeaderNamesTheField) {
   }
 }
 
-TEST(Llama2cLoader, HugeHeaderValuesDoNotOverflow) {
+TEST(LoaderLlama2c, HugeHeaderValuesDoNotOverflow) {
   const std::string dir = temp_dir("spx-l2c");
   std::string bytes = read_text_file(repo_path(kStories));
   for (int32_t v : {INT32_MAX, 1 << 20}) {
@@ -189,7 +192,7 @@ TEST(Llama2cLoader, HugeHeaderValuesDoNotOverflow) {
   }
 }
 
-TEST(Llama2cLoader, NegativeVocabMeansSeparateClassifier) {
+TEST(LoaderLlama2c, NegativeVocabMeansSeparateClassifier) {
   const std::string bytes = read_text_file(repo_path(kStories));
   const std::vector<float> wcls = testing::random_floats(512 * 64, 7);
   const std::string path = temp_dir("spx-l2c") + "/untied.bin";
@@ -210,7 +213,7 @@ TEST(Llama2cLoader, NegativeVocabMeansSeparateClassifier) {
   EXPECT_EQ(t.status().code(), StatusCode::kDataLoss);
 }
 
-TEST(Llama2cLoader, MissingFileIsNotFound) {
+TEST(LoaderLlama2c, MissingFileIsNotFound) {
   auto r = load_llama2c_model("/nonexistent/dir/model.bin");
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kNotFound);

@@ -20,7 +20,7 @@ std::shared_ptr<Model> load_ok(const std::string& rel) {
   return r.is_ok() ? *r : nullptr;
 }
 
-TEST(LoadModel, DetectsEveryFormat) {
+TEST(LoaderDetect, DetectsEveryFormat) {
   auto bin = load_ok("models/stories260K/stories260K.bin");
   auto gguf = load_ok("models/stories260K/stories260K.gguf");
   auto hf = load_ok("models/stories260K/hf");
@@ -45,8 +45,8 @@ TEST(LoadModel, DetectsEveryFormat) {
     EXPECT_EQ(c.eos_token_id, 2);
     EXPECT_EQ(m->weight_dtype, DType::kF32);
     EXPECT_TRUE(m->validate().is_ok());
-    EXPECT_EQ(m->parameter_count(), bin->parameter_count() +
-                                        (m->lm_head.data == m->tok_embeddings.data ? 0 : 512 * 64));
+    EXPECT_EQ(m->parameter_count(),
+              bin->parameter_count() + (m->lm_head.data == m->tok_embeddings.data ? 0 : 512 * 64));
   }
   EXPECT_EQ(bin->config.rope_style, RopeStyle::kInterleaved);
   EXPECT_EQ(gguf->config.rope_style, RopeStyle::kInterleaved);
@@ -55,7 +55,7 @@ TEST(LoadModel, DetectsEveryFormat) {
   EXPECT_EQ(testing::to_f32(gguf->lm_head), testing::to_f32(bin->lm_head));
 }
 
-TEST(LoadModel, BabyLlamaBinAndGgufAgree) {
+TEST(LoaderDetect, BabyLlamaBinAndGgufAgree) {
   auto bin = load_ok("models/babyllama105/model5000.bin");
   auto gguf = load_ok("models/babyllama105/babyllama105.gguf");
   ASSERT_TRUE(bin && gguf);
@@ -65,7 +65,7 @@ TEST(LoadModel, BabyLlamaBinAndGgufAgree) {
   testing::expect_same_weights(*bin, *gguf);
 }
 
-TEST(LoadModel, MissingPathsAndEmptyDirectories) {
+TEST(LoaderDetect, MissingPathsAndEmptyDirectories) {
   auto r = load_model("/nonexistent/model");
   EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
   EXPECT_NE(r.status().message().find("/nonexistent/model"), std::string::npos);
@@ -85,7 +85,7 @@ TEST(LoadModel, MissingPathsAndEmptyDirectories) {
   EXPECT_NE(r.status().message().find("tensor count"), std::string::npos) << r.status().to_string();
 }
 
-TEST(ModelValidate, NamesTheOffendingTensor) {
+TEST(LoaderModelValidate, NamesTheOffendingTensor) {
   auto m = load_ok("models/stories260K/stories260K.bin");
   ASSERT_NE(m, nullptr);
   {
@@ -142,7 +142,7 @@ TEST(ModelValidate, NamesTheOffendingTensor) {
   }
 }
 
-TEST(ModelConfigValidate, NamesTheField) {
+TEST(LoaderModelConfigValidate, NamesTheField) {
   ModelConfig ok;
   ok.dim = 64;
   ok.hidden_dim = 128;
@@ -172,15 +172,18 @@ TEST(ModelConfigValidate, NamesTheField) {
       {"rope_theta", [](ModelConfig& c) { c.rope_theta = 0; }},
       {"norm_eps", [](ModelConfig& c) { c.norm_eps = -1; }},
       {"eos_token_id", [](ModelConfig& c) { c.eos_token_id = 100; }},
-      {"rope_scaling.factor", [](ModelConfig& c) {
+      {"rope_scaling.factor",
+       [](ModelConfig& c) {
          c.rope_scaling.type = RopeScalingType::kLinear;
          c.rope_scaling.factor = 0;
        }},
-      {"rope_scaling.original_max_position_embeddings", [](ModelConfig& c) {
+      {"rope_scaling.original_max_position_embeddings",
+       [](ModelConfig& c) {
          c.rope_scaling.type = RopeScalingType::kLlama3;
          c.rope_scaling.factor = 8;
        }},
-      {"rope_scaling.beta_fast", [](ModelConfig& c) {
+      {"rope_scaling.beta_fast",
+       [](ModelConfig& c) {
          c.rope_scaling.type = RopeScalingType::kYarn;
          c.rope_scaling.beta_fast = -1;
        }},
@@ -196,7 +199,7 @@ TEST(ModelConfigValidate, NamesTheField) {
   }
 }
 
-TEST(ModelConfig, ArchitectureNames) {
+TEST(LoaderModelConfig, ArchitectureNames) {
   EXPECT_EQ(architecture_name(Architecture::kLlama), "llama");
   EXPECT_EQ(architecture_name(Architecture::kMistral), "mistral");
   EXPECT_EQ(architecture_name(Architecture::kQwen2), "qwen2");

@@ -24,7 +24,8 @@ Result<std::shared_ptr<SafetensorsFile>> parse(const std::string& bytes) {
                                 "test.safetensors");
 }
 
-void expect_error(const std::string& bytes, StatusCode code, const std::vector<std::string>& words) {
+void expect_error(const std::string& bytes, StatusCode code,
+                  const std::vector<std::string>& words) {
   auto r = parse(bytes);
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), code) << r.status().to_string();
@@ -36,7 +37,7 @@ void expect_error(const std::string& bytes, StatusCode code, const std::vector<s
   }
 }
 
-TEST(Safetensors, ParsesStories260K) {
+TEST(LoaderSafetensors, ParsesStories260K) {
   auto r = SafetensorsFile::open(repo_path("models/stories260K/hf/model.safetensors"));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const SafetensorsFile& f = **r;
@@ -56,7 +57,7 @@ TEST(Safetensors, ParsesStories260K) {
   EXPECT_EQ(f.find("lm_head.weight"), nullptr);
 }
 
-TEST(Safetensors, WriterRoundTrip) {
+TEST(LoaderSafetensors, WriterRoundTrip) {
   const std::vector<float> a = testing::random_floats(6, 1);
   std::vector<uint16_t> h(4), b(3);
   for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_f16(0.25f * static_cast<float>(i));
@@ -100,7 +101,7 @@ TEST(Safetensors, WriterRoundTrip) {
   EXPECT_EQ(f.find("empty")->numel(), 0);
 }
 
-TEST(Safetensors, WriterRejectsBadInput) {
+TEST(LoaderSafetensors, WriterRejectsBadInput) {
   const std::string dir = temp_dir("spx-st");
   const float x = 1.0f;
   Status dup = write_safetensors(dir + "/d.safetensors",
@@ -115,18 +116,18 @@ TEST(Safetensors, WriterRejectsBadInput) {
   EXPECT_FALSE(no_dir.is_ok());
 }
 
-TEST(Safetensors, EmptyHeaderObjectIsValid) {
+TEST(LoaderSafetensors, EmptyHeaderObjectIsValid) {
   auto r = parse(image("{}"));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   EXPECT_TRUE((*r)->tensors().empty());
 }
 
-TEST(Safetensors, ShortFileIsDataLoss) {
+TEST(LoaderSafetensors, ShortFileIsDataLoss) {
   expect_error("", StatusCode::kDataLoss, {"truncated"});
   expect_error(std::string("\x05\0\0", 3), StatusCode::kDataLoss, {"truncated"});
 }
 
-TEST(Safetensors, HeaderLengthBeyondFileIsDataLoss) {
+TEST(LoaderSafetensors, HeaderLengthBeyondFileIsDataLoss) {
   std::string bytes = image("{}");
   const uint64_t huge = 1000;
   std::memcpy(bytes.data(), &huge, 8);
@@ -136,7 +137,7 @@ TEST(Safetensors, HeaderLengthBeyondFileIsDataLoss) {
   expect_error(bytes, StatusCode::kDataLoss, {"header length"});
 }
 
-TEST(Safetensors, CorruptHeaderIsInvalidArgument) {
+TEST(LoaderSafetensors, CorruptHeaderIsInvalidArgument) {
   expect_error(image("not json at all"), StatusCode::kInvalidArgument, {"JSON"});
   expect_error(image("{\"a\": {\"dtype\": \"F32\", "), StatusCode::kInvalidArgument,
                {"invalid JSON"});
@@ -146,7 +147,7 @@ TEST(Safetensors, CorruptHeaderIsInvalidArgument) {
                {"nesting"});
 }
 
-TEST(Safetensors, FieldErrorsNameTheTensorAndField) {
+TEST(LoaderSafetensors, FieldErrorsNameTheTensorAndField) {
   const std::string data(64, '\0');
   expect_error(image(R"({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}})", data),
                StatusCode::kInvalidArgument, {"\"w\"", "dtype", "F99"});
@@ -187,7 +188,7 @@ TEST(Safetensors, FieldErrorsNameTheTensorAndField) {
                {"__metadata__"});
 }
 
-TEST(Safetensors, ExoticDtypesParseButAreNotSupported) {
+TEST(LoaderSafetensors, ExoticDtypesParseButAreNotSupported) {
   const std::string data(16, '\0');
   auto r = parse(image(R"({"x": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]},
                           "y": {"dtype": "F64", "shape": [1], "data_offsets": [8, 16]}})",
@@ -197,7 +198,7 @@ TEST(Safetensors, ExoticDtypesParseButAreNotSupported) {
   EXPECT_EQ((*r)->find("y")->element_size, 8u);
 }
 
-TEST(Safetensors, MisalignedDataSectionStillParses) {
+TEST(LoaderSafetensors, MisalignedDataSectionStillParses) {
   // Header length 3 mod 8: the payload starts at an odd address.
   const std::string header = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   ASSERT_NE((8 + header.size()) % 4, 0u);
@@ -211,7 +212,7 @@ TEST(Safetensors, MisalignedDataSectionStillParses) {
   EXPECT_EQ(got[1], -2.0f);
 }
 
-TEST(Safetensors, OpenMissingFileIsNotFound) {
+TEST(LoaderSafetensors, OpenMissingFileIsNotFound) {
   auto r = SafetensorsFile::open("/nonexistent/model.safetensors");
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kNotFound);

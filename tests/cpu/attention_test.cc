@@ -54,10 +54,11 @@ void run_case(const Case& c, Backend& cpu, uint32_t seed, double tol = 1e-5) {
   const float kUntouched = 777.0f;
   GuardedBuffer want(static_cast<size_t>(rows) * row_floats, kUntouched);
   GuardedBuffer got(static_cast<size_t>(rows) * row_floats, kUntouched);
-  ASSERT_TRUE(ref.attention(q.data(), items.data(), static_cast<int64_t>(items.size()), c.n_heads,
-                            want.data()).is_ok());
-  ASSERT_TRUE(cpu.attention(q.data(), items.data(), static_cast<int64_t>(items.size()), c.n_heads,
-                            got.data()).is_ok());
+  ASSERT_TRUE(
+      ref.attention(q.data(), items.data(), static_cast<int64_t>(items.size()), c.n_heads, want.data())
+          .is_ok());
+  ASSERT_TRUE(cpu.attention(q.data(), items.data(), static_cast<int64_t>(items.size()), c.n_heads, got.data())
+                  .is_ok());
   EXPECT_TRUE(got.intact()) << "attention wrote outside out";
   // Compare only the rows that belong to items; the gap rows must be untouched.
   std::vector<float> got_rows, want_rows;
@@ -71,8 +72,10 @@ void run_case(const Case& c, Backend& cpu, uint32_t seed, double tol = 1e-5) {
   expect_close(got_rows.data(), want_rows.data(), got_rows.size(), tol, "attention");
   // Per-row check too: an error confined to one short sequence must not hide in the global norm.
   for (size_t r = 0; r < got_rows.size() / row_floats; ++r) {
-    EXPECT_LT(testing::rel_l2(got_rows.data() + r * row_floats, want_rows.data() + r * row_floats,
-                              row_floats), tol * 10) << "row " << r;
+    EXPECT_LT(
+        testing::rel_l2(got_rows.data() + r * row_floats, want_rows.data() + r * row_floats, row_floats),
+        tol * 10)
+        << "row " << r;
   }
 }
 

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/numa.h"
 #include "cpu/reference_backend.h"
 #include "tests/cpu/cpu_test_util.h"
 
@@ -67,7 +68,16 @@ TEST(CpuBackendFactory, ThreadsAndNodeOptions) {
   auto all = make_cpu({});
   ASSERT_NE(all, nullptr);
   EXPECT_GE(all->num_threads(), 1);
-  EXPECT_EQ(all->numa_node(), 0);  // this machine class has one node; -1 resolves to it
+  EXPECT_GE(all->numa_node(), 0);  // -1 resolves to the caller's node
+  auto topo = system_topology();
+  ASSERT_TRUE(topo.is_ok());
+  EXPECT_LT(all->numa_node(), (*topo)->num_numa_nodes());
+  CpuBackendOptions node0;
+  node0.numa_node = 0;
+  auto b0 = make_cpu(node0);
+  ASSERT_NE(b0, nullptr);
+  EXPECT_EQ(b0->numa_node(), 0);
+  EXPECT_GE(b0->num_threads(), 1);
   CpuBackendOptions bad_node;
   bad_node.numa_node = 4096;
   EXPECT_EQ(CpuBackend::create(bad_node).status().code(), StatusCode::kInvalidArgument);
@@ -93,9 +103,8 @@ TEST(CpuBackendFactory, Supports) {
 struct MatmulShape {
   int64_t m, k, n;
 };
-const MatmulShape kShapes[] = {{1, 1, 1},    {1, 3, 5},      {3, 172, 7},   {5, 172, 172},
-                               {1, 288, 768}, {16, 288, 512}, {17, 768, 288}, {2, 1000, 33},
-                               {64, 256, 384}, {1, 2048, 96}};
+const MatmulShape kShapes[] = {{1, 1, 1},      {1, 3, 5},      {3, 172, 7},   {5, 172, 172},  {1, 288, 768},
+                               {16, 288, 512}, {17, 768, 288}, {2, 1000, 33}, {64, 256, 384}, {1, 2048, 96}};
 
 class MatmulTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {};  // fallback, bias
 
@@ -147,19 +156,20 @@ TEST_P(MatmulTest, Bf16MatchesReference) {
     const float* b = with_bias ? bias.data() : nullptr;
     const size_t out_n = static_cast<size_t>(s.m * s.n);
     GuardedBuffer got(out_n), want_exact_w(out_n), want_rounded_x(out_n);
-    ASSERT_TRUE(cpu->matmul(x.data(), s.m, WeightMatrix{DType::kBF16, s.n, s.k, w16.data()}, b,
-                            got.data()).is_ok());
+    ASSERT_TRUE(
+        cpu->matmul(x.data(), s.m, WeightMatrix{DType::kBF16, s.n, s.k, w16.data()}, b, got.data()).is_ok());
     // Oracle 1: f32 maths on the bf16-rounded weights, x unrounded. oneDNN rounds x to bf16,
     // so only the bf16 tolerance applies.
     ASSERT_TRUE(ref.matmul(x.data(), s.m, WeightMatrix{DType::kF32, s.n, s.k, w_rounded.data()}, b,
-                           want_exact_w.data()).is_ok());
+                           want_exact_w.data())
+                    .is_ok());
     expect_close(got.data(), want_exact_w.data(), out_n, 1e-2, "matmul bf16 vs f32 of bf16 weights");
     // Oracle 2: both inputs rounded as the optimised path does; only accumulation order differs.
     // The fallback widens x exactly (no rounding), so it is held to the first oracle only.
     if (!fallback && cpu->matmul_path(DType::kBF16) != "fallback") {
-      ASSERT_TRUE(ref.matmul(x_rounded.data(), s.m,
-                             WeightMatrix{DType::kF32, s.n, s.k, w_rounded.data()}, b,
-                             want_rounded_x.data()).is_ok());
+      ASSERT_TRUE(ref.matmul(x_rounded.data(), s.m, WeightMatrix{DType::kF32, s.n, s.k, w_rounded.data()}, b,
+                             want_rounded_x.data())
+                      .is_ok());
       expect_close(got.data(), want_rounded_x.data(), out_n, 1e-5, "matmul bf16 vs rounded inputs");
     } else {
       expect_close(got.data(), want_exact_w.data(), out_n, 1e-5, "matmul bf16 fallback");
@@ -172,8 +182,7 @@ TEST_P(MatmulTest, Bf16MatchesReference) {
   std::printf("bf16 matmul path: %s\n", cpu->matmul_path(DType::kBF16).c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, MatmulTest,
-                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(Paths, MatmulTest, ::testing::Combine(::testing::Bool(), ::testing::Bool()),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param) ? "Fallback" : "OneDnn") +
                                   (std::get<1>(info.param) ? "Bias" : "NoBias");
@@ -205,9 +214,9 @@ TEST(CpuMatmul, CachedPrimitiveSeesNewBuffers) {
       GuardedBuffer want(4 * 48);
       ASSERT_TRUE(cpu->matmul(xs[round].data(), 4, wm, biases[round].data(), got.data()).is_ok());
       ASSERT_TRUE(ref.matmul(xs[round].data(), 4, WeightMatrix{DType::kF32, 48, 64, w_used.data()},
-                             biases[round].data(), want.data()).is_ok());
-      expect_close(got.data(), want.data(), got.size(), dtype == DType::kF32 ? 1e-5 : 1e-2,
-                   "cached matmul");
+                             biases[round].data(), want.data())
+                      .is_ok());
+      expect_close(got.data(), want.data(), got.size(), dtype == DType::kF32 ? 1e-5 : 1e-2, "cached matmul");
       EXPECT_TRUE(got.intact());
     }
   }
@@ -292,15 +301,16 @@ TEST(CpuOps, RopeMatchesReferenceBothStyles) {
   for (RopeStyle style : {RopeStyle::kInterleaved, RopeStyle::kHalf}) {
     for (int64_t head_dim : {2, 8, 64, 128}) {
       for (int64_t n_tokens : {1, 5, 40}) {
-        SCOPED_TRACE(::testing::Message() << "style=" << static_cast<int>(style)
-                                          << " head_dim=" << head_dim << " tokens=" << n_tokens);
+        SCOPED_TRACE(::testing::Message() << "style=" << static_cast<int>(style) << " head_dim=" << head_dim
+                                          << " tokens=" << n_tokens);
         const int64_t n_heads = 6;
         RopeParams p;
         p.head_dim = head_dim;
         p.style = style;
         p.mscale = 1.25f;
         for (int64_t i = 0; i < head_dim / 2; ++i) {
-          p.inv_freq.push_back(std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(head_dim)));
+          p.inv_freq.push_back(
+              std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(head_dim)));
         }
         std::vector<int64_t> pos(static_cast<size_t>(n_tokens));
         for (int64_t t = 0; t < n_tokens; ++t) pos[t] = (t * 7919 + 3) % 32768;  // up to 32K
@@ -371,8 +381,7 @@ TEST(CpuOps, KvAppendMatchesReference) {
   ReferenceBackend ref;
   for (int64_t page_size : {1, 5, 16}) {
     for (auto [start, n] : {std::pair<int64_t, int64_t>{0, 1}, {3, 37}, {0, 64}, {40, 1}}) {
-      SCOPED_TRACE(::testing::Message() << "page_size=" << page_size << " start=" << start
-                                        << " n=" << n);
+      SCOPED_TRACE(::testing::Message() << "page_size=" << page_size << " start=" << start << " n=" << n);
       const int64_t kv_heads = 3, head_dim = 8;
       const int64_t pages = (start + n + page_size - 1) / page_size + 1;
       PagedKv a(pages, page_size, kv_heads, head_dim, 1), b(pages, page_size, kv_heads, head_dim, 1);
@@ -385,7 +394,8 @@ TEST(CpuOps, KvAppendMatchesReference) {
         ASSERT_EQ(0, std::memcmp(a.k_pages[p], b.k_pages[p], a.k_store[0].size() * 4)) << "page " << p;
         ASSERT_EQ(0, std::memcmp(a.v_pages[p], b.v_pages[p], a.v_store[0].size() * 4)) << "page " << p;
       }
-      EXPECT_EQ(*a.k_at(start + n - 1, kv_heads - 1), k[static_cast<size_t>((n - 1) * kv_heads * head_dim + (kv_heads - 1) * head_dim)]);
+      EXPECT_EQ(*a.k_at(start + n - 1, kv_heads - 1),
+                k[static_cast<size_t>((n - 1) * kv_heads * head_dim + (kv_heads - 1) * head_dim)]);
       EXPECT_TRUE(std::isnan(*a.k_at(start + n, 0)));
       EXPECT_EQ(cpu->kv_append(k.data(), v.data(), n, pages * page_size - n + 1, a.view).code(),
                 StatusCode::kOutOfRange);

@@ -80,8 +80,7 @@ class GuardedBuffer {
 };
 
 // Standard assertions on an op's output against the oracle's.
-inline void expect_close(const float* got, const float* want, size_t n, double tol,
-                         const char* what) {
+inline void expect_close(const float* got, const float* want, size_t n, double tol, const char* what) {
   ASSERT_TRUE(all_finite(want, n)) << what << ": reference output has NaN/inf";
   ASSERT_TRUE(all_finite(got, n)) << what << ": output has NaN/inf";
   ASSERT_GT(l2_norm(want, n), 0.0) << what << ": reference output is all zero";

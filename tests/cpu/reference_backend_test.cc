@@ -124,7 +124,7 @@ TEST(ReferenceBackend, EmbedAllDtypes) {
   const float f32[] = {1, 2, 3, 4, 5, 6};
   const uint16_t bf16[] = {f32_to_bf16(1), f32_to_bf16(2), f32_to_bf16(3),
                            f32_to_bf16(4), f32_to_bf16(5), f32_to_bf16(-6)};
-  const uint16_t f16[] = {f32_to_f16(1), f32_to_f16(2), f32_to_f16(3),
+  const uint16_t f16[] = {f32_to_f16(1), f32_to_f16(2),    f32_to_f16(3),
                           f32_to_f16(4), f32_to_f16(0.5f), f32_to_f16(6)};
   const TokenId ids[] = {2, 0, 2};
   float out[6];
@@ -135,8 +135,7 @@ TEST(ReferenceBackend, EmbedAllDtypes) {
   ASSERT_TRUE(ref.embed(ids, 3, WeightMatrix{DType::kF16, 3, 2, f16}, out).is_ok());
   EXPECT_EQ(std::vector<float>(out, out + 6), (std::vector<float>{0.5f, 6, 1, 2, 0.5f, 6}));
   const TokenId bad[] = {3};
-  EXPECT_EQ(ref.embed(bad, 1, WeightMatrix{DType::kF32, 3, 2, f32}, out).code(),
-            StatusCode::kOutOfRange);
+  EXPECT_EQ(ref.embed(bad, 1, WeightMatrix{DType::kF32, 3, 2, f32}, out).code(), StatusCode::kOutOfRange);
 }
 
 TEST(ReferenceBackend, KvAppendLayout) {

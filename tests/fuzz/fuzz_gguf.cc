@@ -1,0 +1,27 @@
+// libFuzzer target: GgufFile::parse and its typed getters must never crash on any input.
+#include <cstddef>
+#include <cstdint>
+
+#include "core/gguf.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  auto r = specontext::GgufFile::parse(data, size, "fuzz.gguf");
+  if (!r.is_ok()) return 0;
+  const specontext::GgufFile& g = **r;
+  for (const auto& [key, value] : g.metadata()) {
+    (void)g.get_string(key);
+    (void)g.get_int(key);
+    (void)g.get_float(key);
+    (void)g.get_string_array(key);
+    (void)g.get_float_array(key);
+    (void)g.get_int_array(key);
+  }
+  // Touch the first and last byte of every tensor so a bad bounds check shows up under ASan.
+  volatile uint8_t sink = 0;
+  for (const auto& t : g.tensors()) {
+    if (t.n_bytes > 0) sink = sink ^ t.data[0] ^ t.data[t.n_bytes - 1];
+    (void)t.n_elements();
+    (void)g.find_tensor(t.name);
+  }
+  return 0;
+}

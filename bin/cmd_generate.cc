@@ -1,6 +1,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -11,6 +12,7 @@
 #include "core/engine.h"
 #include "core/generator.h"
 #include "core/model_loader.h"
+#include "core/retrieval_head.h"
 #include "cpu/cpu_backend.h"
 
 namespace specontext::cli {
@@ -40,6 +42,14 @@ void register_generate(CLI::App& app, GenerateArgs& a) {
   cmd->add_option("--max-context", a.max_context, "context limit per sequence (default: the model's)");
   cmd->add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
   cmd->add_flag("--reference", a.reference, "use the naive reference kernels (slow; for checking)");
+  cmd->add_option("--sparse", a.sparse,
+                  "decode attention: specontext (default when a retrieval head is found), dense, "
+                  "streaming, quest, oracle")
+      ->check(CLI::IsMember({"dense", "specontext", "streaming", "quest", "oracle"}));
+  cmd->add_option("--head", a.head_path, "retrieval head (EAGLE-3 layout safetensors)");
+  cmd->add_option("--budget,-B", a.budget, "tokens attended per KV head in sparse decode")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--sinks", a.sinks, "first tokens always attended")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--window", a.window, "most recent tokens always attended")->check(CLI::PositiveNumber);
 }
 
 namespace {
@@ -123,6 +133,42 @@ int run_generate(const GenerateArgs& a) {
     if (tok->bos_id() >= 0) stop_ids.push_back(tok->bos_id());
   }
 
+  // ---- sparse decode set-up ----
+  std::shared_ptr<const RetrievalHead> head;
+  std::string head_note;
+  if (synthetic) {
+    if (a.sparse.empty() || a.sparse == "specontext") {
+      auto h = make_random_head(model->config, a.model.weight_seed + 1);
+      if (!h.is_ok()) return fail(h.status());
+      head = *h;
+    }
+  } else if (a.sparse.empty() || a.sparse == "specontext") {
+    std::string path = a.head_path;
+    if (path.empty()) {
+      namespace fs = std::filesystem;
+      const fs::path model_path(a.model.model_path);
+      const fs::path dir = fs::is_directory(model_path) ? model_path : model_path.parent_path();
+      for (const fs::path& cand : {dir / "retrieval_head.safetensors", dir.parent_path() / "retrieval_head.safetensors"}) {
+        if (fs::exists(cand)) {
+          path = cand.string();
+          break;
+        }
+      }
+    }
+    if (!path.empty()) {
+      auto h = load_eagle3_head(path, model->config);
+      if (!h.is_ok()) return fail(h.status());
+      head = *h;
+      head_note = path;
+    } else if (a.sparse == "specontext") {
+      return fail(not_found("--sparse specontext: no retrieval head given (--head) and none found beside the model; "
+                            "make one with `specontext distill`"));
+    }
+  }
+  const std::string method_name = !a.sparse.empty() ? a.sparse : (head ? "specontext" : "dense");
+  auto method = parse_sparse_method(method_name);
+  if (!method.is_ok()) return fail(method.status());
+
   // ---- engine ----
   cpu::CpuBackendOptions bopts;
   bopts.reference = a.reference;
@@ -136,6 +182,16 @@ int run_generate(const GenerateArgs& a) {
   eopts.max_context = a.max_context > 0 ? a.max_context
                                         : std::min<int64_t>(model->config.max_seq_len,
                                                             synthetic ? std::max<int64_t>(need, 1) : model->config.max_seq_len);
+  eopts.sparse.method = *method;
+  eopts.sparse.selection.budget =
+      a.budget > 0 ? a.budget : std::min<int64_t>(2048, std::max<int64_t>(32, eopts.max_context / 8));
+  eopts.sparse.selection.sinks = a.sinks;
+  eopts.sparse.selection.window = a.window;
+  eopts.retrieval_head = head;
+  if (head && !a.json) {
+    std::fprintf(stderr, "retrieval head: %s (%s)\n", head_note.empty() ? "random (synthetic)" : head_note.c_str(),
+                 pruning_report(*head).c_str());
+  }
   auto engine = Engine::create(model, std::shared_ptr<Backend>(std::move(*backend)), eopts);
   if (!engine.is_ok()) return fail(engine.status());
 
@@ -193,7 +249,19 @@ int run_generate(const GenerateArgs& a) {
       {"kv_bytes_per_token", (*engine)->kv_bytes_per_token()},
       {"backend", std::string((*engine)->backend().name())},
       {"model", synthetic ? a.model.synthetic : a.model.model_path},
+      {"sparse", method_name},
   };
+  const SparseStats& sps = (*engine)->sparse_stats();
+  if (*method != SparseMethod::kDense) {
+    summary["budget"] = eopts.sparse.selection.budget;
+    summary["sinks"] = eopts.sparse.selection.sinks;
+    summary["window"] = eopts.sparse.selection.window;
+    summary["sparse_steps"] = sps.sparse_steps;
+    summary["mean_overlap"] = sps.overlap();
+    const double per = st.decode_tokens > 0 ? 1.0 / static_cast<double>(st.decode_tokens) : 0.0;
+    summary["bytes_loaded_per_token"] = static_cast<double>(sps.bytes_loaded) * per;
+    summary["bytes_full_reload_per_token"] = static_cast<double>(sps.bytes_full_reload) * per;
+  }
   if (a.json) {
     if (tok) summary["text"] = text;
     std::cout << summary.dump() << "\n";
@@ -203,6 +271,16 @@ int run_generate(const GenerateArgs& a) {
                  static_cast<long long>(prompt_ids.size()), st.prefill_tokens_per_s(), st.decode_tokens_per_s(),
                  static_cast<long long>(st.generated_tokens), static_cast<long long>(a.batch),
                  static_cast<long long>(st.kv_bytes_peak));
+    if (*method != SparseMethod::kDense) {
+      const double per = st.decode_tokens > 0 ? 1.0 / static_cast<double>(st.decode_tokens) : 0.0;
+      std::fprintf(stderr,
+                   "sparse: %s, budget %lld | %lld sparse steps | overlap %.1f%% | loaded %.0f B/token (full reload %.0f B/token)\n",
+                   method_name.c_str(), static_cast<long long>(eopts.sparse.selection.budget),
+                   static_cast<long long>(sps.sparse_steps), 100.0 * sps.overlap(),
+                   static_cast<double>(sps.bytes_loaded) * per, static_cast<double>(sps.bytes_full_reload) * per);
+    } else {
+      std::fprintf(stderr, "attention: dense\n");
+    }
   }
   return 0;
 }

@@ -43,6 +43,11 @@ struct GenerateArgs {
   int64_t max_context = 0;
   int threads = 0;
   bool reference = false;
+  std::string sparse;       // "" = specontext when a retrieval head is found, else dense
+  std::string head_path;    // retrieval head (default: retrieval_head.safetensors beside the model)
+  int64_t budget = 0;       // 0 = 2048, or max_context / 8 when smaller (at least 32)
+  int64_t sinks = 4;
+  int64_t window = 16;
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);

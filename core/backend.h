@@ -19,6 +19,7 @@ namespace specontext {
 
 enum class BackendOp {
   kEmbed, kMatmul, kRmsNorm, kRope, kSwiglu, kAdd, kKvAppend, kAttention,
+  kKvGather, kAttentionSparse,
 };
 
 // RoPE frequencies after scaling (llama3 / yarn / linear), computed once per model.
@@ -49,6 +50,32 @@ struct AttentionItem {
   int64_t n_tokens = 0;      // new tokens of this sequence in this forward
   int64_t start_pos = 0;     // position of the first new token (tokens cached before)
   KvLayerView kv;            // already holds the new tokens (kv_append runs first)
+};
+
+// A compact per-sequence, per-layer working set: for each KV head, `slots` rows of head_dim f32
+// for K and for V ([kv_heads][slots][head_dim]); the first counts[h] slots of head h are valid.
+// Slot order is arbitrary (softmax does not care), so elastic loading can refill slots in place.
+struct WorkingSetView {
+  float* k = nullptr;
+  float* v = nullptr;
+  int64_t kv_heads = 0;
+  int64_t slots = 0;
+  int64_t head_dim = 0;
+  const int32_t* counts = nullptr;  // [kv_heads]
+};
+
+// One copy of a cached token of one KV head into a working-set slot.
+struct GatherEntry {
+  int32_t kv_head = 0;
+  int32_t token = 0;  // position in the paged cache
+  int32_t slot = 0;   // destination slot of that head
+};
+
+// One sequence's decode tokens attending over its working set.
+struct SparseAttentionItem {
+  int64_t token_offset = 0;  // first row of this sequence in q / out
+  int64_t n_tokens = 0;      // rows (each attends to the whole working set)
+  WorkingSetView ws;
 };
 
 class Backend {
@@ -84,6 +111,15 @@ class Backend {
   // to KV head h / (n_heads / kv_heads). Scale 1/sqrt(head_dim).
   virtual Status attention(const float* q, const AttentionItem* items, int64_t n_items,
                            int64_t n_heads, float* out) = 0;
+
+  // ---- sparse decode (SpeContext); optional: supports(kKvGather / kAttentionSparse) says ----
+  // Copies K and V of the listed (head, token) pairs from the paged cache into working-set slots.
+  virtual Status kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                           const WorkingSetView& ws);
+  // Attention of each item's rows over its working set only (no causal mask: the working set
+  // holds exactly the tokens to attend). GQA as in attention(). Scale 1/sqrt(head_dim).
+  virtual Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                                  int64_t n_heads, float* out);
 };
 
 }  // namespace specontext

@@ -1,6 +1,7 @@
 #include "core/gguf.h"
 
 #include <limits>
+#include <new>
 
 namespace specontext {
 
@@ -146,7 +147,12 @@ class Parser {
       return data_loss(source_ + ": truncated: key \"" + key + "\" claims " + std::to_string(n) +
                        " elements but only " + std::to_string(r_.remaining()) + " bytes remain");
     }
-    v->array.resize(static_cast<size_t>(n));
+    try {  // each element is a ~40-byte variant: a huge array in a huge file may not fit in RAM
+      v->array.resize(static_cast<size_t>(n));
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted(source_ + ": key \"" + key + "\": cannot hold " +
+                                std::to_string(n) + " array elements in memory");
+    }
     for (auto& e : v->array) SPX_RETURN_IF_ERROR(read_scalar(v->array_type, &e, what));
     return Status::ok();
   }

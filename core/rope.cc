@@ -2,8 +2,6 @@
 // formulas of Hugging Face transformers (modeling_rope_utils.py) so HF checkpoints match.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <new>
 
 #include "core/backend.h"
 
@@ -77,15 +75,6 @@ RopeParams make_rope_params(const ModelConfig& c) {
   }
   p.inv_freq.assign(inv.begin(), inv.end());
   return p;
-}
-
-Result<std::shared_ptr<void>> Backend::allocate(size_t bytes) {
-  const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
-  void* ptr = std::aligned_alloc(64, rounded);
-  if (ptr == nullptr) {
-    return resource_exhausted("cannot allocate " + std::to_string(bytes) + " bytes of host memory");
-  }
-  return std::shared_ptr<void>(ptr, [](void* q) { std::free(q); });
 }
 
 }  // namespace specontext

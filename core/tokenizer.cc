@@ -164,8 +164,7 @@ std::vector<SpecialSplitter::Fragment> SpecialSplitter::split(std::string_view t
 std::vector<TokenId> collect_stop_ids(TokenId eos, const PieceMap& pieces) {
   std::vector<TokenId> ids;
   if (eos >= 0) ids.push_back(eos);
-  for (const char* name :
-       {"<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>"}) {
+  for (const char* name : {"<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>"}) {
     auto it = pieces.find(std::string_view(name));
     if (it != pieces.end() && std::find(ids.begin(), ids.end(), it->second) == ids.end()) {
       ids.push_back(it->second);
@@ -187,8 +186,7 @@ bool gguf_bool_or(const GgufFile& gguf, const std::string& key, bool dflt) {
 }
 
 // Special token ids: absent, or outside the vocabulary (GGUF writes 0xFFFFFFFF for "none"), -> -1.
-Result<TokenId> gguf_token_id(const GgufFile& gguf, const std::string& key, size_t n_tokens,
-                              TokenId dflt) {
+Result<TokenId> gguf_token_id(const GgufFile& gguf, const std::string& key, size_t n_tokens, TokenId dflt) {
   if (!gguf.has(key)) return dflt < static_cast<int64_t>(n_tokens) ? dflt : TokenId{-1};
   SPX_ASSIGN_OR_RETURN(int64_t v, gguf.get_int(key));
   if (v < 0 || v >= static_cast<int64_t>(n_tokens)) return TokenId{-1};
@@ -212,8 +210,7 @@ Result<std::vector<int32_t>> gguf_token_types(const GgufFile& gguf, size_t n_tok
 Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer_impl(const GgufFile& gguf) {
   const std::string& src = gguf.source();
   SPX_ASSIGN_OR_RETURN(std::string model, gguf.get_string("tokenizer.ggml.model"));
-  SPX_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
-                       gguf.get_string_array("tokenizer.ggml.tokens"));
+  SPX_ASSIGN_OR_RETURN(std::vector<std::string> tokens, gguf.get_string_array("tokenizer.ggml.tokens"));
   if (tokens.empty()) return invalid_argument(src + ": tokenizer.ggml.tokens is empty");
   if (tokens.size() > static_cast<size_t>(INT32_MAX)) {
     return invalid_argument(src + ": tokenizer.ggml.tokens is too large");
@@ -264,8 +261,7 @@ Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer_impl(const GgufFile& gguf
                            "\" is not supported (gpt-2, llama-bpe, qwen2)");
     }
     v.add_bos = gguf_bool_or(gguf, "tokenizer.ggml.add_bos_token", v.add_bos);
-    SPX_ASSIGN_OR_RETURN(std::vector<std::string> merges,
-                         gguf.get_string_array("tokenizer.ggml.merges"));
+    SPX_ASSIGN_OR_RETURN(std::vector<std::string> merges, gguf.get_string_array("tokenizer.ggml.merges"));
     v.merges.reserve(merges.size());
     for (size_t i = 0; i < merges.size(); ++i) {
       // Split at the first space after the first character, as llama.cpp does.
@@ -283,8 +279,7 @@ Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer_impl(const GgufFile& gguf
     v.types = std::move(types);
     return make_bpe_tokenizer(std::move(v));
   }
-  return unimplemented(src + ": tokenizer.ggml.model \"" + model +
-                       "\" is not supported (llama, gpt2)");
+  return unimplemented(src + ": tokenizer.ggml.model \"" + model + "\" is not supported (llama, gpt2)");
 }
 
 }  // namespace

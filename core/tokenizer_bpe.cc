@@ -41,7 +41,7 @@ using json = nlohmann::json;
 
 // GPT-2's bytes_to_unicode(): printable bytes map to themselves, the rest to U+0100 onwards.
 struct ByteMap {
-  std::array<std::string, 256> to_unicode;    // UTF-8 of the mapped code point
+  std::array<std::string, 256> to_unicode;  // UTF-8 of the mapped code point
   std::unordered_map<uint32_t, uint8_t> from_unicode;
   ByteMap() {
     uint32_t next = 256;
@@ -65,15 +65,13 @@ class Regex {
   static Result<Regex> compile(const std::string& pattern, const std::string& where) {
     int err = 0;
     PCRE2_SIZE err_off = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                     PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | PCRE2_NEVER_BACKSLASH_C,
-                                     &err,
-                                     &err_off, nullptr);
+    pcre2_code* code = pcre2_compile(
+        reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+        PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | PCRE2_NEVER_BACKSLASH_C, &err, &err_off, nullptr);
     if (code == nullptr) {
       std::array<PCRE2_UCHAR, 256> msg{};
       pcre2_get_error_message(err, msg.data(), msg.size());
-      return invalid_argument(where + ": regex does not compile at offset " +
-                              std::to_string(err_off) + ": " +
+      return invalid_argument(where + ": regex does not compile at offset " + std::to_string(err_off) + ": " +
                               reinterpret_cast<const char*>(msg.data()));
     }
     Regex r;
@@ -103,8 +101,8 @@ class Regex {
       if (rc < 0) {
         std::array<PCRE2_UCHAR, 256> msg{};
         pcre2_get_error_message(rc, msg.data(), msg.size());
-        return resource_exhausted(where_ + ": pre-tokenizer regex failed: " +
-                                  reinterpret_cast<const char*>(msg.data()));
+        return resource_exhausted(
+            where_ + ": pre-tokenizer regex failed: " + reinterpret_cast<const char*>(msg.data()));
       }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       const size_t s = std::clamp<size_t>(ov[0], pos, n);
@@ -161,8 +159,8 @@ class BpeTokenizer final : public Tokenizer {
     try {
       return encode_impl(text, add_bos, parse_special);
     } catch (const std::bad_alloc&) {
-      return resource_exhausted(v_.source + ": out of memory encoding " +
-                                std::to_string(text.size()) + " bytes");
+      return resource_exhausted(v_.source + ": out of memory encoding " + std::to_string(text.size()) +
+                                " bytes");
     } catch (const std::exception& e) {
       return internal_error(v_.source + ": " + e.what());
     }
@@ -242,8 +240,7 @@ class BpeTokenizer final : public Tokenizer {
     return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
   }
 
-  Result<std::vector<TokenId>> encode_impl(std::string_view text, bool add_bos,
-                                           bool parse_special) const {
+  Result<std::vector<TokenId>> encode_impl(std::string_view text, bool add_bos, bool parse_special) const {
     std::vector<TokenId> out;
     if (add_bos && v_.bos >= 0) out.push_back(v_.bos);
     std::vector<std::string> pieces, next;
@@ -448,16 +445,15 @@ Status parse_pre_tokenizer(const JsonReader& rd, const json& node, const std::st
       return rd.error(field + ".pretokenizers", "expected an array");
     }
     for (size_t i = 0; i < it->size(); ++i) {
-      SPX_RETURN_IF_ERROR(parse_pre_tokenizer(rd, (*it)[i],
-                                              field + ".pretokenizers[" + std::to_string(i) + "]",
-                                              steps, byte_level));
+      SPX_RETURN_IF_ERROR(parse_pre_tokenizer(
+          rd, (*it)[i], field + ".pretokenizers[" + std::to_string(i) + "]", steps, byte_level));
     }
     return Status::ok();
   }
   if (type == "ByteLevel") {
     byte_level = true;
-    SPX_ASSIGN_OR_RETURN(bool prefix, rd.boolean(node, "add_prefix_space",
-                                                 field + ".add_prefix_space", false));
+    SPX_ASSIGN_OR_RETURN(bool prefix,
+                         rd.boolean(node, "add_prefix_space", field + ".add_prefix_space", false));
     SPX_ASSIGN_OR_RETURN(bool use_regex, rd.boolean(node, "use_regex", field + ".use_regex", true));
     if (prefix) steps.push_back({PreTokenizeStep::kPrefixSpace, "", field + ".add_prefix_space"});
     if (use_regex) steps.push_back({PreTokenizeStep::kRegexSplit, kGpt2Regex, field + ".use_regex"});
@@ -469,8 +465,7 @@ Status parse_pre_tokenizer(const JsonReader& rd, const json& node, const std::st
     if (pattern->contains("Regex")) {
       SPX_ASSIGN_OR_RETURN(regex, rd.string(*pattern, "Regex", field + ".pattern.Regex"));
     } else if (pattern->contains("String")) {
-      SPX_ASSIGN_OR_RETURN(std::string literal,
-                           rd.string(*pattern, "String", field + ".pattern.String"));
+      SPX_ASSIGN_OR_RETURN(std::string literal, rd.string(*pattern, "String", field + ".pattern.String"));
       if (literal.empty()) return rd.error(field + ".pattern.String", "empty pattern");
       for (char c : literal) {  // escape every ASCII punctuation character
         if (std::ispunct(static_cast<unsigned char>(c))) regex += '\\';
@@ -479,8 +474,7 @@ Status parse_pre_tokenizer(const JsonReader& rd, const json& node, const std::st
     } else {
       return rd.error(field + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
     }
-    SPX_ASSIGN_OR_RETURN(std::string behavior,
-                         rd.string(node, "behavior", field + ".behavior", "Isolated"));
+    SPX_ASSIGN_OR_RETURN(std::string behavior, rd.string(node, "behavior", field + ".behavior", "Isolated"));
     if (behavior != "Isolated") {
       return rd.unsupported(field + ".behavior", "\"" + behavior + "\" (only Isolated)");
     }
@@ -490,8 +484,8 @@ Status parse_pre_tokenizer(const JsonReader& rd, const json& node, const std::st
     return Status::ok();
   }
   if (type == "Digits") {
-    SPX_ASSIGN_OR_RETURN(bool single, rd.boolean(node, "individual_digits",
-                                                 field + ".individual_digits", false));
+    SPX_ASSIGN_OR_RETURN(bool single,
+                         rd.boolean(node, "individual_digits", field + ".individual_digits", false));
     steps.push_back({PreTokenizeStep::kRegexSplit, single ? "\\p{N}" : "\\p{N}+", field});
     return Status::ok();
   }
@@ -509,8 +503,7 @@ Status check_normalizer(const JsonReader& rd, const json& node, const std::strin
     auto it = node.find("normalizers");
     if (it == node.end() || !it->is_array()) return rd.error(field + ".normalizers", "expected an array");
     for (size_t i = 0; i < it->size(); ++i) {
-      SPX_RETURN_IF_ERROR(
-          check_normalizer(rd, (*it)[i], field + ".normalizers[" + std::to_string(i) + "]"));
+      SPX_RETURN_IF_ERROR(check_normalizer(rd, (*it)[i], field + ".normalizers[" + std::to_string(i) + "]"));
     }
     return Status::ok();
   }
@@ -554,8 +547,7 @@ std::optional<std::string> config_token(const json& cfg, const char* key) {
   return std::nullopt;
 }
 
-Result<std::unique_ptr<Tokenizer>> parse_hf_json_impl(std::string_view text,
-                                                      const std::string& source,
+Result<std::unique_ptr<Tokenizer>> parse_hf_json_impl(std::string_view text, const std::string& source,
                                                       std::string_view config_text,
                                                       const std::string& config_source) {
   const JsonReader rd(source);
@@ -579,8 +571,7 @@ Result<std::unique_ptr<Tokenizer>> parse_hf_json_impl(std::string_view text,
 
   BpeVocab v;
   v.source = source;
-  SPX_ASSIGN_OR_RETURN(v.ignore_merges,
-                       rd.boolean(*model, "ignore_merges", "model.ignore_merges", false));
+  SPX_ASSIGN_OR_RETURN(v.ignore_merges, rd.boolean(*model, "ignore_merges", "model.ignore_merges", false));
 
   // Vocabulary and added tokens, into one dense id table.
   SPX_ASSIGN_OR_RETURN(const json* vocab, rd.object(*model, "vocab", "model.vocab", true));
@@ -622,8 +613,8 @@ Result<std::unique_ptr<Tokenizer>> parse_hf_json_impl(std::string_view text,
   if (max_id < 0) return rd.error("model.vocab", "empty vocabulary");
   const size_t count = entries.size() + added.size();
   if (static_cast<size_t>(max_id) > 2 * count + 1024) {
-    return rd.error("model.vocab", "ids are too sparse (max id " + std::to_string(max_id) +
-                                       " for " + std::to_string(count) + " tokens)");
+    return rd.error("model.vocab", "ids are too sparse (max id " + std::to_string(max_id) + " for " +
+                                       std::to_string(count) + " tokens)");
   }
   const auto n = static_cast<size_t>(max_id) + 1;
   v.tokens.assign(n, std::string());

@@ -69,18 +69,17 @@ std::vector<TokenId> collect_stop_ids(TokenId eos, const PieceMap& pieces);
 
 // ---- llama2.c tokenizer.bin ----
 Result<std::unique_ptr<Tokenizer>> parse_llama2c_tokenizer(const uint8_t* data, size_t size,
-                                                           int32_t vocab_size,
-                                                           const std::string& source);
+                                                           int32_t vocab_size, const std::string& source);
 
 // ---- SentencePiece BPE (GGUF "llama" vocabularies) ----
 struct SpmVocab {
   std::vector<std::string> tokens;
-  std::vector<float> scores;     // empty: all 0
-  std::vector<int32_t> types;    // empty: inferred ("<0xHH>" is a byte token, else normal)
+  std::vector<float> scores;   // empty: all 0
+  std::vector<int32_t> types;  // empty: inferred ("<0xHH>" is a byte token, else normal)
   TokenId bos = -1, eos = -1, unk = -1;
   bool add_space_prefix = true;
   bool add_bos = true;
-  std::string source;            // names the vocabulary in errors
+  std::string source;  // names the vocabulary in errors
 };
 Result<std::unique_ptr<Tokenizer>> make_spm_tokenizer(SpmVocab vocab);
 
@@ -96,7 +95,7 @@ struct BpeVocab {
   std::vector<int32_t> types;       // empty: all normal
   std::vector<std::pair<std::string, std::string>> merges;  // in rank order
   std::vector<PreTokenizeStep> pre_steps;
-  bool ignore_merges = false;       // a whole pre-token found in the vocab is emitted as is
+  bool ignore_merges = false;  // a whole pre-token found in the vocab is emitted as is
   TokenId bos = -1, eos = -1, unk = -1;
   bool add_bos = false;
   std::string source;

@@ -56,8 +56,8 @@ class Llama2cTokenizer final : public Tokenizer {
     try {
       return encode_impl(text, add_bos);
     } catch (const std::bad_alloc&) {
-      return resource_exhausted("llama2c tokenizer: out of memory encoding " +
-                                std::to_string(text.size()) + " bytes");
+      return resource_exhausted("llama2c tokenizer: out of memory encoding " + std::to_string(text.size()) +
+                                " bytes");
     } catch (const std::exception& e) {
       return internal_error(std::string("llama2c tokenizer: ") + e.what());
     }
@@ -149,8 +149,7 @@ class Llama2cTokenizer final : public Tokenizer {
     };
     std::vector<Sym> syms(n);
     for (size_t i = 0; i < n; ++i) {
-      syms[i] = Sym{tokens[i], static_cast<int>(i) - 1, i + 1 < n ? static_cast<int>(i) + 1 : -1,
-                    true};
+      syms[i] = Sym{tokens[i], static_cast<int>(i) - 1, i + 1 < n ? static_cast<int>(i) + 1 : -1, true};
     }
     std::priority_queue<Cand, std::vector<Cand>, Worse> queue;
     std::string joined;
@@ -199,11 +198,9 @@ class Llama2cTokenizer final : public Tokenizer {
 namespace tokenizer_internal {
 
 Result<std::unique_ptr<Tokenizer>> parse_llama2c_tokenizer(const uint8_t* data, size_t size,
-                                                           int32_t vocab_size,
-                                                           const std::string& source) {
+                                                           int32_t vocab_size, const std::string& source) {
   if (vocab_size <= 0) {
-    return invalid_argument(source + ": vocab_size must be positive, got " +
-                            std::to_string(vocab_size));
+    return invalid_argument(source + ": vocab_size must be positive, got " + std::to_string(vocab_size));
   }
   try {
     ByteReader rd(data, size, source);
@@ -232,8 +229,8 @@ Result<std::unique_ptr<Tokenizer>> parse_llama2c_tokenizer(const uint8_t* data, 
                          " exceeds max_token_length " + std::to_string(max_len));
       }
       if (static_cast<size_t>(len) > rd.remaining()) {  // before allocating: len is untrusted
-        return data_loss(source + ": truncated: " + at + " has length " + std::to_string(len) +
-                         " but only " + std::to_string(rd.remaining()) + " bytes remain");
+        return data_loss(source + ": truncated: " + at + " has length " + std::to_string(len) + " but only " +
+                         std::to_string(rd.remaining()) + " bytes remain");
       }
       std::string piece(static_cast<size_t>(len), '\0');
       SPX_RETURN_IF_ERROR(rd.read_bytes(piece.data(), piece.size(), at + " bytes"));
@@ -250,8 +247,7 @@ Result<std::unique_ptr<Tokenizer>> parse_llama2c_tokenizer(const uint8_t* data, 
 
 }  // namespace tokenizer_internal
 
-Result<std::unique_ptr<Tokenizer>> load_llama2c_tokenizer(const std::string& path,
-                                                          int32_t vocab_size) {
+Result<std::unique_ptr<Tokenizer>> load_llama2c_tokenizer(const std::string& path, int32_t vocab_size) {
   SPX_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> file, MappedFile::open(path));
   return tokenizer_internal::parse_llama2c_tokenizer(file->data(), file->size(), vocab_size, path);
 }

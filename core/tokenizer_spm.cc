@@ -66,8 +66,8 @@ class SpmTokenizer final : public Tokenizer {
     try {
       return encode_impl(text, add_bos, parse_special);
     } catch (const std::bad_alloc&) {
-      return resource_exhausted(v_.source + ": out of memory encoding " +
-                                std::to_string(text.size()) + " bytes");
+      return resource_exhausted(v_.source + ": out of memory encoding " + std::to_string(text.size()) +
+                                " bytes");
     } catch (const std::exception& e) {
       return internal_error(v_.source + ": " + e.what());
     }
@@ -90,14 +90,19 @@ class SpmTokenizer final : public Tokenizer {
         }
         break;
       }
-      case kTokUserDefined: out = piece; break;
+      case kTokUserDefined:
+        out = piece;
+        break;
       case kTokByte: {
         const int b = parse_byte_piece(piece);
         if (b >= 0) out = std::string(1, static_cast<char>(b));
         break;
       }
-      case kTokUnknown: out = std::string(kUnknownGlyph); break;
-      default: return {};  // control, unused
+      case kTokUnknown:
+        out = std::string(kUnknownGlyph);
+        break;
+      default:
+        return {};  // control, unused
     }
     // The space added by add_space_prefix at the start of the text is removed again.
     if (v_.add_space_prefix && (prev < 0 || prev == v_.bos) && !out.empty() && out[0] == ' ') {
@@ -112,8 +117,7 @@ class SpmTokenizer final : public Tokenizer {
   }
 
  private:
-  Result<std::vector<TokenId>> encode_impl(std::string_view text, bool add_bos,
-                                           bool parse_special) const {
+  Result<std::vector<TokenId>> encode_impl(std::string_view text, bool add_bos, bool parse_special) const {
     std::vector<TokenId> out;
     if (add_bos && v_.bos >= 0) out.push_back(v_.bos);
     bool prev_special = true;  // the first fragment gets the space prefix
@@ -238,9 +242,7 @@ class SpmTokenizer final : public Tokenizer {
     }
   }
 
-  float score_of(TokenId id) const {
-    return v_.scores.empty() ? 0.0f : v_.scores[static_cast<size_t>(id)];
-  }
+  float score_of(TokenId id) const { return v_.scores.empty() ? 0.0f : v_.scores[static_cast<size_t>(id)]; }
 
   SpmVocab v_;
   PieceMap all_pieces_;    // every piece (piece_to_id, stop ids)
@@ -266,9 +268,8 @@ Result<std::unique_ptr<Tokenizer>> make_spm_tokenizer(SpmVocab v) {
       return invalid_argument(v.source + ": tokenizer.ggml.tokens is too large");
     }
     if (!v.scores.empty() && v.scores.size() != n) {
-      return invalid_argument(v.source + ": tokenizer.ggml.scores has " +
-                              std::to_string(v.scores.size()) + " entries for " +
-                              std::to_string(n) + " tokens");
+      return invalid_argument(v.source + ": tokenizer.ggml.scores has " + std::to_string(v.scores.size()) +
+                              " entries for " + std::to_string(n) + " tokens");
     }
     if (v.types.empty()) {
       v.types.reserve(n);
@@ -276,9 +277,8 @@ Result<std::unique_ptr<Tokenizer>> make_spm_tokenizer(SpmVocab v) {
         v.types.push_back(parse_byte_piece(t) >= 0 ? kTokByte : kTokNormal);
       }
     } else if (v.types.size() != n) {
-      return invalid_argument(v.source + ": tokenizer.ggml.token_type has " +
-                              std::to_string(v.types.size()) + " entries for " +
-                              std::to_string(n) + " tokens");
+      return invalid_argument(v.source + ": tokenizer.ggml.token_type has " + std::to_string(v.types.size()) +
+                              " entries for " + std::to_string(n) + " tokens");
     }
     const auto valid = [&](TokenId id) { return id >= 0 && static_cast<size_t>(id) < n; };
     if (!valid(v.bos)) v.bos = -1;

@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cpu/numa.h"
@@ -412,6 +413,16 @@ struct CpuBackend::Impl {
   MatmulPlan& plan_for(const MatmulKey& key);
   Status matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads, float* out);
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
+                          float* out);
+  // Tasks per (item, KV head, token tile) before splitting, and the key chunks wanted per task
+  // so that there are about 4 tasks per thread.
+  int64_t chunks_wanted(int64_t base_tasks) const;
+  // Merges split-K partials of each group: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c.
+  // layout(item) = (first output row of the item, query heads per KV head).
+  template <typename Layout>
+  void merge_partials(const std::vector<AttnTask>& tasks, const std::vector<AttnGroup>& groups, int64_t n_heads,
+                      int64_t d, const float* partial_base, float* out, Layout&& layout);
 };
 
 MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
@@ -530,9 +541,7 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
     const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
     base_tasks += (items[i].n_tokens + tile - 1) / tile * items[i].kv.kv_heads;
   }
-  const int64_t target_tasks = 4 * static_cast<int64_t>(num_threads);
-  const int64_t chunks_wanted =
-      base_tasks >= target_tasks ? 1 : (target_tasks + base_tasks - 1) / std::max<int64_t>(base_tasks, 1);
+  const int64_t split = chunks_wanted(base_tasks);
   int64_t partial_floats = 0;
   for (int64_t i = 0; i < n_items; ++i) {
     const AttentionItem& it = items[i];
@@ -544,8 +553,8 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
       int64_t chunk = keys;
       if (attention_chunk > 0) {
         chunk = attention_chunk;
-      } else if (chunks_wanted > 1) {
-        chunk = std::max(kMinChunk, (keys + chunks_wanted - 1) / chunks_wanted);
+      } else if (split > 1) {
+        chunk = std::max(kMinChunk, (keys + split - 1) / split);
       }
       const int64_t n_chunks = (keys + chunk - 1) / chunk;
       const int64_t nq = (t1 - t0) * group;
@@ -627,13 +636,27 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
     for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);
   });
 
-  // 3. Merge split-K partials: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c.
+  // 3. Merge split-K partials.
+  merge_partials(tasks, groups, n_heads, d, partial_base, out, [&](int64_t item) {
+    return std::pair<int64_t, int64_t>(items[item].token_offset, n_heads / items[item].kv.kv_heads);
+  });
+  return Status::ok();
+}
+
+int64_t CpuBackend::Impl::chunks_wanted(int64_t base_tasks) const {
+  const int64_t target_tasks = 4 * static_cast<int64_t>(num_threads);
+  return base_tasks >= target_tasks ? 1 : (target_tasks + base_tasks - 1) / std::max<int64_t>(base_tasks, 1);
+}
+
+template <typename Layout>
+void CpuBackend::Impl::merge_partials(const std::vector<AttnTask>& tasks, const std::vector<AttnGroup>& groups,
+                                      int64_t n_heads, int64_t d, const float* partial_base, float* out,
+                                      Layout&& layout) {
   parallel(static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
       const AttnGroup& g = groups[static_cast<size_t>(gi)];
       const AttnTask& first = tasks[g.task_begin];
-      const AttentionItem& it = items[first.item];
-      const int64_t group = n_heads / it.kv.kv_heads;
+      const auto [token_offset, group] = layout(first.item);
       const int64_t nq = (first.t1 - first.t0) * group;
       for (int64_t r = 0; r < nq; ++r) {
         float big_m = -std::numeric_limits<float>::infinity();
@@ -642,7 +665,7 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
         }
         const int64_t t = first.t0 + r / group;
         const int64_t h = first.kvh * group + r % group;
-        float* o = out + ((it.token_offset + t) * n_heads + h) * d;
+        float* o = out + ((token_offset + t) * n_heads + h) * d;
         std::fill(o, o + d, 0.0f);
         float denom = 0.0f;
         for (size_t ti = g.task_begin; ti < g.task_end; ++ti) {
@@ -658,6 +681,121 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
         for (int64_t k = 0; k < d; ++k) o[k] *= inv;
       }
     }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sparse attention: the same (item, token tile, KV head, key chunk) tasks as attention(), over
+// the first counts[h] rows of the working set of head h ([kv_heads][slots][head_dim], so one
+// head's rows are contiguous and stream in blocks of kKeyBlock). No causal mask: every row of an
+// item sees the whole working set.
+
+Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                                          int64_t n_heads, float* out) {
+  if (n_items == 0) return Status::ok();
+  const int64_t d = items[0].ws.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  // 1. Tasks. A head with an empty working set still gets one (empty) task: it writes zeros.
+  std::vector<AttnTask> tasks;
+  std::vector<AttnGroup> groups;
+  int64_t base_tasks = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / (n_heads / items[i].ws.kv_heads));
+    base_tasks += (items[i].n_tokens + tile - 1) / tile * items[i].ws.kv_heads;
+  }
+  const int64_t split = chunks_wanted(base_tasks);
+  int64_t partial_floats = 0;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const SparseAttentionItem& it = items[i];
+    const int64_t group = n_heads / it.ws.kv_heads;
+    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
+    for (int64_t t0 = 0; t0 < it.n_tokens; t0 += tile) {
+      const int64_t t1 = std::min(it.n_tokens, t0 + tile);
+      const int64_t nq = (t1 - t0) * group;
+      for (int64_t h = 0; h < it.ws.kv_heads; ++h) {
+        const int64_t keys = it.ws.counts[h];
+        int64_t chunk = std::max<int64_t>(keys, 1);
+        if (attention_chunk > 0) {
+          chunk = attention_chunk;
+        } else if (split > 1) {
+          chunk = std::max(kMinChunk, (keys + split - 1) / split);
+        }
+        const int64_t n_chunks = std::max<int64_t>(1, (keys + chunk - 1) / chunk);
+        AttnGroup g{tasks.size(), 0};
+        for (int64_t c = 0; c < n_chunks; ++c) {
+          int64_t partial = -1;
+          if (n_chunks > 1) {
+            partial = partial_floats;
+            partial_floats += nq * (d + 2);
+          }
+          tasks.push_back({i, h, t0, t1, std::min(keys, c * chunk), std::min(keys, (c + 1) * chunk), partial});
+        }
+        g.task_end = tasks.size();
+        if (n_chunks > 1) groups.push_back(g);
+      }
+    }
+  }
+  thread_local std::vector<float> partials;  // per calling thread: ops may run concurrently
+  if (partials.size() < static_cast<size_t>(partial_floats)) partials.resize(static_cast<size_t>(partial_floats));
+  float* partial_base = partials.data();
+
+  // 2. Every task folds its slots into the online-softmax state of the group's queries, so each
+  // K/V row is read from memory once per (token tile, KV head), not once per query head.
+  auto run_task = [&](const AttnTask& task) {
+    const SparseAttentionItem& it = items[task.item];
+    const WorkingSetView& ws = it.ws;
+    const int64_t group = n_heads / ws.kv_heads;
+    const int64_t nq = (task.t1 - task.t0) * group;
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> valid_buf;
+    const size_t need = static_cast<size_t>(nq * d * 2 + nq * 2 + kKeyBlock);
+    if (scratch.size() < need) scratch.resize(need);
+    if (valid_buf.size() < static_cast<size_t>(nq)) valid_buf.resize(static_cast<size_t>(nq));
+    float* qs = scratch.data();     // [nq, d] scaled queries
+    float* acc = qs + nq * d;       // [nq, d]
+    float* m_state = acc + nq * d;  // [nq]
+    float* l_state = m_state + nq;  // [nq]
+    float* s = l_state + nq;        // [kKeyBlock]
+    int64_t* valid = valid_buf.data();
+    for (int64_t t = task.t0; t < task.t1; ++t) {
+      const float* src = q + ((it.token_offset + t) * n_heads + task.kvh * group) * d;
+      float* dst = qs + (t - task.t0) * group * d;
+      for (int64_t e = 0; e < group * d; ++e) dst[e] = src[e] * scale;
+    }
+    std::fill(acc, acc + nq * d, 0.0f);
+    std::fill(m_state, m_state + nq, -std::numeric_limits<float>::infinity());
+    std::fill(l_state, l_state + nq, 0.0f);
+    const int64_t head_base = task.kvh * ws.slots * d;
+    for (int64_t pos = task.k0; pos < task.k1;) {
+      const int64_t n = std::min(kKeyBlock, task.k1 - pos);
+      std::fill(valid, valid + nq, n);
+      const int64_t off = head_base + pos * d;
+      attend_block(qs, nq, d, valid, ws.k + off, ws.v + off, m_state, l_state, acc, s);
+      pos += n;
+    }
+    if (task.partial < 0) {
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t t = task.t0 + r / group;
+        const int64_t h = task.kvh * group + r % group;
+        float* o = out + ((it.token_offset + t) * n_heads + h) * d;
+        const float inv = l_state[r] > 0.0f ? 1.0f / l_state[r] : 0.0f;  // empty working set: zeros
+        for (int64_t e = 0; e < d; ++e) o[e] = acc[r * d + e] * inv;
+      }
+    } else {
+      float* p = partial_base + task.partial;
+      std::copy(m_state, m_state + nq, p);
+      std::copy(l_state, l_state + nq, p + nq);
+      std::copy(acc, acc + nq * d, p + 2 * nq);
+    }
+  };
+  parallel(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);
+  });
+
+  // 3. Merge split-K partials.
+  merge_partials(tasks, groups, n_heads, d, partial_base, out, [&](int64_t item) {
+    return std::pair<int64_t, int64_t>(items[item].token_offset, n_heads / items[item].ws.kv_heads);
   });
   return Status::ok();
 }
@@ -905,6 +1043,34 @@ Status CpuBackend::attention(const float* q, const AttentionItem* items, int64_t
                              float* out) {
   SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
   return guarded("attention", [&]() -> Status { return impl_->attention(q, items, n_items, n_heads, out); });
+}
+
+Status CpuBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                             const WorkingSetView& ws) {
+  return guarded("kv_gather", [&]() -> Status {  // the duplicate check allocates
+    SPX_RETURN_IF_ERROR(check_kv_gather_args(kv, entries, n_entries, ws));
+    const int64_t d = kv.head_dim;
+    const size_t row_bytes = static_cast<size_t>(d) * sizeof(float);
+    const int64_t grain = std::max<int64_t>(1, 4096 / d);  // ~32 KiB of K+V per task
+    impl_->parallel(n_entries, grain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const GatherEntry& g = entries[i];
+        const int64_t page = g.token / kv.page_size;
+        const int64_t src = (g.kv_head * kv.page_size + g.token % kv.page_size) * d;
+        const int64_t dst = (g.kv_head * ws.slots + g.slot) * d;
+        std::memcpy(ws.k + dst, kv.k_pages[page] + src, row_bytes);
+        std::memcpy(ws.v + dst, kv.v_pages[page] + src, row_bytes);
+      }
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                                    int64_t n_heads, float* out) {
+  SPX_RETURN_IF_ERROR(check_attention_sparse_args(items, n_items, n_heads));
+  return guarded("attention_sparse",
+                 [&]() -> Status { return impl_->attention_sparse(q, items, n_items, n_heads, out); });
 }
 
 // ---------------------------------------------------------------------------------------------

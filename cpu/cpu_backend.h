@@ -49,6 +49,13 @@ class CpuBackend final : public Backend {
                    const KvLayerView& kv) override;
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
                    float* out) override;
+  // Entries are copied in parallel; destinations must be distinct (checked).
+  Status kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                   const WorkingSetView& ws) override;
+  // Same task split as attention() over the working set, without the causal mask. A head with
+  // counts[h] == 0 gets a zero output row.
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                          int64_t n_heads, float* out) override;
 
   int num_threads() const;
   int numa_node() const;

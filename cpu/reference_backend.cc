@@ -91,6 +91,83 @@ Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t
   return Status::ok();
 }
 
+namespace {
+// Shape of a working set; `need_counts`: the op reads counts (attention), so they must be sane.
+Status check_working_set(const WorkingSetView& ws, const char* op, bool need_counts) {
+  if (ws.kv_heads <= 0 || ws.head_dim <= 0 || ws.slots < 0) {
+    return invalid_argument(std::string(op) + ": working set kv_heads and head_dim must be positive, slots >= 0");
+  }
+  if (ws.slots > 0 && (ws.k == nullptr || ws.v == nullptr)) {
+    return invalid_argument(std::string(op) + ": null working-set K/V");
+  }
+  if (!need_counts) return Status::ok();
+  if (ws.counts == nullptr) return invalid_argument(std::string(op) + ": null working-set counts");
+  for (int64_t h = 0; h < ws.kv_heads; ++h) {
+    if (ws.counts[h] < 0 || ws.counts[h] > ws.slots) {
+      return invalid_argument(std::string(op) + ": counts[" + std::to_string(h) + "] = " +
+                              std::to_string(ws.counts[h]) + " outside [0, " + std::to_string(ws.slots) + "]");
+    }
+  }
+  return Status::ok();
+}
+}  // namespace
+
+Status check_kv_gather_args(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                            const WorkingSetView& ws) {
+  if (n_entries < 0) return invalid_argument("kv_gather: negative entry count");
+  if (n_entries == 0) return Status::ok();
+  if (entries == nullptr) return invalid_argument("kv_gather: null entries");
+  SPX_RETURN_IF_ERROR(check_kv_view(kv));
+  SPX_RETURN_IF_ERROR(check_working_set(ws, "kv_gather", /*need_counts=*/false));
+  if (ws.kv_heads != kv.kv_heads || ws.head_dim != kv.head_dim) {
+    return invalid_argument("kv_gather: working set (kv_heads " + std::to_string(ws.kv_heads) + ", head_dim " +
+                            std::to_string(ws.head_dim) + ") does not match the cache (" +
+                            std::to_string(kv.kv_heads) + ", " + std::to_string(kv.head_dim) + ")");
+  }
+  // One bit per destination (head, slot): duplicates would be a write race in parallel backends.
+  std::vector<uint64_t> taken(static_cast<size_t>((ws.kv_heads * ws.slots + 63) / 64), 0);
+  const int64_t capacity = kv.capacity();
+  for (int64_t i = 0; i < n_entries; ++i) {
+    const GatherEntry& e = entries[i];
+    if (e.kv_head < 0 || e.kv_head >= ws.kv_heads || e.token < 0 || e.token >= capacity || e.slot < 0 ||
+        e.slot >= ws.slots) {
+      return invalid_argument("kv_gather: entry " + std::to_string(i) + " (head " + std::to_string(e.kv_head) +
+                              ", token " + std::to_string(e.token) + ", slot " + std::to_string(e.slot) +
+                              ") outside kv_heads " + std::to_string(ws.kv_heads) + ", capacity " +
+                              std::to_string(capacity) + ", slots " + std::to_string(ws.slots));
+    }
+    const int64_t bit = e.kv_head * ws.slots + e.slot;
+    uint64_t& word = taken[static_cast<size_t>(bit / 64)];
+    const uint64_t mask = uint64_t{1} << (bit % 64);
+    if ((word & mask) != 0) {
+      return invalid_argument("kv_gather: entry " + std::to_string(i) + " writes head " +
+                              std::to_string(e.kv_head) + " slot " + std::to_string(e.slot) + " a second time");
+    }
+    word |= mask;
+  }
+  return Status::ok();
+}
+
+Status check_attention_sparse_args(const SparseAttentionItem* items, int64_t n_items, int64_t n_heads) {
+  if (n_items < 0) return invalid_argument("attention_sparse: negative item count");
+  if (n_items == 0) return Status::ok();
+  if (items == nullptr || n_heads <= 0) return invalid_argument("attention_sparse: no items or heads");
+  const int64_t head_dim = items[0].ws.head_dim;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const SparseAttentionItem& it = items[i];
+    SPX_RETURN_IF_ERROR(check_working_set(it.ws, "attention_sparse", /*need_counts=*/true));
+    if (it.ws.head_dim != head_dim) return invalid_argument("attention_sparse: items disagree on head_dim");
+    if (n_heads % it.ws.kv_heads != 0) {
+      return invalid_argument("attention_sparse: n_heads " + std::to_string(n_heads) +
+                              " not a multiple of kv_heads " + std::to_string(it.ws.kv_heads));
+    }
+    if (it.n_tokens < 0 || it.token_offset < 0) {
+      return invalid_argument("attention_sparse: item " + std::to_string(i) + " has negative rows");
+    }
+  }
+  return Status::ok();
+}
+
 float weight_element(const WeightMatrix& w, int64_t row, int64_t col) {
   const size_t i = static_cast<size_t>(row * w.cols + col);
   switch (w.dtype) {
@@ -252,6 +329,65 @@ Status ReferenceBackend::attention(const float* q, const AttentionItem* items, i
             acc += scores[j] * vj[e];
           }
           oh[e] = static_cast<float>(acc / denom);
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                                   const WorkingSetView& ws) {
+  SPX_RETURN_IF_ERROR(check_kv_gather_args(kv, entries, n_entries, ws));
+  for (int64_t i = 0; i < n_entries; ++i) {
+    const GatherEntry& e = entries[i];
+    const int64_t page = e.token / kv.page_size;
+    const int64_t src = (e.kv_head * kv.page_size + e.token % kv.page_size) * kv.head_dim;
+    const int64_t dst = (e.kv_head * ws.slots + e.slot) * ws.head_dim;
+    for (int64_t d = 0; d < kv.head_dim; ++d) {
+      ws.k[dst + d] = kv.k_pages[page][src + d];
+      ws.v[dst + d] = kv.v_pages[page][src + d];
+    }
+  }
+  return Status::ok();
+}
+
+Status ReferenceBackend::attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                                          int64_t n_heads, float* out) {
+  SPX_RETURN_IF_ERROR(check_attention_sparse_args(items, n_items, n_heads));
+  std::vector<double> scores;
+  for (int64_t it = 0; it < n_items; ++it) {
+    const SparseAttentionItem& item = items[it];
+    const WorkingSetView& ws = item.ws;
+    const int64_t d = ws.head_dim;
+    const int64_t group = n_heads / ws.kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (int64_t t = 0; t < item.n_tokens; ++t) {
+      const int64_t row = item.token_offset + t;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t kvh = h / group;
+        const int64_t n_keys = ws.counts[kvh];
+        const float* qh = q + (row * n_heads + h) * d;
+        const float* k_head = ws.k + kvh * ws.slots * d;
+        const float* v_head = ws.v + kvh * ws.slots * d;
+        scores.assign(static_cast<size_t>(n_keys), 0.0);
+        double max_score = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < n_keys; ++j) {
+          double dot = 0.0;
+          for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * k_head[j * d + e];
+          scores[j] = dot * scale;
+          if (scores[j] > max_score) max_score = scores[j];
+        }
+        double denom = 0.0;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          scores[j] = std::exp(scores[j] - max_score);
+          denom += scores[j];
+        }
+        float* oh = out + (row * n_heads + h) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < n_keys; ++j) acc += scores[j] * v_head[j * d + e];
+          oh[e] = n_keys > 0 ? static_cast<float>(acc / denom) : 0.0f;  // empty working set: zeros
         }
       }
     }

@@ -25,6 +25,11 @@ class ReferenceBackend final : public Backend {
                    const KvLayerView& kv) override;
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
                    float* out) override;
+  Status kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                   const WorkingSetView& ws) override;
+  // A head whose working set is empty (counts[h] == 0) gets a zero output row.
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                          int64_t n_heads, float* out) override;
 };
 
 // Checks shared by both CPU backends (cheap, O(items)); the engine validates shapes too, these
@@ -34,6 +39,15 @@ Status check_embed_args(const TokenId* ids, int64_t n, const WeightMatrix& table
 Status check_rope_params(const RopeParams& params);
 Status check_kv_append_args(int64_t n_tokens, int64_t start_pos, const KvLayerView& kv);
 Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t n_heads);
+// kv_gather: the working set matches the cache's kv_heads / head_dim, every entry names an
+// existing head, a token inside the capacity and a slot inside the working set, and no two
+// entries write the same (head, slot) (parallel copies would race; the result would depend on
+// the backend). All failures are kInvalidArgument.
+Status check_kv_gather_args(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                            const WorkingSetView& ws);
+// attention_sparse: per item a valid working set (0 <= counts[h] <= slots), n_heads a multiple
+// of its kv_heads, one head_dim for all items. All failures are kInvalidArgument.
+Status check_attention_sparse_args(const SparseAttentionItem* items, int64_t n_items, int64_t n_heads);
 
 // Reads element i of a weight row of dtype f32/bf16/f16 as f32.
 float weight_element(const WeightMatrix& w, int64_t row, int64_t col);

@@ -37,9 +37,8 @@ TEST(TokenizerBpe, Gpt2VocabTestVectors) {
   ASSERT_NE(tok, nullptr);
   EXPECT_EQ(tok->kind(), "bpe");
   EXPECT_EQ(tok->vocab_size(), 50257);
-  const auto cases =
-      testing::read_vocab_tests(repo_path("data/tokenizer-tests/ggml-vocab-gpt-2.gguf.inp"),
-                                repo_path("data/tokenizer-tests/ggml-vocab-gpt-2.gguf.out"));
+  const auto cases = testing::read_vocab_tests(repo_path("data/tokenizer-tests/ggml-vocab-gpt-2.gguf.inp"),
+                                               repo_path("data/tokenizer-tests/ggml-vocab-gpt-2.gguf.out"));
   ASSERT_EQ(cases.size(), 46u);
   int passed = 0;
   for (int round = 0; round < 2; ++round) {  // the second round is served by the word cache
@@ -147,7 +146,9 @@ TEST(TokenizerBpe, PreTokenizerRegexes) {
   EXPECT_EQ(*llama3->encode("A'S", false), (std::vector<TokenId>{'A', 258}));
   EXPECT_EQ(*qwen2->encode("A'S", false), (std::vector<TokenId>{'A', 258}));
   // Invalid UTF-8 splits the text but every byte is kept.
-  const std::string bad = "3\xff" "4 \xc3(34";
+  const std::string bad =
+      "3\xff"
+      "4 \xc3(34";
   for (const auto* t : {&gpt2, &llama3, &qwen2}) {
     auto ids = (*t)->encode(bad, false);
     ASSERT_TRUE(ids.is_ok());
@@ -179,18 +180,31 @@ json hand_tokenizer_json() {
       {"single", json::array({{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}},
                               {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})}};
   j["decoder"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
-  j["model"] = {
-      {"type", "BPE"},
-      {"dropout", nullptr},
-      {"unk_token", nullptr},
-      {"ignore_merges", false},
-      {"vocab",
-       {{"h", 0}, {"e", 1}, {"l", 2}, {"o", 3}, {"\xC4\xA0", 4}, {"w", 5}, {"r", 6}, {"d", 7},
-        {"he", 8}, {"ll", 9}, {"llo", 10}, {"hello", 11}, {"\xC4\xA0w", 12}, {"or", 13},
-        {"\xC4\xA0wor", 14}, {"!", 15}, {"\xC4\xA0world", 16}}},
-      // Both merge spellings: "left right" strings and [left, right] pairs.
-      {"merges", json::array({"h e", "l l", "ll o", "he llo", json::array({"\xC4\xA0", "w"}),
-                              json::array({"o", "r"}), json::array({"\xC4\xA0w", "or"})})}};
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", nullptr},
+                {"ignore_merges", false},
+                {"vocab",
+                 {{"h", 0},
+                  {"e", 1},
+                  {"l", 2},
+                  {"o", 3},
+                  {"\xC4\xA0", 4},
+                  {"w", 5},
+                  {"r", 6},
+                  {"d", 7},
+                  {"he", 8},
+                  {"ll", 9},
+                  {"llo", 10},
+                  {"hello", 11},
+                  {"\xC4\xA0w", 12},
+                  {"or", 13},
+                  {"\xC4\xA0wor", 14},
+                  {"!", 15},
+                  {"\xC4\xA0world", 16}}},
+                // Both merge spellings: "left right" strings and [left, right] pairs.
+                {"merges", json::array({"h e", "l l", "ll o", "he llo", json::array({"\xC4\xA0", "w"}),
+                                        json::array({"o", "r"}), json::array({"\xC4\xA0w", "or"})})}};
   return j;
 }
 
@@ -224,8 +238,7 @@ TEST(TokenizerBpe, HandWrittenTokenizerJson) {
   EXPECT_FALSE(contains(*plain, 101));
   EXPECT_TRUE(contains(*plain, 11));
   // Longest match: "<|eot_id|>" wins over nothing shorter, adjacent specials split cleanly.
-  EXPECT_EQ(*tok->encode("<|eot_id|><|eot_id|>hello", false, true),
-            (std::vector<TokenId>{101, 101, 11}));
+  EXPECT_EQ(*tok->encode("<|eot_id|><|eot_id|>hello", false, true), (std::vector<TokenId>{101, 101, 11}));
   EXPECT_EQ(tok->piece_to_id("<|eot_id|>"), 101);
   EXPECT_EQ(tok->piece_to_id("\xC4\xA0wor"), 14);
 
@@ -250,8 +263,7 @@ void expect_error(const json& j, StatusCode code, const std::string& needle) {
   auto r = tokenizer_internal::parse_hf_tokenizer_json(j.dump(), "bad/tokenizer.json");
   ASSERT_FALSE(r.is_ok()) << "expected an error mentioning " << needle;
   EXPECT_EQ(r.status().code(), code) << r.status().to_string();
-  EXPECT_NE(r.status().message().find("bad/tokenizer.json"), std::string::npos)
-      << r.status().to_string();
+  EXPECT_NE(r.status().message().find("bad/tokenizer.json"), std::string::npos) << r.status().to_string();
   EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
 }
 

@@ -55,16 +55,14 @@ TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
     vocab[piece] = b;
   }
   nlohmann::json j = {
-      {"added_tokens",
-       nlohmann::json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
-                              {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})},
+      {"added_tokens", nlohmann::json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
+                                              {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})},
       {"pre_tokenizer",
        {{"type", "Sequence"},
-        {"pretokenizers",
-         nlohmann::json::array(
-             {{{"type", "Split"}, {"pattern", {{"Regex", tokenizer_internal::kQwen2Regex}}},
-               {"behavior", "Isolated"}},
-              {{"type", "ByteLevel"}, {"use_regex", false}}})}}},
+        {"pretokenizers", nlohmann::json::array({{{"type", "Split"},
+                                                  {"pattern", {{"Regex", tokenizer_internal::kQwen2Regex}}},
+                                                  {"behavior", "Isolated"}},
+                                                 {{"type", "ByteLevel"}, {"use_regex", false}}})}}},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
   auto r = tokenizer_internal::parse_hf_tokenizer_json(j.dump(), "qwen.json");
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -73,8 +71,8 @@ TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
   const std::string text = apply_chat_template(ChatTemplate::kQwen, {{"user", "Hi"}});
   auto ids = tok->encode(text, /*add_bos=*/false, /*parse_special=*/true);
   ASSERT_TRUE(ids.is_ok());
-  const std::vector<TokenId> want = {256, 'u', 's', 'e', 'r', '\n' + 0, 'H', 'i', 257, '\n',
-                                     256, 'a', 's', 's', 'i', 's', 't', 'a', 'n', 't', '\n'};
+  const std::vector<TokenId> want = {256, 'u', 's', 'e', 'r', '\n', 'H', 'i', 257, '\n', 256,
+                                     'a', 's', 's', 'i', 's', 't',      'a', 'n', 't', '\n'};
   EXPECT_EQ(*ids, want);
 }
 

@@ -78,8 +78,8 @@ std::vector<TokenId> run_c_encode(const RawVocab& v, const std::string& text, bo
     float best_score = -1e10f;
     int best_id = -1, best_idx = -1;
     for (size_t i = 0; i + 1 < tokens.size(); ++i) {
-      const int id = lookup(v.pieces[static_cast<size_t>(tokens[i])] +
-                            v.pieces[static_cast<size_t>(tokens[i + 1])]);
+      const int id =
+          lookup(v.pieces[static_cast<size_t>(tokens[i])] + v.pieces[static_cast<size_t>(tokens[i + 1])]);
       if (id != -1 && v.scores[static_cast<size_t>(id)] > best_score) {
         best_score = v.scores[static_cast<size_t>(id)];
         best_id = id;
@@ -119,8 +119,7 @@ TEST(TokenizerLlama2c, GoldenPromptIds) {
 TEST(TokenizerLlama2c, MatchesRunCEncodeOnRandomText) {
   auto tok = load_stories();
   ASSERT_NE(tok, nullptr);
-  const RawVocab raw =
-      read_raw(read_text_file(repo_path("models/stories260K/tok512.bin")), 512);
+  const RawVocab raw = read_raw(read_text_file(repo_path("models/stories260K/tok512.bin")), 512);
   const std::string sample = read_text_file(repo_path("data/tinystories_sample.txt"));
   std::mt19937 rng(42);
   const std::vector<std::string> extras = {"é", "日本", "🙂", "\xff", "\x80\x80", "\xe2\x82", "\t\n"};
@@ -165,8 +164,8 @@ TEST(TokenizerLlama2c, DecodeTokenRules) {
   ASSERT_NE(tok, nullptr);
   const TokenId the = tok->piece_to_id(" the");
   ASSERT_GE(the, 0);
-  EXPECT_EQ(tok->decode_token(1, the), "the");    // after BOS the leading space goes
-  EXPECT_EQ(tok->decode_token(-1, the), "the");   // start of text counts as BOS
+  EXPECT_EQ(tok->decode_token(1, the), "the");   // after BOS the leading space goes
+  EXPECT_EQ(tok->decode_token(-1, the), "the");  // start of text counts as BOS
   EXPECT_EQ(tok->decode_token(100, the), " the");
   EXPECT_EQ(tok->decode_token(100, 'A' + 3), "A");  // <0x41>
   EXPECT_EQ(tok->decode_token(100, 3), std::string(1, '\0'));
@@ -208,11 +207,19 @@ std::string make_bin(int32_t max_len, const std::vector<std::pair<std::string, f
 
 TEST(TokenizerLlama2c, MergeOrderScoresAndTies) {
   // ids: 0 <unk>, 1 <s>, 2 </s>, 3 " ", 4 a, 5 b, 6 ab, 7 " a", 8 "ab ab"? (not reachable)
-  const std::string bin = make_bin(
-      8, {{"<unk>", 0}, {"\n<s>\n", 0}, {"\n</s>\n", 0}, {" ", 0}, {"a", 0}, {"b", 0},
-          {"ab", -1}, {" a", -2}, {"ba", -1}, {"aba", -20}, {"bb", -1e11f}});
-  auto r = tokenizer_internal::parse_llama2c_tokenizer(
-      reinterpret_cast<const uint8_t*>(bin.data()), bin.size(), 11, "mem.bin");
+  const std::string bin = make_bin(8, {{"<unk>", 0},
+                                       {"\n<s>\n", 0},
+                                       {"\n</s>\n", 0},
+                                       {" ", 0},
+                                       {"a", 0},
+                                       {"b", 0},
+                                       {"ab", -1},
+                                       {" a", -2},
+                                       {"ba", -1},
+                                       {"aba", -20},
+                                       {"bb", -1e11f}});
+  auto r = tokenizer_internal::parse_llama2c_tokenizer(reinterpret_cast<const uint8_t*>(bin.data()),
+                                                       bin.size(), 11, "mem.bin");
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   // " abab": " " a b a b. "ab" and "ba" tie at -1: the left-most pair wins each round:
   // " " [ab] a b -> " " ab [ab] -> " " ab ab; " a" (-2) lost its "a" to "ab" first.
@@ -236,8 +243,8 @@ TEST(TokenizerLlama2c, CorruptFilesAreDataLoss) {
     EXPECT_EQ(r.status().code(), StatusCode::kDataLoss) << r.status().to_string();
     EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status().to_string();
   };
-  for (size_t cut : {size_t{0}, size_t{2}, size_t{4}, size_t{7}, size_t{11}, good.size() / 2,
-                     good.size() - 1}) {
+  for (size_t cut :
+       {size_t{0}, size_t{2}, size_t{4}, size_t{7}, size_t{11}, good.size() / 2, good.size() - 1}) {
     expect_data_loss("cut" + std::to_string(cut), good.substr(0, cut), 512);
   }
   expect_data_loss("more_than_file", good, 513);

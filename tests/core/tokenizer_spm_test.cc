@@ -44,9 +44,8 @@ TEST(TokenizerSpm, Phi3VocabTestVectors) {
   ASSERT_NE(tok, nullptr);
   EXPECT_EQ(tok->kind(), "spm");
   EXPECT_EQ(tok->vocab_size(), 32064);
-  const auto cases =
-      testing::read_vocab_tests(repo_path("data/tokenizer-tests/ggml-vocab-phi-3.gguf.inp"),
-                                repo_path("data/tokenizer-tests/ggml-vocab-phi-3.gguf.out"));
+  const auto cases = testing::read_vocab_tests(repo_path("data/tokenizer-tests/ggml-vocab-phi-3.gguf.inp"),
+                                               repo_path("data/tokenizer-tests/ggml-vocab-phi-3.gguf.out"));
   ASSERT_EQ(cases.size(), 46u);
   int passed = 0;
   for (const auto& [text, want] : cases) {
@@ -89,7 +88,7 @@ TEST(TokenizerSpm, Phi3SpecialTokensAndDecoding) {
   ASSERT_TRUE(s.is_ok());
   EXPECT_EQ(std::find(s->begin(), s->end(), 1), s->end());
 
-  EXPECT_EQ(tok->decode_token(-1, 29871), "");       // lone "▁" at start: the dummy prefix
+  EXPECT_EQ(tok->decode_token(-1, 29871), "");  // lone "▁" at start: the dummy prefix
   EXPECT_EQ(tok->decode_token(500, 29871), " ");
   EXPECT_EQ(tok->decode_token(500, 3 + 0x41), "A");  // <0x41>
   EXPECT_EQ(tok->decode_token(500, 32000), "");      // control
@@ -146,8 +145,9 @@ TEST(TokenizerSpm, AgreesWithLlama2cTokenizer) {
   };
   const std::string sample = read_text_file(repo_path("data/tinystories_sample.txt"));
   ASSERT_FALSE(sample.empty());
-  for (const Pair& p : {Pair{"models/stories260K/stories260K.gguf", "models/stories260K/tok512.bin", 512},
-                        Pair{"models/babyllama105/babyllama105.gguf", "models/babyllama105/tok105.bin", 105}}) {
+  for (const Pair& p :
+       {Pair{"models/stories260K/stories260K.gguf", "models/stories260K/tok512.bin", 512},
+        Pair{"models/babyllama105/babyllama105.gguf", "models/babyllama105/tok105.bin", 105}}) {
     auto spm = load_gguf_vocab(p.gguf);
     ASSERT_NE(spm, nullptr);
     auto l2c = load_llama2c_tokenizer(repo_path(p.bin), p.vocab);
@@ -180,18 +180,34 @@ TEST(TokenizerSpm, BabyLlamaWithoutBytePieces) {
   ASSERT_TRUE(ids.is_ok());
   EXPECT_EQ(tok->decode(*ids), text);
   // No byte pieces: an unknown character is one <unk> (0), rendered as U+2585 like llama.cpp.
-  auto odd = tok->encode("a\x01" "b", false);
+  auto odd = tok->encode(
+      "a\x01"
+      "b",
+      false);
   ASSERT_TRUE(odd.is_ok());
   EXPECT_EQ(std::count(odd->begin(), odd->end(), 0), 1);
-  EXPECT_EQ(tok->decode(*odd), "a\xE2\x96\x85" "b");
+  EXPECT_EQ(tok->decode(*odd),
+            "a\xE2\x96\x85"
+            "b");
 }
 
 TEST(TokenizerSpm, HandBuiltVocabulary) {
   tokenizer_internal::SpmVocab v;
   v.source = "hand";
   // 0 <unk> 1 <s> 2 </s> 3 ▁ 4 a 5 b 6 ab 7 ▁a 8 ▁ab 9 <0x63>('c') 10 [X] (user-defined)
-  v.tokens = {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "b", "ab", "\xE2\x96\x81" "a",
-              "\xE2\x96\x81" "ab", "<0x63>", "[X]"};
+  v.tokens = {"<unk>",
+              "<s>",
+              "</s>",
+              "\xE2\x96\x81",
+              "a",
+              "b",
+              "ab",
+              "\xE2\x96\x81"
+              "a",
+              "\xE2\x96\x81"
+              "ab",
+              "<0x63>",
+              "[X]"};
   v.scores = {0, 0, 0, -1, -1, -1, -2, -3, -4, 0, 0};
   v.types = {2, 3, 3, 1, 1, 1, 1, 1, 1, 6, 4};
   v.bos = 1;

@@ -67,8 +67,8 @@ std::string llama2c_image() {
     v.emplace_back(buf, 0);
   }
   float s = 0;
-  for (const char* p : {" ", "a", "b", "ab", " a", " b", "t", "h", "e", "th", "he", "the", " the",
-                        " t", "é", "日本", "\xff", "  ", "ba", "aba"}) {
+  for (const char* p : {" ",  "a",   "b",    "ab", " a", " b",   "t",    "h",  "e",  "th",
+                        "he", "the", " the", " t", "é",  "日本", "\xff", "  ", "ba", "aba"}) {
     v.emplace_back(p, s -= 1);
   }
   int32_t max_len = 8;
@@ -84,8 +84,8 @@ std::string llama2c_image() {
 
 std::unique_ptr<Tokenizer> make_llama2c() {
   const std::string img = llama2c_image();
-  auto r = ti::parse_llama2c_tokenizer(reinterpret_cast<const uint8_t*>(img.data()), img.size(),
-                                       279, "synthetic.bin");
+  auto r = ti::parse_llama2c_tokenizer(reinterpret_cast<const uint8_t*>(img.data()), img.size(), 279,
+                                       "synthetic.bin");
   if (!r.is_ok()) fail("synthetic llama2.c vocab", r.status().message());
   return std::move(r).value();
 }
@@ -108,8 +108,11 @@ std::unique_ptr<Tokenizer> make_spm() {
     v.tokens.emplace_back(buf);
     v.types.push_back(6);
   }
-  for (const char* p : {"\xE2\x96\x81", "a", "b", "ab", "\xE2\x96\x81" "a", "t", "h", "e", "th",
-                        "the", "\xE2\x96\x81the", "é", "日本", "<", "s", ">", "<s", "[U]"}) {
+  for (const char* p :
+       {"\xE2\x96\x81", "a", "b", "ab",
+        "\xE2\x96\x81"
+        "a",
+        "t", "h", "e", "th", "the", "\xE2\x96\x81the", "é", "日本", "<", "s", ">", "<s", "[U]"}) {
     v.tokens.emplace_back(p);
     v.types.push_back(std::string_view(p) == "[U]" ? 4 : 1);
   }
@@ -161,8 +164,8 @@ std::string bpe_json() {
     vocab += "\"" + json_escape(byte_char(b)) + "\": " + std::to_string(b) + ",";
   }
   const std::string sp = byte_char(' ');
-  vocab += "\"" + sp + "t\": 256, \"he\": 257, \"" + sp + "the\": 258, \"" + sp + "th\": 259, \"" +
-           sp + sp + "\": 260";
+  vocab += "\"" + sp + "t\": 256, \"he\": 257, \"" + sp + "the\": 258, \"" + sp + "th\": 259, \"" + sp + sp +
+           "\": 260";
   const std::string merges = "[\"" + sp + " t\", \"h e\", [\"" + sp + "t\", \"h\"], [\"" + sp +
                              "th\", \"e\"], [\"" + sp + "\", \"" + sp + "\"]]";
   return std::string(R"({"added_tokens": [
@@ -214,8 +217,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 1:
       // U+2581 decodes as a space; the user-defined "[U]" gets a dummy-prefix space after it.
-      if (rest.find("\xE2\x96\x81") == std::string_view::npos &&
-          rest.find("[U]") == std::string_view::npos) {
+      if (rest.find("\xE2\x96\x81") == std::string_view::npos && rest.find("[U]") == std::string_view::npos) {
         round_trip(*spm, rest, flag);
       }
       exercise(*spm, rest, flag, true);
@@ -227,8 +229,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 3: {
       if (rest.size() < 2) break;
       const int32_t vocab = 1 + (static_cast<uint8_t>(rest[0]) | (static_cast<uint8_t>(rest[1]) << 8));
-      auto r = ti::parse_llama2c_tokenizer(reinterpret_cast<const uint8_t*>(rest.data() + 2),
-                                           rest.size() - 2, vocab, "fuzz.bin");
+      auto r = ti::parse_llama2c_tokenizer(reinterpret_cast<const uint8_t*>(rest.data() + 2), rest.size() - 2,
+                                           vocab, "fuzz.bin");
       if (r.is_ok()) exercise(**r, kSample, flag, false);
       break;
     }

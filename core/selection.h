@@ -1,0 +1,51 @@
+// Head-level token selection (SpeContext §1.5): per KV head, the max over its group's query heads
+// of the attention weights, then the top tokens, with attention sinks and a recent window always
+// kept. One Selection serves every layer of a decode step.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace specontext {
+
+struct SelectionOptions {
+  int64_t budget = 256;  // tokens attended per KV head, sinks and window included
+  int64_t sinks = 4;     // first tokens always kept (attention sinks)
+  int64_t window = 32;   // most recent tokens always kept (the current token among them)
+};
+
+// Per KV head, the selected token positions in ascending order.
+struct Selection {
+  int64_t kv_heads = 0;
+  int64_t budget = 0;
+  std::vector<int32_t> indices;  // [kv_heads][budget]; head h uses the first counts[h]
+  std::vector<int32_t> counts;   // [kv_heads]
+  std::span<const int32_t> head(int64_t h) const {
+    return {indices.data() + h * budget, static_cast<size_t>(counts[static_cast<size_t>(h)])};
+  }
+};
+
+// scores: [n_q_heads][length] attention weights (each row a softmax over the `length` tokens).
+// Query head q belongs to KV head q / (n_q_heads / n_kv_heads). When length <= budget every
+// token is selected. Ties prefer the older token, so the result is deterministic.
+void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads,
+                   int64_t length, const SelectionOptions& options, Selection& out);
+
+// Sinks and window only (StreamingLLM), same output shape.
+void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions& options,
+                      Selection& out);
+
+}  // namespace specontext
+
+namespace specontext {
+
+// Quest (Tang et al. 2024): pages of `page_size` tokens ranked per KV head by the upper bound
+// Σ_i max(q_i·min_i, q_i·max_i) of the page's keys (max over the group's query heads); pages fill
+// the budget left after sinks and window. q: [n_q_heads][head_dim] (after RoPE);
+// page_min/page_max: [n_pages][n_kv_heads][head_dim] element-wise key bounds.
+void select_quest(const float* q, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                  const float* page_min, const float* page_max, int64_t page_size, int64_t length,
+                  const SelectionOptions& options, Selection& out);
+
+}  // namespace specontext

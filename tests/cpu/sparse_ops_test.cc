@@ -1,0 +1,566 @@
+// The sparse-decode ops (kv_gather, attention_sparse): CpuBackend against ReferenceBackend on
+// random shapes (GQA 8/2, MQA 8/1, MHA 4/4; head_dim 8, 64, 128; per-head counts including 0
+// and == slots; items of 1 and 2 rows), and both against independent definitions:
+//  * kv_gather copies cache rows bit-exactly and writes nothing else (sentinel slots and guard
+//    regions survive);
+//  * a working set holding every token [0, L) gives exactly the dense causal attention of a
+//    decode token at position L - 1 ("sparse attention with B = length equals dense");
+//  * a working set holding a subset gives dense attention restricted to those positions (a
+//    scalar loop written here, independent of both backends).
+// Working-set slots beyond counts[h] hold NaN, so reading one fails the finiteness checks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/elastic.h"
+#include "core/selection.h"
+#include "cpu/cpu_backend.h"
+#include "cpu/reference_backend.h"
+#include "tests/cpu/cpu_test_util.h"
+
+namespace specontext::cpu {
+namespace {
+
+using testing::all_finite;
+using testing::expect_close;
+using testing::GuardedBuffer;
+using testing::l2_norm;
+using testing::PagedKv;
+using testing::random_floats;
+using testing::rel_l2;
+
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+
+struct HeadShape {
+  int64_t n_heads, kv_heads;
+};
+constexpr HeadShape kHeadShapes[] = {{8, 2}, {8, 1}, {4, 4}};  // GQA, MQA, MHA
+constexpr int64_t kHeadDims[] = {8, 64, 128};
+
+std::string shape_name(const HeadShape& s, int64_t head_dim) {
+  return "heads " + std::to_string(s.n_heads) + "/" + std::to_string(s.kv_heads) + " head_dim " +
+         std::to_string(head_dim);
+}
+
+// One working set ([kv_heads][slots][head_dim] K and V) between guard regions, every slot NaN
+// (or `fill`) until written.
+struct WorkingSet {
+  int64_t kv_heads, slots, head_dim;
+  GuardedBuffer k, v;
+  std::vector<int32_t> counts;
+
+  WorkingSet(int64_t kvh, int64_t n_slots, int64_t hd, float fill = kNan)
+      : kv_heads(kvh), slots(n_slots), head_dim(hd), k(static_cast<size_t>(kvh * n_slots * hd), fill),
+        v(static_cast<size_t>(kvh * n_slots * hd), fill), counts(static_cast<size_t>(kvh), 0) {}
+  WorkingSetView view() { return {k.data(), v.data(), kv_heads, slots, head_dim, counts.data()}; }
+  float* k_row(int64_t h, int64_t s) { return k.data() + (h * slots + s) * head_dim; }
+  float* v_row(int64_t h, int64_t s) { return v.data() + (h * slots + s) * head_dim; }
+};
+
+std::unique_ptr<CpuBackend> make_cpu(const CpuBackendOptions& options = {}) {
+  auto b = CpuBackend::create(options);
+  EXPECT_TRUE(b.is_ok()) << b.status().to_string();
+  return b.is_ok() ? std::move(b).value() : nullptr;
+}
+
+// Dense attention of one query vector restricted to the cache positions `keys` of KV head
+// `kvh`, as a plain double loop (independent of both backends). Empty `keys` gives zeros.
+void restricted_dense(const float* qh, PagedKv& cache, int64_t kvh, const std::vector<int32_t>& keys,
+                      float* out) {
+  const int64_t d = cache.view.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> s(keys.size());
+  double mx = -std::numeric_limits<double>::infinity();
+  for (size_t j = 0; j < keys.size(); ++j) {
+    const float* k = cache.k_at(keys[j], kvh);
+    double dot = 0.0;
+    for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * k[e];
+    s[j] = dot * scale;
+    mx = std::max(mx, s[j]);
+  }
+  double denom = 0.0;
+  for (double& x : s) {
+    x = std::exp(x - mx);
+    denom += x;
+  }
+  for (int64_t e = 0; e < d; ++e) {
+    double acc = 0.0;
+    for (size_t j = 0; j < keys.size(); ++j) acc += s[j] * cache.v_at(keys[j], kvh)[e];
+    out[e] = keys.empty() ? 0.0f : static_cast<float>(acc / denom);
+  }
+}
+
+// Distinct random positions of [0, length), `n` of them, in random order.
+std::vector<int32_t> random_subset(std::mt19937& rng, int64_t length, int64_t n) {
+  std::vector<int32_t> all(static_cast<size_t>(length));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(static_cast<size_t>(n));
+  return all;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(SparseOpsTest, BothCpuBackendsSupportTheSparseOps) {
+  ReferenceBackend ref;
+  auto cpu = make_cpu();
+  ASSERT_NE(cpu, nullptr);
+  for (const Backend* b : {static_cast<const Backend*>(&ref), static_cast<const Backend*>(cpu.get())}) {
+    EXPECT_TRUE(b->supports(BackendOp::kKvGather, DType::kF32)) << b->name();
+    EXPECT_TRUE(b->supports(BackendOp::kAttentionSparse, DType::kF32)) << b->name();
+  }
+}
+
+// (a) kv_gather: written slots equal the cache rows bit for bit, all other slots keep their
+// sentinel, nothing is written outside the working set, and both backends agree bit for bit.
+TEST(SparseOpsTest, KvGatherCopiesCacheRowsBitExactly) {
+  ReferenceBackend ref;
+  auto cpu = make_cpu();
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937 rng(7);
+  const float kSentinel = 4242.0f;
+  for (const HeadShape& hs : kHeadShapes) {
+    for (int64_t d : kHeadDims) {
+      for (int64_t page_size : {1, 5, 16}) {
+        SCOPED_TRACE(shape_name(hs, d) + " page " + std::to_string(page_size));
+        const int64_t length = std::uniform_int_distribution<int64_t>(1, 300)(rng);
+        const int64_t slots = std::uniform_int_distribution<int64_t>(1, 96)(rng);
+        PagedKv cache((length + page_size - 1) / page_size, page_size, hs.kv_heads, d, rng());
+        cache.fill(length, rng());
+        // Random distinct destinations, a random share of all (head, slot) pairs.
+        std::vector<GatherEntry> entries;
+        for (int64_t h = 0; h < hs.kv_heads; ++h) {
+          for (int64_t s = 0; s < slots; ++s) {
+            if (rng() % 3 == 0) continue;
+            entries.push_back({static_cast<int32_t>(h),
+                               static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, length - 1)(rng)),
+                               static_cast<int32_t>(s)});
+          }
+        }
+        std::shuffle(entries.begin(), entries.end(), rng);
+        const int64_t n = static_cast<int64_t>(entries.size());
+        WorkingSet got(hs.kv_heads, slots, d, kSentinel);
+        WorkingSet want(hs.kv_heads, slots, d, kSentinel);
+        ASSERT_TRUE(cpu->kv_gather(cache.view, entries.data(), n, got.view()).is_ok());
+        ASSERT_TRUE(ref.kv_gather(cache.view, entries.data(), n, want.view()).is_ok());
+        EXPECT_TRUE(got.k.intact() && got.v.intact()) << "kv_gather wrote outside the working set";
+        EXPECT_TRUE(want.k.intact() && want.v.intact()) << "reference wrote outside the working set";
+        EXPECT_EQ(std::memcmp(got.k.data(), want.k.data(), got.k.size() * 4), 0);
+        EXPECT_EQ(std::memcmp(got.v.data(), want.v.data(), got.v.size() * 4), 0);
+        std::vector<int32_t> token_of(static_cast<size_t>(hs.kv_heads * slots), -1);
+        for (const GatherEntry& e : entries) token_of[static_cast<size_t>(e.kv_head * slots + e.slot)] = e.token;
+        const size_t row_bytes = static_cast<size_t>(d) * 4;
+        for (int64_t h = 0; h < hs.kv_heads; ++h) {
+          for (int64_t s = 0; s < slots; ++s) {
+            const int32_t tok = token_of[static_cast<size_t>(h * slots + s)];
+            if (tok >= 0) {
+              EXPECT_EQ(std::memcmp(got.k_row(h, s), cache.k_at(tok, h), row_bytes), 0) << h << "/" << s;
+              EXPECT_EQ(std::memcmp(got.v_row(h, s), cache.v_at(tok, h), row_bytes), 0) << h << "/" << s;
+            } else {
+              for (int64_t e = 0; e < d; ++e) {
+                ASSERT_EQ(got.k_row(h, s)[e], kSentinel) << "unlisted slot " << h << "/" << s << " written";
+                ASSERT_EQ(got.v_row(h, s)[e], kSentinel) << "unlisted slot " << h << "/" << s << " written";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Zero entries: nothing to do, even with null pointers.
+  EXPECT_TRUE(cpu->kv_gather(KvLayerView{}, nullptr, 0, WorkingSetView{}).is_ok());
+  EXPECT_TRUE(ref.kv_gather(KvLayerView{}, nullptr, 0, WorkingSetView{}).is_ok());
+}
+
+// CpuBackend vs ReferenceBackend on random batches: several items of 1 or 2 rows, per-head
+// counts that differ (including 0 and == slots), NaN in every slot beyond counts[h], gap rows
+// between items that must stay untouched; automatic, forced-split and single-thread paths.
+TEST(SparseOpsTest, AttentionSparseMatchesReference) {
+  ReferenceBackend ref;
+  std::vector<std::pair<std::string, std::unique_ptr<CpuBackend>>> backends;
+  backends.emplace_back("auto", make_cpu());
+  backends.emplace_back("1 thread", make_cpu({.num_threads = 1}));
+  backends.emplace_back("chunk 7", make_cpu({.attention_chunk = 7}));
+  backends.emplace_back("chunk 64", make_cpu({.attention_chunk = 64}));
+  for (auto& [name, b] : backends) ASSERT_NE(b, nullptr) << name;
+  std::mt19937 rng(11);
+  const float kUntouched = 777.0f;
+  for (const HeadShape& hs : kHeadShapes) {
+    for (int64_t d : kHeadDims) {
+      for (int trial = 0; trial < 3; ++trial) {
+        SCOPED_TRACE(shape_name(hs, d) + " trial " + std::to_string(trial));
+        const int64_t n_items = std::uniform_int_distribution<int64_t>(1, 4)(rng);
+        std::vector<std::unique_ptr<WorkingSet>> sets;
+        std::vector<SparseAttentionItem> items;
+        std::vector<int64_t> zero_heads_rows;  // (row, kv head) pairs with an empty working set
+        int64_t rows = 0;
+        for (int64_t i = 0; i < n_items; ++i) {
+          // Long working sets on the last trial so that the automatic split-K path runs too.
+          const int64_t slots = trial == 2 ? std::uniform_int_distribution<int64_t>(600, 1500)(rng)
+                                           : std::uniform_int_distribution<int64_t>(1, 200)(rng);
+          sets.push_back(std::make_unique<WorkingSet>(hs.kv_heads, slots, d));
+          WorkingSet& ws = *sets.back();
+          for (int64_t h = 0; h < hs.kv_heads; ++h) {
+            const int pick = static_cast<int>(rng() % 4);
+            const int64_t c = pick == 0 ? 0 : pick == 1 ? slots : std::uniform_int_distribution<int64_t>(0, slots)(rng);
+            ws.counts[static_cast<size_t>(h)] = static_cast<int32_t>(c);
+            const auto k = random_floats(static_cast<size_t>(c * d), rng(), -2.0f, 2.0f);
+            const auto v = random_floats(static_cast<size_t>(c * d), rng());
+            std::copy(k.begin(), k.end(), ws.k_row(h, 0));
+            std::copy(v.begin(), v.end(), ws.v_row(h, 0));
+          }
+          if (i == 0) ws.counts[0] = 0;                                         // always one empty head
+          if (i == n_items - 1) ws.counts.back() = static_cast<int32_t>(slots);  // and one full one
+          for (int64_t h = 0; h < hs.kv_heads; ++h) {  // refill what the overrides exposed
+            for (int64_t s = 0; s < ws.counts[static_cast<size_t>(h)]; ++s) {
+              for (int64_t e = 0; e < d; ++e) {
+                if (std::isnan(ws.k_row(h, s)[e])) ws.k_row(h, s)[e] = 0.5f;
+                if (std::isnan(ws.v_row(h, s)[e])) ws.v_row(h, s)[e] = -0.25f;
+              }
+            }
+          }
+          const int64_t n_tokens = 1 + static_cast<int64_t>(rng() % 2);
+          rows += 1;  // gap row
+          items.push_back({rows, n_tokens, ws.view()});
+          rows += n_tokens;
+        }
+        const size_t row_floats = static_cast<size_t>(hs.n_heads * d);
+        const auto q = random_floats(static_cast<size_t>(rows) * row_floats, rng(), -2.0f, 2.0f);
+        GuardedBuffer want(static_cast<size_t>(rows) * row_floats, kUntouched);
+        ASSERT_TRUE(ref.attention_sparse(q.data(), items.data(), n_items, hs.n_heads, want.data()).is_ok());
+        for (auto& [name, b] : backends) {
+          SCOPED_TRACE(name);
+          GuardedBuffer got(static_cast<size_t>(rows) * row_floats, kUntouched);
+          ASSERT_TRUE(b->attention_sparse(q.data(), items.data(), n_items, hs.n_heads, got.data()).is_ok());
+          EXPECT_TRUE(got.intact()) << "attention_sparse wrote outside out";
+          std::vector<float> got_rows, want_rows;
+          for (const SparseAttentionItem& it : items) {
+            EXPECT_EQ(got[static_cast<size_t>(it.token_offset - 1) * row_floats], kUntouched) << "gap row written";
+            const size_t b0 = static_cast<size_t>(it.token_offset) * row_floats;
+            const size_t b1 = b0 + static_cast<size_t>(it.n_tokens) * row_floats;
+            got_rows.insert(got_rows.end(), got.data() + b0, got.data() + b1);
+            want_rows.insert(want_rows.end(), want.data() + b0, want.data() + b1);
+            // Heads with an empty working set: exactly zero in both.
+            const int64_t group = hs.n_heads / hs.kv_heads;
+            for (int64_t t = 0; t < it.n_tokens; ++t) {
+              for (int64_t h = 0; h < hs.n_heads; ++h) {
+                if (it.ws.counts[h / group] != 0) continue;
+                const float* o = got.data() + ((it.token_offset + t) * hs.n_heads + h) * d;
+                const float* w = want.data() + ((it.token_offset + t) * hs.n_heads + h) * d;
+                for (int64_t e = 0; e < d; ++e) {
+                  ASSERT_EQ(o[e], 0.0f) << "empty head " << h;
+                  ASSERT_EQ(w[e], 0.0f) << "empty head " << h << " (reference)";
+                }
+              }
+            }
+          }
+          expect_close(got_rows.data(), want_rows.data(), got_rows.size(), 1e-5, "attention_sparse");
+          for (size_t r = 0; r < got_rows.size() / row_floats; ++r) {
+            if (l2_norm(want_rows.data() + r * row_floats, row_floats) == 0.0) continue;
+            EXPECT_LT(rel_l2(got_rows.data() + r * row_floats, want_rows.data() + r * row_floats, row_floats), 1e-4)
+                << "row " << r;
+          }
+        }
+      }
+    }
+  }
+}
+
+// (b) B = length: gather every token [0, L) of each sequence (into shuffled slots: order must
+// not matter), and attention_sparse of a decode token at position L - 1 equals dense attention.
+TEST(SparseOpsTest, SparseWithFullBudgetEqualsDense) {
+  ReferenceBackend ref;
+  auto cpu = make_cpu();
+  auto cpu_split = make_cpu({.attention_chunk = 37});
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_NE(cpu_split, nullptr);
+  std::mt19937 rng(23);
+  for (const HeadShape& hs : kHeadShapes) {
+    for (int64_t d : kHeadDims) {
+      SCOPED_TRACE(shape_name(hs, d));
+      const std::vector<int64_t> lengths = {1, 37, 300, 1100};
+      std::vector<std::unique_ptr<PagedKv>> caches;
+      std::vector<std::unique_ptr<WorkingSet>> sets;
+      std::vector<AttentionItem> dense;
+      std::vector<SparseAttentionItem> sparse;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const int64_t len = lengths[i];
+        const int64_t page_size = i % 2 == 0 ? 16 : 5;
+        caches.push_back(std::make_unique<PagedKv>((len + page_size - 1) / page_size + 1, page_size, hs.kv_heads, d,
+                                                   rng()));
+        caches.back()->fill(len, rng(), /*k_scale=*/2.0f);
+        sets.push_back(std::make_unique<WorkingSet>(hs.kv_heads, len + 3, d));  // 3 spare NaN slots
+        WorkingSet& ws = *sets.back();
+        std::vector<GatherEntry> entries;
+        for (int64_t h = 0; h < hs.kv_heads; ++h) {
+          const std::vector<int32_t> slot_of = random_subset(rng, len, len);
+          for (int64_t t = 0; t < len; ++t) {
+            entries.push_back({static_cast<int32_t>(h), static_cast<int32_t>(t), slot_of[static_cast<size_t>(t)]});
+          }
+          ws.counts[static_cast<size_t>(h)] = static_cast<int32_t>(len);
+        }
+        ASSERT_TRUE(cpu->kv_gather(caches.back()->view, entries.data(), static_cast<int64_t>(entries.size()),
+                                   ws.view())
+                        .is_ok());
+        dense.push_back({static_cast<int64_t>(i), 1, len - 1, caches.back()->view});
+        sparse.push_back({static_cast<int64_t>(i), 1, ws.view()});
+      }
+      const int64_t n = static_cast<int64_t>(lengths.size());
+      const size_t out_floats = static_cast<size_t>(n * hs.n_heads * d);
+      const auto q = random_floats(out_floats, rng(), -2.0f, 2.0f);
+      std::vector<float> want(out_floats), want_ref(out_floats);
+      ASSERT_TRUE(cpu->attention(q.data(), dense.data(), n, hs.n_heads, want.data()).is_ok());
+      ASSERT_TRUE(ref.attention(q.data(), dense.data(), n, hs.n_heads, want_ref.data()).is_ok());
+      for (Backend* b : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(cpu_split.get()),
+                         static_cast<Backend*>(&ref)}) {
+        SCOPED_TRACE(b->name());
+        std::vector<float> got(out_floats);
+        ASSERT_TRUE(b->attention_sparse(q.data(), sparse.data(), n, hs.n_heads, got.data()).is_ok());
+        expect_close(got.data(), want.data(), out_floats, 1e-5, "sparse (B = L) vs CPU dense");
+        expect_close(got.data(), want_ref.data(), out_floats, 1e-5, "sparse (B = L) vs reference dense");
+      }
+    }
+  }
+}
+
+// (c) A subset: per KV head a random subset of [0, L) (empty, partial, or all of it) gathered
+// into the working set; both backends equal dense attention restricted to those positions.
+TEST(SparseOpsTest, SparseSubsetEqualsRestrictedDense) {
+  ReferenceBackend ref;
+  auto cpu = make_cpu();
+  auto cpu_split = make_cpu({.attention_chunk = 16});
+  ASSERT_NE(cpu, nullptr);
+  ASSERT_NE(cpu_split, nullptr);
+  std::mt19937 rng(31);
+  for (const HeadShape& hs : kHeadShapes) {
+    for (int64_t d : kHeadDims) {
+      SCOPED_TRACE(shape_name(hs, d));
+      const int64_t group = hs.n_heads / hs.kv_heads;
+      const std::vector<int64_t> lengths = {9, 130, 700};
+      std::vector<std::unique_ptr<PagedKv>> caches;
+      std::vector<std::unique_ptr<WorkingSet>> sets;
+      std::vector<std::vector<std::vector<int32_t>>> selected;  // [item][kv head] positions
+      std::vector<SparseAttentionItem> items;
+      int64_t rows = 0;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const int64_t len = lengths[i];
+        const int64_t page_size = 8;
+        const int64_t slots = std::min<int64_t>(len, 64);
+        caches.push_back(std::make_unique<PagedKv>((len + page_size - 1) / page_size, page_size, hs.kv_heads, d,
+                                                   rng()));
+        caches.back()->fill(len, rng(), /*k_scale=*/2.0f);
+        sets.push_back(std::make_unique<WorkingSet>(hs.kv_heads, slots, d));
+        WorkingSet& ws = *sets.back();
+        selected.emplace_back();
+        std::vector<GatherEntry> entries;
+        for (int64_t h = 0; h < hs.kv_heads; ++h) {
+          // Head 0 of the first item is empty; the last head is full; the others in between.
+          int64_t c = std::uniform_int_distribution<int64_t>(1, slots)(rng);
+          if (i == 0 && h == 0) c = 0;
+          if (h == hs.kv_heads - 1) c = slots;
+          selected.back().push_back(random_subset(rng, len, c));
+          for (int64_t s = 0; s < c; ++s) {
+            entries.push_back({static_cast<int32_t>(h), selected.back().back()[static_cast<size_t>(s)],
+                               static_cast<int32_t>(s)});
+          }
+          ws.counts[static_cast<size_t>(h)] = static_cast<int32_t>(c);
+        }
+        ASSERT_TRUE(ref.kv_gather(caches.back()->view, entries.data(), static_cast<int64_t>(entries.size()),
+                                  ws.view())
+                        .is_ok());
+        const int64_t n_tokens = 1 + static_cast<int64_t>(i % 2);
+        items.push_back({rows, n_tokens, ws.view()});
+        rows += n_tokens;
+      }
+      const size_t out_floats = static_cast<size_t>(rows * hs.n_heads * d);
+      const auto q = random_floats(out_floats, rng(), -2.0f, 2.0f);
+      std::vector<float> want(out_floats);
+      for (size_t i = 0; i < items.size(); ++i) {
+        for (int64_t t = 0; t < items[i].n_tokens; ++t) {
+          for (int64_t h = 0; h < hs.n_heads; ++h) {
+            const size_t at = static_cast<size_t>(((items[i].token_offset + t) * hs.n_heads + h) * d);
+            restricted_dense(q.data() + at, *caches[i], h / group, selected[i][static_cast<size_t>(h / group)],
+                             want.data() + at);
+          }
+        }
+      }
+      for (Backend* b : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(cpu_split.get()),
+                         static_cast<Backend*>(&ref)}) {
+        SCOPED_TRACE(b->name());
+        std::vector<float> got(out_floats);
+        ASSERT_TRUE(b->attention_sparse(q.data(), items.data(), static_cast<int64_t>(items.size()), hs.n_heads,
+                                        got.data())
+                        .is_ok());
+        expect_close(got.data(), want.data(), out_floats, 1e-5, "sparse vs restricted dense");
+      }
+    }
+  }
+}
+
+// Elastic loading end to end: successive selections refill the working set in place through
+// ElasticWorkingSet::update + kv_gather; after each step the slots hold exactly the selected
+// tokens and attention_sparse equals dense attention restricted to the selection.
+TEST(SparseOpsTest, ElasticRefillInPlaceMatchesRestrictedDense) {
+  auto cpu = make_cpu();
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937 rng(41);
+  const int64_t n_heads = 8, kv_heads = 2, d = 64, page_size = 16, budget = 48;
+  const int64_t max_len = 400;
+  PagedKv cache(max_len / page_size, page_size, kv_heads, d, rng());
+  cache.fill(max_len, rng(), 2.0f);
+  WorkingSet ws(kv_heads, budget, d);
+  ElasticWorkingSet elastic(kv_heads, budget);
+  int64_t len = 30;
+  for (int step = 0; step < 12; ++step, len += 29) {
+    SCOPED_TRACE("step " + std::to_string(step) + " length " + std::to_string(len));
+    Selection sel;
+    sel.kv_heads = kv_heads;
+    sel.budget = budget;
+    sel.indices.assign(static_cast<size_t>(kv_heads * budget), -1);
+    sel.counts.assign(static_cast<size_t>(kv_heads), 0);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      // Overlapping selections: the recent window plus random older tokens; step 5 shrinks.
+      const int64_t c = std::min<int64_t>(len, step == 5 ? budget / 3 : budget);
+      std::vector<int32_t> pick = random_subset(rng, len, c);
+      std::sort(pick.begin(), pick.end());
+      std::copy(pick.begin(), pick.end(), sel.indices.begin() + h * budget);
+      sel.counts[static_cast<size_t>(h)] = static_cast<int32_t>(c);
+    }
+    std::vector<GatherEntry> loads;
+    elastic.update(sel, loads);
+    const Status st = cpu->kv_gather(cache.view, loads.data(), static_cast<int64_t>(loads.size()), ws.view());
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      ws.counts[static_cast<size_t>(h)] = elastic.counts()[static_cast<size_t>(h)];
+      ASSERT_EQ(ws.counts[static_cast<size_t>(h)], sel.counts[static_cast<size_t>(h)]);
+      std::vector<int32_t> held;
+      for (int64_t s = 0; s < ws.counts[static_cast<size_t>(h)]; ++s) {
+        const int32_t tok = elastic.token_at(h, s);
+        held.push_back(tok);
+        ASSERT_GE(tok, 0);
+        ASSERT_EQ(std::memcmp(ws.k_row(h, s), cache.k_at(tok, h), static_cast<size_t>(d) * 4), 0) << "slot " << s;
+      }
+      std::sort(held.begin(), held.end());
+      const auto want_tokens = sel.head(h);
+      ASSERT_TRUE(std::equal(held.begin(), held.end(), want_tokens.begin(), want_tokens.end()));
+    }
+    const auto q = random_floats(static_cast<size_t>(n_heads * d), rng(), -2.0f, 2.0f);
+    std::vector<float> got(q.size()), want(q.size());
+    SparseAttentionItem item{0, 1, ws.view()};
+    ASSERT_TRUE(cpu->attention_sparse(q.data(), &item, 1, n_heads, got.data()).is_ok());
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const auto toks = sel.head(h / (n_heads / kv_heads));
+      restricted_dense(q.data() + h * d, cache, h / (n_heads / kv_heads), {toks.begin(), toks.end()},
+                       want.data() + h * d);
+    }
+    expect_close(got.data(), want.data(), got.size(), 1e-5, "elastic sparse vs restricted dense");
+  }
+}
+
+// Impossible requests are refused with kInvalidArgument by both backends, before any write.
+TEST(SparseOpsTest, RejectsImpossibleShapes) {
+  ReferenceBackend ref;
+  auto cpu = make_cpu();
+  ASSERT_NE(cpu, nullptr);
+  PagedKv cache(2, 4, 2, 8, 1);  // capacity 8
+  cache.fill(8, 2);
+  for (Backend* b : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&ref)}) {
+    SCOPED_TRACE(b->name());
+    WorkingSet ws(2, 4, 8, 1.0f);
+    auto gather = [&](GatherEntry e, WorkingSetView view) { return b->kv_gather(cache.view, &e, 1, view).code(); };
+    EXPECT_EQ(gather({0, 7, 3}, ws.view()), StatusCode::kOk);
+    EXPECT_EQ(gather({0, 8, 0}, ws.view()), StatusCode::kInvalidArgument);   // token >= capacity
+    EXPECT_EQ(gather({0, -1, 0}, ws.view()), StatusCode::kInvalidArgument);  // negative token
+    EXPECT_EQ(gather({0, 0, 4}, ws.view()), StatusCode::kInvalidArgument);   // slot >= slots
+    EXPECT_EQ(gather({2, 0, 0}, ws.view()), StatusCode::kInvalidArgument);   // head >= kv_heads
+    WorkingSetView wrong_dim = ws.view();
+    wrong_dim.head_dim = 4;
+    EXPECT_EQ(gather({0, 0, 0}, wrong_dim), StatusCode::kInvalidArgument);
+    WorkingSetView wrong_heads = ws.view();
+    wrong_heads.kv_heads = 1;
+    EXPECT_EQ(gather({0, 0, 0}, wrong_heads), StatusCode::kInvalidArgument);
+    const GatherEntry dup[] = {{1, 0, 2}, {0, 0, 2}, {1, 5, 2}};  // head 1 slot 2 twice
+    EXPECT_EQ(b->kv_gather(cache.view, dup, 3, ws.view()).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(b->kv_gather(cache.view, dup, 2, ws.view()).code(), StatusCode::kOk);
+    EXPECT_EQ(b->kv_gather(cache.view, nullptr, 1, ws.view()).code(), StatusCode::kInvalidArgument);
+
+    std::vector<float> q(4 * 8, 0.5f), out(4 * 8, 0.0f);
+    auto attend = [&](WorkingSetView view, int64_t n_heads) {
+      SparseAttentionItem item{0, 1, view};
+      return b->attention_sparse(q.data(), &item, 1, n_heads, out.data()).code();
+    };
+    ws.counts = {4, 0};
+    EXPECT_EQ(attend(ws.view(), 4), StatusCode::kOk);
+    ws.counts = {5, 0};
+    EXPECT_EQ(attend(ws.view(), 4), StatusCode::kInvalidArgument);  // counts > slots
+    ws.counts = {-1, 0};
+    EXPECT_EQ(attend(ws.view(), 4), StatusCode::kInvalidArgument);
+    ws.counts = {1, 1};
+    EXPECT_EQ(attend(ws.view(), 3), StatusCode::kInvalidArgument);  // 3 heads over 2 KV heads
+    WorkingSetView no_counts = ws.view();
+    no_counts.counts = nullptr;
+    EXPECT_EQ(attend(no_counts, 4), StatusCode::kInvalidArgument);
+    SparseAttentionItem bad_rows{-1, 1, ws.view()};
+    EXPECT_EQ(b->attention_sparse(q.data(), &bad_rows, 1, 4, out.data()).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(b->attention_sparse(q.data(), nullptr, 0, 4, out.data()).code(), StatusCode::kOk);
+  }
+}
+
+// Timing (not a correctness test; run with --gtest_also_run_disabled_tests): attention_sparse
+// over 16 sequences x 8 KV heads x 2048 slots x head_dim 128 (32 query heads, one decode row
+// each) with 1 and 2 threads, next to dense attention at context 2048 with the same shape.
+TEST(SparseOpsTest, DISABLED_Timing) {
+  const int64_t n_seq = 16, kv_heads = 8, n_heads = 32, slots = 2048, d = 128, page_size = 16;
+  std::vector<std::unique_ptr<WorkingSet>> sets;
+  std::vector<std::unique_ptr<PagedKv>> caches;
+  std::vector<SparseAttentionItem> sparse;
+  std::vector<AttentionItem> dense;
+  for (int64_t i = 0; i < n_seq; ++i) {
+    sets.push_back(std::make_unique<WorkingSet>(kv_heads, slots, d));
+    WorkingSet& ws = *sets.back();
+    const auto k = random_floats(ws.k.size(), static_cast<uint32_t>(2 * i + 1));
+    const auto v = random_floats(ws.v.size(), static_cast<uint32_t>(2 * i + 2));
+    std::copy(k.begin(), k.end(), ws.k.data());
+    std::copy(v.begin(), v.end(), ws.v.data());
+    std::fill(ws.counts.begin(), ws.counts.end(), static_cast<int32_t>(slots));
+    sparse.push_back({i, 1, ws.view()});
+    caches.push_back(std::make_unique<PagedKv>(slots / page_size, page_size, kv_heads, d, static_cast<uint32_t>(i)));
+    caches.back()->fill(slots, static_cast<uint32_t>(100 + i));
+    dense.push_back({i, 1, slots - 1, caches.back()->view});
+  }
+  const auto q = random_floats(static_cast<size_t>(n_seq * n_heads * d), 5);
+  std::vector<float> out(q.size());
+  for (int threads : {1, 2}) {
+    auto cpu = make_cpu({.num_threads = threads});
+    ASSERT_NE(cpu, nullptr);
+    auto time_ms = [&](auto&& op) {
+      for (int i = 0; i < 3; ++i) ASSERT_TRUE(op().is_ok());  // warm-up
+      std::vector<double> ms;
+      for (int i = 0; i < 15; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ASSERT_TRUE(op().is_ok());
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::sort(ms.begin(), ms.end());
+      std::printf("  %d thread(s): median %.2f ms, min %.2f ms\n", threads, ms[ms.size() / 2], ms[0]);
+    };
+    std::printf("attention_sparse (16 x 8 x 2048 x 128):\n");
+    time_ms([&] { return cpu->attention_sparse(q.data(), sparse.data(), n_seq, n_heads, out.data()); });
+    ASSERT_TRUE(all_finite(out.data(), out.size()));
+    std::printf("dense attention, context 2048:\n");
+    time_ms([&] { return cpu->attention(q.data(), dense.data(), n_seq, n_heads, out.data()); });
+  }
+}
+
+}  // namespace
+}  // namespace specontext::cpu

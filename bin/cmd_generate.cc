@@ -112,7 +112,7 @@ int run_generate(const GenerateArgs& a) {
       ss << in.rdbuf();
       text = ss.str();
     }
-    bool add_bos = true;
+    bool add_bos = tok->add_bos_by_default();
     if (a.chat) {
       const ChatTemplate t = template_for(*model, *tok);
       if (t == ChatTemplate::kNone) {

@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <string>
+#include <vector>
 
 #include "core/model.h"
 #include "core/status.h"
@@ -78,5 +79,45 @@ struct PlanArgs {
 };
 void register_plan(CLI::App& app, PlanArgs& args);
 int run_plan(const PlanArgs& args);
+
+struct DistillArgs {
+  std::string model_path;
+  std::string tokenizer;
+  std::string corpus;
+  std::string heldout;       // default: the last 20% of the corpus tokens
+  std::string out;
+  int64_t steps = 800;
+  double lr = 5e-3;
+  int64_t context = 0;       // tokens per chunk (0 = the model's max_seq_len)
+  int64_t batch = 128;       // query positions per step
+  uint64_t seed = 1;
+  int threads = 0;
+  bool json = false;
+};
+void register_distill(CLI::App& app, DistillArgs& args);
+int run_distill(const DistillArgs& args);
+
+struct EvalArgs {
+  ModelArgs model;
+  std::string tokenizer;
+  std::string text;               // evaluation text file
+  int64_t synthetic_text = 0;     // >0: random tokens instead of --text
+  int64_t context = 0;            // 0 = the model's max context
+  int64_t positions = 64;
+  std::vector<int64_t> budgets;   // empty = 16,32,64,128
+  std::vector<std::string> methods;  // empty = all five
+  int64_t sinks = 4;
+  int64_t window = 4;
+  int64_t quest_page = 16;
+  int64_t divergence_tokens = 32;
+  int64_t needles = 4;            // passkey trials per depth
+  std::string head_path;          // default: retrieval_head.safetensors beside the model
+  uint64_t seed = 1;
+  std::string json_out;
+  bool plot = false;
+  int threads = 0;
+};
+void register_eval(CLI::App& app, EvalArgs& args);
+int run_eval(const EvalArgs& args);
 
 }  // namespace specontext::cli

@@ -1,4 +1,4 @@
-// specontext: one binary, subcommands (generate, inspect, plan).
+// specontext: one binary, subcommands (generate, inspect, plan, distill, eval).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -11,9 +11,13 @@ int main(int argc, char** argv) {
   specontext::cli::GenerateArgs gen;
   specontext::cli::InspectArgs inspect;
   specontext::cli::PlanArgs plan;
+  specontext::cli::EvalArgs eval;
+  specontext::cli::DistillArgs distill;
   specontext::cli::register_generate(app, gen);
   specontext::cli::register_inspect(app, inspect);
   specontext::cli::register_plan(app, plan);
+  specontext::cli::register_eval(app, eval);
+  specontext::cli::register_distill(app, distill);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -22,5 +26,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("generate")) return specontext::cli::run_generate(gen);
   if (app.got_subcommand("inspect")) return specontext::cli::run_inspect(inspect);
   if (app.got_subcommand("plan")) return specontext::cli::run_plan(plan);
+  if (app.got_subcommand("eval")) return specontext::cli::run_eval(eval);
+  if (app.got_subcommand("distill")) return specontext::cli::run_distill(distill);
   return 2;
 }

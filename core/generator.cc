@@ -43,24 +43,29 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
     }
   };
   for (size_t i = 0; i < requests.size(); ++i) {
-    auto seq = engine_.add_sequence();
-    if (!seq.is_ok()) {
-      release_all();
-      return seq.status();
-    }
     active[i].index = i;
-    active[i].seq = *seq;
     active[i].history = requests[i].prompt;
     active[i].sampler = Sampler(requests[i].sampling);
-    if (requests[i].synthetic_context > 0) {
-      Status st = engine_.fill_synthetic(*seq, requests[i].synthetic_context,
-                                         requests[i].sampling.seed + i + 1);
-      if (!st.is_ok()) {
-        release_all();
-        return st;
-      }
-    }
   }
+  // Requests wait until a sequence slot is free (continuous batching): admitted in order.
+  size_t next_admit = 0;
+  auto admit = [&]() -> Status {
+    while (next_admit < requests.size()) {
+      auto seq = engine_.add_sequence();
+      if (!seq.is_ok()) {
+        if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
+        return seq.status();
+      }
+      Active& a = active[next_admit];
+      a.seq = *seq;
+      if (requests[next_admit].synthetic_context > 0) {
+        SPX_RETURN_IF_ERROR(engine_.fill_synthetic(*seq, requests[next_admit].synthetic_context,
+                                                   requests[next_admit].sampling.seed + next_admit + 1));
+      }
+      ++next_admit;
+    }
+    return Status::ok();
+  };
   int64_t total_prompt = 0;
   for (const auto& r : requests) total_prompt += static_cast<int64_t>(r.prompt.size());
 
@@ -71,6 +76,10 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
   std::vector<TokenId> decode_tokens(requests.size());
   int64_t prefilled_total = 0;
   while (true) {
+    if (Status st = admit(); !st.is_ok()) {
+      release_all();
+      return st;
+    }
     batch.clear();
     in_batch.clear();
     is_prefill.clear();
@@ -78,7 +87,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
     int64_t prefill_tokens = 0, decode_count = 0;
     // Decode tokens first (latency), then prompt chunks fill the rest of the budget.
     for (auto& a : active) {
-      if (a.done || a.prefilled < static_cast<int64_t>(requests[a.index].prompt.size())) continue;
+      if (!a.seq.valid() || a.done || a.prefilled < static_cast<int64_t>(requests[a.index].prompt.size())) continue;
       if (budget <= 0) break;
       decode_tokens[a.index] = a.next;
       batch.push_back({a.seq, std::span<const TokenId>(&decode_tokens[a.index], 1), LogitsMode::kLast});
@@ -90,7 +99,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
     for (auto& a : active) {
       const auto& prompt = requests[a.index].prompt;
       const int64_t left = static_cast<int64_t>(prompt.size()) - a.prefilled;
-      if (a.done || left <= 0 || budget <= 0) continue;
+      if (!a.seq.valid() || a.done || left <= 0 || budget <= 0) continue;
       const int64_t n = std::min({left, options_.prefill_chunk, budget});
       const bool last_chunk = n == left;
       batch.push_back({a.seq, std::span<const TokenId>(prompt.data() + a.prefilled, static_cast<size_t>(n)),
@@ -100,7 +109,10 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
       budget -= n;
       prefill_tokens += n;
     }
-    if (batch.empty()) break;
+    if (batch.empty()) {
+      if (next_admit < requests.size()) return internal_error("generator: requests left but none admitted");
+      break;
+    }
 
     const auto t0 = Clock::now();
     auto out = engine_.forward(batch);

@@ -49,8 +49,9 @@ class Generator {
 
   Generator(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {}
 
-  // Runs all requests to completion, batching them together. Requests that do not fit are
-  // refused up front with a clear error; nothing runs in that case.
+  // Runs all requests to completion, batching them together. Requests beyond the engine's free
+  // sequence slots wait and are admitted, in order, as others finish. A request whose prompt
+  // cannot fit the context is refused up front with a clear error; nothing runs then.
   Result<std::vector<GenerationResult>> run(const std::vector<GenerationRequest>& requests,
                                             const TokenCallback& on_token = {},
                                             const ProgressCallback& on_progress = {});

@@ -655,15 +655,18 @@ Result<std::unique_ptr<Tokenizer>> parse_hf_json_impl(std::string_view text, con
   if (pre != nullptr) {
     SPX_RETURN_IF_ERROR(parse_pre_tokenizer(rd, *pre, "pre_tokenizer", v.pre_steps, byte_level));
   }
-  if (!byte_level) {
-    return rd.unsupported("pre_tokenizer", "no ByteLevel step: only byte-level BPE is supported");
-  }
   if (auto it = root.find("decoder"); it != root.end() && !it->is_null()) {
     if (!it->is_object()) return rd.error("decoder", "expected an object or null");
     SPX_ASSIGN_OR_RETURN(std::string type, rd.string(*it, "type", "decoder.type"));
     if (type != "ByteLevel" && type != "Sequence") {
       return rd.unsupported("decoder.type", "\"" + type + "\" (only ByteLevel)");
     }
+    // A lone Split pre-tokenizer with a ByteLevel decoder is still byte-level BPE.
+    byte_level = byte_level || type == "ByteLevel";
+  }
+  if (!byte_level) {
+    return rd.unsupported("pre_tokenizer",
+                          "no ByteLevel pre-tokenizer or decoder: only byte-level BPE is supported");
   }
 
   PieceMap pieces;

@@ -325,9 +325,12 @@ bool env_flag(const char* name) {
   return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
 }
 
-// oneDNN in Debian 12 is built with the OpenMP runtime (libgomp), which has no oneDNN-level
-// thread-count knob. omp_set_num_threads sets the calling thread's team size; it is looked up
-// dynamically because libgomp arrives only as a dependency of libdnnl.
+// oneDNN in Debian 12 is built with the OpenMP runtime (libgomp). The backend runs oneDNN
+// single-threaded inside its own TBB tasks (one slice of the output each), so every thread that
+// executes a primitive sets its OpenMP team size to 1: no second thread pool, no OpenMP spin
+// barriers (which stall for a whole scheduler tick when a core is shared), and NUMA pinning of
+// the arena covers matmul too. Looked up dynamically because libgomp arrives only as a
+// dependency of libdnnl; absent with a TBB/sequential oneDNN build, which needs nothing.
 using OmpSetNumThreads = void (*)(int);
 OmpSetNumThreads find_omp_set_num_threads() {
   return reinterpret_cast<OmpSetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
@@ -348,15 +351,27 @@ struct MatmulKeyHash {
   }
 };
 
+// One oneDNN primitive computing y[:, n0:n0+width] = x · W[n0:n0+width, :]ᵀ for any n0: W's
+// slice is the {K, width} matrix in format `ba` at W + n0·K. y's slice is written in place with
+// row stride N, or, when `staged`, densely into a per-slot buffer and copied: oneDNN 2.6 offers
+// brgemm (its fastest f32 kernel for m > 2) only for a dense destination.
+struct MatmulSlice {
+  dnnl::matmul prim;
+  dnnl::memory::desc src_md, w_md, dst_md, bias_md;
+  size_t scratch_bytes = 0;  // user-managed scratchpad (thread-safe execution)
+  bool staged = false;
+};
+
 struct MatmulPlan {
   bool usable = false;  // false: oneDNN offers nothing better than its reference code here
   std::string impl;
-  dnnl::matmul prim;
-  dnnl::memory src, weights, bias, dst;
-  std::unordered_map<int, dnnl::memory> args;
+  int64_t width = 0;     // output columns per slice; the last slice may be narrower
+  int64_t n_slices = 0;  // one TBB task each
+  MatmulSlice full, tail;
 };
 
 constexpr size_t kMaxPlans = 256;        // prefill chunk sizes vary; bound the cache
+constexpr int64_t kMinSliceCols = 64;    // narrower matmul slices lose more than threads gain
 constexpr int64_t kKeyBlock = 64;        // keys per attention block (K and V block fit L1/L2)
 constexpr int64_t kMinChunk = 512;       // smallest automatic split-K chunk
 constexpr int64_t kMaxTileQueries = 32;  // queries (tokens x heads of a group) per task
@@ -390,7 +405,11 @@ struct CpuBackend::Impl {
 
   std::mutex matmul_mu;  // guards everything below
   dnnl::engine engine;
-  dnnl::stream stream;
+  // Per arena slot (tbb::this_task_arena::current_thread_index(); 0 when run inline): a stream
+  // and a scratchpad, so slices execute concurrently without sharing either.
+  std::vector<dnnl::stream> streams;
+  std::vector<std::vector<uint8_t>> scratch;
+  std::vector<std::vector<float>> staging;  // dense outputs of staged slices
   std::unordered_map<MatmulKey, MatmulPlan, MatmulKeyHash> plans;
   std::vector<uint16_t> x_bf16;  // reusable bf16 copy of the matmul input
   std::string last_path_f32 = "none", last_path_bf16 = "none";
@@ -411,6 +430,16 @@ struct CpuBackend::Impl {
   }
 
   MatmulPlan& plan_for(const MatmulKey& key);
+  // Builds the primitive for output slices of `width` columns; false when oneDNN has only its
+  // reference implementation. Throws dnnl::error when it has nothing.
+  bool make_slice(const MatmulKey& key, int64_t width, bool strided_dst, MatmulSlice& slice,
+                  std::string& impl);
+  // make_slice choosing between a strided and a staged destination (see MatmulSlice).
+  bool make_best_slice(const MatmulKey& key, int64_t width, bool whole, MatmulSlice& slice,
+                       std::string& impl);
+  // Runs slice `index` with the stream and scratchpad of arena slot `slot`.
+  void run_slice(const MatmulPlan& plan, int64_t index, int slot, const void* src, const void* w,
+                 const float* bias, float* y, int64_t n_total, int64_t k, size_t elem_bytes);
   Status matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads, float* out);
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
@@ -421,8 +450,8 @@ struct CpuBackend::Impl {
   // Merges split-K partials of each group: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c.
   // layout(item) = (first output row of the item, query heads per KV head).
   template <typename Layout>
-  void merge_partials(const std::vector<AttnTask>& tasks, const std::vector<AttnGroup>& groups, int64_t n_heads,
-                      int64_t d, const float* partial_base, float* out, Layout&& layout);
+  void merge_partials(const std::vector<AttnTask>& tasks, const std::vector<AttnGroup>& groups,
+                      int64_t n_heads, int64_t d, const float* partial_base, float* out, Layout&& layout);
 };
 
 MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
@@ -430,64 +459,24 @@ MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
   if (it != plans.end()) return it->second;
   if (plans.size() >= kMaxPlans) plans.clear();
   MatmulPlan& plan = plans[key];
-  using dt = dnnl::memory::data_type;
-  using tag = dnnl::memory::format_tag;
-  const dt in_type = key.dtype == DType::kBF16 ? dt::bf16 : dt::f32;
+  // As many slices as threads, none narrower than kMinSliceCols, widths a multiple of 16.
+  const int64_t n_slices = std::clamp<int64_t>(key.n / kMinSliceCols, 1, num_threads);
+  const int64_t width = ((key.n + n_slices - 1) / n_slices + 15) / 16 * 16;
+  plan.width = std::min(width, key.n);
+  plan.n_slices = (key.n + plan.width - 1) / plan.width;
   try {
-    dnnl::memory::desc src_md({key.m, key.k}, in_type, tag::ab);
-    // W is [N, K] row-major = the {K, N} matrix with K innermost: format `ba`.
-    dnnl::memory::desc w_md({key.k, key.n}, in_type, tag::ba);
-    dnnl::memory::desc dst_md({key.m, key.n}, dt::f32, tag::ab);
-    dnnl::memory::desc bias_md({1, key.n}, dt::f32, tag::ab);
-    // Must outlive every primitive_desc built from it: the implementation iterator behind
-    // next_impl() keeps a pointer to it.
-    const dnnl::matmul::desc desc = key.bias ? dnnl::matmul::desc(src_md, w_md, bias_md, dst_md)
-                                             : dnnl::matmul::desc(src_md, w_md, dst_md);
-    auto is_ref = [](const char* impl) { return std::strstr(impl, "ref") != nullptr; };
-    // For f32 with m <= 2 the jit GEMV beats brgemm, which repacks the weights on every call
-    // (measured 2x at K = N = 2048). Elsewhere oneDNN's first choice is its best.
-    const bool prefer_gemm = key.dtype == DType::kF32 && key.m <= 2;
-    int chosen = -1;
-    {
-      dnnl::matmul::primitive_desc pd(desc, engine, /*allow_empty=*/true);
-      int index = 0;
-      int first_fast = -1;
-      if (pd) {
-        do {
-          const char* impl = pd.impl_info_str();
-          if (!is_ref(impl)) {
-            if (first_fast < 0) first_fast = index;
-            if (!prefer_gemm || std::strstr(impl, "gemm") != nullptr) {
-              chosen = index;
-              break;
-            }
-          }
-          ++index;
-        } while (pd.next_impl());
-      }
-      if (chosen < 0) chosen = first_fast;
-    }
-    if (chosen < 0) return plan;  // unusable: only reference code, or nothing
-    dnnl::matmul::primitive_desc pd(desc, engine);
-    for (int i = 0; i < chosen; ++i) pd.next_impl();
-    plan.impl = pd.impl_info_str();
-    if (verbose_logging()) {
-      std::fprintf(stderr, "[specontext cpu] matmul m=%lld k=%lld n=%lld %s%s: oneDNN %s\n",
+    std::string impl;
+    const bool whole = plan.n_slices == 1;
+    bool ok = make_best_slice(key, plan.width, whole, plan.full, plan.impl);
+    const int64_t tail = key.n - (plan.n_slices - 1) * plan.width;
+    if (ok && tail != plan.width) ok = make_best_slice(key, tail, whole, plan.tail, impl);
+    plan.usable = ok;
+    if (ok && verbose_logging()) {
+      std::fprintf(stderr, "[specontext cpu] matmul m=%lld k=%lld n=%lld %s%s: oneDNN %s, %lld slices\n",
                    static_cast<long long>(key.m), static_cast<long long>(key.k),
                    static_cast<long long>(key.n), std::string(dtype_name(key.dtype)).c_str(),
-                   key.bias ? " +bias" : "", plan.impl.c_str());
+                   key.bias ? " +bias" : "", plan.impl.c_str(), static_cast<long long>(plan.n_slices));
     }
-    plan.prim = dnnl::matmul(pd);
-    // Null handles now; set_data_handle points them at the caller's buffers on every call.
-    plan.src = dnnl::memory(src_md, engine, nullptr);
-    plan.weights = dnnl::memory(w_md, engine, nullptr);
-    plan.dst = dnnl::memory(dst_md, engine, nullptr);
-    plan.args = {{DNNL_ARG_SRC, plan.src}, {DNNL_ARG_WEIGHTS, plan.weights}, {DNNL_ARG_DST, plan.dst}};
-    if (key.bias) {
-      plan.bias = dnnl::memory(bias_md, engine, nullptr);
-      plan.args[DNNL_ARG_BIAS] = plan.bias;
-    }
-    plan.usable = true;
   } catch (const dnnl::error& e) {
     // Unimplemented combination (e.g. bf16 without avx512_core): the fallback loop serves it.
     if (verbose_logging()) {
@@ -495,9 +484,118 @@ MatmulPlan& CpuBackend::Impl::plan_for(const MatmulKey& key) {
                    static_cast<long long>(key.m), static_cast<long long>(key.k),
                    static_cast<long long>(key.n), std::string(dtype_name(key.dtype)).c_str(), e.what());
     }
-    plan = MatmulPlan{};
+    plan.usable = false;
   }
+  if (!plan.usable) plan = MatmulPlan{};
   return plan;
+}
+
+bool CpuBackend::Impl::make_best_slice(const MatmulKey& key, int64_t width, bool whole, MatmulSlice& slice,
+                                       std::string& impl) {
+  // A slice covering all of y is dense anyway. Otherwise try dense: if oneDNN then picks a GEMM
+  // kernel (which handles strides itself), rebuild it strided and skip the copy.
+  if (!make_slice(key, width, /*strided_dst=*/false, slice, impl)) return false;
+  slice.staged = !whole;
+  if (whole || impl.find("gemm") == std::string::npos) return true;
+  if (!make_slice(key, width, /*strided_dst=*/true, slice, impl)) return false;
+  slice.staged = false;
+  return true;
+}
+
+bool CpuBackend::Impl::make_slice(const MatmulKey& key, int64_t width, bool strided_dst, MatmulSlice& slice,
+                                  std::string& impl) {
+  using dt = dnnl::memory::data_type;
+  using tag = dnnl::memory::format_tag;
+  const dt in_type = key.dtype == DType::kBF16 ? dt::bf16 : dt::f32;
+  slice.src_md = dnnl::memory::desc({key.m, key.k}, in_type, tag::ab);
+  // W is [N, K] row-major = the {K, N} matrix with K innermost: format `ba`; a slice of rows of W
+  // is the same format at an offset.
+  slice.w_md = dnnl::memory::desc({key.k, width}, in_type, tag::ba);
+  slice.dst_md = strided_dst ? dnnl::memory::desc({key.m, width}, dt::f32, dnnl::memory::dims{key.n, 1})
+                             : dnnl::memory::desc({key.m, width}, dt::f32, tag::ab);
+  slice.bias_md = dnnl::memory::desc({1, width}, dt::f32, tag::ab);
+  // Must outlive every primitive_desc built from it: the implementation iterator behind
+  // next_impl() keeps a pointer to it.
+  const dnnl::matmul::desc desc =
+      key.bias ? dnnl::matmul::desc(slice.src_md, slice.w_md, slice.bias_md, slice.dst_md)
+               : dnnl::matmul::desc(slice.src_md, slice.w_md, slice.dst_md);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto is_ref = [](const char* name) { return std::strstr(name, "ref") != nullptr; };
+  // For f32 with m <= 2 the jit GEMV beats brgemm, which repacks the weights on every call
+  // (measured 2x at K = N = 2048). Elsewhere oneDNN's first choice is its best.
+  const bool prefer_gemm = key.dtype == DType::kF32 && key.m <= 2;
+  int chosen = -1;
+  {
+    dnnl::matmul::primitive_desc pd(desc, attr, engine, /*allow_empty=*/true);
+    int index = 0;
+    int first_fast = -1;
+    if (pd) {
+      do {
+        const char* name = pd.impl_info_str();
+        if (!is_ref(name)) {
+          if (first_fast < 0) first_fast = index;
+          if (!prefer_gemm || std::strstr(name, "gemm") != nullptr) {
+            chosen = index;
+            break;
+          }
+        }
+        ++index;
+      } while (pd.next_impl());
+    }
+    if (chosen < 0) chosen = first_fast;
+  }
+  if (chosen < 0) return false;  // only reference code, or nothing
+  dnnl::matmul::primitive_desc pd(desc, attr, engine);
+  for (int i = 0; i < chosen; ++i) pd.next_impl();
+  impl = pd.impl_info_str();
+  slice.scratch_bytes = pd.scratchpad_desc().get_size();
+  slice.prim = dnnl::matmul(pd);
+  return true;
+}
+
+void CpuBackend::Impl::run_slice(const MatmulPlan& plan, int64_t index, int slot, const void* src,
+                                 const void* w, const float* bias, float* y, int64_t n_total, int64_t k,
+                                 size_t elem_bytes) {
+  const bool last = index == plan.n_slices - 1;
+  const MatmulSlice& sl = last && plan.n_slices * plan.width != n_total ? plan.tail : plan.full;
+  const int64_t n0 = index * plan.width;
+  std::vector<uint8_t>& pad = scratch[static_cast<size_t>(slot)];
+  if (pad.size() < sl.scratch_bytes) pad.resize(sl.scratch_bytes);
+  // Single-threaded oneDNN inside this task (see find_omp_set_num_threads).
+  if (omp_set_num_threads != nullptr) omp_set_num_threads(1);
+  // oneDNN takes non-const handles but only reads src/weights/bias.
+  const auto* w_bytes = static_cast<const uint8_t*>(w) + static_cast<size_t>(n0 * k) * elem_bytes;
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, dnnl::memory(sl.src_md, engine, const_cast<void*>(src))},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(sl.w_md, engine, const_cast<uint8_t*>(w_bytes))},
+  };
+  float* dst = y + n0;
+  if (sl.staged) {
+    std::vector<float>& stage = staging[static_cast<size_t>(slot)];
+    const size_t need = static_cast<size_t>(sl.dst_md.dims()[0] * sl.dst_md.dims()[1]);
+    if (stage.size() < need) stage.resize(need);
+    dst = stage.data();
+  }
+  args.emplace(DNNL_ARG_DST, dnnl::memory(sl.dst_md, engine, dst));
+  if (bias != nullptr)
+    args.emplace(DNNL_ARG_BIAS, dnnl::memory(sl.bias_md, engine, const_cast<float*>(bias + n0)));
+  if (sl.scratch_bytes > 0) {
+    args.emplace(DNNL_ARG_SCRATCHPAD,
+                 dnnl::memory(dnnl::memory::desc({static_cast<int64_t>(sl.scratch_bytes)},
+                                                 dnnl::memory::data_type::u8, dnnl::memory::format_tag::a),
+                              engine, pad.data()));
+  }
+  dnnl::stream& stream = streams[static_cast<size_t>(slot)];
+  sl.prim.execute(stream, args);
+  stream.wait();
+  if (sl.staged) {
+    const int64_t rows = sl.dst_md.dims()[0];
+    const int64_t width = sl.dst_md.dims()[1];
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(y + i * n_total + n0, dst + i * width, static_cast<size_t>(width) * sizeof(float));
+    }
+  }
 }
 
 Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
@@ -649,9 +747,9 @@ int64_t CpuBackend::Impl::chunks_wanted(int64_t base_tasks) const {
 }
 
 template <typename Layout>
-void CpuBackend::Impl::merge_partials(const std::vector<AttnTask>& tasks, const std::vector<AttnGroup>& groups,
-                                      int64_t n_heads, int64_t d, const float* partial_base, float* out,
-                                      Layout&& layout) {
+void CpuBackend::Impl::merge_partials(const std::vector<AttnTask>& tasks,
+                                      const std::vector<AttnGroup>& groups, int64_t n_heads, int64_t d,
+                                      const float* partial_base, float* out, Layout&& layout) {
   parallel(static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
       const AttnGroup& g = groups[static_cast<size_t>(gi)];
@@ -729,7 +827,8 @@ Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionI
             partial = partial_floats;
             partial_floats += nq * (d + 2);
           }
-          tasks.push_back({i, h, t0, t1, std::min(keys, c * chunk), std::min(keys, (c + 1) * chunk), partial});
+          tasks.push_back(
+              {i, h, t0, t1, std::min(keys, c * chunk), std::min(keys, (c + 1) * chunk), partial});
         }
         g.task_end = tasks.size();
         if (n_chunks > 1) groups.push_back(g);
@@ -737,7 +836,8 @@ Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionI
     }
   }
   thread_local std::vector<float> partials;  // per calling thread: ops may run concurrently
-  if (partials.size() < static_cast<size_t>(partial_floats)) partials.resize(static_cast<size_t>(partial_floats));
+  if (partials.size() < static_cast<size_t>(partial_floats))
+    partials.resize(static_cast<size_t>(partial_floats));
   float* partial_base = partials.data();
 
   // 2. Every task folds its slots into the online-softmax state of the group's queries, so each
@@ -845,7 +945,10 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::create(const CpuBackendOptions& 
       impl->pinning = std::make_unique<NodePinningObserver>(*impl->arena, **topo, node);
     }
     impl->engine = dnnl::engine(dnnl::engine::kind::cpu, 0);
-    impl->stream = dnnl::stream(impl->engine);
+    const int slots = std::max(impl->arena->max_concurrency(), 1);
+    for (int i = 0; i < slots; ++i) impl->streams.emplace_back(impl->engine);
+    impl->scratch.resize(static_cast<size_t>(slots));
+    impl->staging.resize(static_cast<size_t>(slots));
     if (verbose_logging()) {
       std::fprintf(stderr, "[specontext cpu] backend: node %d of %d, %d threads, kernels %s, oneDNN %s\n",
                    node, nodes, threads, isa_name(active_isa()),
@@ -935,14 +1038,21 @@ Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, cons
                  [&](int64_t b, int64_t e) { f32_to_bf16_range(x + b, dst + b, e - b); });
       src = dst;
     }
-    // oneDNN takes non-const handles but only reads src/weights/bias.
-    plan.src.set_data_handle(const_cast<void*>(src));
-    plan.weights.set_data_handle(const_cast<void*>(w.data));
-    if (bias != nullptr) plan.bias.set_data_handle(const_cast<float*>(bias));
-    plan.dst.set_data_handle(y);
-    if (s.omp_set_num_threads != nullptr) s.omp_set_num_threads(s.num_threads);
-    plan.prim.execute(s.stream, plan.args);
-    s.stream.wait();
+    const size_t elem_bytes = w.dtype == DType::kBF16 ? 2 : 4;
+    if (plan.n_slices == 1 || s.num_threads <= 1) {
+      // Inline on the caller: slot 0 is free, slices only run under matmul_mu.
+      for (int64_t i = 0; i < plan.n_slices; ++i) {
+        s.run_slice(plan, i, 0, src, w.data, bias, y, w.rows, w.cols, elem_bytes);
+      }
+    } else {
+      s.arena->execute([&] {
+        tbb::parallel_for(int64_t{0}, plan.n_slices, [&](int64_t i) {
+          // Inside the arena the slot index is unique among the threads running its tasks.
+          const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
+          s.run_slice(plan, i, slot, src, w.data, bias, y, w.rows, w.cols, elem_bytes);
+        });
+      });
+    }
     last_path = "onednn:" + plan.impl;
     return Status::ok();
   });
@@ -1049,6 +1159,7 @@ Status CpuBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries, 
                              const WorkingSetView& ws) {
   return guarded("kv_gather", [&]() -> Status {  // the duplicate check allocates
     SPX_RETURN_IF_ERROR(check_kv_gather_args(kv, entries, n_entries, ws));
+    if (n_entries == 0) return Status::ok();  // the views may be empty then
     const int64_t d = kv.head_dim;
     const size_t row_bytes = static_cast<size_t>(d) * sizeof(float);
     const int64_t grain = std::max<int64_t>(1, 4096 / d);  // ~32 KiB of K+V per task

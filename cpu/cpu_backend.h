@@ -1,6 +1,7 @@
 // The optimised CPU backend (the default) and the one switch that picks it or the reference.
-// Matmul runs on oneDNN; every other op runs on oneTBB inside a task_arena owned by the backend
-// and pinned (on multi-node machines) to one NUMA node. See cpu/README.md.
+// Every op runs on oneTBB inside a task_arena owned by the backend and pinned (on multi-node
+// machines) to one NUMA node; matmul runs single-threaded oneDNN primitives as its tasks, one
+// output slice each. See cpu/README.md.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +38,7 @@ class CpuBackend final : public Backend {
   bool supports(BackendOp op, DType weight_dtype) const override;
 
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
-  // Thread-safe, but concurrent matmuls serialise on one oneDNN stream.
+  // Thread-safe, but concurrent matmuls serialise (one primitive cache, per-slot streams).
   Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) override;
   Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
                  float* y) override;

@@ -10,6 +10,7 @@
 #include "gpu/attention_plan.h"
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
+#include "gpu/sparse_plan.h"
 
 namespace specontext::gpu {
 
@@ -344,6 +345,55 @@ Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_
     a.partial_l = partial_ml_.data() + plan.partial_ml_floats() / 2;
   }
   SPX_CUDA_CHECK(kernels::launch_attention(a, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                              const WorkingSetView& ws) {
+  SPX_ASSIGN_OR_RETURN(KvGatherPlan plan, plan_kv_gather(kv, entries, n_entries, ws));
+  if (plan.launch.n_entries == 0) return Status::ok();
+  SPX_ENTER_DEVICE();
+  meta_host_.clear();
+  const size_t entries_at = append_bytes(meta_host_, entries, static_cast<size_t>(n_entries));
+  const size_t pages_at = append_bytes(meta_host_, plan.pages.data(), plan.pages.size());
+  SPX_RETURN_IF_ERROR(upload_metadata());
+  kernels::KvGatherLaunch& g = plan.launch;
+  const uint8_t* base = meta_dev_.data();
+  g.entries = reinterpret_cast<const kernels::GatherEntryMeta*>(base + entries_at);
+  g.page_table = reinterpret_cast<float* const*>(base + pages_at);
+  SPX_CUDA_CHECK(kernels::launch_kv_gather(g, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                                     int64_t n_heads, float* out) {
+  SPX_ASSIGN_OR_RETURN(SparseAttentionPlan plan, plan_attention_sparse(items, n_items, n_heads, sm_count_));
+  if (plan.launch.total_blocks == 0) return Status::ok();
+  SPX_ENTER_DEVICE();
+  meta_host_.clear();
+  const size_t items_at = append_bytes(meta_host_, plan.items.data(), plan.items.size());
+  const size_t blocks_at = append_bytes(meta_host_, plan.block_begin.data(), plan.block_begin.size());
+  const size_t rows_at = append_bytes(meta_host_, plan.row_begin.data(), plan.row_begin.size());
+  const size_t counts_at = append_bytes(meta_host_, plan.counts.data(), plan.counts.size());
+  // Scratch growth synchronises the stream; do it before the metadata upload is queued.
+  SPX_RETURN_IF_ERROR(reserve(partial_o_, plan.partial_o_floats()));
+  SPX_RETURN_IF_ERROR(reserve(partial_ml_, plan.partial_ml_floats()));
+  SPX_RETURN_IF_ERROR(upload_metadata());
+
+  kernels::SparseAttentionLaunch& a = plan.launch;
+  const uint8_t* base = meta_dev_.data();
+  a.q = q;
+  a.out = out;
+  a.items = reinterpret_cast<const kernels::SparseItemMeta*>(base + items_at);
+  a.block_begin = reinterpret_cast<const int64_t*>(base + blocks_at);
+  a.row_begin = reinterpret_cast<const int64_t*>(base + rows_at);
+  a.counts = reinterpret_cast<const int32_t*>(base + counts_at);
+  if (a.n_chunks_max > 1) {
+    a.partial_o = partial_o_.data();
+    a.partial_m = partial_ml_.data();
+    a.partial_l = partial_ml_.data() + plan.partial_ml_floats() / 2;
+  }
+  SPX_CUDA_CHECK(kernels::launch_attention_sparse(a, stream_.get()));
   return Status::ok();
 }
 

@@ -1,7 +1,8 @@
 // The CUDA implementation of core/backend.h. Every pointer an op takes is DEVICE memory of this
 // backend's device (activations, token ids, positions, norm weights, biases, WeightMatrix::data,
-// KV pages), except the small host-side descriptions: RopeParams, the AttentionItem array and
-// the KvLayerView page tables (host arrays holding device page pointers).
+// KV pages, working-set K/V), except the small host-side descriptions: RopeParams, the
+// AttentionItem / SparseAttentionItem arrays, the KvLayerView page tables (host arrays holding
+// device page pointers), GatherEntry arrays and WorkingSetView::counts.
 //
 // Ops are asynchronous: they enqueue on the backend's compute stream and return. A returned
 // Status reports argument and launch errors; faults during execution surface at the next
@@ -62,6 +63,15 @@ class CudaBackend final : public Backend {
   // of other heads may still be reading q while one writes its output).
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
                    float* out) override;
+  // `entries` is a HOST array (validated, then uploaded with the touched pages' pointers); the
+  // working set's k / v are device memory. One warp per entry.
+  Status kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
+                   const WorkingSetView& ws) override;
+  // Split-K attention over each item's working set (k / v device memory, counts a HOST array);
+  // head_dim up to 256, one kv_heads / head_dim for the whole batch; out must not alias q. A head
+  // with counts == 0 gets zeros.
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
+                          int64_t n_heads, float* out) override;
 
   // Waits for everything enqueued so far; reports execution errors. Not in the core interface.
   Status synchronize();

@@ -103,4 +103,77 @@ size_t attention_smem_bytes(int64_t head_dim, int queries_per_warp);
 // Partial kernel (+ merge kernel when n_chunks_max > 1).
 cudaError_t launch_attention(const AttentionLaunch& a, cudaStream_t stream);
 
+// ---- sparse decode over per-sequence working sets ----
+// A working set is [kv_heads][slots][head_dim] f32 for K and for V (device memory); head h
+// attends to its first counts[h] slots.
+
+// One copy of kv_gather; the same layout as core's GatherEntry (static_assert in sparse_plan.cc).
+struct GatherEntryMeta {
+  int32_t kv_head;
+  int32_t token;
+  int32_t slot;
+};
+
+struct KvGatherLaunch {
+  const GatherEntryMeta* entries = nullptr;  // device [n_entries]
+  // Device: K pointers of logical pages first_page .. first_page + n_pages - 1, then the V
+  // pointers of the same pages.
+  float* const* page_table = nullptr;
+  float* ws_k = nullptr;  // device working set
+  float* ws_v = nullptr;
+  int64_t n_entries = 0;
+  int64_t first_page = 0;
+  int64_t n_pages = 0;
+  int64_t page_size = 0;
+  int64_t slots = 0;
+  int64_t head_dim = 0;
+  // head_dim % 4 == 0 and every page and working-set base 16-byte aligned: rows copy as float4.
+  bool vec4 = false;
+};
+
+// One warp per entry copies the K and V rows of (kv_head, token) into (kv_head, slot).
+// Destinations must be distinct (the planner checks).
+cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream);
+
+// One sequence of a sparse batch, as the kernels see it.
+struct SparseItemMeta {
+  const float* k;         // device working set of the item
+  const float* v;
+  int64_t token_offset;   // first row of the item in q / out
+  int64_t n_tokens;       // query rows; each attends to the whole working set
+  int64_t slots;          // row stride of one head's K/V
+  int64_t counts_offset;  // counts of the item's KV heads: counts[counts_offset + kvh]
+  int64_t n_tiles;        // query tiles (per KV head)
+  int64_t n_chunks;       // slot chunks: ceil(max_h counts[h] / chunk_size), at least 1
+  int64_t row_begin;      // compact index of the item's first row (prefix of n_tokens)
+};
+
+// Same work split as AttentionLaunch: blocks of (item, query tile, key chunk) x KV heads, a
+// partial kernel and, when n_chunks_max > 1, a merge kernel. No causal mask. A (row, head)
+// whose KV head has counts == 0 gets zeros.
+struct SparseAttentionLaunch {
+  const float* q = nullptr;  // [rows, n_heads, head_dim]
+  float* out = nullptr;      // [rows, n_heads, head_dim]
+  const SparseItemMeta* items = nullptr;  // device [n_items]
+  const int64_t* block_begin = nullptr;   // device [n_items + 1]: prefix of n_tiles·n_chunks
+  const int64_t* row_begin = nullptr;     // device [n_items + 1]: prefix of n_tokens
+  const int32_t* counts = nullptr;        // device [n_items · kv_heads]
+  int64_t n_items = 0;
+  int64_t n_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t chunk_size = 0;    // slots per split-K chunk (multiple of kAttentionKeyTile)
+  int64_t n_chunks_max = 0;  // stride of the partial buffers; 1 = no split
+  int64_t total_blocks = 0;
+  int64_t total_rows = 0;
+  int queries_per_warp = 1;  // 1, 2 or 4
+  float scale = 0.0f;        // 1 / sqrt(head_dim)
+  // Split-K partials, indexed like AttentionLaunch's; unused when n_chunks_max == 1.
+  float* partial_o = nullptr;
+  float* partial_m = nullptr;  // log2 units
+  float* partial_l = nullptr;
+};
+
+cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t stream);
+
 }  // namespace specontext::gpu::kernels

@@ -19,7 +19,8 @@ export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizer/lsan.supp"
 ctest --preset asan -j "$(nproc)" --timeout 1800 | tee build/asan-ctest.log
 
 echo "=== fuzzers (${FUZZ_SECONDS}s each)"
-scripts/build.sh fuzz
+cmake --preset fuzz >/dev/null
+cmake --build build/fuzz --target fuzzers -j "$(nproc)"
 fuzzers=(build/fuzz/tests/fuzz_*)
 for f in "${fuzzers[@]}"; do
   name="$(basename "$f")"

@@ -7,8 +7,14 @@
 #include <cmath>
 #include <numbers>
 
+#include <filesystem>
+#include <fstream>
+
 #include "core/engine.h"
+#include "core/model_loader.h"
+#include "core/safetensors.h"
 #include "core/synthetic.h"
+#include "tests/tests_common.h"
 #include "cpu/cpu_backend.h"
 
 namespace specontext {
@@ -198,6 +204,68 @@ std::vector<Case> cases() {
 
 class ScalarTest : public ::testing::TestWithParam<Case> {};
 
+// Writes the model as a Hugging Face directory (config.json + model.safetensors).
+std::string write_hf_dir(const Model& m) {
+  const ModelConfig& c = m.config;
+  const std::string dir = testing::temp_dir("spx-hf");
+  std::vector<NamedTensor> t;
+  auto mat = [&](const std::string& name, const WeightMatrix& w) {
+    t.push_back({name, w.dtype, {w.rows, w.cols}, w.data});
+  };
+  auto vec = [&](const std::string& name, const Vec& v) {
+    t.push_back({name, DType::kF32, {static_cast<int64_t>(v.size())}, v.data()});
+  };
+  mat("model.embed_tokens.weight", m.tok_embeddings);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const auto& l = m.layers[i];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    vec(p + "input_layernorm.weight", l.attn_norm);
+    vec(p + "post_attention_layernorm.weight", l.ffn_norm);
+    mat(p + "self_attn.q_proj.weight", l.wq);
+    mat(p + "self_attn.k_proj.weight", l.wk);
+    mat(p + "self_attn.v_proj.weight", l.wv);
+    mat(p + "self_attn.o_proj.weight", l.wo);
+    if (!l.bq.empty()) {
+      vec(p + "self_attn.q_proj.bias", l.bq);
+      vec(p + "self_attn.k_proj.bias", l.bk);
+      vec(p + "self_attn.v_proj.bias", l.bv);
+    }
+    if (!l.q_norm.empty()) {
+      vec(p + "self_attn.q_norm.weight", l.q_norm);
+      vec(p + "self_attn.k_norm.weight", l.k_norm);
+    }
+    mat(p + "mlp.gate_proj.weight", l.w_gate);
+    mat(p + "mlp.up_proj.weight", l.w_up);
+    mat(p + "mlp.down_proj.weight", l.w_down);
+  }
+  vec("model.norm.weight", m.final_norm);
+  if (!c.tie_embeddings) mat("lm_head.weight", m.lm_head);
+  EXPECT_TRUE(write_safetensors(dir + "/model.safetensors", t).is_ok());
+  const char* arch = c.arch == Architecture::kQwen3 ? "Qwen3ForCausalLM"
+                     : c.arch == Architecture::kQwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
+  std::string scaling = "null";
+  const auto& rs = c.rope_scaling;
+  if (rs.type == RopeScalingType::kLlama3) {
+    scaling = "{\"rope_type\": \"llama3\", \"factor\": " + std::to_string(rs.factor) +
+              ", \"low_freq_factor\": " + std::to_string(rs.low_freq_factor) + ", \"high_freq_factor\": " +
+              std::to_string(rs.high_freq_factor) + ", \"original_max_position_embeddings\": " +
+              std::to_string(rs.original_max_position_embeddings) + "}";
+  } else if (rs.type == RopeScalingType::kYarn) {
+    scaling = "{\"rope_type\": \"yarn\", \"factor\": " + std::to_string(rs.factor) +
+              ", \"original_max_position_embeddings\": " + std::to_string(rs.original_max_position_embeddings) + "}";
+  }
+  std::ofstream(dir + "/config.json")
+      << "{\"architectures\": [\"" << arch << "\"], \"hidden_size\": " << c.dim
+      << ", \"intermediate_size\": " << c.hidden_dim << ", \"num_hidden_layers\": " << c.n_layers
+      << ", \"num_attention_heads\": " << c.n_heads << ", \"num_key_value_heads\": " << c.n_kv_heads
+      << ", \"head_dim\": " << c.head_dim << ", \"vocab_size\": " << c.vocab_size
+      << ", \"max_position_embeddings\": " << c.max_seq_len << ", \"rms_norm_eps\": " << c.norm_eps
+      << ", \"rope_theta\": " << c.rope_theta << ", \"rope_scaling\": " << scaling
+      << ", \"tie_word_embeddings\": " << (c.tie_embeddings ? "true" : "false")
+      << ", \"hidden_act\": \"silu\"}";
+  return dir;
+}
+
 TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
   auto model = make_random_model(GetParam().config, DType::kF32, 7);
   ASSERT_TRUE(model.is_ok()) << model.status().to_string();
@@ -206,14 +274,27 @@ TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
     for (auto* v : {&l.attn_norm, &l.ffn_norm, &l.q_norm, &l.k_norm})
       for (size_t i = 0; i < v->size(); ++i) (*v)[i] = 0.5f + 0.03f * static_cast<float>(i % 17);
   }
-  for (bool reference : {true, false}) {
+  // The same weights through a safetensors directory (HF layout uses rotate_half RoPE only).
+  std::shared_ptr<Model> loaded;
+  if (GetParam().config.rope_style == RopeStyle::kHalf) {
+    auto l = load_hf_model(write_hf_dir(**model));
+    ASSERT_TRUE(l.is_ok()) << l.status().to_string();
+    loaded = *l;
+    EXPECT_EQ(loaded->config.qk_norm, GetParam().config.qk_norm);
+    EXPECT_EQ(loaded->config.attention_bias, GetParam().config.attention_bias);
+    EXPECT_EQ(loaded->config.tie_embeddings, GetParam().config.tie_embeddings);
+    EXPECT_EQ(loaded->config.rope_scaling.type, GetParam().config.rope_scaling.type);
+  }
+  for (int variant = 0; variant < (loaded ? 3 : 2); ++variant) {
+    const bool reference = variant == 0;
+    const auto& run_model = variant == 2 ? loaded : *model;
     cpu::CpuBackendOptions o;
     o.reference = reference;
     auto b = cpu::create_cpu_backend(o);
     ASSERT_TRUE(b.is_ok());
     EngineOptions eo;
     eo.page_size = 8;  // several pages, last one partial
-    auto e = Engine::create(*model, std::shared_ptr<Backend>(std::move(*b)), eo);
+    auto e = Engine::create(run_model, std::shared_ptr<Backend>(std::move(*b)), eo);
     ASSERT_TRUE(e.is_ok()) << e.status().to_string();
     std::vector<TokenId> tokens;
     for (int i = 0; i < 21; ++i) tokens.push_back((i * 37 + 5) % 97);
@@ -237,7 +318,8 @@ TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
       norm += v * v;
     }
     EXPECT_GT(norm, 1e-6);
-    EXPECT_LT(rel_l2(got, expect), 2e-5) << GetParam().name << (reference ? " reference" : " optimised");
+    EXPECT_LT(rel_l2(got, expect), 2e-5)
+        << GetParam().name << (variant == 0 ? " reference" : variant == 1 ? " optimised" : " via safetensors");
   }
 }
 

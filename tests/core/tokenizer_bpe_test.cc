@@ -325,7 +325,12 @@ TEST(TokenizerBpe, TokenizerJsonErrors) {
 
   j = hand_tokenizer_json();
   j["pre_tokenizer"] = nullptr;
+  j["decoder"] = nullptr;
   expect_error(j, StatusCode::kUnimplemented, "ByteLevel");
+
+  j = hand_tokenizer_json();
+  j["decoder"] = {{"type", "WordPiece"}};
+  expect_error(j, StatusCode::kUnimplemented, "decoder.type");
 
   j = hand_tokenizer_json();
   j["normalizer"] = {{"type", "Lowercase"}};
@@ -346,6 +351,14 @@ TEST(TokenizerBpe, TokenizerJsonErrors) {
   auto cfg = load_hf_tokenizer(dir + "/tokenizer.json");
   ASSERT_FALSE(cfg.is_ok());
   EXPECT_NE(cfg.status().message().find("tokenizer_config.json"), std::string::npos);
+}
+
+TEST(TokenizerBpe, LoneSplitWithByteLevelDecoder) {
+  json j = hand_tokenizer_json();
+  j["pre_tokenizer"] = j["pre_tokenizer"]["pretokenizers"][0];  // just the Split
+  auto tok = parse_json(j);
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(*tok->encode("hello world!", false), (std::vector<TokenId>{11, 14, 2, 7, 15}));
 }
 
 TEST(TokenizerBpe, ByteLevelOnlyWithPrefixSpace) {

@@ -222,6 +222,42 @@ TEST(CpuMatmul, CachedPrimitiveSeesNewBuffers) {
   }
 }
 
+TEST(CpuMatmul, SlicedOverManyThreadsMatchesReference) {
+  // More threads than this machine may have: y is split into up to 7 column slices (with a
+  // narrower tail) run as separate oneDNN primitives, written strided or staged and copied.
+  CpuBackendOptions opt;
+  opt.num_threads = 7;
+  auto cpu = make_cpu(opt);
+  ASSERT_NE(cpu, nullptr);
+  ReferenceBackend ref;
+  uint32_t seed = 900;
+  for (const MatmulShape& s : {MatmulShape{1, 96, 500}, MatmulShape{2, 64, 129}, MatmulShape{16, 200, 1000},
+                               MatmulShape{33, 128, 449}, MatmulShape{5, 172, 172}}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      for (bool with_bias : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "m=" << s.m << " k=" << s.k << " n=" << s.n << " "
+                                          << dtype_name(dtype) << (with_bias ? " bias" : ""));
+        const auto x = random_floats(static_cast<size_t>(s.m * s.k), seed++);
+        const auto w = random_floats(static_cast<size_t>(s.n * s.k), seed++);
+        const auto bias = random_floats(static_cast<size_t>(s.n), seed++);
+        const auto w16 = to_bf16(w);
+        const auto w_used = dtype == DType::kF32 ? w : round_bf16(w);
+        const auto x_used = dtype == DType::kF32 ? x : round_bf16(x);
+        const WeightMatrix wm = dtype == DType::kF32 ? WeightMatrix{DType::kF32, s.n, s.k, w.data()}
+                                                     : WeightMatrix{DType::kBF16, s.n, s.k, w16.data()};
+        const float* b = with_bias ? bias.data() : nullptr;
+        GuardedBuffer got(static_cast<size_t>(s.m * s.n)), want(static_cast<size_t>(s.m * s.n));
+        ASSERT_TRUE(cpu->matmul(x.data(), s.m, wm, b, got.data()).is_ok());
+        ASSERT_TRUE(
+            ref.matmul(x_used.data(), s.m, WeightMatrix{DType::kF32, s.n, s.k, w_used.data()}, b, want.data())
+                .is_ok());
+        expect_close(got.data(), want.data(), got.size(), 1e-5, "sliced matmul");
+        EXPECT_TRUE(got.intact());
+      }
+    }
+  }
+}
+
 TEST(CpuMatmul, UnsupportedDtypesAndEmptyShapes) {
   auto cpu = make_cpu();
   ASSERT_NE(cpu, nullptr);

@@ -1,0 +1,173 @@
+// specontext distill: fits a retrieval head (EAGLE-3 layout) to a target model's own attention
+// on a text corpus and reports held-out fidelity before and after (logic in core/distill).
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "bin/commands.h"
+#include "core/distill.h"
+#include "core/model_loader.h"
+#include "cpu/cpu_backend.h"
+
+namespace specontext::cli {
+
+void register_distill(CLI::App& app, DistillArgs& a) {
+  auto* cmd = app.add_subcommand(
+      "distill", "fit a retrieval head to a model's attention on a corpus (writes safetensors)");
+  cmd->add_option("--model,-m", a.model_path, "target model: llama2.c .bin, .gguf or HF directory")
+      ->required();
+  cmd->add_option("--tokenizer", a.tokenizer, "tokenizer file (default: found next to the model)");
+  cmd->add_option("--corpus", a.corpus, "training text; stories separated by <|endoftext|>")->required();
+  cmd->add_option("--heldout", a.heldout, "held-out text (default: the last 20% of the corpus tokens)");
+  cmd->add_option("--out,-o", a.out, "where to write the head (.safetensors)")->required();
+  cmd->add_option("--steps", a.steps, "Adam steps")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--lr", a.lr, "peak learning rate (cosine decay to lr/10)")->check(CLI::PositiveNumber);
+  cmd->add_option("--context", a.context, "tokens per training chunk (default: the model's max_seq_len)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--batch", a.batch, "query positions per step")->check(CLI::PositiveNumber);
+  cmd->add_option("--seed", a.seed, "seed of the initial head and of the minibatches");
+  cmd->add_option("--threads", a.threads, "CPU threads of the target forward (0 = all of the NUMA node)");
+  cmd->add_flag("--json", a.json, "print the report as one JSON object on stdout");
+}
+
+namespace {
+
+int fail(const Status& s) {
+  std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
+  return 1;
+}
+
+Result<std::string> read_text(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found(path + ": cannot open " + what);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+nlohmann::json fidelity_json(const Fidelity& f) {
+  nlohmann::json recall = nlohmann::json::array();
+  for (const BudgetRecall& r : f.recall) {
+    recall.push_back({{"budget", r.budget}, {"positions", r.positions}, {"head", r.head},
+                      {"streaming", r.streaming}, {"oracle", r.oracle}});
+  }
+  return {{"positions", f.positions}, {"kl", f.kl}, {"recall", recall}};
+}
+
+}  // namespace
+
+int run_distill(const DistillArgs& a) {
+  auto model_r = load_model(a.model_path);
+  if (!model_r.is_ok()) return fail(model_r.status());
+  std::shared_ptr<Model> model = *model_r;
+  auto tok_r = load_tokenizer_for(*model, a.tokenizer);
+  if (!tok_r.is_ok()) return fail(tok_r.status());
+  const Tokenizer& tok = **tok_r;
+
+  auto corpus_text = read_text(a.corpus, "--corpus");
+  if (!corpus_text.is_ok()) return fail(corpus_text.status());
+  auto corpus = encode_corpus(tok, *corpus_text);
+  if (!corpus.is_ok()) return fail(corpus.status().with_context(a.corpus));
+  std::vector<TokenId> train_ids = std::move(*corpus), held_ids;
+  if (!a.heldout.empty()) {
+    auto held_text = read_text(a.heldout, "--heldout");
+    if (!held_text.is_ok()) return fail(held_text.status());
+    auto held = encode_corpus(tok, *held_text);
+    if (!held.is_ok()) return fail(held.status().with_context(a.heldout));
+    held_ids = std::move(*held);
+  } else {
+    const size_t cut = train_ids.size() - train_ids.size() / 5;
+    held_ids.assign(train_ids.begin() + static_cast<std::ptrdiff_t>(cut), train_ids.end());
+    train_ids.resize(cut);
+  }
+
+  const int64_t context = a.context > 0 ? a.context : model->config.max_seq_len;
+  if (context > model->config.max_seq_len) {
+    return fail(invalid_argument("--context " + std::to_string(context) + " exceeds the model's max_seq_len " +
+                                 std::to_string(model->config.max_seq_len)));
+  }
+  DistillOptions opts;
+  opts.steps = a.steps;
+  opts.lr = a.lr;
+  opts.context = context;
+  opts.batch_positions = a.batch;
+  opts.seed = a.seed;
+  opts.on_step = [&](int64_t step, double kl) {
+    if (!a.json) std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
+                              static_cast<long long>(a.steps), kl);
+  };
+  const auto train_chunks = split_chunks(train_ids, context, opts.min_chunk);
+  const auto held_chunks = split_chunks(held_ids, context, opts.min_chunk);
+  if (train_chunks.empty()) return fail(invalid_argument(a.corpus + ": too little text to train on"));
+  if (held_chunks.empty()) return fail(invalid_argument("no held-out chunk of at least " +
+                                                        std::to_string(opts.min_chunk) + " tokens"));
+
+  cpu::CpuBackendOptions bopts;
+  bopts.num_threads = a.threads;
+  auto backend = cpu::create_cpu_backend(bopts);
+  if (!backend.is_ok()) return fail(backend.status());
+  auto rep_r = distill_retrieval_head(model, std::shared_ptr<Backend>(std::move(*backend)), train_chunks,
+                                      held_chunks, opts);
+  if (!rep_r.is_ok()) return fail(rep_r.status());
+  const DistillReport& rep = *rep_r;
+  Status w = write_retrieval_head(a.out, *rep.head);
+  if (!w.is_ok()) return fail(w);
+
+  const RetrievalHeadConfig& hc = rep.head->config;
+  if (a.json) {
+    nlohmann::json j = {
+        {"model", a.model_path},
+        {"out", a.out},
+        {"head", {{"hidden", hc.hidden}, {"n_heads", hc.n_heads}, {"n_kv_heads", hc.n_kv_heads},
+                  {"head_dim", hc.head_dim}, {"trained_context", hc.trained_context},
+                  {"fused_layers", hc.fused_layers}, {"kept_parameters", rep.head->kept_parameters},
+                  {"draft_parameters", rep.head->draft_parameters}}},
+        {"pruning", pruning_report(*rep.head)},
+        {"steps", a.steps},
+        {"lr", a.lr},
+        {"batch", a.batch},
+        {"seed", a.seed},
+        {"context", rep.context},
+        {"train_tokens", rep.train_tokens},
+        {"train_chunks", rep.train_chunks},
+        {"heldout_tokens", rep.heldout_tokens},
+        {"heldout_chunks", rep.heldout_chunks},
+        {"train_kl_before", rep.train_kl_before},
+        {"train_kl_after", rep.train_kl_after},
+        {"heldout_before", fidelity_json(rep.before)},
+        {"heldout_after", fidelity_json(rep.after)},
+        {"teacher_seconds", rep.teacher_seconds},
+        {"train_seconds", rep.train_seconds},
+    };
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("target %s: d %lld, %lld layers, %lld query / %lld KV heads; head fuses layers %lld, %lld, %lld\n",
+              a.model_path.c_str(), static_cast<long long>(hc.hidden),
+              static_cast<long long>(model->config.n_layers), static_cast<long long>(hc.n_heads),
+              static_cast<long long>(hc.n_kv_heads), static_cast<long long>(hc.fused_layers[0]),
+              static_cast<long long>(hc.fused_layers[1]), static_cast<long long>(hc.fused_layers[2]));
+  std::printf("corpus: %lld training tokens in %lld chunks, %lld held-out tokens in %lld chunks (context %lld)\n",
+              static_cast<long long>(rep.train_tokens), static_cast<long long>(rep.train_chunks),
+              static_cast<long long>(rep.heldout_tokens), static_cast<long long>(rep.heldout_chunks),
+              static_cast<long long>(rep.context));
+  std::printf("teacher %.2f s, training %lld steps %.2f s\n", rep.teacher_seconds,
+              static_cast<long long>(a.steps), rep.train_seconds);
+  std::printf("train    KL(target || head): %.4f -> %.4f nats\n", rep.train_kl_before, rep.train_kl_after);
+  std::printf("held-out KL(target || head): %.4f -> %.4f nats (%lld positions)\n", rep.before.kl,
+              rep.after.kl, static_cast<long long>(rep.after.positions));
+  std::printf("held-out target attention mass on the top-B tokens per KV head:\n");
+  std::printf("  %6s  %9s  %8s  %8s  %9s  %8s\n", "B", "positions", "before", "after", "streaming", "oracle");
+  for (size_t i = 0; i < rep.after.recall.size(); ++i) {
+    const BudgetRecall& b = rep.before.recall[i];
+    const BudgetRecall& r = rep.after.recall[i];
+    std::printf("  %6lld  %9lld  %8.3f  %8.3f  %9.3f  %8.3f\n", static_cast<long long>(r.budget),
+                static_cast<long long>(r.positions), b.head, r.head, r.streaming, r.oracle);
+  }
+  std::printf("%s\n", pruning_report(*rep.head).c_str());
+  std::printf("wrote %s\n", a.out.c_str());
+  return 0;
+}
+
+}  // namespace specontext::cli

@@ -1,0 +1,355 @@
+// Sparse decode (SpeContext): kv_gather fills per-sequence working sets from the paged cache,
+// and attention runs over a working set instead of the whole cache.
+//
+// Attention uses the flash-decoding split of kernels_attention.cu: a block serves (item, query
+// tile, slot chunk) x KV head, stages 32 K/V rows at a time in shared memory for the tile's
+// queries (the GQA group's heads of the item's rows), and keeps an online softmax per query in
+// registers in log2 units. Differences: the rows of one head are contiguous
+// ([kv_heads][slots][head_dim]), so there is no page lookup; there is no causal mask (every row
+// sees the whole working set); and the key range of head h is [0, counts[h]), so blocks whose
+// chunk starts at or after counts[h] exit, and a head with counts[h] == 0 yields zeros.
+// Every chunk the merge reads holds at least one key, so its l >= 1.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gpu/kernels.h"
+
+namespace specontext::gpu::kernels {
+
+namespace {
+
+constexpr int kWarps = kAttentionWarps;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeyTile = static_cast<int>(kAttentionKeyTile);
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kGatherThreads = 256;  // 8 entries per block
+constexpr int64_t kMaxGatherBlocks = 1 << 16;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// Largest i in [0, n) with begin[i] <= x (non-decreasing prefix; skips empty segments).
+__device__ __forceinline__ int64_t find_segment(const int64_t* begin, int64_t n, int64_t x) {
+  int64_t lo = 0;
+  int64_t hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (begin[mid] <= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// ---- kv_gather ----
+
+// kVec4 is a template parameter, and the copy loops are unrolled at most twice (head_dim 256 is
+// two float4 per lane): a runtime branch with fully unrolled loops made ptxas spill.
+template <bool kVec4>
+__global__ void __launch_bounds__(kGatherThreads) kv_gather_kernel(const KvGatherLaunch g) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps_per_block = kGatherThreads / 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * warps_per_block;
+  const int hd = static_cast<int>(g.head_dim);
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * warps_per_block + (threadIdx.x >> 5); w < g.n_entries;
+       w += stride) {
+    const GatherEntryMeta e = g.entries[w];
+    // 32-bit division (the planner bounds page_size by INT_MAX); a 64-bit one is a called routine.
+    const int32_t page = e.token / static_cast<int32_t>(g.page_size);
+    const int64_t src = (e.kv_head * g.page_size + (e.token - static_cast<int64_t>(page) * g.page_size)) * g.head_dim;
+    const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim;
+    const float* k_src = g.page_table[page - g.first_page] + src;
+    const float* v_src = g.page_table[g.n_pages + page - g.first_page] + src;
+    float* k_dst = g.ws_k + dst;
+    float* v_dst = g.ws_v + dst;
+    if constexpr (kVec4) {
+#pragma unroll 2
+      for (int i = lane; i < hd / 4; i += 32) {
+        reinterpret_cast<float4*>(k_dst)[i] = reinterpret_cast<const float4*>(k_src)[i];
+        reinterpret_cast<float4*>(v_dst)[i] = reinterpret_cast<const float4*>(v_src)[i];
+      }
+    } else {
+#pragma unroll 2
+      for (int i = lane; i < hd; i += 32) {
+        k_dst[i] = k_src[i];
+        v_dst[i] = v_src[i];
+      }
+    }
+  }
+}
+
+// ---- sparse attention ----
+
+// minBlocks 4 as in attention_partial_kernel: lets ptxas use up to 128 registers without spills.
+template <int kDpl, int kQpw>
+__global__ void __launch_bounds__(kThreads, 4) sparse_attention_partial_kernel(const SparseAttentionLaunch a) {
+  constexpr int kQpb = kWarps * kQpw;
+  extern __shared__ float smem[];
+  const int hd = static_cast<int>(a.head_dim);
+  const int k_stride = hd + 1;  // odd stride for even head_dim: lane j reading row j is conflict-free
+  float* k_s = smem;                       // [kKeyTile][hd + 1]
+  float* v_s = k_s + kKeyTile * k_stride;  // [kKeyTile][hd]
+  float* q_s = v_s + kKeyTile * hd;        // [kQpb][hd], pre-scaled
+
+  const int64_t item_idx = find_segment(a.block_begin, a.n_items, blockIdx.x);
+  const SparseItemMeta it = a.items[item_idx];
+  const int64_t local = static_cast<int64_t>(blockIdx.x) - a.block_begin[item_idx];
+  const int64_t tile = local / it.n_chunks;
+  const int64_t chunk = local - tile * it.n_chunks;
+  const int64_t kvh = blockIdx.y;
+  const int64_t group = a.n_heads / a.kv_heads;
+  const int64_t n_pairs = it.n_tokens * group;
+  const int64_t pair0 = tile * kQpb;
+  const int64_t count = a.counts[it.counts_offset + kvh];
+  const int64_t key_begin = chunk * a.chunk_size;
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+
+  if (key_begin >= count) {
+    // No slot of this head in this chunk. Without a split (chunk 0 only) that means an empty
+    // working set: the block owns the output and writes zeros. With a split the merge does.
+    if (a.n_chunks_max == 1) {
+      for (int slot = warp; slot < kQpb; slot += kWarps) {
+        const int64_t pair = pair0 + slot;
+        if (pair >= n_pairs) break;
+        const int64_t row = it.token_offset + pair / group;
+        const int64_t h = kvh * group + pair % group;
+        float* dst = a.out + (row * a.n_heads + h) * hd;
+        for (int d = lane; d < hd; d += 32) dst[d] = 0.0f;
+      }
+    }
+    return;  // block-uniform
+  }
+  const int64_t key_end = min(key_begin + a.chunk_size, count);
+  const float q_scale = a.scale * kLog2e;
+
+  for (int slot = warp; slot < kQpb; slot += kWarps) {
+    const int64_t pair = pair0 + slot;
+    float* dst = q_s + slot * hd;
+    if (pair < n_pairs) {
+      const int64_t row = it.token_offset + pair / group;
+      const int64_t h = kvh * group + pair % group;
+      const float* src = a.q + (row * a.n_heads + h) * hd;
+      for (int d = lane; d < hd; d += 32) dst[d] = src[d] * q_scale;
+    } else {
+      for (int d = lane; d < hd; d += 32) dst[d] = 0.0f;  // padding: finite scores, never written out
+    }
+  }
+
+  float m[kQpw];
+  float l[kQpw];
+  float o[kQpw][kDpl];
+#pragma unroll
+  for (int s = 0; s < kQpw; ++s) {
+    m[s] = -INFINITY;
+    l[s] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kDpl; ++k) o[s][k] = 0.0f;
+  }
+
+  const float* k_head = it.k + kvh * it.slots * hd;
+  const float* v_head = it.v + kvh * it.slots * hd;
+  const float* q_w = q_s + warp * kQpw * hd;
+
+  for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
+    const int n_keys = static_cast<int>(min(static_cast<int64_t>(kKeyTile), key_end - t0));
+    __syncthreads();  // q_s is written (first tile) / the previous K/V tile is consumed
+    for (int j = warp; j < n_keys; j += kWarps) {
+      const float* k_src = k_head + (t0 + j) * hd;
+      const float* v_src = v_head + (t0 + j) * hd;
+      for (int d = lane; d < hd; d += 32) {
+        k_s[j * k_stride + d] = k_src[d];
+        v_s[j * hd + d] = v_src[d];
+      }
+    }
+    __syncthreads();
+
+    // Scores: lane j computes key t0 + j against every query of the warp (K read once).
+    float sc[kQpw];
+#pragma unroll
+    for (int s = 0; s < kQpw; ++s) sc[s] = 0.0f;
+    if (lane < n_keys) {
+      const float* k_row = k_s + lane * k_stride;
+#pragma unroll 4
+      for (int d = 0; d < hd; ++d) {
+        const float kd = k_row[d];
+#pragma unroll
+        for (int s = 0; s < kQpw; ++s) sc[s] = fmaf(q_w[s * hd + d], kd, sc[s]);
+      }
+    }
+
+    // n_keys >= 1, so every tile max is finite (no masked-out queries without a causal mask).
+    const bool valid = lane < n_keys;
+    float p[kQpw];
+#pragma unroll
+    for (int s = 0; s < kQpw; ++s) {
+      const float score = valid ? sc[s] : -INFINITY;
+      const float m_new = fmaxf(m[s], warp_max(score));
+      const float alpha = exp2f(m[s] - m_new);  // 0 on the first tile (m = -inf)
+      p[s] = valid ? exp2f(score - m_new) : 0.0f;
+      l[s] = fmaf(l[s], alpha, warp_sum(p[s]));
+#pragma unroll
+      for (int k = 0; k < kDpl; ++k) o[s][k] *= alpha;
+      m[s] = m_new;
+    }
+
+    // o += P·V: lane owns output dims lane + 32k; key j's weight comes from lane j.
+    for (int j = 0; j < n_keys; ++j) {
+      float vj[kDpl];
+#pragma unroll
+      for (int k = 0; k < kDpl; ++k) {
+        const int d = lane + 32 * k;
+        vj[k] = d < hd ? v_s[j * hd + d] : 0.0f;
+      }
+#pragma unroll
+      for (int s = 0; s < kQpw; ++s) {
+        const float pj = __shfl_sync(kFullMask, p[s], j);
+#pragma unroll
+        for (int k = 0; k < kDpl; ++k) o[s][k] = fmaf(pj, vj[k], o[s][k]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int s = 0; s < kQpw; ++s) {
+    const int64_t pair = pair0 + warp * kQpw + s;
+    if (pair >= n_pairs) continue;  // padding slot
+    const int64_t row = it.token_offset + pair / group;
+    const int64_t h = kvh * group + pair % group;
+    if (a.n_chunks_max == 1) {
+      const float inv = 1.0f / l[s];
+      float* dst = a.out + (row * a.n_heads + h) * hd;
+#pragma unroll
+      for (int k = 0; k < kDpl; ++k) {
+        const int d = lane + 32 * k;
+        if (d < hd) dst[d] = o[s][k] * inv;
+      }
+    } else {
+      const int64_t idx = ((it.row_begin + pair / group) * a.n_heads + h) * a.n_chunks_max + chunk;
+      float* dst = a.partial_o + idx * hd;
+#pragma unroll
+      for (int k = 0; k < kDpl; ++k) {
+        const int d = lane + 32 * k;
+        if (d < hd) dst[d] = o[s][k];
+      }
+      if (lane == 0) {
+        a.partial_m[idx] = m[s];
+        a.partial_l[idx] = l[s];
+      }
+    }
+  }
+}
+
+// One warp per (row, head): combines chunks 0 .. ceil(counts[kvh] / chunk_size) - 1.
+template <int kDpl>
+__global__ void __launch_bounds__(kThreads) sparse_attention_merge_kernel(const SparseAttentionLaunch a) {
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (w >= a.total_rows * a.n_heads) return;
+  const int hd = static_cast<int>(a.head_dim);
+  const int64_t r = w / a.n_heads;
+  const int64_t h = w - r * a.n_heads;
+  const int64_t item_idx = find_segment(a.row_begin, a.n_items, r);
+  const SparseItemMeta& it = a.items[item_idx];
+  const int64_t row = it.token_offset + (r - a.row_begin[item_idx]);
+  const int64_t count = a.counts[it.counts_offset + h / (a.n_heads / a.kv_heads)];
+  const int64_t n = (count + a.chunk_size - 1) / a.chunk_size;
+  const int64_t base = (r * a.n_heads + h) * a.n_chunks_max;
+  float* dst = a.out + (row * a.n_heads + h) * hd;
+  if (n == 0) {  // empty working set
+    for (int d = lane; d < hd; d += 32) dst[d] = 0.0f;
+    return;
+  }
+
+  float mx = -INFINITY;
+  for (int64_t c = lane; c < n; c += 32) mx = fmaxf(mx, a.partial_m[base + c]);
+  mx = warp_max(mx);
+
+  float acc[kDpl];
+#pragma unroll
+  for (int k = 0; k < kDpl; ++k) acc[k] = 0.0f;
+  float denom = 0.0f;
+  for (int64_t c = 0; c < n; ++c) {
+    const float weight = exp2f(a.partial_m[base + c] - mx);
+    denom = fmaf(weight, a.partial_l[base + c], denom);
+    const float* src = a.partial_o + (base + c) * hd;
+#pragma unroll
+    for (int k = 0; k < kDpl; ++k) {
+      const int d = lane + 32 * k;
+      if (d < hd) acc[k] = fmaf(weight, src[d], acc[k]);
+    }
+  }
+  const float inv = 1.0f / denom;
+#pragma unroll
+  for (int k = 0; k < kDpl; ++k) {
+    const int d = lane + 32 * k;
+    if (d < hd) dst[d] = acc[k] * inv;
+  }
+}
+
+template <int kDpl, int kQpw>
+cudaError_t launch_sparse_partial(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  const size_t smem = attention_smem_bytes(a.head_dim, kQpw);
+  auto* kernel = sparse_attention_partial_kernel<kDpl, kQpw>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>(a.total_blocks), static_cast<unsigned>(a.kv_heads));
+  kernel<<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int kDpl>
+cudaError_t launch_sparse_for_dim(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  switch (a.queries_per_warp) {
+    case 1: err = launch_sparse_partial<kDpl, 1>(a, stream); break;
+    case 2: err = launch_sparse_partial<kDpl, 2>(a, stream); break;
+    default: err = launch_sparse_partial<kDpl, 4>(a, stream); break;
+  }
+  if (err != cudaSuccess || a.n_chunks_max == 1) return err;
+  const int64_t warps = a.total_rows * a.n_heads;
+  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
+  sparse_attention_merge_kernel<kDpl><<<blocks, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream) {
+  if (g.n_entries <= 0) return cudaSuccess;
+  constexpr int64_t kEntriesPerBlock = kGatherThreads / 32;
+  const int64_t blocks = std::min((g.n_entries + kEntriesPerBlock - 1) / kEntriesPerBlock, kMaxGatherBlocks);
+  if (g.vec4) {
+    kv_gather_kernel<true><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(g);
+  } else {
+    kv_gather_kernel<false><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(g);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  if (a.total_blocks <= 0 || a.total_rows <= 0) return cudaSuccess;
+  if (a.head_dim <= 64) return launch_sparse_for_dim<2>(a, stream);
+  if (a.head_dim <= 128) return launch_sparse_for_dim<4>(a, stream);
+  return launch_sparse_for_dim<8>(a, stream);
+}
+
+}  // namespace specontext::gpu::kernels

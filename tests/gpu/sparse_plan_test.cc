@@ -1,0 +1,455 @@
+// The sparse-decode work split, checked without a GPU: plan_kv_gather's and
+// plan_attention_sparse's metadata drive host mirrors of the kernels in gpu/kernels_sparse.cu
+// (same block decomposition, same per-lane arithmetic in log2 units, same split-K indexing and
+// merge), and the results must match the CPU reference backend. The CUDA tests
+// (sparse_ops_test.cc) check the kernels themselves on a device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "cpu/cpu_backend.h"
+#include "gpu/attention_plan.h"
+#include "gpu/kernels.h"
+#include "gpu/sparse_plan.h"
+
+namespace specontext::gpu {
+namespace {
+
+constexpr int kKeyTile = static_cast<int>(kernels::kAttentionKeyTile);
+constexpr int kWarps = kernels::kAttentionWarps;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+
+int64_t find_segment(const int64_t* begin, int64_t n, int64_t x) {
+  int64_t lo = 0;
+  int64_t hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (begin[mid] <= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Host mirror of kv_gather_kernel: the plan's page range and table, entries as uploaded.
+void emulate_gather(const KvGatherPlan& plan, const GatherEntry* entries) {
+  const kernels::KvGatherLaunch& g = plan.launch;
+  for (int64_t w = 0; w < g.n_entries; ++w) {
+    const GatherEntry& e = entries[w];
+    const int64_t page = e.token / g.page_size;
+    const int64_t src = (e.kv_head * g.page_size + (e.token - page * g.page_size)) * g.head_dim;
+    const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim;
+    ASSERT_GE(page - g.first_page, 0);
+    ASSERT_LT(page - g.first_page, g.n_pages);
+    const float* k_src = plan.pages[static_cast<size_t>(page - g.first_page)] + src;
+    const float* v_src = plan.pages[static_cast<size_t>(g.n_pages + page - g.first_page)] + src;
+    std::memcpy(g.ws_k + dst, k_src, static_cast<size_t>(g.head_dim) * 4);
+    std::memcpy(g.ws_v + dst, v_src, static_cast<size_t>(g.head_dim) * 4);
+  }
+}
+
+// Host mirror of sparse_attention_partial_kernel and sparse_attention_merge_kernel.
+void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* out) {
+  const kernels::SparseAttentionLaunch& a = plan.launch;
+  const int hd = static_cast<int>(a.head_dim);
+  const int qpb = kWarps * a.queries_per_warp;
+  const int64_t group = a.n_heads / a.kv_heads;
+  std::vector<float> partial_o(plan.partial_o_floats(), kNan);
+  std::vector<float> partial_ml(plan.partial_ml_floats(), kNan);
+  float* partial_m = partial_ml.data();
+  float* partial_l = partial_ml.data() + partial_ml.size() / 2;
+  std::vector<float> k_s(static_cast<size_t>(kKeyTile * hd)), v_s(k_s.size()), q_s(static_cast<size_t>(qpb * hd));
+  for (int64_t bx = 0; bx < a.total_blocks; ++bx) {
+    for (int64_t kvh = 0; kvh < a.kv_heads; ++kvh) {
+      const int64_t item_idx = find_segment(plan.block_begin.data(), a.n_items, bx);
+      const kernels::SparseItemMeta& it = plan.items[static_cast<size_t>(item_idx)];
+      const int64_t local = bx - plan.block_begin[static_cast<size_t>(item_idx)];
+      const int64_t tile = local / it.n_chunks;
+      const int64_t chunk = local - tile * it.n_chunks;
+      const int64_t n_pairs = it.n_tokens * group;
+      const int64_t pair0 = tile * qpb;
+      const int64_t count = plan.counts[static_cast<size_t>(it.counts_offset + kvh)];
+      const int64_t key_begin = chunk * a.chunk_size;
+      if (key_begin >= count) {
+        if (a.n_chunks_max == 1) {
+          for (int slot = 0; slot < qpb && pair0 + slot < n_pairs; ++slot) {
+            const int64_t pair = pair0 + slot;
+            const int64_t row = it.token_offset + pair / group;
+            const int64_t h = kvh * group + pair % group;
+            std::fill(out + (row * a.n_heads + h) * hd, out + (row * a.n_heads + h + 1) * hd, 0.0f);
+          }
+        }
+        continue;
+      }
+      const int64_t key_end = std::min(key_begin + a.chunk_size, count);
+      for (int slot = 0; slot < qpb; ++slot) {
+        const int64_t pair = pair0 + slot;
+        for (int d = 0; d < hd; ++d) {
+          float val = 0.0f;
+          if (pair < n_pairs) {
+            const int64_t row = it.token_offset + pair / group;
+            const int64_t h = kvh * group + pair % group;
+            val = q[(row * a.n_heads + h) * hd + d] * (a.scale * kLog2e);
+          }
+          q_s[static_cast<size_t>(slot * hd + d)] = val;
+        }
+      }
+      std::vector<float> m(static_cast<size_t>(qpb), -INFINITY), l(static_cast<size_t>(qpb), 0.0f);
+      std::vector<float> o(static_cast<size_t>(qpb * hd), 0.0f);
+      const float* k_head = it.k + kvh * it.slots * hd;
+      const float* v_head = it.v + kvh * it.slots * hd;
+      for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
+        const int n_keys = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - t0));
+        for (int j = 0; j < n_keys; ++j) {
+          for (int d = 0; d < hd; ++d) {
+            k_s[static_cast<size_t>(j * hd + d)] = k_head[(t0 + j) * hd + d];
+            v_s[static_cast<size_t>(j * hd + d)] = v_head[(t0 + j) * hd + d];
+          }
+        }
+        for (int slot = 0; slot < qpb; ++slot) {
+          float score[kKeyTile];
+          float p[kKeyTile] = {};
+          float tile_max = -INFINITY;
+          for (int lane = 0; lane < kKeyTile; ++lane) {
+            float sc = 0.0f;
+            if (lane < n_keys) {
+              for (int d = 0; d < hd; ++d) {
+                sc = std::fma(q_s[static_cast<size_t>(slot * hd + d)], k_s[static_cast<size_t>(lane * hd + d)], sc);
+              }
+            }
+            score[lane] = lane < n_keys ? sc : -INFINITY;
+            tile_max = std::max(tile_max, score[lane]);
+          }
+          float& ms = m[static_cast<size_t>(slot)];
+          const float m_new = std::max(ms, tile_max);
+          const float alpha = std::exp2(ms - m_new);
+          float sum = 0.0f;
+          for (int lane = 0; lane < kKeyTile; ++lane) {
+            p[lane] = lane < n_keys ? std::exp2(score[lane] - m_new) : 0.0f;
+            sum += p[lane];
+          }
+          l[static_cast<size_t>(slot)] = std::fma(l[static_cast<size_t>(slot)], alpha, sum);
+          float* os = o.data() + static_cast<size_t>(slot * hd);
+          for (int d = 0; d < hd; ++d) os[d] *= alpha;
+          ms = m_new;
+          for (int j = 0; j < n_keys; ++j) {
+            for (int d = 0; d < hd; ++d) os[d] = std::fma(p[j], v_s[static_cast<size_t>(j * hd + d)], os[d]);
+          }
+        }
+      }
+      for (int slot = 0; slot < qpb; ++slot) {
+        const int64_t pair = pair0 + slot;
+        if (pair >= n_pairs) continue;
+        const int64_t row = it.token_offset + pair / group;
+        const int64_t h = kvh * group + pair % group;
+        const float* os = o.data() + static_cast<size_t>(slot * hd);
+        if (a.n_chunks_max == 1) {
+          const float inv = 1.0f / l[static_cast<size_t>(slot)];
+          for (int d = 0; d < hd; ++d) out[(row * a.n_heads + h) * hd + d] = os[d] * inv;
+        } else {
+          const int64_t idx = ((it.row_begin + pair / group) * a.n_heads + h) * a.n_chunks_max + chunk;
+          std::copy(os, os + hd, partial_o.begin() + idx * hd);
+          partial_m[idx] = m[static_cast<size_t>(slot)];
+          partial_l[idx] = l[static_cast<size_t>(slot)];
+        }
+      }
+    }
+  }
+  if (a.n_chunks_max == 1) return;
+  for (int64_t w = 0; w < a.total_rows * a.n_heads; ++w) {
+    const int64_t r = w / a.n_heads;
+    const int64_t h = w - r * a.n_heads;
+    const int64_t item_idx = find_segment(plan.row_begin.data(), a.n_items, r);
+    const kernels::SparseItemMeta& it = plan.items[static_cast<size_t>(item_idx)];
+    const int64_t row = it.token_offset + (r - plan.row_begin[static_cast<size_t>(item_idx)]);
+    const int64_t count = plan.counts[static_cast<size_t>(it.counts_offset + h / group)];
+    const int64_t n = (count + a.chunk_size - 1) / a.chunk_size;
+    const int64_t base = (r * a.n_heads + h) * a.n_chunks_max;
+    float* dst = out + (row * a.n_heads + h) * hd;
+    if (n == 0) {
+      std::fill(dst, dst + hd, 0.0f);
+      continue;
+    }
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, partial_m[base + c]);
+    std::vector<float> acc(static_cast<size_t>(hd), 0.0f);
+    float denom = 0.0f;
+    for (int64_t c = 0; c < n; ++c) {
+      const float weight = std::exp2(partial_m[base + c] - mx);
+      denom = std::fma(weight, partial_l[base + c], denom);
+      for (int d = 0; d < hd; ++d) {
+        acc[static_cast<size_t>(d)] =
+            std::fma(weight, partial_o[static_cast<size_t>((base + c) * hd + d)], acc[static_cast<size_t>(d)]);
+      }
+    }
+    for (int d = 0; d < hd; ++d) dst[d] = acc[static_cast<size_t>(d)] * (1.0f / denom);
+  }
+}
+
+// A host working set; slots beyond counts[h] hold NaN.
+struct HostWorkingSet {
+  int64_t kv_heads, slots, head_dim;
+  std::vector<float> k, v;
+  std::vector<int32_t> counts;
+  HostWorkingSet(std::mt19937& rng, int64_t kvh, int64_t n_slots, int64_t hd, const std::vector<int32_t>& c)
+      : kv_heads(kvh), slots(n_slots), head_dim(hd), k(static_cast<size_t>(kvh * n_slots * hd), kNan),
+        v(k.size(), kNan), counts(c) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (int64_t h = 0; h < kvh; ++h) {
+      for (int64_t i = 0; i < counts[static_cast<size_t>(h)] * hd; ++i) {
+        k[static_cast<size_t>(h * n_slots * hd + i)] = 2.0f * dist(rng);
+        v[static_cast<size_t>(h * n_slots * hd + i)] = dist(rng);
+      }
+    }
+  }
+  WorkingSetView view() { return {k.data(), v.data(), kv_heads, slots, head_dim, counts.data()}; }
+};
+
+struct ItemSpec {
+  int64_t n_tokens;
+  std::vector<int32_t> counts;  // per KV head
+  int64_t slots;
+};
+
+struct Case {
+  std::string name;
+  int64_t n_heads, kv_heads, head_dim;
+  std::vector<ItemSpec> items;
+  int sm_count;
+  bool expect_split;
+};
+
+class SparsePlanTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
+    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
+    ref_ = std::move(ref).value();
+  }
+
+  void run(const Case& c) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::unique_ptr<HostWorkingSet>> sets;
+    std::vector<SparseAttentionItem> items;
+    int64_t total_rows = 0;
+    for (const ItemSpec& s : c.items) total_rows += s.n_tokens;
+    int64_t next_row = total_rows;  // reverse row order: rows are not in item order
+    for (const ItemSpec& s : c.items) {
+      sets.push_back(std::make_unique<HostWorkingSet>(rng_, c.kv_heads, s.slots, c.head_dim, s.counts));
+      next_row -= s.n_tokens;
+      items.push_back({next_row, s.n_tokens, sets.back()->view()});
+    }
+    const size_t size = static_cast<size_t>(total_rows * c.n_heads * c.head_dim);
+    std::vector<float> q(size);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (float& x : q) x = dist(rng_);
+
+    auto plan = plan_attention_sparse(items.data(), static_cast<int64_t>(items.size()), c.n_heads, c.sm_count);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    const kernels::SparseAttentionLaunch& a = plan->launch;
+    EXPECT_EQ(a.n_chunks_max > 1, c.expect_split) << "chunk " << a.chunk_size;
+    EXPECT_EQ(a.chunk_size % kernels::kAttentionKeyTile, 0);
+    EXPECT_EQ(a.total_rows, total_rows);
+    for (size_t i = 0; i < plan->items.size(); ++i) {
+      const kernels::SparseItemMeta& it = plan->items[i];
+      const int32_t item_max = *std::max_element(c.items[i].counts.begin(), c.items[i].counts.end());
+      EXPECT_GE(it.n_chunks * a.chunk_size, item_max);  // chunks cover every head's slots
+      EXPECT_LE(it.n_chunks, a.n_chunks_max);
+      EXPECT_GE(it.n_chunks, 1);
+    }
+
+    std::vector<float> got(size, kNan);  // anything left unwritten fails the finiteness check
+    emulate_attention(*plan, q.data(), got.data());
+    std::vector<float> want(size);
+    ASSERT_TRUE(ref_->attention_sparse(q.data(), items.data(), static_cast<int64_t>(items.size()), c.n_heads,
+                                       want.data())
+                    .is_ok());
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < size; ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written or not finite";
+      if (want[i] == 0.0f) {
+        EXPECT_EQ(got[i], 0.0f) << "element " << i;  // empty heads: exact zeros
+      }
+      num += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+      den += static_cast<double>(want[i]) * want[i];
+    }
+    bool any_keys = false;  // else the exact-zero check above is the whole test
+    for (const ItemSpec& spec : c.items) {
+      for (int32_t count : spec.counts) any_keys = any_keys || (spec.n_tokens > 0 && count > 0);
+    }
+    if (!any_keys) return;
+    ASSERT_GT(den, 0.0);
+    EXPECT_LT(std::sqrt(num / den), 1e-5);
+  }
+
+  std::unique_ptr<Backend> ref_;
+  std::mt19937 rng_{91};
+};
+
+TEST_F(SparsePlanTest, DecodeBatchesSplitWhenTheGridIsSmall) {
+  run({"gqa 4, one sequence, 2048 slots", 32, 8, 128, {{1, std::vector<int32_t>(8, 2048), 2048}}, 132, true});
+  run({"mqa, counts 0..slots", 8, 1, 64, {{1, {1500}, 1500}, {2, {0}, 40}, {1, {700}, 900}}, 132, true});
+  run({"head_dim 256, gqa 8, 2 rows", 16, 2, 256, {{2, {1100, 3}, 1200}}, 108, true});
+  run({"head_dim 80, mha, an empty head", 4, 4, 80, {{1, {600, 0, 33, 599}, 600}}, 132, true});
+}
+
+TEST_F(SparsePlanTest, NoSplitWhenBlocksSufficeOrSetsAreShort) {
+  run({"short sets", 8, 2, 64, {{1, {200, 17}, 256}, {2, {0, 256}, 256}}, 132, false});
+  run({"enough blocks", 32, 8, 128,
+       {{1, std::vector<int32_t>(8, 2048), 2048}, {1, std::vector<int32_t>(8, 1000), 2048}}, 2, false});
+  run({"one SM", 8, 8, 8, {{2, {900, 1, 0, 5, 900, 7, 800, 2}, 900}}, 1, false});
+  run({"all heads empty", 8, 2, 64, {{1, {0, 0}, 16}, {2, {0, 0}, 0}}, 132, false});
+  run({"mixed with an empty item", 12, 4, 64, {{0, {5, 5, 5, 5}, 8}, {1, {8, 0, 3, 8}, 8}}, 132, false});
+}
+
+TEST_F(SparsePlanTest, EmptyBatchesPlanNothing) {
+  auto none = plan_attention_sparse(nullptr, 0, 8, 132);
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_EQ(none->launch.total_blocks, 0);
+  HostWorkingSet ws(rng_, 2, 4, 8, {4, 4});
+  SparseAttentionItem empty{0, 0, ws.view()};
+  auto plan = plan_attention_sparse(&empty, 1, 4, 132);
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_EQ(plan->launch.total_blocks, 0);
+}
+
+TEST_F(SparsePlanTest, AttentionRejectsBadBatches) {
+  HostWorkingSet ws(rng_, 2, 4, 8, {4, 4});
+  SparseAttentionItem item{0, 1, ws.view()};
+  EXPECT_TRUE(plan_attention_sparse(&item, 1, 4, 132).is_ok());
+  EXPECT_EQ(plan_attention_sparse(&item, 1, 3, 132).status().code(), StatusCode::kInvalidArgument);
+  ws.counts = {5, 0};  // > slots
+  EXPECT_EQ(plan_attention_sparse(&item, 1, 4, 132).status().code(), StatusCode::kInvalidArgument);
+  ws.counts = {-1, 0};
+  EXPECT_EQ(plan_attention_sparse(&item, 1, 4, 132).status().code(), StatusCode::kInvalidArgument);
+  ws.counts = {1, 1};
+  SparseAttentionItem no_counts{0, 1, ws.view()};
+  no_counts.ws.counts = nullptr;
+  EXPECT_EQ(plan_attention_sparse(&no_counts, 1, 4, 132).status().code(), StatusCode::kInvalidArgument);
+  SparseAttentionItem negative{-1, 1, ws.view()};
+  EXPECT_EQ(plan_attention_sparse(&negative, 1, 4, 132).status().code(), StatusCode::kInvalidArgument);
+  HostWorkingSet wide(rng_, 1, 4, 512, {1});
+  SparseAttentionItem wide_item{0, 1, wide.view()};
+  EXPECT_EQ(plan_attention_sparse(&wide_item, 1, 1, 132).status().code(), StatusCode::kUnimplemented);
+  HostWorkingSet other(rng_, 1, 4, 8, {1});
+  SparseAttentionItem mixed[2] = {item, SparseAttentionItem{1, 1, other.view()}};
+  EXPECT_EQ(plan_attention_sparse(mixed, 2, 4, 132).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- kv_gather ----
+
+struct HostCache {
+  std::vector<float> k, v;
+  std::vector<float*> k_pages, v_pages;
+  KvLayerView view;
+};
+
+std::unique_ptr<HostCache> make_cache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh, int64_t hd) {
+  auto c = std::make_unique<HostCache>();
+  const size_t page_floats = static_cast<size_t>(ps * kvh * hd);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  c->k.resize(page_floats * static_cast<size_t>(pages));
+  c->v.resize(c->k.size());
+  for (float& x : c->k) x = dist(rng);
+  for (float& x : c->v) x = dist(rng);
+  std::vector<int64_t> order(static_cast<size_t>(pages));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (int64_t p = 0; p < pages; ++p) {
+    c->k_pages.push_back(c->k.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
+    c->v_pages.push_back(c->v.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
+  }
+  c->view = KvLayerView{c->k_pages.data(), c->v_pages.data(), pages, ps, kvh, hd};
+  return c;
+}
+
+TEST_F(SparsePlanTest, GatherPlanCopiesLikeTheReference) {
+  for (int trial = 0; trial < 12; ++trial) {
+    const int64_t page_size = std::vector<int64_t>{1, 7, 16}[static_cast<size_t>(trial % 3)];
+    const int64_t kv_heads = std::vector<int64_t>{1, 2, 8}[static_cast<size_t>(trial / 3 % 3)];
+    const int64_t head_dim = std::vector<int64_t>{6, 64, 128}[static_cast<size_t>(trial % 3)];
+    const int64_t pages = 1 + static_cast<int64_t>(rng_() % 20);
+    const int64_t slots = 1 + static_cast<int64_t>(rng_() % 50);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    auto cache = make_cache(rng_, pages, page_size, kv_heads, head_dim);
+    // Entries over a sub-range of the cache, so the plan's page window is exercised.
+    const int64_t capacity = pages * page_size;
+    const int64_t lo = static_cast<int64_t>(rng_() % static_cast<uint32_t>(capacity));
+    const int64_t hi = lo + static_cast<int64_t>(rng_() % static_cast<uint32_t>(capacity - lo));
+    std::vector<GatherEntry> entries;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t s = 0; s < slots; ++s) {
+        if (rng_() % 4 == 0) continue;
+        entries.push_back({static_cast<int32_t>(h), static_cast<int32_t>(lo + rng_() % (hi - lo + 1)),
+                           static_cast<int32_t>(s)});
+      }
+    }
+    if (entries.empty()) entries.push_back({0, static_cast<int32_t>(lo), 0});
+    std::shuffle(entries.begin(), entries.end(), rng_);
+    const size_t ws_floats = static_cast<size_t>(kv_heads * slots * head_dim);
+    std::vector<float> got_k(ws_floats, 3.0f), got_v(ws_floats, 3.0f), want_k(ws_floats, 3.0f),
+        want_v(ws_floats, 3.0f);
+    std::vector<int32_t> counts(static_cast<size_t>(kv_heads), 0);
+    const WorkingSetView got{got_k.data(), got_v.data(), kv_heads, slots, head_dim, counts.data()};
+    const WorkingSetView want{want_k.data(), want_v.data(), kv_heads, slots, head_dim, counts.data()};
+    const int64_t n = static_cast<int64_t>(entries.size());
+    auto plan = plan_kv_gather(cache->view, entries.data(), n, got);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    int32_t min_tok = entries[0].token, max_tok = entries[0].token;
+    for (const GatherEntry& e : entries) {
+      min_tok = std::min(min_tok, e.token);
+      max_tok = std::max(max_tok, e.token);
+    }
+    EXPECT_EQ(plan->launch.first_page, min_tok / page_size);
+    EXPECT_EQ(plan->launch.n_pages, max_tok / page_size - min_tok / page_size + 1);
+    EXPECT_EQ(plan->pages.size(), static_cast<size_t>(2 * plan->launch.n_pages));
+    EXPECT_EQ(plan->launch.n_entries, n);
+    // std::vector<float> data is 16-byte aligned (operator new), pages are multiples of 16 bytes
+    // apart when head_dim % 4 == 0.
+    EXPECT_EQ(plan->launch.vec4, head_dim % 4 == 0);
+    emulate_gather(*plan, entries.data());
+    ASSERT_TRUE(ref_->kv_gather(cache->view, entries.data(), n, want).is_ok());
+    EXPECT_EQ(std::memcmp(got_k.data(), want_k.data(), ws_floats * 4), 0);
+    EXPECT_EQ(std::memcmp(got_v.data(), want_v.data(), ws_floats * 4), 0);
+  }
+}
+
+TEST_F(SparsePlanTest, GatherPlanRejectsBadEntries) {
+  auto cache = make_cache(rng_, 2, 4, 2, 8);  // capacity 8
+  std::vector<float> k(2 * 4 * 8), v(k.size());
+  const WorkingSetView ws{k.data(), v.data(), 2, 4, 8, nullptr};
+  auto code = [&](std::vector<GatherEntry> e, const WorkingSetView& view) {
+    return plan_kv_gather(cache->view, e.data(), static_cast<int64_t>(e.size()), view).status().code();
+  };
+  EXPECT_EQ(code({{1, 7, 3}}, ws), StatusCode::kOk);
+  EXPECT_EQ(code({{0, 8, 0}}, ws), StatusCode::kInvalidArgument);  // token >= capacity
+  EXPECT_EQ(code({{0, 0, 4}}, ws), StatusCode::kInvalidArgument);  // slot >= slots
+  EXPECT_EQ(code({{2, 0, 0}}, ws), StatusCode::kInvalidArgument);  // head >= kv_heads
+  EXPECT_EQ(code({{0, 1, 1}, {0, 2, 1}}, ws), StatusCode::kInvalidArgument);  // same destination
+  WorkingSetView wrong = ws;
+  wrong.head_dim = 4;
+  EXPECT_EQ(code({{0, 0, 0}}, wrong), StatusCode::kInvalidArgument);
+  WorkingSetView misaligned = ws;
+  misaligned.k = k.data() + 1;  // still valid, but no float4 copies
+  auto plan = plan_kv_gather(cache->view, std::vector<GatherEntry>{{0, 0, 0}}.data(), 1, misaligned);
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_FALSE(plan->launch.vec4);
+  auto empty = plan_kv_gather(KvLayerView{}, nullptr, 0, WorkingSetView{});
+  ASSERT_TRUE(empty.is_ok());
+  EXPECT_EQ(empty->launch.n_entries, 0);
+}
+
+}  // namespace
+}  // namespace specontext::gpu

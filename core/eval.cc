@@ -214,7 +214,7 @@ Result<std::vector<NeedleTrial>> build_needles(const Tokenizer& tok, const std::
   SPX_ASSIGN_OR_RETURN(std::vector<TokenId> question, encode_inline(tok, "The secret number is", ctx_tok));
   const int64_t bos = tok.bos_id() >= 0 ? 1 : 0;
   const int64_t prompt_len = context - max_answer;
-  // Every prompt has the same length: the filler absorbs the needle's length differences.
+  // Prompts are at most prompt_len long: the filler absorbs the needle's length differences.
   const int64_t min_filler = prompt_len - bos - max_needle - static_cast<int64_t>(question.size());
   if (min_filler < 16) {
     *note = "needle test skipped: context " + std::to_string(context) + " leaves no room for filler";
@@ -224,26 +224,43 @@ Result<std::vector<NeedleTrial>> build_needles(const Tokenizer& tok, const std::
   const int64_t n_fill_max = min_filler + max_needle;
   std::vector<TokenId> fill(static_cast<size_t>(n_fill_max));
   for (int64_t i = 0; i < n_fill_max; ++i) fill[static_cast<size_t>(i)] = filler[static_cast<size_t>(i) % filler.size()];
-  std::vector<char> boundary(static_cast<size_t>(n_fill_max + 1), 0);
-  boundary[0] = 1;
+  std::vector<char> boundary(static_cast<size_t>(n_fill_max + 1), 0), word_start(static_cast<size_t>(n_fill_max + 1), 0);
+  boundary[0] = word_start[0] = 1;
   for (int64_t i = 1; i <= n_fill_max; ++i) {
     const std::string piece = tok.decode_token(ctx_tok, fill[static_cast<size_t>(i - 1)]);
     const char c = piece.empty() ? '\0' : piece.back();
     boundary[static_cast<size_t>(i)] = c == '.' || c == '!' || c == '?' || c == '\n';
+    if (i < n_fill_max) {
+      const std::string next = tok.decode_token(ctx_tok, fill[static_cast<size_t>(i)]);
+      word_start[static_cast<size_t>(i)] = boundary[static_cast<size_t>(i)] || (!next.empty() && next[0] == ' ');
+    }
   }
   size_t r_idx = 0;
   for (size_t d = 0; d < o.needle_depths.size(); ++d) {
     for (int64_t k = 0; k < o.needles; ++k, ++r_idx) {
       const Raw& r = raws[r_idx];
-      const int64_t n_fill = prompt_len - bos - static_cast<int64_t>(r.needle.size() + question.size());
-      const double want = o.needle_depths[d] * static_cast<double>(n_fill);
-      int64_t at = 0;
-      for (int64_t i = 0; i <= n_fill; ++i) {
-        if (boundary[static_cast<size_t>(i)] && std::abs(static_cast<double>(i) - want) <
-                                                     std::abs(static_cast<double>(at) - want)) {
-          at = i;
+      int64_t n_fill = prompt_len - bos - static_cast<int64_t>(r.needle.size() + question.size());
+      // The question starts a sentence: the filler ends at its last sentence end when one is near.
+      for (int64_t i = n_fill; i > n_fill - 64 && i > 0; --i) {
+        if (boundary[static_cast<size_t>(i)]) {
+          n_fill = i;
+          break;
         }
       }
+      const double want = o.needle_depths[d] * static_cast<double>(n_fill);
+      auto nearest = [&](const std::vector<char>& ok) {
+        int64_t best = 0;
+        for (int64_t i = 0; i <= n_fill; ++i) {
+          if (ok[static_cast<size_t>(i)] && std::abs(static_cast<double>(i) - want) <
+                                                 std::abs(static_cast<double>(best) - want)) {
+            best = i;
+          }
+        }
+        return best;
+      };
+      // A sentence end near the depth, else a word start (short fillers have few sentences).
+      int64_t at = nearest(boundary);
+      if (std::abs(static_cast<double>(at) - want) > 0.05 * static_cast<double>(n_fill)) at = nearest(word_start);
       NeedleTrial t;
       if (bos) t.prompt.push_back(tok.bos_id());
       t.prompt.insert(t.prompt.end(), fill.begin(), fill.begin() + at);
@@ -257,7 +274,8 @@ Result<std::vector<NeedleTrial>> build_needles(const Tokenizer& tok, const std::
       trials.push_back(std::move(t));
     }
   }
-  *prompt_tokens = prompt_len;
+  *prompt_tokens = 0;
+  for (const NeedleTrial& t : trials) *prompt_tokens = std::max<int64_t>(*prompt_tokens, static_cast<int64_t>(t.prompt.size()));
   return trials;
 }
 

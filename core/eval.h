@@ -86,7 +86,7 @@ struct EvalReport {
   int64_t divergence_tokens = 0;
   int64_t divergence_prefix = 0;        // prompt length of the first-divergence runs
   int64_t needle_trials = 0;            // prompts per method × budget
-  int64_t needle_prompt_tokens = 0;     // length of each needle prompt
+  int64_t needle_prompt_tokens = 0;     // longest needle prompt (filler ends at a sentence end)
   std::vector<int64_t> budgets;
   int64_t sinks = 0, window = 0, quest_page_size = 0;
   std::vector<EvalRecord> records;

@@ -1,6 +1,7 @@
 // specontext distill: fits a retrieval head (EAGLE-3 layout) to a target model's own attention
 // on a text corpus and reports held-out fidelity before and after (logic in core/distill).
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -49,8 +50,11 @@ Result<std::string> read_text(const std::string& path, const char* what) {
 nlohmann::json fidelity_json(const Fidelity& f) {
   nlohmann::json recall = nlohmann::json::array();
   for (const BudgetRecall& r : f.recall) {
-    recall.push_back({{"budget", r.budget}, {"positions", r.positions}, {"head", r.head},
-                      {"streaming", r.streaming}, {"oracle", r.oracle}});
+    recall.push_back({{"budget", r.budget},
+                      {"positions", r.positions},
+                      {"head", r.head},
+                      {"streaming", r.streaming},
+                      {"oracle", r.oracle}});
   }
   return {{"positions", f.positions}, {"kl", f.kl}, {"recall", recall}};
 }
@@ -58,6 +62,13 @@ nlohmann::json fidelity_json(const Fidelity& f) {
 }  // namespace
 
 int run_distill(const DistillArgs& a) {
+  {  // fail before the training, not after it
+    const std::filesystem::path parent = std::filesystem::path(a.out).parent_path();
+    std::error_code ec;
+    if (!parent.empty() && !std::filesystem::is_directory(parent, ec)) {
+      return fail(not_found(a.out + ": --out directory " + parent.string() + " does not exist"));
+    }
+  }
   auto model_r = load_model(a.model_path);
   if (!model_r.is_ok()) return fail(model_r.status());
   std::shared_ptr<Model> model = *model_r;
@@ -84,7 +95,8 @@ int run_distill(const DistillArgs& a) {
 
   const int64_t context = a.context > 0 ? a.context : model->config.max_seq_len;
   if (context > model->config.max_seq_len) {
-    return fail(invalid_argument("--context " + std::to_string(context) + " exceeds the model's max_seq_len " +
+    return fail(invalid_argument("--context " + std::to_string(context) +
+                                 " exceeds the model's max_seq_len " +
                                  std::to_string(model->config.max_seq_len)));
   }
   DistillOptions opts;
@@ -94,14 +106,16 @@ int run_distill(const DistillArgs& a) {
   opts.batch_positions = a.batch;
   opts.seed = a.seed;
   opts.on_step = [&](int64_t step, double kl) {
-    if (!a.json) std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
-                              static_cast<long long>(a.steps), kl);
+    if (!a.json)
+      std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
+                   static_cast<long long>(a.steps), kl);
   };
   const auto train_chunks = split_chunks(train_ids, context, opts.min_chunk);
   const auto held_chunks = split_chunks(held_ids, context, opts.min_chunk);
   if (train_chunks.empty()) return fail(invalid_argument(a.corpus + ": too little text to train on"));
-  if (held_chunks.empty()) return fail(invalid_argument("no held-out chunk of at least " +
-                                                        std::to_string(opts.min_chunk) + " tokens"));
+  if (held_chunks.empty())
+    return fail(
+        invalid_argument("no held-out chunk of at least " + std::to_string(opts.min_chunk) + " tokens"));
 
   cpu::CpuBackendOptions bopts;
   bopts.num_threads = a.threads;
@@ -119,10 +133,15 @@ int run_distill(const DistillArgs& a) {
     nlohmann::json j = {
         {"model", a.model_path},
         {"out", a.out},
-        {"head", {{"hidden", hc.hidden}, {"n_heads", hc.n_heads}, {"n_kv_heads", hc.n_kv_heads},
-                  {"head_dim", hc.head_dim}, {"trained_context", hc.trained_context},
-                  {"fused_layers", hc.fused_layers}, {"kept_parameters", rep.head->kept_parameters},
-                  {"draft_parameters", rep.head->draft_parameters}}},
+        {"head",
+         {{"hidden", hc.hidden},
+          {"n_heads", hc.n_heads},
+          {"n_kv_heads", hc.n_kv_heads},
+          {"head_dim", hc.head_dim},
+          {"trained_context", hc.trained_context},
+          {"fused_layers", hc.fused_layers},
+          {"kept_parameters", rep.head->kept_parameters},
+          {"draft_parameters", rep.head->draft_parameters}}},
         {"pruning", pruning_report(*rep.head)},
         {"steps", a.steps},
         {"lr", a.lr},
@@ -143,15 +162,17 @@ int run_distill(const DistillArgs& a) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("target %s: d %lld, %lld layers, %lld query / %lld KV heads; head fuses layers %lld, %lld, %lld\n",
-              a.model_path.c_str(), static_cast<long long>(hc.hidden),
-              static_cast<long long>(model->config.n_layers), static_cast<long long>(hc.n_heads),
-              static_cast<long long>(hc.n_kv_heads), static_cast<long long>(hc.fused_layers[0]),
-              static_cast<long long>(hc.fused_layers[1]), static_cast<long long>(hc.fused_layers[2]));
-  std::printf("corpus: %lld training tokens in %lld chunks, %lld held-out tokens in %lld chunks (context %lld)\n",
-              static_cast<long long>(rep.train_tokens), static_cast<long long>(rep.train_chunks),
-              static_cast<long long>(rep.heldout_tokens), static_cast<long long>(rep.heldout_chunks),
-              static_cast<long long>(rep.context));
+  std::printf(
+      "target %s: d %lld, %lld layers, %lld query / %lld KV heads; head fuses layers %lld, %lld, %lld\n",
+      a.model_path.c_str(), static_cast<long long>(hc.hidden), static_cast<long long>(model->config.n_layers),
+      static_cast<long long>(hc.n_heads), static_cast<long long>(hc.n_kv_heads),
+      static_cast<long long>(hc.fused_layers[0]), static_cast<long long>(hc.fused_layers[1]),
+      static_cast<long long>(hc.fused_layers[2]));
+  std::printf(
+      "corpus: %lld training tokens in %lld chunks, %lld held-out tokens in %lld chunks (context %lld)\n",
+      static_cast<long long>(rep.train_tokens), static_cast<long long>(rep.train_chunks),
+      static_cast<long long>(rep.heldout_tokens), static_cast<long long>(rep.heldout_chunks),
+      static_cast<long long>(rep.context));
   std::printf("teacher %.2f s, training %lld steps %.2f s\n", rep.teacher_seconds,
               static_cast<long long>(a.steps), rep.train_seconds);
   std::printf("train    KL(target || head): %.4f -> %.4f nats\n", rep.train_kl_before, rep.train_kl_after);

@@ -258,8 +258,7 @@ Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> m
 }
 
 Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const RetrievalHead& head,
-                               std::span<const DistillChunk> chunks,
-                               std::span<const int64_t> budgets) {
+                               std::span<const DistillChunk> chunks, std::span<const int64_t> budgets) {
   const RetrievalHeadConfig& hc = head.config;
   const int64_t d = hc.hidden, nh = hc.n_heads, nkv = hc.n_kv_heads, hd = hc.head_dim;
   const int64_t qd = nh * hd, kvd = nkv * hd, group = nh / nkv;
@@ -278,8 +277,8 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
     std::vector<int64_t> pos(static_cast<size_t>(n));
     std::iota(pos.begin(), pos.end(), int64_t{0});
     const std::vector<float> prev = shifted_fused(ch, d);
-    SPX_RETURN_IF_ERROR(retrieval_qk(backend, head, rope, model.tok_embeddings, ch.tokens.data(),
-                                     prev.data(), pos.data(), n, q.data(), k.data()));
+    SPX_RETURN_IF_ERROR(retrieval_qk(backend, head, rope, model.tok_embeddings, ch.tokens.data(), prev.data(),
+                                     pos.data(), n, q.data(), k.data()));
     for (int64_t t = 1; t < n; ++t) {
       const int64_t len = t + 1;
       p.resize(static_cast<size_t>(nh * len));
@@ -297,7 +296,8 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
           const float* tg = ch.teacher.data() + g * tri(n) + tri(t);
           for (int64_t j = 0; j < len; ++j) {
             float m = 0.0f;
-            for (int64_t h = g * group; h < (g + 1) * group; ++h) m = std::max(m, p[static_cast<size_t>(h * len + j)]);
+            for (int64_t h = g * group; h < (g + 1) * group; ++h)
+              m = std::max(m, p[static_cast<size_t>(h * len + j)]);
             group_score[static_cast<size_t>(j)] = m;
           }
           head_mass += top_mass(group_score.data(), tg, len, r.budget, idx);
@@ -324,9 +324,8 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
   return f;
 }
 
-double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_params,
-                         const DistillChunk& ch, const float* x, std::span<const int64_t> positions,
-                         float* grad_q, float* grad_k) {
+double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_params, const DistillChunk& ch,
+                         const float* x, std::span<const int64_t> positions, float* grad_q, float* grad_k) {
   const RetrievalHeadConfig& hc = head.config;
   const int64_t d2 = 2 * hc.hidden, nh = hc.n_heads, nkv = hc.n_kv_heads, hd = hc.head_dim;
   const int64_t qd = nh * hd, kvd = nkv * hd, group = nh / nkv, n = ch.length();
@@ -412,7 +411,8 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
   SPX_ASSIGN_OR_RETURN(std::vector<DistillChunk> train_chunks, collect_teacher(model, backend, train));
   SPX_ASSIGN_OR_RETURN(std::vector<DistillChunk> held_chunks, collect_teacher(model, backend, heldout));
   rep.teacher_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (train_chunks.empty()) return invalid_argument("distill: the training corpus has no chunk of at least 2 tokens");
+  if (train_chunks.empty())
+    return invalid_argument("distill: the training corpus has no chunk of at least 2 tokens");
   for (const auto& ch : train_chunks) {
     rep.train_tokens += ch.length();
     rep.context = std::max(rep.context, ch.length());

@@ -30,14 +30,14 @@
 namespace specontext {
 
 struct DistillOptions {
-  int64_t steps = 800;            // Adam steps
-  double lr = 5e-3;               // peak learning rate (cosine decay to lr/10)
-  int64_t context = 0;            // tokens per chunk; 0 = the model's max_seq_len
-  int64_t batch_positions = 128;  // query positions per step (all of a chunk when fewer)
-  uint64_t seed = 1;              // initial head and minibatch sampling
+  int64_t steps = 800;                          // Adam steps
+  double lr = 5e-3;                             // peak learning rate (cosine decay to lr/10)
+  int64_t context = 0;                          // tokens per chunk; 0 = the model's max_seq_len
+  int64_t batch_positions = 128;                // query positions per step (all of a chunk when fewer)
+  uint64_t seed = 1;                            // initial head and minibatch sampling
   std::vector<int64_t> budgets = {16, 32, 64};  // top-B recall budgets of the report
-  int64_t min_chunk = 8;          // shorter trailing chunks are dropped
-  int64_t log_every = 100;        // on_step period
+  int64_t min_chunk = 8;                        // shorter trailing chunks are dropped
+  int64_t log_every = 100;                      // on_step period
   std::function<void(int64_t step, double train_kl)> on_step;  // progress (optional)
 };
 
@@ -51,22 +51,22 @@ struct DistillChunk {
 
 struct BudgetRecall {
   int64_t budget = 0;
-  int64_t positions = 0;   // positions with more than `budget` keys (others are trivially 1)
-  double head = 0;         // target mass on the head's top-B per KV head (max over its group)
-  double streaming = 0;    // same for 4 sinks + the most recent B−4 tokens (StreamingLLM)
-  double oracle = 0;       // the teacher's own top-B mass (upper bound)
+  int64_t positions = 0;  // positions with more than `budget` keys (others are trivially 1)
+  double head = 0;        // target mass on the head's top-B per KV head (max over its group)
+  double streaming = 0;   // same for 4 sinks + the most recent B−4 tokens (StreamingLLM)
+  double oracle = 0;      // the teacher's own top-B mass (upper bound)
 };
 
 struct Fidelity {
-  int64_t positions = 0;   // query positions evaluated (t ≥ 1)
-  double kl = 0;           // mean over positions and query heads of KL(T_g ‖ P_h), nats
+  int64_t positions = 0;  // query positions evaluated (t ≥ 1)
+  double kl = 0;          // mean over positions and query heads of KL(T_g ‖ P_h), nats
   std::vector<BudgetRecall> recall;
 };
 
 struct DistillReport {
   std::shared_ptr<RetrievalHead> head;
-  Fidelity before;  // random initial head on the held-out chunks
-  Fidelity after;   // trained head on the held-out chunks
+  Fidelity before;                                 // random initial head on the held-out chunks
+  Fidelity after;                                  // trained head on the held-out chunks
   double train_kl_before = 0, train_kl_after = 0;  // same metric on the training chunks
   int64_t train_tokens = 0, heldout_tokens = 0;
   int64_t train_chunks = 0, heldout_chunks = 0;
@@ -89,16 +89,14 @@ Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> m
 
 // Held-out fidelity of a head against recorded teacher chunks (q/k through retrieval_qk).
 Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const RetrievalHead& head,
-                               std::span<const DistillChunk> chunks,
-                               std::span<const int64_t> budgets);
+                               std::span<const DistillChunk> chunks, std::span<const int64_t> budgets);
 
 // The training objective on one chunk: mean over `positions` (each t ≥ 1) and query heads of
 // KL(T_g(t) ‖ P_h(t)), and its gradient w.r.t. head.wq and head.wk (f32, same layouts;
 // overwritten). x [T, 2d] are the head's inputs (retrieval_inputs). Exposed for a
 // finite-difference test.
 double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope, const DistillChunk& chunk,
-                         const float* x, std::span<const int64_t> positions, float* grad_q,
-                         float* grad_k);
+                         const float* x, std::span<const int64_t> positions, float* grad_q, float* grad_k);
 
 // The whole procedure: teacher on both sets, random init (evaluated), training, evaluation.
 Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,

@@ -177,7 +177,7 @@ Result<std::vector<TokenId>> encode_inline(const Tokenizer& tok, const std::stri
   return invalid_argument("tokenizer cannot represent \"" + text + "\" exactly (characters missing from its vocabulary)");
 }
 
-// Needle prompts: [BOS] filler[0, a) needle filler[a, n) question, all of one length so that
+// Needle prompts: [BOS] filler[0, a) needle filler[a, n) question, each short enough that
 // prompt + answer fits the context.
 Result<std::vector<NeedleTrial>> build_needles(const Tokenizer& tok, const std::vector<TokenId>& filler,
                                                const EvalOptions& o, int64_t context, std::string* note,
@@ -424,6 +424,7 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
                             std::to_string(rep.context));
   }
   if (o.divergence_tokens < 1) return invalid_argument("eval: divergence tokens must be at least 1");
+  if (o.prefill_chunk < 1 || o.page_size < 1) return invalid_argument("eval: prefill chunk and page size must be positive");
   for (int64_t b : o.budgets) {
     if (b < 1) return invalid_argument("eval: --budgets entries must be positive (got " + std::to_string(b) + ")");
   }
@@ -612,6 +613,11 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
       report_progress(rep.records.back());
     }
   }
+  if (!rep.records.empty() && rep.records.front().method == SparseMethod::kDense) {
+    rep.notes.push_back(
+        "dense (budget 0 = every cached token) has no working set: its mean_overlap and bytes_loaded_per_token are "
+        "0; attended_bytes_per_token is the K+V every method's attention reads per decode token (all layers).");
+  }
   if (!needles.empty()) {
     rep.notes.push_back(
         "needle_accuracy: share of needle trials whose greedy answer starts with the inserted digits. Tiny "
@@ -680,12 +686,16 @@ std::string format_eval_table(const EvalReport& rep) {
                 "attend_B/t", "sec");
   s += line;
   for (const EvalRecord& r : rep.records) {
-    auto pct = [](const std::optional<double>& v) { return v ? *v : -1.0; };
-    std::snprintf(line, sizeof(line), "%-10s %6lld %7.4f %8.4f %9.5f %9.5f %5.3f %4lld %6.2f %6.2f %7.3f %10.0f %10.0f %6.1f\n",
+    auto opt = [](const std::optional<double>& v) {
+      char b[16];
+      std::snprintf(b, sizeof(b), "%.2f", v.value_or(0.0));
+      return v ? std::string(b) : std::string("-");
+    };
+    std::snprintf(line, sizeof(line), "%-10s %6lld %7.4f %8.4f %9.5f %9.5f %5.3f %4lld %6s %6s %7.3f %10.0f %10.0f %6.1f\n",
                   method_label(r.method).c_str(), static_cast<long long>(r.budget), r.attention_recall, r.output_rel_l2,
-                  r.kl, r.kl_max, r.top1_agreement, static_cast<long long>(r.first_divergence), pct(r.needle_accuracy),
-                  pct(r.needle_agreement), r.mean_overlap, r.bytes_loaded_per_token, r.attended_bytes_per_token,
-                  r.seconds);
+                  r.kl, r.kl_max, r.top1_agreement, static_cast<long long>(r.first_divergence),
+                  opt(r.needle_accuracy).c_str(), opt(r.needle_agreement).c_str(), r.mean_overlap,
+                  r.bytes_loaded_per_token, r.attended_bytes_per_token, r.seconds);
     s += line;
   }
   return s;

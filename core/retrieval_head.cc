@@ -27,10 +27,14 @@ constexpr const char* kFormat = "specontext-retrieval-head";
 // Tensors of a full EAGLE-3 draft that the head does not need: counted, then dropped.
 bool is_dropped_draft_tensor(const std::string& name) {
   static const char* const kNames[] = {
-      "midlayer.self_attn.v_proj.weight",  "midlayer.self_attn.o_proj.weight",
-      "midlayer.mlp.gate_proj.weight",     "midlayer.mlp.up_proj.weight",
-      "midlayer.mlp.down_proj.weight",     "midlayer.post_attention_layernorm.weight",
-      "norm.weight",                       "lm_head.weight",
+      "midlayer.self_attn.v_proj.weight",
+      "midlayer.self_attn.o_proj.weight",
+      "midlayer.mlp.gate_proj.weight",
+      "midlayer.mlp.up_proj.weight",
+      "midlayer.mlp.down_proj.weight",
+      "midlayer.post_attention_layernorm.weight",
+      "norm.weight",
+      "lm_head.weight",
   };
   for (const char* n : kNames) {
     if (name == n) return true;
@@ -59,7 +63,7 @@ WeightMatrix f32_matrix(RetrievalHead* head, const SafetensorsTensor& t, int64_t
 
 // Reads an integer / float field of config.json or of the safetensors metadata.
 struct ConfigSource {
-  const nlohmann::json* json = nullptr;                  // config.json (may be null)
+  const nlohmann::json* json = nullptr;                      // config.json (may be null)
   const std::map<std::string, std::string>* meta = nullptr;  // our own "__metadata__"
 
   bool get_int(const char* json_key, const char* meta_key, int64_t* out) const {
@@ -170,8 +174,7 @@ RopeParams make_head_rope_params(const RetrievalHeadConfig& c, int64_t target_co
   if (c.trained_context > 0 && target_context > c.trained_context) {
     // Training-free extension beyond the draft's window (SpeContext §4.3 uses YaRN).
     m.rope_scaling.type = RopeScalingType::kYarn;
-    m.rope_scaling.factor =
-        static_cast<double>(target_context) / static_cast<double>(c.trained_context);
+    m.rope_scaling.factor = static_cast<double>(target_context) / static_cast<double>(c.trained_context);
     m.rope_scaling.original_max_position_embeddings = c.trained_context;
     m.rope_scaling.beta_fast = 32.0;
     m.rope_scaling.beta_slow = 1.0;
@@ -179,9 +182,8 @@ RopeParams make_head_rope_params(const RetrievalHeadConfig& c, int64_t target_co
   return make_rope_params(m);
 }
 
-Status retrieval_inputs(Backend& backend, const RetrievalHead& head,
-                        const WeightMatrix& target_embeddings, const TokenId* tokens,
-                        const float* fused_prev, int64_t n, float* x) {
+Status retrieval_inputs(Backend& backend, const RetrievalHead& head, const WeightMatrix& target_embeddings,
+                        const TokenId* tokens, const float* fused_prev, int64_t n, float* x) {
   const RetrievalHeadConfig& c = head.config;
   const int64_t d = c.hidden;
   if (d <= 0 || head.fc.rows != d || head.fc.cols != 3 * d ||
@@ -209,9 +211,8 @@ Status retrieval_inputs(Backend& backend, const RetrievalHead& head,
 }
 
 Status retrieval_qk(Backend& backend, const RetrievalHead& head, const RopeParams& rope,
-                    const WeightMatrix& target_embeddings, const TokenId* tokens,
-                    const float* fused_prev, const int64_t* positions, int64_t n, float* q,
-                    float* k) {
+                    const WeightMatrix& target_embeddings, const TokenId* tokens, const float* fused_prev,
+                    const int64_t* positions, int64_t n, float* q, float* k) {
   const RetrievalHeadConfig& c = head.config;
   const int64_t d = c.hidden;
   if (head.wq.rows != c.n_heads * c.head_dim || head.wq.cols != 2 * d ||
@@ -224,8 +225,7 @@ Status retrieval_qk(Backend& backend, const RetrievalHead& head, const RopeParam
   }
   if (n == 0) return Status::ok();
   std::vector<float> x(static_cast<size_t>(std::max<int64_t>(n, 0) * 2 * d));
-  SPX_RETURN_IF_ERROR(
-      retrieval_inputs(backend, head, target_embeddings, tokens, fused_prev, n, x.data()));
+  SPX_RETURN_IF_ERROR(retrieval_inputs(backend, head, target_embeddings, tokens, fused_prev, n, x.data()));
   SPX_RETURN_IF_ERROR(backend.matmul(x.data(), n, head.wq, nullptr, q));
   SPX_RETURN_IF_ERROR(backend.matmul(x.data(), n, head.wk, nullptr, k));
   SPX_RETURN_IF_ERROR(backend.rope(q, n, c.n_heads, positions, rope));
@@ -233,8 +233,8 @@ Status retrieval_qk(Backend& backend, const RetrievalHead& head, const RopeParam
   return Status::ok();
 }
 
-void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_cache,
-                      int64_t length, float* scores) {
+void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_cache, int64_t length,
+                      float* scores) {
   const RetrievalHeadConfig& c = head.config;
   const int64_t hd = c.head_dim, nh = c.n_heads, nkv = c.n_kv_heads;
   if (length <= 0 || nh <= 0 || nkv <= 0) return;
@@ -263,8 +263,7 @@ void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_
   }
 }
 
-Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
-                                                        const ModelConfig& target) {
+Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path, const ModelConfig& target) {
   std::error_code ec;
   std::string weights_path = path;
   nlohmann::json config_json;
@@ -277,8 +276,8 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
       SPX_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> cf, MappedFile::open(config_path));
       SPX_ASSIGN_OR_RETURN(
           config_json,
-          loader_internal::parse_json(
-              std::string_view(reinterpret_cast<const char*>(cf->data()), cf->size()), config_path));
+          loader_internal::parse_json(std::string_view(reinterpret_cast<const char*>(cf->data()), cf->size()),
+                                      config_path));
       if (!config_json.is_object()) return invalid_argument(config_path + ": not a JSON object");
       have_config = true;
     }
@@ -301,8 +300,8 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
       return not_found(src + ": EAGLE-3 tensor '" + std::string(name) + "' is missing");
     }
     if (!t->supported || !is_float(t->dtype)) {
-      return unimplemented(src + ": tensor '" + std::string(name) + "' has dtype " +
-                           t->dtype_name + " (F32, F16 or BF16 expected)");
+      return unimplemented(src + ": tensor '" + std::string(name) + "' has dtype " + t->dtype_name +
+                           " (F32, F16 or BF16 expected)");
     }
     if (t->shape.size() != 2 && t->shape.size() != 1) {
       return invalid_argument(src + ": tensor '" + std::string(name) + "' has shape " +
@@ -325,23 +324,21 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
                             " differs from the target's hidden size " + std::to_string(d));
   }
   if (fc->shape != std::vector<int64_t>{d, 3 * d}) {
-    return invalid_argument(src + ": " + kFc + " has shape " +
-                            loader_internal::shape_string(fc->shape) + ", expected [" +
-                            std::to_string(d) + ", " + std::to_string(3 * d) +
+    return invalid_argument(src + ": " + kFc + " has shape " + loader_internal::shape_string(fc->shape) +
+                            ", expected [" + std::to_string(d) + ", " + std::to_string(3 * d) +
                             "] for a target of hidden size " + std::to_string(d));
   }
   for (const SafetensorsTensor* t : {in_norm, hid_norm}) {
     if (t->shape != std::vector<int64_t>{d}) {
-      return invalid_argument(src + ": " + t->name + " has shape " +
-                              loader_internal::shape_string(t->shape) + ", expected [" +
-                              std::to_string(d) + "]");
+      return invalid_argument(src + ": " + t->name + " has shape " + loader_internal::shape_string(t->shape) +
+                              ", expected [" + std::to_string(d) + "]");
     }
   }
   for (const SafetensorsTensor* t : {wq, wk}) {
     if (t->shape.size() != 2 || t->shape[1] != 2 * d || t->shape[0] <= 0) {
-      return invalid_argument(src + ": " + t->name + " has shape " +
-                              loader_internal::shape_string(t->shape) + ", expected [rows, " +
-                              std::to_string(2 * d) + "] (input is embedding ⊕ fused hidden)");
+      return invalid_argument(src + ": " + t->name + " has shape " + loader_internal::shape_string(t->shape) +
+                              ", expected [rows, " + std::to_string(2 * d) +
+                              "] (input is embedding ⊕ fused hidden)");
     }
   }
 
@@ -370,8 +367,8 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
   c.n_kv_heads = k_rows / head_dim;
   if (have_heads && n_heads_cfg != c.n_heads) {
     return invalid_argument(cfg_name + ": num_attention_heads " + std::to_string(n_heads_cfg) +
-                            " does not match " + kQProj + " rows " + std::to_string(q_rows) +
-                            " / head_dim " + std::to_string(head_dim));
+                            " does not match " + kQProj + " rows " + std::to_string(q_rows) + " / head_dim " +
+                            std::to_string(head_dim));
   }
   if (c.n_kv_heads != target.n_kv_heads) {
     return invalid_argument(src + ": " + kKProj + " gives num_key_value_heads " +
@@ -385,9 +382,9 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
   }
   int64_t kv_cfg = 0;
   if (cfg.get_int("num_key_value_heads", "n_kv_heads", &kv_cfg) && kv_cfg != c.n_kv_heads) {
-    return invalid_argument(cfg_name + ": num_key_value_heads " + std::to_string(kv_cfg) +
-                            " but " + kKProj + " holds " + std::to_string(c.n_kv_heads) +
-                            " heads of " + std::to_string(head_dim));
+    return invalid_argument(cfg_name + ": num_key_value_heads " + std::to_string(kv_cfg) + " but " + kKProj +
+                            " holds " + std::to_string(c.n_kv_heads) + " heads of " +
+                            std::to_string(head_dim));
   }
   c.rope_theta = target.rope_theta;
   cfg.get_double("rope_theta", "rope_theta", &c.rope_theta);
@@ -450,8 +447,8 @@ Status write_retrieval_head(const std::string& path, const RetrievalHead& head) 
       {"rope_theta", theta},
       {"trained_context", std::to_string(c.trained_context)},
       {"norm_eps", eps},
-      {"fused_layers", std::to_string(c.fused_layers[0]) + "," + std::to_string(c.fused_layers[1]) +
-                           "," + std::to_string(c.fused_layers[2])},
+      {"fused_layers", std::to_string(c.fused_layers[0]) + "," + std::to_string(c.fused_layers[1]) + "," +
+                           std::to_string(c.fused_layers[2])},
       {"draft_parameters", std::to_string(head.draft_parameters)},
       {"kept_parameters", std::to_string(head.kept_parameters)},
   };
@@ -500,18 +497,17 @@ Result<std::shared_ptr<RetrievalHead>> make_random_head(const ModelConfig& targe
   head->kept_parameters = 3 * d * d + 2 * d + qd * 2 * d + kd * 2 * d;
   // What a full EAGLE-3 draft of this shape holds (embedding excluded): q, k, v, o, the MLP at
   // the target's intermediate size, fc, four norms and an LM head over the target vocabulary.
-  const int64_t draft = qd * 2 * d + kd * 2 * d + kd * 2 * d + d * qd +
-                        3 * d * target.hidden_dim + 3 * d * d + 4 * d + target.vocab_size * d;
+  const int64_t draft = qd * 2 * d + kd * 2 * d + kd * 2 * d + d * qd + 3 * d * target.hidden_dim +
+                        3 * d * d + 4 * d + target.vocab_size * d;
   head->draft_parameters = draft;
   return head;
 }
 
 std::string pruning_report(const RetrievalHead& head) {
-  const double pruned =
-      head.draft_parameters > 0
-          ? 100.0 * (1.0 - static_cast<double>(head.kept_parameters) /
-                               static_cast<double>(head.draft_parameters))
-          : 0.0;
+  const double pruned = head.draft_parameters > 0
+                            ? 100.0 * (1.0 - static_cast<double>(head.kept_parameters) /
+                                                 static_cast<double>(head.draft_parameters))
+                            : 0.0;
   char pct[32];
   std::snprintf(pct, sizeof pct, "%.1f%%", pruned);
   return "retrieval head keeps " + human_count(head.kept_parameters) + " of " +

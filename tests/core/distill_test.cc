@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "core/distill.h"
 #include "core/model_loader.h"
@@ -54,10 +55,12 @@ TEST(Distill, CorpusAndChunks) {
   ASSERT_TRUE(f.tok);
   const std::string text = read_text_file(repo_path("data/tinystories_sample.txt"));
   size_t stories = 0;
-  for (size_t p = text.find("<|endoftext|>"); p != std::string::npos; p = text.find("<|endoftext|>", p + 1)) ++stories;
+  for (size_t p = text.find("<|endoftext|>"); p != std::string::npos; p = text.find("<|endoftext|>", p + 1))
+    ++stories;
   int64_t bos = 0;
   for (TokenId t : f.corpus) bos += t == f.tok->bos_id();
-  EXPECT_GE(bos, static_cast<int64_t>(stories));  // one BOS per story (a trailing story may follow the last marker)
+  EXPECT_GE(
+      bos, static_cast<int64_t>(stories));  // one BOS per story (a trailing story may follow the last marker)
   EXPECT_LE(bos, static_cast<int64_t>(stories) + 1);
   EXPECT_EQ(f.corpus.front(), f.tok->bos_id());
 
@@ -72,8 +75,7 @@ TEST(Distill, CorpusAndChunks) {
 TEST(Distill, TeacherRowsAreDistributions) {
   Fixture f = load();
   ASSERT_TRUE(f.model && f.backend);
-  std::vector<std::vector<TokenId>> chunks = {
-      std::vector<TokenId>(f.corpus.begin(), f.corpus.begin() + 40)};
+  std::vector<std::vector<TokenId>> chunks = {std::vector<TokenId>(f.corpus.begin(), f.corpus.begin() + 40)};
   auto r = collect_teacher(f.model, f.backend, chunks);
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   ASSERT_EQ(r->size(), 1u);
@@ -95,7 +97,8 @@ TEST(Distill, TeacherRowsAreDistributions) {
   // Fused slot 0 of row 0 is the residual entering layer 2, not the raw embedding.
   const float* emb = static_cast<const float*>(f.model->tok_embeddings.data);
   double diff = 0;
-  for (int64_t i = 0; i < c.dim; ++i) diff += std::abs(ch.fused[static_cast<size_t>(i)] - emb[chunks[0][0] * c.dim + i]);
+  for (int64_t i = 0; i < c.dim; ++i)
+    diff += std::abs(ch.fused[static_cast<size_t>(i)] - emb[chunks[0][0] * c.dim + i]);
   EXPECT_GT(diff, 1e-3);
 }
 
@@ -121,7 +124,10 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
   ch.tokens.assign(static_cast<size_t>(n), 0);
   ch.teacher.resize(static_cast<size_t>(2 * n * (n + 1) / 2));
   uint32_t s = 12345;
-  auto next = [&s]() { s = s * 1664525u + 1013904223u; return static_cast<float>((s >> 8) & 0xffff) / 65536.0f; };
+  auto next = [&s]() {
+    s = s * 1664525u + 1013904223u;
+    return static_cast<float>((s >> 8) & 0xffff) / 65536.0f;
+  };
   for (int64_t g = 0; g < 2; ++g) {
     for (int64_t t = 0; t < n; ++t) {
       float* row = ch.teacher.data() + g * n * (n + 1) / 2 + t * (t + 1) / 2;
@@ -147,7 +153,8 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
       const double down = distill_loss_grad(head, rope, ch, x.data(), positions, sq.data(), sk.data());
       data[i] = keep;
       const double numeric = (up - down) / (2.0 * eps);
-      ASSERT_NEAR(grad[static_cast<size_t>(i)], numeric, 2e-4 + 0.03 * std::abs(numeric)) << what << " entry " << i;
+      ASSERT_NEAR(grad[static_cast<size_t>(i)], numeric, 2e-4 + 0.03 * std::abs(numeric))
+          << what << " entry " << i;
     }
   };
   check(head.wq, gq, "wq");
@@ -180,6 +187,9 @@ TEST(Distill, TrainingLowersHeldOutKl) {
                                   split_chunks(held, kContext, 8), o);
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const DistillReport& rep = *r;
+  std::printf("held-out KL %.4f -> %.4f, train KL %.4f -> %.4f (%lld steps, context %lld)\n", rep.before.kl,
+              rep.after.kl, rep.train_kl_before, rep.train_kl_after, static_cast<long long>(kSteps),
+              static_cast<long long>(kContext));
   EXPECT_EQ(reports, kSteps / 10);
   EXPECT_GT(rep.before.positions, 0);
   EXPECT_EQ(rep.before.positions, rep.after.positions);

@@ -23,11 +23,14 @@ using testing::repo_path;
 constexpr int64_t kContext = 64;
 constexpr int64_t kPositions = 4;
 constexpr int64_t kDivergence = 4;
+constexpr int64_t kBudgetHi = 32;
 #else
 constexpr int64_t kContext = 128;
 constexpr int64_t kPositions = 8;
 constexpr int64_t kDivergence = 8;
+constexpr int64_t kBudgetHi = 64;
 #endif
+constexpr int64_t kBudgetLo = 16;
 
 // One paged view over host buffers: kv_heads 2, head_dim 4, page_size 4, `length` tokens.
 struct TinyCache {
@@ -159,7 +162,7 @@ class EvalStories : public ::testing::Test {
     o.positions = kPositions;
     o.divergence_tokens = kDivergence;
     o.needles = 1;
-    o.budgets = {16, 64, kContext};  // the last covers the whole context: must equal dense
+    o.budgets = {kBudgetLo, kBudgetHi, kContext};  // the last covers the whole context: must equal dense
     o.head = head_;
     auto r = run_eval(model_, backend_, inputs_, o);
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -209,7 +212,7 @@ TEST_F(EvalStories, DenseIsTheExactReference) {
 
 TEST_F(EvalStories, SparseBudgetsBelowTheContextDecodeSparselyAndLoseSomething) {
   for (SparseMethod m : {SparseMethod::kStreaming, SparseMethod::kQuest, SparseMethod::kOracle}) {
-    for (int64_t b : {16, 64}) {
+    for (int64_t b : {kBudgetLo, kBudgetHi}) {
       const EvalRecord* r = find(m, b);
       ASSERT_NE(r, nullptr) << sparse_method_name(m) << " " << b;
       EXPECT_EQ(r->sparse_steps, kPositions) << sparse_method_name(m) << " " << b;
@@ -224,12 +227,13 @@ TEST_F(EvalStories, SparseBudgetsBelowTheContextDecodeSparselyAndLoseSomething) 
 }
 
 TEST_F(EvalStories, OracleBoundsStreamingAndGrowsWithBudget) {
-  for (int64_t b : {16, 64}) {
+  for (int64_t b : {kBudgetLo, kBudgetHi}) {
     EXPECT_GE(find(SparseMethod::kOracle, b)->attention_recall, find(SparseMethod::kStreaming, b)->attention_recall)
         << "budget " << b;
   }
-  EXPECT_GT(find(SparseMethod::kOracle, 64)->attention_recall, find(SparseMethod::kOracle, 16)->attention_recall);
-  EXPECT_LT(find(SparseMethod::kOracle, 64)->output_rel_l2, find(SparseMethod::kOracle, 16)->output_rel_l2);
+  EXPECT_GT(find(SparseMethod::kOracle, kBudgetHi)->attention_recall,
+            find(SparseMethod::kOracle, kBudgetLo)->attention_recall);
+  EXPECT_LT(find(SparseMethod::kOracle, kBudgetHi)->output_rel_l2, find(SparseMethod::kOracle, kBudgetLo)->output_rel_l2);
 }
 
 TEST_F(EvalStories, BudgetCoveringTheContextEqualsDense) {
@@ -252,7 +256,7 @@ TEST_F(EvalStories, BudgetCoveringTheContextEqualsDense) {
 
 TEST_F(EvalStories, SpeContextUsesTheShippedHead) {
   if (head_ == nullptr) GTEST_SKIP() << "models/stories260K/retrieval_head.safetensors not present: specontext not evaluated";
-  for (int64_t b : {16, 64}) {
+  for (int64_t b : {kBudgetLo, kBudgetHi}) {
     const EvalRecord* r = find(SparseMethod::kSpeContext, b);
     ASSERT_NE(r, nullptr);
     EXPECT_EQ(r->sparse_steps, kPositions);

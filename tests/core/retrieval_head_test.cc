@@ -181,8 +181,7 @@ TEST(RetrievalHead, KvHeadsMismatchIsAnError) {
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status().to_string();
-  EXPECT_NE(r.status().message().find("num_key_value_heads"), std::string::npos)
-      << r.status().to_string();
+  EXPECT_NE(r.status().message().find("num_key_value_heads"), std::string::npos) << r.status().to_string();
 
   // The wrong hidden size for the target is named too.
   ModelConfig wide = small_target();
@@ -274,19 +273,21 @@ TEST(RetrievalHead, QkMatchesScalarOracle) {
     auto backend = cpu::create_cpu_backend();
     ASSERT_TRUE(backend.is_ok());
     std::vector<float> q(static_cast<size_t>(n * qd)), k(static_cast<size_t>(n * kd));
-    ASSERT_TRUE(retrieval_qk(**backend, h, rope, table, tokens.data(), fused.data(), positions.data(),
-                             n, q.data(), k.data())
+    ASSERT_TRUE(retrieval_qk(**backend, h, rope, table, tokens.data(), fused.data(), positions.data(), n,
+                             q.data(), k.data())
                     .is_ok());
     const float* fc = static_cast<const float*>(h.fc.data);
     const float* wq = static_cast<const float*>(h.wq.data);
     const float* wk = static_cast<const float*>(h.wk.data);
     for (int64_t r = 0; r < n; ++r) {
       std::vector<double> x(static_cast<size_t>(2 * d));
-      rmsnorm_ref(emb.data() + tokens[static_cast<size_t>(r)] * d, h.input_norm, d, h.config.norm_eps, x.data());
+      rmsnorm_ref(emb.data() + tokens[static_cast<size_t>(r)] * d, h.input_norm, d, h.config.norm_eps,
+                  x.data());
       std::vector<float> f(static_cast<size_t>(d));
       for (int64_t o = 0; o < d; ++o) {
         double s = 0;
-        for (int64_t i = 0; i < 3 * d; ++i) s += double(fc[o * 3 * d + i]) * fused[static_cast<size_t>(r * 3 * d + i)];
+        for (int64_t i = 0; i < 3 * d; ++i)
+          s += double(fc[o * 3 * d + i]) * fused[static_cast<size_t>(r * 3 * d + i)];
         f[static_cast<size_t>(o)] = float(s);
       }
       if (r == 0) {
@@ -302,7 +303,8 @@ TEST(RetrievalHead, QkMatchesScalarOracle) {
           for (int64_t i = 0; i < 2 * d; ++i) s += double(w[o * 2 * d + i]) * x[static_cast<size_t>(i)];
           y[static_cast<size_t>(o)] = s;
         }
-        for (int64_t hh = 0; hh < heads; ++hh) rope_ref(y.data() + hh * hd, positions[static_cast<size_t>(r)], rope);
+        for (int64_t hh = 0; hh < heads; ++hh)
+          rope_ref(y.data() + hh * hd, positions[static_cast<size_t>(r)], rope);
         for (int64_t o = 0; o < rows; ++o) {
           ASSERT_NEAR(got[o], y[static_cast<size_t>(o)], 2e-3 * (1.0 + std::abs(y[static_cast<size_t>(o)])))
               << "row " << r << " feature " << o << " context " << context;
@@ -330,7 +332,8 @@ TEST(RetrievalHead, ScoresAreSoftmaxRowsPerQueryHead) {
     double mx = -1e30;
     for (int64_t j = 0; j < length; ++j) {
       double s = 0;
-      for (int64_t i = 0; i < hd; ++i) s += double(q[static_cast<size_t>(head * hd + i)]) * k[static_cast<size_t>(j * kd + g * hd + i)];
+      for (int64_t i = 0; i < hd; ++i)
+        s += double(q[static_cast<size_t>(head * hd + i)]) * k[static_cast<size_t>(j * kd + g * hd + i)];
       logits[static_cast<size_t>(j)] = s / 2.0;  // √head_dim = 2
       mx = std::max(mx, logits[static_cast<size_t>(j)]);
     }

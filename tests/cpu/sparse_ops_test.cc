@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -546,13 +547,18 @@ TEST(SparseOpsTest, DISABLED_Timing) {
     auto time_ms = [&](auto&& op) {
       for (int i = 0; i < 3; ++i) ASSERT_TRUE(op().is_ok());  // warm-up
       std::vector<double> ms;
+      const std::clock_t cpu0 = std::clock();
       for (int i = 0; i < 15; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         ASSERT_TRUE(op().is_ok());
         ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       }
+      // Process CPU time per call: about threads x wall when the threads really ran in parallel
+      // (on a loaded machine they may not get their cores).
+      const double cpu_ms = 1000.0 * static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC / 15;
       std::sort(ms.begin(), ms.end());
-      std::printf("  %d thread(s): median %.2f ms, min %.2f ms\n", threads, ms[ms.size() / 2], ms[0]);
+      std::printf("  %d thread(s): median %.2f ms, min %.2f ms, cpu %.2f ms/call\n", threads, ms[ms.size() / 2],
+                  ms[0], cpu_ms);
     };
     std::printf("attention_sparse (16 x 8 x 2048 x 128):\n");
     time_ms([&] { return cpu->attention_sparse(q.data(), sparse.data(), n_seq, n_heads, out.data()); });

@@ -47,8 +47,8 @@ struct GenerateArgs {
   std::string sparse;       // "" = specontext when a retrieval head is found, else dense
   std::string head_path;    // retrieval head (default: retrieval_head.safetensors beside the model)
   int64_t budget = 0;       // 0 = 2048, or max_context / 8 when smaller (at least 32)
-  int64_t sinks = 4;
-  int64_t window = 16;
+  int64_t sinks = 1;
+  int64_t window = 4;
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);
@@ -106,7 +106,7 @@ struct EvalArgs {
   int64_t positions = 64;
   std::vector<int64_t> budgets;   // empty = 16,32,64,128
   std::vector<std::string> methods;  // empty = all five
-  int64_t sinks = 4;
+  int64_t sinks = 1;
   int64_t window = 4;
   int64_t quest_page = 16;
   int64_t divergence_tokens = 32;

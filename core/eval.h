@@ -39,7 +39,7 @@ struct EvalOptions {
   std::vector<int64_t> budgets = {16, 32, 64, 128};
   std::vector<SparseMethod> methods = {SparseMethod::kDense, SparseMethod::kStreaming, SparseMethod::kQuest,
                                        SparseMethod::kOracle, SparseMethod::kSpeContext};
-  int64_t sinks = 4;
+  int64_t sinks = 1;
   // Small on purpose: at budget 16 a window of 16 would leave no slot for the top-k methods.
   int64_t window = 4;
   int64_t quest_page_size = 16;

@@ -9,10 +9,15 @@
 
 namespace specontext {
 
+// Defaults measured with `specontext eval` on stories260K (context 512, 64 positions, distilled
+// head): at B = 32, sinks 0/1/4/16 gave recall .838/.839/.831/.779 and KL .069/.064/.079/.140;
+// windows 1/4/16 changed recall by < .003 (32 cost .04 at B = 32). So one sink (BOS; the
+// authors' prototype also always keeps position 0) and a small window, which must be >= 1 so
+// the current token attends to itself.
 struct SelectionOptions {
   int64_t budget = 256;  // tokens attended per KV head, sinks and window included
-  int64_t sinks = 4;     // first tokens always kept (attention sinks)
-  int64_t window = 32;   // most recent tokens always kept (the current token among them)
+  int64_t sinks = 1;     // first tokens always kept (attention sinks)
+  int64_t window = 4;    // most recent tokens always kept (the current token among them)
 };
 
 // Per KV head, the selected token positions in ascending order.

@@ -55,8 +55,8 @@ class CpuBackend final : public Backend {
                    const WorkingSetView& ws) override;
   // Same task split as attention() over the working set, without the causal mask. A head with
   // counts[h] == 0 gets a zero output row.
-  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
-                          int64_t n_heads, float* out) override;
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
+                          float* out) override;
 
   int num_threads() const;
   int numa_node() const;

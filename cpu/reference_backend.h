@@ -28,8 +28,8 @@ class ReferenceBackend final : public Backend {
   Status kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
                    const WorkingSetView& ws) override;
   // A head whose working set is empty (counts[h] == 0) gets a zero output row.
-  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
-                          int64_t n_heads, float* out) override;
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
+                          float* out) override;
 };
 
 // Checks shared by both CPU backends (cheap, O(items)); the engine validates shapes too, these

@@ -137,7 +137,7 @@ cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream);
 
 // One sequence of a sparse batch, as the kernels see it.
 struct SparseItemMeta {
-  const float* k;         // device working set of the item
+  const float* k;  // device working set of the item
   const float* v;
   int64_t token_offset;   // first row of the item in q / out
   int64_t n_tokens;       // query rows; each attends to the whole working set
@@ -152,8 +152,8 @@ struct SparseItemMeta {
 // partial kernel and, when n_chunks_max > 1, a merge kernel. No causal mask. A (row, head)
 // whose KV head has counts == 0 gets zeros.
 struct SparseAttentionLaunch {
-  const float* q = nullptr;  // [rows, n_heads, head_dim]
-  float* out = nullptr;      // [rows, n_heads, head_dim]
+  const float* q = nullptr;               // [rows, n_heads, head_dim]
+  float* out = nullptr;                   // [rows, n_heads, head_dim]
   const SparseItemMeta* items = nullptr;  // device [n_items]
   const int64_t* block_begin = nullptr;   // device [n_items + 1]: prefix of n_tiles·n_chunks
   const int64_t* row_begin = nullptr;     // device [n_items + 1]: prefix of n_tokens

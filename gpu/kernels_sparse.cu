@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(kGatherThreads) kv_gather_kernel(const KvGathe
     const GatherEntryMeta e = g.entries[w];
     // 32-bit division (the planner bounds page_size by INT_MAX); a 64-bit one is a called routine.
     const int32_t page = e.token / static_cast<int32_t>(g.page_size);
-    const int64_t src = (e.kv_head * g.page_size + (e.token - static_cast<int64_t>(page) * g.page_size)) * g.head_dim;
+    const int64_t src =
+        (e.kv_head * g.page_size + (e.token - static_cast<int64_t>(page) * g.page_size)) * g.head_dim;
     const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim;
     const float* k_src = g.page_table[page - g.first_page] + src;
     const float* v_src = g.page_table[g.n_pages + page - g.first_page] + src;
@@ -96,12 +97,13 @@ __global__ void __launch_bounds__(kGatherThreads) kv_gather_kernel(const KvGathe
 
 // minBlocks 4 as in attention_partial_kernel: lets ptxas use up to 128 registers without spills.
 template <int kDpl, int kQpw>
-__global__ void __launch_bounds__(kThreads, 4) sparse_attention_partial_kernel(const SparseAttentionLaunch a) {
+__global__ void __launch_bounds__(kThreads, 4)
+    sparse_attention_partial_kernel(const SparseAttentionLaunch a) {
   constexpr int kQpb = kWarps * kQpw;
   extern __shared__ float smem[];
   const int hd = static_cast<int>(a.head_dim);
   const int k_stride = hd + 1;  // odd stride for even head_dim: lane j reading row j is conflict-free
-  float* k_s = smem;                       // [kKeyTile][hd + 1]
+  float* k_s = smem;            // [kKeyTile][hd + 1]
   float* v_s = k_s + kKeyTile * k_stride;  // [kKeyTile][hd]
   float* q_s = v_s + kKeyTile * hd;        // [kQpb][hd], pre-scaled
 
@@ -320,9 +322,15 @@ template <int kDpl>
 cudaError_t launch_sparse_for_dim(const SparseAttentionLaunch& a, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (a.queries_per_warp) {
-    case 1: err = launch_sparse_partial<kDpl, 1>(a, stream); break;
-    case 2: err = launch_sparse_partial<kDpl, 2>(a, stream); break;
-    default: err = launch_sparse_partial<kDpl, 4>(a, stream); break;
+    case 1:
+      err = launch_sparse_partial<kDpl, 1>(a, stream);
+      break;
+    case 2:
+      err = launch_sparse_partial<kDpl, 2>(a, stream);
+      break;
+    default:
+      err = launch_sparse_partial<kDpl, 4>(a, stream);
+      break;
   }
   if (err != cudaSuccess || a.n_chunks_max == 1) return err;
   const int64_t warps = a.total_rows * a.n_heads;

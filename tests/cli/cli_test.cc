@@ -107,6 +107,30 @@ TEST(Cli, BadInputGivesClearErrorsAndNonZeroExit) {
   EXPECT_NE(r.out.find("top_p"), std::string::npos);
 }
 
+TEST(Cli, GenerateRunsSpeContextByDefaultOnTheBundledModel) {
+  const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                               " --prompt 'Once upon a time' -n 150 --json",
+                           false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["sparse"], "specontext");
+  EXPECT_EQ(j["budget"].get<int>(), 64);  // 512-token context / 8
+  EXPECT_GT(j["sparse_steps"].get<int>(), 80);
+  EXPECT_GT(j["mean_overlap"].get<double>(), 0.5);
+  EXPECT_GT(j["bytes_loaded_per_token"].get<double>(), 0.0);
+  EXPECT_LT(j["bytes_loaded_per_token"].get<double>(), 0.5 * j["bytes_full_reload_per_token"].get<double>());
+  // Dense on request; an unknown method and a missing head are clear errors.
+  const CliRun d = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                               " --prompt 'Once upon a time' -n 20 --sparse dense --json", false);
+  ASSERT_EQ(d.exit_code, 0);
+  EXPECT_EQ(nlohmann::json::parse(d.out)["sparse"], "dense");
+  CliRun e = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt hi --sparse magic");
+  EXPECT_NE(e.exit_code, 0);
+  e = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt hi --head /nope/head.safetensors");
+  EXPECT_EQ(e.exit_code, 1);
+  EXPECT_NE(e.out.find("/nope/head.safetensors"), std::string::npos) << e.out;
+}
+
 TEST(Cli, InspectPrintsShapeAndKvBytes) {
   const CliRun r = run_cli("inspect --json " + repo_path("models/babyllama105/babyllama105.gguf"), false);
   ASSERT_EQ(r.exit_code, 0) << r.out;

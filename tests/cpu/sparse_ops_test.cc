@@ -61,8 +61,12 @@ struct WorkingSet {
   std::vector<int32_t> counts;
 
   WorkingSet(int64_t kvh, int64_t n_slots, int64_t hd, float fill = kNan)
-      : kv_heads(kvh), slots(n_slots), head_dim(hd), k(static_cast<size_t>(kvh * n_slots * hd), fill),
-        v(static_cast<size_t>(kvh * n_slots * hd), fill), counts(static_cast<size_t>(kvh), 0) {}
+      : kv_heads(kvh),
+        slots(n_slots),
+        head_dim(hd),
+        k(static_cast<size_t>(kvh * n_slots * hd), fill),
+        v(static_cast<size_t>(kvh * n_slots * hd), fill),
+        counts(static_cast<size_t>(kvh), 0) {}
   WorkingSetView view() { return {k.data(), v.data(), kv_heads, slots, head_dim, counts.data()}; }
   float* k_row(int64_t h, int64_t s) { return k.data() + (h * slots + s) * head_dim; }
   float* v_row(int64_t h, int64_t s) { return v.data() + (h * slots + s) * head_dim; }
@@ -143,9 +147,10 @@ TEST(SparseOpsTest, KvGatherCopiesCacheRowsBitExactly) {
         for (int64_t h = 0; h < hs.kv_heads; ++h) {
           for (int64_t s = 0; s < slots; ++s) {
             if (rng() % 3 == 0) continue;
-            entries.push_back({static_cast<int32_t>(h),
-                               static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, length - 1)(rng)),
-                               static_cast<int32_t>(s)});
+            entries.push_back(
+                {static_cast<int32_t>(h),
+                 static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, length - 1)(rng)),
+                 static_cast<int32_t>(s)});
           }
         }
         std::shuffle(entries.begin(), entries.end(), rng);
@@ -159,7 +164,8 @@ TEST(SparseOpsTest, KvGatherCopiesCacheRowsBitExactly) {
         EXPECT_EQ(std::memcmp(got.k.data(), want.k.data(), got.k.size() * 4), 0);
         EXPECT_EQ(std::memcmp(got.v.data(), want.v.data(), got.v.size() * 4), 0);
         std::vector<int32_t> token_of(static_cast<size_t>(hs.kv_heads * slots), -1);
-        for (const GatherEntry& e : entries) token_of[static_cast<size_t>(e.kv_head * slots + e.slot)] = e.token;
+        for (const GatherEntry& e : entries)
+          token_of[static_cast<size_t>(e.kv_head * slots + e.slot)] = e.token;
         const size_t row_bytes = static_cast<size_t>(d) * 4;
         for (int64_t h = 0; h < hs.kv_heads; ++h) {
           for (int64_t s = 0; s < slots; ++s) {
@@ -213,14 +219,16 @@ TEST(SparseOpsTest, AttentionSparseMatchesReference) {
           WorkingSet& ws = *sets.back();
           for (int64_t h = 0; h < hs.kv_heads; ++h) {
             const int pick = static_cast<int>(rng() % 4);
-            const int64_t c = pick == 0 ? 0 : pick == 1 ? slots : std::uniform_int_distribution<int64_t>(0, slots)(rng);
+            const int64_t c = pick == 0   ? 0
+                              : pick == 1 ? slots
+                                          : std::uniform_int_distribution<int64_t>(0, slots)(rng);
             ws.counts[static_cast<size_t>(h)] = static_cast<int32_t>(c);
             const auto k = random_floats(static_cast<size_t>(c * d), rng(), -2.0f, 2.0f);
             const auto v = random_floats(static_cast<size_t>(c * d), rng());
             std::copy(k.begin(), k.end(), ws.k_row(h, 0));
             std::copy(v.begin(), v.end(), ws.v_row(h, 0));
           }
-          if (i == 0) ws.counts[0] = 0;                                         // always one empty head
+          if (i == 0) ws.counts[0] = 0;                                          // always one empty head
           if (i == n_items - 1) ws.counts.back() = static_cast<int32_t>(slots);  // and one full one
           for (int64_t h = 0; h < hs.kv_heads; ++h) {  // refill what the overrides exposed
             for (int64_t s = 0; s < ws.counts[static_cast<size_t>(h)]; ++s) {
@@ -246,7 +254,8 @@ TEST(SparseOpsTest, AttentionSparseMatchesReference) {
           EXPECT_TRUE(got.intact()) << "attention_sparse wrote outside out";
           std::vector<float> got_rows, want_rows;
           for (const SparseAttentionItem& it : items) {
-            EXPECT_EQ(got[static_cast<size_t>(it.token_offset - 1) * row_floats], kUntouched) << "gap row written";
+            EXPECT_EQ(got[static_cast<size_t>(it.token_offset - 1) * row_floats], kUntouched)
+                << "gap row written";
             const size_t b0 = static_cast<size_t>(it.token_offset) * row_floats;
             const size_t b1 = b0 + static_cast<size_t>(it.n_tokens) * row_floats;
             got_rows.insert(got_rows.end(), got.data() + b0, got.data() + b1);
@@ -268,7 +277,8 @@ TEST(SparseOpsTest, AttentionSparseMatchesReference) {
           expect_close(got_rows.data(), want_rows.data(), got_rows.size(), 1e-5, "attention_sparse");
           for (size_t r = 0; r < got_rows.size() / row_floats; ++r) {
             if (l2_norm(want_rows.data() + r * row_floats, row_floats) == 0.0) continue;
-            EXPECT_LT(rel_l2(got_rows.data() + r * row_floats, want_rows.data() + r * row_floats, row_floats), 1e-4)
+            EXPECT_LT(rel_l2(got_rows.data() + r * row_floats, want_rows.data() + r * row_floats, row_floats),
+                      1e-4)
                 << "row " << r;
           }
         }
@@ -297,8 +307,8 @@ TEST(SparseOpsTest, SparseWithFullBudgetEqualsDense) {
       for (size_t i = 0; i < lengths.size(); ++i) {
         const int64_t len = lengths[i];
         const int64_t page_size = i % 2 == 0 ? 16 : 5;
-        caches.push_back(std::make_unique<PagedKv>((len + page_size - 1) / page_size + 1, page_size, hs.kv_heads, d,
-                                                   rng()));
+        caches.push_back(std::make_unique<PagedKv>((len + page_size - 1) / page_size + 1, page_size,
+                                                   hs.kv_heads, d, rng()));
         caches.back()->fill(len, rng(), /*k_scale=*/2.0f);
         sets.push_back(std::make_unique<WorkingSet>(hs.kv_heads, len + 3, d));  // 3 spare NaN slots
         WorkingSet& ws = *sets.back();
@@ -306,7 +316,8 @@ TEST(SparseOpsTest, SparseWithFullBudgetEqualsDense) {
         for (int64_t h = 0; h < hs.kv_heads; ++h) {
           const std::vector<int32_t> slot_of = random_subset(rng, len, len);
           for (int64_t t = 0; t < len; ++t) {
-            entries.push_back({static_cast<int32_t>(h), static_cast<int32_t>(t), slot_of[static_cast<size_t>(t)]});
+            entries.push_back(
+                {static_cast<int32_t>(h), static_cast<int32_t>(t), slot_of[static_cast<size_t>(t)]});
           }
           ws.counts[static_cast<size_t>(h)] = static_cast<int32_t>(len);
         }
@@ -357,8 +368,8 @@ TEST(SparseOpsTest, SparseSubsetEqualsRestrictedDense) {
         const int64_t len = lengths[i];
         const int64_t page_size = 8;
         const int64_t slots = std::min<int64_t>(len, 64);
-        caches.push_back(std::make_unique<PagedKv>((len + page_size - 1) / page_size, page_size, hs.kv_heads, d,
-                                                   rng()));
+        caches.push_back(
+            std::make_unique<PagedKv>((len + page_size - 1) / page_size, page_size, hs.kv_heads, d, rng()));
         caches.back()->fill(len, rng(), /*k_scale=*/2.0f);
         sets.push_back(std::make_unique<WorkingSet>(hs.kv_heads, slots, d));
         WorkingSet& ws = *sets.back();
@@ -390,8 +401,8 @@ TEST(SparseOpsTest, SparseSubsetEqualsRestrictedDense) {
         for (int64_t t = 0; t < items[i].n_tokens; ++t) {
           for (int64_t h = 0; h < hs.n_heads; ++h) {
             const size_t at = static_cast<size_t>(((items[i].token_offset + t) * hs.n_heads + h) * d);
-            restricted_dense(q.data() + at, *caches[i], h / group, selected[i][static_cast<size_t>(h / group)],
-                             want.data() + at);
+            restricted_dense(q.data() + at, *caches[i], h / group,
+                             selected[i][static_cast<size_t>(h / group)], want.data() + at);
           }
         }
       }
@@ -399,8 +410,8 @@ TEST(SparseOpsTest, SparseSubsetEqualsRestrictedDense) {
                          static_cast<Backend*>(&ref)}) {
         SCOPED_TRACE(b->name());
         std::vector<float> got(out_floats);
-        ASSERT_TRUE(b->attention_sparse(q.data(), items.data(), static_cast<int64_t>(items.size()), hs.n_heads,
-                                        got.data())
+        ASSERT_TRUE(b->attention_sparse(q.data(), items.data(), static_cast<int64_t>(items.size()),
+                                        hs.n_heads, got.data())
                         .is_ok());
         expect_close(got.data(), want.data(), out_floats, 1e-5, "sparse vs restricted dense");
       }
@@ -449,7 +460,8 @@ TEST(SparseOpsTest, ElasticRefillInPlaceMatchesRestrictedDense) {
         const int32_t tok = elastic.token_at(h, s);
         held.push_back(tok);
         ASSERT_GE(tok, 0);
-        ASSERT_EQ(std::memcmp(ws.k_row(h, s), cache.k_at(tok, h), static_cast<size_t>(d) * 4), 0) << "slot " << s;
+        ASSERT_EQ(std::memcmp(ws.k_row(h, s), cache.k_at(tok, h), static_cast<size_t>(d) * 4), 0)
+            << "slot " << s;
       }
       std::sort(held.begin(), held.end());
       const auto want_tokens = sel.head(h);
@@ -478,7 +490,9 @@ TEST(SparseOpsTest, RejectsImpossibleShapes) {
   for (Backend* b : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&ref)}) {
     SCOPED_TRACE(b->name());
     WorkingSet ws(2, 4, 8, 1.0f);
-    auto gather = [&](GatherEntry e, WorkingSetView view) { return b->kv_gather(cache.view, &e, 1, view).code(); };
+    auto gather = [&](GatherEntry e, WorkingSetView view) {
+      return b->kv_gather(cache.view, &e, 1, view).code();
+    };
     EXPECT_EQ(gather({0, 7, 3}, ws.view()), StatusCode::kOk);
     EXPECT_EQ(gather({0, 8, 0}, ws.view()), StatusCode::kInvalidArgument);   // token >= capacity
     EXPECT_EQ(gather({0, -1, 0}, ws.view()), StatusCode::kInvalidArgument);  // negative token
@@ -512,7 +526,8 @@ TEST(SparseOpsTest, RejectsImpossibleShapes) {
     no_counts.counts = nullptr;
     EXPECT_EQ(attend(no_counts, 4), StatusCode::kInvalidArgument);
     SparseAttentionItem bad_rows{-1, 1, ws.view()};
-    EXPECT_EQ(b->attention_sparse(q.data(), &bad_rows, 1, 4, out.data()).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(b->attention_sparse(q.data(), &bad_rows, 1, 4, out.data()).code(),
+              StatusCode::kInvalidArgument);
     EXPECT_EQ(b->attention_sparse(q.data(), nullptr, 0, 4, out.data()).code(), StatusCode::kOk);
   }
 }
@@ -535,7 +550,8 @@ TEST(SparseOpsTest, DISABLED_Timing) {
     std::copy(v.begin(), v.end(), ws.v.data());
     std::fill(ws.counts.begin(), ws.counts.end(), static_cast<int32_t>(slots));
     sparse.push_back({i, 1, ws.view()});
-    caches.push_back(std::make_unique<PagedKv>(slots / page_size, page_size, kv_heads, d, static_cast<uint32_t>(i)));
+    caches.push_back(
+        std::make_unique<PagedKv>(slots / page_size, page_size, kv_heads, d, static_cast<uint32_t>(i)));
     caches.back()->fill(slots, static_cast<uint32_t>(100 + i));
     dense.push_back({i, 1, slots - 1, caches.back()->view});
   }
@@ -551,14 +567,15 @@ TEST(SparseOpsTest, DISABLED_Timing) {
       for (int i = 0; i < 15; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         ASSERT_TRUE(op().is_ok());
-        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       }
       // Process CPU time per call: about threads x wall when the threads really ran in parallel
       // (on a loaded machine they may not get their cores).
       const double cpu_ms = 1000.0 * static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC / 15;
       std::sort(ms.begin(), ms.end());
-      std::printf("  %d thread(s): median %.2f ms, min %.2f ms, cpu %.2f ms/call\n", threads, ms[ms.size() / 2],
-                  ms[0], cpu_ms);
+      std::printf("  %d thread(s): median %.2f ms, min %.2f ms, cpu %.2f ms/call\n", threads,
+                  ms[ms.size() / 2], ms[0], cpu_ms);
     };
     std::printf("attention_sparse (16 x 8 x 2048 x 128):\n");
     time_ms([&] { return cpu->attention_sparse(q.data(), sparse.data(), n_seq, n_heads, out.data()); });

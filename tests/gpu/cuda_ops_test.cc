@@ -581,10 +581,14 @@ struct DeviceWorkingSet {
   std::vector<int32_t> counts;
   std::unique_ptr<Guarded<float>> dev_k, dev_v;
 
-  DeviceWorkingSet(int64_t kvh, int64_t n_slots, int64_t hd, float fill = std::numeric_limits<float>::quiet_NaN(),
-                   int64_t pad = 0)
-      : kv_heads(kvh), slots(n_slots), head_dim(hd), offset(pad),
-        host_k(static_cast<size_t>(kvh * n_slots * hd), fill), host_v(host_k.size(), fill),
+  DeviceWorkingSet(int64_t kvh, int64_t n_slots, int64_t hd,
+                   float fill = std::numeric_limits<float>::quiet_NaN(), int64_t pad = 0)
+      : kv_heads(kvh),
+        slots(n_slots),
+        head_dim(hd),
+        offset(pad),
+        host_k(static_cast<size_t>(kvh * n_slots * hd), fill),
+        host_v(host_k.size(), fill),
         counts(static_cast<size_t>(kvh), 0) {
     upload();
   }
@@ -596,7 +600,9 @@ struct DeviceWorkingSet {
     dev_k = std::make_unique<Guarded<float>>(k);
     dev_v = std::make_unique<Guarded<float>>(v);
   }
-  WorkingSetView host_view() { return {host_k.data(), host_v.data(), kv_heads, slots, head_dim, counts.data()}; }
+  WorkingSetView host_view() {
+    return {host_k.data(), host_v.data(), kv_heads, slots, head_dim, counts.data()};
+  }
   WorkingSetView device_view() {
     return {dev_k->data() + offset, dev_v->data() + offset, kv_heads, slots, head_dim, counts.data()};
   }
@@ -605,8 +611,10 @@ struct DeviceWorkingSet {
     const std::vector<float> k = dev_k->download();
     const std::vector<float> v = dev_v->download();
     const size_t bytes = host_k.size() * sizeof(float);
-    if (std::memcmp(k.data() + offset, host_k.data(), bytes) != 0) return ::testing::AssertionFailure() << "K differs";
-    if (std::memcmp(v.data() + offset, host_v.data(), bytes) != 0) return ::testing::AssertionFailure() << "V differs";
+    if (std::memcmp(k.data() + offset, host_k.data(), bytes) != 0)
+      return ::testing::AssertionFailure() << "K differs";
+    if (std::memcmp(v.data() + offset, host_v.data(), bytes) != 0)
+      return ::testing::AssertionFailure() << "V differs";
     for (int64_t i = 0; i < offset; ++i) {
       if (k[static_cast<size_t>(i)] != -1.0f || v[static_cast<size_t>(i)] != -1.0f) {
         return ::testing::AssertionFailure() << "padding before the working set written";
@@ -707,16 +715,16 @@ void run_sparse_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& r
 }
 
 TEST_F(CudaOpsTest, AttentionSparseMatchesReference) {
-  const std::vector<SparseCase> cases = {
+  std::vector<SparseCase> cases = {
       {"gqa 8/2 decode batch", 8, 2, 128, {{1, 300}, {2, 64}, {1, 1}, {1, 2048}}},
       {"mqa 8/1, split", 8, 1, 64, {{1, 3000}, {2, 900}}},
       {"mha 4/4, head_dim 8", 4, 4, 8, {{2, 100}, {1, 0}, {1, 700}}},
-      {"gqa 32/8, 16 sequences", 32, 8, 128,
-       {{1, 512}, {1, 512}, {1, 512}, {1, 512}, {1, 512}, {1, 512}, {1, 512}, {1, 512},
-        {1, 256}, {1, 256}, {1, 256}, {1, 256}, {1, 256}, {1, 256}, {1, 256}, {1, 256}}},
       {"head_dim 256, 2 rows", 16, 2, 256, {{2, 1500}, {1, 40}}},
       {"head_dim 80, an empty item", 6, 3, 80, {{1, 600}, {0, 20}, {1, 33}}},
   };
+  SparseCase many{"gqa 32/8, 16 sequences (enough blocks: no split)", 32, 8, 128, {}};
+  for (int i = 0; i < 16; ++i) many.items.push_back({1, i < 8 ? 512 : 256});
+  cases.push_back(many);
   for (const SparseCase& c : cases) run_sparse_case(*this, *gpu_, *ref_, rng_, c);
 }
 
@@ -731,8 +739,8 @@ TEST_F(CudaOpsTest, SparseWithFullBudgetEqualsDense) {
   std::vector<SparseAttentionItem> sparse_dev;
   for (size_t i = 0; i < lengths.size(); ++i) {
     const int64_t len = lengths[i];
-    caches.push_back(std::make_unique<PagedCache>(rng_, (len + page_size - 1) / page_size, page_size, kv_heads,
-                                                  head_dim));
+    caches.push_back(
+        std::make_unique<PagedCache>(rng_, (len + page_size - 1) / page_size, page_size, kv_heads, head_dim));
     sets.push_back(std::make_unique<DeviceWorkingSet>(kv_heads, len + 5, head_dim));
     std::vector<GatherEntry> entries;
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -740,7 +748,8 @@ TEST_F(CudaOpsTest, SparseWithFullBudgetEqualsDense) {
       std::iota(slot_of.begin(), slot_of.end(), 0);
       std::shuffle(slot_of.begin(), slot_of.end(), rng_);
       for (int64_t tok = 0; tok < len; ++tok) {
-        entries.push_back({static_cast<int32_t>(h), static_cast<int32_t>(tok), slot_of[static_cast<size_t>(tok)]});
+        entries.push_back(
+            {static_cast<int32_t>(h), static_cast<int32_t>(tok), slot_of[static_cast<size_t>(tok)]});
       }
       sets.back()->counts[static_cast<size_t>(h)] = static_cast<int32_t>(len);
     }
@@ -785,12 +794,14 @@ TEST_F(CudaOpsTest, QueuedGatherAndSparseAttention) {
     d_out.push_back(std::make_unique<Guarded<float>>(host_q.back().size()));
     ASSERT_TRUE(gpu_->kv_gather(cache.device_view(), entries.data(), n, ws.device_view()).is_ok());
     SparseAttentionItem dev_item{0, 1, ws.device_view()};
-    ASSERT_TRUE(gpu_->attention_sparse(d_q.back()->data(), &dev_item, 1, n_heads, d_out.back()->data()).is_ok());
+    ASSERT_TRUE(
+        gpu_->attention_sparse(d_q.back()->data(), &dev_item, 1, n_heads, d_out.back()->data()).is_ok());
     // The host mirror (reference) follows the same steps.
     ASSERT_TRUE(ref_->kv_gather(cache.host_view(), entries.data(), n, ws.host_view()).is_ok());
     SparseAttentionItem host_item{0, 1, ws.host_view()};
     want.emplace_back(host_q.back().size());
-    ASSERT_TRUE(ref_->attention_sparse(host_q.back().data(), &host_item, 1, n_heads, want.back().data()).is_ok());
+    ASSERT_TRUE(
+        ref_->attention_sparse(host_q.back().data(), &host_item, 1, n_heads, want.back().data()).is_ok());
     std::fill(entries.begin(), entries.end(), GatherEntry{0, 0, 0});  // the backend must have copied them
     for (int32_t& c : ws.counts) c = 0;
   }
@@ -809,7 +820,8 @@ TEST_F(CudaOpsTest, SparseOpsRejectBadArguments) {
   PagedCache cache(rng_, 2, 4, 2, 8);  // capacity 8
   DeviceWorkingSet ws(2, 4, 8, 1.0f);
   const GatherEntry beyond{0, 8, 0};
-  EXPECT_EQ(gpu_->kv_gather(cache.device_view(), &beyond, 1, ws.device_view()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->kv_gather(cache.device_view(), &beyond, 1, ws.device_view()).code(),
+            StatusCode::kInvalidArgument);
   const GatherEntry bad_slot{0, 0, 4};
   EXPECT_EQ(gpu_->kv_gather(cache.device_view(), &bad_slot, 1, ws.device_view()).code(),
             StatusCode::kInvalidArgument);

@@ -70,7 +70,8 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
   std::vector<float> partial_ml(plan.partial_ml_floats(), kNan);
   float* partial_m = partial_ml.data();
   float* partial_l = partial_ml.data() + partial_ml.size() / 2;
-  std::vector<float> k_s(static_cast<size_t>(kKeyTile * hd)), v_s(k_s.size()), q_s(static_cast<size_t>(qpb * hd));
+  std::vector<float> k_s(static_cast<size_t>(kKeyTile * hd)), v_s(k_s.size()),
+      q_s(static_cast<size_t>(qpb * hd));
   for (int64_t bx = 0; bx < a.total_blocks; ++bx) {
     for (int64_t kvh = 0; kvh < a.kv_heads; ++kvh) {
       const int64_t item_idx = find_segment(plan.block_begin.data(), a.n_items, bx);
@@ -126,7 +127,8 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
             float sc = 0.0f;
             if (lane < n_keys) {
               for (int d = 0; d < hd; ++d) {
-                sc = std::fma(q_s[static_cast<size_t>(slot * hd + d)], k_s[static_cast<size_t>(lane * hd + d)], sc);
+                sc = std::fma(q_s[static_cast<size_t>(slot * hd + d)],
+                              k_s[static_cast<size_t>(lane * hd + d)], sc);
               }
             }
             score[lane] = lane < n_keys ? sc : -INFINITY;
@@ -190,8 +192,8 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
       const float weight = std::exp2(partial_m[base + c] - mx);
       denom = std::fma(weight, partial_l[base + c], denom);
       for (int d = 0; d < hd; ++d) {
-        acc[static_cast<size_t>(d)] =
-            std::fma(weight, partial_o[static_cast<size_t>((base + c) * hd + d)], acc[static_cast<size_t>(d)]);
+        acc[static_cast<size_t>(d)] = std::fma(weight, partial_o[static_cast<size_t>((base + c) * hd + d)],
+                                               acc[static_cast<size_t>(d)]);
       }
     }
     for (int d = 0; d < hd; ++d) dst[d] = acc[static_cast<size_t>(d)] * (1.0f / denom);
@@ -204,8 +206,12 @@ struct HostWorkingSet {
   std::vector<float> k, v;
   std::vector<int32_t> counts;
   HostWorkingSet(std::mt19937& rng, int64_t kvh, int64_t n_slots, int64_t hd, const std::vector<int32_t>& c)
-      : kv_heads(kvh), slots(n_slots), head_dim(hd), k(static_cast<size_t>(kvh * n_slots * hd), kNan),
-        v(k.size(), kNan), counts(c) {
+      : kv_heads(kvh),
+        slots(n_slots),
+        head_dim(hd),
+        k(static_cast<size_t>(kvh * n_slots * hd), kNan),
+        v(k.size(), kNan),
+        counts(c) {
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     for (int64_t h = 0; h < kvh; ++h) {
       for (int64_t i = 0; i < counts[static_cast<size_t>(h)] * hd; ++i) {
@@ -256,7 +262,8 @@ class SparsePlanTest : public ::testing::Test {
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     for (float& x : q) x = dist(rng_);
 
-    auto plan = plan_attention_sparse(items.data(), static_cast<int64_t>(items.size()), c.n_heads, c.sm_count);
+    auto plan =
+        plan_attention_sparse(items.data(), static_cast<int64_t>(items.size()), c.n_heads, c.sm_count);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     const kernels::SparseAttentionLaunch& a = plan->launch;
     EXPECT_EQ(a.n_chunks_max > 1, c.expect_split) << "chunk " << a.chunk_size;
@@ -307,8 +314,13 @@ TEST_F(SparsePlanTest, DecodeBatchesSplitWhenTheGridIsSmall) {
 
 TEST_F(SparsePlanTest, NoSplitWhenBlocksSufficeOrSetsAreShort) {
   run({"short sets", 8, 2, 64, {{1, {200, 17}, 256}, {2, {0, 256}, 256}}, 132, false});
-  run({"enough blocks", 32, 8, 128,
-       {{1, std::vector<int32_t>(8, 2048), 2048}, {1, std::vector<int32_t>(8, 1000), 2048}}, 2, false});
+  run({"enough blocks",
+       32,
+       8,
+       128,
+       {{1, std::vector<int32_t>(8, 2048), 2048}, {1, std::vector<int32_t>(8, 1000), 2048}},
+       2,
+       false});
   run({"one SM", 8, 8, 8, {{2, {900, 1, 0, 5, 900, 7, 800, 2}, 900}}, 1, false});
   run({"all heads empty", 8, 2, 64, {{1, {0, 0}, 16}, {2, {0, 0}, 0}}, 132, false});
   run({"mixed with an empty item", 12, 4, 64, {{0, {5, 5, 5, 5}, 8}, {1, {8, 0, 3, 8}, 8}}, 132, false});
@@ -434,9 +446,9 @@ TEST_F(SparsePlanTest, GatherPlanRejectsBadEntries) {
     return plan_kv_gather(cache->view, e.data(), static_cast<int64_t>(e.size()), view).status().code();
   };
   EXPECT_EQ(code({{1, 7, 3}}, ws), StatusCode::kOk);
-  EXPECT_EQ(code({{0, 8, 0}}, ws), StatusCode::kInvalidArgument);  // token >= capacity
-  EXPECT_EQ(code({{0, 0, 4}}, ws), StatusCode::kInvalidArgument);  // slot >= slots
-  EXPECT_EQ(code({{2, 0, 0}}, ws), StatusCode::kInvalidArgument);  // head >= kv_heads
+  EXPECT_EQ(code({{0, 8, 0}}, ws), StatusCode::kInvalidArgument);             // token >= capacity
+  EXPECT_EQ(code({{0, 0, 4}}, ws), StatusCode::kInvalidArgument);             // slot >= slots
+  EXPECT_EQ(code({{2, 0, 0}}, ws), StatusCode::kInvalidArgument);             // head >= kv_heads
   EXPECT_EQ(code({{0, 1, 1}, {0, 2, 1}}, ws), StatusCode::kInvalidArgument);  // same destination
   WorkingSetView wrong = ws;
   wrong.head_dim = 4;

@@ -184,7 +184,7 @@ int run_generate(const GenerateArgs& a) {
                                                             synthetic ? std::max<int64_t>(need, 1) : model->config.max_seq_len);
   eopts.sparse.method = *method;
   eopts.sparse.selection.budget =
-      a.budget > 0 ? a.budget : std::min<int64_t>(2048, std::max<int64_t>(32, eopts.max_context / 8));
+      a.budget > 0 ? a.budget : std::min<int64_t>(2048, std::max<int64_t>(32, model->config.max_seq_len / 8));
   eopts.sparse.selection.sinks = a.sinks;
   eopts.sparse.selection.window = a.window;
   eopts.retrieval_head = head;

@@ -46,7 +46,7 @@ struct GenerateArgs {
   bool reference = false;
   std::string sparse;       // "" = specontext when a retrieval head is found, else dense
   std::string head_path;    // retrieval head (default: retrieval_head.safetensors beside the model)
-  int64_t budget = 0;       // 0 = 2048, or max_context / 8 when smaller (at least 32)
+  int64_t budget = 0;       // 0 = 2048, or the model's max context / 8 when smaller (at least 32)
   int64_t sinks = 1;
   int64_t window = 4;
 };

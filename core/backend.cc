@@ -16,6 +16,8 @@ Result<std::shared_ptr<void>> Backend::allocate(size_t bytes) {
   return std::shared_ptr<void>(ptr, [](void* q) { std::free(q); });
 }
 
+Status Backend::place_weights(const Model&) { return Status::ok(); }
+
 Status Backend::kv_gather(const KvLayerView&, const GatherEntry*, int64_t, const WorkingSetView&) {
   return unimplemented("backend " + std::string(name()) + " has no kv_gather");
 }

@@ -87,6 +87,9 @@ class Backend {
   // Memory in the backend's space for KV pages and activations (NUMA-local host memory for the
   // CPU backend, device memory for CUDA). The default is 64-byte aligned host memory.
   virtual Result<std::shared_ptr<void>> allocate(size_t bytes);
+  // Places a model's weights where this backend reads them best (the CPU backend binds them to
+  // its NUMA node). Called once by the engine; the default leaves them where they are.
+  virtual Status place_weights(const Model& model);
 
   // out[i, :] = table[ids[i], :] as f32.
   virtual Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) = 0;

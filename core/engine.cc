@@ -45,6 +45,7 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
   std::unique_ptr<Engine> e(new Engine());
   e->model_ = std::move(model);
   e->backend_ = std::move(backend);
+  SPX_RETURN_IF_ERROR(e->backend_->place_weights(*e->model_));
   e->options_ = options;
   e->max_context_ = options.max_context > 0 ? options.max_context : c.max_seq_len;
   if (e->max_context_ <= 0) return invalid_argument("model has no max_seq_len; set max_context");

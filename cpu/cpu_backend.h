@@ -36,6 +36,12 @@ class CpuBackend final : public Backend {
 
   std::string_view name() const override { return "cpu"; }
   bool supports(BackendOp op, DType weight_dtype) const override;
+  // KV pages and working sets: NumaBuffers on this backend's node (cpu/cpu_placement.cc).
+  Result<std::shared_ptr<void>> allocate(size_t bytes) override;
+  // Binds (and migrates) the weights' pages to this backend's node where hwloc can.
+  Status place_weights(const Model& model) override;
+  // Weight bytes place_weights bound to the node (0 where binding is unsupported).
+  int64_t weight_bytes_bound() const { return weight_bytes_bound_; }
 
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
   // Thread-safe, but concurrent matmuls serialise (one primitive cache, per-slot streams).
@@ -67,6 +73,7 @@ class CpuBackend final : public Backend {
   struct Impl;
   explicit CpuBackend(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+  int64_t weight_bytes_bound_ = 0;
 };
 
 }  // namespace specontext::cpu

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "core/backend_checks.h"
+
 namespace specontext::cpu {
 
 // ---------------------------------------------------------------------------------------------
@@ -91,29 +93,6 @@ Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t
   return Status::ok();
 }
 
-namespace {
-// Shape of a working set; `need_counts`: the op reads counts (attention), so they must be sane.
-Status check_working_set(const WorkingSetView& ws, const char* op, bool need_counts) {
-  if (ws.kv_heads <= 0 || ws.head_dim <= 0 || ws.slots < 0) {
-    return invalid_argument(std::string(op) +
-                            ": working set kv_heads and head_dim must be positive, slots >= 0");
-  }
-  if (ws.slots > 0 && (ws.k == nullptr || ws.v == nullptr)) {
-    return invalid_argument(std::string(op) + ": null working-set K/V");
-  }
-  if (!need_counts) return Status::ok();
-  if (ws.counts == nullptr) return invalid_argument(std::string(op) + ": null working-set counts");
-  for (int64_t h = 0; h < ws.kv_heads; ++h) {
-    if (ws.counts[h] < 0 || ws.counts[h] > ws.slots) {
-      return invalid_argument(std::string(op) + ": counts[" + std::to_string(h) +
-                              "] = " + std::to_string(ws.counts[h]) + " outside [0, " +
-                              std::to_string(ws.slots) + "]");
-    }
-  }
-  return Status::ok();
-}
-}  // namespace
-
 Status check_kv_gather_args(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
                             const WorkingSetView& ws) {
   if (n_entries < 0) return invalid_argument("kv_gather: negative entry count");
@@ -126,30 +105,7 @@ Status check_kv_gather_args(const KvLayerView& kv, const GatherEntry* entries, i
                             ", head_dim " + std::to_string(ws.head_dim) + ") does not match the cache (" +
                             std::to_string(kv.kv_heads) + ", " + std::to_string(kv.head_dim) + ")");
   }
-  // One bit per destination (head, slot): duplicates would be a write race in parallel backends.
-  std::vector<uint64_t> taken(static_cast<size_t>((ws.kv_heads * ws.slots + 63) / 64), 0);
-  const int64_t capacity = kv.capacity();
-  for (int64_t i = 0; i < n_entries; ++i) {
-    const GatherEntry& e = entries[i];
-    if (e.kv_head < 0 || e.kv_head >= ws.kv_heads || e.token < 0 || e.token >= capacity || e.slot < 0 ||
-        e.slot >= ws.slots) {
-      return invalid_argument("kv_gather: entry " + std::to_string(i) + " (head " +
-                              std::to_string(e.kv_head) + ", token " + std::to_string(e.token) + ", slot " +
-                              std::to_string(e.slot) + ") outside kv_heads " + std::to_string(ws.kv_heads) +
-                              ", capacity " + std::to_string(capacity) + ", slots " +
-                              std::to_string(ws.slots));
-    }
-    const int64_t bit = e.kv_head * ws.slots + e.slot;
-    uint64_t& word = taken[static_cast<size_t>(bit / 64)];
-    const uint64_t mask = uint64_t{1} << (bit % 64);
-    if ((word & mask) != 0) {
-      return invalid_argument("kv_gather: entry " + std::to_string(i) + " writes head " +
-                              std::to_string(e.kv_head) + " slot " + std::to_string(e.slot) +
-                              " a second time");
-    }
-    word |= mask;
-  }
-  return Status::ok();
+  return check_gather_entries(entries, n_entries, ws, kv.capacity(), /*min_token=*/nullptr, /*max_token=*/nullptr);
 }
 
 Status check_attention_sparse_args(const SparseAttentionItem* items, int64_t n_items, int64_t n_heads) {

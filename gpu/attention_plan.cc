@@ -1,16 +1,15 @@
 #include "gpu/attention_plan.h"
 
 #include <algorithm>
-#include <climits>
-#include <cmath>
 #include <string>
+
+#include "gpu/plan_internal.h"
 
 namespace specontext::gpu {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+using plan_internal::ceil_div;
 
 Status check_items(const AttentionItem* items, int64_t n_items, int64_t n_heads) {
   if (items == nullptr || n_heads <= 0) return invalid_argument("attention: no items or heads");
@@ -36,17 +35,7 @@ Status check_items(const AttentionItem* items, int64_t n_items, int64_t n_heads)
                           std::to_string(kv.capacity()));
     }
   }
-  if (n_heads % kv_heads != 0) {
-    return invalid_argument("attention: n_heads " + std::to_string(n_heads) +
-                            " not a multiple of kv_heads " + std::to_string(kv_heads));
-  }
-  if (head_dim > kernels::kAttentionMaxHeadDim) {
-    return unimplemented("CUDA attention supports head_dim up to " +
-                         std::to_string(kernels::kAttentionMaxHeadDim) + ", got " +
-                         std::to_string(head_dim));
-  }
-  if (kv_heads > 65535) return invalid_argument("attention: too many KV heads for one launch");
-  return Status::ok();
+  return plan_internal::check_head_shape("attention", "CUDA attention", n_heads, kv_heads, head_dim);
 }
 
 }  // namespace
@@ -69,8 +58,6 @@ Result<AttentionPlan> plan_attention(const AttentionItem* items, int64_t n_items
   const int64_t head_dim = items[0].kv.head_dim;
   const int64_t group = n_heads / kv_heads;
 
-  // Queries per warp: enough that one block covers an item's (row, head) pairs of a KV head
-  // (decode: the GQA group), at most 4 (prefill).
   int64_t max_pairs = 0;
   int64_t max_len = 0;
   for (int64_t i = 0; i < n_items; ++i) {
@@ -78,9 +65,7 @@ Result<AttentionPlan> plan_attention(const AttentionItem* items, int64_t n_items
     if (items[i].n_tokens > 0) max_len = std::max(max_len, items[i].start_pos + items[i].n_tokens);
   }
   if (max_len == 0) return plan;  // only empty items
-  const int qpw = max_pairs <= kernels::kAttentionWarps       ? 1
-                  : max_pairs <= 2 * kernels::kAttentionWarps ? 2
-                                                              : 4;
+  const int qpw = plan_internal::queries_per_warp(max_pairs);
   const int64_t queries_per_block = static_cast<int64_t>(kernels::kAttentionWarps) * qpw;
   int64_t base_blocks = 0;
   for (int64_t i = 0; i < n_items; ++i) {
@@ -88,14 +73,8 @@ Result<AttentionPlan> plan_attention(const AttentionItem* items, int64_t n_items
   }
   base_blocks *= kv_heads;
 
-  // Split long contexts only while the unsplit grid would leave SMs idle (flash-decoding).
-  int64_t chunk = round_up(max_len, kernels::kAttentionKeyTile);
-  const int64_t target = static_cast<int64_t>(std::max(sm_count, 1)) * kAttentionTargetBlocksPerSm;
-  if (base_blocks < target && max_len > kAttentionMinChunk) {
-    const int64_t splits =
-        std::min(ceil_div(target, base_blocks), ceil_div(max_len, kAttentionMinChunk));
-    chunk = round_up(ceil_div(max_len, splits), kernels::kAttentionKeyTile);
-  }
+  // Split long contexts only while the unsplit grid would leave SMs idle.
+  const int64_t chunk = plan_internal::chunk_size(max_len, base_blocks, sm_count);
   const int64_t n_chunks_max = ceil_div(max_len, chunk);
 
   plan.items.resize(static_cast<size_t>(n_items));
@@ -121,21 +100,8 @@ Result<AttentionPlan> plan_attention(const AttentionItem* items, int64_t n_items
     plan.row_begin[ui + 1] = plan.row_begin[ui] + it.n_tokens;
   }
 
-  kernels::AttentionLaunch& a = plan.launch;
-  a.n_items = n_items;
-  a.n_heads = n_heads;
-  a.kv_heads = kv_heads;
-  a.head_dim = head_dim;
-  a.chunk_size = chunk;
-  a.n_chunks_max = n_chunks_max;
-  a.total_blocks = plan.block_begin.back();
-  a.total_rows = plan.row_begin.back();
-  a.queries_per_warp = qpw;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  if (a.total_blocks > INT_MAX ||
-      ceil_div(a.total_rows * n_heads, kernels::kAttentionWarps) > INT_MAX) {
-    return invalid_argument("attention: batch too large for one launch");
-  }
+  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention", n_items, n_heads, kv_heads, head_dim, chunk,
+                                                 n_chunks_max, qpw));
   return plan;
 }
 

@@ -75,6 +75,42 @@ size_t append_bytes(std::vector<uint8_t>& bytes, const T* data, size_t count) {
   return offset;
 }
 
+// Where append_split_metadata put the arrays of a dense or sparse attention plan: the three both
+// carry, and the one they differ in (page table or per-head counts).
+struct SplitMetaOffsets {
+  size_t items = 0;
+  size_t blocks = 0;
+  size_t rows = 0;
+  size_t extra = 0;
+};
+
+template <typename Plan, typename Extra>
+SplitMetaOffsets append_split_metadata(std::vector<uint8_t>& bytes, const Plan& plan, const std::vector<Extra>& extra) {
+  SplitMetaOffsets at;
+  at.items = append_bytes(bytes, plan.items.data(), plan.items.size());
+  at.blocks = append_bytes(bytes, plan.block_begin.data(), plan.block_begin.size());
+  at.rows = append_bytes(bytes, plan.row_begin.data(), plan.row_begin.size());
+  at.extra = append_bytes(bytes, extra.data(), extra.size());
+  return at;
+}
+
+// Points the fields the dense and sparse launches share at the uploaded metadata (base) and, with
+// a split, at the scratch: partial_ml holds [m][l], partial_ml_floats in all.
+template <typename Launch>
+void bind_split_launch(Launch& a, const float* q, float* out, const uint8_t* base, const SplitMetaOffsets& at,
+                       float* partial_o, float* partial_ml, size_t partial_ml_floats) {
+  a.q = q;
+  a.out = out;
+  a.items = reinterpret_cast<decltype(a.items)>(base + at.items);
+  a.block_begin = reinterpret_cast<const int64_t*>(base + at.blocks);
+  a.row_begin = reinterpret_cast<const int64_t*>(base + at.rows);
+  if (a.n_chunks_max > 1) {
+    a.partial_o = partial_o;
+    a.partial_m = partial_ml;
+    a.partial_l = partial_ml + partial_ml_floats / 2;
+  }
+}
+
 }  // namespace
 
 // ---- device discovery ----
@@ -322,28 +358,15 @@ Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_
   if (plan.launch.total_blocks == 0) return Status::ok();
   SPX_ENTER_DEVICE();
   meta_host_.clear();
-  const size_t items_at = append_bytes(meta_host_, plan.items.data(), plan.items.size());
-  const size_t blocks_at = append_bytes(meta_host_, plan.block_begin.data(), plan.block_begin.size());
-  const size_t rows_at = append_bytes(meta_host_, plan.row_begin.data(), plan.row_begin.size());
-  const size_t pages_at = append_bytes(meta_host_, plan.pages.data(), plan.pages.size());
+  const SplitMetaOffsets at = append_split_metadata(meta_host_, plan, plan.pages);
   // Scratch growth synchronises the stream; do it before the metadata upload is queued.
   SPX_RETURN_IF_ERROR(reserve(partial_o_, plan.partial_o_floats()));
   SPX_RETURN_IF_ERROR(reserve(partial_ml_, plan.partial_ml_floats()));
   SPX_RETURN_IF_ERROR(upload_metadata());
 
   kernels::AttentionLaunch& a = plan.launch;
-  const uint8_t* base = meta_dev_.data();
-  a.q = q;
-  a.out = out;
-  a.items = reinterpret_cast<const kernels::AttentionItemMeta*>(base + items_at);
-  a.block_begin = reinterpret_cast<const int64_t*>(base + blocks_at);
-  a.row_begin = reinterpret_cast<const int64_t*>(base + rows_at);
-  a.page_table = reinterpret_cast<float* const*>(base + pages_at);
-  if (a.n_chunks_max > 1) {
-    a.partial_o = partial_o_.data();
-    a.partial_m = partial_ml_.data();
-    a.partial_l = partial_ml_.data() + plan.partial_ml_floats() / 2;
-  }
+  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(), plan.partial_ml_floats());
+  a.page_table = reinterpret_cast<float* const*>(meta_dev_.data() + at.extra);
   SPX_CUDA_CHECK(kernels::launch_attention(a, stream_.get()));
   return Status::ok();
 }
@@ -371,28 +394,15 @@ Status CudaBackend::attention_sparse(const float* q, const SparseAttentionItem* 
   if (plan.launch.total_blocks == 0) return Status::ok();
   SPX_ENTER_DEVICE();
   meta_host_.clear();
-  const size_t items_at = append_bytes(meta_host_, plan.items.data(), plan.items.size());
-  const size_t blocks_at = append_bytes(meta_host_, plan.block_begin.data(), plan.block_begin.size());
-  const size_t rows_at = append_bytes(meta_host_, plan.row_begin.data(), plan.row_begin.size());
-  const size_t counts_at = append_bytes(meta_host_, plan.counts.data(), plan.counts.size());
+  const SplitMetaOffsets at = append_split_metadata(meta_host_, plan, plan.counts);
   // Scratch growth synchronises the stream; do it before the metadata upload is queued.
   SPX_RETURN_IF_ERROR(reserve(partial_o_, plan.partial_o_floats()));
   SPX_RETURN_IF_ERROR(reserve(partial_ml_, plan.partial_ml_floats()));
   SPX_RETURN_IF_ERROR(upload_metadata());
 
   kernels::SparseAttentionLaunch& a = plan.launch;
-  const uint8_t* base = meta_dev_.data();
-  a.q = q;
-  a.out = out;
-  a.items = reinterpret_cast<const kernels::SparseItemMeta*>(base + items_at);
-  a.block_begin = reinterpret_cast<const int64_t*>(base + blocks_at);
-  a.row_begin = reinterpret_cast<const int64_t*>(base + rows_at);
-  a.counts = reinterpret_cast<const int32_t*>(base + counts_at);
-  if (a.n_chunks_max > 1) {
-    a.partial_o = partial_o_.data();
-    a.partial_m = partial_ml_.data();
-    a.partial_l = partial_ml_.data() + plan.partial_ml_floats() / 2;
-  }
+  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(), plan.partial_ml_floats());
+  a.counts = reinterpret_cast<const int32_t*>(meta_dev_.data() + at.extra);
   SPX_CUDA_CHECK(kernels::launch_attention_sparse(a, stream_.get()));
   return Status::ok();
 }

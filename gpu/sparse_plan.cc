@@ -2,13 +2,14 @@
 
 #include <algorithm>
 #include <climits>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 
+#include "core/backend_checks.h"
 #include "gpu/attention_plan.h"
+#include "gpu/plan_internal.h"
 
 namespace specontext::gpu {
 
@@ -22,29 +23,8 @@ static_assert(offsetof(GatherEntry, kv_head) == offsetof(kernels::GatherEntryMet
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+using plan_internal::ceil_div;
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-Status check_working_set(const WorkingSetView& ws, const char* op, bool need_counts) {
-  if (ws.kv_heads <= 0 || ws.head_dim <= 0 || ws.slots < 0) {
-    return invalid_argument(std::string(op) +
-                            ": working set kv_heads and head_dim must be positive, slots >= 0");
-  }
-  if (ws.slots > 0 && (ws.k == nullptr || ws.v == nullptr)) {
-    return invalid_argument(std::string(op) + ": null working-set K/V");
-  }
-  if (!need_counts) return Status::ok();
-  if (ws.counts == nullptr) return invalid_argument(std::string(op) + ": null working-set counts");
-  for (int64_t h = 0; h < ws.kv_heads; ++h) {
-    if (ws.counts[h] < 0 || ws.counts[h] > ws.slots) {
-      return invalid_argument(std::string(op) + ": counts[" + std::to_string(h) +
-                              "] = " + std::to_string(ws.counts[h]) + " outside [0, " +
-                              std::to_string(ws.slots) + "]");
-    }
-  }
-  return Status::ok();
-}
 
 }  // namespace
 
@@ -71,33 +51,10 @@ Result<KvGatherPlan> plan_kv_gather(const KvLayerView& kv, const GatherEntry* en
   if (n_entries > INT_MAX || kv.page_size > INT_MAX) {
     return invalid_argument("kv_gather: too many entries or too large pages for one launch");
   }
-  // One bit per destination (head, slot): duplicates would race between warps.
-  std::vector<uint64_t> taken(static_cast<size_t>((ws.kv_heads * ws.slots + 63) / 64), 0);
-  const int64_t capacity = kv.capacity();
-  int64_t min_token = capacity;
-  int64_t max_token = -1;
-  for (int64_t i = 0; i < n_entries; ++i) {
-    const GatherEntry& e = entries[i];
-    if (e.kv_head < 0 || e.kv_head >= ws.kv_heads || e.token < 0 || e.token >= capacity || e.slot < 0 ||
-        e.slot >= ws.slots) {
-      return invalid_argument("kv_gather: entry " + std::to_string(i) + " (head " +
-                              std::to_string(e.kv_head) + ", token " + std::to_string(e.token) + ", slot " +
-                              std::to_string(e.slot) + ") outside kv_heads " + std::to_string(ws.kv_heads) +
-                              ", capacity " + std::to_string(capacity) + ", slots " +
-                              std::to_string(ws.slots));
-    }
-    const int64_t bit = e.kv_head * ws.slots + e.slot;
-    uint64_t& word = taken[static_cast<size_t>(bit / 64)];
-    const uint64_t mask = uint64_t{1} << (bit % 64);
-    if ((word & mask) != 0) {
-      return invalid_argument("kv_gather: entry " + std::to_string(i) + " writes head " +
-                              std::to_string(e.kv_head) + " slot " + std::to_string(e.slot) +
-                              " a second time");
-    }
-    word |= mask;
-    min_token = std::min<int64_t>(min_token, e.token);
-    max_token = std::max<int64_t>(max_token, e.token);
-  }
+  // Duplicate destinations would race between warps; the token range bounds the pages to upload.
+  int64_t min_token = 0;
+  int64_t max_token = 0;
+  SPX_RETURN_IF_ERROR(check_gather_entries(entries, n_entries, ws, kv.capacity(), &min_token, &max_token));
   const int64_t first_page = min_token / kv.page_size;
   const int64_t n_pages = max_token / kv.page_size - first_page + 1;
   plan.pages.assign(kv.k_pages + first_page, kv.k_pages + first_page + n_pages);
@@ -147,15 +104,8 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
       return invalid_argument("attention_sparse: item " + std::to_string(i) + " has negative rows");
     }
   }
-  if (n_heads % kv_heads != 0) {
-    return invalid_argument("attention_sparse: n_heads " + std::to_string(n_heads) +
-                            " not a multiple of kv_heads " + std::to_string(kv_heads));
-  }
-  if (head_dim > kernels::kAttentionMaxHeadDim) {
-    return unimplemented("CUDA sparse attention supports head_dim up to " +
-                         std::to_string(kernels::kAttentionMaxHeadDim) + ", got " + std::to_string(head_dim));
-  }
-  if (kv_heads > 65535) return invalid_argument("attention_sparse: too many KV heads for one launch");
+  SPX_RETURN_IF_ERROR(
+      plan_internal::check_head_shape("attention_sparse", "CUDA sparse attention", n_heads, kv_heads, head_dim));
   const int64_t group = n_heads / kv_heads;
 
   int64_t max_pairs = 0;
@@ -168,22 +118,14 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
     for (int64_t h = 0; h < kv_heads; ++h) max_count = std::max<int64_t>(max_count, items[i].ws.counts[h]);
   }
   if (total_rows == 0) return plan;  // only empty items
-  // Queries per warp: one block covers the GQA group of a decode row (or two), at most 4.
-  const int qpw = max_pairs <= kernels::kAttentionWarps       ? 1
-                  : max_pairs <= 2 * kernels::kAttentionWarps ? 2
-                                                              : 4;
+  const int qpw = plan_internal::queries_per_warp(max_pairs);
   const int64_t queries_per_block = static_cast<int64_t>(kernels::kAttentionWarps) * qpw;
   int64_t base_blocks = 0;
   for (int64_t i = 0; i < n_items; ++i) base_blocks += ceil_div(items[i].n_tokens * group, queries_per_block);
   base_blocks *= kv_heads;
 
   // Split the slots only while the unsplit grid would leave SMs idle (as plan_attention).
-  int64_t chunk = round_up(std::max<int64_t>(max_count, 1), kernels::kAttentionKeyTile);
-  const int64_t target = static_cast<int64_t>(std::max(sm_count, 1)) * kAttentionTargetBlocksPerSm;
-  if (base_blocks < target && max_count > kAttentionMinChunk) {
-    const int64_t splits = std::min(ceil_div(target, base_blocks), ceil_div(max_count, kAttentionMinChunk));
-    chunk = round_up(ceil_div(max_count, splits), kernels::kAttentionKeyTile);
-  }
+  const int64_t chunk = plan_internal::chunk_size(max_count, base_blocks, sm_count);
   const int64_t n_chunks_max = std::max<int64_t>(1, ceil_div(max_count, chunk));
 
   plan.items.resize(static_cast<size_t>(n_items));
@@ -210,20 +152,8 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
     plan.row_begin[ui + 1] = plan.row_begin[ui] + it.n_tokens;
   }
 
-  kernels::SparseAttentionLaunch& a = plan.launch;
-  a.n_items = n_items;
-  a.n_heads = n_heads;
-  a.kv_heads = kv_heads;
-  a.head_dim = head_dim;
-  a.chunk_size = chunk;
-  a.n_chunks_max = n_chunks_max;
-  a.total_blocks = plan.block_begin.back();
-  a.total_rows = plan.row_begin.back();
-  a.queries_per_warp = qpw;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  if (a.total_blocks > INT_MAX || ceil_div(a.total_rows * n_heads, kernels::kAttentionWarps) > INT_MAX) {
-    return invalid_argument("attention_sparse: batch too large for one launch");
-  }
+  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention_sparse", n_items, n_heads, kv_heads, head_dim,
+                                                 chunk, n_chunks_max, qpw));
   return plan;
 }
 

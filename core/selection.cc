@@ -23,6 +23,14 @@ int32_t fixed_part(int64_t length, int64_t sinks, int64_t window, int32_t* dst) 
   return n;
 }
 
+// A context that fits the budget is kept whole: writes 0 .. length − 1 to dst and its count.
+bool keep_all_within_budget(int64_t length, int64_t budget, int32_t* dst, int32_t& count) {
+  if (length > budget) return false;
+  std::iota(dst, dst + length, 0);
+  count = static_cast<int32_t>(length);
+  return true;
+}
+
 }  // namespace
 
 void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions& o, Selection& out) {
@@ -30,11 +38,7 @@ void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions
   prepare(out, n_kv_heads, budget);
   for (int64_t h = 0; h < n_kv_heads; ++h) {
     int32_t* dst = out.indices.data() + h * budget;
-    if (length <= budget) {
-      std::iota(dst, dst + length, 0);
-      out.counts[static_cast<size_t>(h)] = static_cast<int32_t>(length);
-      continue;
-    }
+    if (keep_all_within_budget(length, budget, dst, out.counts[static_cast<size_t>(h)])) continue;
     const int64_t sinks = std::min(o.sinks, budget);
     out.counts[static_cast<size_t>(h)] = fixed_part(length, sinks, budget - sinks, dst);
   }
@@ -49,11 +53,7 @@ void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_k
   std::vector<int32_t> order;
   for (int64_t h = 0; h < n_kv_heads; ++h) {
     int32_t* dst = out.indices.data() + h * budget;
-    if (length <= budget) {
-      std::iota(dst, dst + length, 0);
-      out.counts[static_cast<size_t>(h)] = static_cast<int32_t>(length);
-      continue;
-    }
+    if (keep_all_within_budget(length, budget, dst, out.counts[static_cast<size_t>(h)])) continue;
     // Sinks and window shrink to fit a small budget: sinks first, then the window.
     const int64_t sinks = std::min(o.sinks, budget);
     const int64_t window = std::min(o.window, budget - sinks);
@@ -93,11 +93,7 @@ void select_quest(const float* q, int64_t n_q_heads, int64_t n_kv_heads, int64_t
   std::vector<char> chosen(static_cast<size_t>(length));
   for (int64_t h = 0; h < n_kv_heads; ++h) {
     int32_t* dst = out.indices.data() + h * budget;
-    if (length <= budget) {
-      std::iota(dst, dst + length, 0);
-      out.counts[static_cast<size_t>(h)] = static_cast<int32_t>(length);
-      continue;
-    }
+    if (keep_all_within_budget(length, budget, dst, out.counts[static_cast<size_t>(h)])) continue;
     const int64_t sinks = std::min(o.sinks, budget);
     const int64_t window = std::min(o.window, budget - sinks);
     std::fill(chosen.begin(), chosen.end(), 0);

@@ -387,6 +387,54 @@ struct AttnGroup {  // tasks [task_begin, task_end) split one (item, tile, kv he
   size_t task_begin, task_end;
 };
 
+// Per-thread scratch of one attention task over nq queries of head_dim d, with the online-softmax
+// state (acc, m, l) reset for its first key block; qs and s are left for the task to fill.
+struct TaskScratch {
+  float* qs;       // [nq, d] scaled queries
+  float* acc;      // [nq, d]
+  float* m_state;  // [nq]
+  float* l_state;  // [nq]
+  float* s;        // [kKeyBlock] scores
+};
+
+TaskScratch task_scratch(int64_t nq, int64_t d) {
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(nq * d * 2 + nq * 2 + kKeyBlock);
+  if (scratch.size() < need) scratch.resize(need);
+  TaskScratch t;
+  t.qs = scratch.data();
+  t.acc = t.qs + nq * d;
+  t.m_state = t.acc + nq * d;
+  t.l_state = t.m_state + nq;
+  t.s = t.l_state + nq;
+  std::fill(t.acc, t.acc + nq * d, 0.0f);
+  std::fill(t.m_state, t.m_state + nq, -std::numeric_limits<float>::infinity());
+  std::fill(t.l_state, t.l_state + nq, 0.0f);
+  return t;
+}
+
+// Ends a task of the dense or sparse attention: acc / l into out (query r = token t0 + r / group,
+// head kvh * group + r % group; l == 0, no visible key, gives zeros), or with a split the raw
+// [m][l][acc] state into the partial buffer for merge_partials.
+void store_task_result(const AttnTask& task, int64_t nq, int64_t group, int64_t d, int64_t n_heads,
+                       int64_t token_offset, const float* m_state, const float* l_state, const float* acc,
+                       float* out, float* partial_base) {
+  if (task.partial < 0) {
+    for (int64_t r = 0; r < nq; ++r) {
+      const int64_t t = task.t0 + r / group;
+      const int64_t h = task.kvh * group + r % group;
+      float* o = out + ((token_offset + t) * n_heads + h) * d;
+      const float inv = l_state[r] > 0.0f ? 1.0f / l_state[r] : 0.0f;
+      for (int64_t e = 0; e < d; ++e) o[e] = acc[r * d + e] * inv;
+    }
+  } else {
+    float* p = partial_base + task.partial;
+    std::copy(m_state, m_state + nq, p);
+    std::copy(l_state, l_state + nq, p + nq);
+    std::copy(acc, acc + nq * d, p + 2 * nq);
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -683,16 +731,9 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
     const KvLayerView& kv = it.kv;
     const int64_t group = n_heads / kv.kv_heads;
     const int64_t nq = (task.t1 - task.t0) * group;
-    thread_local std::vector<float> scratch;
+    const auto [qs, acc, m_state, l_state, s] = task_scratch(nq, d);
     thread_local std::vector<int64_t> limits;
-    const size_t need = static_cast<size_t>(nq * d * 2 + nq * 2 + kKeyBlock);
-    if (scratch.size() < need) scratch.resize(need);
     if (limits.size() < static_cast<size_t>(nq * 2)) limits.resize(static_cast<size_t>(nq * 2));
-    float* qs = scratch.data();      // [nq, d] scaled queries
-    float* acc = qs + nq * d;        // [nq, d]
-    float* m_state = acc + nq * d;   // [nq]
-    float* l_state = m_state + nq;   // [nq]
-    float* s = l_state + nq;         // [kKeyBlock]
     int64_t* limit = limits.data();  // [nq] first key position query r may not see
     int64_t* valid = limit + nq;     // [nq] per block
     for (int64_t t = task.t0; t < task.t1; ++t) {
@@ -702,9 +743,6 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
       for (int64_t e = 0; e < group * d; ++e) dst[e] = src[e] * scale;
       for (int64_t g = 0; g < group; ++g) limit[(t - task.t0) * group + g] = it.start_pos + t + 1;
     }
-    std::fill(acc, acc + nq * d, 0.0f);
-    std::fill(m_state, m_state + nq, -std::numeric_limits<float>::infinity());
-    std::fill(l_state, l_state + nq, 0.0f);
     for (int64_t pos = task.k0; pos < task.k1;) {
       const int64_t page = pos / kv.page_size;
       const int64_t slot = pos % kv.page_size;
@@ -715,20 +753,7 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
                    s);
       pos += n;
     }
-    if (task.partial < 0) {
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t t = task.t0 + r / group;
-        const int64_t h = task.kvh * group + r % group;
-        float* o = out + ((it.token_offset + t) * n_heads + h) * d;
-        const float inv = l_state[r] > 0.0f ? 1.0f / l_state[r] : 0.0f;
-        for (int64_t e = 0; e < d; ++e) o[e] = acc[r * d + e] * inv;
-      }
-    } else {
-      float* p = partial_base + task.partial;
-      std::copy(m_state, m_state + nq, p);
-      std::copy(l_state, l_state + nq, p + nq);
-      std::copy(acc, acc + nq * d, p + 2 * nq);
-    }
+    store_task_result(task, nq, group, d, n_heads, it.token_offset, m_state, l_state, acc, out, partial_base);
   };
   parallel(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);
@@ -847,25 +872,15 @@ Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionI
     const WorkingSetView& ws = it.ws;
     const int64_t group = n_heads / ws.kv_heads;
     const int64_t nq = (task.t1 - task.t0) * group;
-    thread_local std::vector<float> scratch;
+    const auto [qs, acc, m_state, l_state, s] = task_scratch(nq, d);
     thread_local std::vector<int64_t> valid_buf;
-    const size_t need = static_cast<size_t>(nq * d * 2 + nq * 2 + kKeyBlock);
-    if (scratch.size() < need) scratch.resize(need);
     if (valid_buf.size() < static_cast<size_t>(nq)) valid_buf.resize(static_cast<size_t>(nq));
-    float* qs = scratch.data();     // [nq, d] scaled queries
-    float* acc = qs + nq * d;       // [nq, d]
-    float* m_state = acc + nq * d;  // [nq]
-    float* l_state = m_state + nq;  // [nq]
-    float* s = l_state + nq;        // [kKeyBlock]
     int64_t* valid = valid_buf.data();
     for (int64_t t = task.t0; t < task.t1; ++t) {
       const float* src = q + ((it.token_offset + t) * n_heads + task.kvh * group) * d;
       float* dst = qs + (t - task.t0) * group * d;
       for (int64_t e = 0; e < group * d; ++e) dst[e] = src[e] * scale;
     }
-    std::fill(acc, acc + nq * d, 0.0f);
-    std::fill(m_state, m_state + nq, -std::numeric_limits<float>::infinity());
-    std::fill(l_state, l_state + nq, 0.0f);
     const int64_t head_base = task.kvh * ws.slots * d;
     for (int64_t pos = task.k0; pos < task.k1;) {
       const int64_t n = std::min(kKeyBlock, task.k1 - pos);
@@ -874,20 +889,8 @@ Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionI
       attend_block(qs, nq, d, valid, ws.k + off, ws.v + off, m_state, l_state, acc, s);
       pos += n;
     }
-    if (task.partial < 0) {
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t t = task.t0 + r / group;
-        const int64_t h = task.kvh * group + r % group;
-        float* o = out + ((it.token_offset + t) * n_heads + h) * d;
-        const float inv = l_state[r] > 0.0f ? 1.0f / l_state[r] : 0.0f;  // empty working set: zeros
-        for (int64_t e = 0; e < d; ++e) o[e] = acc[r * d + e] * inv;
-      }
-    } else {
-      float* p = partial_base + task.partial;
-      std::copy(m_state, m_state + nq, p);
-      std::copy(l_state, l_state + nq, p + nq);
-      std::copy(acc, acc + nq * d, p + 2 * nq);
-    }
+    // An empty working set (l == 0) writes zeros.
+    store_task_result(task, nq, group, d, n_heads, it.token_offset, m_state, l_state, acc, out, partial_base);
   };
   parallel(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);

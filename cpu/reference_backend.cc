@@ -105,7 +105,8 @@ Status check_kv_gather_args(const KvLayerView& kv, const GatherEntry* entries, i
                             ", head_dim " + std::to_string(ws.head_dim) + ") does not match the cache (" +
                             std::to_string(kv.kv_heads) + ", " + std::to_string(kv.head_dim) + ")");
   }
-  return check_gather_entries(entries, n_entries, ws, kv.capacity(), /*min_token=*/nullptr, /*max_token=*/nullptr);
+  return check_gather_entries(entries, n_entries, ws, kv.capacity(), /*min_token=*/nullptr,
+                              /*max_token=*/nullptr);
 }
 
 Status check_attention_sparse_args(const SparseAttentionItem* items, int64_t n_items, int64_t n_heads) {
@@ -251,6 +252,34 @@ Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tok
   return Status::ok();
 }
 
+namespace {
+// Softmax attention of one query in double over keys 0 .. n_keys - 1, whose K / V rows are
+// key_row(j) / value_row(j); no key (an empty working set) gives zeros.
+template <typename KeyRow, typename ValueRow>
+void attend_query(const float* qh, int64_t n_keys, int64_t d, double scale, KeyRow key_row,
+                  ValueRow value_row, std::vector<double>& scores, float* oh) {
+  scores.assign(static_cast<size_t>(n_keys), 0.0);
+  double max_score = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const float* kj = key_row(j);
+    double dot = 0.0;
+    for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * kj[e];
+    scores[j] = dot * scale;
+    if (scores[j] > max_score) max_score = scores[j];
+  }
+  double denom = 0.0;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    scores[j] = std::exp(scores[j] - max_score);
+    denom += scores[j];
+  }
+  for (int64_t e = 0; e < d; ++e) {
+    double acc = 0.0;
+    for (int64_t j = 0; j < n_keys; ++j) acc += scores[j] * value_row(j)[e];
+    oh[e] = n_keys > 0 ? static_cast<float>(acc / denom) : 0.0f;
+  }
+}
+}  // namespace
+
 Status ReferenceBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
                                    int64_t n_heads, float* out) {
   SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
@@ -267,29 +296,12 @@ Status ReferenceBackend::attention(const float* q, const AttentionItem* items, i
       for (int64_t h = 0; h < n_heads; ++h) {
         const int64_t kvh = h / group;
         const float* qh = q + (row * n_heads + h) * d;
-        scores.assign(static_cast<size_t>(n_keys), 0.0);
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < n_keys; ++j) {
-          const float* kj = kv.k_pages[j / kv.page_size] + (kvh * kv.page_size + j % kv.page_size) * d;
-          double dot = 0.0;
-          for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * kj[e];
-          scores[j] = dot * scale;
-          if (scores[j] > max_score) max_score = scores[j];
-        }
-        double denom = 0.0;
-        for (int64_t j = 0; j < n_keys; ++j) {
-          scores[j] = std::exp(scores[j] - max_score);
-          denom += scores[j];
-        }
-        float* oh = out + (row * n_heads + h) * d;
-        for (int64_t e = 0; e < d; ++e) {
-          double acc = 0.0;
-          for (int64_t j = 0; j < n_keys; ++j) {
-            const float* vj = kv.v_pages[j / kv.page_size] + (kvh * kv.page_size + j % kv.page_size) * d;
-            acc += scores[j] * vj[e];
-          }
-          oh[e] = static_cast<float>(acc / denom);
-        }
+        const auto row_of = [&](float* const* pages, int64_t j) {
+          return pages[j / kv.page_size] + (kvh * kv.page_size + j % kv.page_size) * d;
+        };
+        attend_query(
+            qh, n_keys, d, scale, [&](int64_t j) { return row_of(kv.k_pages, j); },
+            [&](int64_t j) { return row_of(kv.v_pages, j); }, scores, out + (row * n_heads + h) * d);
       }
     }
   }
@@ -330,25 +342,9 @@ Status ReferenceBackend::attention_sparse(const float* q, const SparseAttentionI
         const float* qh = q + (row * n_heads + h) * d;
         const float* k_head = ws.k + kvh * ws.slots * d;
         const float* v_head = ws.v + kvh * ws.slots * d;
-        scores.assign(static_cast<size_t>(n_keys), 0.0);
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < n_keys; ++j) {
-          double dot = 0.0;
-          for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * k_head[j * d + e];
-          scores[j] = dot * scale;
-          if (scores[j] > max_score) max_score = scores[j];
-        }
-        double denom = 0.0;
-        for (int64_t j = 0; j < n_keys; ++j) {
-          scores[j] = std::exp(scores[j] - max_score);
-          denom += scores[j];
-        }
-        float* oh = out + (row * n_heads + h) * d;
-        for (int64_t e = 0; e < d; ++e) {
-          double acc = 0.0;
-          for (int64_t j = 0; j < n_keys; ++j) acc += scores[j] * v_head[j * d + e];
-          oh[e] = n_keys > 0 ? static_cast<float>(acc / denom) : 0.0f;  // empty working set: zeros
-        }
+        attend_query(
+            qh, n_keys, d, scale, [&](int64_t j) { return k_head + j * d; },
+            [&](int64_t j) { return v_head + j * d; }, scores, out + (row * n_heads + h) * d);
       }
     }
   }

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gpu/kernels.h"
 
@@ -50,12 +51,59 @@ __device__ __forceinline__ int64_t find_segment(const int64_t* begin, int64_t n,
   return lo;
 }
 
+// Shared memory of a partial block: the K tile [kKeyTile][hd + 1] (odd stride for even head_dim:
+// lane j reading key row j is conflict-free), the V tile [kKeyTile][hd] and the tile's
+// pre-scaled queries [kQpb][hd] (attention_smem_bytes).
+struct TileSmem {
+  float* k_s;
+  float* v_s;
+  float* q_s;
+  int k_stride;
+};
+
+__device__ __forceinline__ TileSmem tile_smem(float* smem, int hd) {
+  TileSmem t;
+  t.k_stride = hd + 1;
+  t.k_s = smem;
+  t.v_s = t.k_s + kKeyTile * t.k_stride;
+  t.q_s = t.v_s + kKeyTile * hd;
+  return t;
+}
+
+// What a partial block serves: blockIdx.x is (item, query tile, key chunk), blockIdx.y the KV
+// head. it is a copy of the item's metadata; the tile's queries are the (row, head-of-group)
+// pairs pair0 .. pair0 + kQpb - 1 of the n_pairs of the item.
+template <class Item>
+struct BlockWork {
+  Item it;
+  int64_t chunk;
+  int64_t kvh;
+  int64_t group;
+  int64_t n_pairs;
+  int64_t pair0;
+};
+
+template <int kQpb, class Launch>
+__device__ __forceinline__ auto block_work(const Launch& a) {
+  using Item = std::remove_const_t<std::remove_pointer_t<decltype(a.items)>>;
+  const int64_t item_idx = find_segment(a.block_begin, a.n_items, blockIdx.x);
+  BlockWork<Item> w{a.items[item_idx]};
+  const int64_t local = static_cast<int64_t>(blockIdx.x) - a.block_begin[item_idx];
+  const int64_t tile = local / w.it.n_chunks;
+  w.chunk = local - tile * w.it.n_chunks;
+  w.kvh = blockIdx.y;
+  w.group = a.n_heads / a.kv_heads;
+  w.n_pairs = w.it.n_tokens * w.group;
+  w.pair0 = tile * kQpb;
+  return w;
+}
+
 // Stages the tile's query vectors, pre-scaled, in q_s ([kQpb][hd]): slot = (row, head-of-group)
 // pair pair0 + slot. Padding slots get zeros (finite scores, never written out).
 template <int kQpb>
 __device__ __forceinline__ void stage_queries(float* q_s, const float* q, int64_t pair0, int64_t n_pairs,
-                                              int64_t token_offset, int64_t group, int64_t kvh, int64_t n_heads,
-                                              int hd, float q_scale, int warp, int lane) {
+                                              int64_t token_offset, int64_t group, int64_t kvh,
+                                              int64_t n_heads, int hd, float q_scale, int warp, int lane) {
   for (int slot = warp; slot < kQpb; slot += kWarps) {
     const int64_t pair = pair0 + slot;
     float* dst = q_s + slot * hd;
@@ -83,8 +131,8 @@ __device__ __forceinline__ void init_softmax(float (&m)[kQpw], float (&l)[kQpw],
 
 // Scores: lane j computes key t0 + j against every query of the warp (K read once).
 template <int kQpw>
-__device__ __forceinline__ void tile_scores(float (&sc)[kQpw], const float* k_s, int k_stride, const float* q_w,
-                                            int hd, int lane, int n_keys) {
+__device__ __forceinline__ void tile_scores(float (&sc)[kQpw], const float* k_s, int k_stride,
+                                            const float* q_w, int hd, int lane, int n_keys) {
 #pragma unroll
   for (int s = 0; s < kQpw; ++s) sc[s] = 0.0f;
   if (lane < n_keys) {
@@ -101,8 +149,8 @@ __device__ __forceinline__ void tile_scores(float (&sc)[kQpw], const float* k_s,
 // One online-softmax step of a query over a key tile: score is -inf where !valid, tile_max is
 // the warp max of score. Rescales (m, l, o) to the new max and returns this lane's weight p.
 template <int kDpl>
-__device__ __forceinline__ float online_softmax_step(bool valid, float score, float tile_max, float& m, float& l,
-                                                     float (&o)[kDpl]) {
+__device__ __forceinline__ float online_softmax_step(bool valid, float score, float tile_max, float& m,
+                                                     float& l, float (&o)[kDpl]) {
   const float m_new = fmaxf(m, tile_max);
   const float alpha = exp2f(m - m_new);  // 0 on the first visible tile (m = -inf)
   const float p = valid ? exp2f(score - m_new) : 0.0f;
@@ -115,8 +163,8 @@ __device__ __forceinline__ float online_softmax_step(bool valid, float score, fl
 
 // o += P·V: lane owns output dims lane + 32k; key j's weight comes from lane j.
 template <int kQpw, int kDpl>
-__device__ __forceinline__ void accumulate_pv(float (&o)[kQpw][kDpl], const float (&p)[kQpw], const float* v_s,
-                                              int hd, int lane, int n_keys) {
+__device__ __forceinline__ void accumulate_pv(float (&o)[kQpw][kDpl], const float (&p)[kQpw],
+                                              const float* v_s, int hd, int lane, int n_keys) {
   for (int j = 0; j < n_keys; ++j) {
     float vj[kDpl];
 #pragma unroll
@@ -133,23 +181,24 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[kQpw][kDpl], const floa
   }
 }
 
-// Writes one query's result for its chunk: o / l straight to out without a split, else the
-// partial (m, l, o) at partial index ((row_begin + local row) * n_heads + h) * n_chunks_max + chunk.
-// Launch is AttentionLaunch or SparseAttentionLaunch (same output fields).
-template <int kDpl, class Launch>
-__device__ __forceinline__ void store_query(const Launch& a, int64_t row, int64_t partial_row, int64_t h,
-                                            int64_t chunk, float m, float l, const float (&o)[kDpl], int hd,
-                                            int lane) {
+// Writes the result of query pair `pair` (row pair / group of item `it`, head kvh * group +
+// pair % group) for its chunk: o / l straight to out without a split, else the partial (m, l, o).
+// Launch / Item: AttentionLaunch / AttentionItemMeta or the Sparse ones (same fields here).
+template <int kDpl, class Launch, class Item>
+__device__ __forceinline__ void store_query(const Launch& a, const Item& it, int64_t pair, int64_t group,
+                                            int64_t kvh, int64_t chunk, float m, float l,
+                                            const float (&o)[kDpl], int hd, int lane) {
+  const int64_t h = kvh * group + pair % group;
   if (a.n_chunks_max == 1) {
     const float inv = 1.0f / l;
-    float* dst = a.out + (row * a.n_heads + h) * hd;
+    float* dst = a.out + ((it.token_offset + pair / group) * a.n_heads + h) * hd;
 #pragma unroll
     for (int k = 0; k < kDpl; ++k) {
       const int d = lane + 32 * k;
       if (d < hd) dst[d] = o[k] * inv;
     }
   } else {
-    const int64_t idx = (partial_row * a.n_heads + h) * a.n_chunks_max + chunk;
+    const int64_t idx = ((it.row_begin + pair / group) * a.n_heads + h) * a.n_chunks_max + chunk;
     float* dst = a.partial_o + idx * hd;
 #pragma unroll
     for (int k = 0; k < kDpl; ++k) {
@@ -163,10 +212,24 @@ __device__ __forceinline__ void store_query(const Launch& a, int64_t row, int64_
   }
 }
 
+// The query a merge warp serves: row r of the batch (item item_idx) and head h. False for the
+// warps past the last query.
+template <class Launch>
+__device__ __forceinline__ bool merge_query(const Launch& a, int64_t& r, int64_t& h, int64_t& item_idx) {
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (w >= a.total_rows * a.n_heads) return false;
+  r = w / a.n_heads;
+  h = w - r * a.n_heads;
+  item_idx = find_segment(a.row_begin, a.n_items, r);
+  return true;
+}
+
 // Combines the partials base + 0 .. n - 1 (n >= 1, each with l >= 1) of one query into dst:
 // out = Σ_c 2^(m_c - M) o_c / Σ_c 2^(m_c - M) l_c with M = max_c m_c.
 template <int kDpl, class Launch>
-__device__ __forceinline__ void merge_chunks(const Launch& a, int64_t base, int64_t n, float* dst, int hd, int lane) {
+__device__ __forceinline__ void merge_chunks(const Launch& a, int64_t base, int64_t n, float* dst, int hd,
+                                             int lane) {
   float mx = -INFINITY;
   for (int64_t c = lane; c < n; c += 32) mx = fmaxf(mx, a.partial_m[base + c]);
   mx = warp_max(mx);
@@ -193,8 +256,8 @@ __device__ __forceinline__ void merge_chunks(const Launch& a, int64_t base, int6
   }
 }
 
-// Launch layer. Kernels names the kernel pair of one file:
-//   using Launch = ...; template <int kDpl, int kQpw> static auto partial(); template <int kDpl> static auto merge();
+// Launch layer. Kernels names the kernel pair of one file: `using Launch`, and static
+// partial<kDpl, kQpw>() and merge<kDpl>() returning the kernels.
 template <class Kernels, int kDpl, int kQpw>
 cudaError_t launch_partial(const typename Kernels::Launch& a, cudaStream_t stream) {
   const size_t smem = attention_smem_bytes(a.head_dim, kQpw);
@@ -214,9 +277,15 @@ template <class Kernels, int kDpl>
 cudaError_t launch_for_dim(const typename Kernels::Launch& a, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (a.queries_per_warp) {
-    case 1: err = launch_partial<Kernels, kDpl, 1>(a, stream); break;
-    case 2: err = launch_partial<Kernels, kDpl, 2>(a, stream); break;
-    default: err = launch_partial<Kernels, kDpl, 4>(a, stream); break;
+    case 1:
+      err = launch_partial<Kernels, kDpl, 1>(a, stream);
+      break;
+    case 2:
+      err = launch_partial<Kernels, kDpl, 2>(a, stream);
+      break;
+    default:
+      err = launch_partial<Kernels, kDpl, 4>(a, stream);
+      break;
   }
   if (err != cudaSuccess || a.n_chunks_max == 1) return err;
   const int64_t warps = a.total_rows * a.n_heads;

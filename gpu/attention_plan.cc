@@ -100,8 +100,8 @@ Result<AttentionPlan> plan_attention(const AttentionItem* items, int64_t n_items
     plan.row_begin[ui + 1] = plan.row_begin[ui] + it.n_tokens;
   }
 
-  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention", n_items, n_heads, kv_heads, head_dim, chunk,
-                                                 n_chunks_max, qpw));
+  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention", n_items, n_heads, kv_heads, head_dim,
+                                                 chunk, n_chunks_max, qpw));
   return plan;
 }
 

@@ -85,7 +85,8 @@ struct SplitMetaOffsets {
 };
 
 template <typename Plan, typename Extra>
-SplitMetaOffsets append_split_metadata(std::vector<uint8_t>& bytes, const Plan& plan, const std::vector<Extra>& extra) {
+SplitMetaOffsets append_split_metadata(std::vector<uint8_t>& bytes, const Plan& plan,
+                                       const std::vector<Extra>& extra) {
   SplitMetaOffsets at;
   at.items = append_bytes(bytes, plan.items.data(), plan.items.size());
   at.blocks = append_bytes(bytes, plan.block_begin.data(), plan.block_begin.size());
@@ -365,7 +366,8 @@ Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_
   SPX_RETURN_IF_ERROR(upload_metadata());
 
   kernels::AttentionLaunch& a = plan.launch;
-  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(), plan.partial_ml_floats());
+  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(),
+                    plan.partial_ml_floats());
   a.page_table = reinterpret_cast<float* const*>(meta_dev_.data() + at.extra);
   SPX_CUDA_CHECK(kernels::launch_attention(a, stream_.get()));
   return Status::ok();
@@ -401,7 +403,8 @@ Status CudaBackend::attention_sparse(const float* q, const SparseAttentionItem* 
   SPX_RETURN_IF_ERROR(upload_metadata());
 
   kernels::SparseAttentionLaunch& a = plan.launch;
-  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(), plan.partial_ml_floats());
+  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(),
+                    plan.partial_ml_floats());
   a.counts = reinterpret_cast<const int32_t*>(meta_dev_.data() + at.extra);
   SPX_CUDA_CHECK(kernels::launch_attention_sparse(a, stream_.get()));
   return Status::ok();

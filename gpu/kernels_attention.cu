@@ -30,20 +30,8 @@ __global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const At
   constexpr int kQpb = kWarps * kQpw;
   extern __shared__ float smem[];
   const int hd = static_cast<int>(a.head_dim);
-  const int k_stride = hd + 1;  // odd stride (even head_dim): lane j reading key row j is conflict-free
-  float* k_s = smem;                      // [kKeyTile][hd + 1]
-  float* v_s = k_s + kKeyTile * k_stride;  // [kKeyTile][hd]
-  float* q_s = v_s + kKeyTile * hd;        // [kQpb][hd], pre-scaled
-
-  const int64_t item_idx = find_segment(a.block_begin, a.n_items, blockIdx.x);
-  const AttentionItemMeta it = a.items[item_idx];
-  const int64_t local = static_cast<int64_t>(blockIdx.x) - a.block_begin[item_idx];
-  const int64_t tile = local / it.n_chunks;
-  const int64_t chunk = local - tile * it.n_chunks;
-  const int64_t kvh = blockIdx.y;
-  const int64_t group = a.n_heads / a.kv_heads;
-  const int64_t n_pairs = it.n_tokens * group;
-  const int64_t pair0 = tile * kQpb;
+  const auto [k_s, v_s, q_s, k_stride] = tile_smem(smem, hd);
+  const auto [it, chunk, kvh, group, n_pairs, pair0] = block_work<kQpb>(a);
   const int64_t last_pair = min(pair0 + kQpb, n_pairs) - 1;
   const int64_t max_qpos = it.start_pos + last_pair / group;
   const int64_t key_begin = chunk * a.chunk_size;
@@ -52,8 +40,8 @@ __global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const At
 
   const int warp = static_cast<int>(threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x & 31);
-  stage_queries<kQpb>(q_s, a.q, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads, hd, a.scale * kLog2e, warp,
-                      lane);
+  stage_queries<kQpb>(q_s, a.q, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads, hd, a.scale * kLog2e,
+                      warp, lane);
 
   // This warp's queries: tile slots warp * kQpw + s. qpos -1 masks every key (padding slot).
   int64_t qpos[kQpw];
@@ -110,22 +98,19 @@ __global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const At
   for (int s = 0; s < kQpw; ++s) {
     if (qpos[s] < key_begin) continue;  // padding slot, or no key of this chunk is visible
     const int64_t pair = pair0 + warp * kQpw + s;
-    const int64_t h = kvh * group + pair % group;
-    store_query(a, it.token_offset + pair / group, it.row_begin + pair / group, h, chunk, m[s], l[s], o[s], hd, lane);
+    store_query(a, it, pair, group, kvh, chunk, m[s], l[s], o[s], hd, lane);
   }
 }
 
 // One warp per (row, head): combines the chunks 0 .. qpos / chunk_size of that query.
 template <int kDpl>
 __global__ void __launch_bounds__(kThreads) attention_merge_kernel(const AttentionLaunch a) {
-  const int warp = static_cast<int>(threadIdx.x >> 5);
+  int64_t r = 0;
+  int64_t h = 0;
+  int64_t item_idx = 0;
+  if (!merge_query(a, r, h, item_idx)) return;
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (w >= a.total_rows * a.n_heads) return;
   const int hd = static_cast<int>(a.head_dim);
-  const int64_t r = w / a.n_heads;
-  const int64_t h = w - r * a.n_heads;
-  const int64_t item_idx = find_segment(a.row_begin, a.n_items, r);
   const int64_t local = r - a.row_begin[item_idx];
   const int64_t row = a.items[item_idx].token_offset + local;
   const int64_t qpos = a.items[item_idx].start_pos + local;

@@ -71,20 +71,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   constexpr int kQpb = kWarps * kQpw;
   extern __shared__ float smem[];
   const int hd = static_cast<int>(a.head_dim);
-  const int k_stride = hd + 1;  // odd stride for even head_dim: lane j reading row j is conflict-free
-  float* k_s = smem;            // [kKeyTile][hd + 1]
-  float* v_s = k_s + kKeyTile * k_stride;  // [kKeyTile][hd]
-  float* q_s = v_s + kKeyTile * hd;        // [kQpb][hd], pre-scaled
-
-  const int64_t item_idx = find_segment(a.block_begin, a.n_items, blockIdx.x);
-  const SparseItemMeta it = a.items[item_idx];
-  const int64_t local = static_cast<int64_t>(blockIdx.x) - a.block_begin[item_idx];
-  const int64_t tile = local / it.n_chunks;
-  const int64_t chunk = local - tile * it.n_chunks;
-  const int64_t kvh = blockIdx.y;
-  const int64_t group = a.n_heads / a.kv_heads;
-  const int64_t n_pairs = it.n_tokens * group;
-  const int64_t pair0 = tile * kQpb;
+  const auto [k_s, v_s, q_s, k_stride] = tile_smem(smem, hd);
+  const auto [it, chunk, kvh, group, n_pairs, pair0] = block_work<kQpb>(a);
   const int64_t count = a.counts[it.counts_offset + kvh];
   const int64_t key_begin = chunk * a.chunk_size;
   const int warp = static_cast<int>(threadIdx.x >> 5);
@@ -106,8 +94,8 @@ __global__ void __launch_bounds__(kThreads, 4)
     return;  // block-uniform
   }
   const int64_t key_end = min(key_begin + a.chunk_size, count);
-  stage_queries<kQpb>(q_s, a.q, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads, hd, a.scale * kLog2e, warp,
-                      lane);
+  stage_queries<kQpb>(q_s, a.q, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads, hd, a.scale * kLog2e,
+                      warp, lane);
 
   float m[kQpw];
   float l[kQpw];
@@ -150,22 +138,19 @@ __global__ void __launch_bounds__(kThreads, 4)
   for (int s = 0; s < kQpw; ++s) {
     const int64_t pair = pair0 + warp * kQpw + s;
     if (pair >= n_pairs) continue;  // padding slot
-    const int64_t h = kvh * group + pair % group;
-    store_query(a, it.token_offset + pair / group, it.row_begin + pair / group, h, chunk, m[s], l[s], o[s], hd, lane);
+    store_query(a, it, pair, group, kvh, chunk, m[s], l[s], o[s], hd, lane);
   }
 }
 
 // One warp per (row, head): combines chunks 0 .. ceil(counts[kvh] / chunk_size) - 1.
 template <int kDpl>
 __global__ void __launch_bounds__(kThreads) sparse_attention_merge_kernel(const SparseAttentionLaunch a) {
-  const int warp = static_cast<int>(threadIdx.x >> 5);
+  int64_t r = 0;
+  int64_t h = 0;
+  int64_t item_idx = 0;
+  if (!merge_query(a, r, h, item_idx)) return;
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (w >= a.total_rows * a.n_heads) return;
   const int hd = static_cast<int>(a.head_dim);
-  const int64_t r = w / a.n_heads;
-  const int64_t h = w - r * a.n_heads;
-  const int64_t item_idx = find_segment(a.row_begin, a.n_items, r);
   const SparseItemMeta& it = a.items[item_idx];
   const int64_t row = it.token_offset + (r - a.row_begin[item_idx]);
   const int64_t count = a.counts[it.counts_offset + h / (a.n_heads / a.kv_heads)];

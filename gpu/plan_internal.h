@@ -20,9 +20,7 @@ inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // Queries per warp: enough that one block covers the largest item's (row, head) pairs of a KV
 // head (decode: the GQA group), at most 4 (prefill).
 inline int queries_per_warp(int64_t max_pairs) {
-  return max_pairs <= kernels::kAttentionWarps       ? 1
-         : max_pairs <= 2 * kernels::kAttentionWarps ? 2
-                                                     : 4;
+  return max_pairs <= kernels::kAttentionWarps ? 1 : max_pairs <= 2 * kernels::kAttentionWarps ? 2 : 4;
 }
 
 // Keys per chunk for up to max_keys keys per query: one chunk, split only while the unsplit grid
@@ -56,8 +54,8 @@ inline Status check_head_shape(const char* op, const char* kernel, int64_t n_hea
 // Fills the shape fields of a launch (AttentionLaunch or SparseAttentionLaunch) from the plan's
 // prefixes, and rejects grids beyond the int range of one launch. op names the call in errors.
 template <typename Plan>
-Status fill_launch(Plan& plan, const char* op, int64_t n_items, int64_t n_heads, int64_t kv_heads, int64_t head_dim,
-                   int64_t chunk, int64_t n_chunks_max, int qpw) {
+Status fill_launch(Plan& plan, const char* op, int64_t n_items, int64_t n_heads, int64_t kv_heads,
+                   int64_t head_dim, int64_t chunk, int64_t n_chunks_max, int qpw) {
   auto& a = plan.launch;
   a.n_items = n_items;
   a.n_heads = n_heads;

@@ -104,8 +104,8 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
       return invalid_argument("attention_sparse: item " + std::to_string(i) + " has negative rows");
     }
   }
-  SPX_RETURN_IF_ERROR(
-      plan_internal::check_head_shape("attention_sparse", "CUDA sparse attention", n_heads, kv_heads, head_dim));
+  SPX_RETURN_IF_ERROR(plan_internal::check_head_shape("attention_sparse", "CUDA sparse attention", n_heads,
+                                                      kv_heads, head_dim));
   const int64_t group = n_heads / kv_heads;
 
   int64_t max_pairs = 0;
@@ -152,8 +152,8 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
     plan.row_begin[ui + 1] = plan.row_begin[ui] + it.n_tokens;
   }
 
-  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention_sparse", n_items, n_heads, kv_heads, head_dim,
-                                                 chunk, n_chunks_max, qpw));
+  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention_sparse", n_items, n_heads, kv_heads,
+                                                 head_dim, chunk, n_chunks_max, qpw));
   return plan;
 }
 

@@ -19,27 +19,22 @@
 #include "cpu/cpu_backend.h"
 #include "gpu/attention_plan.h"
 #include "gpu/kernels.h"
+#include "tests/gpu/plan_test_util.h"
 
 namespace specontext::gpu {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kKeyTile = static_cast<int>(kernels::kAttentionKeyTile);
-constexpr int kWarps = kernels::kAttentionWarps;
-
-int64_t find_segment(const int64_t* begin, int64_t n, int64_t x) {
-  int64_t lo = 0;
-  int64_t hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (begin[mid] <= x) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
+using plan_test::attend_tile;
+using plan_test::find_segment;
+using plan_test::HostCache;
+using plan_test::kKeyTile;
+using plan_test::kLog2e;
+using plan_test::kWarps;
+using plan_test::make_cache;
+using plan_test::merge_chunks;
+using plan_test::Partials;
+using plan_test::stage_queries;
+using plan_test::store_query;
 
 // Host mirror of the kernels, driven by the plan (page tables hold host pointers here).
 void emulate(const AttentionPlan& plan, const float* q, float* out) {
@@ -48,10 +43,7 @@ void emulate(const AttentionPlan& plan, const float* q, float* out) {
   const int qpw = a.queries_per_warp;
   const int qpb = kWarps * qpw;
   const int64_t group = a.n_heads / a.kv_heads;
-  std::vector<float> partial_o(plan.partial_o_floats(), std::numeric_limits<float>::quiet_NaN());
-  std::vector<float> partial_ml(plan.partial_ml_floats(), std::numeric_limits<float>::quiet_NaN());
-  float* partial_m = partial_ml.data();
-  float* partial_l = partial_ml.data() + partial_ml.size() / 2;
+  Partials partials(plan.partial_o_floats(), plan.partial_ml_floats());
 
   std::vector<float> k_s(kKeyTile * static_cast<size_t>(hd));
   std::vector<float> v_s(kKeyTile * static_cast<size_t>(hd));
@@ -70,19 +62,8 @@ void emulate(const AttentionPlan& plan, const float* q, float* out) {
       const int64_t key_begin = chunk * a.chunk_size;
       if (key_begin > max_qpos) continue;
       const int64_t key_end = std::min(key_begin + a.chunk_size, max_qpos + 1);
-      const float q_scale = a.scale * kLog2e;
-      for (int slot = 0; slot < qpb; ++slot) {
-        const int64_t pair = pair0 + slot;
-        for (int d = 0; d < hd; ++d) {
-          float val = 0.0f;
-          if (pair < n_pairs) {
-            const int64_t row = it.token_offset + pair / group;
-            const int64_t h = kvh * group + pair % group;
-            val = q[(row * a.n_heads + h) * hd + d] * q_scale;
-          }
-          q_s[static_cast<size_t>(slot * hd + d)] = val;
-        }
-      }
+      stage_queries(q_s, q, qpb, hd, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads,
+                    a.scale * kLog2e);
       // Per (warp, query slot): qpos, m, l, o[hd].
       std::vector<int64_t> qpos(static_cast<size_t>(qpb));
       std::vector<float> m(static_cast<size_t>(qpb), -INFINITY);
@@ -106,54 +87,17 @@ void emulate(const AttentionPlan& plan, const float* q, float* out) {
           }
         }
         for (int slot = 0; slot < qpb; ++slot) {  // slot = warp * qpw + s
-          float p[kKeyTile] = {};
-          float tile_max = -INFINITY;
-          float score[kKeyTile];
-          for (int lane = 0; lane < kKeyTile; ++lane) {
-            float sc = 0.0f;
-            if (lane < n_keys) {
-              for (int d = 0; d < hd; ++d) {
-                sc = std::fma(q_s[static_cast<size_t>(slot * hd + d)],
-                              k_s[static_cast<size_t>(lane * hd + d)], sc);
-              }
-            }
-            const bool valid = lane < n_keys && t0 + lane <= qpos[static_cast<size_t>(slot)];
-            score[lane] = valid ? sc : -INFINITY;
-            tile_max = std::max(tile_max, score[lane]);
-          }
-          if (tile_max == -INFINITY) continue;
-          float& ms = m[static_cast<size_t>(slot)];
-          const float m_new = std::max(ms, tile_max);
-          const float alpha = std::exp2(ms - m_new);
-          float sum = 0.0f;
-          for (int lane = 0; lane < kKeyTile; ++lane) {
-            p[lane] = score[lane] == -INFINITY ? 0.0f : std::exp2(score[lane] - m_new);
-            sum += p[lane];
-          }
-          l[static_cast<size_t>(slot)] = std::fma(l[static_cast<size_t>(slot)], alpha, sum);
-          float* os = o.data() + static_cast<size_t>(slot * hd);
-          for (int d = 0; d < hd; ++d) os[d] *= alpha;
-          ms = m_new;
-          for (int j = 0; j < n_keys; ++j) {
-            for (int d = 0; d < hd; ++d) os[d] = std::fma(p[j], v_s[static_cast<size_t>(j * hd + d)], os[d]);
-          }
+          const size_t us = static_cast<size_t>(slot);
+          attend_tile(
+              q_s.data() + slot * hd, k_s, v_s, hd, n_keys, [&](int lane) { return t0 + lane <= qpos[us]; },
+              m[us], l[us], o.data() + slot * hd);
         }
       }
       for (int slot = 0; slot < qpb; ++slot) {
         if (qpos[static_cast<size_t>(slot)] < key_begin) continue;
         const int64_t pair = pair0 + slot;
-        const int64_t row = it.token_offset + pair / group;
-        const int64_t h = kvh * group + pair % group;
-        const float* os = o.data() + static_cast<size_t>(slot * hd);
-        if (a.n_chunks_max == 1) {
-          const float inv = 1.0f / l[static_cast<size_t>(slot)];
-          for (int d = 0; d < hd; ++d) out[(row * a.n_heads + h) * hd + d] = os[d] * inv;
-        } else {
-          const int64_t idx = ((it.row_begin + pair / group) * a.n_heads + h) * a.n_chunks_max + chunk;
-          for (int d = 0; d < hd; ++d) partial_o[static_cast<size_t>(idx * hd + d)] = os[d];
-          partial_m[idx] = m[static_cast<size_t>(slot)];
-          partial_l[idx] = l[static_cast<size_t>(slot)];
-        }
+        store_query(a, it, partials, out, pair, group, kvh, chunk, m[static_cast<size_t>(slot)],
+                    l[static_cast<size_t>(slot)], o.data() + static_cast<size_t>(slot * hd));
       }
     }
   }
@@ -167,19 +111,7 @@ void emulate(const AttentionPlan& plan, const float* q, float* out) {
     const int64_t qpos = plan.items[static_cast<size_t>(item_idx)].start_pos + local;
     const int64_t n = qpos / a.chunk_size + 1;
     const int64_t base = (r * a.n_heads + h) * a.n_chunks_max;
-    float mx = -INFINITY;
-    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, partial_m[base + c]);
-    std::vector<float> acc(static_cast<size_t>(hd), 0.0f);
-    float denom = 0.0f;
-    for (int64_t c = 0; c < n; ++c) {
-      const float weight = std::exp2(partial_m[base + c] - mx);
-      denom = std::fma(weight, partial_l[base + c], denom);
-      for (int d = 0; d < hd; ++d) {
-        acc[static_cast<size_t>(d)] =
-            std::fma(weight, partial_o[static_cast<size_t>((base + c) * hd + d)], acc[static_cast<size_t>(d)]);
-      }
-    }
-    for (int d = 0; d < hd; ++d) out[(row * a.n_heads + h) * hd + d] = acc[static_cast<size_t>(d)] / denom;
+    merge_chunks(partials, base, n, hd, out + (row * a.n_heads + h) * hd);
   }
 }
 
@@ -189,33 +121,6 @@ struct Case {
   std::vector<std::pair<int64_t, int64_t>> items;  // (n_tokens, start_pos)
   int sm_count;
 };
-
-// Host paged caches with pages in shuffled order.
-struct HostCache {
-  std::vector<float> k, v;
-  std::vector<float*> k_pages, v_pages;
-  KvLayerView view;
-};
-
-std::unique_ptr<HostCache> make_cache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh,
-                                      int64_t hd) {
-  auto c = std::make_unique<HostCache>();
-  const size_t page_floats = static_cast<size_t>(ps * kvh * hd);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  c->k.resize(page_floats * static_cast<size_t>(pages));
-  c->v.resize(c->k.size());
-  for (float& x : c->k) x = dist(rng);
-  for (float& x : c->v) x = dist(rng);
-  std::vector<int64_t> order(static_cast<size_t>(pages));
-  std::iota(order.begin(), order.end(), 0);
-  std::shuffle(order.begin(), order.end(), rng);
-  for (int64_t p = 0; p < pages; ++p) {
-    c->k_pages.push_back(c->k.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
-    c->v_pages.push_back(c->v.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
-  }
-  c->view = KvLayerView{c->k_pages.data(), c->v_pages.data(), pages, ps, kvh, hd};
-  return c;
-}
 
 class AttentionPlanTest : public ::testing::Test {
  protected:

@@ -20,28 +20,23 @@
 #include "gpu/attention_plan.h"
 #include "gpu/kernels.h"
 #include "gpu/sparse_plan.h"
+#include "tests/gpu/plan_test_util.h"
 
 namespace specontext::gpu {
 namespace {
 
-constexpr int kKeyTile = static_cast<int>(kernels::kAttentionKeyTile);
-constexpr int kWarps = kernels::kAttentionWarps;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+using plan_test::attend_tile;
+using plan_test::find_segment;
+using plan_test::kKeyTile;
+using plan_test::kLog2e;
+using plan_test::kWarps;
+using plan_test::make_cache;
+using plan_test::merge_chunks;
+using plan_test::Partials;
+using plan_test::stage_queries;
+using plan_test::store_query;
 
-int64_t find_segment(const int64_t* begin, int64_t n, int64_t x) {
-  int64_t lo = 0;
-  int64_t hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (begin[mid] <= x) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
 // Host mirror of kv_gather_kernel: the plan's page range and table, entries as uploaded.
 void emulate_gather(const KvGatherPlan& plan, const GatherEntry* entries) {
@@ -66,10 +61,7 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
   const int hd = static_cast<int>(a.head_dim);
   const int qpb = kWarps * a.queries_per_warp;
   const int64_t group = a.n_heads / a.kv_heads;
-  std::vector<float> partial_o(plan.partial_o_floats(), kNan);
-  std::vector<float> partial_ml(plan.partial_ml_floats(), kNan);
-  float* partial_m = partial_ml.data();
-  float* partial_l = partial_ml.data() + partial_ml.size() / 2;
+  Partials partials(plan.partial_o_floats(), plan.partial_ml_floats());
   std::vector<float> k_s(static_cast<size_t>(kKeyTile * hd)), v_s(k_s.size()),
       q_s(static_cast<size_t>(qpb * hd));
   for (int64_t bx = 0; bx < a.total_blocks; ++bx) {
@@ -95,18 +87,8 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
         continue;
       }
       const int64_t key_end = std::min(key_begin + a.chunk_size, count);
-      for (int slot = 0; slot < qpb; ++slot) {
-        const int64_t pair = pair0 + slot;
-        for (int d = 0; d < hd; ++d) {
-          float val = 0.0f;
-          if (pair < n_pairs) {
-            const int64_t row = it.token_offset + pair / group;
-            const int64_t h = kvh * group + pair % group;
-            val = q[(row * a.n_heads + h) * hd + d] * (a.scale * kLog2e);
-          }
-          q_s[static_cast<size_t>(slot * hd + d)] = val;
-        }
-      }
+      stage_queries(q_s, q, qpb, hd, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads,
+                    a.scale * kLog2e);
       std::vector<float> m(static_cast<size_t>(qpb), -INFINITY), l(static_cast<size_t>(qpb), 0.0f);
       std::vector<float> o(static_cast<size_t>(qpb * hd), 0.0f);
       const float* k_head = it.k + kvh * it.slots * hd;
@@ -119,53 +101,17 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
             v_s[static_cast<size_t>(j * hd + d)] = v_head[(t0 + j) * hd + d];
           }
         }
-        for (int slot = 0; slot < qpb; ++slot) {
-          float score[kKeyTile];
-          float p[kKeyTile] = {};
-          float tile_max = -INFINITY;
-          for (int lane = 0; lane < kKeyTile; ++lane) {
-            float sc = 0.0f;
-            if (lane < n_keys) {
-              for (int d = 0; d < hd; ++d) {
-                sc = std::fma(q_s[static_cast<size_t>(slot * hd + d)],
-                              k_s[static_cast<size_t>(lane * hd + d)], sc);
-              }
-            }
-            score[lane] = lane < n_keys ? sc : -INFINITY;
-            tile_max = std::max(tile_max, score[lane]);
-          }
-          float& ms = m[static_cast<size_t>(slot)];
-          const float m_new = std::max(ms, tile_max);
-          const float alpha = std::exp2(ms - m_new);
-          float sum = 0.0f;
-          for (int lane = 0; lane < kKeyTile; ++lane) {
-            p[lane] = lane < n_keys ? std::exp2(score[lane] - m_new) : 0.0f;
-            sum += p[lane];
-          }
-          l[static_cast<size_t>(slot)] = std::fma(l[static_cast<size_t>(slot)], alpha, sum);
-          float* os = o.data() + static_cast<size_t>(slot * hd);
-          for (int d = 0; d < hd; ++d) os[d] *= alpha;
-          ms = m_new;
-          for (int j = 0; j < n_keys; ++j) {
-            for (int d = 0; d < hd; ++d) os[d] = std::fma(p[j], v_s[static_cast<size_t>(j * hd + d)], os[d]);
-          }
+        for (int slot = 0; slot < qpb; ++slot) {  // no mask: every key of the set is visible
+          attend_tile(
+              q_s.data() + slot * hd, k_s, v_s, hd, n_keys, [](int) { return true; },
+              m[static_cast<size_t>(slot)], l[static_cast<size_t>(slot)], o.data() + slot * hd);
         }
       }
       for (int slot = 0; slot < qpb; ++slot) {
         const int64_t pair = pair0 + slot;
         if (pair >= n_pairs) continue;
-        const int64_t row = it.token_offset + pair / group;
-        const int64_t h = kvh * group + pair % group;
-        const float* os = o.data() + static_cast<size_t>(slot * hd);
-        if (a.n_chunks_max == 1) {
-          const float inv = 1.0f / l[static_cast<size_t>(slot)];
-          for (int d = 0; d < hd; ++d) out[(row * a.n_heads + h) * hd + d] = os[d] * inv;
-        } else {
-          const int64_t idx = ((it.row_begin + pair / group) * a.n_heads + h) * a.n_chunks_max + chunk;
-          std::copy(os, os + hd, partial_o.begin() + idx * hd);
-          partial_m[idx] = m[static_cast<size_t>(slot)];
-          partial_l[idx] = l[static_cast<size_t>(slot)];
-        }
+        store_query(a, it, partials, out, pair, group, kvh, chunk, m[static_cast<size_t>(slot)],
+                    l[static_cast<size_t>(slot)], o.data() + static_cast<size_t>(slot * hd));
       }
     }
   }
@@ -184,19 +130,7 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
       std::fill(dst, dst + hd, 0.0f);
       continue;
     }
-    float mx = -INFINITY;
-    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, partial_m[base + c]);
-    std::vector<float> acc(static_cast<size_t>(hd), 0.0f);
-    float denom = 0.0f;
-    for (int64_t c = 0; c < n; ++c) {
-      const float weight = std::exp2(partial_m[base + c] - mx);
-      denom = std::fma(weight, partial_l[base + c], denom);
-      for (int d = 0; d < hd; ++d) {
-        acc[static_cast<size_t>(d)] = std::fma(weight, partial_o[static_cast<size_t>((base + c) * hd + d)],
-                                               acc[static_cast<size_t>(d)]);
-      }
-    }
-    for (int d = 0; d < hd; ++d) dst[d] = acc[static_cast<size_t>(d)] * (1.0f / denom);
+    merge_chunks(partials, base, n, hd, dst);
   }
 }
 
@@ -361,31 +295,6 @@ TEST_F(SparsePlanTest, AttentionRejectsBadBatches) {
 }
 
 // ---- kv_gather ----
-
-struct HostCache {
-  std::vector<float> k, v;
-  std::vector<float*> k_pages, v_pages;
-  KvLayerView view;
-};
-
-std::unique_ptr<HostCache> make_cache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh, int64_t hd) {
-  auto c = std::make_unique<HostCache>();
-  const size_t page_floats = static_cast<size_t>(ps * kvh * hd);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  c->k.resize(page_floats * static_cast<size_t>(pages));
-  c->v.resize(c->k.size());
-  for (float& x : c->k) x = dist(rng);
-  for (float& x : c->v) x = dist(rng);
-  std::vector<int64_t> order(static_cast<size_t>(pages));
-  std::iota(order.begin(), order.end(), 0);
-  std::shuffle(order.begin(), order.end(), rng);
-  for (int64_t p = 0; p < pages; ++p) {
-    c->k_pages.push_back(c->k.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
-    c->v_pages.push_back(c->v.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
-  }
-  c->view = KvLayerView{c->k_pages.data(), c->v_pages.data(), pages, ps, kvh, hd};
-  return c;
-}
 
 TEST_F(SparsePlanTest, GatherPlanCopiesLikeTheReference) {
   for (int trial = 0; trial < 12; ++trial) {

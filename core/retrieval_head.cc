@@ -241,18 +241,28 @@ void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_
   const int64_t group = nh / nkv;
   const int64_t kvd = nkv * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // Token-major: each key row is read once for all query heads of its group. Eight partial sums
+  // let the compiler vectorise the dot product without reassociating a single float chain.
+  for (int64_t j = 0; j < length; ++j) {
+    for (int64_t g = 0; g < nkv; ++g) {
+      const float* kj = k_cache + j * kvd + g * hd;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = q + h * hd;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 8 <= hd; i += 8) {
+          for (int u = 0; u < 8; ++u) acc[u] += qh[i + u] * kj[i + u];
+        }
+        float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; i < hd; ++i) dot += qh[i] * kj[i];
+        scores[h * length + j] = dot * scale;
+      }
+    }
+  }
   for (int64_t h = 0; h < nh; ++h) {
-    const float* qh = q + h * hd;
-    const int64_t g = h / group;
     float* row = scores + h * length;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < length; ++j) {
-      const float* kj = k_cache + j * kvd + g * hd;
-      float s = 0.0f;
-      for (int64_t i = 0; i < hd; ++i) s += qh[i] * kj[i];
-      row[j] = s * scale;
-      mx = std::max(mx, row[j]);
-    }
+    for (int64_t j = 0; j < length; ++j) mx = std::max(mx, row[j]);
     double sum = 0.0;
     for (int64_t j = 0; j < length; ++j) {
       row[j] = std::exp(row[j] - mx);

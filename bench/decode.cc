@@ -26,7 +26,7 @@ int64_t matrix_bytes(const WeightMatrix& w) { return static_cast<int64_t>(w.byte
 int64_t weight_bytes_per_step(const Model& m) {
   int64_t b = matrix_bytes(m.lm_head);
   for (const auto& l : m.layers) {
-    for (const auto* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) b += matrix_bytes(*w);
+    for (const WeightMatrix* w : l.matrices()) b += matrix_bytes(*w);
   }
   return b;
 }

@@ -145,7 +145,7 @@ Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t
 void unify_weight_dtype(Model* model) {
   std::vector<WeightMatrix*> all = {&model->tok_embeddings, &model->lm_head};
   for (auto& l : model->layers) {
-    for (WeightMatrix* m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) {
+    for (WeightMatrix* m : l.matrices()) {
       all.push_back(m);
     }
   }

@@ -1,6 +1,7 @@
 // Model weights as views into storage the Model owns (memory maps or converted buffers).
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +38,10 @@ struct LayerWeights {
   WeightMatrix w_gate;    // [hidden_dim, dim]  (llama2.c w1)
   WeightMatrix w_up;      // [hidden_dim, dim]  (llama2.c w3)
   WeightMatrix w_down;    // [dim, hidden_dim]  (llama2.c w2)
+
+  // The seven big matrices, for code that treats them alike (placement, byte counts).
+  std::array<const WeightMatrix*, 7> matrices() const { return {&wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down}; }
+  std::array<WeightMatrix*, 7> matrices() { return {&wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down}; }
 };
 
 struct Model {

@@ -45,7 +45,7 @@ Status CpuBackend::place_weights(const Model& model) {
   auto bind_matrix = [&](const WeightMatrix& w) { bind(w.data, w.bytes()); };
   bind_matrix(model.tok_embeddings);
   for (const auto& l : model.layers) {
-    for (const WeightMatrix* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) bind_matrix(*w);
+    for (const WeightMatrix* w : l.matrices()) bind_matrix(*w);
   }
   if (model.lm_head.data != model.tok_embeddings.data) bind_matrix(model.lm_head);
   return Status::ok();

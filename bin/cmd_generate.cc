@@ -235,7 +235,10 @@ int run_generate(const GenerateArgs& a) {
   };
   auto results = gen.run(reqs, on_token, on_progress);
   if (!results.is_ok()) return fail(results.status());
-  if (stream) std::fputc('\n', stdout);
+  if (stream) {
+    std::fputc('\n', stdout);
+    std::fflush(stdout);  // the summary goes to stderr right after
+  }
   const GenerationStats& st = gen.stats();
   nlohmann::json summary = {
       {"prompt_tokens", static_cast<int64_t>(prompt_ids.size())},

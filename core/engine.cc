@@ -220,6 +220,10 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
     } else if (method == SparseMethod::kStreaming) {
       select_streaming(c.n_kv_heads, length, options_.sparse.selection, s.shared_selection);
     }
+    if (shares_selection(method)) {
+      s.shared_loads.clear();
+      s.shared_stats = s.shared_ws.update(s.shared_selection, s.shared_loads);
+    }
   }
 
   // ---- layers ----
@@ -269,17 +273,23 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
       const Selection* sel = nullptr;
       SPX_RETURN_IF_ERROR(select_for_layer(s, layer, items_[i], q + items_[i].token_offset * qd, &sel));
       selections_.push_back(sel);
-      loads_.clear();
-      const ElasticStats es = ls.ws.update(*sel, loads_);
+      const bool shared = shares_selection(method);
+      const ElasticWorkingSet& ws = shared ? s.shared_ws : ls.ws;
+      const std::vector<GatherEntry>& loads = shared ? s.shared_loads : loads_;
+      ElasticStats es = s.shared_stats;
+      if (!shared) {
+        loads_.clear();
+        es = ls.ws.update(*sel, loads_);
+      }
       WorkingSetView wsv;
       wsv.k = static_cast<float*>(ls.ws_k.get());
       wsv.v = static_cast<float*>(ls.ws_v.get());
       wsv.kv_heads = c.n_kv_heads;
-      wsv.slots = ls.ws.slots();
+      wsv.slots = ws.slots();
       wsv.head_dim = c.head_dim;
-      wsv.counts = ls.ws.counts().data();
-      if (!loads_.empty()) {
-        SPX_RETURN_IF_ERROR(be.kv_gather(items_[i].kv, loads_.data(), static_cast<int64_t>(loads_.size()), wsv));
+      wsv.counts = ws.counts().data();
+      if (!loads.empty()) {
+        SPX_RETURN_IF_ERROR(be.kv_gather(items_[i].kv, loads.data(), static_cast<int64_t>(loads.size()), wsv));
       }
       const int64_t token_bytes = 2 * c.head_dim * 4;
       sparse_stats_.tokens_selected += es.tokens_selected;
@@ -367,6 +377,10 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
   return out;
 }
 
+bool Engine::shares_selection(SparseMethod m) {
+  return m == SparseMethod::kSpeContext || m == SparseMethod::kStreaming;
+}
+
 bool Engine::wants_fused() const {
   return observer_ != nullptr || options_.sparse.method == SparseMethod::kSpeContext;
 }
@@ -382,8 +396,9 @@ Status Engine::ensure_sparse_state(Sequence& s) {
   const int64_t slots = options_.sparse.selection.budget;
   const size_t bytes = static_cast<size_t>(c.n_kv_heads * slots * c.head_dim) * sizeof(float);
   std::vector<LayerSparseState> layers(static_cast<size_t>(c.n_layers));
+  if (shares_selection(options_.sparse.method)) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
   for (auto& ls : layers) {
-    ls.ws = ElasticWorkingSet(c.n_kv_heads, slots);
+    if (!shares_selection(options_.sparse.method)) ls.ws = ElasticWorkingSet(c.n_kv_heads, slots);
     SPX_ASSIGN_OR_RETURN(ls.ws_k, backend_->allocate(bytes));
     SPX_ASSIGN_OR_RETURN(ls.ws_v, backend_->allocate(bytes));
   }

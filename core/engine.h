@@ -133,7 +133,7 @@ class Engine {
  private:
   // Per-layer sparse-decode state of one sequence.
   struct LayerSparseState {
-    ElasticWorkingSet ws;
+    ElasticWorkingSet ws;               // per-layer selections (Quest, oracle) only
     std::shared_ptr<void> ws_k, ws_v;   // [kv_heads][budget][head_dim] each, backend memory
     Selection selection;                // per-layer methods (Quest, oracle)
     std::vector<float> page_min, page_max;  // Quest key bounds [pages][kv_heads][head_dim]
@@ -144,11 +144,17 @@ class Engine {
     std::vector<float> head_k;      // retrieval head K cache [length][head kv_dim]
     std::vector<float> last_fused;  // fused features of the last cached position [3·dim]
     Selection shared_selection;     // SpeContext / streaming: one per step, all layers
+    // With a shared selection every layer's working set has the same slot map, so one diff per
+    // step (computed before layer 0) drives the copies of every layer.
+    ElasticWorkingSet shared_ws;
+    ElasticStats shared_stats;
+    std::vector<GatherEntry> shared_loads;
     std::vector<LayerSparseState> layers;  // allocated when the sequence first decodes sparsely
   };
   Engine() = default;
   Status reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated);
   bool wants_fused() const;
+  static bool shares_selection(SparseMethod m);
   bool decodes_sparse(const Sequence& s, int64_t n_tokens) const;
   Status ensure_sparse_state(Sequence& s);
   // Retrieval head on tokens whose fused(p−1) is known; appends their keys to the head cache.

@@ -413,6 +413,14 @@ TaskScratch task_scratch(int64_t nq, int64_t d) {
   return t;
 }
 
+// Split-K partial states of one attention call, owned by the calling thread (attention may run
+// concurrently from several threads). Shared by the dense and sparse paths.
+float* partial_scratch(int64_t floats) {
+  thread_local std::vector<float> partials;
+  if (partials.size() < static_cast<size_t>(floats)) partials.resize(static_cast<size_t>(floats));
+  return partials.data();
+}
+
 // Ends a task of the dense or sparse attention: acc / l into out (query r = token t0 + r / group,
 // head kvh * group + r % group; l == 0, no visible key, gives zeros), or with a split the raw
 // [m][l][acc] state into the partial buffer for merge_partials.
@@ -719,11 +727,7 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
       }
     }
   }
-  thread_local std::vector<float> partials;  // per calling thread: attention may run concurrently
-  if (partials.size() < static_cast<size_t>(partial_floats)) {
-    partials.resize(static_cast<size_t>(partial_floats));
-  }
-  float* partial_base = partials.data();
+  float* partial_base = partial_scratch(partial_floats);
 
   // 2. Every task folds its keys into online-softmax state.
   auto run_task = [&](const AttnTask& task) {
@@ -860,10 +864,7 @@ Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionI
       }
     }
   }
-  thread_local std::vector<float> partials;  // per calling thread: ops may run concurrently
-  if (partials.size() < static_cast<size_t>(partial_floats))
-    partials.resize(static_cast<size_t>(partial_floats));
-  float* partial_base = partials.data();
+  float* partial_base = partial_scratch(partial_floats);
 
   // 2. Every task folds its slots into the online-softmax state of the group's queries, so each
   // K/V row is read from memory once per (token tile, KV head), not once per query head.

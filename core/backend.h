@@ -11,15 +11,17 @@
 #include <vector>
 
 #include "core/ids.h"
+#include "core/memory.h"
 #include "core/model.h"
 #include "core/model_config.h"
+#include "core/selection.h"
 #include "core/status.h"
 
 namespace specontext {
 
 enum class BackendOp {
   kEmbed, kMatmul, kRmsNorm, kRope, kSwiglu, kAdd, kKvAppend, kAttention,
-  kKvGather, kAttentionSparse,
+  kKvGather, kAttentionSparse, kRetrievalScores,
 };
 
 // RoPE frequencies after scaling (llama3 / yarn / linear), computed once per model.
@@ -91,6 +93,26 @@ class Backend {
   // its NUMA node). Called once by the engine; the default leaves them where they are.
   virtual Status place_weights(const Model& model);
 
+  // ---- memory between the host and the backend's space ----
+  // What allocate() returns: kHost for the CPU backends, kDevice for CUDA.
+  virtual MemoryKind memory_kind() const { return MemoryKind::kHost; }
+  // A copy of `bytes` of host weight data that this backend's ops can read. The CPU backends
+  // return `host` itself; a device backend uploads it once and owns the copy for its lifetime.
+  virtual Result<const void*> import_weights(const void* host, size_t bytes);
+  // host → backend memory. May be asynchronous on device backends, but `host_src` may be reused
+  // as soon as the call returns. Default: memcpy.
+  virtual Status upload(void* dst, const void* host_src, size_t bytes);
+  // backend memory → host. Returns once `host_dst` holds the bytes (ordered after every op
+  // enqueued before it). Default: memcpy.
+  virtual Status download(void* host_dst, const void* src, size_t bytes);
+  // rows × row_bytes within backend memory, each side with its own stride in bytes.
+  // Default: memcpy per row.
+  virtual Status copy_rows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
+                           size_t row_bytes, int64_t rows);
+  // Waits until every op enqueued so far has finished; device backends report execution errors
+  // here. Default: OK (host backends are synchronous).
+  virtual Status synchronize();
+
   // out[i, :] = table[ids[i], :] as f32.
   virtual Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) = 0;
   // y[m, w.rows] = x[m, w.cols] · wᵀ (+ bias[w.rows] when bias != nullptr).
@@ -123,6 +145,20 @@ class Backend {
   // holds exactly the tokens to attend). GQA as in attention(). Scale 1/sqrt(head_dim).
   virtual Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
                                   int64_t n_heads, float* out);
+
+  // ---- retrieval head (SpeContext); optional: supports(kRetrievalScores) says ----
+  // Scores of one decode query of the retrieval head against its K cache, reduced over each GQA
+  // group: out[g][t] = max over the query heads h of group g of softmax_t(q_h · k_t / √head_dim).
+  // q [n_heads · head_dim]; k_cache [length][n_kv_heads · head_dim] (token-major);
+  // out [n_kv_heads][length]. All three in backend memory. Default: host loops.
+  virtual Status retrieval_group_scores(const float* q, const float* k_cache, int64_t length,
+                                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                        float* out);
+  // Per KV head: sinks ∪ window ∪ the best of the rest by group score (ties prefer the older
+  // token), ascending, as select_from_group_scores (core/selection.h) defines. group_scores in
+  // backend memory; `out` is host memory. Default: download + select_from_group_scores.
+  virtual Status select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
+                                   const SelectionOptions& options, Selection& out);
 };
 
 }  // namespace specontext

@@ -227,6 +227,7 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
   }
 
   // ---- layers ----
+  Communicator* comm = options_.communicator.get();
   SPX_RETURN_IF_ERROR(be.embed(ids_.data(), total, m.tok_embeddings, x));
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = m.layers[static_cast<size_t>(l)];
@@ -314,12 +315,14 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
                                               c.n_heads, att));
     }
     SPX_RETURN_IF_ERROR(be.matmul(att, total, w.wo, nullptr, tmp));
+    if (comm != nullptr) SPX_RETURN_IF_ERROR(comm->all_reduce_sum(tmp, total * dim));
     SPX_RETURN_IF_ERROR(be.add(x, tmp, total * dim));
     SPX_RETURN_IF_ERROR(be.rmsnorm(x, w.ffn_norm.data(), total, dim, c.norm_eps, xb));
     SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.w_gate, nullptr, gate));
     SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.w_up, nullptr, up));
     SPX_RETURN_IF_ERROR(be.swiglu(gate, up, total * hd, gate));
     SPX_RETURN_IF_ERROR(be.matmul(gate, total, w.w_down, nullptr, tmp));
+    if (comm != nullptr) SPX_RETURN_IF_ERROR(comm->all_reduce_sum(tmp, total * dim));
     SPX_RETURN_IF_ERROR(be.add(x, tmp, total * dim));
   }
   for (size_t i = 0; i < requests.size(); ++i) sparse_stats_.sparse_steps += sparse[i] ? 1 : 0;

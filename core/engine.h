@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/communicator.h"
 #include "core/ids.h"
 #include "core/kv_cache.h"
 #include "core/elastic.h"
@@ -74,6 +75,10 @@ struct EngineOptions {
   int64_t kv_pages = 0;        // pages in the pool; 0 = enough for max_sequences at max_context
   SparseOptions sparse;
   std::shared_ptr<const RetrievalHead> retrieval_head;  // required by SparseMethod::kSpeContext
+  // Tensor parallelism: this engine runs one rank's slice of the model (shard_model in
+  // core/tensor_parallel.h) and sums the attention-out and MLP-down partials over the ranks.
+  // Null: a single rank.
+  std::shared_ptr<Communicator> communicator;
 };
 
 enum class LogitsMode { kNone, kLast, kAll };

@@ -44,12 +44,10 @@ void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions
   }
 }
 
-void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
-                   const SelectionOptions& o, Selection& out) {
+void select_from_group_scores(std::span<const float> group_scores, int64_t n_kv_heads, int64_t length,
+                              const SelectionOptions& o, Selection& out) {
   const int64_t budget = std::max<int64_t>(o.budget, 1);
   prepare(out, n_kv_heads, budget);
-  const int64_t group = n_q_heads / n_kv_heads;
-  std::vector<float> group_max(static_cast<size_t>(length));
   std::vector<int32_t> order;
   for (int64_t h = 0; h < n_kv_heads; ++h) {
     int32_t* dst = out.indices.data() + h * budget;
@@ -62,15 +60,11 @@ void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_k
     const int64_t lo = sinks, hi = length - window;
     const int64_t take = std::min(budget - n, hi - lo);
     if (take > 0) {
-      std::fill(group_max.begin(), group_max.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* row = scores.data() + (h * group + g) * length;
-        for (int64_t t = lo; t < hi; ++t) group_max[static_cast<size_t>(t)] = std::max(group_max[static_cast<size_t>(t)], row[t]);
-      }
+      const float* score = group_scores.data() + h * length;
       order.resize(static_cast<size_t>(hi - lo));
       std::iota(order.begin(), order.end(), static_cast<int32_t>(lo));
       auto better = [&](int32_t a, int32_t b) {
-        const float sa = group_max[static_cast<size_t>(a)], sb = group_max[static_cast<size_t>(b)];
+        const float sa = score[a], sb = score[b];
         return sa > sb || (sa == sb && a < b);
       };
       std::nth_element(order.begin(), order.begin() + take - 1, order.end(), better);
@@ -79,6 +73,20 @@ void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_k
     std::sort(dst, dst + n);
     out.counts[static_cast<size_t>(h)] = n;
   }
+}
+
+void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
+                   const SelectionOptions& o, Selection& out) {
+  const int64_t group = n_q_heads / n_kv_heads;
+  std::vector<float> group_max(static_cast<size_t>(std::max<int64_t>(n_kv_heads * length, 0)), 0.0f);
+  for (int64_t h = 0; h < n_kv_heads; ++h) {
+    float* dst = group_max.data() + h * length;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* row = scores.data() + (h * group + g) * length;
+      for (int64_t t = 0; t < length; ++t) dst[t] = std::max(dst[t], row[t]);
+    }
+  }
+  select_from_group_scores(group_max, n_kv_heads, length, o, out);
 }
 
 void select_quest(const float* q, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,

@@ -37,6 +37,11 @@ struct Selection {
 void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads,
                    int64_t length, const SelectionOptions& options, Selection& out);
 
+// The same from scores already reduced over each GQA group: group_scores [n_kv_heads][length].
+// select_tokens is the group max followed by this.
+void select_from_group_scores(std::span<const float> group_scores, int64_t n_kv_heads, int64_t length,
+                              const SelectionOptions& options, Selection& out);
+
 // Sinks and window only (StreamingLLM), same output shape.
 void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions& options,
                       Selection& out);

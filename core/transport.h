@@ -12,22 +12,10 @@
 #include <vector>
 
 #include "core/ids.h"
+#include "core/memory.h"
 #include "core/status.h"
 
 namespace specontext {
-
-enum class MemoryKind { kHost, kPinnedHost, kDevice, kRemote };
-inline constexpr int kNumMemoryKinds = 4;
-
-constexpr std::string_view memory_kind_name(MemoryKind kind) {
-  switch (kind) {
-    case MemoryKind::kHost: return "host";
-    case MemoryKind::kPinnedHost: return "pinned_host";
-    case MemoryKind::kDevice: return "device";
-    case MemoryKind::kRemote: return "remote";
-  }
-  return "unknown";
-}
 
 // Copy `bytes` from [src_offset, src_offset + bytes) of tier src_tier to dst_offset of dst_tier.
 struct TransferRequest {

@@ -468,6 +468,7 @@ struct CpuBackend::Impl {
   std::vector<std::vector<float>> staging;  // dense outputs of staged slices
   std::unordered_map<MatmulKey, MatmulPlan, MatmulKeyHash> plans;
   std::vector<uint16_t> x_bf16;  // reusable bf16 copy of the matmul input
+  std::vector<float> x_rounded;  // the fallback's bf16-rounded input, widened back to f32
   std::string last_path_f32 = "none", last_path_bf16 = "none";
 
   // Runs f(begin, end) over [0, n) on the arena, or inline when the work is too small for
@@ -665,10 +666,20 @@ Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const Weight
       matmul_rows_f32(x, m, k, static_cast<const float*>(w.data), bias, n0, n1, n_total, y);
     });
   } else {
+    // x is rounded to bf16 as on the oneDNN path, so results do not depend on whether this CPU
+    // has avx512_core (oneDNN's bf16 kernels) or takes this loop.
+    const size_t count = static_cast<size_t>(m * k);
+    if (x_bf16.size() < count) x_bf16.resize(count);
+    if (x_rounded.size() < count) x_rounded.resize(count);
+    parallel(static_cast<int64_t>(count), 1 << 16, [&](int64_t b, int64_t e) {
+      f32_to_bf16_range(x + b, x_bf16.data() + b, e - b);
+      bf16_to_f32_range(x_bf16.data() + b, x_rounded.data() + b, e - b);
+    });
+    const float* xr = x_rounded.data();
     parallel(n_total, grain, [&](int64_t n0, int64_t n1) {
       thread_local std::vector<float> wbuf;
       if (wbuf.size() < static_cast<size_t>(k)) wbuf.resize(static_cast<size_t>(k));
-      matmul_rows_bf16(x, m, k, static_cast<const uint16_t*>(w.data), bias, n0, n1, n_total, wbuf.data(), y);
+      matmul_rows_bf16(xr, m, k, static_cast<const uint16_t*>(w.data), bias, n0, n1, n_total, wbuf.data(), y);
     });
   }
   return Status::ok();

@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages the build needs. Idempotent; uses sudo when not root.
 set -euo pipefail
 PACKAGES=(build-essential cmake ninja-build pkg-config clang-16 libclang-rt-16-dev
-          libgtest-dev libgmock-dev libdnnl-dev libtbb-dev libhwloc-dev libpcre2-dev
+          libgtest-dev libgmock-dev libdnnl-dev ocl-icd-opencl-dev libtbb-dev libhwloc-dev libpcre2-dev
           nlohmann-json3-dev libcli11-dev libboost-dev python3 python3-matplotlib)
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <random>
 #include <set>
 
+#include "core/backend.h"
 #include "core/elastic.h"
 #include "core/selection.h"
 
@@ -140,6 +143,78 @@ TEST(Elastic, StableSelectionLoadsOnlyTheNewToken) {
     EXPECT_EQ(loads[0].token, len - 1);
     EXPECT_DOUBLE_EQ(st.overlap(), 7.0 / 8.0);
   }
+}
+
+}  // namespace
+}  // namespace specontext
+
+namespace specontext {
+namespace {
+
+// The Backend's default retrieval ops (host loops) against the composition they replace:
+// retrieval_scores-style per-head softmax, then select_tokens' group max and top-k.
+class HostOnlyBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "host-only"; }
+  bool supports(BackendOp, DType) const override { return false; }
+  Status embed(const TokenId*, int64_t, const WeightMatrix&, float*) override { return Status::ok(); }
+  Status matmul(const float*, int64_t, const WeightMatrix&, const float*, float*) override { return Status::ok(); }
+  Status rmsnorm(const float*, const float*, int64_t, int64_t, float, float*) override { return Status::ok(); }
+  Status rope(float*, int64_t, int64_t, const int64_t*, const RopeParams&) override { return Status::ok(); }
+  Status swiglu(const float*, const float*, int64_t, float*) override { return Status::ok(); }
+  Status add(float*, const float*, int64_t) override { return Status::ok(); }
+  Status kv_append(const float*, const float*, int64_t, int64_t, const KvLayerView&) override { return Status::ok(); }
+  Status attention(const float*, const AttentionItem*, int64_t, int64_t, float*) override { return Status::ok(); }
+};
+
+TEST(Selection, BackendDefaultRetrievalOpsEqualScoresThenSelect) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const auto [nh, nkv, hd, L] : {std::array<int64_t, 4>{8, 2, 16, 300}, {4, 4, 8, 70}, {6, 1, 12, 129}}) {
+    std::vector<float> q(static_cast<size_t>(nh * hd)), k(static_cast<size_t>(L * nkv * hd));
+    for (auto& x : q) x = nd(rng);
+    for (auto& x : k) x = nd(rng);
+    // Per query head softmax in double, the reference of both.
+    std::vector<float> scores(static_cast<size_t>(nh * L));
+    const int64_t group = nh / nkv;
+    for (int64_t h = 0; h < nh; ++h) {
+      std::vector<double> row(static_cast<size_t>(L));
+      double mx = -1e300, sum = 0;
+      for (int64_t t = 0; t < L; ++t) {
+        double d = 0;
+        for (int64_t i = 0; i < hd; ++i) d += double(q[h * hd + i]) * k[(t * nkv + h / group) * hd + i];
+        row[t] = d / std::sqrt(double(hd));
+        mx = std::max(mx, row[t]);
+      }
+      for (auto& r : row) sum += (r = std::exp(r - mx));
+      for (int64_t t = 0; t < L; ++t) scores[h * L + t] = static_cast<float>(row[t] / sum);
+    }
+    HostOnlyBackend be;
+    std::vector<float> group_scores(static_cast<size_t>(nkv * L), -1.0f);
+    ASSERT_TRUE(be.retrieval_group_scores(q.data(), k.data(), L, nh, nkv, hd, group_scores.data()).is_ok());
+    double max_err = 0;
+    for (int64_t g = 0; g < nkv; ++g) {
+      for (int64_t t = 0; t < L; ++t) {
+        float want = 0;
+        for (int64_t j = 0; j < group; ++j) want = std::max(want, scores[(g * group + j) * L + t]);
+        max_err = std::max(max_err, double(std::abs(want - group_scores[g * L + t])) / std::max(1e-6f, want));
+      }
+    }
+    EXPECT_LT(max_err, 1e-4);
+    const SelectionOptions opts{32, 2, 4};
+    Selection want, got;
+    select_tokens(scores, nh, nkv, L, opts, want);
+    ASSERT_TRUE(be.select_top_tokens(group_scores.data(), nkv, L, opts, got).is_ok());
+    // Float rounding can reorder near-ties; compare the selected mass instead of the exact sets.
+    for (int64_t h = 0; h < nkv; ++h) {
+      ASSERT_EQ(got.counts[h], want.counts[h]);
+      double mass_got = 0, mass_want = 0;
+      for (int32_t t : got.head(h)) mass_got += group_scores[h * L + t];
+      for (int32_t t : want.head(h)) mass_want += group_scores[h * L + t];
+      EXPECT_NEAR(mass_got, mass_want, 1e-4 * std::max(1.0, mass_want));
+    }
+  }
+  EXPECT_FALSE(HostOnlyBackend().retrieval_group_scores(nullptr, nullptr, 4, 3, 2, 8, nullptr).is_ok());
 }
 
 }  // namespace

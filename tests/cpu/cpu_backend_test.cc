@@ -164,16 +164,12 @@ TEST_P(MatmulTest, Bf16MatchesReference) {
                            want_exact_w.data())
                     .is_ok());
     expect_close(got.data(), want_exact_w.data(), out_n, 1e-2, "matmul bf16 vs f32 of bf16 weights");
-    // Oracle 2: both inputs rounded as the optimised path does; only accumulation order differs.
-    // The fallback widens x exactly (no rounding), so it is held to the first oracle only.
-    if (!fallback && cpu->matmul_path(DType::kBF16) != "fallback") {
-      ASSERT_TRUE(ref.matmul(x_rounded.data(), s.m, WeightMatrix{DType::kF32, s.n, s.k, w_rounded.data()}, b,
-                             want_rounded_x.data())
-                      .is_ok());
-      expect_close(got.data(), want_rounded_x.data(), out_n, 1e-5, "matmul bf16 vs rounded inputs");
-    } else {
-      expect_close(got.data(), want_exact_w.data(), out_n, 1e-5, "matmul bf16 fallback");
-    }
+    // Oracle 2: both inputs rounded, as both paths do (oneDNN's bf16 kernels and the fallback
+    // loop round x to bf16); only the accumulation order differs.
+    ASSERT_TRUE(ref.matmul(x_rounded.data(), s.m, WeightMatrix{DType::kF32, s.n, s.k, w_rounded.data()}, b,
+                           want_rounded_x.data())
+                    .is_ok());
+    expect_close(got.data(), want_rounded_x.data(), out_n, 1e-5, "matmul bf16 vs rounded inputs");
     EXPECT_TRUE(got.intact()) << "matmul wrote outside y";
   }
   if (fallback) {

@@ -45,13 +45,14 @@ Status Backend::copy_rows(void* dst, size_t dst_stride, const void* src, size_t 
 
 Status Backend::synchronize() { return Status::ok(); }
 
-Status Backend::retrieval_group_scores(const float* q, const float* k_cache, int64_t length,
-                                       int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+Status Backend::retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
+                                       int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                        float* out) {
   if (length <= 0) return Status::ok();
-  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0) {
+  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 || block_tokens <= 0) {
     return invalid_argument("retrieval_group_scores: " + std::to_string(n_heads) + " query heads, " +
-                            std::to_string(n_kv_heads) + " KV heads, head_dim " + std::to_string(head_dim));
+                            std::to_string(n_kv_heads) + " KV heads, head_dim " + std::to_string(head_dim) +
+                            ", blocks of " + std::to_string(block_tokens) + " tokens");
   }
   const int64_t group = n_heads / n_kv_heads;
   const int64_t kvd = n_kv_heads * head_dim;
@@ -63,7 +64,7 @@ Status Backend::retrieval_group_scores(const float* q, const float* k_cache, int
     const float* qh = q + h * head_dim;
     float mx = -INFINITY;
     for (int64_t t = 0; t < length; ++t) {
-      const float* kt = k_cache + t * kvd + g * head_dim;
+      const float* kt = k_blocks[t / block_tokens] + (t % block_tokens) * kvd + g * head_dim;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int64_t i = 0;
       for (; i + 8 <= head_dim; i += 8) {

@@ -96,6 +96,11 @@ class Backend {
   // ---- memory between the host and the backend's space ----
   // What allocate() returns: kHost for the CPU backends, kDevice for CUDA.
   virtual MemoryKind memory_kind() const { return MemoryKind::kHost; }
+  // Whether ops may take pointers into memory of `kind` directly (zero-copy): the CPU backends
+  // read host and pinned host memory; CUDA reads device memory and mapped pinned host memory.
+  virtual bool addressable(MemoryKind kind) const {
+    return kind == MemoryKind::kHost || kind == MemoryKind::kPinnedHost;
+  }
   // A copy of `bytes` of host weight data that this backend's ops can read. The CPU backends
   // return `host` itself; a device backend uploads it once and owns the copy for its lifetime.
   virtual Result<const void*> import_weights(const void* host, size_t bytes);
@@ -149,11 +154,13 @@ class Backend {
   // ---- retrieval head (SpeContext); optional: supports(kRetrievalScores) says ----
   // Scores of one decode query of the retrieval head against its K cache, reduced over each GQA
   // group: out[g][t] = max over the query heads h of group g of softmax_t(q_h · k_t / √head_dim).
-  // q [n_heads · head_dim]; k_cache [length][n_kv_heads · head_dim] (token-major);
-  // out [n_kv_heads][length]. All three in backend memory. Default: host loops.
-  virtual Status retrieval_group_scores(const float* q, const float* k_cache, int64_t length,
-                                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                        float* out);
+  // q [n_heads · head_dim] and out [n_kv_heads][length] in backend memory. The K cache is paged
+  // like the KV cache: k_blocks is a HOST array of backend pointers, block b holding tokens
+  // [b·block_tokens, (b+1)·block_tokens) token-major ([block_tokens][n_kv_heads · head_dim]).
+  // Default: host loops.
+  virtual Status retrieval_group_scores(const float* q, const float* const* k_blocks,
+                                        int64_t block_tokens, int64_t length, int64_t n_heads,
+                                        int64_t n_kv_heads, int64_t head_dim, float* out);
   // Per KV head: sinks ∪ window ∪ the best of the rest by group score (ties prefer the older
   // token), ascending, as select_from_group_scores (core/selection.h) defines. group_scores in
   // backend memory; `out` is host memory. Default: download + select_from_group_scores.

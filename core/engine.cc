@@ -2,11 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
-#include <thread>
 #include <unordered_set>
 
 namespace specontext {
+
+namespace {
+
+std::string tier_name(TierKind kind, int32_t index) {
+  return kind == TierKind::kDevice ? std::string("device") : std::string(tier_kind_name(kind)) + std::to_string(index);
+}
+
+}  // namespace
 
 std::string_view sparse_method_name(SparseMethod m) {
   switch (m) {
@@ -28,6 +36,14 @@ Result<SparseMethod> parse_sparse_method(std::string_view name) {
                           "' (dense, specontext, streaming, quest, oracle)");
 }
 
+TierTraffic& TierTraffic::operator+=(const TierTraffic& o) {
+  bytes_in += o.bytes_in;
+  bytes_out += o.bytes_out;
+  tokens_loaded += o.tokens_loaded;
+  tokens_hit += o.tokens_hit;
+  return *this;
+}
+
 Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> model,
                                                std::shared_ptr<Backend> backend,
                                                const EngineOptions& options) {
@@ -45,13 +61,9 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
   std::unique_ptr<Engine> e(new Engine());
   e->model_ = std::move(model);
   e->backend_ = std::move(backend);
-  SPX_RETURN_IF_ERROR(e->backend_->place_weights(*e->model_));
   e->options_ = options;
   e->max_context_ = options.max_context > 0 ? options.max_context : c.max_seq_len;
   if (e->max_context_ <= 0) return invalid_argument("model has no max_seq_len; set max_context");
-  const int64_t pages_per_seq = (e->max_context_ + options.page_size - 1) / options.page_size;
-  const int64_t n_pages = options.kv_pages > 0 ? options.kv_pages : pages_per_seq * options.max_sequences;
-  SPX_ASSIGN_OR_RETURN(e->kv_, KvCache::create(c, *e->backend_, options.page_size, n_pages));
   e->rope_ = make_rope_params(c);
   e->fused_layers_ = eagle3_fused_layers(c.n_layers);
   const SparseOptions& sp = options.sparse;
@@ -67,6 +79,10 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
         return unimplemented("backend " + std::string(e->backend_->name()) + " has no sparse decode ops");
       }
     }
+    if (sp.method == SparseMethod::kOracle && e->backend_->memory_kind() != MemoryKind::kHost) {
+      return unimplemented("sparse method oracle reads the KV cache on the host; backend " +
+                           std::string(e->backend_->name()) + " keeps it in device memory");
+    }
   }
   if (sp.method == SparseMethod::kSpeContext) {
     const auto& head = options.retrieval_head;
@@ -78,8 +94,157 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
     }
     e->fused_layers_ = head->config.fused_layers;
     e->head_rope_ = make_head_rope_params(head->config, e->max_context_);
+    // Head key blocks of B tokens: with equal head and target head_dim a block is exactly one
+    // working-set slice, so the top of the device tier holds a single allocation size.
+    e->head_block_tokens_ = sp.selection.budget;
   }
+  SPX_RETURN_IF_ERROR(e->backend_->place_weights(*e->model_));
+  SPX_RETURN_IF_ERROR(e->import_weights());
+  SPX_RETURN_IF_ERROR(e->setup_tiers());
   return e;
+}
+
+Status Engine::import_weights() {
+  Backend& be = *backend_;
+  auto matrix = [&](const WeightMatrix& w) -> Result<WeightMatrix> {
+    WeightMatrix d = w;
+    if (!w.empty()) {
+      SPX_ASSIGN_OR_RETURN(d.data, be.import_weights(w.data, w.bytes()));
+    }
+    return d;
+  };
+  auto vec = [&](const Vec& v) -> Result<const float*> {
+    if (v.empty()) return static_cast<const float*>(nullptr);
+    SPX_ASSIGN_OR_RETURN(const void* p, be.import_weights(v.data(), v.size() * sizeof(float)));
+    return static_cast<const float*>(p);
+  };
+  const Model& m = *model_;
+  SPX_ASSIGN_OR_RETURN(tok_embeddings_, matrix(m.tok_embeddings));
+  SPX_ASSIGN_OR_RETURN(lm_head_, matrix(m.lm_head));
+  SPX_ASSIGN_OR_RETURN(final_norm_, vec(m.final_norm));
+  layer_ptrs_.resize(m.layers.size());
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const LayerWeights& w = m.layers[l];
+    LayerPtrs& p = layer_ptrs_[l];
+    SPX_ASSIGN_OR_RETURN(p.attn_norm, vec(w.attn_norm));
+    SPX_ASSIGN_OR_RETURN(p.ffn_norm, vec(w.ffn_norm));
+    SPX_ASSIGN_OR_RETURN(p.bq, vec(w.bq));
+    SPX_ASSIGN_OR_RETURN(p.bk, vec(w.bk));
+    SPX_ASSIGN_OR_RETURN(p.bv, vec(w.bv));
+    SPX_ASSIGN_OR_RETURN(p.q_norm, vec(w.q_norm));
+    SPX_ASSIGN_OR_RETURN(p.k_norm, vec(w.k_norm));
+    SPX_ASSIGN_OR_RETURN(p.wq, matrix(w.wq));
+    SPX_ASSIGN_OR_RETURN(p.wk, matrix(w.wk));
+    SPX_ASSIGN_OR_RETURN(p.wv, matrix(w.wv));
+    SPX_ASSIGN_OR_RETURN(p.wo, matrix(w.wo));
+    SPX_ASSIGN_OR_RETURN(p.w_gate, matrix(w.w_gate));
+    SPX_ASSIGN_OR_RETURN(p.w_up, matrix(w.w_up));
+    SPX_ASSIGN_OR_RETURN(p.w_down, matrix(w.w_down));
+  }
+  if (options_.sparse.method == SparseMethod::kSpeContext) {
+    const RetrievalHead& h = *options_.retrieval_head;
+    SPX_ASSIGN_OR_RETURN(head_fc_, matrix(h.fc));
+    SPX_ASSIGN_OR_RETURN(head_wq_, matrix(h.wq));
+    SPX_ASSIGN_OR_RETURN(head_wk_, matrix(h.wk));
+    SPX_ASSIGN_OR_RETURN(head_input_norm_, vec(h.input_norm));
+    SPX_ASSIGN_OR_RETURN(head_hidden_norm_, vec(h.hidden_norm));
+  }
+  return Status::ok();
+}
+
+Status Engine::setup_tiers() {
+  const ModelConfig& c = config();
+  const TieringOptions& t = options_.tiering;
+  const int64_t pages_per_seq = (max_context_ + options_.page_size - 1) / options_.page_size;
+  const int64_t n_pages = options_.kv_pages > 0 ? options_.kv_pages : pages_per_seq * options_.max_sequences;
+  const bool tiered = !t.host.empty() || !t.remote.empty();
+  if (tiered && (t.transport == nullptr || !t.copies)) {
+    return invalid_argument("KV tiers: host or remote tiers need a transport and a copy queue");
+  }
+  if (!tiered && t.policy) return invalid_argument("KV tiers: a placement policy needs host or remote tiers");
+
+  // The device tier: KV pages, working sets, staging and the head's keys. By default enough for
+  // every sequence at max_context (what an all-device engine needs).
+  uint64_t device_bytes = t.device_bytes;
+  if (device_bytes == 0) {
+    const uint64_t page_bytes = 2 * static_cast<uint64_t>(options_.page_size * c.kv_dim()) * sizeof(float);
+    const uint64_t chunk_pages = static_cast<uint64_t>(
+        options_.kv_chunk_pages > 0 ? std::min(options_.kv_chunk_pages, n_pages) : KvStore::default_chunk_pages(page_bytes, n_pages));
+    const uint64_t chunks = (static_cast<uint64_t>(n_pages) + chunk_pages - 1) / chunk_pages;
+    device_bytes = static_cast<uint64_t>(c.n_layers) * chunks * chunk_pages * page_bytes;
+    uint64_t allocations = static_cast<uint64_t>(c.n_layers) * chunks;
+    if (options_.sparse.method != SparseMethod::kDense) {
+      const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) * sizeof(float);
+      device_bytes += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2 * ws;
+      allocations += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2;
+    }
+    if (options_.sparse.method == SparseMethod::kSpeContext) {
+      const auto& hc = options_.retrieval_head->config;
+      const int64_t blocks = (max_context_ + head_block_tokens_ - 1) / head_block_tokens_;
+      device_bytes += static_cast<uint64_t>(options_.max_sequences * blocks) * head_block_bytes();
+      allocations += static_cast<uint64_t>(options_.max_sequences * blocks);
+    }
+    device_bytes += allocations * 256 + (uint64_t{1} << 20);
+  }
+  SPX_ASSIGN_OR_RETURN(device_region_, backend_->allocate(device_bytes));
+
+  std::vector<TierMemory> tiers;
+  TierMemory dev;
+  dev.desc.id = TierId(0);
+  dev.desc.kind = TierKind::kDevice;
+  dev.desc.name = "device";
+  dev.desc.memory = backend_->memory_kind();
+  dev.desc.capacity_bytes = device_bytes;
+  dev.base = device_region_.get();
+  dev.owner = device_region_;
+  tiers.push_back(dev);
+  auto add = [&](const TierMemory& m, TierKind kind) -> Status {
+    TierMemory tm = m;
+    tm.desc.id = TierId(static_cast<int32_t>(tiers.size()));
+    tm.desc.kind = kind;
+    if (tm.desc.name.empty()) tm.desc.name = tier_name(kind, tm.desc.index);
+    if (kind == TierKind::kRemote) {
+      tm.desc.memory = MemoryKind::kRemote;
+      tm.base = nullptr;
+    } else if (tm.base == nullptr || (tm.desc.memory != MemoryKind::kHost && tm.desc.memory != MemoryKind::kPinnedHost)) {
+      return invalid_argument("KV tiers: host pool " + tm.desc.name + " needs host memory (kHost or kPinnedHost)");
+    }
+    if (tm.desc.capacity_bytes == 0) return invalid_argument("KV tiers: tier " + tm.desc.name + " has no capacity");
+    tiers.push_back(std::move(tm));
+    return Status::ok();
+  };
+  for (const TierMemory& h : t.host) SPX_RETURN_IF_ERROR(add(h, TierKind::kHost));
+  for (const TierMemory& r : t.remote) SPX_RETURN_IF_ERROR(add(r, TierKind::kRemote));
+  if (tiered) {
+    for (const TierMemory& tm : tiers) {
+      SPX_RETURN_IF_ERROR_CTX(t.transport->register_tier(tm.desc.id, tm.desc.memory, tm.base, tm.desc.capacity_bytes),
+                              "KV tiers: registering " + tm.desc.name + " with " + std::string(t.transport->name()));
+    }
+    if (!t.remote.empty()) {
+      // Writes into remote tiers from the host (synthetic fills) go through this bounce buffer.
+      constexpr uint64_t kBounceBytes = uint64_t{4} << 20;
+      bounce_ = std::shared_ptr<void>(std::aligned_alloc(4096, kBounceBytes), [](void* p) { std::free(p); });
+      if (!bounce_) return resource_exhausted("KV tiers: cannot allocate the host bounce buffer");
+      bounce_tier_ = TierId(static_cast<int32_t>(tiers.size()));
+      SPX_RETURN_IF_ERROR_CTX(t.transport->register_tier(bounce_tier_, MemoryKind::kHost, bounce_.get(), kBounceBytes),
+                              "KV tiers: registering the bounce buffer");
+    }
+  }
+  SPX_ASSIGN_OR_RETURN(kv_, KvStore::create(c, options_.page_size, n_pages, std::move(tiers), options_.kv_chunk_pages));
+  placement_.layer_home.assign(static_cast<size_t>(c.n_layers), TierId(0));
+  placement_.head_cache_home = TierId(0);
+  step_traffic_.assign(static_cast<size_t>(kv_->n_tiers()), TierTraffic{});
+  total_traffic_ = step_traffic_;
+  return Status::ok();
+}
+
+Result<void*> Engine::fit(Workspace& w, size_t bytes) {
+  if (w.bytes < bytes) {
+    const size_t grown = std::max(bytes, w.bytes + w.bytes / 2);
+    SPX_ASSIGN_OR_RETURN(w.mem, backend_->allocate(grown));
+    w.bytes = grown;
+  }
+  return w.mem.get();
 }
 
 Result<SeqId> Engine::add_sequence() {
@@ -96,6 +261,9 @@ Status Engine::remove_sequence(SeqId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return invalid_argument("unknown sequence " + std::to_string(seq.value()));
   for (PageId p : it->second.pages) kv_->free_page(p);
+  drop_sparse_state(it->second);
+  release_head_cache(it->second);
+  if (options_.tiering.candidate_filter) options_.tiering.candidate_filter->drop(seq);
   sequences_.erase(it);
   return Status::ok();
 }
@@ -105,7 +273,46 @@ int64_t Engine::sequence_length(SeqId seq) const {
   return it == sequences_.end() ? 0 : it->second.length;
 }
 
-int64_t Engine::kv_bytes_in_use() const { return kv_->used_pages() * kv_->page_bytes_all_layers(); }
+int64_t Engine::kv_bytes_in_use() const {
+  return kv_->used_pages() * static_cast<int64_t>(kv_->page_bytes()) * kv_->n_layers();
+}
+
+Status Engine::admit(int64_t final_length, bool alone) const {
+  if (final_length > max_context_) {
+    return out_of_range("a sequence of " + std::to_string(final_length) + " tokens is beyond the context limit of " +
+                        std::to_string(max_context_));
+  }
+  if (options_.tiering.policy) {
+    std::vector<int64_t> lens;
+    if (!alone) {
+      for (const auto& [id, s] : sequences_) lens.push_back(s.length);
+    }
+    PlacementInput in = placement_input(lens);
+    if (alone) in.device_other_bytes = 0;
+    // What the new sequence's first steps allocate beyond its tokens (placement_input's growth
+    // terms, for one more sequence).
+    const ModelConfig& c = config();
+    in.device_other_bytes += static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
+    if (options_.sparse.method != SparseMethod::kDense) {
+      in.device_other_bytes += static_cast<uint64_t>(c.n_layers) * 2 *
+                               static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
+                               sizeof(float);
+    }
+    if (options_.sparse.method == SparseMethod::kSpeContext) in.device_other_bytes += head_block_bytes();
+    return options_.tiering.policy->admit(in, final_length, alone);
+  }
+  const int64_t need = (final_length + kv_->page_size() - 1) / kv_->page_size();
+  int64_t available = kv_->total_pages();
+  if (!alone) {
+    for (const auto& [id, s] : sequences_) available -= static_cast<int64_t>(s.pages.size());
+  }
+  if (need > available) {
+    return resource_exhausted("a sequence of " + std::to_string(final_length) + " tokens needs " + std::to_string(need) +
+                              " KV pages; " + std::to_string(available) + " of " + std::to_string(kv_->total_pages()) +
+                              (alone ? " exist" : " are free"));
+  }
+  return Status::ok();
+}
 
 Status Engine::reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated) {
   const int64_t need = (new_length + kv_->page_size() - 1) / kv_->page_size();
@@ -118,452 +325,40 @@ Status Engine::reserve_pages(Sequence& seq, int64_t new_length, std::vector<Page
   return Status::ok();
 }
 
-Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
-  const ModelConfig& c = config();
-  const Model& m = *model_;
-  Backend& be = *backend_;
-
-  // ---- validate everything before touching state ----
-  if (requests.empty()) return invalid_argument("forward: empty batch");
-  int64_t total = 0;
-  std::unordered_set<SeqId> seen;
-  for (const StepRequest& r : requests) {
-    auto it = sequences_.find(r.seq);
-    if (it == sequences_.end()) return invalid_argument("forward: unknown sequence " + std::to_string(r.seq.value()));
-    if (!seen.insert(r.seq).second) {
-      return invalid_argument("forward: sequence " + std::to_string(r.seq.value()) + " appears twice in one batch");
-    }
-    if (r.tokens.empty()) return invalid_argument("forward: request without tokens");
-    for (TokenId t : r.tokens) {
-      if (t < 0 || t >= c.vocab_size) {
-        return invalid_argument("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
-                                std::to_string(c.vocab_size) + ")");
-      }
-    }
-    const int64_t new_len = it->second.length + static_cast<int64_t>(r.tokens.size());
-    if (new_len > max_context_) {
-      return out_of_range("sequence " + std::to_string(r.seq.value()) + " would hold " + std::to_string(new_len) +
-                          " tokens, beyond the context limit of " + std::to_string(max_context_));
-    }
-    total += static_cast<int64_t>(r.tokens.size());
-  }
-
-  // ---- reserve pages (all or nothing) ----
-  std::vector<PageId> newly_allocated;
-  for (const StepRequest& r : requests) {
-    Sequence& s = sequences_[r.seq];
-    Status st = reserve_pages(s, s.length + static_cast<int64_t>(r.tokens.size()), newly_allocated);
-    if (!st.is_ok()) {
-      // Roll back: pages taken in this call go back to the pool.
-      std::unordered_set<PageId> fresh(newly_allocated.begin(), newly_allocated.end());
-      for (auto& [id, seq] : sequences_) {
-        while (!seq.pages.empty() && fresh.count(seq.pages.back())) seq.pages.pop_back();
-      }
-      for (PageId p : newly_allocated) kv_->free_page(p);
-      return st;
-    }
-  }
-
-  // ---- gather tokens and positions ----
-  const int64_t dim = c.dim, qd = c.q_dim(), kvd = c.kv_dim(), hd = c.hidden_dim;
-  ids_.resize(static_cast<size_t>(total));
-  positions_.resize(static_cast<size_t>(total));
-  items_.resize(requests.size());
-  k_ptrs_.resize(requests.size());
-  v_ptrs_.resize(requests.size());
-  std::vector<Sequence*> seqs(requests.size());
-  std::vector<bool> sparse(requests.size());
-  int64_t row = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const StepRequest& r = requests[i];
-    seqs[i] = &sequences_[r.seq];
-    const int64_t start = seqs[i]->length;
-    items_[i].token_offset = row;
-    items_[i].n_tokens = static_cast<int64_t>(r.tokens.size());
-    items_[i].start_pos = start;
-    sparse[i] = decodes_sparse(*seqs[i], items_[i].n_tokens);
-    for (size_t j = 0; j < r.tokens.size(); ++j) {
-      ids_[static_cast<size_t>(row)] = r.tokens[j];
-      positions_[static_cast<size_t>(row)] = start + static_cast<int64_t>(j);
-      ++row;
-    }
-  }
-  auto fit = [](std::vector<float>& v, int64_t n) { v.resize(static_cast<size_t>(n)); return v.data(); };
-  float* x = fit(x_, total * dim);
-  float* xb = fit(xb_, total * dim);
-  float* q = fit(q_, total * qd);
-  float* k = fit(k_, total * kvd);
-  float* v = fit(v_, total * kvd);
-  float* att = fit(att_, total * qd);
-  float* tmp = fit(tmp_, total * dim);
-  float* gate = fit(gate_, total * hd);
-  float* up = fit(up_, total * hd);
-  const bool capture_fused = wants_fused();
-  float* fused = capture_fused ? fit(fused_, total * 3 * dim) : nullptr;
-
-  // ---- sparse decode: selections that serve every layer, made before layer 0 ----
-  const SparseMethod method = options_.sparse.method;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    if (!sparse[i]) continue;
-    Sequence& s = *seqs[i];
-    SPX_RETURN_IF_ERROR(ensure_sparse_state(s));
-    const int64_t length = items_[i].start_pos + 1;  // the current token is attended too
-    if (method == SparseMethod::kSpeContext) {
-      const RetrievalHead& head = *options_.retrieval_head;
-      float* hq = fit(head_q_, head.config.n_heads * head.config.head_dim);
-      SPX_RETURN_IF_ERROR(run_head(s, &ids_[static_cast<size_t>(items_[i].token_offset)], s.last_fused.data(),
-                                   items_[i].start_pos, 1, hq));
-      float* sc = fit(scores_, head.config.n_heads * length);
-      retrieval_scores(head, hq, s.head_k.data(), length, sc);
-      select_tokens(std::span<const float>(sc, static_cast<size_t>(head.config.n_heads * length)),
-                    head.config.n_heads, c.n_kv_heads, length, options_.sparse.selection, s.shared_selection);
-    } else if (method == SparseMethod::kStreaming) {
-      select_streaming(c.n_kv_heads, length, options_.sparse.selection, s.shared_selection);
-    }
-    if (shares_selection(method)) {
-      s.shared_loads.clear();
-      s.shared_stats = s.shared_ws.update(s.shared_selection, s.shared_loads);
-    }
-  }
-
-  // ---- layers ----
-  Communicator* comm = options_.communicator.get();
-  SPX_RETURN_IF_ERROR(be.embed(ids_.data(), total, m.tok_embeddings, x));
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    const LayerWeights& w = m.layers[static_cast<size_t>(l)];
-    const LayerId layer(static_cast<int32_t>(l));
-    if (capture_fused) {
-      for (int slot = 0; slot < 3; ++slot) {
-        if (fused_layers_[static_cast<size_t>(slot)] != l) continue;
-        for (int64_t r = 0; r < total; ++r) std::copy_n(x + r * dim, dim, fused + (r * 3 + slot) * dim);
-      }
-    }
-    SPX_RETURN_IF_ERROR(be.rmsnorm(x, w.attn_norm.data(), total, dim, c.norm_eps, xb));
-    SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.wq, w.bq.empty() ? nullptr : w.bq.data(), q));
-    SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.wk, w.bk.empty() ? nullptr : w.bk.data(), k));
-    SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.wv, w.bv.empty() ? nullptr : w.bv.data(), v));
-    if (c.qk_norm) {
-      SPX_RETURN_IF_ERROR(be.rmsnorm(q, w.q_norm.data(), total * c.n_heads, c.head_dim, c.norm_eps, q));
-      SPX_RETURN_IF_ERROR(be.rmsnorm(k, w.k_norm.data(), total * c.n_kv_heads, c.head_dim, c.norm_eps, k));
-    }
-    SPX_RETURN_IF_ERROR(be.rope(q, total, c.n_heads, positions_.data(), rope_));
-    SPX_RETURN_IF_ERROR(be.rope(k, total, c.n_kv_heads, positions_.data(), rope_));
-    dense_items_.clear();
-    sparse_items_.clear();
-    sparse_index_.clear();
-    for (size_t i = 0; i < requests.size(); ++i) {
-      items_[i].kv = kv_->view(layer, seqs[i]->pages, k_ptrs_[i], v_ptrs_[i]);
-      const int64_t off = items_[i].token_offset;
-      SPX_RETURN_IF_ERROR(be.kv_append(k + off * kvd, v + off * kvd, items_[i].n_tokens,
-                                       items_[i].start_pos, items_[i].kv));
-      if (method == SparseMethod::kQuest) {
-        update_quest_bounds(*seqs[i], layer, k + off * kvd, items_[i].start_pos, items_[i].n_tokens);
-      }
-      if (!sparse[i]) dense_items_.push_back(items_[i]);
-    }
-    if (observer_ != nullptr) observer_->on_attention(layer, q, items_);
-    if (!dense_items_.empty()) {
-      SPX_RETURN_IF_ERROR(be.attention(q, dense_items_.data(), static_cast<int64_t>(dense_items_.size()),
-                                       c.n_heads, att));
-    }
-    selections_.clear();
-    for (size_t i = 0; i < requests.size(); ++i) {
-      if (!sparse[i]) continue;
-      Sequence& s = *seqs[i];
-      LayerSparseState& ls = s.layers[static_cast<size_t>(l)];
-      const Selection* sel = nullptr;
-      SPX_RETURN_IF_ERROR(select_for_layer(s, layer, items_[i], q + items_[i].token_offset * qd, &sel));
-      selections_.push_back(sel);
-      const bool shared = shares_selection(method);
-      const ElasticWorkingSet& ws = shared ? s.shared_ws : ls.ws;
-      const std::vector<GatherEntry>& loads = shared ? s.shared_loads : loads_;
-      ElasticStats es = s.shared_stats;
-      if (!shared) {
-        loads_.clear();
-        es = ls.ws.update(*sel, loads_);
-      }
-      WorkingSetView wsv;
-      wsv.k = static_cast<float*>(ls.ws_k.get());
-      wsv.v = static_cast<float*>(ls.ws_v.get());
-      wsv.kv_heads = c.n_kv_heads;
-      wsv.slots = ws.slots();
-      wsv.head_dim = c.head_dim;
-      wsv.counts = ws.counts().data();
-      if (!loads.empty()) {
-        SPX_RETURN_IF_ERROR(be.kv_gather(items_[i].kv, loads.data(), static_cast<int64_t>(loads.size()), wsv));
-      }
-      const int64_t token_bytes = 2 * c.head_dim * 4;
-      sparse_stats_.tokens_selected += es.tokens_selected;
-      sparse_stats_.tokens_loaded += es.tokens_loaded;
-      sparse_stats_.tokens_kept += es.tokens_kept;
-      sparse_stats_.bytes_loaded += es.tokens_loaded * token_bytes;
-      sparse_stats_.bytes_full_reload += es.tokens_selected * token_bytes;
-      SparseAttentionItem si;
-      si.token_offset = items_[i].token_offset;
-      si.n_tokens = items_[i].n_tokens;
-      si.ws = wsv;
-      sparse_items_.push_back(si);
-      sparse_index_.push_back(i);
-    }
-    if (!sparse_items_.empty()) {
-      if (observer_ != nullptr) {
-        std::vector<AttentionItem> sparse_attention_items;
-        for (size_t idx : sparse_index_) sparse_attention_items.push_back(items_[idx]);
-        observer_->on_sparse_selection(layer, sparse_attention_items, selections_);
-      }
-      SPX_RETURN_IF_ERROR(be.attention_sparse(q, sparse_items_.data(), static_cast<int64_t>(sparse_items_.size()),
-                                              c.n_heads, att));
-    }
-    SPX_RETURN_IF_ERROR(be.matmul(att, total, w.wo, nullptr, tmp));
-    if (comm != nullptr) SPX_RETURN_IF_ERROR(comm->all_reduce_sum(tmp, total * dim));
-    SPX_RETURN_IF_ERROR(be.add(x, tmp, total * dim));
-    SPX_RETURN_IF_ERROR(be.rmsnorm(x, w.ffn_norm.data(), total, dim, c.norm_eps, xb));
-    SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.w_gate, nullptr, gate));
-    SPX_RETURN_IF_ERROR(be.matmul(xb, total, w.w_up, nullptr, up));
-    SPX_RETURN_IF_ERROR(be.swiglu(gate, up, total * hd, gate));
-    SPX_RETURN_IF_ERROR(be.matmul(gate, total, w.w_down, nullptr, tmp));
-    if (comm != nullptr) SPX_RETURN_IF_ERROR(comm->all_reduce_sum(tmp, total * dim));
-    SPX_RETURN_IF_ERROR(be.add(x, tmp, total * dim));
-  }
-  for (size_t i = 0; i < requests.size(); ++i) sparse_stats_.sparse_steps += sparse[i] ? 1 : 0;
-
-  // ---- retrieval head keys of the tokens not yet fed to it; fused state for the next step ----
-  if (capture_fused) {
-    if (observer_ != nullptr) observer_->on_fused_hidden(fused, total, items_);
-    const int64_t fd = 3 * dim;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      Sequence& s = *seqs[i];
-      const AttentionItem& it = items_[i];
-      if (method == SparseMethod::kSpeContext && !sparse[i]) {
-        // fused(p−1) of each row: the stored last one for the first row, this forward's rows after.
-        std::vector<float> prev(static_cast<size_t>(it.n_tokens * fd));
-        std::copy(s.last_fused.begin(), s.last_fused.end(), prev.begin());
-        if (it.n_tokens > 1) {
-          std::copy_n(fused + it.token_offset * fd, (it.n_tokens - 1) * fd, prev.begin() + fd);
-        }
-        const auto& hc = options_.retrieval_head->config;
-        std::vector<float> hq(static_cast<size_t>(it.n_tokens * hc.n_heads * hc.head_dim));
-        SPX_RETURN_IF_ERROR(run_head(s, &ids_[static_cast<size_t>(it.token_offset)], prev.data(), it.start_pos,
-                                     it.n_tokens, hq.data()));
-      }
-      s.last_fused.assign(fused + (it.token_offset + it.n_tokens - 1) * fd,
-                          fused + (it.token_offset + it.n_tokens) * fd);
-    }
-  }
-
-  // ---- logits for the rows asked for ----
-  StepOutput out;
-  out.vocab = c.vocab_size;
-  out.first_row.assign(requests.size(), -1);
-  out.n_rows.assign(requests.size(), 0);
-  int64_t n_out = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const int64_t n = requests[i].logits == LogitsMode::kAll ? items_[i].n_tokens
-                      : requests[i].logits == LogitsMode::kLast ? 1 : 0;
-    if (n > 0) out.first_row[i] = n_out;
-    out.n_rows[i] = n;
-    n_out += n;
-  }
-  if (n_out > 0) {
-    float* rows = fit(rows_, n_out * dim);
-    int64_t r = 0;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const int64_t first = items_[i].token_offset + items_[i].n_tokens - out.n_rows[i];
-      std::copy_n(x + first * dim, out.n_rows[i] * dim, rows + r * dim);
-      r += out.n_rows[i];
-    }
-    SPX_RETURN_IF_ERROR(be.rmsnorm(rows, m.final_norm.data(), n_out, dim, c.norm_eps, rows));
-    out.logits.resize(static_cast<size_t>(n_out * c.vocab_size));
-    SPX_RETURN_IF_ERROR(be.matmul(rows, n_out, m.lm_head, nullptr, out.logits.data()));
-  }
-  for (size_t i = 0; i < requests.size(); ++i) seqs[i]->length += items_[i].n_tokens;
-  return out;
+bool Engine::host_visible(TierId tier) const {
+  const TierMemory& t = kv_->tiers()[static_cast<size_t>(tier.value())];
+  return t.base != nullptr && (t.desc.memory == MemoryKind::kHost || t.desc.memory == MemoryKind::kPinnedHost);
 }
 
-bool Engine::shares_selection(SparseMethod m) {
-  return m == SparseMethod::kSpeContext || m == SparseMethod::kStreaming;
+bool Engine::backend_reads(TierId tier) const {
+  const TierMemory& t = kv_->tiers()[static_cast<size_t>(tier.value())];
+  return t.base != nullptr && (tier == TierId(0) || backend_->addressable(t.desc.memory));
 }
 
-bool Engine::wants_fused() const {
-  return observer_ != nullptr || options_.sparse.method == SparseMethod::kSpeContext;
-}
-
-bool Engine::decodes_sparse(const Sequence& s, int64_t n_tokens) const {
-  return options_.sparse.method != SparseMethod::kDense && n_tokens == 1 &&
-         s.length + 1 > options_.sparse.selection.budget;
-}
-
-Status Engine::ensure_sparse_state(Sequence& s) {
-  if (!s.layers.empty()) return Status::ok();
-  const ModelConfig& c = config();
-  const int64_t slots = options_.sparse.selection.budget;
-  const size_t bytes = static_cast<size_t>(c.n_kv_heads * slots * c.head_dim) * sizeof(float);
-  std::vector<LayerSparseState> layers(static_cast<size_t>(c.n_layers));
-  if (shares_selection(options_.sparse.method)) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
-  for (auto& ls : layers) {
-    if (!shares_selection(options_.sparse.method)) ls.ws = ElasticWorkingSet(c.n_kv_heads, slots);
-    SPX_ASSIGN_OR_RETURN(ls.ws_k, backend_->allocate(bytes));
-    SPX_ASSIGN_OR_RETURN(ls.ws_v, backend_->allocate(bytes));
-  }
-  s.layers = std::move(layers);
-  return Status::ok();
-}
-
-Status Engine::run_head(Sequence& s, const TokenId* tokens, const float* fused_prev, int64_t start_pos,
-                        int64_t n, float* q_out) {
-  const RetrievalHead& head = *options_.retrieval_head;
-  const int64_t kd = head.config.n_kv_heads * head.config.head_dim;
-  std::vector<int64_t> pos(static_cast<size_t>(n));
-  for (int64_t j = 0; j < n; ++j) pos[static_cast<size_t>(j)] = start_pos + j;
-  // The head cache holds one row per cached token; a sequence's rows are appended in order.
-  if (static_cast<int64_t>(s.head_k.size()) != start_pos * kd) {
-    return internal_error("retrieval head cache holds " + std::to_string(s.head_k.size() / kd) +
-                          " tokens, expected " + std::to_string(start_pos));
-  }
-  s.head_k.resize(static_cast<size_t>((start_pos + n) * kd));
-  return retrieval_qk(*backend_, head, head_rope_, model_->tok_embeddings, tokens, fused_prev, pos.data(), n, q_out,
-                      s.head_k.data() + start_pos * kd);
-}
-
-void Engine::update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n) {
-  const ModelConfig& c = config();
-  if (s.layers.empty()) {
-    if (!ensure_sparse_state(s).is_ok()) return;  // allocation failure surfaces at the sparse step
-  }
-  LayerSparseState& ls = s.layers[static_cast<size_t>(layer.value())];
-  const int64_t ps = options_.sparse.quest_page_size, kvd = c.kv_dim();
-  const int64_t pages = (start_pos + n + ps - 1) / ps;
-  if (static_cast<int64_t>(ls.page_min.size()) < pages * kvd) {
-    ls.page_min.resize(static_cast<size_t>(pages * kvd), INFINITY);
-    ls.page_max.resize(static_cast<size_t>(pages * kvd), -INFINITY);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t page = (start_pos + j) / ps;
-    for (int64_t e = 0; e < kvd; ++e) {
-      float& mn = ls.page_min[static_cast<size_t>(page * kvd + e)];
-      float& mx = ls.page_max[static_cast<size_t>(page * kvd + e)];
-      mn = std::min(mn, k_rows[j * kvd + e]);
-      mx = std::max(mx, k_rows[j * kvd + e]);
+Status Engine::check_invariants() const {
+  SPX_RETURN_IF_ERROR(kv_->check_invariants());
+  std::unordered_set<PageId> seen;
+  for (const auto& [id, s] : sequences_) {
+    const int64_t need = (s.length + kv_->page_size() - 1) / kv_->page_size();
+    if (static_cast<int64_t>(s.pages.size()) < need) {
+      return internal_error("sequence " + std::to_string(id.value()) + " holds " + std::to_string(s.pages.size()) +
+                            " pages for " + std::to_string(s.length) + " tokens");
     }
-  }
-}
-
-Status Engine::select_for_layer(Sequence& s, LayerId layer, const AttentionItem& item, const float* q,
-                                const Selection** selection) {
-  const ModelConfig& c = config();
-  const int64_t length = item.start_pos + 1;
-  LayerSparseState& ls = s.layers[static_cast<size_t>(layer.value())];
-  switch (options_.sparse.method) {
-    case SparseMethod::kSpeContext:
-    case SparseMethod::kStreaming:
-      *selection = &s.shared_selection;
-      return Status::ok();
-    case SparseMethod::kQuest:
-      select_quest(q, c.n_heads, c.n_kv_heads, c.head_dim, ls.page_min.data(), ls.page_max.data(),
-                   options_.sparse.quest_page_size, length, options_.sparse.selection, ls.selection);
-      *selection = &ls.selection;
-      return Status::ok();
-    case SparseMethod::kOracle: {
-      // The layer's true attention weights of this token: softmax(q·Kᵀ/√d) over the whole cache.
-      std::vector<float> sc(static_cast<size_t>(c.n_heads * length));
-      const int64_t group = c.n_heads / c.n_kv_heads;
-      const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-      for (int64_t h = 0; h < c.n_heads; ++h) {
-        const int64_t kvh = h / group;
-        float* row = sc.data() + h * length;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < length; ++t) {
-          const float* kr = item.kv.k_pages[t / item.kv.page_size] +
-                            (kvh * item.kv.page_size + t % item.kv.page_size) * c.head_dim;
-          float d = 0.0f;
-          for (int64_t i = 0; i < c.head_dim; ++i) d += q[h * c.head_dim + i] * kr[i];
-          row[t] = d * scale;
-          mx = std::max(mx, row[t]);
-        }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < length; ++t) sum += (row[t] = std::exp(row[t] - mx));
-        for (int64_t t = 0; t < length; ++t) row[t] /= sum;
-      }
-      select_tokens(sc, c.n_heads, c.n_kv_heads, length, options_.sparse.selection, ls.selection);
-      *selection = &ls.selection;
-      return Status::ok();
-    }
-    case SparseMethod::kDense:
-      break;
-  }
-  return internal_error("select_for_layer called for a dense step");
-}
-
-Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
-  auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return invalid_argument("fill_synthetic: unknown sequence");
-  Sequence& s = it->second;
-  if (s.length != 0) return invalid_argument("fill_synthetic: sequence is not empty");
-  if (n_tokens <= 0 || n_tokens > max_context_) {
-    return out_of_range("fill_synthetic: " + std::to_string(n_tokens) + " tokens outside (0, " +
-                        std::to_string(max_context_) + "]");
-  }
-  std::vector<PageId> fresh;
-  Status st = reserve_pages(s, n_tokens, fresh);
-  if (!st.is_ok()) {
-    for (PageId p : fresh) kv_->free_page(p);
-    s.pages.clear();
-    return st;
-  }
-  // Values in [-1, 1): keys of unit-ish scale give a spread-out softmax, like real caches.
-  const int64_t layers = kv_->n_layers();
-  auto fill_layer = [&](int64_t l) {
-    uint64_t state = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(l) + 1;
     for (PageId p : s.pages) {
-      for (float* block : {kv_->k_page(LayerId(static_cast<int32_t>(l)), p),
-                           kv_->v_page(LayerId(static_cast<int32_t>(l)), p)}) {
-        for (int64_t i = 0; i < kv_->page_floats(); ++i) {
-          state ^= state >> 12; state ^= state << 25; state ^= state >> 27;
-          const uint32_t r = static_cast<uint32_t>((state * 0x2545F4914F6CDD1Dull) >> 40);
-          block[i] = static_cast<float>(r) / 8388608.0f - 1.0f;
-        }
-      }
-    }
-  };
-  // Filling gigabytes single-threaded takes long; one thread per layer group.
-  const unsigned n_threads = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(),
-                                                             static_cast<unsigned>(layers)));
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < n_threads; ++t) {
-    threads.emplace_back([&, t] {
-      for (int64_t l = t; l < layers; l += n_threads) fill_layer(l);
-    });
-  }
-  for (auto& th : threads) th.join();
-  // Sparse methods keep state derived from the cache: the head's keys, the fused features of
-  // the last position, Quest's page bounds.
-  const ModelConfig& c = config();
-  if (options_.sparse.method == SparseMethod::kSpeContext) {
-    const auto& hc = options_.retrieval_head->config;
-    uint64_t state = seed * 0xD1B54A32D192ED03ull + 7;
-    auto next = [&state] {
-      state ^= state >> 12; state ^= state << 25; state ^= state >> 27;
-      return static_cast<float>(static_cast<uint32_t>((state * 0x2545F4914F6CDD1Dull) >> 40)) / 8388608.0f - 1.0f;
-    };
-    s.head_k.resize(static_cast<size_t>(n_tokens * hc.n_kv_heads * hc.head_dim));
-    for (auto& x : s.head_k) x = next();
-    s.last_fused.resize(static_cast<size_t>(3 * c.dim));
-    for (auto& x : s.last_fused) x = next();
-  } else if (options_.sparse.method == SparseMethod::kQuest) {
-    std::vector<float> rows(static_cast<size_t>(c.kv_dim()));
-    for (int64_t l = 0; l < layers; ++l) {
-      const LayerId layer(static_cast<int32_t>(l));
-      for (int64_t t = 0; t < n_tokens; ++t) {
-        const float* block = kv_->k_page(layer, s.pages[static_cast<size_t>(t / kv_->page_size())]);
-        for (int64_t h = 0; h < c.n_kv_heads; ++h) {
-          std::copy_n(block + (h * kv_->page_size() + t % kv_->page_size()) * c.head_dim, c.head_dim,
-                      rows.data() + h * c.head_dim);
-        }
-        update_quest_bounds(s, layer, rows.data(), t, 1);
+      if (!seen.insert(p).second) {
+        return internal_error("page " + std::to_string(p.value()) + " belongs to two sequences");
       }
     }
   }
-  s.length = n_tokens;
+  if (static_cast<int64_t>(seen.size()) != kv_->used_pages()) {
+    return internal_error(std::to_string(kv_->used_pages()) + " pages in use but sequences hold " +
+                          std::to_string(seen.size()));
+  }
+  for (int64_t l = 0; l < kv_->n_layers(); ++l) {
+    if (kv_->home(LayerId(static_cast<int32_t>(l))) != placement_.layer_home[static_cast<size_t>(l)]) {
+      return internal_error("layer " + std::to_string(l) + " is not where the placement says");
+    }
+  }
   return Status::ok();
 }
 

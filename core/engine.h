@@ -6,6 +6,7 @@
 // Thread model: an Engine is used by one thread at a time; the backend parallelises inside ops.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <string_view>
@@ -16,7 +17,10 @@
 #include "core/backend.h"
 #include "core/communicator.h"
 #include "core/ids.h"
-#include "core/kv_cache.h"
+#include "core/candidate_filter.h"
+#include "core/copy_queue.h"
+#include "core/kv_store.h"
+#include "core/placement.h"
 #include "core/elastic.h"
 #include "core/model.h"
 #include "core/retrieval_head.h"
@@ -68,17 +72,77 @@ struct SparseStats {
   double overlap() const { return tokens_selected ? double(tokens_kept) / double(tokens_selected) : 0.0; }
 };
 
+// KV tiers (issue: tiers, prefetch, planner). Without host or remote tiers every layer lives on
+// the device and nothing moves. With them, a PlacementPolicy (planner::PlannerPolicy) decides
+// before every step which layers live where; offloaded layers' KV is loaded through `copies`
+// while earlier layers compute (SpeContext's asynchronous prefetch with elastic loading).
+struct TieringOptions {
+  // Bytes of device memory for KV pages, working sets, staging pages and the retrieval head's
+  // keys (tier 0). 0 = enough to hold every sequence at max_context on the device.
+  uint64_t device_bytes = 0;
+  std::vector<TierMemory> host;    // one pool per NUMA node (ids 1..N), memory owned by the caller
+  std::vector<TierMemory> remote;  // remote nodes (ids N+1..), no base address
+  Transport* transport = nullptr;  // moves bytes between tiers; the engine registers the tiers
+  std::shared_ptr<CopyQueue> copies;         // runs transfers on its own thread, over `transport`
+  std::shared_ptr<PlacementPolicy> policy;   // null: every layer stays on the device
+  std::shared_ptr<CandidateFilter> candidate_filter;  // used while the placement says cpu_filtering
+};
+
 struct EngineOptions {
   int64_t max_sequences = 16;  // live sequences at once
   int64_t max_context = 0;     // tokens per sequence; 0 = the model's max_seq_len
   int64_t page_size = 16;      // tokens per KV page
   int64_t kv_pages = 0;        // pages in the pool; 0 = enough for max_sequences at max_context
+  int64_t kv_chunk_pages = 0;  // pages per storage chunk of a layer; 0 = about 2 MiB (KvStore)
   SparseOptions sparse;
   std::shared_ptr<const RetrievalHead> retrieval_head;  // required by SparseMethod::kSpeContext
   // Tensor parallelism: this engine runs one rank's slice of the model (shard_model in
   // core/tensor_parallel.h) and sums the attention-out and MLP-down partials over the ranks.
   // Null: a single rank.
   std::shared_ptr<Communicator> communicator;
+  TieringOptions tiering;
+};
+
+// Per tier, what the engine holds there and what moved (observability).
+struct TierTraffic {
+  uint64_t bytes_in = 0;       // written into this tier (stores, migrations in)
+  uint64_t bytes_out = 0;      // read from this tier (loads, migrations out)
+  int64_t tokens_loaded = 0;   // selected tokens loaded from this tier into working sets
+  int64_t tokens_hit = 0;      // selected tokens of layers homed here already in the working set
+  TierTraffic& operator+=(const TierTraffic& o);
+};
+struct TierReport {
+  TierDescription desc;
+  uint64_t used_bytes = 0;  // everything the engine placed there (pages, working sets, staging, head keys)
+  uint64_t kv_bytes = 0;    // KV pages of layers homed there
+  int64_t layers = 0;       // layers homed there
+  TierTraffic last_step, total;
+};
+
+// Overlap of copies with compute, per forward and summed.
+struct OverlapStats {
+  int64_t steps = 0;             // forwards that moved KV between tiers
+  double step_seconds = 0;       // wall time of those forwards
+  double copy_busy_seconds = 0;  // time at least one of their copies was in flight
+  double wait_seconds = 0;       // time the engine loop was blocked on copies (the exposed part)
+  // compute = step − wait; a serial schedule would take compute + copy_busy.
+  double compute_seconds() const { return step_seconds - wait_seconds; }
+  double serial_seconds() const { return compute_seconds() + copy_busy_seconds; }
+  double hidden_fraction() const {
+    return copy_busy_seconds > 0 ? std::max(0.0, 1.0 - wait_seconds / copy_busy_seconds) : 0.0;
+  }
+};
+
+// A placement change the engine applied (or could not), with the policy's reasons.
+struct PlacementEvent {
+  int64_t forward = 0;  // index of the forward before which it happened
+  std::vector<int64_t> seq_lens;
+  std::vector<std::string> reasons;
+  int64_t layers_moved = 0;
+  uint64_t bytes_moved = 0;
+  double seconds = 0;
+  bool cpu_filtering = false;
+  std::string error;  // non-empty when a move failed (the layer kept its home)
 };
 
 enum class LogitsMode { kNone, kLast, kAll };
@@ -112,6 +176,11 @@ class Engine {
 
   // New empty sequence; ResourceExhausted when max_sequences are live.
   Result<SeqId> add_sequence();
+  // Whether a new sequence that will reach `final_length` tokens can be served: beside the live
+  // ones (alone = false) or on an otherwise idle engine (alone = true). kResourceExhausted names
+  // what does not fit (the placement policy's answer, or the page pool); kOutOfRange beyond the
+  // context limit.
+  Status admit(int64_t final_length, bool alone) const;
   // Frees the sequence's pages. Unknown ids are an InvalidArgument.
   Status remove_sequence(SeqId seq);
   // Tokens cached for the sequence (0 for unknown ids).
@@ -128,6 +197,18 @@ class Engine {
 
   // Bytes of KV held by live sequences (pages in use × page bytes) and per token of context.
   int64_t kv_bytes_in_use() const;
+  const KvStore& kv_store() const { return *kv_; }
+  const KvPlacement& placement() const { return placement_; }
+  // Per tier: usage and traffic (last forward and total).
+  std::vector<TierReport> tier_report() const;
+  const OverlapStats& overlap_stats() const { return overlap_; }
+  const OverlapStats& last_step_overlap() const { return last_overlap_; }
+  const std::vector<PlacementEvent>& placement_events() const { return events_; }
+  // Moves layers (and the retrieval head's keys) to the placement's tiers now, between steps.
+  // On a failed move that layer keeps its home and content; the error is returned.
+  Status apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons = {});
+  // Checks the KV store's invariants and that every live sequence's pages are distinct and in use.
+  Status check_invariants() const;
   int64_t kv_bytes_per_token() const { return config().kv_bytes_per_token(4); }
 
   void set_observer(ForwardObserver* observer) { observer_ = observer; }
@@ -136,19 +217,42 @@ class Engine {
   void reset_sparse_stats() { sparse_stats_ = SparseStats{}; }
 
  private:
+  // Weights as the backend reads them (CPU: the model's own memory; CUDA: device copies).
+  struct LayerPtrs {
+    const float* attn_norm = nullptr;
+    const float* ffn_norm = nullptr;
+    const float* bq = nullptr;
+    const float* bk = nullptr;
+    const float* bv = nullptr;
+    const float* q_norm = nullptr;
+    const float* k_norm = nullptr;
+    WeightMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  // An allocation in one tier of the KV store.
+  struct Slice {
+    TierId tier;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+    bool valid() const { return bytes > 0; }
+  };
   // Per-layer sparse-decode state of one sequence.
   struct LayerSparseState {
-    ElasticWorkingSet ws;               // per-layer selections (Quest, oracle) only
-    std::shared_ptr<void> ws_k, ws_v;   // [kv_heads][budget][head_dim] each, backend memory
-    Selection selection;                // per-layer methods (Quest, oracle)
+    ElasticWorkingSet ws;      // per-layer selections (Quest, oracle) only
+    Slice ws_k, ws_v;          // [kv_heads][budget][head_dim] each, in the device tier
+    Selection selection;       // per-layer methods (Quest, oracle)
     std::vector<float> page_min, page_max;  // Quest key bounds [pages][kv_heads][head_dim]
   };
   struct Sequence {
     int64_t length = 0;
     std::vector<PageId> pages;
-    std::vector<float> head_k;      // retrieval head K cache [length][head kv_dim]
-    std::vector<float> last_fused;  // fused features of the last cached position [3·dim]
-    Selection shared_selection;     // SpeContext / streaming: one per step, all layers
+    // Retrieval head K cache, paged: block b holds tokens [b·T, (b+1)·T) token-major
+    // ([T][head kv_dim]), T = head_block_tokens_, all blocks in tier head_tier. Fixed-size
+    // blocks (the size of one working-set slice) never fragment their tier and never copy.
+    std::vector<uint64_t> head_blocks;
+    TierId head_tier{0};
+    int64_t filter_tokens = 0;  // head keys handed to the candidate filter so far
+    std::shared_ptr<void> last_fused;  // fused features of the last cached position [3·dim], backend memory
+    Selection shared_selection;        // SpeContext / streaming: one per step, all layers
     // With a shared selection every layer's working set has the same slot map, so one diff per
     // step (computed before layer 0) drives the copies of every layer.
     ElasticWorkingSet shared_ws;
@@ -156,22 +260,54 @@ class Engine {
     std::vector<GatherEntry> shared_loads;
     std::vector<LayerSparseState> layers;  // allocated when the sequence first decodes sparsely
   };
+  // Grow-only scratch in backend memory.
+  struct Workspace {
+    std::shared_ptr<void> mem;
+    size_t bytes = 0;
+  };
   Engine() = default;
+  Status import_weights();
+  // The body of forward() after validation, re-planning and page reservation; forward() undoes
+  // the reservation and the working-set updates when it fails.
+  Result<StepOutput> run_forward(std::span<const StepRequest> requests, const std::vector<Sequence*>& seqs);
+  Status setup_tiers();
+  Result<void*> fit(Workspace& w, size_t bytes);
   Status reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated);
   bool wants_fused() const;
   static bool shares_selection(SparseMethod m);
   bool decodes_sparse(const Sequence& s, int64_t n_tokens) const;
   Status ensure_sparse_state(Sequence& s);
-  // Retrieval head on tokens whose fused(p−1) is known; appends their keys to the head cache.
-  Status run_head(Sequence& s, const TokenId* tokens, const float* fused_prev, int64_t start_pos,
-                  int64_t n, float* q_out);
+  void drop_sparse_state(Sequence& s);
+  void invalidate_working_sets(Sequence& s);
+  Status ensure_head_capacity(Sequence& s, int64_t tokens);
+  int64_t head_capacity(const Sequence& s) const { return static_cast<int64_t>(s.head_blocks.size()) * head_block_tokens_; }
+  uint64_t head_block_bytes() const;
+  float* head_row(const Sequence& s, int64_t token) const;  // address of token's key row
+  const float* const* head_block_table(const Sequence& s);  // backend pointers, valid until the next call
+  void release_head_cache(Sequence& s);
+  // Retrieval head on tokens whose fused(p−1) is known (backend memory); writes their keys into
+  // the head cache at start_pos.. and the query rows to q_out.
+  Status run_head(Sequence& s, const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
+                  int64_t start_pos, int64_t n, float* q_out);
+  Status shared_selection_for(Sequence& s, SeqId id, const TokenId* token_dev, const int64_t* position_dev,
+                              int64_t start_pos);
   Status select_for_layer(Sequence& s, LayerId layer, const AttentionItem& item, const float* q,
                           const Selection** selection);
-  void update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n);
+  Status update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n);
+  bool host_visible(TierId tier) const;       // the engine thread may read/write it directly
+  bool backend_reads(TierId tier) const;      // backend ops may take pointers into it
+  Status rebalance(std::span<const StepRequest> requests);
+  PlacementInput placement_input(const std::vector<int64_t>& seq_lens) const;
+  Status move_head_caches(TierId to);
+  Status write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes);
+  TierTraffic& traffic(TierId tier) { return step_traffic_[static_cast<size_t>(tier.value())]; }
 
   std::shared_ptr<const Model> model_;
   std::shared_ptr<Backend> backend_;
-  std::unique_ptr<KvCache> kv_;
+  std::unique_ptr<KvStore> kv_;
+  std::shared_ptr<void> device_region_;
+  std::shared_ptr<void> bounce_;  // host staging for writes into remote tiers
+  TierId bounce_tier_;
   RopeParams rope_;
   RopeParams head_rope_;
   EngineOptions options_;
@@ -181,16 +317,35 @@ class Engine {
   ForwardObserver* observer_ = nullptr;
   SparseStats sparse_stats_;
   std::array<int64_t, 3> fused_layers_{};
+  int64_t forwards_ = 0;
+  int64_t head_block_tokens_ = 0;
+  std::vector<const float*> head_table_;
 
-  // Workspace reused across calls (resized, never shrunk).
-  std::vector<float> x_, xb_, q_, k_, v_, att_, tmp_, gate_, up_, rows_, fused_, head_q_, scores_;
+  // Weights as the backend reads them.
+  WeightMatrix tok_embeddings_, lm_head_;
+  const float* final_norm_ = nullptr;
+  std::vector<LayerPtrs> layer_ptrs_;
+  WeightMatrix head_fc_, head_wq_, head_wk_;
+  const float* head_input_norm_ = nullptr;
+  const float* head_hidden_norm_ = nullptr;
+
+  // Tiers.
+  KvPlacement placement_;
+  std::vector<TierTraffic> step_traffic_, total_traffic_;
+  OverlapStats overlap_, last_overlap_;
+  std::vector<PlacementEvent> events_;
+
+  // Workspace reused across calls (grow-only).
+  Workspace x_, xb_, q_, k_, v_, att_, tmp_, gate_, up_, rows_, fused_, fused_prev_, head_x_, head_q_,
+      head_k_rows_, scores_, logits_, ids_dev_, positions_dev_;
   std::vector<TokenId> ids_;
   std::vector<int64_t> positions_;
+  std::vector<float> host_q_, host_rows_;  // downloads for host-side selection (Quest, oracle, filter)
   std::vector<AttentionItem> items_, dense_items_;
   std::vector<SparseAttentionItem> sparse_items_;
   std::vector<size_t> sparse_index_;  // request index of each sparse item
   std::vector<std::vector<float*>> k_ptrs_, v_ptrs_;
-  std::vector<GatherEntry> loads_;
+  std::vector<GatherEntry> loads_, current_loads_;
   std::vector<const Selection*> selections_;
 };
 

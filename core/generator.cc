@@ -51,6 +51,19 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
   size_t next_admit = 0;
   auto admit = [&]() -> Status {
     while (next_admit < requests.size()) {
+      const GenerationRequest& r = requests[next_admit];
+      const int64_t final_length =
+          std::min(engine_.max_context(), r.synthetic_context + static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens);
+      if (Status fits = engine_.admit(final_length, /*alone=*/false); !fits.is_ok()) {
+        if (fits.code() != StatusCode::kResourceExhausted) return fits;
+        // Wait for running sequences to finish if it fits alone; refuse it if it never can.
+        if (engine_.live_sequences() > 0 && engine_.admit(final_length, /*alone=*/true).is_ok()) break;
+        results[next_admit].finish = FinishReason::kRefused;
+        results[next_admit].error = "request " + std::to_string(next_admit) + " refused: " + fits.message();
+        active[next_admit].done = true;
+        ++next_admit;
+        continue;
+      }
       auto seq = engine_.add_sequence();
       if (!seq.is_ok()) {
         if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
@@ -110,7 +123,10 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
       prefill_tokens += n;
     }
     if (batch.empty()) {
-      if (next_admit < requests.size()) return internal_error("generator: requests left but none admitted");
+      if (next_admit < requests.size()) {
+        if (engine_.live_sequences() == 0) continue;  // the next ones were refused above; admit again
+        return internal_error("generator: requests left but none admitted");
+      }
       break;
     }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/engine.h"
@@ -18,11 +19,13 @@ struct GenerationRequest {
   int64_t synthetic_context = 0;      // >0: KV prefilled with random entries (speed runs only)
 };
 
-enum class FinishReason { kLength, kStop, kContext };
+// kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
+enum class FinishReason { kLength, kStop, kContext, kRefused };
 
 struct GenerationResult {
   std::vector<TokenId> tokens;  // generated tokens (stop token excluded)
   FinishReason finish = FinishReason::kLength;
+  std::string error;            // why a kRefused request was refused
 };
 
 struct GenerationStats {
@@ -50,8 +53,10 @@ class Generator {
   Generator(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {}
 
   // Runs all requests to completion, batching them together. Requests beyond the engine's free
-  // sequence slots wait and are admitted, in order, as others finish. A request whose prompt
-  // cannot fit the context is refused up front with a clear error; nothing runs then.
+  // sequence slots, or whose KV would not fit beside the running ones (Engine::admit), wait and
+  // are admitted, in order, as others finish. A request whose KV cannot fit in any tier even
+  // alone is refused (FinishReason::kRefused with the reason) and the others run. A request whose
+  // prompt cannot fit the context is refused up front with a clear error; nothing runs then.
   Result<std::vector<GenerationResult>> run(const std::vector<GenerationRequest>& requests,
                                             const TokenCallback& on_token = {},
                                             const ProgressCallback& on_progress = {});

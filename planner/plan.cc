@@ -19,6 +19,7 @@ struct Derived {
   int64_t L = 0, alpha = 0, R = 0, B = 0;
   int64_t token_bytes = 0;      // one token's K+V in one layer: H·D·kvc, kvc = 2·elem
   int64_t head_token_bytes = 0; // one token of the retrieval head's K cache: H_head·D·elem
+  int64_t retrieval_token_bytes = 0;  // device bytes per token for retrieval (paper: (1+α)·token_bytes)
   int64_t weights = 0;          // ceil(runtime_factor · (M_O + M_D))
   int64_t S = 0, T = 0;         // effective per-request length, total tokens
   int64_t shortlist = 0;
@@ -41,6 +42,7 @@ Derived derive(const PlannerSnapshot& s) {
   d.B = s.budget;
   d.token_bytes = s.model.kv_heads * s.model.head_dim * 2 * s.kv_elem_bytes;
   d.head_token_bytes = s.model.retrieval_kv_heads() * s.model.head_dim * s.kv_elem_bytes;
+  d.retrieval_token_bytes = s.retrieval_token_bytes();
   d.weights = weights_bytes(s);
   d.S = effective_seq_len(s);
   d.T = total_tokens(s);
@@ -155,7 +157,7 @@ DeviceUsage device_usage(const Derived& d, int64_t offloaded, bool filtering, in
   u.resident_kv_bytes = (d.L - offloaded) * d.T * d.token_bytes;
   // The paper's (1 + α) rows: the head's K cache and the repeat_kv buffer, both S long. With CPU
   // filtering they shrink to the shortlist the CPU hands over.
-  u.retrieval_bytes = (1 + d.alpha) * (filtering ? d.R * d.shortlist : d.T) * d.token_bytes;
+  u.retrieval_bytes = (filtering ? d.R * d.shortlist : d.T) * d.retrieval_token_bytes;
   u.staging_bytes = offloaded * d.R * d.B * d.token_bytes;
   u.total_bytes = u.weights_bytes + u.resident_kv_bytes + u.retrieval_bytes + u.staging_bytes;
   return u;
@@ -186,9 +188,9 @@ Result<Plan> build(const PlannerSnapshot& s, const Plan* current, const Hysteres
   const Derived d = derive(s);
   {
     const Wide all = Wide{d.weights} +
-                     Wide{d.L + 1 + d.alpha} * d.T * d.token_bytes +
+                     Wide{d.L} * d.T * d.token_bytes + Wide{d.T} * d.retrieval_token_bytes +
                      Wide{d.L} * d.R * d.B * d.token_bytes +
-                     Wide{1 + d.alpha} * d.R * d.shortlist * d.token_bytes +
+                     Wide{d.R} * d.shortlist * d.retrieval_token_bytes +
                      Wide{d.T} * d.head_token_bytes;
     if (all > kMaxBytes) return invalid_argument("planner snapshot: sizes overflow 64-bit byte counts");
   }
@@ -400,9 +402,10 @@ Result<std::vector<int64_t>> thresholds(const PlannerSnapshot& s) {
   std::vector<int64_t> th;
   th.reserve(static_cast<size_t>(d.L + 1));
   for (int64_t i = 0; i <= d.L; ++i) {
-    // S^T_i = floor((Mem − 1.3(M_O+M_D) − kvc·i·B·R·H·D) / (kvc·(L+1+α−i)·R·H·D))
+    // S^T_i = floor((Mem − 1.3(M_O+M_D) − kvc·i·B·R·H·D) / (kvc·(L+1+α−i)·R·H·D)); the (1+α)
+    // rows are the retrieval term, R·retrieval_token_bytes in general.
     const Wide numerator = free_bytes - Wide{kvc} * i * d.B * rhd;
-    const Wide denominator = Wide{kvc} * (d.L + 1 + d.alpha - i) * rhd;  // ≥ kvc·(1+α)·R·H·D > 0
+    const Wide denominator = Wide{kvc} * (d.L - i) * rhd + Wide{d.R} * d.retrieval_token_bytes;  // > 0
     const Wide v = numerator <= 0 ? Wide{0} : numerator / denominator;
     th.push_back(static_cast<int64_t>(std::min<Wide>(v, std::numeric_limits<int64_t>::max())));
   }

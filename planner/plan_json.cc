@@ -45,6 +45,7 @@ json snapshot_to_json(const PlannerSnapshot& s) {
       {"host_to_host_bandwidth_bps", s.host_to_host_bandwidth_bps},
       {"seq_lens", s.seq_lens},
       {"filter_shortlist_tokens", s.filter_shortlist_tokens},
+      {"retrieval_bytes_per_token", s.retrieval_bytes_per_token},
   };
 }
 
@@ -75,6 +76,7 @@ Result<PlannerSnapshot> snapshot_from_json(const json& j) {
     s.host_to_host_bandwidth_bps = j.value("host_to_host_bandwidth_bps", 0.0);
     s.seq_lens = j.value("seq_lens", std::vector<int64_t>{});
     s.filter_shortlist_tokens = j.value("filter_shortlist_tokens", int64_t{0});
+    s.retrieval_bytes_per_token = j.value("retrieval_bytes_per_token", int64_t{0});
     SPX_RETURN_IF_ERROR(validate_snapshot(s));
     return s;
   } catch (const json::exception& e) {

@@ -78,6 +78,7 @@ Status validate_snapshot(const PlannerSnapshot& s) {
     return invalid_argument("planner snapshot: requests or budget out of range");
   }
   SPX_RETURN_IF_ERROR(non_negative("filter_shortlist_tokens", static_cast<double>(s.filter_shortlist_tokens)));
+  SPX_RETURN_IF_ERROR(non_negative("retrieval_bytes_per_token", static_cast<double>(s.retrieval_bytes_per_token)));
   SPX_RETURN_IF_ERROR(non_negative("host_to_host_bandwidth_bps", s.host_to_host_bandwidth_bps));
   for (size_t i = 0; i < s.host.size(); ++i) {
     const std::string f = "host[" + std::to_string(i) + "].";

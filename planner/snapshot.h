@@ -56,8 +56,17 @@ struct PlannerSnapshot {
   // With CPU candidate filtering the device keeps a shortlist of this many tokens per request for
   // the retrieval head instead of its full K cache. 0 means 4·budget (our choice, not the paper's).
   int64_t filter_shortlist_tokens = 0;
+  // Device bytes per token of context that the retrieval side needs (the head's K cache and
+  // whatever buffers its scoring keeps). 0 = the paper's (1 + α)·kvc·H·D: a K cache plus the
+  // repeat_kv expansion of a PyTorch implementation. Our engine keeps K only, no expansion, and
+  // passes H_head·D·elem.
+  int64_t retrieval_bytes_per_token = 0;
 
   int64_t shortlist_tokens() const { return filter_shortlist_tokens > 0 ? filter_shortlist_tokens : 4 * budget; }
+  int64_t retrieval_token_bytes() const {
+    return retrieval_bytes_per_token > 0 ? retrieval_bytes_per_token
+                                         : (1 + model.alpha()) * 2 * kv_elem_bytes * model.kv_heads * model.head_dim;
+  }
   bool operator==(const PlannerSnapshot&) const = default;
 };
 

@@ -1,0 +1,347 @@
+// KV tiers in the engine: applying placements (layer migrations), asking the policy before a
+// step, per-tier reports, and the synthetic fill that writes pages wherever they live.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "core/engine.h"
+
+namespace specontext {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct SyntheticValues {
+  uint64_t state;
+  float next() {
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    const uint32_t r = static_cast<uint32_t>((state * 0x2545F4914F6CDD1Dull) >> 40);
+    return static_cast<float>(r) / 8388608.0f - 1.0f;
+  }
+};
+
+}  // namespace
+
+PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) const {
+  PlacementInput in;
+  in.seq_lens = seq_lens;
+  in.current = placement_;
+  for (const TierMemory& t : kv_->tiers()) {
+    in.tiers.push_back(t.desc);
+    in.tier_used_bytes.push_back(kv_->tier_used_bytes(t.desc.id));
+  }
+  // What the planner's model does not count on the device: the used bytes beyond resident KV,
+  // the head's keys and offloaded layers' working sets, each at its exact token count (so chunk
+  // and capacity rounding count as "other"), plus what the coming step may allocate at once: a
+  // chunk per resident layer for each sequence's next page, a first sparse step's working sets,
+  // a head cache about to double (old and new live together while rows are copied).
+  const ModelConfig& c = config();
+  const TierId device(0);
+  const uint64_t token_bytes = kv_->page_bytes() / static_cast<uint64_t>(kv_->page_size());
+  uint64_t head_row = 0;
+  if (options_.sparse.method == SparseMethod::kSpeContext) {
+    const auto& hc = options_.retrieval_head->config;
+    head_row = static_cast<uint64_t>(hc.n_kv_heads * hc.head_dim) * sizeof(float);
+  }
+  int64_t resident = 0;
+  for (int64_t l = 0; l < kv_->n_layers(); ++l) resident += kv_->resident(LayerId(static_cast<int32_t>(l))) ? 1 : 0;
+  const uint64_t ws_bytes = 2 * static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
+                            sizeof(float);
+  uint64_t modelled = 0, growth = 0;
+  for (const auto& [id, s] : sequences_) {
+    modelled += static_cast<uint64_t>(resident) * static_cast<uint64_t>(s.length) * token_bytes;
+    if (!s.head_blocks.empty() && s.head_tier == device) modelled += static_cast<uint64_t>(s.length) * head_row;
+    for (size_t l = 0; l < s.layers.size(); ++l) {
+      if (!kv_->resident(LayerId(static_cast<int32_t>(l)))) modelled += s.layers[l].ws_k.bytes + s.layers[l].ws_v.bytes;
+    }
+    growth += static_cast<uint64_t>(resident) * kv_->chunk_bytes();
+    if (options_.sparse.method != SparseMethod::kDense && s.layers.empty()) {
+      growth += static_cast<uint64_t>(c.n_layers) * ws_bytes;
+    }
+    if (head_row > 0 && placement_.head_cache_home == device) growth += head_block_bytes();
+  }
+  const uint64_t used = kv_->tier_used_bytes(device);
+  in.device_other_bytes = (used > modelled ? used - modelled : 0) + growth;
+  return in;
+}
+
+Status Engine::rebalance(std::span<const StepRequest> requests) {
+  std::vector<int64_t> lens;
+  lens.reserve(sequences_.size());
+  for (const auto& [id, s] : sequences_) {
+    int64_t len = s.length;
+    for (const StepRequest& r : requests) {
+      if (r.seq == id) len += static_cast<int64_t>(r.tokens.size());
+    }
+    lens.push_back(len);
+  }
+  SPX_ASSIGN_OR_RETURN(PlacementDecision d, options_.tiering.policy->decide(placement_input(lens)));
+  if (!d.changed || d.placement == placement_) return Status::ok();
+  return apply_placement(d.placement, d.reasons);
+}
+
+Status Engine::apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons) {
+  const int64_t n_layers = kv_->n_layers();
+  if (static_cast<int64_t>(target.layer_home.size()) != n_layers) {
+    return invalid_argument("placement names " + std::to_string(target.layer_home.size()) + " layers, the model has " +
+                            std::to_string(n_layers));
+  }
+  for (TierId t : target.layer_home) {
+    if (!t.valid() || t.value() >= kv_->n_tiers()) return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which does not exist");
+  }
+  const TierId head_home = target.head_cache_home;
+  if (!head_home.valid() || head_home.value() >= kv_->n_tiers() || !backend_reads(head_home)) {
+    return invalid_argument("placement puts the retrieval head's keys on tier " + std::to_string(head_home.value()) +
+                            ", which the backend cannot read");
+  }
+  CopyQueue* copies = options_.tiering.copies.get();
+  const TierId device(0);
+  PlacementEvent ev;
+  ev.forward = forwards_;
+  for (const auto& [id, s] : sequences_) ev.seq_lens.push_back(s.length);
+  ev.reasons = reasons;
+  ev.cpu_filtering = target.cpu_filtering;
+  const Clock::time_point start = Clock::now();
+  // Layers leaving the device first (they free room), then moves between other tiers, then
+  // layers coming back.
+  std::vector<int64_t> order;
+  for (int pass = 0; pass < 3; ++pass) {
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const TierId from = kv_->home(LayerId(static_cast<int32_t>(l)));
+      const TierId to = target.layer_home[static_cast<size_t>(l)];
+      if (from == to) continue;
+      const int p = from == device ? 0 : to == device ? 2 : 1;
+      if (p == pass) order.push_back(l);
+    }
+  }
+  Status result;
+  for (int64_t l : order) {
+    const LayerId layer(static_cast<int32_t>(l));
+    const TierId from = kv_->home(layer), to = target.layer_home[static_cast<size_t>(l)];
+    if (copies == nullptr) {
+      result = invalid_argument("moving layer " + std::to_string(l) + " needs a copy queue (no tiers configured)");
+      break;
+    }
+    auto moves = kv_->begin_move(layer, to);
+    if (!moves.is_ok()) {
+      result = moves.status();
+      break;
+    }
+    uint64_t bytes = 0;
+    for (const TransferRequest& r : *moves) bytes += r.bytes;
+    Status st;
+    if (!moves->empty()) {
+      auto ticket = copies->submit(layer, CopyDirection::kMigrate, std::move(*moves));
+      st = ticket.is_ok() ? copies->wait(*ticket) : ticket.status();
+    }
+    if (!st.is_ok()) {
+      kv_->abort_move(layer);
+      result = st.with_context("moving layer " + std::to_string(l) + " from " +
+                               kv_->tiers()[static_cast<size_t>(from.value())].desc.name + " to " +
+                               kv_->tiers()[static_cast<size_t>(to.value())].desc.name);
+      break;
+    }
+    SPX_RETURN_IF_ERROR(kv_->commit_move(layer));
+    placement_.layer_home[static_cast<size_t>(l)] = to;
+    ++ev.layers_moved;
+    ev.bytes_moved += bytes;
+    total_traffic_[static_cast<size_t>(from.value())].bytes_out += bytes;
+    total_traffic_[static_cast<size_t>(to.value())].bytes_in += bytes;
+  }
+  if (result.is_ok() && head_home != placement_.head_cache_home) result = move_head_caches(head_home);
+  if (result.is_ok()) {
+    if (placement_.cpu_filtering && !target.cpu_filtering && options_.tiering.candidate_filter) {
+      for (auto& [id, s] : sequences_) {
+        options_.tiering.candidate_filter->drop(id);
+        s.filter_tokens = 0;
+      }
+    }
+    placement_.cpu_filtering = target.cpu_filtering;
+  }
+  ev.seconds = seconds_since(start);
+  if (!result.is_ok()) ev.error = result.to_string();
+  events_.push_back(std::move(ev));
+  return result;
+}
+
+Status Engine::move_head_caches(TierId to) {
+  // The backend reads both tiers (checked by apply_placement), so blocks move with copy_rows.
+  const uint64_t bytes = head_block_bytes();
+  for (auto& [id, s] : sequences_) {
+    if (s.head_blocks.empty() || s.head_tier == to) continue;
+    std::vector<uint64_t> moved;
+    Status st;
+    for (uint64_t off : s.head_blocks) {
+      auto dst = kv_->allocate(to, bytes);
+      if (!dst.is_ok()) { st = dst.status(); break; }
+      moved.push_back(*dst);
+      st = backend_->copy_rows(kv_->address(to, *dst), bytes, kv_->address(s.head_tier, off), bytes, bytes, 1);
+      if (!st.is_ok()) break;
+    }
+    if (st.is_ok()) st = backend_->synchronize();
+    if (!st.is_ok()) {
+      for (uint64_t off : moved) (void)kv_->release(to, off);
+      return st.with_context("moving the retrieval head's keys");
+    }
+    const uint64_t total = bytes * s.head_blocks.size();
+    total_traffic_[static_cast<size_t>(s.head_tier.value())].bytes_out += total;
+    total_traffic_[static_cast<size_t>(to.value())].bytes_in += total;
+    release_head_cache(s);
+    s.head_blocks = std::move(moved);
+    s.head_tier = to;
+  }
+  placement_.head_cache_home = to;
+  return Status::ok();
+}
+
+std::vector<TierReport> Engine::tier_report() const {
+  std::vector<TierReport> out;
+  for (const TierMemory& t : kv_->tiers()) {
+    TierReport r;
+    r.desc = t.desc;
+    r.used_bytes = kv_->tier_used_bytes(t.desc.id);
+    for (int64_t l = 0; l < kv_->n_layers(); ++l) {
+      const LayerId layer(static_cast<int32_t>(l));
+      if (kv_->home(layer) != t.desc.id) continue;
+      ++r.layers;
+      r.kv_bytes += kv_->layer_bytes(layer);
+    }
+    r.last_step = step_traffic_[static_cast<size_t>(t.desc.id.value())];
+    r.total = total_traffic_[static_cast<size_t>(t.desc.id.value())];
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+Status Engine::write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes) {
+  if (tier == TierId(0) && backend_->memory_kind() != MemoryKind::kHost) {
+    return backend_->upload(kv_->address(tier, offset), host, bytes);
+  }
+  if (host_visible(tier)) {
+    std::memcpy(kv_->address(tier, offset), host, bytes);
+    return Status::ok();
+  }
+  // A remote tier: through the bounce buffer and the copy engine.
+  CopyQueue* copies = options_.tiering.copies.get();
+  if (copies == nullptr || !bounce_) return internal_error("no path to write tier " + std::to_string(tier.value()));
+  constexpr uint64_t kBounceBytes = uint64_t{4} << 20;
+  for (uint64_t done = 0; done < bytes; done += kBounceBytes) {
+    const uint64_t n = std::min(kBounceBytes, bytes - done);
+    std::memcpy(bounce_.get(), static_cast<const std::byte*>(host) + done, n);
+    SPX_ASSIGN_OR_RETURN(CopyTicket t, copies->submit(LayerId(0), CopyDirection::kStore,
+                                                      {TransferRequest{bounce_tier_, 0, tier, offset + done, n}}));
+    SPX_RETURN_IF_ERROR(copies->wait(t));
+  }
+  return Status::ok();
+}
+
+Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return invalid_argument("fill_synthetic: unknown sequence");
+  Sequence& s = it->second;
+  if (s.length != 0) return invalid_argument("fill_synthetic: sequence is not empty");
+  if (n_tokens <= 0 || n_tokens > max_context_) {
+    return out_of_range("fill_synthetic: " + std::to_string(n_tokens) + " tokens outside (0, " +
+                        std::to_string(max_context_) + "]");
+  }
+  std::vector<PageId> fresh;
+  Status st = reserve_pages(s, n_tokens, fresh);
+  if (!st.is_ok()) {
+    for (PageId p : fresh) kv_->free_page(p);
+    s.pages.clear();
+    return st;
+  }
+  const ModelConfig& c = config();
+  const int64_t layers = kv_->n_layers();
+  const int64_t pf = kv_->page_floats();
+  auto fill_page = [&](int64_t l, size_t page_index, float* block) {
+    // K block then V block, as in the page slot; one stream per (seed, layer, page).
+    SyntheticValues r{seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(l) * 0x100000001B3ull + page_index + 1};
+    for (int64_t i = 0; i < 2 * pf; ++i) block[i] = r.next();
+  };
+  // Pages the engine thread can write directly are filled by one thread per layer group (filling
+  // gigabytes single-threaded takes long); others are generated and then uploaded in order.
+  bool direct = backend_->memory_kind() == MemoryKind::kHost;
+  for (int64_t l = 0; l < layers && direct; ++l) direct = host_visible(kv_->home(LayerId(static_cast<int32_t>(l))));
+  if (direct) {
+    const unsigned n_threads = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(),
+                                                               static_cast<unsigned>(layers)));
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < n_threads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int64_t l = t; l < layers; l += n_threads) {
+          for (size_t p = 0; p < s.pages.size(); ++p) {
+            fill_page(l, p, kv_->k_page(LayerId(static_cast<int32_t>(l)), s.pages[p]));
+          }
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+  } else {
+    std::vector<float> block(static_cast<size_t>(2 * pf));
+    for (int64_t l = 0; l < layers; ++l) {
+      const LayerId layer(static_cast<int32_t>(l));
+      for (size_t p = 0; p < s.pages.size(); ++p) {
+        fill_page(l, p, block.data());
+        const PageLocation loc = kv_->locate(layer, s.pages[p]);
+        st = write_block(loc.tier, loc.offset, block.data(), kv_->page_bytes());
+        if (!st.is_ok()) break;
+      }
+      if (!st.is_ok()) break;
+    }
+  }
+  // Sparse methods keep state derived from the cache: the head's keys, the fused features of
+  // the last position, Quest's page bounds.
+  if (st.is_ok() && options_.sparse.method == SparseMethod::kSpeContext) {
+    const auto& hc = options_.retrieval_head->config;
+    SyntheticValues r{seed * 0xD1B54A32D192ED03ull + 7};
+    st = ensure_head_capacity(s, n_tokens);
+    std::vector<float> keys(static_cast<size_t>(head_block_tokens_ * hc.n_kv_heads * hc.head_dim));
+    for (size_t b = 0; b < s.head_blocks.size() && st.is_ok(); ++b) {
+      for (auto& x : keys) x = r.next();
+      st = write_block(s.head_tier, s.head_blocks[b], keys.data(), keys.size() * sizeof(float));
+    }
+    if (st.is_ok()) {
+      std::vector<float> fused(static_cast<size_t>(3 * c.dim));
+      for (auto& x : fused) x = r.next();
+      auto mem = backend_->allocate(fused.size() * sizeof(float));
+      st = mem.is_ok() ? backend_->upload(mem->get(), fused.data(), fused.size() * sizeof(float)) : mem.status();
+      if (st.is_ok()) s.last_fused = *mem;
+    }
+  } else if (st.is_ok() && options_.sparse.method == SparseMethod::kQuest) {
+    std::vector<float> block(static_cast<size_t>(2 * pf)), rows(static_cast<size_t>(c.kv_dim()));
+    const int64_t ps = kv_->page_size();
+    for (int64_t l = 0; l < layers && st.is_ok(); ++l) {
+      const LayerId layer(static_cast<int32_t>(l));
+      for (size_t p = 0; p < s.pages.size() && st.is_ok(); ++p) {
+        fill_page(l, p, block.data());  // the same values as written above
+        for (int64_t slot = 0; slot < ps && st.is_ok(); ++slot) {
+          const int64_t t = static_cast<int64_t>(p) * ps + slot;
+          if (t >= n_tokens) break;
+          for (int64_t h = 0; h < c.n_kv_heads; ++h) {
+            std::copy_n(block.data() + (h * ps + slot) * c.head_dim, c.head_dim, rows.data() + h * c.head_dim);
+          }
+          st = update_quest_bounds(s, layer, rows.data(), t, 1);
+        }
+      }
+    }
+  }
+  if (!st.is_ok()) {
+    for (PageId p : s.pages) kv_->free_page(p);
+    s.pages.clear();
+    drop_sparse_state(s);
+    release_head_cache(s);
+    return st;
+  }
+  s.length = n_tokens;
+  return Status::ok();
+}
+
+}  // namespace specontext

@@ -1,0 +1,104 @@
+#include "planner/planner_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace specontext::planner {
+
+namespace {
+
+int64_t weights_reserve(const PlannerSnapshot& s) {
+  // The same rounding as plan.cc: ceil(runtime_factor · (M_O + M_D)), exact integers kept.
+  const long double w = static_cast<long double>(s.runtime_factor) *
+                        (static_cast<long double>(s.model_bytes) + static_cast<long double>(s.head_bytes));
+  const long double r = std::nearbyint(w);
+  if (std::fabs(w - r) <= 1e-12L * std::max<long double>(1, w)) return static_cast<int64_t>(r);
+  return static_cast<int64_t>(std::ceil(w));
+}
+
+}  // namespace
+
+KvPlacement placement_of(const Plan& plan) {
+  KvPlacement p;
+  for (const LayerPlacement& l : plan.layers) p.layer_home.push_back(l.home);
+  p.head_cache_home = plan.head_cache_home.valid() ? plan.head_cache_home : TierId(0);
+  p.cpu_filtering = plan.cpu_filtering;
+  return p;
+}
+
+Result<std::unique_ptr<PlannerPolicy>> PlannerPolicy::create(const PolicyConfig& config) {
+  if (config.page_size <= 0) return invalid_argument("planner policy: page_size must be positive");
+  PlannerSnapshot probe = config.base;
+  probe.seq_lens.clear();
+  if (probe.device_bytes <= 0) probe.device_bytes = 1;
+  SPX_RETURN_IF_ERROR_CTX(validate_snapshot(probe), "planner policy");
+  return std::unique_ptr<PlannerPolicy>(new PlannerPolicy(config));
+}
+
+Result<PlannerSnapshot> PlannerPolicy::snapshot_for(const PlacementInput& in, const std::vector<int64_t>& lens) const {
+  PlannerSnapshot s = config_.base;
+  const size_t n_host = s.host.size(), n_remote = s.remote.size();
+  if (in.tiers.size() < 1 + n_host + n_remote) {
+    return invalid_argument("planner policy: the engine has " + std::to_string(in.tiers.size()) + " tiers, the plan " +
+                            std::to_string(1 + n_host + n_remote));
+  }
+  const int64_t reserve = weights_reserve(s);
+  const int64_t device = static_cast<int64_t>(in.tiers[0].capacity_bytes) - static_cast<int64_t>(in.device_other_bytes);
+  s.device_bytes = std::max<int64_t>(device, 0) + reserve;
+  const uint64_t slack = config_.chunk_bytes * static_cast<uint64_t>(s.model.layers);
+  for (size_t i = 0; i < n_host; ++i) {
+    const uint64_t cap = in.tiers[1 + i].capacity_bytes;
+    s.host[i].capacity_bytes = static_cast<int64_t>(cap > slack ? cap - slack : 0);
+  }
+  for (size_t i = 0; i < n_remote; ++i) {
+    const uint64_t cap = in.tiers[1 + n_host + i].capacity_bytes;
+    s.remote[i].capacity_bytes = static_cast<int64_t>(cap > slack ? cap - slack : 0);
+  }
+  s.seq_lens.clear();
+  for (int64_t len : lens) s.seq_lens.push_back((len + config_.page_size - 1) / config_.page_size * config_.page_size);
+  return s;
+}
+
+Result<PlacementDecision> PlannerPolicy::decide(const PlacementInput& in) {
+  SPX_ASSIGN_OR_RETURN(PlannerSnapshot s, snapshot_for(in, in.seq_lens));
+  Result<Plan> p = last_ ? replan(*last_, s, config_.hysteresis) : plan(s);
+  if (!p.is_ok()) return p.status();
+  if (p->cpu_filtering && !config_.allow_cpu_filtering) {
+    return resource_exhausted("the retrieval head's keys no longer fit the device and CPU filtering is off (S = " +
+                              std::to_string(p->seq_len) + " >= S^T_L = " + std::to_string(p->thresholds.back()) + ")");
+  }
+  PlacementDecision d;
+  d.placement = placement_of(*p);
+  d.changed = !(d.placement == in.current);
+  for (const Migration& m : p->migrations) d.reasons.push_back(m.reason);
+  if (!last_ && d.changed) {
+    d.reasons.push_back("initial plan at S = " + std::to_string(p->seq_len) + ": " + std::to_string(p->offloaded_layers) +
+                        " layers offloaded (S^T_0 = " + std::to_string(p->thresholds.front()) + ")");
+  }
+  last_ = *p;
+  last_snapshot_ = s;
+  return d;
+}
+
+Status PlannerPolicy::admit(const PlacementInput& in, int64_t final_length, bool alone) {
+  std::vector<int64_t> lens = alone ? std::vector<int64_t>{} : in.seq_lens;
+  lens.push_back(final_length);
+  SPX_ASSIGN_OR_RETURN(PlannerSnapshot s, snapshot_for(in, lens));
+  if (static_cast<int64_t>(lens.size()) > s.requests) {
+    return resource_exhausted("the plan is sized for " + std::to_string(s.requests) + " requests");
+  }
+  Result<Plan> p = plan(s);
+  if (!p.is_ok()) {
+    return resource_exhausted("a sequence of " + std::to_string(final_length) + " tokens cannot be placed" +
+                              (alone ? "" : " beside the " + std::to_string(in.seq_lens.size()) + " live ones") + ": " +
+                              p.status().message());
+  }
+  if (p->cpu_filtering && !config_.allow_cpu_filtering) {
+    return resource_exhausted("a sequence of " + std::to_string(final_length) +
+                              " tokens needs CPU filtering, which is off");
+  }
+  return Status::ok();
+}
+
+}  // namespace specontext::planner

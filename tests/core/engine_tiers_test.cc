@@ -1,0 +1,495 @@
+// KV tiers in the engine: the region allocator and the KV store on their own, then engines whose
+// layers live in host pools or on a remote node giving exactly the logits of an all-device
+// engine — under forced placements, under the planner's online re-planning with many sequences
+// coming and going (invariants checked after every step), under transport faults, and with
+// admission refusing what fits nowhere.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "core/generator.h"
+#include "core/kv_store.h"
+#include "core/region_allocator.h"
+#include "planner/planner_policy.h"
+#include "tests/core/tier_test_util.h"
+#include "transport/fault_transport.h"
+#include "transport/local_transport.h"
+#include "transport/loopback_transport.h"
+
+namespace specontext {
+namespace {
+
+using testing::InlineCopyQueue;
+using testing::max_abs_diff;
+
+TEST(RegionAllocator, FirstFitCoalescesAndChecks) {
+  RegionAllocator a(4096, 256);
+  auto x = a.allocate(100), y = a.allocate(300), z = a.allocate(256);
+  ASSERT_TRUE(x.is_ok() && y.is_ok() && z.is_ok());
+  EXPECT_EQ(*x, 0u);
+  EXPECT_EQ(*y, 256u);
+  EXPECT_EQ(*z, 768u);
+  EXPECT_EQ(a.used_bytes(), 1024u);
+  ASSERT_TRUE(a.free(*y).is_ok());
+  auto w = a.allocate(512);  // fits exactly where y was
+  ASSERT_TRUE(w.is_ok());
+  EXPECT_EQ(*w, 256u);
+  ASSERT_TRUE(a.free(*x).is_ok());
+  ASSERT_TRUE(a.free(*w).is_ok());
+  ASSERT_TRUE(a.free(*z).is_ok());
+  EXPECT_EQ(a.used_bytes(), 0u);
+  EXPECT_EQ(a.largest_free(), 4096u);  // everything coalesced back
+  EXPECT_TRUE(a.check().is_ok());
+  EXPECT_EQ(a.free(12).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.allocate(0).status().code(), StatusCode::kInvalidArgument);
+  auto big = a.allocate(8192);
+  EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
+  std::mt19937 rng(1);
+  std::vector<uint64_t> live;
+  for (int i = 0; i < 2000; ++i) {
+    if (live.empty() || rng() % 3 != 0) {
+      auto r = a.allocate(1 + rng() % 600);
+      if (r.is_ok()) live.push_back(*r);
+    } else {
+      const size_t k = rng() % live.size();
+      ASSERT_TRUE(a.free(live[k]).is_ok());
+      live.erase(live.begin() + static_cast<long>(k));
+    }
+    ASSERT_TRUE(a.check().is_ok()) << "step " << i;
+  }
+}
+
+std::vector<TierMemory> device_and_host(uint64_t device, uint64_t host) {
+  std::vector<TierMemory> t;
+  t.push_back(testing::host_tier(device));
+  t[0].desc.id = TierId(0);
+  t[0].desc.kind = TierKind::kDevice;
+  t[0].desc.name = "device";
+  t.push_back(testing::host_tier(host));
+  t[1].desc.id = TierId(1);
+  t[1].desc.name = "host0";
+  return t;
+}
+
+TEST(KvStore, ChunksFollowPagesInEveryLayerAndMovesAreAllOrNothing) {
+  auto c = synthetic_config("toy");
+  ASSERT_TRUE(c.is_ok());
+  c->n_layers = 3;
+  // toy: page of 16 tokens = 16·2·16·4 = 2 KiB per block, 4 KiB per page slot.
+  auto store = KvStore::create(*c, 16, 10, device_and_host(1 << 20, 1 << 20));
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  KvStore& s = **store;
+  EXPECT_EQ(s.page_bytes(), 4096u);
+  EXPECT_EQ(s.chunk_pages(), 10);  // 2 MiB worth is more than the pool: one chunk of all pages
+  auto p0 = s.allocate_page();
+  ASSERT_TRUE(p0.is_ok());
+  EXPECT_EQ(s.tier_used_bytes(TierId(0)), 3 * s.chunk_bytes());  // one chunk in each layer
+  ASSERT_TRUE(s.check_invariants().is_ok());
+  auto moves = s.begin_move(LayerId(1), TierId(1));
+  ASSERT_TRUE(moves.is_ok());
+  ASSERT_EQ(moves->size(), 1u);
+  EXPECT_EQ((*moves)[0].bytes, s.chunk_bytes());
+  // Pages taken during a move get storage on both sides.
+  auto p1 = s.allocate_page();
+  ASSERT_TRUE(p1.is_ok());
+  s.abort_move(LayerId(1));
+  EXPECT_EQ(s.home(LayerId(1)), TierId(0));
+  EXPECT_EQ(s.tier_used_bytes(TierId(1)), 0u);
+  moves = s.begin_move(LayerId(1), TierId(1));
+  ASSERT_TRUE(moves.is_ok());
+  ASSERT_TRUE(s.commit_move(LayerId(1)).is_ok());
+  EXPECT_EQ(s.home(LayerId(1)), TierId(1));
+  EXPECT_EQ(s.tier_used_bytes(TierId(0)), 2 * s.chunk_bytes());
+  EXPECT_EQ(s.tier_used_bytes(TierId(1)), s.chunk_bytes());
+  EXPECT_EQ(s.locate(LayerId(1), *p1).tier, TierId(1));
+  ASSERT_TRUE(s.check_invariants().is_ok());
+  s.free_page(*p0);
+  s.free_page(*p1);
+  EXPECT_EQ(s.tier_used_bytes(TierId(0)), 0u);  // the chunk's last page went: storage freed
+  EXPECT_EQ(s.tier_used_bytes(TierId(1)), 0u);
+  ASSERT_TRUE(s.check_invariants().is_ok());
+  // A tier too small for a chunk: allocation fails cleanly and nothing is left behind.
+  auto small = KvStore::create(*c, 16, 10, device_and_host(100000, 1 << 20));
+  ASSERT_TRUE(small.is_ok());
+  auto p = (*small)->allocate_page();
+  EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(p.status().message().find("device is full"), std::string::npos) << p.status().message();
+  EXPECT_EQ((*small)->tier_used_bytes(TierId(0)), 0u);
+  EXPECT_EQ((*small)->free_pages(), 10);
+}
+
+// Two engines fed the same requests: `ref` keeps everything on the device, `tiered` moves layers.
+struct Pair {
+  std::shared_ptr<Model> model;
+  std::shared_ptr<RetrievalHead> head;
+  std::unique_ptr<Engine> ref, tiered;
+  std::unique_ptr<Transport> transport;
+  std::shared_ptr<CopyQueue> copies;
+};
+
+enum class Where { kHost, kRemote };
+
+EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head, int64_t chunk_pages = 4) {
+  EngineOptions o;
+  o.max_sequences = 4;
+  o.max_context = 512;
+  o.page_size = 8;
+  o.sparse.method = method;
+  o.sparse.selection = {24, 1, 4};
+  o.sparse.quest_page_size = 8;
+  o.kv_chunk_pages = chunk_pages;  // 4: 32 tokens per chunk, fine-grained enough for these short runs
+  if (method == SparseMethod::kSpeContext) o.retrieval_head = head;
+  return o;
+}
+
+Pair make_pair(SparseMethod method, Where where, std::unique_ptr<Transport> transport = nullptr,
+               uint64_t device_bytes = 0, std::shared_ptr<PlacementPolicy> policy = nullptr, int64_t layers = 5,
+               uint64_t tier_bytes = 8 << 20, int64_t chunk_pages = 4) {
+  Pair p;
+  p.model = testing::toy_model(layers);
+  auto head = make_random_head(p.model->config, 9);
+  EXPECT_TRUE(head.is_ok());
+  p.head = *head;
+  const EngineOptions o = sparse_options(method, p.head, chunk_pages);
+  auto ref = Engine::create(p.model, testing::cpu_backend(), o);
+  EXPECT_TRUE(ref.is_ok()) << ref.status().to_string();
+  p.ref = std::move(*ref);
+  if (!transport) {
+    if (where == Where::kHost) {
+      transport = std::make_unique<transport::LocalTransport>();
+    } else {
+      auto lb = transport::LoopbackRemoteTransport::create();
+      EXPECT_TRUE(lb.is_ok());
+      transport = std::move(*lb);
+    }
+  }
+  p.transport = std::move(transport);
+  p.copies = std::make_shared<InlineCopyQueue>(*p.transport);
+  EngineOptions t = o;
+  t.tiering.device_bytes = device_bytes;
+  if (where == Where::kHost) {
+    t.tiering.host.push_back(testing::host_tier(tier_bytes));
+  } else {
+    t.tiering.remote.push_back(testing::remote_tier(tier_bytes));
+  }
+  t.tiering.transport = p.transport.get();
+  t.tiering.copies = p.copies;
+  t.tiering.policy = std::move(policy);
+  auto tiered = Engine::create(p.model, testing::cpu_backend(), t);
+  EXPECT_TRUE(tiered.is_ok()) << tiered.status().to_string();
+  if (tiered.is_ok()) p.tiered = std::move(*tiered);
+  return p;
+}
+
+// One forward of the same requests on both engines; the logits must be equal bit for bit (the
+// same kernels read the same values, wherever they were stored).
+void step_both(Pair& p, const std::vector<SeqId>& ids, const std::vector<std::vector<TokenId>>& tokens,
+               const std::string& what) {
+  std::vector<StepRequest> reqs;
+  for (size_t i = 0; i < ids.size(); ++i) reqs.push_back({ids[i], tokens[i], LogitsMode::kLast});
+  auto a = p.ref->forward(reqs);
+  auto b = p.tiered->forward(reqs);
+  ASSERT_TRUE(a.is_ok()) << what << ": " << a.status().to_string();
+  ASSERT_TRUE(b.is_ok()) << what << ": " << b.status().to_string();
+  ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << what;
+  ASSERT_TRUE(p.tiered->check_invariants().is_ok()) << what << ": " << p.tiered->check_invariants().to_string();
+}
+
+TokenId argmax(const std::vector<float>& logits, int64_t vocab, int64_t row) {
+  return static_cast<TokenId>(std::max_element(logits.begin() + row * vocab, logits.begin() + (row + 1) * vocab) -
+                              (logits.begin() + row * vocab));
+}
+
+class ForcedPlacement : public ::testing::TestWithParam<std::tuple<SparseMethod, Where>> {};
+
+TEST_P(ForcedPlacement, OffloadedLayersGiveTheAllDeviceLogits) {
+  const auto [method, where] = GetParam();
+  Pair p = make_pair(method, where);
+  ASSERT_TRUE(p.tiered);
+  const TierId off(1);
+  KvPlacement place = p.tiered->placement();
+  place.layer_home = {TierId(0), off, TierId(0), off, off};
+  ASSERT_TRUE(p.tiered->apply_placement(place, {"test"}).is_ok());
+  std::vector<SeqId> ids;
+  for (int i = 0; i < 2; ++i) {
+    auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    ASSERT_EQ(*a, *b);
+    ids.push_back(*a);
+  }
+  std::mt19937 rng(4);
+  // Prefill in chunks (dense over offloaded layers), then decode past the budget (sparse).
+  std::vector<std::vector<TokenId>> prompts(2);
+  for (int i = 0; i < 2; ++i) {
+    for (int t = 0; t < 30 + 11 * i; ++t) prompts[i].push_back(static_cast<TokenId>(rng() % 256));
+  }
+  for (size_t off_tok = 0; off_tok < prompts[1].size(); off_tok += 13) {
+    std::vector<SeqId> step_ids;
+    std::vector<std::vector<TokenId>> chunks;
+    for (int i = 0; i < 2; ++i) {
+      if (off_tok >= prompts[i].size()) continue;
+      const size_t n = std::min<size_t>(13, prompts[i].size() - off_tok);
+      step_ids.push_back(ids[i]);
+      chunks.emplace_back(prompts[i].begin() + off_tok, prompts[i].begin() + off_tok + n);
+    }
+    step_both(p, step_ids, chunks, "prefill at " + std::to_string(off_tok));
+  }
+  std::vector<std::vector<TokenId>> next = {{7}, {9}};
+  for (int step = 0; step < 40; ++step) {
+    if (step == 20) {
+      // Move layers between steps: one back to the device, one more away.
+      place.layer_home = {off, TierId(0), TierId(0), off, TierId(0)};
+      ASSERT_TRUE(p.tiered->apply_placement(place, {"test move"}).is_ok());
+    }
+    std::vector<StepRequest> reqs;
+    for (int i = 0; i < 2; ++i) reqs.push_back({ids[i], next[i], LogitsMode::kLast});
+    auto a = p.ref->forward(reqs);
+    auto b = p.tiered->forward(reqs);
+    ASSERT_TRUE(a.is_ok() && b.is_ok()) << (a.is_ok() ? b.status() : a.status()).to_string();
+    ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << "decode step " << step;
+    ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+    for (int i = 0; i < 2; ++i) next[i] = {argmax(a->logits, a->vocab, i)};
+  }
+  if (method != SparseMethod::kDense) {
+    EXPECT_GT(p.tiered->sparse_stats().sparse_steps, 0);
+  }
+  // Something really moved through the offloaded tier, and the report agrees with the placement.
+  const auto report = p.tiered->tier_report();
+  ASSERT_EQ(report.size(), 2u);
+  EXPECT_EQ(report[1].layers, 2);
+  EXPECT_GT(report[1].total.bytes_in + report[1].total.bytes_out, 0u);
+  EXPECT_EQ(p.tiered->placement_events().size(), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Methods, ForcedPlacement,
+    ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext, SparseMethod::kStreaming,
+                                         SparseMethod::kQuest),
+                       ::testing::Values(Where::kHost, Where::kRemote)),
+    [](const auto& info) {
+      return std::string(sparse_method_name(std::get<0>(info.param))) +
+             (std::get<1>(info.param) == Where::kHost ? "_host" : "_remote");
+    });
+
+std::shared_ptr<planner::PlannerPolicy> policy_for(const Model& m, const RetrievalHead& head, int64_t budget,
+                                                   int64_t requests, uint64_t host_bytes, uint64_t chunk_bytes,
+                                                   int64_t page_size) {
+  planner::PolicyConfig pc;
+  auto shape = planner::shape_from_config(m.config);
+  EXPECT_TRUE(shape.is_ok());
+  pc.base.model = *shape;
+  pc.base.kv_elem_bytes = 4;
+  pc.base.model_bytes = 0;  // weights live outside the device tier here
+  pc.base.head_bytes = 0;
+  pc.base.runtime_factor = 1.0;
+  pc.base.budget = budget;
+  pc.base.requests = requests;
+  pc.base.host.push_back({0, static_cast<int64_t>(host_bytes), 0});
+  pc.base.retrieval_bytes_per_token = head.config.n_kv_heads * head.config.head_dim * 4;
+  pc.page_size = page_size;
+  pc.chunk_bytes = chunk_bytes;
+  auto p = planner::PlannerPolicy::create(pc);
+  EXPECT_TRUE(p.is_ok()) << p.status().to_string();
+  return std::shared_ptr<planner::PlannerPolicy>(std::move(*p));
+}
+
+// The randomised long run: sequences arrive with random prompts, decode a random number of steps
+// and leave; the planner moves layers off the device as the cache grows and back as it shrinks.
+// After every step the store's invariants hold and the logits equal the all-device engine's.
+TEST(PlannerPolicyEngine, RandomisedGrowthAndShrinkMigratesWithoutLosingPages) {
+  for (SparseMethod method : {SparseMethod::kSpeContext, SparseMethod::kDense}) {
+    SCOPED_TRACE(std::string(sparse_method_name(method)));
+    auto model = testing::toy_model(5);
+    auto head = make_random_head(model->config, 9);
+    ASSERT_TRUE(head.is_ok());
+    // Device tier of 640 KiB: every layer resident up to about 300 live tokens, some offloaded
+    // beyond. The live total moves between 0 and about 800 tokens, so layers leave and come back.
+    const int64_t ps = 8;
+    const uint64_t chunk = 2 * 8 * 32 * 4;  // one layer's chunk: 1 page of 8 tokens
+    auto policy = policy_for(*model, **head, 24, 4, 8 << 20, chunk, ps);
+    const uint64_t device_bytes = 640 << 10;
+    Pair p = make_pair(method, Where::kHost, nullptr, device_bytes, policy, 5, 8 << 20, 1);
+    ASSERT_EQ(p.tiered->kv_store().chunk_bytes(), chunk);
+    ASSERT_TRUE(p.tiered);
+    std::mt19937 rng(11);
+    struct Live {
+      SeqId id;
+      int64_t left;
+      TokenId next;
+    };
+    std::vector<Live> live;
+    int64_t offloads = 0, returns = 0;
+    for (int step = 0; step < 400; ++step) {
+      // Arrivals while there is room; long-lived sequences make the cache grow.
+      if (live.size() < 3 && rng() % 4 == 0) {
+        auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+        ASSERT_TRUE(a.is_ok() && b.is_ok());
+        std::vector<TokenId> prompt(10 + rng() % 70);
+        for (auto& t : prompt) t = static_cast<TokenId>(rng() % 256);
+        step_both(p, {*a}, {prompt}, "prefill at step " + std::to_string(step));
+        if (::testing::Test::HasFatalFailure()) return;
+        live.push_back({*a, static_cast<int64_t>(20 + rng() % 200), static_cast<TokenId>(rng() % 256)});
+      }
+      if (live.empty()) continue;
+      std::vector<StepRequest> reqs;
+      std::vector<std::vector<TokenId>> toks(live.size());
+      for (size_t i = 0; i < live.size(); ++i) {
+        toks[i] = {live[i].next};
+        reqs.push_back({live[i].id, toks[i], LogitsMode::kLast});
+      }
+      const size_t events_before = p.tiered->placement_events().size();
+      auto a = p.ref->forward(reqs);
+      auto b = p.tiered->forward(reqs);
+      ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+      if (!b.is_ok()) {
+        const auto& snap = policy->last_snapshot();
+        std::string lens;
+        for (auto l : snap.seq_lens) lens += std::to_string(l) + " ";
+        auto th = policy->current_thresholds();
+        std::string ths;
+        if (th.is_ok()) for (auto t : *th) ths += std::to_string(t) + " ";
+        ADD_FAILURE() << "planner state: device_bytes " << snap.device_bytes << " lens " << lens << " thresholds " << ths
+                      << " offloaded " << (policy->last_plan() ? policy->last_plan()->offloaded_layers : -1)
+                      << " device used " << p.tiered->kv_store().tier_used_bytes(TierId(0));
+      }
+      ASSERT_TRUE(b.is_ok()) << "step " << step << ": " << b.status().to_string();
+      ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << "step " << step;
+      ASSERT_TRUE(p.tiered->check_invariants().is_ok()) << p.tiered->check_invariants().to_string();
+      for (size_t e = events_before; e < p.tiered->placement_events().size(); ++e) {
+        const PlacementEvent& ev = p.tiered->placement_events()[e];
+        ASSERT_TRUE(ev.error.empty()) << ev.error;
+        for (const std::string& r : ev.reasons) {
+          offloads += r.rfind("offload", 0) == 0;
+          returns += r.rfind("return to device", 0) == 0;
+        }
+      }
+      for (size_t i = 0; i < live.size(); ++i) live[i].next = argmax(a->logits, a->vocab, static_cast<int64_t>(i));
+      for (size_t i = live.size(); i-- > 0;) {
+        if (--live[i].left > 0) continue;
+        ASSERT_TRUE(p.ref->remove_sequence(live[i].id).is_ok());
+        ASSERT_TRUE(p.tiered->remove_sequence(live[i].id).is_ok());
+        live.erase(live.begin() + static_cast<long>(i));
+        ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+      }
+    }
+    // The run really exercised both directions.
+    EXPECT_GT(offloads, 0);
+    EXPECT_GT(returns, 0);
+  }
+}
+
+// Transient transport failures are retried to exact results; a failure that outlasts the retries
+// fails the step with a clear error, leaves the engine as before the step, and the retried step
+// gives the right logits (working sets filled by the failed step are reloaded, never trusted).
+TEST(TierFaults, FailuresAreRetriedOrReportedNeverWrongAttention) {
+  for (int max_retries : {8, 0}) {
+    SCOPED_TRACE("max_retries " + std::to_string(max_retries));
+    transport::FaultPolicy fp;
+    fp.seed = 5;
+    fp.failure_rate = 0.3;
+    fp.no_resource_rate = 0.3;
+    fp.added_delay = std::chrono::microseconds(50);
+    auto ft = transport::FaultInjectingTransport::create(std::make_unique<transport::LocalTransport>(), fp);
+    ASSERT_TRUE(ft.is_ok());
+    Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, std::move(*ft));
+    ASSERT_TRUE(p.tiered);
+    p.copies = std::make_shared<InlineCopyQueue>(*p.transport, max_retries);
+    // Rebuild the tiered engine over the queue with the wanted retry bound.
+    EngineOptions t = sparse_options(SparseMethod::kSpeContext, p.head);
+    t.tiering.host.push_back(testing::host_tier(8 << 20));
+    auto lt = std::make_unique<transport::LocalTransport>();
+    auto ft2 = transport::FaultInjectingTransport::create(std::move(lt), fp);
+    ASSERT_TRUE(ft2.is_ok());
+    p.transport = std::move(*ft2);
+    p.copies = std::make_shared<InlineCopyQueue>(*p.transport, max_retries);
+    t.tiering.transport = p.transport.get();
+    t.tiering.copies = p.copies;
+    auto e = Engine::create(p.model, testing::cpu_backend(), t);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    p.tiered = std::move(*e);
+    KvPlacement place = p.tiered->placement();
+    for (size_t l = 1; l < place.layer_home.size(); l += 2) place.layer_home[l] = TierId(1);
+    Status moved;
+    for (int attempt = 0; attempt < 50; ++attempt) {  // moves go through the faulty link too
+      moved = p.tiered->apply_placement(place);
+      if (moved.is_ok()) break;
+      ASSERT_EQ(moved.code(), StatusCode::kUnavailable) << moved.to_string();
+      ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+    }
+    ASSERT_TRUE(moved.is_ok()) << moved.to_string();
+    auto a_id = p.ref->add_sequence(), b_id = p.tiered->add_sequence();
+    ASSERT_TRUE(a_id.is_ok() && b_id.is_ok());
+    std::vector<TokenId> prompt(40);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>((i * 37) % 256);
+    TokenId next = 3;
+    int failures = 0, done = 0;
+    bool prefilled = false;
+    for (int attempt = 0; attempt < 400 && done < 40; ++attempt) {
+      std::vector<TokenId> toks = prefilled ? std::vector<TokenId>{next} : prompt;
+      const StepRequest r{*a_id, toks, LogitsMode::kLast};
+      auto b = p.tiered->forward(std::span<const StepRequest>(&r, 1));
+      if (!b.is_ok()) {
+        ++failures;
+        EXPECT_EQ(b.status().code(), StatusCode::kUnavailable) << b.status().to_string();
+        EXPECT_NE(b.status().message().find("layer"), std::string::npos) << b.status().to_string();
+        ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+        continue;  // the engine is as before the step: retry it
+      }
+      auto a = p.ref->forward(std::span<const StepRequest>(&r, 1));
+      ASSERT_TRUE(a.is_ok());
+      // After a failed step the working sets are reloaded into other slots, which changes the
+      // summation order of sparse attention: equal to rounding, not bit for bit.
+      if (failures == 0) {
+        ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << "step " << done;
+      } else {
+        ASSERT_LT(max_abs_diff(a->logits, b->logits), 1e-4f) << "step " << done;
+      }
+      next = argmax(a->logits, a->vocab, 0);
+      prefilled = true;
+      ++done;
+    }
+    EXPECT_EQ(done, 40);
+    if (max_retries == 0) {
+      EXPECT_GT(failures, 0);  // with no retries the faults surface as step errors
+    } else {
+      EXPECT_EQ(failures, 0);  // 8 retries absorb a 30% transient failure rate here
+    }
+    EXPECT_GT(p.tiered->sparse_stats().sparse_steps, 0);
+  }
+}
+
+// Admission: a request whose KV fits no tier even alone is refused with the reason; the others run.
+TEST(PlannerPolicyEngine, RequestThatFitsNowhereIsRefusedOthersRun) {
+  auto model = testing::toy_model(5);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  const uint64_t chunk = 2 * 8 * 32 * 4 * 4;
+  // 512 tokens need 128 KiB per layer: more than the host pool, and the device holds far less.
+  const uint64_t host_bytes = 64 << 10;
+  auto policy = policy_for(*model, **head, 24, 4, host_bytes, chunk, 8);
+  Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 600 << 10, policy, 5, host_bytes);
+  ASSERT_TRUE(p.tiered);
+  std::vector<GenerationRequest> reqs(3);
+  for (auto& r : reqs) {
+    r.prompt = {1, 2, 3, 4, 5};
+    r.max_new_tokens = 10;
+  }
+  reqs[1].max_new_tokens = 100000;  // beyond every tier (and the context: clamped to 512 tokens)
+  reqs[1].synthetic_context = 0;
+  GeneratorOptions go;
+  Generator gen(*p.tiered, go);
+  auto out = gen.run(reqs);
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  EXPECT_EQ((*out)[0].tokens.size(), 10u);
+  EXPECT_EQ((*out)[2].tokens.size(), 10u);
+  if ((*out)[1].finish == FinishReason::kRefused) {
+    EXPECT_NE((*out)[1].error.find("cannot be placed"), std::string::npos) << (*out)[1].error;
+    EXPECT_TRUE((*out)[1].tokens.empty());
+  } else {
+    ADD_FAILURE() << "request 1 was expected not to fit: " << (*out)[1].tokens.size() << " tokens";
+  }
+}
+
+}  // namespace
+}  // namespace specontext

@@ -1,0 +1,134 @@
+// Helpers for tests of the engine's KV tiers: host pools in plain memory, engines built with a
+// transport and copy queue, and a lock-step comparison against an all-device reference engine.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/retrieval_head.h"
+#include "core/synthetic.h"
+#include "cpu/cpu_backend.h"
+
+namespace specontext::testing {
+
+// A copy queue that runs each batch to completion inside submit() (no thread): the reference
+// against which the threaded copy engine must give the same engine outputs. Retries transient
+// failures (kUnavailable) up to max_retries times and re-posts NO_RESOURCE.
+class InlineCopyQueue final : public CopyQueue {
+ public:
+  explicit InlineCopyQueue(Transport& t, int max_retries = 8) : t_(t), max_retries_(max_retries) {}
+  Result<CopyTicket> submit(LayerId layer, CopyDirection dir, std::vector<TransferRequest> reqs) override {
+    const uint64_t id = ++next_;
+    Status st = run(reqs);
+    if (st.is_ok()) {
+      for (const TransferRequest& r : reqs) stats_.bytes[static_cast<size_t>(dir)] += r.bytes;
+      stats_.requests[static_cast<size_t>(dir)] += reqs.size();
+    } else {
+      ++stats_.failures;
+      st = st.with_context("copy: layer " + std::to_string(layer.value()));
+    }
+    results_.emplace(id, st);
+    return CopyTicket{id};
+  }
+  Status wait(CopyTicket t) override {
+    auto it = results_.find(t.id);
+    if (it == results_.end()) return invalid_argument("unknown ticket");
+    Status s = it->second;
+    results_.erase(it);
+    return s;
+  }
+  Status wait_all() override {
+    Status first;
+    for (auto& [id, s] : results_) {
+      if (first.is_ok() && !s.is_ok()) first = s;
+    }
+    results_.clear();
+    return first;
+  }
+  void reset_window() override { stats_ = CopyWindowStats{}; }
+  CopyWindowStats window_stats() const override { return stats_; }
+
+ private:
+  Status run(const std::vector<TransferRequest>& reqs) {
+    if (reqs.empty()) return Status::ok();
+    Status last;
+    for (int attempt = 0; attempt <= max_retries_; ++attempt) {
+      auto h = t_.prepare(reqs);
+      if (!h.is_ok()) return h.status();
+      Status s = t_.post(*h);
+      while (s.code() == StatusCode::kResourceExhausted) s = t_.post(*h);
+      while (s.code() == StatusCode::kInProgress) s = t_.poll(*h);
+      t_.release(*h);
+      if (s.is_ok()) return s;
+      last = s;
+      if (s.code() != StatusCode::kUnavailable) return s;
+      ++stats_.retries;
+    }
+    return last;
+  }
+  Transport& t_;
+  int max_retries_;
+  uint64_t next_ = 0;
+  std::unordered_map<uint64_t, Status> results_;
+  CopyWindowStats stats_;
+};
+
+// Host memory for a tier, zero-filled.
+inline TierMemory host_tier(uint64_t bytes, int32_t node = 0) {
+  TierMemory t;
+  t.desc.kind = TierKind::kHost;
+  t.desc.index = node;
+  t.desc.memory = MemoryKind::kHost;
+  t.desc.capacity_bytes = bytes;
+  auto mem = std::shared_ptr<void>(std::calloc(bytes, 1), [](void* p) { std::free(p); });
+  t.base = mem.get();
+  t.owner = mem;
+  return t;
+}
+
+inline TierMemory remote_tier(uint64_t bytes, int32_t rank = 0) {
+  TierMemory t;
+  t.desc.kind = TierKind::kRemote;
+  t.desc.index = rank;
+  t.desc.memory = MemoryKind::kRemote;
+  t.desc.capacity_bytes = bytes;
+  return t;
+}
+
+// A small GQA model: `layers` layers, dim 64, 4 query heads over 2 KV heads of 16.
+inline std::shared_ptr<Model> toy_model(int64_t layers, uint64_t seed = 3) {
+  auto c = synthetic_config("toy");
+  EXPECT_TRUE(c.is_ok());
+  c->n_layers = layers;
+  c->max_seq_len = 1024;
+  auto m = make_random_model(*c, DType::kF32, seed);
+  EXPECT_TRUE(m.is_ok());
+  return *m;
+}
+
+inline std::shared_ptr<Backend> cpu_backend() {
+  cpu::CpuBackendOptions o;
+  o.num_threads = 1;
+  auto b = cpu::create_cpu_backend(o);
+  EXPECT_TRUE(b.is_ok());
+  return std::shared_ptr<Backend>(std::move(*b));
+}
+
+inline float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  float d = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const float x = std::fabs(a[i] - b[i]);
+    if (!(x <= d)) d = std::isnan(x) ? INFINITY : x;
+  }
+  return d;
+}
+
+}  // namespace specontext::testing

@@ -85,7 +85,7 @@ Result<CopyEngine::Work> CopyEngine::prepare_work(LayerId layer, CopyDirection d
   return w;
 }
 
-uint64_t CopyEngine::publish_locked(std::vector<Work>& works, int32_t first_step_index) {
+uint64_t CopyEngine::publish_locked(std::span<Work> works, int32_t first_step_index) {
   const uint64_t first = next_ticket_;
   bool handed = false;
   for (size_t i = 0; i < works.size(); ++i) {
@@ -113,10 +113,8 @@ Result<CopyTicket> CopyEngine::submit(LayerId layer, CopyDirection direction,
                                       std::vector<TransferRequest> requests) {
   if (!layer.valid()) return invalid_argument("copy engine: submit with an invalid layer id");
   SPX_ASSIGN_OR_RETURN(Work w, prepare_work(layer, direction, requests, Clock::now()));
-  std::vector<Work> works;
-  works.push_back(std::move(w));
   std::lock_guard lock(mu_);
-  return CopyTicket{publish_locked(works, -1)};
+  return CopyTicket{publish_locked(std::span<Work>(&w, 1), -1)};
 }
 
 Status CopyEngine::submit_step(std::vector<LayerBatch> batches) {
@@ -282,7 +280,10 @@ Status CopyEngine::wait_all() {
   Status first;
   for (uint64_t id : ids) {
     Status s = wait_locked(lock, id, deadline);
+    // kInternal: the copy thread is stuck in a transport call; the rest would only time out too.
+    const bool stuck = s.code() == StatusCode::kInternal;
     if (first.is_ok() && !s.is_ok()) first = std::move(s);
+    if (stuck) break;
   }
   return first;
 }

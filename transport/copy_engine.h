@@ -33,6 +33,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -216,7 +217,7 @@ class CopyEngine {
                             std::vector<TransferRequest>& requests, Clock::time_point now);
   // Adds one ticket per work, hands the works to the copy thread and returns the first ticket's
   // id; with first_step_index >= 0 the works are the current step's layers. Requires mu_.
-  uint64_t publish_locked(std::vector<Work>& works, int32_t first_step_index);
+  uint64_t publish_locked(std::span<Work> works, int32_t first_step_index);
   TicketSlot* find_slot(uint64_t id);  // requires mu_; null when unknown
   const TicketSlot* find_slot(uint64_t id) const;
   StepLayer* find_step_layer(LayerId layer);  // requires mu_

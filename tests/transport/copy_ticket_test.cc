@@ -480,6 +480,54 @@ TEST(CopyTicket, StepsAndTicketsCoexist) {
   EXPECT_EQ(e->stats().steps, 2u);
 }
 
+// A transport whose post blocks (a broken fabric): stands in for a copy thread stuck in a call.
+class BlockingPostTransport final : public Transport {
+ public:
+  explicit BlockingPostTransport(std::chrono::milliseconds block) : block_(block) {}
+  std::string_view name() const override { return "blocking"; }
+  Capabilities capabilities() const override { return inner_.capabilities(); }
+  Status register_tier(TierId tier, MemoryKind kind, void* base, uint64_t bytes) override {
+    return inner_.register_tier(tier, kind, base, bytes);
+  }
+  Result<TransferHandle> prepare(const TransferBatch& batch) override {
+    return inner_.prepare(batch);
+  }
+  Status post(TransferHandle& h) override {
+    std::this_thread::sleep_for(block_);
+    return inner_.post(h);
+  }
+  Status poll(TransferHandle& h) override { return inner_.poll(h); }
+  void release(TransferHandle& h) override { inner_.release(h); }
+
+ private:
+  LocalTransport inner_;
+  const std::chrono::milliseconds block_;
+};
+
+// The wait cannot cancel a ticket whose transport call blocks; it says so (kInternal, ticket
+// still outstanding) instead of hanging, and once the call returns the ticket can be waited.
+TEST(CopyTicket, StuckTransportCallIsReportedNotAHang) {
+  Memory m;
+  BlockingPostTransport t(400ms);
+  m.register_on(t);
+  CopyEngineConfig c = fast_config();
+  c.wait_timeout = 30ms;
+  auto e = engine_on(t, c);
+  const Clock::time_point start = Clock::now();
+  auto tk = e->submit(LayerId(3), CopyDirection::kLoad, pages(kHome, kWork, 0, 8));
+  ASSERT_TRUE(tk.is_ok());
+  Status s = e->wait(*tk);
+  EXPECT_EQ(s.code(), StatusCode::kInternal) << s.to_string();
+  EXPECT_NE(s.message().find("layer 3"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("stays outstanding"), std::string::npos) << s.message();
+  EXPECT_LT(since(start), 0.3);
+  EXPECT_EQ(e->outstanding(), 1u);
+  std::this_thread::sleep_for(500ms);  // the post returns (OK) meanwhile
+  EXPECT_TRUE(e->wait(*tk).is_ok());
+  EXPECT_TRUE(pages_exact(m.home, m.work, 0, 8));
+  EXPECT_EQ(e->outstanding(), 0u);
+}
+
 TEST(CopyTicket, DestructionWithOutstandingTicketsJoins) {
   for (int round = 0; round < 3; ++round) {
     auto m = std::make_unique<Memory>();

@@ -11,6 +11,27 @@ std::string tier_text(TierId tier) { return "tier " + std::to_string(tier.value(
 
 }  // namespace
 
+Status check_request_ranges(const TransferRequest& r, const TierInfo& src, const TierInfo& dst,
+                            std::string_view who) {
+  const std::string where(who);
+  // Written as subtractions so that offset + bytes cannot overflow.
+  if (r.bytes > src.bytes || r.src_offset > src.bytes - r.bytes) {
+    return out_of_range(where + ": src " + tier_text(r.src_tier) + " range [" +
+                        std::to_string(r.src_offset) + ", +" + std::to_string(r.bytes) +
+                        ") exceeds its " + std::to_string(src.bytes) + " bytes");
+  }
+  if (r.bytes > dst.bytes || r.dst_offset > dst.bytes - r.bytes) {
+    return out_of_range(where + ": dst " + tier_text(r.dst_tier) + " range [" +
+                        std::to_string(r.dst_offset) + ", +" + std::to_string(r.bytes) +
+                        ") exceeds its " + std::to_string(dst.bytes) + " bytes");
+  }
+  if (r.src_tier == r.dst_tier && r.bytes > 0 && r.src_offset < r.dst_offset + r.bytes &&
+      r.dst_offset < r.src_offset + r.bytes) {
+    return invalid_argument(where + ": src and dst ranges overlap in " + tier_text(r.src_tier));
+  }
+  return Status::ok();
+}
+
 Status TierTable::add(TierId tier, MemoryKind kind, std::byte* base, uint64_t bytes,
                       const std::vector<MemoryKind>& kinds_ok) {
   const std::string who = std::string(transport_name_) + ": register " + tier_text(tier);
@@ -49,21 +70,7 @@ Status TierTable::resolve(const TransferBatch& batch, const Capabilities& caps,
                            tier_text(r.dst_tier) + " (" +
                            std::string(memory_kind_name(dst.kind)) + ") is not supported");
     }
-    // Written as subtractions so that offset + bytes cannot overflow.
-    if (r.bytes > src.bytes || r.src_offset > src.bytes - r.bytes) {
-      return out_of_range(where + ": src " + tier_text(r.src_tier) + " range [" +
-                          std::to_string(r.src_offset) + ", +" + std::to_string(r.bytes) +
-                          ") exceeds its " + std::to_string(src.bytes) + " bytes");
-    }
-    if (r.bytes > dst.bytes || r.dst_offset > dst.bytes - r.bytes) {
-      return out_of_range(where + ": dst " + tier_text(r.dst_tier) + " range [" +
-                          std::to_string(r.dst_offset) + ", +" + std::to_string(r.bytes) +
-                          ") exceeds its " + std::to_string(dst.bytes) + " bytes");
-    }
-    if (r.src_tier == r.dst_tier && r.bytes > 0 && r.src_offset < r.dst_offset + r.bytes &&
-        r.dst_offset < r.src_offset + r.bytes) {
-      return invalid_argument(where + ": src and dst ranges overlap in " + tier_text(r.src_tier));
-    }
+    SPX_RETURN_IF_ERROR(check_request_ranges(r, src, dst, where));
     out.push_back(ResolvedCopy{dst.base + r.dst_offset, src.base + r.src_offset, r.bytes});
   }
   return Status::ok();

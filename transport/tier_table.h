@@ -25,6 +25,13 @@ struct ResolvedCopy {
   uint64_t bytes = 0;
 };
 
+// Checks one request's ranges against its two tiers: offset + bytes within each tier (written so
+// that it cannot overflow) and no src/dst overlap inside one tier. `who` names the caller and the
+// request ("local: request 3"); errors name the tier as well. Shared with TransportRouter, which
+// validates before it splits a batch so that errors keep the caller's request index.
+Status check_request_ranges(const TransferRequest& r, const TierInfo& src, const TierInfo& dst,
+                            std::string_view who);
+
 class TierTable {
  public:
   explicit TierTable(std::string_view transport_name) : transport_name_(transport_name) {}

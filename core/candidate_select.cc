@@ -134,7 +134,7 @@ Status check_selection_options(const SelectionOptions& o, std::string_view who) 
 }
 
 Status check_append(std::string_view who, SeqId seq, const float* keys, int64_t start, int64_t n,
-                    int64_t seen, const CandidateFilterOptions& o) {
+                    int64_t seen, const CandidateFilterOptions& o, bool check_values) {
   const std::string p = std::string(who) + ": append_keys of " + seq_name(seq) + ": ";
   if (n < 0) return invalid_argument(p + "n must be >= 0 (got " + num(n) + ")");
   if (start != seen) {
@@ -145,6 +145,7 @@ Status check_append(std::string_view who, SeqId seq, const float* keys, int64_t 
   if (n > std::numeric_limits<int32_t>::max() - start) {
     return invalid_argument(p + "start + n = " + num(start + n) + " exceeds the int32 positions");
   }
+  if (!check_values) return Status::ok();
   const int64_t kvd = o.n_kv_heads * o.head_dim;
   for (int64_t t = 0; t < n; ++t) {
     const float* row = keys + t * kvd;
@@ -226,14 +227,15 @@ Status select_among_candidates(const float* q, const float* k_cache, int64_t n_h
                                 ") tokens of length " + num(length) + " among its " + num(n_cand) +
                                 " candidates");
       }
-      // Scores with exactly the arithmetic of Backend::retrieval_group_scores' default.
-      row.resize(static_cast<size_t>(n_cand));
+      // Scores with exactly the arithmetic of Backend::retrieval_group_scores' default (each dot
+      // product, the max, the exp, the double sum in ascending order), but token-major: each
+      // candidate's key row is gathered once for all query heads of the group.
+      row.resize(static_cast<size_t>(group * n_cand));
       score.assign(static_cast<size_t>(n_cand), 0.0f);
-      for (int64_t hq = g * group; hq < (g + 1) * group; ++hq) {
-        const float* qh = q + hq * head_dim;
-        float mx = -INFINITY;
-        for (int64_t c = 0; c < n_cand; ++c) {
-          const float* kt = k_cache + static_cast<int64_t>(tok[c]) * kvd + g * head_dim;
+      for (int64_t c = 0; c < n_cand; ++c) {
+        const float* kt = k_cache + static_cast<int64_t>(tok[c]) * kvd + g * head_dim;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qh = q + (g * group + j) * head_dim;
           float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
           int64_t i = 0;
           for (; i + 8 <= head_dim; i += 8) {
@@ -241,22 +243,23 @@ Status select_among_candidates(const float* q, const float* k_cache, int64_t n_h
           }
           float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
           for (; i < head_dim; ++i) dot += qh[i] * kt[i];
-          row[static_cast<size_t>(c)] = dot * scale;
-          mx = std::max(mx, row[static_cast<size_t>(c)]);
+          row[static_cast<size_t>(j * n_cand + c)] = dot * scale;
         }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* r = row.data() + j * n_cand;
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < n_cand; ++c) mx = std::max(mx, r[c]);
         double sum = 0.0;
-        for (int64_t c = 0; c < n_cand; ++c) {
-          sum += (row[static_cast<size_t>(c)] = std::exp(row[static_cast<size_t>(c)] - mx));
-        }
+        for (int64_t c = 0; c < n_cand; ++c) sum += (r[c] = std::exp(r[c] - mx));
         // std::max skips a NaN logit, but the sum does not: one check catches NaN and inf.
         if (!std::isfinite(mx) || !std::isfinite(sum)) {
-          return invalid_argument("select_among_candidates: scores of query head " + num(hq) +
+          return invalid_argument("select_among_candidates: scores of query head " + num(g * group + j) +
                                   " are not finite (NaN or inf in q or in the candidates' keys)");
         }
         const float inv = static_cast<float>(1.0 / sum);
         for (int64_t c = 0; c < n_cand; ++c) {
-          score[static_cast<size_t>(c)] =
-              std::max(score[static_cast<size_t>(c)], row[static_cast<size_t>(c)] * inv);
+          score[static_cast<size_t>(c)] = std::max(score[static_cast<size_t>(c)], r[c] * inv);
         }
       }
       // Fixed part, then the best of the middle: the rules of select_from_group_scores, on

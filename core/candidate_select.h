@@ -49,9 +49,9 @@ float quest_page_bound(const float* q, const float* page_min, const float* page_
 Status check_candidate_filter_options(const CandidateFilterOptions& o, std::string_view who);
 Status check_selection_options(const SelectionOptions& o, std::string_view who);
 // append_keys(seq, keys, start, n) of a sequence holding `seen` tokens: order, null, int32 range,
-// finiteness (reads every key).
+// and with check_values finiteness (reads every key; the first bad one is named).
 Status check_append(std::string_view who, SeqId seq, const float* keys, int64_t start, int64_t n,
-                    int64_t seen, const CandidateFilterOptions& o);
+                    int64_t seen, const CandidateFilterOptions& o, bool check_values = true);
 // shortlist() of a sequence holding `seen` tokens (known sequence).
 Status check_shortlist(std::string_view who, SeqId seq, const float* q, int64_t length, int64_t seen,
                        int64_t shortlist_tokens, const SelectionOptions& selection,

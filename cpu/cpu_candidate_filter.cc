@@ -5,6 +5,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <new>
@@ -155,10 +156,19 @@ void CpuCandidateFilter::drop(SeqId seq) { impl_->seqs.erase(seq); }
 
 Status CpuCandidateFilter::append_keys(SeqId seq, const float* keys, int64_t start, int64_t n) {
   Impl& m = *impl_;
-  SPX_RETURN_IF_ERROR(check_append(kWho, seq, keys, start, n, length(seq), m.o));
+  SPX_RETURN_IF_ERROR(check_append(kWho, seq, keys, start, n, length(seq), m.o, /*check_values=*/false));
   if (n == 0) return Status::ok();
   return guarded("append_keys", [&]() -> Status {
     const int64_t P = m.o.page_size, hd = m.o.head_dim, nkv = m.o.n_kv_heads;
+    // Finiteness in parallel (a bulk append is hundreds of MiB); the serial check runs only to
+    // name the first bad key.
+    std::atomic<bool> bad{false};
+    m.parallel(n, n * m.kvd < kInlineAppendFloats ? n : 256, [&](int64_t b, int64_t e) {
+      bool ok = true;
+      for (int64_t i = b * m.kvd; i < e * m.kvd; ++i) ok &= std::isfinite(keys[i]);
+      if (!ok) bad.store(true, std::memory_order_relaxed);
+    });
+    if (bad.load()) return check_append(kWho, seq, keys, start, n, start, m.o, /*check_values=*/true);
     const int64_t end = start + n;
     const int64_t pages = (end + P - 1) / P;
     const int64_t chunks = (pages + m.pages_per_chunk - 1) / m.pages_per_chunk;

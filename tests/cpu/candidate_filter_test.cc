@@ -263,6 +263,17 @@ TEST(CpuCandidateFilter, FailedAppendChangesNothing) {
   EXPECT_EQ(f->length(SeqId(2)), 0);
   Candidates c;
   expect_invalid(f->shortlist(SeqId(2), keys.data(), 1, 1, {}, c), "unknown sequence 2");
+  // A bulk append large enough for the parallel finiteness scan names the same first bad key.
+  {
+    auto big = make_cpu({16, 8, 4, 16});
+    ASSERT_NE(big, nullptr);
+    auto many = make_values(static_cast<size_t>(3000 * 64), 13, false);
+    many[static_cast<size_t>(2100 * 64 + 40)] = -INFINITY;  // position 2100, KV head 2
+    many[static_cast<size_t>(2900 * 64 + 1)] = NAN;
+    expect_invalid(big->append_keys(SeqId(4), many.data(), 0, 3000),
+                   "position 2100, KV head 2 is not finite");
+    EXPECT_EQ(big->length(SeqId(4)), 0);
+  }
   // The sequence continues as if the failed call never happened.
   ASSERT_TRUE(f->append_keys(SeqId(1), keys.data() + 50 * kvd, 50, 50).is_ok());
   ASSERT_TRUE((*ref)->append_keys(SeqId(1), keys.data() + 50 * kvd, 50, 50).is_ok());

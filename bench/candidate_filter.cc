@@ -205,9 +205,10 @@ struct SyntheticKeys {
   }
 };
 
-// Full scoring with oneTBB, same maths as Backend::retrieval_group_scores (not bit-identical: the
-// per-head sums run in blocks): logits per (KV head, token block) for the group's query heads,
-// softmax per query head, group max per block.
+// Full scoring with oneTBB, same maths as Backend::retrieval_group_scores (the per-head sums run
+// in blocks, so not necessarily bit-identical; the JSON reports the largest difference): logits
+// per (KV head, token block), token-major for the group's query heads; softmax per query head;
+// group max per block. Group size <= 64.
 void parallel_group_scores(tbb::task_arena& arena, const float* q, const float* k, int64_t L, const Shape& sh,
                            std::vector<float>& logits, std::vector<float>& out) {
   const int64_t d = sh.head_dim, group = sh.group(), kvd = sh.kvd();
@@ -221,12 +222,13 @@ void parallel_group_scores(tbb::task_arena& arena, const float* q, const float* 
   arena.execute([&] {
     tbb::parallel_for(int64_t{0}, sh.n_kv_heads * blocks, [&](int64_t item) {
       const int64_t g = item / blocks, b = item % blocks;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const float* qh = q + h * d;
-        float* row = logits.data() + h * L;
-        float mx = -INFINITY;
-        for (int64_t t = b * kBlock; t < std::min(L, (b + 1) * kBlock); ++t) {
-          const float* kt = k + t * kvd + g * d;
+      // Token-major: each key row is read once for the group's query heads.
+      float mx[64];
+      std::fill(mx, mx + group, -INFINITY);
+      for (int64_t t = b * kBlock; t < std::min(L, (b + 1) * kBlock); ++t) {
+        const float* kt = k + t * kvd + g * d;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qh = q + (g * group + j) * d;
           float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
           int64_t i = 0;
           for (; i + 8 <= d; i += 8) {
@@ -234,11 +236,13 @@ void parallel_group_scores(tbb::task_arena& arena, const float* q, const float* 
           }
           float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
           for (; i < d; ++i) dot += qh[i] * kt[i];
-          row[t] = dot * scale;
-          mx = std::max(mx, row[t]);
+          const float v = dot * scale;
+          logits[static_cast<size_t>((g * group + j) * L + t)] = v;
+          mx[j] = std::max(mx[j], v);
         }
-        block_max[static_cast<size_t>(h * blocks + b)] = mx;
       }
+      for (int64_t j = 0; j < group; ++j)
+        block_max[static_cast<size_t>((g * group + j) * blocks + b)] = mx[j];
     });
     tbb::parallel_for(int64_t{0}, sh.n_heads * blocks, [&](int64_t item) {
       const int64_t h = item / blocks, b = item % blocks;

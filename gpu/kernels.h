@@ -243,4 +243,23 @@ cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream);
 cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
                                cudaStream_t stream);
 
+// ---- transport: many small copies in one kernel ----
+
+// One piece of a gathered transfer: bytes from src to dst, both device-visible addresses (device
+// memory, or mapped pinned host memory through its UVA device pointer). align is the common
+// alignment of src and dst (16, 4 or 1): the piece is copied in uint4 / uint32 / byte units, with
+// a byte tail when bytes is not a multiple of align.
+struct CopyPiece {
+  uint64_t src;
+  uint64_t dst;
+  uint32_t bytes;  // <= kCopyPieceBytes
+  uint32_t align;
+};
+
+// A warp copies one piece with every lane's loads in flight before its stores: 32 lanes x 8 uint4.
+inline constexpr uint32_t kCopyPieceBytes = 4096;
+
+// Copies every piece of the device array `pieces` (one warp per piece, grid-stride).
+cudaError_t launch_gather_copy(const CopyPiece* pieces, int64_t n_pieces, cudaStream_t stream);
+
 }  // namespace specontext::gpu::kernels

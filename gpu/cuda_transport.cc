@@ -18,7 +18,8 @@ uint64_t address(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
 }  // namespace
 
-Result<std::unique_ptr<CudaTransport>> CudaTransport::create(int device_ordinal, CudaTransportOptions options) {
+Result<std::unique_ptr<CudaTransport>> CudaTransport::create(int device_ordinal,
+                                                             CudaTransportOptions options) {
   SPX_ASSIGN_OR_RETURN(const int count, cuda_device_count());
   if (device_ordinal < 0 || device_ordinal >= count) {
     return out_of_range("cuda transport: CUDA device " + std::to_string(device_ordinal) + " requested, " +
@@ -69,15 +70,16 @@ Status CudaTransport::register_tier(TierId tier, MemoryKind kind, void* base, ui
     SPX_CUDA_CHECK(cudaPointerGetAttributes(&attr, static_cast<std::byte*>(base) + off));
     if (kind == MemoryKind::kPinnedHost) {
       if (attr.type != cudaMemoryTypeHost) {
-        return invalid_argument(who + ": byte " + std::to_string(off) +
-                                " is not page-locked host memory (allocate it with cudaHostAlloc or register it "
-                                "with PinnedHostRegistration)");
+        return invalid_argument(
+            who + ": byte " + std::to_string(off) +
+            " is not page-locked host memory (allocate it with cudaHostAlloc or register it "
+            "with PinnedHostRegistration)");
       }
       if (off == 0) at.device = address(attr.devicePointer);  // null: not mapped for this device
     } else {
       if (attr.type != cudaMemoryTypeDevice || attr.device != device_) {
-        return invalid_argument(who + ": byte " + std::to_string(off) + " is not device memory of CUDA device " +
-                                std::to_string(device_));
+        return invalid_argument(who + ": byte " + std::to_string(off) +
+                                " is not device memory of CUDA device " + std::to_string(device_));
       }
       at.device = at.host;
       at.on_device = true;
@@ -110,7 +112,8 @@ Result<TransferHandle> CudaTransport::prepare(const TransferBatch& batch) {
     c.request = i;
   }
   auto op = std::make_unique<Op>();
-  SPX_ASSIGN_OR_RETURN(op->plan, plan_transfer(copies, TransferPlanOptions{options_.method, options_.gather_below_bytes}));
+  SPX_ASSIGN_OR_RETURN(
+      op->plan, plan_transfer(copies, TransferPlanOptions{options_.method, options_.gather_below_bytes}));
   const uint64_t id = next_id_++;
   ops_.emplace(id, std::move(op));
   return make_handle(id);
@@ -206,14 +209,16 @@ Status CudaTransport::enqueue(Op& op) {
   SPX_RETURN_IF_ERROR(scope.status());
   Status status;
   if (op.plan.method == CopyMethod::kGatherKernel) {
-    status = cuda_status(kernels::launch_gather_copy(reinterpret_cast<const kernels::CopyPiece*>(op.pieces.data()),
-                                                     static_cast<int64_t>(op.plan.pieces.size()), stream_.get()),
-                         "launch_gather_copy");
+    status =
+        cuda_status(kernels::launch_gather_copy(reinterpret_cast<const kernels::CopyPiece*>(op.pieces.data()),
+                                                static_cast<int64_t>(op.plan.pieces.size()), stream_.get()),
+                    "launch_gather_copy");
   } else {
     for (const CopyRange& s : op.plan.segments) {
-      status = cuda_status(cudaMemcpyAsync(reinterpret_cast<void*>(s.dst), reinterpret_cast<const void*>(s.src),
-                                           s.bytes, cudaMemcpyDefault, stream_.get()),
-                           "cudaMemcpyAsync");
+      status =
+          cuda_status(cudaMemcpyAsync(reinterpret_cast<void*>(s.dst), reinterpret_cast<const void*>(s.src),
+                                      s.bytes, cudaMemcpyDefault, stream_.get()),
+                      "cudaMemcpyAsync");
       if (!status.is_ok()) break;
     }
   }

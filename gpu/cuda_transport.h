@@ -59,7 +59,8 @@ struct CudaTransportOptions {
 class CudaTransport final : public Transport {
  public:
   // kUnavailable without a device; kOutOfRange for a device ordinal that does not exist.
-  static Result<std::unique_ptr<CudaTransport>> create(int device_ordinal = 0, CudaTransportOptions options = {});
+  static Result<std::unique_ptr<CudaTransport>> create(int device_ordinal = 0,
+                                                       CudaTransportOptions options = {});
   ~CudaTransport() override;
   CudaTransport(const CudaTransport&) = delete;
   CudaTransport& operator=(const CudaTransport&) = delete;
@@ -94,17 +95,17 @@ class CudaTransport final : public Transport {
     bool posting = false;  // post() is enqueueing outside the lock
     bool posted = false;
     bool has_event = false;
-    Status error;          // terminal failure
+    Status error;  // terminal failure
     CudaEvent done;
     DeviceBuffer<uint8_t> pieces;  // the kernel's piece list (from pieces_pool_)
   };
 
   CudaTransport(int device, CudaTransportOptions options, CudaStream stream);
-  Result<Op*> find(const TransferHandle& handle);  // mu_ held
-  Result<CudaEvent> take_event();                  // mu_ held
+  Result<Op*> find(const TransferHandle& handle);                  // mu_ held
+  Result<CudaEvent> take_event();                                  // mu_ held
   Result<DeviceBuffer<uint8_t>> take_pieces_buffer(size_t bytes);  // mu_ held
-  void recycle(Op& op);                            // mu_ held; op is complete
-  Status enqueue(Op& op);                          // no lock; the op is owned by the posting thread
+  void recycle(Op& op);                                            // mu_ held; op is complete
+  Status enqueue(Op& op);  // no lock; the op is owned by the posting thread
 
   const int device_;
   const CudaTransportOptions options_;

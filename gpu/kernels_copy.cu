@@ -53,7 +53,8 @@ __device__ __forceinline__ void copy_words(const Word* __restrict__ src, Word* _
   }
 }
 
-__global__ void __launch_bounds__(kCopyThreads) gather_copy_kernel(const CopyPiece* __restrict__ pieces, int64_t n) {
+__global__ void __launch_bounds__(kCopyThreads)
+    gather_copy_kernel(const CopyPiece* __restrict__ pieces, int64_t n) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyWarps;
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kCopyWarps + (threadIdx.x >> 5); w < n; w += stride) {

@@ -66,10 +66,10 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
   const int ks = a.k_stride;
   const int hd = static_cast<int>(a.head_dim);
   const int group = static_cast<int>(a.group);
-  const int qd = a.parts * pd;  // padded query / row length
-  float* k_s = smem;                            // [parts][tile][ks]
-  float* q_s = k_s + kRetrievalThreads * ks;    // [group][qd], pre-scaled, zero-padded
-  float* red = q_s + group * qd;                // [8][parts][tile] when parts > 1
+  const int qd = a.parts * pd;                // padded query / row length
+  float* k_s = smem;                          // [parts][tile][ks]
+  float* q_s = k_s + kRetrievalThreads * ks;  // [group][qd], pre-scaled, zero-padded
+  float* red = q_s + group * qd;              // [8][parts][tile] when parts > 1
   const int tid = static_cast<int>(threadIdx.x);
   const int part = tid / tile;
   const int row = tid - part * tile;
@@ -307,8 +307,8 @@ __device__ __forceinline__ WarpSpan warp_span(const SelectTopLaunch& a) {
 
 // Visits the chosen keys of a warp's span in token order: f(i, chosen, ballot) per 32 elements.
 template <class F>
-__device__ __forceinline__ void for_each_chosen(const SelectTopLaunch& a, const SelectState& st, const WarpSpan& w,
-                                                int lane, F&& f) {
+__device__ __forceinline__ void for_each_chosen(const SelectTopLaunch& a, const SelectState& st,
+                                                const WarpSpan& w, int lane, F&& f) {
   const float* s = a.scores + blockIdx.y * a.length + a.lo;
   constexpr int kUnroll = 4;
   for (int64_t base = w.begin; base < w.end; base += 32 * kUnroll) {  // warp-uniform
@@ -374,13 +374,15 @@ __device__ __forceinline__ void argmax_merge(float& v, int32_t& i, float w, int3
   }
 }
 
-__global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(const float* logits, int64_t vocab, int32_t* out) {
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_rows_kernel(const float* logits, int64_t vocab, int32_t* out) {
   __shared__ float sv[kArgmaxThreads / 32];
   __shared__ int32_t si[kArgmaxThreads / 32];
   const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
   float v = -INFINITY;
   int32_t i = INT32_MAX;  // no candidate yet; NaN never becomes one (w > v and w == v are false)
-  for (int64_t k = threadIdx.x; k < vocab; k += kArgmaxThreads) argmax_merge(v, i, row[k], static_cast<int32_t>(k));
+  for (int64_t k = threadIdx.x; k < vocab; k += kArgmaxThreads)
+    argmax_merge(v, i, row[k], static_cast<int32_t>(k));
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float w = __shfl_xor_sync(kFullMask, v, offset);
@@ -404,8 +406,8 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(const float
 cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t stream) {
   if (a.length <= 0) return cudaSuccess;
   if (a.smem_bytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(retrieval_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(a.smem_bytes));
+    const cudaError_t err = cudaFuncSetAttribute(
+        retrieval_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(a.smem_bytes));
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(a.blocks_per_head), static_cast<unsigned>(a.n_kv_heads));
@@ -416,8 +418,8 @@ cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t per_head = std::clamp<int64_t>((a.length + 255) / 256, 1, kMaxGridBlocks / 16);
-  retrieval_group_max_kernel<<<dim3(static_cast<unsigned>(per_head), static_cast<unsigned>(a.n_kv_heads)), 256, 0,
-                               stream>>>(a);
+  retrieval_group_max_kernel<<<dim3(static_cast<unsigned>(per_head), static_cast<unsigned>(a.n_kv_heads)),
+                               256, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -435,7 +437,8 @@ cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out, cudaStream_t stream) {
+cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
+                               cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   argmax_rows_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, vocab, out);
   return cudaGetLastError();

@@ -71,14 +71,15 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k
   a.smem_bytes = static_cast<size_t>(smem_floats) * sizeof(float);
   if (a.smem_bytes > kRetrievalMaxSmemBytes) {
     return unimplemented("CUDA retrieval_group_scores: " + std::to_string(a.group) +
-                         " query heads per KV head of head_dim " + std::to_string(head_dim) +
-                         " need " + std::to_string(a.smem_bytes) + " bytes of shared memory (limit " +
+                         " query heads per KV head of head_dim " + std::to_string(head_dim) + " need " +
+                         std::to_string(a.smem_bytes) + " bytes of shared memory (limit " +
                          std::to_string(kRetrievalMaxSmemBytes) + ")");
   }
 
   // Enough blocks to fill the device, but whole tiles and at most kMaxTokensPerBlock per block.
   const int64_t target_blocks = std::max<int64_t>(sm_count, 1) * kTargetBlocksPerSm;
-  const int64_t per_block = round_up(std::max<int64_t>(ceil_div(length * n_kv_heads, target_blocks), 1), a.tile);
+  const int64_t per_block =
+      round_up(std::max<int64_t>(ceil_div(length * n_kv_heads, target_blocks), 1), a.tile);
   a.tokens_per_block = std::clamp<int64_t>(per_block, a.tile, kMaxTokensPerBlock);
   a.blocks_per_head = ceil_div(length, a.tokens_per_block);
   if (a.blocks_per_head > INT_MAX) return invalid_argument("retrieval_group_scores: grid too large");
@@ -101,14 +102,17 @@ size_t SelectTopPlan::warp_count_words() const {
 
 Result<SelectTopPlan> plan_select_top_tokens(int64_t n_kv_heads, int64_t length, const SelectionOptions& o,
                                              int sm_count) {
-  if (n_kv_heads < 0) return invalid_argument("select_top_tokens: n_kv_heads = " + std::to_string(n_kv_heads) + " < 0");
+  if (n_kv_heads < 0)
+    return invalid_argument("select_top_tokens: n_kv_heads = " + std::to_string(n_kv_heads) + " < 0");
   if (length < 0) return invalid_argument("select_top_tokens: length = " + std::to_string(length) + " < 0");
-  if (o.sinks < 0) return invalid_argument("select_top_tokens: options.sinks = " + std::to_string(o.sinks) + " < 0");
+  if (o.sinks < 0)
+    return invalid_argument("select_top_tokens: options.sinks = " + std::to_string(o.sinks) + " < 0");
   if (o.window < 0) {
     return invalid_argument("select_top_tokens: options.window = " + std::to_string(o.window) + " < 0");
   }
   if (length > INT32_MAX) {
-    return invalid_argument("select_top_tokens: length " + std::to_string(length) + " exceeds int32 token positions");
+    return invalid_argument("select_top_tokens: length " + std::to_string(length) +
+                            " exceeds int32 token positions");
   }
   if (n_kv_heads > 65535) return invalid_argument("select_top_tokens: more than 65535 KV heads");
 
@@ -135,7 +139,8 @@ Result<SelectTopPlan> plan_select_top_tokens(int64_t n_kv_heads, int64_t length,
   const int64_t by_device = ceil_div(target, n_kv_heads);
   const int64_t by_size = ceil_div(std::max<int64_t>(a.m, 1), kSelectMinPerBlock);
   a.blocks_per_segment = std::clamp<int64_t>(std::min(by_device, by_size), 1, kSelectMaxBlocksPerSegment);
-  a.warp_span = round_up(std::max<int64_t>(ceil_div(a.m, a.blocks_per_segment * kernels::kSelectWarps), 1), 128);
+  a.warp_span =
+      round_up(std::max<int64_t>(ceil_div(a.m, a.blocks_per_segment * kernels::kSelectWarps), 1), 128);
   if (a.take > 0) {
     plan.initial_state.assign(static_cast<size_t>(n_kv_heads), kernels::SelectState{0, 0, a.take, 0, 0});
   }

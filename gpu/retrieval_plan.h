@@ -51,8 +51,8 @@ struct SelectTopPlan {
 // Checks (kInvalidArgument naming the field: negative n_kv_heads, length, options.sinks or
 // options.window; length beyond int32 tokens; more than 65535 KV heads) and plans. The result
 // is the set select_from_group_scores computes.
-Result<SelectTopPlan> plan_select_top_tokens(int64_t n_kv_heads, int64_t length, const SelectionOptions& options,
-                                             int sm_count);
+Result<SelectTopPlan> plan_select_top_tokens(int64_t n_kv_heads, int64_t length,
+                                             const SelectionOptions& options, int sm_count);
 
 // Fills out's shape (kv_heads, budget, counts) for a plan, and the indices when host_only.
 void prepare_selection(const SelectTopPlan& plan, int64_t n_kv_heads, int64_t length, Selection& out);

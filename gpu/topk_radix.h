@@ -49,10 +49,10 @@ SPX_HD uint64_t select_key(float score, uint32_t token) {
 
 // Radix-select state of one segment (one KV head), in device scratch between the passes.
 struct SelectState {
-  uint64_t prefix;     // threshold bits decided so far
-  uint64_t mask;       // which bits are decided
-  int64_t remaining;   // keys equal to prefix (under mask) still to take; >= 1 until done
-  int32_t done;        // 1: the selection is every key with (key & mask) >= prefix
+  uint64_t prefix;    // threshold bits decided so far
+  uint64_t mask;      // which bits are decided
+  int64_t remaining;  // keys equal to prefix (under mask) still to take; >= 1 until done
+  int32_t done;       // 1: the selection is every key with (key & mask) >= prefix
   int32_t pad;
 };
 

@@ -33,8 +33,9 @@ Status sort_disjoint(std::vector<Interval>& v) {
 bool mergeable(const CopyRange& a, const CopyRange& b) {
   const auto next_to = [&](uint64_t x, uint64_t y) { return x + a.bytes == y; };
   return a.src_on_device == b.src_on_device && a.dst_on_device == b.dst_on_device && next_to(a.src, b.src) &&
-         next_to(a.dst, b.dst) && (a.src_dev == 0) == (b.src_dev == 0) && (a.dst_dev == 0) == (b.dst_dev == 0) &&
-         (a.src_dev == 0 || next_to(a.src_dev, b.src_dev)) && (a.dst_dev == 0 || next_to(a.dst_dev, b.dst_dev));
+         next_to(a.dst, b.dst) && (a.src_dev == 0) == (b.src_dev == 0) &&
+         (a.dst_dev == 0) == (b.dst_dev == 0) && (a.src_dev == 0 || next_to(a.src_dev, b.src_dev)) &&
+         (a.dst_dev == 0 || next_to(a.dst_dev, b.dst_dev));
 }
 
 uint32_t common_alignment(uint64_t src, uint64_t dst) {
@@ -46,9 +47,12 @@ uint32_t common_alignment(uint64_t src, uint64_t dst) {
 
 std::string_view copy_method_name(CopyMethod method) {
   switch (method) {
-    case CopyMethod::kDma: return "dma";
-    case CopyMethod::kGatherKernel: return "gather_kernel";
-    case CopyMethod::kAuto: return "auto";
+    case CopyMethod::kDma:
+      return "dma";
+    case CopyMethod::kGatherKernel:
+      return "gather_kernel";
+    case CopyMethod::kAuto:
+      return "auto";
   }
   return "unknown";
 }
@@ -77,8 +81,9 @@ Result<TransferPlan> plan_transfer(std::span<const CopyRange> copies, const Tran
       auto it = std::upper_bound(dst.begin(), dst.end(), c.src,
                                  [](uint64_t x, const Interval& d) { return x < d.end; });
       if (it != dst.end() && it->begin < c.src + c.bytes) {
-        return invalid_argument("cuda: " + pair_text(c.request, it->request) +
-                                ": one reads bytes the other writes (requests of a batch must be independent)");
+        return invalid_argument(
+            "cuda: " + pair_text(c.request, it->request) +
+            ": one reads bytes the other writes (requests of a batch must be independent)");
       }
     }
   }
@@ -113,8 +118,8 @@ Result<TransferPlan> plan_transfer(std::span<const CopyRange> copies, const Tran
       plan.method = CopyMethod::kGatherKernel;
       break;
     case CopyMethod::kAuto: {
-      const bool small = !plan.segments.empty() &&
-                         plan.total_bytes < options.gather_below_bytes * plan.segments.size();
+      const bool small =
+          !plan.segments.empty() && plan.total_bytes < options.gather_below_bytes * plan.segments.size();
       plan.method = mapped && small ? CopyMethod::kGatherKernel : CopyMethod::kDma;
       break;
     }

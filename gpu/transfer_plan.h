@@ -32,14 +32,14 @@ inline constexpr uint64_t kDefaultGatherBelowBytes = 32 * 1024;
 
 // One request after TierTable validation, as addresses.
 struct CopyRange {
-  uint64_t src = 0;      // for DMA: the registered host pointer or the device pointer
+  uint64_t src = 0;  // for DMA: the registered host pointer or the device pointer
   uint64_t dst = 0;
   uint64_t src_dev = 0;  // for the kernel: the device-visible address; 0 when that side is not mapped
   uint64_t dst_dev = 0;
   uint64_t bytes = 0;
   bool src_on_device = false;  // the side lives in device memory (else pinned host memory)
   bool dst_on_device = false;
-  size_t request = 0;    // index of the (first) request in the batch, for messages
+  size_t request = 0;  // index of the (first) request in the batch, for messages
 };
 
 struct TransferPlanOptions {
@@ -48,7 +48,7 @@ struct TransferPlanOptions {
 };
 
 struct TransferPlan {
-  CopyMethod method = CopyMethod::kDma;   // resolved: kDma or kGatherKernel
+  CopyMethod method = CopyMethod::kDma;    // resolved: kDma or kGatherKernel
   std::vector<CopyRange> segments;         // coalesced requests (zero-byte ones dropped), in order
   std::vector<kernels::CopyPiece> pieces;  // kGatherKernel: segments cut into <= kCopyPieceBytes
   uint64_t total_bytes = 0;

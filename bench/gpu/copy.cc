@@ -40,7 +40,9 @@ using specontext::gpu::CopyMethod;
 using specontext::gpu::CudaTransport;
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -146,7 +148,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "CUDA device ordinal");
   app.add_option("--reps", reps, "timed repetitions per case (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--peak-mib", peak_mib, "bytes of the peak measurement (MiB)")->check(CLI::PositiveNumber);
-  app.add_option("--max-case-mib", max_case_mib, "skip cases moving more than this (MiB)")->check(CLI::PositiveNumber);
+  app.add_option("--max-case-mib", max_case_mib, "skip cases moving more than this (MiB)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   std::vector<int64_t> row_sizes, batches;
   try {
@@ -200,8 +203,8 @@ int main(int argc, char** argv) {
   const size_t peak_bytes = static_cast<size_t>(peak_mib) << 20;
   const double h2d_peak = peak_gb_per_s(host->data(), dev->data(), peak_bytes, true, 5, stream->get());
   const double d2h_peak = peak_gb_per_s(host->data(), dev->data(), peak_bytes, false, 5, stream->get());
-  std::fprintf(stderr, "%s: host->device peak %.2f GB/s, device->host %.2f GB/s (%lld MiB copies)\n", prop.name,
-               h2d_peak, d2h_peak, static_cast<long long>(peak_mib));
+  std::fprintf(stderr, "%s: host->device peak %.2f GB/s, device->host %.2f GB/s (%lld MiB copies)\n",
+               prop.name, h2d_peak, d2h_peak, static_cast<long long>(peak_mib));
 
   nlohmann::json cases = nlohmann::json::array();
   nlohmann::json crossover = nlohmann::json::array();
@@ -212,7 +215,8 @@ int main(int argc, char** argv) {
     for (int64_t row : row_sizes) {
       const int64_t bytes = rows * row;
       if (bytes > (max_case_mib << 20)) {
-        cases.push_back({{"row_bytes", row}, {"rows", rows}, {"bytes", bytes}, {"skipped", "above --max-case-mib"}});
+        cases.push_back(
+            {{"row_bytes", row}, {"rows", rows}, {"bytes", bytes}, {"skipped", "above --max-case-mib"}});
         continue;
       }
       // A gather: random source rows (a permutation, so adjacent requests almost never coalesce)
@@ -230,8 +234,10 @@ int main(int argc, char** argv) {
       for (int m = 0; m < 2; ++m) {
         auto t = CudaTransport::create(device, {methods[m], specontext::gpu::kDefaultGatherBelowBytes});
         if (!t.is_ok()) return fail(t.status(), "transport");
-        Status reg = (*t)->register_tier(TierId(0), MemoryKind::kPinnedHost, host->data(), static_cast<uint64_t>(pool));
-        if (reg.is_ok()) reg = (*t)->register_tier(TierId(1), MemoryKind::kDevice, dev->data(), static_cast<uint64_t>(pool));
+        Status reg = (*t)->register_tier(TierId(0), MemoryKind::kPinnedHost, host->data(),
+                                         static_cast<uint64_t>(pool));
+        if (reg.is_ok())
+          reg = (*t)->register_tier(TierId(1), MemoryKind::kDevice, dev->data(), static_cast<uint64_t>(pool));
         if (!reg.is_ok()) return fail(reg, "register tiers");
         const CaseResult r = run_case(**t, batch, reps);
         nlohmann::json c = {{"row_bytes", row},
@@ -249,10 +255,12 @@ int main(int argc, char** argv) {
           c["transfer_ms"] = r.transfer_ms;
           c["gb_per_s"] = rate[m];
           c["fraction_of_peak"] = h2d_peak > 0.0 ? rate[m] / h2d_peak : 0.0;
-          std::fprintf(stderr, "%6lld rows x %5lld B %-13s prepare %8.3f ms  transfer %8.3f ms  %7.2f GB/s  %5.1f%% of peak\n",
-                       static_cast<long long>(rows), static_cast<long long>(row),
-                       specontext::gpu::copy_method_name(methods[m]).data(), r.prepare_ms, r.transfer_ms, rate[m],
-                       h2d_peak > 0.0 ? 100.0 * rate[m] / h2d_peak : 0.0);
+          std::fprintf(
+              stderr,
+              "%6lld rows x %5lld B %-13s prepare %8.3f ms  transfer %8.3f ms  %7.2f GB/s  %5.1f%% of peak\n",
+              static_cast<long long>(rows), static_cast<long long>(row),
+              specontext::gpu::copy_method_name(methods[m]).data(), r.prepare_ms, r.transfer_ms, rate[m],
+              h2d_peak > 0.0 ? 100.0 * rate[m] / h2d_peak : 0.0);
         }
         cases.push_back(c);
       }
@@ -281,9 +289,10 @@ int main(int argc, char** argv) {
       {"crossover", crossover},
       {"suggested_gather_below_bytes", suggested},
       {"default_gather_below_bytes", specontext::gpu::kDefaultGatherBelowBytes},
-      {"note", "transfer_ms is wall time from post to completion (includes the DMA calls' CPU cost and the piece "
-               "list upload); prepare_ms is validation and planning. null crossover: the kernel won at every row "
-               "size measured."}};
+      {"note",
+       "transfer_ms is wall time from post to completion (includes the DMA calls' CPU cost and the piece "
+       "list upload); prepare_ms is validation and planning. null crossover: the kernel won at every row "
+       "size measured."}};
   const std::filesystem::path path(out_path);
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
   std::ofstream(path) << out.dump(2) << "\n";

@@ -82,7 +82,8 @@ TEST_F(CudaRetrievalTest, UploadSourceIsReusableAtReturn) {
   ASSERT_TRUE(pinned.is_ok()) << pinned.status().to_string();
   for (bool use_pinned : {false, true}) {
     for (size_t bytes : {size_t{1}, size_t{1000}, size_t{4096}, size_t{3} << 20, size_t{20} << 20}) {
-      SCOPED_TRACE(std::string(use_pinned ? "pinned" : "pageable") + " source, " + std::to_string(bytes) + " bytes");
+      SCOPED_TRACE(std::string(use_pinned ? "pinned" : "pageable") + " source, " + std::to_string(bytes) +
+                   " bytes");
       const int copies = bytes < 8192 ? 3000 : 2;  // 3000 small copies wrap the 8 MiB ring
       std::vector<uint8_t> pageable(bytes);
       uint8_t* src = use_pinned ? pinned->as<uint8_t>() : pageable.data();
@@ -182,8 +183,8 @@ struct ScoreCase {
 };
 
 void run_score_case(CudaBackend& gpu, Backend& ref, std::mt19937& rng, const ScoreCase& c) {
-  const std::string what = "heads " + std::to_string(c.n_heads) + " kv " + std::to_string(c.n_kv_heads) + " hd " +
-                           std::to_string(c.head_dim) + " length " + std::to_string(c.length) +
+  const std::string what = "heads " + std::to_string(c.n_heads) + " kv " + std::to_string(c.n_kv_heads) +
+                           " hd " + std::to_string(c.head_dim) + " length " + std::to_string(c.length) +
                            (c.misaligned_k ? " misaligned" : "");
   SCOPED_TRACE(what);
   // Logits of a few units: a realistic, peaked softmax.
@@ -195,12 +196,13 @@ void run_score_case(CudaBackend& gpu, Backend& ref, std::mt19937& rng, const Sco
   Guarded<float> d_out(static_cast<size_t>(c.n_kv_heads * c.length));
   const float* k_dev = d_k.data() + (c.misaligned_k ? 1 : 0);
   const float* k_ref = k_host.data() + (c.misaligned_k ? 1 : 0);
-  const Status s = gpu.retrieval_group_scores(d_q.data(), k_dev, c.length, c.n_heads, c.n_kv_heads, c.head_dim,
-                                              d_out.data());
+  const Status s = gpu.retrieval_group_scores(d_q.data(), k_dev, c.length, c.n_heads, c.n_kv_heads,
+                                              c.head_dim, d_out.data());
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   std::vector<float> want(d_out.size());
-  ASSERT_TRUE(ref.retrieval_group_scores(q.data(), k_ref, c.length, c.n_heads, c.n_kv_heads, c.head_dim,
-                                         want.data()).is_ok());
+  ASSERT_TRUE(
+      ref.retrieval_group_scores(q.data(), k_ref, c.length, c.n_heads, c.n_kv_heads, c.head_dim, want.data())
+          .is_ok());
   const Status synced = gpu.synchronize();
   ASSERT_TRUE(synced.is_ok()) << "device fault: " << synced.to_string();
   const std::vector<float> got = d_out.download();
@@ -216,9 +218,9 @@ void run_score_case(CudaBackend& gpu, Backend& ref, std::mt19937& rng, const Sco
 
 TEST_F(CudaRetrievalTest, ScoresMatchHostDefaultOnRandomShapes) {
   const ScoreCase fixed[] = {
-      {8, 8, 64, 1},          {4, 1, 128, 7},           {32, 8, 128, 4096},     {8, 2, 256, 3000},
-      {14, 2, 64, 200000},    {64, 1, 64, 1000},        {2, 2, 100, 517},       {3, 1, 7, 33, true},
-      {8, 4, 128, 1025, true}, {1, 1, 1, 2},            {16, 16, 80, 2049},     {8, 1, 255, 129},
+      {8, 8, 64, 1},           {4, 1, 128, 7},    {32, 8, 128, 4096}, {8, 2, 256, 3000},
+      {14, 2, 64, 200000},     {64, 1, 64, 1000}, {2, 2, 100, 517},   {3, 1, 7, 33, true},
+      {8, 4, 128, 1025, true}, {1, 1, 1, 2},      {16, 16, 80, 2049}, {8, 1, 255, 129},
   };
   for (const ScoreCase& c : fixed) run_score_case(*gpu_, *ref_, rng_, c);
   for (int trial = 0; trial < 10; ++trial) {
@@ -232,7 +234,8 @@ TEST_F(CudaRetrievalTest, ScoresMatchHostDefaultOnRandomShapes) {
 
 // Scratch grows for a long context and is reused (not regrown) for shorter ones afterwards.
 TEST_F(CudaRetrievalTest, ScoresScratchReuseAcrossShapes) {
-  for (int64_t length : {50000, 100, 30000, 7}) run_score_case(*gpu_, *ref_, rng_, ScoreCase{8, 2, 64, length});
+  for (int64_t length : {50000, 100, 30000, 7})
+    run_score_case(*gpu_, *ref_, rng_, ScoreCase{8, 2, 64, length});
 }
 
 TEST_F(CudaRetrievalTest, ScoresRejectBadArguments) {
@@ -254,17 +257,25 @@ std::vector<float> select_scores(std::mt19937& rng, size_t n, int kind) {
   std::uniform_int_distribution<int> level(0, 15);
   for (float& x : v) {
     switch (kind) {
-      case 0: x = real(rng) * 1e-5f; break;
-      case 1: x = static_cast<float>(level(rng)) / 16.0f; break;
-      case 2: x = level(rng) < 8 ? (level(rng) < 8 ? -0.0f : 0.0f) : real(rng); break;
-      default: x = 0.125f; break;  // one big tie: the oldest middle tokens win
+      case 0:
+        x = real(rng) * 1e-5f;
+        break;
+      case 1:
+        x = static_cast<float>(level(rng)) / 16.0f;
+        break;
+      case 2:
+        x = level(rng) < 8 ? (level(rng) < 8 ? -0.0f : 0.0f) : real(rng);
+        break;
+      default:
+        x = 0.125f;
+        break;  // one big tie: the oldest middle tokens win
     }
   }
   return v;
 }
 
-::testing::AssertionResult same_selection(const Selection& want, const Selection& got, const std::string& name,
-                                          const std::vector<float>& scores) {
+::testing::AssertionResult same_selection(const Selection& want, const Selection& got,
+                                          const std::string& name, const std::vector<float>& scores) {
   bool same = want.kv_heads == got.kv_heads && want.budget == got.budget && want.counts == got.counts;
   for (int64_t h = 0; same && h < want.kv_heads; ++h) {
     const auto w = want.head(h);
@@ -275,9 +286,10 @@ std::vector<float> select_scores(std::mt19937& rng, size_t n, int kind) {
   CaseDump dump(name);
   dump.add("scores", scores).add("host_counts", want.counts).add("device_counts", got.counts);
   dump.add("host_indices", want.indices).add("device_indices", got.indices);
-  return ::testing::AssertionFailure() << "device selection differs from select_from_group_scores; inputs and both "
-                                          "outputs in "
-                                       << dump.write();
+  return ::testing::AssertionFailure()
+         << "device selection differs from select_from_group_scores; inputs and both "
+            "outputs in "
+         << dump.write();
 }
 
 TEST_F(CudaRetrievalTest, SelectEqualsHostSelectionExactly) {
@@ -286,21 +298,21 @@ TEST_F(CudaRetrievalTest, SelectEqualsHostSelectionExactly) {
     int kind;
   };
   std::vector<Case> cases = {
-      {1, 1, 4, 1, 4, 0},          {2, 100, 100, 1, 4, 0},      {8, 101, 100, 1, 4, 1},
-      {4, 5000, 64, 0, 0, 1},      {4, 5000, 64, 4, 4, 2},      {1, 200000, 8192, 1, 4, 0},
-      {8, 200000, 2048, 4, 1, 1},  {2, 70000, 8192, 0, 1, 3},   {3, 10000, 6, 4, 4, 0},
-      {1, 10, 3, 0, 0, 3},         {16, 4097, 4096, 1, 4, 2},   {1, 1 << 20, 8192, 1, 4, 0},
+      {1, 1, 4, 1, 4, 0},         {2, 100, 100, 1, 4, 0},    {8, 101, 100, 1, 4, 1},
+      {4, 5000, 64, 0, 0, 1},     {4, 5000, 64, 4, 4, 2},    {1, 200000, 8192, 1, 4, 0},
+      {8, 200000, 2048, 4, 1, 1}, {2, 70000, 8192, 0, 1, 3}, {3, 10000, 6, 4, 4, 0},
+      {1, 10, 3, 0, 0, 3},        {16, 4097, 4096, 1, 4, 2}, {1, 1 << 20, 8192, 1, 4, 0},
   };
   for (int trial = 0; trial < 20; ++trial) {
     cases.push_back(Case{pick(rng_, {1, 2, 8}), pick(rng_, {1, 2, 17, 300, 4096, 65537}),
-                         pick(rng_, {1, 2, 16, 256, 2048, 8192}), pick(rng_, {0, 1, 4}), pick(rng_, {0, 1, 4}),
-                         static_cast<int>(uniform(rng_, 0, 3))});
+                         pick(rng_, {1, 2, 16, 256, 2048, 8192}), pick(rng_, {0, 1, 4}),
+                         pick(rng_, {0, 1, 4}), static_cast<int>(uniform(rng_, 0, 3))});
   }
   Selection got;  // reused across cases: stale content must not leak into the result
   for (const Case& c : cases) {
-    const std::string name = "select_kv" + std::to_string(c.kv) + "_len" + std::to_string(c.length) + "_budget" +
-                             std::to_string(c.budget) + "_sinks" + std::to_string(c.sinks) + "_window" +
-                             std::to_string(c.window) + "_kind" + std::to_string(c.kind);
+    const std::string name = "select_kv" + std::to_string(c.kv) + "_len" + std::to_string(c.length) +
+                             "_budget" + std::to_string(c.budget) + "_sinks" + std::to_string(c.sinks) +
+                             "_window" + std::to_string(c.window) + "_kind" + std::to_string(c.kind);
     SCOPED_TRACE(name);
     const std::vector<float> scores = select_scores(rng_, static_cast<size_t>(c.kv * c.length), c.kind);
     Guarded<float> d_scores(scores);
@@ -324,7 +336,8 @@ TEST_F(CudaRetrievalTest, SelectOnDeviceScores) {
   Guarded<float> d_q(q);
   Guarded<float> d_k(k);
   Guarded<float> d_scores(static_cast<size_t>(kv * length));
-  ASSERT_TRUE(gpu_->retrieval_group_scores(d_q.data(), d_k.data(), length, heads, kv, hd, d_scores.data()).is_ok());
+  ASSERT_TRUE(
+      gpu_->retrieval_group_scores(d_q.data(), d_k.data(), length, heads, kv, hd, d_scores.data()).is_ok());
   Selection got;
   const SelectionOptions o{2048, 1, 4};
   ASSERT_TRUE(gpu_->select_top_tokens(d_scores.data(), kv, length, o, got).is_ok());
@@ -346,7 +359,8 @@ TEST_F(CudaRetrievalTest, SelectRejectsBadArguments) {
   // Fits the budget: answered on the host, the (null) scores are never read.
   ASSERT_TRUE(gpu_->select_top_tokens(nullptr, 2, 5, SelectionOptions{10, 1, 4}, out).is_ok());
   EXPECT_EQ(out.counts, (std::vector<int32_t>{5, 5}));
-  EXPECT_EQ(std::vector<int32_t>(out.head(1).begin(), out.head(1).end()), (std::vector<int32_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(std::vector<int32_t>(out.head(1).begin(), out.head(1).end()),
+            (std::vector<int32_t>{0, 1, 2, 3, 4}));
 }
 
 // ---- argmax_rows ----
@@ -395,7 +409,8 @@ TEST_F(CudaRetrievalTest, ArgmaxRowsMatchesHost) {
     for (int64_t r = 0; r < rows; ++r) {
       EXPECT_EQ(got[static_cast<size_t>(r)], host_argmax(logits.data() + r * vocab, vocab)) << "row " << r;
     }
-    for (size_t i = static_cast<size_t>(rows); i < got.size(); ++i) EXPECT_EQ(got[i], -7) << "host guard " << i;
+    for (size_t i = static_cast<size_t>(rows); i < got.size(); ++i)
+      EXPECT_EQ(got[i], -7) << "host guard " << i;
     EXPECT_TRUE(d_logits.guards_intact());
   }
   int32_t out = 0;

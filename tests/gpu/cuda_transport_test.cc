@@ -128,7 +128,8 @@ std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t n) {
   return v;
 }
 
-const MemoryKind kAllKinds[] = {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote};
+const MemoryKind kAllKinds[] = {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice,
+                                MemoryKind::kRemote};
 
 TEST_F(CudaTransportTest, EveryPairMatchesAdvertisement) {
   std::mt19937_64 rng(1);
@@ -146,7 +147,8 @@ TEST_F(CudaTransportTest, EveryPairMatchesAdvertisement) {
       const Status ra = t->register_tier(TierId(0), src, a.base(), 256);
       const Status rb = t->register_tier(TierId(1), dst, b.base(), 256);
       if (!ra.is_ok() || !rb.is_ok()) {
-        EXPECT_FALSE(advertised) << "advertised but cannot register: " << ra.to_string() << " " << rb.to_string();
+        EXPECT_FALSE(advertised) << "advertised but cannot register: " << ra.to_string() << " "
+                                 << rb.to_string();
         if (!ra.is_ok()) {
           EXPECT_EQ(ra.code(), StatusCode::kUnimplemented) << ra.to_string();
         }
@@ -211,8 +213,8 @@ void random_batches(CudaTransport& t, MemoryKind src_kind, MemoryKind dst_kind, 
     const std::vector<uint8_t> got = dst.read();
     size_t first_diff = 0;
     while (first_diff < n && got[first_diff] == want[first_diff]) ++first_diff;
-    ASSERT_EQ(first_diff, n) << "round " << round << " (" << batch.size() << " requests): first wrong byte at "
-                             << first_diff;
+    ASSERT_EQ(first_diff, n) << "round " << round << " (" << batch.size()
+                             << " requests): first wrong byte at " << first_diff;
   }
 }
 
@@ -315,15 +317,19 @@ TEST_F(CudaTransportTest, HandleMisuseAndValidation) {
   EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kPinnedHost, pageable.data(), 4096).code(),
             StatusCode::kInvalidArgument)
       << "pageable memory is not a pinned tier";
-  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, host.base(), 4096).code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, host.base(), 4096).code(),
+            StatusCode::kInvalidArgument)
       << "pinned host memory is not a device tier";
   EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kPinnedHost, dev.base(), 4096).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, dev.base(), 0).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, nullptr, 64).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, dev.base(), 0).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, nullptr, 64).code(),
+            StatusCode::kInvalidArgument);
   ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, host.base(), 4096).is_ok());
   ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), 4096).is_ok());
-  EXPECT_EQ(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), 4096).code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), 4096).code(),
+            StatusCode::kInvalidArgument)
       << "duplicate id";
 
   // TierTable validation names request and tier; the independence check names both requests.
@@ -332,7 +338,8 @@ TEST_F(CudaTransportTest, HandleMisuseAndValidation) {
   EXPECT_NE(bad.status().message().find("request 1"), std::string::npos) << bad.status().message();
   auto overlap = t->prepare({{TierId(0), 0, TierId(1), 0, 512}, {TierId(0), 1024, TierId(1), 256, 512}});
   ASSERT_FALSE(overlap.is_ok());
-  EXPECT_NE(overlap.status().message().find("requests 0 and 1"), std::string::npos) << overlap.status().message();
+  EXPECT_NE(overlap.status().message().find("requests 0 and 1"), std::string::npos)
+      << overlap.status().message();
 
   auto h = t->prepare({{TierId(0), 0, TierId(1), 0, 512}});
   ASSERT_TRUE(h.is_ok());
@@ -375,7 +382,8 @@ TEST_F(CudaTransportTest, PinnedHostRegistrationServesAsTier) {
       ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, raw, n).is_ok());
       ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), n).is_ok());
       TransferBatch batch;
-      for (uint64_t i = 0; i < n / 512; ++i) batch.push_back({TierId(0), i * 512, TierId(1), (n / 512 - 1 - i) * 512, 512});
+      for (uint64_t i = 0; i < n / 512; ++i)
+        batch.push_back({TierId(0), i * 512, TierId(1), (n / 512 - 1 - i) * 512, 512});
       auto h = t->prepare(batch);
       ASSERT_TRUE(h.is_ok()) << h.status().to_string();
       ASSERT_TRUE(run_to_end(*t, *h).is_ok());
@@ -404,7 +412,8 @@ TEST_F(CudaTransportTest, OrdersAgainstTheComputeStream) {
   CudaBackend& be = **backend;
   const int64_t n = 16 << 20;  // floats
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  KindMemory dev_a(MemoryKind::kDevice, bytes), dev_b(MemoryKind::kDevice, bytes), host(MemoryKind::kPinnedHost, bytes);
+  KindMemory dev_a(MemoryKind::kDevice, bytes), dev_b(MemoryKind::kDevice, bytes),
+      host(MemoryKind::kPinnedHost, bytes);
   std::vector<float> ones(static_cast<size_t>(n), 1.0f);
   std::vector<uint8_t> raw(bytes);
   std::memcpy(raw.data(), ones.data(), bytes);
@@ -424,7 +433,8 @@ TEST_F(CudaTransportTest, OrdersAgainstTheComputeStream) {
   ASSERT_TRUE(run_to_end(*t, *off).is_ok());
   t->release(*off);
   const auto* h = static_cast<const float*>(host.base());
-  for (int64_t i = 0; i < n; i += 4093) ASSERT_EQ(h[i], 21.0f) << "offload did not wait for the compute stream";
+  for (int64_t i = 0; i < n; i += 4093)
+    ASSERT_EQ(h[i], 21.0f) << "offload did not wait for the compute stream";
 
   // Prefetch host (21) into b, then the compute stream adds b to a: a = 42.
   auto pre = t->prepare({{TierId(1), 0, TierId(2), 0, bytes}});
@@ -434,7 +444,8 @@ TEST_F(CudaTransportTest, OrdersAgainstTheComputeStream) {
   ASSERT_TRUE(be.add(a, b, n).is_ok());
   std::vector<float> back(static_cast<size_t>(n));
   ASSERT_TRUE(be.download(back.data(), a, bytes).is_ok());
-  for (int64_t i = 0; i < n; i += 4093) ASSERT_EQ(back[static_cast<size_t>(i)], 42.0f) << "add did not wait for the prefetch";
+  for (int64_t i = 0; i < n; i += 4093)
+    ASSERT_EQ(back[static_cast<size_t>(i)], 42.0f) << "add did not wait for the prefetch";
   t->release(*pre);
 }
 

@@ -58,8 +58,7 @@ class Guarded {
   }
   std::vector<T> download() const {
     std::vector<T> host(n_);
-    cuda_or_die(cudaMemcpy(host.data(), base_ + kGuard, n_ * sizeof(T), cudaMemcpyDeviceToHost),
-                "download");
+    cuda_or_die(cudaMemcpy(host.data(), base_ + kGuard, n_ * sizeof(T), cudaMemcpyDeviceToHost), "download");
     return host;
   }
   bool guards_intact() const {
@@ -96,7 +95,7 @@ inline int64_t uniform(std::mt19937& rng, int64_t lo, int64_t hi) {
 
 // Relative L2 error of `got` against `want`, with the checks that make it meaningful.
 inline ::testing::AssertionResult close(const std::vector<float>& got, const std::vector<float>& want,
-                                 double tolerance) {
+                                        double tolerance) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << "size mismatch";
   double num = 0.0;
   double den = 0.0;
@@ -115,8 +114,8 @@ inline ::testing::AssertionResult close(const std::vector<float>& got, const std
     for (size_t i = 0; i < got.size(); ++i) {
       if (std::fabs(got[i] - want[i]) > std::fabs(got[worst] - want[worst])) worst = i;
     }
-    return ::testing::AssertionFailure() << "rel L2 " << rel << " > " << tolerance << "; worst at "
-                                         << worst << ": " << got[worst] << " vs " << want[worst];
+    return ::testing::AssertionFailure() << "rel L2 " << rel << " > " << tolerance << "; worst at " << worst
+                                         << ": " << got[worst] << " vs " << want[worst];
   }
   return ::testing::AssertionSuccess() << "rel L2 " << rel;
 }

@@ -58,7 +58,8 @@ void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
   ASSERT_LT((a.blocks_per_head - 1) * a.tokens_per_block, a.length) << "a block without tokens";
   std::vector<float> logits(plan.logits_floats, std::nanf(""));
   std::vector<float> pm(plan.partial_floats / 2, std::nanf("")), pl(plan.partial_floats / 2, std::nanf(""));
-  std::vector<float> k_s(static_cast<size_t>(kernels::kRetrievalThreads * ks)), q_s(static_cast<size_t>(group * qd));
+  std::vector<float> k_s(static_cast<size_t>(kernels::kRetrievalThreads * ks)),
+      q_s(static_cast<size_t>(group * qd));
   const int64_t kvd = a.n_kv_heads * a.head_dim;
   for (int64_t g = 0; g < a.n_kv_heads; ++g) {
     for (int i = 0; i < group * qd; ++i) {
@@ -97,7 +98,8 @@ void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
       }
       for (int j = 0; j < group; ++j) {
         float m = -INFINITY, l = 0.0f;
-        for (int64_t t = t_begin; t < t_end; ++t) merge_ml(m, l, logits[static_cast<size_t>((g * group + j) * a.length + t)], 1.0f);
+        for (int64_t t = t_begin; t < t_end; ++t)
+          merge_ml(m, l, logits[static_cast<size_t>((g * group + j) * a.length + t)], 1.0f);
         pm[static_cast<size_t>((g * group + j) * a.blocks_per_head + b)] = m;
         pl[static_cast<size_t>((g * group + j) * a.blocks_per_head + b)] = l;
       }
@@ -107,7 +109,8 @@ void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
   for (int64_t h = 0; h < a.n_heads; ++h) {
     float m = -INFINITY, l = 0.0f;
     for (int64_t b = 0; b < a.blocks_per_head; ++b) {
-      merge_ml(m, l, pm[static_cast<size_t>(h * a.blocks_per_head + b)], pl[static_cast<size_t>(h * a.blocks_per_head + b)]);
+      merge_ml(m, l, pm[static_cast<size_t>(h * a.blocks_per_head + b)],
+               pl[static_cast<size_t>(h * a.blocks_per_head + b)]);
     }
     stats[static_cast<size_t>(2 * h)] = m;
     stats[static_cast<size_t>(2 * h + 1)] = 1.0f / l;
@@ -118,7 +121,8 @@ void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
       float best = 0.0f;
       for (int64_t j = 0; j < a.group; ++j) {
         const int64_t h = g * a.group + j;
-        best = std::max(best, std::exp2(logits[static_cast<size_t>(h * a.length + t)] - stats[static_cast<size_t>(2 * h)]) *
+        best = std::max(best, std::exp2(logits[static_cast<size_t>(h * a.length + t)] -
+                                        stats[static_cast<size_t>(2 * h)]) *
                                   stats[static_cast<size_t>(2 * h + 1)]);
       }
       out[static_cast<size_t>(g * a.length + t)] = best;
@@ -140,17 +144,21 @@ TEST(RetrievalScoresPlan, HostMirrorMatchesHostDefault) {
   std::mt19937 rng(7);
   auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
   ASSERT_TRUE(ref.is_ok());
-  struct Shape { int64_t heads, kv, hd, length; int sms; };
-  const Shape shapes[] = {{4, 4, 64, 300, 132},   {8, 2, 128, 1000, 132}, {8, 1, 256, 517, 8},
-                          {2, 2, 7, 33, 1},       {12, 4, 100, 129, 132}, {16, 1, 80, 2100, 4},
-                          {1, 1, 1, 1, 132},      {64, 1, 32, 70, 132},   {8, 8, 255, 64, 2}};
+  struct Shape {
+    int64_t heads, kv, hd, length;
+    int sms;
+  };
+  const Shape shapes[] = {{4, 4, 64, 300, 132}, {8, 2, 128, 1000, 132}, {8, 1, 256, 517, 8},
+                          {2, 2, 7, 33, 1},     {12, 4, 100, 129, 132}, {16, 1, 80, 2100, 4},
+                          {1, 1, 1, 1, 132},    {64, 1, 32, 70, 132},   {8, 8, 255, 64, 2}};
   for (const Shape& s : shapes) {
-    SCOPED_TRACE("heads " + std::to_string(s.heads) + " kv " + std::to_string(s.kv) + " hd " + std::to_string(s.hd) +
-                 " length " + std::to_string(s.length));
+    SCOPED_TRACE("heads " + std::to_string(s.heads) + " kv " + std::to_string(s.kv) + " hd " +
+                 std::to_string(s.hd) + " length " + std::to_string(s.length));
     const std::vector<float> q = random_floats(rng, static_cast<size_t>(s.heads * s.hd), -2.0f, 2.0f);
     const std::vector<float> k = random_floats(rng, static_cast<size_t>(s.length * s.kv * s.hd), -2.0f, 2.0f);
     std::vector<float> out_placeholder(1);
-    auto plan = plan_retrieval_scores(q.data(), k.data(), s.length, s.heads, s.kv, s.hd, out_placeholder.data(), s.sms);
+    auto plan = plan_retrieval_scores(q.data(), k.data(), s.length, s.heads, s.kv, s.hd,
+                                      out_placeholder.data(), s.sms);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     EXPECT_EQ(plan->launch.parts, s.hd <= 64 ? 1 : s.hd <= 128 ? 2 : 4);
     EXPECT_EQ(plan->launch.vec4, s.hd % 4 == 0);  // std::vector data is 16-byte aligned
@@ -158,7 +166,9 @@ TEST(RetrievalScoresPlan, HostMirrorMatchesHostDefault) {
     std::vector<float> got;
     emulate_scores(*plan, got);
     std::vector<float> want(static_cast<size_t>(s.kv * s.length));
-    ASSERT_TRUE((*ref)->retrieval_group_scores(q.data(), k.data(), s.length, s.heads, s.kv, s.hd, want.data()).is_ok());
+    ASSERT_TRUE((*ref)
+                    ->retrieval_group_scores(q.data(), k.data(), s.length, s.heads, s.kv, s.hd, want.data())
+                    .is_ok());
     EXPECT_LT(rel_l2(got, want), 1e-5);
   }
 }
@@ -175,7 +185,8 @@ TEST(RetrievalScoresPlan, ArgumentChecks) {
   EXPECT_EQ(code(4, 2, 1, 0), StatusCode::kInvalidArgument);
   EXPECT_EQ(code(4, 2, 1, 257), StatusCode::kUnimplemented);
   EXPECT_EQ(code(int64_t{1} << 32, 2, 1, 8), StatusCode::kInvalidArgument);
-  EXPECT_EQ(plan_retrieval_scores(nullptr, &x, 4, 2, 1, 8, &x, 132).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(plan_retrieval_scores(nullptr, &x, 4, 2, 1, 8, &x, 132).status().code(),
+            StatusCode::kInvalidArgument);
   // 512 query heads of 256 dims per KV head cannot stage their queries in shared memory.
   const Status big = plan_retrieval_scores(&x, &x, 4, 512, 1, 256, &x, 132).status();
   EXPECT_EQ(big.code(), StatusCode::kUnimplemented);
@@ -204,7 +215,8 @@ SelectState choose_reference(const std::vector<uint32_t>& hist, int p, const Sel
 }
 
 // Host mirror of launch_select_top for one plan: states, passes, counts per warp span, write.
-std::vector<int32_t> emulate_select(const SelectTopPlan& plan, const std::vector<float>& scores, int* passes_run) {
+std::vector<int32_t> emulate_select(const SelectTopPlan& plan, const std::vector<float>& scores,
+                                    int* passes_run) {
   const kernels::SelectTopLaunch& a = plan.launch;
   std::vector<int32_t> out(static_cast<size_t>(a.n_segments * a.budget), -1);
   std::vector<SelectState> state = plan.initial_state;
@@ -217,7 +229,8 @@ std::vector<int32_t> emulate_select(const SelectTopPlan& plan, const std::vector
     auto key = [&](int64_t i) { return kernels::select_key(s[i], static_cast<uint32_t>(a.lo + i)); };
     int32_t* dst = out.data() + seg * a.budget;
     for (int64_t t = 0; t < a.sinks; ++t) dst[t] = static_cast<int32_t>(t);
-    for (int64_t t = 0; t < a.length - a.window_begin; ++t) dst[a.sinks + a.take + t] = static_cast<int32_t>(a.window_begin + t);
+    for (int64_t t = 0; t < a.length - a.window_begin; ++t)
+      dst[a.sinks + a.take + t] = static_cast<int32_t>(a.window_begin + t);
     if (a.take == 0) continue;
     SelectState& st = state[static_cast<size_t>(seg)];
     for (int p = 0; p < kernels::kSelectPasses && st.done == 0; ++p) {
@@ -259,10 +272,18 @@ std::vector<float> selection_scores(std::mt19937& rng, int64_t n, int kind) {
   std::uniform_real_distribution<float> real(0.0f, 1.0f);
   for (float& x : v) {
     switch (kind) {
-      case 0: x = real(rng); break;
-      case 1: x = static_cast<float>(level(rng)) / 8.0f; break;  // heavy ties
-      case 2: x = level(rng) < 4 ? (level(rng) < 4 ? -0.0f : 0.0f) : real(rng) * 1e-30f; break;
-      default: x = real(rng) < 0.5f ? -real(rng) : 1e-7f * real(rng); break;  // negatives, tiny values
+      case 0:
+        x = real(rng);
+        break;
+      case 1:
+        x = static_cast<float>(level(rng)) / 8.0f;
+        break;  // heavy ties
+      case 2:
+        x = level(rng) < 4 ? (level(rng) < 4 ? -0.0f : 0.0f) : real(rng) * 1e-30f;
+        break;
+      default:
+        x = real(rng) < 0.5f ? -real(rng) : 1e-7f * real(rng);
+        break;  // negatives, tiny values
     }
   }
   return v;
@@ -314,7 +335,8 @@ TEST(SelectTopPlan, TiesPreferOlderTokensAndStopEarly) {
   EXPECT_EQ(idx, (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 998, 999}));
   // Distinct high words: the first pass already isolates the top; later passes are skipped.
   std::vector<float> ramp(static_cast<size_t>(length));
-  for (int64_t t = 0; t < length; ++t) ramp[static_cast<size_t>(t)] = std::ldexp(1.0f, static_cast<int>(t % 100) - 50);
+  for (int64_t t = 0; t < length; ++t)
+    ramp[static_cast<size_t>(t)] = std::ldexp(1.0f, static_cast<int>(t % 100) - 50);
   ramp[500] = 1e30f;  // the only value in its top-11-bit bin
   plan = plan_select_top_tokens(1, length, SelectionOptions{2, 0, 0}, 132);
   ASSERT_TRUE(plan.is_ok());

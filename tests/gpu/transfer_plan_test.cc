@@ -44,7 +44,8 @@ TEST(TransferPlan, CoalescesNeighboursAdjacentOnBothSides) {
   EXPECT_EQ(plan->method, CopyMethod::kDma);
   EXPECT_TRUE(plan->pieces.empty()) << "DMA plans carry no piece list";
   // Different sides (device→device next to host→device) never merge, even when adjacent.
-  std::vector<CopyRange> mixed = {h2d(1000, 5000, 100, 0), CopyRange{1100, 5100, 1100, 5100, 10, true, true, 1}};
+  std::vector<CopyRange> mixed = {h2d(1000, 5000, 100, 0),
+                                  CopyRange{1100, 5100, 1100, 5100, 10, true, true, 1}};
   plan = plan_transfer(mixed, TransferPlanOptions{CopyMethod::kDma, 0});
   ASSERT_TRUE(plan.is_ok());
   EXPECT_EQ(plan->segments.size(), 2u);
@@ -83,7 +84,8 @@ TEST(TransferPlan, AutoChoosesByMeanRequestSize) {
   const uint64_t base = uint64_t{1} << 32;
   std::vector<CopyRange> small, large;
   for (size_t i = 0; i < 100; ++i) {
-    small.push_back(h2d(base + i * 1024, base + 1000000 + i * 512, 512, i));  // not adjacent in src: 100 segments
+    small.push_back(
+        h2d(base + i * 1024, base + 1000000 + i * 512, 512, i));  // not adjacent in src: 100 segments
     large.push_back(h2d(base + i * 1000000, base + 200000000 + i * 600000, 500000, i));
   }
   const TransferPlanOptions opts{CopyMethod::kAuto, 32 * 1024};
@@ -146,7 +148,8 @@ TEST(TransferPlan, PiecesReproduceEveryRequestExactly) {
       const uint64_t gap = rng() % 2 == 0 ? 0 : rng() % 64;
       if (at + gap + bytes > dst.size()) break;
       const uint64_t d = at + gap;
-      const uint64_t s = rng() % 4 == 0 && !c.empty() && c.back().src + c.back().bytes + bytes <= addr(src.data()) + src.size()
+      const uint64_t s = rng() % 4 == 0 && !c.empty() &&
+                                 c.back().src + c.back().bytes + bytes <= addr(src.data()) + src.size()
                              ? c.back().src + c.back().bytes - addr(src.data())
                              : rng() % (src.size() - bytes + 1);
       c.push_back(h2d(addr(src.data()) + s, addr(dst.data()) + d, bytes, c.size()));

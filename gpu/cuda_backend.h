@@ -50,7 +50,8 @@ class CudaBackend final : public Backend {
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
   // Uploads `bytes` of host weights once into a device buffer the backend owns until it is
   // destroyed; the same `host` pointer again returns the same copy (kInvalidArgument when it
-  // comes with a different size). The copy is stream-ordered before every later op.
+  // comes with a different size). The copy is stream-ordered before every later op. Keyed by the
+  // pointer: host memory freed and reallocated at the same address returns the old copy.
   Result<const void*> import_weights(const void* host, size_t bytes) override;
   // host → device on the compute stream through a pinned staging ring (gpu/staging_ring.h):
   // `host_src` (pageable or pinned) is reusable on return; the copy itself is asynchronous.

@@ -10,38 +10,12 @@
 #include "gpu/attention_plan.h"
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
+#include "gpu/retrieval_plan.h"
 #include "gpu/sparse_plan.h"
 
 namespace specontext::gpu {
 
 namespace {
-
-// Makes `device` current for the scope of one op and restores the caller's device afterwards,
-// so that a thread driving several GPUs keeps its own notion of the current one.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      previous_ = -1;
-    }
-    if (previous_ != device) {
-      status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
-      changed_ = status_.is_ok() && previous_ >= 0;
-    }
-  }
-  ~ScopedDevice() {
-    if (changed_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-  const Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  bool changed_ = false;
-  Status status_;
-};
 
 #define SPX_ENTER_DEVICE()                    \
   ScopedDevice spx_scoped_device_(device_);   \
@@ -192,7 +166,7 @@ Status CudaBackend::reserve(DeviceBuffer<T>& buffer, size_t count) {
 
 Status CudaBackend::upload_metadata() {
   SPX_RETURN_IF_ERROR(reserve(meta_dev_, meta_host_.size()));
-  return meta_dev_.upload(meta_host_.data(), meta_host_.size(), stream_.get());
+  return staging_.copy(meta_dev_.data(), meta_host_.data(), meta_host_.size(), stream_.get());
 }
 
 bool CudaBackend::supports(BackendOp op, DType weight_dtype) const {
@@ -203,7 +177,7 @@ bool CudaBackend::supports(BackendOp op, DType weight_dtype) const {
       return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
              weight_dtype == DType::kF16;
     default:
-      return true;  // no weight matrix; f32 activations
+      return true;  // no weight matrix; f32 activations (kRetrievalScores included)
   }
 }
 
@@ -211,6 +185,63 @@ Result<std::shared_ptr<void>> CudaBackend::allocate(size_t bytes) {
   SPX_ENTER_DEVICE();
   SPX_ASSIGN_OR_RETURN(void* p, detail::device_alloc(std::max<size_t>(bytes, 1)));
   return std::shared_ptr<void>(p, [](void* q) { detail::device_free(q); });
+}
+
+// ---- memory between the host and the device ----
+
+Result<const void*> CudaBackend::import_weights(const void* host, size_t bytes) {
+  if (host == nullptr && bytes > 0) return invalid_argument("import_weights: null host pointer");
+  auto it = imported_.find(host);
+  if (it != imported_.end()) {
+    if (it->second.bytes != bytes) {
+      return invalid_argument("import_weights: host pointer imported before with " +
+                              std::to_string(it->second.bytes) + " bytes, now " + std::to_string(bytes));
+    }
+    return static_cast<const void*>(it->second.buffer.data());
+  }
+  SPX_ENTER_DEVICE();
+  ImportedWeights copy;
+  SPX_ASSIGN_OR_RETURN(copy.buffer, DeviceBuffer<uint8_t>::create(std::max<size_t>(bytes, 1)));
+  copy.bytes = bytes;
+  SPX_RETURN_IF_ERROR(staging_.copy(copy.buffer.data(), host, bytes, stream_.get()));
+  const void* device = copy.buffer.data();
+  imported_.emplace(host, std::move(copy));
+  return device;
+}
+
+Status CudaBackend::upload(void* dst, const void* host_src, size_t bytes) {
+  if (bytes == 0) return Status::ok();
+  if (dst == nullptr || host_src == nullptr) return invalid_argument("upload: null destination or source");
+  SPX_ENTER_DEVICE();
+  return staging_.copy(dst, host_src, bytes, stream_.get());
+}
+
+Status CudaBackend::download(void* host_dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::ok();
+  if (host_dst == nullptr || src == nullptr) return invalid_argument("download: null destination or source");
+  SPX_ENTER_DEVICE();
+  SPX_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_.get()));
+  // Pinned destinations make the copy truly asynchronous: wait for it (and everything before).
+  return stream_.synchronize();
+}
+
+Status CudaBackend::copy_rows(void* dst, size_t dst_stride, const void* src, size_t src_stride, size_t row_bytes,
+                              int64_t rows) {
+  if (rows < 0) return invalid_argument("copy_rows: rows = " + std::to_string(rows) + " < 0");
+  if (rows == 0 || row_bytes == 0) return Status::ok();
+  if (dst == nullptr || src == nullptr) return invalid_argument("copy_rows: null destination or source");
+  SPX_ENTER_DEVICE();
+  if (rows == 1) {
+    SPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyDeviceToDevice, stream_.get()));
+    return Status::ok();
+  }
+  if (dst_stride < row_bytes || src_stride < row_bytes) {
+    return invalid_argument("copy_rows: dst_stride " + std::to_string(dst_stride) + " / src_stride " +
+                            std::to_string(src_stride) + " smaller than row_bytes " + std::to_string(row_bytes));
+  }
+  SPX_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, static_cast<size_t>(rows),
+                                   cudaMemcpyDeviceToDevice, stream_.get()));
+  return Status::ok();
 }
 
 // ---- ops ----
@@ -408,6 +439,73 @@ Status CudaBackend::attention_sparse(const float* q, const SparseAttentionItem* 
   a.counts = reinterpret_cast<const int32_t*>(meta_dev_.data() + at.extra);
   SPX_CUDA_CHECK(kernels::launch_attention_sparse(a, stream_.get()));
   return Status::ok();
+}
+
+// ---- retrieval head ----
+
+Status CudaBackend::retrieval_group_scores(const float* q, const float* k_cache, int64_t length, int64_t n_heads,
+                                           int64_t n_kv_heads, int64_t head_dim, float* out) {
+  SPX_ASSIGN_OR_RETURN(RetrievalScoresPlan plan,
+                       plan_retrieval_scores(q, k_cache, length, n_heads, n_kv_heads, head_dim, out, sm_count_));
+  if (plan.launch.length <= 0) return Status::ok();
+  SPX_ENTER_DEVICE();
+  SPX_RETURN_IF_ERROR(reserve(retrieval_logits_, plan.logits_floats));
+  SPX_RETURN_IF_ERROR(reserve(retrieval_partials_, plan.partial_floats + plan.stats_floats));
+  kernels::RetrievalScoresLaunch& a = plan.launch;
+  a.logits = retrieval_logits_.data();
+  a.partial_m = retrieval_partials_.data();
+  a.partial_l = a.partial_m + plan.partial_floats / 2;
+  a.stats = a.partial_m + plan.partial_floats;
+  SPX_CUDA_CHECK(kernels::launch_retrieval_scores(a, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
+                                      const SelectionOptions& options, Selection& out) {
+  SPX_ASSIGN_OR_RETURN(SelectTopPlan plan, plan_select_top_tokens(n_kv_heads, length, options, sm_count_));
+  prepare_selection(plan, n_kv_heads, length, out);
+  if (plan.host_only) return Status::ok();
+  if (group_scores == nullptr) return invalid_argument("select_top_tokens: null group_scores");
+  SPX_ENTER_DEVICE();
+  kernels::SelectTopLaunch& a = plan.launch;
+  // Scratch layout: histograms (uint32), states (16-byte aligned), warp counts (int32).
+  const size_t hist_bytes = plan.hist_words() * sizeof(uint32_t);
+  const size_t state_at = (hist_bytes + 15) / 16 * 16;
+  const size_t state_bytes = plan.initial_state.size() * sizeof(kernels::SelectState);
+  const size_t counts_at = (state_at + state_bytes + 15) / 16 * 16;
+  const size_t scratch_bytes = counts_at + plan.warp_count_words() * sizeof(int32_t);
+  const size_t out_words = static_cast<size_t>(n_kv_heads * plan.budget);
+  SPX_RETURN_IF_ERROR(reserve(select_scratch_, scratch_bytes));
+  SPX_RETURN_IF_ERROR(reserve(select_out_, out_words));
+  uint8_t* base = select_scratch_.data();
+  a.scores = group_scores;
+  a.out = select_out_.data();
+  if (a.take > 0) {
+    a.hist = reinterpret_cast<uint32_t*>(base);
+    a.state = reinterpret_cast<kernels::SelectState*>(base + state_at);
+    a.warp_counts = reinterpret_cast<int32_t*>(base + counts_at);
+    SPX_CUDA_CHECK(cudaMemsetAsync(a.hist, 0, hist_bytes, stream_.get()));
+    SPX_RETURN_IF_ERROR(staging_.copy(a.state, plan.initial_state.data(), state_bytes, stream_.get()));
+  }
+  SPX_CUDA_CHECK(kernels::launch_select_top(a, stream_.get()));
+  return download(out.indices.data(), a.out, out_words * sizeof(int32_t));
+}
+
+// ---- sampling ----
+
+Status CudaBackend::argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* host_out) {
+  if (rows < 0 || vocab < 0) {
+    return invalid_argument("argmax_rows: rows = " + std::to_string(rows) + ", vocab = " + std::to_string(vocab));
+  }
+  if (rows == 0) return Status::ok();
+  if (host_out == nullptr) return invalid_argument("argmax_rows: null host_out");
+  if (vocab == 0) return invalid_argument("argmax_rows: vocab = 0 (no index to return)");
+  if (logits == nullptr) return invalid_argument("argmax_rows: null logits");
+  if (vocab > INT32_MAX || rows > INT32_MAX) return invalid_argument("argmax_rows: shape beyond int32");
+  SPX_ENTER_DEVICE();
+  SPX_RETURN_IF_ERROR(reserve(argmax_out_, static_cast<size_t>(rows)));
+  SPX_CUDA_CHECK(kernels::launch_argmax_rows(logits, rows, vocab, argmax_out_.data(), stream_.get()));
+  return download(host_out, argmax_out_.data(), static_cast<size_t>(rows) * sizeof(int32_t));
 }
 
 }  // namespace specontext::gpu

@@ -16,11 +16,13 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "core/backend.h"
 #include "core/status.h"
 #include "gpu/cuda_raii.h"
+#include "gpu/staging_ring.h"
 
 namespace specontext::gpu {
 
@@ -43,6 +45,26 @@ class CudaBackend final : public Backend {
   bool supports(BackendOp op, DType weight_dtype) const override;
   // Device memory (cudaMalloc) of this backend's device; freed with cudaFree by the deleter.
   Result<std::shared_ptr<void>> allocate(size_t bytes) override;
+
+  // ---- memory between the host and the device ----
+  MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+  // Uploads `bytes` of host weights once into a device buffer the backend owns until it is
+  // destroyed; the same `host` pointer again returns the same copy (kInvalidArgument when it
+  // comes with a different size). The copy is stream-ordered before every later op. Keyed by the
+  // pointer: host memory freed and reallocated at the same address returns the old copy.
+  Result<const void*> import_weights(const void* host, size_t bytes) override;
+  // host → device on the compute stream through a pinned staging ring (gpu/staging_ring.h):
+  // `host_src` (pageable or pinned) is reusable on return; the copy itself is asynchronous.
+  Status upload(void* dst, const void* host_src, size_t bytes) override;
+  // device → host after everything queued so far; returns when host_dst holds the bytes (waits
+  // for the stream, so execution errors of earlier ops surface here).
+  Status download(void* host_dst, const void* src, size_t bytes) override;
+  // cudaMemcpy2DAsync on the compute stream (device to device). With rows > 1 each stride must be
+  // >= row_bytes (kInvalidArgument otherwise: overlapping rows of one copy have no defined order).
+  Status copy_rows(void* dst, size_t dst_stride, const void* src, size_t src_stride, size_t row_bytes,
+                   int64_t rows) override;
+  // Waits for everything enqueued so far; reports execution errors.
+  Status synchronize() override;
 
   // Ids outside the table produce NaN rows (they cannot be checked without a synchronisation).
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
@@ -73,8 +95,24 @@ class CudaBackend final : public Backend {
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
                           int64_t n_heads, float* out) override;
 
-  // Waits for everything enqueued so far; reports execution errors. Not in the core interface.
-  Status synchronize();
+  // ---- retrieval head ----
+  // Softmax per query head over the K cache, max over each GQA group (gpu/kernels_retrieval.cu).
+  // head_dim <= 256 (kUnimplemented beyond); q, k_cache, out device memory. Asynchronous. Scratch:
+  // n_heads · length floats of logits (grow-only) plus small per-block partials.
+  Status retrieval_group_scores(const float* q, const float* k_cache, int64_t length, int64_t n_heads,
+                                int64_t n_kv_heads, int64_t head_dim, float* out) override;
+  // The exact set of select_from_group_scores (core/selection.h) from device scores, by a radix
+  // select on (score, token) keys; `out` is filled on return (synchronises the stream). A context
+  // that fits the budget is answered on the host without touching the device. Negative sinks or
+  // window are kInvalidArgument (the host version does not check them).
+  Status select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
+                           const SelectionOptions& options, Selection& out) override;
+
+  // ---- sampling (not in the core interface) ----
+  // host_out[r] = argmax of logits[r][0, vocab) (device memory): the lowest index among the
+  // largest non-NaN values, 0 for a row of NaN. Synchronises (the result is on the host).
+  Status argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* host_out);
+
   cudaStream_t stream() const { return stream_.get(); }
   int device_ordinal() const { return device_; }
   int sm_count() const { return sm_count_; }
@@ -86,8 +124,8 @@ class CudaBackend final : public Backend {
   // read the old buffer, and growth is rare (amortised by 1.5x).
   template <typename T>
   Status reserve(DeviceBuffer<T>& buffer, size_t count);
-  // Copies meta_host_ to meta_dev_ on the stream (pageable source: the runtime stages it before
-  // returning, so meta_host_ may be reused at once; the device copy is stream-ordered).
+  // Copies meta_host_ to meta_dev_ on the stream through the staging ring, so meta_host_ may be
+  // reused at once; the device copy is stream-ordered.
   Status upload_metadata();
 
   int device_ = 0;
@@ -102,6 +140,20 @@ class CudaBackend final : public Backend {
   DeviceBuffer<float> partial_ml_;    // split-K partial max and sum
   DeviceBuffer<float> rope_inv_freq_;
   std::vector<float> rope_inv_freq_host_;  // what rope_inv_freq_ holds
+
+  // Declared after the scratch it may still copy into: destroyed first, it waits for its copies.
+  StagingRing staging_;
+  struct ImportedWeights {
+    DeviceBuffer<uint8_t> buffer;
+    size_t bytes = 0;
+  };
+  std::unordered_map<const void*, ImportedWeights> imported_;
+
+  DeviceBuffer<float> retrieval_logits_;    // [n_heads][length] log2-unit logits
+  DeviceBuffer<float> retrieval_partials_;  // block (max, sum) partials, then (max, 1/sum) per head
+  DeviceBuffer<uint8_t> select_scratch_;    // histograms, radix states, warp counts
+  DeviceBuffer<int32_t> select_out_;        // [n_kv_heads][budget]
+  DeviceBuffer<int32_t> argmax_out_;
 };
 
 }  // namespace specontext::gpu

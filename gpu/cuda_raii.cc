@@ -1,5 +1,6 @@
 #include "gpu/cuda_raii.h"
 
+#include <cstdint>
 #include <string>
 
 namespace specontext::gpu {
@@ -136,6 +137,59 @@ PinnedHostBuffer& PinnedHostBuffer::operator=(PinnedHostBuffer&& other) noexcept
     bytes_ = std::exchange(other.bytes_, 0);
   }
   return *this;
+}
+
+// ---- PinnedHostRegistration ----
+
+Result<PinnedHostRegistration> PinnedHostRegistration::create(void* base, size_t bytes, unsigned flags) {
+  if (base == nullptr || bytes == 0) {
+    return invalid_argument("PinnedHostRegistration: null base or zero bytes");
+  }
+  const cudaError_t err = cudaHostRegister(base, bytes, flags);
+  if (err == cudaErrorHostMemoryAlreadyRegistered) {
+    (void)cudaGetLastError();
+    return invalid_argument("PinnedHostRegistration: [" + std::to_string(reinterpret_cast<uintptr_t>(base)) +
+                            ", +" + std::to_string(bytes) + ") overlaps memory that is already page-locked");
+  }
+  SPX_CUDA_CHECK(err);
+  PinnedHostRegistration reg(base, nullptr, bytes);  // unregisters on the error path below
+  if ((flags & cudaHostRegisterMapped) != 0) {
+    void* device = nullptr;
+    SPX_CUDA_CHECK(cudaHostGetDevicePointer(&device, base, 0));
+    reg.device_ = device;
+  }
+  return reg;
+}
+
+PinnedHostRegistration::~PinnedHostRegistration() {
+  if (base_ != nullptr) log_release(cudaHostUnregister(base_), "cudaHostUnregister");
+}
+
+PinnedHostRegistration& PinnedHostRegistration::operator=(PinnedHostRegistration&& other) noexcept {
+  if (this != &other) {
+    if (base_ != nullptr) log_release(cudaHostUnregister(base_), "cudaHostUnregister");
+    base_ = std::exchange(other.base_, nullptr);
+    device_ = std::exchange(other.device_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+// ---- ScopedDevice ----
+
+ScopedDevice::ScopedDevice(int device) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    previous_ = -1;
+  }
+  if (previous_ != device) {
+    status_ = cuda_status(cudaSetDevice(device), "cudaSetDevice");
+    changed_ = status_.is_ok() && previous_ >= 0;
+  }
+}
+
+ScopedDevice::~ScopedDevice() {
+  if (changed_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
 }
 
 // ---- CublasHandle ----

@@ -147,6 +147,59 @@ class PinnedHostBuffer {
   size_t bytes_ = 0;
 };
 
+// Page-locks an existing host range [base, base + bytes) that someone else allocated (the engine's
+// NUMA host pools), with cudaHostRegister, and unlocks it (cudaHostUnregister) on destruction.
+// Default flags: Portable (pinned for every CUDA context, not only the current device's) and
+// Mapped (the GPU can address the range directly: device_pointer()), which the transport's gather
+// kernel needs. Move-only; the range itself is not owned and must outlive the registration.
+// Errors: kInvalidArgument for a null / empty range or a range that is already registered
+// (cudaErrorHostMemoryAlreadyRegistered), kUnavailable without a device, other CUDA errors as
+// cuda_status maps them.
+class PinnedHostRegistration {
+ public:
+  static constexpr unsigned kDefaultFlags = cudaHostRegisterPortable | cudaHostRegisterMapped;
+  static Result<PinnedHostRegistration> create(void* base, size_t bytes, unsigned flags = kDefaultFlags);
+
+  PinnedHostRegistration() = default;
+  ~PinnedHostRegistration();
+  PinnedHostRegistration(PinnedHostRegistration&& other) noexcept
+      : base_(std::exchange(other.base_, nullptr)),
+        device_(std::exchange(other.device_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)) {}
+  PinnedHostRegistration& operator=(PinnedHostRegistration&& other) noexcept;
+  PinnedHostRegistration(const PinnedHostRegistration&) = delete;
+  PinnedHostRegistration& operator=(const PinnedHostRegistration&) = delete;
+
+  void* host() const { return base_; }
+  // The address kernels use for host(); nullptr when registered without cudaHostRegisterMapped.
+  void* device_pointer() const { return device_; }
+  size_t bytes() const { return bytes_; }
+  bool empty() const { return base_ == nullptr; }
+
+ private:
+  PinnedHostRegistration(void* base, void* device, size_t bytes) : base_(base), device_(device), bytes_(bytes) {}
+  void* base_ = nullptr;
+  void* device_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Makes `device` current for one scope and restores the caller's device afterwards, so that a
+// thread driving several GPUs keeps its own notion of the current one. status() reports a failed
+// cudaSetDevice; the destructor never fails (a failed restore is cleared and ignored).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device);
+  ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  bool changed_ = false;
+  Status status_;
+};
+
 class CublasHandle {
  public:
   // A handle bound to `stream` (every call made with it is ordered on that stream).

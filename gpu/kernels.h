@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "gpu/topk_radix.h"
+
 namespace specontext::gpu::kernels {
 
 enum class TableType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
@@ -175,5 +177,89 @@ struct SparseAttentionLaunch {
 };
 
 cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t stream);
+
+// ---- retrieval head (SpeContext): scores and top-k selection ----
+
+// Threads of a retrieval-score block; a block stages `tile` K rows of one KV head at a time and
+// each thread scores one (row, part) against all the group's queries, 8 heads per pass.
+inline constexpr int kRetrievalThreads = 128;
+inline constexpr int kRetrievalHeadsPerPass = 8;
+inline constexpr int64_t kRetrievalMaxHeadDim = 256;
+
+struct RetrievalScoresLaunch {
+  const float* q = nullptr;        // device [n_heads][head_dim]
+  const float* k_cache = nullptr;  // device [length][n_kv_heads][head_dim]
+  float* out = nullptr;            // device [n_kv_heads][length]
+  float* logits = nullptr;         // scratch [n_heads][length], log2 units (q pre-scaled)
+  float* partial_m = nullptr;      // scratch [n_heads][blocks_per_head]: block max (log2 units)
+  float* partial_l = nullptr;      // scratch [n_heads][blocks_per_head]: Σ exp2(logit - max)
+  float* stats = nullptr;          // scratch [n_heads][2]: softmax max and 1 / sum
+  int64_t length = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t group = 0;             // n_heads / n_kv_heads
+  int64_t tokens_per_block = 0;  // multiple of tile
+  int64_t blocks_per_head = 0;   // ceil(length / tokens_per_block)
+  int parts = 1;                 // threads per K row (1, 2, 4): head_dim split into parts
+  int tile = 0;                  // rows per stage: kRetrievalThreads / parts
+  int part_dims = 0;             // dims per part, multiple of 4 (zero-padded beyond head_dim)
+  int k_stride = 0;              // floats between staged rows: ≡ 4 (mod 32), conflict-free float4 reads
+  bool vec4 = false;             // K rows load as float4 (head_dim % 4 == 0, k_cache 16-byte aligned)
+  float q_scale = 0.0f;          // log2(e) / sqrt(head_dim)
+  size_t smem_bytes = 0;         // dynamic shared memory of the score kernel
+};
+
+// logits + block stats, stats merge, group max of the softmax (three kernels on `stream`).
+cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t stream);
+
+// Threads of the selection kernels (8 warps).
+inline constexpr int kSelectThreads = 256;
+inline constexpr int kSelectWarps = kSelectThreads / 32;
+
+struct SelectTopLaunch {
+  const float* scores = nullptr;  // device [n_segments][length]
+  int32_t* out = nullptr;         // device [n_segments][budget]: every row gets budget tokens
+  uint32_t* hist = nullptr;       // device [n_segments][kSelectMaxBins], zero before the first pass
+  SelectState* state = nullptr;   // device [n_segments], initialised to {0, 0, take, 0}
+  int32_t* warp_counts = nullptr; // device [n_segments][blocks_per_segment · kSelectWarps]
+  int64_t n_segments = 0;         // KV heads
+  int64_t length = 0;
+  int64_t budget = 0;
+  int64_t sinks = 0;              // tokens [0, sinks) always kept
+  int64_t lo = 0;                 // middle [lo, lo + m) competes; lo == sinks
+  int64_t m = 0;
+  int64_t take = 0;               // middle tokens kept; 0: only sinks and window are written
+  int64_t window_begin = 0;       // tokens [window_begin, length) always kept
+  int64_t blocks_per_segment = 0;
+  int64_t warp_span = 0;          // middle elements per warp in the ordered compaction (multiple of 128)
+};
+
+// Radix passes (when take > 0), then the ordered compaction and the fixed part.
+cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream);
+
+// out[r] = index of the largest non-NaN value of logits[r][0, vocab) (lowest index among equal
+// values; 0 for a row of NaN). One block per row.
+cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
+                               cudaStream_t stream);
+
+// ---- transport: many small copies in one kernel ----
+
+// One piece of a gathered transfer: bytes from src to dst, both device-visible addresses (device
+// memory, or mapped pinned host memory through its UVA device pointer). align is the common
+// alignment of src and dst (16, 4 or 1): the piece is copied in uint4 / uint32 / byte units, with
+// a byte tail when bytes is not a multiple of align.
+struct CopyPiece {
+  uint64_t src;
+  uint64_t dst;
+  uint32_t bytes;  // <= kCopyPieceBytes
+  uint32_t align;
+};
+
+// A warp copies one piece with every lane's loads in flight before its stores: 32 lanes x 8 uint4.
+inline constexpr uint32_t kCopyPieceBytes = 4096;
+
+// Copies every piece of the device array `pieces` (one warp per piece, grid-stride).
+cudaError_t launch_gather_copy(const CopyPiece* pieces, int64_t n_pieces, cudaStream_t stream);
 
 }  // namespace specontext::gpu::kernels

@@ -23,108 +23,17 @@
 #include "core/dtype.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_backend.h"
+#include "tests/gpu/device_test_util.h"
 
 namespace specontext::gpu {
 namespace {
 
-// Test infrastructure failures (not the code under test) abort loudly.
-void cuda_or_die(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return;
-  std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(err));
-  std::abort();
-}
-
-// n elements of T in device memory with kGuard elements of sentinel bytes on each side.
-template <typename T>
-class Guarded {
- public:
-  static constexpr size_t kGuard = 64;
-  static constexpr uint8_t kSentinel = 0xA5;
-
-  explicit Guarded(size_t n) : n_(n) {
-    cuda_or_die(cudaMalloc(&base_, total_bytes()), "cudaMalloc");
-    cuda_or_die(cudaMemset(base_, kSentinel, total_bytes()), "cudaMemset");
-    cuda_or_die(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  }
-  explicit Guarded(const std::vector<T>& host) : Guarded(host.size()) { upload(host); }
-  ~Guarded() { cudaFree(base_); }
-  Guarded(const Guarded&) = delete;
-  Guarded& operator=(const Guarded&) = delete;
-
-  T* data() { return base_ + kGuard; }
-  size_t size() const { return n_; }
-
-  void upload(const std::vector<T>& host) {
-    if (host.size() != n_) std::abort();
-    cuda_or_die(cudaMemcpy(data(), host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "upload");
-    // A pageable H2D cudaMemcpy may return before the DMA lands; the backend's stream is
-    // non-blocking, so make the data visible to it explicitly.
-    cuda_or_die(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(n_);
-    cuda_or_die(cudaMemcpy(host.data(), base_ + kGuard, n_ * sizeof(T), cudaMemcpyDeviceToHost),
-                "download");
-    return host;
-  }
-  bool guards_intact() const {
-    std::vector<uint8_t> bytes(total_bytes());
-    cuda_or_die(cudaMemcpy(bytes.data(), base_, bytes.size(), cudaMemcpyDeviceToHost), "download");
-    const size_t guard_bytes = kGuard * sizeof(T);
-    for (size_t i = 0; i < guard_bytes; ++i) {
-      if (bytes[i] != kSentinel || bytes[bytes.size() - 1 - i] != kSentinel) return false;
-    }
-    return true;
-  }
-
- private:
-  size_t total_bytes() const { return (n_ + 2 * kGuard) * sizeof(T); }
-  size_t n_;
-  T* base_ = nullptr;
-};
-
-std::vector<float> random_floats(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-int64_t pick(std::mt19937& rng, std::initializer_list<int64_t> choices) {
-  std::uniform_int_distribution<size_t> dist(0, choices.size() - 1);
-  return *(choices.begin() + dist(rng));
-}
-
-int64_t uniform(std::mt19937& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-
-// Relative L2 error of `got` against `want`, with the checks that make it meaningful.
-::testing::AssertionResult close(const std::vector<float>& got, const std::vector<float>& want,
-                                 double tolerance) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size mismatch";
-  double num = 0.0;
-  double den = 0.0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) {
-      return ::testing::AssertionFailure() << "non-finite output " << got[i] << " at " << i;
-    }
-    const double d = static_cast<double>(got[i]) - want[i];
-    num += d * d;
-    den += static_cast<double>(want[i]) * want[i];
-  }
-  if (!(den > 0.0)) return ::testing::AssertionFailure() << "reference is all zero";
-  const double rel = std::sqrt(num / den);
-  if (rel > tolerance) {
-    size_t worst = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      if (std::fabs(got[i] - want[i]) > std::fabs(got[worst] - want[worst])) worst = i;
-    }
-    return ::testing::AssertionFailure() << "rel L2 " << rel << " > " << tolerance << "; worst at "
-                                         << worst << ": " << got[worst] << " vs " << want[worst];
-  }
-  return ::testing::AssertionSuccess() << "rel L2 " << rel;
-}
+using device_test::close;
+using device_test::cuda_or_die;
+using device_test::Guarded;
+using device_test::pick;
+using device_test::random_floats;
+using device_test::uniform;
 
 class CudaOpsTest : public ::testing::Test {
  public:

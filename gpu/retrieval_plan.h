@@ -1,0 +1,60 @@
+// Host-side planning of the retrieval-head ops of CudaBackend: retrieval_group_scores (argument
+// checks, the work split of the score kernel and its shared-memory layout, scratch sizes) and
+// select_top_tokens (the sinks / window / middle arithmetic of core/selection.cc, the radix-select
+// grid and the initial per-head state). Pure C++ with no CUDA calls, so it is unit-tested without
+// a GPU (tests/gpu/retrieval_plan_test.cc runs host mirrors of the kernels from these plans).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/selection.h"
+#include "core/status.h"
+#include "gpu/kernels.h"
+
+namespace specontext::gpu {
+
+struct RetrievalScoresPlan {
+  // Shapes, split and layout filled in; q, k_cache, out and the scratch pointers are copied from
+  // the arguments (q, k_cache, out) or left null (scratch) for the caller. length == 0: nothing.
+  kernels::RetrievalScoresLaunch launch;
+  size_t logits_floats = 0;   // [n_heads][length]
+  size_t partial_floats = 0;  // partial_m then partial_l: 2 · n_heads · blocks_per_head
+  size_t stats_floats = 0;    // 2 · n_heads
+};
+
+// Largest dynamic shared memory the score kernel asks for (sm_80 allows 163 KiB per block).
+inline constexpr size_t kRetrievalMaxSmemBytes = 160 * 1024;
+
+// Checks (kInvalidArgument: non-positive or non-dividing heads, head_dim <= 0, null pointers,
+// length beyond int32 tokens; kUnimplemented: head_dim > 256, or a GQA group whose queries do not
+// fit the shared memory) and plans for `sm_count` multiprocessors. length <= 0: an empty plan.
+Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k_cache, int64_t length,
+                                                  int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                                  float* out, int sm_count);
+
+struct SelectTopPlan {
+  int64_t budget = 1;  // max(options.budget, 1), as the host
+  int32_t count = 0;   // tokens per head: min(length, budget)
+  // length <= budget (or no heads): every head keeps 0 .. length - 1; filled on the host, no
+  // device work at all.
+  bool host_only = true;
+  // Otherwise: the launch with shapes and the radix grid (device pointers null), and the state
+  // each head's radix select starts from (only when launch.take > 0).
+  kernels::SelectTopLaunch launch;
+  std::vector<kernels::SelectState> initial_state;
+  size_t hist_words() const;        // uint32 [n_segments][kSelectMaxBins]
+  size_t warp_count_words() const;  // int32 [n_segments][blocks_per_segment · kSelectWarps]
+};
+
+// Checks (kInvalidArgument naming the field: negative n_kv_heads, length, options.sinks or
+// options.window; length beyond int32 tokens; more than 65535 KV heads) and plans. The result
+// is the set select_from_group_scores computes.
+Result<SelectTopPlan> plan_select_top_tokens(int64_t n_kv_heads, int64_t length,
+                                             const SelectionOptions& options, int sm_count);
+
+// Fills out's shape (kv_heads, budget, counts) for a plan, and the indices when host_only.
+void prepare_selection(const SelectTopPlan& plan, int64_t n_kv_heads, int64_t length, Selection& out);
+
+}  // namespace specontext::gpu

@@ -1,0 +1,453 @@
+// CudaTransport on a device: advertised capabilities match behaviour for all 16 (src, dst) kind
+// pairs, random batches are bit-exact for every method and direction with the bytes around the
+// destination ranges untouched, completion and release follow core/transport.h, registration
+// rejects memory of the wrong kind, PinnedHostRegistration works as a tier, and the stream
+// ordering helpers order copies against another stream. Without a device every case skips
+// ("no CUDA device").
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/transport.h"
+#include "gpu/cuda_backend.h"
+#include "gpu/cuda_raii.h"
+#include "gpu/cuda_transport.h"
+#include "tests/gpu/device_test_util.h"
+
+namespace specontext::gpu {
+namespace {
+
+using device_test::cuda_or_die;
+
+// Runs everywhere: without a device the transport reports absence instead of failing later.
+TEST(CudaTransportDiscovery, CreateWithoutDeviceIsUnavailable) {
+  if (cuda_device_available()) {
+    auto beyond = CudaTransport::create(*cuda_device_count());
+    EXPECT_EQ(beyond.status().code(), StatusCode::kOutOfRange) << beyond.status().to_string();
+    return;
+  }
+  auto t = CudaTransport::create(0);
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kUnavailable) << t.status().to_string();
+  EXPECT_NE(t.status().message().find("no CUDA device"), std::string::npos) << t.status().message();
+  std::vector<uint8_t> host(4096);
+  EXPECT_FALSE(PinnedHostRegistration::create(host.data(), host.size()).is_ok()) << "no device, no pinning";
+  EXPECT_EQ(PinnedHostRegistration::create(nullptr, 16).status().code(), StatusCode::kInvalidArgument);
+  PinnedHostRegistration empty;
+  EXPECT_TRUE(empty.empty());
+}
+
+class CudaTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  }
+};
+
+std::unique_ptr<CudaTransport> make_transport(CopyMethod method = CopyMethod::kAuto) {
+  auto t = CudaTransport::create(0, CudaTransportOptions{method, kDefaultGatherBelowBytes});
+  EXPECT_TRUE(t.is_ok()) << t.status().to_string();
+  return t.is_ok() ? std::move(t).value() : nullptr;
+}
+
+// post, then poll until terminal (bounded: ~10 s).
+Status run_to_end(Transport& t, TransferHandle& h) {
+  Status s = t.post(h);
+  for (int i = 0; i < 1000000 && s.code() == StatusCode::kInProgress; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(10));
+    s = t.poll(h);
+  }
+  return s;
+}
+
+// `bytes` of memory of one kind, filled and read back through plain CUDA copies.
+class KindMemory {
+ public:
+  KindMemory(MemoryKind kind, size_t bytes) : kind_(kind), bytes_(bytes) {
+    switch (kind) {
+      case MemoryKind::kHost:
+        host_.resize(bytes);
+        base_ = host_.data();
+        break;
+      case MemoryKind::kPinnedHost:
+        cuda_or_die(cudaHostAlloc(&base_, bytes, cudaHostAllocDefault), "cudaHostAlloc");
+        break;
+      case MemoryKind::kDevice:
+        cuda_or_die(cudaMalloc(&base_, bytes), "cudaMalloc");
+        break;
+      case MemoryKind::kRemote:
+        break;  // the transport would resolve it; nothing local
+    }
+  }
+  ~KindMemory() {
+    if (kind_ == MemoryKind::kPinnedHost) cudaFreeHost(base_);
+    if (kind_ == MemoryKind::kDevice) cudaFree(base_);
+  }
+  KindMemory(const KindMemory&) = delete;
+  KindMemory& operator=(const KindMemory&) = delete;
+
+  void* base() const { return base_; }
+  void write(const std::vector<uint8_t>& v) {
+    cuda_or_die(cudaMemcpy(base_, v.data(), v.size(), cudaMemcpyDefault), "write");
+    cuda_or_die(cudaDeviceSynchronize(), "sync");
+  }
+  std::vector<uint8_t> read() const {
+    std::vector<uint8_t> v(bytes_);
+    cuda_or_die(cudaDeviceSynchronize(), "sync");
+    cuda_or_die(cudaMemcpy(v.data(), base_, bytes_, cudaMemcpyDefault), "read");
+    return v;
+  }
+
+ private:
+  MemoryKind kind_;
+  size_t bytes_;
+  void* base_ = nullptr;
+  std::vector<uint8_t> host_;
+};
+
+std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t n) {
+  std::vector<uint8_t> v(n);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t r = rng();
+    std::memcpy(v.data() + i, &r, 8);
+  }
+  for (; i < n; ++i) v[i] = static_cast<uint8_t>(rng());
+  return v;
+}
+
+const MemoryKind kAllKinds[] = {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice,
+                                MemoryKind::kRemote};
+
+TEST_F(CudaTransportTest, EveryPairMatchesAdvertisement) {
+  std::mt19937_64 rng(1);
+  int advertised_pairs = 0;
+  for (MemoryKind src : kAllKinds) {
+    for (MemoryKind dst : kAllKinds) {
+      SCOPED_TRACE(std::string(memory_kind_name(src)) + " -> " + std::string(memory_kind_name(dst)));
+      auto t = make_transport();
+      ASSERT_NE(t, nullptr);
+      const bool advertised = t->capabilities().supports(src, dst);
+      advertised_pairs += advertised ? 1 : 0;
+      KindMemory a(src, 256), b(dst, 256);
+      const std::vector<uint8_t> data = random_bytes(rng, 256);
+      if (src != MemoryKind::kRemote) a.write(data);
+      const Status ra = t->register_tier(TierId(0), src, a.base(), 256);
+      const Status rb = t->register_tier(TierId(1), dst, b.base(), 256);
+      if (!ra.is_ok() || !rb.is_ok()) {
+        EXPECT_FALSE(advertised) << "advertised but cannot register: " << ra.to_string() << " "
+                                 << rb.to_string();
+        if (!ra.is_ok()) {
+          EXPECT_EQ(ra.code(), StatusCode::kUnimplemented) << ra.to_string();
+        }
+        if (!rb.is_ok()) {
+          EXPECT_EQ(rb.code(), StatusCode::kUnimplemented) << rb.to_string();
+        }
+        continue;
+      }
+      auto h = t->prepare({{TierId(0), 0, TierId(1), 64, 128}});
+      if (!advertised) {
+        ASSERT_FALSE(h.is_ok());
+        EXPECT_EQ(h.status().code(), StatusCode::kUnimplemented) << h.status().to_string();
+        continue;
+      }
+      ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+      const Status done = run_to_end(*t, *h);
+      EXPECT_TRUE(done.is_ok()) << done.to_string();
+      t->release(*h);
+      EXPECT_FALSE(h->valid());
+      const std::vector<uint8_t> got = b.read();
+      EXPECT_EQ(std::memcmp(got.data() + 64, data.data(), 128), 0);
+    }
+  }
+  EXPECT_EQ(advertised_pairs, 3) << "pinned->device, device->pinned, device->device";
+  EXPECT_FALSE(make_transport()->capabilities().remote);
+}
+
+// Random batches of rows (1 B .. 12 KiB, any alignment, runs of adjacent rows) into disjoint
+// destination slots; the whole destination is compared, so bytes between the slots (guards) must
+// keep their old values.
+void random_batches(CudaTransport& t, MemoryKind src_kind, MemoryKind dst_kind, uint64_t seed) {
+  const size_t n = size_t{4} << 20;
+  KindMemory src(src_kind, n), dst(dst_kind, n);
+  std::mt19937_64 rng(seed);
+  src.write(random_bytes(rng, n));
+  const std::vector<uint8_t> src_bytes = src.read();
+  ASSERT_TRUE(t.register_tier(TierId(10), src_kind, src.base(), n).is_ok());
+  ASSERT_TRUE(t.register_tier(TierId(11), dst_kind, dst.base(), n).is_ok());
+  for (int round = 0; round < 6; ++round) {
+    dst.write(random_bytes(rng, n));
+    std::vector<uint8_t> want = dst.read();
+    TransferBatch batch;
+    uint64_t at = 0;
+    const uint64_t row = uint64_t{1} << (7 + round % 6);  // 128 B .. 4 KiB typical rows
+    while (true) {
+      const uint64_t bytes = rng() % 4 == 0 ? 1 + rng() % 12288 : row;
+      const uint64_t d = at + (rng() % 2 == 0 ? 0 : rng() % 64);
+      if (d + bytes > n) break;
+      uint64_t s = rng() % (n - bytes + 1);
+      if (!batch.empty() && rng() % 3 == 0) s = batch.back().src_offset + batch.back().bytes;  // adjacent run
+      if (s + bytes > n) s = 0;
+      batch.push_back({TierId(10), s, TierId(11), d, bytes});
+      std::memcpy(want.data() + d, src_bytes.data() + s, bytes);
+      at = d + bytes + (rng() % 8 == 0 ? 4096 : 0);
+    }
+    auto h = t.prepare(batch);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    const Status done = run_to_end(t, *h);
+    ASSERT_TRUE(done.is_ok()) << done.to_string();
+    EXPECT_TRUE(t.poll(*h).is_ok()) << "poll is idempotent once terminal";
+    t.release(*h);
+    const std::vector<uint8_t> got = dst.read();
+    size_t first_diff = 0;
+    while (first_diff < n && got[first_diff] == want[first_diff]) ++first_diff;
+    ASSERT_EQ(first_diff, n) << "round " << round << " (" << batch.size()
+                             << " requests): first wrong byte at " << first_diff;
+  }
+}
+
+TEST_F(CudaTransportTest, RandomBatchesBitExactEveryMethodAndDirection) {
+  const std::pair<MemoryKind, MemoryKind> directions[] = {{MemoryKind::kPinnedHost, MemoryKind::kDevice},
+                                                          {MemoryKind::kDevice, MemoryKind::kPinnedHost},
+                                                          {MemoryKind::kDevice, MemoryKind::kDevice}};
+  uint64_t seed = 100;
+  for (CopyMethod method : {CopyMethod::kDma, CopyMethod::kGatherKernel, CopyMethod::kAuto}) {
+    for (const auto& [s, d] : directions) {
+      SCOPED_TRACE(std::string(copy_method_name(method)) + " " + std::string(memory_kind_name(s)) + " -> " +
+                   std::string(memory_kind_name(d)));
+      auto t = make_transport(method);
+      ASSERT_NE(t, nullptr);
+      random_batches(*t, s, d, seed++);
+    }
+  }
+}
+
+TEST_F(CudaTransportTest, AutoPicksKernelForSmallRowsAndDmaForLarge) {
+  auto t = make_transport(CopyMethod::kAuto);
+  KindMemory host(MemoryKind::kPinnedHost, 8 << 20), dev(MemoryKind::kDevice, 8 << 20);
+  ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, host.base(), 8 << 20).is_ok());
+  ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), 8 << 20).is_ok());
+  TransferBatch rows;
+  for (uint64_t i = 0; i < 1000; ++i) rows.push_back({TierId(0), (999 - i) * 512, TierId(1), i * 512, 512});
+  auto small = t->prepare(rows);
+  ASSERT_TRUE(small.is_ok());
+  EXPECT_EQ(*t->method_of(*small), CopyMethod::kGatherKernel);
+  auto big = t->prepare({{TierId(0), 0, TierId(1), 0, 4 << 20}});
+  ASSERT_TRUE(big.is_ok());
+  EXPECT_EQ(*t->method_of(*big), CopyMethod::kDma);
+  t->release(*small);
+  t->release(*big);
+}
+
+// 256K rows of 512 B (one KV head's row of one token each), gathered by the kernel: bit-exact.
+TEST_F(CudaTransportTest, LargeSparseGatherWithKernel) {
+  const uint64_t rows = 256 * 1024, row = 512, n = rows * row;
+  KindMemory host(MemoryKind::kPinnedHost, 2 * n), dev(MemoryKind::kDevice, n);
+  std::mt19937_64 rng(9);
+  const std::vector<uint8_t> data = random_bytes(rng, 2 * n);
+  host.write(data);
+  auto t = make_transport(CopyMethod::kGatherKernel);
+  ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, host.base(), 2 * n).is_ok());
+  ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), n).is_ok());
+  TransferBatch batch;
+  std::vector<uint64_t> src_rows(2 * rows);
+  for (uint64_t i = 0; i < src_rows.size(); ++i) src_rows[i] = i;
+  std::shuffle(src_rows.begin(), src_rows.end(), rng);
+  std::vector<uint8_t> want(n);
+  for (uint64_t i = 0; i < rows; ++i) {
+    batch.push_back({TierId(0), src_rows[i] * row, TierId(1), i * row, row});
+    std::memcpy(want.data() + i * row, data.data() + src_rows[i] * row, row);
+  }
+  auto h = t->prepare(batch);
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  ASSERT_TRUE(run_to_end(*t, *h).is_ok());
+  t->release(*h);
+  EXPECT_TRUE(dev.read() == want);
+}
+
+TEST_F(CudaTransportTest, ReleaseWaitsForTheCopies) {
+  const size_t n = size_t{256} << 20;
+  KindMemory host(MemoryKind::kPinnedHost, n), dev(MemoryKind::kDevice, n);
+  std::mt19937_64 rng(3);
+  std::vector<uint8_t> data = random_bytes(rng, n);
+  host.write(data);
+  for (CopyMethod method : {CopyMethod::kDma, CopyMethod::kGatherKernel}) {
+    SCOPED_TRACE(copy_method_name(method));
+    cuda_or_die(cudaMemset(dev.base(), 0, n), "memset");
+    cuda_or_die(cudaDeviceSynchronize(), "sync");
+    auto t = make_transport(method);
+    ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, host.base(), n).is_ok());
+    ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), n).is_ok());
+    auto h = t->prepare({{TierId(0), 0, TierId(1), 0, n}});
+    ASSERT_TRUE(h.is_ok());
+    EXPECT_EQ(t->post(*h).code(), StatusCode::kInProgress) << "256 MiB cannot be done at once";
+    t->release(*h);  // must wait: afterwards the copy stream no longer touches the buffers
+    EXPECT_EQ(cudaStreamQuery(t->stream()), cudaSuccess) << "copy stream still busy after release";
+    EXPECT_TRUE(dev.read() == data);
+  }
+  // Destroying a transport with transfers in flight waits for them too.
+  auto t = make_transport(CopyMethod::kDma);
+  ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, host.base(), n).is_ok());
+  ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), n).is_ok());
+  for (int i = 0; i < 4; ++i) {
+    auto h = t->prepare({{TierId(0), 0, TierId(1), 0, n}});
+    ASSERT_TRUE(h.is_ok());
+    (void)t->post(*h);
+  }
+  t.reset();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST_F(CudaTransportTest, HandleMisuseAndValidation) {
+  auto t = make_transport();
+  KindMemory host(MemoryKind::kPinnedHost, 4096), dev(MemoryKind::kDevice, 4096);
+  std::vector<uint8_t> pageable(4096);
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kPinnedHost, pageable.data(), 4096).code(),
+            StatusCode::kInvalidArgument)
+      << "pageable memory is not a pinned tier";
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, host.base(), 4096).code(),
+            StatusCode::kInvalidArgument)
+      << "pinned host memory is not a device tier";
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kPinnedHost, dev.base(), 4096).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, dev.base(), 0).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->register_tier(TierId(0), MemoryKind::kDevice, nullptr, 64).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, host.base(), 4096).is_ok());
+  ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), 4096).is_ok());
+  EXPECT_EQ(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), 4096).code(),
+            StatusCode::kInvalidArgument)
+      << "duplicate id";
+
+  // TierTable validation names request and tier; the independence check names both requests.
+  auto bad = t->prepare({{TierId(0), 0, TierId(1), 0, 512}, {TierId(0), 0, TierId(1), 4000, 512}});
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("request 1"), std::string::npos) << bad.status().message();
+  auto overlap = t->prepare({{TierId(0), 0, TierId(1), 0, 512}, {TierId(0), 1024, TierId(1), 256, 512}});
+  ASSERT_FALSE(overlap.is_ok());
+  EXPECT_NE(overlap.status().message().find("requests 0 and 1"), std::string::npos)
+      << overlap.status().message();
+
+  auto h = t->prepare({{TierId(0), 0, TierId(1), 0, 512}});
+  ASSERT_TRUE(h.is_ok());
+  EXPECT_EQ(t->poll(*h).code(), StatusCode::kInvalidArgument) << "poll before post";
+  ASSERT_TRUE(run_to_end(*t, *h).is_ok());
+  EXPECT_EQ(t->post(*h).code(), StatusCode::kInvalidArgument) << "posted twice";
+  TransferHandle copy = *h;
+  t->release(*h);
+  t->release(*h);  // idempotent
+  EXPECT_EQ(t->poll(copy).code(), StatusCode::kInvalidArgument) << "released";
+  // An empty batch is complete at post.
+  auto empty = t->prepare({});
+  ASSERT_TRUE(empty.is_ok());
+  EXPECT_TRUE(t->post(*empty).is_ok());
+  EXPECT_TRUE(t->poll(*empty).is_ok());
+  t->release(*empty);
+}
+
+TEST_F(CudaTransportTest, PinnedHostRegistrationServesAsTier) {
+  const size_t n = size_t{1} << 20;
+  void* raw = std::aligned_alloc(4096, n);
+  ASSERT_NE(raw, nullptr);
+  std::unique_ptr<void, decltype(&std::free)> pool(raw, &std::free);  // the engine's host pool stand-in
+  auto* bytes = static_cast<uint8_t*>(raw);
+  std::mt19937_64 rng(17);
+  for (size_t i = 0; i < n; ++i) bytes[i] = static_cast<uint8_t>(rng());
+  {
+    auto reg = PinnedHostRegistration::create(raw, n);
+    ASSERT_TRUE(reg.is_ok()) << reg.status().to_string();
+    EXPECT_NE(reg->device_pointer(), nullptr) << "mapped by default";
+    auto twice = PinnedHostRegistration::create(raw, n);
+    EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument) << twice.status().to_string();
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, raw), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+    for (CopyMethod method : {CopyMethod::kDma, CopyMethod::kGatherKernel}) {
+      SCOPED_TRACE(copy_method_name(method));
+      KindMemory dev(MemoryKind::kDevice, n);
+      auto t = make_transport(method);
+      ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kPinnedHost, raw, n).is_ok());
+      ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kDevice, dev.base(), n).is_ok());
+      TransferBatch batch;
+      for (uint64_t i = 0; i < n / 512; ++i)
+        batch.push_back({TierId(0), i * 512, TierId(1), (n / 512 - 1 - i) * 512, 512});
+      auto h = t->prepare(batch);
+      ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+      ASSERT_TRUE(run_to_end(*t, *h).is_ok());
+      t->release(*h);
+      const std::vector<uint8_t> got = dev.read();
+      for (uint64_t i = 0; i < n / 512; ++i) {
+        ASSERT_EQ(std::memcmp(got.data() + (n / 512 - 1 - i) * 512, bytes + i * 512, 512), 0) << "row " << i;
+      }
+    }
+    PinnedHostRegistration moved = std::move(*reg);
+    EXPECT_TRUE(reg->empty());
+    EXPECT_EQ(moved.host(), raw);
+  }
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, raw), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeUnregistered) << "the destructor unregisters";
+  EXPECT_EQ(PinnedHostRegistration::create(nullptr, 16).status().code(), StatusCode::kInvalidArgument);
+}
+
+// KV written on the compute stream, then offloaded by the transport (order_after); a prefetch
+// by the transport, then consumed on the compute stream (make_stream_wait). The producer work is
+// long (many passes over 64 MiB) so that missing ordering would show as wrong bytes.
+TEST_F(CudaTransportTest, OrdersAgainstTheComputeStream) {
+  auto backend = CudaBackend::create(0);
+  ASSERT_TRUE(backend.is_ok());
+  CudaBackend& be = **backend;
+  const int64_t n = 16 << 20;  // floats
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  KindMemory dev_a(MemoryKind::kDevice, bytes), dev_b(MemoryKind::kDevice, bytes),
+      host(MemoryKind::kPinnedHost, bytes);
+  std::vector<float> ones(static_cast<size_t>(n), 1.0f);
+  std::vector<uint8_t> raw(bytes);
+  std::memcpy(raw.data(), ones.data(), bytes);
+  dev_a.write(raw);
+  dev_b.write(raw);
+  auto t = make_transport(CopyMethod::kDma);
+  ASSERT_TRUE(t->register_tier(TierId(0), MemoryKind::kDevice, dev_a.base(), bytes).is_ok());
+  ASSERT_TRUE(t->register_tier(TierId(1), MemoryKind::kPinnedHost, host.base(), bytes).is_ok());
+  ASSERT_TRUE(t->register_tier(TierId(2), MemoryKind::kDevice, dev_b.base(), bytes).is_ok());
+
+  auto* a = static_cast<float*>(dev_a.base());
+  auto* b = static_cast<float*>(dev_b.base());
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(be.add(a, b, n).is_ok());  // a = 21 everywhere
+  ASSERT_TRUE(t->order_after(be.stream()).is_ok());
+  auto off = t->prepare({{TierId(0), 0, TierId(1), 0, bytes}});
+  ASSERT_TRUE(off.is_ok());
+  ASSERT_TRUE(run_to_end(*t, *off).is_ok());
+  t->release(*off);
+  const auto* h = static_cast<const float*>(host.base());
+  for (int64_t i = 0; i < n; i += 4093)
+    ASSERT_EQ(h[i], 21.0f) << "offload did not wait for the compute stream";
+
+  // Prefetch host (21) into b, then the compute stream adds b to a: a = 42.
+  auto pre = t->prepare({{TierId(1), 0, TierId(2), 0, bytes}});
+  ASSERT_TRUE(pre.is_ok());
+  EXPECT_EQ(t->post(*pre).code(), StatusCode::kInProgress);
+  ASSERT_TRUE(t->make_stream_wait(*pre, be.stream()).is_ok());
+  ASSERT_TRUE(be.add(a, b, n).is_ok());
+  std::vector<float> back(static_cast<size_t>(n));
+  ASSERT_TRUE(be.download(back.data(), a, bytes).is_ok());
+  for (int64_t i = 0; i < n; i += 4093)
+    ASSERT_EQ(back[static_cast<size_t>(i)], 42.0f) << "add did not wait for the prefetch";
+  t->release(*pre);
+}
+
+}  // namespace
+}  // namespace specontext::gpu

@@ -373,7 +373,8 @@ Result<nlohmann::json> run_synthetic(const SyntheticConfig& cfg) {
       q = world.query(L, qi);
       G.resize(static_cast<size_t>(sh.n_kv_heads * L));
       t0 = Clock::now();
-      SPX_RETURN_IF_ERROR(host.retrieval_group_scores(q.data(), world.keys.data(), L, sh.n_heads,
+      const float* table[1] = {world.keys.data()};
+      SPX_RETURN_IF_ERROR(host.retrieval_group_scores(q.data(), table, std::max<int64_t>(L, 1), L, sh.n_heads,
                                                       sh.n_kv_heads, sh.head_dim, G.data()));
       full_serial_s.push_back(seconds_since(t0));
       t0 = Clock::now();
@@ -533,7 +534,8 @@ Result<nlohmann::json> run_real(const RealConfig& cfg) {
         const int64_t L = t + 1;
         const float* qt = q.data() + t * qd;
         G.resize(static_cast<size_t>(nkv * L));
-        SPX_RETURN_IF_ERROR(host.retrieval_group_scores(qt, k.data(), L, nh, nkv, hd, G.data()));
+        const float* table[1] = {k.data()};
+        SPX_RETURN_IF_ERROR(host.retrieval_group_scores(qt, table, std::max<int64_t>(L, 1), L, nh, nkv, hd, G.data()));
         for (size_t bi = 0; bi < cfg.budgets.size(); ++bi) {
           const SelectionOptions sel{cfg.budgets[bi], 1, 4};
           select_from_group_scores(G, nkv, L, sel, full);

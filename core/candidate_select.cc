@@ -185,11 +185,20 @@ Status check_shortlist(std::string_view who, SeqId seq, const float* q, int64_t 
 Status select_among_candidates(const float* q, const float* k_cache, int64_t n_heads, int64_t n_kv_heads,
                                int64_t head_dim, const Candidates& cand, const SelectionOptions& opts,
                                Selection& out) {
+  const float* table[1] = {k_cache};
+  return select_among_candidates(q, table, std::max<int64_t>(cand.length, 1), n_heads, n_kv_heads, head_dim, cand,
+                                 opts, out);
+}
+
+Status select_among_candidates(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t n_heads,
+                               int64_t n_kv_heads, int64_t head_dim, const Candidates& cand,
+                               const SelectionOptions& opts, Selection& out) {
   constexpr std::string_view kWho = "select_among_candidates";
+  if (block_tokens <= 0) return invalid_argument("select_among_candidates: block_tokens must be positive");
   SPX_RETURN_IF_ERROR(check_heads(kWho, n_heads, n_kv_heads, head_dim, ""));
   SPX_RETURN_IF_ERROR(check_selection_options(opts, kWho));
   SPX_RETURN_IF_ERROR(check_candidates(cand, n_kv_heads));
-  if (!cand.tokens.empty() && (q == nullptr || k_cache == nullptr)) {
+  if (!cand.tokens.empty() && (q == nullptr || k_blocks == nullptr)) {
     return invalid_argument("select_among_candidates: q and k_cache must not be null");
   }
   return no_throw(kWho, [&]() -> Status {
@@ -233,7 +242,8 @@ Status select_among_candidates(const float* q, const float* k_cache, int64_t n_h
       row.resize(static_cast<size_t>(group * n_cand));
       score.assign(static_cast<size_t>(n_cand), 0.0f);
       for (int64_t c = 0; c < n_cand; ++c) {
-        const float* kt = k_cache + static_cast<int64_t>(tok[c]) * kvd + g * head_dim;
+        const int64_t t = tok[c];
+        const float* kt = k_blocks[t / block_tokens] + (t % block_tokens) * kvd + g * head_dim;
         for (int64_t j = 0; j < group; ++j) {
           const float* qh = q + (g * group + j) * head_dim;
           float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -37,6 +37,11 @@ namespace specontext {
 Status select_among_candidates(const float* q, const float* k_cache, int64_t n_heads, int64_t n_kv_heads,
                                int64_t head_dim, const Candidates& cand, const SelectionOptions& opts,
                                Selection& out);
+// The same over a paged K cache (the engine's): block b of the host table holds tokens
+// [b·block_tokens, (b+1)·block_tokens), token-major.
+Status select_among_candidates(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t n_heads,
+                               int64_t n_kv_heads, int64_t head_dim, const Candidates& cand,
+                               const SelectionOptions& opts, Selection& out);
 
 // The Quest bound of one page for one query head: Σ_i max(q_i·min_i, q_i·max_i), accumulated in
 // 16 lanes and reduced in a fixed order. Both filters call this one function, so their page

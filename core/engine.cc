@@ -179,7 +179,6 @@ Status Engine::setup_tiers() {
       allocations += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2;
     }
     if (options_.sparse.method == SparseMethod::kSpeContext) {
-      const auto& hc = options_.retrieval_head->config;
       const int64_t blocks = (max_context_ + head_block_tokens_ - 1) / head_block_tokens_;
       device_bytes += static_cast<uint64_t>(options_.max_sequences * blocks) * head_block_bytes();
       allocations += static_cast<uint64_t>(options_.max_sequences * blocks);

@@ -86,6 +86,7 @@ struct TieringOptions {
   std::shared_ptr<CopyQueue> copies;         // runs transfers on its own thread, over `transport`
   std::shared_ptr<PlacementPolicy> policy;   // null: every layer stays on the device
   std::shared_ptr<CandidateFilter> candidate_filter;  // used while the placement says cpu_filtering
+  int64_t shortlist_tokens = 0;  // candidates per KV head with CPU filtering; 0 = 4·budget
 };
 
 struct EngineOptions {
@@ -204,6 +205,8 @@ class Engine {
   const OverlapStats& overlap_stats() const { return overlap_; }
   const OverlapStats& last_step_overlap() const { return last_overlap_; }
   const std::vector<PlacementEvent>& placement_events() const { return events_; }
+  // SpeContext selections made from CPU-filtered candidates (placement.cpu_filtering).
+  int64_t filtered_steps() const { return filtered_steps_; }
   // Moves layers (and the retrieval head's keys) to the placement's tiers now, between steps.
   // On a failed move that layer keeps its home and content; the error is returned.
   Status apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons = {});
@@ -319,7 +322,9 @@ class Engine {
   std::array<int64_t, 3> fused_layers_{};
   int64_t forwards_ = 0;
   int64_t head_block_tokens_ = 0;
+  int64_t filtered_steps_ = 0;
   std::vector<const float*> head_table_;
+  Candidates candidates_;
 
   // Weights as the backend reads them.
   WeightMatrix tok_embeddings_, lm_head_;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "core/candidate_select.h"
 #include "core/engine.h"
 
 namespace specontext {
@@ -134,7 +135,28 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const TokenId* token_
   float* hq = static_cast<float*>(qp);
   SPX_RETURN_IF_ERROR(run_head(s, token_dev, static_cast<const float*>(s.last_fused.get()), position_dev, start_pos, 1, hq));
   if (placement_.cpu_filtering && options_.tiering.candidate_filter) {
-    return unimplemented("CPU candidate filtering is not wired into the engine yet");
+    // The CPU shortlists pages from its summaries of the head's keys; the head scores only those
+    // candidates (core/candidate_filter.h). Keys and query are read on the host.
+    if (!host_visible(s.head_tier)) {
+      return unimplemented("CPU candidate filtering reads the retrieval head's keys on the host, but they are in " +
+                           kv_->tiers()[static_cast<size_t>(s.head_tier.value())].desc.name);
+    }
+    CandidateFilter& filter = *options_.tiering.candidate_filter;
+    // Catch the summaries up to the keys written so far, this step's included (a failed step
+    // leaves its key summarised: a summary only bounds a page, so that loosens, never breaks, it).
+    while (s.filter_tokens < length) {
+      const int64_t t = s.filter_tokens;
+      const int64_t run = std::min(length - t, head_block_tokens_ - t % head_block_tokens_);
+      SPX_RETURN_IF_ERROR(filter.append_keys(id, head_row(s, t), t, run));
+      s.filter_tokens += run;
+    }
+    host_q_.resize(static_cast<size_t>(hc.n_heads * hc.head_dim));
+    SPX_RETURN_IF_ERROR(be.download(host_q_.data(), hq, host_q_.size() * sizeof(float)));
+    const int64_t shortlist = options_.tiering.shortlist_tokens > 0 ? options_.tiering.shortlist_tokens : 4 * opts.budget;
+    SPX_RETURN_IF_ERROR(filter.shortlist(id, host_q_.data(), length, shortlist, opts, candidates_));
+    ++filtered_steps_;
+    return select_among_candidates(host_q_.data(), head_block_table(s), head_block_tokens_, hc.n_heads, hc.n_kv_heads,
+                                   hc.head_dim, candidates_, opts, s.shared_selection);
   }
   SPX_ASSIGN_OR_RETURN(void* sp, fit(scores_, static_cast<size_t>(hc.n_kv_heads * length) * sizeof(float)));
   float* scores = static_cast<float*>(sp);

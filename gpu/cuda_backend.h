@@ -48,6 +48,10 @@ class CudaBackend final : public Backend {
 
   // ---- memory between the host and the device ----
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+  // Kernels take device pointers and (UVA) pointers into mapped pinned host memory.
+  bool addressable(MemoryKind kind) const override {
+    return kind == MemoryKind::kDevice || kind == MemoryKind::kPinnedHost;
+  }
   // Uploads `bytes` of host weights once into a device buffer the backend owns until it is
   // destroyed; the same `host` pointer again returns the same copy (kInvalidArgument when it
   // comes with a different size). The copy is stream-ordered before every later op. Keyed by the
@@ -97,10 +101,12 @@ class CudaBackend final : public Backend {
 
   // ---- retrieval head ----
   // Softmax per query head over the K cache, max over each GQA group (gpu/kernels_retrieval.cu).
-  // head_dim <= 256 (kUnimplemented beyond); q, k_cache, out device memory. Asynchronous. Scratch:
+  // head_dim <= 256 (kUnimplemented beyond); q, the K blocks and out device memory. Asynchronous. Scratch:
   // n_heads · length floats of logits (grow-only) plus small per-block partials.
-  Status retrieval_group_scores(const float* q, const float* k_cache, int64_t length, int64_t n_heads,
-                                int64_t n_kv_heads, int64_t head_dim, float* out) override;
+  // The paged K cache's block table (a host array of device pointers) travels with the call.
+  Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
+                                int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                float* out) override;
   // The exact set of select_from_group_scores (core/selection.h) from device scores, by a radix
   // select on (score, token) keys; `out` is filled on return (synchronises the stream). A context
   // that fits the budget is answered on the host without touching the device. Negative sinks or

@@ -84,19 +84,25 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
   const int64_t t_begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_block;
   const int64_t t_end = min(t_begin + a.tokens_per_block, a.length);
   const int64_t kvd = a.n_kv_heads * a.head_dim;
-  const float* k_head = a.k_cache + g * a.head_dim;
   const float* k_row = k_s + (part * tile + row) * ks;
+  // Where each staged row of this KV head starts in the paged cache (rows may cross blocks).
+  __shared__ const float* row_base[kRetrievalThreads];
 
   for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
     const int n_rows = static_cast<int>(min(static_cast<int64_t>(tile), t_end - t0));
     __syncthreads();  // q_s staged (first tile) / the previous tile consumed
+    if (tid < n_rows) {
+      const int64_t t = t0 + tid;
+      row_base[tid] = a.k_blocks[t / a.block_tokens] + (t % a.block_tokens) * kvd + g * a.head_dim;
+    }
+    __syncthreads();
     if (a.vec4) {
       const int n4 = qd / 4;
       for (int i = tid; i < tile * n4; i += kRetrievalThreads) {
         const int r = i / n4;
         const int d = (i - r * n4) * 4;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r < n_rows && d < hd) v = *reinterpret_cast<const float4*>(k_head + (t0 + r) * kvd + d);
+        if (r < n_rows && d < hd) v = *reinterpret_cast<const float4*>(row_base[r] + d);
         const int p = d / pd;
         *reinterpret_cast<float4*>(k_s + (p * tile + r) * ks + (d - p * pd)) = v;
       }
@@ -104,7 +110,7 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
       for (int i = tid; i < tile * qd; i += kRetrievalThreads) {
         const int r = i / qd;
         const int d = i - r * qd;
-        const float v = r < n_rows && d < hd ? k_head[(t0 + r) * kvd + d] : 0.0f;
+        const float v = r < n_rows && d < hd ? row_base[r][d] : 0.0f;
         const int p = d / pd;
         k_s[(p * tile + r) * ks + (d - p * pd)] = v;
       }

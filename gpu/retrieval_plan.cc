@@ -26,9 +26,10 @@ constexpr int64_t kSelectMaxBlocksPerSegment = 64;
 
 // ---- retrieval_group_scores ----
 
-Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k_cache, int64_t length,
-                                                  int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                                  float* out, int sm_count) {
+Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* const* k_blocks,
+                                                  int64_t block_tokens, int64_t length, int64_t n_heads,
+                                                  int64_t n_kv_heads, int64_t head_dim, float* out,
+                                                  int sm_count) {
   RetrievalScoresPlan plan;
   if (length <= 0) return plan;
   if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0) {
@@ -39,8 +40,19 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k
     return unimplemented("CUDA retrieval_group_scores supports head_dim up to " +
                          std::to_string(kernels::kRetrievalMaxHeadDim) + ", got " + std::to_string(head_dim));
   }
-  if (q == nullptr || k_cache == nullptr || out == nullptr) {
-    return invalid_argument("retrieval_group_scores: null q, k_cache or out");
+  if (q == nullptr || k_blocks == nullptr || out == nullptr) {
+    return invalid_argument("retrieval_group_scores: null q, k_blocks or out");
+  }
+  if (block_tokens <= 0) {
+    return invalid_argument("retrieval_group_scores: blocks of " + std::to_string(block_tokens) + " tokens");
+  }
+  const int64_t n_blocks = (length + block_tokens - 1) / block_tokens;
+  bool blocks_aligned = true;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    if (k_blocks[b] == nullptr) {
+      return invalid_argument("retrieval_group_scores: K block " + std::to_string(b) + " is null");
+    }
+    blocks_aligned = blocks_aligned && aligned16(k_blocks[b]);
   }
   if (length > INT32_MAX) {
     return invalid_argument("retrieval_group_scores: length " + std::to_string(length) +
@@ -50,7 +62,9 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k
 
   kernels::RetrievalScoresLaunch& a = plan.launch;
   a.q = q;
-  a.k_cache = k_cache;
+  a.k_blocks = k_blocks;
+  a.block_tokens = block_tokens;
+  plan.n_blocks = n_blocks;
   a.out = out;
   a.length = length;
   a.n_heads = n_heads;
@@ -62,7 +76,7 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k
   a.tile = kernels::kRetrievalThreads / a.parts;
   a.part_dims = static_cast<int>(round_up(ceil_div(head_dim, a.parts), 4));
   a.k_stride = static_cast<int>(round_up(a.part_dims, 32) + 4);
-  a.vec4 = head_dim % 4 == 0 && aligned16(k_cache);
+  a.vec4 = head_dim % 4 == 0 && blocks_aligned;
   a.q_scale = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(head_dim)));
 
   const int64_t q_floats = a.group * a.parts * a.part_dims;

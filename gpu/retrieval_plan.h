@@ -16,12 +16,13 @@
 namespace specontext::gpu {
 
 struct RetrievalScoresPlan {
-  // Shapes, split and layout filled in; q, k_cache, out and the scratch pointers are copied from
-  // the arguments (q, k_cache, out) or left null (scratch) for the caller. length == 0: nothing.
+  // Shapes, split and layout filled in; q, k_blocks, out and the scratch pointers are copied from
+  // the arguments (q, k_blocks, out) or left null (scratch) for the caller. length == 0: nothing.
   kernels::RetrievalScoresLaunch launch;
   size_t logits_floats = 0;   // [n_heads][length]
   size_t partial_floats = 0;  // partial_m then partial_l: 2 · n_heads · blocks_per_head
   size_t stats_floats = 0;    // 2 · n_heads
+  int64_t n_blocks = 0;       // entries of the K block table the length uses
 };
 
 // Largest dynamic shared memory the score kernel asks for (sm_80 allows 163 KiB per block).
@@ -30,9 +31,12 @@ inline constexpr size_t kRetrievalMaxSmemBytes = 160 * 1024;
 // Checks (kInvalidArgument: non-positive or non-dividing heads, head_dim <= 0, null pointers,
 // length beyond int32 tokens; kUnimplemented: head_dim > 256, or a GQA group whose queries do not
 // fit the shared memory) and plans for `sm_count` multiprocessors. length <= 0: an empty plan.
-Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* k_cache, int64_t length,
-                                                  int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                                  float* out, int sm_count);
+// k_blocks is the HOST table of the paged K cache (Backend::retrieval_group_scores); the plan
+// points launch.k_blocks at it and CudaBackend replaces that with the uploaded copy.
+Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* const* k_blocks,
+                                                  int64_t block_tokens, int64_t length, int64_t n_heads,
+                                                  int64_t n_kv_heads, int64_t head_dim, float* out,
+                                                  int sm_count);
 
 struct SelectTopPlan {
   int64_t budget = 1;  // max(options.budget, 1), as the host

@@ -38,36 +38,17 @@
 #include <thread>
 #include <vector>
 
+#include "core/copy_queue.h"
 #include "core/transport.h"
 
 namespace specontext::transport {
 
-enum class CopyDirection : uint8_t { kLoad, kStore, kMigrate };  // home→compute, compute→home, tier→tier
-inline constexpr int kNumCopyDirections = 3;
+// The ticket types and the interface the engine drives are core's (core/copy_queue.h).
+using specontext::CopyDirection;
+using specontext::CopyTicket;
+using specontext::CopyWindowStats;
+using specontext::kNumCopyDirections;
 std::string_view copy_direction_name(CopyDirection direction);  // "load", "store", "migrate"
-
-// Names one submitted batch. Copyable; the engine's state for it lives until it is waited.
-struct CopyTicket {
-  uint64_t id = 0;
-  bool valid() const { return id != 0; }
-};
-
-// Figures of a window the caller delimits with reset_window() (the engine: one decode step).
-// Arrays are indexed by static_cast<int>(CopyDirection).
-struct CopyWindowStats {
-  std::array<uint64_t, kNumCopyDirections> bytes{};     // of tickets completed OK in the window
-  std::array<uint64_t, kNumCopyDirections> requests{};  // their transfer requests
-  // Wall time inside the window with at least one ticket in flight on the copy thread (from the
-  // copy thread taking it over to its terminal state): the union of those intervals, clipped to
-  // the window, so two overlapping 50 ms transfers count 50 ms. A ticket submitted in an earlier
-  // window contributes the part of its interval that falls in this one.
-  double busy_seconds = 0;
-  double wait_seconds = 0;  // caller blocked in wait / wait_layer / wait_all during the window
-  // Of tickets that reached their terminal state in the window (counted at completion).
-  int64_t retries = 0;      // transient-failure retries (fresh prepare + post)
-  int64_t no_resource = 0;  // NO_RESOURCE re-posts
-  int64_t failures = 0;     // tickets that ended in an error (after retries)
-};
 
 struct LayerBatch {
   LayerId layer;
@@ -111,14 +92,14 @@ struct CopyStats {
   std::vector<LayerCopyStats> layers;  // of the current (last) step, in layer order
 };
 
-class CopyEngine {
+class CopyEngine final : public CopyQueue {
  public:
   // `transport` must outlive the engine; its tiers are registered by the caller beforehand.
   static Result<std::unique_ptr<CopyEngine>> create(Transport& transport,
                                                     CopyEngineConfig config = {});
   // Cancels every ticket in flight (releasing its handles) and joins the copy thread. No thread
   // may be blocked in a wait while the destructor runs. Destroy the engine before its transport.
-  ~CopyEngine();
+  ~CopyEngine() override;
   CopyEngine(const CopyEngine&) = delete;
   CopyEngine& operator=(const CopyEngine&) = delete;
 
@@ -129,7 +110,7 @@ class CopyEngine {
   // thread then posts it in submission order. `layer` must be valid: it names the ticket in
   // errors and statistics. An empty batch gets a ticket that is complete (OK) at once.
   Result<CopyTicket> submit(LayerId layer, CopyDirection direction,
-                            std::vector<TransferRequest> requests);
+                            std::vector<TransferRequest> requests) override;
 
   // Blocks until the ticket is terminal and returns its status (after retries: OK, or the
   // transport's error with "copy engine: layer N" context). After wait_timeout the ticket is
@@ -139,7 +120,7 @@ class CopyEngine {
   // copy thread does not answer the cancellation within another wait_timeout, which only a
   // transport whose calls block can cause, the result is kInternal and the ticket stays
   // outstanding with its buffers possibly in use.)
-  Status wait(CopyTicket ticket);
+  Status wait(CopyTicket ticket) override;
 
   // Non-blocking: whether the ticket is terminal. kInvalidArgument for an unknown or consumed
   // ticket.
@@ -148,14 +129,14 @@ class CopyEngine {
   // Waits for every outstanding ticket (submitted and not yet waited, including the current
   // step's layers), all within one wait_timeout; the first error in submission order. Errors
   // already returned by an earlier wait or wait_layer are not repeated.
-  Status wait_all();
+  Status wait_all() override;
 
   // Tickets submitted and not yet waited.
   size_t outstanding() const;
 
   // Starts a new statistics window (zeroes the window's counters).
-  void reset_window();
-  CopyWindowStats window_stats() const;
+  void reset_window() override;
+  CopyWindowStats window_stats() const override;
 
   // ---- steps ----
 

@@ -98,9 +98,10 @@ TEST(SelectAmongCandidates, AllTokensEqualSelectTokensExactly) {
       std::vector<float> scores(static_cast<size_t>(sh.n_heads * length));
       retrieval_scores(head, q.data(), k.data(), length, scores.data());
       std::vector<float> group(static_cast<size_t>(sh.n_kv_heads * length));
+      const float* table[1] = {k.data()};
       ASSERT_TRUE(backend
-                      .retrieval_group_scores(q.data(), k.data(), length, sh.n_heads, sh.n_kv_heads,
-                                              sh.head_dim, group.data())
+                      .retrieval_group_scores(q.data(), table, std::max<int64_t>(length, 1), length, sh.n_heads,
+                                              sh.n_kv_heads, sh.head_dim, group.data())
                       .is_ok());
       Candidates cand;
       all_candidates(sh.n_kv_heads, length, cand);

@@ -179,30 +179,56 @@ TEST_F(CudaRetrievalTest, ImportWeightsUploadsOncePerPointer) {
 
 struct ScoreCase {
   int64_t n_heads, n_kv_heads, head_dim, length;
-  bool misaligned_k = false;  // K cache one float past a 16-byte boundary: scalar staging
+  bool misaligned_k = false;  // K blocks one float past a 16-byte boundary: scalar staging
+  int64_t block_tokens = 0;   // 0: one block holds everything
 };
+
+// A paged K cache as the engine keeps it: blocks of block_tokens rows, stored in reverse order in
+// one buffer (so a kernel that ignores the table reads the wrong rows).
+struct PagedKeys {
+  int64_t block_tokens = 0, n_blocks = 0;
+  std::vector<float> host;  // [n_blocks][block_tokens][kvd] (+1 float when misaligned)
+  std::vector<int64_t> slot_of_block;
+  std::vector<const float*> table(const float* base, bool misaligned, int64_t kvd) const {
+    std::vector<const float*> t(static_cast<size_t>(n_blocks));
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      t[static_cast<size_t>(b)] = base + (misaligned ? 1 : 0) + slot_of_block[static_cast<size_t>(b)] * block_tokens * kvd;
+    }
+    return t;
+  }
+};
+
+PagedKeys page_keys(std::mt19937& rng, const ScoreCase& c) {
+  PagedKeys p;
+  const int64_t kvd = c.n_kv_heads * c.head_dim;
+  p.block_tokens = c.block_tokens > 0 ? c.block_tokens : std::max<int64_t>(c.length, 1);
+  p.n_blocks = (c.length + p.block_tokens - 1) / p.block_tokens;
+  p.host = random_floats(rng, static_cast<size_t>(p.n_blocks * p.block_tokens * kvd) + 1, -1.5f, 1.5f);
+  for (int64_t b = 0; b < p.n_blocks; ++b) p.slot_of_block.push_back(p.n_blocks - 1 - b);
+  return p;
+}
 
 void run_score_case(CudaBackend& gpu, Backend& ref, std::mt19937& rng, const ScoreCase& c) {
   const std::string what = "heads " + std::to_string(c.n_heads) + " kv " + std::to_string(c.n_kv_heads) +
                            " hd " + std::to_string(c.head_dim) + " length " + std::to_string(c.length) +
-                           (c.misaligned_k ? " misaligned" : "");
+                           " blocks of " + std::to_string(c.block_tokens) + (c.misaligned_k ? " misaligned" : "");
   SCOPED_TRACE(what);
   // Logits of a few units: a realistic, peaked softmax.
   const std::vector<float> q = random_floats(rng, static_cast<size_t>(c.n_heads * c.head_dim), -1.5f, 1.5f);
-  const size_t k_floats = static_cast<size_t>(c.length * c.n_kv_heads * c.head_dim);
-  std::vector<float> k_host = random_floats(rng, k_floats + 1, -1.5f, 1.5f);
+  const int64_t kvd = c.n_kv_heads * c.head_dim;
+  const PagedKeys keys = page_keys(rng, c);
   Guarded<float> d_q(q);
-  Guarded<float> d_k(k_host);
+  Guarded<float> d_k(keys.host);
   Guarded<float> d_out(static_cast<size_t>(c.n_kv_heads * c.length));
-  const float* k_dev = d_k.data() + (c.misaligned_k ? 1 : 0);
-  const float* k_ref = k_host.data() + (c.misaligned_k ? 1 : 0);
-  const Status s = gpu.retrieval_group_scores(d_q.data(), k_dev, c.length, c.n_heads, c.n_kv_heads,
-                                              c.head_dim, d_out.data());
+  const std::vector<const float*> dev_table = keys.table(d_k.data(), c.misaligned_k, kvd);
+  const std::vector<const float*> host_table = keys.table(keys.host.data(), c.misaligned_k, kvd);
+  const Status s = gpu.retrieval_group_scores(d_q.data(), dev_table.data(), keys.block_tokens, c.length, c.n_heads,
+                                              c.n_kv_heads, c.head_dim, d_out.data());
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   std::vector<float> want(d_out.size());
-  ASSERT_TRUE(
-      ref.retrieval_group_scores(q.data(), k_ref, c.length, c.n_heads, c.n_kv_heads, c.head_dim, want.data())
-          .is_ok());
+  ASSERT_TRUE(ref.retrieval_group_scores(q.data(), host_table.data(), keys.block_tokens, c.length, c.n_heads,
+                                         c.n_kv_heads, c.head_dim, want.data())
+                  .is_ok());
   const Status synced = gpu.synchronize();
   ASSERT_TRUE(synced.is_ok()) << "device fault: " << synced.to_string();
   const std::vector<float> got = d_out.download();
@@ -218,9 +244,9 @@ void run_score_case(CudaBackend& gpu, Backend& ref, std::mt19937& rng, const Sco
 
 TEST_F(CudaRetrievalTest, ScoresMatchHostDefaultOnRandomShapes) {
   const ScoreCase fixed[] = {
-      {8, 8, 64, 1},           {4, 1, 128, 7},    {32, 8, 128, 4096}, {8, 2, 256, 3000},
-      {14, 2, 64, 200000},     {64, 1, 64, 1000}, {2, 2, 100, 517},   {3, 1, 7, 33, true},
-      {8, 4, 128, 1025, true}, {1, 1, 1, 2},      {16, 16, 80, 2049}, {8, 1, 255, 129},
+      {8, 8, 64, 1},           {4, 1, 128, 7},    {32, 8, 128, 4096, false, 2048}, {8, 2, 256, 3000, false, 100},
+      {14, 2, 64, 200000},     {64, 1, 64, 1000, false, 7}, {2, 2, 100, 517, false, 64}, {3, 1, 7, 33, true, 5},
+      {8, 4, 128, 1025, true, 256}, {1, 1, 1, 2}, {16, 16, 80, 2049, false, 2048}, {8, 1, 255, 129, false, 1},
   };
   for (const ScoreCase& c : fixed) run_score_case(*gpu_, *ref_, rng_, c);
   for (int trial = 0; trial < 10; ++trial) {
@@ -228,7 +254,8 @@ TEST_F(CudaRetrievalTest, ScoresMatchHostDefaultOnRandomShapes) {
     const int64_t group = pick(rng_, {1, 2, 4, 7});  // MHA, GQA, MQA-like groups
     const int64_t hd = pick(rng_, {16, 48, 64, 96, 128, 192, 256});
     const int64_t length = pick(rng_, {1, 31, 129, 1000, 8191, 20000});
-    run_score_case(*gpu_, *ref_, rng_, ScoreCase{kv * group, kv, hd, length, trial % 3 == 0});
+    const int64_t block = pick(rng_, {0, 16, 200, 2048});
+    run_score_case(*gpu_, *ref_, rng_, ScoreCase{kv * group, kv, hd, length, trial % 3 == 0, block});
   }
 }
 
@@ -240,11 +267,17 @@ TEST_F(CudaRetrievalTest, ScoresScratchReuseAcrossShapes) {
 
 TEST_F(CudaRetrievalTest, ScoresRejectBadArguments) {
   Guarded<float> buf(4096);
-  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), buf.data(), 4, 3, 2, 8, buf.data()).code(),
+  const float* table[1] = {buf.data()};
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, 16, 4, 3, 2, 8, buf.data()).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), buf.data(), 4, 2, 1, 300, buf.data()).code(),
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, 16, 4, 2, 1, 300, buf.data()).code(),
             StatusCode::kUnimplemented);
-  EXPECT_TRUE(gpu_->retrieval_group_scores(nullptr, nullptr, 0, 2, 1, 8, nullptr).is_ok()) << "empty context";
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, 0, 4, 2, 1, 8, buf.data()).code(),
+            StatusCode::kInvalidArgument);
+  const float* null_block[1] = {nullptr};
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), null_block, 16, 4, 2, 1, 8, buf.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(gpu_->retrieval_group_scores(nullptr, nullptr, 16, 0, 2, 1, 8, nullptr).is_ok()) << "empty context";
   sync();
 }
 
@@ -336,8 +369,9 @@ TEST_F(CudaRetrievalTest, SelectOnDeviceScores) {
   Guarded<float> d_q(q);
   Guarded<float> d_k(k);
   Guarded<float> d_scores(static_cast<size_t>(kv * length));
+  const float* table[1] = {d_k.data()};
   ASSERT_TRUE(
-      gpu_->retrieval_group_scores(d_q.data(), d_k.data(), length, heads, kv, hd, d_scores.data()).is_ok());
+      gpu_->retrieval_group_scores(d_q.data(), table, length, length, heads, kv, hd, d_scores.data()).is_ok());
   Selection got;
   const SelectionOptions o{2048, 1, 4};
   ASSERT_TRUE(gpu_->select_top_tokens(d_scores.data(), kv, length, o, got).is_ok());

@@ -74,7 +74,10 @@ void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
         std::fill(k_s.begin(), k_s.end(), std::nanf(""));  // padding words must never be read
         for (int r = 0; r < tile; ++r) {
           for (int d = 0; d < qd; ++d) {
-            const float v = r < n_rows && d < hd ? a.k_cache[(t0 + r) * kvd + g * hd + d] : 0.0f;
+            const int64_t t = t0 + r;
+            const float v = r < n_rows && d < hd
+                                ? a.k_blocks[t / a.block_tokens][(t % a.block_tokens) * kvd + g * hd + d]
+                                : 0.0f;
             const int p = d / pd;
             k_s[static_cast<size_t>((p * tile + r) * ks + (d - p * pd))] = v;
           }
@@ -157,17 +160,21 @@ TEST(RetrievalScoresPlan, HostMirrorMatchesHostDefault) {
     const std::vector<float> q = random_floats(rng, static_cast<size_t>(s.heads * s.hd), -2.0f, 2.0f);
     const std::vector<float> k = random_floats(rng, static_cast<size_t>(s.length * s.kv * s.hd), -2.0f, 2.0f);
     std::vector<float> out_placeholder(1);
-    auto plan = plan_retrieval_scores(q.data(), k.data(), s.length, s.heads, s.kv, s.hd,
+    // Paged as the engine keeps it: blocks of 37 tokens, the table pointing into k in order.
+    const int64_t bt = 37, kvd = s.kv * s.hd;
+    std::vector<const float*> table;
+    for (int64_t t = 0; t < s.length; t += bt) table.push_back(k.data() + t * kvd);
+    auto plan = plan_retrieval_scores(q.data(), table.data(), bt, s.length, s.heads, s.kv, s.hd,
                                       out_placeholder.data(), s.sms);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     EXPECT_EQ(plan->launch.parts, s.hd <= 64 ? 1 : s.hd <= 128 ? 2 : 4);
-    EXPECT_EQ(plan->launch.vec4, s.hd % 4 == 0);  // std::vector data is 16-byte aligned
+    EXPECT_EQ(plan->launch.vec4, s.hd % 4 == 0 && (bt * kvd) % 4 == 0);  // every block 16-byte aligned
     EXPECT_LE(plan->launch.smem_bytes, kRetrievalMaxSmemBytes);
     std::vector<float> got;
     emulate_scores(*plan, got);
     std::vector<float> want(static_cast<size_t>(s.kv * s.length));
     ASSERT_TRUE((*ref)
-                    ->retrieval_group_scores(q.data(), k.data(), s.length, s.heads, s.kv, s.hd, want.data())
+                    ->retrieval_group_scores(q.data(), table.data(), bt, s.length, s.heads, s.kv, s.hd, want.data())
                     .is_ok());
     EXPECT_LT(rel_l2(got, want), 1e-5);
   }
@@ -175,9 +182,10 @@ TEST(RetrievalScoresPlan, HostMirrorMatchesHostDefault) {
 
 TEST(RetrievalScoresPlan, ArgumentChecks) {
   float x = 0.0f;
+  const float* table[1] = {&x};
   auto code = [&](int64_t length, int64_t heads, int64_t kv, int64_t hd, const float* q = nullptr) {
     const float* qq = q == nullptr ? &x : q;
-    return plan_retrieval_scores(qq, &x, length, heads, kv, hd, &x, 132).status().code();
+    return plan_retrieval_scores(qq, table, length > 0 ? length : 1, length, heads, kv, hd, &x, 132).status().code();
   };
   EXPECT_EQ(code(0, 0, 0, 0), StatusCode::kOk) << "empty context: nothing to check or do";
   EXPECT_EQ(code(4, 3, 2, 8), StatusCode::kInvalidArgument);
@@ -185,15 +193,20 @@ TEST(RetrievalScoresPlan, ArgumentChecks) {
   EXPECT_EQ(code(4, 2, 1, 0), StatusCode::kInvalidArgument);
   EXPECT_EQ(code(4, 2, 1, 257), StatusCode::kUnimplemented);
   EXPECT_EQ(code(int64_t{1} << 32, 2, 1, 8), StatusCode::kInvalidArgument);
-  EXPECT_EQ(plan_retrieval_scores(nullptr, &x, 4, 2, 1, 8, &x, 132).status().code(),
+  EXPECT_EQ(plan_retrieval_scores(nullptr, table, 4, 4, 2, 1, 8, &x, 132).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(plan_retrieval_scores(&x, table, 0, 4, 2, 1, 8, &x, 132).status().code(), StatusCode::kInvalidArgument);
+  const float* null_table[1] = {nullptr};
+  EXPECT_EQ(plan_retrieval_scores(&x, null_table, 4, 4, 2, 1, 8, &x, 132).status().code(),
             StatusCode::kInvalidArgument);
   // 512 query heads of 256 dims per KV head cannot stage their queries in shared memory.
-  const Status big = plan_retrieval_scores(&x, &x, 4, 512, 1, 256, &x, 132).status();
+  const Status big = plan_retrieval_scores(&x, table, 4, 4, 512, 1, 256, &x, 132).status();
   EXPECT_EQ(big.code(), StatusCode::kUnimplemented);
   EXPECT_NE(big.message().find("shared memory"), std::string::npos) << big.message();
   // Misaligned K: scalar staging.
   std::vector<float> k(64);
-  auto plan = plan_retrieval_scores(&x, k.data() + 1, 4, 1, 1, 8, &x, 132);
+  const float* misaligned[1] = {k.data() + 1};
+  auto plan = plan_retrieval_scores(&x, misaligned, 4, 4, 1, 1, 8, &x, 132);
   ASSERT_TRUE(plan.is_ok());
   EXPECT_FALSE(plan->launch.vec4);
 }

@@ -14,6 +14,9 @@
 #include "core/model_loader.h"
 #include "core/retrieval_head.h"
 #include "cpu/cpu_backend.h"
+#if SPECONTEXT_HAVE_CUDA
+#include "gpu/cuda_backend.h"
+#endif
 
 namespace specontext::cli {
 
@@ -50,6 +53,9 @@ void register_generate(CLI::App& app, GenerateArgs& a) {
   cmd->add_option("--budget,-B", a.budget, "tokens attended per KV head in sparse decode")->check(CLI::NonNegativeNumber);
   cmd->add_option("--sinks", a.sinks, "first tokens always attended")->check(CLI::NonNegativeNumber);
   cmd->add_option("--window", a.window, "most recent tokens always attended")->check(CLI::PositiveNumber);
+  cmd->add_option("--backend", a.backend, "cpu, or cuda (falls back to cpu when no CUDA device is present)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  add_tier_options(*cmd, a.tiers);
 }
 
 namespace {
@@ -170,11 +176,27 @@ int run_generate(const GenerateArgs& a) {
   if (!method.is_ok()) return fail(method.status());
 
   // ---- engine ----
-  cpu::CpuBackendOptions bopts;
-  bopts.reference = a.reference;
-  bopts.num_threads = a.threads;
-  auto backend = cpu::create_cpu_backend(bopts);
-  if (!backend.is_ok()) return fail(backend.status());
+  std::unique_ptr<Backend> backend_ptr;
+  if (a.backend == "cuda") {
+#if SPECONTEXT_HAVE_CUDA
+    auto cuda = gpu::create_cuda_backend(0);
+    if (cuda.is_ok()) {
+      backend_ptr = std::move(*cuda);
+    } else {
+      std::fprintf(stderr, "note: %s; falling back to the CPU backend\n", cuda.status().message().c_str());
+    }
+#else
+    std::fprintf(stderr, "note: this build has no CUDA backend; falling back to the CPU backend\n");
+#endif
+  }
+  if (!backend_ptr) {
+    cpu::CpuBackendOptions bopts;
+    bopts.reference = a.reference;
+    bopts.num_threads = a.threads;
+    auto backend = cpu::create_cpu_backend(bopts);
+    if (!backend.is_ok()) return fail(backend.status());
+    backend_ptr = std::move(*backend);
+  }
   EngineOptions eopts;
   eopts.max_sequences = a.batch;
   eopts.page_size = a.page_size;
@@ -192,8 +214,16 @@ int run_generate(const GenerateArgs& a) {
     std::fprintf(stderr, "retrieval head: %s (%s)\n", head_note.empty() ? "random (synthetic)" : head_note.c_str(),
                  pruning_report(*head).c_str());
   }
-  auto engine = Engine::create(model, std::shared_ptr<Backend>(std::move(*backend)), eopts);
+  auto tiers = setup_tiers(a.tiers, *model, *backend_ptr, eopts);
+  if (!tiers.is_ok()) return fail(tiers.status());
+  std::unique_ptr<TierRuntime> tier_rt = std::move(*tiers);  // outlives the engine
+  auto engine = Engine::create(model, std::shared_ptr<Backend>(std::move(backend_ptr)), eopts);
   if (!engine.is_ok()) return fail(engine.status());
+  if (tier_rt) {
+    const int64_t final_length = std::min<int64_t>(eopts.max_context, need);
+    Status st = start_tiers(*tier_rt, **engine, eopts, std::vector<int64_t>(static_cast<size_t>(a.batch), final_length));
+    if (!st.is_ok()) return fail(st);
+  }
 
   std::vector<GenerationRequest> reqs(static_cast<size_t>(a.batch));
   for (auto& r : reqs) {
@@ -235,6 +265,12 @@ int run_generate(const GenerateArgs& a) {
   };
   auto results = gen.run(reqs, on_token, on_progress);
   if (!results.is_ok()) return fail(results.status());
+  int refused = 0;
+  for (const GenerationResult& r : *results) {
+    if (r.finish != FinishReason::kRefused) continue;
+    ++refused;
+    std::fprintf(stderr, "error: %s\n", r.error.c_str());
+  }
   if (stream) {
     std::fputc('\n', stdout);
     std::fflush(stdout);  // the summary goes to stderr right after
@@ -265,6 +301,8 @@ int run_generate(const GenerateArgs& a) {
     summary["bytes_loaded_per_token"] = static_cast<double>(sps.bytes_loaded) * per;
     summary["bytes_full_reload_per_token"] = static_cast<double>(sps.bytes_full_reload) * per;
   }
+  if (tier_rt || eopts.tiering.device_bytes > 0) summary["tiering"] = tiers_json(**engine, tier_rt.get());
+  summary["refused"] = refused;
   if (a.json) {
     if (tok) summary["text"] = text;
     std::cout << summary.dump() << "\n";
@@ -284,8 +322,26 @@ int run_generate(const GenerateArgs& a) {
     } else {
       std::fprintf(stderr, "attention: dense\n");
     }
+    if (tier_rt) {
+      std::string homes;
+      for (const TierReport& r : (*engine)->tier_report()) {
+        homes += (homes.empty() ? "" : ", ") + r.desc.name + ": " + std::to_string(r.layers) + " layers, " +
+                 std::to_string(r.peak_used_bytes >> 20) + " MiB peak, " + std::to_string(r.total.bytes_out >> 20) +
+                 " MiB read";
+      }
+      const OverlapStats& o = (*engine)->overlap_stats();
+      std::fprintf(stderr, "tiers (%s): %s | %zu placement changes%s\n", a.tiers.placement.c_str(), homes.c_str(),
+                   (*engine)->placement_events().size(), (*engine)->placement().cpu_filtering ? " | CPU filtering on" : "");
+      if (o.steps > 0) {
+        std::fprintf(stderr,
+                     "overlap: %lld steps moved KV | step %.3f s vs compute %.3f s + copies %.3f s (serial %.3f s) | "
+                     "exposed wait %.3f s, %.0f%% of copy time hidden\n",
+                     static_cast<long long>(o.steps), o.step_seconds, o.compute_seconds(), o.copy_busy_seconds,
+                     o.serial_seconds(), o.wait_seconds, 100.0 * o.hidden_fraction());
+      }
+    }
   }
-  return 0;
+  return refused > 0 ? 1 : 0;
 }
 
 }  // namespace specontext::cli

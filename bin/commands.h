@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "bin/tier_setup.h"
 #include "core/model.h"
 #include "core/status.h"
 
@@ -49,6 +50,8 @@ struct GenerateArgs {
   int64_t budget = 0;       // 0 = 2048, or the model's max context / 8 when smaller (at least 32)
   int64_t sinks = 1;
   int64_t window = 4;
+  std::string backend = "cpu";  // cpu | cuda (falls back to cpu without a device)
+  TierArgs tiers;
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);

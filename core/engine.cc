@@ -234,6 +234,7 @@ Status Engine::setup_tiers() {
   placement_.head_cache_home = TierId(0);
   step_traffic_.assign(static_cast<size_t>(kv_->n_tiers()), TierTraffic{});
   total_traffic_ = step_traffic_;
+  peak_used_.assign(step_traffic_.size(), 0);
   return Status::ok();
 }
 

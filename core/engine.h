@@ -115,6 +115,7 @@ struct TierTraffic {
 struct TierReport {
   TierDescription desc;
   uint64_t used_bytes = 0;  // everything the engine placed there (pages, working sets, staging, head keys)
+  uint64_t peak_used_bytes = 0;  // the most used_bytes was at the end of a forward
   uint64_t kv_bytes = 0;    // KV pages of layers homed there
   int64_t layers = 0;       // layers homed there
   TierTraffic last_step, total;
@@ -207,6 +208,9 @@ class Engine {
   const std::vector<PlacementEvent>& placement_events() const { return events_; }
   // SpeContext selections made from CPU-filtered candidates (placement.cpu_filtering).
   int64_t filtered_steps() const { return filtered_steps_; }
+  // Installs (or removes, with null) the policy consulted before every forward; for callers that
+  // measure bandwidths over the engine's own tiers first. Needs host or remote tiers.
+  Status set_placement_policy(std::shared_ptr<PlacementPolicy> policy);
   // Moves layers (and the retrieval head's keys) to the placement's tiers now, between steps.
   // On a failed move that layer keeps its home and content; the error is returned.
   Status apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons = {});
@@ -337,6 +341,7 @@ class Engine {
   // Tiers.
   KvPlacement placement_;
   std::vector<TierTraffic> step_traffic_, total_traffic_;
+  std::vector<uint64_t> peak_used_;
   OverlapStats overlap_, last_overlap_;
   std::vector<PlacementEvent> events_;
 

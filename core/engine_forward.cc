@@ -94,7 +94,10 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
   }
   for (size_t i = 0; i < requests.size(); ++i) seqs[i]->length += static_cast<int64_t>(requests[i].tokens.size());
   ++forwards_;
-  for (size_t t = 0; t < step_traffic_.size(); ++t) total_traffic_[t] += step_traffic_[t];
+  for (size_t t = 0; t < step_traffic_.size(); ++t) {
+    total_traffic_[t] += step_traffic_[t];
+    peak_used_[t] = std::max(peak_used_[t], kv_->tier_used_bytes(TierId(static_cast<int32_t>(t))));
+  }
   if (options_.tiering.copies) {
     const CopyWindowStats w = options_.tiering.copies->window_stats();
     uint64_t moved = 0;

@@ -72,6 +72,12 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
   return in;
 }
 
+Status Engine::set_placement_policy(std::shared_ptr<PlacementPolicy> policy) {
+  if (policy && kv_->n_tiers() < 2) return invalid_argument("a placement policy needs host or remote tiers");
+  options_.tiering.policy = std::move(policy);
+  return Status::ok();
+}
+
 Status Engine::rebalance(std::span<const StepRequest> requests) {
   std::vector<int64_t> lens;
   lens.reserve(sequences_.size());
@@ -207,6 +213,7 @@ std::vector<TierReport> Engine::tier_report() const {
     TierReport r;
     r.desc = t.desc;
     r.used_bytes = kv_->tier_used_bytes(t.desc.id);
+    r.peak_used_bytes = std::max(r.used_bytes, peak_used_[static_cast<size_t>(t.desc.id.value())]);
     for (int64_t l = 0; l < kv_->n_layers(); ++l) {
       const LayerId layer(static_cast<int32_t>(l));
       if (kv_->home(layer) != t.desc.id) continue;

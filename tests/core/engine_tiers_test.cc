@@ -13,6 +13,7 @@
 #include "core/region_allocator.h"
 #include "planner/planner_policy.h"
 #include "tests/core/tier_test_util.h"
+#include "cpu/cpu_candidate_filter.h"
 #include "transport/fault_transport.h"
 #include "transport/local_transport.h"
 #include "transport/loopback_transport.h"
@@ -488,6 +489,83 @@ TEST(PlannerPolicyEngine, RequestThatFitsNowhereIsRefusedOthersRun) {
     EXPECT_TRUE((*out)[1].tokens.empty());
   } else {
     ADD_FAILURE() << "request 1 was expected not to fit: " << (*out)[1].tokens.size() << " tokens";
+  }
+}
+
+}  // namespace
+}  // namespace specontext
+
+namespace specontext {
+namespace {
+
+// CPU candidate filtering in the engine: the head's keys move to the host pool, the CPU filter
+// shortlists candidates and the head scores only those. With a shortlist covering the whole
+// context the selections, hence the logits, equal full scoring exactly; with a short one the
+// engine still decodes sparsely from the candidates.
+TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCandidates) {
+  for (int64_t shortlist : {int64_t{4096}, int64_t{32}}) {
+    SCOPED_TRACE("shortlist " + std::to_string(shortlist));
+    Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost);
+    ASSERT_TRUE(p.tiered);
+    // Rebuild the tiered engine with a filter (make_pair has none).
+    EngineOptions t = sparse_options(SparseMethod::kSpeContext, p.head);
+    t.tiering.host.push_back(testing::host_tier(8 << 20));
+    t.tiering.transport = p.transport.get();
+    t.tiering.copies = p.copies;
+    t.tiering.shortlist_tokens = shortlist;
+    cpu::CpuCandidateFilterOptions fo;
+    fo.filter.page_size = 4;
+    fo.filter.n_heads = p.head->config.n_heads;
+    fo.filter.n_kv_heads = p.head->config.n_kv_heads;
+    fo.filter.head_dim = p.head->config.head_dim;
+    fo.num_threads = 1;
+    auto filter = cpu::CpuCandidateFilter::create(fo);
+    ASSERT_TRUE(filter.is_ok()) << filter.status().to_string();
+    t.tiering.candidate_filter = std::shared_ptr<CandidateFilter>(std::move(*filter));
+    p.tiered.reset();
+    p.transport = std::make_unique<transport::LocalTransport>();
+    p.copies = std::make_shared<InlineCopyQueue>(*p.transport);
+    t.tiering.transport = p.transport.get();
+    t.tiering.copies = p.copies;
+    auto e = Engine::create(p.model, testing::cpu_backend(), t);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    p.tiered = std::move(*e);
+    auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    std::vector<TokenId> prompt(60);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>((i * 53 + 7) % 256);
+    step_both(p, {*a}, {prompt}, "prefill");
+    // Filtering switches on mid-run: the head's keys move to the host pool and the filter
+    // catches up with every key written so far.
+    KvPlacement place = p.tiered->placement();
+    place.cpu_filtering = true;
+    place.head_cache_home = TierId(1);
+    place.layer_home[2] = TierId(1);
+    ASSERT_TRUE(p.tiered->apply_placement(place, {"filter on"}).is_ok());
+    TokenId next = 3;
+    double max_diff = 0;
+    for (int step = 0; step < 40; ++step) {
+      std::vector<TokenId> tok = {next};
+      const StepRequest r{*a, tok, LogitsMode::kLast};
+      auto x = p.ref->forward(std::span<const StepRequest>(&r, 1));
+      auto y = p.tiered->forward(std::span<const StepRequest>(&r, 1));
+      ASSERT_TRUE(x.is_ok() && y.is_ok()) << (x.is_ok() ? y.status() : x.status()).to_string();
+      if (shortlist >= 4096) {
+        ASSERT_EQ(max_abs_diff(x->logits, y->logits), 0.0f) << "step " << step;
+      }
+      max_diff = std::max<double>(max_diff, max_abs_diff(x->logits, y->logits));
+      ASSERT_TRUE(std::isfinite(max_diff));
+      next = argmax(x->logits, x->vocab, 0);
+    }
+    EXPECT_EQ(p.tiered->filtered_steps(), 40);
+    if (shortlist < 4096) {
+      EXPECT_GT(max_diff, 0.0) << "a 32-token shortlist of a 100-token context changed nothing";
+    }
+    // Switching filtering off again drops the summaries; scoring is full again.
+    place.cpu_filtering = false;
+    place.head_cache_home = TierId(0);
+    ASSERT_TRUE(p.tiered->apply_placement(place, {"filter off"}).is_ok());
+    ASSERT_TRUE(p.tiered->check_invariants().is_ok());
   }
 }
 

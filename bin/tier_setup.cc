@@ -1,0 +1,285 @@
+#include "bin/tier_setup.h"
+
+#include <algorithm>
+
+#include "core/candidate_select.h"
+#include "cpu/cpu_candidate_filter.h"
+#include "cpu/numa.h"
+#include "planner/units.h"
+#include "transport/local_transport.h"
+#include "transport/loopback_transport.h"
+#include "transport/transport_router.h"
+#if SPECONTEXT_HAVE_CUDA
+#include "gpu/cuda_raii.h"
+#include "gpu/cuda_transport.h"
+#endif
+
+namespace specontext::cli {
+
+void add_tier_options(CLI::App& cmd, TierArgs& a) {
+  cmd.add_option("--device-kv", a.device_kv,
+                 "device memory for KV pages, working sets and the head's keys (e.g. 512MiB; default: all fits)");
+  cmd.add_option("--host-kv", a.host_kv, "host KV pools, one per NUMA node (SIZE[,SIZE...]); enables offloading");
+  cmd.add_option("--remote-kv", a.remote_kv, "remote KV nodes (in-process loopback), SIZE[,SIZE...]");
+  cmd.add_option("--remote-latency-us", a.remote_latency_us, "loopback link latency per transfer")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--placement", a.placement,
+                 "dynamic: re-plan before every step (layers leave and come back with hysteresis); "
+                 "static: plan once for the final lengths")
+      ->check(CLI::IsMember({"dynamic", "static"}));
+  cmd.add_flag("!--no-cpu-filter", a.cpu_filter, "never switch CPU candidate filtering on");
+  cmd.add_option("--shortlist", a.shortlist, "candidates per KV head with CPU filtering (0 = 4 x budget)")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_flag("!--no-probe", a.probe, "skip the start-up bandwidth probe");
+}
+
+namespace {
+
+Result<std::vector<int64_t>> sizes(const std::string& text, const std::string& flag) {
+  if (text.empty()) return std::vector<int64_t>{};
+  auto v = planner::parse_size_list(text);
+  if (!v.is_ok()) return v.status().with_context(flag);
+  for (int64_t b : *v) {
+    if (b <= 0) return invalid_argument(flag + ": sizes must be positive");
+  }
+  return v;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Model& model, const Backend& backend,
+                                                 EngineOptions& eopts) {
+  SPX_ASSIGN_OR_RETURN(std::vector<int64_t> host, sizes(args.host_kv, "--host-kv"));
+  SPX_ASSIGN_OR_RETURN(std::vector<int64_t> remote, sizes(args.remote_kv, "--remote-kv"));
+  if (!args.device_kv.empty()) {
+    auto d = planner::parse_size(args.device_kv);
+    if (!d.is_ok()) return d.status().with_context("--device-kv");
+    if (*d <= 0) return invalid_argument("--device-kv must be positive");
+    eopts.tiering.device_bytes = static_cast<uint64_t>(*d);
+  }
+  if (host.empty() && remote.empty()) {
+    if (!args.device_kv.empty()) return invalid_argument("--device-kv needs --host-kv or --remote-kv to offload to");
+    return std::unique_ptr<TierRuntime>();
+  }
+  auto rt = std::make_unique<TierRuntime>();
+  rt->args = args;
+  const bool cuda = backend.memory_kind() == MemoryKind::kDevice;
+  SPX_ASSIGN_OR_RETURN(const cpu::Topology* topo, cpu::system_topology());
+  const int nodes = std::max(1, topo->num_numa_nodes());
+  for (size_t i = 0; i < host.size(); ++i) {
+    // Pool i on NUMA node i (wrapping when more pools than nodes are asked for): bound there, and
+    // touched first there by whoever writes it.
+    const int node = static_cast<int>(i) % nodes;
+    SPX_ASSIGN_OR_RETURN(cpu::NumaBuffer buf, cpu::NumaBuffer::allocate(static_cast<size_t>(host[i]), node));
+    auto owned = std::make_shared<cpu::NumaBuffer>(std::move(buf));
+    TierMemory t;
+    t.desc.kind = TierKind::kHost;
+    t.desc.index = node;
+    t.desc.name = "host" + std::to_string(i);
+    t.desc.memory = MemoryKind::kHost;
+    t.desc.capacity_bytes = static_cast<uint64_t>(host[i]);
+    t.base = owned->data();
+    t.owner = std::shared_ptr<void>(owned, owned->data());
+#if SPECONTEXT_HAVE_CUDA
+    if (cuda) {
+      // DMA and mapped reads need page-locked memory (this touches every page once).
+      SPX_ASSIGN_OR_RETURN(gpu::PinnedHostRegistration reg,
+                           gpu::PinnedHostRegistration::create(t.base, t.desc.capacity_bytes));
+      rt->keep_alive.push_back(std::make_shared<gpu::PinnedHostRegistration>(std::move(reg)));
+      t.desc.memory = MemoryKind::kPinnedHost;
+    }
+#endif
+    eopts.tiering.host.push_back(std::move(t));
+  }
+  for (size_t i = 0; i < remote.size(); ++i) {
+    TierMemory t;
+    t.desc.kind = TierKind::kRemote;
+    t.desc.index = static_cast<int32_t>(i);
+    t.desc.name = "remote" + std::to_string(i);
+    t.desc.memory = MemoryKind::kRemote;
+    t.desc.capacity_bytes = static_cast<uint64_t>(remote[i]);
+    eopts.tiering.remote.push_back(std::move(t));
+  }
+  // Members in preference order: the CUDA copy engine for device traffic, memcpy between host
+  // pools, the loopback node for remote tiers.
+  std::vector<Transport*> members;
+#if SPECONTEXT_HAVE_CUDA
+  if (cuda) {
+    SPX_ASSIGN_OR_RETURN(auto ct, gpu::CudaTransport::create(0));
+    members.push_back(ct.get());
+    rt->transports.push_back(std::move(ct));
+  }
+#endif
+  rt->transports.push_back(std::make_unique<transport::LocalTransport>());
+  members.push_back(rt->transports.back().get());
+  if (!remote.empty()) {
+    transport::LoopbackConfig lc;
+    lc.latency = std::chrono::microseconds(args.remote_latency_us);
+    SPX_ASSIGN_OR_RETURN(auto lb, transport::LoopbackRemoteTransport::create(lc));
+    members.push_back(lb.get());
+    rt->transports.push_back(std::move(lb));
+  }
+  SPX_ASSIGN_OR_RETURN(auto router, transport::TransportRouter::create(members));
+  rt->router = std::move(router);
+  SPX_ASSIGN_OR_RETURN(auto copies, transport::CopyEngine::create(*rt->router));
+  rt->copies = std::shared_ptr<transport::CopyEngine>(std::move(copies));
+  eopts.tiering.transport = rt->router.get();
+  eopts.tiering.copies = rt->copies;
+  eopts.tiering.shortlist_tokens = args.shortlist;
+  if (eopts.sparse.method == SparseMethod::kSpeContext && eopts.retrieval_head && args.cpu_filter && !cuda) {
+    const auto& hc = eopts.retrieval_head->config;
+    cpu::CpuCandidateFilterOptions fo;
+    fo.filter.page_size = 16;
+    fo.filter.n_heads = hc.n_heads;
+    fo.filter.n_kv_heads = hc.n_kv_heads;
+    fo.filter.head_dim = hc.head_dim;
+    fo.numa_node = host.empty() ? 0 : eopts.tiering.host[0].desc.index;
+    SPX_ASSIGN_OR_RETURN(auto filter, cpu::CpuCandidateFilter::create(fo));
+    eopts.tiering.candidate_filter = std::shared_ptr<CandidateFilter>(std::move(filter));
+  }
+  (void)model;
+  return rt;
+}
+
+Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
+                   const std::vector<int64_t>& final_lengths) {
+  const KvStore& kv = engine.kv_store();
+  const auto& tiers = kv.tiers();
+  const ModelConfig& c = engine.config();
+  // ---- bandwidths, over the engine's own (still empty) tiers ----
+  if (rt.args.probe) {
+    std::vector<transport::ProbePath> paths;
+    auto bytes = [&](const TierMemory& a, const TierMemory& b) {
+      return std::min<uint64_t>({uint64_t{16} << 20, a.desc.capacity_bytes / 2, b.desc.capacity_bytes / 2});
+    };
+    const TierMemory& dev = tiers[0];
+    for (size_t t = 1; t < tiers.size(); ++t) {
+      paths.push_back({tiers[t].desc.name + "->device", tiers[t].desc.id, 0, TierId(0), 0, bytes(tiers[t], dev)});
+      paths.push_back({"device->" + tiers[t].desc.name, TierId(0), 0, tiers[t].desc.id, 0, bytes(tiers[t], dev)});
+    }
+    for (size_t a = 1; a < tiers.size(); ++a) {
+      for (size_t b = a + 1; b < tiers.size(); ++b) {
+        if (tiers[a].desc.kind == TierKind::kHost && tiers[b].desc.kind == TierKind::kHost) {
+          paths.push_back({tiers[a].desc.name + "->" + tiers[b].desc.name, tiers[a].desc.id, 0, tiers[b].desc.id, 0,
+                           bytes(tiers[a], tiers[b])});
+        }
+      }
+    }
+    transport::ProbeOptions po;
+    po.row_bytes = static_cast<uint64_t>(c.head_dim) * sizeof(float);  // one KV head's row of one token
+    SPX_ASSIGN_OR_RETURN(rt.probe, transport::probe_bandwidth(*rt.router, paths, po));
+  }
+  auto measured = [&](TierId src, TierId dst) {
+    for (const auto& r : rt.probe) {
+      if (r.src == src && r.dst == dst) return r.contiguous_bps;
+    }
+    return 0.0;
+  };
+
+  // ---- the planner's view of this engine ----
+  planner::PolicyConfig pc;
+  SPX_ASSIGN_OR_RETURN(pc.base.model, planner::shape_from_config(c));
+  pc.base.kv_elem_bytes = 4;  // KV pages are f32
+  // The device tier is the KV region alone (weights live outside it), so no weight reserve.
+  pc.base.model_bytes = 0;
+  pc.base.head_bytes = 0;
+  pc.base.runtime_factor = 1.0;
+  pc.base.budget = eopts.sparse.method == SparseMethod::kDense ? 1 : eopts.sparse.selection.budget;
+  pc.base.requests = eopts.max_sequences;
+  for (const TierMemory& t : tiers) {
+    if (t.desc.kind == TierKind::kHost) {
+      pc.base.host.push_back({t.desc.index, static_cast<int64_t>(t.desc.capacity_bytes), measured(t.desc.id, TierId(0))});
+    } else if (t.desc.kind == TierKind::kRemote) {
+      pc.base.remote.push_back({t.desc.index, static_cast<int64_t>(t.desc.capacity_bytes), measured(t.desc.id, TierId(0))});
+    }
+  }
+  if (pc.base.host.size() > 1) pc.base.host_to_host_bandwidth_bps = measured(TierId(1), TierId(2));
+  if (eopts.sparse.method == SparseMethod::kSpeContext && eopts.retrieval_head) {
+    const auto& hc = eopts.retrieval_head->config;
+    pc.base.retrieval_bytes_per_token = hc.n_kv_heads * hc.head_dim * 4;  // K only, f32, no repeat_kv
+  } else {
+    pc.base.retrieval_bytes_per_token = 1;  // no retrieval head: (almost) nothing per token
+  }
+  pc.base.filter_shortlist_tokens = rt.args.shortlist;
+  pc.allow_cpu_filtering = rt.args.cpu_filter && eopts.tiering.candidate_filter != nullptr;
+  pc.page_size = kv.page_size();
+  pc.chunk_bytes = kv.chunk_bytes();
+  SPX_ASSIGN_OR_RETURN(auto policy, planner::PlannerPolicy::create(pc));
+  rt.policy = std::shared_ptr<planner::PlannerPolicy>(std::move(policy));
+  if (rt.args.placement == "dynamic") return engine.set_placement_policy(rt.policy);
+
+  // Static: the plan for the lengths the run will reach, applied once, never revisited.
+  PlacementInput in;
+  in.seq_lens = final_lengths;
+  in.current = engine.placement();
+  for (const TierMemory& t : tiers) {
+    in.tiers.push_back(t.desc);
+    in.tier_used_bytes.push_back(kv.tier_used_bytes(t.desc.id));
+  }
+  SPX_ASSIGN_OR_RETURN(PlacementDecision d, rt.policy->decide(in));
+  const planner::Plan& plan = *rt.policy->last_plan();
+  rt.placement_note = "static plan for " + std::to_string(final_lengths.size()) + " sequences at S = " +
+                      std::to_string(plan.seq_len) + ": " + std::to_string(plan.offloaded_layers) + " of " +
+                      std::to_string(c.n_layers) + " layers offloaded";
+  std::vector<std::string> reasons = d.reasons;
+  reasons.push_back(rt.placement_note);
+  return engine.apply_placement(d.placement, reasons);
+}
+
+nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
+  nlohmann::json tiers = nlohmann::json::array();
+  auto traffic = [](const TierTraffic& t) {
+    return nlohmann::json{{"bytes_in", t.bytes_in}, {"bytes_out", t.bytes_out}, {"tokens_loaded", t.tokens_loaded},
+                          {"tokens_hit", t.tokens_hit}};
+  };
+  for (const TierReport& r : engine.tier_report()) {
+    tiers.push_back({{"id", r.desc.id.value()},
+                     {"name", r.desc.name},
+                     {"kind", std::string(tier_kind_name(r.desc.kind))},
+                     {"memory", std::string(memory_kind_name(r.desc.memory))},
+                     {"capacity_bytes", r.desc.capacity_bytes},
+                     {"used_bytes", r.used_bytes},
+                     {"peak_used_bytes", r.peak_used_bytes},
+                     {"kv_bytes", r.kv_bytes},
+                     {"layers", r.layers},
+                     {"last_step", traffic(r.last_step)},
+                     {"total", traffic(r.total)}});
+  }
+  const OverlapStats& o = engine.overlap_stats();
+  nlohmann::json events = nlohmann::json::array();
+  for (const PlacementEvent& e : engine.placement_events()) {
+    events.push_back({{"forward", e.forward},
+                      {"seq_lens", e.seq_lens},
+                      {"reasons", e.reasons},
+                      {"layers_moved", e.layers_moved},
+                      {"bytes_moved", e.bytes_moved},
+                      {"seconds", e.seconds},
+                      {"cpu_filtering", e.cpu_filtering},
+                      {"error", e.error}});
+  }
+  std::vector<int> homes;
+  for (TierId t : engine.placement().layer_home) homes.push_back(t.value());
+  nlohmann::json j = {
+      {"tiers", tiers},
+      {"layer_homes", homes},
+      {"cpu_filtering", engine.placement().cpu_filtering},
+      {"filtered_steps", engine.filtered_steps()},
+      {"overlap",
+       {{"steps", o.steps},
+        {"step_seconds", o.step_seconds},
+        {"compute_seconds", o.compute_seconds()},
+        {"copy_busy_seconds", o.copy_busy_seconds},
+        {"exposed_wait_seconds", o.wait_seconds},
+        {"serial_estimate_seconds", o.serial_seconds()},
+        {"hidden_fraction", o.hidden_fraction()}}},
+      {"placement_events", events},
+  };
+  if (rt != nullptr) {
+    j["placement"] = rt->args.placement;
+    j["probe"] = transport::probe_results_to_json(rt->probe);
+    if (!rt->placement_note.empty()) j["static_plan"] = rt->placement_note;
+  }
+  return j;
+}
+
+}  // namespace specontext::cli

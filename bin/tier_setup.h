@@ -1,0 +1,59 @@
+// Assembles the engine's KV tiers from command-line sizes: host pools on NUMA nodes (first touch
+// on the node; pinned when the backend is CUDA), in-process loopback remote nodes, the transport
+// router and copy engine over them, the start-up bandwidth probe, the planner policy and the CPU
+// candidate filter. Shared by `specontext generate` and the benchmarks.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/status.h"
+#include "planner/planner_policy.h"
+#include "transport/bandwidth_probe.h"
+#include "transport/copy_engine.h"
+
+namespace specontext::cli {
+
+struct TierArgs {
+  std::string device_kv;  // SIZE: device tier for KV, working sets, staging, head keys ("" = all fits)
+  std::string host_kv;    // SIZE[,SIZE per NUMA node]
+  std::string remote_kv;  // SIZE[,SIZE per remote node] (in-process loopback nodes)
+  int64_t remote_latency_us = 0;
+  std::string placement = "dynamic";  // dynamic (re-plan each step) | static (planned once for the final lengths)
+  bool cpu_filter = true;             // let the planner switch CPU candidate filtering on
+  int64_t shortlist = 0;              // candidates per KV head when filtering (0 = 4·budget)
+  bool probe = true;                  // measure tier bandwidths at start-up
+  bool any() const { return !host_kv.empty() || !remote_kv.empty(); }
+};
+void add_tier_options(CLI::App& cmd, TierArgs& args);
+
+// Everything the engine's tiering borrows; destroy after the engine.
+struct TierRuntime {
+  TierArgs args;
+  std::vector<std::unique_ptr<Transport>> transports;  // local, loopback, cuda (members of the router)
+  std::unique_ptr<Transport> router;
+  std::shared_ptr<transport::CopyEngine> copies;
+  std::shared_ptr<planner::PlannerPolicy> policy;
+  std::vector<transport::ProbeResult> probe;
+  std::vector<std::shared_ptr<void>> keep_alive;  // pinned registrations
+  std::string placement_note;  // what the static plan decided
+};
+
+// Fills eopts.tiering (device size, host pools, remote nodes, transport, copy engine, filter).
+// Nothing to do (nullptr) when no host or remote size is given.
+Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Model& model, const Backend& backend,
+                                                 EngineOptions& eopts);
+
+// After Engine::create: probes the bandwidths of the engine's tiers, builds the planner policy
+// from them and installs it (dynamic) or applies the plan for `final_lengths` once (static).
+Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
+                   const std::vector<int64_t>& final_lengths);
+
+// {"tiers": [...], "overlap": {...}, "placement_events": [...], "probe": [...], ...}
+nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt);
+
+}  // namespace specontext::cli

@@ -1,0 +1,237 @@
+// The engine's data flow with a device backend, checked on the CPU: a backend whose memory is
+// "device memory" that the host cannot touch. Its allocations are mprotect'ed to PROT_NONE except
+// while one of its own ops runs, so any host-side read or write of activations, KV pages, working
+// sets or the head's keys by the engine faults; and every pointer an op receives must lie in its
+// memory (a host pointer handed to a CUDA kernel would be the same bug). The engine must give the
+// CPU backend's logits exactly, for dense and every sparse method, prefill and decode, and with
+// synthetic contexts. This is what lets the CUDA path run right the first time a GPU is present.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "core/engine.h"
+#include "core/retrieval_head.h"
+#include "cpu/cpu_backend.h"
+#include "tests/core/tier_test_util.h"
+
+namespace specontext {
+namespace {
+
+class ProtectedMemoryBackend final : public Backend {
+ public:
+  explicit ProtectedMemoryBackend(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  ~ProtectedMemoryBackend() override { set_access(true); }
+
+  std::string_view name() const override { return "protected"; }
+  bool supports(BackendOp op, DType d) const override { return inner_->supports(op, d); }
+  MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+  bool addressable(MemoryKind kind) const override { return kind == MemoryKind::kDevice; }
+  int64_t foreign_pointers() const { return foreign_; }
+
+  Result<std::shared_ptr<void>> allocate(size_t bytes) override {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t len = (std::max<size_t>(bytes, 1) + page - 1) / page * page;
+    void* p = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return resource_exhausted("mmap failed");
+    regions_[static_cast<std::byte*>(p)] = len;
+    return std::shared_ptr<void>(p, [this, len](void* q) {
+      regions_.erase(static_cast<std::byte*>(q));
+      munmap(q, len);
+    });
+  }
+  Result<const void*> import_weights(const void* host, size_t bytes) override {
+    auto it = imported_.find(host);
+    if (it != imported_.end()) return static_cast<const void*>(it->second.get());
+    SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> mem, allocate(bytes));
+    set_access(true);
+    std::memcpy(mem.get(), host, bytes);
+    set_access(false);
+    imported_[host] = mem;
+    return static_cast<const void*>(mem.get());
+  }
+  Status upload(void* dst, const void* src, size_t bytes) override {
+    check(dst, "upload dst");
+    return run([&] { std::memcpy(dst, src, bytes); return Status::ok(); });
+  }
+  Status download(void* dst, const void* src, size_t bytes) override {
+    check(src, "download src");
+    return run([&] { std::memcpy(dst, src, bytes); return Status::ok(); });
+  }
+  Status copy_rows(void* dst, size_t ds, const void* src, size_t ss, size_t rb, int64_t rows) override {
+    check(dst, "copy_rows dst");
+    check(src, "copy_rows src");
+    return run([&] { return inner_->copy_rows(dst, ds, src, ss, rb, rows); });
+  }
+  Status embed(const TokenId* ids, int64_t n, const WeightMatrix& t, float* out) override {
+    check(ids, "embed ids");
+    check(t.data, "embed table");
+    check(out, "embed out");
+    return run([&] { return inner_->embed(ids, n, t, out); });
+  }
+  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) override {
+    check(x, "matmul x");
+    check(w.data, "matmul w");
+    if (bias) check(bias, "matmul bias");
+    check(y, "matmul y");
+    return run([&] { return inner_->matmul(x, m, w, bias, y); });
+  }
+  Status rmsnorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y) override {
+    check(x, "rmsnorm x");
+    check(w, "rmsnorm weight");
+    check(y, "rmsnorm y");
+    return run([&] { return inner_->rmsnorm(x, w, rows, dim, eps, y); });
+  }
+  Status rope(float* x, int64_t n, int64_t h, const int64_t* pos, const RopeParams& p) override {
+    check(x, "rope x");
+    check(pos, "rope positions");
+    return run([&] { return inner_->rope(x, n, h, pos, p); });
+  }
+  Status swiglu(const float* g, const float* u, int64_t n, float* out) override {
+    check(g, "swiglu gate");
+    check(u, "swiglu up");
+    check(out, "swiglu out");
+    return run([&] { return inner_->swiglu(g, u, n, out); });
+  }
+  Status add(float* x, const float* y, int64_t n) override {
+    check(x, "add x");
+    check(y, "add y");
+    return run([&] { return inner_->add(x, y, n); });
+  }
+  Status kv_append(const float* k, const float* v, int64_t n, int64_t start, const KvLayerView& kv) override {
+    check(k, "kv_append k");
+    check(v, "kv_append v");
+    check_view(kv, start, n);
+    return run([&] { return inner_->kv_append(k, v, n, start, kv); });
+  }
+  Status attention(const float* q, const AttentionItem* items, int64_t n, int64_t heads, float* out) override {
+    check(q, "attention q");
+    check(out, "attention out");
+    for (int64_t i = 0; i < n; ++i) check_view(items[i].kv, 0, items[i].start_pos + items[i].n_tokens);
+    return run([&] { return inner_->attention(q, items, n, heads, out); });
+  }
+  Status kv_gather(const KvLayerView& kv, const GatherEntry* e, int64_t n, const WorkingSetView& ws) override {
+    for (int64_t i = 0; i < n; ++i) check_view(kv, e[i].token, 1);
+    check(ws.k, "working set k");
+    check(ws.v, "working set v");
+    return run([&] { return inner_->kv_gather(kv, e, n, ws); });
+  }
+  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n, int64_t heads,
+                          float* out) override {
+    check(q, "sparse q");
+    check(out, "sparse out");
+    for (int64_t i = 0; i < n; ++i) check(items[i].ws.k, "sparse ws");
+    return run([&] { return inner_->attention_sparse(q, items, n, heads, out); });
+  }
+  Status retrieval_group_scores(const float* q, const float* const* blocks, int64_t bt, int64_t length, int64_t nh,
+                                int64_t nkv, int64_t hd, float* out) override {
+    check(q, "scores q");
+    check(out, "scores out");
+    for (int64_t b = 0; b < (length + bt - 1) / bt; ++b) check(blocks[b], "scores key block");
+    return run([&] { return Backend::retrieval_group_scores(q, blocks, bt, length, nh, nkv, hd, out); });
+  }
+  // select_top_tokens: the base class downloads the scores through download() above.
+
+ private:
+  template <typename F>
+  Status run(F&& f) {
+    set_access(true);
+    Status s = f();
+    set_access(false);
+    return s;
+  }
+  void set_access(bool on) {
+    for (const auto& [p, len] : regions_) mprotect(p, len, on ? PROT_READ | PROT_WRITE : PROT_NONE);
+  }
+  bool inside(const void* p) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    auto it = regions_.upper_bound(const_cast<std::byte*>(b));
+    if (it == regions_.begin()) return false;
+    --it;
+    return b >= it->first && b < it->first + it->second;
+  }
+  void check(const void* p, const char* what) {
+    if (p != nullptr && !inside(p)) {
+      ++foreign_;
+      ADD_FAILURE() << what << ": a pointer outside the backend's memory";
+    }
+  }
+  void check_view(const KvLayerView& kv, int64_t from, int64_t n) {
+    for (int64_t t = from; t < from + n; t += kv.page_size) {
+      check(kv.k_pages[t / kv.page_size], "KV page");
+      check(kv.v_pages[t / kv.page_size], "KV page");
+    }
+  }
+  std::shared_ptr<Backend> inner_;
+  std::map<std::byte*, size_t> regions_;
+  std::map<const void*, std::shared_ptr<void>> imported_;
+  int64_t foreign_ = 0;
+};
+
+TEST(EngineDeviceMemory, DeviceBackendGivesTheHostLogitsWithoutHostAccess) {
+  auto model = testing::toy_model(3);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  for (SparseMethod method : {SparseMethod::kDense, SparseMethod::kSpeContext, SparseMethod::kStreaming,
+                              SparseMethod::kQuest}) {
+    SCOPED_TRACE(std::string(sparse_method_name(method)));
+    EngineOptions o;
+    o.max_sequences = 3;
+    o.max_context = 256;
+    o.page_size = 8;
+    o.sparse.method = method;
+    o.sparse.selection = {20, 1, 4};
+    o.sparse.quest_page_size = 8;
+    if (method == SparseMethod::kSpeContext) o.retrieval_head = *head;
+    auto protected_backend = std::make_shared<ProtectedMemoryBackend>(testing::cpu_backend());
+    auto dev = Engine::create(model, protected_backend, o);
+    ASSERT_TRUE(dev.is_ok()) << dev.status().to_string();
+    auto host = Engine::create(model, testing::cpu_backend(), o);
+    ASSERT_TRUE(host.is_ok());
+    std::vector<SeqId> ids;
+    for (int i = 0; i < 3; ++i) {
+      auto a = (*dev)->add_sequence(), b = (*host)->add_sequence();
+      ASSERT_TRUE(a.is_ok() && b.is_ok());
+      ids.push_back(*a);
+    }
+    // Sequence 2 starts from a synthetic context (writes pages through upload()).
+    ASSERT_TRUE((*dev)->fill_synthetic(ids[2], 40, 5).is_ok());
+    ASSERT_TRUE((*host)->fill_synthetic(ids[2], 40, 5).is_ok());
+    std::vector<std::vector<TokenId>> toks = {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}, {5, 6, 7}, {9}};
+    for (int step = 0; step < 30; ++step) {
+      std::vector<StepRequest> reqs;
+      for (int i = 0; i < 3; ++i) reqs.push_back({ids[static_cast<size_t>(i)], toks[static_cast<size_t>(i)], LogitsMode::kLast});
+      auto a = (*dev)->forward(reqs);
+      auto b = (*host)->forward(reqs);
+      ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+      ASSERT_TRUE(b.is_ok());
+      ASSERT_EQ(testing::max_abs_diff(a->logits, b->logits), 0.0f) << "step " << step;
+      for (int i = 0; i < 3; ++i) {
+        auto row = b->row(static_cast<size_t>(i));
+        toks[static_cast<size_t>(i)] = {static_cast<TokenId>(std::max_element(row.begin(), row.end()) - row.begin())};
+      }
+    }
+    EXPECT_EQ(protected_backend->foreign_pointers(), 0);
+    if (method != SparseMethod::kDense) {
+      EXPECT_GT((*dev)->sparse_stats().sparse_steps, 0);
+    }
+  }
+}
+
+TEST(EngineDeviceMemory, OracleNeedsHostMemory) {
+  auto model = testing::toy_model(2);
+  EngineOptions o;
+  o.max_context = 64;
+  o.sparse.method = SparseMethod::kOracle;
+  o.sparse.selection = {16, 1, 4};
+  auto e = Engine::create(model, std::make_shared<ProtectedMemoryBackend>(testing::cpu_backend()), o);
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(e.status().message().find("oracle"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace specontext

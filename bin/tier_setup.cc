@@ -209,13 +209,8 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
   if (rt.args.placement == "dynamic") return engine.set_placement_policy(rt.policy);
 
   // Static: the plan for the lengths the run will reach, applied once, never revisited.
-  PlacementInput in;
-  in.seq_lens = final_lengths;
-  in.current = engine.placement();
-  for (const TierMemory& t : tiers) {
-    in.tiers.push_back(t.desc);
-    in.tier_used_bytes.push_back(kv.tier_used_bytes(t.desc.id));
-  }
+  PlacementInput in = engine.placement_input(final_lengths);
+  in.device_other_bytes += final_lengths.size() * engine.new_sequence_reserve();
   SPX_ASSIGN_OR_RETURN(PlacementDecision d, rt.policy->decide(in));
   const planner::Plan& plan = *rt.policy->last_plan();
   rt.placement_note = "static plan for " + std::to_string(final_lengths.size()) + " sequences at S = " +

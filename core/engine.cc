@@ -289,16 +289,7 @@ Status Engine::admit(int64_t final_length, bool alone) const {
     }
     PlacementInput in = placement_input(lens);
     if (alone) in.device_other_bytes = 0;
-    // What the new sequence's first steps allocate beyond its tokens (placement_input's growth
-    // terms, for one more sequence).
-    const ModelConfig& c = config();
-    in.device_other_bytes += static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
-    if (options_.sparse.method != SparseMethod::kDense) {
-      in.device_other_bytes += static_cast<uint64_t>(c.n_layers) * 2 *
-                               static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
-                               sizeof(float);
-    }
-    if (options_.sparse.method == SparseMethod::kSpeContext) in.device_other_bytes += head_block_bytes();
+    in.device_other_bytes += new_sequence_reserve();
     return options_.tiering.policy->admit(in, final_length, alone);
   }
   const int64_t need = (final_length + kv_->page_size() - 1) / kv_->page_size();
@@ -312,6 +303,18 @@ Status Engine::admit(int64_t final_length, bool alone) const {
                               (alone ? " exist" : " are free"));
   }
   return Status::ok();
+}
+
+uint64_t Engine::new_sequence_reserve() const {
+  // placement_input's growth terms, for one more sequence.
+  const ModelConfig& c = config();
+  uint64_t r = static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
+  if (options_.sparse.method != SparseMethod::kDense) {
+    r += static_cast<uint64_t>(c.n_layers) * 2 *
+         static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) * sizeof(float);
+  }
+  if (options_.sparse.method == SparseMethod::kSpeContext) r += head_block_bytes();
+  return r;
 }
 
 Status Engine::reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated) {

@@ -214,6 +214,10 @@ class Engine {
   // Moves layers (and the retrieval head's keys) to the placement's tiers now, between steps.
   // On a failed move that layer keeps its home and content; the error is returned.
   Status apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons = {});
+  // What a placement policy is asked with for these lengths (tiers, usage, device bytes outside
+  // its model), and the device bytes one more sequence's first steps take beyond its tokens.
+  PlacementInput placement_input(const std::vector<int64_t>& seq_lens) const;
+  uint64_t new_sequence_reserve() const;
   // Checks the KV store's invariants and that every live sequence's pages are distinct and in use.
   Status check_invariants() const;
   int64_t kv_bytes_per_token() const { return config().kv_bytes_per_token(4); }
@@ -304,7 +308,6 @@ class Engine {
   bool host_visible(TierId tier) const;       // the engine thread may read/write it directly
   bool backend_reads(TierId tier) const;      // backend ops may take pointers into it
   Status rebalance(std::span<const StepRequest> requests);
-  PlacementInput placement_input(const std::vector<int64_t>& seq_lens) const;
   Status move_head_caches(TierId to);
   Status write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes);
   TierTraffic& traffic(TierId tier) { return step_traffic_[static_cast<size_t>(tier.value())]; }

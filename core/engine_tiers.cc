@@ -37,35 +37,29 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
     in.tiers.push_back(t.desc);
     in.tier_used_bytes.push_back(kv_->tier_used_bytes(t.desc.id));
   }
-  // What the planner's model does not count on the device: the used bytes beyond resident KV,
-  // the head's keys and offloaded layers' working sets, each at its exact token count (so chunk
-  // and capacity rounding count as "other"), plus what the coming step may allocate at once: a
-  // chunk per resident layer for each sequence's next page, a first sparse step's working sets,
-  // a head cache about to double (old and new live together while rows are copied).
+  // What the planner's model does not count on the device. It must not depend on the placement,
+  // or moving a layer would change the room the planner sees and the plan would oscillate: so it
+  // is everything used beyond resident KV chunks and the head's key blocks (working sets of every
+  // layer — the planner's staging term counts offloaded ones again, erring on the safe side —,
+  // staging, alignment), plus what the coming step may take at once: a chunk per layer for each
+  // sequence's next page, a first sparse step's working sets, a head key block per sequence.
   const ModelConfig& c = config();
   const TierId device(0);
-  const uint64_t token_bytes = kv_->page_bytes() / static_cast<uint64_t>(kv_->page_size());
-  uint64_t head_row = 0;
-  if (options_.sparse.method == SparseMethod::kSpeContext) {
-    const auto& hc = options_.retrieval_head->config;
-    head_row = static_cast<uint64_t>(hc.n_kv_heads * hc.head_dim) * sizeof(float);
+  uint64_t modelled = 0;
+  for (int64_t l = 0; l < kv_->n_layers(); ++l) {
+    const LayerId layer(static_cast<int32_t>(l));
+    if (kv_->resident(layer)) modelled += kv_->layer_bytes(layer);
   }
-  int64_t resident = 0;
-  for (int64_t l = 0; l < kv_->n_layers(); ++l) resident += kv_->resident(LayerId(static_cast<int32_t>(l))) ? 1 : 0;
   const uint64_t ws_bytes = 2 * static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
                             sizeof(float);
-  uint64_t modelled = 0, growth = 0;
+  uint64_t growth = 0;
   for (const auto& [id, s] : sequences_) {
-    modelled += static_cast<uint64_t>(resident) * static_cast<uint64_t>(s.length) * token_bytes;
-    if (!s.head_blocks.empty() && s.head_tier == device) modelled += static_cast<uint64_t>(s.length) * head_row;
-    for (size_t l = 0; l < s.layers.size(); ++l) {
-      if (!kv_->resident(LayerId(static_cast<int32_t>(l)))) modelled += s.layers[l].ws_k.bytes + s.layers[l].ws_v.bytes;
-    }
-    growth += static_cast<uint64_t>(resident) * kv_->chunk_bytes();
+    if (!s.head_blocks.empty() && s.head_tier == device) modelled += s.head_blocks.size() * head_block_bytes();
+    growth += static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
     if (options_.sparse.method != SparseMethod::kDense && s.layers.empty()) {
       growth += static_cast<uint64_t>(c.n_layers) * ws_bytes;
     }
-    if (head_row > 0 && placement_.head_cache_home == device) growth += head_block_bytes();
+    if (options_.sparse.method == SparseMethod::kSpeContext) growth += head_block_bytes();
   }
   const uint64_t used = kv_->tier_used_bytes(device);
   in.device_other_bytes = (used > modelled ? used - modelled : 0) + growth;

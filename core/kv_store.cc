@@ -19,8 +19,9 @@ std::string_view tier_kind_name(TierKind kind) {
 int64_t KvStore::default_chunk_pages(uint64_t page_bytes, int64_t n_pages) {
   // About 2 MiB per layer chunk: large enough that a layer move is a few big copies, small
   // enough that a short sequence does not reserve much.
+  // At least 8 chunks per layer, so that a small pool is not one indivisible arena.
   const int64_t p = std::clamp<int64_t>(static_cast<int64_t>((uint64_t{2} << 20) / std::max<uint64_t>(page_bytes, 1)), 1, 64);
-  return std::max<int64_t>(1, std::min(p, n_pages));
+  return std::max<int64_t>(1, std::min(p, n_pages / 8));
 }
 
 Result<std::unique_ptr<KvStore>> KvStore::create(const ModelConfig& config, int64_t page_size, int64_t n_pages,

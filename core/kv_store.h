@@ -46,7 +46,7 @@ class KvStore {
  public:
   // tiers[i].desc.id must be TierId(i); tier 0 is the device (the memory the backend computes
   // on). Every layer starts homed on the device.
-  // chunk_pages = 0 picks about 2 MiB per layer chunk (at most 64 pages).
+  // chunk_pages = 0 picks about 2 MiB per layer chunk (at most 64 pages, at least 8 chunks).
   static Result<std::unique_ptr<KvStore>> create(const ModelConfig& config, int64_t page_size,
                                                  int64_t n_pages, std::vector<TierMemory> tiers,
                                                  int64_t chunk_pages = 0);

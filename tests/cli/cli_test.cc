@@ -145,3 +145,78 @@ TEST(Cli, InspectPrintsShapeAndKvBytes) {
 
 }  // namespace
 }  // namespace specontext
+
+namespace specontext {
+namespace {
+
+// KV tiers from the command line: layers offloaded to a host pool and a loopback remote node give
+// the all-device text, the JSON reports tiers, probe, overlap and placement decisions, and a
+// request that fits no tier is refused with the reason and exit code 1.
+TEST(Cli, GenerateWithTiersMatchesAllDeviceTextAndReportsTiers) {
+  const std::string base = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                           " --prompt 'Once upon a time' -n 120 --json --budget 32";
+  const CliRun dev = run_cli(base, false);
+  ASSERT_EQ(dev.exit_code, 0) << dev.out;
+  const auto jd = nlohmann::json::parse(dev.out);
+  // 5 layers of 256 B per token and their working sets: 260 KiB of device memory hold about 100
+  // tokens of every layer, so layers leave for host0 (and remote0) as the text grows.
+  const std::string tiers = " --device-kv 260KiB --host-kv 256KiB --remote-kv 1MiB";
+  const CliRun tier = run_cli(base + tiers, false);
+  ASSERT_EQ(tier.exit_code, 0) << tier.out;
+  const auto jt = nlohmann::json::parse(tier.out);
+  EXPECT_EQ(jt["text"], jd["text"]) << "offloading changed the text";
+  const auto& t = jt["tiering"];
+  ASSERT_EQ(t["tiers"].size(), 3u);
+  EXPECT_EQ(t["tiers"][0]["name"], "device");
+  EXPECT_EQ(t["tiers"][1]["kind"], "host");
+  EXPECT_EQ(t["tiers"][2]["kind"], "remote");
+  EXPECT_GE(t["placement_events"].size(), 1u);
+  EXPECT_FALSE(t["placement_events"][0]["reasons"].empty());
+  int offloaded = 0;
+  for (const auto& h : t["layer_homes"]) offloaded += h.get<int>() != 0;
+  EXPECT_GT(offloaded, 0) << t.dump();
+  EXPECT_GT(t["tiers"][0]["total"]["bytes_in"].get<int64_t>(), 0);
+  EXPECT_GE(t["probe"].size(), 4u);  // host0 and remote0, both directions
+  for (const auto& p : t["probe"]) EXPECT_GT(p["contiguous_bps"].get<double>(), 0.0) << p.dump();
+  EXPECT_GT(t["overlap"]["steps"].get<int64_t>(), 0);
+  // A static plan for the final length offloads from the start and never moves again.
+  const CliRun st = run_cli(base + tiers + " --placement static", false);
+  ASSERT_EQ(st.exit_code, 0) << st.out;
+  const auto js = nlohmann::json::parse(st.out);
+  EXPECT_EQ(js["text"], jd["text"]);
+  ASSERT_EQ(js["tiering"]["placement_events"].size(), 1u);
+  EXPECT_EQ(js["tiering"]["placement_events"][0]["forward"].get<int>(), 0) << "static plans move before the first step";
+  int static_offloaded = 0;
+  for (const auto& h : js["tiering"]["layer_homes"]) static_offloaded += h.get<int>() != 0;
+  EXPECT_GE(static_offloaded, offloaded) << "the plan for the final length offloads at least what growing needed";
+  EXPECT_TRUE(js["tiering"].contains("static_plan"));
+}
+
+TEST(Cli, GenerateRefusesWhatFitsNoTier) {
+  const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                           " --prompt 'Once upon a time' -n 400 --budget 32 --device-kv 64KiB --host-kv 16KiB");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("refused"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cannot be placed"), std::string::npos) << r.out;
+  const CliRun bad = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                             " --prompt 'x' -n 4 --device-kv 1MiB");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.out.find("--device-kv needs --host-kv or --remote-kv"), std::string::npos) << bad.out;
+  const CliRun size = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                              " --prompt 'x' -n 4 --host-kv 12XB");
+  EXPECT_EQ(size.exit_code, 1);
+  EXPECT_NE(size.out.find("--host-kv"), std::string::npos) << size.out;
+}
+
+TEST(Cli, CudaBackendFallsBackToCpuWithoutADevice) {
+  const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                           " --prompt 'Once upon a time' -n 8 --backend cuda");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  // Here (no GPU in CI) the note says why; with a device it runs on it.
+  if (r.out.find("falling back to the CPU backend") == std::string::npos) {
+    EXPECT_NE(r.out.find("decode:"), std::string::npos) << r.out;
+  }
+}
+
+}  // namespace
+}  // namespace specontext

@@ -78,11 +78,11 @@ TEST(KvStore, ChunksFollowPagesInEveryLayerAndMovesAreAllOrNothing) {
   ASSERT_TRUE(c.is_ok());
   c->n_layers = 3;
   // toy: page of 16 tokens = 16·2·16·4 = 2 KiB per block, 4 KiB per page slot.
-  auto store = KvStore::create(*c, 16, 10, device_and_host(1 << 20, 1 << 20));
+  auto store = KvStore::create(*c, 16, 10, device_and_host(1 << 20, 1 << 20), 10);
   ASSERT_TRUE(store.is_ok()) << store.status().to_string();
   KvStore& s = **store;
   EXPECT_EQ(s.page_bytes(), 4096u);
-  EXPECT_EQ(s.chunk_pages(), 10);  // 2 MiB worth is more than the pool: one chunk of all pages
+  EXPECT_EQ(s.chunk_pages(), 10);  // asked for: one chunk of all pages
   auto p0 = s.allocate_page();
   ASSERT_TRUE(p0.is_ok());
   EXPECT_EQ(s.tier_used_bytes(TierId(0)), 3 * s.chunk_bytes());  // one chunk in each layer
@@ -111,7 +111,10 @@ TEST(KvStore, ChunksFollowPagesInEveryLayerAndMovesAreAllOrNothing) {
   EXPECT_EQ(s.tier_used_bytes(TierId(1)), 0u);
   ASSERT_TRUE(s.check_invariants().is_ok());
   // A tier too small for a chunk: allocation fails cleanly and nothing is left behind.
-  auto small = KvStore::create(*c, 16, 10, device_and_host(100000, 1 << 20));
+  auto small = KvStore::create(*c, 16, 10, device_and_host(100000, 1 << 20), 10);
+  EXPECT_EQ(KvStore::default_chunk_pages(4096, 10), 1);  // at least 8 chunks per layer
+  EXPECT_EQ(KvStore::default_chunk_pages(4096, 1 << 20), 64);
+  EXPECT_EQ(KvStore::default_chunk_pages(uint64_t{1} << 20, 1 << 20), 2);
   ASSERT_TRUE(small.is_ok());
   auto p = (*small)->allocate_page();
   EXPECT_EQ(p.status().code(), StatusCode::kResourceExhausted);

@@ -350,7 +350,7 @@ class Engine {
 
   // Workspace reused across calls (grow-only).
   Workspace x_, xb_, q_, k_, v_, att_, tmp_, gate_, up_, rows_, fused_, fused_prev_, head_x_, head_q_,
-      head_k_rows_, scores_, logits_, ids_dev_, positions_dev_;
+      head_k_rows_, scores_, logits_, ids_dev_, positions_dev_, fill_pool_;
   std::vector<TokenId> ids_;
   std::vector<int64_t> positions_;
   std::vector<float> host_q_, host_rows_;  // downloads for host-side selection (Quest, oracle, filter)

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstring>
 #include <string>
-#include <thread>
 
 #include "core/engine.h"
 
@@ -262,40 +261,39 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
   const ModelConfig& c = config();
   const int64_t layers = kv_->n_layers();
   const int64_t pf = kv_->page_floats();
-  auto fill_page = [&](int64_t l, size_t page_index, float* block) {
-    // K block then V block, as in the page slot; one stream per (seed, layer, page).
-    SyntheticValues r{seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(l) * 0x100000001B3ull + page_index + 1};
-    for (int64_t i = 0; i < 2 * pf; ++i) block[i] = r.next();
+  // Page contents come from a pool of random pages (K block then V block, as in a page slot):
+  // page p of layer l holds pool page (131·l + p) mod kPoolPages. Filling then costs copies, not
+  // random numbers: on a GPU one upload and device-to-device copies instead of gigabytes of
+  // host-generated uploads.
+  constexpr int64_t kPoolPages = 64;
+  std::vector<float> pool(static_cast<size_t>(kPoolPages * 2 * pf));
+  {
+    SyntheticValues r{seed * 0x9E3779B97F4A7C15ull + 1};
+    for (float& x : pool) x = r.next();
+  }
+  const size_t page_bytes = kv_->page_bytes();
+  auto pool_page = [&](int64_t l, size_t p) {
+    return pool.data() + ((131 * l + static_cast<int64_t>(p)) % kPoolPages) * 2 * pf;
   };
-  // Pages the engine thread can write directly are filled by one thread per layer group (filling
-  // gigabytes single-threaded takes long); others are generated and then uploaded in order.
-  bool direct = backend_->memory_kind() == MemoryKind::kHost;
-  for (int64_t l = 0; l < layers && direct; ++l) direct = host_visible(kv_->home(LayerId(static_cast<int32_t>(l))));
-  if (direct) {
-    const unsigned n_threads = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(),
-                                                               static_cast<unsigned>(layers)));
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < n_threads; ++t) {
-      threads.emplace_back([&, t] {
-        for (int64_t l = t; l < layers; l += n_threads) {
-          for (size_t p = 0; p < s.pages.size(); ++p) {
-            fill_page(l, p, kv_->k_page(LayerId(static_cast<int32_t>(l)), s.pages[p]));
-          }
-        }
-      });
-    }
-    for (auto& th : threads) th.join();
-  } else {
-    std::vector<float> block(static_cast<size_t>(2 * pf));
-    for (int64_t l = 0; l < layers; ++l) {
-      const LayerId layer(static_cast<int32_t>(l));
-      for (size_t p = 0; p < s.pages.size(); ++p) {
-        fill_page(l, p, block.data());
-        const PageLocation loc = kv_->locate(layer, s.pages[p]);
-        st = write_block(loc.tier, loc.offset, block.data(), kv_->page_bytes());
-        if (!st.is_ok()) break;
+  const float* pool_dev = nullptr;
+  if (backend_->memory_kind() != MemoryKind::kHost) {
+    auto dev = fit(fill_pool_, pool.size() * sizeof(float));
+    st = dev.is_ok() ? backend_->upload(*dev, pool.data(), pool.size() * sizeof(float)) : dev.status();
+    if (st.is_ok()) pool_dev = static_cast<const float*>(*dev);
+  }
+  for (int64_t l = 0; l < layers && st.is_ok(); ++l) {
+    const LayerId layer(static_cast<int32_t>(l));
+    const TierId home = kv_->home(layer);
+    for (size_t p = 0; p < s.pages.size() && st.is_ok(); ++p) {
+      const PageLocation loc = kv_->locate(layer, s.pages[p]);
+      if (home == TierId(0) && pool_dev != nullptr) {
+        const float* src = pool_dev + (pool_page(l, p) - pool.data());
+        st = backend_->copy_rows(kv_->address(loc.tier, loc.offset), page_bytes, src, page_bytes, page_bytes, 1);
+      } else if (host_visible(home) && (home != TierId(0) || backend_->memory_kind() == MemoryKind::kHost)) {
+        std::memcpy(kv_->address(loc.tier, loc.offset), pool_page(l, p), page_bytes);
+      } else {
+        st = write_block(loc.tier, loc.offset, pool_page(l, p), page_bytes);
       }
-      if (!st.is_ok()) break;
     }
   }
   // Sparse methods keep state derived from the cache: the head's keys, the fused features of
@@ -322,7 +320,7 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
     for (int64_t l = 0; l < layers && st.is_ok(); ++l) {
       const LayerId layer(static_cast<int32_t>(l));
       for (size_t p = 0; p < s.pages.size() && st.is_ok(); ++p) {
-        fill_page(l, p, block.data());  // the same values as written above
+        std::copy_n(pool_page(l, p), 2 * pf, block.data());  // the values written above
         for (int64_t slot = 0; slot < ps && st.is_ok(); ++slot) {
           const int64_t t = static_cast<int64_t>(p) * ps + slot;
           if (t >= n_tokens) break;

@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "wrote %s\n", out.c_str());
   if (plot) {
     const std::string script = std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_growing_trace.py";
-    const std::string call = "python3 '" + script + "' '" + out + "'";
+    const std::string call = "/usr/bin/python3 '" + script + "' '" + out + "'";  // Debian's, with matplotlib
     if (std::system(call.c_str()) != 0) std::fprintf(stderr, "plot failed: %s\n", call.c_str());
   }
   return 0;

@@ -45,6 +45,13 @@ Result<PlannerSnapshot> PlannerPolicy::snapshot_for(const PlacementInput& in, co
   }
   const int64_t reserve = weights_reserve(s);
   const int64_t device = static_cast<int64_t>(in.tiers[0].capacity_bytes) - static_cast<int64_t>(in.device_other_bytes);
+  if (device <= 0 && reserve <= 0) {
+    return resource_exhausted("the device tier (" + format_bytes(static_cast<int64_t>(in.tiers[0].capacity_bytes)) +
+                              ") is not larger than what the engine needs there beside KV pages and the head's keys (" +
+                              format_bytes(static_cast<int64_t>(in.device_other_bytes)) +
+                              ": working sets, staging, growth reserve); give the device more memory, or use fewer "
+                              "requests or a smaller budget");
+  }
   s.device_bytes = std::max<int64_t>(device, 0) + reserve;
   const uint64_t slack = config_.chunk_bytes * static_cast<uint64_t>(s.model.layers);
   for (size_t i = 0; i < n_host; ++i) {

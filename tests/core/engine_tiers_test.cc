@@ -14,6 +14,7 @@
 #include "planner/planner_policy.h"
 #include "tests/core/tier_test_util.h"
 #include "cpu/cpu_candidate_filter.h"
+#include "transport/copy_engine.h"
 #include "transport/fault_transport.h"
 #include "transport/local_transport.h"
 #include "transport/loopback_transport.h"
@@ -124,15 +125,28 @@ TEST(KvStore, ChunksFollowPagesInEveryLayerAndMovesAreAllOrNothing) {
 }
 
 // Two engines fed the same requests: `ref` keeps everything on the device, `tiered` moves layers.
+// Members in construction order, so that the engines go first, then the copy engine, then the
+// transport it uses.
 struct Pair {
+  std::unique_ptr<Transport> transport;
+  std::shared_ptr<CopyQueue> copies;
   std::shared_ptr<Model> model;
   std::shared_ptr<RetrievalHead> head;
   std::unique_ptr<Engine> ref, tiered;
-  std::unique_ptr<Transport> transport;
-  std::shared_ptr<CopyQueue> copies;
 };
 
 enum class Where { kHost, kRemote };
+
+// The engine's copy queue: the threaded copy engine (the production path: loads posted before
+// layer 0 land while layers compute), or the inline reference that completes in submit().
+std::shared_ptr<CopyQueue> make_copies(Transport& t, bool threaded, int max_retries = 8) {
+  if (!threaded) return std::make_shared<InlineCopyQueue>(t, max_retries);
+  transport::CopyEngineConfig cfg;
+  cfg.max_retries = max_retries;
+  auto ce = transport::CopyEngine::create(t, cfg);
+  EXPECT_TRUE(ce.is_ok()) << ce.status().to_string();
+  return std::shared_ptr<CopyQueue>(std::move(*ce));
+}
 
 EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head, int64_t chunk_pages = 4) {
   EngineOptions o;
@@ -149,7 +163,7 @@ EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<Retrieva
 
 Pair make_pair(SparseMethod method, Where where, std::unique_ptr<Transport> transport = nullptr,
                uint64_t device_bytes = 0, std::shared_ptr<PlacementPolicy> policy = nullptr, int64_t layers = 5,
-               uint64_t tier_bytes = 8 << 20, int64_t chunk_pages = 4) {
+               uint64_t tier_bytes = 8 << 20, int64_t chunk_pages = 4, bool threaded = true) {
   Pair p;
   p.model = testing::toy_model(layers);
   auto head = make_random_head(p.model->config, 9);
@@ -169,7 +183,7 @@ Pair make_pair(SparseMethod method, Where where, std::unique_ptr<Transport> tran
     }
   }
   p.transport = std::move(transport);
-  p.copies = std::make_shared<InlineCopyQueue>(*p.transport);
+  p.copies = make_copies(*p.transport, threaded);
   EngineOptions t = o;
   t.tiering.device_bytes = device_bytes;
   if (where == Where::kHost) {
@@ -205,11 +219,11 @@ TokenId argmax(const std::vector<float>& logits, int64_t vocab, int64_t row) {
                               (logits.begin() + row * vocab));
 }
 
-class ForcedPlacement : public ::testing::TestWithParam<std::tuple<SparseMethod, Where>> {};
+class ForcedPlacement : public ::testing::TestWithParam<std::tuple<SparseMethod, Where, bool>> {};
 
 TEST_P(ForcedPlacement, OffloadedLayersGiveTheAllDeviceLogits) {
-  const auto [method, where] = GetParam();
-  Pair p = make_pair(method, where);
+  const auto [method, where, threaded] = GetParam();
+  Pair p = make_pair(method, where, nullptr, 0, nullptr, 5, 8 << 20, 4, threaded);
   ASSERT_TRUE(p.tiered);
   const TierId off(1);
   KvPlacement place = p.tiered->placement();
@@ -270,10 +284,11 @@ INSTANTIATE_TEST_SUITE_P(
     Methods, ForcedPlacement,
     ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext, SparseMethod::kStreaming,
                                          SparseMethod::kQuest),
-                       ::testing::Values(Where::kHost, Where::kRemote)),
+                       ::testing::Values(Where::kHost, Where::kRemote), ::testing::Bool()),
     [](const auto& info) {
       return std::string(sparse_method_name(std::get<0>(info.param))) +
-             (std::get<1>(info.param) == Where::kHost ? "_host" : "_remote");
+             (std::get<1>(info.param) == Where::kHost ? "_host" : "_remote") +
+             (std::get<2>(info.param) ? "_threaded" : "_inline");
     });
 
 std::shared_ptr<planner::PlannerPolicy> policy_for(const Model& m, const RetrievalHead& head, int64_t budget,
@@ -387,8 +402,9 @@ TEST(PlannerPolicyEngine, RandomisedGrowthAndShrinkMigratesWithoutLosingPages) {
 // fails the step with a clear error, leaves the engine as before the step, and the retried step
 // gives the right logits (working sets filled by the failed step are reloaded, never trusted).
 TEST(TierFaults, FailuresAreRetriedOrReportedNeverWrongAttention) {
-  for (int max_retries : {8, 0}) {
-    SCOPED_TRACE("max_retries " + std::to_string(max_retries));
+  for (const auto& [max_retries, threaded] : {std::pair{8, false}, std::pair{0, false}, std::pair{8, true},
+                                              std::pair{0, true}}) {
+    SCOPED_TRACE("max_retries " + std::to_string(max_retries) + (threaded ? " copy engine" : " inline"));
     transport::FaultPolicy fp;
     fp.seed = 5;
     fp.failure_rate = 0.3;
@@ -398,15 +414,16 @@ TEST(TierFaults, FailuresAreRetriedOrReportedNeverWrongAttention) {
     ASSERT_TRUE(ft.is_ok());
     Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, std::move(*ft));
     ASSERT_TRUE(p.tiered);
-    p.copies = std::make_shared<InlineCopyQueue>(*p.transport, max_retries);
-    // Rebuild the tiered engine over the queue with the wanted retry bound.
+    // Rebuild the tiered engine over a queue with the wanted retry bound.
     EngineOptions t = sparse_options(SparseMethod::kSpeContext, p.head);
     t.tiering.host.push_back(testing::host_tier(8 << 20));
     auto lt = std::make_unique<transport::LocalTransport>();
     auto ft2 = transport::FaultInjectingTransport::create(std::move(lt), fp);
     ASSERT_TRUE(ft2.is_ok());
+    p.tiered.reset();
+    p.copies.reset();
     p.transport = std::move(*ft2);
-    p.copies = std::make_shared<InlineCopyQueue>(*p.transport, max_retries);
+    p.copies = make_copies(*p.transport, threaded, max_retries);
     t.tiering.transport = p.transport.get();
     t.tiering.copies = p.copies;
     auto e = Engine::create(p.model, testing::cpu_backend(), t);
@@ -526,8 +543,9 @@ TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCand
     ASSERT_TRUE(filter.is_ok()) << filter.status().to_string();
     t.tiering.candidate_filter = std::shared_ptr<CandidateFilter>(std::move(*filter));
     p.tiered.reset();
+    p.copies.reset();
     p.transport = std::make_unique<transport::LocalTransport>();
-    p.copies = std::make_shared<InlineCopyQueue>(*p.transport);
+    p.copies = make_copies(*p.transport, true);
     t.tiering.transport = p.transport.get();
     t.tiering.copies = p.copies;
     auto e = Engine::create(p.model, testing::cpu_backend(), t);
@@ -569,6 +587,111 @@ TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCand
     place.head_cache_home = TierId(0);
     ASSERT_TRUE(p.tiered->apply_placement(place, {"filter off"}).is_ok());
     ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+  }
+}
+
+}  // namespace
+}  // namespace specontext
+
+namespace specontext {
+namespace {
+
+// The dataflow of a sparse step, from the order of events: every offloaded layer's loads are
+// submitted before the first attention of the step (the selection exists before layer 0), and a
+// layer waits for its own loads only — after the previous layer's attention, before its own.
+struct EventLog {
+  std::vector<std::string> events;
+};
+
+class RecordingQueue final : public CopyQueue {
+ public:
+  RecordingQueue(std::shared_ptr<CopyQueue> inner, EventLog& log) : inner_(std::move(inner)), log_(log) {}
+  Result<CopyTicket> submit(LayerId layer, CopyDirection dir, std::vector<TransferRequest> reqs) override {
+    auto t = inner_->submit(layer, dir, std::move(reqs));
+    if (t.is_ok()) layer_of_[t->id] = layer.value();
+    if (dir == CopyDirection::kLoad) log_.events.push_back("submit " + std::to_string(layer.value()));
+    return t;
+  }
+  Status wait(CopyTicket t) override {
+    log_.events.push_back("wait " + std::to_string(layer_of_[t.id]));
+    return inner_->wait(t);
+  }
+  Status wait_all() override { return inner_->wait_all(); }
+  void reset_window() override { inner_->reset_window(); }
+  CopyWindowStats window_stats() const override { return inner_->window_stats(); }
+
+ private:
+  std::shared_ptr<CopyQueue> inner_;
+  EventLog& log_;
+  std::unordered_map<uint64_t, int32_t> layer_of_;
+};
+
+class RecordingBackend final : public Backend {
+ public:
+  RecordingBackend(std::shared_ptr<Backend> inner, EventLog& log) : inner_(std::move(inner)), log_(log) {}
+  std::string_view name() const override { return "recording"; }
+  bool supports(BackendOp op, DType d) const override { return inner_->supports(op, d); }
+  Result<std::shared_ptr<void>> allocate(size_t b) override { return inner_->allocate(b); }
+  Status embed(const TokenId* i, int64_t n, const WeightMatrix& t, float* o) override { return inner_->embed(i, n, t, o); }
+  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* b, float* y) override {
+    return inner_->matmul(x, m, w, b, y);
+  }
+  Status rmsnorm(const float* x, const float* w, int64_t r, int64_t d, float e, float* y) override {
+    return inner_->rmsnorm(x, w, r, d, e, y);
+  }
+  Status rope(float* x, int64_t n, int64_t h, const int64_t* p, const RopeParams& r) override { return inner_->rope(x, n, h, p, r); }
+  Status swiglu(const float* g, const float* u, int64_t n, float* o) override { return inner_->swiglu(g, u, n, o); }
+  Status add(float* x, const float* y, int64_t n) override { return inner_->add(x, y, n); }
+  Status kv_append(const float* k, const float* v, int64_t n, int64_t s, const KvLayerView& kv) override {
+    return inner_->kv_append(k, v, n, s, kv);
+  }
+  Status attention(const float* q, const AttentionItem* it, int64_t n, int64_t h, float* o) override {
+    return inner_->attention(q, it, n, h, o);
+  }
+  Status kv_gather(const KvLayerView& kv, const GatherEntry* e, int64_t n, const WorkingSetView& ws) override {
+    return inner_->kv_gather(kv, e, n, ws);
+  }
+  Status attention_sparse(const float* q, const SparseAttentionItem* it, int64_t n, int64_t h, float* o) override {
+    log_.events.push_back("attend");
+    return inner_->attention_sparse(q, it, n, h, o);
+  }
+
+ private:
+  std::shared_ptr<Backend> inner_;
+  EventLog& log_;
+};
+
+TEST(TierDataflow, LoadsArePostedBeforeLayerZeroAndEachLayerWaitsForItsOwn) {
+  EventLog log;
+  auto model = testing::toy_model(5);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  transport::LocalTransport local;
+  auto copies = std::make_shared<RecordingQueue>(make_copies(local, true), log);
+  EngineOptions o = sparse_options(SparseMethod::kSpeContext, *head);
+  o.tiering.host.push_back(testing::host_tier(8 << 20));
+  o.tiering.transport = &local;
+  o.tiering.copies = copies;
+  auto e = Engine::create(model, std::make_shared<RecordingBackend>(testing::cpu_backend(), log), o);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  KvPlacement place = (*e)->placement();
+  place.layer_home = {TierId(0), TierId(1), TierId(0), TierId(1), TierId(1)};
+  ASSERT_TRUE((*e)->apply_placement(place).is_ok());
+  auto seq = (*e)->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  std::vector<TokenId> prompt(50, 3);
+  const StepRequest pre{*seq, prompt, LogitsMode::kLast};
+  ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&pre, 1)).is_ok());
+  for (int step = 0; step < 3; ++step) {
+    log.events.clear();
+    std::vector<TokenId> tok = {static_cast<TokenId>(step + 1)};
+    const StepRequest r{*seq, tok, LogitsMode::kLast};
+    ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&r, 1)).is_ok());
+    std::string all;
+    for (const auto& ev : log.events) all += ev + "; ";
+    const std::vector<std::string> want = {"submit 1", "submit 3", "submit 4", "attend", "wait 1", "attend",
+                                           "attend",   "wait 3",   "attend",   "wait 4", "attend"};
+    EXPECT_EQ(log.events, want) << all;
   }
 }
 

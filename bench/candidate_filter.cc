@@ -32,6 +32,7 @@
 
 #include "core/backend.h"
 #include "core/candidate_select.h"
+#include "core/host_math.h"
 #include "core/engine.h"
 #include "core/eval.h"
 #include "core/model_loader.h"
@@ -228,15 +229,7 @@ void parallel_group_scores(tbb::task_arena& arena, const float* q, const float* 
       for (int64_t t = b * kBlock; t < std::min(L, (b + 1) * kBlock); ++t) {
         const float* kt = k + t * kvd + g * d;
         for (int64_t j = 0; j < group; ++j) {
-          const float* qh = q + (g * group + j) * d;
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t i = 0;
-          for (; i + 8 <= d; i += 8) {
-            for (int u = 0; u < 8; ++u) acc[u] += qh[i + u] * kt[i + u];
-          }
-          float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-          for (; i < d; ++i) dot += qh[i] * kt[i];
-          const float v = dot * scale;
+          const float v = dot8(q + (g * group + j) * d, kt, d) * scale;
           logits[static_cast<size_t>((g * group + j) * L + t)] = v;
           mx[j] = std::max(mx[j], v);
         }

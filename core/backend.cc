@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/host_math.h"
 
 namespace specontext {
 
@@ -54,33 +55,10 @@ Status Backend::retrieval_group_scores(const float* q, const float* const* k_blo
                             std::to_string(n_kv_heads) + " KV heads, head_dim " + std::to_string(head_dim) +
                             ", blocks of " + std::to_string(block_tokens) + " tokens");
   }
-  const int64_t group = n_heads / n_kv_heads;
-  const int64_t kvd = n_kv_heads * head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  std::vector<float> row(static_cast<size_t>(length));
-  std::fill(out, out + n_kv_heads * length, 0.0f);
-  for (int64_t h = 0; h < n_heads; ++h) {
-    const int64_t g = h / group;
-    const float* qh = q + h * head_dim;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < length; ++t) {
-      const float* kt = k_blocks[t / block_tokens] + (t % block_tokens) * kvd + g * head_dim;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= head_dim; i += 8) {
-        for (int u = 0; u < 8; ++u) acc[u] += qh[i + u] * kt[i + u];
-      }
-      float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; i < head_dim; ++i) dot += qh[i] * kt[i];
-      row[static_cast<size_t>(t)] = dot * scale;
-      mx = std::max(mx, row[static_cast<size_t>(t)]);
-    }
-    double sum = 0.0;
-    for (int64_t t = 0; t < length; ++t) sum += (row[static_cast<size_t>(t)] = std::exp(row[static_cast<size_t>(t)] - mx));
-    const float inv = static_cast<float>(1.0 / sum);
-    float* dst = out + g * length;
-    for (int64_t t = 0; t < length; ++t) dst[t] = std::max(dst[t], row[static_cast<size_t>(t)] * inv);
-  }
+  std::vector<float> logits(static_cast<size_t>(n_heads * length));
+  head_logits(q, k_blocks, block_tokens, 0, length, length, n_heads, n_kv_heads, head_dim, logits.data());
+  softmax_rows(logits.data(), n_heads, length);
+  group_max(logits.data(), 0, length, length, n_heads, n_kv_heads, out);
   return Status::ok();
 }
 

@@ -7,6 +7,8 @@
 #include <numeric>
 #include <string>
 
+#include "core/host_math.h"
+
 namespace specontext {
 
 namespace {
@@ -245,15 +247,7 @@ Status select_among_candidates(const float* q, const float* const* k_blocks, int
         const int64_t t = tok[c];
         const float* kt = k_blocks[t / block_tokens] + (t % block_tokens) * kvd + g * head_dim;
         for (int64_t j = 0; j < group; ++j) {
-          const float* qh = q + (g * group + j) * head_dim;
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t i = 0;
-          for (; i + 8 <= head_dim; i += 8) {
-            for (int u = 0; u < 8; ++u) acc[u] += qh[i + u] * kt[i + u];
-          }
-          float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-          for (; i < head_dim; ++i) dot += qh[i] * kt[i];
-          row[static_cast<size_t>(j * n_cand + c)] = dot * scale;
+          row[static_cast<size_t>(j * n_cand + c)] = dot8(q + (g * group + j) * head_dim, kt, head_dim) * scale;
         }
       }
       for (int64_t j = 0; j < group; ++j) {

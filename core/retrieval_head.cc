@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "core/host_math.h"
 #include "core/loader_internal.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
@@ -238,39 +239,9 @@ void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_
   const RetrievalHeadConfig& c = head.config;
   const int64_t hd = c.head_dim, nh = c.n_heads, nkv = c.n_kv_heads;
   if (length <= 0 || nh <= 0 || nkv <= 0) return;
-  const int64_t group = nh / nkv;
-  const int64_t kvd = nkv * hd;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // Token-major: each key row is read once for all query heads of its group. Eight partial sums
-  // let the compiler vectorise the dot product without reassociating a single float chain.
-  for (int64_t j = 0; j < length; ++j) {
-    for (int64_t g = 0; g < nkv; ++g) {
-      const float* kj = k_cache + j * kvd + g * hd;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const float* qh = q + h * hd;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = 0;
-        for (; i + 8 <= hd; i += 8) {
-          for (int u = 0; u < 8; ++u) acc[u] += qh[i + u] * kj[i + u];
-        }
-        float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; i < hd; ++i) dot += qh[i] * kj[i];
-        scores[h * length + j] = dot * scale;
-      }
-    }
-  }
-  for (int64_t h = 0; h < nh; ++h) {
-    float* row = scores + h * length;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < length; ++j) mx = std::max(mx, row[j]);
-    double sum = 0.0;
-    for (int64_t j = 0; j < length; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    const float inv = static_cast<float>(1.0 / sum);
-    for (int64_t j = 0; j < length; ++j) row[j] *= inv;
-  }
+  const float* table[1] = {k_cache};
+  head_logits(q, table, length, 0, length, length, nh, nkv, hd, scores);
+  softmax_rows(scores, nh, length);
 }
 
 Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path, const ModelConfig& target) {

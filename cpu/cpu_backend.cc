@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/host_math.h"
 #include "cpu/numa.h"
 #include "cpu/reference_backend.h"
 
@@ -469,6 +470,8 @@ struct CpuBackend::Impl {
   std::unordered_map<MatmulKey, MatmulPlan, MatmulKeyHash> plans;
   std::vector<uint16_t> x_bf16;  // reusable bf16 copy of the matmul input
   std::vector<float> x_rounded;  // the fallback's bf16-rounded input, widened back to f32
+  std::mutex retrieval_mu;              // guards retrieval_logits (the op stays re-entrant)
+  std::vector<float> retrieval_logits;  // retrieval_group_scores' [n_heads][length] scratch
   std::string last_path_f32 = "none", last_path_bf16 = "none";
 
   // Runs f(begin, end) over [0, n) on the arena, or inline when the work is too small for
@@ -1136,6 +1139,44 @@ Status CpuBackend::swiglu(const float* gate, const float* up, int64_t n, float* 
 Status CpuBackend::add(float* x, const float* y, int64_t n) {
   return guarded("add", [&]() -> Status {
     impl_->parallel(n, 1 << 15, [&](int64_t b, int64_t e) { add_range(x + b, y + b, e - b); });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
+                                          int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                          float* out) {
+  if (length <= 0) return Status::ok();
+  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 || block_tokens <= 0) {
+    return Backend::retrieval_group_scores(q, k_blocks, block_tokens, length, n_heads, n_kv_heads, head_dim, out);
+  }
+  return guarded("retrieval_group_scores", [&]() -> Status {
+    Impl& s = *impl_;
+    std::lock_guard<std::mutex> lock(s.retrieval_mu);
+    std::vector<float>& logits = s.retrieval_logits;
+    logits.resize(static_cast<size_t>(n_heads * length));
+    float* lg = logits.data();
+    const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 14) / std::max<int64_t>(n_heads * head_dim, 1));
+    s.parallel(length, grain, [&](int64_t t0, int64_t t1) {
+      head_logits(q, k_blocks, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim, lg);
+    });
+    for (int64_t h = 0; h < n_heads; ++h) {
+      float* row = lg + h * length;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < length; ++t) mx = std::max(mx, row[t]);
+      s.parallel(length, 1 << 13, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) row[t] = std::exp(row[t] - mx);
+      });
+      double sum = 0.0;  // in token order, as softmax_rows does: the same bits
+      for (int64_t t = 0; t < length; ++t) sum += row[t];
+      const float inv = static_cast<float>(1.0 / sum);
+      s.parallel(length, 1 << 14, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) row[t] *= inv;
+      });
+    }
+    s.parallel(length, 1 << 12, [&](int64_t t0, int64_t t1) {
+      group_max(lg, t0, t1, length, n_heads, n_kv_heads, out);
+    });
     return Status::ok();
   });
 }

@@ -25,14 +25,6 @@ struct Derived {
   int64_t shortlist = 0;
 };
 
-int64_t weights_bytes(const PlannerSnapshot& s) {
-  const long double w = static_cast<long double>(s.runtime_factor) *
-                        (static_cast<long double>(s.model_bytes) + static_cast<long double>(s.head_bytes));
-  // 1.3 is not exact in binary: 1.3·100 must give 130, not 131, so snap near-integers first.
-  const long double r = std::nearbyint(w);
-  if (std::fabs(w - r) <= 1e-12L * std::max<long double>(1, w)) return static_cast<int64_t>(r);
-  return static_cast<int64_t>(std::ceil(w));
-}
 
 Derived derive(const PlannerSnapshot& s) {
   Derived d;
@@ -383,6 +375,15 @@ Result<Plan> build(const PlannerSnapshot& s, const Plan* current, const Hysteres
 }
 
 }  // namespace
+
+int64_t weights_bytes(const PlannerSnapshot& s) {
+  const long double w = static_cast<long double>(s.runtime_factor) *
+                        (static_cast<long double>(s.model_bytes) + static_cast<long double>(s.head_bytes));
+  // 1.3 is not exact in binary: 1.3·100 must give 130, not 131, so snap near-integers first.
+  const long double r = std::nearbyint(w);
+  if (std::fabs(w - r) <= 1e-12L * std::max<long double>(1, w)) return static_cast<int64_t>(r);
+  return static_cast<int64_t>(std::ceil(w));
+}
 
 std::string_view tier_kind_name(TierKind k) {
   switch (k) {

@@ -100,6 +100,10 @@ Result<Plan> plan(const PlannerSnapshot& s);
 // Migration with a reason. The snapshot must describe the same tiers as `current`.
 Result<Plan> replan(const Plan& current, const PlannerSnapshot& now, const HysteresisOptions& opts = {});
 
+// The device reserve W = ceil(runtime_factor · (M_O + M_D)) that the thresholds subtract (exact
+// integers are kept: 1.3 · 100 is 130).
+int64_t weights_bytes(const PlannerSnapshot& s);
+
 // "1.50 GiB"-style rendering for messages and tables.
 std::string format_bytes(int64_t bytes);
 

@@ -8,15 +8,6 @@ namespace specontext::planner {
 
 namespace {
 
-int64_t weights_reserve(const PlannerSnapshot& s) {
-  // The same rounding as plan.cc: ceil(runtime_factor · (M_O + M_D)), exact integers kept.
-  const long double w = static_cast<long double>(s.runtime_factor) *
-                        (static_cast<long double>(s.model_bytes) + static_cast<long double>(s.head_bytes));
-  const long double r = std::nearbyint(w);
-  if (std::fabs(w - r) <= 1e-12L * std::max<long double>(1, w)) return static_cast<int64_t>(r);
-  return static_cast<int64_t>(std::ceil(w));
-}
-
 }  // namespace
 
 KvPlacement placement_of(const Plan& plan) {
@@ -43,7 +34,7 @@ Result<PlannerSnapshot> PlannerPolicy::snapshot_for(const PlacementInput& in, co
     return invalid_argument("planner policy: the engine has " + std::to_string(in.tiers.size()) + " tiers, the plan " +
                             std::to_string(1 + n_host + n_remote));
   }
-  const int64_t reserve = weights_reserve(s);
+  const int64_t reserve = weights_bytes(s);
   const int64_t device = static_cast<int64_t>(in.tiers[0].capacity_bytes) - static_cast<int64_t>(in.device_other_bytes);
   if (device <= 0 && reserve <= 0) {
     return resource_exhausted("the device tier (" + format_bytes(static_cast<int64_t>(in.tiers[0].capacity_bytes)) +
@@ -91,7 +82,12 @@ Result<PlacementDecision> PlannerPolicy::decide(const PlacementInput& in) {
 Status PlannerPolicy::admit(const PlacementInput& in, int64_t final_length, bool alone) {
   std::vector<int64_t> lens = alone ? std::vector<int64_t>{} : in.seq_lens;
   lens.push_back(final_length);
-  SPX_ASSIGN_OR_RETURN(PlannerSnapshot s, snapshot_for(in, lens));
+  Result<PlannerSnapshot> snap = snapshot_for(in, lens);
+  if (snap.status().code() == StatusCode::kResourceExhausted) {
+    return resource_exhausted("a sequence of " + std::to_string(final_length) + " tokens cannot be placed: " +
+                              snap.status().message());
+  }
+  SPX_ASSIGN_OR_RETURN(PlannerSnapshot s, std::move(snap));
   if (static_cast<int64_t>(lens.size()) > s.requests) {
     return resource_exhausted("the plan is sized for " + std::to_string(s.requests) + " requests");
   }

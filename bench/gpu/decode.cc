@@ -412,7 +412,7 @@ int main(int argc, char** argv) {
     const auto t = Clock::now();
     EngineOptions eo;
     eo.max_sequences = 1;
-    eo.max_context = 4096;
+    eo.max_context = std::min<int64_t>(4096, c.max_seq_len);
     if (head) {
       eo.sparse.method = SparseMethod::kSpeContext;
       eo.sparse.selection.budget = opt.budget;

@@ -50,6 +50,12 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
 struct Options {
   std::string model = "llama-3.1-8b";
   int64_t layers = 0;  // 0 = the model's depth
@@ -181,8 +187,8 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
       j["status"] = "does not fit";
       j["needed_bytes"] = needed;
       j["reason"] = "needs " + std::to_string(needed) + " bytes of KV, working sets and head keys; the device has room for " +
-                    std::to_string(device_room) + " (free minus a " + std::to_string(opt.reserve_gib) +
-                    " GiB reserve) and the host pool is capped at " + std::to_string(opt.host_kv_max_gib) + " GiB";
+                    std::to_string(device_room) + " (free minus a " + num(opt.reserve_gib) +
+                    " GiB reserve) and the host pool is capped at " + num(opt.host_kv_max_gib) + " GiB";
       return Status::ok();
     }
     const uint64_t host = std::min<uint64_t>(host_max, overflow + overflow / 4 + (uint64_t{4} << 30));
@@ -443,7 +449,7 @@ int main(int argc, char** argv) {
         const auto t = Clock::now();
         if (run.over_budget()) {
           j["status"] = "skipped";
-          j["reason"] = "time budget of " + std::to_string(opt.time_budget_s) + " s reached before this configuration";
+          j["reason"] = "time budget of " + num(opt.time_budget_s) + " s reached before this configuration";
         } else if (!method.is_ok()) {
           j["status"] = "error";
           j["error"] = method.status().to_string();

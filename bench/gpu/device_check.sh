@@ -92,7 +92,18 @@ HAVE_BIN=0
 if [ -f "$BUNDLE_TAR" ]; then
   rm -rf "$B"
   mkdir -p "$B"
-  if run unpack "$(limit 60 400)" "$WORK/unpack.log" tar -C "$B" -xJf "$BUNDLE_TAR"; then
+  # GNU tar needs the xz program for -J; python3's tarfile (lzma) serves where it is missing.
+  if command -v xz >/dev/null 2>&1; then
+    unpack=(tar -C "$B" -xJf "$BUNDLE_TAR")
+  else
+    unpack=(python3 -c 'import sys, tarfile
+t = tarfile.open(sys.argv[1], "r:xz")
+try:
+    t.extractall(sys.argv[2], filter="tar")
+except TypeError:
+    t.extractall(sys.argv[2])' "$BUNDLE_TAR" "$B")
+  fi
+  if run unpack "$(limit 60 400)" "$WORK/unpack.log" "${unpack[@]}"; then
     HAVE_BIN=1
     OURLIB="$B/lib"
     say "[unpack] bundle unpacked in ${LAST_S} s: $(sed -n 's/^commit: //p' "$B/MANIFEST.txt"), $(find "$B/bin" -type f | wc -l) programs"

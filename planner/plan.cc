@@ -385,15 +385,6 @@ int64_t weights_bytes(const PlannerSnapshot& s) {
   return static_cast<int64_t>(std::ceil(w));
 }
 
-std::string_view tier_kind_name(TierKind k) {
-  switch (k) {
-    case TierKind::kDevice: return "device";
-    case TierKind::kHost: return "host";
-    case TierKind::kRemote: return "remote";
-  }
-  return "?";
-}
-
 Result<std::vector<int64_t>> thresholds(const PlannerSnapshot& s) {
   SPX_RETURN_IF_ERROR(validate_snapshot(s));
   const Derived d = derive(s);

@@ -8,13 +8,15 @@
 #include <vector>
 
 #include "core/ids.h"
+#include "core/placement.h"
 #include "core/status.h"
 #include "planner/snapshot.h"
 
 namespace specontext::planner {
 
-enum class TierKind : uint8_t { kDevice, kHost, kRemote };
-std::string_view tier_kind_name(TierKind k);  // "device", "host", "remote"
+// Tier kinds are core's (core/placement.h), so plans and the engine's tiers speak one vocabulary.
+using specontext::TierKind;
+using specontext::tier_kind_name;
 
 // Tier ids are stable for a given snapshot layout: 0 = device, 1..N = host pools in snapshot order,
 // N+1.. = remote pools in snapshot order. Preference order (by bandwidth) is separate.

@@ -70,6 +70,25 @@ Status Backend::select_top_tokens(const float* group_scores, int64_t n_kv_heads,
   return Status::ok();
 }
 
+Status Backend::sample_rows(float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,
+                            TokenId* tokens) {
+  if (rows <= 0) return Status::ok();
+  if (vocab <= 0) return invalid_argument("sample_rows: vocabulary of " + std::to_string(vocab) + " tokens");
+  std::vector<float> host;
+  float* rows_here = logits;
+  if (memory_kind() != MemoryKind::kHost) {
+    host.resize(static_cast<size_t>(rows * vocab));
+    SPX_RETURN_IF_ERROR(download(host.data(), logits, host.size() * sizeof(float)));
+    rows_here = host.data();
+  }
+  std::vector<std::pair<float, int32_t>> scratch;
+  for (int64_t r = 0; r < rows; ++r) {
+    tokens[r] = sample_with_coin(std::span<float>(rows_here + r * vocab, static_cast<size_t>(vocab)),
+                                 draws[r], scratch);
+  }
+  return Status::ok();
+}
+
 Status Backend::kv_gather(const KvLayerView&, const GatherEntry*, int64_t, const WorkingSetView&) {
   return unimplemented("backend " + std::string(name()) + " has no kv_gather");
 }

@@ -14,6 +14,7 @@
 #include "core/memory.h"
 #include "core/model.h"
 #include "core/model_config.h"
+#include "core/sampler.h"
 #include "core/selection.h"
 #include "core/status.h"
 
@@ -166,6 +167,13 @@ class Backend {
   // backend memory; `out` is host memory. Default: download + select_from_group_scores.
   virtual Status select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
                                    const SelectionOptions& options, Selection& out);
+
+  // ---- sampling ----
+  // One token per row of logits [rows][vocab] (backend memory, modified in place): row r is
+  // decided by draws[r] exactly as sample_with_coin (core/sampler.h) defines; tokens is host
+  // memory [rows]. Default: download (when not host memory) + sample_with_coin per row.
+  virtual Status sample_rows(float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,
+                             TokenId* tokens);
 };
 
 }  // namespace specontext

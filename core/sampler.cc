@@ -46,22 +46,39 @@ int32_t argmax(std::span<const float> values) {
   return best;
 }
 
-TokenId Sampler::sample(std::span<float> logits, std::span<const TokenId> history) {
-  const int32_t n = static_cast<int32_t>(logits.size());
+TokenDraw Sampler::next_draw(std::span<const TokenId> history) {
+  TokenDraw draw;
+  draw.params = params_;
   if (params_.repetition_penalty != 1.0f && !history.empty()) {
     std::unordered_set<TokenId> seen(history.begin(), history.end());
-    for (TokenId t : seen) {
+    draw.penalized.assign(seen.begin(), seen.end());
+  }
+  if (params_.temperature != 0.0f) draw.coin = random_f32();
+  return draw;
+}
+
+TokenId Sampler::sample(std::span<float> logits, std::span<const TokenId> history) {
+  return sample_with_coin(logits, next_draw(history), candidates_);
+}
+
+TokenId sample_with_coin(std::span<float> logits, const TokenDraw& draw,
+                         std::vector<std::pair<float, int32_t>>& candidates) {
+  const SamplingParams& params = draw.params;
+  const int32_t n = static_cast<int32_t>(logits.size());
+  if (params.repetition_penalty != 1.0f) {
+    for (TokenId t : draw.penalized) {
       if (t < 0 || t >= n) continue;
       float& l = logits[static_cast<size_t>(t)];
-      l = l > 0.0f ? l / params_.repetition_penalty : l * params_.repetition_penalty;
+      l = l > 0.0f ? l / params.repetition_penalty : l * params.repetition_penalty;
     }
   }
-  if (params_.temperature == 0.0f) return argmax(logits);
+  if (params.temperature == 0.0f) return argmax(logits);
+  if (n <= 1) return 0;  // (top-p's cutoff divides by n - 1)
 
   // softmax(logits / T), in float like llama2.c
   float max_logit = logits[0];
   for (int32_t i = 0; i < n; ++i) {
-    logits[static_cast<size_t>(i)] /= params_.temperature;
+    logits[static_cast<size_t>(i)] /= params.temperature;
   }
   max_logit = *std::max_element(logits.begin(), logits.end());
   float sum = 0.0f;
@@ -71,28 +88,28 @@ TokenId Sampler::sample(std::span<float> logits, std::span<const TokenId> histor
   }
   for (auto& l : logits) l /= sum;
 
-  if (params_.top_k > 0 && params_.top_k < n) {
+  if (params.top_k > 0 && params.top_k < n) {
     // Keep the k most probable tokens, renormalise.
-    candidates_.clear();
-    for (int32_t i = 0; i < n; ++i) candidates_.emplace_back(logits[static_cast<size_t>(i)], i);
-    std::nth_element(candidates_.begin(), candidates_.begin() + params_.top_k - 1, candidates_.end(),
+    candidates.clear();
+    for (int32_t i = 0; i < n; ++i) candidates.emplace_back(logits[static_cast<size_t>(i)], i);
+    std::nth_element(candidates.begin(), candidates.begin() + params.top_k - 1, candidates.end(),
                      [](const auto& a, const auto& b) { return a.first > b.first; });
-    const float kth = candidates_[static_cast<size_t>(params_.top_k - 1)].first;
+    const float kth = candidates[static_cast<size_t>(params.top_k - 1)].first;
     int32_t kept_equal = 0;
     float kept_sum = 0.0f;
     int32_t above = 0;
     for (int32_t i = 0; i < n; ++i) above += logits[static_cast<size_t>(i)] > kth ? 1 : 0;
     for (int32_t i = 0; i < n; ++i) {
       float& p = logits[static_cast<size_t>(i)];
-      const bool keep = p > kth || (p == kth && above + kept_equal++ < params_.top_k);
+      const bool keep = p > kth || (p == kth && above + kept_equal++ < params.top_k);
       if (!keep) p = 0.0f;
       kept_sum += p;
     }
     for (auto& p : logits) p /= kept_sum;
   }
 
-  const float coin = random_f32();
-  if (params_.top_p >= 1.0f) {  // sample from the full distribution
+  const float coin = draw.coin;
+  if (params.top_p >= 1.0f) {  // sample from the full distribution
     float cdf = 0.0f;
     for (int32_t i = 0; i < n; ++i) {
       cdf += logits[static_cast<size_t>(i)];
@@ -102,18 +119,18 @@ TokenId Sampler::sample(std::span<float> logits, std::span<const TokenId> histor
   }
   // top-p as llama2.c sample_topp: drop tokens below (1 - p) / (n - 1), sort descending,
   // keep the smallest prefix whose mass exceeds p.
-  const float cutoff = (1.0f - params_.top_p) / static_cast<float>(n - 1);
-  candidates_.clear();
+  const float cutoff = (1.0f - params.top_p) / static_cast<float>(n - 1);
+  candidates.clear();
   for (int32_t i = 0; i < n; ++i) {
-    if (logits[static_cast<size_t>(i)] >= cutoff) candidates_.emplace_back(logits[static_cast<size_t>(i)], i);
+    if (logits[static_cast<size_t>(i)] >= cutoff) candidates.emplace_back(logits[static_cast<size_t>(i)], i);
   }
-  std::stable_sort(candidates_.begin(), candidates_.end(),
+  std::stable_sort(candidates.begin(), candidates.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   float cumulative = 0.0f;
-  size_t last = candidates_.size() - 1;
-  for (size_t i = 0; i < candidates_.size(); ++i) {
-    cumulative += candidates_[i].first;
-    if (cumulative > params_.top_p) {
+  size_t last = candidates.size() - 1;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    cumulative += candidates[i].first;
+    if (cumulative > params.top_p) {
       last = i;
       break;
     }
@@ -121,10 +138,10 @@ TokenId Sampler::sample(std::span<float> logits, std::span<const TokenId> histor
   const float r = coin * cumulative;
   float cdf = 0.0f;
   for (size_t i = 0; i <= last; ++i) {
-    cdf += candidates_[i].first;
-    if (r < cdf) return candidates_[i].second;
+    cdf += candidates[i].first;
+    if (r < cdf) return candidates[i].second;
   }
-  return candidates_[last].second;
+  return candidates[last].second;
 }
 
 }  // namespace specontext

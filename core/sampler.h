@@ -21,11 +21,30 @@ struct SamplingParams {
   Status validate() const;
 };
 
+// Everything one sampling decision needs besides the logits, so that the decision can run where
+// the logits are (Backend::sample_rows on the device): the parameters, the coin the sequence's
+// generator drew for this step (0 when greedy: greedy draws none) and the distinct previous
+// tokens the repetition penalty applies to (empty when the penalty is off).
+struct TokenDraw {
+  SamplingParams params;
+  float coin = 0.0f;                // in [0, 1)
+  std::vector<TokenId> penalized;   // distinct, any order; ids outside the vocabulary are ignored
+};
+
+// The sampling procedure with the randomness taken out: penalty, then greedy argmax, or
+// softmax(logits / T), top-k (ties: the lower index), then llama2.c's top-p or the full CDF, with
+// `draw.coin`. `logits` is modified in place. `scratch` is reusable memory (may be empty).
+TokenId sample_with_coin(std::span<float> logits, const TokenDraw& draw,
+                         std::vector<std::pair<float, int32_t>>& scratch);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
   // Samples from logits (modified in place). `history` holds previous tokens for the penalty.
+  // Equals sample_with_coin(logits, next_draw(history), ...).
   TokenId sample(std::span<float> logits, std::span<const TokenId> history);
+  // Advances the random stream exactly as sample() would and returns the decision's inputs.
+  TokenDraw next_draw(std::span<const TokenId> history);
   const SamplingParams& params() const { return params_; }
 
  private:

@@ -147,19 +147,23 @@ struct PlacementEvent {
   std::string error;  // non-empty when a move failed (the layer kept its home)
 };
 
-enum class LogitsMode { kNone, kLast, kAll };
+// kSample: the last row's next token is drawn where the logits are (Backend::sample_rows, on the
+// device for CUDA) with StepRequest::draw; only the token comes back, not the logits.
+enum class LogitsMode { kNone, kLast, kAll, kSample };
 
 struct StepRequest {
   SeqId seq;
   std::span<const TokenId> tokens;
   LogitsMode logits = LogitsMode::kLast;
+  const TokenDraw* draw = nullptr;  // required with kSample, ignored otherwise
 };
 
 struct StepOutput {
   int64_t vocab = 0;
   std::vector<float> logits;         // [rows, vocab]
   std::vector<int64_t> first_row;    // per request: first logits row, -1 when none
-  std::vector<int64_t> n_rows;       // per request: 0, 1 (kLast) or n_tokens (kAll)
+  std::vector<int64_t> n_rows;       // per request: 0, 1 (kLast) or n_tokens (kAll); 0 for kSample
+  std::vector<TokenId> tokens;       // per request: the sampled token (kSample), -1 otherwise
   std::span<float> row(size_t request, int64_t k = 0) {
     return {logits.data() + (first_row[request] + k) * vocab, static_cast<size_t>(vocab)};
   }
@@ -353,6 +357,8 @@ class Engine {
       head_k_rows_, scores_, logits_, ids_dev_, positions_dev_, fill_pool_;
   std::vector<TokenId> ids_;
   std::vector<int64_t> positions_;
+  std::vector<TokenDraw> draw_values_;  // kSample rows of this step, in row order
+  std::vector<TokenId> sampled_;
   std::vector<float> host_q_, host_rows_;  // downloads for host-side selection (Quest, oracle, filter)
   std::vector<AttentionItem> items_, dense_items_;
   std::vector<SparseAttentionItem> sparse_items_;

@@ -45,6 +45,16 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
       return invalid_argument("forward: sequence " + std::to_string(r.seq.value()) + " appears twice in one batch");
     }
     if (r.tokens.empty()) return invalid_argument("forward: request without tokens");
+    if (r.logits == LogitsMode::kSample) {
+      if (r.draw == nullptr) {
+        return invalid_argument("forward: sequence " + std::to_string(r.seq.value()) + " asks kSample without a draw");
+      }
+      SPX_RETURN_IF_ERROR_CTX(r.draw->params.validate(), "forward: sequence " + std::to_string(r.seq.value()));
+      if (!(r.draw->coin >= 0.0f && r.draw->coin < 1.0f)) {
+        return invalid_argument("forward: sequence " + std::to_string(r.seq.value()) + ": draw coin " +
+                                std::to_string(r.draw->coin) + " outside [0, 1)");
+      }
+    }
     for (TokenId t : r.tokens) {
       if (t < 0 || t >= c.vocab_size) {
         return invalid_argument("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
@@ -488,37 +498,56 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     }
   }
 
-  // ---- logits for the rows asked for ----
+  // ---- logits for the rows asked for; sampled rows first, decided where the logits are ----
   StepOutput out;
   out.vocab = c.vocab_size;
   out.first_row.assign(n_req, -1);
   out.n_rows.assign(n_req, 0);
-  int64_t n_out = 0;
+  out.tokens.assign(n_req, -1);
+  int64_t n_sample = 0, n_out = 0;
   for (size_t i = 0; i < n_req; ++i) {
+    if (requests[i].logits == LogitsMode::kSample) ++n_sample;
     const int64_t n = requests[i].logits == LogitsMode::kAll ? items_[i].n_tokens
                       : requests[i].logits == LogitsMode::kLast ? 1 : 0;
     if (n > 0) out.first_row[i] = n_out;
     out.n_rows[i] = n;
     n_out += n;
   }
-  if (n_out > 0) {
-    SPX_ASSIGN_OR_RETURN(float* rows, fitf(rows_, n_out * dim));
+  if (n_sample + n_out > 0) {
+    SPX_ASSIGN_OR_RETURN(float* rows, fitf(rows_, (n_sample + n_out) * dim));
     const size_t dim_bytes = static_cast<size_t>(dim) * sizeof(float);
-    int64_t r = 0;
+    int64_t sampled = 0, returned = n_sample;
+    draw_values_.clear();
     for (size_t i = 0; i < n_req; ++i) {
-      if (out.n_rows[i] == 0) continue;
-      const int64_t first = items_[i].token_offset + items_[i].n_tokens - out.n_rows[i];
-      SPX_RETURN_IF_ERROR(be.copy_rows(rows + r * dim, dim_bytes, x + first * dim, dim_bytes, dim_bytes, out.n_rows[i]));
-      r += out.n_rows[i];
+      const bool sample = requests[i].logits == LogitsMode::kSample;
+      const int64_t n = sample ? 1 : out.n_rows[i];
+      if (n == 0) continue;
+      const int64_t first = items_[i].token_offset + items_[i].n_tokens - n;
+      int64_t& r = sample ? sampled : returned;
+      SPX_RETURN_IF_ERROR(be.copy_rows(rows + r * dim, dim_bytes, x + first * dim, dim_bytes, dim_bytes, n));
+      r += n;
+      if (sample) draw_values_.push_back(*requests[i].draw);
     }
-    SPX_RETURN_IF_ERROR(be.rmsnorm(rows, final_norm_, n_out, dim, c.norm_eps, rows));
-    out.logits.resize(static_cast<size_t>(n_out * c.vocab_size));
-    if (be.memory_kind() == MemoryKind::kHost) {
-      SPX_RETURN_IF_ERROR(be.matmul(rows, n_out, lm_head_, nullptr, out.logits.data()));
-    } else {
-      SPX_ASSIGN_OR_RETURN(float* logits, fitf(logits_, n_out * c.vocab_size));
-      SPX_RETURN_IF_ERROR(be.matmul(rows, n_out, lm_head_, nullptr, logits));
-      SPX_RETURN_IF_ERROR(be.download(out.logits.data(), logits, out.logits.size() * sizeof(float)));
+    SPX_RETURN_IF_ERROR(be.rmsnorm(rows, final_norm_, n_sample + n_out, dim, c.norm_eps, rows));
+    if (n_sample > 0) {
+      SPX_ASSIGN_OR_RETURN(float* logits, fitf(logits_, n_sample * c.vocab_size));
+      SPX_RETURN_IF_ERROR(be.matmul(rows, n_sample, lm_head_, nullptr, logits));
+      sampled_.resize(static_cast<size_t>(n_sample));
+      SPX_RETURN_IF_ERROR(be.sample_rows(logits, n_sample, c.vocab_size, draw_values_.data(), sampled_.data()));
+      for (size_t i = 0, k = 0; i < n_req; ++i) {
+        if (requests[i].logits == LogitsMode::kSample) out.tokens[i] = sampled_[k++];
+      }
+    }
+    if (n_out > 0) {
+      const float* out_rows = rows + n_sample * dim;
+      out.logits.resize(static_cast<size_t>(n_out * c.vocab_size));
+      if (be.memory_kind() == MemoryKind::kHost) {
+        SPX_RETURN_IF_ERROR(be.matmul(out_rows, n_out, lm_head_, nullptr, out.logits.data()));
+      } else {
+        SPX_ASSIGN_OR_RETURN(float* logits, fitf(logits_, n_out * c.vocab_size));
+        SPX_RETURN_IF_ERROR(be.matmul(out_rows, n_out, lm_head_, nullptr, logits));
+        SPX_RETURN_IF_ERROR(be.download(out.logits.data(), logits, out.logits.size() * sizeof(float)));
+      }
     }
   }
   SPX_RETURN_IF_ERROR(be.synchronize());

@@ -15,6 +15,7 @@ struct Active {
   TokenId next = -1;             // token to feed in the next decode step
   bool done = false;
   Sampler sampler{SamplingParams{}};
+  TokenDraw draw;  // this step's sampling decision, made by the engine where the logits are
 };
 
 }  // namespace
@@ -103,7 +104,8 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
       if (!a.seq.valid() || a.done || a.prefilled < static_cast<int64_t>(requests[a.index].prompt.size())) continue;
       if (budget <= 0) break;
       decode_tokens[a.index] = a.next;
-      batch.push_back({a.seq, std::span<const TokenId>(&decode_tokens[a.index], 1), LogitsMode::kLast});
+      a.draw = a.sampler.next_draw(a.history);
+      batch.push_back({a.seq, std::span<const TokenId>(&decode_tokens[a.index], 1), LogitsMode::kSample, &a.draw});
       in_batch.push_back(&a);
       is_prefill.push_back(false);
       --budget;
@@ -115,8 +117,9 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
       if (!a.seq.valid() || a.done || left <= 0 || budget <= 0) continue;
       const int64_t n = std::min({left, options_.prefill_chunk, budget});
       const bool last_chunk = n == left;
+      if (last_chunk) a.draw = a.sampler.next_draw(a.history);
       batch.push_back({a.seq, std::span<const TokenId>(prompt.data() + a.prefilled, static_cast<size_t>(n)),
-                       last_chunk ? LogitsMode::kLast : LogitsMode::kNone});
+                       last_chunk ? LogitsMode::kSample : LogitsMode::kNone, last_chunk ? &a.draw : nullptr});
       in_batch.push_back(&a);
       is_prefill.push_back(true);
       budget -= n;
@@ -143,9 +146,9 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
         a.prefilled += static_cast<int64_t>(batch[b].tokens.size());
         prefilled_total += static_cast<int64_t>(batch[b].tokens.size());
       }
-      if (out->n_rows[b] == 0) continue;
+      if (batch[b].logits != LogitsMode::kSample) continue;
       const GenerationRequest& r = requests[a.index];
-      const TokenId tok = a.sampler.sample(out->row(b), a.history);
+      const TokenId tok = out->tokens[b];
       GenerationResult& res = results[a.index];
       const bool stop = std::find(r.stop_ids.begin(), r.stop_ids.end(), tok) != r.stop_ids.end();
       if (stop) {

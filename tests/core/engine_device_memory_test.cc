@@ -221,6 +221,125 @@ TEST(EngineDeviceMemory, DeviceBackendGivesTheHostLogitsWithoutHostAccess) {
   }
 }
 
+// kSample rows are decided by Backend::sample_rows where the logits are (the base class downloads
+// them through download() here). In a batch that mixes the logits modes, the device-memory engine
+// must draw the tokens the host engine draws in place, and return the same kAll rows; and a
+// sampled token must be the one the host procedure draws from the logits kLast returns.
+TEST(EngineDeviceMemory, SampledRowsEqualHostSamplingOfTheReturnedLogits) {
+  auto model = testing::toy_model(2);
+  EngineOptions o;
+  o.max_sequences = 4;
+  o.max_context = 128;
+  o.page_size = 8;
+  auto protected_backend = std::make_shared<ProtectedMemoryBackend>(testing::cpu_backend());
+  auto dev = Engine::create(model, protected_backend, o);
+  auto host = Engine::create(model, testing::cpu_backend(), o);
+  auto plain = Engine::create(model, testing::cpu_backend(), o);  // kLast + the host procedure
+  ASSERT_TRUE(dev.is_ok() && host.is_ok() && plain.is_ok());
+  std::vector<SeqId> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto a = (*dev)->add_sequence(), b = (*host)->add_sequence();
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    ids.push_back(*a);
+  }
+  auto plain_seq = (*plain)->add_sequence();
+  ASSERT_TRUE(plain_seq.is_ok());
+  ASSERT_EQ(*plain_seq, ids[0]);
+  std::vector<SamplingParams> params(3);
+  params[0].temperature = 0.8f, params[0].top_p = 0.9f, params[0].seed = 2;
+  params[1].temperature = 0.9f, params[1].top_p = 0.8f, params[1].seed = 3;
+  params[2].temperature = 1.3f, params[2].top_k = 5, params[2].repetition_penalty = 1.4f, params[2].seed = 4;
+  std::vector<Sampler> samplers;
+  for (const auto& p : params) samplers.emplace_back(p);
+  Sampler plain_sampler(params[0]);
+  std::vector<std::vector<TokenId>> history = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9}};
+  std::vector<TokenId> plain_history = history[0];
+  std::vector<TokenId> kall_tokens = {2, 3, 4};
+  std::vector<std::pair<float, int32_t>> scratch;
+  for (int step = 0; step < 25; ++step) {
+    std::vector<TokenDraw> draws;
+    for (size_t i = 0; i < 3; ++i) draws.push_back(samplers[i].next_draw(history[i]));
+    std::vector<StepRequest> reqs;
+    for (size_t i = 0; i < 3; ++i) {
+      const auto toks = step == 0 ? std::span<const TokenId>(history[i]) : std::span<const TokenId>(&history[i].back(), 1);
+      reqs.push_back({ids[i], toks, LogitsMode::kSample, &draws[i]});
+    }
+    // A fourth sequence asks for all its rows, between the sampled ones.
+    const auto all = step == 0 ? std::span<const TokenId>(kall_tokens) : std::span<const TokenId>(&kall_tokens.back(), 1);
+    reqs.insert(reqs.begin() + 1, {ids[3], all, LogitsMode::kAll});
+    auto a = (*dev)->forward(reqs);
+    auto b = (*host)->forward(reqs);
+    ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+    ASSERT_TRUE(b.is_ok());
+    ASSERT_EQ(a->n_rows[1], static_cast<int64_t>(all.size()));
+    ASSERT_EQ(a->tokens[1], -1);
+    ASSERT_EQ(a->logits.size(), all.size() * static_cast<size_t>(a->vocab));  // only the kAll rows come back
+    ASSERT_EQ(testing::max_abs_diff(a->logits, b->logits), 0.0f) << "kAll rows, step " << step;
+    for (size_t i = 0; i < 3; ++i) {
+      const size_t r = i == 0 ? 0 : i + 1;
+      EXPECT_EQ(a->n_rows[r], 0);
+      ASSERT_EQ(a->tokens[r], b->tokens[r]) << "sequence " << i << ", step " << step;
+      ASSERT_GE(a->tokens[r], 0);
+      history[i].push_back(a->tokens[r]);
+    }
+    kall_tokens.push_back(static_cast<TokenId>((step * 7 + 1) % model->config.vocab_size));
+
+    // Sequence 0 alone on a third engine: kLast + sample_with_coin on the returned logits.
+    const TokenDraw plain_draw = plain_sampler.next_draw(plain_history);
+    ASSERT_EQ(plain_draw.coin, draws[0].coin);
+    const auto toks = step == 0 ? std::span<const TokenId>(plain_history) : std::span<const TokenId>(&plain_history.back(), 1);
+    StepRequest last{*plain_seq, toks, LogitsMode::kLast};
+    auto c = (*plain)->forward(std::span<const StepRequest>(&last, 1));
+    ASSERT_TRUE(c.is_ok());
+    std::vector<float> logits(c->logits);
+    plain_history.push_back(sample_with_coin(logits, plain_draw, scratch));
+  }
+  // The same draws for sequence 0 alone on the device-memory engine with kSample: both engines
+  // then run one-row matmuls (batched rows may round differently), so the texts must be equal.
+  {
+    auto solo = Engine::create(model, std::make_shared<ProtectedMemoryBackend>(testing::cpu_backend()), o);
+    ASSERT_TRUE(solo.is_ok());
+    auto s = (*solo)->add_sequence();
+    ASSERT_TRUE(s.is_ok());
+    Sampler sampler(params[0]);
+    std::vector<TokenId> h(plain_history.begin(), plain_history.begin() + 3);
+    for (int step = 0; step < 25; ++step) {
+      const TokenDraw d = sampler.next_draw(h);
+      const auto toks = step == 0 ? std::span<const TokenId>(h) : std::span<const TokenId>(&h.back(), 1);
+      StepRequest r{*s, toks, LogitsMode::kSample, &d};
+      auto out = (*solo)->forward(std::span<const StepRequest>(&r, 1));
+      ASSERT_TRUE(out.is_ok());
+      h.push_back(out->tokens[0]);
+    }
+    EXPECT_EQ(h, plain_history);
+  }
+  EXPECT_EQ(protected_backend->foreign_pointers(), 0);
+
+  // A sampled row needs a draw, with a coin in [0, 1) and valid parameters.
+  auto seq = (*dev)->add_sequence();
+  ASSERT_FALSE(seq.is_ok());  // all four slots are in use
+  const TokenId t = 1;
+  StepRequest missing{ids[0], std::span<const TokenId>(&t, 1), LogitsMode::kSample};
+  auto no_draw = (*dev)->forward(std::span<const StepRequest>(&missing, 1));
+  ASSERT_FALSE(no_draw.is_ok());
+  EXPECT_NE(no_draw.status().message().find("without a draw"), std::string::npos);
+  TokenDraw bad_coin;
+  bad_coin.params.temperature = 1.0f;
+  bad_coin.coin = 1.0f;
+  missing.draw = &bad_coin;
+  auto coin = (*dev)->forward(std::span<const StepRequest>(&missing, 1));
+  ASSERT_FALSE(coin.is_ok());
+  EXPECT_NE(coin.status().message().find("coin"), std::string::npos);
+  TokenDraw bad_params;
+  bad_params.params.top_p = 0.0f;
+  missing.draw = &bad_params;
+  auto params_error = (*dev)->forward(std::span<const StepRequest>(&missing, 1));
+  ASSERT_FALSE(params_error.is_ok());
+  EXPECT_NE(params_error.status().message().find("top_p"), std::string::npos);
+  // Nothing was accepted: the sequence still continues exactly.
+  EXPECT_EQ((*dev)->sequence_length(ids[0]), (*host)->sequence_length(ids[0]));
+}
+
 TEST(EngineDeviceMemory, OracleNeedsHostMemory) {
   auto model = testing::toy_model(2);
   EngineOptions o;

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <map>
+#include <random>
 
 #include "core/sampler.h"
 
@@ -118,6 +119,45 @@ TEST(Sampler, InvalidParametersAreRejected) {
   p.repetition_penalty = 0.0f;
   EXPECT_NE(p.validate().message().find("repetition_penalty"), std::string::npos);
   EXPECT_TRUE(SamplingParams{}.validate().is_ok());
+}
+
+// The split used by Backend::sample_rows: next_draw() advances the stream as sample() does and
+// sample_with_coin() makes the same decision, for every kind of parameters.
+TEST(Sampler, DrawThenDecideEqualsSample) {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int config = 0; config < 8; ++config) {
+    SamplingParams p;
+    p.temperature = config == 0 ? 0.0f : 0.3f * static_cast<float>(config);
+    p.top_p = config % 3 == 0 ? 1.0f : 0.5f + 0.1f * static_cast<float>(config % 4);
+    p.top_k = config % 2 == 0 ? 0 : config * 3;
+    p.repetition_penalty = config % 4 == 1 ? 1.3f : 1.0f;
+    p.seed = 100 + static_cast<uint64_t>(config);
+    Sampler whole(p), split(p);
+    std::vector<TokenId> history = {3, 3, 7, 1000, -2};  // repeats and out-of-range ids
+    std::vector<std::pair<float, int32_t>> scratch;
+    for (int step = 0; step < 200; ++step) {
+      std::vector<float> logits(97);
+      for (auto& l : logits) l = std::round(normal(gen) * 2.0f) / 2.0f;  // many ties
+      std::vector<float> copy = logits;
+      const TokenId a = whole.sample(logits, history);
+      const TokenDraw draw = split.next_draw(history);
+      if (p.temperature == 0.0f) EXPECT_EQ(draw.coin, 0.0f);  // greedy draws no coin
+      const TokenId b = sample_with_coin(copy, draw, scratch);
+      ASSERT_EQ(a, b) << "config " << config << " step " << step;
+      history.push_back(a);
+    }
+  }
+}
+
+TEST(Sampler, OneTokenVocabularyWithTopP) {
+  TokenDraw d;
+  d.params.temperature = 1.0f;
+  d.params.top_p = 0.5f;
+  d.coin = 0.7f;
+  std::vector<float> l = {2.0f};
+  std::vector<std::pair<float, int32_t>> scratch;
+  EXPECT_EQ(sample_with_coin(l, d, scratch), 0);
 }
 
 }  // namespace

@@ -35,6 +35,9 @@ namespace {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kThreads = kSampleThreads;
 constexpr int kWarps = kThreads / 32;
+// 3 blocks of 512 threads per SM: at most 40 registers (without the hint ptxas picked 32 and
+// spilled 4 bytes in sample_topk_kernel on sm_90).
+constexpr int kMinBlocks = 3;
 constexpr int64_t kNone = INT64_MAX;
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -165,7 +168,7 @@ __device__ int64_t first_crossing(int64_t len, Value value, Pred pred, bool carr
   return best;
 }
 
-__global__ void __launch_bounds__(kThreads) sample_prepare_kernel(const SampleLaunch a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) sample_prepare_kernel(const SampleLaunch a) {
   __shared__ BlockShared sh;
   const int64_t r = a.row_begin + blockIdx.x;
   const SampleRowMeta m = a.meta[r];
@@ -232,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) sample_prepare_kernel(const SampleLa
   if (threadIdx.x == 0) a.tokens[r] = static_cast<int32_t>(hit == kNone ? n - 1 : hit);
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     sample_topk_kernel(const SampleLaunch a, const uint64_t* sorted, uint64_t* keys2) {
   __shared__ BlockShared sh;
   const int64_t r = a.rows_topk[blockIdx.x];
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) a.end2[m.seg2] = a.begin2[m.seg2] + sh.count;
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     sample_topp_kernel(const SampleLaunch a, const uint64_t* sorted1, const uint64_t* sorted2) {
   __shared__ BlockShared sh;
   const int64_t r = a.rows_topp[blockIdx.x];

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) sample_prepare_kernel(co
 
   const bool all_keys = m.mode == kSampleTopK || m.mode == kSampleTopKTopP;
   const bool candidates = m.mode == kSampleTopP;
-  uint64_t* keys = a.keys_a + static_cast<int64_t>(m.slot) * n;
+  uint64_t* keys = all_keys || candidates ? a.keys_a + static_cast<int64_t>(m.slot) * n : nullptr;
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
   for (int64_t k = threadIdx.x; k < n; k += kThreads) {

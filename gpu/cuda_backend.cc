@@ -11,6 +11,7 @@
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
 #include "gpu/retrieval_plan.h"
+#include "gpu/sampling_plan.h"
 #include "gpu/sparse_plan.h"
 
 namespace specontext::gpu {
@@ -497,6 +498,80 @@ Status CudaBackend::select_top_tokens(const float* group_scores, int64_t n_kv_he
 }
 
 // ---- sampling ----
+
+Status CudaBackend::sample_rows(float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,
+                                TokenId* tokens) {
+  SPX_ASSIGN_OR_RETURN(SamplePlan plan, plan_sample_rows(logits, rows, vocab, draws, tokens));
+  if (plan.rows == 0) return Status::ok();
+  if (plan.host_only) {
+    fill_host_only(plan, tokens);
+    return Status::ok();
+  }
+  SPX_ENTER_DEVICE();
+  size_t temp_bytes = 0;
+  for (const SampleGroupPlan& g : plan.groups) {
+    size_t b = 0;
+    SPX_CUDA_CHECK(kernels::sample_sort_temp_bytes(vocab, g.n_slots(), g.n_seg2(), plan.key_shift, &b));
+    temp_bytes = std::max(temp_bytes, b);
+  }
+  // Scratch growth synchronises the stream; do it before the metadata upload is queued.
+  SPX_RETURN_IF_ERROR(reserve(sample_tokens_, static_cast<size_t>(rows)));
+  if (plan.max_slots > 0) {
+    SPX_RETURN_IF_ERROR(reserve(sample_keys_, 2 * plan.key_words()));
+    SPX_RETURN_IF_ERROR(reserve(sample_ends_, static_cast<size_t>(plan.max_slots + plan.max_seg2)));
+    SPX_RETURN_IF_ERROR(reserve(sample_temp_, std::max<size_t>(temp_bytes, 1)));
+  }
+  meta_host_.clear();
+  const size_t meta_at = append_bytes(meta_host_, plan.meta.data(), plan.meta.size());
+  const size_t ids_at = append_bytes(meta_host_, plan.penalized.data(), plan.penalized.size());
+  struct GroupOffsets {
+    size_t begin1, begin2, rows_topk, rows_topp;
+  };
+  std::vector<GroupOffsets> at;
+  at.reserve(plan.groups.size());
+  for (const SampleGroupPlan& g : plan.groups) {
+    GroupOffsets o{};
+    o.begin1 = append_bytes(meta_host_, g.begin1.data(), g.begin1.size());
+    o.begin2 = append_bytes(meta_host_, g.begin2.data(), g.begin2.size());
+    o.rows_topk = append_bytes(meta_host_, g.rows_topk.data(), g.rows_topk.size());
+    o.rows_topp = append_bytes(meta_host_, g.rows_topp.data(), g.rows_topp.size());
+    at.push_back(o);
+  }
+  SPX_RETURN_IF_ERROR(upload_metadata());
+  const uint8_t* base = meta_dev_.data();
+  // Groups run one after another on the stream and share the scratch (stream-ordered reuse).
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const SampleGroupPlan& g = plan.groups[gi];
+    kernels::SampleLaunch a;
+    a.logits = logits;
+    a.vocab = vocab;
+    a.meta = reinterpret_cast<const kernels::SampleRowMeta*>(base + meta_at);
+    a.penalized = reinterpret_cast<const int32_t*>(base + ids_at);
+    a.tokens = sample_tokens_.data();
+    a.key_shift = plan.key_shift;
+    a.row_begin = g.row_begin;
+    a.n_rows = g.n_rows;
+    a.n_slots = g.n_slots();
+    a.n_seg2 = g.n_seg2();
+    a.n_topk = static_cast<int32_t>(g.rows_topk.size());
+    a.n_topp = static_cast<int32_t>(g.rows_topp.size());
+    a.rows_topk = reinterpret_cast<const int32_t*>(base + at[gi].rows_topk);
+    a.rows_topp = reinterpret_cast<const int32_t*>(base + at[gi].rows_topp);
+    a.begin1 = reinterpret_cast<const int32_t*>(base + at[gi].begin1);
+    a.begin2 = reinterpret_cast<const int32_t*>(base + at[gi].begin2);
+    if (plan.max_slots > 0) {
+      a.end1 = sample_ends_.data();
+      a.end2 = sample_ends_.data() + plan.max_slots;
+      a.keys_a = sample_keys_.data();
+      a.keys_b = sample_keys_.data() + plan.key_words();
+      a.sort_temp = sample_temp_.data();
+      a.sort_temp_bytes = sample_temp_.size();
+    }
+    SPX_CUDA_CHECK(kernels::launch_sample_rows(a, stream_.get()));
+  }
+  static_assert(sizeof(TokenId) == sizeof(int32_t));
+  return download(tokens, sample_tokens_.data(), static_cast<size_t>(rows) * sizeof(int32_t));
+}
 
 Status CudaBackend::argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* host_out) {
   if (rows < 0 || vocab < 0) {

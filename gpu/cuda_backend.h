@@ -114,7 +114,19 @@ class CudaBackend final : public Backend {
   Status select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
                            const SelectionOptions& options, Selection& out) override;
 
-  // ---- sampling (not in the core interface) ----
+  // ---- sampling ----
+  // sample_with_coin (core/sampler.h) per row on the device: penalty, greedy argmax, softmax,
+  // top-k and llama2.c's top-p by segmented radix sorts (gpu/kernels_sampling.cu). logits
+  // (device memory) are overwritten; draws and tokens are host memory; synchronises (tokens are
+  // on the host on return). Greedy tokens are exact; sampled tokens equal the host's except where
+  // float summation order moves a CDF boundary across the coin. Beyond the host default's
+  // contract: invalid SamplingParams, a coin outside [0, 1) in a sampling row and penalized ids
+  // listed twice are kInvalidArgument (gpu/sampling_plan.h). A top-p row in which no token
+  // passes the cutoff (undefined on the host) gets the most probable token.
+  Status sample_rows(float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,
+                     TokenId* tokens) override;
+
+  // ---- sampling helpers (not in the core interface) ----
   // host_out[r] = argmax of logits[r][0, vocab) (device memory): the lowest index among the
   // largest non-NaN values, 0 for a row of NaN. Synchronises (the result is on the host).
   Status argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* host_out);
@@ -160,6 +172,10 @@ class CudaBackend final : public Backend {
   DeviceBuffer<uint8_t> select_scratch_;    // histograms, radix states, warp counts
   DeviceBuffer<int32_t> select_out_;        // [n_kv_heads][budget]
   DeviceBuffer<int32_t> argmax_out_;
+  DeviceBuffer<int32_t> sample_tokens_;   // [rows]
+  DeviceBuffer<int32_t> sample_ends_;     // end offsets of both sorts
+  DeviceBuffer<uint64_t> sample_keys_;    // two key buffers of plan.key_words()
+  DeviceBuffer<uint8_t> sample_temp_;     // CUB temporary storage
 };
 
 }  // namespace specontext::gpu

@@ -247,6 +247,76 @@ cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream);
 cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
                                cudaStream_t stream);
 
+// ---- sampling (Backend::sample_rows) ----
+// Every row is one of five modes, decided on the host (gpu/sampling_plan.h). A group of rows runs
+// (1) sample_prepare: penalty, then greedy argmax, or softmax written over the row in place, the
+//     index-order CDF scan (kSampleIndexCdf), or the row's sort keys (gpu/sample_keys.h) into its
+//     sort slot: every index (top-k), or the top-p candidates p >= cutoff (kSampleTopP);
+// (2) a segmented radix sort of the slots (descending keys);
+// (3) sample_topk (rows with top-k): k-th key and kept sum from the sorted prefix, then the
+//     index-order CDF over the kept set, or (kSampleTopKTopP) the keys of the renormalised
+//     candidates into the slot again, (4) a second segmented sort of those;
+// (5) sample_topp (rows with top-p): llama2.c's prefix and draw over the sorted candidates.
+// Tokens go to a device array; the caller downloads them.
+inline constexpr int kSampleThreads = 512;
+
+enum SampleMode : int32_t {
+  kSampleGreedy = 0,    // temperature == 0: argmax (first index of the max; 0 if logit 0 is NaN)
+  kSampleIndexCdf = 1,  // softmax, CDF in index order
+  kSampleTopK = 2,      // softmax, top-k, CDF in index order over the kept set
+  kSampleTopP = 3,      // softmax, top-p over the sorted candidates
+  kSampleTopKTopP = 4,  // softmax, top-k, top-p over the renormalised kept set
+};
+
+struct SampleRowMeta {
+  float temperature;
+  float top_p;
+  float penalty;            // repetition penalty; n_penalized == 0 when it is off
+  float coin;
+  float cutoff;             // (1 - top_p) / (vocab - 1) in float, as the host (top-p modes)
+  int32_t mode;             // SampleMode
+  int32_t top_k;            // 0 < top_k < vocab in the top-k modes, else 0
+  int32_t slot;             // sort slot in the row's group (modes 2-4), else -1
+  int32_t seg2;             // segment of the second sort (kSampleTopKTopP), else -1
+  int32_t n_penalized;      // in-range, distinct ids at penalized[penalized_offset ..]
+  int64_t penalized_offset;
+};
+
+// One group of consecutive rows: at most `max_slots` of them sorted, so the key buffers stay
+// bounded. Pointers are device memory.
+struct SampleLaunch {
+  float* logits = nullptr;                // [rows][vocab] of the call, overwritten
+  int64_t vocab = 0;
+  const SampleRowMeta* meta = nullptr;    // [rows] of the call
+  const int32_t* penalized = nullptr;
+  int32_t* tokens = nullptr;              // [rows] of the call
+  int key_shift = 1;                      // sample_key_shift(vocab)
+  int64_t row_begin = 0;                  // the group's rows [row_begin, row_begin + n_rows)
+  int64_t n_rows = 0;
+  int32_t n_slots = 0;                    // sorted rows of the group (segments of sort 1)
+  int32_t n_seg2 = 0;                     // kSampleTopKTopP rows (segments of sort 2)
+  int32_t n_topk = 0;                     // rows of sample_topk
+  int32_t n_topp = 0;                     // rows of sample_topp
+  const int32_t* rows_topk = nullptr;     // [n_topk] absolute row ids
+  const int32_t* rows_topp = nullptr;     // [n_topp]
+  const int32_t* begin1 = nullptr;        // [n_slots]: slot · vocab
+  const int32_t* begin2 = nullptr;        // [n_seg2]: slot · vocab of the row
+  int32_t* end1 = nullptr;                // scratch [n_slots], written by sample_prepare
+  int32_t* end2 = nullptr;                // scratch [n_seg2], written by sample_topk
+  uint64_t* keys_a = nullptr;             // scratch [n_slots · vocab] each
+  uint64_t* keys_b = nullptr;
+  void* sort_temp = nullptr;              // CUB temporary storage
+  size_t sort_temp_bytes = 0;
+};
+
+// CUB temporary storage both sorts of a group of n_slots sorted rows (n_seg2 of them sorted
+// twice) need. Host only (no launch); may query the current device.
+cudaError_t sample_sort_temp_bytes(int64_t vocab, int32_t n_slots, int32_t n_seg2, int key_shift,
+                                   size_t* bytes);
+
+// The group's kernels and sorts, in order on `stream`.
+cudaError_t launch_sample_rows(const SampleLaunch& a, cudaStream_t stream);
+
 // ---- transport: many small copies in one kernel ----
 
 // One piece of a gathered transfer: bytes from src to dst, both device-visible addresses (device

@@ -124,6 +124,9 @@ TokenId sample_with_coin(std::span<float> logits, const TokenDraw& draw,
   for (int32_t i = 0; i < n; ++i) {
     if (logits[static_cast<size_t>(i)] >= cutoff) candidates.emplace_back(logits[static_cast<size_t>(i)], i);
   }
+  // With top_p < 1/n every token can fall below the cutoff (llama2.c then reads out of bounds):
+  // the most probable token is the limit of the procedure as the kept prefix shrinks.
+  if (candidates.empty()) return argmax(logits);
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   float cumulative = 0.0f;

@@ -122,7 +122,7 @@ class CudaBackend final : public Backend {
   // float summation order moves a CDF boundary across the coin. Beyond the host default's
   // contract: invalid SamplingParams, a coin outside [0, 1) in a sampling row and penalized ids
   // listed twice are kInvalidArgument (gpu/sampling_plan.h). A top-p row in which no token
-  // passes the cutoff (undefined on the host) gets the most probable token.
+  // passes the cutoff gets the most probable token, as on the host.
   Status sample_rows(float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,
                      TokenId* tokens) override;
 

@@ -231,7 +231,7 @@ fi
 # (c) tests: device tests first, then the host-side ones; then generate CUDA vs CPU.
 if [ "$HAVE_BIN" -eq 1 ]; then
   TESTS_END=$(($(now) + $(limit 85 350)))
-  order=(cuda_device cuda_ops cuda_engine cuda_retrieval cuda_transport)
+  order=(cuda_device cuda_ops cuda_engine cuda_retrieval cuda_sampling cuda_transport)
   listed=" "
   tests=()
   for n in "${order[@]}"; do

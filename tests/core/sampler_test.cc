@@ -142,11 +142,29 @@ TEST(Sampler, DrawThenDecideEqualsSample) {
       std::vector<float> copy = logits;
       const TokenId a = whole.sample(logits, history);
       const TokenDraw draw = split.next_draw(history);
-      if (p.temperature == 0.0f) EXPECT_EQ(draw.coin, 0.0f);  // greedy draws no coin
+      if (p.temperature == 0.0f) {
+        EXPECT_EQ(draw.coin, 0.0f);  // greedy draws no coin
+      }
       const TokenId b = sample_with_coin(copy, draw, scratch);
       ASSERT_EQ(a, b) << "config " << config << " step " << step;
       history.push_back(a);
     }
+  }
+}
+
+// top_p < 1/n and a flat distribution: no token reaches the cutoff; the most probable one is
+// taken (the lowest index among equals) instead of reading past the candidate list.
+TEST(Sampler, TopPBelowOneOverNWithNoCandidate) {
+  TokenDraw d;
+  d.params.temperature = 1.0f;
+  d.params.top_p = 0.1f;
+  std::vector<std::pair<float, int32_t>> scratch;
+  for (float coin : {0.0f, 0.5f, 0.999f}) {
+    d.coin = coin;
+    std::vector<float> flat = {1.0f, 1.0f};
+    EXPECT_EQ(sample_with_coin(flat, d, scratch), 0);
+    std::vector<float> almost = {1.0f, 1.001f, 1.0f};  // p ≈ 0.333 each, cutoff 0.45
+    EXPECT_EQ(sample_with_coin(almost, d, scratch), 1);
   }
 }
 

@@ -188,7 +188,7 @@ TokenDraw random_draw(std::mt19937& rng, int64_t n, bool long_vocab) {
   p.top_p = top_ps[rng() % 8];
   if (p.top_p == 0.0f) p.top_p = std::uniform_real_distribution<float>(0.05f, 1.0f)(rng);
   if (p.top_p < 1.0f) p.top_p += std::uniform_real_distribution<float>(-0.004f, 0.0f)(rng);
-  // top_p <= 1/n can leave no candidate (sample_with_coin is undefined then).
+  // top_p <= 1/n can leave no candidate (the argmax then; its own test covers it).
   p.top_p = std::min(1.0f, std::max(p.top_p, 1.0f / static_cast<float>(n) + 0.01f));
   const int64_t ks[] = {0, 0, 1, 2, 50, -1, n - 1, n};
   // A random k in a long row lands among dense values (near ties): only for short rows.
@@ -502,7 +502,7 @@ TEST_F(CudaSamplingTest, ArgumentChecks) {
   EXPECT_TRUE(d_logits.guards_intact());
 }
 
-// A top-p row where no token passes the cutoff (undefined on the host) gets the argmax; calls
+// A top-p row where no token passes the cutoff gets the argmax (as on the host); calls
 // with other shapes in between reuse the scratch.
 TEST_F(CudaSamplingTest, NoCandidateAndScratchReuse) {
   Case c;

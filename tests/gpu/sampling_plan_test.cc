@@ -267,8 +267,8 @@ TokenDraw random_draw(std::mt19937& rng, int64_t n, bool greedy_allowed) {
   const float top_ps[] = {1.0f, 1.0f, 0.1f, 0.5f, 0.9f, 0.95f, 0.999f, 0.0f};
   p.top_p = top_ps[rng() % 8];
   if (p.top_p == 0.0f) p.top_p = std::uniform_real_distribution<float>(0.05f, 1.0f)(rng);
-  // top_p <= 1/n can leave no candidate, where sample_with_coin reads out of bounds (see
-  // NoCandidateGetsTheArgmax); keep the host comparison defined.
+  // top_p <= 1/n can leave no candidate (both sides then take the argmax, see
+  // NoCandidateGetsTheArgmax); the random cases stay in the usual range.
   p.top_p = std::min(1.0f, std::max(p.top_p, 1.0f / static_cast<float>(n) + 0.01f));
   const int64_t ks[] = {0, 0, 1, 2, -1, n - 1, n, n + 5};
   const int64_t k = ks[rng() % 8];
@@ -436,8 +436,8 @@ TEST(SamplingPlan, PenaltyIdsInRangeAndDistinct) {
   EXPECT_NE(dup.status().message().find("token 1 twice"), std::string::npos);
 }
 
-// top_p <= 1/n can leave no candidate above llama2.c's cutoff; sample_with_coin then reads past
-// its candidate list. The plan and kernels answer the most probable token.
+// top_p <= 1/n can leave no candidate above llama2.c's cutoff (llama2.c reads past its candidate
+// list there); sample_with_coin, the plan and the kernels answer the most probable token.
 TEST(SamplingPlan, NoCandidateGetsTheArgmax) {
   std::vector<float> logits = {0.1f, 0.3f, 0.2f};
   TokenDraw d;
@@ -449,6 +449,9 @@ TEST(SamplingPlan, NoCandidateGetsTheArgmax) {
   ASSERT_TRUE(plan.is_ok());
   std::mt19937 rng(3);
   EXPECT_EQ(emulate(plan.value(), logits, rng), (std::vector<TokenId>{1}));
+  std::vector<float> host = {0.1f, 0.3f, 0.2f};
+  std::vector<std::pair<float, int32_t>> scratch;
+  EXPECT_EQ(sample_with_coin(host, d, scratch), 1);
 }
 
 TEST(SamplingPlan, ArgumentChecksNameTheField) {

@@ -10,7 +10,7 @@ namespace {
 struct Active {
   size_t index = 0;
   SeqId seq;
-  std::vector<TokenId> history;  // prompt + generated (for penalties)
+  DistinctTokens history;  // of prompt + generated, for the repetition penalty (kept only when on)
   int64_t prefilled = 0;         // prompt tokens already in the cache
   TokenId next = -1;             // token to feed in the next decode step
   bool done = false;
@@ -45,7 +45,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
   };
   for (size_t i = 0; i < requests.size(); ++i) {
     active[i].index = i;
-    active[i].history = requests[i].prompt;
+    if (requests[i].sampling.repetition_penalty != 1.0f) active[i].history.add(requests[i].prompt);
     active[i].sampler = Sampler(requests[i].sampling);
   }
   // Requests wait until a sequence slot is free (continuous batching): admitted in order.
@@ -157,7 +157,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
         continue;
       }
       res.tokens.push_back(tok);
-      a.history.push_back(tok);
+      if (r.sampling.repetition_penalty != 1.0f) a.history.add(tok);
       a.next = tok;
       ++stats_.generated_tokens;
       if (!is_prefill[b]) ++stats_.decode_tokens;

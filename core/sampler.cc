@@ -57,6 +57,14 @@ TokenDraw Sampler::next_draw(std::span<const TokenId> history) {
   return draw;
 }
 
+TokenDraw Sampler::next_draw(const DistinctTokens& history) {
+  TokenDraw draw;
+  draw.params = params_;
+  if (params_.repetition_penalty != 1.0f) draw.penalized.assign(history.ids().begin(), history.ids().end());
+  if (params_.temperature != 0.0f) draw.coin = random_f32();
+  return draw;
+}
+
 TokenId Sampler::sample(std::span<float> logits, std::span<const TokenId> history) {
   return sample_with_coin(logits, next_draw(history), candidates_);
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <unordered_set>
 #include <vector>
 
 #include "core/ids.h"
@@ -37,6 +38,23 @@ struct TokenDraw {
 TokenId sample_with_coin(std::span<float> logits, const TokenDraw& draw,
                          std::vector<std::pair<float, int32_t>>& scratch);
 
+// The distinct tokens of a history that only grows, kept as it grows: what the repetition penalty
+// applies to, without rebuilding a set of the whole context every step.
+class DistinctTokens {
+ public:
+  void add(TokenId t) {
+    if (seen_.insert(t).second) ids_.push_back(t);
+  }
+  void add(std::span<const TokenId> tokens) {
+    for (TokenId t : tokens) add(t);
+  }
+  std::span<const TokenId> ids() const { return ids_; }
+
+ private:
+  std::unordered_set<TokenId> seen_;
+  std::vector<TokenId> ids_;
+};
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
@@ -45,6 +63,8 @@ class Sampler {
   TokenId sample(std::span<float> logits, std::span<const TokenId> history);
   // Advances the random stream exactly as sample() would and returns the decision's inputs.
   TokenDraw next_draw(std::span<const TokenId> history);
+  // The same with the history's distinct tokens kept by the caller.
+  TokenDraw next_draw(const DistinctTokens& history);
   const SamplingParams& params() const { return params_; }
 
  private:

@@ -63,6 +63,51 @@ TEST(Generator, BatchedRequestsEqualSeparateRuns) {
   EXPECT_EQ(e->live_sequences(), 0);  // every sequence released
 }
 
+// The generator samples on the backend (kSample) with the penalty set it keeps incrementally:
+// the tokens must be those of a plain loop that forwards kLast and samples the returned logits
+// with the whole history, for a penalised sampled request and a penalised greedy one.
+TEST(Generator, PenalisedSamplingEqualsAPlainLoopOverTheLogits) {
+  for (float temperature : {0.0f, 0.9f}) {
+    GenerationRequest r;
+    r.prompt = {1, 403, 407, 261, 378};
+    r.max_new_tokens = 60;
+    r.sampling.temperature = temperature;
+    r.sampling.top_p = 0.9f;
+    r.sampling.repetition_penalty = 1.3f;
+    r.sampling.seed = 5;
+    auto e = make_engine(1);
+    Generator g(*e, GeneratorOptions{});
+    auto res = g.run({r});
+    ASSERT_TRUE(res.is_ok()) << res.status().to_string();
+
+    auto plain = make_engine(1);
+    auto seq = plain->add_sequence();
+    ASSERT_TRUE(seq.is_ok());
+    Sampler sampler(r.sampling);
+    std::vector<TokenId> history = r.prompt, generated;
+    std::span<const TokenId> feed(r.prompt);
+    TokenId next = -1;
+    while (static_cast<int64_t>(generated.size()) < r.max_new_tokens) {
+      StepRequest step{*seq, feed, LogitsMode::kLast};
+      auto out = plain->forward(std::span<const StepRequest>(&step, 1));
+      ASSERT_TRUE(out.is_ok());
+      next = sampler.sample(out->row(0), history);
+      generated.push_back(next);
+      history.push_back(next);
+      feed = std::span<const TokenId>(&next, 1);
+    }
+    EXPECT_EQ((*res)[0].tokens, generated) << "temperature " << temperature;
+    // The penalty is doing something: the unpenalised greedy text differs.
+    if (temperature == 0.0f) {
+      GenerationRequest unpenalised = r;
+      unpenalised.sampling.repetition_penalty = 1.0f;
+      auto base = Generator(*e, GeneratorOptions{}).run({unpenalised});
+      ASSERT_TRUE(base.is_ok());
+      EXPECT_NE((*base)[0].tokens, generated);
+    }
+  }
+}
+
 TEST(Generator, StopTokenEndsTheRequestWithoutEmittingIt) {
   auto e = make_engine(1);
   Generator g(*e, GeneratorOptions{});

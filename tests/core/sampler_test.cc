@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <random>
+#include <set>
 
 #include "core/sampler.h"
 
@@ -133,8 +134,10 @@ TEST(Sampler, DrawThenDecideEqualsSample) {
     p.top_k = config % 2 == 0 ? 0 : config * 3;
     p.repetition_penalty = config % 4 == 1 ? 1.3f : 1.0f;
     p.seed = 100 + static_cast<uint64_t>(config);
-    Sampler whole(p), split(p);
+    Sampler whole(p), split(p), kept(p);
     std::vector<TokenId> history = {3, 3, 7, 1000, -2};  // repeats and out-of-range ids
+    DistinctTokens distinct;  // the generator's incremental form of the same history
+    distinct.add(history);
     std::vector<std::pair<float, int32_t>> scratch;
     for (int step = 0; step < 200; ++step) {
       std::vector<float> logits(97);
@@ -145,9 +148,17 @@ TEST(Sampler, DrawThenDecideEqualsSample) {
       if (p.temperature == 0.0f) {
         EXPECT_EQ(draw.coin, 0.0f);  // greedy draws no coin
       }
+      std::vector<float> copy2 = copy;
       const TokenId b = sample_with_coin(copy, draw, scratch);
       ASSERT_EQ(a, b) << "config " << config << " step " << step;
+      const TokenDraw from_distinct = kept.next_draw(distinct);
+      EXPECT_EQ(from_distinct.coin, draw.coin);
+      EXPECT_EQ(std::set<TokenId>(from_distinct.penalized.begin(), from_distinct.penalized.end()),
+                std::set<TokenId>(draw.penalized.begin(), draw.penalized.end()));
+      EXPECT_EQ(from_distinct.penalized.size(), draw.penalized.size());  // no repeats
+      ASSERT_EQ(sample_with_coin(copy2, from_distinct, scratch), a);
       history.push_back(a);
+      distinct.add(a);
     }
   }
 }

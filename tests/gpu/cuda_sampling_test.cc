@@ -453,7 +453,7 @@ TEST_F(CudaSamplingTest, FrequenciesFollowTheDistribution) {
     Sampler sampler(params);
     for (int64_t r = 0; r < draws; ++r) {
       c.logits.insert(c.logits.end(), logits5.begin(), logits5.end());
-      c.draws.push_back(sampler.next_draw({}));
+      c.draws.push_back(sampler.next_draw(std::span<const TokenId>()));
     }
     const std::vector<TokenId> got = device_tokens(c);
     std::vector<double> freq(n, 0.0);

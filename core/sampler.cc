@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <unordered_set>
 
 namespace specontext {
 
@@ -47,14 +46,9 @@ int32_t argmax(std::span<const float> values) {
 }
 
 TokenDraw Sampler::next_draw(std::span<const TokenId> history) {
-  TokenDraw draw;
-  draw.params = params_;
-  if (params_.repetition_penalty != 1.0f && !history.empty()) {
-    std::unordered_set<TokenId> seen(history.begin(), history.end());
-    draw.penalized.assign(seen.begin(), seen.end());
-  }
-  if (params_.temperature != 0.0f) draw.coin = random_f32();
-  return draw;
+  DistinctTokens distinct;
+  if (params_.repetition_penalty != 1.0f) distinct.add(history);
+  return next_draw(distinct);
 }
 
 TokenDraw Sampler::next_draw(const DistinctTokens& history) {

@@ -573,19 +573,4 @@ Status CudaBackend::sample_rows(float* logits, int64_t rows, int64_t vocab, cons
   return download(tokens, sample_tokens_.data(), static_cast<size_t>(rows) * sizeof(int32_t));
 }
 
-Status CudaBackend::argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* host_out) {
-  if (rows < 0 || vocab < 0) {
-    return invalid_argument("argmax_rows: rows = " + std::to_string(rows) + ", vocab = " + std::to_string(vocab));
-  }
-  if (rows == 0) return Status::ok();
-  if (host_out == nullptr) return invalid_argument("argmax_rows: null host_out");
-  if (vocab == 0) return invalid_argument("argmax_rows: vocab = 0 (no index to return)");
-  if (logits == nullptr) return invalid_argument("argmax_rows: null logits");
-  if (vocab > INT32_MAX || rows > INT32_MAX) return invalid_argument("argmax_rows: shape beyond int32");
-  SPX_ENTER_DEVICE();
-  SPX_RETURN_IF_ERROR(reserve(argmax_out_, static_cast<size_t>(rows)));
-  SPX_CUDA_CHECK(kernels::launch_argmax_rows(logits, rows, vocab, argmax_out_.data(), stream_.get()));
-  return download(host_out, argmax_out_.data(), static_cast<size_t>(rows) * sizeof(int32_t));
-}
-
 }  // namespace specontext::gpu

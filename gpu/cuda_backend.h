@@ -126,11 +126,6 @@ class CudaBackend final : public Backend {
   Status sample_rows(float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,
                      TokenId* tokens) override;
 
-  // ---- sampling helpers (not in the core interface) ----
-  // host_out[r] = argmax of logits[r][0, vocab) (device memory): the lowest index among the
-  // largest non-NaN values, 0 for a row of NaN. Synchronises (the result is on the host).
-  Status argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* host_out);
-
   cudaStream_t stream() const { return stream_.get(); }
   int device_ordinal() const { return device_; }
   int sm_count() const { return sm_count_; }
@@ -171,7 +166,6 @@ class CudaBackend final : public Backend {
   DeviceBuffer<float> retrieval_partials_;  // block (max, sum) partials, then (max, 1/sum) per head
   DeviceBuffer<uint8_t> select_scratch_;    // histograms, radix states, warp counts
   DeviceBuffer<int32_t> select_out_;        // [n_kv_heads][budget]
-  DeviceBuffer<int32_t> argmax_out_;
   DeviceBuffer<int32_t> sample_tokens_;   // [rows]
   DeviceBuffer<int32_t> sample_ends_;     // end offsets of both sorts
   DeviceBuffer<uint64_t> sample_keys_;    // two key buffers of plan.key_words()

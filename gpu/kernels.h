@@ -242,11 +242,6 @@ struct SelectTopLaunch {
 // Radix passes (when take > 0), then the ordered compaction and the fixed part.
 cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream);
 
-// out[r] = index of the largest non-NaN value of logits[r][0, vocab) (lowest index among equal
-// values; 0 for a row of NaN). One block per row.
-cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
-                               cudaStream_t stream);
-
 // ---- sampling (Backend::sample_rows) ----
 // Every row is one of five modes, decided on the host (gpu/sampling_plan.h). A group of rows runs
 // (1) sample_prepare: penalty, then greedy argmax, or softmax written over the row in place, the

@@ -1,5 +1,5 @@
 // Retrieval head (SpeContext): group scores of one decode query against the head's K cache, the
-// per-KV-head top-k selection over them, and a greedy argmax over logits rows.
+// per-KV-head top-k selection over them.
 //
 // Scores: three kernels. (1) A block owns tokens_per_block tokens of one KV head; it stages `tile`
 // K rows at a time in shared memory (coalesced, float4 when possible) and each thread scores one
@@ -368,45 +368,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_write_kernel(const Sele
   });
 }
 
-// ---- argmax ----
-
-constexpr int kArgmaxThreads = 256;
-
-// (v, i) beats (w, j) when larger, or equal with a lower index.
-__device__ __forceinline__ void argmax_merge(float& v, int32_t& i, float w, int32_t j) {
-  if (w > v || (w == v && j < i)) {
-    v = w;
-    i = j;
-  }
-}
-
-__global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_rows_kernel(const float* logits, int64_t vocab, int32_t* out) {
-  __shared__ float sv[kArgmaxThreads / 32];
-  __shared__ int32_t si[kArgmaxThreads / 32];
-  const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
-  float v = -INFINITY;
-  int32_t i = INT32_MAX;  // no candidate yet; NaN never becomes one (w > v and w == v are false)
-  for (int64_t k = threadIdx.x; k < vocab; k += kArgmaxThreads)
-    argmax_merge(v, i, row[k], static_cast<int32_t>(k));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float w = __shfl_xor_sync(kFullMask, v, offset);
-    const int32_t j = __shfl_xor_sync(kFullMask, i, offset);
-    argmax_merge(v, i, w, j);
-  }
-  const int warp = static_cast<int>(threadIdx.x >> 5);
-  if ((threadIdx.x & 31) == 0) {
-    sv[warp] = v;
-    si[warp] = i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kArgmaxThreads / 32; ++w) argmax_merge(v, i, sv[w], si[w]);
-    out[blockIdx.x] = i == INT32_MAX ? 0 : i;
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t stream) {
@@ -440,13 +401,6 @@ cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream) {
     select_count_kernel<<<grid, kSelectThreads, 0, stream>>>(a);
   }
   select_write_kernel<<<grid, kSelectThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
-                               cudaStream_t stream) {
-  if (rows <= 0) return cudaSuccess;
-  argmax_rows_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, stream>>>(logits, vocab, out);
   return cudaGetLastError();
 }
 

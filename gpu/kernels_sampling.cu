@@ -7,7 +7,7 @@
 // 64-bit keys ordering probability descending, lower index first) into the row's sort slot: all
 // indices for top-k, only the llama2.c candidates p >= cutoff for top-p (compacted, any order:
 // keys are distinct). It also writes the argmax as a fallback token (a top-p row without any
-// candidate, undefined on the host). A CUB segmented radix sort orders each slot. sample_topk
+// candidate takes it, as on the host). A CUB segmented radix sort orders each slot. sample_topk
 // (block per top-k row) takes the k-th key and the kept sum from the sorted prefix; top-k alone
 // then draws in index order over the kept set (membership: key >= k-th key); with top-p it writes
 // the keys of the renormalised kept probabilities >= cutoff to the slot again for a second sort.
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const bool second = m.mode == kSampleTopKTopP;
   const uint64_t* keys = (second ? sorted2 : sorted1) + base;
   const int64_t count = (second ? a.end2[m.seg2] : a.end1[m.slot]) - base;
-  if (count <= 0) return;  // no candidate (undefined on the host): the argmax stays
+  if (count <= 0) return;  // no candidate: the argmax stays, as on the host
   auto prob = [&](int64_t j) { return sample_key_prob(keys[j], shift); };
   // The smallest prefix whose mass exceeds top_p (else every candidate).
   float cumulative = 0.0f;

@@ -379,13 +379,15 @@ int main(int argc, char** argv) {
   // ---- model, head, backend: once ----
   const auto t_model = Clock::now();
   auto model = make_synthetic_model(opt.model, opt.layers, DType::kBF16, opt.seed);
-  if (!model.is_ok()) {
-    std::fprintf(stderr, "bench_gpu_decode: %s\n", model.status().to_string().c_str());
+  // A set-up failure is still a document: status "error" with the reason.
+  auto fail = [&](const Status& st) {
+    std::fprintf(stderr, "bench_gpu_decode: %s\n", st.to_string().c_str());
     doc["status"] = "error";
-    doc["error"] = model.status().to_string();
+    doc["error"] = st.to_string();
     write_json(opt.out, doc);
     return 1;
-  }
+  };
+  if (!model.is_ok()) return fail(model.status());
   const ModelConfig& c = (*model)->config;
   doc["model"] = {{"name", opt.model}, {"layers", c.n_layers}, {"dim", c.dim}, {"hidden", c.hidden_dim},
                   {"heads", c.n_heads}, {"kv_heads", c.n_kv_heads}, {"head_dim", c.head_dim},
@@ -402,13 +404,7 @@ int main(int argc, char** argv) {
     }
   }
   auto be = gpu::CudaBackend::create(opt.device);
-  if (!be.is_ok()) {
-    std::fprintf(stderr, "bench_gpu_decode: %s\n", be.status().to_string().c_str());
-    doc["status"] = "error";
-    doc["error"] = be.status().to_string();
-    write_json(opt.out, doc);
-    return 1;
-  }
+  if (!be.is_ok()) return fail(be.status());
   Run run{opt, *model, head, std::shared_ptr<Backend>(std::move(*be)), start};
 
   // Upload the weights once with a small engine (model and head), so every configuration sees

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   int steps = 4;
   std::string out = "bench_out/decode.json";
   std::string dtype = "f32";
+  std::string kv_dtype = "f32";
   bool plot = false;
   app.add_option("--synthetic", model_name, "synthetic model shape");
   app.add_option("--layers", layers, "layers kept");
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
   app.add_option("--batches", batches, "batch sizes")->delimiter(',');
   app.add_option("--steps", steps, "timed decode steps per point");
   app.add_option("--dtype", dtype, "weight dtype (f32, bf16)")->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--kv-dtype", kv_dtype, "KV cache dtype (f32, f16, bf16)")->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app.add_option("--out", out, "JSON output path");
   app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
   CLI11_PARSE(app, argc, argv);
@@ -73,6 +75,7 @@ int main(int argc, char** argv) {
     EngineOptions eo;
     eo.max_sequences = batch;
     eo.max_context = max_ctx + steps + 2;
+    eo.kv_dtype = dtype_from_name(kv_dtype).value_or(DType::kF32);  // CLI11 checked the name
     auto engine = Engine::create(*model, std::shared_ptr<Backend>(std::move(*backend)), eo);
     if (!engine.is_ok()) {
       std::fprintf(stderr, "error: %s\n", engine.status().to_string().c_str());
@@ -123,7 +126,7 @@ int main(int argc, char** argv) {
   }
   nlohmann::json doc = {
       {"command", "bench_decode"},
-      {"model", model_name}, {"layers", layers}, {"dtype", dtype}, {"kv_dtype", "f32"},
+      {"model", model_name}, {"layers", layers}, {"dtype", dtype}, {"kv_dtype", kv_dtype},
       {"triad_gb_per_s", bw.triad_gb_per_s}, {"threads", bw.threads},
       {"note", "synthetic weights and random KV: measures speed, not quality"},
       {"results", results}};

@@ -41,6 +41,8 @@ void register_generate(CLI::App& app, GenerateArgs& a) {
   cmd->add_option("--batch", a.batch, "sequences decoded together")->check(CLI::PositiveNumber);
   cmd->add_option("--prompt-tokens", a.prompt_tokens, "with --synthetic: random prompt length");
   cmd->add_option("--page-size", a.page_size, "tokens per KV page")->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-dtype", a.kv_dtype, "KV cache element type: f32, f16 or bf16 (attention computes in f32)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   cmd->add_option("--prefill-chunk", a.prefill_chunk, "prompt tokens per forward")->check(CLI::PositiveNumber);
   cmd->add_option("--max-context", a.max_context, "context limit per sequence (default: the model's)");
   cmd->add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
@@ -200,6 +202,7 @@ int run_generate(const GenerateArgs& a) {
   EngineOptions eopts;
   eopts.max_sequences = a.batch;
   eopts.page_size = a.page_size;
+  eopts.kv_dtype = dtype_from_name(a.kv_dtype).value_or(DType::kF32);  // CLI11 checked the name
   const int64_t need = a.synthetic_context + static_cast<int64_t>(prompt_ids.size()) + a.n;
   eopts.max_context = a.max_context > 0 ? a.max_context
                                         : std::min<int64_t>(model->config.max_seq_len,
@@ -286,6 +289,7 @@ int run_generate(const GenerateArgs& a) {
       {"decode_steps", st.decode_steps},
       {"kv_bytes", st.kv_bytes_peak},
       {"kv_bytes_per_token", (*engine)->kv_bytes_per_token()},
+      {"kv_dtype", a.kv_dtype},
       {"backend", std::string((*engine)->backend().name())},
       {"model", synthetic ? a.model.synthetic : a.model.model_path},
       {"sparse", method_name},

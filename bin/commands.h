@@ -51,6 +51,7 @@ struct GenerateArgs {
   int64_t sinks = 1;
   int64_t window = 4;
   std::string backend = "cpu";  // cpu | cuda (falls back to cpu without a device)
+  std::string kv_dtype = "f32";  // f32 | f16 | bf16: the KV cache's element type
   TierArgs tiers;
 };
 void register_generate(CLI::App& app, GenerateArgs& args);

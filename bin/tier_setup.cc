@@ -166,7 +166,7 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
       }
     }
     transport::ProbeOptions po;
-    po.row_bytes = static_cast<uint64_t>(c.head_dim) * sizeof(float);  // one KV head's row of one token
+    po.row_bytes = kv.row_bytes();  // one KV head's row of one token
     SPX_ASSIGN_OR_RETURN(rt.probe, transport::probe_bandwidth(*rt.router, paths, po));
   }
   auto measured = [&](TierId src, TierId dst) {
@@ -179,7 +179,7 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
   // ---- the planner's view of this engine ----
   planner::PolicyConfig pc;
   SPX_ASSIGN_OR_RETURN(pc.base.model, planner::shape_from_config(c));
-  pc.base.kv_elem_bytes = 4;  // KV pages are f32
+  pc.base.kv_elem_bytes = static_cast<int64_t>(dtype_size(kv.dtype()));
   // The device tier is the KV region alone (weights live outside it), so no weight reserve.
   pc.base.model_bytes = 0;
   pc.base.head_bytes = 0;

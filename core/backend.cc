@@ -11,6 +11,14 @@
 
 namespace specontext {
 
+const float* kv_row_f32(const KvLayerView& kv, bool values, int64_t head, int64_t token, float* buf) {
+  void* page = (values ? kv.v_pages : kv.k_pages)[token / kv.page_size];
+  const int64_t first = (head * kv.page_size + token % kv.page_size) * kv.head_dim;
+  if (kv.dtype == DType::kF32) return static_cast<const float*>(page) + first;
+  convert_to_f32(kv.dtype, element_at(page, kv.dtype, first), buf, static_cast<size_t>(kv.head_dim));
+  return buf;
+}
+
 Result<std::shared_ptr<void>> Backend::allocate(size_t bytes) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
   void* ptr = std::aligned_alloc(64, rounded);

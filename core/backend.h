@@ -35,17 +35,23 @@ struct RopeParams {
 RopeParams make_rope_params(const ModelConfig& config);
 
 // Paged KV cache of one layer of one sequence. Page p of K (and of V) holds
-// [kv_heads][page_size][head_dim] f32, so one KV head's tokens are contiguous inside a page.
-// Token t lives in page t / page_size, slot t % page_size.
+// [kv_heads][page_size][head_dim] elements of `dtype` (f32, f16 or bf16: is_kv_dtype), so one KV
+// head's tokens are contiguous inside a page. Token t lives in page t / page_size, slot
+// t % page_size. kv_append rounds to the dtype (nearest even); attention widens to f32.
 struct KvLayerView {
-  float* const* k_pages = nullptr;
-  float* const* v_pages = nullptr;
+  void* const* k_pages = nullptr;
+  void* const* v_pages = nullptr;
   int64_t n_pages = 0;
   int64_t page_size = 0;
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
+  DType dtype = DType::kF32;
   int64_t capacity() const { return n_pages * page_size; }
 };
+
+// Row `token` of KV head `head` of a paged view in HOST memory, K (values = false) or V, as f32:
+// f32 pages are read in place, f16 / bf16 rows are widened into buf [head_dim].
+const float* kv_row_f32(const KvLayerView& kv, bool values, int64_t head, int64_t token, float* buf);
 
 // One sequence's slice of a batched forward.
 struct AttentionItem {
@@ -55,16 +61,18 @@ struct AttentionItem {
   KvLayerView kv;            // already holds the new tokens (kv_append runs first)
 };
 
-// A compact per-sequence, per-layer working set: for each KV head, `slots` rows of head_dim f32
-// for K and for V ([kv_heads][slots][head_dim]); the first counts[h] slots of head h are valid.
-// Slot order is arbitrary (softmax does not care), so elastic loading can refill slots in place.
+// A compact per-sequence, per-layer working set: for each KV head, `slots` rows of head_dim
+// elements of `dtype` (the KV cache's: kv_gather copies elements unchanged) for K and for V
+// ([kv_heads][slots][head_dim]); the first counts[h] slots of head h are valid. Slot order is
+// arbitrary (softmax does not care), so elastic loading can refill slots in place.
 struct WorkingSetView {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   int64_t kv_heads = 0;
   int64_t slots = 0;
   int64_t head_dim = 0;
   const int32_t* counts = nullptr;  // [kv_heads]
+  DType dtype = DType::kF32;
 };
 
 // One copy of a cached token of one KV head into a working-set slot.

@@ -11,6 +11,10 @@ Status check_working_set(const WorkingSetView& ws, const char* op, bool need_cou
     return invalid_argument(std::string(op) +
                             ": working set kv_heads and head_dim must be positive, slots >= 0");
   }
+  if (!is_kv_dtype(ws.dtype)) {
+    return invalid_argument(std::string(op) + ": working set dtype " + std::string(dtype_name(ws.dtype)) +
+                            " is not f32, f16 or bf16");
+  }
   if (ws.slots > 0 && (ws.k == nullptr || ws.v == nullptr)) {
     return invalid_argument(std::string(op) + ": null working-set K/V");
   }

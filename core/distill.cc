@@ -50,8 +50,8 @@ class TeacherObserver final : public ForwardObserver {
     for (int64_t g = 0; g < nkv; ++g) {
       // Contiguous copy of head g's keys: page t/ps, slot t%ps, block [kv_heads][ps][hd].
       for (int64_t t = 0; t < n; ++t) {
-        const float* src = kv.k_pages[t / kv.page_size] + (g * kv.page_size + t % kv.page_size) * hd;
-        std::copy_n(src, hd, keys.data() + t * hd);
+        const float* src = kv_row_f32(kv, /*values=*/false, g, t, keys.data() + t * hd);
+        if (src != keys.data() + t * hd) std::copy_n(src, hd, keys.data() + t * hd);
       }
       float* out = chunk_->teacher.data() + g * tri(n);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {

@@ -17,6 +17,13 @@ std::string_view dtype_name(DType t) {
   return "?";
 }
 
+std::optional<DType> dtype_from_name(std::string_view name) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kI32, DType::kI64, DType::kU8}) {
+    if (dtype_name(t) == name) return t;
+  }
+  return std::nullopt;
+}
+
 size_t dtype_size(DType t) {
   switch (t) {
     case DType::kF32: case DType::kI32: return 4;
@@ -95,6 +102,26 @@ void convert_to_f32(DType t, const void* src, float* dst, size_t n) {
     }
     default:
       for (size_t i = 0; i < n; ++i) dst[i] = 0.0f;  // non-float types are never converted
+  }
+}
+
+void convert_from_f32(DType t, const float* src, void* dst, size_t n) {
+  switch (t) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kF16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+      return;
+    }
+    case DType::kBF16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+      return;
+    }
+    default:
+      return;  // callers check is_kv_dtype first
   }
 }
 

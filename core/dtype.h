@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string_view>
 
 namespace specontext {
@@ -10,6 +11,8 @@ namespace specontext {
 enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kI32, kI64, kU8 };
 
 std::string_view dtype_name(DType t);
+// The DType whose dtype_name is `name`, if any.
+std::optional<DType> dtype_from_name(std::string_view name);
 // Bytes per element; 0 for block-quantised types (use row_bytes).
 size_t dtype_size(DType t);
 
@@ -33,5 +36,17 @@ uint16_t f32_to_f16(float f);
 
 // Converts n elements of `src` (dtype t) to f32. Q8_0 needs n to be a multiple of 32.
 void convert_to_f32(DType t, const void* src, float* dst, size_t n);
+
+// Element types a KV cache (and a working set) may hold: f32, f16, bf16.
+inline bool is_kv_dtype(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
+// Rounds n f32 values to t (f32, f16 or bf16; nearest even, NaN stays NaN) into dst.
+void convert_from_f32(DType t, const float* src, void* dst, size_t n);
+// Address of element i of an array of element type t (f32/f16/bf16/i32/i64/u8).
+inline void* element_at(void* base, DType t, int64_t i) {
+  return static_cast<unsigned char*>(base) + static_cast<size_t>(i) * dtype_size(t);
+}
+inline const void* element_at(const void* base, DType t, int64_t i) {
+  return static_cast<const unsigned char*>(base) + static_cast<size_t>(i) * dtype_size(t);
+}
 
 }  // namespace specontext

@@ -58,6 +58,9 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
   }
   if (options.max_sequences <= 0) return invalid_argument("max_sequences must be positive");
   if (options.page_size <= 0) return invalid_argument("page_size must be positive");
+  if (!is_kv_dtype(options.kv_dtype)) {
+    return invalid_argument("kv_dtype must be f32, f16 or bf16, got " + std::string(dtype_name(options.kv_dtype)));
+  }
   std::unique_ptr<Engine> e(new Engine());
   e->model_ = std::move(model);
   e->backend_ = std::move(backend);
@@ -167,14 +170,14 @@ Status Engine::setup_tiers() {
   // every sequence at max_context (what an all-device engine needs).
   uint64_t device_bytes = t.device_bytes;
   if (device_bytes == 0) {
-    const uint64_t page_bytes = 2 * static_cast<uint64_t>(options_.page_size * c.kv_dim()) * sizeof(float);
+    const uint64_t page_bytes = 2 * static_cast<uint64_t>(options_.page_size * c.kv_dim()) * dtype_size(options_.kv_dtype);
     const uint64_t chunk_pages = static_cast<uint64_t>(
         options_.kv_chunk_pages > 0 ? std::min(options_.kv_chunk_pages, n_pages) : KvStore::default_chunk_pages(page_bytes, n_pages));
     const uint64_t chunks = (static_cast<uint64_t>(n_pages) + chunk_pages - 1) / chunk_pages;
     device_bytes = static_cast<uint64_t>(c.n_layers) * chunks * chunk_pages * page_bytes;
     uint64_t allocations = static_cast<uint64_t>(c.n_layers) * chunks;
     if (options_.sparse.method != SparseMethod::kDense) {
-      const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) * sizeof(float);
+      const uint64_t ws = working_set_bytes();
       device_bytes += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2 * ws;
       allocations += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2;
     }
@@ -229,7 +232,8 @@ Status Engine::setup_tiers() {
                               "KV tiers: registering the bounce buffer");
     }
   }
-  SPX_ASSIGN_OR_RETURN(kv_, KvStore::create(c, options_.page_size, n_pages, std::move(tiers), options_.kv_chunk_pages));
+  SPX_ASSIGN_OR_RETURN(kv_, KvStore::create(c, options_.page_size, n_pages, std::move(tiers), options_.kv_chunk_pages,
+                                               options_.kv_dtype));
   placement_.layer_home.assign(static_cast<size_t>(c.n_layers), TierId(0));
   placement_.head_cache_home = TierId(0);
   step_traffic_.assign(static_cast<size_t>(kv_->n_tiers()), TierTraffic{});
@@ -310,8 +314,7 @@ uint64_t Engine::new_sequence_reserve() const {
   const ModelConfig& c = config();
   uint64_t r = static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
   if (options_.sparse.method != SparseMethod::kDense) {
-    r += static_cast<uint64_t>(c.n_layers) * 2 *
-         static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) * sizeof(float);
+    r += static_cast<uint64_t>(c.n_layers) * 2 * working_set_bytes();
   }
   if (options_.sparse.method == SparseMethod::kSpeContext) r += head_block_bytes();
   return r;

@@ -95,6 +95,9 @@ struct EngineOptions {
   int64_t page_size = 16;      // tokens per KV page
   int64_t kv_pages = 0;        // pages in the pool; 0 = enough for max_sequences at max_context
   int64_t kv_chunk_pages = 0;  // pages per storage chunk of a layer; 0 = about 2 MiB (KvStore)
+  // Element type of K and V in the cache and the working sets: f32, f16 or bf16 (is_kv_dtype).
+  // Attention widens to f32; kv_append rounds to nearest even.
+  DType kv_dtype = DType::kF32;
   SparseOptions sparse;
   std::shared_ptr<const RetrievalHead> retrieval_head;  // required by SparseMethod::kSpeContext
   // Tensor parallelism: this engine runs one rank's slice of the model (shard_model in
@@ -224,7 +227,9 @@ class Engine {
   uint64_t new_sequence_reserve() const;
   // Checks the KV store's invariants and that every live sequence's pages are distinct and in use.
   Status check_invariants() const;
-  int64_t kv_bytes_per_token() const { return config().kv_bytes_per_token(4); }
+  int64_t kv_bytes_per_token() const {
+    return config().kv_bytes_per_token(static_cast<int64_t>(dtype_size(options_.kv_dtype)));
+  }
 
   void set_observer(ForwardObserver* observer) { observer_ = observer; }
   const SparseOptions& sparse_options() const { return options_.sparse; }
@@ -297,6 +302,8 @@ class Engine {
   Status ensure_head_capacity(Sequence& s, int64_t tokens);
   int64_t head_capacity(const Sequence& s) const { return static_cast<int64_t>(s.head_blocks.size()) * head_block_tokens_; }
   uint64_t head_block_bytes() const;
+  // Bytes of K (or V) of one (sequence, layer) working set: kv_heads · budget · head_dim elements.
+  uint64_t working_set_bytes() const;
   float* head_row(const Sequence& s, int64_t token) const;  // address of token's key row
   const float* const* head_block_table(const Sequence& s);  // backend pointers, valid until the next call
   void release_head_cache(Sequence& s);
@@ -363,7 +370,7 @@ class Engine {
   std::vector<AttentionItem> items_, dense_items_;
   std::vector<SparseAttentionItem> sparse_items_;
   std::vector<size_t> sparse_index_;  // request index of each sparse item
-  std::vector<std::vector<float*>> k_ptrs_, v_ptrs_;
+  std::vector<std::vector<void*>> k_ptrs_, v_ptrs_;
   std::vector<GatherEntry> loads_, current_loads_;
   std::vector<const Selection*> selections_;
 };

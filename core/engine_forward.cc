@@ -206,7 +206,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
   // A layer in a tier it cannot read (remote) is staged: a page per item for the new token, the
   // whole cached sequence for items that attend densely or select per layer.
   const int64_t n_layers = c.n_layers;
-  const uint64_t row_bytes = static_cast<uint64_t>(c.head_dim) * sizeof(float);
+  const uint64_t row_bytes = kv_->row_bytes();
   const uint64_t block_bytes = kv_->block_bytes();
   const uint64_t page_bytes = kv_->page_bytes();
   std::vector<CopyTicket> load_ticket(static_cast<size_t>(n_layers)), store_ticket(static_cast<size_t>(n_layers));
@@ -325,8 +325,8 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
           // An elastic item stages only the page of its new token; every entry points at it.
           const int64_t idx = sparse[i] && shared ? 0 : static_cast<int64_t>(p);
           std::byte* page = base + static_cast<uint64_t>(stage_first[i] + idx) * page_bytes;
-          k_ptrs_[i][p] = reinterpret_cast<float*>(page);
-          v_ptrs_[i][p] = reinterpret_cast<float*>(page + block_bytes);
+          k_ptrs_[i][p] = page;
+          v_ptrs_[i][p] = page + block_bytes;
         }
         KvLayerView view;
         view.k_pages = k_ptrs_[i].data();
@@ -335,6 +335,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
         view.page_size = ps;
         view.kv_heads = c.n_kv_heads;
         view.head_dim = c.head_dim;
+        view.dtype = kv_->dtype();
         items_[i].kv = view;
       }
       const int64_t off = items_[i].token_offset;
@@ -385,8 +386,9 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
         traffic(device).tokens_hit += es.tokens_kept;
       }
       WorkingSetView wsv;
-      wsv.k = static_cast<float*>(kv_->address(device, ls.ws_k.offset));
-      wsv.v = static_cast<float*>(kv_->address(device, ls.ws_v.offset));
+      wsv.k = kv_->address(device, ls.ws_k.offset);
+      wsv.v = kv_->address(device, ls.ws_v.offset);
+      wsv.dtype = kv_->dtype();
       wsv.kv_heads = c.n_kv_heads;
       wsv.slots = ws.slots();
       wsv.head_dim = c.head_dim;
@@ -394,7 +396,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
       if (!gathers->empty()) {
         SPX_RETURN_IF_ERROR(be.kv_gather(items_[i].kv, gathers->data(), static_cast<int64_t>(gathers->size()), wsv));
       }
-      const int64_t token_bytes = 2 * c.head_dim * 4;
+      const int64_t token_bytes = static_cast<int64_t>(2 * row_bytes);
       sparse_stats_.tokens_selected += es.tokens_selected;
       sparse_stats_.tokens_loaded += es.tokens_loaded;
       sparse_stats_.tokens_kept += es.tokens_kept;

@@ -13,7 +13,7 @@ Status Engine::ensure_sparse_state(Sequence& s) {
   if (!s.layers.empty()) return Status::ok();
   const ModelConfig& c = config();
   const int64_t slots = options_.sparse.selection.budget;
-  const uint64_t bytes = static_cast<uint64_t>(c.n_kv_heads * slots * c.head_dim) * sizeof(float);
+  const uint64_t bytes = working_set_bytes();
   std::vector<LayerSparseState> layers(static_cast<size_t>(c.n_layers));
   const TierId device(0);
   Status st;
@@ -50,6 +50,12 @@ void Engine::drop_sparse_state(Sequence& s) {
 void Engine::invalidate_working_sets(Sequence& s) {
   s.shared_ws.clear();
   for (auto& ls : s.layers) ls.ws.clear();
+}
+
+uint64_t Engine::working_set_bytes() const {
+  const ModelConfig& c = config();
+  return static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
+         dtype_size(options_.kv_dtype);
 }
 
 uint64_t Engine::head_block_bytes() const {
@@ -210,13 +216,16 @@ Status Engine::select_for_layer(Sequence& s, LayerId layer, const AttentionItem&
       std::vector<float> sc(static_cast<size_t>(c.n_heads * length));
       const int64_t group = c.n_heads / c.n_kv_heads;
       const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+      std::vector<float> kr(static_cast<size_t>(c.head_dim));
       for (int64_t h = 0; h < c.n_heads; ++h) {
         const int64_t kvh = h / group;
         float* row = sc.data() + h * length;
         float mx = -INFINITY;
         for (int64_t t = 0; t < length; ++t) {
-          const float* kr = item.kv.k_pages[t / item.kv.page_size] +
-                            (kvh * item.kv.page_size + t % item.kv.page_size) * c.head_dim;
+          const KvLayerView& kv = item.kv;
+          convert_to_f32(kv.dtype,
+                         element_at(kv.k_pages[t / kv.page_size], kv.dtype, (kvh * kv.page_size + t % kv.page_size) * c.head_dim),
+                         kr.data(), kr.size());
           float d = 0.0f;
           for (int64_t i = 0; i < c.head_dim; ++i) d += q[h * c.head_dim + i] * kr[i];
           row[t] = d * scale;

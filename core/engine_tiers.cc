@@ -49,8 +49,7 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
     const LayerId layer(static_cast<int32_t>(l));
     if (kv_->resident(layer)) modelled += kv_->layer_bytes(layer);
   }
-  const uint64_t ws_bytes = 2 * static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
-                            sizeof(float);
+  const uint64_t ws_bytes = 2 * working_set_bytes();
   uint64_t growth = 0;
   for (const auto& [id, s] : sequences_) {
     if (!s.head_blocks.empty() && s.head_tier == device) modelled += s.head_blocks.size() * head_block_bytes();
@@ -260,26 +259,32 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
   }
   const ModelConfig& c = config();
   const int64_t layers = kv_->n_layers();
-  const int64_t pf = kv_->page_floats();
+  const int64_t pf = kv_->page_elements();
   // Page contents come from a pool of random pages (K block then V block, as in a page slot):
   // page p of layer l holds pool page (131·l + p) mod kPoolPages. Filling then costs copies, not
   // random numbers: on a GPU one upload and device-to-device copies instead of gigabytes of
   // host-generated uploads.
   constexpr int64_t kPoolPages = 64;
+  // `pool` holds the values as f32 after rounding to the cache's dtype (what Quest's bounds see),
+  // `pool_elems` the same values as stored.
+  const DType kvt = kv_->dtype();
   std::vector<float> pool(static_cast<size_t>(kPoolPages * 2 * pf));
+  std::vector<unsigned char> pool_elems(pool.size() * dtype_size(kvt));
   {
     SyntheticValues r{seed * 0x9E3779B97F4A7C15ull + 1};
     for (float& x : pool) x = r.next();
+    convert_from_f32(kvt, pool.data(), pool_elems.data(), pool.size());
+    convert_to_f32(kvt, pool_elems.data(), pool.data(), pool.size());
   }
   const size_t page_bytes = kv_->page_bytes();
-  auto pool_page = [&](int64_t l, size_t p) {
-    return pool.data() + ((131 * l + static_cast<int64_t>(p)) % kPoolPages) * 2 * pf;
-  };
-  const float* pool_dev = nullptr;
+  auto pool_index = [&](int64_t l, size_t p) { return ((131 * l + static_cast<int64_t>(p)) % kPoolPages) * 2 * pf; };
+  auto pool_page = [&](int64_t l, size_t p) { return pool.data() + pool_index(l, p); };
+  auto pool_page_elems = [&](int64_t l, size_t p) { return element_at(pool_elems.data(), kvt, pool_index(l, p)); };
+  const void* pool_dev = nullptr;
   if (backend_->memory_kind() != MemoryKind::kHost) {
-    auto dev = fit(fill_pool_, pool.size() * sizeof(float));
-    st = dev.is_ok() ? backend_->upload(*dev, pool.data(), pool.size() * sizeof(float)) : dev.status();
-    if (st.is_ok()) pool_dev = static_cast<const float*>(*dev);
+    auto dev = fit(fill_pool_, pool_elems.size());
+    st = dev.is_ok() ? backend_->upload(*dev, pool_elems.data(), pool_elems.size()) : dev.status();
+    if (st.is_ok()) pool_dev = *dev;
   }
   for (int64_t l = 0; l < layers && st.is_ok(); ++l) {
     const LayerId layer(static_cast<int32_t>(l));
@@ -287,12 +292,12 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
     for (size_t p = 0; p < s.pages.size() && st.is_ok(); ++p) {
       const PageLocation loc = kv_->locate(layer, s.pages[p]);
       if (home == TierId(0) && pool_dev != nullptr) {
-        const float* src = pool_dev + (pool_page(l, p) - pool.data());
+        const void* src = element_at(pool_dev, kvt, pool_index(l, p));
         st = backend_->copy_rows(kv_->address(loc.tier, loc.offset), page_bytes, src, page_bytes, page_bytes, 1);
       } else if (host_visible(home) && (home != TierId(0) || backend_->memory_kind() == MemoryKind::kHost)) {
-        std::memcpy(kv_->address(loc.tier, loc.offset), pool_page(l, p), page_bytes);
+        std::memcpy(kv_->address(loc.tier, loc.offset), pool_page_elems(l, p), page_bytes);
       } else {
-        st = write_block(loc.tier, loc.offset, pool_page(l, p), page_bytes);
+        st = write_block(loc.tier, loc.offset, pool_page_elems(l, p), page_bytes);
       }
     }
   }

@@ -27,11 +27,6 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-// Row t of KV head h of a paged view (K or V).
-const float* kv_row(float* const* pages, const KvLayerView& kv, int64_t h, int64_t t) {
-  return pages[t / kv.page_size] + (h * kv.page_size + t % kv.page_size) * kv.head_dim;
-}
-
 // Collects per-step, per-layer attention fidelity of single-token decode steps.
 class FidelityObserver final : public ForwardObserver {
  public:
@@ -308,6 +303,7 @@ StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerVi
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<double> w(static_cast<size_t>(length)), o(static_cast<size_t>(hd)), os(static_cast<size_t>(hd));
   std::vector<char> in_sel(static_cast<size_t>(length));
+  std::vector<float> row(static_cast<size_t>(hd));  // a widened K or V row (f16 / bf16 caches)
   f.heads = n_heads;
   if (selection == nullptr) {  // dense: every token, exactly the dense output
     f.attended_tokens = kv.kv_heads * length;
@@ -320,7 +316,7 @@ StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerVi
     const float* qh = q + h * hd;
     double mx = -INFINITY;
     for (int64_t t = 0; t < length; ++t) {
-      const float* k = kv_row(kv.k_pages, kv, g, t);
+      const float* k = kv_row_f32(kv, /*values=*/false, g, t, row.data());
       double d = 0.0;
       for (int64_t i = 0; i < hd; ++i) d += static_cast<double>(qh[i]) * k[i];
       w[static_cast<size_t>(t)] = d * scale;
@@ -337,7 +333,7 @@ StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerVi
     double mass = 0.0;
     for (int64_t t = 0; t < length; ++t) {
       const double p = w[static_cast<size_t>(t)] / sum;
-      const float* v = kv_row(kv.v_pages, kv, g, t);
+      const float* v = kv_row_f32(kv, /*values=*/true, g, t, row.data());
       for (int64_t i = 0; i < hd; ++i) o[static_cast<size_t>(i)] += p * v[i];
       if (in_sel[static_cast<size_t>(t)]) {
         mass += p;

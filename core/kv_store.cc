@@ -25,7 +25,10 @@ int64_t KvStore::default_chunk_pages(uint64_t page_bytes, int64_t n_pages) {
 }
 
 Result<std::unique_ptr<KvStore>> KvStore::create(const ModelConfig& config, int64_t page_size, int64_t n_pages,
-                                                 std::vector<TierMemory> tiers, int64_t chunk_pages) {
+                                                 std::vector<TierMemory> tiers, int64_t chunk_pages, DType dtype) {
+  if (!is_kv_dtype(dtype)) {
+    return invalid_argument("KV store: dtype " + std::string(dtype_name(dtype)) + " is not f32, f16 or bf16");
+  }
   if (page_size <= 0 || n_pages <= 0) {
     return invalid_argument("KV store: page_size and n_pages must be positive (got " + std::to_string(page_size) +
                             ", " + std::to_string(n_pages) + ")");
@@ -49,6 +52,7 @@ Result<std::unique_ptr<KvStore>> KvStore::create(const ModelConfig& config, int6
   s->n_pages_ = n_pages;
   s->kv_heads_ = config.n_kv_heads;
   s->head_dim_ = config.head_dim;
+  s->dtype_ = dtype;
   if (chunk_pages < 0) return invalid_argument("KV store: chunk_pages must not be negative");
   s->chunk_pages_ = chunk_pages > 0 ? std::min(chunk_pages, n_pages) : default_chunk_pages(s->page_bytes(), n_pages);
   for (const TierMemory& t : tiers) s->allocators_.emplace_back(t.desc.capacity_bytes);
@@ -130,18 +134,18 @@ PageLocation KvStore::locate(LayerId layer, PageId page) const {
   return {lh.home, chunk + static_cast<uint64_t>(page.value() % chunk_pages_) * page_bytes()};
 }
 
-float* KvStore::k_page(LayerId layer, PageId page) const {
+void* KvStore::k_page(LayerId layer, PageId page) const {
   const PageLocation loc = locate(layer, page);
-  return static_cast<float*>(address(loc.tier, loc.offset));
+  return address(loc.tier, loc.offset);
 }
 
-float* KvStore::v_page(LayerId layer, PageId page) const {
+void* KvStore::v_page(LayerId layer, PageId page) const {
   const PageLocation loc = locate(layer, page);
-  return static_cast<float*>(address(loc.tier, loc.offset + block_bytes()));
+  return address(loc.tier, loc.offset + block_bytes());
 }
 
-KvLayerView KvStore::view(LayerId layer, const std::vector<PageId>& pages, std::vector<float*>& k_ptrs,
-                          std::vector<float*>& v_ptrs) const {
+KvLayerView KvStore::view(LayerId layer, const std::vector<PageId>& pages, std::vector<void*>& k_ptrs,
+                          std::vector<void*>& v_ptrs) const {
   k_ptrs.resize(pages.size());
   v_ptrs.resize(pages.size());
   for (size_t i = 0; i < pages.size(); ++i) {
@@ -155,6 +159,7 @@ KvLayerView KvStore::view(LayerId layer, const std::vector<PageId>& pages, std::
   v.page_size = page_size_;
   v.kv_heads = kv_heads_;
   v.head_dim = head_dim_;
+  v.dtype = dtype_;
   return v;
 }
 

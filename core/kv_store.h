@@ -6,8 +6,8 @@
 // Layout. A page holds page_size consecutive positions of one sequence. In a layer's home, pages
 // are stored in chunks of chunk_pages pages; page p of layer l lives in chunk p / chunk_pages at
 // slot p % chunk_pages, and a page slot is its K block followed by its V block, each
-// [kv_heads][page_size][head_dim] f32 (one KV head's tokens contiguous, so one selected token of
-// one head is head_dim contiguous floats). Chunk storage is allocated when its first page is
+// [kv_heads][page_size][head_dim] elements of the store's dtype (f32, f16 or bf16; one KV head's
+// tokens contiguous, so one selected token of one head is head_dim contiguous elements). Chunk storage is allocated when its first page is
 // taken and freed when its last page is returned, in every layer at once.
 //
 // Ownership: the store owns the allocators; the memory of each tier is owned by whoever created
@@ -47,9 +47,10 @@ class KvStore {
   // tiers[i].desc.id must be TierId(i); tier 0 is the device (the memory the backend computes
   // on). Every layer starts homed on the device.
   // chunk_pages = 0 picks about 2 MiB per layer chunk (at most 64 pages, at least 8 chunks).
+  // dtype: the element type of K and V (is_kv_dtype).
   static Result<std::unique_ptr<KvStore>> create(const ModelConfig& config, int64_t page_size,
                                                  int64_t n_pages, std::vector<TierMemory> tiers,
-                                                 int64_t chunk_pages = 0);
+                                                 int64_t chunk_pages = 0, DType dtype = DType::kF32);
   // The chunk size create() picks for chunk_pages = 0.
   static int64_t default_chunk_pages(uint64_t page_bytes, int64_t n_pages);
 
@@ -61,9 +62,12 @@ class KvStore {
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
   int64_t chunk_pages() const { return chunk_pages_; }
-  // Floats in one K (or V) block of one page of one layer.
-  int64_t page_floats() const { return page_size_ * kv_heads_ * head_dim_; }
-  uint64_t block_bytes() const { return static_cast<uint64_t>(page_floats()) * sizeof(float); }
+  DType dtype() const { return dtype_; }
+  // Bytes of one token of one KV head (K or V).
+  uint64_t row_bytes() const { return static_cast<uint64_t>(head_dim_) * dtype_size(dtype_); }
+  // Elements in one K (or V) block of one page of one layer.
+  int64_t page_elements() const { return page_size_ * kv_heads_ * head_dim_; }
+  uint64_t block_bytes() const { return static_cast<uint64_t>(page_elements()) * dtype_size(dtype_); }
   uint64_t page_bytes() const { return 2 * block_bytes(); }  // K + V of one page of one layer
   uint64_t chunk_bytes() const { return page_bytes() * static_cast<uint64_t>(chunk_pages_); }
 
@@ -77,12 +81,12 @@ class KvStore {
   bool resident(LayerId layer) const { return home(layer) == TierId(0); }
   PageLocation locate(LayerId layer, PageId page) const;
   // Compute pointers of a resident layer's page (device memory).
-  float* k_page(LayerId layer, PageId page) const;
-  float* v_page(LayerId layer, PageId page) const;
+  void* k_page(LayerId layer, PageId page) const;
+  void* v_page(LayerId layer, PageId page) const;
   // Per-layer view of a sequence's page table for a RESIDENT layer; k_ptrs/v_ptrs receive the
   // page pointers and must outlive the view.
-  KvLayerView view(LayerId layer, const std::vector<PageId>& pages, std::vector<float*>& k_ptrs,
-                   std::vector<float*>& v_ptrs) const;
+  KvLayerView view(LayerId layer, const std::vector<PageId>& pages, std::vector<void*>& k_ptrs,
+                   std::vector<void*>& v_ptrs) const;
 
   // ---- moving a layer between tiers (between steps) ----
   // Allocates the layer's chunks in `to` and returns the copies that move its allocated chunks
@@ -127,6 +131,7 @@ class KvStore {
   int64_t kv_heads_ = 0;
   int64_t head_dim_ = 0;
   int64_t chunk_pages_ = 1;
+  DType dtype_ = DType::kF32;
   std::vector<TierMemory> tiers_;
   std::vector<RegionAllocator> allocators_;
   std::vector<LayerHome> layers_;

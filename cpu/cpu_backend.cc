@@ -46,34 +46,43 @@ namespace {
 // Vectorisable scalar building blocks. Without -ffast-math the compiler will not reorder a
 // float reduction, so sums use 16 explicit lanes that it can map onto SIMD registers.
 
-SPX_INLINE float dot(const float* a, const float* b, int64_t n) {
+SPX_INLINE float bf16_bits_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+// K / V elements as f32: f32 itself, or bf16 bits (a shift, which vectorises; f16 caches are
+// widened into a buffer first, see attend_rows).
+SPX_INLINE float as_f32(float x) { return x; }
+SPX_INLINE float as_f32(uint16_t bf16_bits) { return bf16_bits_to_f32(bf16_bits); }
+
+template <typename T>
+SPX_INLINE float dot(const float* a, const T* b, int64_t n) {
   float acc[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * as_f32(b[i + l]);
   }
   for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];  // tree reduction: short dependency chains
   for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
   float s = (acc[0] + acc[2]) + (acc[1] + acc[3]);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * as_f32(b[i]);
   return s;
 }
 
 // Dot products of q with four consecutive rows of k (row stride n).
-SPX_INLINE void dot4(const float* q, const float* k, int64_t n, float* out) {
+template <typename T>
+SPX_INLINE void dot4(const float* q, const T* k, int64_t n, float* out) {
   float a0[16] = {}, a1[16] = {}, a2[16] = {}, a3[16] = {};
-  const float* k0 = k;
-  const float* k1 = k + n;
-  const float* k2 = k + 2 * n;
-  const float* k3 = k + 3 * n;
+  const T* k0 = k;
+  const T* k1 = k + n;
+  const T* k2 = k + 2 * n;
+  const T* k3 = k + 3 * n;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     for (int l = 0; l < 16; ++l) {
       const float qv = q[i + l];
-      a0[l] += qv * k0[i + l];
-      a1[l] += qv * k1[i + l];
-      a2[l] += qv * k2[i + l];
-      a3[l] += qv * k3[i + l];
+      a0[l] += qv * as_f32(k0[i + l]);
+      a1[l] += qv * as_f32(k1[i + l]);
+      a2[l] += qv * as_f32(k2[i + l]);
+      a3[l] += qv * as_f32(k3[i + l]);
     }
   }
   for (int l = 0; l < 8; ++l) {
@@ -93,18 +102,16 @@ SPX_INLINE void dot4(const float* q, const float* k, int64_t n, float* out) {
   float s2 = (a2[0] + a2[2]) + (a2[1] + a2[3]);
   float s3 = (a3[0] + a3[2]) + (a3[1] + a3[3]);
   for (; i < n; ++i) {
-    s0 += q[i] * k0[i];
-    s1 += q[i] * k1[i];
-    s2 += q[i] * k2[i];
-    s3 += q[i] * k3[i];
+    s0 += q[i] * as_f32(k0[i]);
+    s1 += q[i] * as_f32(k1[i]);
+    s2 += q[i] * as_f32(k2[i]);
+    s3 += q[i] * as_f32(k3[i]);
   }
   out[0] = s0;
   out[1] = s1;
   out[2] = s2;
   out[3] = s3;
 }
-
-SPX_INLINE float bf16_bits_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 
 // exp(x) with ~2 ulp error (Cephes expf polynomial), branch-free so loops over it vectorise.
 // Inputs are clamped to the normal range: exp(-87.3) ~ 1e-38 stands in for smaller results.
@@ -181,8 +188,10 @@ SPX_INLINE void matmul_rows_bf16_body(const float* x, int64_t m, int64_t k, cons
 // One block of `n` consecutive keys (contiguous rows of K and V) folded into the online-softmax
 // state of `nq` queries. q is pre-scaled by 1/sqrt(d). valid[r] = how many leading keys of the
 // block query r may see (causal mask). s is scratch of >= n floats.
-SPX_INLINE void attend_block_body(const float* q, int64_t nq, int64_t d, const int64_t* valid, const float* k,
-                                  const float* v, float* m_state, float* l_state, float* acc, float* s) {
+// K and V are f32 or bf16 bits (T), widened as they are read.
+template <typename T>
+SPX_INLINE void attend_block_body(const float* q, int64_t nq, int64_t d, const int64_t* valid, const T* k,
+                                  const T* v, float* m_state, float* l_state, float* acc, float* s) {
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t nv = valid[r];
     if (nv <= 0) continue;
@@ -209,16 +218,18 @@ SPX_INLINE void attend_block_body(const float* q, int64_t nq, int64_t d, const i
     // Four V rows per pass: one load/store of the accumulator row per four keys.
     for (j = 0; j + 4 <= nv; j += 4) {
       const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
-      const float* v0 = v + j * d;
-      const float* v1 = v0 + d;
-      const float* v2 = v1 + d;
-      const float* v3 = v2 + d;
-      for (int64_t e = 0; e < d; ++e) ar[e] += (p0 * v0[e] + p1 * v1[e]) + (p2 * v2[e] + p3 * v3[e]);
+      const T* v0 = v + j * d;
+      const T* v1 = v0 + d;
+      const T* v2 = v1 + d;
+      const T* v3 = v2 + d;
+      for (int64_t e = 0; e < d; ++e) {
+        ar[e] += (p0 * as_f32(v0[e]) + p1 * as_f32(v1[e])) + (p2 * as_f32(v2[e]) + p3 * as_f32(v3[e]));
+      }
     }
     for (; j < nv; ++j) {
       const float p = s[j];
-      const float* vj = v + j * d;
-      for (int64_t e = 0; e < d; ++e) ar[e] += p * vj[e];
+      const T* vj = v + j * d;
+      for (int64_t e = 0; e < d; ++e) ar[e] += p * as_f32(vj[e]);
     }
   }
 }
@@ -299,6 +310,15 @@ SPX_DISPATCH(matmul_rows_bf16,
              (x, m, k, w, bias, n0, n1, n_total, wbuf, y))
 SPX_DISPATCH(attend_block,
              (const float* q, int64_t nq, int64_t d, const int64_t* valid, const float* k, const float* v,
+              float* m_state, float* l_state, float* acc, float* s),
+             (q, nq, d, valid, k, v, m_state, l_state, acc, s))
+SPX_INLINE void attend_block_bf16_body(const float* q, int64_t nq, int64_t d, const int64_t* valid,
+                                       const uint16_t* k, const uint16_t* v, float* m_state, float* l_state,
+                                       float* acc, float* s) {
+  attend_block_body(q, nq, d, valid, k, v, m_state, l_state, acc, s);
+}
+SPX_DISPATCH(attend_block_bf16,
+             (const float* q, int64_t nq, int64_t d, const int64_t* valid, const uint16_t* k, const uint16_t* v,
               float* m_state, float* l_state, float* acc, float* s),
              (q, nq, d, valid, k, v, m_state, l_state, acc, s))
 
@@ -420,6 +440,29 @@ float* partial_scratch(int64_t floats) {
   thread_local std::vector<float> partials;
   if (partials.size() < static_cast<size_t>(floats)) partials.resize(static_cast<size_t>(floats));
   return partials.data();
+}
+
+// attend_block over `rows` keys whose K and V rows start at element `first` of k_base / v_base
+// (element type t): f32 and bf16 are read in place (bf16 widened in registers); f16 rows are
+// widened into per-thread buffers first.
+void attend_rows(const float* q, int64_t nq, int64_t d, const int64_t* valid, const void* k_base,
+                 const void* v_base, DType t, int64_t first, int64_t rows, float* m_state, float* l_state,
+                 float* acc, float* s) {
+  if (t == DType::kF32) {
+    attend_block(q, nq, d, valid, static_cast<const float*>(k_base) + first, static_cast<const float*>(v_base) + first,
+                 m_state, l_state, acc, s);
+  } else if (t == DType::kBF16) {
+    attend_block_bf16(q, nq, d, valid, static_cast<const uint16_t*>(k_base) + first,
+                      static_cast<const uint16_t*>(v_base) + first, m_state, l_state, acc, s);
+  } else {
+    thread_local std::vector<float> buf;
+    const size_t need = static_cast<size_t>(2 * kKeyBlock * d);
+    if (buf.size() < need) buf.resize(need);
+    const size_t n = static_cast<size_t>(rows * d);
+    convert_to_f32(t, element_at(k_base, t, first), buf.data(), n);
+    convert_to_f32(t, element_at(v_base, t, first), buf.data() + kKeyBlock * d, n);
+    attend_block(q, nq, d, valid, buf.data(), buf.data() + kKeyBlock * d, m_state, l_state, acc, s);
+  }
 }
 
 // Ends a task of the dense or sparse attention: acc / l into out (query r = token t0 + r / group,
@@ -767,8 +810,7 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
       const int64_t n = std::min({kKeyBlock, kv.page_size - slot, task.k1 - pos});
       for (int64_t r = 0; r < nq; ++r) valid[r] = std::clamp<int64_t>(limit[r] - pos, 0, n);
       const int64_t off = (task.kvh * kv.page_size + slot) * d;
-      attend_block(qs, nq, d, valid, kv.k_pages[page] + off, kv.v_pages[page] + off, m_state, l_state, acc,
-                   s);
+      attend_rows(qs, nq, d, valid, kv.k_pages[page], kv.v_pages[page], kv.dtype, off, n, m_state, l_state, acc, s);
       pos += n;
     }
     store_task_result(task, nq, group, d, n_heads, it.token_offset, m_state, l_state, acc, out, partial_base);
@@ -901,7 +943,7 @@ Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionI
       const int64_t n = std::min(kKeyBlock, task.k1 - pos);
       std::fill(valid, valid + nq, n);
       const int64_t off = head_base + pos * d;
-      attend_block(qs, nq, d, valid, ws.k + off, ws.v + off, m_state, l_state, acc, s);
+      attend_rows(qs, nq, d, valid, ws.k, ws.v, ws.dtype, off, n, m_state, l_state, acc, s);
       pos += n;
     }
     // An empty working set (l == 0) writes zeros.
@@ -1191,13 +1233,20 @@ Status CpuBackend::kv_append(const float* k, const float* v, int64_t n_tokens, i
     impl_->parallel(n_tokens, grain, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const int64_t pos = start_pos + t;
-        float* kp = kv.k_pages[pos / kv.page_size];
-        float* vp = kv.v_pages[pos / kv.page_size];
+        void* kp = kv.k_pages[pos / kv.page_size];
+        void* vp = kv.v_pages[pos / kv.page_size];
         const int64_t slot = pos % kv.page_size;
         for (int64_t h = 0; h < kv.kv_heads; ++h) {
           const int64_t dst = (h * kv.page_size + slot) * d;
-          std::memcpy(kp + dst, k + t * kv_dim + h * d, static_cast<size_t>(d) * 4);
-          std::memcpy(vp + dst, v + t * kv_dim + h * d, static_cast<size_t>(d) * 4);
+          const float* ks = k + t * kv_dim + h * d;
+          const float* vs = v + t * kv_dim + h * d;
+          if (kv.dtype == DType::kBF16) {  // the vectorised rounding of the matmul path
+            f32_to_bf16_range(ks, static_cast<uint16_t*>(kp) + dst, d);
+            f32_to_bf16_range(vs, static_cast<uint16_t*>(vp) + dst, d);
+          } else {
+            convert_from_f32(kv.dtype, ks, element_at(kp, kv.dtype, dst), static_cast<size_t>(d));
+            convert_from_f32(kv.dtype, vs, element_at(vp, kv.dtype, dst), static_cast<size_t>(d));
+          }
         }
       }
     });
@@ -1217,16 +1266,16 @@ Status CpuBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries, 
     SPX_RETURN_IF_ERROR(check_kv_gather_args(kv, entries, n_entries, ws));
     if (n_entries == 0) return Status::ok();  // the views may be empty then
     const int64_t d = kv.head_dim;
-    const size_t row_bytes = static_cast<size_t>(d) * sizeof(float);
-    const int64_t grain = std::max<int64_t>(1, 4096 / d);  // ~32 KiB of K+V per task
+    const size_t row_bytes = static_cast<size_t>(d) * dtype_size(kv.dtype);
+    const int64_t grain = std::max<int64_t>(1, 4096 / d);  // ~32 KiB of f32 K+V per task
     impl_->parallel(n_entries, grain, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const GatherEntry& g = entries[i];
         const int64_t page = g.token / kv.page_size;
         const int64_t src = (g.kv_head * kv.page_size + g.token % kv.page_size) * d;
         const int64_t dst = (g.kv_head * ws.slots + g.slot) * d;
-        std::memcpy(ws.k + dst, kv.k_pages[page] + src, row_bytes);
-        std::memcpy(ws.v + dst, kv.v_pages[page] + src, row_bytes);
+        std::memcpy(element_at(ws.k, ws.dtype, dst), element_at(kv.k_pages[page], kv.dtype, src), row_bytes);
+        std::memcpy(element_at(ws.v, ws.dtype, dst), element_at(kv.v_pages[page], kv.dtype, src), row_bytes);
       }
     });
     return Status::ok();

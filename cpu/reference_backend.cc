@@ -1,6 +1,7 @@
 #include "cpu/reference_backend.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -55,6 +56,9 @@ Status check_kv_view(const KvLayerView& kv) {
   if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
     return invalid_argument("KV view: null page tables");
   }
+  if (!is_kv_dtype(kv.dtype)) {
+    return invalid_argument("KV view: dtype " + std::string(dtype_name(kv.dtype)) + " is not f32, f16 or bf16");
+  }
   return Status::ok();
 }
 }  // namespace
@@ -100,10 +104,12 @@ Status check_kv_gather_args(const KvLayerView& kv, const GatherEntry* entries, i
   if (entries == nullptr) return invalid_argument("kv_gather: null entries");
   SPX_RETURN_IF_ERROR(check_kv_view(kv));
   SPX_RETURN_IF_ERROR(check_working_set(ws, "kv_gather", /*need_counts=*/false));
-  if (ws.kv_heads != kv.kv_heads || ws.head_dim != kv.head_dim) {
+  if (ws.kv_heads != kv.kv_heads || ws.head_dim != kv.head_dim || ws.dtype != kv.dtype) {
     return invalid_argument("kv_gather: working set (kv_heads " + std::to_string(ws.kv_heads) +
-                            ", head_dim " + std::to_string(ws.head_dim) + ") does not match the cache (" +
-                            std::to_string(kv.kv_heads) + ", " + std::to_string(kv.head_dim) + ")");
+                            ", head_dim " + std::to_string(ws.head_dim) + ", " +
+                            std::string(dtype_name(ws.dtype)) + ") does not match the cache (" +
+                            std::to_string(kv.kv_heads) + ", " + std::to_string(kv.head_dim) + ", " +
+                            std::string(dtype_name(kv.dtype)) + ")");
   }
   return check_gather_entries(entries, n_entries, ws, kv.capacity(), /*min_token=*/nullptr,
                               /*max_token=*/nullptr);
@@ -244,8 +250,9 @@ Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tok
     for (int64_t h = 0; h < kv.kv_heads; ++h) {
       for (int64_t d = 0; d < kv.head_dim; ++d) {
         const int64_t dst = (h * kv.page_size + slot) * kv.head_dim + d;
-        kv.k_pages[page][dst] = k[t * kv_dim + h * kv.head_dim + d];
-        kv.v_pages[page][dst] = v[t * kv_dim + h * kv.head_dim + d];
+        const int64_t src = t * kv_dim + h * kv.head_dim + d;
+        convert_from_f32(kv.dtype, k + src, element_at(kv.k_pages[page], kv.dtype, dst), 1);
+        convert_from_f32(kv.dtype, v + src, element_at(kv.v_pages[page], kv.dtype, dst), 1);
       }
     }
   }
@@ -253,17 +260,19 @@ Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tok
 }
 
 namespace {
-// Softmax attention of one query in double over keys 0 .. n_keys - 1, whose K / V rows are
-// key_row(j) / value_row(j); no key (an empty working set) gives zeros.
+// Softmax attention of one query in double over keys 0 .. n_keys - 1, whose K / V rows
+// (head_dim elements of `dtype`) start at key_row(j) / value_row(j); no key (an empty working
+// set) gives zeros.
 template <typename KeyRow, typename ValueRow>
-void attend_query(const float* qh, int64_t n_keys, int64_t d, double scale, KeyRow key_row,
+void attend_query(const float* qh, int64_t n_keys, int64_t d, DType dtype, double scale, KeyRow key_row,
                   ValueRow value_row, std::vector<double>& scores, float* oh) {
+  std::vector<float> row(static_cast<size_t>(d));
   scores.assign(static_cast<size_t>(n_keys), 0.0);
   double max_score = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float* kj = key_row(j);
+    convert_to_f32(dtype, key_row(j), row.data(), row.size());
     double dot = 0.0;
-    for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * kj[e];
+    for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * row[e];
     scores[j] = dot * scale;
     if (scores[j] > max_score) max_score = scores[j];
   }
@@ -272,11 +281,12 @@ void attend_query(const float* qh, int64_t n_keys, int64_t d, double scale, KeyR
     scores[j] = std::exp(scores[j] - max_score);
     denom += scores[j];
   }
-  for (int64_t e = 0; e < d; ++e) {
-    double acc = 0.0;
-    for (int64_t j = 0; j < n_keys; ++j) acc += scores[j] * value_row(j)[e];
-    oh[e] = n_keys > 0 ? static_cast<float>(acc / denom) : 0.0f;
+  std::vector<double> acc(static_cast<size_t>(d), 0.0);
+  for (int64_t j = 0; j < n_keys; ++j) {
+    convert_to_f32(dtype, value_row(j), row.data(), row.size());
+    for (int64_t e = 0; e < d; ++e) acc[e] += scores[j] * row[e];
   }
+  for (int64_t e = 0; e < d; ++e) oh[e] = n_keys > 0 ? static_cast<float>(acc[e] / denom) : 0.0f;
 }
 }  // namespace
 
@@ -296,11 +306,11 @@ Status ReferenceBackend::attention(const float* q, const AttentionItem* items, i
       for (int64_t h = 0; h < n_heads; ++h) {
         const int64_t kvh = h / group;
         const float* qh = q + (row * n_heads + h) * d;
-        const auto row_of = [&](float* const* pages, int64_t j) {
-          return pages[j / kv.page_size] + (kvh * kv.page_size + j % kv.page_size) * d;
+        const auto row_of = [&](void* const* pages, int64_t j) -> const void* {
+          return element_at(pages[j / kv.page_size], kv.dtype, (kvh * kv.page_size + j % kv.page_size) * d);
         };
         attend_query(
-            qh, n_keys, d, scale, [&](int64_t j) { return row_of(kv.k_pages, j); },
+            qh, n_keys, d, kv.dtype, scale, [&](int64_t j) { return row_of(kv.k_pages, j); },
             [&](int64_t j) { return row_of(kv.v_pages, j); }, scores, out + (row * n_heads + h) * d);
       }
     }
@@ -316,10 +326,9 @@ Status ReferenceBackend::kv_gather(const KvLayerView& kv, const GatherEntry* ent
     const int64_t page = e.token / kv.page_size;
     const int64_t src = (e.kv_head * kv.page_size + e.token % kv.page_size) * kv.head_dim;
     const int64_t dst = (e.kv_head * ws.slots + e.slot) * ws.head_dim;
-    for (int64_t d = 0; d < kv.head_dim; ++d) {
-      ws.k[dst + d] = kv.k_pages[page][src + d];
-      ws.v[dst + d] = kv.v_pages[page][src + d];
-    }
+    const size_t row_bytes = static_cast<size_t>(kv.head_dim) * dtype_size(kv.dtype);
+    std::memcpy(element_at(ws.k, ws.dtype, dst), element_at(kv.k_pages[page], kv.dtype, src), row_bytes);
+    std::memcpy(element_at(ws.v, ws.dtype, dst), element_at(kv.v_pages[page], kv.dtype, src), row_bytes);
   }
   return Status::ok();
 }
@@ -340,11 +349,10 @@ Status ReferenceBackend::attention_sparse(const float* q, const SparseAttentionI
         const int64_t kvh = h / group;
         const int64_t n_keys = ws.counts[kvh];
         const float* qh = q + (row * n_heads + h) * d;
-        const float* k_head = ws.k + kvh * ws.slots * d;
-        const float* v_head = ws.v + kvh * ws.slots * d;
+        const int64_t head = kvh * ws.slots * d;
         attend_query(
-            qh, n_keys, d, scale, [&](int64_t j) { return k_head + j * d; },
-            [&](int64_t j) { return v_head + j * d; }, scores, out + (row * n_heads + h) * d);
+            qh, n_keys, d, ws.dtype, scale, [&](int64_t j) { return element_at(ws.k, ws.dtype, head + j * d); },
+            [&](int64_t j) { return element_at(ws.v, ws.dtype, head + j * d); }, scores, out + (row * n_heads + h) * d);
       }
     }
   }

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "gpu/kernels.h"
+#include "gpu/kv_convert.h"
 
 namespace specontext::gpu::kernels {
 
@@ -115,6 +116,17 @@ __device__ __forceinline__ void stage_queries(float* q_s, const float* q, int64_
     } else {
       for (int d = lane; d < hd; d += 32) dst[d] = 0.0f;
     }
+  }
+}
+
+// Stages one key's K and V rows (hd elements of T, widened to f32) into the shared tiles: lane
+// owns dims lane + 32i.
+template <typename T>
+__device__ __forceinline__ void stage_kv_row(float* k_dst, float* v_dst, const T* k_src, const T* v_src,
+                                             int hd, int lane) {
+  for (int d = lane; d < hd; d += 32) {
+    k_dst[d] = kv_to_f32(k_src[d]);
+    v_dst[d] = kv_to_f32(v_src[d]);
   }
 }
 
@@ -257,11 +269,11 @@ __device__ __forceinline__ void merge_chunks(const Launch& a, int64_t base, int6
 }
 
 // Launch layer. Kernels names the kernel pair of one file: `using Launch`, and static
-// partial<kDpl, kQpw>() and merge<kDpl>() returning the kernels.
-template <class Kernels, int kDpl, int kQpw>
+// partial<kDpl, kQpw, T>() (T: the K/V element type) and merge<kDpl>() returning the kernels.
+template <class Kernels, int kDpl, int kQpw, typename T>
 cudaError_t launch_partial(const typename Kernels::Launch& a, cudaStream_t stream) {
   const size_t smem = attention_smem_bytes(a.head_dim, kQpw);
-  auto* kernel = Kernels::template partial<kDpl, kQpw>();
+  auto* kernel = Kernels::template partial<kDpl, kQpw, T>();
   if (smem > 48 * 1024) {
     // Opt-in above the 48 KiB default (head_dim 256 with 4 queries per warp: ~80 KiB).
     const cudaError_t err =
@@ -273,21 +285,22 @@ cudaError_t launch_partial(const typename Kernels::Launch& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
-template <class Kernels, int kDpl>
+template <class Kernels, int kDpl, typename T>
 cudaError_t launch_for_dim(const typename Kernels::Launch& a, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (a.queries_per_warp) {
     case 1:
-      err = launch_partial<Kernels, kDpl, 1>(a, stream);
+      err = launch_partial<Kernels, kDpl, 1, T>(a, stream);
       break;
     case 2:
-      err = launch_partial<Kernels, kDpl, 2>(a, stream);
+      err = launch_partial<Kernels, kDpl, 2, T>(a, stream);
       break;
     default:
-      err = launch_partial<Kernels, kDpl, 4>(a, stream);
+      err = launch_partial<Kernels, kDpl, 4, T>(a, stream);
       break;
   }
   if (err != cudaSuccess || a.n_chunks_max == 1) return err;
+  // The merge reads f32 partials only: one instance per kDpl, whatever T.
   const int64_t warps = a.total_rows * a.n_heads;
   const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
   auto* merge = Kernels::template merge<kDpl>();
@@ -295,13 +308,27 @@ cudaError_t launch_for_dim(const typename Kernels::Launch& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
-// Dims per lane by head_dim (<= 64, <= 128, <= kAttentionMaxHeadDim); nothing to do without work.
+// Dims per lane by head_dim (<= 64, <= 128, <= kAttentionMaxHeadDim).
+template <class Kernels, typename T>
+cudaError_t launch_for_type(const typename Kernels::Launch& a, cudaStream_t stream) {
+  if (a.head_dim <= 64) return launch_for_dim<Kernels, 2, T>(a, stream);
+  if (a.head_dim <= 128) return launch_for_dim<Kernels, 4, T>(a, stream);
+  return launch_for_dim<Kernels, 8, T>(a, stream);
+}
+
+// By the K/V element type; nothing to do without work.
 template <class Kernels>
 cudaError_t launch_split_attention(const typename Kernels::Launch& a, cudaStream_t stream) {
   if (a.total_blocks <= 0 || a.total_rows <= 0) return cudaSuccess;
-  if (a.head_dim <= 64) return launch_for_dim<Kernels, 2>(a, stream);
-  if (a.head_dim <= 128) return launch_for_dim<Kernels, 4>(a, stream);
-  return launch_for_dim<Kernels, 8>(a, stream);
+  switch (a.kv_type) {
+    case KvType::kF16:
+      return launch_for_type<Kernels, __half>(a, stream);
+    case KvType::kBF16:
+      return launch_for_type<Kernels, __nv_bfloat16>(a, stream);
+    case KvType::kF32:
+      return launch_for_type<Kernels, float>(a, stream);
+  }
+  return cudaErrorInvalidValue;  // not a KvType (the planners never produce one)
 }
 
 }  // namespace

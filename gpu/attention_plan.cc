@@ -15,9 +15,12 @@ Status check_items(const AttentionItem* items, int64_t n_items, int64_t n_heads)
   if (items == nullptr || n_heads <= 0) return invalid_argument("attention: no items or heads");
   const int64_t kv_heads = items[0].kv.kv_heads;
   const int64_t head_dim = items[0].kv.head_dim;
+  const DType dtype = items[0].kv.dtype;
   for (int64_t i = 0; i < n_items; ++i) {
     const AttentionItem& it = items[i];
     const KvLayerView& kv = it.kv;
+    SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype(
+        "attention", "items[" + std::to_string(i) + "].kv.dtype", kv.dtype, dtype));
     if (kv.page_size <= 0 || kv.kv_heads <= 0 || kv.head_dim <= 0 || kv.n_pages < 0) {
       return invalid_argument("attention: KV page_size, kv_heads and head_dim must be positive");
     }
@@ -102,6 +105,7 @@ Result<AttentionPlan> plan_attention(const AttentionItem* items, int64_t n_items
 
   SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention", n_items, n_heads, kv_heads, head_dim,
                                                  chunk, n_chunks_max, qpw));
+  plan.launch.kv_type = plan_internal::kv_type_of(items[0].kv.dtype);
   return plan;
 }
 

@@ -10,6 +10,7 @@
 #include "gpu/attention_plan.h"
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
+#include "gpu/plan_internal.h"
 #include "gpu/retrieval_plan.h"
 #include "gpu/sampling_plan.h"
 #include "gpu/sparse_plan.h"
@@ -28,6 +29,10 @@ Status check_kv_view(const KvLayerView& kv, const char* op) {
   }
   if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
     return invalid_argument(std::string(op) + ": null KV page tables");
+  }
+  if (!is_kv_dtype(kv.dtype)) {
+    return invalid_argument(std::string(op) + ": kv.dtype is " + std::string(dtype_name(kv.dtype)) +
+                            ", not a KV dtype (f32, f16 or bf16)");
   }
   return Status::ok();
 }
@@ -373,15 +378,15 @@ Status CudaBackend::kv_append(const float* k, const float* v, int64_t n_tokens, 
   // Only the pages this append touches travel: [K pointers][V pointers].
   const int64_t first_page = start_pos / kv.page_size;
   const int64_t n_touched = (start_pos + n_tokens - 1) / kv.page_size - first_page + 1;
-  std::vector<float*> table(kv.k_pages + first_page, kv.k_pages + first_page + n_touched);
+  std::vector<void*> table(kv.k_pages + first_page, kv.k_pages + first_page + n_touched);
   table.insert(table.end(), kv.v_pages + first_page, kv.v_pages + first_page + n_touched);
   meta_host_.clear();
   append_bytes(meta_host_, table.data(), table.size());
   SPX_RETURN_IF_ERROR(upload_metadata());
   SPX_CUDA_CHECK(kernels::launch_kv_append(k, v, n_tokens, start_pos,
-                                           reinterpret_cast<float* const*>(meta_dev_.data()),
-                                           first_page, n_touched, kv.page_size, kv.kv_heads,
-                                           kv.head_dim, stream_.get()));
+                                           reinterpret_cast<void* const*>(meta_dev_.data()),
+                                           plan_internal::kv_type_of(kv.dtype), first_page, n_touched,
+                                           kv.page_size, kv.kv_heads, kv.head_dim, stream_.get()));
   return Status::ok();
 }
 
@@ -400,7 +405,7 @@ Status CudaBackend::attention(const float* q, const AttentionItem* items, int64_
   kernels::AttentionLaunch& a = plan.launch;
   bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(),
                     plan.partial_ml_floats());
-  a.page_table = reinterpret_cast<float* const*>(meta_dev_.data() + at.extra);
+  a.page_table = reinterpret_cast<void* const*>(meta_dev_.data() + at.extra);
   SPX_CUDA_CHECK(kernels::launch_attention(a, stream_.get()));
   return Status::ok();
 }
@@ -417,7 +422,7 @@ Status CudaBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries,
   kernels::KvGatherLaunch& g = plan.launch;
   const uint8_t* base = meta_dev_.data();
   g.entries = reinterpret_cast<const kernels::GatherEntryMeta*>(base + entries_at);
-  g.page_table = reinterpret_cast<float* const*>(base + pages_at);
+  g.page_table = reinterpret_cast<void* const*>(base + pages_at);
   SPX_CUDA_CHECK(kernels::launch_kv_gather(g, stream_.get()));
   return Status::ok();
 }

@@ -15,6 +15,11 @@ namespace specontext::gpu::kernels {
 
 enum class TableType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
+// Element type of KV pages and working sets (core's DType kF32 / kF16 / kBF16; gpu/kv_convert.h
+// has the device conversions). The kernels are templates on it; one type per launch.
+enum class KvType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+inline constexpr int64_t kv_type_bytes(KvType t) { return t == KvType::kF32 ? 4 : 2; }
+
 // out[i, :] = table[ids[i], :] as f32. An id outside [0, rows) yields a row of NaN (the device
 // cannot return a Status without a synchronisation; NaN makes the bug loud).
 cudaError_t launch_embed(const int32_t* ids, int64_t n, const void* table, TableType type,
@@ -44,13 +49,13 @@ cudaError_t launch_swiglu(const float* gate, const float* up, int64_t n, float* 
 // x += y
 cudaError_t launch_add(float* x, const float* y, int64_t n, cudaStream_t stream);
 
-// Writes k, v [n_tokens, kv_heads, head_dim] at positions start_pos.. of a paged cache.
+// Writes k, v [n_tokens, kv_heads, head_dim] (f32) at positions start_pos.. of a paged cache of
+// element type `type`, rounding to nearest even as core's convert_from_f32 (kv_convert.h).
 // page_table is a DEVICE array: [n_touched] K page pointers then [n_touched] V page pointers,
 // for the pages first_page .. first_page + n_touched - 1.
 cudaError_t launch_kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
-                             float* const* page_table, int64_t first_page, int64_t n_touched,
-                             int64_t page_size, int64_t kv_heads, int64_t head_dim,
-                             cudaStream_t stream);
+                             void* const* page_table, KvType type, int64_t first_page, int64_t n_touched,
+                             int64_t page_size, int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
 
 // ---- attention ----
 
@@ -80,7 +85,8 @@ struct AttentionLaunch {
   const AttentionItemMeta* items = nullptr;  // device [n_items]
   const int64_t* block_begin = nullptr;      // device [n_items + 1]: prefix of n_tiles·n_chunks
   const int64_t* row_begin = nullptr;        // device [n_items + 1]: prefix of n_tokens
-  float* const* page_table = nullptr;        // device
+  void* const* page_table = nullptr;         // device; pages of kv_type elements
+  KvType kv_type = KvType::kF32;             // of every item's pages (widened to f32 on staging)
   int64_t n_items = 0;
   int64_t n_heads = 0;
   int64_t kv_heads = 0;
@@ -106,8 +112,8 @@ size_t attention_smem_bytes(int64_t head_dim, int queries_per_warp);
 cudaError_t launch_attention(const AttentionLaunch& a, cudaStream_t stream);
 
 // ---- sparse decode over per-sequence working sets ----
-// A working set is [kv_heads][slots][head_dim] f32 for K and for V (device memory); head h
-// attends to its first counts[h] slots.
+// A working set is [kv_heads][slots][head_dim] elements of the cache's KvType for K and for V
+// (device memory); head h attends to its first counts[h] slots.
 
 // One copy of kv_gather; the same layout as core's GatherEntry (static_assert in sparse_plan.cc).
 struct GatherEntryMeta {
@@ -120,27 +126,30 @@ struct KvGatherLaunch {
   const GatherEntryMeta* entries = nullptr;  // device [n_entries]
   // Device: K pointers of logical pages first_page .. first_page + n_pages - 1, then the V
   // pointers of the same pages.
-  float* const* page_table = nullptr;
-  float* ws_k = nullptr;  // device working set
-  float* ws_v = nullptr;
+  void* const* page_table = nullptr;
+  void* ws_k = nullptr;  // device working set, the cache's element type
+  void* ws_v = nullptr;
+  KvType kv_type = KvType::kF32;  // elements are copied unchanged; only their size matters
   int64_t n_entries = 0;
   int64_t first_page = 0;
   int64_t n_pages = 0;
   int64_t page_size = 0;
   int64_t slots = 0;
   int64_t head_dim = 0;
-  // head_dim % 4 == 0 and every page and working-set base 16-byte aligned: rows copy as float4.
-  bool vec4 = false;
+  // head_dim · kv_type_bytes(kv_type) % 16 == 0 and every page and working-set base 16-byte aligned: rows
+  // copy in 16-byte units (uint4); else in elements.
+  bool vec16 = false;
 };
 
-// One warp per entry copies the K and V rows of (kv_head, token) into (kv_head, slot).
+// One warp per entry copies the K and V rows (head_dim elements) of (kv_head, token) into
+// (kv_head, slot).
 // Destinations must be distinct (the planner checks).
 cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream);
 
 // One sequence of a sparse batch, as the kernels see it.
 struct SparseItemMeta {
-  const float* k;  // device working set of the item
-  const float* v;
+  const void* k;  // device working set of the item (SparseAttentionLaunch::kv_type elements)
+  const void* v;
   int64_t token_offset;   // first row of the item in q / out
   int64_t n_tokens;       // query rows; each attends to the whole working set
   int64_t slots;          // row stride of one head's K/V
@@ -160,6 +169,7 @@ struct SparseAttentionLaunch {
   const int64_t* block_begin = nullptr;   // device [n_items + 1]: prefix of n_tiles·n_chunks
   const int64_t* row_begin = nullptr;     // device [n_items + 1]: prefix of n_tokens
   const int32_t* counts = nullptr;        // device [n_items · kv_heads]
+  KvType kv_type = KvType::kF32;          // of every item's working set (widened on staging)
   int64_t n_items = 0;
   int64_t n_heads = 0;
   int64_t kv_heads = 0;

@@ -23,9 +23,11 @@ namespace specontext::gpu::kernels {
 
 namespace {
 
+// T: element type of the K/V pages (float, __half, __nv_bfloat16), widened to f32 while the tile
+// is staged, so shared memory and everything after it are f32 for every T.
 // minBlocks 4 lets ptxas use up to 128 registers; without it ptxas picked 64-72 and spilled for
 // some instantiations on sm_90.
-template <int kDpl, int kQpw>
+template <int kDpl, int kQpw, typename T>
 __global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const AttentionLaunch a) {
   constexpr int kQpb = kWarps * kQpw;
   extern __shared__ float smem[];
@@ -55,8 +57,8 @@ __global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const At
     qpos[s] = pair < n_pairs ? it.start_pos + pair / group : -1;
   }
 
-  float* const* k_pages = a.page_table + it.page_table_offset;
-  float* const* v_pages = k_pages + it.n_pages;
+  void* const* k_pages = a.page_table + it.page_table_offset;
+  void* const* v_pages = k_pages + it.n_pages;
   const int64_t page_size = it.page_size;
   const float* q_w = q_s + warp * kQpw * hd;
 
@@ -67,12 +69,8 @@ __global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const At
       const int64_t pos = t0 + j;
       const int64_t page = pos / page_size;
       const int64_t off = (kvh * page_size + (pos - page * page_size)) * hd;
-      const float* k_src = k_pages[page] + off;
-      const float* v_src = v_pages[page] + off;
-      for (int d = lane; d < hd; d += 32) {
-        k_s[j * k_stride + d] = k_src[d];
-        v_s[j * hd + d] = v_src[d];
-      }
+      stage_kv_row(k_s + j * k_stride, v_s + j * hd, static_cast<const T*>(k_pages[page]) + off,
+                   static_cast<const T*>(v_pages[page]) + off, hd, lane);
     }
     __syncthreads();
 
@@ -122,9 +120,9 @@ __global__ void __launch_bounds__(kThreads) attention_merge_kernel(const Attenti
 // The kernel pair for the shared launch layer of attention_common.cuh.
 struct DenseKernels {
   using Launch = AttentionLaunch;
-  template <int kDpl, int kQpw>
+  template <int kDpl, int kQpw, typename T>
   static auto partial() {
-    return attention_partial_kernel<kDpl, kQpw>;
+    return attention_partial_kernel<kDpl, kQpw, T>;
   }
   template <int kDpl>
   static auto merge() {

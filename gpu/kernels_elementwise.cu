@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "gpu/kernels.h"
+#include "gpu/kv_convert.h"
 
 namespace specontext::gpu::kernels {
 
@@ -198,23 +199,23 @@ __global__ void add_kernel(float* x, const float* y, int64_t n) {
   for (int64_t i = done + tid; i < n; i += stride) x[i] += y[i];
 }
 
-// ---- KV append: block per (token, kv head) ----
+// ---- KV append: block per (token, kv head); T is the page element type (rounded on store) ----
 
-__global__ void kv_append_kernel(const float* __restrict__ k, const float* __restrict__ v,
-                                 int64_t start_pos, float* const* __restrict__ page_table,
-                                 int64_t first_page, int64_t n_touched, int64_t page_size,
-                                 int64_t kv_heads, int64_t head_dim) {
+template <typename T>
+__global__ void kv_append_kernel(const float* __restrict__ k, const float* __restrict__ v, int64_t start_pos,
+                                 void* const* __restrict__ page_table, int64_t first_page, int64_t n_touched,
+                                 int64_t page_size, int64_t kv_heads, int64_t head_dim) {
   const int64_t t = blockIdx.x;
   const int64_t h = blockIdx.y;
   const int64_t pos = start_pos + t;
   const int64_t page = pos / page_size - first_page;
   const int64_t slot = pos % page_size;
-  float* k_dst = page_table[page] + (h * page_size + slot) * head_dim;
-  float* v_dst = page_table[n_touched + page] + (h * page_size + slot) * head_dim;
+  T* k_dst = static_cast<T*>(page_table[page]) + (h * page_size + slot) * head_dim;
+  T* v_dst = static_cast<T*>(page_table[n_touched + page]) + (h * page_size + slot) * head_dim;
   const int64_t src = (t * kv_heads + h) * head_dim;
   for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    k_dst[d] = k[src + d];
-    v_dst[d] = v[src + d];
+    k_dst[d] = kv_from_f32<T>(k[src + d]);
+    v_dst[d] = kv_from_f32<T>(v[src + d]);
   }
 }
 
@@ -296,14 +297,27 @@ cudaError_t launch_add(float* x, const float* y, int64_t n, cudaStream_t stream)
 }
 
 cudaError_t launch_kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
-                             float* const* page_table, int64_t first_page, int64_t n_touched,
-                             int64_t page_size, int64_t kv_heads, int64_t head_dim,
-                             cudaStream_t stream) {
+                             void* const* page_table, KvType type, int64_t first_page, int64_t n_touched,
+                             int64_t page_size, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
   if (n_tokens <= 0 || kv_heads <= 0 || head_dim <= 0) return cudaSuccess;
   const int threads = static_cast<int>(std::clamp<int64_t>((head_dim + 31) / 32 * 32, 32, 256));
   const dim3 grid(static_cast<unsigned>(n_tokens), static_cast<unsigned>(kv_heads));
-  kv_append_kernel<<<grid, threads, 0, stream>>>(k, v, start_pos, page_table, first_page, n_touched,
-                                                 page_size, kv_heads, head_dim);
+  switch (type) {
+    case KvType::kF32:
+      kv_append_kernel<float><<<grid, threads, 0, stream>>>(k, v, start_pos, page_table, first_page,
+                                                            n_touched, page_size, kv_heads, head_dim);
+      break;
+    case KvType::kF16:
+      kv_append_kernel<__half><<<grid, threads, 0, stream>>>(k, v, start_pos, page_table, first_page,
+                                                             n_touched, page_size, kv_heads, head_dim);
+      break;
+    case KvType::kBF16:
+      kv_append_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(k, v, start_pos, page_table, first_page,
+                                                                    n_touched, page_size, kv_heads, head_dim);
+      break;
+    default:
+      return cudaErrorInvalidValue;  // not a KvType
+  }
   return cudaGetLastError();
 }
 

@@ -26,46 +26,46 @@ constexpr int64_t kMaxGatherBlocks = 1 << 16;
 
 // ---- kv_gather ----
 
-// kVec4 is a template parameter, and the copy loops are unrolled at most twice (head_dim 256 is
-// two float4 per lane): a runtime branch with fully unrolled loops made ptxas spill.
-template <bool kVec4>
+// Unit is the copy unit: uint4 (16 bytes; rows of a multiple of 16 bytes, every base 16-byte
+// aligned), else the element itself (uint32_t for f32, uint16_t for f16 / bf16), so the copy is
+// bit-exact for every element type. A template parameter, and the copy loops are unrolled at most
+// twice (256 f32 dims are two uint4 per lane): a runtime branch with fully unrolled loops made
+// ptxas spill.
+template <typename Unit>
 __global__ void __launch_bounds__(kGatherThreads) kv_gather_kernel(const KvGatherLaunch g) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warps_per_block = kGatherThreads / 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int hd = static_cast<int>(g.head_dim);
+  const int64_t elem_bytes = kv_type_bytes(g.kv_type);
+  const int units = static_cast<int>(g.head_dim * elem_bytes / static_cast<int64_t>(sizeof(Unit)));
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * warps_per_block + (threadIdx.x >> 5); w < g.n_entries;
        w += stride) {
     const GatherEntryMeta e = g.entries[w];
     // 32-bit division (the planner bounds page_size by INT_MAX); a 64-bit one is a called routine.
     const int32_t page = e.token / static_cast<int32_t>(g.page_size);
-    const int64_t src =
-        (e.kv_head * g.page_size + (e.token - static_cast<int64_t>(page) * g.page_size)) * g.head_dim;
-    const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim;
-    const float* k_src = g.page_table[page - g.first_page] + src;
-    const float* v_src = g.page_table[g.n_pages + page - g.first_page] + src;
-    float* k_dst = g.ws_k + dst;
-    float* v_dst = g.ws_v + dst;
-    if constexpr (kVec4) {
+    // Byte offsets of the rows (element offsets times the element size).
+    const int64_t src = (e.kv_head * g.page_size + (e.token - static_cast<int64_t>(page) * g.page_size)) *
+                        g.head_dim * elem_bytes;
+    const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim * elem_bytes;
+    const Unit* k_src =
+        reinterpret_cast<const Unit*>(static_cast<const char*>(g.page_table[page - g.first_page]) + src);
+    const Unit* v_src = reinterpret_cast<const Unit*>(
+        static_cast<const char*>(g.page_table[g.n_pages + page - g.first_page]) + src);
+    Unit* k_dst = reinterpret_cast<Unit*>(static_cast<char*>(g.ws_k) + dst);
+    Unit* v_dst = reinterpret_cast<Unit*>(static_cast<char*>(g.ws_v) + dst);
 #pragma unroll 2
-      for (int i = lane; i < hd / 4; i += 32) {
-        reinterpret_cast<float4*>(k_dst)[i] = reinterpret_cast<const float4*>(k_src)[i];
-        reinterpret_cast<float4*>(v_dst)[i] = reinterpret_cast<const float4*>(v_src)[i];
-      }
-    } else {
-#pragma unroll 2
-      for (int i = lane; i < hd; i += 32) {
-        k_dst[i] = k_src[i];
-        v_dst[i] = v_src[i];
-      }
+    for (int i = lane; i < units; i += 32) {
+      k_dst[i] = k_src[i];
+      v_dst[i] = v_src[i];
     }
   }
 }
 
 // ---- sparse attention ----
 
+// T: element type of the working set, widened to f32 while staging (as attention_partial_kernel).
 // minBlocks 4 as in attention_partial_kernel: lets ptxas use up to 128 registers without spills.
-template <int kDpl, int kQpw>
+template <int kDpl, int kQpw, typename T>
 __global__ void __launch_bounds__(kThreads, 4)
     sparse_attention_partial_kernel(const SparseAttentionLaunch a) {
   constexpr int kQpb = kWarps * kQpw;
@@ -102,20 +102,16 @@ __global__ void __launch_bounds__(kThreads, 4)
   float o[kQpw][kDpl];
   init_softmax(m, l, o);
 
-  const float* k_head = it.k + kvh * it.slots * hd;
-  const float* v_head = it.v + kvh * it.slots * hd;
+  const T* k_head = static_cast<const T*>(it.k) + kvh * it.slots * hd;
+  const T* v_head = static_cast<const T*>(it.v) + kvh * it.slots * hd;
   const float* q_w = q_s + warp * kQpw * hd;
 
   for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
     const int n_keys = static_cast<int>(min(static_cast<int64_t>(kKeyTile), key_end - t0));
     __syncthreads();  // q_s is written (first tile) / the previous K/V tile is consumed
     for (int j = warp; j < n_keys; j += kWarps) {
-      const float* k_src = k_head + (t0 + j) * hd;
-      const float* v_src = v_head + (t0 + j) * hd;
-      for (int d = lane; d < hd; d += 32) {
-        k_s[j * k_stride + d] = k_src[d];
-        v_s[j * hd + d] = v_src[d];
-      }
+      stage_kv_row(k_s + j * k_stride, v_s + j * hd, k_head + (t0 + j) * hd, v_head + (t0 + j) * hd, hd,
+                   lane);
     }
     __syncthreads();
 
@@ -168,9 +164,9 @@ __global__ void __launch_bounds__(kThreads) sparse_attention_merge_kernel(const 
 // The kernel pair for the shared launch layer of attention_common.cuh.
 struct SparseKernels {
   using Launch = SparseAttentionLaunch;
-  template <int kDpl, int kQpw>
+  template <int kDpl, int kQpw, typename T>
   static auto partial() {
-    return sparse_attention_partial_kernel<kDpl, kQpw>;
+    return sparse_attention_partial_kernel<kDpl, kQpw, T>;
   }
   template <int kDpl>
   static auto merge() {
@@ -184,10 +180,13 @@ cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream) {
   if (g.n_entries <= 0) return cudaSuccess;
   constexpr int64_t kEntriesPerBlock = kGatherThreads / 32;
   const int64_t blocks = std::min((g.n_entries + kEntriesPerBlock - 1) / kEntriesPerBlock, kMaxGatherBlocks);
-  if (g.vec4) {
-    kv_gather_kernel<true><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(g);
+  const unsigned grid = static_cast<unsigned>(blocks);
+  if (g.vec16) {
+    kv_gather_kernel<uint4><<<grid, kGatherThreads, 0, stream>>>(g);
+  } else if (kv_type_bytes(g.kv_type) == 4) {
+    kv_gather_kernel<uint32_t><<<grid, kGatherThreads, 0, stream>>>(g);
   } else {
-    kv_gather_kernel<false><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(g);
+    kv_gather_kernel<uint16_t><<<grid, kGatherThreads, 0, stream>>>(g);
   }
   return cudaGetLastError();
 }

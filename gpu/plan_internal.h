@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/dtype.h"
 #include "core/status.h"
 #include "gpu/attention_plan.h"
 #include "gpu/kernels.h"
@@ -33,6 +34,29 @@ inline int64_t chunk_size(int64_t max_keys, int64_t base_blocks, int sm_count) {
     chunk = round_up(ceil_div(max_keys, splits), kernels::kAttentionKeyTile);
   }
   return chunk;
+}
+
+// The kernels' element type of a KV dtype; only for is_kv_dtype(t) (check_kv_dtype first).
+inline kernels::KvType kv_type_of(DType t) {
+  return t == DType::kF16    ? kernels::KvType::kF16
+         : t == DType::kBF16 ? kernels::KvType::kBF16
+                             : kernels::KvType::kF32;
+}
+
+// The KV dtype of batch element `index` (`field` names it, "items[3].kv.dtype") against the
+// batch's (`first`, items[0]'s): f32, f16 or bf16, and one dtype per batch since a launch
+// instantiates the kernels for one element type. op names the call.
+inline Status check_kv_dtype(const char* op, const std::string& field, DType t, DType first) {
+  if (!is_kv_dtype(t)) {
+    return invalid_argument(std::string(op) + ": " + field + " is " + std::string(dtype_name(t)) +
+                            ", not a KV dtype (f32, f16 or bf16)");
+  }
+  if (t != first) {
+    return invalid_argument(std::string(op) + ": " + field + " is " + std::string(dtype_name(t)) +
+                            " but items[0] has " + std::string(dtype_name(first)) +
+                            " (one KV dtype per batch)");
+  }
+  return Status::ok();
 }
 
 // The head-shape checks both plans make: GQA divisibility, the kernels' head_dim limit and the

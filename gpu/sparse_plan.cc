@@ -42,11 +42,20 @@ Result<KvGatherPlan> plan_kv_gather(const KvLayerView& kv, const GatherEntry* en
   if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
     return invalid_argument("kv_gather: null KV page tables");
   }
+  if (!is_kv_dtype(kv.dtype)) {
+    return invalid_argument("kv_gather: kv.dtype is " + std::string(dtype_name(kv.dtype)) +
+                            ", not a KV dtype (f32, f16 or bf16)");
+  }
   SPX_RETURN_IF_ERROR(check_working_set(ws, "kv_gather", /*need_counts=*/false));
   if (ws.kv_heads != kv.kv_heads || ws.head_dim != kv.head_dim) {
     return invalid_argument("kv_gather: working set (kv_heads " + std::to_string(ws.kv_heads) +
                             ", head_dim " + std::to_string(ws.head_dim) + ") does not match the cache (" +
                             std::to_string(kv.kv_heads) + ", " + std::to_string(kv.head_dim) + ")");
+  }
+  if (ws.dtype != kv.dtype) {
+    return invalid_argument("kv_gather: ws.dtype " + std::string(dtype_name(ws.dtype)) +
+                            " differs from kv.dtype " + std::string(dtype_name(kv.dtype)) +
+                            " (the gather copies elements unchanged)");
   }
   if (n_entries > INT_MAX || kv.page_size > INT_MAX) {
     return invalid_argument("kv_gather: too many entries or too large pages for one launch");
@@ -59,19 +68,23 @@ Result<KvGatherPlan> plan_kv_gather(const KvLayerView& kv, const GatherEntry* en
   const int64_t n_pages = max_token / kv.page_size - first_page + 1;
   plan.pages.assign(kv.k_pages + first_page, kv.k_pages + first_page + n_pages);
   plan.pages.insert(plan.pages.end(), kv.v_pages + first_page, kv.v_pages + first_page + n_pages);
-  bool vec4 = kv.head_dim % 4 == 0 && aligned16(ws.k) && aligned16(ws.v);
-  for (const float* p : plan.pages) vec4 = vec4 && aligned16(p);
+  // 16-byte copies when every row is a whole number of uint4 and every base is aligned: rows then
+  // start at multiples of 16 bytes too (row offsets are multiples of the row size).
+  const kernels::KvType type = plan_internal::kv_type_of(kv.dtype);
+  bool vec16 = kv.head_dim * kernels::kv_type_bytes(type) % 16 == 0 && aligned16(ws.k) && aligned16(ws.v);
+  for (const void* p : plan.pages) vec16 = vec16 && aligned16(p);
 
   kernels::KvGatherLaunch& g = plan.launch;
   g.ws_k = ws.k;
   g.ws_v = ws.v;
+  g.kv_type = type;
   g.n_entries = n_entries;
   g.first_page = first_page;
   g.n_pages = n_pages;
   g.page_size = kv.page_size;
   g.slots = ws.slots;
   g.head_dim = kv.head_dim;
-  g.vec4 = vec4;
+  g.vec16 = vec16;
   return plan;
 }
 
@@ -94,8 +107,11 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
   if (items == nullptr || n_heads <= 0) return invalid_argument("attention_sparse: no items or heads");
   const int64_t kv_heads = items[0].ws.kv_heads;
   const int64_t head_dim = items[0].ws.head_dim;
+  const DType dtype = items[0].ws.dtype;
   for (int64_t i = 0; i < n_items; ++i) {
     const SparseAttentionItem& it = items[i];
+    SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype(
+        "attention_sparse", "items[" + std::to_string(i) + "].ws.dtype", it.ws.dtype, dtype));
     SPX_RETURN_IF_ERROR(check_working_set(it.ws, "attention_sparse", /*need_counts=*/true));
     if (it.ws.kv_heads != kv_heads || it.ws.head_dim != head_dim) {
       return invalid_argument("attention_sparse: items disagree on kv_heads or head_dim");
@@ -154,6 +170,7 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
 
   SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention_sparse", n_items, n_heads, kv_heads,
                                                  head_dim, chunk, n_chunks_max, qpw));
+  plan.launch.kv_type = plan_internal::kv_type_of(dtype);
   return plan;
 }
 

@@ -16,15 +16,16 @@ namespace specontext::gpu {
 struct KvGatherPlan {
   // K page pointers of the pages the entries touch (launch.first_page .. + launch.n_pages - 1),
   // then the V pointers of the same pages. Only that range travels to the device.
-  std::vector<float*> pages;
-  // Shapes, page range, working-set pointers and vec4 filled in; entries and page_table (device
+  std::vector<void*> pages;
+  // Shapes, page range, working-set pointers, kv_type and vec16 filled in; entries and page_table (device
   // copies) are left null for the caller. launch.n_entries == 0: nothing to do.
   kernels::KvGatherLaunch launch;
 };
 
-// Checks (all kInvalidArgument, as the CPU backends): working set matches the cache's kv_heads
-// and head_dim; each entry's head < kv_heads, token < capacity, slot < slots; destinations
-// (head, slot) distinct. `entries` is a host array; the views' data pointers are device pointers.
+// Checks (all kInvalidArgument, as the CPU backends): the cache's dtype is f32, f16 or bf16; the
+// working set matches the cache's kv_heads, head_dim and dtype; each entry's head < kv_heads,
+// token < capacity, slot < slots; destinations (head, slot) distinct. `entries` is a host array; the views'
+// data pointers are device pointers.
 Result<KvGatherPlan> plan_kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
                                     const WorkingSetView& ws);
 
@@ -41,7 +42,8 @@ struct SparseAttentionPlan {
 };
 
 // Checks the batch (kInvalidArgument: counts outside [0, slots], null counts or K/V, n_heads not a
-// multiple of kv_heads, items disagreeing on kv_heads or head_dim, negative rows;
+// multiple of kv_heads, items disagreeing on kv_heads, head_dim or dtype (f32, f16 or bf16; one
+// per batch, recorded in launch.kv_type), negative rows;
 // kUnimplemented: head_dim > 256) and plans the launch for `sm_count` multiprocessors. Splits
 // the slots into chunks (flash-decoding) under the same rule as plan_attention: only while the
 // unsplit grid has fewer than kAttentionTargetBlocksPerSm blocks per SM.

@@ -7,8 +7,9 @@
 // one warm-up decode step, then `steps` timed decode steps of all R sequences (greedy argmax on
 // the host); tokens/s = steps·R / seconds.
 //
-// KV pages are f32 (256 KiB per token for llama-3.1-8b), so large configurations do not fit the
-// device: then the KV tiers are set up as `specontext generate` does (bin/tier_setup: a pinned
+// KV pages and working sets hold --kv-dtype elements (default bf16, as the HF baseline: 128 KiB
+// per token for llama-3.1-8b; f32 doubles that), so large configurations do not fit the device:
+// then the KV tiers are set up as `specontext generate` does (bin/tier_setup: a pinned
 // host pool, the CUDA transport, the planner's static plan for the final lengths), and where even
 // that cannot hold it the configuration is recorded as {"status": "does not fit"} with the bytes
 // it needs. Every configuration's errors (out of memory included) are caught and recorded; the
@@ -16,7 +17,7 @@
 // Without a CUDA device it says so, writes a JSON saying that no figures were produced, exits 0.
 //
 //   bench_gpu_decode --out bench_out/gpu_decode.json [--contexts 16384,32768 --requests 1,8,32
-//                    --methods dense,specontext --steps 32 --time-budget-s 150]
+//                    --methods dense,specontext --steps 32 --kv-dtype bf16 --time-budget-s 150]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "bin/tier_setup.h"
+#include "core/dtype.h"
 #include "core/engine.h"
 #include "core/retrieval_head.h"
 #include "core/synthetic.h"
@@ -64,7 +66,9 @@ struct Options {
   std::vector<std::string> methods = {"dense", "specontext"};
   int64_t steps = 32;
   int64_t budget = 2048;
-  double time_budget_s = 0;  // 0 = none
+  std::string kv_dtype_name = "bf16";  // --kv-dtype: f32, f16 or bf16
+  DType kv_dtype = DType::kBF16;       // kv_dtype_name parsed
+  double time_budget_s = 0;            // 0 = none
   double reserve_gib = 10;   // device memory left outside the KV tier (workspaces, cuBLAS, fragmentation)
   double host_kv_max_gib = 96;
   int device = 0;
@@ -88,17 +92,19 @@ DeviceMemory device_memory() {
 }
 
 // What Engine::setup_tiers allocates for an all-device engine with these options (the same
-// formula: KV chunks of every layer, working sets, the head's key blocks, alignment slack).
+// formula: KV chunks of every layer and working sets, both of o.kv_dtype elements, the head's f32
+// key blocks, alignment slack).
 uint64_t all_device_bytes(const ModelConfig& c, const EngineOptions& o) {
   const int64_t pages_per_seq = (o.max_context + o.page_size - 1) / o.page_size;
   const int64_t n_pages = pages_per_seq * o.max_sequences;
-  const uint64_t page_bytes = 2 * static_cast<uint64_t>(o.page_size * c.kv_dim()) * sizeof(float);
+  const uint64_t elem = dtype_size(o.kv_dtype);
+  const uint64_t page_bytes = 2 * static_cast<uint64_t>(o.page_size * c.kv_dim()) * elem;
   const uint64_t chunk_pages = static_cast<uint64_t>(KvStore::default_chunk_pages(page_bytes, n_pages));
   const uint64_t chunks = (static_cast<uint64_t>(n_pages) + chunk_pages - 1) / chunk_pages;
   uint64_t bytes = static_cast<uint64_t>(c.n_layers) * chunks * chunk_pages * page_bytes;
   uint64_t allocations = static_cast<uint64_t>(c.n_layers) * chunks;
   if (o.sparse.method != SparseMethod::kDense) {
-    const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * o.sparse.selection.budget * c.head_dim) * sizeof(float);
+    const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * o.sparse.selection.budget * c.head_dim) * elem;
     bytes += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2 * ws;
     allocations += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2;
   }
@@ -167,6 +173,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   eo.max_context = ctx + opt.steps + 8;
   eo.sparse.method = method;
   eo.sparse.selection.budget = opt.budget;  // sinks 1, window 4 (the defaults)
+  eo.kv_dtype = opt.kv_dtype;
   if (method == SparseMethod::kSpeContext) eo.retrieval_head = run.head;
   const uint64_t needed = all_device_bytes(c, eo);
   const DeviceMemory mem = device_memory();
@@ -176,7 +183,8 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   j["needed_all_device_bytes"] = needed;
   j["device_free_bytes_before"] = mem.free;
   j["device_kv_room_bytes"] = device_room;
-  j["kv_bytes_per_token"] = c.kv_bytes_per_token(4);
+  j["kv_dtype"] = opt.kv_dtype_name;
+  j["kv_bytes_per_token"] = c.kv_bytes_per_token(static_cast<int64_t>(dtype_size(opt.kv_dtype)));
 
   cli::TierArgs ta;
   if (needed > device_room) {
@@ -334,6 +342,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"dense", "specontext", "streaming", "quest"}));
   app.add_option("--steps", opt.steps, "timed decode steps (after one warm-up step)")->check(CLI::PositiveNumber);
   app.add_option("--budget", opt.budget, "SpeContext budget B (tokens per KV head)")->check(CLI::PositiveNumber);
+  app.add_option("--kv-dtype", opt.kv_dtype_name,
+                 "element type of the KV cache and working sets (f32, f16, bf16)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app.add_option("--time-budget-s", opt.time_budget_s,
                  "stop launching configurations after this many seconds (they are recorded as skipped); 0 = none")
       ->check(CLI::NonNegativeNumber);
@@ -343,12 +354,16 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "seed of weights, KV and tokens");
   app.add_option("--out", opt.out, "JSON output file");
   CLI11_PARSE(app, argc, argv);
+  opt.kv_dtype = dtype_from_name(opt.kv_dtype_name).value_or(DType::kBF16);  // CLI11 checked the name
 
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
   json doc = {{"command", command},
-              {"note", "synthetic weights (bf16, random), random KV via fill_synthetic and a random retrieval head: "
-                       "speed, not quality; KV pages are f32"},
+              {"note",
+               "synthetic weights (bf16, random), random KV via fill_synthetic and a random retrieval head: "
+               "speed, not quality; KV pages and working sets are " +
+                   opt.kv_dtype_name},
+              {"kv_dtype", opt.kv_dtype_name},
               {"figures_produced", false}};
 
   auto count = gpu::cuda_device_count();
@@ -389,10 +404,20 @@ int main(int argc, char** argv) {
   };
   if (!model.is_ok()) return fail(model.status());
   const ModelConfig& c = (*model)->config;
-  doc["model"] = {{"name", opt.model}, {"layers", c.n_layers}, {"dim", c.dim}, {"hidden", c.hidden_dim},
-                  {"heads", c.n_heads}, {"kv_heads", c.n_kv_heads}, {"head_dim", c.head_dim},
-                  {"vocab", c.vocab_size}, {"weights", "bf16"}, {"weight_bytes", weight_bytes(**model)},
-                  {"kv_bytes_per_token", c.kv_bytes_per_token(4)}, {"build_seconds", seconds_since(t_model)}};
+  doc["model"] = {
+      {"name", opt.model},
+      {"layers", c.n_layers},
+      {"dim", c.dim},
+      {"hidden", c.hidden_dim},
+      {"heads", c.n_heads},
+      {"kv_heads", c.n_kv_heads},
+      {"head_dim", c.head_dim},
+      {"vocab", c.vocab_size},
+      {"weights", "bf16"},
+      {"weight_bytes", weight_bytes(**model)},
+      {"kv_dtype", opt.kv_dtype_name},
+      {"kv_bytes_per_token", c.kv_bytes_per_token(static_cast<int64_t>(dtype_size(opt.kv_dtype)))},
+      {"build_seconds", seconds_since(t_model)}};
   std::shared_ptr<const RetrievalHead> head;
   if (std::find(opt.methods.begin(), opt.methods.end(), "specontext") != opt.methods.end()) {
     auto h = make_random_head(c, opt.seed + 1);
@@ -415,6 +440,7 @@ int main(int argc, char** argv) {
     EngineOptions eo;
     eo.max_sequences = 1;
     eo.max_context = std::min<int64_t>(4096, c.max_seq_len);
+    eo.kv_dtype = opt.kv_dtype;
     if (head) {
       eo.sparse.method = SparseMethod::kSpeContext;
       eo.sparse.selection.budget = opt.budget;
@@ -430,9 +456,9 @@ int main(int argc, char** argv) {
       doc["weights_upload"]["error"] = st.to_string();
     }
   }
-  std::fprintf(stderr, "bench_gpu_decode: %s (%lld layers, %s GiB bf16 weights) on %s, %s GiB free\n", opt.model.c_str(),
-               static_cast<long long>(c.n_layers), fmt_gib(weight_bytes(**model)).c_str(), prop.name,
-               fmt_gib(device_memory().free).c_str());
+  std::fprintf(stderr, "bench_gpu_decode: %s (%lld layers, %s GiB bf16 weights, %s KV) on %s, %s GiB free\n",
+               opt.model.c_str(), static_cast<long long>(c.n_layers), fmt_gib(weight_bytes(**model)).c_str(),
+               opt.kv_dtype_name.c_str(), prop.name, fmt_gib(device_memory().free).c_str());
 
   json configs = json::array();
   bool any_ok = false;

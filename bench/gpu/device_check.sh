@@ -302,7 +302,7 @@ if [ "$HAVE_BIN" -eq 1 ]; then
   secs=$(limit 175 140)
   run bench_gpu_decode "$secs" "$WORK/gpu_decode.log" env LD_LIBRARY_PATH="$OURLD" "$B/bin/bench_gpu_decode" \
     --out "$WORK/gpu_decode.json" --contexts 16384,32768 --requests 1,8,32 --methods dense,specontext --steps 32 \
-    --time-budget-s $((secs > 60 ? secs - 40 : secs / 2)) && say "[bench_gpu_decode] ok (${LAST_S} s)"
+    --kv-dtype bf16 --time-budget-s $((secs > 60 ? secs - 40 : secs / 2)) && say "[bench_gpu_decode] ok (${LAST_S} s)"
   [ -f "$WORK/gpu_decode.json" ] && cp "$WORK/gpu_decode.json" "$OUT/gpu_decode.json"
   grep -E '^(ctx|bench_gpu_decode)' "$WORK/gpu_decode.log" | cut -c1-160 | tee -a "$LOG"
   append "$WORK/gpu_decode.log" "bench_gpu_decode"
@@ -434,8 +434,9 @@ if "peak" in copy:
         copy.get("suggested_gather_below_bytes"), copy.get("default_gather_below_bytes")))
 else:
     print("copy: no figures (%s)" % copy.get("missing", "no peak in gpu_copy.json"))
-print("decode tokens/s, %s bf16, 32 steps (* = KV tiers used, ~ = fewer steps; ours: %s, HF: %s)" % (
-    (ours.get("model") or {}).get("name", "llama-3.1-8b"), summary["ours_status"], summary["hf_status"]))
+print("decode tokens/s, %s bf16, %s KV, 32 steps (* = KV tiers used, ~ = fewer steps; ours: %s, HF: %s)" % (
+    (ours.get("model") or {}).get("name", "llama-3.1-8b"), ours.get("kv_dtype", "?"), summary["ours_status"],
+    summary["hf_status"]))
 print("  %6s %4s %12s %12s %12s %9s %9s" % ("ctx", "R", "dense", "specontext", "hf-eager", "spec/dense", "spec/hf"))
 for (ctx, r), cols in sorted(table.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0)):
     d, s, h = cols.get("dense"), cols.get("specontext"), cols.get("hf-eager")

@@ -51,6 +51,24 @@ TEST(Cli, GenerateJsonSummaryHasTheKeysAndMatchesGreedyGolden) {
   EXPECT_EQ(j["text"].get<std::string>().rfind(", there was a little girl named Lily.", 0), 0u) << j["text"];
 }
 
+TEST(Cli, HalfPrecisionKvHalvesTheCacheAndKeepsTheGreedyText) {
+  for (const char* dtype : {"bf16", "f16"}) {
+    const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                                 " --prompt 'Once upon a time' -n 40 --json --kv-dtype " + dtype,
+                             false);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["kv_dtype"].get<std::string>(), dtype);
+    EXPECT_EQ(j["kv_bytes_per_token"].get<int64_t>(), 640);
+    EXPECT_EQ(j["kv_bytes"].get<int64_t>(), 3 * 16 * 640);  // the f32 run above: 1280 B/token
+    EXPECT_EQ(j["text"].get<std::string>().rfind(", there was a little girl named Lily.", 0), 0u) << j["text"];
+  }
+  const CliRun bad = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                             " --prompt hi --kv-dtype q8_0");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--kv-dtype"), std::string::npos) << bad.out;
+}
+
 TEST(Cli, GenerateStreamsTextAndPrintsSummaryToStderr) {
   const CliRun r = run_cli("generate --model " + repo_path("models/babyllama105/model5000.bin") +
                     " --prompt 'The cat' -n 20 --temperature 0.7 --seed 3");

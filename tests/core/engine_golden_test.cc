@@ -44,10 +44,13 @@ double rel_l2(std::span<const float> a, std::span<const float> b) {
 struct Param {
   std::string model;
   bool reference;
+  DType kv_dtype = DType::kF32;
 };
-void PrintTo(const Param& p, std::ostream* os) { *os << p.model << (p.reference ? " (reference)" : ""); }
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.model << (p.reference ? " (reference)" : "") << " KV " << dtype_name(p.kv_dtype);
+}
 
-class GoldenTest : public ::testing::TestWithParam<Param> {
+class EngineFixture : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     auto m = load_model(repo_path(GetParam().model));
@@ -61,6 +64,7 @@ class GoldenTest : public ::testing::TestWithParam<Param> {
     EngineOptions eo;
     eo.max_sequences = 4;
     eo.page_size = 16;
+    eo.kv_dtype = GetParam().kv_dtype;
     auto e = Engine::create(model_, backend_, eo);
     ASSERT_TRUE(e.is_ok()) << e.status().to_string();
     engine_ = std::move(*e);
@@ -110,6 +114,8 @@ class GoldenTest : public ::testing::TestWithParam<Param> {
   std::unique_ptr<Tokenizer> tok_;
 };
 
+class GoldenTest : public EngineFixture {};
+
 TEST_P(GoldenTest, PromptLogitsMatchRunC) {
   const auto golden = golden_logits();
   const size_t vocab = 512;
@@ -151,6 +157,44 @@ INSTANTIATE_TEST_SUITE_P(
                                                                           : "llama2c";
       return n + (info.param.reference ? "_reference" : "_optimised");
     });
+
+// A bf16 / f16 KV cache: logits stay within the rounding of K and V of run.c's (f32 KV), and
+// the rounding is visible (the dtype reached the cache). Greedy text is reported, not required
+// to match: a near-tie may flip one token and everything after it.
+class HalfKvTest : public EngineFixture {};
+
+TEST_P(HalfKvTest, PromptLogitsStayWithinTheRoundingOfRunC) {
+  const auto golden = golden_logits();
+  const size_t vocab = 512;
+  const double tol = GetParam().kv_dtype == DType::kBF16 ? 2e-2 : 3e-3;
+  for (int64_t chunk : {32, 1}) {
+    const auto ours = prompt_logits(chunk);
+    ASSERT_EQ(ours.size(), golden.size()) << "chunk " << chunk;
+    double worst = 0.0;
+    for (size_t pos = 0; pos * vocab < golden.size(); ++pos) {
+      const double err = rel_l2(std::span<const float>(ours.data() + pos * vocab, vocab),
+                                std::span<const float>(golden.data() + pos * vocab, vocab));
+      EXPECT_LT(err, tol) << "position " << pos << " chunk " << chunk;
+      worst = std::max(worst, err);
+    }
+    EXPECT_GT(worst, 1e-6) << "no rounding visible: is the cache really " << dtype_name(GetParam().kv_dtype) << "?";
+    std::printf("KV %s, chunk %lld: worst per-position rel L2 vs run.c %.3g\n",
+                std::string(dtype_name(GetParam().kv_dtype)).c_str(), static_cast<long long>(chunk), worst);
+  }
+  const std::string text = generate_text(SamplingParams{});
+  const std::string want = read_text_file(repo_path("models/stories260K/golden/greedy_256.txt"));
+  size_t same = 0;
+  while (same < text.size() && same < want.size() && text[same] == want[same]) ++same;
+  std::printf("KV %s: greedy text equals run.c's for %zu of %zu characters\n",
+              std::string(dtype_name(GetParam().kv_dtype)).c_str(), same, want.size());
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, HalfKvTest,
+                         ::testing::Values(Param{"models/stories260K/stories260K.bin", false, DType::kBF16},
+                                           Param{"models/stories260K/stories260K.bin", false, DType::kF16}),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(dtype_name(info.param.kv_dtype));
+                         });
 
 }  // namespace
 }  // namespace specontext

@@ -74,6 +74,32 @@ std::vector<TierMemory> device_and_host(uint64_t device, uint64_t host) {
   return t;
 }
 
+TEST(KvStore, HalfPrecisionPagesHoldHalfTheBytes) {
+  auto c = synthetic_config("toy");
+  ASSERT_TRUE(c.is_ok());
+  c->n_layers = 2;
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    auto store = KvStore::create(*c, 16, 10, device_and_host(1 << 20, 1 << 20), 10, t);
+    ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+    KvStore& s = **store;
+    EXPECT_EQ(s.dtype(), t);
+    EXPECT_EQ(s.row_bytes(), 16u * 2);   // head_dim 16, 2 bytes each
+    EXPECT_EQ(s.page_bytes(), 2048u);    // half the f32 page of the test below
+    ASSERT_TRUE(s.allocate_page().is_ok());
+    auto moves = s.begin_move(LayerId(1), TierId(1));
+    ASSERT_TRUE(moves.is_ok());
+    ASSERT_EQ(moves->size(), 1u);
+    EXPECT_EQ((*moves)[0].bytes, 10u * 2048u);
+    s.abort_move(LayerId(1));
+    std::vector<PageId> pages = {PageId(9)};
+    std::vector<void*> k, v;
+    EXPECT_EQ(s.view(LayerId(0), pages, k, v).dtype, t);
+  }
+  auto bad = KvStore::create(*c, 16, 10, device_and_host(1 << 20, 1 << 20), 10, DType::kQ8_0);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("q8_0"), std::string::npos) << bad.status().message();
+}
+
 TEST(KvStore, ChunksFollowPagesInEveryLayerAndMovesAreAllOrNothing) {
   auto c = synthetic_config("toy");
   ASSERT_TRUE(c.is_ok());
@@ -148,8 +174,10 @@ std::shared_ptr<CopyQueue> make_copies(Transport& t, bool threaded, int max_retr
   return std::shared_ptr<CopyQueue>(std::move(*ce));
 }
 
-EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head, int64_t chunk_pages = 4) {
+EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head, int64_t chunk_pages = 4,
+                             DType kv_dtype = DType::kF32) {
   EngineOptions o;
+  o.kv_dtype = kv_dtype;
   o.max_sequences = 4;
   o.max_context = 512;
   o.page_size = 8;
@@ -163,13 +191,14 @@ EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<Retrieva
 
 Pair make_pair(SparseMethod method, Where where, std::unique_ptr<Transport> transport = nullptr,
                uint64_t device_bytes = 0, std::shared_ptr<PlacementPolicy> policy = nullptr, int64_t layers = 5,
-               uint64_t tier_bytes = 8 << 20, int64_t chunk_pages = 4, bool threaded = true) {
+               uint64_t tier_bytes = 8 << 20, int64_t chunk_pages = 4, bool threaded = true,
+               DType kv_dtype = DType::kF32) {
   Pair p;
   p.model = testing::toy_model(layers);
   auto head = make_random_head(p.model->config, 9);
   EXPECT_TRUE(head.is_ok());
   p.head = *head;
-  const EngineOptions o = sparse_options(method, p.head, chunk_pages);
+  const EngineOptions o = sparse_options(method, p.head, chunk_pages, kv_dtype);
   auto ref = Engine::create(p.model, testing::cpu_backend(), o);
   EXPECT_TRUE(ref.is_ok()) << ref.status().to_string();
   p.ref = std::move(*ref);
@@ -219,11 +248,18 @@ TokenId argmax(const std::vector<float>& logits, int64_t vocab, int64_t row) {
                               (logits.begin() + row * vocab));
 }
 
-class ForcedPlacement : public ::testing::TestWithParam<std::tuple<SparseMethod, Where, bool>> {};
+std::string forced_placement_name(const ::testing::TestParamInfo<std::tuple<SparseMethod, Where, bool, DType>>& info) {
+  return std::string(sparse_method_name(std::get<0>(info.param))) +
+         (std::get<1>(info.param) == Where::kHost ? "_host" : "_remote") +
+         (std::get<2>(info.param) ? "_threaded" : "_inline") +
+         (std::get<3>(info.param) == DType::kF32 ? "" : "_" + std::string(dtype_name(std::get<3>(info.param))));
+}
+
+class ForcedPlacement : public ::testing::TestWithParam<std::tuple<SparseMethod, Where, bool, DType>> {};
 
 TEST_P(ForcedPlacement, OffloadedLayersGiveTheAllDeviceLogits) {
-  const auto [method, where, threaded] = GetParam();
-  Pair p = make_pair(method, where, nullptr, 0, nullptr, 5, 8 << 20, 4, threaded);
+  const auto [method, where, threaded, kv_dtype] = GetParam();
+  Pair p = make_pair(method, where, nullptr, 0, nullptr, 5, 8 << 20, 4, threaded, kv_dtype);
   ASSERT_TRUE(p.tiered);
   const TierId off(1);
   KvPlacement place = p.tiered->placement();
@@ -284,12 +320,17 @@ INSTANTIATE_TEST_SUITE_P(
     Methods, ForcedPlacement,
     ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext, SparseMethod::kStreaming,
                                          SparseMethod::kQuest),
-                       ::testing::Values(Where::kHost, Where::kRemote), ::testing::Bool()),
-    [](const auto& info) {
-      return std::string(sparse_method_name(std::get<0>(info.param))) +
-             (std::get<1>(info.param) == Where::kHost ? "_host" : "_remote") +
-             (std::get<2>(info.param) ? "_threaded" : "_inline");
-    });
+                       ::testing::Values(Where::kHost, Where::kRemote), ::testing::Bool(),
+                       ::testing::Values(DType::kF32)),
+    forced_placement_name);
+
+// A bf16 / f16 cache moves half the bytes; placement must still not change a single bit.
+INSTANTIATE_TEST_SUITE_P(
+    HalfKv, ForcedPlacement,
+    ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext),
+                       ::testing::Values(Where::kHost, Where::kRemote), ::testing::Values(true),
+                       ::testing::Values(DType::kBF16, DType::kF16)),
+    forced_placement_name);
 
 std::shared_ptr<planner::PlannerPolicy> policy_for(const Model& m, const RetrievalHead& head, int64_t budget,
                                                    int64_t requests, uint64_t host_bytes, uint64_t chunk_bytes,

@@ -35,7 +35,7 @@ constexpr int64_t kBudgetLo = 16;
 // One paged view over host buffers: kv_heads 2, head_dim 4, page_size 4, `length` tokens.
 struct TinyCache {
   std::vector<std::vector<float>> k_pages, v_pages;
-  std::vector<float*> k_ptrs, v_ptrs;
+  std::vector<void*> k_ptrs, v_ptrs;
   KvLayerView view;
   TinyCache(int64_t length, uint32_t seed) {
     std::mt19937 rng(seed);

@@ -423,8 +423,8 @@ TEST(CpuOps, KvAppendMatchesReference) {
       ASSERT_TRUE(ref.kv_append(k.data(), v.data(), n, start, b.view).is_ok());
       for (int64_t p = 0; p < pages; ++p) {
         // Compare bit patterns: untouched slots are NaN in both and must stay NaN.
-        ASSERT_EQ(0, std::memcmp(a.k_pages[p], b.k_pages[p], a.k_store[0].size() * 4)) << "page " << p;
-        ASSERT_EQ(0, std::memcmp(a.v_pages[p], b.v_pages[p], a.v_store[0].size() * 4)) << "page " << p;
+        ASSERT_EQ(0, std::memcmp(a.k_pages[p], b.k_pages[p], a.page_bytes())) << "page " << p;
+        ASSERT_EQ(0, std::memcmp(a.v_pages[p], b.v_pages[p], a.page_bytes())) << "page " << p;
       }
       EXPECT_EQ(*a.k_at(start + n - 1, kv_heads - 1),
                 k[static_cast<size_t>((n - 1) * kv_heads * head_dim + (kv_heads - 1) * head_dim)]);

@@ -87,19 +87,23 @@ inline void expect_close(const float* got, const float* want, size_t n, double t
   EXPECT_LT(rel_l2(got, want, n), tol) << what;
 }
 
-// A paged KV cache for one layer of one sequence. Pages are separate allocations in shuffled
-// order; every slot is NaN until written, so reading a slot outside the causal window poisons
-// the result.
+// A paged KV cache for one layer of one sequence, elements of `dtype` (f32 unless given). Pages
+// are separate allocations in shuffled order; every slot is NaN until written, so reading a slot
+// outside the causal window poisons the result.
 struct PagedKv {
-  std::vector<std::vector<float>> k_store, v_store;
-  std::vector<float*> k_pages, v_pages;
+  std::vector<std::vector<unsigned char>> k_store, v_store;
+  std::vector<void*> k_pages, v_pages;
   KvLayerView view;
 
-  PagedKv(int64_t n_pages, int64_t page_size, int64_t kv_heads, int64_t head_dim, uint32_t seed) {
-    const size_t page_floats = static_cast<size_t>(kv_heads * page_size * head_dim);
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    k_store.assign(static_cast<size_t>(n_pages), std::vector<float>(page_floats, nan));
-    v_store.assign(static_cast<size_t>(n_pages), std::vector<float>(page_floats, nan));
+  PagedKv(int64_t n_pages, int64_t page_size, int64_t kv_heads, int64_t head_dim, uint32_t seed,
+          DType dtype = DType::kF32) {
+    const size_t page_elems = static_cast<size_t>(kv_heads * page_size * head_dim);
+    const size_t elem = dtype_size(dtype);
+    std::vector<unsigned char> nan_page(page_elems * elem);
+    const std::vector<float> nans(page_elems, std::numeric_limits<float>::quiet_NaN());
+    convert_from_f32(dtype, nans.data(), nan_page.data(), page_elems);
+    k_store.assign(static_cast<size_t>(n_pages), nan_page);
+    v_store.assign(static_cast<size_t>(n_pages), nan_page);
     std::vector<size_t> order(static_cast<size_t>(n_pages));
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::shuffle(order.begin(), order.end(), std::mt19937(seed));
@@ -113,12 +117,19 @@ struct PagedKv {
     view.page_size = page_size;
     view.kv_heads = kv_heads;
     view.head_dim = head_dim;
+    view.dtype = dtype;
   }
+  size_t page_bytes() const { return k_store.empty() ? 0 : k_store[0].size(); }
+  // Element offset of (pos, head) inside its page.
+  int64_t offset(int64_t pos, int64_t head) const {
+    return (head * view.page_size + pos % view.page_size) * view.head_dim;
+  }
+  // f32 caches only.
   float* k_at(int64_t pos, int64_t head) {
-    return k_pages[pos / view.page_size] + (head * view.page_size + pos % view.page_size) * view.head_dim;
+    return static_cast<float*>(k_pages[pos / view.page_size]) + offset(pos, head);
   }
   float* v_at(int64_t pos, int64_t head) {
-    return v_pages[pos / view.page_size] + (head * view.page_size + pos % view.page_size) * view.head_dim;
+    return static_cast<float*>(v_pages[pos / view.page_size]) + offset(pos, head);
   }
   // Random K/V for positions [0, n).
   void fill(int64_t n, uint32_t seed, float k_scale = 1.0f) {

@@ -150,10 +150,11 @@ TEST(ReferenceBackend, KvAppendLayout) {
   EXPECT_EQ(*kv.k_at(1, 1), 21);
   EXPECT_EQ(*kv.v_at(2, 0), -30);
   // Token 2 -> page 1 slot 0: head 0 at [0*2 + 0], head 1 at [1*2 + 0].
-  EXPECT_EQ(kv.k_pages[1][0], 30);
-  EXPECT_EQ(kv.k_pages[1][2], 31);
-  EXPECT_TRUE(std::isnan(kv.k_pages[1][1]));  // head 0, slot 1: never written
-  EXPECT_TRUE(std::isnan(kv.k_pages[1][3]));  // head 1, slot 1: never written
+  const float* page1 = static_cast<const float*>(kv.k_pages[1]);
+  EXPECT_EQ(page1[0], 30);
+  EXPECT_EQ(page1[2], 31);
+  EXPECT_TRUE(std::isnan(page1[1]));  // head 0, slot 1: never written
+  EXPECT_TRUE(std::isnan(page1[3]));  // head 1, slot 1: never written
   EXPECT_EQ(ref.kv_append(k, v, 2, 3, kv.view).code(), StatusCode::kOutOfRange);
 }
 

@@ -25,10 +25,13 @@ namespace specontext::gpu {
 namespace {
 
 using plan_test::attend_tile;
+using plan_test::dtype_of;
 using plan_test::find_segment;
 using plan_test::HostCache;
 using plan_test::kKeyTile;
+using plan_test::kKvDtypes;
 using plan_test::kLog2e;
+using plan_test::kv_load;
 using plan_test::kWarps;
 using plan_test::make_cache;
 using plan_test::merge_chunks;
@@ -36,9 +39,11 @@ using plan_test::Partials;
 using plan_test::stage_queries;
 using plan_test::store_query;
 
-// Host mirror of the kernels, driven by the plan (page tables hold host pointers here).
+// Host mirror of the kernels, driven by the plan (page tables hold host pointers here; elements
+// of the plan's kv_type, widened while staged).
 void emulate(const AttentionPlan& plan, const float* q, float* out) {
   const kernels::AttentionLaunch& a = plan.launch;
+  const DType dtype = dtype_of(a.kv_type);
   const int hd = static_cast<int>(a.head_dim);
   const int qpw = a.queries_per_warp;
   const int qpb = kWarps * qpw;
@@ -73,8 +78,8 @@ void emulate(const AttentionPlan& plan, const float* q, float* out) {
         const int64_t pair = pair0 + slot;
         qpos[static_cast<size_t>(slot)] = pair < n_pairs ? it.start_pos + pair / group : -1;
       }
-      float* const* k_pages = plan.pages.data() + it.page_table_offset;
-      float* const* v_pages = k_pages + it.n_pages;
+      void* const* k_pages = plan.pages.data() + it.page_table_offset;
+      void* const* v_pages = k_pages + it.n_pages;
       for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
         const int n_keys = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - t0));
         for (int j = 0; j < n_keys; ++j) {
@@ -82,8 +87,8 @@ void emulate(const AttentionPlan& plan, const float* q, float* out) {
           const int64_t page = pos / it.page_size;
           const int64_t off = (kvh * it.page_size + (pos - page * it.page_size)) * hd;
           for (int d = 0; d < hd; ++d) {
-            k_s[static_cast<size_t>(j * hd + d)] = k_pages[page][off + d];
-            v_s[static_cast<size_t>(j * hd + d)] = v_pages[page][off + d];
+            k_s[static_cast<size_t>(j * hd + d)] = kv_load(k_pages[page], dtype, off + d);
+            v_s[static_cast<size_t>(j * hd + d)] = kv_load(v_pages[page], dtype, off + d);
           }
         }
         for (int slot = 0; slot < qpb; ++slot) {  // slot = warp * qpw + s
@@ -130,8 +135,13 @@ class AttentionPlanTest : public ::testing::Test {
     ref_ = std::move(ref).value();
   }
 
+  // Every case runs for each KV dtype: the plan must record it, and the mirror reads it.
   void run(const Case& c, bool expect_split) {
-    SCOPED_TRACE(c.name);
+    for (DType dtype : kKvDtypes) run(c, expect_split, dtype);
+  }
+
+  void run(const Case& c, bool expect_split, DType dtype) {
+    SCOPED_TRACE(std::string(c.name) + ", " + std::string(dtype_name(dtype)));
     std::vector<std::unique_ptr<HostCache>> caches;
     std::vector<AttentionItem> items;
     int64_t total_rows = 0;
@@ -139,7 +149,7 @@ class AttentionPlanTest : public ::testing::Test {
     int64_t next_row = total_rows;  // reverse row order: rows are not in item order
     for (const auto& [n_tokens, start_pos] : c.items) {
       const int64_t pages = (start_pos + n_tokens + c.page_size - 1) / c.page_size + 1;
-      caches.push_back(make_cache(rng_, pages, c.page_size, c.kv_heads, c.head_dim));
+      caches.push_back(make_cache(rng_, pages, c.page_size, c.kv_heads, c.head_dim, dtype));
       next_row -= n_tokens;
       items.push_back(AttentionItem{next_row, n_tokens, start_pos, caches.back()->view});
     }
@@ -151,6 +161,7 @@ class AttentionPlanTest : public ::testing::Test {
     auto plan = plan_attention(items.data(), static_cast<int64_t>(items.size()), c.n_heads, c.sm_count);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     const kernels::AttentionLaunch& a = plan->launch;
+    EXPECT_EQ(dtype_of(a.kv_type), dtype);
     EXPECT_EQ(a.n_chunks_max > 1, expect_split) << "chunk " << a.chunk_size;
     EXPECT_EQ(a.chunk_size % kernels::kAttentionKeyTile, 0);
     EXPECT_EQ(a.total_rows, total_rows);
@@ -219,6 +230,33 @@ TEST_F(AttentionPlanTest, RejectsBadBatches) {
   auto other = make_cache(rng_, 2, 4, 1, 8);
   AttentionItem items[2] = {item, AttentionItem{1, 1, 0, other->view}};
   EXPECT_EQ(plan_attention(items, 2, 2, 132).status().code(), StatusCode::kInvalidArgument);
+}
+
+// One element type per launch: a batch mixing KV dtypes, or holding one that is not f32, f16 or
+// bf16, is refused with the offending item's field named, also when that item has no rows.
+TEST_F(AttentionPlanTest, RejectsMixedAndNonKvDtypes) {
+  auto f32 = make_cache(rng_, 2, 4, 2, 8, DType::kF32);
+  auto bf16 = make_cache(rng_, 2, 4, 2, 8, DType::kBF16);
+  auto f16 = make_cache(rng_, 2, 4, 2, 8, DType::kF16);
+  const auto status = [&](std::vector<AttentionItem> items) {
+    return plan_attention(items.data(), static_cast<int64_t>(items.size()), 4, 132).status();
+  };
+  EXPECT_TRUE(status({{0, 1, 0, bf16->view}, {1, 1, 3, bf16->view}}).is_ok());
+  Status s = status({{0, 1, 0, f32->view}, {1, 1, 0, bf16->view}});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("items[1].kv.dtype"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("bf16"), std::string::npos) << s.to_string();
+  s = status({{0, 1, 0, f16->view}, {1, 1, 0, f16->view}, {2, 0, 0, bf16->view}});  // empty item
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("items[2].kv.dtype"), std::string::npos) << s.to_string();
+  for (DType bad : {DType::kI32, DType::kQ8_0, DType::kU8, DType::kI64}) {
+    KvLayerView view = f32->view;
+    view.dtype = bad;
+    s = status({{0, 1, 0, view}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << dtype_name(bad);
+    EXPECT_NE(s.message().find("items[0].kv.dtype is " + std::string(dtype_name(bad))), std::string::npos)
+        << s.to_string();
+  }
 }
 
 }  // namespace

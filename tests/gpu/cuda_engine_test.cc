@@ -1,8 +1,8 @@
 // The whole engine on the CUDA backend against the engine on the CPU backend: the bundled models
 // (stories260K, babyllama105, each with its distilled retrieval head) decode greedily, dense and
 // SpeContext (budget 32), two sequences of different lengths batched together; and a synthetic
-// toy model (f32 and bf16 weights) decodes a few steps after fill_synthetic. Each engine feeds
-// back its own argmax, so the test checks what a user sees:
+// toy model (f32 and bf16 weights; f32, f16 and bf16 KV) decodes a few steps after fill_synthetic.
+// Each engine feeds back its own argmax, so the test checks what a user sees:
 //   * logits of every step, while the two token sequences agree, within rel L2 1e-4 (f32 models)
 //     of the CPU engine's, finite, the reference non-zero;
 //   * the greedy tokens equal for at least the first 64 generated tokens of every sequence (a
@@ -337,8 +337,11 @@ INSTANTIATE_TEST_SUITE_P(Bundled, CudaEngineTest,
 // steps on top must give the same logits. f32 weights: 1e-4. bf16 weights: both backends round
 // the activations to bf16 before every product, but an activation that lands on the other side
 // of a rounding boundary differs by 2^-8 of itself; the backend's own bf16 matmul test allows
-// 5e-3, and that is the tolerance here.
-class CudaEngineSyntheticTest : public ::testing::TestWithParam<std::tuple<DType, SparseMethod>> {
+// 5e-3, and that is the tolerance here. f16 / bf16 KV (third parameter) with f32 weights: the
+// filled pages are identical, but the K/V of each new token come from each backend's f32 forward
+// and one element within f32 rounding of a 2-byte rounding boundary lands on the neighbouring
+// value (2^-11 / 2^-8 of itself): 1e-3.
+class CudaEngineSyntheticTest : public ::testing::TestWithParam<std::tuple<DType, SparseMethod, DType>> {
  protected:
   void SetUp() override {
     if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
@@ -348,6 +351,7 @@ class CudaEngineSyntheticTest : public ::testing::TestWithParam<std::tuple<DType
 TEST_P(CudaEngineSyntheticTest, FilledContextDecodesAlike) {
   const DType dtype = std::get<0>(GetParam());
   const SparseMethod method = std::get<1>(GetParam());
+  const DType kv_dtype = std::get<2>(GetParam());
   auto model = make_synthetic_model("toy", 0, dtype, 11);
   ASSERT_TRUE(model.is_ok()) << model.status().to_string();
   const ModelConfig& c = (*model)->config;
@@ -356,6 +360,7 @@ TEST_P(CudaEngineSyntheticTest, FilledContextDecodesAlike) {
   EngineOptions o;
   o.max_sequences = 3;
   o.max_context = kContext + kSteps + 8;
+  o.kv_dtype = kv_dtype;
   o.sparse.method = method;
   o.sparse.selection = {32, 1, 4};
   if (method == SparseMethod::kSpeContext) {
@@ -382,7 +387,7 @@ TEST_P(CudaEngineSyntheticTest, FilledContextDecodesAlike) {
     ASSERT_TRUE(sc.is_ok()) << sc.to_string();
     ASSERT_TRUE(sg.is_ok()) << sg.to_string();
   }
-  const double tol = dtype == DType::kBF16 ? 5e-3 : 1e-4;
+  const double tol = dtype == DType::kBF16 ? 5e-3 : kv_dtype != DType::kF32 ? 1e-3 : 1e-4;
   std::vector<std::vector<TokenId>> in = {{17}, {42}, {1, 5, 9, 200, 31}};
   for (int64_t step = 0; step < kSteps; ++step) {
     std::vector<StepRequest> rc, rg;
@@ -419,13 +424,26 @@ TEST_P(CudaEngineSyntheticTest, FilledContextDecodesAlike) {
   }
 }
 
+std::string synthetic_case_name(
+    const ::testing::TestParamInfo<std::tuple<DType, SparseMethod, DType>>& info) {
+  return std::string(dtype_name(std::get<0>(info.param))) + "_" +
+         std::string(sparse_method_name(std::get<1>(info.param))) + "_kv_" +
+         std::string(dtype_name(std::get<2>(info.param)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Toy, CudaEngineSyntheticTest,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
-                                            ::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext)),
-                         [](const auto& info) {
-                           return std::string(dtype_name(std::get<0>(info.param))) + "_" +
-                                  std::string(sparse_method_name(std::get<1>(info.param)));
-                         });
+                                            ::testing::Values(SparseMethod::kDense,
+                                                              SparseMethod::kSpeContext),
+                                            ::testing::Values(DType::kF32)),
+                         synthetic_case_name);
+// The 2-byte KV caches (f32 weights, so the KV rounding is the only difference from Toy).
+INSTANTIATE_TEST_SUITE_P(ToyHalfKv, CudaEngineSyntheticTest,
+                         ::testing::Combine(::testing::Values(DType::kF32),
+                                            ::testing::Values(SparseMethod::kDense,
+                                                              SparseMethod::kSpeContext),
+                                            ::testing::Values(DType::kF16, DType::kBF16)),
+                         synthetic_case_name);
 
 }  // namespace
 }  // namespace specontext::gpu

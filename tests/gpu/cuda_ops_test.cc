@@ -23,6 +23,7 @@
 #include "core/dtype.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_backend.h"
+#include "gpu/sparse_plan.h"
 #include "tests/gpu/device_test_util.h"
 
 namespace specontext::gpu {
@@ -277,26 +278,61 @@ TEST_F(CudaOpsTest, SwigluAndAdd) {
 
 // ---- paged KV cache: host mirror and device pages with identical layout ----
 
-// n_pages pages of [kv_heads][page_size][head_dim] floats, stored in one allocation in a
-// shuffled order so that logical page p is not at offset p (exercises the page tables).
+constexpr DType kKvDtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+
+std::string dtype_str(DType t) { return std::string(dtype_name(t)); }
+
+// Raw bytes of `values` rounded to the KV dtype t (core's convert_from_f32, as the reference).
+std::vector<uint8_t> kv_bytes(const std::vector<float>& values, DType t) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(t));
+  convert_from_f32(t, values.data(), bytes.data(), values.size());
+  return bytes;
+}
+
+std::vector<uint8_t> random_kv(std::mt19937& rng, size_t n, DType t, float lo = -1.0f, float hi = 1.0f) {
+  return kv_bytes(random_floats(rng, n, lo, hi), t);
+}
+
+// Bit-exact comparison of two byte arrays, naming the first difference.
+::testing::AssertionResult same_bytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  size_t first = got.size();
+  size_t differing = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) {
+      first = std::min(first, i);
+      ++differing;
+    }
+  }
+  if (differing == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << differing << " bytes differ, the first at byte " << first << ": " << static_cast<int>(got[first])
+         << " vs " << static_cast<int>(want[first]);
+}
+
+// n_pages pages of [kv_heads][page_size][head_dim] elements of `dtype`, stored in one allocation
+// in a shuffled order so that logical page p is not at offset p (exercises the page tables).
 struct PagedCache {
   int64_t n_pages, page_size, kv_heads, head_dim;
-  std::vector<float> host_k, host_v;
-  std::unique_ptr<Guarded<float>> dev_k, dev_v;
-  std::vector<float*> host_k_pages, host_v_pages, dev_k_pages, dev_v_pages;
+  DType dtype;
+  std::vector<uint8_t> host_k, host_v;
+  std::unique_ptr<Guarded<uint8_t>> dev_k, dev_v;
+  std::vector<void*> host_k_pages, host_v_pages, dev_k_pages, dev_v_pages;
 
-  PagedCache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh, int64_t hd)
-      : n_pages(pages), page_size(ps), kv_heads(kvh), head_dim(hd) {
-    const size_t page_floats = static_cast<size_t>(ps * kvh * hd);
-    host_k = random_floats(rng, page_floats * static_cast<size_t>(pages));
-    host_v = random_floats(rng, page_floats * static_cast<size_t>(pages));
-    dev_k = std::make_unique<Guarded<float>>(host_k);
-    dev_v = std::make_unique<Guarded<float>>(host_v);
+  PagedCache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh, int64_t hd, DType t = DType::kF32)
+      : n_pages(pages), page_size(ps), kv_heads(kvh), head_dim(hd), dtype(t) {
+    const size_t page_elems = static_cast<size_t>(ps * kvh * hd);
+    const size_t page_bytes = page_elems * dtype_size(t);
+    host_k = random_kv(rng, page_elems * static_cast<size_t>(pages), t);
+    host_v = random_kv(rng, page_elems * static_cast<size_t>(pages), t);
+    dev_k = std::make_unique<Guarded<uint8_t>>(host_k);
+    dev_v = std::make_unique<Guarded<uint8_t>>(host_v);
     std::vector<int64_t> order(static_cast<size_t>(pages));
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
     for (int64_t p = 0; p < pages; ++p) {
-      const size_t at = static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats;
+      const size_t at = static_cast<size_t>(order[static_cast<size_t>(p)]) * page_bytes;
       host_k_pages.push_back(host_k.data() + at);
       host_v_pages.push_back(host_v.data() + at);
       dev_k_pages.push_back(dev_k->data() + at);
@@ -304,44 +340,111 @@ struct PagedCache {
     }
   }
   KvLayerView host_view() const {
-    return KvLayerView{host_k_pages.data(), host_v_pages.data(), n_pages, page_size, kv_heads, head_dim};
+    return KvLayerView{
+        host_k_pages.data(), host_v_pages.data(), n_pages, page_size, kv_heads, head_dim, dtype};
   }
   KvLayerView device_view() const {
-    return KvLayerView{dev_k_pages.data(), dev_v_pages.data(), n_pages, page_size, kv_heads, head_dim};
+    return KvLayerView{dev_k_pages.data(), dev_v_pages.data(), n_pages, page_size, kv_heads, head_dim, dtype};
+  }
+  // Device pages equal the host mirror bit for bit, and the guards around them are intact.
+  ::testing::AssertionResult matches_host() const {
+    ::testing::AssertionResult k = same_bytes(dev_k->download(), host_k);
+    if (!k) return ::testing::AssertionFailure() << "K pages: " << k.message();
+    ::testing::AssertionResult v = same_bytes(dev_v->download(), host_v);
+    if (!v) return ::testing::AssertionFailure() << "V pages: " << v.message();
+    if (!dev_k->guards_intact() || !dev_v->guards_intact()) return ::testing::AssertionFailure() << "guards";
+    return ::testing::AssertionSuccess();
   }
 };
 
 TEST_F(CudaOpsTest, KvAppendAcrossPages) {
-  for (int trial = 0; trial < 10; ++trial) {
-    const int64_t page_size = pick(rng_, {1, 4, 16, 64});
-    const int64_t kv_heads = pick(rng_, {1, 2, 8});
-    const int64_t head_dim = pick(rng_, {4, 64, 128});
-    const int64_t n_pages = uniform(rng_, 1, 12);
-    const int64_t capacity = n_pages * page_size;
-    const int64_t start_pos = uniform(rng_, 0, capacity - 1);
-    const int64_t n_tokens = uniform(rng_, 1, capacity - start_pos);
-    SCOPED_TRACE("page_size " + std::to_string(page_size) + " kv_heads " +
-                 std::to_string(kv_heads) + " head_dim " + std::to_string(head_dim) + " start " +
-                 std::to_string(start_pos) + " n " + std::to_string(n_tokens));
-    PagedCache cache(rng_, n_pages, page_size, kv_heads, head_dim);
-    const std::vector<float> k = random_floats(rng_, static_cast<size_t>(n_tokens * kv_heads * head_dim));
-    const std::vector<float> v = random_floats(rng_, k.size());
-    Guarded<float> d_k(k);
-    Guarded<float> d_v(v);
-    const KvLayerView dview = cache.device_view();
-    ASSERT_TRUE(gpu_->kv_append(d_k.data(), d_v.data(), n_tokens, start_pos, dview).is_ok());
-    ASSERT_TRUE(ref_->kv_append(k.data(), v.data(), n_tokens, start_pos, cache.host_view()).is_ok());
-    sync();
-    // Whole pages compared: written slots must match, untouched slots must be unchanged.
-    EXPECT_EQ(cache.dev_k->download(), cache.host_k);
-    EXPECT_EQ(cache.dev_v->download(), cache.host_v);
-    EXPECT_TRUE(cache.dev_k->guards_intact());
-    EXPECT_TRUE(cache.dev_v->guards_intact());
+  for (DType dtype : kKvDtypes) {
+    for (int trial = 0; trial < 10; ++trial) {
+      const int64_t page_size = pick(rng_, {1, 4, 16, 64});
+      const int64_t kv_heads = pick(rng_, {1, 2, 8});
+      const int64_t head_dim = pick(rng_, {4, 6, 64, 128});
+      const int64_t n_pages = uniform(rng_, 1, 12);
+      const int64_t capacity = n_pages * page_size;
+      const int64_t start_pos = uniform(rng_, 0, capacity - 1);
+      const int64_t n_tokens = uniform(rng_, 1, capacity - start_pos);
+      SCOPED_TRACE(dtype_str(dtype) + " page_size " + std::to_string(page_size) + " kv_heads " +
+                   std::to_string(kv_heads) + " head_dim " + std::to_string(head_dim) + " start " +
+                   std::to_string(start_pos) + " n " + std::to_string(n_tokens));
+      PagedCache cache(rng_, n_pages, page_size, kv_heads, head_dim, dtype);
+      const std::vector<float> k = random_floats(rng_, static_cast<size_t>(n_tokens * kv_heads * head_dim));
+      const std::vector<float> v = random_floats(rng_, k.size());
+      Guarded<float> d_k(k);
+      Guarded<float> d_v(v);
+      const KvLayerView dview = cache.device_view();
+      ASSERT_TRUE(gpu_->kv_append(d_k.data(), d_v.data(), n_tokens, start_pos, dview).is_ok());
+      ASSERT_TRUE(ref_->kv_append(k.data(), v.data(), n_tokens, start_pos, cache.host_view()).is_ok());
+      sync();
+      // Whole pages compared: written slots must match, untouched slots must be unchanged.
+      EXPECT_TRUE(cache.matches_host());
+    }
   }
   // Beyond capacity is refused before anything is enqueued.
   PagedCache small(rng_, 1, 4, 1, 4);
   EXPECT_EQ(gpu_->kv_append(nullptr, nullptr, 2, 3, small.device_view()).code(),
             StatusCode::kOutOfRange);
+}
+
+// The rounding of kv_append equals the reference's bit for bit on the hard cases: ±0, ±inf, NaNs
+// of both signs and several payloads, the f16 overflow threshold (65520 is a tie and rounds to
+// inf), f16 and bf16 subnormals and ties, f32 subnormals, FLT_MAX; then random bit patterns
+// (every exponent).
+TEST_F(CudaOpsTest, KvAppendRoundsLikeTheReference) {
+  const int64_t page_size = 16, kv_heads = 2, head_dim = 64, n_tokens = 40, start_pos = 5;
+  const size_t n = static_cast<size_t>(n_tokens * kv_heads * head_dim);
+  const auto from_bits = [](uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  };
+  std::vector<float> k = {0.0f,
+                          -0.0f,
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(),
+                          from_bits(0x7fc00000u),
+                          from_bits(0xffc00000u),
+                          from_bits(0x7f800001u),
+                          from_bits(0xff812345u),
+                          from_bits(0x7fffffffu),
+                          std::numeric_limits<float>::max(),
+                          -std::numeric_limits<float>::max(),
+                          65504.0f,
+                          65519.996f,
+                          65520.0f,
+                          -65520.0f,
+                          65536.0f,
+                          1e6f,
+                          std::ldexp(1.0f, -24),
+                          std::ldexp(1.0f, -25),
+                          std::ldexp(3.0f, -25),
+                          std::ldexp(1.0f, -15),
+                          1.0f + std::ldexp(1.0f, -8),
+                          1.0f + std::ldexp(3.0f, -8),
+                          1.0f + std::ldexp(1.0f, -11),
+                          1.0f + std::ldexp(3.0f, -11),
+                          std::numeric_limits<float>::denorm_min(),
+                          std::ldexp(1.0f, -130)};
+  std::vector<float> v(k.rbegin(), k.rend());
+  std::uniform_int_distribution<uint32_t> any_bits;
+  while (k.size() < n) k.push_back(from_bits(any_bits(rng_)));
+  while (v.size() < n) v.push_back(from_bits(any_bits(rng_)));
+  Guarded<float> d_k(k);
+  Guarded<float> d_v(v);
+  for (DType dtype : kKvDtypes) {
+    SCOPED_TRACE(dtype_str(dtype));
+    PagedCache cache(rng_, 4, page_size, kv_heads, head_dim, dtype);
+    ASSERT_TRUE(gpu_->kv_append(d_k.data(), d_v.data(), n_tokens, start_pos, cache.device_view()).is_ok());
+    ASSERT_TRUE(ref_->kv_append(k.data(), v.data(), n_tokens, start_pos, cache.host_view()).is_ok());
+    sync();
+    EXPECT_TRUE(cache.matches_host());
+  }
+  const std::vector<float> k_after = d_k.download();  // the inputs are only read
+  EXPECT_EQ(std::memcmp(k_after.data(), k.data(), k.size() * sizeof(float)), 0);
+  EXPECT_TRUE(d_k.guards_intact());
 }
 
 // ---- attention ----
@@ -353,9 +456,10 @@ struct AttentionCase {
   float q_scale = 1.0f;
 };
 
-void run_attention_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& rng,
-                        const AttentionCase& c) {
-  SCOPED_TRACE(c.name);
+// Both sides widen the same rounded K/V to f32, so every dtype has f32's tolerance.
+void run_attention_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& rng, const AttentionCase& c,
+                        DType dtype = DType::kF32) {
+  SCOPED_TRACE(std::string(c.name) + ", " + dtype_str(dtype));
   // One cache per item; items get token offsets in reverse order to decouple rows from items.
   std::vector<std::unique_ptr<PagedCache>> caches;
   std::vector<AttentionItem> host_items, dev_items;
@@ -365,7 +469,7 @@ void run_attention_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937
   for (const auto& [n_tokens, start_pos] : c.items) {
     const int64_t len = start_pos + n_tokens;
     const int64_t pages = std::max<int64_t>(1, (len + c.page_size - 1) / c.page_size + 1);  // + slack
-    caches.push_back(std::make_unique<PagedCache>(rng, pages, c.page_size, c.kv_heads, c.head_dim));
+    caches.push_back(std::make_unique<PagedCache>(rng, pages, c.page_size, c.kv_heads, c.head_dim, dtype));
     next_row -= n_tokens;
     host_items.push_back(AttentionItem{next_row, n_tokens, start_pos, caches.back()->host_view()});
     dev_items.push_back(AttentionItem{next_row, n_tokens, start_pos, caches.back()->device_view()});
@@ -383,6 +487,7 @@ void run_attention_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937
   t.sync();
   EXPECT_TRUE(close(d_out.download(), want, 1e-4));
   EXPECT_TRUE(d_out.guards_intact());
+  for (const auto& cache : caches) EXPECT_TRUE(cache->matches_host());  // the cache is only read
 }
 
 TEST_F(CudaOpsTest, AttentionDecodeSplitK) {
@@ -408,6 +513,28 @@ TEST_F(CudaOpsTest, AttentionPrefillAndMixedBatches) {
   for (const AttentionCase& c : cases) run_attention_case(*this, *gpu_, *ref_, rng_, c);
 }
 
+// Every instance of the partial kernel (dims per lane 2 / 4 / 8 by head_dim, queries per warp
+// 1 / 2 / 4 by the largest item's (row, head-of-group) pairs), with and without a split, for each
+// KV dtype.
+TEST_F(CudaOpsTest, AttentionEveryKernelInstanceAllKvDtypes) {
+  const std::vector<AttentionCase> cases = {
+      {"head_dim 64, 1 query per warp, split", 4, 4, 64, 16, {{1, 2000}}},
+      {"head_dim 64, 2 queries per warp, split", 16, 2, 64, 16, {{1, 1000}}},
+      {"head_dim 64, 4 queries per warp, prefill", 8, 2, 64, 16, {{100, 0}}},
+      {"head_dim 128, 1 query per warp, gqa batch", 32, 8, 128, 16, {{1, 700}, {1, 5}, {1, 2047}, {1, 0}}},
+      {"head_dim 128, 2 queries per warp, peaky", 16, 2, 128, 32, {{1, 1500}}, 4.0f},
+      {"head_dim 128, 4 queries per warp, chunked prefill", 8, 2, 128, 16, {{40, 300}}},
+      {"head_dim 80, page 1", 6, 3, 80, 1, {{1, 600}}},
+      {"head_dim 256, 1 query per warp", 4, 1, 256, 16, {{1, 1500}}},
+      {"head_dim 256, 2 queries per warp", 8, 1, 256, 16, {{1, 1500}, {1, 300}}},
+      {"head_dim 256, 4 queries per warp, prefill", 4, 1, 256, 32, {{20, 100}, {1, 1000}}},
+      {"mixed batch with an empty item", 12, 4, 128, 8, {{33, 17}, {0, 50}, {1, 900}, {5, 0}}},
+  };
+  for (DType dtype : kKvDtypes) {
+    for (const AttentionCase& c : cases) run_attention_case(*this, *gpu_, *ref_, rng_, c, dtype);
+  }
+}
+
 TEST_F(CudaOpsTest, AttentionRejectsUnsupportedShapes) {
   PagedCache cache(rng_, 1, 4, 1, 512);
   AttentionItem item{0, 1, 0, cache.device_view()};
@@ -417,6 +544,22 @@ TEST_F(CudaOpsTest, AttentionRejectsUnsupportedShapes) {
   EXPECT_EQ(gpu_->attention(nullptr, &item2, 1, 4, nullptr).code(), StatusCode::kInvalidArgument);
   AttentionItem item3{0, 5, 0, cache2.device_view()};  // beyond capacity 4
   EXPECT_EQ(gpu_->attention(nullptr, &item3, 1, 3, nullptr).code(), StatusCode::kOutOfRange);
+  // One KV dtype per batch (the kernels are instantiated per element type), f32 / f16 / bf16 only.
+  PagedCache f32(rng_, 1, 4, 1, 64, DType::kF32);
+  PagedCache bf16(rng_, 1, 4, 1, 64, DType::kBF16);
+  AttentionItem mixed[2] = {{0, 1, 0, f32.device_view()}, {1, 1, 0, bf16.device_view()}};
+  Status s = gpu_->attention(nullptr, mixed, 2, 2, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("items[1].kv.dtype"), std::string::npos) << s.to_string();
+  KvLayerView q8 = f32.device_view();
+  q8.dtype = DType::kQ8_0;
+  AttentionItem not_kv{0, 1, 0, q8};
+  EXPECT_EQ(gpu_->attention(nullptr, &not_kv, 1, 2, nullptr).code(), StatusCode::kInvalidArgument);
+  s = gpu_->kv_append(nullptr, nullptr, 1, 0, q8);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("kv.dtype is q8_0"), std::string::npos) << s.to_string();
+  sync();
+  EXPECT_TRUE(f32.matches_host());  // nothing was enqueued
 }
 
 // Several decode steps of one layer (rope, kv_append, attention) queued back to back with no
@@ -424,108 +567,141 @@ TEST_F(CudaOpsTest, AttentionRejectsUnsupportedShapes) {
 // correctly ordered on the stream. All inputs are uploaded before the first op is queued.
 TEST_F(CudaOpsTest, QueuedOpsWithoutSynchronisation) {
   const int64_t page_size = 16, kv_heads = 2, head_dim = 64, n_heads = 4;
-  PagedCache cache(rng_, 8, page_size, kv_heads, head_dim);
-  const RopeParams params = make_params(head_dim, RopeStyle::kHalf, 10000.0, 1.0f);
-  struct Step {
-    int64_t n_tokens, pos;
-    std::vector<float> q, k, v;
-    std::vector<int64_t> positions;
-    std::unique_ptr<Guarded<float>> d_q, d_k, d_v, d_out;
-    std::unique_ptr<Guarded<int64_t>> d_pos;
-  };
-  std::vector<Step> steps;
-  int64_t pos = 0;
-  for (int i = 0; i < 6; ++i) {
-    Step st;
-    st.n_tokens = i == 0 ? 20 : 1;
-    st.pos = pos;
-    st.q = random_floats(rng_, static_cast<size_t>(st.n_tokens * n_heads * head_dim));
-    st.k = random_floats(rng_, static_cast<size_t>(st.n_tokens * kv_heads * head_dim));
-    st.v = random_floats(rng_, st.k.size());
-    st.positions.resize(static_cast<size_t>(st.n_tokens));
-    std::iota(st.positions.begin(), st.positions.end(), pos);
-    st.d_q = std::make_unique<Guarded<float>>(st.q);
-    st.d_k = std::make_unique<Guarded<float>>(st.k);
-    st.d_v = std::make_unique<Guarded<float>>(st.v);
-    st.d_out = std::make_unique<Guarded<float>>(st.q.size());
-    st.d_pos = std::make_unique<Guarded<int64_t>>(st.positions);
-    pos += st.n_tokens;
-    steps.push_back(std::move(st));
+  for (DType dtype : kKvDtypes) {
+    SCOPED_TRACE(dtype_str(dtype));
+    PagedCache cache(rng_, 8, page_size, kv_heads, head_dim, dtype);
+    const RopeParams params = make_params(head_dim, RopeStyle::kHalf, 10000.0, 1.0f);
+    struct Step {
+      int64_t n_tokens, pos;
+      std::vector<float> q, k, v;
+      std::vector<int64_t> positions;
+      std::unique_ptr<Guarded<float>> d_q, d_k, d_v, d_out;
+      std::unique_ptr<Guarded<int64_t>> d_pos;
+    };
+    std::vector<Step> steps;
+    int64_t pos = 0;
+    for (int i = 0; i < 6; ++i) {
+      Step st;
+      st.n_tokens = i == 0 ? 20 : 1;
+      st.pos = pos;
+      st.q = random_floats(rng_, static_cast<size_t>(st.n_tokens * n_heads * head_dim));
+      st.k = random_floats(rng_, static_cast<size_t>(st.n_tokens * kv_heads * head_dim));
+      st.v = random_floats(rng_, st.k.size());
+      st.positions.resize(static_cast<size_t>(st.n_tokens));
+      std::iota(st.positions.begin(), st.positions.end(), pos);
+      st.d_q = std::make_unique<Guarded<float>>(st.q);
+      st.d_k = std::make_unique<Guarded<float>>(st.k);
+      st.d_v = std::make_unique<Guarded<float>>(st.v);
+      st.d_out = std::make_unique<Guarded<float>>(st.q.size());
+      st.d_pos = std::make_unique<Guarded<int64_t>>(st.positions);
+      pos += st.n_tokens;
+      steps.push_back(std::move(st));
+    }
+    const KvLayerView dview = cache.device_view();
+    for (Step& st : steps) {
+      ASSERT_TRUE(gpu_->rope(st.d_q->data(), st.n_tokens, n_heads, st.d_pos->data(), params).is_ok());
+      ASSERT_TRUE(gpu_->rope(st.d_k->data(), st.n_tokens, kv_heads, st.d_pos->data(), params).is_ok());
+      ASSERT_TRUE(gpu_->kv_append(st.d_k->data(), st.d_v->data(), st.n_tokens, st.pos, dview).is_ok());
+      AttentionItem item{0, st.n_tokens, st.pos, dview};
+      ASSERT_TRUE(gpu_->attention(st.d_q->data(), &item, 1, n_heads, st.d_out->data()).is_ok());
+    }
+    std::vector<std::vector<float>> want;
+    for (Step& st : steps) {
+      ASSERT_TRUE(ref_->rope(st.q.data(), st.n_tokens, n_heads, st.positions.data(), params).is_ok());
+      ASSERT_TRUE(ref_->rope(st.k.data(), st.n_tokens, kv_heads, st.positions.data(), params).is_ok());
+      ASSERT_TRUE(ref_->kv_append(st.k.data(), st.v.data(), st.n_tokens, st.pos, cache.host_view()).is_ok());
+      AttentionItem item{0, st.n_tokens, st.pos, cache.host_view()};
+      want.emplace_back(st.q.size());
+      ASSERT_TRUE(ref_->attention(st.q.data(), &item, 1, n_heads, want.back().data()).is_ok());
+    }
+    sync();
+    for (size_t i = 0; i < steps.size(); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i));
+      EXPECT_TRUE(close(steps[i].d_out->download(), want[i], 1e-4));
+      EXPECT_TRUE(steps[i].d_out->guards_intact());
+    }
+    // The appended keys went through RoPE, whose device result may differ from the host's in the
+    // last f32 bits (rope's tolerance is 1e-5), and rounding to a 2-byte type can carry such a
+    // difference across a rounding boundary now and then: keys compare as values, V (not
+    // rotated) bit for bit.
+    const std::vector<uint8_t> got_k = cache.dev_k->download();
+    std::vector<float> got(got_k.size() / dtype_size(dtype)), wanted(got.size());
+    convert_to_f32(dtype, got_k.data(), got.data(), got.size());
+    convert_to_f32(dtype, cache.host_k.data(), wanted.data(), wanted.size());
+    EXPECT_TRUE(close(got, wanted, dtype == DType::kF32 ? 1e-5 : 1e-3));
+    EXPECT_TRUE(same_bytes(cache.dev_v->download(), cache.host_v));
+    EXPECT_TRUE(cache.dev_k->guards_intact());
+    EXPECT_TRUE(cache.dev_v->guards_intact());
   }
-  const KvLayerView dview = cache.device_view();
-  for (Step& st : steps) {
-    ASSERT_TRUE(gpu_->rope(st.d_q->data(), st.n_tokens, n_heads, st.d_pos->data(), params).is_ok());
-    ASSERT_TRUE(gpu_->rope(st.d_k->data(), st.n_tokens, kv_heads, st.d_pos->data(), params).is_ok());
-    ASSERT_TRUE(gpu_->kv_append(st.d_k->data(), st.d_v->data(), st.n_tokens, st.pos, dview).is_ok());
-    AttentionItem item{0, st.n_tokens, st.pos, dview};
-    ASSERT_TRUE(gpu_->attention(st.d_q->data(), &item, 1, n_heads, st.d_out->data()).is_ok());
-  }
-  std::vector<std::vector<float>> want;
-  for (Step& st : steps) {
-    ASSERT_TRUE(ref_->rope(st.q.data(), st.n_tokens, n_heads, st.positions.data(), params).is_ok());
-    ASSERT_TRUE(ref_->rope(st.k.data(), st.n_tokens, kv_heads, st.positions.data(), params).is_ok());
-    ASSERT_TRUE(ref_->kv_append(st.k.data(), st.v.data(), st.n_tokens, st.pos, cache.host_view()).is_ok());
-    AttentionItem item{0, st.n_tokens, st.pos, cache.host_view()};
-    want.emplace_back(st.q.size());
-    ASSERT_TRUE(ref_->attention(st.q.data(), &item, 1, n_heads, want.back().data()).is_ok());
-  }
-  sync();
-  for (size_t i = 0; i < steps.size(); ++i) {
-    SCOPED_TRACE("step " + std::to_string(i));
-    EXPECT_TRUE(close(steps[i].d_out->download(), want[i], 1e-4));
-    EXPECT_TRUE(steps[i].d_out->guards_intact());
-  }
-  EXPECT_EQ(cache.dev_k->download(), cache.host_k);
-  EXPECT_EQ(cache.dev_v->download(), cache.host_v);
 }
 
 // ---- sparse decode: kv_gather and attention_sparse over working sets ----
 
-// A working set ([kv_heads][slots][head_dim] K and V) on the host and on the device, identical
-// at creation. `offset` floats of padding before the device data make it not 16-byte aligned
-// (the scalar gather path). Slots beyond counts[h] hold NaN unless `fill` says otherwise.
+// A working set ([kv_heads][slots][head_dim] K and V of `dtype` elements) on the host and on the
+// device, identical at creation. `offset` elements of padding (kPadByte) before the device data
+// make it misaligned (the element-wise gather path). Slots beyond counts[h] hold NaN unless
+// `fill` says otherwise.
 struct DeviceWorkingSet {
+  static constexpr uint8_t kPadByte = 0x5a;
   int64_t kv_heads, slots, head_dim, offset;
-  std::vector<float> host_k, host_v;
+  DType dtype;
+  std::vector<uint8_t> host_k, host_v;
   std::vector<int32_t> counts;
-  std::unique_ptr<Guarded<float>> dev_k, dev_v;
+  std::unique_ptr<Guarded<uint8_t>> dev_k, dev_v;
 
   DeviceWorkingSet(int64_t kvh, int64_t n_slots, int64_t hd,
-                   float fill = std::numeric_limits<float>::quiet_NaN(), int64_t pad = 0)
+                   float fill = std::numeric_limits<float>::quiet_NaN(), int64_t pad = 0,
+                   DType t = DType::kF32)
       : kv_heads(kvh),
         slots(n_slots),
         head_dim(hd),
         offset(pad),
-        host_k(static_cast<size_t>(kvh * n_slots * hd), fill),
-        host_v(host_k.size(), fill),
+        dtype(t),
+        host_k(kv_bytes(std::vector<float>(static_cast<size_t>(kvh * n_slots * hd), fill), t)),
+        host_v(host_k),
         counts(static_cast<size_t>(kvh), 0) {
     upload();
   }
+  size_t pad_bytes() const { return static_cast<size_t>(offset) * dtype_size(dtype); }
+  // Writes count rows of K and V (count · head_dim elements each, as bytes) at slot 0 of head h.
+  void set_rows(int64_t h, const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) {
+    const size_t at = static_cast<size_t>(h * slots * head_dim) * dtype_size(dtype);
+    std::copy(k.begin(), k.end(), host_k.begin() + static_cast<std::ptrdiff_t>(at));
+    std::copy(v.begin(), v.end(), host_v.begin() + static_cast<std::ptrdiff_t>(at));
+  }
   // (Re)creates the device copy from the host arrays.
   void upload() {
-    std::vector<float> k(static_cast<size_t>(offset), -1.0f), v(static_cast<size_t>(offset), -1.0f);
+    std::vector<uint8_t> k(pad_bytes(), kPadByte), v(pad_bytes(), kPadByte);
     k.insert(k.end(), host_k.begin(), host_k.end());
     v.insert(v.end(), host_v.begin(), host_v.end());
-    dev_k = std::make_unique<Guarded<float>>(k);
-    dev_v = std::make_unique<Guarded<float>>(v);
+    dev_k = std::make_unique<Guarded<uint8_t>>(k);
+    dev_v = std::make_unique<Guarded<uint8_t>>(v);
   }
   WorkingSetView host_view() {
-    return {host_k.data(), host_v.data(), kv_heads, slots, head_dim, counts.data()};
+    return {host_k.data(), host_v.data(), kv_heads, slots, head_dim, counts.data(), dtype};
   }
   WorkingSetView device_view() {
-    return {dev_k->data() + offset, dev_v->data() + offset, kv_heads, slots, head_dim, counts.data()};
+    return {dev_k->data() + pad_bytes(),
+            dev_v->data() + pad_bytes(),
+            kv_heads,
+            slots,
+            head_dim,
+            counts.data(),
+            dtype};
   }
   // Device contents (padding included) must equal the host mirror bit for bit.
   ::testing::AssertionResult matches_host() const {
-    const std::vector<float> k = dev_k->download();
-    const std::vector<float> v = dev_v->download();
-    const size_t bytes = host_k.size() * sizeof(float);
-    if (std::memcmp(k.data() + offset, host_k.data(), bytes) != 0)
-      return ::testing::AssertionFailure() << "K differs";
-    if (std::memcmp(v.data() + offset, host_v.data(), bytes) != 0)
-      return ::testing::AssertionFailure() << "V differs";
-    for (int64_t i = 0; i < offset; ++i) {
-      if (k[static_cast<size_t>(i)] != -1.0f || v[static_cast<size_t>(i)] != -1.0f) {
+    const std::vector<uint8_t> k = dev_k->download();
+    const std::vector<uint8_t> v = dev_v->download();
+    const auto data = [&](const std::vector<uint8_t>& d) {
+      return std::vector<uint8_t>(d.begin() + static_cast<std::ptrdiff_t>(pad_bytes()), d.end());
+    };
+    ::testing::AssertionResult same_k = same_bytes(data(k), host_k);
+    if (!same_k) return ::testing::AssertionFailure() << "K: " << same_k.message();
+    ::testing::AssertionResult same_v = same_bytes(data(v), host_v);
+    if (!same_v) return ::testing::AssertionFailure() << "V: " << same_v.message();
+    for (size_t i = 0; i < pad_bytes(); ++i) {
+      if (k[i] != kPadByte || v[i] != kPadByte) {
         return ::testing::AssertionFailure() << "padding before the working set written";
       }
     }
@@ -548,26 +724,42 @@ std::vector<GatherEntry> random_entries(std::mt19937& rng, int64_t kv_heads, int
   return entries;
 }
 
+// Every copy path of every dtype: 16-byte units (rows of a multiple of 16 bytes, aligned) and
+// element units (other row sizes, or a working set one element off).
 TEST_F(CudaOpsTest, KvGatherMatchesReferenceBitExactly) {
-  for (int trial = 0; trial < 12; ++trial) {
-    const int64_t page_size = pick(rng_, {1, 5, 16});
-    const int64_t kv_heads = pick(rng_, {1, 2, 8});
-    const int64_t head_dim = pick(rng_, {6, 8, 64, 128, 256});
-    const int64_t pad = trial % 4 == 3 ? 1 : 0;  // misaligned working set: scalar copies
-    const int64_t n_pages = uniform(rng_, 1, 20);
-    const int64_t slots = uniform(rng_, 1, 80);
-    SCOPED_TRACE("page_size " + std::to_string(page_size) + " kv_heads " + std::to_string(kv_heads) +
-                 " head_dim " + std::to_string(head_dim) + " pad " + std::to_string(pad));
-    PagedCache cache(rng_, n_pages, page_size, kv_heads, head_dim);
-    DeviceWorkingSet ws(kv_heads, slots, head_dim, 3.0f, pad);
-    const std::vector<GatherEntry> entries = random_entries(rng_, kv_heads, slots, n_pages * page_size);
-    const int64_t n = static_cast<int64_t>(entries.size());
-    const Status s = gpu_->kv_gather(cache.device_view(), entries.data(), n, ws.device_view());
-    ASSERT_TRUE(s.is_ok()) << s.to_string();
-    ASSERT_TRUE(ref_->kv_gather(cache.host_view(), entries.data(), n, ws.host_view()).is_ok());
-    sync();
-    EXPECT_TRUE(ws.matches_host());  // copied rows exact, other slots still 3.0, guards intact
-    EXPECT_EQ(cache.dev_k->download(), cache.host_k);  // the cache is only read
+  for (DType dtype : kKvDtypes) {
+    const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
+    int vec_cases = 0;
+    int element_cases = 0;
+    for (int64_t head_dim : {4, 6, 8, 64, 128, 256}) {
+      for (int64_t pad : {0, 1}) {
+        const int64_t page_size = pick(rng_, {1, 5, 16});
+        const int64_t kv_heads = pick(rng_, {1, 2, 8});
+        const int64_t n_pages = uniform(rng_, 1, 20);
+        const int64_t slots = uniform(rng_, 1, 80);
+        SCOPED_TRACE(dtype_str(dtype) + " page_size " + std::to_string(page_size) + " kv_heads " +
+                     std::to_string(kv_heads) + " head_dim " + std::to_string(head_dim) + " pad " +
+                     std::to_string(pad));
+        PagedCache cache(rng_, n_pages, page_size, kv_heads, head_dim, dtype);
+        DeviceWorkingSet ws(kv_heads, slots, head_dim, 3.0f, pad, dtype);
+        const std::vector<GatherEntry> entries = random_entries(rng_, kv_heads, slots, n_pages * page_size);
+        const int64_t n = static_cast<int64_t>(entries.size());
+        if (n == 0) continue;
+        // The path the backend takes (its planner's decision): count both.
+        auto plan = plan_kv_gather(cache.device_view(), entries.data(), n, ws.device_view());
+        ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+        EXPECT_EQ(plan->launch.vec16, pad == 0 && head_dim * elem % 16 == 0);
+        (plan->launch.vec16 ? vec_cases : element_cases) += 1;
+        const Status s = gpu_->kv_gather(cache.device_view(), entries.data(), n, ws.device_view());
+        ASSERT_TRUE(s.is_ok()) << s.to_string();
+        ASSERT_TRUE(ref_->kv_gather(cache.host_view(), entries.data(), n, ws.host_view()).is_ok());
+        sync();
+        EXPECT_TRUE(ws.matches_host());     // copied rows exact, other slots still 3.0, guards intact
+        EXPECT_TRUE(cache.matches_host());  // the cache is only read
+      }
+    }
+    EXPECT_GE(vec_cases, 3) << dtype_str(dtype);
+    EXPECT_GE(element_cases, 6) << dtype_str(dtype);
   }
 }
 
@@ -578,25 +770,24 @@ struct SparseCase {
 };
 
 // Random per-head counts (0, slots, or between), random K/V in the counted slots, NaN beyond.
-void run_sparse_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& rng, const SparseCase& c) {
-  SCOPED_TRACE(c.name);
+void run_sparse_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& rng, const SparseCase& c,
+                     DType dtype) {
+  SCOPED_TRACE(std::string(c.name) + ", " + dtype_str(dtype));
   std::vector<std::unique_ptr<DeviceWorkingSet>> sets;
   std::vector<SparseAttentionItem> host_items, dev_items;
   int64_t total_rows = 0;
   for (const auto& [n_tokens, slots] : c.items) total_rows += n_tokens;
   int64_t next_row = total_rows;  // reverse order: rows are not in item order
   for (const auto& [n_tokens, slots] : c.items) {
-    sets.push_back(std::make_unique<DeviceWorkingSet>(c.kv_heads, slots, c.head_dim));
+    sets.push_back(std::make_unique<DeviceWorkingSet>(c.kv_heads, slots, c.head_dim,
+                                                      std::numeric_limits<float>::quiet_NaN(), 0, dtype));
     DeviceWorkingSet& ws = *sets.back();
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       const int64_t which = uniform(rng, 0, 3);
       const int64_t count = which == 0 ? 0 : which == 1 ? slots : uniform(rng, 0, slots);
       ws.counts[static_cast<size_t>(h)] = static_cast<int32_t>(count);
-      const size_t at = static_cast<size_t>(h * slots * c.head_dim);
-      const std::vector<float> k = random_floats(rng, static_cast<size_t>(count * c.head_dim), -2.0f, 2.0f);
-      const std::vector<float> v = random_floats(rng, k.size());
-      std::copy(k.begin(), k.end(), ws.host_k.begin() + static_cast<std::ptrdiff_t>(at));
-      std::copy(v.begin(), v.end(), ws.host_v.begin() + static_cast<std::ptrdiff_t>(at));
+      const size_t elems = static_cast<size_t>(count * c.head_dim);
+      ws.set_rows(h, random_kv(rng, elems, dtype, -2.0f, 2.0f), random_kv(rng, elems, dtype));
     }
     ws.upload();
     next_row -= n_tokens;
@@ -621,20 +812,33 @@ void run_sparse_case(CudaOpsTest& t, Backend& gpu, Backend& ref, std::mt19937& r
       ASSERT_EQ(got[i], 0.0f) << "element " << i << " of an empty working set";
     }
   }
+  for (const auto& ws : sets) EXPECT_TRUE(ws->matches_host());  // the working sets are only read
 }
 
+// Every instance of the sparse partial kernel (dims per lane 2 / 4 / 8, queries per warp 1 / 2 / 4),
+// split and unsplit, empty heads and items, for each KV dtype.
 TEST_F(CudaOpsTest, AttentionSparseMatchesReference) {
   std::vector<SparseCase> cases = {
-      {"gqa 8/2 decode batch", 8, 2, 128, {{1, 300}, {2, 64}, {1, 1}, {1, 2048}}},
-      {"mqa 8/1, split", 8, 1, 64, {{1, 3000}, {2, 900}}},
+      {"gqa 8/2 decode batch (head_dim 128, 2 queries per warp)",
+       8,
+       2,
+       128,
+       {{1, 300}, {2, 64}, {1, 1}, {1, 2048}}},
+      {"mqa 8/1, split (head_dim 64, 4 queries per warp)", 8, 1, 64, {{1, 3000}, {2, 900}}},
       {"mha 4/4, head_dim 8", 4, 4, 8, {{2, 100}, {1, 0}, {1, 700}}},
-      {"head_dim 256, 2 rows", 16, 2, 256, {{2, 1500}, {1, 40}}},
+      {"head_dim 256, 2 rows (4 queries per warp)", 16, 2, 256, {{2, 1500}, {1, 40}}},
       {"head_dim 80, an empty item", 6, 3, 80, {{1, 600}, {0, 20}, {1, 33}}},
+      {"head_dim 64, 2 queries per warp", 16, 2, 64, {{1, 1200}}},
+      {"head_dim 128, 4 queries per warp", 8, 2, 128, {{4, 500}, {1, 2000}}},
+      {"head_dim 256, 1 query per warp", 4, 1, 256, {{1, 2000}}},
+      {"head_dim 256, 2 queries per warp", 8, 1, 256, {{1, 1000}, {1, 64}}},
   };
   SparseCase many{"gqa 32/8, 16 sequences (enough blocks: no split)", 32, 8, 128, {}};
   for (int i = 0; i < 16; ++i) many.items.push_back({1, i < 8 ? 512 : 256});
   cases.push_back(many);
-  for (const SparseCase& c : cases) run_sparse_case(*this, *gpu_, *ref_, rng_, c);
+  for (DType dtype : kKvDtypes) {
+    for (const SparseCase& c : cases) run_sparse_case(*this, *gpu_, *ref_, rng_, c, dtype);
+  }
 }
 
 // B = length: gather every token [0, L) into shuffled slots on the device; sparse attention of a
@@ -642,46 +846,50 @@ TEST_F(CudaOpsTest, AttentionSparseMatchesReference) {
 TEST_F(CudaOpsTest, SparseWithFullBudgetEqualsDense) {
   const int64_t n_heads = 8, kv_heads = 2, head_dim = 128, page_size = 16;
   const std::vector<int64_t> lengths = {1, 37, 1000, 2500};
-  std::vector<std::unique_ptr<PagedCache>> caches;
-  std::vector<std::unique_ptr<DeviceWorkingSet>> sets;
-  std::vector<AttentionItem> dense_dev, dense_host;
-  std::vector<SparseAttentionItem> sparse_dev;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    const int64_t len = lengths[i];
-    caches.push_back(
-        std::make_unique<PagedCache>(rng_, (len + page_size - 1) / page_size, page_size, kv_heads, head_dim));
-    sets.push_back(std::make_unique<DeviceWorkingSet>(kv_heads, len + 5, head_dim));
-    std::vector<GatherEntry> entries;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      std::vector<int32_t> slot_of(static_cast<size_t>(len));
-      std::iota(slot_of.begin(), slot_of.end(), 0);
-      std::shuffle(slot_of.begin(), slot_of.end(), rng_);
-      for (int64_t tok = 0; tok < len; ++tok) {
-        entries.push_back(
-            {static_cast<int32_t>(h), static_cast<int32_t>(tok), slot_of[static_cast<size_t>(tok)]});
+  for (DType dtype : kKvDtypes) {
+    SCOPED_TRACE(dtype_str(dtype));
+    std::vector<std::unique_ptr<PagedCache>> caches;
+    std::vector<std::unique_ptr<DeviceWorkingSet>> sets;
+    std::vector<AttentionItem> dense_dev, dense_host;
+    std::vector<SparseAttentionItem> sparse_dev;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      const int64_t len = lengths[i];
+      caches.push_back(std::make_unique<PagedCache>(rng_, (len + page_size - 1) / page_size, page_size,
+                                                    kv_heads, head_dim, dtype));
+      sets.push_back(std::make_unique<DeviceWorkingSet>(kv_heads, len + 5, head_dim,
+                                                        std::numeric_limits<float>::quiet_NaN(), 0, dtype));
+      std::vector<GatherEntry> entries;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::vector<int32_t> slot_of(static_cast<size_t>(len));
+        std::iota(slot_of.begin(), slot_of.end(), 0);
+        std::shuffle(slot_of.begin(), slot_of.end(), rng_);
+        for (int64_t tok = 0; tok < len; ++tok) {
+          entries.push_back(
+              {static_cast<int32_t>(h), static_cast<int32_t>(tok), slot_of[static_cast<size_t>(tok)]});
+        }
+        sets.back()->counts[static_cast<size_t>(h)] = static_cast<int32_t>(len);
       }
-      sets.back()->counts[static_cast<size_t>(h)] = static_cast<int32_t>(len);
+      ASSERT_TRUE(gpu_->kv_gather(caches.back()->device_view(), entries.data(),
+                                  static_cast<int64_t>(entries.size()), sets.back()->device_view())
+                      .is_ok());
+      const int64_t row = static_cast<int64_t>(i);
+      dense_dev.push_back({row, 1, len - 1, caches.back()->device_view()});
+      dense_host.push_back({row, 1, len - 1, caches.back()->host_view()});
+      sparse_dev.push_back({row, 1, sets.back()->device_view()});
     }
-    ASSERT_TRUE(gpu_->kv_gather(caches.back()->device_view(), entries.data(),
-                                static_cast<int64_t>(entries.size()), sets.back()->device_view())
-                    .is_ok());
-    const int64_t row = static_cast<int64_t>(i);
-    dense_dev.push_back({row, 1, len - 1, caches.back()->device_view()});
-    dense_host.push_back({row, 1, len - 1, caches.back()->host_view()});
-    sparse_dev.push_back({row, 1, sets.back()->device_view()});
+    const int64_t n = static_cast<int64_t>(lengths.size());
+    const std::vector<float> q = random_floats(rng_, static_cast<size_t>(n * n_heads * head_dim));
+    Guarded<float> d_q(q);
+    Guarded<float> d_sparse(q.size());
+    Guarded<float> d_dense(q.size());
+    ASSERT_TRUE(gpu_->attention_sparse(d_q.data(), sparse_dev.data(), n, n_heads, d_sparse.data()).is_ok());
+    ASSERT_TRUE(gpu_->attention(d_q.data(), dense_dev.data(), n, n_heads, d_dense.data()).is_ok());
+    std::vector<float> want(q.size());
+    ASSERT_TRUE(ref_->attention(q.data(), dense_host.data(), n, n_heads, want.data()).is_ok());
+    sync();
+    EXPECT_TRUE(close(d_sparse.download(), want, 1e-4));
+    EXPECT_TRUE(close(d_sparse.download(), d_dense.download(), 1e-4));
   }
-  const int64_t n = static_cast<int64_t>(lengths.size());
-  const std::vector<float> q = random_floats(rng_, static_cast<size_t>(n * n_heads * head_dim));
-  Guarded<float> d_q(q);
-  Guarded<float> d_sparse(q.size());
-  Guarded<float> d_dense(q.size());
-  ASSERT_TRUE(gpu_->attention_sparse(d_q.data(), sparse_dev.data(), n, n_heads, d_sparse.data()).is_ok());
-  ASSERT_TRUE(gpu_->attention(d_q.data(), dense_dev.data(), n, n_heads, d_dense.data()).is_ok());
-  std::vector<float> want(q.size());
-  ASSERT_TRUE(ref_->attention(q.data(), dense_host.data(), n, n_heads, want.data()).is_ok());
-  sync();
-  EXPECT_TRUE(close(d_sparse.download(), want, 1e-4));
-  EXPECT_TRUE(close(d_sparse.download(), d_dense.download(), 1e-4));
 }
 
 // Decode steps queued without synchronisation: each refills part of the working set in place
@@ -689,38 +897,41 @@ TEST_F(CudaOpsTest, SparseWithFullBudgetEqualsDense) {
 // test overwrites right after each call, so this also checks that the backend copied them.
 TEST_F(CudaOpsTest, QueuedGatherAndSparseAttention) {
   const int64_t n_heads = 8, kv_heads = 2, head_dim = 64, page_size = 16, slots = 96, length = 500;
-  PagedCache cache(rng_, (length + page_size - 1) / page_size, page_size, kv_heads, head_dim);
-  DeviceWorkingSet ws(kv_heads, slots, head_dim, 0.0f);
-  std::vector<std::vector<float>> host_q, want;
-  std::vector<std::unique_ptr<Guarded<float>>> d_q, d_out;
-  for (int step = 0; step < 6; ++step) {
-    SCOPED_TRACE("step " + std::to_string(step));
-    std::vector<GatherEntry> entries = random_entries(rng_, kv_heads, slots, length);
-    const int64_t n = static_cast<int64_t>(entries.size());
-    for (int32_t& c : ws.counts) c = static_cast<int32_t>(uniform(rng_, 1, slots));
-    host_q.push_back(random_floats(rng_, static_cast<size_t>(n_heads * head_dim)));
-    d_q.push_back(std::make_unique<Guarded<float>>(host_q.back()));
-    d_out.push_back(std::make_unique<Guarded<float>>(host_q.back().size()));
-    ASSERT_TRUE(gpu_->kv_gather(cache.device_view(), entries.data(), n, ws.device_view()).is_ok());
-    SparseAttentionItem dev_item{0, 1, ws.device_view()};
-    ASSERT_TRUE(
-        gpu_->attention_sparse(d_q.back()->data(), &dev_item, 1, n_heads, d_out.back()->data()).is_ok());
-    // The host mirror (reference) follows the same steps.
-    ASSERT_TRUE(ref_->kv_gather(cache.host_view(), entries.data(), n, ws.host_view()).is_ok());
-    SparseAttentionItem host_item{0, 1, ws.host_view()};
-    want.emplace_back(host_q.back().size());
-    ASSERT_TRUE(
-        ref_->attention_sparse(host_q.back().data(), &host_item, 1, n_heads, want.back().data()).is_ok());
-    std::fill(entries.begin(), entries.end(), GatherEntry{0, 0, 0});  // the backend must have copied them
-    for (int32_t& c : ws.counts) c = 0;
+  for (DType dtype : kKvDtypes) {
+    SCOPED_TRACE(dtype_str(dtype));
+    PagedCache cache(rng_, (length + page_size - 1) / page_size, page_size, kv_heads, head_dim, dtype);
+    DeviceWorkingSet ws(kv_heads, slots, head_dim, 0.0f, 0, dtype);
+    std::vector<std::vector<float>> host_q, want;
+    std::vector<std::unique_ptr<Guarded<float>>> d_q, d_out;
+    for (int step = 0; step < 6; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      std::vector<GatherEntry> entries = random_entries(rng_, kv_heads, slots, length);
+      const int64_t n = static_cast<int64_t>(entries.size());
+      for (int32_t& c : ws.counts) c = static_cast<int32_t>(uniform(rng_, 1, slots));
+      host_q.push_back(random_floats(rng_, static_cast<size_t>(n_heads * head_dim)));
+      d_q.push_back(std::make_unique<Guarded<float>>(host_q.back()));
+      d_out.push_back(std::make_unique<Guarded<float>>(host_q.back().size()));
+      ASSERT_TRUE(gpu_->kv_gather(cache.device_view(), entries.data(), n, ws.device_view()).is_ok());
+      SparseAttentionItem dev_item{0, 1, ws.device_view()};
+      ASSERT_TRUE(
+          gpu_->attention_sparse(d_q.back()->data(), &dev_item, 1, n_heads, d_out.back()->data()).is_ok());
+      // The host mirror (reference) follows the same steps.
+      ASSERT_TRUE(ref_->kv_gather(cache.host_view(), entries.data(), n, ws.host_view()).is_ok());
+      SparseAttentionItem host_item{0, 1, ws.host_view()};
+      want.emplace_back(host_q.back().size());
+      ASSERT_TRUE(
+          ref_->attention_sparse(host_q.back().data(), &host_item, 1, n_heads, want.back().data()).is_ok());
+      std::fill(entries.begin(), entries.end(), GatherEntry{0, 0, 0});  // the backend must have copied them
+      for (int32_t& c : ws.counts) c = 0;
+    }
+    sync();
+    for (size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i));
+      EXPECT_TRUE(close(d_out[i]->download(), want[i], 1e-4));
+      EXPECT_TRUE(d_out[i]->guards_intact());
+    }
+    EXPECT_TRUE(ws.matches_host());
   }
-  sync();
-  for (size_t i = 0; i < want.size(); ++i) {
-    SCOPED_TRACE("step " + std::to_string(i));
-    EXPECT_TRUE(close(d_out[i]->download(), want[i], 1e-4));
-    EXPECT_TRUE(d_out[i]->guards_intact());
-  }
-  EXPECT_TRUE(ws.matches_host());
 }
 
 TEST_F(CudaOpsTest, SparseOpsRejectBadArguments) {
@@ -743,8 +954,23 @@ TEST_F(CudaOpsTest, SparseOpsRejectBadArguments) {
   wide.counts = {1};
   SparseAttentionItem wide_item{0, 1, wide.device_view()};
   EXPECT_EQ(gpu_->attention_sparse(nullptr, &wide_item, 1, 1, nullptr).code(), StatusCode::kUnimplemented);
+  // Dtypes: the working set holds the cache's; one dtype per sparse batch; f32 / f16 / bf16 only.
+  DeviceWorkingSet bf16(2, 4, 8, 1.0f, 0, DType::kBF16);
+  bf16.counts = {1, 1};
+  const GatherEntry fine{0, 0, 0};
+  Status s = gpu_->kv_gather(cache.device_view(), &fine, 1, bf16.device_view());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("ws.dtype bf16 differs from kv.dtype f32"), std::string::npos) << s.to_string();
+  SparseAttentionItem mixed[2] = {{0, 1, ws.device_view()}, {1, 1, bf16.device_view()}};
+  s = gpu_->attention_sparse(nullptr, mixed, 2, 4, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("items[1].ws.dtype"), std::string::npos) << s.to_string();
+  SparseAttentionItem not_kv{0, 1, ws.device_view()};
+  not_kv.ws.dtype = DType::kI32;
+  EXPECT_EQ(gpu_->attention_sparse(nullptr, &not_kv, 1, 4, nullptr).code(), StatusCode::kInvalidArgument);
   sync();
   EXPECT_TRUE(ws.matches_host());  // nothing was enqueued
+  EXPECT_TRUE(bf16.matches_host());
 }
 
 }  // namespace

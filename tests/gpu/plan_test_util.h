@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/dtype.h"
 #include "gpu/kernels.h"
 
 namespace specontext::gpu::plan_test {
@@ -20,6 +21,31 @@ namespace specontext::gpu::plan_test {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr int kKeyTile = static_cast<int>(kernels::kAttentionKeyTile);
 inline constexpr int kWarps = kernels::kAttentionWarps;
+inline constexpr DType kKvDtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+
+// The core dtype of a kernel element type (the inverse of the plans' mapping).
+inline DType dtype_of(kernels::KvType t) {
+  return t == kernels::KvType::kF16 ? DType::kF16 : t == kernels::KvType::kBF16 ? DType::kBF16 : DType::kF32;
+}
+
+// Element i of a KV array of dtype t, widened to f32 as the kernels stage it (kv_to_f32 equals
+// core's conversion: tests/gpu/kv_convert_test.cc).
+inline float kv_load(const void* base, DType t, int64_t i) {
+  float f = 0.0f;
+  convert_to_f32(t, element_at(base, t, i), &f, 1);
+  return f;
+}
+
+// n random values in [lo, hi) rounded to dtype t, as raw bytes.
+inline std::vector<uint8_t> random_kv(std::mt19937& rng, size_t n, DType t, float lo = -1.0f,
+                                      float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> f(n);
+  for (float& x : f) x = dist(rng);
+  std::vector<uint8_t> bytes(n * dtype_size(t));
+  convert_from_f32(t, f.data(), bytes.data(), n);
+  return bytes;
+}
 
 inline int64_t find_segment(const int64_t* begin, int64_t n, int64_t x) {
   int64_t lo = 0;
@@ -135,30 +161,28 @@ inline void merge_chunks(Partials& partials, int64_t base, int64_t n, int64_t hd
   for (int64_t d = 0; d < hd; ++d) dst[d] = acc[static_cast<size_t>(d)] * (1.0f / denom);
 }
 
-// A host paged cache with its pages in shuffled order.
+// A host paged cache of `dtype` elements with its pages in shuffled order.
 struct HostCache {
-  std::vector<float> k, v;
-  std::vector<float*> k_pages, v_pages;
+  std::vector<uint8_t> k, v;
+  std::vector<void*> k_pages, v_pages;
   KvLayerView view;
 };
 
 inline std::unique_ptr<HostCache> make_cache(std::mt19937& rng, int64_t pages, int64_t ps, int64_t kvh,
-                                             int64_t hd) {
+                                             int64_t hd, DType dtype = DType::kF32) {
   auto c = std::make_unique<HostCache>();
-  const size_t page_floats = static_cast<size_t>(ps * kvh * hd);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  c->k.resize(page_floats * static_cast<size_t>(pages));
-  c->v.resize(c->k.size());
-  for (float& x : c->k) x = dist(rng);
-  for (float& x : c->v) x = dist(rng);
+  const size_t page_elems = static_cast<size_t>(ps * kvh * hd);
+  const size_t page_bytes = page_elems * dtype_size(dtype);
+  c->k = random_kv(rng, page_elems * static_cast<size_t>(pages), dtype);
+  c->v = random_kv(rng, page_elems * static_cast<size_t>(pages), dtype);
   std::vector<int64_t> order(static_cast<size_t>(pages));
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
   for (int64_t p = 0; p < pages; ++p) {
-    c->k_pages.push_back(c->k.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
-    c->v_pages.push_back(c->v.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_floats);
+    c->k_pages.push_back(c->k.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_bytes);
+    c->v_pages.push_back(c->v.data() + static_cast<size_t>(order[static_cast<size_t>(p)]) * page_bytes);
   }
-  c->view = KvLayerView{c->k_pages.data(), c->v_pages.data(), pages, ps, kvh, hd};
+  c->view = KvLayerView{c->k_pages.data(), c->v_pages.data(), pages, ps, kvh, hd, dtype};
   return c;
 }
 

@@ -26,38 +26,47 @@ namespace specontext::gpu {
 namespace {
 
 using plan_test::attend_tile;
+using plan_test::dtype_of;
 using plan_test::find_segment;
 using plan_test::kKeyTile;
+using plan_test::kKvDtypes;
 using plan_test::kLog2e;
+using plan_test::kv_load;
 using plan_test::kWarps;
 using plan_test::make_cache;
 using plan_test::merge_chunks;
 using plan_test::Partials;
+using plan_test::random_kv;
 using plan_test::stage_queries;
 using plan_test::store_query;
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
-// Host mirror of kv_gather_kernel: the plan's page range and table, entries as uploaded.
+// Host mirror of kv_gather_kernel: the plan's page range and table, entries as uploaded, rows of
+// head_dim elements of the plan's kv_type copied as bytes.
 void emulate_gather(const KvGatherPlan& plan, const GatherEntry* entries) {
   const kernels::KvGatherLaunch& g = plan.launch;
+  const int64_t elem = kernels::kv_type_bytes(g.kv_type);
   for (int64_t w = 0; w < g.n_entries; ++w) {
     const GatherEntry& e = entries[w];
     const int64_t page = e.token / g.page_size;
-    const int64_t src = (e.kv_head * g.page_size + (e.token - page * g.page_size)) * g.head_dim;
-    const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim;
+    const int64_t src = (e.kv_head * g.page_size + (e.token - page * g.page_size)) * g.head_dim * elem;
+    const int64_t dst = (e.kv_head * g.slots + e.slot) * g.head_dim * elem;
     ASSERT_GE(page - g.first_page, 0);
     ASSERT_LT(page - g.first_page, g.n_pages);
-    const float* k_src = plan.pages[static_cast<size_t>(page - g.first_page)] + src;
-    const float* v_src = plan.pages[static_cast<size_t>(g.n_pages + page - g.first_page)] + src;
-    std::memcpy(g.ws_k + dst, k_src, static_cast<size_t>(g.head_dim) * 4);
-    std::memcpy(g.ws_v + dst, v_src, static_cast<size_t>(g.head_dim) * 4);
+    const auto* k_src =
+        static_cast<const uint8_t*>(plan.pages[static_cast<size_t>(page - g.first_page)]) + src;
+    const auto* v_src =
+        static_cast<const uint8_t*>(plan.pages[static_cast<size_t>(g.n_pages + page - g.first_page)]) + src;
+    std::memcpy(static_cast<uint8_t*>(g.ws_k) + dst, k_src, static_cast<size_t>(g.head_dim * elem));
+    std::memcpy(static_cast<uint8_t*>(g.ws_v) + dst, v_src, static_cast<size_t>(g.head_dim * elem));
   }
 }
 
 // Host mirror of sparse_attention_partial_kernel and sparse_attention_merge_kernel.
 void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* out) {
   const kernels::SparseAttentionLaunch& a = plan.launch;
+  const DType dtype = dtype_of(a.kv_type);
   const int hd = static_cast<int>(a.head_dim);
   const int qpb = kWarps * a.queries_per_warp;
   const int64_t group = a.n_heads / a.kv_heads;
@@ -91,14 +100,13 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
                     a.scale * kLog2e);
       std::vector<float> m(static_cast<size_t>(qpb), -INFINITY), l(static_cast<size_t>(qpb), 0.0f);
       std::vector<float> o(static_cast<size_t>(qpb * hd), 0.0f);
-      const float* k_head = it.k + kvh * it.slots * hd;
-      const float* v_head = it.v + kvh * it.slots * hd;
+      const int64_t head = kvh * it.slots * hd;
       for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
         const int n_keys = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - t0));
         for (int j = 0; j < n_keys; ++j) {
           for (int d = 0; d < hd; ++d) {
-            k_s[static_cast<size_t>(j * hd + d)] = k_head[(t0 + j) * hd + d];
-            v_s[static_cast<size_t>(j * hd + d)] = v_head[(t0 + j) * hd + d];
+            k_s[static_cast<size_t>(j * hd + d)] = kv_load(it.k, dtype, head + (t0 + j) * hd + d);
+            v_s[static_cast<size_t>(j * hd + d)] = kv_load(it.v, dtype, head + (t0 + j) * hd + d);
           }
         }
         for (int slot = 0; slot < qpb; ++slot) {  // no mask: every key of the set is visible
@@ -134,27 +142,31 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
   }
 }
 
-// A host working set; slots beyond counts[h] hold NaN.
+// A host working set of `dtype` elements; slots beyond counts[h] hold NaN (in the dtype).
 struct HostWorkingSet {
   int64_t kv_heads, slots, head_dim;
-  std::vector<float> k, v;
+  DType dtype;
+  std::vector<uint8_t> k, v;
   std::vector<int32_t> counts;
-  HostWorkingSet(std::mt19937& rng, int64_t kvh, int64_t n_slots, int64_t hd, const std::vector<int32_t>& c)
-      : kv_heads(kvh),
-        slots(n_slots),
-        head_dim(hd),
-        k(static_cast<size_t>(kvh * n_slots * hd), kNan),
-        v(k.size(), kNan),
-        counts(c) {
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  HostWorkingSet(std::mt19937& rng, int64_t kvh, int64_t n_slots, int64_t hd, const std::vector<int32_t>& c,
+                 DType t = DType::kF32)
+      : kv_heads(kvh), slots(n_slots), head_dim(hd), dtype(t), counts(c) {
+    const size_t n = static_cast<size_t>(kvh * n_slots * hd);
+    const std::vector<float> nan(n, kNan);
+    k.resize(n * dtype_size(t));
+    v.resize(k.size());
+    convert_from_f32(t, nan.data(), k.data(), n);
+    convert_from_f32(t, nan.data(), v.data(), n);
     for (int64_t h = 0; h < kvh; ++h) {
-      for (int64_t i = 0; i < counts[static_cast<size_t>(h)] * hd; ++i) {
-        k[static_cast<size_t>(h * n_slots * hd + i)] = 2.0f * dist(rng);
-        v[static_cast<size_t>(h * n_slots * hd + i)] = dist(rng);
-      }
+      const size_t count = static_cast<size_t>(counts[static_cast<size_t>(h)] * hd);
+      const size_t at = static_cast<size_t>(h * n_slots * hd) * dtype_size(t);
+      const std::vector<uint8_t> kh = random_kv(rng, count, t, -2.0f, 2.0f);
+      const std::vector<uint8_t> vh = random_kv(rng, count, t);
+      std::copy(kh.begin(), kh.end(), k.begin() + static_cast<std::ptrdiff_t>(at));
+      std::copy(vh.begin(), vh.end(), v.begin() + static_cast<std::ptrdiff_t>(at));
     }
   }
-  WorkingSetView view() { return {k.data(), v.data(), kv_heads, slots, head_dim, counts.data()}; }
+  WorkingSetView view() { return {k.data(), v.data(), kv_heads, slots, head_dim, counts.data(), dtype}; }
 };
 
 struct ItemSpec {
@@ -179,15 +191,21 @@ class SparsePlanTest : public ::testing::Test {
     ref_ = std::move(ref).value();
   }
 
+  // Every case runs for each KV dtype: the plan must record it, and the mirror reads it.
   void run(const Case& c) {
-    SCOPED_TRACE(c.name);
+    for (DType dtype : kKvDtypes) run(c, dtype);
+  }
+
+  void run(const Case& c, DType dtype) {
+    SCOPED_TRACE(c.name + ", " + std::string(dtype_name(dtype)));
     std::vector<std::unique_ptr<HostWorkingSet>> sets;
     std::vector<SparseAttentionItem> items;
     int64_t total_rows = 0;
     for (const ItemSpec& s : c.items) total_rows += s.n_tokens;
     int64_t next_row = total_rows;  // reverse row order: rows are not in item order
     for (const ItemSpec& s : c.items) {
-      sets.push_back(std::make_unique<HostWorkingSet>(rng_, c.kv_heads, s.slots, c.head_dim, s.counts));
+      sets.push_back(
+          std::make_unique<HostWorkingSet>(rng_, c.kv_heads, s.slots, c.head_dim, s.counts, dtype));
       next_row -= s.n_tokens;
       items.push_back({next_row, s.n_tokens, sets.back()->view()});
     }
@@ -200,6 +218,7 @@ class SparsePlanTest : public ::testing::Test {
         plan_attention_sparse(items.data(), static_cast<int64_t>(items.size()), c.n_heads, c.sm_count);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     const kernels::SparseAttentionLaunch& a = plan->launch;
+    EXPECT_EQ(dtype_of(a.kv_type), dtype);
     EXPECT_EQ(a.n_chunks_max > 1, c.expect_split) << "chunk " << a.chunk_size;
     EXPECT_EQ(a.chunk_size % kernels::kAttentionKeyTile, 0);
     EXPECT_EQ(a.total_rows, total_rows);
@@ -294,57 +313,121 @@ TEST_F(SparsePlanTest, AttentionRejectsBadBatches) {
   EXPECT_EQ(plan_attention_sparse(mixed, 2, 4, 132).status().code(), StatusCode::kInvalidArgument);
 }
 
+// One element type per launch: a batch mixing working-set dtypes, or holding one that is not
+// f32, f16 or bf16, is refused with the offending item's field named, also when it has no rows.
+TEST_F(SparsePlanTest, AttentionRejectsMixedAndNonKvDtypes) {
+  HostWorkingSet f32(rng_, 2, 4, 8, {4, 2}, DType::kF32);
+  HostWorkingSet bf16(rng_, 2, 4, 8, {1, 3}, DType::kBF16);
+  HostWorkingSet f16(rng_, 2, 4, 8, {0, 4}, DType::kF16);
+  const auto status = [&](std::vector<SparseAttentionItem> items) {
+    return plan_attention_sparse(items.data(), static_cast<int64_t>(items.size()), 4, 132).status();
+  };
+  EXPECT_TRUE(status({{0, 1, bf16.view()}, {1, 2, bf16.view()}}).is_ok());
+  Status s = status({{0, 1, f32.view()}, {1, 1, f16.view()}});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("items[1].ws.dtype is f16 but items[0] has f32"), std::string::npos)
+      << s.to_string();
+  s = status({{0, 1, bf16.view()}, {1, 0, f32.view()}});  // an empty item
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("items[1].ws.dtype"), std::string::npos) << s.to_string();
+  for (DType bad : {DType::kI32, DType::kQ8_0, DType::kU8, DType::kI64}) {
+    WorkingSetView view = f32.view();
+    view.dtype = bad;
+    s = status({{0, 1, view}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << dtype_name(bad);
+    EXPECT_NE(s.message().find("items[0].ws.dtype is " + std::string(dtype_name(bad))), std::string::npos)
+        << s.to_string();
+  }
+}
+
 // ---- kv_gather ----
 
 TEST_F(SparsePlanTest, GatherPlanCopiesLikeTheReference) {
-  for (int trial = 0; trial < 12; ++trial) {
-    const int64_t page_size = std::vector<int64_t>{1, 7, 16}[static_cast<size_t>(trial % 3)];
-    const int64_t kv_heads = std::vector<int64_t>{1, 2, 8}[static_cast<size_t>(trial / 3 % 3)];
-    const int64_t head_dim = std::vector<int64_t>{6, 64, 128}[static_cast<size_t>(trial % 3)];
-    const int64_t pages = 1 + static_cast<int64_t>(rng_() % 20);
-    const int64_t slots = 1 + static_cast<int64_t>(rng_() % 50);
-    SCOPED_TRACE("trial " + std::to_string(trial));
-    auto cache = make_cache(rng_, pages, page_size, kv_heads, head_dim);
-    // Entries over a sub-range of the cache, so the plan's page window is exercised.
-    const int64_t capacity = pages * page_size;
-    const int64_t lo = static_cast<int64_t>(rng_() % static_cast<uint32_t>(capacity));
-    const int64_t hi = lo + static_cast<int64_t>(rng_() % static_cast<uint32_t>(capacity - lo));
-    std::vector<GatherEntry> entries;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t s = 0; s < slots; ++s) {
-        if (rng_() % 4 == 0) continue;
-        entries.push_back({static_cast<int32_t>(h), static_cast<int32_t>(lo + rng_() % (hi - lo + 1)),
-                           static_cast<int32_t>(s)});
+  for (DType dtype : kKvDtypes) {
+    const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
+    for (int trial = 0; trial < 15; ++trial) {
+      const int64_t page_size = std::vector<int64_t>{1, 7, 16}[static_cast<size_t>(trial % 3)];
+      const int64_t kv_heads = std::vector<int64_t>{1, 2, 8}[static_cast<size_t>(trial / 3 % 3)];
+      // Rows of 8 to 512 bytes: 16-byte multiples and not, for 4- and 2-byte elements.
+      const int64_t head_dim = std::vector<int64_t>{4, 6, 8, 64, 128}[static_cast<size_t>(trial % 5)];
+      const int64_t pages = 1 + static_cast<int64_t>(rng_() % 20);
+      const int64_t slots = 1 + static_cast<int64_t>(rng_() % 50);
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " trial " + std::to_string(trial) + " head_dim " +
+                   std::to_string(head_dim));
+      auto cache = make_cache(rng_, pages, page_size, kv_heads, head_dim, dtype);
+      // Entries over a sub-range of the cache, so the plan's page window is exercised.
+      const int64_t capacity = pages * page_size;
+      const int64_t lo = static_cast<int64_t>(rng_() % static_cast<uint32_t>(capacity));
+      const int64_t hi = lo + static_cast<int64_t>(rng_() % static_cast<uint32_t>(capacity - lo));
+      std::vector<GatherEntry> entries;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t s = 0; s < slots; ++s) {
+          if (rng_() % 4 == 0) continue;
+          entries.push_back({static_cast<int32_t>(h), static_cast<int32_t>(lo + rng_() % (hi - lo + 1)),
+                             static_cast<int32_t>(s)});
+        }
       }
+      if (entries.empty()) entries.push_back({0, static_cast<int32_t>(lo), 0});
+      std::shuffle(entries.begin(), entries.end(), rng_);
+      const size_t ws_bytes = static_cast<size_t>(kv_heads * slots * head_dim * elem);
+      std::vector<uint8_t> got_k(ws_bytes, 0x3c), got_v(ws_bytes, 0x3c), want_k(ws_bytes, 0x3c),
+          want_v(ws_bytes, 0x3c);
+      std::vector<int32_t> counts(static_cast<size_t>(kv_heads), 0);
+      const WorkingSetView got{got_k.data(), got_v.data(), kv_heads, slots, head_dim, counts.data(), dtype};
+      const WorkingSetView want{want_k.data(), want_v.data(), kv_heads, slots,
+                                head_dim,      counts.data(), dtype};
+      const int64_t n = static_cast<int64_t>(entries.size());
+      auto plan = plan_kv_gather(cache->view, entries.data(), n, got);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+      int32_t min_tok = entries[0].token, max_tok = entries[0].token;
+      for (const GatherEntry& e : entries) {
+        min_tok = std::min(min_tok, e.token);
+        max_tok = std::max(max_tok, e.token);
+      }
+      EXPECT_EQ(plan->launch.first_page, min_tok / page_size);
+      EXPECT_EQ(plan->launch.n_pages, max_tok / page_size - min_tok / page_size + 1);
+      EXPECT_EQ(plan->pages.size(), static_cast<size_t>(2 * plan->launch.n_pages));
+      EXPECT_EQ(plan->launch.n_entries, n);
+      EXPECT_EQ(dtype_of(plan->launch.kv_type), dtype);
+      // std::vector data is 16-byte aligned (operator new), and pages are whole rows apart, so
+      // every base is 16-byte aligned exactly when a row is a multiple of 16 bytes.
+      EXPECT_EQ(plan->launch.vec16, head_dim * elem % 16 == 0);
+      emulate_gather(*plan, entries.data());
+      ASSERT_TRUE(ref_->kv_gather(cache->view, entries.data(), n, want).is_ok());
+      EXPECT_EQ(got_k, want_k);
+      EXPECT_EQ(got_v, want_v);
     }
-    if (entries.empty()) entries.push_back({0, static_cast<int32_t>(lo), 0});
-    std::shuffle(entries.begin(), entries.end(), rng_);
-    const size_t ws_floats = static_cast<size_t>(kv_heads * slots * head_dim);
-    std::vector<float> got_k(ws_floats, 3.0f), got_v(ws_floats, 3.0f), want_k(ws_floats, 3.0f),
-        want_v(ws_floats, 3.0f);
-    std::vector<int32_t> counts(static_cast<size_t>(kv_heads), 0);
-    const WorkingSetView got{got_k.data(), got_v.data(), kv_heads, slots, head_dim, counts.data()};
-    const WorkingSetView want{want_k.data(), want_v.data(), kv_heads, slots, head_dim, counts.data()};
-    const int64_t n = static_cast<int64_t>(entries.size());
-    auto plan = plan_kv_gather(cache->view, entries.data(), n, got);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-    int32_t min_tok = entries[0].token, max_tok = entries[0].token;
-    for (const GatherEntry& e : entries) {
-      min_tok = std::min(min_tok, e.token);
-      max_tok = std::max(max_tok, e.token);
-    }
-    EXPECT_EQ(plan->launch.first_page, min_tok / page_size);
-    EXPECT_EQ(plan->launch.n_pages, max_tok / page_size - min_tok / page_size + 1);
-    EXPECT_EQ(plan->pages.size(), static_cast<size_t>(2 * plan->launch.n_pages));
-    EXPECT_EQ(plan->launch.n_entries, n);
-    // std::vector<float> data is 16-byte aligned (operator new), pages are multiples of 16 bytes
-    // apart when head_dim % 4 == 0.
-    EXPECT_EQ(plan->launch.vec4, head_dim % 4 == 0);
-    emulate_gather(*plan, entries.data());
-    ASSERT_TRUE(ref_->kv_gather(cache->view, entries.data(), n, want).is_ok());
-    EXPECT_EQ(std::memcmp(got_k.data(), want_k.data(), ws_floats * 4), 0);
-    EXPECT_EQ(std::memcmp(got_v.data(), want_v.data(), ws_floats * 4), 0);
   }
+}
+
+// The 16-byte path needs rows of a multiple of 16 bytes (head_dim · element size) and every base
+// (working set K and V, each touched page) 16-byte aligned.
+TEST_F(SparsePlanTest, GatherVecPathDependsOnElementBytesAndAlignment) {
+  const GatherEntry entry{0, 0, 0};
+  const auto vec16 = [&](DType dtype, int64_t head_dim, int64_t ws_offset, int64_t page_offset) {
+    auto cache = make_cache(rng_, 2, 4, 1, head_dim, dtype);
+    std::vector<uint8_t> k(static_cast<size_t>(4 * head_dim) * dtype_size(dtype) + 64), v(k.size());
+    // Offsets in bytes; the cache's K page 0 moves by page_offset (still inside the page).
+    KvLayerView view = cache->view;
+    std::vector<void*> k_pages = cache->k_pages;
+    k_pages[0] = static_cast<uint8_t*>(k_pages[0]) + page_offset;
+    view.k_pages = k_pages.data();
+    const WorkingSetView ws{k.data() + ws_offset, v.data(), 1, 4, head_dim, nullptr, dtype};
+    auto plan = plan_kv_gather(view, &entry, 1, ws);
+    EXPECT_TRUE(plan.is_ok()) << plan.status().to_string();
+    return plan.is_ok() && plan->launch.vec16;
+  };
+  EXPECT_TRUE(vec16(DType::kF32, 4, 0, 0));    // 16-byte rows
+  EXPECT_FALSE(vec16(DType::kBF16, 4, 0, 0));  // 8-byte rows
+  EXPECT_TRUE(vec16(DType::kBF16, 8, 0, 0));   // 16-byte rows of bf16
+  EXPECT_TRUE(vec16(DType::kF16, 8, 0, 0));
+  EXPECT_FALSE(vec16(DType::kF16, 12, 0, 0));   // 24 bytes
+  EXPECT_TRUE(vec16(DType::kBF16, 128, 0, 0));  // 256 bytes
+  EXPECT_FALSE(vec16(DType::kF32, 6, 0, 0));    // 24 bytes
+  EXPECT_FALSE(vec16(DType::kBF16, 8, 2, 0));   // working set one element off
+  EXPECT_TRUE(vec16(DType::kBF16, 8, 16, 0));   // eight elements off: aligned again
+  EXPECT_FALSE(vec16(DType::kBF16, 8, 0, 8));   // a page 8 bytes off
+  EXPECT_FALSE(vec16(DType::kF32, 4, 4, 0));
 }
 
 TEST_F(SparsePlanTest, GatherPlanRejectsBadEntries) {
@@ -363,10 +446,26 @@ TEST_F(SparsePlanTest, GatherPlanRejectsBadEntries) {
   wrong.head_dim = 4;
   EXPECT_EQ(code({{0, 0, 0}}, wrong), StatusCode::kInvalidArgument);
   WorkingSetView misaligned = ws;
-  misaligned.k = k.data() + 1;  // still valid, but no float4 copies
+  misaligned.k = k.data() + 1;  // still valid, but no 16-byte copies
   auto plan = plan_kv_gather(cache->view, std::vector<GatherEntry>{{0, 0, 0}}.data(), 1, misaligned);
   ASSERT_TRUE(plan.is_ok());
-  EXPECT_FALSE(plan->launch.vec4);
+  EXPECT_FALSE(plan->launch.vec16);
+  // The working set holds the cache's element type: the gather copies elements unchanged.
+  WorkingSetView other_dtype = ws;
+  other_dtype.dtype = DType::kBF16;
+  Status s = plan_kv_gather(cache->view, std::vector<GatherEntry>{{0, 0, 0}}.data(), 1, other_dtype).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("ws.dtype bf16 differs from kv.dtype f32"), std::string::npos) << s.to_string();
+  KvLayerView not_kv = cache->view;
+  for (DType bad : {DType::kI32, DType::kQ8_0, DType::kU8}) {
+    not_kv.dtype = bad;
+    WorkingSetView same = ws;
+    same.dtype = bad;
+    s = plan_kv_gather(not_kv, std::vector<GatherEntry>{{0, 0, 0}}.data(), 1, same).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << dtype_name(bad);
+    EXPECT_NE(s.message().find("kv.dtype is " + std::string(dtype_name(bad))), std::string::npos)
+        << s.to_string();
+  }
   auto empty = plan_kv_gather(KvLayerView{}, nullptr, 0, WorkingSetView{});
   ASSERT_TRUE(empty.is_ok());
   EXPECT_EQ(empty->launch.n_entries, 0);

@@ -38,6 +38,10 @@ constexpr int kWarps = kThreads / 32;
 // 3 blocks of 512 threads per SM: at most 40 registers (without the hint ptxas picked 32 and
 // spilled 4 bytes in sample_topk_kernel on sm_90).
 constexpr int kMinBlocks = 3;
+// sample_prepare_kernel does more (penalty, argmax, softmax, CDF draw or keys): at 40 registers it
+// spilled 8 / 16 bytes (sm_80 / sm_90); 2 blocks per SM allow 64. A block serves one row, so a
+// batch of rows fills the SMs either way.
+constexpr int kPrepareMinBlocks = 2;
 constexpr int64_t kNone = INT64_MAX;
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -168,7 +172,7 @@ __device__ int64_t first_crossing(int64_t len, Value value, Pred pred, bool carr
   return best;
 }
 
-__global__ void __launch_bounds__(kThreads, kMinBlocks) sample_prepare_kernel(const SampleLaunch a) {
+__global__ void __launch_bounds__(kThreads, kPrepareMinBlocks) sample_prepare_kernel(const SampleLaunch a) {
   __shared__ BlockShared sh;
   const int64_t r = a.row_begin + blockIdx.x;
   const SampleRowMeta m = a.meta[r];

@@ -12,7 +12,10 @@
 namespace specontext {
 
 const float* kv_row_f32(const KvLayerView& kv, bool values, int64_t head, int64_t token, float* buf) {
-  void* page = (values ? kv.v_pages : kv.k_pages)[token / kv.page_size];
+  // Two statements on purpose: GCC 12 with -fsanitize=address computed a wild address for
+  // `(values ? kv.v_pages : kv.k_pages)[i]` here (SEGV in the ASan CI job, fine without ASan).
+  void* const* pages = values ? kv.v_pages : kv.k_pages;
+  void* page = pages[token / kv.page_size];
   const int64_t first = (head * kv.page_size + token % kv.page_size) * kv.head_dim;
   if (kv.dtype == DType::kF32) return static_cast<const float*>(page) + first;
   convert_to_f32(kv.dtype, element_at(page, kv.dtype, first), buf, static_cast<size_t>(kv.head_dim));

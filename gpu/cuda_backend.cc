@@ -30,10 +30,7 @@ Status check_kv_view(const KvLayerView& kv, const char* op) {
   if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
     return invalid_argument(std::string(op) + ": null KV page tables");
   }
-  if (!is_kv_dtype(kv.dtype)) {
-    return invalid_argument(std::string(op) + ": kv.dtype is " + std::string(dtype_name(kv.dtype)) +
-                            ", not a KV dtype (f32, f16 or bf16)");
-  }
+  SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype(op, "kv.dtype", kv.dtype, kv.dtype));
   return Status::ok();
 }
 

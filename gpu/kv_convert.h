@@ -13,37 +13,22 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdint>
-#include <cstring>
-
-#if !defined(SPX_HD)
-#if defined(__CUDACC__)
-#define SPX_HD __host__ __device__ __forceinline__
-#else
-#define SPX_HD inline
-#endif
-#endif
+#include "gpu/host_device.h"
 
 namespace specontext::gpu::kernels {
-
-SPX_HD uint32_t kv_f32_bits(float x) {
-  uint32_t b = 0;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
 
 SPX_HD bool kv_is_nan_bits(uint32_t b) { return (b & 0x7fffffffu) > 0x7f800000u; }
 
 // f32 → f16 bits, as core's f32_to_f16.
 SPX_HD uint16_t kv_round_f16(float x) {
-  const uint32_t b = kv_f32_bits(x);
+  const uint32_t b = float_bits(x);
   if (kv_is_nan_bits(b)) return static_cast<uint16_t>(((b >> 16) & 0x8000u) | 0x7e00u);
   return __half_as_ushort(__float2half_rn(x));
 }
 
 // f32 → bf16 bits, as core's f32_to_bf16.
 SPX_HD uint16_t kv_round_bf16(float x) {
-  const uint32_t b = kv_f32_bits(x);
+  const uint32_t b = float_bits(x);
   if (kv_is_nan_bits(b)) return static_cast<uint16_t>((b >> 16) | 0x40u);
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
@@ -52,10 +37,7 @@ SPX_HD uint16_t kv_round_bf16(float x) {
 SPX_HD float kv_to_f32(float x) { return x; }
 SPX_HD float kv_to_f32(__half x) { return __half2float(x); }
 SPX_HD float kv_to_f32(__nv_bfloat16 x) {
-  const uint32_t b = static_cast<uint32_t>(__bfloat16_as_ushort(x)) << 16;
-  float f = 0.0f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
+  return bits_float(static_cast<uint32_t>(__bfloat16_as_ushort(x)) << 16);
 }
 
 // ... and rounding, by the stored element type T (float, __half, __nv_bfloat16).

@@ -14,15 +14,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
-#if !defined(SPX_HD)
-#if defined(__CUDACC__)
-#define SPX_HD __host__ __device__ __forceinline__
-#else
-#define SPX_HD inline
-#endif
-#endif
+#include "gpu/host_device.h"
 
 namespace specontext::gpu::kernels {
 
@@ -36,32 +29,12 @@ inline constexpr int sample_key_shift(int64_t n) {
 // Bits the radix sort has to look at: p's bits (< 2^30 for p <= 1) above the index field.
 inline constexpr int sample_key_bits(int shift) { return 30 + shift; }
 
-SPX_HD uint32_t sample_float_bits(float p) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(p);
-#else
-  uint32_t b = 0;
-  std::memcpy(&b, &p, sizeof(b));
-  return b;
-#endif
-}
-
-SPX_HD float sample_bits_float(uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(b);
-#else
-  float p = 0.0f;
-  std::memcpy(&p, &b, sizeof(p));
-  return p;
-#endif
-}
-
 SPX_HD uint64_t sample_key(float p, int64_t i, int64_t n, int shift) {
-  return (static_cast<uint64_t>(sample_float_bits(p)) << shift) | static_cast<uint64_t>(n - 1 - i);
+  return (static_cast<uint64_t>(float_bits(p)) << shift) | static_cast<uint64_t>(n - 1 - i);
 }
 
 SPX_HD float sample_key_prob(uint64_t key, int shift) {
-  return sample_bits_float(static_cast<uint32_t>(key >> shift));
+  return bits_float(static_cast<uint32_t>(key >> shift));
 }
 
 SPX_HD int64_t sample_key_index(uint64_t key, int64_t n, int shift) {

@@ -42,10 +42,7 @@ Result<KvGatherPlan> plan_kv_gather(const KvLayerView& kv, const GatherEntry* en
   if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
     return invalid_argument("kv_gather: null KV page tables");
   }
-  if (!is_kv_dtype(kv.dtype)) {
-    return invalid_argument("kv_gather: kv.dtype is " + std::string(dtype_name(kv.dtype)) +
-                            ", not a KV dtype (f32, f16 or bf16)");
-  }
+  SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype("kv_gather", "kv.dtype", kv.dtype, kv.dtype));
   SPX_RETURN_IF_ERROR(check_working_set(ws, "kv_gather", /*need_counts=*/false));
   if (ws.kv_heads != kv.kv_heads || ws.head_dim != kv.head_dim) {
     return invalid_argument("kv_gather: working set (kv_heads " + std::to_string(ws.kv_heads) +

@@ -16,13 +16,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
-#if defined(__CUDACC__)
-#define SPX_HD __host__ __device__ __forceinline__
-#else
-#define SPX_HD inline
-#endif
+#include "gpu/host_device.h"
 
 namespace specontext::gpu::kernels {
 
@@ -37,8 +32,7 @@ SPX_HD int select_pass_shift(int p) {
 SPX_HD int select_pass_bits(int p) { return p == 2 || p == 5 ? 10 : 11; }
 
 SPX_HD uint32_t score_order_bits(float s) {
-  uint32_t b = 0;
-  std::memcpy(&b, &s, sizeof(b));
+  uint32_t b = float_bits(s);
   if (b == 0x80000000u) b = 0;  // -0 == +0
   return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
 }

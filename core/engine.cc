@@ -155,6 +155,33 @@ Status Engine::import_weights() {
   return Status::ok();
 }
 
+uint64_t Engine::all_device_bytes(const ModelConfig& c, const EngineOptions& o) {
+  const int64_t max_context = o.max_context > 0 ? o.max_context : c.max_seq_len;
+  const int64_t pages_per_seq = (max_context + o.page_size - 1) / o.page_size;
+  const int64_t n_pages = o.kv_pages > 0 ? o.kv_pages : pages_per_seq * o.max_sequences;
+  const uint64_t page_bytes = 2 * static_cast<uint64_t>(o.page_size * c.kv_dim()) * dtype_size(o.kv_dtype);
+  const uint64_t chunk_pages = static_cast<uint64_t>(
+      o.kv_chunk_pages > 0 ? std::min(o.kv_chunk_pages, n_pages) : KvStore::default_chunk_pages(page_bytes, n_pages));
+  const uint64_t chunks = (static_cast<uint64_t>(n_pages) + chunk_pages - 1) / chunk_pages;
+  uint64_t bytes = static_cast<uint64_t>(c.n_layers) * chunks * chunk_pages * page_bytes;
+  uint64_t allocations = static_cast<uint64_t>(c.n_layers) * chunks;
+  const int64_t budget = o.sparse.selection.budget;
+  if (o.sparse.method != SparseMethod::kDense) {
+    const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * budget * c.head_dim) * dtype_size(o.kv_dtype);
+    bytes += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2 * ws;
+    allocations += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2;
+  }
+  if (o.sparse.method == SparseMethod::kSpeContext && o.retrieval_head) {
+    // The head's key blocks: `budget` tokens each, f32 (head_block_bytes).
+    const auto& hc = o.retrieval_head->config;
+    const int64_t blocks = (max_context + budget - 1) / budget;
+    bytes += static_cast<uint64_t>(o.max_sequences * blocks) *
+             static_cast<uint64_t>(budget * hc.n_kv_heads * hc.head_dim) * sizeof(float);
+    allocations += static_cast<uint64_t>(o.max_sequences * blocks);
+  }
+  return bytes + allocations * 256 + (uint64_t{1} << 20);  // alignment slack per allocation
+}
+
 Status Engine::setup_tiers() {
   const ModelConfig& c = config();
   const TieringOptions& t = options_.tiering;
@@ -168,26 +195,7 @@ Status Engine::setup_tiers() {
 
   // The device tier: KV pages, working sets, staging and the head's keys. By default enough for
   // every sequence at max_context (what an all-device engine needs).
-  uint64_t device_bytes = t.device_bytes;
-  if (device_bytes == 0) {
-    const uint64_t page_bytes = 2 * static_cast<uint64_t>(options_.page_size * c.kv_dim()) * dtype_size(options_.kv_dtype);
-    const uint64_t chunk_pages = static_cast<uint64_t>(
-        options_.kv_chunk_pages > 0 ? std::min(options_.kv_chunk_pages, n_pages) : KvStore::default_chunk_pages(page_bytes, n_pages));
-    const uint64_t chunks = (static_cast<uint64_t>(n_pages) + chunk_pages - 1) / chunk_pages;
-    device_bytes = static_cast<uint64_t>(c.n_layers) * chunks * chunk_pages * page_bytes;
-    uint64_t allocations = static_cast<uint64_t>(c.n_layers) * chunks;
-    if (options_.sparse.method != SparseMethod::kDense) {
-      const uint64_t ws = working_set_bytes();
-      device_bytes += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2 * ws;
-      allocations += static_cast<uint64_t>(options_.max_sequences * c.n_layers) * 2;
-    }
-    if (options_.sparse.method == SparseMethod::kSpeContext) {
-      const int64_t blocks = (max_context_ + head_block_tokens_ - 1) / head_block_tokens_;
-      device_bytes += static_cast<uint64_t>(options_.max_sequences * blocks) * head_block_bytes();
-      allocations += static_cast<uint64_t>(options_.max_sequences * blocks);
-    }
-    device_bytes += allocations * 256 + (uint64_t{1} << 20);
-  }
+  const uint64_t device_bytes = t.device_bytes > 0 ? t.device_bytes : all_device_bytes(c, options_);
   SPX_ASSIGN_OR_RETURN(device_region_, backend_->allocate(device_bytes));
 
   std::vector<TierMemory> tiers;

@@ -178,6 +178,11 @@ class Engine {
                                                 std::shared_ptr<Backend> backend,
                                                 const EngineOptions& options);
 
+  // The device tier an engine with these options allocates when TieringOptions::device_bytes is 0:
+  // KV chunks of every layer for every sequence at max_context, working sets, the retrieval
+  // head's key blocks, alignment slack.
+  static uint64_t all_device_bytes(const ModelConfig& config, const EngineOptions& options);
+
   const Model& model() const { return *model_; }
   const ModelConfig& config() const { return model_->config; }
   Backend& backend() { return *backend_; }

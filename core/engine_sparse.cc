@@ -222,12 +222,9 @@ Status Engine::select_for_layer(Sequence& s, LayerId layer, const AttentionItem&
         float* row = sc.data() + h * length;
         float mx = -INFINITY;
         for (int64_t t = 0; t < length; ++t) {
-          const KvLayerView& kv = item.kv;
-          convert_to_f32(kv.dtype,
-                         element_at(kv.k_pages[t / kv.page_size], kv.dtype, (kvh * kv.page_size + t % kv.page_size) * c.head_dim),
-                         kr.data(), kr.size());
+          const float* k = kv_row_f32(item.kv, /*values=*/false, kvh, t, kr.data());
           float d = 0.0f;
-          for (int64_t i = 0; i < c.head_dim; ++i) d += q[h * c.head_dim + i] * kr[i];
+          for (int64_t i = 0; i < c.head_dim; ++i) d += q[h * c.head_dim + i] * k[i];
           row[t] = d * scale;
           mx = std::max(mx, row[t]);
         }

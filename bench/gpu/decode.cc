@@ -91,34 +91,6 @@ DeviceMemory device_memory() {
   return m;
 }
 
-// What Engine::setup_tiers allocates for an all-device engine with these options (the same
-// formula: KV chunks of every layer and working sets, both of o.kv_dtype elements, the head's f32
-// key blocks, alignment slack).
-uint64_t all_device_bytes(const ModelConfig& c, const EngineOptions& o) {
-  const int64_t pages_per_seq = (o.max_context + o.page_size - 1) / o.page_size;
-  const int64_t n_pages = pages_per_seq * o.max_sequences;
-  const uint64_t elem = dtype_size(o.kv_dtype);
-  const uint64_t page_bytes = 2 * static_cast<uint64_t>(o.page_size * c.kv_dim()) * elem;
-  const uint64_t chunk_pages = static_cast<uint64_t>(KvStore::default_chunk_pages(page_bytes, n_pages));
-  const uint64_t chunks = (static_cast<uint64_t>(n_pages) + chunk_pages - 1) / chunk_pages;
-  uint64_t bytes = static_cast<uint64_t>(c.n_layers) * chunks * chunk_pages * page_bytes;
-  uint64_t allocations = static_cast<uint64_t>(c.n_layers) * chunks;
-  if (o.sparse.method != SparseMethod::kDense) {
-    const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * o.sparse.selection.budget * c.head_dim) * elem;
-    bytes += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2 * ws;
-    allocations += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2;
-  }
-  if (o.sparse.method == SparseMethod::kSpeContext && o.retrieval_head) {
-    const auto& hc = o.retrieval_head->config;
-    const int64_t block_tokens = o.sparse.selection.budget;
-    const int64_t blocks = (o.max_context + block_tokens - 1) / block_tokens;
-    bytes += static_cast<uint64_t>(o.max_sequences * blocks) *
-             static_cast<uint64_t>(block_tokens * hc.n_kv_heads * hc.head_dim) * sizeof(float);
-    allocations += static_cast<uint64_t>(o.max_sequences * blocks);
-  }
-  return bytes + allocations * 256 + (uint64_t{1} << 20);
-}
-
 // Bytes of the big matrices (what import_weights uploads, norms aside).
 uint64_t weight_bytes(const Model& m) {
   uint64_t b = m.tok_embeddings.bytes();
@@ -175,7 +147,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   eo.sparse.selection.budget = opt.budget;  // sinks 1, window 4 (the defaults)
   eo.kv_dtype = opt.kv_dtype;
   if (method == SparseMethod::kSpeContext) eo.retrieval_head = run.head;
-  const uint64_t needed = all_device_bytes(c, eo);
+  const uint64_t needed = Engine::all_device_bytes(c, eo);
   const DeviceMemory mem = device_memory();
   const uint64_t reserve = static_cast<uint64_t>(opt.reserve_gib * kGiB);
   const uint64_t device_room = mem.free > reserve ? mem.free - reserve : 0;

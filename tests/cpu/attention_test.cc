@@ -17,6 +17,7 @@ namespace {
 
 using testing::expect_close;
 using testing::GuardedBuffer;
+using testing::make_cpu;
 using testing::PagedKv;
 using testing::random_floats;
 
@@ -87,14 +88,6 @@ std::vector<Case> head_layouts(int64_t head_dim, int64_t page_size, std::vector<
   };
 }
 
-std::unique_ptr<CpuBackend> make_cpu(int64_t chunk = 0) {
-  CpuBackendOptions opt;
-  opt.attention_chunk = chunk;
-  auto b = CpuBackend::create(opt);
-  EXPECT_TRUE(b.is_ok()) << b.status().to_string();
-  return b.is_ok() ? std::move(b).value() : nullptr;
-}
-
 TEST(CpuAttention, DecodeBatchOfDifferentLengths) {
   auto cpu = make_cpu();
   ASSERT_NE(cpu, nullptr);
@@ -134,7 +127,7 @@ TEST(CpuAttention, ForcedSplitKMatchesReference) {
   const std::vector<SeqSpec> seqs = {{0, 23}, {50, 9}, {129, 1}};
   uint32_t seed = 120;
   for (int64_t chunk : {1, 7, 64, 100}) {
-    auto cpu = make_cpu(chunk);
+    auto cpu = make_cpu({.attention_chunk = chunk});
     ASSERT_NE(cpu, nullptr);
     for (const Case& c : head_layouts(16, 7, seqs)) run_case(c, *cpu, seed++);
   }
@@ -172,7 +165,7 @@ TEST(CpuAttention, SingleThreadMatchesToo) {
 
 TEST(CpuAttention, LargeScoresStayFinite) {
   // Scores in the hundreds: without max subtraction exp overflows.
-  auto cpu = make_cpu(8);
+  auto cpu = make_cpu({.attention_chunk = 8});
   ASSERT_NE(cpu, nullptr);
   ReferenceBackend ref;
   PagedKv kv(4, 8, 1, 16, 1);

@@ -19,14 +19,9 @@ namespace {
 
 using testing::expect_close;
 using testing::GuardedBuffer;
+using testing::make_cpu;
 using testing::PagedKv;
 using testing::random_floats;
-
-std::unique_ptr<CpuBackend> make_cpu(CpuBackendOptions options = {}) {
-  auto b = CpuBackend::create(options);
-  EXPECT_TRUE(b.is_ok()) << b.status().to_string();
-  return b.is_ok() ? std::move(b).value() : nullptr;
-}
 
 std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<uint16_t> out(v.size());

@@ -14,8 +14,16 @@
 
 #include "core/backend.h"
 #include "core/dtype.h"
+#include "cpu/cpu_backend.h"
 
 namespace specontext::cpu::testing {
+
+// The optimised backend with `options`; nullptr (and a test failure naming why) if it cannot start.
+inline std::unique_ptr<CpuBackend> make_cpu(const CpuBackendOptions& options = {}) {
+  auto b = CpuBackend::create(options);
+  EXPECT_TRUE(b.is_ok()) << b.status().to_string();
+  return b.is_ok() ? std::move(b).value() : nullptr;
+}
 
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 rng(seed);

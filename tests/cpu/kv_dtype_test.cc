@@ -27,6 +27,7 @@ namespace {
 
 using testing::expect_close;
 using testing::GuardedBuffer;
+using testing::make_cpu;
 using testing::PagedKv;
 using testing::random_floats;
 
@@ -36,14 +37,6 @@ std::vector<float> rounded(DType t, const std::vector<float>& x) {
   convert_from_f32(t, x.data(), bits.data(), x.size());
   convert_to_f32(t, bits.data(), out.data(), x.size());
   return out;
-}
-
-std::unique_ptr<CpuBackend> make_cpu(int64_t chunk = 0) {
-  CpuBackendOptions opt;
-  opt.attention_chunk = chunk;
-  auto b = CpuBackend::create(opt);
-  EXPECT_TRUE(b.is_ok()) << b.status().to_string();
-  return b.is_ok() ? std::move(b).value() : nullptr;
 }
 
 class KvDtypeTest : public ::testing::TestWithParam<DType> {};
@@ -126,10 +119,9 @@ struct Shape {
 TEST_P(KvDtypeTest, CpuAttentionMatchesReference) {
   const DType t = GetParam();
   ReferenceBackend ref;
-  std::mt19937 rng(7);
   uint32_t seed = 100;
   for (int64_t chunk : {int64_t{0}, int64_t{24}}) {  // automatic, and a forced split-K
-    auto cpu = make_cpu(chunk);
+    auto cpu = make_cpu({.attention_chunk = chunk});
     ASSERT_NE(cpu, nullptr);
     for (const Shape& s : {Shape{4, 4, 64, 16}, Shape{8, 2, 80, 7}, Shape{8, 1, 128, 16}, Shape{6, 3, 8, 5}}) {
       SCOPED_TRACE("heads " + std::to_string(s.n_heads) + "/" + std::to_string(s.kv_heads) + " d " +
@@ -166,7 +158,6 @@ TEST_P(KvDtypeTest, CpuAttentionMatchesReference) {
       ASSERT_TRUE(cpu->attention(q.data(), cpu_items.data(), 4, s.n_heads, got.data()).is_ok());
       EXPECT_TRUE(got.intact());
       expect_close(got.data(), want.data(), out_n, 1e-5, "attention");
-      (void)rng;
     }
   }
 }

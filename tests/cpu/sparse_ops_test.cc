@@ -36,6 +36,7 @@ using testing::all_finite;
 using testing::expect_close;
 using testing::GuardedBuffer;
 using testing::l2_norm;
+using testing::make_cpu;
 using testing::PagedKv;
 using testing::random_floats;
 using testing::rel_l2;
@@ -71,12 +72,6 @@ struct WorkingSet {
   float* k_row(int64_t h, int64_t s) { return k.data() + (h * slots + s) * head_dim; }
   float* v_row(int64_t h, int64_t s) { return v.data() + (h * slots + s) * head_dim; }
 };
-
-std::unique_ptr<CpuBackend> make_cpu(const CpuBackendOptions& options = {}) {
-  auto b = CpuBackend::create(options);
-  EXPECT_TRUE(b.is_ok()) << b.status().to_string();
-  return b.is_ok() ? std::move(b).value() : nullptr;
-}
 
 // Dense attention of one query vector restricted to the cache positions `keys` of KV head
 // `kvh`, as a plain double loop (independent of both backends). Empty `keys` gives zeros.

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include "gpu/cuda_backend.h"
 #include "gpu/sparse_plan.h"
 #include "tests/gpu/device_test_util.h"
+#include "tests/gpu/kv_rounding_values.h"
 
 namespace specontext::gpu {
 namespace {
@@ -396,42 +398,11 @@ TEST_F(CudaOpsTest, KvAppendAcrossPages) {
 TEST_F(CudaOpsTest, KvAppendRoundsLikeTheReference) {
   const int64_t page_size = 16, kv_heads = 2, head_dim = 64, n_tokens = 40, start_pos = 5;
   const size_t n = static_cast<size_t>(n_tokens * kv_heads * head_dim);
-  const auto from_bits = [](uint32_t b) {
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-  };
-  std::vector<float> k = {0.0f,
-                          -0.0f,
-                          std::numeric_limits<float>::infinity(),
-                          -std::numeric_limits<float>::infinity(),
-                          from_bits(0x7fc00000u),
-                          from_bits(0xffc00000u),
-                          from_bits(0x7f800001u),
-                          from_bits(0xff812345u),
-                          from_bits(0x7fffffffu),
-                          std::numeric_limits<float>::max(),
-                          -std::numeric_limits<float>::max(),
-                          65504.0f,
-                          65519.996f,
-                          65520.0f,
-                          -65520.0f,
-                          65536.0f,
-                          1e6f,
-                          std::ldexp(1.0f, -24),
-                          std::ldexp(1.0f, -25),
-                          std::ldexp(3.0f, -25),
-                          std::ldexp(1.0f, -15),
-                          1.0f + std::ldexp(1.0f, -8),
-                          1.0f + std::ldexp(3.0f, -8),
-                          1.0f + std::ldexp(1.0f, -11),
-                          1.0f + std::ldexp(3.0f, -11),
-                          std::numeric_limits<float>::denorm_min(),
-                          std::ldexp(1.0f, -130)};
+  std::vector<float> k = kv_test::kv_rounding_special_values();
   std::vector<float> v(k.rbegin(), k.rend());
   std::uniform_int_distribution<uint32_t> any_bits;
-  while (k.size() < n) k.push_back(from_bits(any_bits(rng_)));
-  while (v.size() < n) v.push_back(from_bits(any_bits(rng_)));
+  while (k.size() < n) k.push_back(std::bit_cast<float>(any_bits(rng_)));
+  while (v.size() < n) v.push_back(std::bit_cast<float>(any_bits(rng_)));
   Guarded<float> d_k(k);
   Guarded<float> d_v(v);
   for (DType dtype : kKvDtypes) {

@@ -13,71 +13,23 @@
 
 #include "core/dtype.h"
 #include "gpu/kv_convert.h"
+#include "tests/gpu/kv_rounding_values.h"
 
 namespace specontext::gpu {
 namespace {
 
+using kernels::bits_float;
+using kernels::float_bits;
 using kernels::kv_from_f32;
 using kernels::kv_round_bf16;
 using kernels::kv_round_f16;
 using kernels::kv_to_f32;
 
-float from_bits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-uint32_t bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
-// Values where rounding is delicate: zeros, infinities, NaNs with payloads and signs, the f16
-// overflow threshold 65520 (a tie: rounds to inf), f16's and bf16's subnormal range and ties,
-// f32 subnormals, the largest floats.
-std::vector<float> special_values() {
-  std::vector<float> v = {0.0f,
-                          -0.0f,
-                          1.0f,
-                          -1.0f,
-                          std::numeric_limits<float>::infinity(),
-                          -std::numeric_limits<float>::infinity(),
-                          std::numeric_limits<float>::max(),
-                          -std::numeric_limits<float>::max(),
-                          std::numeric_limits<float>::min(),
-                          std::numeric_limits<float>::denorm_min(),
-                          65504.0f,
-                          65519.996f,
-                          65520.0f,
-                          65536.0f,
-                          -65520.0f,
-                          1e6f,
-                          std::ldexp(1.0f, -24),
-                          std::ldexp(1.0f, -25),
-                          std::ldexp(3.0f, -25),
-                          std::ldexp(1.0f, -14),
-                          std::ldexp(1.0f, -15),
-                          std::ldexp(1023.5f, -24),
-                          1.0f + std::ldexp(1.0f, -8),
-                          1.0f + std::ldexp(3.0f, -8),
-                          1.0f + std::ldexp(1.0f, -11),
-                          1.0f + std::ldexp(3.0f, -11),
-                          std::ldexp(1.0f, -126),
-                          std::ldexp(1.0f, -133)};
-  for (uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu, 0xffffffffu,
-                       0x7fa5a5a5u, 0x7f80e000u, 0x7f812345u}) {
-    v.push_back(from_bits(nan));
-  }
-  return v;
-}
-
 // Every 1021st bit pattern (all exponents, both signs, NaNs, infinities and subnormals of f32)
 // plus the special values and the neighbours of each.
 std::vector<float> sweep() {
-  std::vector<float> v = special_values();
-  for (uint64_t b = 0; b <= 0xffffffffull; b += 1021) v.push_back(from_bits(static_cast<uint32_t>(b)));
+  std::vector<float> v = kv_test::kv_rounding_special_values();
+  for (uint64_t b = 0; b <= 0xffffffffull; b += 1021) v.push_back(bits_float(static_cast<uint32_t>(b)));
   const size_t n = v.size();
   for (size_t i = 0; i < n; ++i) {
     v.push_back(std::nextafter(v[i], std::numeric_limits<float>::infinity()));
@@ -89,11 +41,11 @@ std::vector<float> sweep() {
 TEST(KvConvertTest, RoundingEqualsCoreBitForBit) {
   size_t nan_inputs = 0;
   for (float x : sweep()) {
-    ASSERT_EQ(kv_round_bf16(x), f32_to_bf16(x)) << std::hex << "bf16 of 0x" << bits(x);
-    ASSERT_EQ(kv_round_f16(x), f32_to_f16(x)) << std::hex << "f16 of 0x" << bits(x);
+    ASSERT_EQ(kv_round_bf16(x), f32_to_bf16(x)) << std::hex << "bf16 of 0x" << float_bits(x);
+    ASSERT_EQ(kv_round_f16(x), f32_to_f16(x)) << std::hex << "f16 of 0x" << float_bits(x);
     ASSERT_EQ(__bfloat16_as_ushort(kv_from_f32<__nv_bfloat16>(x)), f32_to_bf16(x));
     ASSERT_EQ(__half_as_ushort(kv_from_f32<__half>(x)), f32_to_f16(x));
-    ASSERT_EQ(bits(kv_from_f32<float>(x)), bits(x));
+    ASSERT_EQ(float_bits(kv_from_f32<float>(x)), float_bits(x));
     nan_inputs += std::isnan(x) ? 1 : 0;
   }
   EXPECT_GT(nan_inputs, 1000u);
@@ -113,7 +65,7 @@ TEST(KvConvertTest, SpecialValuesRoundAsDocumented) {
   EXPECT_EQ(kv_round_bf16(-0.0f), 0x8000);
   EXPECT_EQ(kv_round_f16(-0.0f), 0x8000);
   for (uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u}) {
-    const float x = from_bits(nan);
+    const float x = bits_float(nan);
     EXPECT_TRUE(std::isnan(kv_to_f32(kv_from_f32<__half>(x)))) << std::hex << nan;
     EXPECT_TRUE(std::isnan(kv_to_f32(kv_from_f32<__nv_bfloat16>(x)))) << std::hex << nan;
   }
@@ -126,13 +78,13 @@ TEST(KvConvertTest, WideningEqualsCoreForEveryPattern) {
     const uint16_t b16 = static_cast<uint16_t>(h);
     const float want_bf16 = bf16_to_f32(b16);
     const float got_bf16 = kv_to_f32(__ushort_as_bfloat16(b16));
-    EXPECT_EQ(bits(got_bf16), bits(want_bf16)) << std::hex << "bf16 0x" << h;
+    EXPECT_EQ(float_bits(got_bf16), float_bits(want_bf16)) << std::hex << "bf16 0x" << h;
     const float want_f16 = f16_to_f32(b16);
     const float got_f16 = kv_to_f32(__ushort_as_half(b16));
     if (std::isnan(want_f16)) {
       EXPECT_TRUE(std::isnan(got_f16)) << std::hex << "f16 0x" << h;  // payloads may differ
     } else {
-      EXPECT_EQ(bits(got_f16), bits(want_f16)) << std::hex << "f16 0x" << h;
+      EXPECT_EQ(float_bits(got_f16), float_bits(want_f16)) << std::hex << "f16 0x" << h;
     }
     // Every finite value survives the round trip (rounding is exact on representable values).
     if (!std::isnan(want_bf16)) {

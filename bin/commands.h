@@ -124,4 +124,12 @@ struct EvalArgs {
 void register_eval(CLI::App& app, EvalArgs& args);
 int run_eval(const EvalArgs& args);
 
+struct KvNodeArgs {
+  std::string listen = "127.0.0.1:0";
+  std::string capacity;
+  std::string name;
+};
+void register_kv_node(CLI::App& app, KvNodeArgs& args);
+int run_kv_node(const KvNodeArgs& args);
+
 }  // namespace specontext::cli

@@ -1,4 +1,4 @@
-// specontext: one binary, subcommands (generate, inspect, plan, distill, eval).
+// specontext: one binary, subcommands (generate, inspect, plan, distill, eval, kv-node).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   specontext::cli::register_plan(app, plan);
   specontext::cli::register_eval(app, eval);
   specontext::cli::register_distill(app, distill);
+  specontext::cli::KvNodeArgs kv_node;
+  specontext::cli::register_kv_node(app, kv_node);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -28,5 +30,6 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("plan")) return specontext::cli::run_plan(plan);
   if (app.got_subcommand("eval")) return specontext::cli::run_eval(eval);
   if (app.got_subcommand("distill")) return specontext::cli::run_distill(distill);
+  if (app.got_subcommand("kv-node")) return specontext::cli::run_kv_node(kv_node);
   return 2;
 }

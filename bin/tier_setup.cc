@@ -9,6 +9,10 @@
 #include "transport/local_transport.h"
 #include "transport/loopback_transport.h"
 #include "transport/transport_router.h"
+#if SPECONTEXT_HAVE_UCX
+#include "cluster/kv_node_client.h"
+#include "transport/ucx_transport.h"
+#endif
 #if SPECONTEXT_HAVE_CUDA
 #include "gpu/cuda_raii.h"
 #include "gpu/cuda_transport.h"
@@ -21,6 +25,12 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
                  "device memory for KV pages, working sets and the head's keys (e.g. 512MiB; default: all fits)");
   cmd.add_option("--host-kv", a.host_kv, "host KV pools, one per NUMA node (SIZE[,SIZE...]); enables offloading");
   cmd.add_option("--remote-kv", a.remote_kv, "remote KV nodes (in-process loopback), SIZE[,SIZE...]");
+  cmd.add_option("--kv-node", a.kv_nodes,
+                 "a remote tier on KV node processes over UCX: SIZE@HOST:PORT[+HOST:PORT...] (mirrored on "
+                 "each endpoint; repeat for more tiers)");
+  cmd.add_option("--kv-node-timeout-ms", a.kv_node_timeout_ms,
+                 "control-plane calls, and RMA silence after which a KV node is declared dead")
+      ->check(CLI::PositiveNumber);
   cmd.add_option("--remote-latency-us", a.remote_latency_us, "loopback link latency per transfer")
       ->check(CLI::NonNegativeNumber);
   cmd.add_option("--placement", a.placement,
@@ -57,8 +67,16 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     if (*d <= 0) return invalid_argument("--device-kv must be positive");
     eopts.tiering.device_bytes = static_cast<uint64_t>(*d);
   }
-  if (host.empty() && remote.empty()) {
-    if (!args.device_kv.empty()) return invalid_argument("--device-kv needs --host-kv or --remote-kv to offload to");
+  if (!remote.empty() && !args.kv_nodes.empty()) {
+    return invalid_argument("--remote-kv (in-process loopback nodes) and --kv-node cannot be combined");
+  }
+#if !SPECONTEXT_HAVE_UCX
+  if (!args.kv_nodes.empty()) return unimplemented("--kv-node: this build has no UCX (install libucx-dev and rebuild)");
+#endif
+  if (host.empty() && remote.empty() && args.kv_nodes.empty()) {
+    if (!args.device_kv.empty()) {
+      return invalid_argument("--device-kv needs --host-kv, --remote-kv or --kv-node to offload to");
+    }
     return std::unique_ptr<TierRuntime>();
   }
   auto rt = std::make_unique<TierRuntime>();
@@ -100,8 +118,50 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     t.desc.capacity_bytes = static_cast<uint64_t>(remote[i]);
     eopts.tiering.remote.push_back(std::move(t));
   }
+#if SPECONTEXT_HAVE_UCX
+  // KV node tiers: remote tier ids follow the host pools (Engine::create numbers device, host
+  // pools, remote tiers in that order), so each transport knows the one tier it serves.
+  std::vector<std::unique_ptr<Transport>> node_transports;
+  for (size_t i = 0; i < args.kv_nodes.size(); ++i) {
+    const std::string& spec = args.kv_nodes[i];
+    const std::string flag = "--kv-node " + spec;
+    const size_t at = spec.find('@');
+    if (at == std::string::npos) return invalid_argument(flag + ": expected SIZE@HOST:PORT[+HOST:PORT...]");
+    auto size = planner::parse_size(spec.substr(0, at));
+    if (!size.is_ok()) return size.status().with_context(flag);
+    if (*size <= 0) return invalid_argument(flag + ": size must be positive");
+    transport::UcxRemoteConfig cfg;
+    cfg.tier = TierId(static_cast<int32_t>(1 + host.size() + i));
+    cfg.op_timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
+    std::string rest = spec.substr(at + 1);
+    while (true) {
+      const size_t plus = rest.find('+');
+      auto ep = cluster::parse_endpoint(rest.substr(0, plus));
+      if (!ep.is_ok()) return ep.status().with_context(flag);
+      auto client = cluster::KvNodeClient::connect(*ep, std::chrono::milliseconds(args.kv_node_timeout_ms));
+      if (!client.is_ok()) return client.status().with_context(flag);
+      auto region = (*client)->allocate(static_cast<uint64_t>(*size));
+      if (!region.is_ok()) return region.status().with_context(flag);
+      cfg.replicas.push_back(std::move(region).value());
+      rt->node_sessions.push_back(std::shared_ptr<cluster::KvNodeClient>(std::move(client).value()));
+      if (plus == std::string::npos) break;
+      rest = rest.substr(plus + 1);
+    }
+    auto t = transport::UcxRemoteTransport::create(std::move(cfg));
+    if (!t.is_ok()) return t.status().with_context(flag);
+    rt->kv_node_transports.push_back(t->get());
+    node_transports.push_back(std::move(t).value());
+    TierMemory m;
+    m.desc.kind = TierKind::kRemote;
+    m.desc.index = static_cast<int32_t>(i);
+    m.desc.name = "remote" + std::to_string(i);
+    m.desc.memory = MemoryKind::kRemote;
+    m.desc.capacity_bytes = static_cast<uint64_t>(*size);
+    eopts.tiering.remote.push_back(std::move(m));
+  }
+#endif
   // Members in preference order: the CUDA copy engine for device traffic, memcpy between host
-  // pools, the loopback node for remote tiers.
+  // pools, the loopback node or the KV nodes for remote tiers.
   std::vector<Transport*> members;
 #if SPECONTEXT_HAVE_CUDA
   if (cuda) {
@@ -119,6 +179,12 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     members.push_back(lb.get());
     rt->transports.push_back(std::move(lb));
   }
+#if SPECONTEXT_HAVE_UCX
+  for (auto& t : node_transports) {
+    members.push_back(t.get());
+    rt->transports.push_back(std::move(t));
+  }
+#endif
   SPX_ASSIGN_OR_RETURN(auto router, transport::TransportRouter::create(members));
   rt->router = std::move(router);
   SPX_ASSIGN_OR_RETURN(auto copies, transport::CopyEngine::create(*rt->router));
@@ -273,6 +339,19 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
     j["placement"] = rt->args.placement;
     j["probe"] = transport::probe_results_to_json(rt->probe);
     if (!rt->placement_note.empty()) j["static_plan"] = rt->placement_note;
+#if SPECONTEXT_HAVE_UCX
+    nlohmann::json nodes = nlohmann::json::array();
+    for (Transport* t : rt->kv_node_transports) {
+      const auto& ucx = static_cast<const transport::UcxRemoteTransport&>(*t);
+      nlohmann::json replicas = nlohmann::json::array();
+      for (const transport::ReplicaReport& r : ucx.replicas()) {
+        replicas.push_back({{"node", r.node}, {"alive", r.alive}, {"error", r.error}, {"bytes_read", r.bytes_read},
+                            {"bytes_written", r.bytes_written}});
+      }
+      nodes.push_back({{"tier", ucx.tier().value()}, {"replicas", replicas}, {"failovers", ucx.failovers()}});
+    }
+    if (!nodes.empty()) j["kv_nodes"] = nodes;
+#endif
   }
   return j;
 }

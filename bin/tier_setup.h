@@ -22,18 +22,25 @@ struct TierArgs {
   std::string device_kv;  // SIZE: device tier for KV, working sets, staging, head keys ("" = all fits)
   std::string host_kv;    // SIZE[,SIZE per NUMA node]
   std::string remote_kv;  // SIZE[,SIZE per remote node] (in-process loopback nodes)
+  // Remote tiers on KV node processes over UCX, one per entry: SIZE@HOST:PORT[+HOST:PORT...]
+  // (more than one endpoint: the tier is mirrored on each, and reads fail over).
+  std::vector<std::string> kv_nodes;
+  int64_t kv_node_timeout_ms = 5000;
   int64_t remote_latency_us = 0;
   std::string placement = "dynamic";  // dynamic (re-plan each step) | static (planned once for the final lengths)
   bool cpu_filter = true;             // let the planner switch CPU candidate filtering on
   int64_t shortlist = 0;              // candidates per KV head when filtering (0 = 4·budget)
   bool probe = true;                  // measure tier bandwidths at start-up
-  bool any() const { return !host_kv.empty() || !remote_kv.empty(); }
+  bool any() const { return !host_kv.empty() || !remote_kv.empty() || !kv_nodes.empty(); }
 };
 void add_tier_options(CLI::App& cmd, TierArgs& args);
 
 // Everything the engine's tiering borrows; destroy after the engine.
 struct TierRuntime {
   TierArgs args;
+  // Control-plane sessions of KV nodes (their regions live as long as these): declared before
+  // the transports so that they are destroyed after them.
+  std::vector<std::shared_ptr<void>> node_sessions;
   std::vector<std::unique_ptr<Transport>> transports;  // local, loopback, cuda (members of the router)
   std::unique_ptr<Transport> router;
   std::shared_ptr<transport::CopyEngine> copies;
@@ -41,6 +48,7 @@ struct TierRuntime {
   std::vector<transport::ProbeResult> probe;
   std::vector<std::shared_ptr<void>> keep_alive;  // pinned registrations
   std::string placement_note;  // what the static plan decided
+  std::vector<Transport*> kv_node_transports;  // UcxRemoteTransport members, for the report
 };
 
 // Fills eopts.tiering (device size, host pools, remote nodes, transport, copy engine, filter).

@@ -1,0 +1,72 @@
+// The KV node's control plane: one JSON object per line over TCP, request → reply, in order.
+//   {"op":"hello"}                → {"ok":true,"node":NAME,"capacity":N,"free":N,"worker_address":HEX}
+//   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"rkey":HEX}
+//   {"op":"free","region":ID}     → {"ok":true}
+//   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N}
+// Errors: {"ok":false,"error":TEXT} naming the field; the connection stays usable, except after a
+// line longer than kMaxControlLine (then the node replies and closes). Regions belong to the
+// connection that allocated them and are freed when it closes, so a client that dies leaks
+// nothing. Parsing is pure (no sockets) and fuzzed (tests/fuzz/fuzz_control.cc).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+
+namespace specontext::cluster {
+
+inline constexpr size_t kMaxControlLine = 64 * 1024;
+inline constexpr int kControlVersion = 1;
+
+enum class ControlOp { kHello, kAlloc, kFree, kStats };
+
+struct ControlRequest {
+  ControlOp op = ControlOp::kHello;
+  uint64_t bytes = 0;   // alloc
+  uint64_t region = 0;  // free
+};
+
+// kInvalidArgument naming the field ("control request: field 'bytes' ...").
+Result<ControlRequest> parse_control_request(std::string_view line);
+std::string control_request_line(const ControlRequest& request);  // with the trailing newline
+
+struct HelloReply {
+  std::string node;
+  uint64_t capacity = 0;
+  uint64_t free = 0;
+  std::vector<uint8_t> worker_address;
+};
+struct AllocReply {
+  uint64_t region = 0;
+  uint64_t address = 0;
+  uint64_t bytes = 0;
+  std::vector<uint8_t> rkey;
+};
+// A reply line: the node's error (with its code) when ok is false, kDataLoss naming the field when
+// the reply is malformed.
+Result<nlohmann::json> parse_control_reply(std::string_view line, std::string_view node);
+Result<HelloReply> parse_hello_reply(const nlohmann::json& reply, std::string_view node);
+Result<AllocReply> parse_alloc_reply(const nlohmann::json& reply, std::string_view node);
+
+// Serialises an error reply; the code travels as its name so the client can rebuild it.
+std::string control_error_line(const Status& status);
+
+// Worker addresses and remote keys travel as lowercase hex.
+std::string hex_encode(const std::vector<uint8_t>& bytes);
+// kInvalidArgument naming `field` for odd length or a non-hex digit.
+Result<std::vector<uint8_t>> hex_decode(std::string_view text, std::string_view field);
+
+// "host:port" with a port in 1..65535 (0 allowed when `allow_any_port`, for listening).
+struct Endpoint {
+  std::string host;
+  uint16_t port = 0;
+  std::string text() const { return host + ":" + std::to_string(port); }
+};
+Result<Endpoint> parse_endpoint(std::string_view text, bool allow_any_port = false);
+
+}  // namespace specontext::cluster

@@ -1,0 +1,296 @@
+#include "cluster/kv_node.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/region_allocator.h"
+#include "transport/ucx_support.h"
+
+namespace specontext::cluster {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+
+namespace {
+
+// Anonymous mapping: pages cost memory only once a client writes them.
+struct MappedPool {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+  MappedPool() = default;
+  MappedPool(const MappedPool&) = delete;
+  MappedPool& operator=(const MappedPool&) = delete;
+  ~MappedPool() {
+    if (base != nullptr) munmap(base, bytes);
+  }
+};
+
+}  // namespace
+
+class KvNode::Impl {
+ public:
+  struct Session : std::enable_shared_from_this<Session> {
+    Session(Impl& node, tcp::socket s) : node(node), socket(std::move(s)) {}
+    Impl& node;
+    tcp::socket socket;
+    std::string in;
+    std::string out;
+    std::unordered_set<uint64_t> regions;
+  };
+
+  KvNodeOptions options;
+  std::string name;
+  uint16_t bound_port = 0;
+  MappedPool pool;
+  std::unique_ptr<transport::UcxWorker> worker;
+  std::unique_ptr<transport::UcxMemory> memory;
+  std::string worker_address_hex;
+  std::string rkey_hex;
+
+  asio::io_context io;
+  tcp::acceptor acceptor{io};
+  std::thread io_thread;
+  std::thread ucx_thread;
+  std::atomic<bool> stopping{false};
+  bool stopped = false;
+
+  // Touched by the io thread only.
+  RegionAllocator allocator;
+  std::unordered_map<uint64_t, uint64_t> region_offset;  // region id → pool offset
+  uint64_t next_region = 1;
+  std::unordered_set<std::shared_ptr<Session>> sessions;
+
+  mutable std::mutex stats_mu;
+  KvNodeStats counters;
+
+  Status init() {
+    pool.bytes = options.capacity;
+    void* p = mmap(nullptr, options.capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      return resource_exhausted("kv node: cannot map " + std::to_string(options.capacity) + " bytes");
+    }
+    pool.base = p;
+    allocator = RegionAllocator(options.capacity, 4096);
+    boost::system::error_code ec;
+    const auto addr = asio::ip::make_address(options.host, ec);
+    if (ec) return invalid_argument("kv node: listen address '" + options.host + "': " + ec.message());
+    const tcp::endpoint ep(addr, options.port);
+    acceptor.open(ep.protocol(), ec);
+    if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor.bind(ep, ec);
+    if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return unavailable("kv node: cannot listen on " + options.host + ":" + std::to_string(options.port) + ": " +
+                         ec.message());
+    }
+    bound_port = acceptor.local_endpoint().port();
+    name = options.name.empty() ? options.host + ":" + std::to_string(bound_port) : options.name;
+    SPX_ASSIGN_OR_RETURN(worker, transport::UcxWorker::create("kv node " + name, /*wakeup=*/true));
+    SPX_ASSIGN_OR_RETURN(memory, transport::UcxMemory::map(*worker, pool.base, pool.bytes));
+    SPX_ASSIGN_OR_RETURN(std::vector<uint8_t> rkey, memory->packed_rkey());
+    SPX_ASSIGN_OR_RETURN(std::vector<uint8_t> waddr, worker->address());
+    rkey_hex = hex_encode(rkey);
+    worker_address_hex = hex_encode(waddr);
+    counters.capacity = options.capacity;
+    accept();
+    io_thread = std::thread([this] { io.run(); });
+    ucx_thread = std::thread([this] { progress_loop(); });
+    return Status::ok();
+  }
+
+  void progress_loop() {
+    int efd = -1;
+    if (ucp_worker_get_efd(worker->worker(), &efd) != UCS_OK) efd = -1;
+    while (!stopping.load(std::memory_order_acquire)) {
+      if (ucp_worker_progress(worker->worker()) != 0) continue;
+      if (efd < 0) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        continue;
+      }
+      const ucs_status_t s = ucp_worker_arm(worker->worker());
+      if (s == UCS_ERR_BUSY) continue;
+      pollfd pfd{efd, POLLIN, 0};
+      (void)::poll(&pfd, 1, 100);
+    }
+  }
+
+  void accept() {
+    acceptor.async_accept([this](boost::system::error_code ec, tcp::socket socket) {
+      if (ec) return;  // closed by stop()
+      auto s = std::make_shared<Session>(*this, std::move(socket));
+      sessions.insert(s);
+      bump([](KvNodeStats& c) { ++c.connections; });
+      read(s);
+      accept();
+    });
+  }
+
+  template <typename F>
+  void bump(F f) {
+    std::lock_guard lock(stats_mu);
+    f(counters);
+  }
+
+  void read(const std::shared_ptr<Session>& s) {
+    asio::async_read_until(s->socket, asio::dynamic_buffer(s->in, kMaxControlLine + 1), '\n',
+                           [this, s](boost::system::error_code ec, size_t n) {
+                             if (ec == asio::error::not_found) {
+                               reply(s, control_error_line(invalid_argument("control request: line longer than 64 KiB")),
+                                     /*close_after=*/true);
+                               return;
+                             }
+                             if (ec) {
+                               close(s);
+                               return;
+                             }
+                             std::string line = s->in.substr(0, n - 1);
+                             s->in.erase(0, n);
+                             reply(s, handle(*s, line), false);
+                           });
+  }
+
+  void reply(const std::shared_ptr<Session>& s, std::string text, bool close_after) {
+    s->out = std::move(text);
+    asio::async_write(s->socket, asio::buffer(s->out), [this, s, close_after](boost::system::error_code ec, size_t) {
+      if (ec || close_after) {
+        close(s);
+        return;
+      }
+      read(s);
+    });
+  }
+
+  void close(const std::shared_ptr<Session>& s) {
+    if (!sessions.erase(s)) return;
+    boost::system::error_code ignored;
+    s->socket.close(ignored);
+    for (uint64_t id : s->regions) free_region(id);
+    s->regions.clear();
+    bump([](KvNodeStats& c) { --c.connections; });
+  }
+
+  void free_region(uint64_t id) {
+    auto it = region_offset.find(id);
+    if (it == region_offset.end()) return;
+    (void)allocator.free(it->second);
+    region_offset.erase(it);
+    const uint64_t used = allocator.used_bytes();
+    bump([used](KvNodeStats& c) {
+      --c.regions;
+      c.used = used;
+    });
+  }
+
+  std::string handle(Session& s, std::string_view line) {
+    bump([](KvNodeStats& c) { ++c.requests; });
+    auto req = parse_control_request(line);
+    if (!req.is_ok()) {
+      bump([](KvNodeStats& c) { ++c.bad_requests; });
+      return control_error_line(req.status());
+    }
+    nlohmann::json out = {{"ok", true}};
+    switch (req->op) {
+      case ControlOp::kHello:
+        out["node"] = name;
+        out["capacity"] = options.capacity;
+        out["free"] = allocator.free_bytes();
+        out["worker_address"] = worker_address_hex;
+        break;
+      case ControlOp::kAlloc: {
+        auto off = allocator.allocate(req->bytes);
+        if (!off.is_ok()) return control_error_line(off.status().with_context("kv node " + name + ": alloc"));
+        const uint64_t id = next_region++;
+        region_offset.emplace(id, *off);
+        s.regions.insert(id);
+        const uint64_t used = allocator.used_bytes();
+        bump([used](KvNodeStats& c) {
+          ++c.regions;
+          c.used = used;
+        });
+        out["region"] = id;
+        out["address"] = reinterpret_cast<uint64_t>(pool.base) + *off;
+        out["bytes"] = req->bytes;
+        out["rkey"] = rkey_hex;
+        break;
+      }
+      case ControlOp::kFree:
+        if (!s.regions.contains(req->region)) {
+          return control_error_line(not_found("control request: field 'region': " + std::to_string(req->region) +
+                                              " is not a region of this connection"));
+        }
+        s.regions.erase(req->region);
+        free_region(req->region);
+        break;
+      case ControlOp::kStats: {
+        const KvNodeStats st = snapshot();
+        out["capacity"] = st.capacity;
+        out["used"] = st.used;
+        out["regions"] = st.regions;
+        out["connections"] = st.connections;
+        break;
+      }
+    }
+    return out.dump() + "\n";
+  }
+
+  KvNodeStats snapshot() const {
+    std::lock_guard lock(stats_mu);
+    return counters;
+  }
+
+  void stop() {
+    if (stopped) return;
+    stopped = true;
+    if (io_thread.joinable()) {
+      asio::post(io, [this] {
+        boost::system::error_code ignored;
+        acceptor.close(ignored);
+        while (!sessions.empty()) {
+          const std::shared_ptr<Session> s = *sessions.begin();  // close() erases it from the set
+          close(s);
+        }
+      });
+      // The sessions' handlers finish with operation_aborted; run() returns once none is left.
+      io_thread.join();
+    }
+    stopping.store(true, std::memory_order_release);
+    if (ucx_thread.joinable()) {
+      (void)ucp_worker_signal(worker->worker());
+      ucx_thread.join();
+    }
+    // Memory registration and worker go before the pool's pages.
+    memory.reset();
+    worker.reset();
+  }
+};
+
+KvNode::KvNode(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<KvNode>> KvNode::start(KvNodeOptions options) {
+  if (options.capacity == 0) return invalid_argument("kv node: capacity must be positive");
+  auto impl = std::make_unique<Impl>();
+  impl->options = std::move(options);
+  Status st = impl->init();
+  if (!st.is_ok()) {
+    impl->stop();
+    return st;
+  }
+  return std::unique_ptr<KvNode>(new KvNode(std::move(impl)));
+}
+
+KvNode::~KvNode() { stop(); }
+
+uint16_t KvNode::port() const { return impl_->bound_port; }
+
+const std::string& KvNode::name() const { return impl_->name; }
+KvNodeStats KvNode::stats() const { return impl_->snapshot(); }
+void KvNode::stop() { impl_->stop(); }
+
+}  // namespace specontext::cluster

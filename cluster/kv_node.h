@@ -1,0 +1,57 @@
+// KvNode: a remote KV node. It owns one pool of host memory registered with UCX, hands out
+// regions of it over the control plane (cluster/control_protocol.h, Boost.Asio) and serves the
+// clients' RMA reads and writes into them (UCX progress; the node's CPU does not copy). Run
+// in-process (tests) or as `specontext kv-node` (its own process, what the engine talks to).
+//
+// Threads: the control plane runs on one Asio thread, which alone touches the allocator and the
+// sessions; UCX progress runs on a second thread that blocks on the worker's event fd when idle.
+// stats() reads counters under a mutex. stop() (and the destructor) closes the listener and every
+// connection, which peers see as a connection reset, then joins both threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cluster/control_protocol.h"
+#include "core/status.h"
+
+namespace specontext::cluster {
+
+struct KvNodeOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;      // 0: any free port (read it back with port())
+  uint64_t capacity = 0;  // bytes of the pool
+  std::string name;       // in replies and messages; default host:port
+};
+
+struct KvNodeStats {
+  uint64_t capacity = 0;
+  uint64_t used = 0;
+  int64_t regions = 0;
+  int64_t connections = 0;
+  int64_t requests = 0;
+  int64_t bad_requests = 0;
+};
+
+class KvNode {
+ public:
+  static Result<std::unique_ptr<KvNode>> start(KvNodeOptions options);
+  ~KvNode();
+  KvNode(const KvNode&) = delete;
+  KvNode& operator=(const KvNode&) = delete;
+
+  uint16_t port() const;
+  const std::string& name() const;
+  KvNodeStats stats() const;
+  // Idempotent; after it the node serves nothing and its memory is released.
+  void stop();
+
+  class Impl;
+
+ private:
+  explicit KvNode(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace specontext::cluster

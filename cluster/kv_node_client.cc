@@ -1,0 +1,123 @@
+#include "cluster/kv_node_client.h"
+
+#include <boost/asio.hpp>
+
+namespace specontext::cluster {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+
+class KvNodeClient::Impl {
+ public:
+  Impl(std::string endpoint, std::chrono::milliseconds timeout) : endpoint(std::move(endpoint)), timeout(timeout) {}
+  std::string endpoint;
+  std::chrono::milliseconds timeout;
+  asio::io_context io;
+  tcp::socket socket{io};
+  std::string in;
+
+  // Runs the queued operations for at most the timeout; false (socket closed) when they did not
+  // finish, so no handler outlives this call.
+  bool run_bounded() {
+    io.restart();
+    io.run_for(timeout);
+    if (io.stopped()) return true;
+    boost::system::error_code ignored;
+    socket.close(ignored);
+    io.restart();
+    io.run();  // the aborted handlers
+    return false;
+  }
+
+  Status connect(const Endpoint& ep) {
+    tcp::resolver resolver(io);
+    boost::system::error_code ec;
+    auto results = resolver.resolve(ep.host, std::to_string(ep.port), ec);
+    if (ec) return unavailable("kv node " + endpoint + ": cannot resolve: " + ec.message());
+    boost::system::error_code result = asio::error::would_block;
+    asio::async_connect(socket, results, [&](boost::system::error_code e, const tcp::endpoint&) { result = e; });
+    if (!run_bounded()) return unavailable("kv node " + endpoint + ": no connection within " + ms());
+    if (result) return unavailable("kv node " + endpoint + ": cannot connect: " + result.message());
+    return Status::ok();
+  }
+
+  std::string ms() const { return std::to_string(timeout.count()) + " ms"; }
+
+  Result<nlohmann::json> call(const std::string& line) {
+    if (!socket.is_open()) return unavailable("kv node " + endpoint + ": control connection is closed");
+    boost::system::error_code write_ec = asio::error::would_block;
+    boost::system::error_code read_ec = asio::error::would_block;
+    size_t n = 0;
+    asio::async_write(socket, asio::buffer(line), [&](boost::system::error_code e, size_t) {
+      write_ec = e;
+      if (e) return;
+      asio::async_read_until(socket, asio::dynamic_buffer(in, kMaxControlLine + 1), '\n',
+                             [&](boost::system::error_code e2, size_t got) {
+                               read_ec = e2;
+                               n = got;
+                             });
+    });
+    if (!run_bounded()) return unavailable("kv node " + endpoint + ": no reply within " + ms());
+    if (write_ec) return unavailable("kv node " + endpoint + ": send failed: " + write_ec.message());
+    if (read_ec) {
+      boost::system::error_code ignored;
+      socket.close(ignored);
+      if (read_ec == asio::error::not_found) return data_loss("kv node " + endpoint + ": reply longer than 64 KiB");
+      return unavailable("kv node " + endpoint + ": connection lost: " + read_ec.message());
+    }
+    const std::string reply = in.substr(0, n - 1);
+    in.erase(0, n);
+    return parse_control_reply(reply, endpoint);
+  }
+};
+
+KvNodeClient::KvNodeClient(std::unique_ptr<Impl> impl, std::string endpoint)
+    : impl_(std::move(impl)), endpoint_(std::move(endpoint)) {}
+
+KvNodeClient::~KvNodeClient() {
+  boost::system::error_code ignored;
+  impl_->socket.close(ignored);
+}
+
+Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endpoint, std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>(endpoint.text(), timeout);
+  SPX_RETURN_IF_ERROR(impl->connect(endpoint));
+  std::unique_ptr<KvNodeClient> c(new KvNodeClient(std::move(impl), endpoint.text()));
+  ControlRequest hello;
+  hello.op = ControlOp::kHello;
+  SPX_ASSIGN_OR_RETURN(nlohmann::json reply, c->impl_->call(control_request_line(hello)));
+  SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
+  return c;
+}
+
+Result<transport::RemoteRegion> KvNodeClient::allocate(uint64_t bytes) {
+  ControlRequest r;
+  r.op = ControlOp::kAlloc;
+  r.bytes = bytes;
+  SPX_ASSIGN_OR_RETURN(nlohmann::json reply, impl_->call(control_request_line(r)));
+  SPX_ASSIGN_OR_RETURN(AllocReply a, parse_alloc_reply(reply, endpoint_));
+  if (a.bytes < bytes) {
+    return data_loss("kv node " + endpoint_ + ": malformed reply: region of " + std::to_string(a.bytes) +
+                     " bytes for " + std::to_string(bytes) + " asked");
+  }
+  transport::RemoteRegion region;
+  region.node = endpoint_;
+  region.worker_address = hello_.worker_address;
+  region.rkey = std::move(a.rkey);
+  region.address = a.address;
+  region.bytes = a.bytes;
+  region.region = a.region;
+  return region;
+}
+
+Status KvNodeClient::free(uint64_t region) {
+  ControlRequest r;
+  r.op = ControlOp::kFree;
+  r.region = region;
+  auto reply = impl_->call(control_request_line(r));
+  return reply.is_ok() ? Status::ok() : reply.status();
+}
+
+Result<nlohmann::json> KvNodeClient::call_line(const std::string& line) { return impl_->call(line + "\n"); }
+
+}  // namespace specontext::cluster

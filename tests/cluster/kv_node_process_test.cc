@@ -1,0 +1,193 @@
+// KV nodes as separate processes (`specontext kv-node`), used by `specontext generate --kv-node`:
+// the text equals the all-device run's; a mirrored tier survives SIGKILL of one node mid-run with
+// the same text; losing the only node, an unreachable node or a bad spec is a clear error naming
+// it, never a hang.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cluster/kv_node_client.h"
+#include "tests/tests_common.h"
+
+namespace specontext::cluster {
+namespace {
+
+using namespace std::chrono_literals;
+using specontext::testing::repo_path;
+
+// A `specontext kv-node` child; its port is read from the first line it prints.
+class NodeProcess {
+ public:
+  explicit NodeProcess(const std::string& capacity = "16MiB") {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], STDOUT_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      execl(SPECONTEXT_BIN, SPECONTEXT_BIN, "kv-node", "--capacity", capacity.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    std::array<char, 512> line{};
+    if (out_ != nullptr && fgets(line.data(), line.size(), out_) != nullptr) {
+      auto j = nlohmann::json::parse(line.data(), nullptr, false);
+      if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
+    }
+  }
+  ~NodeProcess() {
+    kill_now();
+    if (out_ != nullptr) fclose(out_);
+  }
+  uint16_t port() const { return port_; }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  void kill_now() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+  // Regions the node holds (polled through its control plane).
+  int64_t regions() const {
+    auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port_}, 2s);
+    if (!c.is_ok()) return -1;
+    auto r = (*c)->call_line(R"({"op":"stats"})");
+    return r.is_ok() ? (*r)["regions"].get<int64_t>() : -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  uint16_t port_ = 0;
+};
+
+// A background `specontext generate`; finish() returns exit code and stdout.
+class Generate {
+ public:
+  explicit Generate(const std::string& args) {
+    const std::string cmd = std::string(SPECONTEXT_BIN) + " generate " + args + " 2>&1";
+    pipe_ = popen(cmd.c_str(), "r");
+  }
+  std::pair<int, std::string> finish() {
+    std::string out;
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), pipe_)) > 0) out.append(buf.data(), n);
+    const int status = pclose(pipe_);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  }
+
+ private:
+  FILE* pipe_ = nullptr;
+};
+
+std::string model_args(int n) {
+  return "-m " + repo_path("models/stories260K/stories260K.bin") + " --head " +
+         repo_path("models/stories260K/retrieval_head.safetensors") + " -p 'Once upon a time' -B 32 -n " +
+         std::to_string(n) + " --json";
+}
+// A device tier too small for the run, so the planner sends layers to the remote tier.
+const char* kTiers = " --device-kv 200KiB --host-kv 64KiB";
+
+nlohmann::json parse_json_tail(const std::string& out) {
+  const size_t brace = out.find('{');
+  return brace == std::string::npos ? nlohmann::json() : nlohmann::json::parse(out.substr(brace), nullptr, false);
+}
+
+std::string baseline_text(int n) {
+  auto [code, out] = Generate(model_args(n)).finish();
+  EXPECT_EQ(code, 0) << out;
+  return parse_json_tail(out).value("text", "");
+}
+
+TEST(KvNodeProcess, GenerateOnAKvNodeGivesTheAllDeviceText) {
+  NodeProcess node;
+  ASSERT_NE(node.port(), 0);
+  const std::string expect = baseline_text(200);
+  auto [code, out] = Generate(model_args(200) + kTiers + " --kv-node 1MiB@" + node.endpoint()).finish();
+  ASSERT_EQ(code, 0) << out;
+  const auto j = parse_json_tail(out);
+  EXPECT_EQ(j["text"].get<std::string>(), expect);
+  const auto& t = j["tiering"];
+  int remote_layers = 0;
+  for (int h : t["layer_homes"]) remote_layers += h == 2;
+  EXPECT_GT(remote_layers, 0) << t["layer_homes"];
+  const auto& rep = t["kv_nodes"][0]["replicas"][0];
+  EXPECT_TRUE(rep["alive"].get<bool>());
+  EXPECT_GT(rep["bytes_read"].get<uint64_t>(), 0u);
+  EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u);
+}
+
+TEST(KvNodeProcess, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
+  NodeProcess a, b;
+  ASSERT_TRUE(a.port() != 0 && b.port() != 0);
+  const std::string expect = baseline_text(400);
+  // 400 tokens need more host memory than kTiers gives (the head's keys move there).
+  Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node 2MiB@" + a.endpoint() + "+" +
+               b.endpoint());
+  // Once both nodes hold the tier's region, set-up is over; a little later (the probe and the
+  // first steps have written to both; 400 tokens take over a second) the first replica dies.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while ((a.regions() < 1 || b.regions() < 1) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  std::this_thread::sleep_for(100ms);
+  a.kill_now();
+  auto [code, out] = gen.finish();
+  ASSERT_EQ(code, 0) << out;
+  const auto j = parse_json_tail(out);
+  EXPECT_EQ(j["text"].get<std::string>(), expect);
+  const auto& reps = j["tiering"]["kv_nodes"][0]["replicas"];
+  EXPECT_FALSE(reps[0]["alive"].get<bool>()) << reps;
+  EXPECT_FALSE(reps[0]["error"].get<std::string>().empty());
+  EXPECT_GT(reps[0]["bytes_written"].get<uint64_t>(), 0u) << "killed before it took part: " << reps;
+  EXPECT_TRUE(reps[1]["alive"].get<bool>()) << reps;
+  EXPECT_GT(reps[1]["bytes_read"].get<uint64_t>(), 0u) << reps;
+}
+
+TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
+  NodeProcess node;
+  ASSERT_NE(node.port(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  Generate gen(model_args(250) + kTiers + " --kv-node 1MiB@" + node.endpoint());
+  const auto deadline = t0 + 30s;
+  while (node.regions() < 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  node.kill_now();
+  auto [code, out] = gen.finish();
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("Unavailable"), std::string::npos) << out;
+  EXPECT_NE(out.find(node.endpoint()), std::string::npos) << out;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
+}
+
+TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {
+  NodeProcess node("1MiB");
+  ASSERT_NE(node.port(), 0);
+  const std::string base = model_args(8) + kTiers;
+  const std::pair<std::string, std::string> cases[] = {
+      {" --kv-node 1MiB", "expected SIZE@HOST:PORT"},
+      {" --kv-node lots@" + node.endpoint(), "--kv-node lots@"},
+      {" --kv-node 1MiB@127.0.0.1", "expected HOST:PORT"},
+      {" --kv-node 1MiB@127.0.0.1:1", "127.0.0.1:1"},
+      {" --kv-node 64MiB@" + node.endpoint(), "ResourceExhausted"},
+      {" --kv-node 1MiB@" + node.endpoint() + " --remote-kv 1MiB", "cannot be combined"},
+  };
+  for (const auto& [extra, expect] : cases) {
+    auto [code, out] = Generate(base + extra + " --kv-node-timeout-ms 2000").finish();
+    EXPECT_NE(code, 0) << extra;
+    EXPECT_NE(out.find(expect), std::string::npos) << extra << " -> " << out;
+  }
+}
+
+}  // namespace
+}  // namespace specontext::cluster

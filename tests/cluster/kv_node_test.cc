@@ -1,0 +1,386 @@
+// KV nodes in-process: the control plane (good and bad requests), UCX RMA through
+// UcxRemoteTransport (bit-exact batches, capabilities, validation), replication and fail-over
+// when a node stops, and cancellation.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cluster/kv_node.h"
+#include "cluster/kv_node_client.h"
+#include "transport/transport_router.h"
+#include "transport/local_transport.h"
+#include "transport/ucx_transport.h"
+
+namespace specontext::cluster {
+namespace {
+
+using transport::RemoteRegion;
+using transport::UcxRemoteConfig;
+using transport::UcxRemoteTransport;
+using namespace std::chrono_literals;
+
+constexpr TierId kLocal{1};
+constexpr TierId kRemote{2};
+
+std::unique_ptr<KvNode> start_node(uint64_t capacity = 8 << 20) {
+  KvNodeOptions o;
+  o.capacity = capacity;
+  auto n = KvNode::start(o);
+  EXPECT_TRUE(n.is_ok()) << n.status().to_string();
+  return n.is_ok() ? std::move(n).value() : nullptr;
+}
+
+std::unique_ptr<KvNodeClient> connect(const KvNode& node) {
+  auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", node.port()}, 2s);
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  return c.is_ok() ? std::move(c).value() : nullptr;
+}
+
+Status run_to_end(Transport& t, TransferHandle& h) {
+  Status s = t.post(h);
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (s.code() == StatusCode::kInProgress && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20us);
+    s = t.poll(h);
+  }
+  return s;
+}
+
+Status transfer(Transport& t, const TransferBatch& batch) {
+  auto h = t.prepare(batch);
+  if (!h.is_ok()) return h.status();
+  Status s = run_to_end(t, *h);
+  t.release(*h);
+  return s;
+}
+
+std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+// A node pair of client + transport over `regions` (one per replica), and a local buffer.
+struct Rig {
+  std::vector<std::unique_ptr<KvNodeClient>> clients;
+  std::unique_ptr<UcxRemoteTransport> ucx;
+  std::vector<uint8_t> local;
+};
+
+Rig make_rig(const std::vector<KvNode*>& nodes, uint64_t remote_bytes, size_t local_bytes,
+             std::chrono::milliseconds op_timeout = 3000ms) {
+  Rig r;
+  UcxRemoteConfig cfg;
+  cfg.tier = kRemote;
+  cfg.op_timeout = op_timeout;
+  for (KvNode* n : nodes) {
+    r.clients.push_back(connect(*n));
+    auto region = r.clients.back()->allocate(remote_bytes);
+    EXPECT_TRUE(region.is_ok()) << region.status().to_string();
+    cfg.replicas.push_back(*region);
+  }
+  auto t = UcxRemoteTransport::create(cfg);
+  EXPECT_TRUE(t.is_ok()) << t.status().to_string();
+  r.ucx = std::move(t).value();
+  r.local.assign(local_bytes, 0);
+  EXPECT_TRUE(r.ucx->register_tier(kLocal, MemoryKind::kHost, r.local.data(), local_bytes).is_ok());
+  EXPECT_TRUE(r.ucx->register_tier(kRemote, MemoryKind::kRemote, nullptr, remote_bytes).is_ok());
+  return r;
+}
+
+TEST(KvNodeControl, HelloAllocFreeAndStats) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  auto c = connect(*node);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->hello().capacity, 1u << 20);
+  EXPECT_FALSE(c->hello().worker_address.empty());
+  auto a = c->allocate(100000);
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  EXPECT_GE(a->bytes, 100000u);
+  EXPECT_FALSE(a->rkey.empty());
+  EXPECT_EQ(node->stats().regions, 1);
+  auto too_big = c->allocate(2 << 20);
+  ASSERT_FALSE(too_big.is_ok());
+  EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted) << too_big.status().to_string();
+  EXPECT_NE(too_big.status().message().find(node->name()), std::string::npos) << too_big.status().to_string();
+  ASSERT_TRUE(c->free(a->region).is_ok());
+  EXPECT_EQ(node->stats().regions, 0);
+  auto again = c->free(a->region);
+  EXPECT_EQ(again.code(), StatusCode::kNotFound) << again.to_string();
+}
+
+TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  auto c = connect(*node);
+  ASSERT_NE(c, nullptr);
+  const std::pair<const char*, const char*> cases[] = {
+      {"not json", "not valid JSON"},
+      {"[1,2]", "not a JSON object"},
+      {R"({"op":7})", "'op'"},
+      {R"({"op":"dance"})", "'op'"},
+      {R"({"op":"alloc"})", "'bytes' is missing"},
+      {R"({"op":"alloc","bytes":-5})", "'bytes' must be a positive integer"},
+      {R"({"op":"alloc","bytes":0})", "'bytes' must be a positive integer"},
+      {R"({"op":"alloc","bytes":"12"})", "'bytes'"},
+      {R"({"op":"free","region":99})", "'region'"},
+  };
+  for (const auto& [line, expect] : cases) {
+    auto r = c->call_line(line);
+    ASSERT_FALSE(r.is_ok()) << line;
+    EXPECT_NE(r.status().message().find(expect), std::string::npos) << line << " -> " << r.status().to_string();
+  }
+  EXPECT_EQ(node->stats().bad_requests, 8);
+  EXPECT_TRUE(c->allocate(4096).is_ok());  // still usable
+}
+
+TEST(KvNodeControl, OverlongLineClosesTheConnectionOthersStayServed) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  auto bad = connect(*node);
+  auto good = connect(*node);
+  ASSERT_TRUE(bad && good);
+  auto r = bad->call_line(std::string(kMaxControlLine + 10, 'x'));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("longer than 64 KiB"), std::string::npos) << r.status().to_string();
+  EXPECT_FALSE(bad->allocate(4096).is_ok());
+  EXPECT_TRUE(good->allocate(4096).is_ok());
+}
+
+TEST(KvNodeControl, RegionsOfAClosedConnectionAreFreed) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  {
+    auto c = connect(*node);
+    ASSERT_TRUE(c->allocate(500000).is_ok());
+    EXPECT_EQ(node->stats().regions, 1);
+  }
+  for (int i = 0; i < 200 && node->stats().regions != 0; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(node->stats().regions, 0);
+  EXPECT_EQ(node->stats().used, 0u);
+}
+
+TEST(KvNodeControl, NobodyListeningIsUnavailableNamingTheEndpoint) {
+  uint16_t port = 0;
+  {
+    auto node = start_node(1 << 20);
+    port = node->port();
+  }  // stopped: the port is free again
+  auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port}, 1s);
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(c.status().message().find("127.0.0.1:" + std::to_string(port)), std::string::npos) << c.status().to_string();
+}
+
+TEST(KvNodeControl, EndpointsAreValidated) {
+  EXPECT_TRUE(parse_endpoint("10.0.0.1:7000").is_ok());
+  EXPECT_FALSE(parse_endpoint("10.0.0.1").is_ok());
+  EXPECT_FALSE(parse_endpoint(":7000").is_ok());
+  EXPECT_FALSE(parse_endpoint("h:70000").is_ok());
+  EXPECT_FALSE(parse_endpoint("h:0").is_ok());
+  EXPECT_TRUE(parse_endpoint("h:0", true).is_ok());
+  EXPECT_FALSE(parse_endpoint("h:12x").is_ok());
+}
+
+TEST(UcxTransport, RandomBatchesRoundTripBitExact) {
+  auto node = start_node();
+  ASSERT_NE(node, nullptr);
+  constexpr uint64_t kBytes = 1 << 20;
+  Rig rig = make_rig({node.get()}, kBytes, 2 * kBytes);
+  const auto src = pattern(kBytes, 7);
+  std::memcpy(rig.local.data(), src.data(), kBytes);
+  std::mt19937 rng(3);
+  // Scatter random ranges out (local [0, 1M) -> remote), then read the whole tier back into
+  // [1M, 2M) and compare with what was written where.
+  std::vector<uint8_t> expect(kBytes, 0);
+  TransferBatch out;
+  for (int i = 0; i < 300; ++i) {
+    const uint64_t len = 1 + rng() % 4000;
+    const uint64_t at = rng() % (kBytes - len);
+    const uint64_t from = rng() % (kBytes - len);
+    out.push_back({kLocal, from, kRemote, at, len});
+  }
+  for (const auto& r : out) std::memcpy(expect.data() + r.dst_offset, src.data() + r.src_offset, r.bytes);
+  ASSERT_TRUE(transfer(*rig.ucx, out).is_ok());
+  ASSERT_TRUE(transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}}).is_ok());
+  EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, expect.data(), kBytes));
+  // Many small reads in one batch (elastic loads are rows of a few hundred bytes).
+  TransferBatch in;
+  std::vector<uint8_t> got_expect(kBytes, 0);
+  for (uint64_t i = 0; i < 1000; ++i) in.push_back({kRemote, i * 512, kLocal, kBytes + i * 256, 256});
+  std::memset(rig.local.data() + kBytes, 0, kBytes);
+  for (const auto& r : in) std::memcpy(got_expect.data() + (r.dst_offset - kBytes), expect.data() + r.src_offset, r.bytes);
+  ASSERT_TRUE(transfer(*rig.ucx, in).is_ok());
+  EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, got_expect.data(), kBytes));
+  EXPECT_EQ(rig.ucx->replicas()[0].bytes_read, kBytes + 256000u);
+}
+
+TEST(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {
+  auto node = start_node();
+  ASSERT_NE(node, nullptr);
+  Rig rig = make_rig({node.get()}, 1 << 16, 1 << 16);
+  const Capabilities caps = rig.ucx->capabilities();
+  EXPECT_TRUE(caps.remote);
+  for (MemoryKind a : {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote}) {
+    for (MemoryKind b : {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote}) {
+      const bool expect = (a == MemoryKind::kRemote) != (b == MemoryKind::kRemote) && a != MemoryKind::kDevice &&
+                          b != MemoryKind::kDevice;
+      EXPECT_EQ(caps.supports(a, b), expect) << memory_kind_name(a) << "->" << memory_kind_name(b);
+    }
+  }
+  std::vector<uint8_t> other(4096);
+  EXPECT_EQ(rig.ucx->register_tier(TierId(5), MemoryKind::kRemote, nullptr, 100).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(rig.ucx->register_tier(TierId(6), MemoryKind::kDevice, other.data(), 100).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(rig.ucx->register_tier(kLocal, MemoryKind::kHost, other.data(), 100).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(rig.ucx->register_tier(TierId(7), MemoryKind::kPinnedHost, other.data(), other.size()).is_ok());
+  // local <-> local is not this transport's; out of range names the tier.
+  auto ll = rig.ucx->prepare({{kLocal, 0, TierId(7), 0, 16}});
+  EXPECT_EQ(ll.status().code(), StatusCode::kUnimplemented) << ll.status().to_string();
+  auto oob = rig.ucx->prepare({{kLocal, 0, kRemote, (1 << 16) - 8, 16}});
+  EXPECT_EQ(oob.status().code(), StatusCode::kOutOfRange) << oob.status().to_string();
+  EXPECT_NE(oob.status().message().find("request 0"), std::string::npos);
+  auto unknown = rig.ucx->prepare({{TierId(9), 0, kRemote, 0, 16}});
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument) << unknown.status().to_string();
+  // A tier larger than the node's region is refused.
+  UcxRemoteConfig cfg;
+  cfg.tier = TierId(3);
+  auto c = connect(*node);
+  cfg.replicas.push_back(*c->allocate(4096));
+  auto small = UcxRemoteTransport::create(cfg);
+  ASSERT_TRUE(small.is_ok());
+  EXPECT_EQ((*small)->register_tier(TierId(3), MemoryKind::kRemote, nullptr, 1 << 20).code(),
+            StatusCode::kResourceExhausted);
+}
+
+TEST(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
+  auto a = start_node();
+  auto b = start_node();
+  ASSERT_TRUE(a && b);
+  constexpr uint64_t kBytes = 256 << 10;
+  Rig rig = make_rig({a.get(), b.get()}, kBytes, 2 * kBytes);
+  const auto src = pattern(kBytes, 11);
+  std::memcpy(rig.local.data(), src.data(), kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  for (const auto& r : rig.ucx->replicas()) EXPECT_EQ(r.bytes_written, kBytes) << r.node;
+  a->stop();  // the primary dies
+  std::memset(rig.local.data() + kBytes, 0, kBytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, src.data(), kBytes));
+  const auto reps = rig.ucx->replicas();
+  EXPECT_FALSE(reps[0].alive);
+  EXPECT_FALSE(reps[0].error.empty());
+  EXPECT_TRUE(reps[1].alive);
+  EXPECT_EQ(rig.ucx->failovers(), 1);
+  EXPECT_LT(seconds, 3.0) << "fail-over waited for the op timeout instead of the reset";
+  // Writes now go to the survivor only, and read back.
+  const auto src2 = pattern(kBytes, 12);
+  std::memcpy(rig.local.data(), src2.data(), kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}}).is_ok());
+  EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, src2.data(), kBytes));
+  // The last replica dies: a clear error naming both nodes, no hang.
+  b->stop();
+  Status dead = transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}});
+  ASSERT_EQ(dead.code(), StatusCode::kUnavailable) << dead.to_string();
+  EXPECT_NE(dead.message().find("no live replica"), std::string::npos) << dead.to_string();
+  EXPECT_NE(dead.message().find(rig.ucx->replicas()[0].node), std::string::npos) << dead.to_string();
+  EXPECT_NE(dead.message().find(rig.ucx->replicas()[1].node), std::string::npos) << dead.to_string();
+  Status write_dead = transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, 64}});
+  EXPECT_EQ(write_dead.code(), StatusCode::kUnavailable) << write_dead.to_string();
+}
+
+TEST(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {
+  auto a = start_node();
+  auto b = start_node();
+  ASSERT_TRUE(a && b);
+  auto ca = connect(*a);
+  auto cb = connect(*b);
+  UcxRemoteConfig cfg{kRemote, {*ca->allocate(65536), *cb->allocate(65536)}, 3000ms};
+  a->stop();
+  auto t = UcxRemoteTransport::create(cfg);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  std::vector<uint8_t> host(131072);
+  const auto src = pattern(65536, 9);
+  std::memcpy(host.data(), src.data(), 65536);
+  ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
+  ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, 65536).is_ok());
+  ASSERT_TRUE(transfer(**t, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
+  ASSERT_TRUE(transfer(**t, {{kRemote, 0, kLocal, 65536, 65536}}).is_ok());
+  EXPECT_EQ(0, std::memcmp(host.data() + 65536, src.data(), 65536));
+  const auto reps = (*t)->replicas();
+  EXPECT_FALSE(reps[0].alive);
+  EXPECT_TRUE(reps[1].alive);
+  EXPECT_EQ(reps[1].bytes_written, 65536u);
+  // Both gone at set-up: create fails naming them.
+  b->stop();
+  auto none = UcxRemoteTransport::create(cfg);
+  if (!none.is_ok()) {
+    EXPECT_EQ(none.status().code(), StatusCode::kUnavailable) << none.status().to_string();
+  } else {
+    // UCX may connect lazily; then the first transfer finds both dead.
+    ASSERT_TRUE((*none)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
+    ASSERT_TRUE((*none)->register_tier(kRemote, MemoryKind::kRemote, nullptr, 65536).is_ok());
+    Status s = transfer(**none, {{kRemote, 0, kLocal, 0, 64}});
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  }
+}
+
+TEST(UcxTransport, ReleaseInFlightThenFreeTheBuffer) {
+  // Under ASan a late write into the freed buffer would be reported.
+  auto node = start_node(32 << 20);
+  ASSERT_NE(node, nullptr);
+  for (int round = 0; round < 5; ++round) {
+    Rig rig = make_rig({node.get()}, 16 << 20, 16 << 20);
+    auto h = rig.ucx->prepare({{kRemote, 0, kLocal, 0, 16 << 20}});
+    ASSERT_TRUE(h.is_ok());
+    Status s = rig.ucx->post(*h);
+    EXPECT_TRUE(s.is_ok() || s.code() == StatusCode::kInProgress) << s.to_string();
+    rig.ucx->release(*h);
+    EXPECT_FALSE(h->valid());
+    rig.local.clear();
+    rig.local.shrink_to_fit();
+  }
+}
+
+TEST(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
+  auto a = start_node();
+  auto b = start_node();
+  ASSERT_TRUE(a && b);
+  auto ca = connect(*a);
+  auto cb = connect(*b);
+  UcxRemoteConfig cfg_a{TierId(2), {*ca->allocate(65536)}, 3000ms};
+  UcxRemoteConfig cfg_b{TierId(3), {*cb->allocate(65536)}, 3000ms};
+  auto ta = UcxRemoteTransport::create(cfg_a);
+  auto tb = UcxRemoteTransport::create(cfg_b);
+  ASSERT_TRUE(ta.is_ok() && tb.is_ok());
+  transport::LocalTransport local;
+  auto router = transport::TransportRouter::create({&local, ta->get(), tb->get()});
+  ASSERT_TRUE(router.is_ok());
+  std::vector<uint8_t> host(65536 * 2);
+  const auto src = pattern(65536, 5);
+  std::memcpy(host.data(), src.data(), 65536);
+  ASSERT_TRUE((*router)->register_tier(TierId(1), MemoryKind::kHost, host.data(), host.size()).is_ok());
+  ASSERT_TRUE((*router)->register_tier(TierId(2), MemoryKind::kRemote, nullptr, 65536).is_ok());
+  ASSERT_TRUE((*router)->register_tier(TierId(3), MemoryKind::kRemote, nullptr, 65536).is_ok());
+  EXPECT_EQ(*(*router)->route({TierId(1), 0, TierId(2), 0, 8}), 1u);
+  EXPECT_EQ(*(*router)->route({TierId(3), 0, TierId(1), 0, 8}), 2u);
+  ASSERT_TRUE(transfer(**router, {{TierId(1), 0, TierId(2), 0, 65536}, {TierId(1), 0, TierId(3), 0, 32768}}).is_ok());
+  ASSERT_TRUE(transfer(**router, {{TierId(2), 0, TierId(1), 65536, 32768}, {TierId(3), 0, TierId(1), 98304, 32768}}).is_ok());
+  EXPECT_EQ(0, std::memcmp(host.data() + 65536, src.data(), 32768));
+  EXPECT_EQ(0, std::memcmp(host.data() + 98304, src.data(), 32768));
+  EXPECT_EQ((*ta)->replicas()[0].bytes_written, 65536u);
+  EXPECT_EQ((*tb)->replicas()[0].bytes_written, 32768u);
+}
+
+}  // namespace
+}  // namespace specontext::cluster

@@ -1,0 +1,412 @@
+#include "transport/ucx_transport.h"
+
+#include <algorithm>
+
+#include "transport/tier_table.h"
+
+namespace specontext::transport {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool is_local_kind(MemoryKind k) { return k == MemoryKind::kHost || k == MemoryKind::kPinnedHost; }
+
+// Checks a request pointer once; frees it when terminal. INPROGRESS keeps it.
+ucs_status_t check_request(ucs_status_ptr_t& request) {
+  if (request == nullptr) return UCS_OK;
+  if (UCS_PTR_IS_ERR(request)) {
+    const ucs_status_t s = UCS_PTR_STATUS(request);
+    request = nullptr;
+    return s;
+  }
+  const ucs_status_t s = ucp_request_check_status(request);
+  if (s != UCS_INPROGRESS) {
+    ucp_request_free(request);
+    request = nullptr;
+  }
+  return s;
+}
+
+}  // namespace
+
+UcxRemoteTransport::UcxRemoteTransport(UcxRemoteConfig config) : config_(std::move(config)) {}
+
+std::string UcxRemoteTransport::who() const { return "ucx tier " + std::to_string(config_.tier.value()); }
+
+Result<std::unique_ptr<UcxRemoteTransport>> UcxRemoteTransport::create(UcxRemoteConfig config) {
+  const std::string who = "ucx tier " + std::to_string(config.tier.value());
+  if (!config.tier.valid()) return invalid_argument("ucx: invalid remote tier id");
+  if (config.replicas.empty() || config.replicas.size() > kMaxReplicas) {
+    return invalid_argument(who + ": needs 1.." + std::to_string(kMaxReplicas) + " replicas, got " +
+                            std::to_string(config.replicas.size()));
+  }
+  if (config.op_timeout.count() <= 0) return invalid_argument(who + ": op_timeout must be positive");
+  for (const RemoteRegion& r : config.replicas) {
+    if (r.worker_address.empty() || r.rkey.empty() || r.bytes == 0) {
+      return invalid_argument(who + ": replica " + r.node + " has no worker address, remote key or size");
+    }
+  }
+  std::unique_ptr<UcxRemoteTransport> t(new UcxRemoteTransport(std::move(config)));
+  SPX_ASSIGN_OR_RETURN(t->worker_, UcxWorker::create(who));
+  SPX_RETURN_IF_ERROR(t->connect_replicas());
+  return t;
+}
+
+Status UcxRemoteTransport::connect_replicas() {
+  std::lock_guard lock(mu_);
+  replicas_.resize(config_.replicas.size());
+  // A replica that cannot be reached now starts out dead: the tier is served by the others.
+  for (size_t i = 0; i < config_.replicas.size(); ++i) {
+    const RemoteRegion& region = config_.replicas[i];
+    Replica& r = replicas_[i];
+    r.report.node = region.node;
+    r.address = region.address;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(region.worker_address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &UcxRemoteTransport::on_endpoint_error;
+    ep.err_handler.arg = this;
+    ucs_status_t s = ucp_ep_create(worker_->worker(), &ep, &r.ep);
+    if (s != UCS_OK) {
+      r.ep = nullptr;
+      r.report.alive = false;
+      r.report.error = std::string("cannot connect: ") + ucs_status_string(s);
+      continue;
+    }
+    s = ucp_ep_rkey_unpack(r.ep, region.rkey.data(), &r.rkey);
+    if (s != UCS_OK) {
+      r.rkey = nullptr;
+      mark_dead(static_cast<int>(i), std::string("bad remote key: ") + ucs_status_string(s));
+    }
+  }
+  if (first_live() < 0) return unavailable(who() + ": no replica reachable (" + replicas_text() + ")");
+  return Status::ok();
+}
+
+UcxRemoteTransport::~UcxRemoteTransport() {
+  std::lock_guard lock(mu_);
+  for (auto& [id, op] : ops_) drain(op);
+  ops_.clear();
+  for (Replica& r : replicas_) {
+    if (r.rkey != nullptr) ucp_rkey_destroy(r.rkey);
+    r.rkey = nullptr;
+    if (r.ep != nullptr) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      (void)ucx_wait(worker_->worker(), ucp_ep_close_nbx(r.ep, &p), "close");
+      r.ep = nullptr;
+    }
+  }
+  local_.clear();  // unmaps before the worker (declared first) goes
+}
+
+void UcxRemoteTransport::on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  // Runs inside ucp_worker_progress, i.e. under mu_ (every progress call holds it).
+  auto* self = static_cast<UcxRemoteTransport*>(arg);
+  for (size_t i = 0; i < self->replicas_.size(); ++i) {
+    if (self->replicas_[i].ep == ep) {
+      self->mark_dead(static_cast<int>(i), std::string("peer failure: ") + ucs_status_string(status));
+    }
+  }
+}
+
+void UcxRemoteTransport::mark_dead(int replica, const std::string& why) {
+  Replica& r = replicas_[static_cast<size_t>(replica)];
+  if (!r.report.alive) return;
+  r.report.alive = false;
+  r.report.error = why;
+  // Force-closing completes (with an error) every flush and RMA operation posted to the node, so
+  // no leg waits on a dead peer. Not waited for here: this may run inside progress.
+  if (r.ep != nullptr) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(r.ep, &p);
+    if (req != nullptr && !UCS_PTR_IS_ERR(req)) ucp_request_free(req);
+    r.ep = nullptr;
+  }
+}
+
+int UcxRemoteTransport::first_live() const {
+  for (size_t i = 0; i < replicas_.size(); ++i) {
+    if (replicas_[i].report.alive) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::string UcxRemoteTransport::replicas_text() const {
+  std::string out;
+  for (const Replica& r : replicas_) {
+    if (!out.empty()) out += "; ";
+    out += "node " + r.report.node + ": " + (r.report.alive ? "alive" : r.report.error);
+  }
+  return out;
+}
+
+Capabilities UcxRemoteTransport::capabilities() const {
+  Capabilities caps;
+  for (MemoryKind k : {MemoryKind::kHost, MemoryKind::kPinnedHost}) {
+    caps.add(k, MemoryKind::kRemote);
+    caps.add(MemoryKind::kRemote, k);
+  }
+  caps.remote = true;
+  return caps;
+}
+
+Status UcxRemoteTransport::register_tier(TierId tier, MemoryKind kind, void* base, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  const std::string what = who() + ": register tier " + std::to_string(tier.value());
+  if (!tier.valid()) return invalid_argument(what + ": invalid tier id");
+  if (bytes == 0) return invalid_argument(what + ": zero size");
+  if (tier == config_.tier) {
+    if (kind != MemoryKind::kRemote) return invalid_argument(what + ": the served tier must be kRemote");
+    if (remote_bytes_ != 0) return invalid_argument(what + ": already registered");
+    for (const RemoteRegion& r : config_.replicas) {
+      if (r.bytes < bytes) {
+        return resource_exhausted(what + ": node " + r.node + " holds " + std::to_string(r.bytes) +
+                                  " bytes for it, " + std::to_string(bytes) + " asked");
+      }
+    }
+    remote_bytes_ = bytes;
+    return Status::ok();
+  }
+  if (kind == MemoryKind::kRemote) {
+    return unimplemented(what + ": this transport serves remote tier " + std::to_string(config_.tier.value()) + " only");
+  }
+  if (!is_local_kind(kind)) {
+    return unimplemented(what + ": memory kind " + std::string(memory_kind_name(kind)) + " is not supported");
+  }
+  if (base == nullptr) return invalid_argument(what + ": null base");
+  if (local_.contains(tier)) return invalid_argument(what + ": already registered");
+  LocalTier lt;
+  lt.kind = kind;
+  lt.base = static_cast<std::byte*>(base);
+  lt.bytes = bytes;
+  SPX_ASSIGN_OR_RETURN(lt.memory, UcxMemory::map(*worker_, base, bytes));
+  local_.emplace(tier, std::move(lt));
+  return Status::ok();
+}
+
+Result<TransferHandle> UcxRemoteTransport::prepare(const TransferBatch& batch) {
+  std::lock_guard lock(mu_);
+  Op op;
+  const TierInfo remote_info{MemoryKind::kRemote, nullptr, remote_bytes_};
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const TransferRequest& r = batch[i];
+    const std::string where = who() + ": request " + std::to_string(i);
+    const bool read = r.src_tier == config_.tier && remote_bytes_ != 0;
+    const bool write = r.dst_tier == config_.tier && remote_bytes_ != 0;
+    const TierId local_id = read ? r.dst_tier : r.src_tier;
+    auto it = local_.find(local_id);
+    if (read == write || it == local_.end()) {
+      auto known = [&](TierId t) { return (t == config_.tier && remote_bytes_ != 0) || local_.contains(t); };
+      if (!known(r.src_tier)) return invalid_argument(where + ": src tier " + std::to_string(r.src_tier.value()) + " is not registered");
+      if (!known(r.dst_tier)) return invalid_argument(where + ": dst tier " + std::to_string(r.dst_tier.value()) + " is not registered");
+      return unimplemented(where + ": tier " + std::to_string(r.src_tier.value()) + " -> tier " +
+                           std::to_string(r.dst_tier.value()) + " is not local <-> remote");
+    }
+    const LocalTier& lt = it->second;
+    const TierInfo local_info{lt.kind, lt.base, lt.bytes};
+    SPX_RETURN_IF_ERROR(check_request_ranges(r, read ? remote_info : local_info, read ? local_info : remote_info, where));
+    if (r.bytes == 0) continue;
+    Part p;
+    p.bytes = r.bytes;
+    p.memh = lt.memory->handle();
+    if (read) {
+      p.remote_offset = r.src_offset;
+      p.local = lt.base + r.dst_offset;
+      op.reads.push_back(p);
+    } else {
+      p.remote_offset = r.dst_offset;
+      p.local = lt.base + r.src_offset;
+      op.writes.push_back(p);
+    }
+  }
+  const uint64_t id = next_id_++;
+  ops_.emplace(id, std::move(op));
+  return make_handle(id);
+}
+
+UcxRemoteTransport::Op* UcxRemoteTransport::find(const TransferHandle& handle, std::string_view) {
+  if (!handle.valid() || handle.owner() != this) return nullptr;
+  auto it = ops_.find(handle.id());
+  return it == ops_.end() ? nullptr : &it->second;
+}
+
+bool UcxRemoteTransport::start_leg(Leg& leg, const std::vector<Part>& parts, bool reading) {
+  Replica& r = replicas_[static_cast<size_t>(leg.replica)];
+  leg.started = Clock::now();
+  leg.finished = false;
+  leg.ok = false;
+  for (const Part& p : parts) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = p.memh;
+    const uint64_t addr = r.address + p.remote_offset;
+    ucs_status_ptr_t req = reading ? ucp_get_nbx(r.ep, p.local, p.bytes, addr, r.rkey, &param)
+                                   : ucp_put_nbx(r.ep, p.local, p.bytes, addr, r.rkey, &param);
+    if (UCS_PTR_IS_ERR(req)) {
+      mark_dead(leg.replica, std::string(reading ? "get" : "put") + " failed: " + ucs_status_string(UCS_PTR_STATUS(req)));
+      return false;
+    }
+    // The flush below completes it; the request object itself is not needed.
+    if (req != nullptr) ucp_request_free(req);
+    if (!r.report.alive) return false;  // the error handler ran meanwhile
+  }
+  ucp_request_param_t fp{};
+  leg.flush = ucp_ep_flush_nbx(r.ep, &fp);
+  if (UCS_PTR_IS_ERR(leg.flush)) {
+    mark_dead(leg.replica, std::string("flush failed: ") + ucs_status_string(UCS_PTR_STATUS(leg.flush)));
+    leg.flush = nullptr;
+    return false;
+  }
+  return true;
+}
+
+bool UcxRemoteTransport::advance_leg(Leg& leg, const std::vector<Part>& parts, bool reading, bool allow_failover) {
+  while (!leg.finished) {
+    if (leg.replica >= 0 && replicas_[static_cast<size_t>(leg.replica)].report.alive) {
+      const ucs_status_t s = check_request(leg.flush);
+      if (s == UCS_INPROGRESS) {
+        if (Clock::now() - leg.started < config_.op_timeout) return false;
+        mark_dead(leg.replica, "silent for " + std::to_string(config_.op_timeout.count()) + " ms");
+        // The forced close completes the flush with an error at a later progress.
+        return false;
+      }
+      if (s == UCS_OK) {
+        uint64_t bytes = 0;
+        for (const Part& p : parts) bytes += p.bytes;
+        ReplicaReport& rep = replicas_[static_cast<size_t>(leg.replica)].report;
+        (reading ? rep.bytes_read : rep.bytes_written) += bytes;
+        leg.finished = leg.ok = true;
+        return true;
+      }
+      mark_dead(leg.replica, std::string("flush failed: ") + ucs_status_string(s));
+    }
+    // The leg's replica is dead. Its flush (if any) completes with an error once the forced close
+    // has run; until then it may still touch the buffers.
+    if (leg.flush != nullptr && check_request(leg.flush) == UCS_INPROGRESS) return false;
+    if (!allow_failover) {
+      leg.finished = true;
+      return true;
+    }
+    const int next = first_live();
+    if (next < 0) {
+      leg.finished = true;
+      return true;
+    }
+    if (leg.replica >= 0) ++failovers_;
+    leg.replica = next;
+    (void)start_leg(leg, parts, reading);  // on failure the loop sees the replica dead
+  }
+  return true;
+}
+
+void UcxRemoteTransport::advance(Op& op) {
+  if (op.state != State::kRunning) return;
+  ucp_worker_progress(worker_->worker());
+  bool all = true;
+  if (!op.reads.empty()) all &= advance_leg(op.read, op.reads, true, true);
+  for (Leg& leg : op.write) all &= advance_leg(leg, op.writes, false, false);
+  if (!all) return;
+  const bool read_ok = op.reads.empty() || op.read.ok;
+  const bool write_ok = op.writes.empty() || std::any_of(op.write.begin(), op.write.end(), [](const Leg& l) { return l.ok; });
+  if (read_ok && write_ok) {
+    op.state = State::kDone;
+  } else {
+    op.state = State::kFailed;
+    op.error = unavailable(who() + ": no live replica (" + replicas_text() + ")");
+  }
+}
+
+Status UcxRemoteTransport::post(TransferHandle& handle) {
+  std::lock_guard lock(mu_);
+  Op* op = find(handle, "post");
+  if (op == nullptr) return invalid_argument(who() + ": post of a handle that is not a live transfer");
+  if (op->state != State::kPrepared) return invalid_argument(who() + ": transfer posted twice");
+  op->state = State::kRunning;
+  if (first_live() < 0) {
+    op->state = State::kFailed;
+    op->error = unavailable(who() + ": no live replica (" + replicas_text() + ")");
+    return op->error;
+  }
+  if (!op->reads.empty()) {
+    op->read.replica = first_live();
+    (void)start_leg(op->read, op->reads, true);
+  }
+  if (!op->writes.empty()) {
+    for (size_t i = 0; i < replicas_.size(); ++i) {
+      if (!replicas_[i].report.alive) continue;
+      Leg leg;
+      leg.replica = static_cast<int>(i);
+      op->write.push_back(leg);
+      (void)start_leg(op->write.back(), op->writes, false);
+    }
+  }
+  advance(*op);
+  if (op->state == State::kDone) return Status::ok();
+  if (op->state == State::kFailed) return op->error;
+  return in_progress("ucx transfer in flight");
+}
+
+Status UcxRemoteTransport::poll(TransferHandle& handle) {
+  std::lock_guard lock(mu_);
+  Op* op = find(handle, "poll");
+  if (op == nullptr) return invalid_argument(who() + ": poll of a handle that is not a live transfer");
+  if (op->state == State::kPrepared) return invalid_argument(who() + ": poll of a transfer that was not posted");
+  advance(*op);
+  if (op->state == State::kDone) return Status::ok();
+  if (op->state == State::kFailed) return op->error;
+  return in_progress("ucx transfer in flight");
+}
+
+void UcxRemoteTransport::drain(Op& op) {
+  // Until every flush of the op has completed, UCX may still write the local buffers of its
+  // reads (or read those of its writes). A replica that does not answer within op_timeout is
+  // declared dead, and its forced close completes what is left.
+  auto busy = [&] {
+    if (op.read.flush != nullptr && check_request(op.read.flush) == UCS_INPROGRESS) return true;
+    for (Leg& l : op.write) {
+      if (l.flush != nullptr && check_request(l.flush) == UCS_INPROGRESS) return true;
+    }
+    return false;
+  };
+  const Clock::time_point start = Clock::now();
+  while (busy()) {
+    ucp_worker_progress(worker_->worker());
+    if (Clock::now() - start > config_.op_timeout) {
+      auto kill = [&](Leg& l) {
+        if (l.flush != nullptr && l.replica >= 0) mark_dead(l.replica, "did not complete a cancelled transfer");
+      };
+      kill(op.read);
+      for (Leg& l : op.write) kill(l);
+    }
+  }
+}
+
+void UcxRemoteTransport::release(TransferHandle& handle) {
+  std::lock_guard lock(mu_);
+  if (Op* op = find(handle, "release")) {
+    drain(*op);
+    ops_.erase(handle.id());
+  }
+  reset_handle(handle);
+}
+
+std::vector<ReplicaReport> UcxRemoteTransport::replicas() const {
+  std::lock_guard lock(mu_);
+  std::vector<ReplicaReport> out;
+  for (const Replica& r : replicas_) out.push_back(r.report);
+  return out;
+}
+
+int64_t UcxRemoteTransport::failovers() const {
+  std::lock_guard lock(mu_);
+  return failovers_;
+}
+
+}  // namespace specontext::transport

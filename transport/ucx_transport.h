@@ -1,0 +1,142 @@
+// UcxRemoteTransport: one remote KV tier held by one or more KV nodes (cluster/kv_node.h), reached
+// with UCX RMA (ucp_get_nbx / ucp_put_nbx into memory the node registered). The tier may be
+// mirrored on several nodes (replicas): writes go to every live replica and complete when each
+// has flushed them; reads come from the first live replica and fail over to the next when it
+// dies, so a dead node loses nothing while one replica lives. A replica that failed once is never
+// used again (its copy may be stale; re-synchronising a returning node is not implemented).
+//
+// Which memory: exactly the one kRemote tier named in the config (other kRemote ids answer
+// kUnimplemented, so a TransportRouter with one UcxRemoteTransport per remote tier routes each
+// tier to its own transport), and any number of local host / pinned-host tiers (registered with
+// ucp_mem_map). Pairs: local → remote and remote → local.
+//
+// Failure detection: the endpoint's error handler (UCP_ERR_HANDLING_MODE_PEER; over TCP a killed
+// node is a connection reset, seen at the next progress), a failed flush, or a replica silent for
+// op_timeout (then its endpoint is force-closed, which completes everything posted to it). Every
+// failure is kUnavailable naming the tier and the node; once no replica lives, every transfer of
+// the tier fails with the list of what happened to each.
+//
+// Threads: internally synchronized by one mutex that also serialises every call into the UCX
+// worker (UCS_THREAD_MODE_SERIALIZED); the worker progresses only inside post / poll / release.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/transport.h"
+#include "transport/ucx_support.h"
+
+namespace specontext::transport {
+
+// A byte range of a KV node's memory, as its control plane describes it (cluster/kv_node.h).
+struct RemoteRegion {
+  std::string node;                     // "host:port", for messages
+  std::vector<uint8_t> worker_address;  // the node's UCX worker
+  std::vector<uint8_t> rkey;            // packed remote key of the node's pool
+  uint64_t address = 0;                 // remote virtual address of the region's first byte
+  uint64_t bytes = 0;
+  uint64_t region = 0;  // the node's id for it (control plane "free")
+};
+
+struct UcxRemoteConfig {
+  TierId tier;                         // the kRemote tier this transport serves
+  std::vector<RemoteRegion> replicas;  // 1..kMaxReplicas copies of the tier, each >= its size
+  std::chrono::milliseconds op_timeout{5000};  // a replica silent this long is declared dead
+};
+
+struct ReplicaReport {
+  std::string node;
+  bool alive = true;
+  std::string error;  // why it was declared dead
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+};
+
+class UcxRemoteTransport final : public Transport {
+ public:
+  static constexpr size_t kMaxReplicas = 8;
+  static Result<std::unique_ptr<UcxRemoteTransport>> create(UcxRemoteConfig config);
+  ~UcxRemoteTransport() override;
+  UcxRemoteTransport(const UcxRemoteTransport&) = delete;
+  UcxRemoteTransport& operator=(const UcxRemoteTransport&) = delete;
+
+  std::string_view name() const override { return "ucx"; }
+  Capabilities capabilities() const override;
+  Status register_tier(TierId tier, MemoryKind kind, void* base, uint64_t bytes) override;
+  Result<TransferHandle> prepare(const TransferBatch& batch) override;
+  Status post(TransferHandle& handle) override;
+  Status poll(TransferHandle& handle) override;
+  void release(TransferHandle& handle) override;
+
+  TierId tier() const { return config_.tier; }
+  std::vector<ReplicaReport> replicas() const;
+  int64_t failovers() const;  // reads re-issued on another replica
+
+ private:
+  explicit UcxRemoteTransport(UcxRemoteConfig config);
+  struct Replica {
+    ReplicaReport report;
+    ucp_ep_h ep = nullptr;
+    ucp_rkey_h rkey = nullptr;
+    uint64_t address = 0;
+  };
+  struct LocalTier {
+    MemoryKind kind = MemoryKind::kHost;
+    std::byte* base = nullptr;
+    uint64_t bytes = 0;
+    std::unique_ptr<UcxMemory> memory;
+  };
+  struct Part {
+    uint64_t remote_offset = 0;
+    std::byte* local = nullptr;
+    uint64_t bytes = 0;
+    ucp_mem_h memh = nullptr;
+  };
+  enum class State : uint8_t { kPrepared, kRunning, kDone, kFailed };
+  struct Leg {  // the reads, or the writes to one replica, and the flush that completes them
+    int replica = -1;
+    ucs_status_ptr_t flush = nullptr;
+    std::chrono::steady_clock::time_point started;
+    bool finished = false;
+    bool ok = false;
+  };
+  struct Op {
+    std::vector<Part> reads;   // remote → local
+    std::vector<Part> writes;  // local → remote
+    State state = State::kPrepared;
+    Status error;
+    Leg read;
+    std::vector<Leg> write;  // one per replica alive at post time
+  };
+  static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  Status connect_replicas();                                       // in create
+  Op* find(const TransferHandle& handle, std::string_view what);  // requires mu_
+  // Issues the leg's RMA operations and its flush; false (replica marked dead) on a failed issue.
+  bool start_leg(Leg& leg, const std::vector<Part>& parts, bool reading);
+  // Advances a leg; true once it has finished (ok or not). Requires mu_.
+  bool advance_leg(Leg& leg, const std::vector<Part>& parts, bool reading, bool allow_failover);
+  void advance(Op& op);
+  void mark_dead(int replica, const std::string& why);
+  int first_live() const;
+  std::string replicas_text() const;
+  std::string who() const;
+  void drain(Op& op);  // waits until no leg of op is in flight (bounded by op_timeout)
+
+  const UcxRemoteConfig config_;
+  mutable std::mutex mu_;  // guards everything below, and every call into worker_
+  std::unique_ptr<UcxWorker> worker_;
+  std::vector<Replica> replicas_;
+  uint64_t remote_bytes_ = 0;  // registered size of the remote tier (0 until registered)
+  std::unordered_map<TierId, LocalTier> local_;
+  std::unordered_map<uint64_t, Op> ops_;
+  uint64_t next_id_ = 1;
+  int64_t failovers_ = 0;
+};
+
+}  // namespace specontext::transport

@@ -219,7 +219,7 @@ TEST(Cli, GenerateRefusesWhatFitsNoTier) {
   const CliRun bad = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
                              " --prompt 'x' -n 4 --device-kv 1MiB");
   EXPECT_EQ(bad.exit_code, 1);
-  EXPECT_NE(bad.out.find("--device-kv needs --host-kv or --remote-kv"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("--device-kv needs --host-kv, --remote-kv or --kv-node"), std::string::npos) << bad.out;
   const CliRun size = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
                               " --prompt 'x' -n 4 --host-kv 12XB");
   EXPECT_EQ(size.exit_code, 1);

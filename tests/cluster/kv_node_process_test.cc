@@ -57,6 +57,17 @@ class NodeProcess {
       pid_ = -1;
     }
   }
+  // SIGTERM: the node stops cleanly; returns its exit code and what it printed after listening.
+  std::pair<int, std::string> terminate() {
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    std::string rest;
+    std::array<char, 512> line{};
+    while (out_ != nullptr && fgets(line.data(), line.size(), out_) != nullptr) rest += line.data();
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, rest};
+  }
   // Regions the node holds (polled through its control plane).
   int64_t regions() const {
     auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port_}, 2s);
@@ -168,6 +179,22 @@ TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
   EXPECT_NE(out.find("Unavailable"), std::string::npos) << out;
   EXPECT_NE(out.find(node.endpoint()), std::string::npos) << out;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
+}
+
+TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {
+  NodeProcess node("1MiB");
+  ASSERT_NE(node.port(), 0);
+  {
+    auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", node.port()}, 2s);
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    EXPECT_FALSE((*c)->call_line("{").is_ok());
+  }
+  auto [code, out] = node.terminate();
+  EXPECT_EQ(code, 0) << out;
+  const auto j = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["event"], "stopped");
+  EXPECT_EQ(j["bad_requests"].get<int64_t>(), 1);
 }
 
 TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {

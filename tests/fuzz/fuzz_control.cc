@@ -1,0 +1,33 @@
+// libFuzzer target: the KV node's control plane. Any line gives a request or an error (never a
+// throw or crash); a request that parses survives a round trip; any reply line gives a reply or an
+// error, and a well-formed hello/alloc reply decodes its hex fields.
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "cluster/control_protocol.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace specontext::cluster;
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  auto req = parse_control_request(text);
+  if (req.is_ok()) {
+    std::string line = control_request_line(*req);
+    line.pop_back();  // the newline
+    auto again = parse_control_request(line);
+    if (!again.is_ok() || again->op != req->op || again->bytes != req->bytes || again->region != req->region) {
+      __builtin_trap();
+    }
+  } else {
+    (void)control_error_line(req.status());
+  }
+  auto reply = parse_control_reply(text, "fuzz:1");
+  if (reply.is_ok()) {
+    (void)parse_hello_reply(*reply, "fuzz:1");
+    (void)parse_alloc_reply(*reply, "fuzz:1");
+  }
+  (void)parse_endpoint(text, size % 2 == 0);
+  auto bytes = hex_decode(text, "fuzz");
+  if (bytes.is_ok() && hex_encode(*bytes).size() != text.size()) __builtin_trap();
+  return 0;
+}

@@ -348,7 +348,12 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
         replicas.push_back({{"node", r.node}, {"alive", r.alive}, {"error", r.error}, {"bytes_read", r.bytes_read},
                             {"bytes_written", r.bytes_written}});
       }
-      nodes.push_back({{"tier", ucx.tier().value()}, {"replicas", replicas}, {"failovers", ucx.failovers()}});
+      const auto counts = ucx.counts();
+      nodes.push_back({{"tier", ucx.tier().value()},
+                       {"replicas", replicas},
+                       {"failovers", ucx.failovers()},
+                       {"requests", counts.requests},
+                       {"rma_operations", counts.operations}});
     }
     if (!nodes.empty()) j["kv_nodes"] = nodes;
 #endif

@@ -226,9 +226,33 @@ Result<TransferHandle> UcxRemoteTransport::prepare(const TransferBatch& batch) {
       op.writes.push_back(p);
     }
   }
+  requests_ += static_cast<int64_t>(op.reads.size() + op.writes.size());
+  coalesce(op.reads);
+  coalesce(op.writes);
+  rma_parts_ += static_cast<int64_t>(op.reads.size() + op.writes.size());
   const uint64_t id = next_id_++;
   ops_.emplace(id, std::move(op));
   return make_handle(id);
+}
+
+void UcxRemoteTransport::coalesce(std::vector<Part>& parts) {
+  // Elastic loads are rows of a few hundred bytes, and over TCP every RMA operation is a round
+  // trip of its own; rows adjacent on both sides (a head's consecutive tokens in a page, copied to
+  // consecutive working-set slots) become one operation. Order within a transfer is free.
+  if (parts.size() < 2) return;
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const Part& a, const Part& b) { return a.remote_offset < b.remote_offset; });
+  size_t out = 0;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    Part& last = parts[out];
+    const Part& p = parts[i];
+    if (p.memh == last.memh && p.remote_offset == last.remote_offset + last.bytes && p.local == last.local + last.bytes) {
+      last.bytes += p.bytes;
+    } else {
+      parts[++out] = p;
+    }
+  }
+  parts.resize(out + 1);
 }
 
 UcxRemoteTransport::Op* UcxRemoteTransport::find(const TransferHandle& handle, std::string_view) {
@@ -402,6 +426,11 @@ std::vector<ReplicaReport> UcxRemoteTransport::replicas() const {
   std::vector<ReplicaReport> out;
   for (const Replica& r : replicas_) out.push_back(r.report);
   return out;
+}
+
+UcxRemoteTransport::Counts UcxRemoteTransport::counts() const {
+  std::lock_guard lock(mu_);
+  return Counts{requests_, rma_parts_};
 }
 
 int64_t UcxRemoteTransport::failovers() const {

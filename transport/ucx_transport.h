@@ -16,6 +16,10 @@
 // failure is kUnavailable naming the tier and the node; once no replica lives, every transfer of
 // the tier fails with the list of what happened to each.
 //
+// Requests of one transfer are issued sorted by remote offset, and rows adjacent on both sides are
+// merged into one RMA operation (elastic loads are rows of a few hundred bytes); so the order in
+// which overlapping destination ranges of one transfer are written is unspecified.
+//
 // Threads: internally synchronized by one mutex that also serialises every call into the UCX
 // worker (UCS_THREAD_MODE_SERIALIZED); the worker progresses only inside post / poll / release.
 #pragma once
@@ -76,6 +80,12 @@ class UcxRemoteTransport final : public Transport {
   TierId tier() const { return config_.tier; }
   std::vector<ReplicaReport> replicas() const;
   int64_t failovers() const;  // reads re-issued on another replica
+  // Requests prepared, and the RMA operations they became after adjacent rows were merged.
+  struct Counts {
+    int64_t requests = 0;
+    int64_t operations = 0;
+  };
+  Counts counts() const;
 
  private:
   explicit UcxRemoteTransport(UcxRemoteConfig config);
@@ -116,6 +126,7 @@ class UcxRemoteTransport final : public Transport {
   static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   Status connect_replicas();                                       // in create
+  static void coalesce(std::vector<Part>& parts);
   Op* find(const TransferHandle& handle, std::string_view what);  // requires mu_
   // Issues the leg's RMA operations and its flush; false (replica marked dead) on a failed issue.
   bool start_leg(Leg& leg, const std::vector<Part>& parts, bool reading);
@@ -137,6 +148,8 @@ class UcxRemoteTransport final : public Transport {
   std::unordered_map<uint64_t, Op> ops_;
   uint64_t next_id_ = 1;
   int64_t failovers_ = 0;
+  int64_t requests_ = 0;
+  int64_t rma_parts_ = 0;
 };
 
 }  // namespace specontext::transport

@@ -197,14 +197,19 @@ TEST(UcxTransport, RandomBatchesRoundTripBitExact) {
   const auto src = pattern(kBytes, 7);
   std::memcpy(rig.local.data(), src.data(), kBytes);
   std::mt19937 rng(3);
-  // Scatter random ranges out (local [0, 1M) -> remote), then read the whole tier back into
-  // [1M, 2M) and compare with what was written where.
+  // Scatter random ranges out (local [0, 1M) -> remote, each into its own 4 KiB slot, in random
+  // slot order, some adjacent so that they merge), then read the whole tier back into [1M, 2M) and
+  // compare with what was written where.
   std::vector<uint8_t> expect(kBytes, 0);
   TransferBatch out;
-  for (int i = 0; i < 300; ++i) {
-    const uint64_t len = 1 + rng() % 4000;
-    const uint64_t at = rng() % (kBytes - len);
-    const uint64_t from = rng() % (kBytes - len);
+  std::vector<uint64_t> slots(kBytes / 4096);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  for (size_t i = 0; i < 200; ++i) {
+    const bool whole = i % 3 == 0;  // whole slots from matching local offsets: adjacent ones merge
+    const uint64_t len = whole ? 4096 : 1 + rng() % 4000;
+    const uint64_t at = slots[i] * 4096 + (whole ? 0 : rng() % (4096 - len));
+    const uint64_t from = whole ? slots[i] * 4096 : rng() % (kBytes - len);
     out.push_back({kLocal, from, kRemote, at, len});
   }
   for (const auto& r : out) std::memcpy(expect.data() + r.dst_offset, src.data() + r.src_offset, r.bytes);
@@ -219,7 +224,19 @@ TEST(UcxTransport, RandomBatchesRoundTripBitExact) {
   for (const auto& r : in) std::memcpy(got_expect.data() + (r.dst_offset - kBytes), expect.data() + r.src_offset, r.bytes);
   ASSERT_TRUE(transfer(*rig.ucx, in).is_ok());
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, got_expect.data(), kBytes));
-  EXPECT_EQ(rig.ucx->replicas()[0].bytes_read, kBytes + 256000u);
+  // Adjacent rows became one operation: the whole-slot writes next to each other, and a batch of
+  // consecutive rows given in shuffled order.
+  const auto before = rig.ucx->counts();
+  TransferBatch rows;
+  for (uint64_t i = 0; i < 512; ++i) rows.push_back({kRemote, i * 128, kLocal, kBytes + i * 128, 128});
+  std::shuffle(rows.begin(), rows.end(), rng);
+  std::memset(rig.local.data() + kBytes, 0, kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, rows).is_ok());
+  EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, expect.data(), 512 * 128));
+  const auto after = rig.ucx->counts();
+  EXPECT_EQ(after.requests - before.requests, 512);
+  EXPECT_EQ(after.operations - before.operations, 1);
+  EXPECT_EQ(rig.ucx->replicas()[0].bytes_read, kBytes + 256000u + 512 * 128);
 }
 
 TEST(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {

@@ -34,6 +34,10 @@ Result<uint64_t> RegionAllocator::allocate(uint64_t bytes) {
 
 Result<uint64_t> RegionAllocator::allocate_top(uint64_t bytes) {
   if (bytes == 0) return invalid_argument("region allocator: zero-byte allocation");
+  if (bytes > capacity_) {  // also keeps the rounding below from overflowing
+    return resource_exhausted("cannot place " + std::to_string(bytes) + " bytes in a region of " +
+                              std::to_string(capacity_));
+  }
   const uint64_t need = (bytes + alignment_ - 1) / alignment_ * alignment_;
   for (auto it = free_ranges_.rbegin(); it != free_ranges_.rend(); ++it) {
     if (it->second < need) continue;

@@ -110,6 +110,9 @@ TEST(KvNodeControl, HelloAllocFreeAndStats) {
   ASSERT_FALSE(too_big.is_ok());
   EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted) << too_big.status().to_string();
   EXPECT_NE(too_big.status().message().find(node->name()), std::string::npos) << too_big.status().to_string();
+  auto huge = c->call_line(R"({"op":"alloc","bytes":18446744073709551615})");
+  ASSERT_FALSE(huge.is_ok());
+  EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted) << huge.status().to_string();
   ASSERT_TRUE(c->free(a->region).is_ok());
   EXPECT_EQ(node->stats().regions, 0);
   auto again = c->free(a->region);

@@ -25,6 +25,16 @@ namespace {
 using testing::InlineCopyQueue;
 using testing::max_abs_diff;
 
+TEST(RegionAllocator, HugeRequestsAreRefusedNotWrapped) {
+  RegionAllocator a(1 << 20, 4096);
+  for (uint64_t bytes : {~uint64_t{0}, ~uint64_t{0} - 100, (uint64_t{1} << 20) + 1}) {
+    EXPECT_EQ(a.allocate(bytes).status().code(), StatusCode::kResourceExhausted) << bytes;
+    EXPECT_EQ(a.allocate_top(bytes).status().code(), StatusCode::kResourceExhausted) << bytes;
+  }
+  EXPECT_EQ(a.used_bytes(), 0u);
+  EXPECT_TRUE(a.check().is_ok());
+}
+
 TEST(RegionAllocator, FirstFitCoalescesAndChecks) {
   RegionAllocator a(4096, 256);
   auto x = a.allocate(100), y = a.allocate(300), z = a.allocate(256);

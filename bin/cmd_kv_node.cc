@@ -45,7 +45,9 @@ int run_kv_node(const KvNodeArgs& a) {
   o.name = a.name;
   auto node = cluster::KvNode::start(o);
   if (!node.is_ok()) return fail(node.status());
-  std::cout << nlohmann::json{{"event", "listening"}, {"node", (*node)->name()}, {"port", (*node)->port()},
+  std::cout << nlohmann::json{{"event", "listening"},
+                              {"node", (*node)->name()},
+                              {"port", (*node)->port()},
                               {"capacity", o.capacity}}
                    .dump()
             << std::endl;
@@ -53,8 +55,11 @@ int run_kv_node(const KvNodeArgs& a) {
   sigwait(&stop_signals, &sig);
   const cluster::KvNodeStats st = (*node)->stats();
   (*node)->stop();
-  std::cout << nlohmann::json{{"event", "stopped"}, {"signal", sig}, {"requests", st.requests},
-                              {"bad_requests", st.bad_requests}, {"regions", st.regions}}
+  std::cout << nlohmann::json{{"event", "stopped"},
+                              {"signal", sig},
+                              {"requests", st.requests},
+                              {"bad_requests", st.bad_requests},
+                              {"regions", st.regions}}
                    .dump()
             << std::endl;
   return 0;

@@ -33,7 +33,6 @@ Result<std::vector<uint8_t>> hex_decode(std::string_view text, std::string_view 
   return out;
 }
 
-
 namespace {
 
 Status field_error(std::string_view field, std::string_view what) {
@@ -43,7 +42,8 @@ Status field_error(std::string_view field, std::string_view what) {
 Result<uint64_t> positive_u64(const nlohmann::json& j, std::string_view field) {
   auto it = j.find(field);
   if (it == j.end()) return field_error(field, "is missing");
-  if (!it->is_number_unsigned() || it->get<uint64_t>() == 0) return field_error(field, "must be a positive integer");
+  if (!it->is_number_unsigned() || it->get<uint64_t>() == 0)
+    return field_error(field, "must be a positive integer");
   return it->get<uint64_t>();
 }
 
@@ -59,7 +59,8 @@ Result<uint64_t> reply_u64(const nlohmann::json& j, std::string_view field, std:
   return it->get<uint64_t>();
 }
 
-Result<std::vector<uint8_t>> reply_hex(const nlohmann::json& j, std::string_view field, std::string_view node) {
+Result<std::vector<uint8_t>> reply_hex(const nlohmann::json& j, std::string_view field,
+                                       std::string_view node) {
   auto it = j.find(field);
   if (it == j.end() || !it->is_string() || it->get_ref<const std::string&>().empty()) {
     return reply_error(node, "field '" + std::string(field) + "' missing or not a hex string");
@@ -108,16 +109,25 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
 std::string control_request_line(const ControlRequest& r) {
   nlohmann::json j;
   switch (r.op) {
-    case ControlOp::kHello: j = {{"op", "hello"}, {"version", kControlVersion}}; break;
-    case ControlOp::kAlloc: j = {{"op", "alloc"}, {"bytes", r.bytes}}; break;
-    case ControlOp::kFree: j = {{"op", "free"}, {"region", r.region}}; break;
-    case ControlOp::kStats: j = {{"op", "stats"}}; break;
+    case ControlOp::kHello:
+      j = {{"op", "hello"}, {"version", kControlVersion}};
+      break;
+    case ControlOp::kAlloc:
+      j = {{"op", "alloc"}, {"bytes", r.bytes}};
+      break;
+    case ControlOp::kFree:
+      j = {{"op", "free"}, {"region", r.region}};
+      break;
+    case ControlOp::kStats:
+      j = {{"op", "stats"}};
+      break;
   }
   return j.dump() + "\n";
 }
 
 std::string control_error_line(const Status& status) {
-  nlohmann::json j = {{"ok", false}, {"code", std::string(status_code_name(status.code()))}, {"error", status.message()}};
+  nlohmann::json j = {
+      {"ok", false}, {"code", std::string(status_code_name(status.code()))}, {"error", status.message()}};
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
@@ -131,7 +141,8 @@ Result<nlohmann::json> parse_control_reply(std::string_view line, std::string_vi
     auto err = j.find("error");
     auto code = j.find("code");
     const std::string msg = err != j.end() && err->is_string() ? err->get<std::string>() : "(no message)";
-    const StatusCode c = code != j.end() && code->is_string() ? code_from_name(code->get<std::string>()) : StatusCode::kInternal;
+    const StatusCode c = code != j.end() && code->is_string() ? code_from_name(code->get<std::string>())
+                                                              : StatusCode::kInternal;
     return Status(c, "kv node " + std::string(node) + ": " + msg);
   }
   return j;
@@ -167,7 +178,8 @@ Result<Endpoint> parse_endpoint(std::string_view text, bool allow_any_port) {
   const std::string_view port = text.substr(colon + 1);
   unsigned value = 0;
   auto [p, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
-  if (ec != std::errc() || p != port.data() + port.size() || value > 65535 || (value == 0 && !allow_any_port)) {
+  if (ec != std::errc() || p != port.data() + port.size() || value > 65535 ||
+      (value == 0 && !allow_any_port)) {
     return invalid_argument("endpoint '" + std::string(text) + "': port must be 1..65535");
   }
   e.port = static_cast<uint16_t>(value);

@@ -72,7 +72,8 @@ class KvNode::Impl {
 
   Status init() {
     pool.bytes = options.capacity;
-    void* p = mmap(nullptr, options.capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p = mmap(nullptr, options.capacity, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
       return resource_exhausted("kv node: cannot map " + std::to_string(options.capacity) + " bytes");
     }
@@ -87,8 +88,8 @@ class KvNode::Impl {
     if (!ec) acceptor.bind(ep, ec);
     if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
     if (ec) {
-      return unavailable("kv node: cannot listen on " + options.host + ":" + std::to_string(options.port) + ": " +
-                         ec.message());
+      return unavailable("kv node: cannot listen on " + options.host + ":" + std::to_string(options.port) +
+                         ": " + ec.message());
     }
     bound_port = acceptor.local_endpoint().port();
     name = options.name.empty() ? options.host + ":" + std::to_string(bound_port) : options.name;
@@ -139,32 +140,34 @@ class KvNode::Impl {
   }
 
   void read(const std::shared_ptr<Session>& s) {
-    asio::async_read_until(s->socket, asio::dynamic_buffer(s->in, kMaxControlLine + 1), '\n',
-                           [this, s](boost::system::error_code ec, size_t n) {
-                             if (ec == asio::error::not_found) {
-                               reply(s, control_error_line(invalid_argument("control request: line longer than 64 KiB")),
-                                     /*close_after=*/true);
-                               return;
-                             }
-                             if (ec) {
-                               close(s);
-                               return;
-                             }
-                             std::string line = s->in.substr(0, n - 1);
-                             s->in.erase(0, n);
-                             reply(s, handle(*s, line), false);
-                           });
+    asio::async_read_until(
+        s->socket, asio::dynamic_buffer(s->in, kMaxControlLine + 1), '\n',
+        [this, s](boost::system::error_code ec, size_t n) {
+          if (ec == asio::error::not_found) {
+            reply(s, control_error_line(invalid_argument("control request: line longer than 64 KiB")),
+                  /*close_after=*/true);
+            return;
+          }
+          if (ec) {
+            close(s);
+            return;
+          }
+          std::string line = s->in.substr(0, n - 1);
+          s->in.erase(0, n);
+          reply(s, handle(*s, line), false);
+        });
   }
 
   void reply(const std::shared_ptr<Session>& s, std::string text, bool close_after) {
     s->out = std::move(text);
-    asio::async_write(s->socket, asio::buffer(s->out), [this, s, close_after](boost::system::error_code ec, size_t) {
-      if (ec || close_after) {
-        close(s);
-        return;
-      }
-      read(s);
-    });
+    asio::async_write(s->socket, asio::buffer(s->out),
+                      [this, s, close_after](boost::system::error_code ec, size_t) {
+                        if (ec || close_after) {
+                          close(s);
+                          return;
+                        }
+                        read(s);
+                      });
   }
 
   void close(const std::shared_ptr<Session>& s) {
@@ -222,8 +225,9 @@ class KvNode::Impl {
       }
       case ControlOp::kFree:
         if (!s.regions.contains(req->region)) {
-          return control_error_line(not_found("control request: field 'region': " + std::to_string(req->region) +
-                                              " is not a region of this connection"));
+          return control_error_line(
+              not_found("control request: field 'region': " + std::to_string(req->region) +
+                        " is not a region of this connection"));
         }
         s.regions.erase(req->region);
         free_region(req->region);

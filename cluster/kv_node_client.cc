@@ -9,7 +9,8 @@ using asio::ip::tcp;
 
 class KvNodeClient::Impl {
  public:
-  Impl(std::string endpoint, std::chrono::milliseconds timeout) : endpoint(std::move(endpoint)), timeout(timeout) {}
+  Impl(std::string endpoint, std::chrono::milliseconds timeout)
+      : endpoint(std::move(endpoint)), timeout(timeout) {}
   std::string endpoint;
   std::chrono::milliseconds timeout;
   asio::io_context io;
@@ -35,7 +36,8 @@ class KvNodeClient::Impl {
     auto results = resolver.resolve(ep.host, std::to_string(ep.port), ec);
     if (ec) return unavailable("kv node " + endpoint + ": cannot resolve: " + ec.message());
     boost::system::error_code result = asio::error::would_block;
-    asio::async_connect(socket, results, [&](boost::system::error_code e, const tcp::endpoint&) { result = e; });
+    asio::async_connect(socket, results,
+                        [&](boost::system::error_code e, const tcp::endpoint&) { result = e; });
     if (!run_bounded()) return unavailable("kv node " + endpoint + ": no connection within " + ms());
     if (result) return unavailable("kv node " + endpoint + ": cannot connect: " + result.message());
     return Status::ok();
@@ -62,7 +64,8 @@ class KvNodeClient::Impl {
     if (read_ec) {
       boost::system::error_code ignored;
       socket.close(ignored);
-      if (read_ec == asio::error::not_found) return data_loss("kv node " + endpoint + ": reply longer than 64 KiB");
+      if (read_ec == asio::error::not_found)
+        return data_loss("kv node " + endpoint + ": reply longer than 64 KiB");
       return unavailable("kv node " + endpoint + ": connection lost: " + read_ec.message());
     }
     const std::string reply = in.substr(0, n - 1);
@@ -79,7 +82,8 @@ KvNodeClient::~KvNodeClient() {
   impl_->socket.close(ignored);
 }
 
-Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endpoint, std::chrono::milliseconds timeout) {
+Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endpoint,
+                                                            std::chrono::milliseconds timeout) {
   auto impl = std::make_unique<Impl>(endpoint.text(), timeout);
   SPX_RETURN_IF_ERROR(impl->connect(endpoint));
   std::unique_ptr<KvNodeClient> c(new KvNodeClient(std::move(impl), endpoint.text()));

@@ -16,8 +16,8 @@ namespace specontext::cluster {
 class KvNodeClient {
  public:
   // Connects and says hello. kUnavailable naming the endpoint when nothing answers in time.
-  static Result<std::unique_ptr<KvNodeClient>> connect(const Endpoint& endpoint,
-                                                       std::chrono::milliseconds timeout = std::chrono::seconds(5));
+  static Result<std::unique_ptr<KvNodeClient>> connect(
+      const Endpoint& endpoint, std::chrono::milliseconds timeout = std::chrono::seconds(5));
   ~KvNodeClient();
   KvNodeClient(const KvNodeClient&) = delete;
   KvNodeClient& operator=(const KvNodeClient&) = delete;

@@ -58,7 +58,8 @@ Result<std::vector<uint8_t>> UcxWorker::address() const {
   ucp_address_t* addr = nullptr;
   size_t len = 0;
   SPX_UCX_CHECK(ucp_worker_get_address(worker_, &addr, &len), "UCX worker address");
-  std::vector<uint8_t> out(reinterpret_cast<const uint8_t*>(addr), reinterpret_cast<const uint8_t*>(addr) + len);
+  std::vector<uint8_t> out(reinterpret_cast<const uint8_t*>(addr),
+                           reinterpret_cast<const uint8_t*>(addr) + len);
   ucp_worker_release_address(worker_, addr);
   return out;
 }

@@ -18,9 +18,9 @@ namespace specontext::transport {
 // transport fails over), kResourceExhausted for NO_MEMORY / NO_RESOURCE, kInternal otherwise.
 Status ucx_status(ucs_status_t status, std::string_view what);
 
-#define SPX_UCX_CHECK(expr, what)                                        \
-  do {                                                                   \
-    const ucs_status_t spx_ucs_ = (expr);                                \
+#define SPX_UCX_CHECK(expr, what)                                                         \
+  do {                                                                                    \
+    const ucs_status_t spx_ucs_ = (expr);                                                 \
     if (spx_ucs_ != UCS_OK) return ::specontext::transport::ucx_status(spx_ucs_, (what)); \
   } while (0)
 

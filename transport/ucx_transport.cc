@@ -175,7 +175,8 @@ Status UcxRemoteTransport::register_tier(TierId tier, MemoryKind kind, void* bas
     return Status::ok();
   }
   if (kind == MemoryKind::kRemote) {
-    return unimplemented(what + ": this transport serves remote tier " + std::to_string(config_.tier.value()) + " only");
+    return unimplemented(what + ": this transport serves remote tier " +
+                         std::to_string(config_.tier.value()) + " only");
   }
   if (!is_local_kind(kind)) {
     return unimplemented(what + ": memory kind " + std::string(memory_kind_name(kind)) + " is not supported");
@@ -204,14 +205,19 @@ Result<TransferHandle> UcxRemoteTransport::prepare(const TransferBatch& batch) {
     auto it = local_.find(local_id);
     if (read == write || it == local_.end()) {
       auto known = [&](TierId t) { return (t == config_.tier && remote_bytes_ != 0) || local_.contains(t); };
-      if (!known(r.src_tier)) return invalid_argument(where + ": src tier " + std::to_string(r.src_tier.value()) + " is not registered");
-      if (!known(r.dst_tier)) return invalid_argument(where + ": dst tier " + std::to_string(r.dst_tier.value()) + " is not registered");
+      if (!known(r.src_tier))
+        return invalid_argument(where + ": src tier " + std::to_string(r.src_tier.value()) +
+                                " is not registered");
+      if (!known(r.dst_tier))
+        return invalid_argument(where + ": dst tier " + std::to_string(r.dst_tier.value()) +
+                                " is not registered");
       return unimplemented(where + ": tier " + std::to_string(r.src_tier.value()) + " -> tier " +
                            std::to_string(r.dst_tier.value()) + " is not local <-> remote");
     }
     const LocalTier& lt = it->second;
     const TierInfo local_info{lt.kind, lt.base, lt.bytes};
-    SPX_RETURN_IF_ERROR(check_request_ranges(r, read ? remote_info : local_info, read ? local_info : remote_info, where));
+    SPX_RETURN_IF_ERROR(
+        check_request_ranges(r, read ? remote_info : local_info, read ? local_info : remote_info, where));
     if (r.bytes == 0) continue;
     Part p;
     p.bytes = r.bytes;
@@ -246,7 +252,8 @@ void UcxRemoteTransport::coalesce(std::vector<Part>& parts) {
   for (size_t i = 1; i < parts.size(); ++i) {
     Part& last = parts[out];
     const Part& p = parts[i];
-    if (p.memh == last.memh && p.remote_offset == last.remote_offset + last.bytes && p.local == last.local + last.bytes) {
+    if (p.memh == last.memh && p.remote_offset == last.remote_offset + last.bytes &&
+        p.local == last.local + last.bytes) {
       last.bytes += p.bytes;
     } else {
       parts[++out] = p;
@@ -274,7 +281,8 @@ bool UcxRemoteTransport::start_leg(Leg& leg, const std::vector<Part>& parts, boo
     ucs_status_ptr_t req = reading ? ucp_get_nbx(r.ep, p.local, p.bytes, addr, r.rkey, &param)
                                    : ucp_put_nbx(r.ep, p.local, p.bytes, addr, r.rkey, &param);
     if (UCS_PTR_IS_ERR(req)) {
-      mark_dead(leg.replica, std::string(reading ? "get" : "put") + " failed: " + ucs_status_string(UCS_PTR_STATUS(req)));
+      mark_dead(leg.replica,
+                std::string(reading ? "get" : "put") + " failed: " + ucs_status_string(UCS_PTR_STATUS(req)));
       return false;
     }
     // The flush below completes it; the request object itself is not needed.
@@ -291,7 +299,8 @@ bool UcxRemoteTransport::start_leg(Leg& leg, const std::vector<Part>& parts, boo
   return true;
 }
 
-bool UcxRemoteTransport::advance_leg(Leg& leg, const std::vector<Part>& parts, bool reading, bool allow_failover) {
+bool UcxRemoteTransport::advance_leg(Leg& leg, const std::vector<Part>& parts, bool reading,
+                                     bool allow_failover) {
   while (!leg.finished) {
     if (leg.replica >= 0 && replicas_[static_cast<size_t>(leg.replica)].report.alive) {
       const ucs_status_t s = check_request(leg.flush);
@@ -338,7 +347,8 @@ void UcxRemoteTransport::advance(Op& op) {
   for (Leg& leg : op.write) all &= advance_leg(leg, op.writes, false, false);
   if (!all) return;
   const bool read_ok = op.reads.empty() || op.read.ok;
-  const bool write_ok = op.writes.empty() || std::any_of(op.write.begin(), op.write.end(), [](const Leg& l) { return l.ok; });
+  const bool write_ok =
+      op.writes.empty() || std::any_of(op.write.begin(), op.write.end(), [](const Leg& l) { return l.ok; });
   if (read_ok && write_ok) {
     op.state = State::kDone;
   } else {
@@ -381,7 +391,8 @@ Status UcxRemoteTransport::poll(TransferHandle& handle) {
   std::lock_guard lock(mu_);
   Op* op = find(handle, "poll");
   if (op == nullptr) return invalid_argument(who() + ": poll of a handle that is not a live transfer");
-  if (op->state == State::kPrepared) return invalid_argument(who() + ": poll of a transfer that was not posted");
+  if (op->state == State::kPrepared)
+    return invalid_argument(who() + ": poll of a transfer that was not posted");
   advance(*op);
   if (op->state == State::kDone) return Status::ok();
   if (op->state == State::kFailed) return op->error;
@@ -404,7 +415,8 @@ void UcxRemoteTransport::drain(Op& op) {
     ucp_worker_progress(worker_->worker());
     if (Clock::now() - start > config_.op_timeout) {
       auto kill = [&](Leg& l) {
-        if (l.flush != nullptr && l.replica >= 0) mark_dead(l.replica, "did not complete a cancelled transfer");
+        if (l.flush != nullptr && l.replica >= 0)
+          mark_dead(l.replica, "did not complete a cancelled transfer");
       };
       kill(op.read);
       for (Leg& l : op.write) kill(l);

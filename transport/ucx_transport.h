@@ -48,8 +48,8 @@ struct RemoteRegion {
 };
 
 struct UcxRemoteConfig {
-  TierId tier;                         // the kRemote tier this transport serves
-  std::vector<RemoteRegion> replicas;  // 1..kMaxReplicas copies of the tier, each >= its size
+  TierId tier;                                 // the kRemote tier this transport serves
+  std::vector<RemoteRegion> replicas;          // 1..kMaxReplicas copies of the tier, each >= its size
   std::chrono::milliseconds op_timeout{5000};  // a replica silent this long is declared dead
 };
 
@@ -125,7 +125,7 @@ class UcxRemoteTransport final : public Transport {
   };
   static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
 
-  Status connect_replicas();                                       // in create
+  Status connect_replicas();  // in create
   static void coalesce(std::vector<Part>& parts);
   Op* find(const TransferHandle& handle, std::string_view what);  // requires mu_
   // Issues the leg's RMA operations and its flush; false (replica marked dead) on a failed issue.

@@ -33,7 +33,8 @@ class NodeProcess {
       dup2(fds[1], STDOUT_FILENO);
       close(fds[0]);
       close(fds[1]);
-      execl(SPECONTEXT_BIN, SPECONTEXT_BIN, "kv-node", "--capacity", capacity.c_str(), static_cast<char*>(nullptr));
+      execl(SPECONTEXT_BIN, SPECONTEXT_BIN, "kv-node", "--capacity", capacity.c_str(),
+            static_cast<char*>(nullptr));
       _exit(127);
     }
     close(fds[1]);
@@ -112,7 +113,8 @@ const char* kTiers = " --device-kv 200KiB --host-kv 64KiB";
 
 nlohmann::json parse_json_tail(const std::string& out) {
   const size_t brace = out.find('{');
-  return brace == std::string::npos ? nlohmann::json() : nlohmann::json::parse(out.substr(brace), nullptr, false);
+  return brace == std::string::npos ? nlohmann::json()
+                                    : nlohmann::json::parse(out.substr(brace), nullptr, false);
 }
 
 std::string baseline_text(int n) {

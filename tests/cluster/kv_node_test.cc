@@ -12,8 +12,8 @@
 
 #include "cluster/kv_node.h"
 #include "cluster/kv_node_client.h"
-#include "transport/transport_router.h"
 #include "transport/local_transport.h"
+#include "transport/transport_router.h"
 #include "transport/ucx_transport.h"
 
 namespace specontext::cluster {
@@ -138,7 +138,8 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
   for (const auto& [line, expect] : cases) {
     auto r = c->call_line(line);
     ASSERT_FALSE(r.is_ok()) << line;
-    EXPECT_NE(r.status().message().find(expect), std::string::npos) << line << " -> " << r.status().to_string();
+    EXPECT_NE(r.status().message().find(expect), std::string::npos)
+        << line << " -> " << r.status().to_string();
   }
   EXPECT_EQ(node->stats().bad_requests, 8);
   EXPECT_TRUE(c->allocate(4096).is_ok());  // still usable
@@ -179,7 +180,8 @@ TEST(KvNodeControl, NobodyListeningIsUnavailableNamingTheEndpoint) {
   auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port}, 1s);
   ASSERT_FALSE(c.is_ok());
   EXPECT_EQ(c.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(c.status().message().find("127.0.0.1:" + std::to_string(port)), std::string::npos) << c.status().to_string();
+  EXPECT_NE(c.status().message().find("127.0.0.1:" + std::to_string(port)), std::string::npos)
+      << c.status().to_string();
 }
 
 TEST(KvNodeControl, EndpointsAreValidated) {
@@ -224,7 +226,8 @@ TEST(UcxTransport, RandomBatchesRoundTripBitExact) {
   std::vector<uint8_t> got_expect(kBytes, 0);
   for (uint64_t i = 0; i < 1000; ++i) in.push_back({kRemote, i * 512, kLocal, kBytes + i * 256, 256});
   std::memset(rig.local.data() + kBytes, 0, kBytes);
-  for (const auto& r : in) std::memcpy(got_expect.data() + (r.dst_offset - kBytes), expect.data() + r.src_offset, r.bytes);
+  for (const auto& r : in)
+    std::memcpy(got_expect.data() + (r.dst_offset - kBytes), expect.data() + r.src_offset, r.bytes);
   ASSERT_TRUE(transfer(*rig.ucx, in).is_ok());
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, got_expect.data(), kBytes));
   // Adjacent rows became one operation: the whole-slot writes next to each other, and a batch of
@@ -248,17 +251,22 @@ TEST(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {
   Rig rig = make_rig({node.get()}, 1 << 16, 1 << 16);
   const Capabilities caps = rig.ucx->capabilities();
   EXPECT_TRUE(caps.remote);
-  for (MemoryKind a : {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote}) {
-    for (MemoryKind b : {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote}) {
-      const bool expect = (a == MemoryKind::kRemote) != (b == MemoryKind::kRemote) && a != MemoryKind::kDevice &&
-                          b != MemoryKind::kDevice;
+  for (MemoryKind a :
+       {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote}) {
+    for (MemoryKind b :
+         {MemoryKind::kHost, MemoryKind::kPinnedHost, MemoryKind::kDevice, MemoryKind::kRemote}) {
+      const bool expect = (a == MemoryKind::kRemote) != (b == MemoryKind::kRemote) &&
+                          a != MemoryKind::kDevice && b != MemoryKind::kDevice;
       EXPECT_EQ(caps.supports(a, b), expect) << memory_kind_name(a) << "->" << memory_kind_name(b);
     }
   }
   std::vector<uint8_t> other(4096);
-  EXPECT_EQ(rig.ucx->register_tier(TierId(5), MemoryKind::kRemote, nullptr, 100).code(), StatusCode::kUnimplemented);
-  EXPECT_EQ(rig.ucx->register_tier(TierId(6), MemoryKind::kDevice, other.data(), 100).code(), StatusCode::kUnimplemented);
-  EXPECT_EQ(rig.ucx->register_tier(kLocal, MemoryKind::kHost, other.data(), 100).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.ucx->register_tier(TierId(5), MemoryKind::kRemote, nullptr, 100).code(),
+            StatusCode::kUnimplemented);
+  EXPECT_EQ(rig.ucx->register_tier(TierId(6), MemoryKind::kDevice, other.data(), 100).code(),
+            StatusCode::kUnimplemented);
+  EXPECT_EQ(rig.ucx->register_tier(kLocal, MemoryKind::kHost, other.data(), 100).code(),
+            StatusCode::kInvalidArgument);
   ASSERT_TRUE(rig.ucx->register_tier(TierId(7), MemoryKind::kPinnedHost, other.data(), other.size()).is_ok());
   // local <-> local is not this transport's; out of range names the tier.
   auto ll = rig.ucx->prepare({{kLocal, 0, TierId(7), 0, 16}});
@@ -394,8 +402,11 @@ TEST(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
   ASSERT_TRUE((*router)->register_tier(TierId(3), MemoryKind::kRemote, nullptr, 65536).is_ok());
   EXPECT_EQ(*(*router)->route({TierId(1), 0, TierId(2), 0, 8}), 1u);
   EXPECT_EQ(*(*router)->route({TierId(3), 0, TierId(1), 0, 8}), 2u);
-  ASSERT_TRUE(transfer(**router, {{TierId(1), 0, TierId(2), 0, 65536}, {TierId(1), 0, TierId(3), 0, 32768}}).is_ok());
-  ASSERT_TRUE(transfer(**router, {{TierId(2), 0, TierId(1), 65536, 32768}, {TierId(3), 0, TierId(1), 98304, 32768}}).is_ok());
+  ASSERT_TRUE(
+      transfer(**router, {{TierId(1), 0, TierId(2), 0, 65536}, {TierId(1), 0, TierId(3), 0, 32768}}).is_ok());
+  ASSERT_TRUE(
+      transfer(**router, {{TierId(2), 0, TierId(1), 65536, 32768}, {TierId(3), 0, TierId(1), 98304, 32768}})
+          .is_ok());
   EXPECT_EQ(0, std::memcmp(host.data() + 65536, src.data(), 32768));
   EXPECT_EQ(0, std::memcmp(host.data() + 98304, src.data(), 32768));
   EXPECT_EQ((*ta)->replicas()[0].bytes_written, 65536u);

@@ -15,7 +15,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string line = control_request_line(*req);
     line.pop_back();  // the newline
     auto again = parse_control_request(line);
-    if (!again.is_ok() || again->op != req->op || again->bytes != req->bytes || again->region != req->region) {
+    if (!again.is_ok() || again->op != req->op || again->bytes != req->bytes ||
+        again->region != req->region) {
       __builtin_trap();
     }
   } else {

@@ -31,6 +31,10 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
   cmd.add_option("--kv-node-timeout-ms", a.kv_node_timeout_ms,
                  "control-plane calls, and RMA silence after which a KV node is declared dead")
       ->check(CLI::PositiveNumber);
+  cmd.add_option("--kv-node-mode", a.kv_node_mode,
+                 "gather: the node packs each batch of rows into one reply (few round trips; for TCP); "
+                 "rma: one-sided get/put per row range (for RDMA NICs)")
+      ->check(CLI::IsMember({"gather", "rma"}));
   cmd.add_option("--remote-latency-us", a.remote_latency_us, "loopback link latency per transfer")
       ->check(CLI::NonNegativeNumber);
   cmd.add_option("--placement", a.placement,
@@ -133,6 +137,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     transport::UcxRemoteConfig cfg;
     cfg.tier = TierId(static_cast<int32_t>(1 + host.size() + i));
     cfg.op_timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
+    cfg.mode = args.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma : transport::UcxTransferMode::kNodeGather;
     std::string rest = spec.substr(at + 1);
     while (true) {
       const size_t plus = rest.find('+');
@@ -350,6 +355,7 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
       }
       const auto counts = ucx.counts();
       nodes.push_back({{"tier", ucx.tier().value()},
+                       {"mode", rt->args.kv_node_mode},
                        {"replicas", replicas},
                        {"failovers", ucx.failovers()},
                        {"requests", counts.requests},

@@ -26,6 +26,7 @@ struct TierArgs {
   // (more than one endpoint: the tier is mirrored on each, and reads fail over).
   std::vector<std::string> kv_nodes;
   int64_t kv_node_timeout_ms = 5000;
+  std::string kv_node_mode = "gather";  // gather (node-side, for TCP) | rma (one-sided, for RDMA NICs)
   int64_t remote_latency_us = 0;
   std::string placement = "dynamic";  // dynamic (re-plan each step) | static (planned once for the final lengths)
   bool cpu_filter = true;             // let the planner switch CPU candidate filtering on

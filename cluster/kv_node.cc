@@ -12,6 +12,9 @@
 
 #include "core/region_allocator.h"
 #include "transport/ucx_support.h"
+#include "transport/ucx_wire.h"
+
+#include <cstring>
 
 namespace specontext::cluster {
 
@@ -99,11 +102,109 @@ class KvNode::Impl {
     SPX_ASSIGN_OR_RETURN(std::vector<uint8_t> waddr, worker->address());
     rkey_hex = hex_encode(rkey);
     worker_address_hex = hex_encode(waddr);
+    for (bool gather : {true, false}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+      hp.id = gather ? transport::ucx_wire::kGather : transport::ucx_wire::kScatter;
+      hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+      hp.cb = gather ? &Impl::on_gather : &Impl::on_scatter;
+      hp.arg = this;
+      SPX_UCX_CHECK(ucp_worker_set_am_recv_handler(worker->worker(), &hp),
+                    "kv node " + name + ": active-message handler");
+    }
     counters.capacity = options.capacity;
     accept();
     io_thread = std::thread([this] { io.run(); });
     ucx_thread = std::thread([this] { progress_loop(); });
     return Status::ok();
+  }
+
+  // ---- node-side gather / scatter (UCX thread) ----
+  struct Reply {
+    Impl* node;
+    std::vector<uint8_t> bytes;  // ReplyHeader, then the packed rows of a gather
+  };
+  static void on_reply_sent(void* request, ucs_status_t, void* user_data) {
+    delete static_cast<Reply*>(user_data);
+    if (request != nullptr) ucp_request_free(request);
+  }
+  static ucs_status_t on_gather(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+    static_cast<Impl*>(arg)->serve(true, header, header_length, data, length, param);
+    return UCS_OK;
+  }
+  static ucs_status_t on_scatter(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param) {
+    static_cast<Impl*>(arg)->serve(false, header, header_length, data, length, param);
+    return UCS_OK;
+  }
+
+  // Checks the list against the pool (every range inside it, sizes that add up) before touching
+  // memory; a bad request gets a refusal status, never a crash or a partial copy.
+  void serve(bool gather, const void* header, size_t header_length, const void* data, size_t length,
+             const ucp_am_recv_param_t* param) {
+    namespace wire = transport::ucx_wire;
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        header_length != sizeof(wire::RequestHeader)) {
+      bump([](KvNodeStats& c) { ++c.bad_requests; });
+      return;  // nobody to answer
+    }
+    wire::RequestHeader hdr;
+    std::memcpy(&hdr, header, sizeof hdr);
+    ucs_status_t status = UCS_OK;
+    uint64_t total = 0;
+    const size_t list_bytes = static_cast<size_t>(hdr.ranges) * sizeof(wire::Range);
+    std::vector<wire::Range> ranges;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || hdr.ranges > wire::kMaxChunkRanges ||
+        length < list_bytes) {
+      status = UCS_ERR_INVALID_PARAM;
+    } else {
+      ranges.resize(hdr.ranges);
+      std::memcpy(ranges.data(), data, list_bytes);
+      const uint64_t base = reinterpret_cast<uint64_t>(pool.base);
+      for (const wire::Range& r : ranges) {
+        if (r.address < base || r.bytes > pool.bytes || r.address - base > pool.bytes - r.bytes ||
+            r.bytes > wire::kMaxChunkBytes) {
+          status = UCS_ERR_INVALID_ADDR;
+          break;
+        }
+        total += r.bytes;
+      }
+      if (status == UCS_OK && total > wire::kMaxChunkBytes) status = UCS_ERR_EXCEEDS_LIMIT;
+      if (status == UCS_OK && !gather && length != list_bytes + total) status = UCS_ERR_INVALID_PARAM;
+    }
+    auto* reply = new Reply{
+        this, std::vector<uint8_t>(sizeof(wire::ReplyHeader) + (gather && status == UCS_OK ? total : 0))};
+    if (status == UCS_OK) {
+      const auto* in = static_cast<const uint8_t*>(data) + list_bytes;
+      uint8_t* out = reply->bytes.data() + sizeof(wire::ReplyHeader);
+      for (const wire::Range& r : ranges) {
+        auto* mem = reinterpret_cast<uint8_t*>(r.address);
+        if (gather) {
+          std::memcpy(out, mem, r.bytes);
+          out += r.bytes;
+        } else {
+          std::memcpy(mem, in, r.bytes);
+          in += r.bytes;
+        }
+      }
+    }
+    bump([&](KvNodeStats& c) {
+      if (status != UCS_OK) ++c.bad_requests;
+      (gather ? c.bytes_gathered : c.bytes_scattered) += status == UCS_OK ? total : 0;
+    });
+    const wire::ReplyHeader rh{hdr.token, static_cast<int32_t>(status), 0};
+    std::memcpy(reply->bytes.data(), &rh, sizeof rh);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    p.cb.send = &Impl::on_reply_sent;
+    p.user_data = reply;
+    ucs_status_ptr_t req = ucp_am_send_nbx(param->reply_ep, gather ? wire::kGatherReply : wire::kScatterReply,
+                                           reply->bytes.data(), sizeof rh, reply->bytes.data() + sizeof rh,
+                                           reply->bytes.size() - sizeof rh, &p);
+    if (req == nullptr || UCS_PTR_IS_ERR(req)) delete reply;  // done in place, or the client is gone
   }
 
   void progress_loop() {

@@ -32,6 +32,8 @@ struct KvNodeStats {
   int64_t connections = 0;
   int64_t requests = 0;
   int64_t bad_requests = 0;
+  uint64_t bytes_gathered = 0;  // node-side gathers served (UcxTransferMode::kNodeGather)
+  uint64_t bytes_scattered = 0;
 };
 
 class KvNode {

@@ -37,7 +37,7 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::create(std::string_view who, bool 
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | (wakeup ? UCP_FEATURE_WAKEUP : 0);
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | (wakeup ? UCP_FEATURE_WAKEUP : 0);
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   const ucs_status_t init = ucp_init(&params, config, &w->context_);
   ucp_config_release(config);

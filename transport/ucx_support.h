@@ -24,7 +24,7 @@ Status ucx_status(ucs_status_t status, std::string_view what);
     if (spx_ucs_ != UCS_OK) return ::specontext::transport::ucx_status(spx_ucs_, (what)); \
   } while (0)
 
-// A UCP context with one worker (RMA features only). Transports are TCP by default: peer failure
+// A UCP context with one worker (RMA and active messages). Transports are TCP by default: peer failure
 // is a connection reset there, detected at once (see transport/README.md); UCX_TLS overrides it.
 class UcxWorker {
  public:

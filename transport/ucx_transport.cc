@@ -3,6 +3,9 @@
 #include <algorithm>
 
 #include "transport/tier_table.h"
+#include "transport/ucx_wire.h"
+
+#include <cstring>
 
 namespace specontext::transport {
 
@@ -55,6 +58,16 @@ Result<std::unique_ptr<UcxRemoteTransport>> UcxRemoteTransport::create(UcxRemote
 
 Status UcxRemoteTransport::connect_replicas() {
   std::lock_guard lock(mu_);
+  for (unsigned id : {ucx_wire::kGatherReply, ucx_wire::kScatterReply}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = &UcxRemoteTransport::on_reply;
+    hp.arg = this;
+    SPX_UCX_CHECK(ucp_worker_set_am_recv_handler(worker_->worker(), &hp), who() + ": active-message handler");
+  }
   replicas_.resize(config_.replicas.size());
   // A replica that cannot be reached now starts out dead: the tier is served by the others.
   for (size_t i = 0; i < config_.replicas.size(); ++i) {
@@ -90,17 +103,29 @@ UcxRemoteTransport::~UcxRemoteTransport() {
   std::lock_guard lock(mu_);
   for (auto& [id, op] : ops_) drain(op);
   ops_.clear();
+  pending_.clear();
+  // Let live nodes answer what was asked of them (bounded), then close gracefully, so that a node
+  // never replies into an endpoint whose peer is half gone.
+  const auto until = Clock::now() + config_.op_timeout;
+  while ((!awaiting_.empty() || sends_in_flight_ > 0) && Clock::now() < until)
+    ucp_worker_progress(worker_->worker());
   for (Replica& r : replicas_) {
     if (r.rkey != nullptr) ucp_rkey_destroy(r.rkey);
     r.rkey = nullptr;
     if (r.ep != nullptr) {
       ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      if (!awaiting_.empty()) {  // a node did not answer in time: do not wait for it
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      }
       (void)ucx_wait(worker_->worker(), ucp_ep_close_nbx(r.ep, &p), "close");
       r.ep = nullptr;
     }
   }
+  // Messages still being sent on force-closed endpoints complete with an error at the next
+  // progress; their buffers are freed then.
+  const auto sends_until = Clock::now() + config_.op_timeout;
+  while (sends_in_flight_ > 0 && Clock::now() < sends_until) ucp_worker_progress(worker_->worker());
   local_.clear();  // unmaps before the worker (declared first) goes
 }
 
@@ -118,6 +143,9 @@ void UcxRemoteTransport::mark_dead(int replica, const std::string& why) {
   Replica& r = replicas_[static_cast<size_t>(replica)];
   if (!r.report.alive) return;
   r.report.alive = false;
+  for (auto it = awaiting_.begin(); it != awaiting_.end();) {  // it will not answer them
+    it = it->second == replica ? awaiting_.erase(it) : std::next(it);
+  }
   r.report.error = why;
   // Force-closing completes (with an error) every flush and RMA operation posted to the node, so
   // no leg waits on a dead peer. Not waited for here: this may run inside progress.
@@ -235,8 +263,13 @@ Result<TransferHandle> UcxRemoteTransport::prepare(const TransferBatch& batch) {
   requests_ += static_cast<int64_t>(op.reads.size() + op.writes.size());
   coalesce(op.reads);
   coalesce(op.writes);
+  if (config_.mode == UcxTransferMode::kNodeGather) {
+    split_parts(op.reads);
+    split_parts(op.writes);
+  }
   rma_parts_ += static_cast<int64_t>(op.reads.size() + op.writes.size());
   const uint64_t id = next_id_++;
+  op.id = id;
   ops_.emplace(id, std::move(op));
   return make_handle(id);
 }
@@ -262,17 +295,39 @@ void UcxRemoteTransport::coalesce(std::vector<Part>& parts) {
   parts.resize(out + 1);
 }
 
+void UcxRemoteTransport::split_parts(std::vector<Part>& parts) {
+  // A node-side chunk moves at most kMaxChunkBytes: larger parts (layer migrations) are cut.
+  std::vector<Part> out;
+  for (const Part& p : parts) {
+    for (uint64_t done = 0; done < p.bytes; done += ucx_wire::kMaxChunkBytes) {
+      Part piece = p;
+      piece.remote_offset += done;
+      piece.local += done;
+      piece.bytes = std::min(ucx_wire::kMaxChunkBytes, p.bytes - done);
+      out.push_back(piece);
+    }
+  }
+  parts = std::move(out);
+}
+
 UcxRemoteTransport::Op* UcxRemoteTransport::find(const TransferHandle& handle, std::string_view) {
   if (!handle.valid() || handle.owner() != this) return nullptr;
   auto it = ops_.find(handle.id());
   return it == ops_.end() ? nullptr : &it->second;
 }
 
-bool UcxRemoteTransport::start_leg(Leg& leg, const std::vector<Part>& parts, bool reading) {
-  Replica& r = replicas_[static_cast<size_t>(leg.replica)];
+bool UcxRemoteTransport::start_leg(Op& op, int leg_index) {
+  Leg& leg = leg_index < 0 ? op.read : op.write[static_cast<size_t>(leg_index)];
   leg.started = Clock::now();
   leg.finished = false;
   leg.ok = false;
+  if (config_.mode == UcxTransferMode::kRma)
+    return start_rma(leg, leg_index < 0 ? op.reads : op.writes, leg_index < 0);
+  return start_chunks(op, leg_index);
+}
+
+bool UcxRemoteTransport::start_rma(Leg& leg, const std::vector<Part>& parts, bool reading) {
+  Replica& r = replicas_[static_cast<size_t>(leg.replica)];
   for (const Part& p : parts) {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
@@ -299,16 +354,156 @@ bool UcxRemoteTransport::start_leg(Leg& leg, const std::vector<Part>& parts, boo
   return true;
 }
 
-bool UcxRemoteTransport::advance_leg(Leg& leg, const std::vector<Part>& parts, bool reading,
-                                     bool allow_failover) {
+void UcxRemoteTransport::on_send_done(void* request, ucs_status_t, void* user_data) {
+  // Runs inside progress (under mu_): the message's bytes are no longer needed.
+  auto* buf = static_cast<SendBuffer*>(user_data);
+  --buf->owner->sends_in_flight_;
+  delete buf;
+  if (request != nullptr) ucp_request_free(request);
+}
+
+bool UcxRemoteTransport::start_chunks(Op& op, int leg_index) {
+  Leg& leg = leg_index < 0 ? op.read : op.write[static_cast<size_t>(leg_index)];
+  const bool reading = leg_index < 0;
+  const std::vector<Part>& parts = reading ? op.reads : op.writes;
+  Replica& r = replicas_[static_cast<size_t>(leg.replica)];
+  ++leg.attempt;
+  leg.chunks_left = 0;
+  leg.refused.clear();
+  size_t first = 0;
+  while (first < parts.size()) {
+    // One chunk: as many parts as fit kMaxChunkBytes and kMaxChunkRanges (prepare split larger
+    // parts), one range each.
+    size_t end = first;
+    uint64_t bytes = 0;
+    while (end < parts.size() && end - first < ucx_wire::kMaxChunkRanges &&
+           bytes + parts[end].bytes <= ucx_wire::kMaxChunkBytes) {
+      bytes += parts[end].bytes;
+      ++end;
+    }
+    std::vector<ucx_wire::Range> ranges;
+    for (size_t i = first; i < end; ++i)
+      ranges.push_back({r.address + parts[i].remote_offset, parts[i].bytes});
+    const uint64_t token = next_token_++;
+    pending_[token] = Pending{op.id, leg_index, leg.attempt, first, end};
+    // The message owns its bytes (header first) until UCX reports the send complete.
+    auto* sb = new SendBuffer{
+        this, std::vector<uint8_t>(sizeof(ucx_wire::RequestHeader) + ranges.size() * sizeof(ucx_wire::Range) +
+                                   (reading ? 0 : bytes))};
+    std::vector<uint8_t>* buf = &sb->bytes;
+    ucx_wire::RequestHeader hdr{token, static_cast<uint32_t>(ranges.size()), 0};
+    std::memcpy(buf->data(), &hdr, sizeof hdr);
+    uint8_t* at = buf->data() + sizeof hdr;
+    std::memcpy(at, ranges.data(), ranges.size() * sizeof(ucx_wire::Range));
+    at += ranges.size() * sizeof(ucx_wire::Range);
+    if (!reading) {
+      // The rows are copied into the message now, so the caller's buffers are free after post.
+      for (size_t i = first; i < end; ++i) {
+        std::memcpy(at, parts[i].local, parts[i].bytes);
+        at += parts[i].bytes;
+      }
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    param.cb.send = &UcxRemoteTransport::on_send_done;
+    param.user_data = sb;
+    ucs_status_ptr_t req =
+        ucp_am_send_nbx(r.ep, reading ? ucx_wire::kGather : ucx_wire::kScatter, buf->data(), sizeof hdr,
+                        buf->data() + sizeof hdr, buf->size() - sizeof hdr, &param);
+    if (req == nullptr) {
+      delete sb;  // sent in place; the callback is not called
+    } else if (UCS_PTR_IS_ERR(req)) {
+      delete sb;
+      pending_.erase(token);
+      mark_dead(leg.replica, std::string("send failed: ") + ucs_status_string(UCS_PTR_STATUS(req)));
+      return false;
+    }
+    if (req != nullptr && !UCS_PTR_IS_ERR(req)) ++sends_in_flight_;
+    awaiting_[token] = leg.replica;
+    ++leg.chunks_left;
+    if (!r.report.alive) return false;
+    first = end;
+  }
+  return true;
+}
+
+void UcxRemoteTransport::forget_chunks(uint64_t op, int leg_index) {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->second.op == op && (leg_index == -2 || it->second.leg == leg_index)) {
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+ucs_status_t UcxRemoteTransport::on_reply(void* arg, const void* header, size_t header_length, void* data,
+                                          size_t length, const ucp_am_recv_param_t* param) {
+  // Runs inside ucp_worker_progress, i.e. under mu_.
+  auto* self = static_cast<UcxRemoteTransport*>(arg);
+  if (header_length != sizeof(ucx_wire::ReplyHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    return UCS_OK;  // not ours (or a protocol we never ask for): dropped
+  }
+  ucx_wire::ReplyHeader hdr;
+  std::memcpy(&hdr, header, sizeof hdr);
+  self->awaiting_.erase(hdr.token);
+  auto it = self->pending_.find(hdr.token);
+  if (it == self->pending_.end()) return UCS_OK;  // released, or an earlier attempt
+  const Pending p = it->second;
+  self->pending_.erase(it);
+  auto op_it = self->ops_.find(p.op);
+  if (op_it == self->ops_.end()) return UCS_OK;
+  Op& op = op_it->second;
+  Leg& leg = p.leg < 0 ? op.read : op.write[static_cast<size_t>(p.leg)];
+  if (leg.attempt != p.attempt || leg.finished) return UCS_OK;
+  const Replica& r = self->replicas_[static_cast<size_t>(leg.replica)];
+  if (hdr.status != UCS_OK) {
+    leg.refused = "node " + r.report.node + " refused a " + (p.leg < 0 ? "gather" : "scatter") + ": " +
+                  ucs_status_string(static_cast<ucs_status_t>(hdr.status));
+  } else if (p.leg < 0) {
+    uint64_t expect = 0;
+    for (size_t i = p.first; i < p.end; ++i) expect += op.reads[i].bytes;
+    if (length != expect) {
+      leg.refused = "node " + r.report.node + " sent " + std::to_string(length) + " bytes for a gather of " +
+                    std::to_string(expect);
+    } else {
+      const auto* src = static_cast<const uint8_t*>(data);
+      for (size_t i = p.first; i < p.end; ++i) {
+        std::memcpy(op.reads[i].local, src, op.reads[i].bytes);
+        src += op.reads[i].bytes;
+      }
+    }
+  }
+  --leg.chunks_left;
+  return UCS_OK;
+}
+
+ucs_status_t UcxRemoteTransport::leg_status(Leg& leg) {
+  if (config_.mode == UcxTransferMode::kRma) return check_request(leg.flush);
+  if (leg.chunks_left > 0 && leg.refused.empty()) return UCS_INPROGRESS;
+  return UCS_OK;  // a refusal is reported by advance_leg
+}
+
+bool UcxRemoteTransport::advance_leg(Op& op, int leg_index) {
+  Leg& leg = leg_index < 0 ? op.read : op.write[static_cast<size_t>(leg_index)];
+  const bool reading = leg_index < 0;
+  const std::vector<Part>& parts = reading ? op.reads : op.writes;
   while (!leg.finished) {
     if (leg.replica >= 0 && replicas_[static_cast<size_t>(leg.replica)].report.alive) {
-      const ucs_status_t s = check_request(leg.flush);
+      const ucs_status_t s = leg_status(leg);
       if (s == UCS_INPROGRESS) {
         if (Clock::now() - leg.started < config_.op_timeout) return false;
         mark_dead(leg.replica, "silent for " + std::to_string(config_.op_timeout.count()) + " ms");
         // The forced close completes the flush with an error at a later progress.
         return false;
+      }
+      if (!leg.refused.empty()) {
+        // The node answered but would not serve the ranges: not a failure of the peer, and no
+        // other replica would answer differently.
+        forget_chunks(op.id, leg_index);
+        leg.finished = true;
+        return true;
       }
       if (s == UCS_OK) {
         uint64_t bytes = 0;
@@ -321,9 +516,11 @@ bool UcxRemoteTransport::advance_leg(Leg& leg, const std::vector<Part>& parts, b
       mark_dead(leg.replica, std::string("flush failed: ") + ucs_status_string(s));
     }
     // The leg's replica is dead. Its flush (if any) completes with an error once the forced close
-    // has run; until then it may still touch the buffers.
+    // has run; until then it may still touch the buffers. Replies of node-side chunks can no
+    // longer come (and would be ignored: the attempt changes).
     if (leg.flush != nullptr && check_request(leg.flush) == UCS_INPROGRESS) return false;
-    if (!allow_failover) {
+    forget_chunks(op.id, leg_index);
+    if (!reading) {
       leg.finished = true;
       return true;
     }
@@ -334,23 +531,37 @@ bool UcxRemoteTransport::advance_leg(Leg& leg, const std::vector<Part>& parts, b
     }
     if (leg.replica >= 0) ++failovers_;
     leg.replica = next;
-    (void)start_leg(leg, parts, reading);  // on failure the loop sees the replica dead
+    (void)start_leg(op, leg_index);  // on failure the loop sees the replica dead
   }
   return true;
 }
 
 void UcxRemoteTransport::advance(Op& op) {
   if (op.state != State::kRunning) return;
-  ucp_worker_progress(worker_->worker());
+  // Progress until nothing more happens now (bounded), so that a large transfer is not paced by
+  // the caller's polling interval.
+  const Clock::time_point until = Clock::now() + std::chrono::microseconds(200);
+  while (ucp_worker_progress(worker_->worker()) != 0 && Clock::now() < until) {
+  }
   bool all = true;
-  if (!op.reads.empty()) all &= advance_leg(op.read, op.reads, true, true);
-  for (Leg& leg : op.write) all &= advance_leg(leg, op.writes, false, false);
+  if (!op.reads.empty()) all &= advance_leg(op, -1);
+  for (size_t i = 0; i < op.write.size(); ++i) all &= advance_leg(op, static_cast<int>(i));
   if (!all) return;
+  auto refusal = [&]() -> std::string {
+    if (!op.read.refused.empty()) return op.read.refused;
+    for (const Leg& l : op.write) {
+      if (!l.refused.empty()) return l.refused;
+    }
+    return "";
+  };
   const bool read_ok = op.reads.empty() || op.read.ok;
   const bool write_ok =
       op.writes.empty() || std::any_of(op.write.begin(), op.write.end(), [](const Leg& l) { return l.ok; });
   if (read_ok && write_ok) {
     op.state = State::kDone;
+  } else if (const std::string why = refusal(); !why.empty()) {
+    op.state = State::kFailed;
+    op.error = data_loss(who() + ": " + why);
   } else {
     op.state = State::kFailed;
     op.error = unavailable(who() + ": no live replica (" + replicas_text() + ")");
@@ -370,7 +581,7 @@ Status UcxRemoteTransport::post(TransferHandle& handle) {
   }
   if (!op->reads.empty()) {
     op->read.replica = first_live();
-    (void)start_leg(op->read, op->reads, true);
+    (void)start_leg(*op, -1);
   }
   if (!op->writes.empty()) {
     for (size_t i = 0; i < replicas_.size(); ++i) {
@@ -378,8 +589,8 @@ Status UcxRemoteTransport::post(TransferHandle& handle) {
       Leg leg;
       leg.replica = static_cast<int>(i);
       op->write.push_back(leg);
-      (void)start_leg(op->write.back(), op->writes, false);
     }
+    for (size_t i = 0; i < op->write.size(); ++i) (void)start_leg(*op, static_cast<int>(i));
   }
   advance(*op);
   if (op->state == State::kDone) return Status::ok();
@@ -428,6 +639,7 @@ void UcxRemoteTransport::release(TransferHandle& handle) {
   std::lock_guard lock(mu_);
   if (Op* op = find(handle, "release")) {
     drain(*op);
+    forget_chunks(op->id, -2);  // late replies find nothing to write into
     ops_.erase(handle.id());
   }
   reset_handle(handle);

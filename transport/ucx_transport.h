@@ -1,5 +1,6 @@
 // UcxRemoteTransport: one remote KV tier held by one or more KV nodes (cluster/kv_node.h), reached
-// with UCX RMA (ucp_get_nbx / ucp_put_nbx into memory the node registered). The tier may be
+// with UCX RMA (ucp_get_nbx / ucp_put_nbx into memory the node registered) or with node-side
+// gather / scatter active messages (UcxTransferMode, transport/ucx_wire.h). The tier may be
 // mirrored on several nodes (replicas): writes go to every live replica and complete when each
 // has flushed them; reads come from the first live replica and fail over to the next when it
 // dies, so a dead node loses nothing while one replica lives. A replica that failed once is never
@@ -47,10 +48,16 @@ struct RemoteRegion {
   uint64_t region = 0;  // the node's id for it (control plane "free")
 };
 
+// kRma: one-sided get/put per merged row range (the right choice on RDMA NICs). kNodeGather: one
+// active message per chunk lists the ranges and the node packs (or unpacks) the rows, so a batch of
+// scattered rows costs a few round trips instead of one per row (what TCP needs).
+enum class UcxTransferMode { kRma, kNodeGather };
+
 struct UcxRemoteConfig {
   TierId tier;                                 // the kRemote tier this transport serves
   std::vector<RemoteRegion> replicas;          // 1..kMaxReplicas copies of the tier, each >= its size
   std::chrono::milliseconds op_timeout{5000};  // a replica silent this long is declared dead
+  UcxTransferMode mode = UcxTransferMode::kRma;
 };
 
 struct ReplicaReport {
@@ -108,14 +115,24 @@ class UcxRemoteTransport final : public Transport {
     ucp_mem_h memh = nullptr;
   };
   enum class State : uint8_t { kPrepared, kRunning, kDone, kFailed };
-  struct Leg {  // the reads, or the writes to one replica, and the flush that completes them
+  struct Leg {  // the reads, or the writes to one replica, and what completes them
     int replica = -1;
-    ucs_status_ptr_t flush = nullptr;
+    ucs_status_ptr_t flush = nullptr;  // kRma
+    int64_t chunks_left = 0;           // kNodeGather: replies still to come
+    uint32_t attempt = 0;              // kNodeGather: replies of earlier attempts are ignored
+    std::string refused;               // kNodeGather: the node refused a chunk (not a peer failure)
     std::chrono::steady_clock::time_point started;
     bool finished = false;
     bool ok = false;
   };
+  struct Pending {  // one kNodeGather chunk in flight
+    uint64_t op = 0;
+    int leg = -1;  // -1: the reads, else op.write[leg]
+    uint32_t attempt = 0;
+    size_t first = 0, end = 0;  // its parts
+  };
   struct Op {
+    uint64_t id = 0;
     std::vector<Part> reads;   // remote → local
     std::vector<Part> writes;  // local → remote
     State state = State::kPrepared;
@@ -127,11 +144,23 @@ class UcxRemoteTransport final : public Transport {
 
   Status connect_replicas();  // in create
   static void coalesce(std::vector<Part>& parts);
+  static void split_parts(std::vector<Part>& parts);
   Op* find(const TransferHandle& handle, std::string_view what);  // requires mu_
   // Issues the leg's RMA operations and its flush; false (replica marked dead) on a failed issue.
-  bool start_leg(Leg& leg, const std::vector<Part>& parts, bool reading);
+  bool start_leg(Op& op, int leg_index);
+  bool start_rma(Leg& leg, const std::vector<Part>& parts, bool reading);
+  bool start_chunks(Op& op, int leg_index);
   // Advances a leg; true once it has finished (ok or not). Requires mu_.
-  bool advance_leg(Leg& leg, const std::vector<Part>& parts, bool reading, bool allow_failover);
+  bool advance_leg(Op& op, int leg_index);
+  ucs_status_t leg_status(Leg& leg);
+  void forget_chunks(uint64_t op, int leg_index);  // drops the leg's (or with -2, the op's) pending chunks
+  struct SendBuffer {
+    UcxRemoteTransport* owner;
+    std::vector<uint8_t> bytes;
+  };
+  static void on_send_done(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t on_reply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                               const ucp_am_recv_param_t* param);
   void advance(Op& op);
   void mark_dead(int replica, const std::string& why);
   int first_live() const;
@@ -146,7 +175,11 @@ class UcxRemoteTransport final : public Transport {
   uint64_t remote_bytes_ = 0;  // registered size of the remote tier (0 until registered)
   std::unordered_map<TierId, LocalTier> local_;
   std::unordered_map<uint64_t, Op> ops_;
+  std::unordered_map<uint64_t, Pending> pending_;  // kNodeGather chunks by token
+  std::unordered_map<uint64_t, int> awaiting_;     // every unanswered chunk (also released ones) → replica
   uint64_t next_id_ = 1;
+  uint64_t next_token_ = 1;
+  int64_t sends_in_flight_ = 0;
   int64_t failovers_ = 0;
   int64_t requests_ = 0;
   int64_t rma_parts_ = 0;

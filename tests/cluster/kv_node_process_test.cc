@@ -10,6 +10,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -141,13 +142,17 @@ TEST(KvNodeProcess, GenerateOnAKvNodeGivesTheAllDeviceText) {
   EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u);
 }
 
-TEST(KvNodeProcess, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
+// Both data paths: the node-side gather (default) and one-sided RMA.
+class KvNodeModes : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Modes, KvNodeModes, ::testing::Values("gather", "rma"));
+
+TEST_P(KvNodeModes, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
   NodeProcess a, b;
   ASSERT_TRUE(a.port() != 0 && b.port() != 0);
   const std::string expect = baseline_text(400);
   // 400 tokens need more host memory than kTiers gives (the head's keys move there).
-  Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node 2MiB@" + a.endpoint() + "+" +
-               b.endpoint());
+  Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node-mode " + GetParam() +
+               " --kv-node 2MiB@" + a.endpoint() + "+" + b.endpoint());
   // Once both nodes hold the tier's region, set-up is over; a little later (the probe and the
   // first steps have written to both; 400 tokens take over a second) the first replica dies.
   const auto deadline = std::chrono::steady_clock::now() + 30s;
@@ -160,6 +165,7 @@ TEST(KvNodeProcess, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
   ASSERT_EQ(code, 0) << out;
   const auto j = parse_json_tail(out);
   EXPECT_EQ(j["text"].get<std::string>(), expect);
+  EXPECT_EQ(j["tiering"]["kv_nodes"][0]["mode"], GetParam());
   const auto& reps = j["tiering"]["kv_nodes"][0]["replicas"];
   EXPECT_FALSE(reps[0]["alive"].get<bool>()) << reps;
   EXPECT_FALSE(reps[0]["error"].get<std::string>().empty());
@@ -181,6 +187,30 @@ TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
   EXPECT_NE(out.find("Unavailable"), std::string::npos) << out;
   EXPECT_NE(out.find(node.endpoint()), std::string::npos) << out;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
+}
+
+TEST(KvNodeProcess, ANodeOutlivesClientsKilledMidRun) {
+  NodeProcess node("64MiB");
+  ASSERT_NE(node.port(), 0);
+  for (const char* mode : {"gather", "rma"}) {
+    // SIGKILL of the engine while it streams rows from the node.
+    Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node-mode " +
+                 std::string(mode) + " --kv-node 2MiB@" + node.endpoint() + " --kv-node-timeout-ms 4321");
+    (void)gen;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (node.regions() < 1 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(100ms);
+    // The odd timeout marks this test's engine, so that no other test's process is hit ([4]: not
+    // this shell's own command line).
+    EXPECT_EQ(std::system("pkill -9 -f 'kv-node-timeout-ms [4]321' >/dev/null 2>&1"), 0);
+    (void)gen.finish();
+    for (int i = 0; i < 200 && node.regions() != 0; ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(node.regions(), 0) << mode << ": the dead client's region was not freed";
+  }
+  // Still serving.
+  auto [code, out] = Generate(model_args(40) + kTiers + " --kv-node 1MiB@" + node.endpoint()).finish();
+  EXPECT_EQ(code, 0) << out;
 }
 
 TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {

@@ -22,6 +22,7 @@ namespace {
 using transport::RemoteRegion;
 using transport::UcxRemoteConfig;
 using transport::UcxRemoteTransport;
+using transport::UcxTransferMode;
 using namespace std::chrono_literals;
 
 constexpr TierId kLocal{1};
@@ -73,10 +74,11 @@ struct Rig {
   std::vector<uint8_t> local;
 };
 
-Rig make_rig(const std::vector<KvNode*>& nodes, uint64_t remote_bytes, size_t local_bytes,
-             std::chrono::milliseconds op_timeout = 3000ms) {
+Rig make_rig(UcxTransferMode mode, const std::vector<KvNode*>& nodes, uint64_t remote_bytes,
+             size_t local_bytes, std::chrono::milliseconds op_timeout = 3000ms) {
   Rig r;
   UcxRemoteConfig cfg;
+  cfg.mode = mode;
   cfg.tier = kRemote;
   cfg.op_timeout = op_timeout;
   for (KvNode* n : nodes) {
@@ -194,11 +196,19 @@ TEST(KvNodeControl, EndpointsAreValidated) {
   EXPECT_FALSE(parse_endpoint("h:12x").is_ok());
 }
 
-TEST(UcxTransport, RandomBatchesRoundTripBitExact) {
+// Every data-path case runs with one-sided RMA and with the node-side gather / scatter.
+class UcxTransport : public ::testing::TestWithParam<UcxTransferMode> {};
+INSTANTIATE_TEST_SUITE_P(Modes, UcxTransport,
+                         ::testing::Values(UcxTransferMode::kRma, UcxTransferMode::kNodeGather),
+                         [](const auto& info) {
+                           return info.param == UcxTransferMode::kRma ? "Rma" : "NodeGather";
+                         });
+
+TEST_P(UcxTransport, RandomBatchesRoundTripBitExact) {
   auto node = start_node();
   ASSERT_NE(node, nullptr);
   constexpr uint64_t kBytes = 1 << 20;
-  Rig rig = make_rig({node.get()}, kBytes, 2 * kBytes);
+  Rig rig = make_rig(GetParam(), {node.get()}, kBytes, 2 * kBytes);
   const auto src = pattern(kBytes, 7);
   std::memcpy(rig.local.data(), src.data(), kBytes);
   std::mt19937 rng(3);
@@ -245,10 +255,10 @@ TEST(UcxTransport, RandomBatchesRoundTripBitExact) {
   EXPECT_EQ(rig.ucx->replicas()[0].bytes_read, kBytes + 256000u + 512 * 128);
 }
 
-TEST(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {
+TEST_P(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {
   auto node = start_node();
   ASSERT_NE(node, nullptr);
-  Rig rig = make_rig({node.get()}, 1 << 16, 1 << 16);
+  Rig rig = make_rig(GetParam(), {node.get()}, 1 << 16, 1 << 16);
   const Capabilities caps = rig.ucx->capabilities();
   EXPECT_TRUE(caps.remote);
   for (MemoryKind a :
@@ -279,6 +289,7 @@ TEST(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {
   // A tier larger than the node's region is refused.
   UcxRemoteConfig cfg;
   cfg.tier = TierId(3);
+  cfg.mode = GetParam();
   auto c = connect(*node);
   cfg.replicas.push_back(*c->allocate(4096));
   auto small = UcxRemoteTransport::create(cfg);
@@ -287,12 +298,12 @@ TEST(UcxTransport, CapabilitiesMatchBehaviourAndRegistrationRules) {
             StatusCode::kResourceExhausted);
 }
 
-TEST(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
+TEST_P(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
   auto a = start_node();
   auto b = start_node();
   ASSERT_TRUE(a && b);
   constexpr uint64_t kBytes = 256 << 10;
-  Rig rig = make_rig({a.get(), b.get()}, kBytes, 2 * kBytes);
+  Rig rig = make_rig(GetParam(), {a.get(), b.get()}, kBytes, 2 * kBytes);
   const auto src = pattern(kBytes, 11);
   std::memcpy(rig.local.data(), src.data(), kBytes);
   ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
@@ -327,13 +338,13 @@ TEST(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
   EXPECT_EQ(write_dead.code(), StatusCode::kUnavailable) << write_dead.to_string();
 }
 
-TEST(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {
+TEST_P(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {
   auto a = start_node();
   auto b = start_node();
   ASSERT_TRUE(a && b);
   auto ca = connect(*a);
   auto cb = connect(*b);
-  UcxRemoteConfig cfg{kRemote, {*ca->allocate(65536), *cb->allocate(65536)}, 3000ms};
+  UcxRemoteConfig cfg{kRemote, {*ca->allocate(65536), *cb->allocate(65536)}, 3000ms, GetParam()};
   a->stop();
   auto t = UcxRemoteTransport::create(cfg);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
@@ -363,12 +374,12 @@ TEST(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {
   }
 }
 
-TEST(UcxTransport, ReleaseInFlightThenFreeTheBuffer) {
+TEST_P(UcxTransport, ReleaseInFlightThenFreeTheBuffer) {
   // Under ASan a late write into the freed buffer would be reported.
   auto node = start_node(32 << 20);
   ASSERT_NE(node, nullptr);
   for (int round = 0; round < 5; ++round) {
-    Rig rig = make_rig({node.get()}, 16 << 20, 16 << 20);
+    Rig rig = make_rig(GetParam(), {node.get()}, 16 << 20, 16 << 20);
     auto h = rig.ucx->prepare({{kRemote, 0, kLocal, 0, 16 << 20}});
     ASSERT_TRUE(h.is_ok());
     Status s = rig.ucx->post(*h);
@@ -380,14 +391,40 @@ TEST(UcxTransport, ReleaseInFlightThenFreeTheBuffer) {
   }
 }
 
-TEST(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
+TEST(UcxNodeGather, ANodeRefusesRangesOutsideItsPoolWithoutCrashing) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  auto c = connect(*node);
+  RemoteRegion bad = *c->allocate(65536);
+  bad.address += 1 << 20;  // past the end of the pool
+  UcxRemoteConfig cfg{kRemote, {bad}, 3000ms, UcxTransferMode::kNodeGather};
+  auto t = UcxRemoteTransport::create(cfg);
+  ASSERT_TRUE(t.is_ok());
+  std::vector<uint8_t> host(65536, 7);
+  ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
+  ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, 65536).is_ok());
+  for (const TransferRequest& r :
+       {TransferRequest{kRemote, 0, kLocal, 0, 4096}, TransferRequest{kLocal, 0, kRemote, 0, 4096}}) {
+    Status s = transfer(**t, {r});
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.to_string();
+    EXPECT_NE(s.message().find("refused"), std::string::npos) << s.to_string();
+  }
+  EXPECT_TRUE((*t)->replicas()[0].alive);  // a refusal is not a dead peer
+  EXPECT_EQ(node->stats().bad_requests, 2);
+  EXPECT_EQ(host[0], 7);  // nothing written on a refused gather
+  // The node still serves a correct client.
+  Rig rig = make_rig(UcxTransferMode::kNodeGather, {node.get()}, 65536, 65536);
+  EXPECT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
+}
+
+TEST_P(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
   auto a = start_node();
   auto b = start_node();
   ASSERT_TRUE(a && b);
   auto ca = connect(*a);
   auto cb = connect(*b);
-  UcxRemoteConfig cfg_a{TierId(2), {*ca->allocate(65536)}, 3000ms};
-  UcxRemoteConfig cfg_b{TierId(3), {*cb->allocate(65536)}, 3000ms};
+  UcxRemoteConfig cfg_a{TierId(2), {*ca->allocate(65536)}, 3000ms, GetParam()};
+  UcxRemoteConfig cfg_b{TierId(3), {*cb->allocate(65536)}, 3000ms, GetParam()};
   auto ta = UcxRemoteTransport::create(cfg_a);
   auto tb = UcxRemoteTransport::create(cfg_b);
   ASSERT_TRUE(ta.is_ok() && tb.is_ok());

@@ -1,0 +1,35 @@
+// Wire format of the node-side gather / scatter (UcxTransferMode::kNodeGather): UCX active
+// messages between UcxRemoteTransport and a KV node (cluster/kv_node.cc). A request lists the
+// node-memory ranges (remote virtual addresses, as in RMA); a gather's reply carries the rows
+// packed in list order, a scatter's request carries them after the list and its reply only the
+// status. One request moves at most kMaxChunkBytes of rows and kMaxChunkRanges ranges (always
+// eager, so each message arrives whole in one callback).
+#pragma once
+
+#include <cstdint>
+
+namespace specontext::transport::ucx_wire {
+
+inline constexpr unsigned kGather = 0x5301;
+inline constexpr unsigned kGatherReply = 0x5302;
+inline constexpr unsigned kScatter = 0x5303;
+inline constexpr unsigned kScatterReply = 0x5304;
+inline constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 20;
+inline constexpr uint32_t kMaxChunkRanges = 16384;
+
+struct Range {
+  uint64_t address = 0;
+  uint64_t bytes = 0;
+};
+struct RequestHeader {
+  uint64_t token = 0;  // echoed in the reply
+  uint32_t ranges = 0;
+  uint32_t reserved = 0;
+};
+struct ReplyHeader {
+  uint64_t token = 0;
+  int32_t status = 0;  // ucs_status_t: UCS_OK, or why the node refused (a range outside its pool)
+  uint32_t reserved = 0;
+};
+
+}  // namespace specontext::transport::ucx_wire

@@ -149,17 +149,20 @@ INSTANTIATE_TEST_SUITE_P(Modes, KvNodeModes, ::testing::Values("gather", "rma"))
 TEST_P(KvNodeModes, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
   NodeProcess a, b;
   ASSERT_TRUE(a.port() != 0 && b.port() != 0);
+  const auto b0 = std::chrono::steady_clock::now();
   const std::string expect = baseline_text(400);
+  const auto baseline_took = std::chrono::steady_clock::now() - b0;
   // 400 tokens need more host memory than kTiers gives (the head's keys move there).
   Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node-mode " + GetParam() +
                " --kv-node 2MiB@" + a.endpoint() + "+" + b.endpoint());
-  // Once both nodes hold the tier's region, set-up is over; a little later (the probe and the
-  // first steps have written to both; 400 tokens take over a second) the first replica dies.
+  // Once both nodes hold the tier's region, set-up is over. The first replica dies after 0.6x the
+  // all-device run's time (the tiered run is slower, and sends its first layer to the nodes after
+  // about 10 % of it), so mid-run at any build speed (release or ASan).
   const auto deadline = std::chrono::steady_clock::now() + 30s;
   while ((a.regions() < 1 || b.regions() < 1) && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(1ms);
   }
-  std::this_thread::sleep_for(100ms);
+  std::this_thread::sleep_for(baseline_took * 6 / 10);
   a.kill_now();
   auto [code, out] = gen.finish();
   ASSERT_EQ(code, 0) << out;

@@ -310,7 +310,7 @@ void UcxRemoteTransport::split_parts(std::vector<Part>& parts) {
   parts = std::move(out);
 }
 
-UcxRemoteTransport::Op* UcxRemoteTransport::find(const TransferHandle& handle, std::string_view) {
+UcxRemoteTransport::Op* UcxRemoteTransport::find(const TransferHandle& handle) {
   if (!handle.valid() || handle.owner() != this) return nullptr;
   auto it = ops_.find(handle.id());
   return it == ops_.end() ? nullptr : &it->second;
@@ -570,7 +570,7 @@ void UcxRemoteTransport::advance(Op& op) {
 
 Status UcxRemoteTransport::post(TransferHandle& handle) {
   std::lock_guard lock(mu_);
-  Op* op = find(handle, "post");
+  Op* op = find(handle);
   if (op == nullptr) return invalid_argument(who() + ": post of a handle that is not a live transfer");
   if (op->state != State::kPrepared) return invalid_argument(who() + ": transfer posted twice");
   op->state = State::kRunning;
@@ -600,7 +600,7 @@ Status UcxRemoteTransport::post(TransferHandle& handle) {
 
 Status UcxRemoteTransport::poll(TransferHandle& handle) {
   std::lock_guard lock(mu_);
-  Op* op = find(handle, "poll");
+  Op* op = find(handle);
   if (op == nullptr) return invalid_argument(who() + ": poll of a handle that is not a live transfer");
   if (op->state == State::kPrepared)
     return invalid_argument(who() + ": poll of a transfer that was not posted");
@@ -637,7 +637,7 @@ void UcxRemoteTransport::drain(Op& op) {
 
 void UcxRemoteTransport::release(TransferHandle& handle) {
   std::lock_guard lock(mu_);
-  if (Op* op = find(handle, "release")) {
+  if (Op* op = find(handle)) {
     drain(*op);
     forget_chunks(op->id, -2);  // late replies find nothing to write into
     ops_.erase(handle.id());

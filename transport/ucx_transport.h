@@ -145,7 +145,7 @@ class UcxRemoteTransport final : public Transport {
   Status connect_replicas();  // in create
   static void coalesce(std::vector<Part>& parts);
   static void split_parts(std::vector<Part>& parts);
-  Op* find(const TransferHandle& handle, std::string_view what);  // requires mu_
+  Op* find(const TransferHandle& handle);  // requires mu_
   // Issues the leg's RMA operations and its flush; false (replica marked dead) on a failed issue.
   bool start_leg(Op& op, int leg_index);
   bool start_rma(Leg& leg, const std::vector<Part>& parts, bool reading);

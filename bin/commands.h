@@ -6,26 +6,15 @@
 #include <string>
 #include <vector>
 
+#include "bin/engine_setup.h"
 #include "bin/tier_setup.h"
 #include "core/model.h"
 #include "core/status.h"
 
 namespace specontext::cli {
 
-// Where the model comes from: a path or a synthetic shape.
-struct ModelArgs {
-  std::string model_path;
-  std::string synthetic;
-  int64_t layers = 0;
-  std::string dtype = "f32";
-  uint64_t weight_seed = 1;
-};
-void add_model_options(CLI::App& cmd, ModelArgs& args);
-Result<std::shared_ptr<Model>> load_model_from_args(const ModelArgs& args);
-
 struct GenerateArgs {
-  ModelArgs model;
-  std::string tokenizer;
+  EngineArgs engine;
   std::string prompt;
   std::string prompt_file;
   std::string system_prompt;
@@ -40,19 +29,6 @@ struct GenerateArgs {
   int64_t synthetic_context = 0;
   int64_t batch = 1;
   int64_t prompt_tokens = 16;  // synthetic prompts: random ids
-  int64_t page_size = 16;
-  int64_t prefill_chunk = 256;
-  int64_t max_context = 0;
-  int threads = 0;
-  bool reference = false;
-  std::string sparse;       // "" = specontext when a retrieval head is found, else dense
-  std::string head_path;    // retrieval head (default: retrieval_head.safetensors beside the model)
-  int64_t budget = 0;       // 0 = 2048, or the model's max context / 8 when smaller (at least 32)
-  int64_t sinks = 1;
-  int64_t window = 4;
-  std::string backend = "cpu";  // cpu | cuda (falls back to cpu without a device)
-  std::string kv_dtype = "f32";  // f32 | f16 | bf16: the KV cache's element type
-  TierArgs tiers;
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);
@@ -131,5 +107,17 @@ struct KvNodeArgs {
 };
 void register_kv_node(CLI::App& app, KvNodeArgs& args);
 int run_kv_node(const KvNodeArgs& args);
+
+struct ServeArgs {
+  EngineArgs engine;
+  std::string listen = "127.0.0.1:8000";
+  std::string model_name;
+  int64_t max_batch = 8;
+  int64_t max_batch_tokens = 2048;
+  int64_t max_waiting = 256;
+  double drain_seconds = 30;
+};
+void register_serve(CLI::App& app, ServeArgs& args);
+int run_serve(const ServeArgs& args);
 
 }  // namespace specontext::cli

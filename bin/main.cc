@@ -1,4 +1,4 @@
-// specontext: one binary, subcommands (generate, inspect, plan, distill, eval, kv-node).
+// specontext: one binary, subcommands (generate, serve, inspect, plan, distill, eval, kv-node).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   specontext::cli::register_distill(app, distill);
   specontext::cli::KvNodeArgs kv_node;
   specontext::cli::register_kv_node(app, kv_node);
+  specontext::cli::ServeArgs serve;
+  specontext::cli::register_serve(app, serve);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,5 +33,6 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("eval")) return specontext::cli::run_eval(eval);
   if (app.got_subcommand("distill")) return specontext::cli::run_distill(distill);
   if (app.got_subcommand("kv-node")) return specontext::cli::run_kv_node(kv_node);
+  if (app.got_subcommand("serve")) return specontext::cli::run_serve(serve);
   return 2;
 }

@@ -1,48 +1,19 @@
-// Generation loop over the Engine: continuous batching of many requests, chunked prefill,
-// sampling, stop conditions and timing. The serving layer will drive the same scheduler.
+// A fixed list of requests run to completion over the Scheduler (continuous batching, chunked
+// prefill, sampling, stop conditions, timing): what `specontext generate` and the benchmarks use.
 #pragma once
 
 #include <functional>
 #include <string>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/sampler.h"
+#include "core/scheduler.h"
 
 namespace specontext {
-
-struct GenerationRequest {
-  std::vector<TokenId> prompt;        // must be non-empty
-  SamplingParams sampling;
-  int64_t max_new_tokens = 256;
-  std::vector<TokenId> stop_ids;      // generation ends after emitting none of these
-  int64_t synthetic_context = 0;      // >0: KV prefilled with random entries (speed runs only)
-};
-
-// kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
-enum class FinishReason { kLength, kStop, kContext, kRefused };
 
 struct GenerationResult {
   std::vector<TokenId> tokens;  // generated tokens (stop token excluded)
   FinishReason finish = FinishReason::kLength;
-  std::string error;            // why a kRefused request was refused
-};
-
-struct GenerationStats {
-  int64_t prompt_tokens = 0;     // tokens run through prefill
-  int64_t generated_tokens = 0;
-  double prefill_seconds = 0.0;
-  double decode_seconds = 0.0;
-  int64_t decode_tokens = 0;     // tokens produced by decode steps (first token comes from prefill)
-  int64_t decode_steps = 0;
-  int64_t kv_bytes_peak = 0;
-  double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
-  double decode_tokens_per_s() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0; }
-};
-
-struct GeneratorOptions {
-  int64_t prefill_chunk = 256;     // most prompt tokens of one sequence in one forward
-  int64_t max_batch_tokens = 2048; // most tokens in one forward
+  std::string error;  // why a kRefused request was refused
 };
 
 class Generator {

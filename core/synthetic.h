@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/model.h"
+#include "core/tokenizer.h"
 
 namespace specontext {
 
@@ -19,5 +20,10 @@ Result<std::shared_ptr<Model>> make_synthetic_model(const std::string& name, int
                                                     DType dtype, uint64_t seed);
 // Random weights for any config (tests use it with hand-written configs).
 Result<std::shared_ptr<Model>> make_random_model(const ModelConfig& config, DType dtype, uint64_t seed);
+
+// A stand-in tokenizer for synthetic models (which have none), so that servers and benchmarks can
+// run them: token i decodes to " i", and text encodes as whitespace-separated ids ("5 17 3").
+// No BOS, no stop ids. Anything else in the text is an InvalidArgument naming the word.
+std::unique_ptr<Tokenizer> make_synthetic_tokenizer(int32_t vocab_size);
 
 }  // namespace specontext

@@ -132,6 +132,28 @@ TEST_P(MatmulTest, F32MatchesReference) {
   }
 }
 
+// Small f32 batches take the row loop (it reads each weight row once for all inputs), one row
+// and larger batches take oneDNN; all of them match the reference above.
+TEST(CpuBackend, SmallF32BatchesTakeTheRowLoop) {
+  auto cpu = make_cpu({});
+  ASSERT_NE(cpu, nullptr);
+  ReferenceBackend ref;
+  for (const auto& [m, want_path] : {std::pair<int64_t, std::string>{1, "onednn:"}, {2, "rows:small-batch"},
+                                     {6, "rows:small-batch"}, {7, "onednn:"}}) {
+    SCOPED_TRACE("m=" + std::to_string(m));
+    const int64_t k = 96, n = 130;
+    const auto x = random_floats(static_cast<size_t>(m * k), 3);
+    const auto w = random_floats(static_cast<size_t>(n * k), 4);
+    const WeightMatrix wm{DType::kF32, n, k, w.data()};
+    GuardedBuffer want(static_cast<size_t>(m * n)), got(static_cast<size_t>(m * n));
+    ASSERT_TRUE(ref.matmul(x.data(), m, wm, nullptr, want.data()).is_ok());
+    ASSERT_TRUE(cpu->matmul(x.data(), m, wm, nullptr, got.data()).is_ok());
+    expect_close(got.data(), want.data(), got.size(), 1e-5, "matmul f32");
+    EXPECT_TRUE(got.intact());
+    EXPECT_EQ(cpu->matmul_path(DType::kF32).rfind(want_path, 0), 0u) << cpu->matmul_path(DType::kF32);
+  }
+}
+
 TEST_P(MatmulTest, Bf16MatchesReference) {
   const auto [fallback, with_bias] = GetParam();
   CpuBackendOptions opt;

@@ -1,0 +1,231 @@
+// Continuous batching through the OpenAI-compatible server: C clients, each sending streaming
+// completions back to back over one keep-alive connection, against an in-process server. Per
+// concurrency: output tokens/s, time to first token, inter-token latency, request latency, and
+// the most sequences the engine ran in one forward — tokens/s at C clients over 1 client is the
+// batching gain, measured side by side in one run. JSON (and --plot: PNG via plot_serve.py).
+//
+//   build/cpu/bench/bench_serve --synthetic llama-3.2-1b --layers 4 --out bench_out/serve.json --plot
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <boost/asio.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "bin/engine_setup.h"
+#include "cluster/openai_server.h"
+#include "core/synthetic.h"
+
+using namespace specontext;
+using Clock = std::chrono::steady_clock;
+namespace asio = boost::asio;
+
+namespace {
+
+struct RequestTiming {
+  double ttft_s = 0;              // request sent → first text event
+  std::vector<double> gaps_s;     // between text events
+  double latency_s = 0;           // request sent → [DONE]
+  int64_t completion_tokens = 0;  // from the usage chunk
+  bool ok = false;
+};
+
+// One streaming completion on `socket`; events are timed as their bytes arrive.
+RequestTiming stream_once(asio::ip::tcp::socket& socket, const std::string& body) {
+  RequestTiming t;
+  const std::string req =
+      "POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  const auto start = Clock::now();
+  boost::system::error_code ec;
+  asio::write(socket, asio::buffer(req), ec);
+  if (ec) return t;
+  std::string got;
+  size_t scanned = 0;
+  auto last = start;
+  bool first = true;
+  char buf[16384];
+  for (;;) {
+    const size_t n = socket.read_some(asio::buffer(buf), ec);
+    if (ec) return t;
+    const auto now = Clock::now();
+    got.append(buf, n);
+    size_t pos;
+    while ((pos = got.find("data: ", scanned)) != std::string::npos) {
+      const size_t end = got.find("\n\n", pos);
+      if (end == std::string::npos) break;
+      const std::string event = got.substr(pos + 6, end - pos - 6);
+      scanned = end + 2;
+      if (event == "[DONE]") continue;
+      const auto j = nlohmann::json::parse(event, nullptr, false);
+      if (j.contains("usage")) t.completion_tokens = j["usage"]["completion_tokens"].get<int64_t>();
+      if (!j.contains("choices") || j["choices"].empty() ||
+          j["choices"][0]["text"].get<std::string>().empty())
+        continue;
+      const double since = std::chrono::duration<double>(now - (first ? start : last)).count();
+      if (first) {
+        t.ttft_s = since;
+        first = false;
+      } else {
+        t.gaps_s.push_back(since);
+      }
+      last = now;
+    }
+    if (got.size() >= 5 && got.compare(got.size() - 5, 5, "0\r\n\r\n") == 0 &&
+        got.find("data: [DONE]") != std::string::npos) {
+      t.latency_s = std::chrono::duration<double>(now - start).count();
+      t.ok = true;
+      return t;
+    }
+  }
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5)];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"continuous batching through the OpenAI-compatible server"};
+  cli::EngineArgs args;
+  args.model.synthetic = "llama-3.2-1b";
+  args.model.layers = 4;
+  cli::add_engine_options(app, args);
+  std::vector<int64_t> concurrency = {1, 2, 4, 8};
+  int64_t per_client = 2;
+  int64_t prompt_tokens = 64;
+  int64_t max_tokens = 16;
+  int64_t max_batch = 8;
+  std::string out = "bench_out/serve.json";
+  bool plot = false;
+  app.add_option("--concurrency", concurrency, "clients sending at once, one point each")->delimiter(',');
+  app.add_option("--requests-per-client", per_client, "requests each client sends back to back");
+  app.add_option("--prompt-len", prompt_tokens, "prompt tokens (random ids)");
+  app.add_option("--max-tokens", max_tokens, "tokens generated per request");
+  app.add_option("--max-batch", max_batch, "server sequence slots");
+  app.add_option("--out", out, "JSON output path");
+  app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
+  CLI11_PARSE(app, argc, argv);
+  if (!args.model.model_path.empty()) args.model.synthetic.clear();
+
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
+    return 1;
+  };
+  auto loaded = cli::load_model_and_tokenizer(args);
+  if (!loaded.is_ok()) return fail(loaded.status());
+  if (!loaded->tokenizer)
+    loaded->tokenizer = make_synthetic_tokenizer(static_cast<int32_t>(loaded->model->config.vocab_size));
+  const int64_t context =
+      std::min<int64_t>(loaded->model->config.max_seq_len, prompt_tokens + max_tokens + 8);
+  auto bundle =
+      cli::build_engine(args, *loaded, max_batch, context,
+                        std::vector<int64_t>(static_cast<size_t>(max_batch), context), /*quiet=*/true);
+  if (!bundle.is_ok()) return fail(bundle.status());
+  cluster::ServerOptions so;
+  so.model_name = "bench";
+  so.max_waiting = 4096;
+  so.scheduling.prefill_chunk = args.prefill_chunk;
+  auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, so);
+  if (!server.is_ok()) return fail(server.status());
+  const uint16_t port = (*server)->port();
+
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int32_t> id(3, static_cast<int32_t>(loaded->model->config.vocab_size) - 1);
+  auto body_for = [&](std::mt19937& r) {
+    std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
+    for (auto& t : prompt) t = id(r);
+    return nlohmann::json{{"prompt", prompt}, {"max_tokens", max_tokens},
+                          {"temperature", 0}, {"ignore_eos", true},
+                          {"stream", true},   {"stream_options", {{"include_usage", true}}}}
+        .dump();
+  };
+
+  nlohmann::json points = nlohmann::json::array();
+  double base_tps = 0;
+  for (int64_t c : concurrency) {
+    std::vector<std::vector<RequestTiming>> timings(static_cast<size_t>(c));
+    std::vector<std::string> bodies;
+    for (int64_t i = 0; i < c * per_client; ++i) bodies.push_back(body_for(rng));
+    const auto start = Clock::now();
+    std::vector<std::thread> clients;
+    for (int64_t k = 0; k < c; ++k) {
+      clients.emplace_back([&, k] {
+        asio::io_context ioc;
+        asio::ip::tcp::socket s(ioc);
+        boost::system::error_code ec;
+        s.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
+        if (ec) return;
+        for (int64_t r = 0; r < per_client; ++r)
+          timings[static_cast<size_t>(k)].push_back(
+              stream_once(s, bodies[static_cast<size_t>(k * per_client + r)]));
+      });
+    }
+    for (auto& t : clients) t.join();
+    const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+    std::vector<double> ttft, gaps, latency;
+    int64_t tokens = 0, failed = 0;
+    for (const auto& per : timings) {
+      for (const RequestTiming& t : per) {
+        if (!t.ok) {
+          ++failed;
+          continue;
+        }
+        ttft.push_back(t.ttft_s);
+        latency.push_back(t.latency_s);
+        gaps.insert(gaps.end(), t.gaps_s.begin(), t.gaps_s.end());
+        tokens += t.completion_tokens;
+      }
+    }
+    const double tps = wall > 0 ? static_cast<double>(tokens) / wall : 0;
+    if (base_tps == 0) base_tps = tps;
+    nlohmann::json p = {{"concurrency", c},
+                        {"requests", c * per_client},
+                        {"failed", failed},
+                        {"wall_s", wall},
+                        {"output_tokens", tokens},
+                        {"output_tokens_per_s", tps},
+                        {"speedup_vs_first_point", base_tps > 0 ? tps / base_tps : 0},
+                        {"ttft_p50_ms", 1e3 * percentile(ttft, 0.5)},
+                        {"ttft_p90_ms", 1e3 * percentile(ttft, 0.9)},
+                        {"itl_p50_ms", 1e3 * percentile(gaps, 0.5)},
+                        {"itl_p90_ms", 1e3 * percentile(gaps, 0.9)},
+                        {"latency_p50_s", percentile(latency, 0.5)},
+                        {"max_batch_sequences_since_start", (*server)->counters().max_batch_sequences}};
+    std::fprintf(
+        stderr, "concurrency %lld: %.2f tok/s (x%.2f) | TTFT p50 %.0f ms | ITL p50 %.0f ms | %lld failed\n",
+        static_cast<long long>(c), tps, base_tps > 0 ? tps / base_tps : 0.0, p["ttft_p50_ms"].get<double>(),
+        p["itl_p50_ms"].get<double>(), static_cast<long long>(failed));
+    points.push_back(p);
+  }
+  (*server)->stop();
+  nlohmann::json doc = {
+      {"model", args.model.model_path.empty() ? args.model.synthetic : args.model.model_path},
+      {"layers", loaded->model->config.n_layers},
+      {"sparse", bundle->method_name},
+      {"prompt_tokens", prompt_tokens},
+      {"max_tokens", max_tokens},
+      {"max_batch", max_batch},
+      {"requests_per_client", per_client},
+      {"threads", std::thread::hardware_concurrency()},
+      {"points", points}};
+  std::filesystem::create_directories(std::filesystem::path(out).parent_path().empty()
+                                          ? std::filesystem::path(".")
+                                          : std::filesystem::path(out).parent_path());
+  std::ofstream(out) << doc.dump(2) << "\n";
+  std::printf("%s\n", doc.dump().c_str());
+  if (plot) {
+    const std::string cmd =
+        std::string("/usr/bin/python3 '") + SPECONTEXT_SOURCE_DIR + "/bench/plot_serve.py' '" + out + "'";
+    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "bench_serve: plotting failed\n");
+  }
+  return 0;
+}

@@ -1,0 +1,115 @@
+// specontext serve: the OpenAI-compatible HTTP server (cluster/openai_server.h) over one engine
+// built from the same options as `generate`. Prints one JSON line when it listens
+// ({"event":"listening","port":P,...}), serves until SIGINT/SIGTERM, then drains and prints its
+// counters ({"event":"stopped",...}).
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "bin/commands.h"
+#include "cluster/control_protocol.h"
+#include "cluster/openai_server.h"
+#include "core/synthetic.h"
+
+namespace specontext::cli {
+
+void register_serve(CLI::App& app, ServeArgs& a) {
+  CLI::App* cmd =
+      app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API (continuous batching)");
+  add_engine_options(*cmd, a.engine);
+  cmd->add_option("--listen", a.listen, "HOST:PORT to listen on (port 0: any free port, printed at start)");
+  cmd->add_option("--served-model-name", a.model_name,
+                  "the model id clients name (default: the model file's name)");
+  cmd->add_option("--max-batch", a.max_batch, "sequences decoded together (the engine's sequence slots)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-batch-tokens", a.max_batch_tokens, "most tokens in one forward pass")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-waiting", a.max_waiting, "requests queued behind the running batch before 503")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--drain-seconds", a.drain_seconds,
+                  "on SIGTERM, how long accepted requests may take to finish")
+      ->check(CLI::NonNegativeNumber);
+}
+
+int run_serve(const ServeArgs& a) {
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
+    return 1;
+  };
+  auto ep = cluster::parse_endpoint(a.listen, /*allow_any_port=*/true);
+  if (!ep.is_ok()) return fail(ep.status().with_context("--listen"));
+  auto loaded = load_model_and_tokenizer(a.engine);
+  if (!loaded.is_ok()) return fail(loaded.status());
+  if (!loaded->tokenizer) {
+    // Random weights have no vocabulary: prompts are token ids ("5 17 3" or [5,17,3]), text is " 5 17 3".
+    loaded->tokenizer = make_synthetic_tokenizer(static_cast<int32_t>(loaded->model->config.vocab_size));
+    std::fprintf(stderr,
+                 "note: --synthetic weights are random (speed, not quality); prompts are token ids\n");
+  }
+  // Every slot's KV is allocated up front at the context limit: synthetic shapes (128K contexts)
+  // get 4096 unless --max-context says otherwise.
+  const int64_t context =
+      a.engine.max_context > 0
+          ? a.engine.max_context
+          : (loaded->synthetic ? std::min<int64_t>(4096, loaded->model->config.max_seq_len)
+                               : loaded->model->config.max_seq_len);
+  auto bundle =
+      build_engine(a.engine, *loaded, a.max_batch, context,
+                   std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false);
+  if (!bundle.is_ok()) return fail(bundle.status());
+
+  cluster::ServerOptions o;
+  o.host = ep->host;
+  o.port = ep->port;
+  if (!a.model_name.empty()) {
+    o.model_name = a.model_name;
+  } else {
+    o.model_name = loaded->synthetic ? a.engine.model.synthetic
+                                     : std::filesystem::path(a.engine.model.model_path).filename().string();
+    if (o.model_name.empty()) o.model_name = "specontext";
+  }
+  o.chat_template = chat_template_for(*loaded->model, *loaded->tokenizer);
+  o.stop_ids = generation_stop_ids(*loaded->tokenizer);
+  o.max_waiting = static_cast<size_t>(a.max_waiting);
+  o.scheduling.prefill_chunk = a.engine.prefill_chunk;
+  o.scheduling.max_batch_tokens = a.max_batch_tokens;
+
+  // Block the stop signals before the server's threads start, so that they inherit the mask and
+  // only sigwait below sees them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, o);
+  if (!server.is_ok()) return fail(server.status());
+  std::cout
+      << nlohmann::json{{"event", "listening"},          {"host", o.host},
+                        {"port", (*server)->port()},     {"model", o.model_name},
+                        {"max_batch", a.max_batch},      {"max_context", bundle->engine->max_context()},
+                        {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone}}
+             .dump()
+      << std::endl;
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  (*server)->stop(std::chrono::milliseconds(static_cast<int64_t>(a.drain_seconds * 1000)));
+  const cluster::ServerCounters c = (*server)->counters();
+  std::cout << nlohmann::json{{"event", "stopped"},
+                              {"signal", sig},
+                              {"accepted", c.accepted},
+                              {"completed", c.completed},
+                              {"rejected", c.rejected},
+                              {"cancelled", c.cancelled},
+                              {"failed", c.failed},
+                              {"prompt_tokens", c.prompt_tokens},
+                              {"generated_tokens", c.generated_tokens},
+                              {"max_batch_sequences", c.max_batch_sequences}}
+                   .dump()
+            << std::endl;
+  return 0;
+}
+
+}  // namespace specontext::cli

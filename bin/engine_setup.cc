@@ -1,0 +1,179 @@
+#include "bin/engine_setup.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+
+#include "core/model_loader.h"
+#include "core/retrieval_head.h"
+#include "core/synthetic.h"
+#include "cpu/cpu_backend.h"
+#if SPECONTEXT_HAVE_CUDA
+#include "gpu/cuda_backend.h"
+#endif
+
+namespace specontext::cli {
+
+void add_model_options(CLI::App& cmd, ModelArgs& args) {
+  auto* model = cmd.add_option("--model,-m", args.model_path,
+                               "model: llama2.c .bin, .gguf, or a Hugging Face directory");
+  auto* synth = cmd.add_option("--synthetic", args.synthetic,
+                               "random weights with the shapes of a named model (llama-3.2-1b, "
+                               "llama-3.1-8b, qwen3-8b, toy): measures speed, not quality");
+  model->excludes(synth);
+  cmd.add_option("--layers", args.layers, "with --synthetic: cut the depth to N layers");
+  cmd.add_option("--dtype", args.dtype, "with --synthetic: weight dtype (f32, bf16)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd.add_option("--weight-seed", args.weight_seed, "with --synthetic: seed of the random weights");
+}
+
+Result<std::shared_ptr<Model>> load_model_from_args(const ModelArgs& args) {
+  if (!args.synthetic.empty()) {
+    return make_synthetic_model(args.synthetic, args.layers,
+                                args.dtype == "bf16" ? DType::kBF16 : DType::kF32, args.weight_seed);
+  }
+  if (args.model_path.empty()) return invalid_argument("give --model PATH or --synthetic NAME");
+  return load_model(args.model_path);
+}
+
+void add_engine_options(CLI::App& cmd, EngineArgs& a) {
+  add_model_options(cmd, a.model);
+  cmd.add_option("--tokenizer", a.tokenizer, "tokenizer file (default: found next to the model)");
+  cmd.add_option("--page-size", a.page_size, "tokens per KV page")->check(CLI::PositiveNumber);
+  cmd.add_option("--kv-dtype", a.kv_dtype,
+                 "KV cache element type: f32, f16 or bf16 (attention computes in f32)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  cmd.add_option("--prefill-chunk", a.prefill_chunk, "prompt tokens per forward")->check(CLI::PositiveNumber);
+  cmd.add_option("--max-context", a.max_context, "context limit per sequence (default: the model's)");
+  cmd.add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
+  cmd.add_flag("--reference", a.reference, "use the naive reference kernels (slow; for checking)");
+  cmd.add_option("--sparse", a.sparse,
+                 "decode attention: specontext (default when a retrieval head is found), dense, "
+                 "streaming, quest, oracle")
+      ->check(CLI::IsMember({"dense", "specontext", "streaming", "quest", "oracle"}));
+  cmd.add_option("--head", a.head_path, "retrieval head (EAGLE-3 layout safetensors)");
+  cmd.add_option("--budget,-B", a.budget, "tokens attended per KV head in sparse decode")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--sinks", a.sinks, "first tokens always attended")->check(CLI::NonNegativeNumber);
+  cmd.add_option("--window", a.window, "most recent tokens always attended")->check(CLI::PositiveNumber);
+  cmd.add_option("--backend", a.backend, "cpu, or cuda (falls back to cpu when no CUDA device is present)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  add_tier_options(cmd, a.tiers);
+}
+
+Result<LoadedModel> load_model_and_tokenizer(const EngineArgs& args) {
+  LoadedModel out;
+  SPX_ASSIGN_OR_RETURN(out.model, load_model_from_args(args.model));
+  out.synthetic = !args.model.synthetic.empty();
+  if (!out.synthetic) {
+    SPX_ASSIGN_OR_RETURN(out.tokenizer, load_tokenizer_for(*out.model, args.tokenizer));
+  }
+  return out;
+}
+
+ChatTemplate chat_template_for(const Model& m, const Tokenizer& tok) {
+  if (m.config.arch == Architecture::kQwen2 || m.config.arch == Architecture::kQwen3 ||
+      tok.piece_to_id("<|im_start|>") >= 0) {
+    return ChatTemplate::kQwen;
+  }
+  if (tok.piece_to_id("<|start_header_id|>") >= 0) return ChatTemplate::kLlama3;
+  return ChatTemplate::kNone;
+}
+
+std::vector<TokenId> generation_stop_ids(const Tokenizer& tok) {
+  std::vector<TokenId> ids = tok.stop_ids();
+  if (tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  return ids;
+}
+
+namespace {
+
+// The retrieval head for --sparse specontext (or the default): --head, else
+// retrieval_head.safetensors beside the model or one folder up; random for synthetic models.
+Result<std::shared_ptr<const RetrievalHead>> find_head(const EngineArgs& a, const LoadedModel& loaded,
+                                                       std::string& note) {
+  if (!a.sparse.empty() && a.sparse != "specontext") return std::shared_ptr<const RetrievalHead>();
+  if (loaded.synthetic) {
+    SPX_ASSIGN_OR_RETURN(auto head, make_random_head(loaded.model->config, a.model.weight_seed + 1));
+    return std::shared_ptr<const RetrievalHead>(head);
+  }
+  std::string path = a.head_path;
+  if (path.empty()) {
+    namespace fs = std::filesystem;
+    const fs::path model_path(a.model.model_path);
+    const fs::path dir = fs::is_directory(model_path) ? model_path : model_path.parent_path();
+    for (const fs::path& cand :
+         {dir / "retrieval_head.safetensors", dir.parent_path() / "retrieval_head.safetensors"}) {
+      if (fs::exists(cand)) {
+        path = cand.string();
+        break;
+      }
+    }
+  }
+  if (path.empty()) {
+    if (a.sparse == "specontext") {
+      return not_found(
+          "--sparse specontext: no retrieval head given (--head) and none found beside the model; "
+          "make one with `specontext distill`");
+    }
+    return std::shared_ptr<const RetrievalHead>();
+  }
+  SPX_ASSIGN_OR_RETURN(auto head, load_eagle3_head(path, loaded.model->config));
+  note = path;
+  return std::shared_ptr<const RetrievalHead>(head);
+}
+
+Result<std::unique_ptr<Backend>> make_backend(const EngineArgs& a) {
+  if (a.backend == "cuda") {
+#if SPECONTEXT_HAVE_CUDA
+    auto cuda = gpu::create_cuda_backend(0);
+    if (cuda.is_ok()) return std::move(*cuda);
+    std::fprintf(stderr, "note: %s; falling back to the CPU backend\n", cuda.status().message().c_str());
+#else
+    std::fprintf(stderr, "note: this build has no CUDA backend; falling back to the CPU backend\n");
+#endif
+  }
+  cpu::CpuBackendOptions bopts;
+  bopts.reference = a.reference;
+  bopts.num_threads = a.threads;
+  return cpu::create_cpu_backend(bopts);
+}
+
+}  // namespace
+
+Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded, int64_t max_sequences,
+                                  int64_t max_context, const std::vector<int64_t>& final_lengths,
+                                  bool quiet) {
+  EngineBundle out;
+  const Model& model = *loaded.model;
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<const RetrievalHead> head, find_head(a, loaded, out.head_note));
+  out.method_name = !a.sparse.empty() ? a.sparse : (head ? "specontext" : "dense");
+  SPX_ASSIGN_OR_RETURN(out.method, parse_sparse_method(out.method_name));
+  SPX_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(a));
+
+  EngineOptions& eopts = out.options;
+  eopts.max_sequences = max_sequences;
+  eopts.page_size = a.page_size;
+  eopts.kv_dtype = dtype_from_name(a.kv_dtype).value_or(DType::kF32);  // CLI11 checked the name
+  eopts.max_context = max_context > 0 ? max_context : model.config.max_seq_len;
+  eopts.sparse.method = out.method;
+  eopts.sparse.selection.budget =
+      a.budget > 0 ? a.budget : std::min<int64_t>(2048, std::max<int64_t>(32, model.config.max_seq_len / 8));
+  eopts.sparse.selection.sinks = a.sinks;
+  eopts.sparse.selection.window = a.window;
+  eopts.retrieval_head = head;
+  if (head && !quiet) {
+    std::fprintf(stderr, "retrieval head: %s (%s)\n",
+                 out.head_note.empty() ? "random (synthetic)" : out.head_note.c_str(),
+                 pruning_report(*head).c_str());
+  }
+  SPX_ASSIGN_OR_RETURN(out.tiers, setup_tiers(a.tiers, model, *backend, eopts));
+  SPX_ASSIGN_OR_RETURN(out.engine,
+                       Engine::create(loaded.model, std::shared_ptr<Backend>(std::move(backend)), eopts));
+  if (out.tiers) {
+    SPX_RETURN_IF_ERROR(start_tiers(*out.tiers, *out.engine, eopts, final_lengths));
+  }
+  return out;
+}
+
+}  // namespace specontext::cli

@@ -1,0 +1,620 @@
+#include "cluster/openai_api.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace specontext::cluster {
+
+namespace {
+
+using json = nlohmann::json;
+using Check = std::optional<ApiError>;  // nullopt = the field is fine
+
+Check field_error(std::string_view field, std::string_view what) {
+  ApiError e;
+  e.param = std::string(field);
+  e.message = "field '" + std::string(field) + "' " + std::string(what);
+  return e;
+}
+
+std::string indexed(std::string_view field, size_t i) {
+  return std::string(field) + "[" + std::to_string(i) + "]";
+}
+
+// A present, non-null field; null counts as absent, as for the optional fields of OpenAI's and
+// vLLM's schemas.
+const json* find_field(const json& body, const char* key) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+// Integers, and integral floats such as 3.0 (pydantic, behind vLLM, takes those too).
+std::optional<int64_t> as_int64(const json& v) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // 2^63 is exact in a double; anything below it converts without overflow.
+    if (std::isfinite(d) && d == std::floor(d) && d >= -9223372036854775808.0 && d < 9223372036854775808.0) {
+      return static_cast<int64_t>(d);
+    }
+  }
+  return std::nullopt;
+}
+
+bool is_zero_number(const json& v) { return v.is_number() && v.get<double>() == 0.0; }
+
+// --- the prompt (completions) -------------------------------------------------------------------
+
+Check parse_token_ids(const json& ids, std::string_view field, std::vector<TokenId>& out) {
+  if (ids.empty()) return field_error(field, "must not be empty");
+  out.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto id = as_int64(ids[i]);
+    if (!id || *id < 0 || *id > std::numeric_limits<TokenId>::max()) {
+      return field_error(indexed(field, i), "must be a token id (an integer >= 0)");
+    }
+    out.push_back(static_cast<TokenId>(*id));
+  }
+  return std::nullopt;
+}
+
+Check parse_prompt(const json& body, ApiRequest& req) {
+  static constexpr std::string_view kWhat = "must be a non-empty string or an array of token ids";
+  const json* p = find_field(body, "prompt");
+  if (!p) return field_error("prompt", "is required: " + std::string(kWhat));
+  if (p->is_string()) {
+    req.prompt_text = p->get<std::string>();
+    if (req.prompt_text.empty()) return field_error("prompt", "must not be empty");
+    return std::nullopt;
+  }
+  if (!p->is_array()) return field_error("prompt", kWhat);
+  // A batch of prompts is an array of strings or of token-id arrays; a batch of one is its prompt.
+  if (!p->empty() && ((*p)[0].is_string() || (*p)[0].is_array())) {
+    if (p->size() > 1) {
+      return field_error("prompt",
+                         "must be a string or an array of token ids: several prompts per request "
+                         "are not supported");
+    }
+    const json& only = (*p)[0];
+    if (only.is_string()) {
+      req.prompt_text = only.get<std::string>();
+      if (req.prompt_text.empty()) return field_error("prompt[0]", "must not be empty");
+      return std::nullopt;
+    }
+    req.prompt_is_ids = true;
+    return parse_token_ids(only, "prompt[0]", req.prompt_ids);
+  }
+  req.prompt_is_ids = true;
+  return parse_token_ids(*p, "prompt", req.prompt_ids);
+}
+
+// --- the messages (chat) ------------------------------------------------------------------------
+
+Check parse_content(const json& content, const std::string& field, std::string& out) {
+  if (content.is_string()) {
+    out = content.get<std::string>();
+    return std::nullopt;
+  }
+  if (!content.is_array()) return field_error(field, "must be a string or an array of text parts");
+  for (size_t j = 0; j < content.size(); ++j) {
+    const json& part = content[j];
+    const std::string name = indexed(field, j);
+    if (!part.is_object()) return field_error(name, "must be an object {\"type\": \"text\", \"text\": ...}");
+    auto type = part.find("type");
+    if (type == part.end() || !type->is_string() || type->get_ref<const std::string&>() != "text") {
+      return field_error(name + ".type", "must be \"text\": only text content is supported");
+    }
+    auto text = part.find("text");
+    if (text == part.end() || !text->is_string()) return field_error(name + ".text", "must be a string");
+    // Parts are joined by newlines, as vLLM joins them for a text-only model.
+    if (j > 0) out.push_back('\n');
+    out += text->get_ref<const std::string&>();
+  }
+  return std::nullopt;
+}
+
+Check parse_messages(const json& body, ApiRequest& req) {
+  static constexpr std::string_view kWhat = "must be a non-empty array of messages";
+  const json* msgs = find_field(body, "messages");
+  if (!msgs) return field_error("messages", "is required: " + std::string(kWhat));
+  if (!msgs->is_array() || msgs->empty()) return field_error("messages", kWhat);
+  req.messages.reserve(msgs->size());
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    const std::string name = indexed("messages", i);
+    if (!m.is_object()) return field_error(name, "must be an object with 'role' and 'content'");
+    ChatMessageIn msg;
+    auto role = m.find("role");
+    if (role != m.end() && role->is_string()) msg.role = role->get<std::string>();
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+      return field_error(name + ".role", "must be one of system, user, assistant");
+    }
+    const json* content = find_field(m, "content");
+    if (!content) return field_error(name + ".content", "is required: a string or an array of text parts");
+    if (auto e = parse_content(*content, name + ".content", msg.content)) return e;
+    const json* calls = find_field(m, "tool_calls");
+    if (calls && !(calls->is_array() && calls->empty())) {
+      return field_error(name + ".tool_calls", "is not supported: tool calling is not implemented");
+    }
+    req.messages.push_back(std::move(msg));
+  }
+  return std::nullopt;
+}
+
+// --- the rest -----------------------------------------------------------------------------------
+
+Check parse_strings(const json& body, ApiRequest& req) {
+  if (const json* v = find_field(body, "model")) {
+    if (!v->is_string()) return field_error("model", "must be a string");
+    req.model = v->get<std::string>();
+  }
+  if (const json* v = find_field(body, "user")) {
+    if (!v->is_string()) return field_error("user", "must be a string");
+    req.user = v->get<std::string>();
+  }
+  return std::nullopt;
+}
+
+Check parse_max_tokens(const json& body, ApiRequest& req) {
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
+    const json* v = find_field(body, key);
+    if (!v) continue;
+    const auto n = as_int64(*v);
+    if (!n || *n <= 0) return field_error(key, "must be a positive integer");
+    if (req.max_tokens && *req.max_tokens != *n) {
+      return field_error(key, "must equal 'max_tokens' when both are given");
+    }
+    req.max_tokens = *n;
+  }
+  return std::nullopt;
+}
+
+Check parse_sampling(const json& body, ApiRequest& req) {
+  SamplingParams& s = req.sampling;
+  s = SamplingParams{};
+  s.temperature = 1.0f;  // OpenAI's default; SamplingParams' own default is greedy
+  if (const json* v = find_field(body, "temperature")) {
+    if (!v->is_number() || !(v->get<double>() >= 0.0 && v->get<double>() <= 2.0)) {
+      return field_error("temperature", "must be a number between 0 and 2");
+    }
+    s.temperature = static_cast<float>(v->get<double>());
+  }
+  if (const json* v = find_field(body, "top_p")) {
+    // Checked after narrowing too: a tiny positive double becomes 0.0f, which the sampler refuses.
+    if (!v->is_number() || !(v->get<double>() <= 1.0 && static_cast<float>(v->get<double>()) > 0.0f)) {
+      return field_error("top_p", "must be a number greater than 0 and at most 1");
+    }
+    s.top_p = static_cast<float>(v->get<double>());
+  }
+  if (const json* v = find_field(body, "top_k")) {
+    const auto k = as_int64(*v);
+    if (!k || *k < -1) return field_error("top_k", "must be -1 or 0 (off) or a positive integer");
+    // Above the vocabulary top-k keeps every token, so clamping keeps the meaning.
+    s.top_k = *k <= 0 ? 0 : static_cast<int32_t>(std::min<int64_t>(*k, std::numeric_limits<int32_t>::max()));
+  }
+  if (const json* v = find_field(body, "repetition_penalty")) {
+    const float f = v->is_number() ? static_cast<float>(v->get<double>()) : 0.0f;
+    if (!(f > 0.0f) || !std::isfinite(f))
+      return field_error("repetition_penalty", "must be a number greater than 0");
+    s.repetition_penalty = f;
+  }
+  if (const json* v = find_field(body, "seed")) {
+    std::optional<uint64_t> seed;
+    if (v->is_number_unsigned()) {
+      seed = v->get<uint64_t>();
+    } else if (v->is_number_float()) {
+      const double d = v->get<double>();
+      if (d >= 0.0 && d < 18446744073709551616.0 && d == std::floor(d)) seed = static_cast<uint64_t>(d);
+    }
+    if (!seed) return field_error("seed", "must be an integer >= 0");  // negative integers land here too
+    s.seed = *seed;
+  }
+  return std::nullopt;
+}
+
+Check parse_stop(const json& body, ApiRequest& req) {
+  static constexpr std::string_view kWhat =
+      "must be a non-empty string or an array of at most 4 non-empty strings";
+  const json* v = find_field(body, "stop");
+  if (!v) return std::nullopt;
+  if (v->is_string()) {
+    if (v->get_ref<const std::string&>().empty()) return field_error("stop", kWhat);
+    req.stop.push_back(v->get<std::string>());
+    return std::nullopt;
+  }
+  if (!v->is_array()) return field_error("stop", kWhat);
+  if (v->size() > 4) return field_error("stop", "may hold at most 4 strings");
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& s = (*v)[i];
+    if (!s.is_string() || s.get_ref<const std::string&>().empty()) {
+      return field_error(indexed("stop", i), "must be a non-empty string");
+    }
+    req.stop.push_back(s.get<std::string>());
+  }
+  return std::nullopt;
+}
+
+Check parse_flags(const json& body, ApiRequest& req) {
+  for (auto [key, out] : {std::pair{"stream", &req.stream}, std::pair{"ignore_eos", &req.ignore_eos}}) {
+    if (const json* v = find_field(body, key)) {
+      if (!v->is_boolean()) return field_error(key, "must be a boolean");
+      *out = v->get<bool>();
+    }
+  }
+  if (const json* v = find_field(body, "stream_options")) {
+    if (!v->is_object()) return field_error("stream_options", "must be an object");
+    if (!req.stream) return field_error("stream_options", "is only allowed when 'stream' is true");
+    if (const json* u = find_field(*v, "include_usage")) {
+      if (!u->is_boolean()) return field_error("stream_options.include_usage", "must be a boolean");
+      req.include_usage = u->get<bool>();
+    }
+  }
+  return std::nullopt;
+}
+
+// Features we cannot honour: refused unless given as their "off" value, never silently ignored.
+Check refuse_unsupported(const json& body, ApiKind kind) {
+  for (const char* key : {"n", "best_of"}) {
+    const json* v = find_field(body, key);
+    if (v && as_int64(*v) != 1) return field_error(key, "must be 1: one choice per request is supported");
+  }
+  if (const json* v = find_field(body, "echo")) {
+    if (!v->is_boolean()) return field_error("echo", "must be a boolean");
+    if (v->get<bool>()) return field_error("echo", "must be false: echoing the prompt is not supported");
+  }
+  if (const json* v = find_field(body, "logprobs")) {
+    // Chat takes a boolean, completions an integer count (0 asks for none).
+    const bool off =
+        (v->is_boolean() && !v->get<bool>()) || (kind == ApiKind::kCompletion && is_zero_number(*v));
+    if (!off) {
+      return field_error("logprobs", kind == ApiKind::kChat ? "must be false: logprobs are not supported"
+                                                            : "must be null: logprobs are not supported");
+    }
+  }
+  if (find_field(body, "top_logprobs"))
+    return field_error("top_logprobs", "must be null: logprobs are not supported");
+  if (find_field(body, "prompt_logprobs")) {
+    return field_error("prompt_logprobs", "must be null: logprobs are not supported");
+  }
+  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
+    const json* v = find_field(body, key);
+    if (v && !is_zero_number(*v)) {
+      return field_error(
+          key, "must be 0: presence and frequency penalties are not supported (repetition_penalty is)");
+    }
+  }
+  if (const json* v = find_field(body, "min_p")) {
+    if (!is_zero_number(*v)) return field_error("min_p", "must be 0: min_p sampling is not supported");
+  }
+  if (const json* v = find_field(body, "min_tokens")) {
+    if (!is_zero_number(*v)) return field_error("min_tokens", "must be 0: min_tokens is not supported");
+  }
+  if (const json* v = find_field(body, "suffix")) {
+    if (!(v->is_string() && v->get_ref<const std::string&>().empty())) {
+      return field_error("suffix", "must be null or empty: inserting before a suffix is not supported");
+    }
+  }
+  for (const char* key : {"tools", "functions"}) {
+    const json* v = find_field(body, key);
+    if (v && !(v->is_array() && v->empty())) {
+      return field_error(key, "is not supported: tool calling is not implemented");
+    }
+  }
+  for (const char* key : {"tool_choice", "function_call"}) {
+    // "none" and "auto" mean no calls when no tools are given (and tools are refused above).
+    const json* v = find_field(body, key);
+    if (v && !(v->is_string() && (*v == "none" || *v == "auto"))) {
+      return field_error(key, "must be \"none\" or \"auto\": tool calling is not implemented");
+    }
+  }
+  if (const json* v = find_field(body, "response_format")) {
+    const json* type = v->is_object() ? find_field(*v, "type") : nullptr;
+    if (!type || !type->is_string() || *type != "text") {
+      return field_error("response_format",
+                         "must be {\"type\": \"text\"}: structured output is not supported");
+    }
+  }
+  if (const json* v = find_field(body, "logit_bias")) {
+    if (!(v->is_object() && v->empty()))
+      return field_error("logit_bias", "must be empty: logit_bias is not supported");
+  }
+  if (const json* v = find_field(body, "stop_token_ids")) {
+    if (!(v->is_array() && v->empty())) {
+      return field_error("stop_token_ids",
+                         "must be empty: stop_token_ids is not supported (stop strings are)");
+    }
+  }
+  for (const char* key : {"use_beam_search", "include_stop_str_in_output"}) {
+    const json* v = find_field(body, key);
+    if (v && !(v->is_boolean() && !v->get<bool>()))
+      return field_error(key, "must be false: it is not supported");
+  }
+  return std::nullopt;
+}
+
+ParseResult parse_object(ApiKind kind, const json& body) {
+  ApiRequest req;
+  req.kind = kind;
+  Check e = refuse_unsupported(body, kind);
+  if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
+  for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags}) {
+    if (!e) e = step(body, req);
+  }
+  if (e) return ParseResult{std::nullopt, std::move(*e)};
+  return ParseResult{std::move(req), ApiError{}};
+}
+
+// --- UTF-8 --------------------------------------------------------------------------------------
+
+enum class Utf8Kind { kValid, kInvalid, kTruncated };
+struct Utf8Seq {
+  size_t len;  // bytes of the sequence, or of its maximal invalid subpart (>= 1)
+  Utf8Kind kind;
+};
+
+// The sequence at s[i], with Unicode's "maximal subpart" rule for invalid ones (as Python's
+// errors="replace"): a lead byte and the continuation bytes that fit it are one U+FFFD.
+// kTruncated: a valid start of a sequence cut off by the end of s.
+Utf8Seq utf8_seq(std::string_view s, size_t i) {
+  const auto b = static_cast<uint8_t>(s[i]);
+  if (b < 0x80) return {1, Utf8Kind::kValid};
+  size_t need = 0;
+  uint8_t lo = 0x80, hi = 0xBF;  // the range of the next byte; narrower after E0, ED, F0, F4
+  if (b >= 0xC2 && b <= 0xDF) {
+    need = 1;
+  } else if (b >= 0xE0 && b <= 0xEF) {
+    need = 2;
+    if (b == 0xE0) lo = 0xA0;  // overlong
+    if (b == 0xED) hi = 0x9F;  // surrogates
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    need = 3;
+    if (b == 0xF0) lo = 0x90;  // overlong
+    if (b == 0xF4) hi = 0x8F;  // above U+10FFFF
+  } else {
+    return {1, Utf8Kind::kInvalid};
+  }
+  for (size_t k = 1; k <= need; ++k) {
+    if (i + k >= s.size()) return {k, Utf8Kind::kTruncated};
+    const auto c = static_cast<uint8_t>(s[i + k]);
+    if (c < lo || c > hi) return {k, Utf8Kind::kInvalid};
+    lo = 0x80;
+    hi = 0xBF;
+  }
+  return {need + 1, Utf8Kind::kValid};
+}
+
+// Bytes at the end of s that start a sequence not yet complete (0 to 3). A lead byte can never
+// continue an earlier sequence, so cutting before it leaves decoding of what follows unchanged.
+size_t truncated_tail(std::string_view s) {
+  for (size_t back = 1; back <= 3 && back <= s.size(); ++back) {
+    const auto b = static_cast<uint8_t>(s[s.size() - back]);
+    if (b >= 0x80 && b <= 0xBF) continue;  // a continuation byte: its lead is further back
+    return utf8_seq(s, s.size() - back).kind == Utf8Kind::kTruncated ? back : 0;
+  }
+  return 0;
+}
+
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+
+std::string dump(const json& j) {
+  try {
+    return j.dump(-1, ' ', false, json::error_handler_t::replace);
+  } catch (...) {
+    // Only allocation can fail here (replace never throws on bad UTF-8).
+    return "{}";
+  }
+}
+
+std::string event(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+const char* object_name(ApiKind kind, bool chunk) {
+  if (kind == ApiKind::kCompletion) return "text_completion";
+  return chunk ? "chat.completion.chunk" : "chat.completion";
+}
+
+json envelope(ApiKind kind, const ResponseMeta& meta, bool chunk) {
+  return json{{"id", meta.id},
+              {"object", object_name(kind, chunk)},
+              {"created", meta.created},
+              {"model", meta.model}};
+}
+
+json usage_json(const Usage& usage) {
+  return json{{"prompt_tokens", usage.prompt_tokens},
+              {"completion_tokens", usage.completion_tokens},
+              {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+}
+
+}  // namespace
+
+std::string error_body(const ApiError& error) {
+  try {
+    json inner{{"message", error.message}, {"type", error.type}, {"param", nullptr}, {"code", nullptr}};
+    if (!error.param.empty()) inner["param"] = error.param;
+    if (!error.code.empty()) inner["code"] = error.code;
+    return dump(json{{"error", std::move(inner)}});
+  } catch (...) {
+    return R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})";
+  }
+}
+
+ParseResult parse_api_request(ApiKind kind, std::string_view body) {
+  try {
+    json j;
+    try {
+      j = json::parse(body);
+    } catch (const json::parse_error& e) {
+      std::string detail = e.what();
+      // "[json.exception.parse_error.101] parse error at ..." → "parse error at ...".
+      if (auto close = detail.find("] ");
+          detail.starts_with("[json.exception") && close != std::string::npos) {
+        detail.erase(0, close + 2);
+      }
+      ApiError err;
+      err.message = "request body is not valid JSON: " + detail;
+      return ParseResult{std::nullopt, std::move(err)};
+    }
+    if (!j.is_object()) {
+      ApiError err;
+      err.message = "request body must be a JSON object";
+      return ParseResult{std::nullopt, std::move(err)};
+    }
+    return parse_object(kind, j);
+  } catch (...) {
+    // The checks above make json's own exceptions unreachable; this keeps the promise anyway.
+    ApiError err;
+    err.message = "request body could not be read";
+    return ParseResult{std::nullopt, std::move(err)};
+  }
+}
+
+std::string sanitize_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    const Utf8Seq seq = utf8_seq(s, i);
+    if (seq.kind == Utf8Kind::kValid) {
+      out.append(s.substr(i, seq.len));
+    } else {
+      out.append(kReplacement);
+    }
+    i += seq.len;
+  }
+  return out;
+}
+
+StopMatcher::StopMatcher(std::vector<std::string> stops) {
+  // An empty stop string would match before any text.
+  for (auto& s : stops) {
+    if (!s.empty()) stops_.push_back(std::move(s));
+  }
+}
+
+std::string StopMatcher::feed(std::string_view piece) {
+  if (stopped_) return {};
+  pending_.append(piece);
+  // Every stop that could have begun in earlier text was held back, so searching what is pending
+  // finds any match; the earliest one wins.
+  size_t match = std::string::npos;
+  for (const auto& s : stops_) match = std::min(match, pending_.find(s));
+  std::string out;
+  if (match != std::string::npos) {
+    out = sanitize_utf8(std::string_view(pending_).substr(0, match));
+    stopped_ = true;
+    pending_.clear();
+  } else {
+    // Hold the longest tail that is a proper prefix of a stop string ...
+    size_t hold = 0;
+    for (const auto& s : stops_) {
+      for (size_t k = std::min(s.size() - 1, pending_.size()); k > hold; --k) {
+        if (pending_.compare(pending_.size() - k, k, s, 0, k) == 0) {
+          hold = k;
+          break;
+        }
+      }
+    }
+    // ... and never cut inside a sequence that may still complete: emitted chunks then decode
+    // exactly as the whole text would.
+    size_t cut = pending_.size() - hold;
+    cut -= truncated_tail(std::string_view(pending_).substr(0, cut));
+    out = sanitize_utf8(std::string_view(pending_).substr(0, cut));
+    pending_.erase(0, cut);
+  }
+  text_ += out;
+  return out;
+}
+
+std::string StopMatcher::finish() {
+  std::string out = sanitize_utf8(pending_);
+  pending_.clear();
+  text_ += out;
+  return out;
+}
+
+nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
+                                   const std::string& finish_reason, const Usage& usage) {
+  try {
+    json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    if (kind == ApiKind::kCompletion) {
+      choice["text"] = text;
+    } else {
+      choice["message"] = json{{"role", "assistant"}, {"content", text}};
+    }
+    json j = envelope(kind, meta, /*chunk=*/false);
+    j["choices"] = json::array({std::move(choice)});
+    j["usage"] = usage_json(usage);
+    return j;
+  } catch (...) {
+    return json::object();
+  }
+}
+
+std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first) {
+  try {
+    json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+    if (kind == ApiKind::kCompletion) {
+      choice["text"] = text;
+    } else {
+      json delta{{"content", text}};
+      if (first) delta["role"] = "assistant";
+      choice["delta"] = std::move(delta);
+    }
+    json j = envelope(kind, meta, /*chunk=*/true);
+    j["choices"] = json::array({std::move(choice)});
+    return event(j);
+  } catch (...) {
+    return {};
+  }
+}
+
+std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason) {
+  try {
+    json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    if (kind == ApiKind::kCompletion) {
+      choice["text"] = "";
+    } else {
+      choice["delta"] = json::object();
+    }
+    json j = envelope(kind, meta, /*chunk=*/true);
+    j["choices"] = json::array({std::move(choice)});
+    return event(j);
+  } catch (...) {
+    return {};
+  }
+}
+
+std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usage& usage) {
+  try {
+    json j = envelope(kind, meta, /*chunk=*/true);
+    j["choices"] = json::array();
+    j["usage"] = usage_json(usage);
+    return event(j);
+  } catch (...) {
+    return {};
+  }
+}
+
+std::string stream_error_chunk(const ApiError& error) { return "data: " + error_body(error) + "\n\n"; }
+
+nlohmann::json models_response(const std::string& model_name, int64_t created, int64_t max_model_len) {
+  try {
+    json model{{"id", model_name},
+               {"object", "model"},
+               {"created", created},
+               {"owned_by", "specontext"},
+               {"max_model_len", max_model_len}};
+    return json{{"object", "list"}, {"data", json::array({std::move(model)})}};
+  } catch (...) {
+    return json::object();
+  }
+}
+
+}  // namespace specontext::cluster

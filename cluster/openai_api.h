@@ -1,0 +1,135 @@
+// The OpenAI-compatible HTTP API's request and response bodies, as pure functions (no sockets,
+// no engine): JSON body → a validated request, or an ApiError naming the field; results →
+// response JSON (whole or as server-sent-event chunks). Fuzzed by tests/fuzz/fuzz_openai.cc.
+// What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
+// ignore_eos; min_p, min_tokens and the like only when off); anything we cannot honour is refused with a 400
+// naming the field, never silently ignored (logprobs, n > 1, echo, suffix, best_of, tools, ...).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/ids.h"
+#include "core/sampler.h"
+#include "core/status.h"
+
+namespace specontext::cluster {
+
+enum class ApiKind { kCompletion, kChat };
+
+// An error as the client sees it: the HTTP status and OpenAI's error object
+//   {"error":{"message":M,"type":T,"param":P|null,"code":C|null}}
+struct ApiError {
+  int http_status = 400;
+  std::string type = "invalid_request_error";  // or "not_found_error", "server_error", ...
+  std::string message;                         // names the field: "field 'max_tokens' must be ..."
+  std::string param;                           // the offending field; empty = null
+  std::string code;  // e.g. "model_not_found", "context_length_exceeded"; empty = null
+};
+std::string error_body(const ApiError& error);  // the JSON text above
+
+struct ChatMessageIn {
+  std::string role;  // "system", "user", "assistant" (others are refused naming messages[i].role)
+  // A string, or the text parts of an array of {type:"text",text}, joined by "\n" as vLLM does.
+  std::string content;
+};
+
+// A parsed, validated request. Limits that need the model (context length, vocabulary) are
+// checked later by the server, which knows them.
+struct ApiRequest {
+  ApiKind kind = ApiKind::kCompletion;
+  std::string model;  // empty when the client gave none
+  // kCompletion: exactly one of these is set ("prompt" as a string, or an array of token ids).
+  std::string prompt_text;
+  std::vector<TokenId> prompt_ids;
+  bool prompt_is_ids = false;
+  // kChat: at least one message.
+  std::vector<ChatMessageIn> messages;
+  std::optional<int64_t> max_tokens;  // max_tokens or max_completion_tokens (> 0); unset = up to the context
+  SamplingParams sampling;  // temperature [0,2] (default 1 as OpenAI), top_p (0,1], top_k (-1 or 0 = off,
+                            // else > 0), repetition_penalty (> 0), seed (any integer ≥ 0)
+  std::vector<std::string> stop;  // "stop": a string or an array of at most 4 non-empty strings
+  bool ignore_eos = false;        // vLLM extension
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage (only with stream)
+  std::string user;            // accepted and ignored
+};
+
+// body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
+// (400 naming the field), unsupported features (400, e.g. "field 'n' must be 1: one choice per
+// request is supported"). Unknown fields are ignored, as OpenAI does. Never throws.
+// Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
+// presence_penalty / frequency_penalty / min_p / min_tokens are accepted only when 0; logprobs
+// only when false/null (completions: also 0), top_logprobs only when null; n and best_of only when
+// 1; echo only when false; suffix only when empty; tools/functions only when empty, tool_choice
+// only "none"/"auto", response_format only {"type":"text"}, logit_bias only when empty.
+// null counts as absent for every optional field; integral floats (3.0) pass as integers.
+struct ParseResult {
+  std::optional<ApiRequest> request;
+  ApiError error;  // meaningful when !request
+};
+ParseResult parse_api_request(ApiKind kind, std::string_view body);
+
+// Text as it is generated, with stop strings: feed() each decoded piece and emit what it
+// returns. A piece is held back while it could be the start of a stop string or while it ends in
+// an incomplete UTF-8 sequence, so streamed text never contains any part of a stop string and
+// every chunk is valid UTF-8 (invalid bytes become U+FFFD). Chunks are cut only where decoding
+// the whole text would cut too, so text() + finish() without a stop is sanitize_utf8(all pieces).
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+  // Appends `piece`; returns the text now safe to emit. After a stop string matched, stopped()
+  // is true, the returned text ends just before the match and later calls return "".
+  std::string feed(std::string_view piece);
+  // The held-back text (when generation ended without a stop match), made valid UTF-8; it is
+  // added to text(). Returns "" after a stop.
+  std::string finish();
+  bool stopped() const { return stopped_; }
+  const std::string& text() const { return text_; }  // everything emitted so far (feed and finish)
+
+ private:
+  std::vector<std::string> stops_;
+  std::string pending_;  // received, not yet emitted
+  std::string text_;
+  bool stopped_ = false;
+};
+
+// Valid UTF-8: each invalid sequence (its maximal subpart, as Unicode recommends and Python's
+// errors="replace" does) replaced by one U+FFFD.
+std::string sanitize_utf8(std::string_view s);
+
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+};
+
+struct ResponseMeta {
+  std::string id;       // "cmpl-..." / "chatcmpl-..."
+  int64_t created = 0;  // unix seconds
+  std::string model;
+};
+
+// Whole (non-streaming) responses: object "text_completion" / "chat.completion", one choice,
+// finish_reason "stop" | "length" ("abort" is never sent: the client is gone), usage with
+// total_tokens.
+nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
+                                   const std::string& finish_reason, const Usage& usage);
+// Streaming: one "data: {...}\n\n" event. A text delta (finish_reason null), the final delta
+// (finish_reason set, empty text; chat: empty delta), the usage-only chunk (choices []), and the
+// terminator "data: [DONE]\n\n". For chat, the first chunk's delta carries role "assistant".
+std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first);
+std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason);
+std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usage& usage);
+std::string stream_error_chunk(const ApiError& error);  // "data: {"error":{...}}\n\n"
+inline constexpr std::string_view kStreamDone = "data: [DONE]\n\n";
+
+// GET /v1/models: {"object":"list","data":[{"id":NAME,"object":"model","created":T,"owned_by":"specontext",
+// "max_model_len":N}]}
+nlohmann::json models_response(const std::string& model_name, int64_t created, int64_t max_model_len);
+
+}  // namespace specontext::cluster

@@ -1,0 +1,707 @@
+#include "cluster/openai_server.h"
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <ctime>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+
+#include "cluster/openai_api.h"
+
+#if !defined(BOOST_ASIO_HAS_CO_AWAIT)
+#error "cluster/openai_server.cc needs Boost.Asio with C++20 coroutines (GCC >= 10, -std=c++20)"
+#endif
+
+namespace specontext::cluster {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+constexpr auto kAwait = asio::use_awaitable;
+// GCC 12 destroyed a temporary built in a `co_return co_await f(T{...})` expression twice
+// (free(): invalid pointer in ~ApiError): arguments of awaited calls are named locals here.
+
+// One generation request, shared by its HTTP session (Asio thread) and the engine thread.
+struct Job {
+  GenerationRequest request;  // moved into the scheduler by the engine thread
+  std::mutex mu;
+  std::vector<SchedulerEvent> events;  // engine thread → session, under mu
+  std::atomic<bool> cancel_requested{false};
+  // Asio thread only.
+  asio::steady_timer* waiter = nullptr;  // the session's wake-up timer while it waits
+  bool client_gone = false;
+  // Engine thread only.
+  RequestId id;
+};
+
+// A connection: shared with the disconnect watcher, which may complete after the session moved on.
+struct Conn {
+  explicit Conn(tcp::socket s) : stream(std::move(s)) {}
+  beast::tcp_stream stream;
+};
+
+using Request = http::request<http::string_body>;
+
+std::string error_for_status(const Status& s) {
+  return std::string(status_code_name(s.code())) + ": " + s.message();
+}
+
+}  // namespace
+
+struct OpenAiServer::Impl {
+  Impl(Engine& e, const Tokenizer& t, ServerOptions o)
+      : engine(e), tokenizer(t), options(std::move(o)), acceptor(ioc), created(std::time(nullptr)) {}
+
+  Engine& engine;
+  const Tokenizer& tokenizer;
+  ServerOptions options;
+  asio::io_context ioc;
+  tcp::acceptor acceptor;
+  uint16_t port = 0;
+  int64_t created = 0;
+  std::atomic<int64_t> next_response_id{1};
+
+  // Inbox, guarded by mu.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::shared_ptr<Job>> submits;
+  std::vector<std::shared_ptr<Job>> cancels;
+  bool stop_engine = false;
+
+  std::atomic<bool> draining{false};
+  std::atomic<int64_t> jobs_in_flight{0};  // accepted and not yet answered
+  std::once_flag stopped;
+
+  // Counters (ServerCounters), written where the event happens.
+  std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
+  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
+      kv_bytes{0};
+
+  std::thread io_thread;
+  std::thread engine_thread;
+
+  // ---- engine thread ----
+  void engine_loop();
+  void publish(const Scheduler& scheduler);  // the counters the engine thread owns
+  void deliver(const std::shared_ptr<Job>& job, std::vector<SchedulerEvent> events);
+
+  // ---- Asio thread ----
+  asio::awaitable<void> accept_loop();
+  asio::awaitable<void> session(tcp::socket socket);
+  asio::awaitable<bool> handle(std::shared_ptr<Conn> conn, Request& req);
+  asio::awaitable<bool> generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind);
+  asio::awaitable<bool> reply(Conn& conn, const Request& req, http::status status, std::string body,
+                              std::string_view content_type = "application/json");
+  asio::awaitable<bool> reply_error(Conn& conn, const Request& req, const ApiError& error);
+  void watch_disconnect(const std::shared_ptr<Conn>& conn, const std::shared_ptr<Job>& job);
+  // client: the client went away (counted as cancelled), not a stop string.
+  void cancel(const std::shared_ptr<Job>& job, bool client = true);
+  asio::awaitable<std::vector<SchedulerEvent>> next_events(Job& job);
+  std::string metrics_text() const;
+  // Builds the engine request from the parsed body, or the error to answer with.
+  std::optional<ApiError> to_generation(const ApiRequest& in, GenerationRequest& out) const;
+};
+
+// ---------------------------------------------------------------- engine thread
+
+void OpenAiServer::Impl::deliver(const std::shared_ptr<Job>& job, std::vector<SchedulerEvent> events) {
+  {
+    std::lock_guard lk(job->mu);
+    job->events.insert(job->events.end(), std::make_move_iterator(events.begin()),
+                       std::make_move_iterator(events.end()));
+  }
+  asio::post(ioc, [job] {
+    if (job->waiter) job->waiter->cancel();
+  });
+}
+
+void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
+  const GenerationStats& st = scheduler.stats();
+  prompt_tokens = st.prompt_tokens;
+  generated_tokens = st.generated_tokens;
+  max_batch = st.max_batch_sequences;
+  kv_bytes = engine.kv_bytes_in_use();
+  waiting = static_cast<int64_t>(scheduler.waiting());
+  running = static_cast<int64_t>(scheduler.running());
+}
+
+void OpenAiServer::Impl::engine_loop() {
+  Scheduler scheduler(engine, options.scheduling);
+  std::unordered_map<int64_t, std::shared_ptr<Job>> live;  // by RequestId
+  std::vector<SchedulerEvent> events;
+  std::unordered_map<int64_t, std::vector<SchedulerEvent>> by_job;
+  std::vector<std::shared_ptr<Job>> unqueued;  // submitted as the server stopped
+  for (;;) {
+    std::vector<std::shared_ptr<Job>> new_jobs, cancelled_jobs;
+    {
+      std::unique_lock lk(mu);
+      cv.wait(lk, [&] { return stop_engine || !submits.empty() || !cancels.empty() || !scheduler.idle(); });
+      if (stop_engine) {
+        unqueued.swap(submits);
+        break;
+      }
+      new_jobs.swap(submits);
+      cancelled_jobs.swap(cancels);
+    }
+    for (auto& job : new_jobs) {
+      if (job->cancel_requested) continue;  // gone before it was queued
+      auto id = scheduler.submit(std::move(job->request));
+      if (!id.is_ok()) {
+        deliver(job,
+                {SchedulerEvent{RequestId(), -1, true, FinishReason::kError, error_for_status(id.status())}});
+        continue;
+      }
+      job->id = *id;
+      live.emplace(id->value(), job);
+    }
+    for (auto& job : cancelled_jobs) {
+      if (job->id.valid() && scheduler.cancel(job->id)) live.erase(job->id.value());
+    }
+    publish(scheduler);
+    if (scheduler.idle()) continue;
+
+    events.clear();
+    if (Status st = scheduler.step(events); !st.is_ok()) {
+      std::fprintf(stderr, "serve: step failed, its requests are answered 500: %s\n", st.to_string().c_str());
+    }
+    publish(scheduler);  // before the answers go out, so that a client sees counters that include its request
+    by_job.clear();
+    for (SchedulerEvent& ev : events) by_job[ev.request.value()].push_back(std::move(ev));
+    for (auto& [id, evs] : by_job) {
+      auto it = live.find(id);
+      if (it == live.end()) continue;
+      const bool finished = evs.back().finished;
+      deliver(it->second, std::move(evs));
+      if (finished) live.erase(it);
+    }
+  }
+  // Shutting down: whatever is still accepted is answered, then the scheduler frees the sequences.
+  for (auto& [id, job] : live) unqueued.push_back(job);
+  for (auto& job : unqueued) {
+    deliver(job, {SchedulerEvent{RequestId(), -1, true, FinishReason::kError,
+                                 "Unavailable: server shutting down"}});
+  }
+  running = 0;
+  waiting = 0;
+}
+
+// ---------------------------------------------------------------- Asio thread
+
+asio::awaitable<void> OpenAiServer::Impl::accept_loop() {
+  for (;;) {
+    beast::error_code ec;
+    tcp::socket socket = co_await acceptor.async_accept(asio::redirect_error(kAwait, ec));
+    if (ec) {
+      if (!acceptor.is_open()) co_return;
+      continue;  // e.g. too many open files: the next accept may succeed
+    }
+    asio::co_spawn(ioc, session(std::move(socket)), [](std::exception_ptr e) {
+      if (!e) return;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        std::fprintf(stderr, "serve: connection ended by an exception: %s\n", ex.what());
+      }
+    });
+  }
+}
+
+asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
+  auto conn = std::make_shared<Conn>(std::move(socket));
+  beast::flat_buffer buffer;
+  for (;;) {
+    http::request_parser<http::string_body> parser;
+    parser.body_limit(options.max_body_bytes);
+    parser.header_limit(64 * 1024);
+    conn->stream.expires_after(options.idle_timeout);
+    beast::error_code ec;
+    co_await http::async_read(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
+    if (ec == http::error::end_of_stream || ec == asio::error::eof || ec == beast::error::timeout ||
+        ec == asio::error::connection_reset || ec == asio::error::operation_aborted) {
+      break;
+    }
+    conn->stream.expires_never();
+    if (ec) {
+      // The request cannot be read (too large, not HTTP): answer once, then close.
+      Request req;
+      req.version(11);
+      req.keep_alive(false);
+      ++rejected;
+      const ApiError error =
+          ec == http::error::body_limit
+              ? ApiError{413, "invalid_request_error",
+                         "request body is larger than " + std::to_string(options.max_body_bytes) + " bytes",
+                         "", ""}
+              : ApiError{400, "invalid_request_error", "malformed HTTP request: " + ec.message(), "", ""};
+      co_await reply_error(*conn, req, error);
+      break;
+    }
+    Request req = parser.release();
+    const bool keep = co_await handle(conn, req);
+    if (!keep || !req.keep_alive()) break;
+  }
+  beast::error_code ec;
+  conn->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::reply(Conn& conn, const Request& req, http::status status,
+                                                std::string body, std::string_view content_type) {
+  http::response<http::string_body> res{status, req.version()};
+  res.set(http::field::server, "specontext");
+  res.set(http::field::content_type, beast::string_view(content_type.data(), content_type.size()));
+  if (status == http::status::service_unavailable) res.set(http::field::retry_after, "1");
+  res.keep_alive(req.keep_alive());
+  res.body() = std::move(body);
+  res.prepare_payload();
+  beast::error_code ec;
+  co_await http::async_write(conn.stream, res, asio::redirect_error(kAwait, ec));
+  co_return !ec;
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::reply_error(Conn& conn, const Request& req, const ApiError& error) {
+  std::string body = error_body(error);
+  co_return co_await reply(conn, req, static_cast<http::status>(error.http_status), std::move(body));
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Request& req) {
+  const std::string target(req.target());
+  const std::string path = target.substr(0, target.find('?'));
+  const bool get = req.method() == http::verb::get;
+  const bool post = req.method() == http::verb::post;
+  auto wrong_method = [&](std::string_view allowed) -> ApiError {
+    return {405, "invalid_request_error",
+            "method " + std::string(req.method_string()) + " is not allowed on " + path + " (use " +
+                std::string(allowed) + ")",
+            "", ""};
+  };
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    if (!post) {
+      ++rejected;
+      const ApiError error = wrong_method("POST");
+      co_return co_await reply_error(*conn, req, error);
+    }
+    co_return co_await generate(conn, req, path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
+  }
+  if (path == "/v1/models" || path == "/health" || path == "/metrics") {
+    if (!get) {
+      ++rejected;
+      const ApiError error = wrong_method("GET");
+      co_return co_await reply_error(*conn, req, error);
+    }
+    std::string body = path == "/health" ? std::string("{\"status\":\"ok\"}")
+                       : path == "/metrics"
+                           ? metrics_text()
+                           : models_response(options.model_name, created, engine.max_context()).dump();
+    const std::string_view type = path == "/metrics" ? "text/plain; version=0.0.4" : "application/json";
+    co_return co_await reply(*conn, req, http::status::ok, std::move(body), type);
+  }
+  ++rejected;
+  const ApiError error{
+      404, "not_found_error",
+      "no route " + path + " (serving /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
+      "", ""};
+  co_return co_await reply_error(*conn, req, error);
+}
+
+std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
+                                                          GenerationRequest& out) const {
+  if (!in.model.empty() && in.model != options.model_name) {
+    return ApiError{
+        404, "not_found_error",
+        "the model '" + in.model + "' does not exist (this server serves '" + options.model_name + "')",
+        "model", "model_not_found"};
+  }
+  if (in.kind == ApiKind::kChat) {
+    if (options.chat_template == ChatTemplate::kNone) {
+      return ApiError{400, "invalid_request_error",
+                      "this model has no chat template (its tokenizer is not of a known chat family); use "
+                      "/v1/completions",
+                      "messages", ""};
+    }
+    std::vector<ChatMessage> msgs;
+    for (const ChatMessageIn& m : in.messages) msgs.push_back({m.role, m.content});
+    auto ids = tokenizer.encode(apply_chat_template(options.chat_template, msgs), /*add_bos=*/false,
+                                /*parse_special=*/true);
+    if (!ids.is_ok())
+      return ApiError{400, "invalid_request_error", "messages: " + ids.status().message(), "messages", ""};
+    out.prompt = std::move(*ids);
+  } else if (in.prompt_is_ids) {
+    const int64_t vocab = engine.config().vocab_size;
+    for (size_t i = 0; i < in.prompt_ids.size(); ++i) {
+      if (in.prompt_ids[i] < 0 || in.prompt_ids[i] >= vocab) {
+        return ApiError{400, "invalid_request_error",
+                        "field 'prompt[" + std::to_string(i) + "]' is token id " +
+                            std::to_string(in.prompt_ids[i]) + ", outside the vocabulary of " +
+                            std::to_string(vocab),
+                        "prompt", ""};
+      }
+    }
+    out.prompt = in.prompt_ids;
+  } else {
+    auto ids = tokenizer.encode(in.prompt_text, tokenizer.add_bos_by_default(), /*parse_special=*/false);
+    if (!ids.is_ok())
+      return ApiError{400, "invalid_request_error", "prompt: " + ids.status().message(), "prompt", ""};
+    out.prompt = std::move(*ids);
+  }
+  const char* prompt_field = in.kind == ApiKind::kChat ? "messages" : "prompt";
+  if (out.prompt.empty())
+    return ApiError{400, "invalid_request_error", "the prompt encodes to no tokens", prompt_field, ""};
+  const int64_t context = engine.max_context();
+  const int64_t prompt_len = static_cast<int64_t>(out.prompt.size());
+  if (prompt_len >= context || (in.max_tokens && prompt_len + *in.max_tokens > context)) {
+    return ApiError{
+        400, "invalid_request_error",
+        "this model's maximum context length is " + std::to_string(context) + " tokens; the prompt has " +
+            std::to_string(prompt_len) + " tokens" +
+            (in.max_tokens ? " and max_tokens asks for " + std::to_string(*in.max_tokens) + " more" : ""),
+        in.max_tokens && prompt_len < context ? "max_tokens" : prompt_field, "context_length_exceeded"};
+  }
+  out.max_new_tokens = in.max_tokens ? *in.max_tokens : context - prompt_len;
+  out.sampling = in.sampling;
+  if (!in.ignore_eos) out.stop_ids = options.stop_ids;
+  return std::nullopt;
+}
+
+void OpenAiServer::Impl::cancel(const std::shared_ptr<Job>& job, bool client) {
+  if (job->cancel_requested.exchange(true)) return;
+  if (client) ++cancelled;
+  {
+    std::lock_guard lk(mu);
+    cancels.push_back(job);
+  }
+  cv.notify_one();
+}
+
+// A client that closes its connection while its request runs: readable with nothing to read
+// means EOF. Data (a pipelined request) ends the watch without consuming it.
+void OpenAiServer::Impl::watch_disconnect(const std::shared_ptr<Conn>& conn,
+                                          const std::shared_ptr<Job>& job) {
+  conn->stream.socket().async_wait(tcp::socket::wait_read, [this, conn, job](const beast::error_code& ec) {
+    if (ec == asio::error::operation_aborted) return;
+    char byte = 0;
+    const ssize_t n = ::recv(conn->stream.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (!ec && n > 0) return;
+    if (!ec && n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    job->client_gone = true;
+    cancel(job);
+    if (job->waiter) job->waiter->cancel();
+  });
+}
+
+asio::awaitable<std::vector<SchedulerEvent>> OpenAiServer::Impl::next_events(Job& job) {
+  asio::steady_timer timer(ioc);
+  for (;;) {
+    {
+      std::lock_guard lk(job.mu);
+      if (!job.events.empty() || job.client_gone) co_return std::exchange(job.events, {});
+    }
+    // The engine thread posts the wake-up after appending, so it cannot slip in before this wait.
+    timer.expires_at(asio::steady_timer::time_point::max());
+    job.waiter = &timer;
+    beast::error_code ec;
+    co_await timer.async_wait(asio::redirect_error(kAwait, ec));
+    job.waiter = nullptr;
+  }
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind) {
+  ParseResult parsed = parse_api_request(kind, req.body());
+  if (!parsed.request) {
+    ++rejected;
+    co_return co_await reply_error(*conn, req, parsed.error);
+  }
+  const ApiRequest& api = *parsed.request;
+  auto job = std::make_shared<Job>();
+  if (auto err = to_generation(api, job->request)) {
+    ++rejected;
+    co_return co_await reply_error(*conn, req, *err);
+  }
+  const int64_t prompt_len = static_cast<int64_t>(job->request.prompt.size());
+  const TokenId last_prompt_token = job->request.prompt.back();
+  if (draining) {
+    ++rejected;
+    const ApiError error{503, "server_error", "server shutting down", "", ""};
+    co_return co_await reply_error(*conn, req, error);
+  }
+  bool busy = false;
+  {
+    std::lock_guard lk(mu);
+    busy = static_cast<size_t>(waiting.load()) + submits.size() >= options.max_waiting;
+    if (!busy) submits.push_back(job);
+  }
+  if (busy) {
+    ++rejected;
+    const ApiError error{
+        503, "server_error",
+        "server busy: " + std::to_string(options.max_waiting) + " requests are waiting; retry later", "", ""};
+    co_return co_await reply_error(*conn, req, error);
+  }
+  ++accepted;
+  ++jobs_in_flight;
+  struct InFlight {
+    std::atomic<int64_t>& count;
+    ~InFlight() { --count; }
+  } in_flight{jobs_in_flight};  // until the answer is written: stop() waits for it
+  cv.notify_one();
+  watch_disconnect(conn, job);
+
+  ResponseMeta meta;
+  meta.id = std::string(kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-") + std::to_string(next_response_id++);
+  meta.created = std::time(nullptr);
+  meta.model = options.model_name;
+  StopMatcher matcher(api.stop);
+  TokenId prev = last_prompt_token;
+  int64_t completion_tokens = 0;
+  std::string text;                 // non-streaming: the whole text
+  std::string finish_reason;        // set when generation ended normally
+  std::optional<ApiError> failure;  // set when it ended in an error
+
+  // Streaming state: headers go out with the first event, so that a request refused before its
+  // first token still gets a proper HTTP error.
+  http::response<http::empty_body> head{http::status::ok, req.version()};
+  std::optional<http::response_serializer<http::empty_body>> serializer;
+  bool head_sent = false;
+  const bool chunked = req.version() >= 11;
+  bool write_ok = true;
+  bool first_chunk = true;
+  auto write_event = [&](std::string data) -> asio::awaitable<void> {
+    if (!write_ok) co_return;
+    beast::error_code ec;
+    if (!head_sent) {
+      head.set(http::field::server, "specontext");
+      head.set(http::field::content_type, "text/event-stream");
+      head.set(http::field::cache_control, "no-cache");
+      head.keep_alive(chunked && req.keep_alive());
+      if (chunked) head.chunked(true);
+      head_sent = true;
+      serializer.emplace(head);
+      co_await http::async_write_header(conn->stream, *serializer, asio::redirect_error(kAwait, ec));
+      if (ec) {
+        write_ok = false;
+        co_return;
+      }
+    }
+    if (chunked) {
+      co_await asio::async_write(conn->stream, http::make_chunk(asio::buffer(data)),
+                                 asio::redirect_error(kAwait, ec));
+    } else {
+      co_await asio::async_write(conn->stream, asio::buffer(data), asio::redirect_error(kAwait, ec));
+    }
+    if (ec) write_ok = false;
+  };
+
+  bool done = false;
+  while (!done) {
+    std::vector<SchedulerEvent> events = co_await next_events(*job);
+    if (job->client_gone) break;
+    std::string delta;
+    for (const SchedulerEvent& ev : events) {
+      if (done) break;
+      if (!ev.finished) {
+        ++completion_tokens;
+        delta += matcher.feed(tokenizer.decode_token(prev, ev.token));
+        prev = ev.token;
+        if (matcher.stopped()) {
+          cancel(job, /*client=*/false);  // the engine need not generate past the stop string
+          finish_reason = "stop";
+          done = true;
+        }
+        continue;
+      }
+      done = true;
+      switch (ev.finish) {
+        case FinishReason::kStop:
+        case FinishReason::kLength:
+        case FinishReason::kContext:
+          delta += matcher.finish();
+          finish_reason = ev.finish == FinishReason::kStop ? "stop" : "length";
+          break;
+        case FinishReason::kRefused:
+          failure =
+              ApiError{400, "invalid_request_error", "request " + ev.error, "", "context_length_exceeded"};
+          break;
+        case FinishReason::kCancelled:
+        case FinishReason::kError:
+          failure = ApiError{ev.error.find("shutting down") != std::string::npos ? 503 : 500, "server_error",
+                             ev.error, "", ""};
+          break;
+      }
+    }
+    if (api.stream) {
+      if (!delta.empty()) {
+        std::string chunk = stream_chunk(kind, meta, delta, std::exchange(first_chunk, false));
+        co_await write_event(std::move(chunk));
+      }
+      if (!write_ok) {
+        cancel(job);
+        break;
+      }
+    } else {
+      text += delta;
+    }
+  }
+  conn->stream.socket().cancel();  // ends the disconnect watch
+  if (job->client_gone || !write_ok) co_return false;
+  if (failure) {
+    if (failure->http_status == 500) {
+      ++failed;
+    } else {
+      ++rejected;
+    }
+    if (!api.stream || !head_sent) co_return co_await reply_error(*conn, req, *failure);
+    std::string error_event = stream_error_chunk(*failure);
+    co_await write_event(std::move(error_event));
+  } else {
+    ++completed;
+    const Usage usage{prompt_len, completion_tokens};
+    if (!api.stream) {
+      std::string body = completion_response(kind, meta, text, finish_reason, usage)
+                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      co_return co_await reply(*conn, req, http::status::ok, std::move(body));
+    }
+    if (first_chunk) {
+      std::string role = stream_chunk(kind, meta, "", true);  // the role, for chat
+      co_await write_event(std::move(role));
+    }
+    std::string finish = stream_finish_chunk(kind, meta, finish_reason);
+    co_await write_event(std::move(finish));
+    if (api.include_usage) {
+      std::string usage_chunk = stream_usage_chunk(kind, meta, usage);
+      co_await write_event(std::move(usage_chunk));
+    }
+  }
+  std::string done_event(kStreamDone);
+  co_await write_event(std::move(done_event));
+  if (!write_ok) co_return false;
+  if (chunked) {
+    beast::error_code ec;
+    co_await asio::async_write(conn->stream, http::make_chunk_last(), asio::redirect_error(kAwait, ec));
+    co_return !ec;
+  }
+  co_return false;  // without chunked encoding the end of the stream is the end of the connection
+}
+
+std::string OpenAiServer::Impl::metrics_text() const {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help, int64_t value) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " " +
+           std::to_string(value) + "\n";
+  };
+  metric("specontext_requests_running", "gauge", "requests in the running batch", running);
+  metric("specontext_requests_waiting", "gauge", "requests queued behind the running batch", waiting);
+  metric("specontext_requests_accepted_total", "counter", "generation requests queued", accepted);
+  metric("specontext_requests_completed_total", "counter", "requests answered with a finish_reason",
+         completed);
+  metric("specontext_requests_rejected_total", "counter", "requests answered with a 4xx/503 error", rejected);
+  metric("specontext_requests_cancelled_total", "counter", "requests whose client went away", cancelled);
+  metric("specontext_requests_failed_total", "counter", "requests whose batch failed in the engine (500)",
+         failed);
+  metric("specontext_prompt_tokens_total", "counter", "prompt tokens prefilled", prompt_tokens);
+  metric("specontext_generation_tokens_total", "counter", "tokens generated", generated_tokens);
+  metric("specontext_batch_sequences_max", "gauge", "most sequences in one forward pass", max_batch);
+  metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
+  return out;
+}
+
+// ---------------------------------------------------------------- OpenAiServer
+
+OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const Tokenizer& tokenizer,
+                                                          const ServerOptions& options) {
+  auto impl = std::make_unique<Impl>(engine, tokenizer, options);
+  beast::error_code ec;
+  const auto address = asio::ip::make_address(options.host, ec);
+  if (ec)
+    return invalid_argument("serve: listen host '" + options.host +
+                            "' is not an IP address: " + ec.message());
+  const tcp::endpoint endpoint(address, options.port);
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  if (impl->acceptor.open(endpoint.protocol(), ec); ec)
+    return Status(StatusCode::kUnavailable, "serve: " + where + ": " + ec.message());
+  impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+  if (impl->acceptor.bind(endpoint, ec); ec) {
+    return Status(StatusCode::kUnavailable, "serve: cannot listen on " + where + ": " + ec.message());
+  }
+  if (impl->acceptor.listen(asio::socket_base::max_listen_connections, ec); ec) {
+    return Status(StatusCode::kUnavailable, "serve: cannot listen on " + where + ": " + ec.message());
+  }
+  impl->port = impl->acceptor.local_endpoint().port();
+  Impl* p = impl.get();
+  asio::co_spawn(p->ioc, p->accept_loop(), asio::detached);
+  p->engine_thread = std::thread([p] { p->engine_loop(); });
+  p->io_thread = std::thread([p] {
+    for (;;) {
+      try {
+        p->ioc.run();
+        return;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "serve: %s (connection handling goes on)\n", e.what());
+      }
+    }
+  });
+  return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
+}
+
+OpenAiServer::~OpenAiServer() { stop(); }
+
+uint16_t OpenAiServer::port() const { return impl_->port; }
+
+void OpenAiServer::stop(std::chrono::milliseconds drain) {
+  Impl& s = *impl_;
+  std::call_once(s.stopped, [&] {
+    s.draining = true;
+    asio::post(s.ioc, [&s] {
+      beast::error_code ec;
+      s.acceptor.close(ec);
+    });
+    const auto deadline = std::chrono::steady_clock::now() + drain;
+    while (s.jobs_in_flight > 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    {
+      std::lock_guard lk(s.mu);
+      s.stop_engine = true;
+    }
+    s.cv.notify_one();
+    if (s.engine_thread.joinable()) s.engine_thread.join();
+    // Let the sessions write the "shutting down" answers the engine thread just delivered.
+    const auto flush_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (s.jobs_in_flight > 0 && std::chrono::steady_clock::now() < flush_deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    s.ioc.stop();
+    if (s.io_thread.joinable()) s.io_thread.join();
+  });
+}
+
+ServerCounters OpenAiServer::counters() const {
+  const Impl& s = *impl_;
+  ServerCounters c;
+  c.accepted = s.accepted;
+  c.completed = s.completed;
+  c.rejected = s.rejected;
+  c.cancelled = s.cancelled;
+  c.failed = s.failed;
+  c.prompt_tokens = s.prompt_tokens;
+  c.generated_tokens = s.generated_tokens;
+  c.running = s.running;
+  c.waiting = s.waiting;
+  c.max_batch_sequences = s.max_batch;
+  c.kv_bytes_in_use = s.kv_bytes;
+  return c;
+}
+
+}  // namespace specontext::cluster

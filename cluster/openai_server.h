@@ -1,0 +1,76 @@
+// An OpenAI-compatible HTTP server over one Engine, with continuous batching: requests arriving
+// on any connection join the running batch at the next step (core/scheduler.h).
+//   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events)
+//   GET /v1/models, GET /health, GET /metrics          (Prometheus text)
+// Threads: one Asio thread runs every connection (C++20 coroutines, Boost.Beast); one engine
+// thread owns the Scheduler and the Engine. They meet in a mutex-guarded inbox (submit, cancel)
+// and per-request event lists; the engine thread wakes a request's coroutine by posting to the
+// Asio thread. A client that disconnects has its request cancelled (its sequence freed) at the
+// next step; a stop string cancels the request the same way.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/scheduler.h"
+#include "core/status.h"
+#include "core/tokenizer.h"
+
+namespace specontext::cluster {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;                                 // 0 = any free port (see OpenAiServer::port)
+  std::string model_name = "specontext";             // what /v1/models lists and requests may name
+  ChatTemplate chat_template = ChatTemplate::kNone;  // kNone: /v1/chat/completions answers 400
+  std::vector<TokenId> stop_ids;     // end generation (the finish_reason is "stop") unless ignore_eos
+  size_t max_waiting = 256;          // requests queued behind the running ones; more get 503
+  size_t max_body_bytes = 4u << 20;  // larger bodies get 413
+  std::chrono::milliseconds idle_timeout{60000};  // an idle keep-alive connection is closed after this
+  GeneratorOptions scheduling;
+};
+
+// Counts since start (running/waiting/kv bytes: now).
+struct ServerCounters {
+  int64_t accepted = 0;       // generation requests queued
+  int64_t completed = 0;      // answered with a finish_reason
+  int64_t rejected = 0;       // answered 4xx/5xx before or instead of generating
+  int64_t cancelled = 0;      // the client went away, or a stop string ended the request
+  int64_t failed = 0;         // the engine failed their batch (answered 500)
+  int64_t prompt_tokens = 0;  // prefilled
+  int64_t generated_tokens = 0;
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t max_batch_sequences = 0;  // most sequences in one forward
+  int64_t kv_bytes_in_use = 0;
+};
+
+class OpenAiServer {
+ public:
+  // Binds, listens and starts both threads. `engine` and `tokenizer` must outlive the server;
+  // until stop() only the server's engine thread may use the engine.
+  static Result<std::unique_ptr<OpenAiServer>> start(Engine& engine, const Tokenizer& tokenizer,
+                                                     const ServerOptions& options);
+  ~OpenAiServer();  // stop() with no drain time
+  OpenAiServer(const OpenAiServer&) = delete;
+  OpenAiServer& operator=(const OpenAiServer&) = delete;
+
+  uint16_t port() const;
+  // Closes the listener and answers new requests with 503; waits up to `drain` for the accepted
+  // ones to finish; the rest are answered 503 "server shutting down" (or end their stream with an
+  // error event). Then both threads stop. Idempotent.
+  void stop(std::chrono::milliseconds drain = std::chrono::milliseconds(0));
+  ServerCounters counters() const;
+
+  struct Impl;
+
+ private:
+  explicit OpenAiServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace specontext::cluster

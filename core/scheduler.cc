@@ -1,0 +1,208 @@
+#include "core/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace specontext {
+
+std::string_view finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kContext:
+      return "context";
+    case FinishReason::kRefused:
+      return "refused";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
+  }
+  return "unknown";
+}
+
+Scheduler::~Scheduler() {
+  for (Entry& e : running_) release(e);
+}
+
+Status Scheduler::validate(const GenerationRequest& r) const {
+  if (r.prompt.empty()) return invalid_argument("empty prompt");
+  if (r.max_new_tokens < 1) return invalid_argument("max_new_tokens must be at least 1");
+  SPX_RETURN_IF_ERROR(r.sampling.validate());
+  const int64_t need = r.synthetic_context + static_cast<int64_t>(r.prompt.size());
+  if (need > engine_.max_context()) {
+    return out_of_range("prompt of " + std::to_string(need) + " tokens is longer than the context limit of " +
+                        std::to_string(engine_.max_context()) + " tokens");
+  }
+  return Status::ok();
+}
+
+Result<RequestId> Scheduler::submit(GenerationRequest request) {
+  SPX_RETURN_IF_ERROR(validate(request));
+  Entry e;
+  e.id = RequestId(next_id_++);
+  if (request.sampling.repetition_penalty != 1.0f) e.history.add(request.prompt);
+  e.sampler = Sampler(request.sampling);
+  e.request = std::move(request);
+  waiting_.push_back(std::move(e));
+  return waiting_.back().id;
+}
+
+bool Scheduler::cancel(RequestId id) {
+  auto match = [id](const Entry& e) { return e.id == id; };
+  if (auto it = std::find_if(waiting_.begin(), waiting_.end(), match); it != waiting_.end()) {
+    waiting_.erase(it);
+    return true;
+  }
+  if (auto it = std::find_if(running_.begin(), running_.end(), match); it != running_.end()) {
+    release(*it);
+    running_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+void Scheduler::release(Entry& e) {
+  if (e.seq.valid()) (void)engine_.remove_sequence(e.seq);
+  e.seq = SeqId();
+}
+
+void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
+                       std::vector<SchedulerEvent>& events) {
+  e.done = true;
+  release(e);
+  events.push_back({e.id, -1, true, reason, std::move(error)});
+}
+
+Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
+  Status first_error;
+  while (!waiting_.empty()) {
+    Entry& e = waiting_.front();
+    const GenerationRequest& r = e.request;
+    const int64_t final_length =
+        std::min(engine_.max_context(),
+                 r.synthetic_context + static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens);
+    if (Status fits = engine_.admit(final_length, /*alone=*/false); !fits.is_ok()) {
+      if (fits.code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0 &&
+          engine_.admit(final_length, /*alone=*/true).is_ok()) {
+        break;  // fits once running sequences finish: wait, in order
+      }
+      const bool refused = fits.code() == StatusCode::kResourceExhausted;
+      finish(e, refused ? FinishReason::kRefused : FinishReason::kError, "refused: " + fits.message(),
+             events);
+      if (!refused && first_error.is_ok()) first_error = fits;
+      waiting_.pop_front();
+      continue;
+    }
+    auto seq = engine_.add_sequence();
+    if (!seq.is_ok()) {
+      if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
+      finish(e, FinishReason::kError, seq.status().message(), events);
+      if (first_error.is_ok()) first_error = seq.status();
+      waiting_.pop_front();
+      continue;
+    }
+    e.seq = *seq;
+    if (r.synthetic_context > 0) {
+      if (Status st = engine_.fill_synthetic(e.seq, r.synthetic_context,
+                                             r.sampling.seed + static_cast<uint64_t>(e.id.value()));
+          !st.is_ok()) {
+        finish(e, FinishReason::kError, st.message(), events);
+        if (first_error.is_ok()) first_error = st;
+        waiting_.pop_front();
+        continue;
+      }
+    }
+    running_.push_back(std::move(e));
+    waiting_.pop_front();
+  }
+  return first_error;
+}
+
+Status Scheduler::step(std::vector<SchedulerEvent>& events) {
+  Status status = admit(events);
+
+  std::vector<StepRequest> batch;
+  std::vector<Entry*> in_batch;
+  std::vector<bool> is_prefill;
+  int64_t budget = options_.max_batch_tokens;
+  int64_t prefill_tokens = 0, decode_count = 0;
+  // Decode tokens first (latency), then prompt chunks fill the rest of the budget.
+  for (Entry& e : running_) {
+    if (e.prefilled < static_cast<int64_t>(e.request.prompt.size())) continue;
+    if (budget <= 0) break;
+    e.draw = e.sampler.next_draw(e.history);
+    batch.push_back({e.seq, std::span<const TokenId>(&e.next, 1), LogitsMode::kSample, &e.draw});
+    in_batch.push_back(&e);
+    is_prefill.push_back(false);
+    --budget;
+    ++decode_count;
+  }
+  for (Entry& e : running_) {
+    const auto& prompt = e.request.prompt;
+    const int64_t left = static_cast<int64_t>(prompt.size()) - e.prefilled;
+    if (left <= 0 || budget <= 0) continue;
+    const int64_t n = std::min({left, options_.prefill_chunk, budget});
+    const bool last_chunk = n == left;
+    if (last_chunk) e.draw = e.sampler.next_draw(e.history);
+    batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)),
+                     last_chunk ? LogitsMode::kSample : LogitsMode::kNone, last_chunk ? &e.draw : nullptr});
+    in_batch.push_back(&e);
+    is_prefill.push_back(true);
+    budget -= n;
+    prefill_tokens += n;
+  }
+  if (batch.empty()) return status;
+
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto out = engine_.forward(batch);
+  if (!out.is_ok()) {
+    // All-or-nothing: the engine is as before; the batch's requests end, the rest go on.
+    for (Entry* e : in_batch) {
+      if (!e->done) finish(*e, FinishReason::kError, out.status().message(), events);
+    }
+    std::erase_if(running_, [](const Entry& e) { return e.done; });
+    return status.is_ok() ? out.status() : status;
+  }
+  // Sampling belongs to the step's time too.
+  for (size_t b = 0; b < batch.size(); ++b) {
+    Entry& e = *in_batch[b];
+    if (is_prefill[b]) {
+      e.prefilled += static_cast<int64_t>(batch[b].tokens.size());
+      stats_.prompt_tokens += static_cast<int64_t>(batch[b].tokens.size());
+    }
+    if (batch[b].logits != LogitsMode::kSample) continue;
+    const GenerationRequest& r = e.request;
+    const TokenId tok = out->tokens[b];
+    if (std::find(r.stop_ids.begin(), r.stop_ids.end(), tok) != r.stop_ids.end()) {
+      finish(e, FinishReason::kStop, {}, events);
+      continue;
+    }
+    events.push_back({e.id, tok, false, FinishReason::kLength, {}});
+    ++e.generated;
+    if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);
+    e.next = tok;
+    ++stats_.generated_tokens;
+    if (!is_prefill[b]) ++stats_.decode_tokens;
+    if (e.generated >= r.max_new_tokens) {
+      finish(e, FinishReason::kLength, {}, events);
+    } else if (engine_.sequence_length(e.seq) + 1 > engine_.max_context()) {
+      finish(e, FinishReason::kContext, {}, events);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  // A mixed step is split between prefill and decode by token count.
+  const double total_tokens = static_cast<double>(prefill_tokens + decode_count);
+  stats_.prefill_seconds += seconds * static_cast<double>(prefill_tokens) / total_tokens;
+  stats_.decode_seconds += seconds * static_cast<double>(decode_count) / total_tokens;
+  if (decode_count > 0) ++stats_.decode_steps;
+  stats_.max_batch_sequences = std::max(stats_.max_batch_sequences, static_cast<int64_t>(batch.size()));
+  stats_.kv_bytes_peak = std::max(stats_.kv_bytes_peak, engine_.kv_bytes_in_use());
+  std::erase_if(running_, [](const Entry& e) { return e.done; });
+  return status;
+}
+
+}  // namespace specontext

@@ -1,0 +1,117 @@
+// Continuous batching over the Engine, one step at a time: requests are submitted and cancelled
+// at any time, and each step() admits what fits, runs one batched forward (decode tokens first,
+// then prompt chunks in the remaining token budget) and reports the tokens and endings it
+// produced. Generator::run (a fixed list) and the OpenAI server (requests arriving over HTTP)
+// both drive it. Not thread-safe: one thread owns a Scheduler and its Engine.
+#pragma once
+
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/sampler.h"
+
+namespace specontext {
+
+using RequestId = StrongId<struct RequestIdTag, int64_t>;
+
+struct GenerationRequest {
+  std::vector<TokenId> prompt;  // must be non-empty
+  SamplingParams sampling;
+  int64_t max_new_tokens = 256;
+  std::vector<TokenId> stop_ids;  // generation ends after emitting none of these
+  int64_t synthetic_context = 0;  // >0: KV prefilled with random entries (speed runs only)
+};
+
+// kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
+// kCancelled: cancel() was called. kError: the forward pass (or set-up) of its batch failed.
+enum class FinishReason { kLength, kStop, kContext, kRefused, kCancelled, kError };
+std::string_view finish_reason_name(FinishReason reason);
+
+struct GenerationStats {
+  int64_t prompt_tokens = 0;  // tokens run through prefill
+  int64_t generated_tokens = 0;
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+  int64_t decode_tokens = 0;  // tokens produced by decode steps (first token comes from prefill)
+  int64_t decode_steps = 0;
+  int64_t kv_bytes_peak = 0;
+  int64_t max_batch_sequences = 0;  // most sequences in one forward
+  double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
+  double decode_tokens_per_s() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0; }
+};
+
+struct GeneratorOptions {
+  int64_t prefill_chunk = 256;      // most prompt tokens of one sequence in one forward
+  int64_t max_batch_tokens = 2048;  // most tokens in one forward
+};
+
+// What one step produced for one request: a token (finished = false), or its ending. A stop
+// token ends the request without a token event; kLength/kContext come right after the last
+// token's event. Every submitted request gets exactly one finished event, except cancelled ones.
+struct SchedulerEvent {
+  RequestId request;
+  TokenId token = -1;
+  bool finished = false;
+  FinishReason finish = FinishReason::kLength;
+  std::string error;  // why, for kRefused and kError
+};
+
+class Scheduler {
+ public:
+  Scheduler(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {}
+  ~Scheduler();  // frees the sequences of running requests
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // What submit() would refuse: an empty prompt, bad sampling parameters, a prompt longer than
+  // the context (kOutOfRange), max_new_tokens < 1.
+  Status validate(const GenerationRequest& request) const;
+  // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV, at its final
+  // length, fits beside the running ones (Engine::admit). One that never fits, even alone, ends
+  // with kRefused.
+  Result<RequestId> submit(GenerationRequest request);
+  // Drops a waiting request or frees a running one's sequence at once. False for unknown or
+  // finished ids. No event follows.
+  bool cancel(RequestId id);
+
+  // Admits, runs one forward, appends the events. A failed forward ends every request of its
+  // batch with kError (the engine is unchanged, the other requests go on) and returns the error;
+  // waiting requests stay queued. Ok with no events when there is nothing to do.
+  Status step(std::vector<SchedulerEvent>& events);
+
+  bool idle() const { return waiting_.empty() && running_.empty(); }
+  size_t waiting() const { return waiting_.size(); }
+  size_t running() const { return running_.size(); }
+  const GenerationStats& stats() const { return stats_; }
+  Engine& engine() { return engine_; }
+
+ private:
+  struct Entry {
+    RequestId id;
+    GenerationRequest request;
+    SeqId seq;
+    DistinctTokens history;  // prompt + generated, for the repetition penalty (kept only when on)
+    Sampler sampler{SamplingParams{}};
+    TokenDraw draw;         // this step's sampling decision, made by the engine where the logits are
+    int64_t prefilled = 0;  // prompt tokens already in the cache
+    int64_t generated = 0;
+    TokenId next = -1;  // token to feed in the next decode step
+    bool done = false;
+  };
+
+  // Moves waiting requests to running while they fit; refused ones get their finished event.
+  Status admit(std::vector<SchedulerEvent>& events);
+  void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
+  void release(Entry& e);
+
+  Engine& engine_;
+  GeneratorOptions options_;
+  GenerationStats stats_;
+  int64_t next_id_ = 1;
+  std::deque<Entry> waiting_;
+  std::deque<Entry> running_;  // in admission order: the batch order
+};
+
+}  // namespace specontext

@@ -1,0 +1,604 @@
+// The OpenAI API's bodies: good completion and chat requests with every field, each refusal naming
+// its field (message and param), malformed and non-object bodies; StopMatcher on stops split
+// across pieces, earliest-match, released prefixes and UTF-8 split or broken; the response and
+// stream-chunk JSON shapes.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cluster/openai_api.h"
+
+namespace specontext::cluster {
+namespace {
+
+using json = nlohmann::json;
+
+ApiRequest parse_ok(ApiKind kind, const std::string& body) {
+  ParseResult r = parse_api_request(kind, body);
+  EXPECT_TRUE(r.request.has_value()) << body << " -> " << r.error.message;
+  return r.request.value_or(ApiRequest{});
+}
+
+// The body is refused naming `param` in both the message and the param.
+void expect_refused(ApiKind kind, const std::string& body, const std::string& param,
+                    const std::string& message_part = "") {
+  ParseResult r = parse_api_request(kind, body);
+  ASSERT_FALSE(r.request.has_value()) << body;
+  EXPECT_EQ(r.error.http_status, 400) << body;
+  EXPECT_EQ(r.error.type, "invalid_request_error") << body;
+  EXPECT_EQ(r.error.param, param) << body << " -> " << r.error.message;
+  EXPECT_NE(r.error.message.find("field '" + param + "'"), std::string::npos)
+      << body << " -> " << r.error.message;
+  if (!message_part.empty()) {
+    EXPECT_NE(r.error.message.find(message_part), std::string::npos) << body << " -> " << r.error.message;
+  }
+}
+
+// A completion body {"prompt":"hi", <extra>}.
+std::string completion(const std::string& extra) { return R"({"prompt":"hi",)" + extra + "}"; }
+std::string chat(const std::string& extra) {
+  return R"({"messages":[{"role":"user","content":"hi"}],)" + extra + "}";
+}
+
+TEST(OpenAiParse, CompletionWithAllFields) {
+  const ApiRequest r = parse_ok(ApiKind::kCompletion, R"({
+    "model": "stories", "prompt": "Once upon", "max_tokens": 16, "temperature": 0.5, "top_p": 0.9,
+    "top_k": 40, "repetition_penalty": 1.1, "seed": 18446744073709551615, "stop": ["\n", "The end"],
+    "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}, "user": "u1",
+    "n": 1, "best_of": 1, "echo": false, "logprobs": null, "presence_penalty": 0, "frequency_penalty": 0.0,
+    "suffix": "", "logit_bias": {}, "some_future_field": [1, 2, 3]})");
+  EXPECT_EQ(r.kind, ApiKind::kCompletion);
+  EXPECT_EQ(r.model, "stories");
+  EXPECT_EQ(r.prompt_text, "Once upon");
+  EXPECT_FALSE(r.prompt_is_ids);
+  EXPECT_TRUE(r.prompt_ids.empty());
+  EXPECT_TRUE(r.messages.empty());
+  ASSERT_TRUE(r.max_tokens.has_value());
+  EXPECT_EQ(*r.max_tokens, 16);
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 0.9f);
+  EXPECT_EQ(r.sampling.top_k, 40);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 1.1f);
+  EXPECT_EQ(r.sampling.seed, 18446744073709551615ull);
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"\n", "The end"}));
+  EXPECT_TRUE(r.ignore_eos);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+  EXPECT_EQ(r.user, "u1");
+  EXPECT_TRUE(r.sampling.validate().is_ok());
+}
+
+TEST(OpenAiParse, CompletionDefaults) {
+  const ApiRequest r = parse_ok(ApiKind::kCompletion, R"({"prompt":"x"})");
+  EXPECT_EQ(r.model, "");
+  EXPECT_FALSE(r.max_tokens.has_value());
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 1.0f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 1.0f);
+  EXPECT_EQ(r.sampling.top_k, 0);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 1.0f);
+  EXPECT_EQ(r.sampling.seed, 0u);
+  EXPECT_TRUE(r.stop.empty());
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.include_usage);
+  EXPECT_FALSE(r.ignore_eos);
+}
+
+TEST(OpenAiParse, NullMeansAbsent) {
+  const ApiRequest r =
+      parse_ok(ApiKind::kCompletion,
+               R"({"prompt":"x","model":null,"max_tokens":null,"temperature":null,"stop":null,
+                                    "stream":null,"stream_options":null,"n":null,"tools":null,"seed":null})");
+  EXPECT_FALSE(r.max_tokens.has_value());
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 1.0f);
+  EXPECT_TRUE(r.stop.empty());
+}
+
+TEST(OpenAiParse, PromptForms) {
+  ApiRequest r = parse_ok(ApiKind::kCompletion, R"({"prompt":[1, 0, 2147483647]})");
+  EXPECT_TRUE(r.prompt_is_ids);
+  EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{1, 0, 2147483647}));
+  EXPECT_EQ(r.prompt_text, "");
+  // A batch of one is its prompt.
+  r = parse_ok(ApiKind::kCompletion, R"({"prompt":["only one"]})");
+  EXPECT_FALSE(r.prompt_is_ids);
+  EXPECT_EQ(r.prompt_text, "only one");
+  r = parse_ok(ApiKind::kCompletion, R"({"prompt":[[5, 6]]})");
+  EXPECT_TRUE(r.prompt_is_ids);
+  EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{5, 6}));
+  // Integral floats pass as integers.
+  r = parse_ok(ApiKind::kCompletion, R"({"prompt":[3.0], "max_tokens": 4.0})");
+  EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{3}));
+  EXPECT_EQ(r.max_tokens, 4);
+}
+
+TEST(OpenAiParse, PromptRefusals) {
+  const auto k = ApiKind::kCompletion;
+  expect_refused(k, R"({})", "prompt", "is required");
+  expect_refused(k, R"({"prompt":null})", "prompt", "is required");
+  expect_refused(k, R"({"prompt":""})", "prompt", "must not be empty");
+  expect_refused(k, R"({"prompt":[]})", "prompt", "must not be empty");
+  expect_refused(k, R"({"prompt":5})", "prompt");
+  expect_refused(k, R"({"prompt":{"text":"a"}})", "prompt");
+  expect_refused(k, R"({"prompt":["a","b"]})", "prompt", "several prompts per request are not supported");
+  expect_refused(k, R"({"prompt":[[1],[2]]})", "prompt", "several prompts");
+  expect_refused(k, R"({"prompt":[1,-2]})", "prompt[1]", "token id");
+  expect_refused(k, R"({"prompt":[1,2.5]})", "prompt[1]", "token id");
+  expect_refused(k, R"({"prompt":[1,"a"]})", "prompt[1]", "token id");
+  expect_refused(k, R"({"prompt":[2147483648]})", "prompt[0]", "token id");
+  expect_refused(k, R"({"prompt":[""]})", "prompt[0]", "must not be empty");
+  expect_refused(k, R"({"prompt":[[1,-1]]})", "prompt[0][1]", "token id");
+  // The chat body's field does not stand in for the prompt.
+  expect_refused(k, R"({"messages":[{"role":"user","content":"hi"}]})", "prompt");
+}
+
+TEST(OpenAiParse, ChatWithAllFields) {
+  const ApiRequest r = parse_ok(ApiKind::kChat, R"({
+    "model": "m", "messages": [
+      {"role": "system", "content": "Be brief."},
+      {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}], "name": "bob"},
+      {"role": "assistant", "content": "Hi!", "tool_calls": []},
+      {"role": "user", "content": ""}],
+    "max_completion_tokens": 7, "max_tokens": 7, "temperature": 0, "top_p": 1, "top_k": -1,
+    "repetition_penalty": 2, "seed": 0, "stop": "###", "stream": false, "logprobs": false,
+    "top_logprobs": null, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+    "n": 1.0, "parallel_tool_calls": false})");
+  EXPECT_EQ(r.kind, ApiKind::kChat);
+  ASSERT_EQ(r.messages.size(), 4u);
+  EXPECT_EQ(r.messages[0].role, "system");
+  EXPECT_EQ(r.messages[0].content, "Be brief.");
+  EXPECT_EQ(r.messages[1].role, "user");
+  EXPECT_EQ(r.messages[1].content, "Hello\nthere");
+  EXPECT_EQ(r.messages[2].role, "assistant");
+  EXPECT_EQ(r.messages[2].content, "Hi!");
+  EXPECT_EQ(r.messages[3].content, "");
+  EXPECT_EQ(r.max_tokens, 7);
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 0.0f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p, 1.0f);
+  EXPECT_EQ(r.sampling.top_k, 0);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 2.0f);
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"###"}));
+  EXPECT_FALSE(r.stream);
+  EXPECT_EQ(r.prompt_text, "");
+  EXPECT_TRUE(r.sampling.validate().is_ok());
+}
+
+TEST(OpenAiParse, MessageRefusals) {
+  const auto k = ApiKind::kChat;
+  expect_refused(k, R"({"prompt":"hi"})", "messages", "is required");
+  expect_refused(k, R"({"messages":[]})", "messages", "non-empty");
+  expect_refused(k, R"({"messages":"hi"})", "messages");
+  expect_refused(k, R"({"messages":["hi"]})", "messages[0]", "must be an object");
+  expect_refused(k, R"({"messages":[{"role":"user","content":"a"},{"role":"tool","content":"b"}]})",
+                 "messages[1].role", "must be one of system, user, assistant");
+  expect_refused(k, R"({"messages":[{"content":"a"}]})", "messages[0].role");
+  expect_refused(k, R"({"messages":[{"role":1,"content":"a"}]})", "messages[0].role");
+  expect_refused(k, R"({"messages":[{"role":"user"}]})", "messages[0].content", "is required");
+  expect_refused(k, R"({"messages":[{"role":"user","content":null}]})", "messages[0].content");
+  expect_refused(k, R"({"messages":[{"role":"user","content":3}]})", "messages[0].content");
+  expect_refused(
+      k, R"({"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url"}]}]})",
+      "messages[0].content[1].type", "only text content is supported");
+  expect_refused(k, R"({"messages":[{"role":"user","content":[{"text":"a"}]}]})",
+                 "messages[0].content[0].type");
+  expect_refused(k, R"({"messages":[{"role":"user","content":[{"type":"text","text":5}]}]})",
+                 "messages[0].content[0].text", "must be a string");
+  expect_refused(k, R"({"messages":[{"role":"user","content":["a"]}]})", "messages[0].content[0]");
+  expect_refused(k, R"({"messages":[{"role":"assistant","content":"","tool_calls":[{"id":"x"}]}]})",
+                 "messages[0].tool_calls");
+}
+
+TEST(OpenAiParse, TypeAndRangeRefusals) {
+  const auto k = ApiKind::kCompletion;
+  expect_refused(k, completion(R"("model":3)"), "model", "must be a string");
+  expect_refused(k, completion(R"("user":false)"), "user", "must be a string");
+  expect_refused(k, completion(R"("max_tokens":0)"), "max_tokens", "must be a positive integer");
+  expect_refused(k, completion(R"("max_tokens":-5)"), "max_tokens", "must be a positive integer");
+  expect_refused(k, completion(R"("max_tokens":1.5)"), "max_tokens", "must be a positive integer");
+  expect_refused(k, completion(R"("max_tokens":"8")"), "max_tokens", "must be a positive integer");
+  expect_refused(k, completion(R"("max_tokens":18446744073709551615)"), "max_tokens");
+  expect_refused(k, completion(R"("max_completion_tokens":0)"), "max_completion_tokens");
+  expect_refused(k, completion(R"("max_tokens":8,"max_completion_tokens":9)"), "max_completion_tokens",
+                 "must equal 'max_tokens'");
+  expect_refused(k, completion(R"("temperature":2.01)"), "temperature", "between 0 and 2");
+  expect_refused(k, completion(R"("temperature":-0.1)"), "temperature");
+  expect_refused(k, completion(R"("temperature":"hot")"), "temperature");
+  expect_refused(k, completion(R"("top_p":0)"), "top_p");
+  expect_refused(k, completion(R"("top_p":1.5)"), "top_p");
+  expect_refused(k, completion(R"("top_p":1e-300)"), "top_p");
+  expect_refused(k, completion(R"("top_k":-2)"), "top_k");
+  expect_refused(k, completion(R"("top_k":2.5)"), "top_k");
+  expect_refused(k, completion(R"("repetition_penalty":0)"), "repetition_penalty", "greater than 0");
+  expect_refused(k, completion(R"("repetition_penalty":-1)"), "repetition_penalty");
+  expect_refused(k, completion(R"("repetition_penalty":1e300)"), "repetition_penalty");
+  expect_refused(k, completion(R"("seed":-1)"), "seed", "integer >= 0");
+  expect_refused(k, completion(R"("seed":1.5)"), "seed");
+  expect_refused(k, completion(R"("seed":"7")"), "seed");
+  expect_refused(k, completion(R"("stream":1)"), "stream", "must be a boolean");
+  expect_refused(k, completion(R"("stream":"true")"), "stream", "must be a boolean");
+  expect_refused(k, completion(R"("ignore_eos":0)"), "ignore_eos", "must be a boolean");
+  expect_refused(k, completion(R"("stream_options":{"include_usage":true})"), "stream_options",
+                 "only allowed when 'stream' is true");
+  expect_refused(k, completion(R"("stream":false,"stream_options":{})"), "stream_options");
+  expect_refused(k, completion(R"("stream":true,"stream_options":true)"), "stream_options",
+                 "must be an object");
+  expect_refused(k, completion(R"("stream":true,"stream_options":{"include_usage":1})"),
+                 "stream_options.include_usage", "must be a boolean");
+}
+
+TEST(OpenAiParse, TopKAndSeedValues) {
+  EXPECT_EQ(parse_ok(ApiKind::kCompletion, completion(R"("top_k":0)")).sampling.top_k, 0);
+  EXPECT_EQ(parse_ok(ApiKind::kCompletion, completion(R"("top_k":1)")).sampling.top_k, 1);
+  EXPECT_EQ(parse_ok(ApiKind::kCompletion, completion(R"("top_k":10000000000)")).sampling.top_k, 2147483647);
+  EXPECT_EQ(parse_ok(ApiKind::kCompletion, completion(R"("seed":42)")).sampling.seed, 42u);
+  EXPECT_FLOAT_EQ(parse_ok(ApiKind::kCompletion, completion(R"("temperature":2)")).sampling.temperature,
+                  2.0f);
+  const ApiRequest r = parse_ok(ApiKind::kCompletion, completion(R"("stream":true,"stream_options":{})"));
+  EXPECT_TRUE(r.stream);
+  EXPECT_FALSE(r.include_usage);
+}
+
+TEST(OpenAiParse, StopRefusals) {
+  const auto k = ApiKind::kCompletion;
+  EXPECT_EQ(parse_ok(k, completion(R"("stop":[])")).stop.size(), 0u);
+  EXPECT_EQ(parse_ok(k, completion(R"("stop":["a","b","c","d"])")).stop.size(), 4u);
+  expect_refused(k, completion(R"("stop":["a","b","c","d","e"])"), "stop", "may hold at most 4 strings");
+  expect_refused(k, completion(R"("stop":"")"), "stop");
+  expect_refused(k, completion(R"("stop":5)"), "stop");
+  expect_refused(k, completion(R"("stop":["a",""])"), "stop[1]", "non-empty string");
+  expect_refused(k, completion(R"("stop":["a",7])"), "stop[1]");
+}
+
+TEST(OpenAiParse, UnsupportedFeatureRefusals) {
+  for (ApiKind k : {ApiKind::kCompletion, ApiKind::kChat}) {
+    auto body = [k](const std::string& extra) {
+      return k == ApiKind::kCompletion ? completion(extra) : chat(extra);
+    };
+    expect_refused(k, body(R"("n":2)"), "n", "must be 1: one choice per request is supported");
+    expect_refused(k, body(R"("n":0)"), "n", "must be 1");
+    expect_refused(k, body(R"("n":"1")"), "n", "must be 1");
+    expect_refused(k, body(R"("best_of":3)"), "best_of", "must be 1");
+    expect_refused(k, body(R"("echo":true)"), "echo", "must be false");
+    expect_refused(k, body(R"("echo":"no")"), "echo", "must be a boolean");
+    expect_refused(k, body(R"("top_logprobs":0)"), "top_logprobs", "logprobs are not supported");
+    expect_refused(k, body(R"("top_logprobs":3)"), "top_logprobs", "logprobs are not supported");
+    expect_refused(k, body(R"("presence_penalty":0.5)"), "presence_penalty", "must be 0");
+    expect_refused(k, body(R"("frequency_penalty":-1)"), "frequency_penalty", "must be 0");
+    expect_refused(k, body(R"("frequency_penalty":"0")"), "frequency_penalty", "must be 0");
+    expect_refused(k, body(R"("suffix":"end")"), "suffix");
+    expect_refused(k, body(R"("suffix":1)"), "suffix");
+    expect_refused(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"), "tools",
+                   "not supported");
+    expect_refused(k, body(R"("functions":[{"name":"f"}])"), "functions");
+    expect_refused(k, body(R"("tool_choice":"required")"), "tool_choice");
+    expect_refused(k, body(R"("tool_choice":{"type":"function","function":{"name":"f"}})"), "tool_choice");
+    expect_refused(k, body(R"("function_call":{"name":"f"})"), "function_call");
+    expect_refused(k, body(R"("response_format":{"type":"json_object"})"), "response_format",
+                   "structured output is not supported");
+    expect_refused(k, body(R"("response_format":"text")"), "response_format");
+    expect_refused(k, body(R"("logit_bias":{"50256":-100})"), "logit_bias", "not supported");
+    expect_refused(k, body(R"("min_p":0.1)"), "min_p");
+    expect_refused(k, body(R"("min_tokens":3)"), "min_tokens");
+    expect_refused(k, body(R"("stop_token_ids":[2])"), "stop_token_ids");
+    expect_refused(k, body(R"("use_beam_search":true)"), "use_beam_search");
+    expect_refused(k, body(R"("include_stop_str_in_output":true)"), "include_stop_str_in_output");
+    expect_refused(k, body(R"("prompt_logprobs":1)"), "prompt_logprobs");
+    // Their "off" values are accepted.
+    parse_ok(k,
+             body(R"("n":1,"best_of":1,"echo":false,"presence_penalty":0,"frequency_penalty":0,"suffix":null,
+                       "tools":[],"tool_choice":"auto","function_call":"none","response_format":{"type":"text"},
+                       "logit_bias":null,"min_p":0,"min_tokens":0,"stop_token_ids":[],"use_beam_search":false,
+                       "logprobs":false,"top_logprobs":null)"));
+  }
+  // logprobs: a boolean for chat, a count for completions; only "none" passes.
+  expect_refused(ApiKind::kChat, chat(R"("logprobs":true)"), "logprobs", "logprobs are not supported");
+  expect_refused(ApiKind::kChat, chat(R"("logprobs":0)"), "logprobs", "logprobs are not supported");
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":1)"), "logprobs",
+                 "logprobs are not supported");
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":true)"), "logprobs",
+                 "logprobs are not supported");
+  parse_ok(ApiKind::kCompletion, completion(R"("logprobs":0)"));
+  parse_ok(ApiKind::kChat, chat(R"("logprobs":null)"));
+}
+
+TEST(OpenAiParse, MalformedAndNonObjectBodies) {
+  for (ApiKind k : {ApiKind::kCompletion, ApiKind::kChat}) {
+    for (const std::string body :
+         {"", "{", R"({"prompt": "a",})", "{'prompt': 'a'}", "nul", "{\"a\":\"\xff\"}"}) {
+      ParseResult r = parse_api_request(k, body);
+      ASSERT_FALSE(r.request.has_value()) << body;
+      EXPECT_EQ(r.error.http_status, 400);
+      EXPECT_EQ(r.error.param, "");
+      EXPECT_TRUE(r.error.message.starts_with("request body is not valid JSON: ")) << r.error.message;
+      EXPECT_GT(r.error.message.size(), std::string("request body is not valid JSON: ").size());
+      EXPECT_EQ(r.error.message.find("[json.exception"), std::string::npos) << r.error.message;
+    }
+    for (const std::string body : {"[]", "null", "42", R"("prompt")", "[{\"prompt\":\"a\"}]"}) {
+      ParseResult r = parse_api_request(k, body);
+      ASSERT_FALSE(r.request.has_value()) << body;
+      EXPECT_EQ(r.error.message, "request body must be a JSON object");
+      EXPECT_EQ(r.error.param, "");
+    }
+  }
+}
+
+TEST(OpenAiErrors, ErrorBody) {
+  ApiError e;
+  e.message = "field 'n' must be 1";
+  e.param = "n";
+  json j = json::parse(error_body(e));
+  EXPECT_EQ(j, json::parse(R"({"error":{"message":"field 'n' must be 1","type":"invalid_request_error",
+                                        "param":"n","code":null}})"));
+  e = ApiError{};
+  e.http_status = 404;
+  e.type = "not_found_error";
+  e.message = "model \xff not found";  // invalid UTF-8 must not throw
+  e.code = "model_not_found";
+  j = json::parse(error_body(e));
+  EXPECT_TRUE(j["error"]["param"].is_null());
+  EXPECT_EQ(j["error"]["code"], "model_not_found");
+  EXPECT_EQ(j["error"]["type"], "not_found_error");
+  EXPECT_EQ(j["error"]["message"], "model \xEF\xBF\xBD not found");
+  const std::string chunk = stream_error_chunk(e);
+  ASSERT_TRUE(chunk.starts_with("data: "));
+  ASSERT_TRUE(chunk.ends_with("\n\n"));
+  EXPECT_EQ(json::parse(chunk.substr(6)), j);
+}
+
+// --- UTF-8 and StopMatcher ----------------------------------------------------------------------
+
+TEST(Utf8, Sanitize) {
+  EXPECT_EQ(sanitize_utf8("plain"), "plain");
+  EXPECT_EQ(sanitize_utf8("\xE2\x82\xAC \xF0\x9F\x98\x80 \xC3\xA9"),
+            "\xE2\x82\xAC \xF0\x9F\x98\x80 \xC3\xA9");
+  EXPECT_EQ(sanitize_utf8("a\xFF"
+                          "b"),
+            "a\xEF\xBF\xBD"
+            "b");
+  EXPECT_EQ(sanitize_utf8("\x80\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD");  // stray continuations: one each
+  EXPECT_EQ(sanitize_utf8("\xE2\x82"
+                          "A"),
+            "\xEF\xBF\xBD"
+            "A");                                                    // truncated sequence: one
+  EXPECT_EQ(sanitize_utf8("\xE2\x82"), "\xEF\xBF\xBD");              // truncated at the end
+  EXPECT_EQ(sanitize_utf8("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");  // overlong lead is invalid alone
+  EXPECT_EQ(sanitize_utf8("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate
+  EXPECT_EQ(sanitize_utf8("\xF4\x90\x80\x80"),
+            "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // > U+10FFFF
+  EXPECT_EQ(sanitize_utf8(std::string("a\0b", 3)), std::string("a\0b", 3));
+}
+
+TEST(StopMatcher, StopSplitAcrossThreePieces) {
+  StopMatcher m({"STOP"});
+  EXPECT_EQ(m.feed("Hello S"), "Hello ");
+  EXPECT_EQ(m.feed("T"), "");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.feed("OP and more"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.text(), "Hello ");
+  EXPECT_EQ(m.feed("later"), "");
+  EXPECT_EQ(m.finish(), "");
+  EXPECT_EQ(m.text(), "Hello ");
+}
+
+TEST(StopMatcher, MatchWithinOnePieceKeepsTextBefore) {
+  StopMatcher m({"\n\n"});
+  EXPECT_EQ(m.feed("line one\n"), "line one");
+  EXPECT_EQ(m.feed("\nline two"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.text(), "line one");
+}
+
+TEST(StopMatcher, NoPartOfAStopIsEverEmitted) {
+  const std::string text = "abc<|end|>def";
+  for (size_t piece = 1; piece <= text.size(); ++piece) {
+    StopMatcher m({"<|end|>"});
+    std::string out;
+    for (size_t i = 0; i < text.size(); i += piece) {
+      const std::string chunk = m.feed(std::string_view(text).substr(i, piece));
+      EXPECT_EQ(chunk.find('<'), std::string::npos) << "piece " << piece;
+      out += chunk;
+    }
+    EXPECT_TRUE(m.stopped());
+    EXPECT_EQ(out, "abc");
+    EXPECT_EQ(m.text(), "abc");
+  }
+}
+
+TEST(StopMatcher, EarliestMatchWins) {
+  StopMatcher m({"world", "lo w", "o"});
+  EXPECT_EQ(m.feed("hello world"), "hel");  // "lo w" starts first
+  EXPECT_TRUE(m.stopped());
+  // Two complete matches in the same piece: the earlier start wins, whatever the list order.
+  StopMatcher m2({"cd", "bcde"});
+  EXPECT_EQ(m2.feed("abcdef"), "a");
+  EXPECT_EQ(m2.text(), "a");
+}
+
+TEST(StopMatcher, HeldPrefixIsReleasedWhenNoStopFollows) {
+  StopMatcher m({"END"});
+  EXPECT_EQ(m.feed("the E"), "the ");
+  EXPECT_EQ(m.feed("N"), "");
+  EXPECT_EQ(m.feed("D"), "");
+  EXPECT_TRUE(m.stopped());
+
+  StopMatcher n({"END"});
+  EXPECT_EQ(n.feed("the E"), "the ");
+  EXPECT_EQ(n.feed("N"), "");
+  EXPECT_EQ(n.feed("Dx"), "");  // matched: nothing after
+  StopMatcher p({"END"});
+  EXPECT_EQ(p.feed("the EN"), "the ");
+  EXPECT_EQ(p.feed("x"), "ENx");
+  EXPECT_FALSE(p.stopped());
+  EXPECT_EQ(p.feed("EEN"), "E");  // "EN" could still start "END"
+  EXPECT_EQ(p.finish(), "EN");
+  EXPECT_EQ(p.text(), "the ENxEEN");
+}
+
+TEST(StopMatcher, FinishReleasesHeldText) {
+  StopMatcher m({"</s>"});
+  EXPECT_EQ(m.feed("bye </"), "bye ");
+  EXPECT_EQ(m.finish(), "</");
+  EXPECT_EQ(m.text(), "bye </");
+  EXPECT_EQ(m.finish(), "");
+  EXPECT_FALSE(m.stopped());
+}
+
+TEST(StopMatcher, NoStopsPassesTextThrough) {
+  StopMatcher m({});
+  EXPECT_EQ(m.feed("abc"), "abc");
+  EXPECT_EQ(m.feed(""), "");
+  EXPECT_EQ(m.finish(), "");
+  EXPECT_EQ(m.text(), "abc");
+  StopMatcher e({""});  // an empty stop never matches
+  EXPECT_EQ(e.feed("abc"), "abc");
+  EXPECT_FALSE(e.stopped());
+}
+
+TEST(StopMatcher, MultibyteCharacterSplitAcrossPiecesIsEmittedWhole) {
+  StopMatcher m({});
+  // U+1F600 (F0 9F 98 80) in three pieces, then U+20AC (E2 82 AC).
+  EXPECT_EQ(m.feed("a\xF0"), "a");
+  EXPECT_EQ(m.feed("\x9F\x98"), "");
+  EXPECT_EQ(m.feed("\x80"
+                   "b\xE2\x82"),
+            "\xF0\x9F\x98\x80"
+            "b");
+  EXPECT_EQ(m.feed("\xAC"), "\xE2\x82\xAC");
+  EXPECT_EQ(m.finish(), "");
+  EXPECT_EQ(m.text(),
+            "a\xF0\x9F\x98\x80"
+            "b\xE2\x82\xAC");
+}
+
+TEST(StopMatcher, MultibyteStopSplitAcrossPieces) {
+  StopMatcher m({"\xE3\x80\x82"});  // "。"
+  EXPECT_EQ(m.feed("x\xE3"), "x");
+  EXPECT_EQ(m.feed("\x80"), "");
+  EXPECT_EQ(m.feed("\x82y"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.text(), "x");
+}
+
+TEST(StopMatcher, InvalidBytesBecomeReplacementCharacters) {
+  StopMatcher m({});
+  EXPECT_EQ(m.feed("a\xFF"), "a\xEF\xBF\xBD");
+  EXPECT_EQ(m.feed("\x80"
+                   "b"),
+            "\xEF\xBF\xBD"
+            "b");                     // a stray continuation
+  EXPECT_EQ(m.feed("\xE2\x82"), "");  // could still complete
+  EXPECT_EQ(m.feed("c"),
+            "\xEF\xBF\xBD"
+            "c");  // it did not
+  EXPECT_EQ(m.feed("\xC3"), "");
+  EXPECT_EQ(m.finish(), "\xEF\xBF\xBD");  // cut off by the end
+  EXPECT_EQ(m.text(),
+            "a\xEF\xBF\xBD\xEF\xBF\xBD"
+            "b\xEF\xBF\xBD"
+            "c\xEF\xBF\xBD");
+}
+
+TEST(StopMatcher, AnySplitDecodesLikeTheWhole) {
+  const std::string text =
+      "x\xE2\x82\xAC\xF0\x9F\x98\x80\xFF\xE2\x82"
+      "ab\xC3\xA9\xED\xA0\x80"
+      "a";
+  const std::string whole = sanitize_utf8(text);
+  for (size_t a = 0; a <= text.size(); ++a) {
+    for (size_t b = a; b <= text.size(); ++b) {
+      StopMatcher m(
+          {"\xAC"
+           "Q",
+           "ab!"});  // stops that never match but hold text back
+      std::string out = m.feed(text.substr(0, a));
+      out += m.feed(text.substr(a, b - a));
+      out += m.feed(text.substr(b));
+      out += m.finish();
+      ASSERT_EQ(out, whole) << a << " " << b;
+      ASSERT_EQ(m.text(), whole);
+    }
+  }
+}
+
+// --- responses ----------------------------------------------------------------------------------
+
+const ResponseMeta kMeta{"cmpl-1", 1700000000, "stories"};
+
+json parse_event(const std::string& chunk) {
+  EXPECT_TRUE(chunk.starts_with("data: ")) << chunk;
+  EXPECT_TRUE(chunk.ends_with("\n\n")) << chunk;
+  return json::parse(chunk.substr(6, chunk.size() - 8));
+}
+
+TEST(OpenAiResponse, Completion) {
+  const json j = completion_response(ApiKind::kCompletion, kMeta, "once", "length", Usage{5, 3});
+  EXPECT_EQ(j,
+            json::parse(R"({"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"stories",
+    "choices":[{"index":0,"text":"once","logprobs":null,"finish_reason":"length"}],
+    "usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}})"));
+}
+
+TEST(OpenAiResponse, Chat) {
+  const ResponseMeta meta{"chatcmpl-9", 12, "m"};
+  const json j = completion_response(ApiKind::kChat, meta, "hi \xff", "stop", Usage{2, 1});
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["id"], "chatcmpl-9");
+  EXPECT_EQ(j["created"], 12);
+  ASSERT_EQ(j["choices"].size(), 1u);
+  json expected = json::parse(R"({"index":0,"message":{"role":"assistant","content":""},"logprobs":null,
+                                   "finish_reason":"stop"})");
+  expected["message"]["content"] = "hi \xff";  // held raw, replaced only when dumped
+  EXPECT_EQ(j["choices"][0], expected);
+  EXPECT_EQ(j["choices"][0]["index"], 0);
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(j["usage"]["total_tokens"], 3);
+  // Invalid UTF-8 in a text is replaced when serialized, never thrown.
+  const std::string text = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  EXPECT_EQ(json::parse(text)["choices"][0]["message"]["content"], "hi \xEF\xBF\xBD");
+}
+
+TEST(OpenAiResponse, CompletionStreamChunks) {
+  json j = parse_event(stream_chunk(ApiKind::kCompletion, kMeta, "tok", true));
+  EXPECT_EQ(j,
+            json::parse(R"({"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"stories",
+    "choices":[{"index":0,"text":"tok","logprobs":null,"finish_reason":null}]})"));
+  j = parse_event(stream_finish_chunk(ApiKind::kCompletion, kMeta, "stop"));
+  EXPECT_EQ(j["choices"], json::parse(R"([{"index":0,"text":"","logprobs":null,"finish_reason":"stop"}])"));
+  EXPECT_EQ(j["object"], "text_completion");
+  j = parse_event(stream_usage_chunk(ApiKind::kCompletion, kMeta, Usage{4, 6}));
+  EXPECT_EQ(j,
+            json::parse(R"({"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"stories",
+    "choices":[],"usage":{"prompt_tokens":4,"completion_tokens":6,"total_tokens":10}})"));
+  EXPECT_EQ(kStreamDone, "data: [DONE]\n\n");
+}
+
+TEST(OpenAiResponse, ChatStreamChunks) {
+  const ResponseMeta meta{"chatcmpl-2", 7, "m"};
+  json j = parse_event(stream_chunk(ApiKind::kChat, meta, "Hel", true));
+  EXPECT_EQ(j, json::parse(R"({"id":"chatcmpl-2","object":"chat.completion.chunk","created":7,"model":"m",
+    "choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"logprobs":null,"finish_reason":null}]})"));
+  j = parse_event(stream_chunk(ApiKind::kChat, meta, "lo", false));
+  EXPECT_EQ(j["choices"][0]["delta"], json::parse(R"({"content":"lo"})"));
+  j = parse_event(stream_finish_chunk(ApiKind::kChat, meta, "length"));
+  EXPECT_EQ(j["choices"],
+            json::parse(R"([{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}])"));
+  EXPECT_EQ(j["object"], "chat.completion.chunk");
+  j = parse_event(stream_usage_chunk(ApiKind::kChat, meta, Usage{1, 2}));
+  EXPECT_EQ(j["object"], "chat.completion.chunk");
+  EXPECT_EQ(j["choices"], json::array());
+  EXPECT_EQ(j["usage"], json::parse(R"({"prompt_tokens":1,"completion_tokens":2,"total_tokens":3})"));
+  // A chunk is one event: a single "data:" line, whatever the text holds.
+  const std::string chunk = stream_chunk(ApiKind::kChat, meta, "a\n\nb", false);
+  EXPECT_EQ(chunk.find('\n'), chunk.size() - 2);
+}
+
+TEST(OpenAiResponse, Models) {
+  EXPECT_EQ(models_response("stories", 5, 512), json::parse(R"({"object":"list","data":[{"id":"stories",
+    "object":"model","created":5,"owned_by":"specontext","max_model_len":512}]})"));
+}
+
+}  // namespace
+}  // namespace specontext::cluster

@@ -1,0 +1,453 @@
+// The OpenAI-compatible server in-process over stories260K: answers equal the Generator's,
+// streaming chunks add up to the whole answer, concurrent requests are batched and each gets the
+// tokens it gets alone, stop strings and disconnects end requests and free their sequences, bad
+// requests get OpenAI error objects naming the field, a full queue gets 503, stop() drains.
+#include <gtest/gtest.h>
+
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cluster/openai_server.h"
+#include "core/generator.h"
+#include "core/model_loader.h"
+#include "cpu/cpu_backend.h"
+#include "tests/tests_common.h"
+
+namespace specontext::cluster {
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using json = nlohmann::json;
+
+struct Fixture {
+  std::shared_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<Engine> engine;
+};
+
+Fixture make_fixture(int64_t max_sequences) {
+  Fixture f;
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  EXPECT_TRUE(m.is_ok());
+  f.model = *m;
+  auto t = load_tokenizer_for(*f.model, "");
+  EXPECT_TRUE(t.is_ok());
+  f.tokenizer = std::move(*t);
+  auto b = cpu::create_cpu_backend({});
+  EXPECT_TRUE(b.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = max_sequences;
+  auto e = Engine::create(f.model, std::shared_ptr<Backend>(std::move(*b)), eo);
+  EXPECT_TRUE(e.is_ok());
+  f.engine = std::move(*e);
+  return f;
+}
+
+std::vector<TokenId> stop_ids(const Tokenizer& tok) {
+  std::vector<TokenId> ids = tok.stop_ids();
+  ids.push_back(tok.bos_id());
+  return ids;
+}
+
+ServerOptions options_for(const Tokenizer& tok) {
+  ServerOptions o;
+  o.model_name = "stories";
+  o.stop_ids = stop_ids(tok);
+  return o;
+}
+
+// The greedy text the Generator gives a prompt alone.
+std::string generator_text(const std::string& prompt, int64_t n) {
+  Fixture f = make_fixture(1);
+  auto ids = f.tokenizer->encode(prompt, f.tokenizer->add_bos_by_default(), false);
+  EXPECT_TRUE(ids.is_ok());
+  GenerationRequest r;
+  r.prompt = *ids;
+  r.max_new_tokens = n;
+  r.stop_ids = stop_ids(*f.tokenizer);
+  Generator g(*f.engine, GeneratorOptions{});
+  auto res = g.run({r});
+  EXPECT_TRUE(res.is_ok());
+  std::string text;
+  TokenId prev = r.prompt.back();
+  for (TokenId t : (*res)[0].tokens) {
+    text += f.tokenizer->decode_token(prev, t);
+    prev = t;
+  }
+  return text;
+}
+
+struct Reply {
+  int status = 0;
+  std::string body;
+  std::string content_type;
+  json j() const { return json::parse(body, nullptr, false); }
+};
+
+// One request on a fresh connection, or on `socket` when given (keep-alive).
+Reply send(uint16_t port, http::verb verb, const std::string& target, const std::string& body = "",
+           tcp::socket* socket = nullptr) {
+  asio::io_context ioc;
+  tcp::socket own(ioc);
+  tcp::socket& s = socket ? *socket : own;
+  if (!socket) s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  http::request<http::string_body> req{verb, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  req.set(http::field::content_type, "application/json");
+  req.body() = body;
+  req.prepare_payload();
+  http::write(s, req);
+  beast::flat_buffer buf;
+  http::response<http::string_body> res;
+  beast::error_code ec;
+  http::read(s, buf, res, ec);
+  EXPECT_FALSE(ec) << ec.message();
+  return {static_cast<int>(res.result_int()), res.body(), std::string(res[http::field::content_type])};
+}
+
+Reply post(uint16_t port, const std::string& target, const json& body) {
+  return send(port, http::verb::post, target, body.dump());
+}
+
+// The data lines of an event stream, without "data: ".
+std::vector<std::string> events_of(const std::string& body) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while ((pos = body.find("data: ", pos)) != std::string::npos) {
+    const size_t end = body.find("\n\n", pos);
+    out.push_back(body.substr(pos + 6, end - pos - 6));
+    pos = end;
+  }
+  return out;
+}
+
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return pred();
+}
+
+const char* kPrompt = "Once upon a time";
+
+TEST(OpenAiServer, CompletionEqualsTheGeneratorAndStreamingAddsUpToIt) {
+  const std::string expected = generator_text(kPrompt, 48);
+  ASSERT_FALSE(expected.empty());
+  Fixture f = make_fixture(4);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+
+  Reply r = post(port, "/v1/completions",
+                 {{"model", "stories"}, {"prompt", kPrompt}, {"max_tokens", 48}, {"temperature", 0}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json j = r.j();
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "stories");
+  EXPECT_EQ(j["choices"][0]["text"], expected);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 5);  // BOS + 4 pieces
+  EXPECT_EQ(j["usage"]["completion_tokens"], 48);
+  EXPECT_EQ(j["usage"]["total_tokens"], 53);
+
+  Reply s = post(port, "/v1/completions",
+                 {{"prompt", kPrompt},
+                  {"max_tokens", 48},
+                  {"temperature", 0},
+                  {"stream", true},
+                  {"stream_options", {{"include_usage", true}}}});
+  ASSERT_EQ(s.status, 200) << s.body;
+  EXPECT_EQ(s.content_type, "text/event-stream");
+  const auto events = events_of(s.body);
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string streamed;
+  size_t text_chunks = 0;
+  for (size_t i = 0; i + 3 < events.size(); ++i) {
+    const json c = json::parse(events[i]);
+    EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
+    streamed += c["choices"][0]["text"].get<std::string>();
+    ++text_chunks;
+  }
+  EXPECT_GT(text_chunks, 1u) << "tokens are streamed as they come, not in one piece";
+  EXPECT_EQ(streamed, expected);
+  EXPECT_EQ(json::parse(events[events.size() - 3])["choices"][0]["finish_reason"], "length");
+  const json usage = json::parse(events[events.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 48);
+
+  // Token ids as the prompt give the same text.
+  auto ids = f.tokenizer->encode(kPrompt, true, false);
+  ASSERT_TRUE(ids.is_ok());
+  Reply by_ids = post(port, "/v1/completions", {{"prompt", *ids}, {"max_tokens", 48}, {"temperature", 0}});
+  ASSERT_EQ(by_ids.status, 200) << by_ids.body;
+  EXPECT_EQ(by_ids.j()["choices"][0]["text"], expected);
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.accepted, 3);
+  EXPECT_EQ(c.completed, 3);
+  EXPECT_EQ(c.generated_tokens, 3 * 48);
+}
+
+TEST(OpenAiServer, ConcurrentRequestsAreBatchedAndEachGetsItsAloneText) {
+  const std::vector<std::string> prompts = {"Once upon a time", "The little dog", "Lily and Ben went",
+                                            "One day",          "The sun was",    "Tom had a big"};
+  std::vector<std::string> expected;
+  for (const auto& p : prompts) expected.push_back(generator_text(p, 40));
+  Fixture f = make_fixture(4);  // six requests, four slots: two wait and join as others finish
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  std::vector<std::string> got(prompts.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    clients.emplace_back([&, i] {
+      json body = {{"prompt", prompts[i]}, {"max_tokens", 40}, {"temperature", 0}, {"stream", i % 2 == 1}};
+      Reply r = post(port, "/v1/completions", body);
+      if (r.status != 200) return;
+      if (i % 2 == 0) {
+        got[i] = r.j()["choices"][0]["text"];
+        return;
+      }
+      for (const std::string& e : events_of(r.body)) {
+        if (e == "[DONE]") break;
+        got[i] += json::parse(e)["choices"][0]["text"].get<std::string>();
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << "request " << i;
+  const ServerCounters c = (*server)->counters();
+  EXPECT_GT(c.max_batch_sequences, 1) << "the requests ran in one batch";
+  EXPECT_LE(c.max_batch_sequences, 4);
+  EXPECT_EQ(c.completed, 6);
+  EXPECT_EQ(c.running, 0);
+  EXPECT_EQ(c.kv_bytes_in_use, 0);
+}
+
+TEST(OpenAiServer, StopStringsEndTheTextBeforeThemAndFreeTheSequence) {
+  const std::string expected = generator_text(kPrompt, 60);
+  const std::string stop = " named";
+  const size_t at = expected.find(stop);
+  ASSERT_NE(at, std::string::npos) << expected;
+  Fixture f = make_fixture(2);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "stream" : "whole");
+    Reply r = post(port, "/v1/completions",
+                   {{"prompt", kPrompt},
+                    {"max_tokens", 60},
+                    {"temperature", 0},
+                    {"stop", {"zzz", stop}},
+                    {"stream", stream}});
+    ASSERT_EQ(r.status, 200) << r.body;
+    std::string text, finish;
+    if (!stream) {
+      text = r.j()["choices"][0]["text"];
+      finish = r.j()["choices"][0]["finish_reason"];
+    } else {
+      for (const std::string& e : events_of(r.body)) {
+        if (e == "[DONE]") break;
+        const json c = json::parse(e);
+        text += c["choices"][0]["text"].get<std::string>();
+        if (!c["choices"][0]["finish_reason"].is_null()) finish = c["choices"][0]["finish_reason"];
+      }
+    }
+    EXPECT_EQ(text, expected.substr(0, at));
+    EXPECT_EQ(finish, "stop");
+  }
+  EXPECT_TRUE(eventually([&] { return (*server)->counters().running == 0; }));
+  EXPECT_EQ((*server)->counters().cancelled, 0) << "a stop string is an ending, not a cancellation";
+}
+
+TEST(OpenAiServer, AClientThatDisconnectsMidStreamHasItsRequestCancelled) {
+  Fixture f = make_fixture(2);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  for (bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "stream" : "whole");
+    const int64_t cancelled_before = (*server)->counters().cancelled;
+    {
+      asio::io_context ioc;
+      tcp::socket s(ioc);
+      s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+      const std::string body =
+          json{{"prompt", kPrompt}, {"max_tokens", 400}, {"ignore_eos", true}, {"stream", stream}}.dump();
+      const std::string req =
+          "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+          std::to_string(body.size()) + "\r\n\r\n" + body;
+      asio::write(s, asio::buffer(req));
+      if (stream) {
+        std::string got;
+        char buf[256];
+        while (got.find("data: ") == std::string::npos) {
+          const size_t n = s.read_some(asio::buffer(buf));
+          got.append(buf, n);
+        }
+      } else {
+        ASSERT_TRUE(eventually([&] { return (*server)->counters().running == 1; }));
+      }
+    }  // the client closes its connection mid-generation
+    EXPECT_TRUE(eventually([&] { return (*server)->counters().cancelled == cancelled_before + 1; }));
+    EXPECT_TRUE(eventually([&] { return (*server)->counters().running == 0; }));
+    EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
+    EXPECT_LT((*server)->counters().generated_tokens, 800) << "generation stopped well before max_tokens";
+  }
+  // The server goes on serving.
+  Reply r = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 5}});
+  EXPECT_EQ(r.status, 200) << r.body;
+}
+
+TEST(OpenAiServer, BadRequestsGetOpenAiErrorsNamingTheFieldAndTheConnectionStaysUsable) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.max_body_bytes = 4096;
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  asio::io_context ioc;
+  tcp::socket keep(ioc);
+  keep.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  struct Case {
+    http::verb verb;
+    std::string target;
+    std::string body;
+    int status;
+    std::string param;       // expected error param ("" = null)
+    std::string in_message;  // expected in the message
+  };
+  const std::string long_prompt = json(std::vector<int>(600, 5)).dump();
+  const std::vector<Case> cases = {
+      {http::verb::post, "/v1/completions", "{not json", 400, "", "not valid JSON"},
+      {http::verb::post, "/v1/completions", "[1,2]", 400, "", "object"},
+      {http::verb::post, "/v1/completions", R"({"prompt":"x","max_tokens":-3})", 400, "max_tokens",
+       "max_tokens"},
+      {http::verb::post, "/v1/completions", R"({"prompt":"x","temperature":"hot"})", 400, "temperature",
+       "temperature"},
+      {http::verb::post, "/v1/completions", R"({"prompt":"x","n":2})", 400, "n", "n"},
+      {http::verb::post, "/v1/completions", R"({"max_tokens":3})", 400, "prompt", "prompt"},
+      {http::verb::post, "/v1/completions", R"({"prompt":[1,2,99999]})", 400, "prompt", "vocabulary"},
+      {http::verb::post, "/v1/completions", R"({"prompt":"x","model":"gpt-4"})", 404, "model", "gpt-4"},
+      {http::verb::post, "/v1/completions", R"({"prompt":)" + long_prompt + "}", 400, "prompt",
+       "maximum context length"},
+      {http::verb::post, "/v1/completions", R"({"prompt":"x","max_tokens":100000})", 400, "max_tokens",
+       "maximum context length"},
+      {http::verb::post, "/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}]})", 400,
+       "messages", "chat template"},
+      {http::verb::get, "/v1/completions", "", 405, "", "POST"},
+      {http::verb::post, "/v1/models", "", 405, "", "GET"},
+      {http::verb::get, "/v2/nothing", "", 404, "", "/v2/nothing"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.target + " " + c.body.substr(0, 60));
+    Reply r = send(port, c.verb, c.target, c.body, &keep);
+    EXPECT_EQ(r.status, c.status) << r.body;
+    const json j = r.j();
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(c.in_message), std::string::npos) << r.body;
+    if (c.param.empty()) {
+      EXPECT_TRUE(j["error"]["param"].is_null()) << r.body;
+    } else {
+      EXPECT_EQ(j["error"]["param"], c.param) << r.body;
+    }
+  }
+  // Still the same connection, and it still generates.
+  Reply ok = send(port, http::verb::post, "/v1/completions", R"({"prompt":"Once","max_tokens":3})", &keep);
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(ok.j()["usage"]["completion_tokens"], 3);
+  // A body over the limit gets 413 and that connection is closed.
+  Reply big = send(port, http::verb::post, "/v1/completions", std::string(5000, ' '));
+  EXPECT_EQ(big.status, 413) << big.body;
+  // The models list, health and metrics.
+  Reply models = send(port, http::verb::get, "/v1/models");
+  EXPECT_EQ(models.j()["data"][0]["id"], "stories");
+  EXPECT_EQ(models.j()["data"][0]["max_model_len"], f.engine->max_context());
+  EXPECT_EQ(send(port, http::verb::get, "/health").status, 200);
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_requests_completed_total 1"), std::string::npos) << metrics.body;
+  EXPECT_EQ((*server)->counters().accepted, 1);
+}
+
+TEST(OpenAiServer, AFullQueueAnswers503AndNothingAcceptedIsLost) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.max_waiting = 1;
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  // One running (the only slot), one waiting: the third is refused.
+  std::vector<Reply> first(2);
+  std::thread a([&] {
+    first[0] =
+        post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 300}, {"ignore_eos", true}});
+  });
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().running == 1; }));
+  std::thread b([&] {
+    first[1] = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 20}, {"temperature", 0}});
+  });
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().waiting == 1; }));
+  Reply third = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 20}});
+  EXPECT_EQ(third.status, 503) << third.body;
+  EXPECT_NE(third.j()["error"]["message"].get<std::string>().find("busy"), std::string::npos);
+  a.join();
+  b.join();
+  EXPECT_EQ(first[0].status, 200);
+  EXPECT_EQ(first[0].j()["usage"]["completion_tokens"], 300);
+  EXPECT_EQ(first[1].status, 200);
+  EXPECT_EQ(first[1].j()["choices"][0]["text"], generator_text(kPrompt, 20));
+}
+
+TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStreamsWithAnError) {
+  Fixture f = make_fixture(2);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  Reply drained;
+  std::thread a([&] {
+    drained = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 100}, {"ignore_eos", true}});
+  });
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().running == 1; }));
+  (*server)->stop(std::chrono::seconds(60));
+  a.join();
+  EXPECT_EQ(drained.status, 200) << drained.body;
+  EXPECT_EQ(drained.j()["usage"]["completion_tokens"], 100);
+  // The listener is closed.
+  asio::io_context ioc;
+  tcp::socket s(ioc);
+  beast::error_code ec;
+  s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port), ec);
+  EXPECT_TRUE(ec) << "connected after stop()";
+
+  // No drain time: a running stream ends with an error event and [DONE].
+  Fixture g = make_fixture(1);
+  auto server2 = OpenAiServer::start(*g.engine, *g.tokenizer, options_for(*g.tokenizer));
+  ASSERT_TRUE(server2.is_ok());
+  Reply cut;
+  std::thread c([&] {
+    cut = post((*server2)->port(), "/v1/completions",
+               {{"prompt", kPrompt}, {"max_tokens", 400}, {"ignore_eos", true}, {"stream", true}});
+  });
+  ASSERT_TRUE(eventually([&] { return (*server2)->counters().generated_tokens > 3; }));
+  (*server2)->stop();
+  c.join();
+  ASSERT_EQ(cut.status, 200);
+  const auto events = events_of(cut.body);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  const json err = json::parse(events[events.size() - 2]);
+  EXPECT_NE(err["error"]["message"].get<std::string>().find("shutting down"), std::string::npos) << cut.body;
+}
+
+}  // namespace
+}  // namespace specontext::cluster

@@ -1,0 +1,206 @@
+// `specontext serve` as a process: it prints where it listens, answers with the text
+// `specontext generate` gives, drains an accepted request on SIGTERM before it exits 0 with its
+// counters, and bad flags are clear errors (exit 1), never a hang.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/tests_common.h"
+
+namespace specontext::cluster {
+namespace {
+
+namespace asio = boost::asio;
+namespace http = boost::beast::http;
+using json = nlohmann::json;
+using specontext::testing::repo_path;
+
+// A `specontext serve` child with stdout and stderr captured; the port comes from its first line.
+class ServeProcess {
+ public:
+  explicit ServeProcess(std::vector<std::string> args) {
+    args.insert(args.begin(), {SPECONTEXT_BIN, "serve"});
+    int out[2], err[2];
+    if (pipe(out) != 0 || pipe(err) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      dup2(err[1], STDERR_FILENO);
+      for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(SPECONTEXT_BIN, argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    close(err[1]);
+    out_ = fdopen(out[0], "r");
+    err_ = fdopen(err[0], "r");
+    std::array<char, 1024> line{};
+    if (fgets(line.data(), line.size(), out_) != nullptr) {
+      first_line_ = line.data();
+      auto j = json::parse(first_line_, nullptr, false);
+      if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
+    }
+  }
+  ~ServeProcess() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_) fclose(out_);
+    if (err_) fclose(err_);
+  }
+  uint16_t port() const { return port_; }
+  const std::string& first_line() const { return first_line_; }
+  // Sends `sig` (0: none) and waits: exit code, the rest of stdout, all of stderr.
+  struct Exit {
+    int code = -1;
+    std::string out, err;
+  };
+  Exit wait(int sig) {
+    if (sig != 0) ::kill(pid_, sig);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    Exit e;
+    e.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::array<char, 4096> buf{};
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), out_)) > 0) e.out.append(buf.data(), n);
+    while ((n = fread(buf.data(), 1, buf.size(), err_)) > 0) e.err.append(buf.data(), n);
+    return e;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  FILE* err_ = nullptr;
+  uint16_t port_ = 0;
+  std::string first_line_;
+};
+
+std::string get(uint16_t port, const std::string& target) {
+  asio::io_context ioc;
+  asio::ip::tcp::socket s(ioc);
+  s.connect({asio::ip::make_address("127.0.0.1"), port});
+  http::request<http::string_body> req{http::verb::get, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  http::write(s, req);
+  boost::beast::flat_buffer buf;
+  http::response<http::string_body> res;
+  http::read(s, buf, res);
+  return res.body();
+}
+
+json post(uint16_t port, const json& body) {
+  asio::io_context ioc;
+  asio::ip::tcp::socket s(ioc);
+  s.connect({asio::ip::make_address("127.0.0.1"), port});
+  http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+  req.set(http::field::host, "127.0.0.1");
+  req.body() = body.dump();
+  req.prepare_payload();
+  http::write(s, req);
+  boost::beast::flat_buffer buf;
+  http::response<http::string_body> res;
+  http::read(s, buf, res);
+  return json::parse(res.body(), nullptr, false);
+}
+
+std::vector<std::string> model_flags() {
+  return {"-m",
+          repo_path("models/stories260K/stories260K.bin"),
+          "--served-model-name",
+          "stories",
+          "--listen",
+          "127.0.0.1:0"};
+}
+
+TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
+  FILE* gen =
+      popen((std::string(SPECONTEXT_BIN) + " generate -m " + repo_path("models/stories260K/stories260K.bin") +
+             " -p 'Once upon a time' -n 40 --json 2>/dev/null")
+                .c_str(),
+            "r");
+  ASSERT_NE(gen, nullptr);
+  std::string gen_out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), gen)) > 0) gen_out.append(buf.data(), n);
+  ASSERT_EQ(pclose(gen), 0) << gen_out;
+  const std::string expected = json::parse(gen_out)["text"];
+
+  ServeProcess server(model_flags());
+  ASSERT_NE(server.port(), 0) << server.first_line();
+  const json listening = json::parse(server.first_line());
+  EXPECT_EQ(listening["event"], "listening");
+  EXPECT_EQ(listening["model"], "stories");
+  EXPECT_EQ(listening["sparse"], "specontext")
+      << "the retrieval head beside the model is found, as generate does";
+  const json r =
+      post(server.port(),
+           {{"model", "stories"}, {"prompt", "Once upon a time"}, {"max_tokens", 40}, {"temperature", 0}});
+  EXPECT_EQ(r["choices"][0]["text"], expected) << r.dump();
+
+  // SIGTERM while a request runs: it is answered in full, then the server exits 0.
+  json drained;
+  std::thread client([&] {
+    drained =
+        post(server.port(), {{"prompt", "Once upon a time"}, {"max_tokens", 400}, {"ignore_eos", true}});
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  auto started = [&] {
+    const std::string m = get(server.port(), "/metrics");
+    return m.find("specontext_requests_running 1") != std::string::npos ||
+           m.find("specontext_requests_completed_total 2") != std::string::npos;
+  };
+  while (!started() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const ServeProcess::Exit e = server.wait(SIGTERM);
+  client.join();
+  EXPECT_EQ(e.code, 0) << e.err;
+  EXPECT_EQ(drained["usage"]["completion_tokens"], 400) << drained.dump();
+  const json stopped = json::parse(e.out, nullptr, false);
+  ASSERT_TRUE(stopped.is_object()) << e.out;
+  EXPECT_EQ(stopped["event"], "stopped");
+  EXPECT_EQ(stopped["completed"], 2);
+  EXPECT_EQ(stopped["signal"], SIGTERM);
+}
+
+TEST(ServeProcess, BadFlagsAreClearErrors) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string in_error;
+  };
+  const std::vector<Case> cases = {
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "127.0.0.1:70000"}, "--listen"},
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "not-an-endpoint"}, "--listen"},
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "10.255.255.1:0"},
+       "cannot listen"},
+      {{"-m", "/nonexistent/model.bin", "--listen", "127.0.0.1:0"}, "/nonexistent/model.bin"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args[1] + " " + c.args.back());
+    ServeProcess p(c.args);
+    const ServeProcess::Exit e = p.wait(0);
+    EXPECT_EQ(e.code, 1) << e.err;
+    EXPECT_NE(e.err.find(c.in_error), std::string::npos) << e.err;
+  }
+}
+
+}  // namespace
+}  // namespace specontext::cluster

@@ -1,0 +1,177 @@
+// The incremental scheduler: requests submitted while others run join the batch and get the
+// tokens they get alone; cancelling frees the sequence at once and leaves the others unchanged;
+// waiting requests are admitted in order as slots free up.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/generator.h"
+#include "core/model_loader.h"
+#include "core/scheduler.h"
+#include "cpu/cpu_backend.h"
+#include "tests/tests_common.h"
+
+namespace specontext {
+namespace {
+
+std::unique_ptr<Engine> make_engine(int64_t max_sequences) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  EXPECT_TRUE(m.is_ok());
+  auto b = cpu::create_cpu_backend({});
+  EXPECT_TRUE(b.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = max_sequences;
+  auto e = Engine::create(*m, std::shared_ptr<Backend>(std::move(*b)), eo);
+  EXPECT_TRUE(e.is_ok());
+  return std::move(*e);
+}
+
+GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = n;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 7;
+  return r;
+}
+
+std::vector<TokenId> alone(const GenerationRequest& r) {
+  auto e = make_engine(1);
+  Generator g(*e, GeneratorOptions{});
+  auto res = g.run({r});
+  EXPECT_TRUE(res.is_ok());
+  return (*res)[0].tokens;
+}
+
+struct Collected {
+  std::map<int64_t, std::vector<TokenId>> tokens;
+  std::map<int64_t, FinishReason> finish;
+};
+
+void collect(const std::vector<SchedulerEvent>& events, Collected& c) {
+  for (const SchedulerEvent& ev : events) {
+    if (ev.finished) {
+      EXPECT_FALSE(c.finish.count(ev.request.value())) << "two endings for request " << ev.request.value();
+      c.finish[ev.request.value()] = ev.finish;
+    } else {
+      EXPECT_FALSE(c.finish.count(ev.request.value())) << "token after the ending";
+      c.tokens[ev.request.value()].push_back(ev.token);
+    }
+  }
+}
+
+TEST(Scheduler, RequestsSubmittedMidRunJoinTheBatchAndGetTheirAloneTokens) {
+  const GenerationRequest a = request({1, 403, 407, 261, 378}, 30);
+  const GenerationRequest b = request({1, 426}, 20, 0.8f);
+  const GenerationRequest c = request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 25);
+  auto engine = make_engine(3);
+  GeneratorOptions go;
+  go.prefill_chunk = 4;
+  Scheduler s(*engine, go);
+  Collected got;
+  std::vector<SchedulerEvent> ev;
+  auto ia = s.submit(a);
+  ASSERT_TRUE(ia.is_ok());
+  for (int i = 0; i < 5; ++i) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+  }
+  EXPECT_EQ(got.tokens[ia->value()].size(), 4u);  // 2 prefill steps (chunks of 4 and 1) + decode
+  auto ib = s.submit(b);
+  ASSERT_TRUE(ib.is_ok());
+  ev.clear();
+  ASSERT_TRUE(s.step(ev).is_ok());
+  collect(ev, got);
+  auto ic = s.submit(c);
+  ASSERT_TRUE(ic.is_ok());
+  while (!s.idle()) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+  }
+  EXPECT_EQ(s.stats().max_batch_sequences, 3);
+  EXPECT_EQ(got.tokens[ia->value()], alone(a));
+  EXPECT_EQ(got.tokens[ib->value()], alone(b));
+  EXPECT_EQ(got.tokens[ic->value()], alone(c));
+  for (int64_t id : {ia->value(), ib->value(), ic->value()}) EXPECT_EQ(got.finish[id], FinishReason::kLength);
+  EXPECT_EQ(engine->live_sequences(), 0);
+}
+
+TEST(Scheduler, CancelFreesTheSequenceAtOnceAndTheOthersGoOn) {
+  const GenerationRequest a = request({1, 403, 407, 261, 378}, 40);
+  const GenerationRequest b = request({1, 426}, 40);
+  auto engine = make_engine(2);
+  Scheduler s(*engine, GeneratorOptions{});
+  auto ia = s.submit(a), ib = s.submit(b);
+  ASSERT_TRUE(ia.is_ok() && ib.is_ok());
+  Collected got;
+  std::vector<SchedulerEvent> ev;
+  for (int i = 0; i < 6; ++i) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+  }
+  EXPECT_EQ(engine->live_sequences(), 2);
+  const int64_t kv_two = engine->kv_bytes_in_use();
+  EXPECT_TRUE(s.cancel(*ia));
+  EXPECT_EQ(engine->live_sequences(), 1);
+  EXPECT_LT(engine->kv_bytes_in_use(), kv_two);
+  EXPECT_FALSE(s.cancel(*ia)) << "a second cancel finds nothing";
+  EXPECT_FALSE(s.cancel(RequestId(999)));
+  while (!s.idle()) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+  }
+  EXPECT_EQ(got.tokens[ia->value()].size(), 6u);
+  EXPECT_FALSE(got.finish.count(ia->value())) << "no event follows a cancel";
+  EXPECT_EQ(got.tokens[ib->value()], alone(b));
+  EXPECT_EQ(engine->live_sequences(), 0);
+}
+
+TEST(Scheduler, WaitingRequestsAreAdmittedInOrderAndCanBeCancelledBeforeTheyRun) {
+  auto engine = make_engine(1);
+  Scheduler s(*engine, GeneratorOptions{});
+  auto i1 = s.submit(request({1, 403}, 5));
+  auto i2 = s.submit(request({1, 426}, 5));
+  auto i3 = s.submit(request({1, 378}, 5));
+  ASSERT_TRUE(i1.is_ok() && i2.is_ok() && i3.is_ok());
+  std::vector<SchedulerEvent> ev;
+  ASSERT_TRUE(s.step(ev).is_ok());
+  EXPECT_EQ(s.running(), 1u);
+  EXPECT_EQ(s.waiting(), 2u);
+  EXPECT_TRUE(s.cancel(*i2));
+  EXPECT_EQ(s.waiting(), 1u);
+  Collected got;
+  collect(ev, got);
+  std::vector<int64_t> order;
+  while (!s.idle()) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    for (const auto& e : ev) {
+      if (e.finished) order.push_back(e.request.value());
+    }
+    collect(ev, got);
+  }
+  EXPECT_EQ(order, (std::vector<int64_t>{i1->value(), i3->value()}));
+  EXPECT_FALSE(got.tokens.count(i2->value()));
+  EXPECT_EQ(got.tokens[i3->value()], alone(request({1, 378}, 5)));
+}
+
+TEST(Scheduler, SubmitRefusesWhatCanNeverRun) {
+  auto engine = make_engine(1);
+  Scheduler s(*engine, GeneratorOptions{});
+  EXPECT_EQ(s.submit(request({}, 5)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.submit(request({1, 2}, 0)).status().code(), StatusCode::kInvalidArgument);
+  auto bad_sampling = request({1, 2}, 5);
+  bad_sampling.sampling.top_p = 2.0f;
+  EXPECT_EQ(s.submit(bad_sampling).status().code(), StatusCode::kInvalidArgument);
+  auto st = s.submit(request(std::vector<TokenId>(static_cast<size_t>(engine->max_context()) + 1, 5), 1));
+  EXPECT_EQ(st.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(st.status().message().find("context limit"), std::string::npos) << st.status().message();
+  EXPECT_TRUE(s.idle());
+}
+
+}  // namespace
+}  // namespace specontext

@@ -13,8 +13,12 @@
 #include "cluster/openai_server.h"
 #include "core/generator.h"
 #include "core/model_loader.h"
+#include "core/synthetic.h"
 #include "cpu/cpu_backend.h"
+#include "tests/core/tier_test_util.h"
 #include "tests/tests_common.h"
+#include "transport/fault_transport.h"
+#include "transport/loopback_transport.h"
 
 namespace specontext::cluster {
 namespace {
@@ -447,6 +451,49 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
   EXPECT_EQ(events.back(), "[DONE]");
   const json err = json::parse(events[events.size() - 2]);
   EXPECT_NE(err["error"]["message"].get<std::string>().find("shutting down"), std::string::npos) << cut.body;
+}
+
+// An engine whose remote KV link is dead: each request's batch fails, the client gets a 500
+// naming the layer (a stream too, since nothing was sent yet), and the server goes on serving.
+TEST(OpenAiServer, AFailedEngineStepIsA500AndTheServerGoesOn) {
+  auto model = testing::toy_model(2);
+  transport::FaultPolicy fp;
+  fp.fail_after_posts = 0;
+  auto loopback = transport::LoopbackRemoteTransport::create();
+  ASSERT_TRUE(loopback.is_ok());
+  auto ft = transport::FaultInjectingTransport::create(std::move(*loopback), fp);
+  ASSERT_TRUE(ft.is_ok());
+  auto copies = std::make_shared<testing::InlineCopyQueue>(**ft, /*max_retries=*/0);
+  EngineOptions o;
+  o.max_sequences = 2;
+  o.tiering.remote.push_back(testing::remote_tier(8 << 20));
+  o.tiering.transport = ft->get();
+  o.tiering.copies = copies;
+  auto engine = Engine::create(model, testing::cpu_backend(), o);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  KvPlacement place = (*engine)->placement();
+  place.layer_home[1] = TierId(1);
+  ASSERT_TRUE((*engine)->apply_placement(place).is_ok());
+  auto tok = make_synthetic_tokenizer(static_cast<int32_t>(model->config.vocab_size));
+  auto server = OpenAiServer::start(**engine, *tok, ServerOptions{});
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "stream" : "whole");
+    Reply r = post(port, "/v1/completions", {{"prompt", "1 2 3 4"}, {"max_tokens", 4}, {"stream", stream}});
+    EXPECT_EQ(r.status, 500) << r.body;
+    const json j = r.j();
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_EQ(j["error"]["type"], "server_error");
+    EXPECT_NE(j["error"]["message"].get<std::string>().find("layer"), std::string::npos) << r.body;
+  }
+  EXPECT_EQ((*server)->counters().failed, 2);
+  EXPECT_EQ((*server)->counters().running, 0);
+  EXPECT_EQ(send(port, http::verb::get, "/health").status, 200);
+  // Text that is not token ids is refused by the synthetic tokenizer, naming the word.
+  Reply bad = post(port, "/v1/completions", {{"prompt", "1 two 3"}});
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  EXPECT_NE(bad.body.find("two"), std::string::npos) << bad.body;
 }
 
 }  // namespace

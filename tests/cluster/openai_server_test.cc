@@ -13,7 +13,9 @@
 #include "cluster/openai_server.h"
 #include "core/generator.h"
 #include "core/model_loader.h"
+#include "cluster/openai_api.h"
 #include "core/synthetic.h"
+#include "core/tokenizer_internal.h"
 #include "cpu/cpu_backend.h"
 #include "tests/core/tier_test_util.h"
 #include "tests/tests_common.h"
@@ -451,6 +453,101 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
   EXPECT_EQ(events.back(), "[DONE]");
   const json err = json::parse(events[events.size() - 2]);
   EXPECT_NE(err["error"]["message"].get<std::string>().find("shutting down"), std::string::npos) << cut.body;
+}
+
+// A byte-level ChatML tokenizer (256 byte tokens + <|im_start|> 256 + <|im_end|> 257) over a
+// random model of that vocabulary: /v1/chat/completions renders the Qwen template, answers a
+// chat.completion whose content is the Generator's text for the same ids, and streams chunks
+// whose first delta carries the role.
+TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
+  nlohmann::json vocab = nlohmann::json::object();
+  int next = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+    std::string piece;
+    tokenizer_internal::append_utf8(piece, printable ? b : 256 + next++);
+    vocab[piece] = b;
+  }
+  const json tj = {
+      {"added_tokens", json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
+                                    {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers", json::array({{{"type", "Split"},
+                                        {"pattern", {{"Regex", tokenizer_internal::kQwen2Regex}}},
+                                        {"behavior", "Isolated"}},
+                                       {{"type", "ByteLevel"}, {"use_regex", false}}})}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}}};
+  auto tok = tokenizer_internal::parse_hf_tokenizer_json(tj.dump(), "chatml.json");
+  ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
+  auto config = synthetic_config("toy");
+  ASSERT_TRUE(config.is_ok());
+  config->vocab_size = 258;
+  config->max_seq_len = 256;
+  auto model = make_random_model(*config, DType::kF32, 5);
+  ASSERT_TRUE(model.is_ok());
+  auto make = [&](int64_t slots) {
+    EngineOptions eo;
+    eo.max_sequences = slots;
+    auto e = Engine::create(*model, testing::cpu_backend(), eo);
+    EXPECT_TRUE(e.is_ok());
+    return std::move(*e);
+  };
+  const std::vector<ChatMessage> msgs = {{"system", "Be brief."}, {"user", "Hi there"}};
+  auto ids = (*tok)->encode(apply_chat_template(ChatTemplate::kQwen, msgs), false, true);
+  ASSERT_TRUE(ids.is_ok());
+  GenerationRequest gr;
+  gr.prompt = *ids;
+  gr.max_new_tokens = 24;
+  gr.stop_ids = (*tok)->stop_ids();
+  auto alone_engine = make(1);
+  Generator g(*alone_engine, GeneratorOptions{});
+  auto res = g.run({gr});
+  ASSERT_TRUE(res.is_ok());
+  std::string raw;
+  TokenId prev = gr.prompt.back();
+  for (TokenId t : (*res)[0].tokens) {
+    raw += (*tok)->decode_token(prev, t);
+    prev = t;
+  }
+  const std::string expected = sanitize_utf8(raw);
+  ASSERT_GT((*res)[0].tokens.size(), 3u) << "a reply worth comparing";
+
+  auto engine = make(2);
+  ServerOptions o;
+  o.chat_template = ChatTemplate::kQwen;
+  o.stop_ids = (*tok)->stop_ids();
+  auto server = OpenAiServer::start(*engine, **tok, o);
+  ASSERT_TRUE(server.is_ok());
+  const json body = {{"messages", {{{"role", "system"}, {"content", "Be brief."}},
+                                   {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Hi there"}}}}}}},
+                     {"max_tokens", 24},
+                     {"temperature", 0}};
+  Reply r = post((*server)->port(), "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json j = r.j();
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], expected);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], static_cast<int64_t>(ids->size()));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], (*res)[0].finish == FinishReason::kStop ? "stop" : "length");
+
+  json sbody = body;
+  sbody["stream"] = true;
+  Reply s = post((*server)->port(), "/v1/chat/completions", sbody);
+  ASSERT_EQ(s.status, 200) << s.body;
+  const auto events = events_of(s.body);
+  ASSERT_GE(events.size(), 3u);
+  const json first = json::parse(events[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  std::string streamed;
+  for (const std::string& e : events) {
+    if (e == "[DONE]") break;
+    const json c = json::parse(e);
+    if (c["choices"][0]["delta"].contains("content")) streamed += c["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(streamed, expected);
 }
 
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500

@@ -19,8 +19,6 @@
 #include "cpu/cpu_backend.h"
 #include "tests/core/tier_test_util.h"
 #include "tests/tests_common.h"
-#include "transport/fault_transport.h"
-#include "transport/loopback_transport.h"
 
 namespace specontext::cluster {
 namespace {
@@ -554,25 +552,10 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
 // naming the layer (a stream too, since nothing was sent yet), and the server goes on serving.
 TEST(OpenAiServer, AFailedEngineStepIsA500AndTheServerGoesOn) {
   auto model = testing::toy_model(2);
-  transport::FaultPolicy fp;
-  fp.fail_after_posts = 0;
-  auto loopback = transport::LoopbackRemoteTransport::create();
-  ASSERT_TRUE(loopback.is_ok());
-  auto ft = transport::FaultInjectingTransport::create(std::move(*loopback), fp);
-  ASSERT_TRUE(ft.is_ok());
-  auto copies = std::make_shared<testing::InlineCopyQueue>(**ft, /*max_retries=*/0);
-  EngineOptions o;
-  o.max_sequences = 2;
-  o.tiering.remote.push_back(testing::remote_tier(8 << 20));
-  o.tiering.transport = ft->get();
-  o.tiering.copies = copies;
-  auto engine = Engine::create(model, testing::cpu_backend(), o);
-  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  KvPlacement place = (*engine)->placement();
-  place.layer_home[1] = TierId(1);
-  ASSERT_TRUE((*engine)->apply_placement(place).is_ok());
+  testing::FailingLinkEngine f = testing::failing_link_engine(model, /*fail_after_posts=*/0, 2);
+  ASSERT_TRUE(f.engine);
   auto tok = make_synthetic_tokenizer(static_cast<int32_t>(model->config.vocab_size));
-  auto server = OpenAiServer::start(**engine, *tok, ServerOptions{});
+  auto server = OpenAiServer::start(*f.engine, *tok, ServerOptions{});
   ASSERT_TRUE(server.is_ok());
   const uint16_t port = (*server)->port();
   for (bool stream : {false, true}) {

@@ -5,22 +5,13 @@
 #include "core/generator.h"
 #include "core/model_loader.h"
 #include "cpu/cpu_backend.h"
+#include "tests/core/tier_test_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext {
 namespace {
 
-std::unique_ptr<Engine> make_engine(int64_t max_sequences) {
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  EXPECT_TRUE(m.is_ok());
-  auto b = cpu::create_cpu_backend({});
-  EXPECT_TRUE(b.is_ok());
-  EngineOptions eo;
-  eo.max_sequences = max_sequences;
-  auto e = Engine::create(*m, std::shared_ptr<Backend>(std::move(*b)), eo);
-  EXPECT_TRUE(e.is_ok());
-  return std::move(*e);
-}
+std::unique_ptr<Engine> make_engine(int64_t max_sequences) { return testing::stories_engine(max_sequences); }
 
 std::vector<GenerationRequest> requests() {
   std::vector<GenerationRequest> r(3);

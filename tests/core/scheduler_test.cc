@@ -6,28 +6,13 @@
 #include <map>
 
 #include "core/generator.h"
-#include "core/model_loader.h"
 #include "core/scheduler.h"
-#include "cpu/cpu_backend.h"
 #include "tests/core/tier_test_util.h"
-#include "tests/tests_common.h"
-#include "transport/fault_transport.h"
-#include "transport/loopback_transport.h"
 
 namespace specontext {
 namespace {
 
-std::unique_ptr<Engine> make_engine(int64_t max_sequences) {
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  EXPECT_TRUE(m.is_ok());
-  auto b = cpu::create_cpu_backend({});
-  EXPECT_TRUE(b.is_ok());
-  EngineOptions eo;
-  eo.max_sequences = max_sequences;
-  auto e = Engine::create(*m, std::shared_ptr<Backend>(std::move(*b)), eo);
-  EXPECT_TRUE(e.is_ok());
-  return std::move(*e);
-}
+std::unique_ptr<Engine> make_engine(int64_t max_sequences) { return testing::stories_engine(max_sequences); }
 
 GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
   GenerationRequest r;
@@ -180,25 +165,10 @@ TEST(Scheduler, SubmitRefusesWhatCanNeverRun) {
 // with kError naming the layer, its sequence is freed, and the request waiting behind it is
 // neither lost nor ended by that failure (it runs, and ends, on its own).
 TEST(Scheduler, AFailedForwardEndsOnlyItsBatchAndWaitingRequestsStayQueued) {
-  auto model = testing::toy_model(2);
-  transport::FaultPolicy fp;
-  fp.fail_after_posts = 4;
-  auto loopback = transport::LoopbackRemoteTransport::create();
-  ASSERT_TRUE(loopback.is_ok());
-  auto ft = transport::FaultInjectingTransport::create(std::move(*loopback), fp);
-  ASSERT_TRUE(ft.is_ok());
-  auto copies = std::make_shared<testing::InlineCopyQueue>(**ft, /*max_retries=*/0);
-  EngineOptions o;
-  o.max_sequences = 1;
-  o.tiering.remote.push_back(testing::remote_tier(8 << 20));
-  o.tiering.transport = ft->get();
-  o.tiering.copies = copies;
-  auto engine = Engine::create(model, testing::cpu_backend(), o);
-  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  KvPlacement place = (*engine)->placement();
-  place.layer_home[1] = TierId(1);
-  ASSERT_TRUE((*engine)->apply_placement(place).is_ok());
-  Scheduler s(**engine, GeneratorOptions{});
+  testing::FailingLinkEngine f = testing::failing_link_engine(testing::toy_model(2), /*fail_after_posts=*/4, 1);
+  ASSERT_TRUE(f.engine);
+  auto& engine = f.engine;
+  Scheduler s(*engine, GeneratorOptions{});
   auto a = s.submit(request({1, 2, 3, 4, 5, 6, 7, 8}, 50));
   auto c = s.submit(request({9, 10}, 5));
   ASSERT_TRUE(a.is_ok() && c.is_ok());
@@ -214,7 +184,7 @@ TEST(Scheduler, AFailedForwardEndsOnlyItsBatchAndWaitingRequestsStayQueued) {
   ASSERT_TRUE(got.finish.count(a->value()));
   EXPECT_EQ(got.finish[a->value()], FinishReason::kError);
   EXPECT_NE(failed.message().find("layer"), std::string::npos) << failed.to_string();
-  EXPECT_EQ((*engine)->live_sequences(), 0) << "the failed request's sequence is freed";
+  EXPECT_EQ(engine->live_sequences(), 0) << "the failed request's sequence is freed";
   EXPECT_FALSE(got.finish.count(c->value())) << "the waiting request was not in the failed batch";
   EXPECT_EQ(s.waiting(), 1u);
   // It runs next (and fails on the dead link too): one ending, not lost.

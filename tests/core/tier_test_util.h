@@ -14,7 +14,11 @@
 #include "core/engine.h"
 #include "core/retrieval_head.h"
 #include "core/synthetic.h"
+#include "core/model_loader.h"
 #include "cpu/cpu_backend.h"
+#include "tests/tests_common.h"
+#include "transport/fault_transport.h"
+#include "transport/loopback_transport.h"
 
 namespace specontext::testing {
 
@@ -129,6 +133,52 @@ inline float max_abs_diff(const std::vector<float>& a, const std::vector<float>&
     if (!(x <= d)) d = std::isnan(x) ? INFINITY : x;
   }
   return d;
+}
+
+// An engine over the bundled stories260K with `max_sequences` slots (all KV on the "device").
+inline std::unique_ptr<Engine> stories_engine(int64_t max_sequences) {
+  auto m = load_model(repo_path("models/stories260K/stories260K.bin"));
+  EXPECT_TRUE(m.is_ok());
+  auto b = cpu::create_cpu_backend({});
+  EXPECT_TRUE(b.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = max_sequences;
+  auto e = Engine::create(*m, std::shared_ptr<Backend>(std::move(*b)), eo);
+  EXPECT_TRUE(e.is_ok());
+  return std::move(*e);
+}
+
+// An engine whose layer 1 lives on a (loopback) remote node behind a link that fails every post
+// after the first `fail_after_posts`, with no retries: forward fails from then on, naming the layer.
+struct FailingLinkEngine {
+  std::unique_ptr<Transport> link;
+  std::shared_ptr<CopyQueue> copies;
+  std::unique_ptr<Engine> engine;  // declared last: destroyed before what it borrows
+};
+inline FailingLinkEngine failing_link_engine(const std::shared_ptr<Model>& model, int64_t fail_after_posts,
+                                             int64_t max_sequences) {
+  FailingLinkEngine f;
+  transport::FaultPolicy fp;
+  fp.fail_after_posts = fail_after_posts;
+  auto loopback = transport::LoopbackRemoteTransport::create();
+  EXPECT_TRUE(loopback.is_ok());
+  auto ft = transport::FaultInjectingTransport::create(std::move(*loopback), fp);
+  EXPECT_TRUE(ft.is_ok());
+  f.link = std::move(*ft);
+  f.copies = std::make_shared<InlineCopyQueue>(*f.link, /*max_retries=*/0);
+  EngineOptions o;
+  o.max_sequences = max_sequences;
+  o.tiering.remote.push_back(remote_tier(8 << 20));
+  o.tiering.transport = f.link.get();
+  o.tiering.copies = f.copies;
+  auto engine = Engine::create(model, cpu_backend(), o);
+  EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+  if (!engine.is_ok()) return f;
+  KvPlacement place = (*engine)->placement();
+  place.layer_home[1] = TierId(1);
+  EXPECT_TRUE((*engine)->apply_placement(place).is_ok());
+  f.engine = std::move(*engine);
+  return f;
 }
 
 }  // namespace specontext::testing

@@ -259,13 +259,15 @@ Result<void*> Engine::fit(Workspace& w, size_t bytes) {
   return w.mem.get();
 }
 
-Result<SeqId> Engine::add_sequence() {
+Result<SeqId> Engine::add_sequence(int64_t final_length) {
   if (live_sequences() >= options_.max_sequences) {
     return resource_exhausted("all " + std::to_string(options_.max_sequences) +
                               " sequence slots are in use");
   }
   const SeqId id(next_seq_id_++);
-  sequences_.emplace(id, Sequence{});
+  Sequence s;
+  s.admitted_length = final_length;
+  sequences_.emplace(id, std::move(s));
   return id;
 }
 
@@ -297,7 +299,7 @@ Status Engine::admit(int64_t final_length, bool alone) const {
   if (options_.tiering.policy) {
     std::vector<int64_t> lens;
     if (!alone) {
-      for (const auto& [id, s] : sequences_) lens.push_back(s.length);
+      for (const auto& [id, s] : sequences_) lens.push_back(std::max(s.length, s.admitted_length));
     }
     PlacementInput in = placement_input(lens);
     if (alone) in.device_other_bytes = 0;
@@ -307,7 +309,10 @@ Status Engine::admit(int64_t final_length, bool alone) const {
   const int64_t need = (final_length + kv_->page_size() - 1) / kv_->page_size();
   int64_t available = kv_->total_pages();
   if (!alone) {
-    for (const auto& [id, s] : sequences_) available -= static_cast<int64_t>(s.pages.size());
+    for (const auto& [id, s] : sequences_) {
+      const int64_t len = std::max(s.length, s.admitted_length);
+      available -= std::max<int64_t>(static_cast<int64_t>(s.pages.size()), (len + kv_->page_size() - 1) / kv_->page_size());
+    }
   }
   if (need > available) {
     return resource_exhausted("a sequence of " + std::to_string(final_length) + " tokens needs " + std::to_string(need) +

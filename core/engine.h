@@ -188,8 +188,10 @@ class Engine {
   Backend& backend() { return *backend_; }
   int64_t max_context() const { return max_context_; }
 
-  // New empty sequence; ResourceExhausted when max_sequences are live.
-  Result<SeqId> add_sequence();
+  // New empty sequence; ResourceExhausted when max_sequences are live. `final_length` (0 = not
+  // known) is the length it was admitted for: admit() counts live sequences at the larger of
+  // their length and it, so that requests admitted together fit together when they have grown.
+  Result<SeqId> add_sequence(int64_t final_length = 0);
   // Whether a new sequence that will reach `final_length` tokens can be served: beside the live
   // ones (alone = false) or on an otherwise idle engine (alone = true). kResourceExhausted names
   // what does not fit (the placement policy's answer, or the page pool); kOutOfRange beyond the
@@ -269,6 +271,7 @@ class Engine {
   };
   struct Sequence {
     int64_t length = 0;
+    int64_t admitted_length = 0;  // the final length it was admitted for (add_sequence)
     std::vector<PageId> pages;
     // Retrieval head K cache, paged: block b holds tokens [b·T, (b+1)·T) token-major
     // ([T][head kv_dim]), T = head_block_tokens_, all blocks in tier head_tier. Fixed-size

@@ -1,6 +1,7 @@
 #include "core/kv_store.h"
 
 #include <algorithm>
+#include <functional>
 #include <set>
 #include <string>
 #include <utility>
@@ -62,7 +63,7 @@ Result<std::unique_ptr<KvStore>> KvStore::create(const ModelConfig& config, int6
   for (LayerHome& l : s->layers_) l.chunks.assign(static_cast<size_t>(n_chunks), kNoChunk);
   s->chunk_use_.assign(static_cast<size_t>(n_chunks), 0);
   s->free_list_.reserve(static_cast<size_t>(n_pages));
-  for (int64_t p = n_pages - 1; p >= 0; --p) s->free_list_.push_back(PageId(static_cast<int32_t>(p)));
+  for (int64_t p = 0; p < n_pages; ++p) s->free_list_.push_back(PageId(static_cast<int32_t>(p)));  // sorted: a min-heap
   return s;
 }
 
@@ -114,10 +115,11 @@ Result<PageId> KvStore::allocate_page() {
     return resource_exhausted("KV cache full: all " + std::to_string(n_pages_) + " pages of " +
                               std::to_string(page_size_) + " tokens are in use");
   }
-  const PageId page = free_list_.back();
+  const PageId page = free_list_.front();  // the lowest free id
   const int64_t chunk = page.value() / chunk_pages_;
   if (chunk_use_[static_cast<size_t>(chunk)] == 0) SPX_RETURN_IF_ERROR(allocate_chunk(chunk));
   ++chunk_use_[static_cast<size_t>(chunk)];
+  std::pop_heap(free_list_.begin(), free_list_.end(), std::greater<>());
   free_list_.pop_back();
   return page;
 }
@@ -126,6 +128,7 @@ void KvStore::free_page(PageId page) {
   const int64_t chunk = page.value() / chunk_pages_;
   if (--chunk_use_[static_cast<size_t>(chunk)] == 0) free_chunk(chunk);
   free_list_.push_back(page);
+  std::push_heap(free_list_.begin(), free_list_.end(), std::greater<>());
 }
 
 PageLocation KvStore::locate(LayerId layer, PageId page) const {

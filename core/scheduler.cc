@@ -96,7 +96,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
       waiting_.pop_front();
       continue;
     }
-    auto seq = engine_.add_sequence();
+    auto seq = engine_.add_sequence(final_length);
     if (!seq.is_ok()) {
       if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
       finish(e, FinishReason::kError, seq.status().message(), events);

@@ -7,6 +7,7 @@
 
 #include "core/generator.h"
 #include "core/scheduler.h"
+#include "core/model_loader.h"
 #include "tests/core/tier_test_util.h"
 
 namespace specontext {
@@ -145,6 +146,43 @@ TEST(Scheduler, WaitingRequestsAreAdmittedInOrderAndCanBeCancelledBeforeTheyRun)
   EXPECT_EQ(order, (std::vector<int64_t>{i1->value(), i3->value()}));
   EXPECT_FALSE(got.tokens.count(i2->value()));
   EXPECT_EQ(got.tokens[i3->value()], alone(request({1, 378}, 5)));
+}
+
+// Admission counts a running sequence at the final length it was admitted for, not at its
+// current length: two requests that fit the pool only one at a time are not admitted together
+// just because the first has not grown yet; the second waits and then runs.
+TEST(Scheduler, AdmissionCountsRunningRequestsAtTheirFinalLength) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(m.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = 2;
+  eo.kv_pages = 20;  // 320 tokens: one 200-token request at a time
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  auto seq = (*engine)->add_sequence(/*final_length=*/200);
+  ASSERT_TRUE(seq.is_ok());
+  EXPECT_EQ((*engine)->admit(200, /*alone=*/false).code(), StatusCode::kResourceExhausted)
+      << "13 pages promised to the empty sequence";
+  EXPECT_TRUE((*engine)->admit(100, /*alone=*/false).is_ok());
+  ASSERT_TRUE((*engine)->remove_sequence(*seq).is_ok());
+
+  Scheduler s(**engine, GeneratorOptions{});
+  auto a = s.submit(request({1, 403, 407, 261, 378}, 195));
+  auto b = s.submit(request({1, 426}, 198));
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  Collected got;
+  std::vector<SchedulerEvent> ev;
+  int64_t most_running = 0;
+  while (!s.idle()) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+    most_running = std::max<int64_t>(most_running, static_cast<int64_t>(s.running()));
+  }
+  EXPECT_EQ(most_running, 1);
+  EXPECT_EQ(got.finish[a->value()], FinishReason::kLength);
+  EXPECT_EQ(got.finish[b->value()], FinishReason::kLength);
+  EXPECT_EQ(got.tokens[b->value()].size(), 198u);
 }
 
 TEST(Scheduler, SubmitRefusesWhatCanNeverRun) {

@@ -190,7 +190,7 @@ void OpenAiServer::Impl::engine_loop() {
   // Shutting down: whatever is still accepted is answered, then the scheduler frees the sequences.
   for (auto& [id, job] : live) unqueued.push_back(job);
   for (auto& job : unqueued) {
-    deliver(job, {SchedulerEvent{RequestId(), -1, true, FinishReason::kError,
+    deliver(job, {SchedulerEvent{RequestId(), -1, true, FinishReason::kCancelled,
                                  "Unavailable: server shutting down"}});
   }
   running = 0;
@@ -532,10 +532,11 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
           failure =
               ApiError{400, "invalid_request_error", "request " + ev.error, "", "context_length_exceeded"};
           break;
-        case FinishReason::kCancelled:
+        case FinishReason::kCancelled:  // the server is shutting down
+          failure = ApiError{503, "server_error", ev.error, "", ""};
+          break;
         case FinishReason::kError:
-          failure = ApiError{ev.error.find("shutting down") != std::string::npos ? 503 : 500, "server_error",
-                             ev.error, "", ""};
+          failure = ApiError{500, "server_error", ev.error, "", ""};
           break;
       }
     }

@@ -309,9 +309,9 @@ Status Engine::admit(int64_t final_length, bool alone) const {
   const int64_t need = (final_length + kv_->page_size() - 1) / kv_->page_size();
   int64_t available = kv_->total_pages();
   if (!alone) {
+    // A live sequence holds the pages of its length and is owed those of its admitted length.
     for (const auto& [id, s] : sequences_) {
-      const int64_t len = std::max(s.length, s.admitted_length);
-      available -= std::max<int64_t>(static_cast<int64_t>(s.pages.size()), (len + kv_->page_size() - 1) / kv_->page_size());
+      available -= (std::max(s.length, s.admitted_length) + kv_->page_size() - 1) / kv_->page_size();
     }
   }
   if (need > available) {

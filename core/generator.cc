@@ -1,22 +1,21 @@
 #include "core/generator.h"
 
+#include <unordered_map>
+
 namespace specontext {
 
 Result<std::vector<GenerationResult>> Generator::run(const std::vector<GenerationRequest>& requests,
                                                      const TokenCallback& on_token,
                                                      const ProgressCallback& on_progress) {
   Scheduler scheduler(engine_, options_);
-  // A request that can never run refuses the whole list before anything runs.
-  for (size_t i = 0; i < requests.size(); ++i) {
-    SPX_RETURN_IF_ERROR_CTX(scheduler.validate(requests[i]), "request " + std::to_string(i));
-  }
+  // Nothing runs before step(): a request that can never run refuses the whole list.
   std::vector<GenerationResult> results(requests.size());
+  std::unordered_map<int64_t, size_t> index_of;  // RequestId → position in `requests`
   int64_t total_prompt = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     auto id = scheduler.submit(requests[i]);
     if (!id.is_ok()) return id.status().with_context("request " + std::to_string(i));
-    // Ids count up from 1 in submission order.
-    if (id->value() != static_cast<int64_t>(i) + 1) return internal_error("generator: unexpected request id");
+    index_of.emplace(id->value(), i);
     total_prompt += static_cast<int64_t>(requests[i].prompt.size());
   }
   std::vector<SchedulerEvent> events;
@@ -25,7 +24,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
     events.clear();
     Status st = scheduler.step(events);
     for (const SchedulerEvent& ev : events) {
-      const size_t index = static_cast<size_t>(ev.request.value() - 1);
+      const size_t index = index_of.at(ev.request.value());
       GenerationResult& res = results[index];
       if (!ev.finished) {
         res.tokens.push_back(ev.token);

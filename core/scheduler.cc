@@ -5,24 +5,6 @@
 
 namespace specontext {
 
-std::string_view finish_reason_name(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kContext:
-      return "context";
-    case FinishReason::kRefused:
-      return "refused";
-    case FinishReason::kCancelled:
-      return "cancelled";
-    case FinishReason::kError:
-      return "error";
-  }
-  return "unknown";
-}
-
 Scheduler::~Scheduler() {
   for (Entry& e : running_) release(e);
 }

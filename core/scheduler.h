@@ -25,9 +25,10 @@ struct GenerationRequest {
 };
 
 // kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
-// kCancelled: cancel() was called. kError: the forward pass (or set-up) of its batch failed.
+// kError: the forward pass (or set-up) of its batch failed. kCancelled: ended by whoever drives
+// the scheduler before it finished (the server when it shuts down); the Scheduler itself never
+// reports it, and cancel() is followed by no event.
 enum class FinishReason { kLength, kStop, kContext, kRefused, kCancelled, kError };
-std::string_view finish_reason_name(FinishReason reason);
 
 struct GenerationStats {
   int64_t prompt_tokens = 0;  // tokens run through prefill

@@ -163,7 +163,8 @@ SPX_INLINE void f32_to_bf16_range_body(const float* src, uint16_t* dst, int64_t 
   for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-// y[:, n0:n1] of x[m, K] · W[N, K]ᵀ, W f32. Fallback when oneDNN has no primitive.
+// y[:, n0:n1] of x[m, K] · W[N, K]ᵀ, W f32: the row loop, for small f32 batches
+// (kRowLoopMaxRows) and when oneDNN has no primitive.
 SPX_INLINE void matmul_rows_f32_body(const float* x, int64_t m, int64_t k, const float* w, const float* bias,
                                      int64_t n0, int64_t n1, int64_t n_total, float* y) {
   // Four weight rows at a time: each input row is read once per four outputs, and the four

@@ -45,6 +45,42 @@ int32_t argmax(std::span<const float> values) {
   return best;
 }
 
+TokenLogprobs token_logprobs(std::span<const float> logits, TokenId chosen, int32_t top_n) {
+  TokenLogprobs out;
+  if (logits.empty()) return out;
+  float max_logit = logits[0];
+  for (float v : logits) max_logit = std::max(max_logit, v);
+  double sum = 0.0;  // in double: a 128K-entry sum of floats loses the small terms
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - max_logit);
+  const double log_norm = max_logit + std::log(sum);
+  auto logprob = [&](int32_t id) {
+    return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - log_norm);
+  };
+  out.chosen = {chosen, logprob(chosen)};
+  const auto n = static_cast<size_t>(std::clamp<int64_t>(top_n, 0, static_cast<int64_t>(logits.size())));
+  if (n == 0) return out;
+  // A bounded min-heap of the best n so far: vocab · log n, no copy of the logits.
+  auto better = [&](int32_t a, int32_t b) {
+    const float va = logits[static_cast<size_t>(a)], vb = logits[static_cast<size_t>(b)];
+    return va > vb || (va == vb && a < b);
+  };
+  std::vector<int32_t> heap;
+  heap.reserve(n + 1);
+  for (int32_t id = 0; id < static_cast<int32_t>(logits.size()); ++id) {
+    if (heap.size() == n && !better(id, heap.front())) continue;
+    heap.push_back(id);
+    std::push_heap(heap.begin(), heap.end(), better);
+    if (heap.size() > n) {
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.pop_back();
+    }
+  }
+  std::sort(heap.begin(), heap.end(), better);
+  out.top.reserve(n);
+  for (int32_t id : heap) out.top.push_back({id, logprob(id)});
+  return out;
+}
+
 TokenDraw Sampler::next_draw(std::span<const TokenId> history) {
   DistinctTokens distinct;
   if (params_.repetition_penalty != 1.0f) distinct.add(history);

@@ -77,4 +77,19 @@ class Sampler {
 
 int32_t argmax(std::span<const float> values);
 
+// Log-probabilities as the OpenAI API reports them: log_softmax of the model's raw logits, before
+// the repetition penalty, temperature and top-k/top-p (vLLM's default "raw_logprobs"), so they
+// describe the model, not the sampling settings.
+inline constexpr int32_t kMaxLogprobs = 20;  // most alternatives per token (vLLM's default limit)
+struct TokenLogprob {
+  TokenId token = -1;
+  float logprob = 0.0f;
+};
+struct TokenLogprobs {
+  TokenLogprob chosen;
+  std::vector<TokenLogprob> top;  // the top_n most likely tokens, most likely first (ties: lower id)
+};
+// `chosen` must index `logits`; top_n in [0, kMaxLogprobs], capped at the vocabulary.
+TokenLogprobs token_logprobs(std::span<const float> logits, TokenId chosen, int32_t top_n);
+
 }  // namespace specontext

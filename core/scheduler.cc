@@ -13,6 +13,10 @@ Status Scheduler::validate(const GenerationRequest& r) const {
   if (r.prompt.empty()) return invalid_argument("empty prompt");
   if (r.max_new_tokens < 1) return invalid_argument("max_new_tokens must be at least 1");
   SPX_RETURN_IF_ERROR(r.sampling.validate());
+  if (r.logprobs > kMaxLogprobs) {
+    return invalid_argument("logprobs must be at most " + std::to_string(kMaxLogprobs) + " (got " +
+                            std::to_string(r.logprobs) + ")");
+  }
   const int64_t need = r.synthetic_context + static_cast<int64_t>(r.prompt.size());
   if (need > engine_.max_context()) {
     return out_of_range("prompt of " + std::to_string(need) + " tokens is longer than the context limit of " +
@@ -55,7 +59,7 @@ void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
                        std::vector<SchedulerEvent>& events) {
   e.done = true;
   release(e);
-  events.push_back({e.id, -1, true, reason, std::move(error)});
+  events.push_back({e.id, -1, true, reason, std::move(error), std::nullopt});
 }
 
 Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
@@ -103,6 +107,10 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
   return first_error;
 }
 
+LogitsMode Scheduler::sample_mode(const Entry& e) {
+  return e.request.logprobs >= 0 ? LogitsMode::kLast : LogitsMode::kSample;
+}
+
 Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   Status status = admit(events);
 
@@ -116,7 +124,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     if (e.prefilled < static_cast<int64_t>(e.request.prompt.size())) continue;
     if (budget <= 0) break;
     e.draw = e.sampler.next_draw(e.history);
-    batch.push_back({e.seq, std::span<const TokenId>(&e.next, 1), LogitsMode::kSample, &e.draw});
+    batch.push_back({e.seq, std::span<const TokenId>(&e.next, 1), sample_mode(e), &e.draw});
     in_batch.push_back(&e);
     is_prefill.push_back(false);
     --budget;
@@ -130,7 +138,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     const bool last_chunk = n == left;
     if (last_chunk) e.draw = e.sampler.next_draw(e.history);
     batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)),
-                     last_chunk ? LogitsMode::kSample : LogitsMode::kNone, last_chunk ? &e.draw : nullptr});
+                     last_chunk ? sample_mode(e) : LogitsMode::kNone, last_chunk ? &e.draw : nullptr});
     in_batch.push_back(&e);
     is_prefill.push_back(true);
     budget -= n;
@@ -156,14 +164,21 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       e.prefilled += static_cast<int64_t>(batch[b].tokens.size());
       stats_.prompt_tokens += static_cast<int64_t>(batch[b].tokens.size());
     }
-    if (batch[b].logits != LogitsMode::kSample) continue;
+    if (batch[b].logits == LogitsMode::kNone) continue;
     const GenerationRequest& r = e.request;
-    const TokenId tok = out->tokens[b];
+    TokenId tok = out->tokens[b];
+    std::optional<TokenLogprobs> logprobs;
+    if (batch[b].logits == LogitsMode::kLast) {  // asked for logprobs: drawn here, same procedure
+      const std::span<float> row = out->row(b);
+      sample_logits_.assign(row.begin(), row.end());
+      tok = sample_with_coin(sample_logits_, e.draw, sample_scratch_);
+      logprobs = token_logprobs(row, tok, r.logprobs);
+    }
     if (std::find(r.stop_ids.begin(), r.stop_ids.end(), tok) != r.stop_ids.end()) {
       finish(e, FinishReason::kStop, {}, events);
       continue;
     }
-    events.push_back({e.id, tok, false, FinishReason::kLength, {}});
+    events.push_back({e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs)});
     ++e.generated;
     if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);
     e.next = tok;

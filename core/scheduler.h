@@ -6,6 +6,7 @@
 #pragma once
 
 #include <deque>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,10 @@ struct GenerationRequest {
   int64_t max_new_tokens = 256;
   std::vector<TokenId> stop_ids;  // generation ends after emitting none of these
   int64_t synthetic_context = 0;  // >0: KV prefilled with random entries (speed runs only)
+  // >= 0: every token event carries its log-probability and this many alternatives (at most
+  // kMaxLogprobs). Such a request's logits come back to the host (LogitsMode::kLast) and its
+  // token is drawn there by sample_with_coin, the procedure Backend::sample_rows implements.
+  int32_t logprobs = -1;
 };
 
 // kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
@@ -57,6 +62,7 @@ struct SchedulerEvent {
   bool finished = false;
   FinishReason finish = FinishReason::kLength;
   std::string error;  // why, for kRefused and kError
+  std::optional<TokenLogprobs> logprobs;  // token events of requests that asked for them
 };
 
 class Scheduler {
@@ -67,7 +73,7 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   // What submit() would refuse: an empty prompt, bad sampling parameters, a prompt longer than
-  // the context (kOutOfRange), max_new_tokens < 1.
+  // the context (kOutOfRange), max_new_tokens < 1, logprobs above kMaxLogprobs.
   Status validate(const GenerationRequest& request) const;
   // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV, at its final
   // length, fits beside the running ones (Engine::admit). One that never fits, even alone, ends
@@ -106,11 +112,14 @@ class Scheduler {
   Status admit(std::vector<SchedulerEvent>& events);
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   void release(Entry& e);
+  static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
 
   Engine& engine_;
   GeneratorOptions options_;
   GenerationStats stats_;
   int64_t next_id_ = 1;
+  std::vector<float> sample_logits_;                     // a copy the host-side sampling may modify
+  std::vector<std::pair<float, int32_t>> sample_scratch_;
   std::deque<Entry> waiting_;
   std::deque<Entry> running_;  // in admission order: the batch order
 };

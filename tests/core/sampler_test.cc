@@ -189,5 +189,38 @@ TEST(Sampler, OneTokenVocabularyWithTopP) {
   EXPECT_EQ(sample_with_coin(l, d, scratch), 0);
 }
 
+// Against a naive log(softmax) in long double, on logits with ties and a wide range.
+TEST(TokenLogprobs, MatchNaiveLogSoftmaxAndRankTiesByLowerId) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 4.0f);
+  std::vector<float> logits(3000);
+  for (float& v : logits) v = dist(rng);
+  logits[17] = logits[900] = logits[2999] = 30.0f;  // a three-way tie at the top
+  long double sum = 0;
+  for (float v : logits) sum += std::exp(static_cast<long double>(v));
+  auto naive = [&](size_t id) { return static_cast<double>(logits[id] - std::log(sum)); };
+  const TokenLogprobs lp = token_logprobs(logits, 123, 5);
+  EXPECT_EQ(lp.chosen.token, 123);
+  EXPECT_NEAR(lp.chosen.logprob, naive(123), 1e-5);
+  ASSERT_EQ(lp.top.size(), 5u);
+  EXPECT_EQ(lp.top[0].token, 17);
+  EXPECT_EQ(lp.top[1].token, 900);
+  EXPECT_EQ(lp.top[2].token, 2999);
+  std::vector<size_t> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return logits[a] > logits[b]; });
+  for (size_t k = 0; k < 5; ++k) {
+    EXPECT_EQ(lp.top[k].token, static_cast<TokenId>(order[k])) << k;
+    EXPECT_NEAR(lp.top[k].logprob, naive(order[k]), 1e-5) << k;
+    EXPECT_LE(lp.top[k].logprob, 0.0f);
+  }
+  double total = 0;
+  for (size_t i = 0; i < logits.size(); ++i) total += std::exp(token_logprobs(logits, static_cast<TokenId>(i), 0).chosen.logprob);
+  EXPECT_NEAR(total, 1.0, 1e-4);
+  EXPECT_TRUE(token_logprobs(logits, 0, 0).top.empty());
+  const std::vector<float> three{1.0f, 2.0f, 3.0f};
+  EXPECT_EQ(token_logprobs(three, 0, kMaxLogprobs).top.size(), 3u) << "capped at the vocabulary";
+}
+
 }  // namespace
 }  // namespace specontext

@@ -236,5 +236,78 @@ TEST(Scheduler, AFailedForwardEndsOnlyItsBatchAndWaitingRequestsStayQueued) {
   EXPECT_EQ(got.finish[c->value()], FinishReason::kError);
 }
 
+// Asking for logprobs moves the draw to the host (kLast) but changes no token, greedy or seeded
+// with the penalty on; each logprob is log_softmax of the logits a dense forward over the same
+// tokens gives, and the alternatives are the most likely tokens, in order.
+TEST(Scheduler, LogprobsLeaveTheTokensUnchangedAndMatchADenseForward) {
+  std::vector<GenerationRequest> plain{request({1, 403, 407, 261, 378}, 24), request({1, 426}, 20, 0.8f)};
+  plain[1].sampling.repetition_penalty = 1.3f;
+  std::vector<GenerationRequest> asking = plain;
+  asking[0].logprobs = 4;
+  asking[1].logprobs = 0;
+  auto run = [&](const std::vector<GenerationRequest>& rs) {
+    auto engine = make_engine(2);
+    Scheduler s(*engine, GeneratorOptions{});
+    std::map<int64_t, std::vector<SchedulerEvent>> events;
+    for (const auto& r : rs) EXPECT_TRUE(s.submit(r).is_ok());
+    std::vector<SchedulerEvent> ev;
+    while (!s.idle()) {
+      ev.clear();
+      EXPECT_TRUE(s.step(ev).is_ok());
+      for (auto& e : ev) {
+        if (!e.finished) events[e.request.value()].push_back(std::move(e));
+      }
+    }
+    return events;
+  };
+  auto without = run(plain);
+  auto with = run(asking);
+  ASSERT_EQ(with.size(), 2u);
+  auto dense = make_engine(1);
+  for (int64_t id = 1; id <= 2; ++id) {
+    const GenerationRequest& r = asking[static_cast<size_t>(id - 1)];
+    const auto& got = with[id];
+    ASSERT_EQ(got.size(), without[id].size());
+    std::vector<TokenId> tokens = r.prompt;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].token, without[id][i].token) << "request " << id << " token " << i;
+      EXPECT_FALSE(without[id][i].logprobs.has_value());
+      tokens.push_back(got[i].token);
+    }
+    auto seq = dense->add_sequence();
+    ASSERT_TRUE(seq.is_ok());
+    tokens.pop_back();  // the last token's logits are not needed
+    const std::vector<StepRequest> step{{*seq, tokens, LogitsMode::kAll, nullptr}};
+    auto out = dense->forward(step);
+    ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].logprobs.has_value());
+      const TokenLogprobs& lp = *got[i].logprobs;
+      const auto row = out->row(0, static_cast<int64_t>(r.prompt.size() + i - 1));
+      double sum = 0;
+      for (float v : row) sum += std::exp(static_cast<double>(v));
+      EXPECT_EQ(lp.chosen.token, got[i].token);
+      EXPECT_NEAR(lp.chosen.logprob, row[static_cast<size_t>(got[i].token)] - std::log(sum), 1e-3)
+          << "request " << id << " token " << i;
+      ASSERT_EQ(lp.top.size(), static_cast<size_t>(r.logprobs));
+      for (size_t k = 0; k < lp.top.size(); ++k) {
+        EXPECT_NEAR(lp.top[k].logprob, row[static_cast<size_t>(lp.top[k].token)] - std::log(sum), 1e-3);
+        if (k > 0) {
+          EXPECT_GE(lp.top[k - 1].logprob, lp.top[k].logprob);
+        }
+      }
+      if (r.sampling.temperature == 0.0f) {
+        EXPECT_EQ(lp.top[0].token, got[i].token) << "greedy takes the top";
+      }
+    }
+    ASSERT_TRUE(dense->remove_sequence(*seq).is_ok());
+  }
+  GenerationRequest too_many = plain[0];
+  too_many.logprobs = kMaxLogprobs + 1;
+  auto engine = make_engine(1);
+  Scheduler s(*engine, GeneratorOptions{});
+  EXPECT_EQ(s.submit(too_many).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace specontext

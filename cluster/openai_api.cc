@@ -260,6 +260,38 @@ Check parse_flags(const json& body, ApiRequest& req) {
   return std::nullopt;
 }
 
+// Completions: "logprobs": N alternatives (0 = the chosen token's only). Chat: "logprobs": true,
+// with "top_logprobs": N (default 0) only beside it, as OpenAI checks.
+Check parse_logprobs(ApiKind kind, const json& body, ApiRequest& req) {
+  const std::string range = "between 0 and " + std::to_string(kMaxLogprobs);
+  auto count = [&](const json& v) -> std::optional<int32_t> {
+    const auto n = v.is_boolean() ? std::nullopt : as_int64(v);
+    if (!n || *n < 0 || *n > kMaxLogprobs) return std::nullopt;
+    return static_cast<int32_t>(*n);
+  };
+  const json* lp = find_field(body, "logprobs");
+  const json* top = find_field(body, "top_logprobs");
+  if (kind == ApiKind::kCompletion) {
+    if (top) return field_error("top_logprobs", "is a chat field: completions take the count in 'logprobs'");
+    if (!lp || (lp->is_boolean() && !lp->get<bool>())) return std::nullopt;
+    const auto n = count(*lp);
+    if (!n) return field_error("logprobs", "must be an integer " + range);
+    req.logprobs = *n;
+    return std::nullopt;
+  }
+  if (lp && !lp->is_boolean()) return field_error("logprobs", "must be a boolean");
+  const bool on = lp && lp->get<bool>();
+  if (top && !on) return field_error("top_logprobs", "is only allowed when 'logprobs' is true");
+  if (!on) return std::nullopt;
+  req.logprobs = 0;
+  if (top) {
+    const auto n = count(*top);
+    if (!n) return field_error("top_logprobs", "must be an integer " + range);
+    req.logprobs = *n;
+  }
+  return std::nullopt;
+}
+
 // Features we cannot honour: refused unless given as their "off" value, never silently ignored.
 Check refuse_unsupported(const json& body, ApiKind kind) {
   for (const char* key : {"n", "best_of"}) {
@@ -270,19 +302,8 @@ Check refuse_unsupported(const json& body, ApiKind kind) {
     if (!v->is_boolean()) return field_error("echo", "must be a boolean");
     if (v->get<bool>()) return field_error("echo", "must be false: echoing the prompt is not supported");
   }
-  if (const json* v = find_field(body, "logprobs")) {
-    // Chat takes a boolean, completions an integer count (0 asks for none).
-    const bool off =
-        (v->is_boolean() && !v->get<bool>()) || (kind == ApiKind::kCompletion && is_zero_number(*v));
-    if (!off) {
-      return field_error("logprobs", kind == ApiKind::kChat ? "must be false: logprobs are not supported"
-                                                            : "must be null: logprobs are not supported");
-    }
-  }
-  if (find_field(body, "top_logprobs"))
-    return field_error("top_logprobs", "must be null: logprobs are not supported");
   if (find_field(body, "prompt_logprobs")) {
-    return field_error("prompt_logprobs", "must be null: logprobs are not supported");
+    return field_error("prompt_logprobs", "must be null: prompt logprobs are not supported");
   }
   for (const char* key : {"presence_penalty", "frequency_penalty"}) {
     const json* v = find_field(body, key);
@@ -348,6 +369,7 @@ ParseResult parse_object(ApiKind kind, const json& body) {
   for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags}) {
     if (!e) e = step(body, req);
   }
+  if (!e) e = parse_logprobs(kind, body, req);
   if (e) return ParseResult{std::nullopt, std::move(*e)};
   return ParseResult{std::move(req), ApiError{}};
 }
@@ -539,10 +561,61 @@ std::string StopMatcher::finish() {
   return out;
 }
 
+namespace {
+
+// -inf (a token the model rules out) has no JSON number; vLLM sends -9999.0 in its place.
+double json_logprob(float lp) { return std::max(static_cast<double>(lp), -9999.0); }
+
+json utf8_bytes(const std::string& raw) {
+  json bytes = json::array();
+  for (char c : raw) bytes.push_back(static_cast<uint8_t>(c));
+  return bytes;
+}
+
+}  // namespace
+
+nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries) {
+  if (kind == ApiKind::kChat) {
+    json content = json::array();
+    for (const LogprobEntry& e : entries) {
+      json top = json::array();
+      for (const auto& [raw, lp] : e.top) {
+        top.push_back({{"token", sanitize_utf8(raw)}, {"logprob", json_logprob(lp)}, {"bytes", utf8_bytes(raw)}});
+      }
+      content.push_back({{"token", sanitize_utf8(e.token)},
+                         {"logprob", json_logprob(e.logprob)},
+                         {"bytes", utf8_bytes(e.token)},
+                         {"top_logprobs", std::move(top)}});
+    }
+    return json{{"content", std::move(content)}};
+  }
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
+       offsets = json::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(sanitize_utf8(e.token));
+    token_logprobs.push_back(json_logprob(e.logprob));
+    // The chosen token and the alternatives, as vLLM: up to N + 1 entries.
+    json top = json::object();
+    top[sanitize_utf8(e.token)] = json_logprob(e.logprob);
+    for (const auto& [raw, lp] : e.top) {
+      const std::string key = sanitize_utf8(raw);
+      if (!top.contains(key)) top[key] = json_logprob(lp);  // two ids, one text: the likelier
+    }
+    top_logprobs.push_back(std::move(top));
+    offsets.push_back(e.text_offset);
+  }
+  return json{{"tokens", std::move(tokens)},
+              {"token_logprobs", std::move(token_logprobs)},
+              {"top_logprobs", std::move(top_logprobs)},
+              {"text_offset", std::move(offsets)}};
+}
+
 nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
-                                   const std::string& finish_reason, const Usage& usage) {
+                                   const std::string& finish_reason, const Usage& usage,
+                                   const std::vector<LogprobEntry>* logprobs) {
   try {
     json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    if (logprobs) choice["logprobs"] = logprobs_json(kind, *logprobs);
     if (kind == ApiKind::kCompletion) {
       choice["text"] = text;
     } else {
@@ -557,9 +630,11 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const
   }
 }
 
-std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first) {
+std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
+                         const std::vector<LogprobEntry>* logprobs) {
   try {
     json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+    if (logprobs) choice["logprobs"] = logprobs_json(kind, *logprobs);
     if (kind == ApiKind::kCompletion) {
       choice["text"] = text;
     } else {

@@ -3,11 +3,12 @@
 // response JSON (whole or as server-sent-event chunks). Fuzzed by tests/fuzz/fuzz_openai.cc.
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
 // ignore_eos; min_p, min_tokens and the like only when off); anything we cannot honour is refused with a 400
-// naming the field, never silently ignored (logprobs, n > 1, echo, suffix, best_of, tools, ...).
+// naming the field, never silently ignored (prompt_logprobs, n > 1, echo, suffix, best_of, tools, ...).
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -57,6 +58,9 @@ struct ApiRequest {
   bool ignore_eos = false;        // vLLM extension
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage (only with stream)
+  // Alternatives per token when log-probabilities are asked for, -1 when not: completions
+  // "logprobs": N (0..kMaxLogprobs); chat "logprobs": true with "top_logprobs": N (default 0).
+  int32_t logprobs = -1;
   std::string user;            // accepted and ignored
 };
 
@@ -64,8 +68,8 @@ struct ApiRequest {
 // (400 naming the field), unsupported features (400, e.g. "field 'n' must be 1: one choice per
 // request is supported"). Unknown fields are ignored, as OpenAI does. Never throws.
 // Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
-// presence_penalty / frequency_penalty / min_p / min_tokens are accepted only when 0; logprobs
-// only when false/null (completions: also 0), top_logprobs only when null; n and best_of only when
+// presence_penalty / frequency_penalty / min_p / min_tokens are accepted only when 0;
+// prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n and best_of only when
 // 1; echo only when false; suffix only when empty; tools/functions only when empty, tool_choice
 // only "none"/"auto", response_format only {"type":"text"}, logit_bias only when empty.
 // null counts as absent for every optional field; integral floats (3.0) pass as integers.
@@ -114,15 +118,31 @@ struct ResponseMeta {
   std::string model;
 };
 
+// One generated token's log-probabilities as a response shows them (core TokenLogprobs with the
+// tokens decoded). Strings are raw bytes; the JSON carries them made valid UTF-8 (chat adds the raw
+// "bytes").
+struct LogprobEntry {
+  std::string token;
+  float logprob = 0.0f;
+  std::vector<std::pair<std::string, float>> top;  // the alternatives, most likely first
+  int64_t text_offset = 0;  // completions: code points of the completion's text before this token
+};
+// Completions: {"tokens":[..],"token_logprobs":[..],"top_logprobs":[{token: lp} with the chosen
+// token and the alternatives],"text_offset":[..]}. Chat: {"content":[{"token","logprob","bytes",
+// "top_logprobs":[{"token","logprob","bytes"}]}]}. -inf is sent as -9999.0, as vLLM does.
+nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries);
+
 // Whole (non-streaming) responses: object "text_completion" / "chat.completion", one choice,
 // finish_reason "stop" | "length" ("abort" is never sent: the client is gone), usage with
-// total_tokens.
+// total_tokens. `logprobs` (null = "logprobs": null) are the entries of the text's tokens.
 nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
-                                   const std::string& finish_reason, const Usage& usage);
+                                   const std::string& finish_reason, const Usage& usage,
+                                   const std::vector<LogprobEntry>* logprobs = nullptr);
 // Streaming: one "data: {...}\n\n" event. A text delta (finish_reason null), the final delta
 // (finish_reason set, empty text; chat: empty delta), the usage-only chunk (choices []), and the
 // terminator "data: [DONE]\n\n". For chat, the first chunk's delta carries role "assistant".
-std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first);
+std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
+                         const std::vector<LogprobEntry>* logprobs = nullptr);
 std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason);
 std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usage& usage);
 std::string stream_error_chunk(const ApiError& error);  // "data: {"error":{...}}\n\n"

@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
@@ -53,6 +54,11 @@ struct Conn {
 };
 
 using Request = http::request<http::string_body>;
+
+// Code points of UTF-8 text (lead bytes), where the completions API counts its text_offset.
+int64_t code_points(std::string_view s) {
+  return std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<uint8_t>(c) & 0xC0) != 0x80; });
+}
 
 std::string error_for_status(const Status& s) {
   return std::string(status_code_name(s.code())) + ": " + s.message();
@@ -370,6 +376,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   }
   out.max_new_tokens = in.max_tokens ? *in.max_tokens : context - prompt_len;
   out.sampling = in.sampling;
+  out.logprobs = in.logprobs;
   if (!in.ignore_eos) out.stop_ids = options.stop_ids;
   return std::nullopt;
 }
@@ -465,6 +472,13 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   TokenId prev = last_prompt_token;
   int64_t completion_tokens = 0;
   std::string text;                 // non-streaming: the whole text
+  // Log-probabilities: an entry per token, sent once the text before it is out (streaming) or
+  // all at the end; after a stop string only tokens that start before it are kept.
+  const bool want_logprobs = api.logprobs >= 0;
+  std::vector<LogprobEntry> logprob_entries;
+  size_t logprobs_sent = 0;
+  int64_t raw_code_points = 0;   // of every piece decoded so far
+  int64_t sent_code_points = 0;  // of the text the matcher released
   std::string finish_reason;        // set when generation ended normally
   std::optional<ApiError> failure;  // set when it ended in an error
 
@@ -511,7 +525,16 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
       if (done) break;
       if (!ev.finished) {
         ++completion_tokens;
-        delta += matcher.feed(tokenizer.decode_token(prev, ev.token));
+        std::string piece = tokenizer.decode_token(prev, ev.token);
+        if (want_logprobs && ev.logprobs) {
+          LogprobEntry entry{piece, ev.logprobs->chosen.logprob, {}, raw_code_points};
+          for (const TokenLogprob& alt : ev.logprobs->top) {
+            entry.top.emplace_back(tokenizer.decode_token(prev, alt.token), alt.logprob);
+          }
+          logprob_entries.push_back(std::move(entry));
+        }
+        raw_code_points += code_points(piece);
+        delta += matcher.feed(piece);
         prev = ev.token;
         if (matcher.stopped()) {
           cancel(job, /*client=*/false);  // the engine need not generate past the stop string
@@ -540,9 +563,20 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
           break;
       }
     }
+    sent_code_points += code_points(delta);
+    if (matcher.stopped()) {
+      std::erase_if(logprob_entries, [&](const LogprobEntry& e) { return e.text_offset >= sent_code_points; });
+    }
     if (api.stream) {
-      if (!delta.empty()) {
-        std::string chunk = stream_chunk(kind, meta, delta, std::exchange(first_chunk, false));
+      // Entries whose text is out; at the end (no stop) the rest, whose text may be empty.
+      std::vector<LogprobEntry> ready;
+      while (logprobs_sent < logprob_entries.size() &&
+             (done || logprob_entries[logprobs_sent].text_offset < sent_code_points)) {
+        ready.push_back(std::move(logprob_entries[logprobs_sent++]));
+      }
+      if (!delta.empty() || !ready.empty()) {
+        std::string chunk = stream_chunk(kind, meta, delta, std::exchange(first_chunk, false),
+                                         want_logprobs ? &ready : nullptr);
         co_await write_event(std::move(chunk));
       }
       if (!write_ok) {
@@ -568,7 +602,8 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     ++completed;
     const Usage usage{prompt_len, completion_tokens};
     if (!api.stream) {
-      std::string body = completion_response(kind, meta, text, finish_reason, usage)
+      std::string body = completion_response(kind, meta, text, finish_reason, usage,
+                                             want_logprobs ? &logprob_entries : nullptr)
                              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       co_return co_await reply(*conn, req, http::status::ok, std::move(body));
     }

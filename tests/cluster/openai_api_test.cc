@@ -4,6 +4,7 @@
 // stream-chunk JSON shapes.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -260,8 +261,6 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("best_of":3)"), "best_of", "must be 1");
     expect_refused(k, body(R"("echo":true)"), "echo", "must be false");
     expect_refused(k, body(R"("echo":"no")"), "echo", "must be a boolean");
-    expect_refused(k, body(R"("top_logprobs":0)"), "top_logprobs", "logprobs are not supported");
-    expect_refused(k, body(R"("top_logprobs":3)"), "top_logprobs", "logprobs are not supported");
     expect_refused(k, body(R"("presence_penalty":0.5)"), "presence_penalty", "must be 0");
     expect_refused(k, body(R"("frequency_penalty":-1)"), "frequency_penalty", "must be 0");
     expect_refused(k, body(R"("frequency_penalty":"0")"), "frequency_penalty", "must be 0");
@@ -290,15 +289,38 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
                        "logit_bias":null,"min_p":0,"min_tokens":0,"stop_token_ids":[],"use_beam_search":false,
                        "logprobs":false,"top_logprobs":null)"));
   }
-  // logprobs: a boolean for chat, a count for completions; only "none" passes.
-  expect_refused(ApiKind::kChat, chat(R"("logprobs":true)"), "logprobs", "logprobs are not supported");
-  expect_refused(ApiKind::kChat, chat(R"("logprobs":0)"), "logprobs", "logprobs are not supported");
-  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":1)"), "logprobs",
-                 "logprobs are not supported");
-  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":true)"), "logprobs",
-                 "logprobs are not supported");
-  parse_ok(ApiKind::kCompletion, completion(R"("logprobs":0)"));
-  parse_ok(ApiKind::kChat, chat(R"("logprobs":null)"));
+}
+
+// Completions take a count in "logprobs"; chat takes "logprobs": true and "top_logprobs" beside it.
+TEST(OpenAiParse, Logprobs) {
+  auto parsed = [](ApiKind k, const std::string& body) {
+    ParseResult r = parse_api_request(k, body);
+    EXPECT_TRUE(r.request) << body << ": " << r.error.message;
+    return r.request ? r.request->logprobs : -2;
+  };
+  EXPECT_EQ(parsed(ApiKind::kCompletion, completion(R"("stream":false)")), -1);
+  EXPECT_EQ(parsed(ApiKind::kCompletion, completion(R"("logprobs":null)")), -1);
+  EXPECT_EQ(parsed(ApiKind::kCompletion, completion(R"("logprobs":false)")), -1);
+  EXPECT_EQ(parsed(ApiKind::kCompletion, completion(R"("logprobs":0)")), 0);
+  EXPECT_EQ(parsed(ApiKind::kCompletion, completion(R"("logprobs":5)")), 5);
+  EXPECT_EQ(parsed(ApiKind::kCompletion, completion(R"("logprobs":20.0)")), 20);
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":21)"), "logprobs", "between 0 and 20");
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":-1)"), "logprobs", "between 0 and 20");
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":true)"), "logprobs", "must be an integer");
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":"3")"), "logprobs", "must be an integer");
+  expect_refused(ApiKind::kCompletion, completion(R"("logprobs":1.5)"), "logprobs", "must be an integer");
+  expect_refused(ApiKind::kCompletion, completion(R"("top_logprobs":3)"), "top_logprobs", "chat field");
+
+  EXPECT_EQ(parsed(ApiKind::kChat, chat(R"("stream":false)")), -1);
+  EXPECT_EQ(parsed(ApiKind::kChat, chat(R"("logprobs":false,"top_logprobs":null)")), -1);
+  EXPECT_EQ(parsed(ApiKind::kChat, chat(R"("logprobs":true)")), 0);
+  EXPECT_EQ(parsed(ApiKind::kChat, chat(R"("logprobs":true,"top_logprobs":3)")), 3);
+  EXPECT_EQ(parsed(ApiKind::kChat, chat(R"("logprobs":true,"top_logprobs":0)")), 0);
+  expect_refused(ApiKind::kChat, chat(R"("logprobs":1)"), "logprobs", "must be a boolean");
+  expect_refused(ApiKind::kChat, chat(R"("top_logprobs":2)"), "top_logprobs", "only allowed when 'logprobs' is true");
+  expect_refused(ApiKind::kChat, chat(R"("logprobs":false,"top_logprobs":2)"), "top_logprobs", "only allowed");
+  expect_refused(ApiKind::kChat, chat(R"("logprobs":true,"top_logprobs":21)"), "top_logprobs", "between 0 and 20");
+  expect_refused(ApiKind::kChat, chat(R"("logprobs":true,"top_logprobs":true)"), "top_logprobs", "must be an integer");
 }
 
 TEST(OpenAiParse, MalformedAndNonObjectBodies) {
@@ -558,6 +580,36 @@ TEST(OpenAiResponse, Chat) {
   // Invalid UTF-8 in a text is replaced when serialized, never thrown.
   const std::string text = j.dump(-1, ' ', false, json::error_handler_t::replace);
   EXPECT_EQ(json::parse(text)["choices"][0]["message"]["content"], "hi \xEF\xBF\xBD");
+}
+
+// Completions: parallel arrays, the chosen token inside its top_logprobs dict (the likelier of two
+// ids with one text wins); chat: content entries with the raw bytes. -inf becomes -9999.
+TEST(OpenAiResponse, Logprobs) {
+  const std::vector<LogprobEntry> entries{
+      {"Once", -0.25f, {{"Once", -0.25f}, {" The", -2.0f}}, 0},
+      {"\xE2\x82", -1.5f, {{"x", -0.5f}, {"x", -0.75f}}, 4},
+      {" up", -std::numeric_limits<float>::infinity(), {}, 5}};
+  json j = completion_response(ApiKind::kCompletion, kMeta, "Once\xE2\x82 up", "length", Usage{5, 3}, &entries);
+  const json expected = json::parse(R"({"tokens":["Once","\ufffd"," up"],"token_logprobs":[-0.25,-1.5,-9999.0],
+    "top_logprobs":[{"Once":-0.25," The":-2.0},{"\ufffd":-1.5,"x":-0.5},{" up":-9999.0}],"text_offset":[0,4,5]})");
+  EXPECT_EQ(json::parse(j.dump(-1, ' ', false, json::error_handler_t::replace))["choices"][0]["logprobs"], expected);
+  j = parse_event(stream_chunk(ApiKind::kCompletion, kMeta, "Once", true, &entries));
+  EXPECT_EQ(j["choices"][0]["logprobs"], expected);
+
+  j = completion_response(ApiKind::kChat, kMeta, "x", "stop", Usage{1, 1}, &entries);
+  const json content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 3u);
+  EXPECT_EQ(content[0], json::parse(R"({"token":"Once","logprob":-0.25,"bytes":[79,110,99,101],
+    "top_logprobs":[{"token":"Once","logprob":-0.25,"bytes":[79,110,99,101]},
+                    {"token":" The","logprob":-2.0,"bytes":[32,84,104,101]}]})"));
+  EXPECT_EQ(content[1]["token"], "\xEF\xBF\xBD");
+  EXPECT_EQ(content[1]["bytes"], json::parse("[226,130]"));
+  EXPECT_EQ(content[1]["top_logprobs"].size(), 2u) << "chat keeps both alternatives";
+  EXPECT_EQ(content[2]["logprob"], -9999.0);
+  EXPECT_TRUE(content[2]["top_logprobs"].empty());
+  j = parse_event(stream_chunk(ApiKind::kChat, kMeta, "", false, &entries));
+  EXPECT_EQ(j["choices"][0]["logprobs"]["content"].size(), 3u);
+  EXPECT_TRUE(parse_event(stream_chunk(ApiKind::kChat, kMeta, "", false))["choices"][0]["logprobs"].is_null());
 }
 
 TEST(OpenAiResponse, CompletionStreamChunks) {

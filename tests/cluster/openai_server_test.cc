@@ -546,6 +546,97 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
     if (c["choices"][0]["delta"].contains("content")) streamed += c["choices"][0]["delta"]["content"].get<std::string>();
   }
   EXPECT_EQ(streamed, expected);
+
+  // Logprobs, streamed: every token once, its raw bytes adding up to the reply's bytes (tokens of
+  // this byte-level vocabulary split UTF-8 sequences, so only the bytes add up exactly).
+  sbody["logprobs"] = true;
+  sbody["top_logprobs"] = 2;
+  Reply l = post((*server)->port(), "/v1/chat/completions", sbody);
+  ASSERT_EQ(l.status, 200) << l.body;
+  std::string bytes, lp_streamed;
+  size_t entries = 0;
+  for (const std::string& e : events_of(l.body)) {
+    if (e == "[DONE]") break;
+    const json c = json::parse(e);
+    if (c["choices"].empty()) continue;
+    if (c["choices"][0]["delta"].contains("content")) lp_streamed += c["choices"][0]["delta"]["content"].get<std::string>();
+    if (c["choices"][0]["logprobs"].is_null()) continue;
+    for (const json& entry : c["choices"][0]["logprobs"]["content"]) {
+      ++entries;
+      for (const json& b : entry["bytes"]) bytes.push_back(static_cast<char>(b.get<int>()));
+      EXPECT_LE(entry["logprob"].get<double>(), 0.0);
+      ASSERT_EQ(entry["top_logprobs"].size(), 2u);
+      EXPECT_EQ(entry["top_logprobs"][0]["logprob"], entry["logprob"]) << "greedy: the chosen token is the top";
+    }
+  }
+  EXPECT_EQ(lp_streamed, expected);
+  EXPECT_EQ(entries, (*res)[0].tokens.size());
+  EXPECT_EQ(bytes, raw);
+}
+
+// Completions logprobs: one entry per token, tokens adding up to the text, offsets into it, the
+// greedy token on top of its alternatives; streamed equal to whole; the text itself unchanged;
+// after a stop string only the tokens that start before it.
+TEST(OpenAiServer, CompletionLogprobsDescribeEveryTokenOfTheText) {
+  const std::string expected = generator_text(kPrompt, 40);
+  Fixture f = make_fixture(2);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  const json body = {{"prompt", kPrompt}, {"max_tokens", 40}, {"temperature", 0}, {"logprobs", 3}};
+  Reply r = post(port, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json choice = r.j()["choices"][0];
+  EXPECT_EQ(choice["text"], expected);
+  const json lp = choice["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), 40u);
+  ASSERT_EQ(lp["token_logprobs"].size(), 40u);
+  ASSERT_EQ(lp["top_logprobs"].size(), 40u);
+  ASSERT_EQ(lp["text_offset"].size(), 40u);
+  std::string joined;
+  for (size_t i = 0; i < 40; ++i) {
+    EXPECT_EQ(lp["text_offset"][i], static_cast<int64_t>(joined.size())) << i;  // ASCII: bytes = code points
+    joined += lp["tokens"][i].get<std::string>();
+    const double chosen = lp["token_logprobs"][i];
+    EXPECT_LE(chosen, 0.0);
+    const json& top = lp["top_logprobs"][i];
+    EXPECT_GE(top.size(), 1u);
+    EXPECT_LE(top.size(), 4u);
+    EXPECT_EQ(top[lp["tokens"][i].get<std::string>()], chosen);
+    for (const auto& [tok, v] : top.items()) EXPECT_LE(v.get<double>(), chosen + 1e-6) << "greedy takes the top";
+  }
+  EXPECT_EQ(joined, expected);
+
+  json sbody = body;
+  sbody["stream"] = true;
+  Reply s = post(port, "/v1/completions", sbody);
+  ASSERT_EQ(s.status, 200) << s.body;
+  json streamed_logprobs = json::array();
+  std::string streamed;
+  for (const std::string& e : events_of(s.body)) {
+    if (e == "[DONE]") break;
+    const json c = json::parse(e);
+    streamed += c["choices"][0]["text"].get<std::string>();
+    if (c["choices"][0]["logprobs"].is_null()) continue;
+    for (const json& v : c["choices"][0]["logprobs"]["token_logprobs"]) streamed_logprobs.push_back(v);
+  }
+  EXPECT_EQ(streamed, expected);
+  EXPECT_EQ(streamed_logprobs, lp["token_logprobs"]);
+
+  const std::string stop = " named";
+  const size_t at = expected.find(stop);
+  ASSERT_NE(at, std::string::npos) << expected;
+  json stopped = body;
+  stopped["stop"] = stop;
+  Reply t = post(port, "/v1/completions", stopped);
+  ASSERT_EQ(t.status, 200) << t.body;
+  EXPECT_EQ(t.j()["choices"][0]["text"], expected.substr(0, at));
+  const json tl = t.j()["choices"][0]["logprobs"];
+  ASSERT_GE(tl["tokens"].size(), 1u);
+  std::string kept;
+  for (const json& tok : tl["tokens"]) kept += tok.get<std::string>();
+  EXPECT_TRUE(kept.starts_with(expected.substr(0, at))) << kept;
+  EXPECT_LT(tl["text_offset"].back().get<int64_t>(), static_cast<int64_t>(at)) << "no token of the stop string";
 }
 
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,10 +81,19 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   check(r.stop.size() <= 4);
   for (const auto& s : r.stop) check(!s.empty());
   check(!r.include_usage || r.stream);
+  check(r.logprobs >= -1 && r.logprobs <= specontext::kMaxLogprobs);
 
   const ResponseMeta meta{"cmpl-fuzz", 1, r.model};
   const std::string& text = kind == ApiKind::kCompletion ? r.prompt_text : r.messages[0].content;
   check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4}))));
+  // The input's text as token strings (arbitrary bytes), with -inf and NaN-free extremes.
+  std::vector<LogprobEntry> entries;
+  for (size_t i = 0; i < text.size() && entries.size() < 8; i += 3) {
+    entries.push_back({text.substr(i, 3), -static_cast<float>(i), {{text.substr(0, i), -1e30f}}, static_cast<int64_t>(i)});
+  }
+  entries.push_back({"", -std::numeric_limits<float>::infinity(), {}, 0});
+  check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4}, &entries))));
+  check_event(stream_chunk(kind, meta, text, false, &entries));
   check_event(stream_chunk(kind, meta, text, true));
   check_event(stream_chunk(kind, meta, text, false));
   check_event(stream_finish_chunk(kind, meta, "length"));

@@ -137,6 +137,7 @@ int run_generate(const GenerateArgs& a) {
 
   GeneratorOptions gopts;
   gopts.prefill_chunk = a.engine.prefill_chunk;
+  gopts.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
   Generator gen(*engine, gopts);
   std::string text;
   TokenId prev = prompt_ids.back();
@@ -176,6 +177,8 @@ int run_generate(const GenerateArgs& a) {
       {"prefill_tokens_per_s", st.prefill_tokens_per_s()},
       {"decode_tokens_per_s", st.decode_tokens_per_s()},
       {"decode_steps", st.decode_steps},
+      {"max_batch_sequences", st.max_batch_sequences},
+      {"preemptions", st.preemptions},
       {"kv_bytes", st.kv_bytes_peak},
       {"kv_bytes_per_token", engine->kv_bytes_per_token()},
       {"kv_dtype", a.engine.kv_dtype},

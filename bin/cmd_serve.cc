@@ -19,6 +19,7 @@ namespace specontext::cli {
 void register_serve(CLI::App& app, ServeArgs& a) {
   CLI::App* cmd =
       app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API (continuous batching)");
+  a.engine.admission = "preempt";  // as vLLM: requests without max_tokens would otherwise reserve the context
   add_engine_options(*cmd, a.engine);
   cmd->add_option("--listen", a.listen, "HOST:PORT to listen on (port 0: any free port, printed at start)");
   cmd->add_option("--served-model-name", a.model_name,
@@ -76,6 +77,7 @@ int run_serve(const ServeArgs& a) {
   o.max_waiting = static_cast<size_t>(a.max_waiting);
   o.scheduling.prefill_chunk = a.engine.prefill_chunk;
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
+  o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
 
   // Block the stop signals before the server's threads start, so that they inherit the mask and
   // only sigwait below sees them.
@@ -90,7 +92,8 @@ int run_serve(const ServeArgs& a) {
       << nlohmann::json{{"event", "listening"},          {"host", o.host},
                         {"port", (*server)->port()},     {"model", o.model_name},
                         {"max_batch", a.max_batch},      {"max_context", bundle->engine->max_context()},
-                        {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone}}
+                        {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone},
+                        {"admission", a.engine.admission}}
              .dump()
       << std::endl;
   int sig = 0;
@@ -106,7 +109,8 @@ int run_serve(const ServeArgs& a) {
                               {"failed", c.failed},
                               {"prompt_tokens", c.prompt_tokens},
                               {"generated_tokens", c.generated_tokens},
-                              {"max_batch_sequences", c.max_batch_sequences}}
+                              {"max_batch_sequences", c.max_batch_sequences},
+                              {"preemptions", c.preemptions}}
                    .dump()
             << std::endl;
   return 0;

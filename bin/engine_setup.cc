@@ -44,6 +44,11 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                  "KV cache element type: f32, f16 or bf16 (attention computes in f32)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   cmd.add_option("--prefill-chunk", a.prefill_chunk, "prompt tokens per forward")->check(CLI::PositiveNumber);
+  cmd.add_option("--admission", a.admission,
+                 "reserve: admit a request when its KV at its final length fits beside the others'; "
+                 "preempt: admit when its prompt fits, and recompute the newest request when memory runs short")
+      ->check(CLI::IsMember({"reserve", "preempt"}))
+      ->capture_default_str();
   cmd.add_option("--max-context", a.max_context, "context limit per sequence (default: the model's)");
   cmd.add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
   cmd.add_flag("--reference", a.reference, "use the naive reference kernels (slow; for checking)");

@@ -31,6 +31,7 @@ struct EngineArgs {
   std::string tokenizer;
   int64_t page_size = 16;
   int64_t prefill_chunk = 256;
+  std::string admission = "reserve";  // "reserve" or "preempt" (AdmissionPolicy); serve: preempt
   int64_t max_context = 0;
   int threads = 0;
   bool reference = false;

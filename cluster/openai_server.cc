@@ -92,7 +92,7 @@ struct OpenAiServer::Impl {
 
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
-  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
+  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0}, preemptions{0},
       kv_bytes{0};
 
   std::thread io_thread;
@@ -138,6 +138,7 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   prompt_tokens = st.prompt_tokens;
   generated_tokens = st.generated_tokens;
   max_batch = st.max_batch_sequences;
+  preemptions = st.preemptions;
   kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
@@ -647,6 +648,7 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_prompt_tokens_total", "counter", "prompt tokens prefilled", prompt_tokens);
   metric("specontext_generation_tokens_total", "counter", "tokens generated", generated_tokens);
   metric("specontext_batch_sequences_max", "gauge", "most sequences in one forward pass", max_batch);
+  metric("specontext_preemptions_total", "counter", "running requests recomputed to make room", preemptions);
   metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
   return out;
 }
@@ -736,6 +738,7 @@ ServerCounters OpenAiServer::counters() const {
   c.running = s.running;
   c.waiting = s.waiting;
   c.max_batch_sequences = s.max_batch;
+  c.preemptions = s.preemptions;
   c.kv_bytes_in_use = s.kv_bytes;
   return c;
 }

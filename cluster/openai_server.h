@@ -31,7 +31,13 @@ struct ServerOptions {
   size_t max_waiting = 256;          // requests queued behind the running ones; more get 503
   size_t max_body_bytes = 4u << 20;  // larger bodies get 413
   std::chrono::milliseconds idle_timeout{60000};  // an idle keep-alive connection is closed after this
-  GeneratorOptions scheduling;
+  // Preempting admission, as vLLM: requests without max_tokens (up to the context) would
+  // otherwise each reserve a whole context and run few at a time.
+  GeneratorOptions scheduling = [] {
+    GeneratorOptions g;
+    g.admission = AdmissionPolicy::kPreempt;
+    return g;
+  }();
 };
 
 // Counts since start (running/waiting/kv bytes: now).
@@ -46,6 +52,7 @@ struct ServerCounters {
   int64_t running = 0;
   int64_t waiting = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
+  int64_t preemptions = 0;          // running requests recomputed to make room (AdmissionPolicy::kPreempt)
   int64_t kv_bytes_in_use = 0;
 };
 

@@ -322,6 +322,41 @@ Status Engine::admit(int64_t final_length, bool alone) const {
   return Status::ok();
 }
 
+Status Engine::fits(std::span<const int64_t> grown, int64_t new_length) const {
+  if (grown.size() != sequences_.size()) {
+    return invalid_argument("fits: " + std::to_string(grown.size()) + " lengths for " +
+                            std::to_string(sequences_.size()) + " live sequences");
+  }
+  if (new_length > max_context_) return admit(new_length, /*alone=*/true);  // the same kOutOfRange
+  if (options_.tiering.policy) {
+    std::vector<int64_t> lens(grown.begin(), grown.end());
+    int64_t asked = new_length;
+    if (asked <= 0) {
+      if (lens.empty()) return Status::ok();
+      // The policy answers "one more beside these": ask it for the longest live one beside the
+      // rest. placement_input's growth terms already count every live sequence, so nothing is
+      // reserved for a new one.
+      auto longest = std::max_element(lens.begin(), lens.end());
+      asked = *longest;
+      lens.erase(longest);
+      return options_.tiering.policy->admit(placement_input(lens), asked, /*alone=*/false);
+    }
+    PlacementInput in = placement_input(lens);
+    in.device_other_bytes += new_sequence_reserve();
+    return options_.tiering.policy->admit(in, asked, /*alone=*/false);
+  }
+  const int64_t ps = kv_->page_size();
+  int64_t need = new_length > 0 ? (new_length + ps - 1) / ps : 0;
+  for (int64_t g : grown) need += (g + ps - 1) / ps;
+  if (need > kv_->total_pages()) {
+    return resource_exhausted(std::to_string(grown.size()) + " sequences" +
+                              (new_length > 0 ? " and one of " + std::to_string(new_length) + " tokens" : "") +
+                              " need " + std::to_string(need) + " KV pages; " +
+                              std::to_string(kv_->total_pages()) + " exist");
+  }
+  return Status::ok();
+}
+
 uint64_t Engine::new_sequence_reserve() const {
   // placement_input's growth terms, for one more sequence.
   const ModelConfig& c = config();

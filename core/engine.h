@@ -197,6 +197,10 @@ class Engine {
   // what does not fit (the placement policy's answer, or the page pool); kOutOfRange beyond the
   // context limit.
   Status admit(int64_t final_length, bool alone) const;
+  // Admission without promises, for a scheduler that preempts: whether the live sequences, grown
+  // to `grown` tokens (one entry per live sequence, any order), fit the engine's memory, with one
+  // more sequence of `new_length` tokens beside them when new_length > 0. Answers as admit().
+  Status fits(std::span<const int64_t> grown, int64_t new_length) const;
   // Frees the sequence's pages. Unknown ids are an InvalidArgument.
   Status remove_sequence(SeqId seq);
   // Tokens cached for the sequence (0 for unknown ids).

@@ -31,6 +31,7 @@ Result<RequestId> Scheduler::submit(GenerationRequest request) {
   e.id = RequestId(next_id_++);
   if (request.sampling.repetition_penalty != 1.0f) e.history.add(request.prompt);
   e.sampler = Sampler(request.sampling);
+  e.prompt_size = request.prompt.size();
   e.request = std::move(request);
   waiting_.push_back(std::move(e));
   return waiting_.back().id;
@@ -69,8 +70,20 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     const GenerationRequest& r = e.request;
     const int64_t final_length =
         std::min(engine_.max_context(),
-                 r.synthetic_context + static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens);
-    if (Status fits = engine_.admit(final_length, /*alone=*/false); !fits.is_ok()) {
+                 r.synthetic_context + static_cast<int64_t>(e.prompt_size) + r.max_new_tokens);
+    if (options_.admission == AdmissionPolicy::kPreempt) {
+      if (Status alone = engine_.admit(final_length, /*alone=*/true); !alone.is_ok()) {
+        const bool refused = alone.code() == StatusCode::kResourceExhausted;
+        finish(e, refused ? FinishReason::kRefused : FinishReason::kError, "refused: " + alone.message(), events);
+        if (!refused && first_error.is_ok()) first_error = alone;
+        waiting_.pop_front();
+        continue;
+      }
+      if (engine_.live_sequences() > 0 &&
+          !engine_.fits(near_lengths(), near_length(e, r.synthetic_context)).is_ok()) {
+        break;  // waits, in order, until running requests finish or make room
+      }
+    } else if (Status fits = engine_.admit(final_length, /*alone=*/false); !fits.is_ok()) {
       if (fits.code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0 &&
           engine_.admit(final_length, /*alone=*/true).is_ok()) {
         break;  // fits once running sequences finish: wait, in order
@@ -82,7 +95,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
       waiting_.pop_front();
       continue;
     }
-    auto seq = engine_.add_sequence(final_length);
+    auto seq = engine_.add_sequence(options_.admission == AdmissionPolicy::kReserve ? final_length : 0);
     if (!seq.is_ok()) {
       if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
       finish(e, FinishReason::kError, seq.status().message(), events);
@@ -111,8 +124,36 @@ LogitsMode Scheduler::sample_mode(const Entry& e) {
   return e.request.logprobs >= 0 ? LogitsMode::kLast : LogitsMode::kSample;
 }
 
+int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
+  const auto prompt = static_cast<int64_t>(e.request.prompt.size());
+  if (e.prefilled < prompt) return e.request.synthetic_context + prompt + 1;
+  return cached + 1;
+}
+
+std::vector<int64_t> Scheduler::near_lengths() const {
+  std::vector<int64_t> lens;
+  lens.reserve(running_.size());
+  for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
+  return lens;
+}
+
+void Scheduler::preempt_until_fits() {
+  // The last one left always fits: it was admitted only if it fits alone at its final length.
+  while (running_.size() > 1 && !engine_.fits(near_lengths(), 0).is_ok()) {
+    Entry e = std::move(running_.back());
+    running_.pop_back();
+    release(e);
+    e.request.prompt.resize(e.prompt_size);
+    e.request.prompt.insert(e.request.prompt.end(), e.produced.begin(), e.produced.end());
+    e.prefilled = 0;
+    ++stats_.preemptions;
+    waiting_.push_front(std::move(e));
+  }
+}
+
 Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   Status status = admit(events);
+  if (options_.admission == AdmissionPolicy::kPreempt) preempt_until_fits();
 
   std::vector<StepRequest> batch;
   std::vector<Entry*> in_batch;
@@ -180,6 +221,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     }
     events.push_back({e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs)});
     ++e.generated;
+    e.produced.push_back(tok);
     if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);
     e.next = tok;
     ++stats_.generated_tokens;

@@ -44,13 +44,26 @@ struct GenerationStats {
   int64_t decode_steps = 0;
   int64_t kv_bytes_peak = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
+  int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tokens_per_s() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0; }
 };
 
+// kReserve: a request is admitted only when its KV at its final length (prompt + max_new_tokens)
+// fits beside the running ones at theirs, so nothing ever has to give way; requests that may run
+// long (max_tokens up to the context) then run few at a time. kPreempt (vLLM's way): admitted when
+// its prompt fits beside the running ones at their next lengths; before each step, while the
+// running set would not fit the memory after the step, the newest running request is preempted:
+// its sequence is freed and it waits again, first in line, to be recomputed from its prompt and
+// the tokens it has produced (its random stream goes on where it was, so its output is the one
+// it would have had, up to prefill-vs-decode rounding). Requests that cannot fit even alone at
+// their final length are refused under both.
+enum class AdmissionPolicy { kReserve, kPreempt };
+
 struct GeneratorOptions {
   int64_t prefill_chunk = 256;      // most prompt tokens of one sequence in one forward
   int64_t max_batch_tokens = 2048;  // most tokens in one forward
+  AdmissionPolicy admission = AdmissionPolicy::kReserve;
 };
 
 // What one step produced for one request: a token (finished = false), or its ending. A stop
@@ -75,9 +88,8 @@ class Scheduler {
   // What submit() would refuse: an empty prompt, bad sampling parameters, a prompt longer than
   // the context (kOutOfRange), max_new_tokens < 1, logprobs above kMaxLogprobs.
   Status validate(const GenerationRequest& request) const;
-  // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV, at its final
-  // length, fits beside the running ones (Engine::admit). One that never fits, even alone, ends
-  // with kRefused.
+  // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV fits beside the
+  // running ones (AdmissionPolicy). One that never fits, even alone, ends with kRefused.
   Result<RequestId> submit(GenerationRequest request);
   // Drops a waiting request or frees a running one's sequence at once. False for unknown or
   // finished ids. No event follows.
@@ -104,12 +116,19 @@ class Scheduler {
     TokenDraw draw;         // this step's sampling decision, made by the engine where the logits are
     int64_t prefilled = 0;  // prompt tokens already in the cache
     int64_t generated = 0;
+    size_t prompt_size = 0;          // of the request as submitted
+    std::vector<TokenId> produced;   // its tokens so far (kPreempt: a preempted one's prompt gains them)
     TokenId next = -1;  // token to feed in the next decode step
     bool done = false;
   };
 
   // Moves waiting requests to running while they fit; refused ones get their finished event.
   Status admit(std::vector<SchedulerEvent>& events);
+  // kPreempt: the length each running request reaches after its next step or two (a prefilling
+  // one: its whole prompt and first token), and the preemption that makes them fit.
+  static int64_t near_length(const Entry& e, int64_t cached);
+  std::vector<int64_t> near_lengths() const;
+  void preempt_until_fits();
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   void release(Entry& e);
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits

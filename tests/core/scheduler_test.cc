@@ -185,6 +185,54 @@ TEST(Scheduler, AdmissionCountsRunningRequestsAtTheirFinalLength) {
   EXPECT_EQ(got.tokens[b->value()].size(), 198u);
 }
 
+// The same pool under AdmissionPolicy::kPreempt: requests run together until the pool is short,
+// then the newest gives way and is recomputed later; every request still gets its alone tokens,
+// and one that cannot fit even alone is refused.
+TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatGiveWay) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(m.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = 3;
+  eo.kv_pages = 20;  // 320 tokens; the three requests reach 200 + 200 + 162
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  const std::vector<GenerationRequest> reqs{request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
+                                            request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 150, 0.8f)};
+  GeneratorOptions go;
+  go.admission = AdmissionPolicy::kPreempt;
+  go.prefill_chunk = 64;
+  Scheduler s(**engine, go);
+  std::vector<RequestId> ids;
+  for (const auto& r : reqs) {
+    auto id = s.submit(r);
+    ASSERT_TRUE(id.is_ok());
+    ids.push_back(*id);
+  }
+  GenerationRequest too_long = request({1, 426}, 400);  // 402 tokens: 26 pages of 20
+  auto refused = s.submit(too_long);
+  ASSERT_TRUE(refused.is_ok());
+  Collected got;
+  std::vector<SchedulerEvent> ev;
+  int64_t most_running = 0;
+  for (int i = 0; i < 5000 && !s.idle(); ++i) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+    most_running = std::max<int64_t>(most_running, static_cast<int64_t>(s.running()));
+  }
+  ASSERT_TRUE(s.idle());
+  EXPECT_GE(most_running, 2) << "requests ran together";
+  EXPECT_GE(s.stats().preemptions, 1) << "the pool was too small for all three at their final lengths";
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(got.finish[ids[i].value()], FinishReason::kLength) << i;
+    EXPECT_EQ(got.tokens[ids[i].value()], alone(reqs[i])) << "request " << i;
+  }
+  EXPECT_EQ(got.finish[refused->value()], FinishReason::kRefused);
+  EXPECT_FALSE(got.tokens.count(refused->value()));
+  EXPECT_EQ((*engine)->kv_bytes_in_use(), 0);
+  EXPECT_EQ((*engine)->live_sequences(), 0);
+}
+
 TEST(Scheduler, SubmitRefusesWhatCanNeverRun) {
   auto engine = make_engine(1);
   Scheduler s(*engine, GeneratorOptions{});

@@ -167,7 +167,7 @@ void OpenAiServer::Impl::engine_loop() {
       auto id = scheduler.submit(std::move(job->request));
       if (!id.is_ok()) {
         deliver(job,
-                {SchedulerEvent{RequestId(), -1, true, FinishReason::kError, error_for_status(id.status()), std::nullopt}});
+                {SchedulerEvent{RequestId(), -1, true, FinishReason::kError, error_for_status(id.status()), std::nullopt, {}}});
         continue;
       }
       job->id = *id;
@@ -198,7 +198,7 @@ void OpenAiServer::Impl::engine_loop() {
   for (auto& [id, job] : live) unqueued.push_back(job);
   for (auto& job : unqueued) {
     deliver(job, {SchedulerEvent{RequestId(), -1, true, FinishReason::kCancelled,
-                                 "Unavailable: server shutting down", std::nullopt}});
+                                 "Unavailable: server shutting down", std::nullopt, {}}});
   }
   running = 0;
   waiting = 0;

@@ -13,6 +13,7 @@ Status Scheduler::validate(const GenerationRequest& r) const {
   if (r.prompt.empty()) return invalid_argument("empty prompt");
   if (r.max_new_tokens < 1) return invalid_argument("max_new_tokens must be at least 1");
   SPX_RETURN_IF_ERROR(r.sampling.validate());
+  if (r.prompt_logprobs && r.logprobs < 0) return invalid_argument("prompt_logprobs needs logprobs >= 0");
   if (r.logprobs > kMaxLogprobs) {
     return invalid_argument("logprobs must be at most " + std::to_string(kMaxLogprobs) + " (got " +
                             std::to_string(r.logprobs) + ")");
@@ -60,7 +61,7 @@ void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
                        std::vector<SchedulerEvent>& events) {
   e.done = true;
   release(e);
-  events.push_back({e.id, -1, true, reason, std::move(error), std::nullopt});
+  push_event(e, {e.id, -1, true, reason, std::move(error), std::nullopt, {}}, events);
 }
 
 Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
@@ -120,6 +121,14 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
   return first_error;
 }
 
+void Scheduler::push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEvent>& events) {
+  if (e.request.prompt_logprobs && !e.prompt_logprobs_done) {
+    ev.prompt_logprobs = std::move(e.prompt_logprobs);
+    e.prompt_logprobs_done = true;
+  }
+  events.push_back(std::move(ev));
+}
+
 LogitsMode Scheduler::sample_mode(const Entry& e) {
   return e.request.logprobs >= 0 ? LogitsMode::kLast : LogitsMode::kSample;
 }
@@ -146,6 +155,7 @@ void Scheduler::preempt_until_fits() {
     e.request.prompt.resize(e.prompt_size);
     e.request.prompt.insert(e.request.prompt.end(), e.produced.begin(), e.produced.end());
     e.prefilled = 0;
+    e.prompt_logprobs.clear();  // gathered again if its first event has not gone out
     ++stats_.preemptions;
     waiting_.push_front(std::move(e));
   }
@@ -178,8 +188,11 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     const int64_t n = std::min({left, options_.prefill_chunk, budget});
     const bool last_chunk = n == left;
     if (last_chunk) e.draw = e.sampler.next_draw(e.history);
-    batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)),
-                     last_chunk ? sample_mode(e) : LogitsMode::kNone, last_chunk ? &e.draw : nullptr});
+    const LogitsMode mode = wants_prompt_logprobs(e) ? LogitsMode::kAll
+                            : last_chunk             ? sample_mode(e)
+                                                     : LogitsMode::kNone;
+    batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)), mode,
+                     last_chunk ? &e.draw : nullptr});
     in_batch.push_back(&e);
     is_prefill.push_back(true);
     budget -= n;
@@ -201,16 +214,29 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   // Sampling belongs to the step's time too.
   for (size_t b = 0; b < batch.size(); ++b) {
     Entry& e = *in_batch[b];
+    const auto n_tokens = static_cast<int64_t>(batch[b].tokens.size());
+    const GenerationRequest& r = e.request;
     if (is_prefill[b]) {
-      e.prefilled += static_cast<int64_t>(batch[b].tokens.size());
-      stats_.prompt_tokens += static_cast<int64_t>(batch[b].tokens.size());
+      if (batch[b].logits == LogitsMode::kAll) {
+        // Row k predicts the token after the chunk's k-th: prompt logprobs, then on the last
+        // chunk the first generated token from its last row.
+        for (int64_t k = 0; k < n_tokens; ++k) {
+          const auto target = static_cast<size_t>(e.prefilled + k + 1);
+          if (target < r.prompt.size()) {
+            e.prompt_logprobs.push_back(token_logprobs(out->row(b, k), r.prompt[target], r.logprobs));
+          }
+        }
+      }
+      e.prefilled += n_tokens;
+      stats_.prompt_tokens += n_tokens;
+      if (batch[b].logits == LogitsMode::kAll && e.prefilled < static_cast<int64_t>(r.prompt.size())) continue;
     }
     if (batch[b].logits == LogitsMode::kNone) continue;
-    const GenerationRequest& r = e.request;
     TokenId tok = out->tokens[b];
     std::optional<TokenLogprobs> logprobs;
-    if (batch[b].logits == LogitsMode::kLast) {  // asked for logprobs: drawn here, same procedure
-      const std::span<float> row = out->row(b);
+    if (batch[b].logits == LogitsMode::kLast || batch[b].logits == LogitsMode::kAll) {
+      // Asked for logprobs: drawn here, by the procedure sample_rows implements.
+      const std::span<float> row = out->row(b, out->n_rows[b] - 1);
       sample_logits_.assign(row.begin(), row.end());
       tok = sample_with_coin(sample_logits_, e.draw, sample_scratch_);
       logprobs = token_logprobs(row, tok, r.logprobs);
@@ -219,7 +245,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       finish(e, FinishReason::kStop, {}, events);
       continue;
     }
-    events.push_back({e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs)});
+    push_event(e, {e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs), {}}, events);
     ++e.generated;
     e.produced.push_back(tok);
     if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);

@@ -27,6 +27,9 @@ struct GenerationRequest {
   // kMaxLogprobs). Such a request's logits come back to the host (LogitsMode::kLast) and its
   // token is drawn there by sample_with_coin, the procedure Backend::sample_rows implements.
   int32_t logprobs = -1;
+  // With logprobs >= 0: the log-probability of every prompt token after the first too (the
+  // completions API's echo). Its prompt chunks bring all their logits to the host (kAll).
+  bool prompt_logprobs = false;
 };
 
 // kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
@@ -76,6 +79,8 @@ struct SchedulerEvent {
   FinishReason finish = FinishReason::kLength;
   std::string error;  // why, for kRefused and kError
   std::optional<TokenLogprobs> logprobs;  // token events of requests that asked for them
+  // prompt_logprobs requests, on their first event: one per prompt token after the first.
+  std::vector<TokenLogprobs> prompt_logprobs;
 };
 
 class Scheduler {
@@ -118,6 +123,8 @@ class Scheduler {
     int64_t generated = 0;
     size_t prompt_size = 0;          // of the request as submitted
     std::vector<TokenId> produced;   // its tokens so far (kPreempt: a preempted one's prompt gains them)
+    std::vector<TokenLogprobs> prompt_logprobs;  // gathered over its prompt chunks
+    bool prompt_logprobs_done = false;           // its first event carried them (not recomputed)
     TokenId next = -1;  // token to feed in the next decode step
     bool done = false;
   };
@@ -132,6 +139,10 @@ class Scheduler {
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   void release(Entry& e);
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
+  static bool wants_prompt_logprobs(const Entry& e) {
+    return e.request.prompt_logprobs && !e.prompt_logprobs_done;
+  }
+  void push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEvent>& events);
 
   Engine& engine_;
   GeneratorOptions options_;

@@ -357,5 +357,52 @@ TEST(Scheduler, LogprobsLeaveTheTokensUnchangedAndMatchADenseForward) {
   EXPECT_EQ(s.submit(too_many).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Prompt logprobs (echo): gathered over several prompt chunks, one per prompt token after the
+// first, equal to log_softmax of a dense forward's rows; the generated tokens are unchanged.
+TEST(Scheduler, PromptLogprobsCoverEveryPromptTokenAcrossChunks) {
+  GenerationRequest r = request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298}, 6);
+  const std::vector<TokenId> plain = alone(r);
+  r.logprobs = 2;
+  r.prompt_logprobs = true;
+  auto engine = make_engine(1);
+  GeneratorOptions go;
+  go.prefill_chunk = 4;  // chunks of 4, 4, 3
+  Scheduler s(*engine, go);
+  ASSERT_TRUE(s.submit(r).is_ok());
+  std::vector<SchedulerEvent> all, ev;
+  while (!s.idle()) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    all.insert(all.end(), ev.begin(), ev.end());
+  }
+  ASSERT_FALSE(all.empty());
+  const std::vector<TokenLogprobs>& lp = all[0].prompt_logprobs;
+  ASSERT_EQ(lp.size(), r.prompt.size() - 1);
+  for (size_t i = 1; i < all.size(); ++i) EXPECT_TRUE(all[i].prompt_logprobs.empty()) << "only the first event";
+  std::vector<TokenId> tokens;
+  for (const auto& e : all) {
+    if (!e.finished) tokens.push_back(e.token);
+  }
+  EXPECT_EQ(tokens, plain);
+
+  auto dense = make_engine(1);
+  auto seq = dense->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  const std::vector<StepRequest> step{{*seq, r.prompt, LogitsMode::kAll, nullptr}};
+  auto out = dense->forward(step);
+  ASSERT_TRUE(out.is_ok());
+  for (size_t i = 0; i + 1 < r.prompt.size(); ++i) {
+    const auto row = out->row(0, static_cast<int64_t>(i));
+    double sum = 0;
+    for (float v : row) sum += std::exp(static_cast<double>(v));
+    EXPECT_EQ(lp[i].chosen.token, r.prompt[i + 1]);
+    EXPECT_NEAR(lp[i].chosen.logprob, row[static_cast<size_t>(r.prompt[i + 1])] - std::log(sum), 1e-3) << i;
+    EXPECT_EQ(lp[i].top.size(), 2u);
+  }
+  GenerationRequest bad = r;
+  bad.logprobs = -1;
+  EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace specontext

@@ -300,7 +300,9 @@ Check refuse_unsupported(const json& body, ApiKind kind) {
   }
   if (const json* v = find_field(body, "echo")) {
     if (!v->is_boolean()) return field_error("echo", "must be a boolean");
-    if (v->get<bool>()) return field_error("echo", "must be false: echoing the prompt is not supported");
+    if (v->get<bool>() && kind == ApiKind::kChat) {
+      return field_error("echo", "must be false: chat completions do not echo (completions do)");
+    }
   }
   if (find_field(body, "prompt_logprobs")) {
     return field_error("prompt_logprobs", "must be null: prompt logprobs are not supported");
@@ -370,6 +372,7 @@ ParseResult parse_object(ApiKind kind, const json& body) {
     if (!e) e = step(body, req);
   }
   if (!e) e = parse_logprobs(kind, body, req);
+  if (const json* v = find_field(body, "echo"); !e && v) req.echo = v->get<bool>();  // checked above
   if (e) return ParseResult{std::nullopt, std::move(*e)};
   return ParseResult{std::move(req), ApiError{}};
 }
@@ -593,6 +596,12 @@ nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries
        offsets = json::array();
   for (const LogprobEntry& e : entries) {
     tokens.push_back(sanitize_utf8(e.token));
+    offsets.push_back(e.text_offset);
+    if (!e.has_logprob) {  // the echoed prompt's first token: nothing predicts it
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      continue;
+    }
     token_logprobs.push_back(json_logprob(e.logprob));
     // The chosen token and the alternatives, as vLLM: up to N + 1 entries.
     json top = json::object();
@@ -602,7 +611,6 @@ nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries
       if (!top.contains(key)) top[key] = json_logprob(lp);  // two ids, one text: the likelier
     }
     top_logprobs.push_back(std::move(top));
-    offsets.push_back(e.text_offset);
   }
   return json{{"tokens", std::move(tokens)},
               {"token_logprobs", std::move(token_logprobs)},

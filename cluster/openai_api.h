@@ -3,7 +3,7 @@
 // response JSON (whole or as server-sent-event chunks). Fuzzed by tests/fuzz/fuzz_openai.cc.
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
 // ignore_eos; min_p, min_tokens and the like only when off); anything we cannot honour is refused with a 400
-// naming the field, never silently ignored (prompt_logprobs, n > 1, echo, suffix, best_of, tools, ...).
+// naming the field, never silently ignored (prompt_logprobs, n > 1, chat echo, suffix, best_of, tools, ...).
 #pragma once
 
 #include <cstdint>
@@ -61,6 +61,9 @@ struct ApiRequest {
   // Alternatives per token when log-probabilities are asked for, -1 when not: completions
   // "logprobs": N (0..kMaxLogprobs); chat "logprobs": true with "top_logprobs": N (default 0).
   int32_t logprobs = -1;
+  // Completions: the answer's text starts with the prompt, and with logprobs the prompt's tokens
+  // come first in them (the first with a null logprob), as OpenAI's legacy API and vLLM do.
+  bool echo = false;
   std::string user;            // accepted and ignored
 };
 
@@ -70,7 +73,7 @@ struct ApiRequest {
 // Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
 // presence_penalty / frequency_penalty / min_p / min_tokens are accepted only when 0;
 // prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n and best_of only when
-// 1; echo only when false; suffix only when empty; tools/functions only when empty, tool_choice
+// 1; echo (chat) only when false; suffix only when empty; tools/functions only when empty, tool_choice
 // only "none"/"auto", response_format only {"type":"text"}, logit_bias only when empty.
 // null counts as absent for every optional field; integral floats (3.0) pass as integers.
 struct ParseResult {
@@ -126,6 +129,7 @@ struct LogprobEntry {
   float logprob = 0.0f;
   std::vector<std::pair<std::string, float>> top;  // the alternatives, most likely first
   int64_t text_offset = 0;  // completions: code points of the completion's text before this token
+  bool has_logprob = true;  // false: the echoed prompt's first token (null logprob and alternatives)
 };
 // Completions: {"tokens":[..],"token_logprobs":[..],"top_logprobs":[{token: lp} with the chosen
 // token and the alternatives],"text_offset":[..]}. Chat: {"content":[{"token","logprob","bytes",

@@ -378,6 +378,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.max_new_tokens = in.max_tokens ? *in.max_tokens : context - prompt_len;
   out.sampling = in.sampling;
   out.logprobs = in.logprobs;
+  out.prompt_logprobs = in.echo && in.logprobs >= 0;
   if (!in.ignore_eos) out.stop_ids = options.stop_ids;
   return std::nullopt;
 }
@@ -479,7 +480,12 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   std::vector<LogprobEntry> logprob_entries;
   size_t logprobs_sent = 0;
   int64_t raw_code_points = 0;   // of every piece decoded so far
-  int64_t sent_code_points = 0;  // of the text the matcher released
+  int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
+  // echo: the prompt leads the text (not seen by the stop strings), sent with the first events.
+  std::string echo_text;
+  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(job->request.prompt) : api.prompt_text;
+  bool echo_pending = api.echo;
+  const std::vector<TokenId> prompt_tokens = want_logprobs && api.echo ? job->request.prompt : std::vector<TokenId>{};
   std::string finish_reason;        // set when generation ended normally
   std::optional<ApiError> failure;  // set when it ended in an error
 
@@ -524,6 +530,30 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     std::string delta;
     for (const SchedulerEvent& ev : events) {
       if (done) break;
+      const bool failed_ending = ev.finished && (ev.finish == FinishReason::kRefused ||
+                                                 ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kError);
+      if (echo_pending && !failed_ending) {
+        echo_pending = false;
+        delta += echo_text;
+        if (!prompt_tokens.empty()) {
+          // One entry per prompt token; the first has nothing before it to predict it.
+          int64_t offset = 0;
+          for (size_t i = 0; i < prompt_tokens.size(); ++i) {
+            const TokenId before = i == 0 ? -1 : prompt_tokens[i - 1];
+            LogprobEntry entry{tokenizer.decode_token(before, prompt_tokens[i]), 0.0f, {}, offset, i > 0};
+            if (i > 0 && i - 1 < ev.prompt_logprobs.size()) {
+              const TokenLogprobs& lp = ev.prompt_logprobs[i - 1];
+              entry.logprob = lp.chosen.logprob;
+              for (const TokenLogprob& alt : lp.top) {
+                entry.top.emplace_back(tokenizer.decode_token(before, alt.token), alt.logprob);
+              }
+            }
+            offset += code_points(entry.token);
+            logprob_entries.push_back(std::move(entry));
+          }
+        }
+        raw_code_points = code_points(echo_text);
+      }
       if (!ev.finished) {
         ++completion_tokens;
         std::string piece = tokenizer.decode_token(prev, ev.token);

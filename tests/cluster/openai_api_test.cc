@@ -259,7 +259,6 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("n":0)"), "n", "must be 1");
     expect_refused(k, body(R"("n":"1")"), "n", "must be 1");
     expect_refused(k, body(R"("best_of":3)"), "best_of", "must be 1");
-    expect_refused(k, body(R"("echo":true)"), "echo", "must be false");
     expect_refused(k, body(R"("echo":"no")"), "echo", "must be a boolean");
     expect_refused(k, body(R"("presence_penalty":0.5)"), "presence_penalty", "must be 0");
     expect_refused(k, body(R"("frequency_penalty":-1)"), "frequency_penalty", "must be 0");
@@ -321,6 +320,14 @@ TEST(OpenAiParse, Logprobs) {
   expect_refused(ApiKind::kChat, chat(R"("logprobs":false,"top_logprobs":2)"), "top_logprobs", "only allowed");
   expect_refused(ApiKind::kChat, chat(R"("logprobs":true,"top_logprobs":21)"), "top_logprobs", "between 0 and 20");
   expect_refused(ApiKind::kChat, chat(R"("logprobs":true,"top_logprobs":true)"), "top_logprobs", "must be an integer");
+
+  // echo: completions only.
+  ParseResult echo = parse_api_request(ApiKind::kCompletion, completion(R"("echo":true,"logprobs":1)"));
+  ASSERT_TRUE(echo.request) << echo.error.message;
+  EXPECT_TRUE(echo.request->echo);
+  EXPECT_FALSE(parse_api_request(ApiKind::kCompletion, completion(R"("echo":false)")).request->echo);
+  expect_refused(ApiKind::kChat, chat(R"("echo":true)"), "echo", "chat completions do not echo");
+  expect_refused(ApiKind::kCompletion, completion(R"("echo":1)"), "echo", "must be a boolean");
 }
 
 TEST(OpenAiParse, MalformedAndNonObjectBodies) {
@@ -589,6 +596,9 @@ TEST(OpenAiResponse, Logprobs) {
       {"Once", -0.25f, {{"Once", -0.25f}, {" The", -2.0f}}, 0},
       {"\xE2\x82", -1.5f, {{"x", -0.5f}, {"x", -0.75f}}, 4},
       {" up", -std::numeric_limits<float>::infinity(), {}, 5}};
+  const std::vector<LogprobEntry> echoed{{"", 0.0f, {}, 0, false}, {"Hi", -3.0f, {{"Hi", -3.0f}}, 0}};
+  EXPECT_EQ(logprobs_json(ApiKind::kCompletion, echoed), json::parse(R"({"tokens":["","Hi"],"token_logprobs":[null,-3.0],
+    "top_logprobs":[null,{"Hi":-3.0}],"text_offset":[0,0]})"));
   json j = completion_response(ApiKind::kCompletion, kMeta, "Once\xE2\x82 up", "length", Usage{5, 3}, &entries);
   const json expected = json::parse(R"({"tokens":["Once","\ufffd"," up"],"token_logprobs":[-0.25,-1.5,-9999.0],
     "top_logprobs":[{"Once":-0.25," The":-2.0},{"\ufffd":-1.5,"x":-0.5},{" up":-9999.0}],"text_offset":[0,4,5]})");

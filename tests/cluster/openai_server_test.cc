@@ -690,6 +690,69 @@ TEST(OpenAiServer, CompletionLogprobsDescribeEveryTokenOfTheText) {
   EXPECT_LT(tl["text_offset"].back().get<int64_t>(), static_cast<int64_t>(at)) << "no token of the stop string";
 }
 
+// echo with logprobs, as evaluation harnesses score text (lm-eval's local-completions: echo,
+// logprobs 1, max_tokens 1): the text starts with the prompt, every prompt token after the first
+// has the logprob a dense forward gives it, and streaming sends the prompt first.
+TEST(OpenAiServer, EchoWithLogprobsScoresThePrompt) {
+  Fixture f = make_fixture(2);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  const std::string completion = generator_text(kPrompt, 1);
+  const json body = {{"prompt", kPrompt}, {"max_tokens", 1}, {"temperature", 0}, {"logprobs", 1}, {"echo", true}};
+  Reply r = post(port, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json choice = r.j()["choices"][0];
+  EXPECT_EQ(choice["text"], std::string(kPrompt) + completion);
+  const json lp = choice["logprobs"];
+  auto ids = f.tokenizer->encode(kPrompt, true, false);
+  ASSERT_TRUE(ids.is_ok());
+  ASSERT_EQ(lp["tokens"].size(), ids->size() + 1);
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  std::string joined;
+  for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+    EXPECT_EQ(lp["text_offset"][i], static_cast<int64_t>(joined.size())) << i;
+    joined += lp["tokens"][i].get<std::string>();
+  }
+  EXPECT_EQ(joined, choice["text"]);
+  // Against a dense forward over the prompt on a fresh engine.
+  Fixture d = make_fixture(1);
+  auto seq = d.engine->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  const std::vector<StepRequest> step{{*seq, *ids, LogitsMode::kAll, nullptr}};
+  auto out = d.engine->forward(step);
+  ASSERT_TRUE(out.is_ok());
+  for (size_t i = 1; i < ids->size(); ++i) {
+    const auto row = out->row(0, static_cast<int64_t>(i - 1));
+    double sum = 0;
+    for (float v : row) sum += std::exp(static_cast<double>(v));
+    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), row[static_cast<size_t>((*ids)[i])] - std::log(sum), 1e-3) << i;
+    EXPECT_LE(lp["top_logprobs"][i].size(), 2u);
+  }
+  json sbody = body;
+  sbody["stream"] = true;
+  Reply s = post(port, "/v1/completions", sbody);
+  ASSERT_EQ(s.status, 200) << s.body;
+  const auto events = events_of(s.body);
+  ASSERT_GE(events.size(), 2u);
+  const json first = json::parse(events[0]);
+  EXPECT_TRUE(first["choices"][0]["text"].get<std::string>().starts_with(kPrompt));
+  json streamed = json::array();
+  for (const std::string& e : events) {
+    if (e == "[DONE]") break;
+    const json c = json::parse(e);
+    if (c["choices"][0]["logprobs"].is_null()) continue;
+    for (const json& v : c["choices"][0]["logprobs"]["token_logprobs"]) streamed.push_back(v);
+  }
+  EXPECT_EQ(streamed, lp["token_logprobs"]);
+  // echo without logprobs: the text only.
+  Reply plain = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 1}, {"temperature", 0}, {"echo", true}});
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  EXPECT_EQ(plain.j()["choices"][0]["text"], std::string(kPrompt) + completion);
+  EXPECT_TRUE(plain.j()["choices"][0]["logprobs"].is_null());
+}
+
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500
 // naming the layer (a stream too, since nothing was sent yet), and the server goes on serving.
 TEST(OpenAiServer, AFailedEngineStepIsA500AndTheServerGoesOn) {

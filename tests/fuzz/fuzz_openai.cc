@@ -82,6 +82,7 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   for (const auto& s : r.stop) check(!s.empty());
   check(!r.include_usage || r.stream);
   check(r.logprobs >= -1 && r.logprobs <= specontext::kMaxLogprobs);
+  check(!r.echo || kind == ApiKind::kCompletion);
 
   const ResponseMeta meta{"cmpl-fuzz", 1, r.model};
   const std::string& text = kind == ApiKind::kCompletion ? r.prompt_text : r.messages[0].content;
@@ -92,6 +93,7 @@ void check_request(ApiKind kind, const ApiRequest& r) {
     entries.push_back({text.substr(i, 3), -static_cast<float>(i), {{text.substr(0, i), -1e30f}}, static_cast<int64_t>(i)});
   }
   entries.push_back({"", -std::numeric_limits<float>::infinity(), {}, 0});
+  entries.push_back({text.substr(0, 2), 0.0f, {}, 0, /*has_logprob=*/false});
   check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4}, &entries))));
   check_event(stream_chunk(kind, meta, text, false, &entries));
   check_event(stream_chunk(kind, meta, text, true));

@@ -439,6 +439,11 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   }
   const int64_t prompt_len = static_cast<int64_t>(job->request.prompt.size());
   const TokenId last_prompt_token = job->request.prompt.back();
+  // Taken before the job is queued: the engine thread moves the request out.
+  std::string echo_text;
+  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(job->request.prompt) : api.prompt_text;
+  const std::vector<TokenId> prompt_tokens =
+      api.echo && api.logprobs >= 0 ? job->request.prompt : std::vector<TokenId>{};
   if (draining) {
     ++rejected;
     const ApiError error{503, "server_error", "server shutting down", "", ""};
@@ -482,10 +487,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   int64_t raw_code_points = 0;   // of every piece decoded so far
   int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
   // echo: the prompt leads the text (not seen by the stop strings), sent with the first events.
-  std::string echo_text;
-  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(job->request.prompt) : api.prompt_text;
   bool echo_pending = api.echo;
-  const std::vector<TokenId> prompt_tokens = want_logprobs && api.echo ? job->request.prompt : std::vector<TokenId>{};
   std::string finish_reason;        // set when generation ended normally
   std::optional<ApiError> failure;  // set when it ended in an error
 

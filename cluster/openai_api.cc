@@ -294,9 +294,8 @@ Check parse_logprobs(ApiKind kind, const json& body, ApiRequest& req) {
 
 // Features we cannot honour: refused unless given as their "off" value, never silently ignored.
 Check refuse_unsupported(const json& body, ApiKind kind) {
-  for (const char* key : {"n", "best_of"}) {
-    const json* v = find_field(body, key);
-    if (v && as_int64(*v) != 1) return field_error(key, "must be 1: one choice per request is supported");
+  if (const json* v = find_field(body, "best_of"); v && as_int64(*v) != 1) {
+    return field_error("best_of", "must be 1: best-of sampling is not supported (n is)");
   }
   if (const json* v = find_field(body, "echo")) {
     if (!v->is_boolean()) return field_error("echo", "must be a boolean");
@@ -372,6 +371,14 @@ ParseResult parse_object(ApiKind kind, const json& body) {
     if (!e) e = step(body, req);
   }
   if (!e) e = parse_logprobs(kind, body, req);
+  if (const json* v = find_field(body, "n"); !e && v) {
+    const auto n = as_int64(*v);
+    if (!n || *n < 1 || *n > kMaxChoices) {
+      e = field_error("n", "must be an integer between 1 and " + std::to_string(kMaxChoices));
+    } else {
+      req.n = static_cast<int32_t>(*n);
+    }
+  }
   if (const json* v = find_field(body, "echo"); !e && v) req.echo = v->get<bool>();  // checked above
   if (e) return ParseResult{std::nullopt, std::move(*e)};
   return ParseResult{std::move(req), ApiError{}};
@@ -618,19 +625,23 @@ nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries
               {"text_offset", std::move(offsets)}};
 }
 
-nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
-                                   const std::string& finish_reason, const Usage& usage,
-                                   const std::vector<LogprobEntry>* logprobs) {
+nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::span<const ChoiceOut> choices,
+                                   const Usage& usage) {
   try {
-    json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
-    if (logprobs) choice["logprobs"] = logprobs_json(kind, *logprobs);
-    if (kind == ApiKind::kCompletion) {
-      choice["text"] = text;
-    } else {
-      choice["message"] = json{{"role", "assistant"}, {"content", text}};
+    json out = json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      const ChoiceOut& c = choices[i];
+      json choice{{"index", i}, {"logprobs", nullptr}, {"finish_reason", c.finish_reason}};
+      if (c.logprobs) choice["logprobs"] = logprobs_json(kind, *c.logprobs);
+      if (kind == ApiKind::kCompletion) {
+        choice["text"] = c.text;
+      } else {
+        choice["message"] = json{{"role", "assistant"}, {"content", c.text}};
+      }
+      out.push_back(std::move(choice));
     }
     json j = envelope(kind, meta, /*chunk=*/false);
-    j["choices"] = json::array({std::move(choice)});
+    j["choices"] = std::move(out);
     j["usage"] = usage_json(usage);
     return j;
   } catch (...) {
@@ -638,10 +649,21 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const
   }
 }
 
-std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
-                         const std::vector<LogprobEntry>* logprobs) {
+nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
+                                   const std::string& finish_reason, const Usage& usage,
+                                   const std::vector<LogprobEntry>* logprobs) {
   try {
-    json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+    const ChoiceOut one{text, finish_reason, logprobs};
+    return completion_response(kind, meta, std::span<const ChoiceOut>(&one, 1), usage);
+  } catch (...) {
+    return json::object();
+  }
+}
+
+std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
+                         const std::vector<LogprobEntry>* logprobs, int32_t index) {
+  try {
+    json choice{{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (logprobs) choice["logprobs"] = logprobs_json(kind, *logprobs);
     if (kind == ApiKind::kCompletion) {
       choice["text"] = text;
@@ -658,9 +680,10 @@ std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::stri
   }
 }
 
-std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason) {
+std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason,
+                                int32_t index) {
   try {
-    json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    json choice{{"index", index}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
     if (kind == ApiKind::kCompletion) {
       choice["text"] = "";
     } else {

@@ -23,6 +23,8 @@ namespace specontext::cluster {
 
 enum class ApiKind { kCompletion, kChat };
 
+inline constexpr int32_t kMaxChoices = 16;  // most choices ("n") per request
+
 // An error as the client sees it: the HTTP status and OpenAI's error object
 //   {"error":{"message":M,"type":T,"param":P|null,"code":C|null}}
 struct ApiError {
@@ -64,15 +66,16 @@ struct ApiRequest {
   // Completions: the answer's text starts with the prompt, and with logprobs the prompt's tokens
   // come first in them (the first with a null logprob), as OpenAI's legacy API and vLLM do.
   bool echo = false;
+  // Choices: n independent samples of the same prompt (seeds seed, seed + 1, ...).
+  int32_t n = 1;
   std::string user;            // accepted and ignored
 };
 
 // body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
-// (400 naming the field), unsupported features (400, e.g. "field 'n' must be 1: one choice per
-// request is supported"). Unknown fields are ignored, as OpenAI does. Never throws.
+// (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are ignored, as OpenAI does. Never throws.
 // Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
 // presence_penalty / frequency_penalty / min_p / min_tokens are accepted only when 0;
-// prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n and best_of only when
+// prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n in [1, kMaxChoices]; best_of only when
 // 1; echo (chat) only when false; suffix only when empty; tools/functions only when empty, tool_choice
 // only "none"/"auto", response_format only {"type":"text"}, logit_bias only when empty.
 // null counts as absent for every optional field; integral floats (3.0) pass as integers.
@@ -142,12 +145,22 @@ nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries
 nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const std::string& text,
                                    const std::string& finish_reason, const Usage& usage,
                                    const std::vector<LogprobEntry>* logprobs = nullptr);
+// The same with several choices, index i for choices[i].
+struct ChoiceOut {
+  std::string text;
+  std::string finish_reason;
+  const std::vector<LogprobEntry>* logprobs = nullptr;
+};
+nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::span<const ChoiceOut> choices,
+                                   const Usage& usage);
 // Streaming: one "data: {...}\n\n" event. A text delta (finish_reason null), the final delta
 // (finish_reason set, empty text; chat: empty delta), the usage-only chunk (choices []), and the
 // terminator "data: [DONE]\n\n". For chat, the first chunk's delta carries role "assistant".
+// `index`: the choice the chunk belongs to.
 std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
-                         const std::vector<LogprobEntry>* logprobs = nullptr);
-std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason);
+                         const std::vector<LogprobEntry>* logprobs = nullptr, int32_t index = 0);
+std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason,
+                                int32_t index = 0);
 std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usage& usage);
 std::string stream_error_chunk(const ApiError& error);  // "data: {"error":{...}}\n\n"
 inline constexpr std::string_view kStreamDone = "data: [DONE]\n\n";

@@ -12,6 +12,7 @@
 #include <ctime>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 #include <unordered_map>
 
@@ -34,17 +35,30 @@ constexpr auto kAwait = asio::use_awaitable;
 // GCC 12 destroyed a temporary built in a `co_return co_await f(T{...})` expression twice
 // (free(): invalid pointer in ~ApiError): arguments of awaited calls are named locals here.
 
-// One generation request, shared by its HTTP session (Asio thread) and the engine thread.
+// A scheduler event for one choice of a job.
+struct ChoiceEvent {
+  size_t choice = 0;
+  SchedulerEvent event;
+};
+
+// One HTTP generation request, shared by its session (Asio thread) and the engine thread: a
+// scheduler request per choice ("n").
 struct Job {
-  GenerationRequest request;  // moved into the scheduler by the engine thread
+  std::vector<GenerationRequest> requests;  // moved into the scheduler by the engine thread
   std::mutex mu;
-  std::vector<SchedulerEvent> events;  // engine thread → session, under mu
-  std::atomic<bool> cancel_requested{false};
+  std::vector<ChoiceEvent> events;  // engine thread → session, under mu
+  std::atomic<bool> cancel_requested{false};  // the whole job
   // Asio thread only.
   asio::steady_timer* waiter = nullptr;  // the session's wake-up timer while it waits
   bool client_gone = false;
   // Engine thread only.
-  RequestId id;
+  std::vector<RequestId> ids;  // per choice; invalid until submitted
+};
+
+// What the session asks the engine thread to cancel: one choice (a stop string) or all (-1).
+struct CancelOrder {
+  std::shared_ptr<Job> job;
+  int64_t choice = -1;
 };
 
 // A connection: shared with the disconnect watcher, which may complete after the session moved on.
@@ -83,7 +97,7 @@ struct OpenAiServer::Impl {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::shared_ptr<Job>> submits;
-  std::vector<std::shared_ptr<Job>> cancels;
+  std::vector<CancelOrder> cancels;
   bool stop_engine = false;
 
   std::atomic<bool> draining{false};
@@ -101,7 +115,7 @@ struct OpenAiServer::Impl {
   // ---- engine thread ----
   void engine_loop();
   void publish(const Scheduler& scheduler);  // the counters the engine thread owns
-  void deliver(const std::shared_ptr<Job>& job, std::vector<SchedulerEvent> events);
+  void deliver(const std::shared_ptr<Job>& job, size_t choice, std::vector<SchedulerEvent> events);
 
   // ---- Asio thread ----
   asio::awaitable<void> accept_loop();
@@ -112,21 +126,24 @@ struct OpenAiServer::Impl {
                               std::string_view content_type = "application/json");
   asio::awaitable<bool> reply_error(Conn& conn, const Request& req, const ApiError& error);
   void watch_disconnect(const std::shared_ptr<Conn>& conn, const std::shared_ptr<Job>& job);
-  // client: the client went away (counted as cancelled), not a stop string.
-  void cancel(const std::shared_ptr<Job>& job, bool client = true);
-  asio::awaitable<std::vector<SchedulerEvent>> next_events(Job& job);
+  // The client went away (counted as cancelled): every choice.
+  void cancel(const std::shared_ptr<Job>& job);
+  // One choice ended by a stop string: the engine need not generate past it.
+  void cancel_choice(const std::shared_ptr<Job>& job, size_t choice);
+  asio::awaitable<std::vector<ChoiceEvent>> next_events(Job& job);
   std::string metrics_text() const;
   // Builds the engine request from the parsed body, or the error to answer with.
-  std::optional<ApiError> to_generation(const ApiRequest& in, GenerationRequest& out) const;
+  // One request per choice (n), seeds seed, seed + 1, ... (a random base when no seed is given).
+  std::optional<ApiError> to_generation(const ApiRequest& in, std::vector<GenerationRequest>& out) const;
 };
 
 // ---------------------------------------------------------------- engine thread
 
-void OpenAiServer::Impl::deliver(const std::shared_ptr<Job>& job, std::vector<SchedulerEvent> events) {
+void OpenAiServer::Impl::deliver(const std::shared_ptr<Job>& job, size_t choice,
+                                 std::vector<SchedulerEvent> events) {
   {
     std::lock_guard lk(job->mu);
-    job->events.insert(job->events.end(), std::make_move_iterator(events.begin()),
-                       std::make_move_iterator(events.end()));
+    for (SchedulerEvent& ev : events) job->events.push_back({choice, std::move(ev)});
   }
   asio::post(ioc, [job] {
     if (job->waiter) job->waiter->cancel();
@@ -146,12 +163,20 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
 
 void OpenAiServer::Impl::engine_loop() {
   Scheduler scheduler(engine, options.scheduling);
-  std::unordered_map<int64_t, std::shared_ptr<Job>> live;  // by RequestId
+  struct Live {
+    std::shared_ptr<Job> job;
+    size_t choice = 0;
+  };
+  std::unordered_map<int64_t, Live> live;  // by RequestId
   std::vector<SchedulerEvent> events;
-  std::unordered_map<int64_t, std::vector<SchedulerEvent>> by_job;
+  std::unordered_map<int64_t, std::vector<SchedulerEvent>> by_request;
   std::vector<std::shared_ptr<Job>> unqueued;  // submitted as the server stopped
+  auto end_with = [&](const std::shared_ptr<Job>& job, size_t choice, FinishReason reason, std::string error) {
+    deliver(job, choice, {SchedulerEvent{RequestId(), -1, true, reason, std::move(error), std::nullopt, {}}});
+  };
   for (;;) {
-    std::vector<std::shared_ptr<Job>> new_jobs, cancelled_jobs;
+    std::vector<std::shared_ptr<Job>> new_jobs;
+    std::vector<CancelOrder> cancel_orders;
     {
       std::unique_lock lk(mu);
       cv.wait(lk, [&] { return stop_engine || !submits.empty() || !cancels.empty() || !scheduler.idle(); });
@@ -160,21 +185,27 @@ void OpenAiServer::Impl::engine_loop() {
         break;
       }
       new_jobs.swap(submits);
-      cancelled_jobs.swap(cancels);
+      cancel_orders.swap(cancels);
     }
     for (auto& job : new_jobs) {
       if (job->cancel_requested) continue;  // gone before it was queued
-      auto id = scheduler.submit(std::move(job->request));
-      if (!id.is_ok()) {
-        deliver(job,
-                {SchedulerEvent{RequestId(), -1, true, FinishReason::kError, error_for_status(id.status()), std::nullopt, {}}});
-        continue;
+      job->ids.assign(job->requests.size(), RequestId());
+      for (size_t c = 0; c < job->requests.size(); ++c) {
+        auto id = scheduler.submit(std::move(job->requests[c]));
+        if (!id.is_ok()) {
+          end_with(job, c, FinishReason::kError, error_for_status(id.status()));
+          continue;
+        }
+        job->ids[c] = *id;
+        live.emplace(id->value(), Live{job, c});
       }
-      job->id = *id;
-      live.emplace(id->value(), job);
     }
-    for (auto& job : cancelled_jobs) {
-      if (job->id.valid() && scheduler.cancel(job->id)) live.erase(job->id.value());
+    for (const CancelOrder& order : cancel_orders) {
+      for (size_t c = 0; c < order.job->ids.size(); ++c) {
+        if (order.choice >= 0 && static_cast<size_t>(order.choice) != c) continue;
+        const RequestId id = order.job->ids[c];
+        if (id.valid() && scheduler.cancel(id)) live.erase(id.value());
+      }
     }
     publish(scheduler);
     if (scheduler.idle()) continue;
@@ -184,21 +215,22 @@ void OpenAiServer::Impl::engine_loop() {
       std::fprintf(stderr, "serve: step failed, its requests are answered 500: %s\n", st.to_string().c_str());
     }
     publish(scheduler);  // before the answers go out, so that a client sees counters that include its request
-    by_job.clear();
-    for (SchedulerEvent& ev : events) by_job[ev.request.value()].push_back(std::move(ev));
-    for (auto& [id, evs] : by_job) {
+    by_request.clear();
+    for (SchedulerEvent& ev : events) by_request[ev.request.value()].push_back(std::move(ev));
+    for (auto& [id, evs] : by_request) {
       auto it = live.find(id);
       if (it == live.end()) continue;
       const bool finished = evs.back().finished;
-      deliver(it->second, std::move(evs));
+      deliver(it->second.job, it->second.choice, std::move(evs));
       if (finished) live.erase(it);
     }
   }
   // Shutting down: whatever is still accepted is answered, then the scheduler frees the sequences.
-  for (auto& [id, job] : live) unqueued.push_back(job);
+  for (auto& [id, l] : live) end_with(l.job, l.choice, FinishReason::kCancelled, "Unavailable: server shutting down");
   for (auto& job : unqueued) {
-    deliver(job, {SchedulerEvent{RequestId(), -1, true, FinishReason::kCancelled,
-                                 "Unavailable: server shutting down", std::nullopt, {}}});
+    for (size_t c = 0; c < job->requests.size(); ++c) {
+      end_with(job, c, FinishReason::kCancelled, "Unavailable: server shutting down");
+    }
   }
   running = 0;
   waiting = 0;
@@ -323,7 +355,9 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
 }
 
 std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
-                                                          GenerationRequest& out) const {
+                                                          std::vector<GenerationRequest>& choices) const {
+  choices.assign(1, GenerationRequest{});
+  GenerationRequest& out = choices[0];
   if (!in.model.empty() && in.model != options.model_name) {
     return ApiError{
         404, "not_found_error",
@@ -380,15 +414,35 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.logprobs = in.logprobs;
   out.prompt_logprobs = in.echo && in.logprobs >= 0;
   if (!in.ignore_eos) out.stop_ids = options.stop_ids;
+  if (in.n > 1) {
+    // Distinct streams per choice; without a seed, a random base (0 would make each time-derived,
+    // and choices created in the same tick could coincide).
+    uint64_t base = in.sampling.seed;
+    if (base == 0) base = (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();
+    const GenerationRequest proto = out;  // `out` refers into choices, which assign() replaces
+    choices.assign(static_cast<size_t>(in.n), proto);
+    for (int32_t c = 0; c < in.n; ++c) {
+      const uint64_t seed = base + static_cast<uint64_t>(c);
+      choices[static_cast<size_t>(c)].sampling.seed = seed == 0 ? 1 : seed;
+    }
+  }
   return std::nullopt;
 }
 
-void OpenAiServer::Impl::cancel(const std::shared_ptr<Job>& job, bool client) {
+void OpenAiServer::Impl::cancel(const std::shared_ptr<Job>& job) {
   if (job->cancel_requested.exchange(true)) return;
-  if (client) ++cancelled;
+  ++cancelled;
   {
     std::lock_guard lk(mu);
-    cancels.push_back(job);
+    cancels.push_back({job, -1});
+  }
+  cv.notify_one();
+}
+
+void OpenAiServer::Impl::cancel_choice(const std::shared_ptr<Job>& job, size_t choice) {
+  {
+    std::lock_guard lk(mu);
+    cancels.push_back({job, static_cast<int64_t>(choice)});
   }
   cv.notify_one();
 }
@@ -409,7 +463,7 @@ void OpenAiServer::Impl::watch_disconnect(const std::shared_ptr<Conn>& conn,
   });
 }
 
-asio::awaitable<std::vector<SchedulerEvent>> OpenAiServer::Impl::next_events(Job& job) {
+asio::awaitable<std::vector<ChoiceEvent>> OpenAiServer::Impl::next_events(Job& job) {
   asio::steady_timer timer(ioc);
   for (;;) {
     {
@@ -433,17 +487,15 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   }
   const ApiRequest& api = *parsed.request;
   auto job = std::make_shared<Job>();
-  if (auto err = to_generation(api, job->request)) {
+  if (auto err = to_generation(api, job->requests)) {
     ++rejected;
     co_return co_await reply_error(*conn, req, *err);
   }
-  const int64_t prompt_len = static_cast<int64_t>(job->request.prompt.size());
-  const TokenId last_prompt_token = job->request.prompt.back();
-  // Taken before the job is queued: the engine thread moves the request out.
+  // Taken before the job is queued: the engine thread moves the requests out.
+  const std::vector<TokenId> prompt = job->requests[0].prompt;
+  const auto prompt_len = static_cast<int64_t>(prompt.size());
   std::string echo_text;
-  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(job->request.prompt) : api.prompt_text;
-  const std::vector<TokenId> prompt_tokens =
-      api.echo && api.logprobs >= 0 ? job->request.prompt : std::vector<TokenId>{};
+  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(prompt) : api.prompt_text;
   if (draining) {
     ++rejected;
     const ApiError error{503, "server_error", "server shutting down", "", ""};
@@ -475,21 +527,34 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   meta.id = std::string(kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-") + std::to_string(next_response_id++);
   meta.created = std::time(nullptr);
   meta.model = options.model_name;
-  StopMatcher matcher(api.stop);
-  TokenId prev = last_prompt_token;
-  int64_t completion_tokens = 0;
-  std::string text;                 // non-streaming: the whole text
-  // Log-probabilities: an entry per token, sent once the text before it is out (streaming) or
-  // all at the end; after a stop string only tokens that start before it are kept.
   const bool want_logprobs = api.logprobs >= 0;
-  std::vector<LogprobEntry> logprob_entries;
-  size_t logprobs_sent = 0;
-  int64_t raw_code_points = 0;   // of every piece decoded so far
-  int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
+
+  // Per choice. Log-probabilities: an entry per token, sent once the text before it is out
+  // (streaming) or all at the end; after a stop string only tokens that start before it are kept.
   // echo: the prompt leads the text (not seen by the stop strings), sent with the first events.
-  bool echo_pending = api.echo;
-  std::string finish_reason;        // set when generation ended normally
-  std::optional<ApiError> failure;  // set when it ended in an error
+  struct Choice {
+    explicit Choice(const std::vector<std::string>& stops) : matcher(stops) {}
+    StopMatcher matcher;
+    TokenId prev = -1;
+    int64_t completion_tokens = 0;
+    std::string text;  // non-streaming: the whole text
+    std::vector<LogprobEntry> logprobs;
+    size_t logprobs_sent = 0;
+    int64_t raw_code_points = 0;   // of every piece decoded so far
+    int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
+    bool echo_pending = false;
+    bool first_chunk = true;
+    bool done = false;
+    std::string finish_reason;  // set when generation ended normally
+  };
+  std::vector<Choice> choices;
+  for (int32_t c = 0; c < api.n; ++c) {
+    choices.emplace_back(api.stop);
+    choices.back().prev = prompt.back();
+    choices.back().echo_pending = api.echo;
+  }
+  size_t choices_done = 0;
+  std::optional<ApiError> failure;  // set when a choice ended in an error: the whole request fails
 
   // Streaming state: headers go out with the first event, so that a request refused before its
   // first token still gets a proper HTTP error.
@@ -498,7 +563,6 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   bool head_sent = false;
   const bool chunked = req.version() >= 11;
   bool write_ok = true;
-  bool first_chunk = true;
   auto write_event = [&](std::string data) -> asio::awaitable<void> {
     if (!write_ok) co_return;
     beast::error_code ec;
@@ -525,64 +589,69 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     if (ec) write_ok = false;
   };
 
-  bool done = false;
-  while (!done) {
-    std::vector<SchedulerEvent> events = co_await next_events(*job);
+  // The prompt's entries for echo with logprobs; the first has nothing before it to predict it.
+  auto echo_entries = [&](const std::vector<TokenLogprobs>& prompt_lp, std::vector<LogprobEntry>& out) {
+    int64_t offset = 0;
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      const TokenId before = i == 0 ? -1 : prompt[i - 1];
+      LogprobEntry entry{tokenizer.decode_token(before, prompt[i]), 0.0f, {}, offset, i > 0};
+      if (i > 0 && i - 1 < prompt_lp.size()) {
+        const TokenLogprobs& lp = prompt_lp[i - 1];
+        entry.logprob = lp.chosen.logprob;
+        for (const TokenLogprob& alt : lp.top) entry.top.emplace_back(tokenizer.decode_token(before, alt.token), alt.logprob);
+      }
+      offset += code_points(entry.token);
+      out.push_back(std::move(entry));
+    }
+  };
+
+  while (choices_done < choices.size() && !failure) {
+    std::vector<ChoiceEvent> events = co_await next_events(*job);
     if (job->client_gone) break;
-    std::string delta;
-    for (const SchedulerEvent& ev : events) {
-      if (done) break;
+    std::vector<std::string> deltas(choices.size());
+    for (const ChoiceEvent& ce : events) {
+      if (failure || ce.choice >= choices.size()) break;
+      Choice& ch = choices[ce.choice];
+      if (ch.done) continue;
+      const SchedulerEvent& ev = ce.event;
+      std::string& delta = deltas[ce.choice];
       const bool failed_ending = ev.finished && (ev.finish == FinishReason::kRefused ||
                                                  ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kError);
-      if (echo_pending && !failed_ending) {
-        echo_pending = false;
+      if (ch.echo_pending && !failed_ending) {
+        ch.echo_pending = false;
         delta += echo_text;
-        if (!prompt_tokens.empty()) {
-          // One entry per prompt token; the first has nothing before it to predict it.
-          int64_t offset = 0;
-          for (size_t i = 0; i < prompt_tokens.size(); ++i) {
-            const TokenId before = i == 0 ? -1 : prompt_tokens[i - 1];
-            LogprobEntry entry{tokenizer.decode_token(before, prompt_tokens[i]), 0.0f, {}, offset, i > 0};
-            if (i > 0 && i - 1 < ev.prompt_logprobs.size()) {
-              const TokenLogprobs& lp = ev.prompt_logprobs[i - 1];
-              entry.logprob = lp.chosen.logprob;
-              for (const TokenLogprob& alt : lp.top) {
-                entry.top.emplace_back(tokenizer.decode_token(before, alt.token), alt.logprob);
-              }
-            }
-            offset += code_points(entry.token);
-            logprob_entries.push_back(std::move(entry));
-          }
-        }
-        raw_code_points = code_points(echo_text);
+        if (want_logprobs) echo_entries(ev.prompt_logprobs, ch.logprobs);
+        ch.raw_code_points = code_points(echo_text);
       }
       if (!ev.finished) {
-        ++completion_tokens;
-        std::string piece = tokenizer.decode_token(prev, ev.token);
+        ++ch.completion_tokens;
+        std::string piece = tokenizer.decode_token(ch.prev, ev.token);
         if (want_logprobs && ev.logprobs) {
-          LogprobEntry entry{piece, ev.logprobs->chosen.logprob, {}, raw_code_points};
+          LogprobEntry entry{piece, ev.logprobs->chosen.logprob, {}, ch.raw_code_points};
           for (const TokenLogprob& alt : ev.logprobs->top) {
-            entry.top.emplace_back(tokenizer.decode_token(prev, alt.token), alt.logprob);
+            entry.top.emplace_back(tokenizer.decode_token(ch.prev, alt.token), alt.logprob);
           }
-          logprob_entries.push_back(std::move(entry));
+          ch.logprobs.push_back(std::move(entry));
         }
-        raw_code_points += code_points(piece);
-        delta += matcher.feed(piece);
-        prev = ev.token;
-        if (matcher.stopped()) {
-          cancel(job, /*client=*/false);  // the engine need not generate past the stop string
-          finish_reason = "stop";
-          done = true;
+        ch.raw_code_points += code_points(piece);
+        delta += ch.matcher.feed(piece);
+        ch.prev = ev.token;
+        if (ch.matcher.stopped()) {
+          cancel_choice(job, ce.choice);
+          ch.finish_reason = "stop";
+          ch.done = true;
+          ++choices_done;
         }
         continue;
       }
-      done = true;
+      ch.done = true;
+      ++choices_done;
       switch (ev.finish) {
         case FinishReason::kStop:
         case FinishReason::kLength:
         case FinishReason::kContext:
-          delta += matcher.finish();
-          finish_reason = ev.finish == FinishReason::kStop ? "stop" : "length";
+          delta += ch.matcher.finish();
+          ch.finish_reason = ev.finish == FinishReason::kStop ? "stop" : "length";
           break;
         case FinishReason::kRefused:
           failure =
@@ -596,28 +665,37 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
           break;
       }
     }
-    sent_code_points += code_points(delta);
-    if (matcher.stopped()) {
-      std::erase_if(logprob_entries, [&](const LogprobEntry& e) { return e.text_offset >= sent_code_points; });
-    }
-    if (api.stream) {
+    for (size_t c = 0; c < choices.size() && !failure; ++c) {
+      Choice& ch = choices[c];
+      const std::string& delta = deltas[c];
+      ch.sent_code_points += code_points(delta);
+      if (ch.matcher.stopped()) {
+        std::erase_if(ch.logprobs, [&](const LogprobEntry& e) { return e.text_offset >= ch.sent_code_points; });
+      }
+      if (!api.stream) {
+        ch.text += delta;
+        continue;
+      }
       // Entries whose text is out; at the end (no stop) the rest, whose text may be empty.
       std::vector<LogprobEntry> ready;
-      while (logprobs_sent < logprob_entries.size() &&
-             (done || logprob_entries[logprobs_sent].text_offset < sent_code_points)) {
-        ready.push_back(std::move(logprob_entries[logprobs_sent++]));
+      while (ch.logprobs_sent < ch.logprobs.size() &&
+             (ch.done || ch.logprobs[ch.logprobs_sent].text_offset < ch.sent_code_points)) {
+        ready.push_back(std::move(ch.logprobs[ch.logprobs_sent++]));
       }
       if (!delta.empty() || !ready.empty()) {
-        std::string chunk = stream_chunk(kind, meta, delta, std::exchange(first_chunk, false),
-                                         want_logprobs ? &ready : nullptr);
+        std::string chunk = stream_chunk(kind, meta, delta, std::exchange(ch.first_chunk, false),
+                                         want_logprobs ? &ready : nullptr, static_cast<int32_t>(c));
         co_await write_event(std::move(chunk));
       }
-      if (!write_ok) {
-        cancel(job);
-        break;
-      }
-    } else {
-      text += delta;
+    }
+    if (api.stream && !write_ok) {
+      cancel(job);
+      break;
+    }
+  }
+  if (failure) {  // the request fails as a whole: the other choices' sequences are freed at once
+    for (size_t c = 0; c < choices.size(); ++c) {
+      if (!choices[c].done) cancel_choice(job, c);
     }
   }
   conn->stream.socket().cancel();  // ends the disconnect watch
@@ -633,19 +711,25 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     co_await write_event(std::move(error_event));
   } else {
     ++completed;
+    int64_t completion_tokens = 0;
+    for (const Choice& ch : choices) completion_tokens += ch.completion_tokens;
     const Usage usage{prompt_len, completion_tokens};
     if (!api.stream) {
-      std::string body = completion_response(kind, meta, text, finish_reason, usage,
-                                             want_logprobs ? &logprob_entries : nullptr)
+      std::vector<ChoiceOut> out;
+      for (const Choice& ch : choices) out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr});
+      std::string body = completion_response(kind, meta, out, usage)
                              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       co_return co_await reply(*conn, req, http::status::ok, std::move(body));
     }
-    if (first_chunk) {
-      std::string role = stream_chunk(kind, meta, "", true);  // the role, for chat
-      co_await write_event(std::move(role));
+    for (size_t c = 0; c < choices.size(); ++c) {
+      const auto index = static_cast<int32_t>(c);
+      if (choices[c].first_chunk) {
+        std::string role = stream_chunk(kind, meta, "", true, nullptr, index);  // the role, for chat
+        co_await write_event(std::move(role));
+      }
+      std::string finish = stream_finish_chunk(kind, meta, choices[c].finish_reason, index);
+      co_await write_event(std::move(finish));
     }
-    std::string finish = stream_finish_chunk(kind, meta, finish_reason);
-    co_await write_event(std::move(finish));
     if (api.include_usage) {
       std::string usage_chunk = stream_usage_chunk(kind, meta, usage);
       co_await write_event(std::move(usage_chunk));

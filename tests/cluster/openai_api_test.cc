@@ -255,9 +255,14 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     auto body = [k](const std::string& extra) {
       return k == ApiKind::kCompletion ? completion(extra) : chat(extra);
     };
-    expect_refused(k, body(R"("n":2)"), "n", "must be 1: one choice per request is supported");
-    expect_refused(k, body(R"("n":0)"), "n", "must be 1");
-    expect_refused(k, body(R"("n":"1")"), "n", "must be 1");
+    expect_refused(k, body(R"("n":17)"), "n", "must be an integer between 1 and 16");
+    expect_refused(k, body(R"("n":0)"), "n", "between 1 and 16");
+    expect_refused(k, body(R"("n":"1")"), "n", "must be an integer");
+    expect_refused(k, body(R"("n":1.5)"), "n", "must be an integer");
+    expect_refused(k, body(R"("best_of":2)"), "best_of", "must be 1");
+    ParseResult n = parse_api_request(k, body(R"("n":4.0)"));
+    ASSERT_TRUE(n.request) << n.error.message;
+    EXPECT_EQ(n.request->n, 4);
     expect_refused(k, body(R"("best_of":3)"), "best_of", "must be 1");
     expect_refused(k, body(R"("echo":"no")"), "echo", "must be a boolean");
     expect_refused(k, body(R"("presence_penalty":0.5)"), "presence_penalty", "must be 0");

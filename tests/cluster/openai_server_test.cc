@@ -66,14 +66,16 @@ ServerOptions options_for(const Tokenizer& tok) {
   return o;
 }
 
-// The greedy text the Generator gives a prompt alone.
-std::string generator_text(const std::string& prompt, int64_t n) {
+// The text the Generator gives a prompt alone: greedy, or sampled at `temperature` with `seed`.
+std::string generator_text(const std::string& prompt, int64_t n, float temperature = 0.0f, uint64_t seed = 0) {
   Fixture f = make_fixture(1);
   auto ids = f.tokenizer->encode(prompt, f.tokenizer->add_bos_by_default(), false);
   EXPECT_TRUE(ids.is_ok());
   GenerationRequest r;
   r.prompt = *ids;
   r.max_new_tokens = n;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = seed;
   r.stop_ids = stop_ids(*f.tokenizer);
   Generator g(*f.engine, GeneratorOptions{});
   auto res = g.run({r});
@@ -339,7 +341,7 @@ TEST(OpenAiServer, BadRequestsGetOpenAiErrorsNamingTheFieldAndTheConnectionStays
        "max_tokens"},
       {http::verb::post, "/v1/completions", R"({"prompt":"x","temperature":"hot"})", 400, "temperature",
        "temperature"},
-      {http::verb::post, "/v1/completions", R"({"prompt":"x","n":2})", 400, "n", "n"},
+      {http::verb::post, "/v1/completions", R"({"prompt":"x","n":17})", 400, "n", "n"},
       {http::verb::post, "/v1/completions", R"({"max_tokens":3})", 400, "prompt", "prompt"},
       {http::verb::post, "/v1/completions", R"({"prompt":[1,2,99999]})", 400, "prompt", "vocabulary"},
       {http::verb::post, "/v1/completions", R"({"prompt":"x","model":"gpt-4"})", 404, "model", "gpt-4"},
@@ -751,6 +753,60 @@ TEST(OpenAiServer, EchoWithLogprobsScoresThePrompt) {
   ASSERT_EQ(plain.status, 200) << plain.body;
   EXPECT_EQ(plain.j()["choices"][0]["text"], std::string(kPrompt) + completion);
   EXPECT_TRUE(plain.j()["choices"][0]["logprobs"].is_null());
+}
+
+// n choices: each sampled with seed, seed + 1, ... as a request alone would be; streamed chunks
+// carry their choice's index and add up to the whole answer's; usage sums the choices.
+TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
+  std::vector<std::string> expected;
+  for (uint64_t c = 0; c < 3; ++c) expected.push_back(generator_text(kPrompt, 24, 0.8f, 11 + c));
+  EXPECT_NE(expected[0], expected[1]);
+  Fixture f = make_fixture(4);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  const json body = {{"prompt", kPrompt}, {"max_tokens", 24}, {"temperature", 0.8}, {"seed", 11}, {"n", 3}};
+  Reply r = post(port, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json j = r.j();
+  ASSERT_EQ(j["choices"].size(), 3u);
+  int64_t tokens = 0;
+  for (size_t c = 0; c < 3; ++c) {
+    EXPECT_EQ(j["choices"][c]["index"], c);
+    EXPECT_EQ(j["choices"][c]["text"], expected[c]) << "choice " << c;
+    tokens += j["choices"][c]["finish_reason"] == "length" ? 24 : 0;
+  }
+  EXPECT_GE(j["usage"]["completion_tokens"].get<int64_t>(), tokens);
+  EXPECT_GT((*server)->counters().max_batch_sequences, 1) << "the choices ran in one batch";
+
+  json sbody = body;
+  sbody["stream"] = true;
+  Reply s = post(port, "/v1/completions", sbody);
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::vector<std::string> streamed(3);
+  std::vector<std::string> finish(3);
+  for (const std::string& e : events_of(s.body)) {
+    if (e == "[DONE]") break;
+    const json c = json::parse(e);
+    if (c["choices"].empty()) continue;
+    const size_t index = c["choices"][0]["index"];
+    ASSERT_LT(index, 3u);
+    streamed[index] += c["choices"][0]["text"].get<std::string>();
+    if (!c["choices"][0]["finish_reason"].is_null()) finish[index] = c["choices"][0]["finish_reason"];
+  }
+  for (size_t c = 0; c < 3; ++c) {
+    EXPECT_EQ(streamed[c], expected[c]) << "choice " << c;
+    EXPECT_EQ(finish[c], j["choices"][c]["finish_reason"]);
+  }
+  // Greedy choices are all the same text.
+  Reply g = post(port, "/v1/chat/completions",
+                 {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"n", 2}, {"max_tokens", 4}});
+  EXPECT_EQ(g.status, 400) << "stories has no chat template: refused before any choice runs";
+  Reply greedy = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 16}, {"temperature", 0}, {"n", 2}});
+  ASSERT_EQ(greedy.status, 200);
+  EXPECT_EQ(greedy.j()["choices"][0]["text"], greedy.j()["choices"][1]["text"]);
+  EXPECT_EQ(greedy.j()["choices"][0]["text"], generator_text(kPrompt, 16));
+  EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
 }
 
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500

@@ -83,6 +83,7 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   check(!r.include_usage || r.stream);
   check(r.logprobs >= -1 && r.logprobs <= specontext::kMaxLogprobs);
   check(!r.echo || kind == ApiKind::kCompletion);
+  check(r.n >= 1 && r.n <= kMaxChoices);
 
   const ResponseMeta meta{"cmpl-fuzz", 1, r.model};
   const std::string& text = kind == ApiKind::kCompletion ? r.prompt_text : r.messages[0].content;
@@ -96,6 +97,11 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   entries.push_back({text.substr(0, 2), 0.0f, {}, 0, /*has_logprob=*/false});
   check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4}, &entries))));
   check_event(stream_chunk(kind, meta, text, false, &entries));
+  const std::vector<ChoiceOut> several{{text, "stop", &entries}, {"", "length", nullptr}};
+  const json both = completion_response(kind, meta, several, Usage{1, 1});
+  check(parses(dump(both)) && both["choices"].size() == 2);
+  check_event(stream_chunk(kind, meta, text, false, nullptr, r.n - 1));
+  check_event(stream_finish_chunk(kind, meta, "stop", r.n - 1));
   check_event(stream_chunk(kind, meta, text, true));
   check_event(stream_chunk(kind, meta, text, false));
   check_event(stream_finish_chunk(kind, meta, "length"));

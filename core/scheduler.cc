@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 namespace specontext {
 
@@ -13,6 +14,12 @@ Status Scheduler::validate(const GenerationRequest& r) const {
   if (r.prompt.empty()) return invalid_argument("empty prompt");
   if (r.max_new_tokens < 1) return invalid_argument("max_new_tokens must be at least 1");
   SPX_RETURN_IF_ERROR(r.sampling.validate());
+  for (float p : {r.frequency_penalty, r.presence_penalty}) {
+    if (!(p >= -2.0f && p <= 2.0f)) return invalid_argument("frequency and presence penalties must be in [-2, 2]");
+  }
+  for (const auto& [id, bias] : r.logit_bias) {
+    if (!std::isfinite(bias)) return invalid_argument("logit_bias of token " + std::to_string(id) + " is not finite");
+  }
   if (r.prompt_logprobs && r.logprobs < 0) return invalid_argument("prompt_logprobs needs logprobs >= 0");
   if (r.logprobs > kMaxLogprobs) {
     return invalid_argument("logprobs must be at most " + std::to_string(kMaxLogprobs) + " (got " +
@@ -130,7 +137,7 @@ void Scheduler::push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEve
 }
 
 LogitsMode Scheduler::sample_mode(const Entry& e) {
-  return e.request.logprobs >= 0 ? LogitsMode::kLast : LogitsMode::kSample;
+  return e.request.logprobs >= 0 || e.request.adjusts_logits() ? LogitsMode::kLast : LogitsMode::kSample;
 }
 
 int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
@@ -238,8 +245,16 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       // Asked for logprobs: drawn here, by the procedure sample_rows implements.
       const std::span<float> row = out->row(b, out->n_rows[b] - 1);
       sample_logits_.assign(row.begin(), row.end());
+      const auto vocab = static_cast<TokenId>(sample_logits_.size());
+      for (const auto& [id, bias] : r.logit_bias) {
+        if (id >= 0 && id < vocab) sample_logits_[static_cast<size_t>(id)] += bias;
+      }
+      for (const auto& [id, count] : e.output_counts) {
+        sample_logits_[static_cast<size_t>(id)] -=
+            r.frequency_penalty * static_cast<float>(count) + r.presence_penalty;
+      }
       tok = sample_with_coin(sample_logits_, e.draw, sample_scratch_);
-      logprobs = token_logprobs(row, tok, r.logprobs);
+      if (r.logprobs >= 0) logprobs = token_logprobs(row, tok, r.logprobs);
     }
     if (std::find(r.stop_ids.begin(), r.stop_ids.end(), tok) != r.stop_ids.end()) {
       finish(e, FinishReason::kStop, {}, events);
@@ -248,6 +263,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     push_event(e, {e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs), {}}, events);
     ++e.generated;
     e.produced.push_back(tok);
+    if (r.frequency_penalty != 0.0f || r.presence_penalty != 0.0f) ++e.output_counts[tok];
     if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);
     e.next = tok;
     ++stats_.generated_tokens;

@@ -7,6 +7,7 @@
 
 #include <deque>
 #include <optional>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,13 @@ struct GenerationRequest {
   // With logprobs >= 0: the log-probability of every prompt token after the first too (the
   // completions API's echo). Its prompt chunks bring all their logits to the host (kAll).
   bool prompt_logprobs = false;
+  // OpenAI's logit adjustments, applied on the host (such a request takes the kLast path too) to
+  // the raw logits before sample_with_coin: `logit_bias` adds to the listed tokens' logits;
+  // frequency/presence penalties subtract f·count + p·[count > 0] over the tokens generated so far.
+  std::vector<std::pair<TokenId, float>> logit_bias;
+  float frequency_penalty = 0.0f;  // [-2, 2]
+  float presence_penalty = 0.0f;   // [-2, 2]
+  bool adjusts_logits() const { return !logit_bias.empty() || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
 };
 
 // kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.
@@ -91,7 +99,8 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   // What submit() would refuse: an empty prompt, bad sampling parameters, a prompt longer than
-  // the context (kOutOfRange), max_new_tokens < 1, logprobs above kMaxLogprobs.
+  // the context (kOutOfRange), max_new_tokens < 1, logprobs above kMaxLogprobs, penalties outside
+  // [-2, 2], non-finite biases (ids outside the vocabulary are the caller's to refuse; ignored here).
   Status validate(const GenerationRequest& request) const;
   // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV fits beside the
   // running ones (AdmissionPolicy). One that never fits, even alone, ends with kRefused.
@@ -124,6 +133,7 @@ class Scheduler {
     size_t prompt_size = 0;          // of the request as submitted
     std::vector<TokenId> produced;   // its tokens so far (kPreempt: a preempted one's prompt gains them)
     std::vector<TokenLogprobs> prompt_logprobs;  // gathered over its prompt chunks
+    std::unordered_map<TokenId, int32_t> output_counts;  // produced tokens (frequency/presence penalties)
     bool prompt_logprobs_done = false;           // its first event carried them (not recomputed)
     TokenId next = -1;  // token to feed in the next decode step
     bool done = false;

@@ -3,6 +3,7 @@
 // waiting requests are admitted in order as slots free up.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 
 #include "core/generator.h"
@@ -401,6 +402,48 @@ TEST(Scheduler, PromptLogprobsCoverEveryPromptTokenAcrossChunks) {
   }
   GenerationRequest bad = r;
   bad.logprobs = -1;
+  EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+// logit_bias and frequency/presence penalties: the scheduler's tokens equal a hand-written greedy
+// loop that adjusts a dense forward's logits the same way; banning the plain run's first token
+// changes the output.
+TEST(Scheduler, LogitBiasAndPenaltiesEqualAHandWrittenGreedyLoop) {
+  GenerationRequest r = request({1, 403, 407, 261, 378}, 40);
+  const std::vector<TokenId> plain = alone(r);
+  ASSERT_FALSE(plain.empty());
+  r.logit_bias = {{plain[0], -100.0f}, {300, 2.5f}};
+  r.frequency_penalty = 1.5f;
+  r.presence_penalty = 0.5f;
+  const std::vector<TokenId> got = alone(r);
+  ASSERT_EQ(got.size(), 40u);
+  EXPECT_NE(got[0], plain[0]) << "the banned token is never drawn first";
+
+  auto engine = make_engine(1);
+  auto seq = engine->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  std::vector<TokenId> feed = r.prompt, expected;
+  std::map<TokenId, int> counts;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const std::vector<StepRequest> step{{*seq, feed, LogitsMode::kLast, nullptr}};
+    auto out = engine->forward(step);
+    ASSERT_TRUE(out.is_ok());
+    std::vector<float> l(out->row(0).begin(), out->row(0).end());
+    for (const auto& [id, bias] : r.logit_bias) l[static_cast<size_t>(id)] += bias;
+    for (const auto& [id, n] : counts) l[static_cast<size_t>(id)] -= r.frequency_penalty * n + r.presence_penalty;
+    const TokenId next = argmax(l);
+    expected.push_back(next);
+    ++counts[next];
+    feed = {next};
+  }
+  EXPECT_EQ(got, expected);
+
+  GenerationRequest bad = r;
+  bad.frequency_penalty = 2.5f;
+  Scheduler s(*engine, GeneratorOptions{});
+  EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = r;
+  bad.logit_bias = {{5, std::numeric_limits<float>::quiet_NaN()}};
   EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
 }
 

@@ -292,6 +292,43 @@ Check parse_logprobs(ApiKind kind, const json& body, ApiRequest& req) {
   return std::nullopt;
 }
 
+// OpenAI's logit adjustments and vLLM's stop_token_ids. Token ids are checked against the
+// vocabulary by the server.
+Check parse_logit_controls(const json& body, ApiRequest& req) {
+  for (auto [key, out] : {std::pair{"frequency_penalty", &req.frequency_penalty},
+                          std::pair{"presence_penalty", &req.presence_penalty}}) {
+    const json* v = find_field(body, key);
+    if (!v) continue;
+    if (!v->is_number() || !(v->get<double>() >= -2.0 && v->get<double>() <= 2.0)) {
+      return field_error(key, "must be a number between -2 and 2");
+    }
+    *out = static_cast<float>(v->get<double>());
+  }
+  if (const json* v = find_field(body, "logit_bias")) {
+    if (!v->is_object()) return field_error("logit_bias", "must be an object mapping token ids to biases");
+    if (v->size() > 1024) return field_error("logit_bias", "may hold at most 1024 tokens");
+    for (const auto& [key, bias] : v->items()) {
+      const std::string field = "logit_bias." + key;
+      const bool digits = !key.empty() && key.size() <= 9 &&
+                          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (!digits) return field_error("logit_bias", "has key '" + key + "', not a token id");
+      if (!bias.is_number() || !(bias.get<double>() >= -100.0 && bias.get<double>() <= 100.0)) {
+        return field_error(field, "must be a number between -100 and 100");
+      }
+      req.logit_bias.emplace_back(static_cast<TokenId>(std::stol(key)), static_cast<float>(bias.get<double>()));
+    }
+  }
+  if (const json* v = find_field(body, "stop_token_ids")) {
+    std::vector<TokenId> ids;
+    if (!v->is_array()) return field_error("stop_token_ids", "must be an array of token ids");
+    if (!v->empty()) {
+      if (Check e = parse_token_ids(*v, "stop_token_ids", ids)) return e;
+    }
+    req.stop_token_ids = std::move(ids);
+  }
+  return std::nullopt;
+}
+
 // Features we cannot honour: refused unless given as their "off" value, never silently ignored.
 Check refuse_unsupported(const json& body, ApiKind kind) {
   if (const json* v = find_field(body, "best_of"); v && as_int64(*v) != 1) {
@@ -305,13 +342,6 @@ Check refuse_unsupported(const json& body, ApiKind kind) {
   }
   if (find_field(body, "prompt_logprobs")) {
     return field_error("prompt_logprobs", "must be null: prompt logprobs are not supported");
-  }
-  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
-    const json* v = find_field(body, key);
-    if (v && !is_zero_number(*v)) {
-      return field_error(
-          key, "must be 0: presence and frequency penalties are not supported (repetition_penalty is)");
-    }
   }
   if (const json* v = find_field(body, "min_p")) {
     if (!is_zero_number(*v)) return field_error("min_p", "must be 0: min_p sampling is not supported");
@@ -344,16 +374,6 @@ Check refuse_unsupported(const json& body, ApiKind kind) {
                          "must be {\"type\": \"text\"}: structured output is not supported");
     }
   }
-  if (const json* v = find_field(body, "logit_bias")) {
-    if (!(v->is_object() && v->empty()))
-      return field_error("logit_bias", "must be empty: logit_bias is not supported");
-  }
-  if (const json* v = find_field(body, "stop_token_ids")) {
-    if (!(v->is_array() && v->empty())) {
-      return field_error("stop_token_ids",
-                         "must be empty: stop_token_ids is not supported (stop strings are)");
-    }
-  }
   for (const char* key : {"use_beam_search", "include_stop_str_in_output"}) {
     const json* v = find_field(body, key);
     if (v && !(v->is_boolean() && !v->get<bool>()))
@@ -367,7 +387,7 @@ ParseResult parse_object(ApiKind kind, const json& body) {
   req.kind = kind;
   Check e = refuse_unsupported(body, kind);
   if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
-  for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags}) {
+  for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags, parse_logit_controls}) {
     if (!e) e = step(body, req);
   }
   if (!e) e = parse_logprobs(kind, body, req);

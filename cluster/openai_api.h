@@ -2,8 +2,9 @@
 // no engine): JSON body → a validated request, or an ApiError naming the field; results →
 // response JSON (whole or as server-sent-event chunks). Fuzzed by tests/fuzz/fuzz_openai.cc.
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
-// ignore_eos; min_p, min_tokens and the like only when off); anything we cannot honour is refused with a 400
-// naming the field, never silently ignored (prompt_logprobs, n > 1, chat echo, suffix, best_of, tools, ...).
+// ignore_eos, stop_token_ids; min_p, min_tokens and the like only when off); anything we cannot
+// honour is refused with a 400 naming the field, never silently ignored (prompt_logprobs, chat
+// echo, suffix, best_of, tools, ...).
 #pragma once
 
 #include <cstdint>
@@ -68,16 +69,22 @@ struct ApiRequest {
   bool echo = false;
   // Choices: n independent samples of the same prompt (seeds seed, seed + 1, ...).
   int32_t n = 1;
+  // OpenAI's frequency_penalty / presence_penalty ([-2, 2]) and logit_bias ({"id": [-100, 100]});
+  // vLLM's stop_token_ids. Ids are checked against the vocabulary by the server.
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  std::vector<std::pair<TokenId, float>> logit_bias;
+  std::vector<TokenId> stop_token_ids;
   std::string user;            // accepted and ignored
 };
 
 // body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
 // (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are ignored, as OpenAI does. Never throws.
 // Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
-// presence_penalty / frequency_penalty / min_p / min_tokens are accepted only when 0;
+// min_p / min_tokens are accepted only when 0;
 // prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n in [1, kMaxChoices]; best_of only when
 // 1; echo (chat) only when false; suffix only when empty; tools/functions only when empty, tool_choice
-// only "none"/"auto", response_format only {"type":"text"}, logit_bias only when empty.
+// only "none"/"auto", response_format only {"type":"text"}.
 // null counts as absent for every optional field; integral floats (3.0) pass as integers.
 struct ParseResult {
   std::optional<ApiRequest> request;

@@ -414,6 +414,23 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.logprobs = in.logprobs;
   out.prompt_logprobs = in.echo && in.logprobs >= 0;
   if (!in.ignore_eos) out.stop_ids = options.stop_ids;
+  const int64_t vocab = engine.config().vocab_size;
+  auto outside = [&](const std::string& field, TokenId id) {
+    return ApiError{400, "invalid_request_error",
+                    "field '" + field + "' names token id " + std::to_string(id) + ", outside the vocabulary of " +
+                        std::to_string(vocab),
+                    field, ""};
+  };
+  for (TokenId id : in.stop_token_ids) {
+    if (id >= vocab) return outside("stop_token_ids", id);
+    out.stop_ids.push_back(id);  // ignore_eos leaves these in, as vLLM
+  }
+  for (const auto& [id, bias] : in.logit_bias) {
+    if (id >= vocab) return outside("logit_bias", id);
+  }
+  out.logit_bias = in.logit_bias;
+  out.frequency_penalty = in.frequency_penalty;
+  out.presence_penalty = in.presence_penalty;
   if (in.n > 1) {
     // Distinct streams per choice; without a seed, a random base (0 would make each time-derived,
     // and choices created in the same tick could coincide).

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -265,9 +266,9 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     EXPECT_EQ(n.request->n, 4);
     expect_refused(k, body(R"("best_of":3)"), "best_of", "must be 1");
     expect_refused(k, body(R"("echo":"no")"), "echo", "must be a boolean");
-    expect_refused(k, body(R"("presence_penalty":0.5)"), "presence_penalty", "must be 0");
-    expect_refused(k, body(R"("frequency_penalty":-1)"), "frequency_penalty", "must be 0");
-    expect_refused(k, body(R"("frequency_penalty":"0")"), "frequency_penalty", "must be 0");
+    expect_refused(k, body(R"("presence_penalty":2.5)"), "presence_penalty", "between -2 and 2");
+    expect_refused(k, body(R"("frequency_penalty":-3)"), "frequency_penalty", "between -2 and 2");
+    expect_refused(k, body(R"("frequency_penalty":"0")"), "frequency_penalty", "must be a number");
     expect_refused(k, body(R"("suffix":"end")"), "suffix");
     expect_refused(k, body(R"("suffix":1)"), "suffix");
     expect_refused(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"), "tools",
@@ -279,10 +280,25 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("response_format":{"type":"json_object"})"), "response_format",
                    "structured output is not supported");
     expect_refused(k, body(R"("response_format":"text")"), "response_format");
-    expect_refused(k, body(R"("logit_bias":{"50256":-100})"), "logit_bias", "not supported");
+    expect_refused(k, body(R"("logit_bias":{"50256":-101})"), "logit_bias.50256", "between -100 and 100");
+    expect_refused(k, body(R"("logit_bias":{"abc":1})"), "logit_bias", "not a token id");
+    expect_refused(k, body(R"("logit_bias":{"-5":1})"), "logit_bias", "not a token id");
+    expect_refused(k, body(R"("logit_bias":[1])"), "logit_bias", "must be an object");
+    expect_refused(k, body(R"("logit_bias":{"7":"x"})"), "logit_bias.7", "must be a number");
     expect_refused(k, body(R"("min_p":0.1)"), "min_p");
     expect_refused(k, body(R"("min_tokens":3)"), "min_tokens");
-    expect_refused(k, body(R"("stop_token_ids":[2])"), "stop_token_ids");
+    expect_refused(k, body(R"("stop_token_ids":[-2])"), "stop_token_ids[0]", "token id");
+    expect_refused(k, body(R"("stop_token_ids":3)"), "stop_token_ids", "must be an array");
+    ParseResult adj = parse_api_request(k, body(R"("presence_penalty":-0.5,"frequency_penalty":1.25,
+                                                    "logit_bias":{"12":-100,"7":3.5},"stop_token_ids":[2,9])"));
+    ASSERT_TRUE(adj.request) << adj.error.message;
+    EXPECT_FLOAT_EQ(adj.request->presence_penalty, -0.5f);
+    EXPECT_FLOAT_EQ(adj.request->frequency_penalty, 1.25f);
+    ASSERT_EQ(adj.request->logit_bias.size(), 2u);
+    std::map<TokenId, float> bias(adj.request->logit_bias.begin(), adj.request->logit_bias.end());
+    EXPECT_FLOAT_EQ(bias[12], -100.0f);
+    EXPECT_FLOAT_EQ(bias[7], 3.5f);
+    EXPECT_EQ(adj.request->stop_token_ids, (std::vector<TokenId>{2, 9}));
     expect_refused(k, body(R"("use_beam_search":true)"), "use_beam_search");
     expect_refused(k, body(R"("include_stop_str_in_output":true)"), "include_stop_str_in_output");
     expect_refused(k, body(R"("prompt_logprobs":1)"), "prompt_logprobs");

@@ -7,6 +7,7 @@
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -807,6 +808,71 @@ TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
   EXPECT_EQ(greedy.j()["choices"][0]["text"], greedy.j()["choices"][1]["text"]);
   EXPECT_EQ(greedy.j()["choices"][0]["text"], generator_text(kPrompt, 16));
   EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
+}
+
+// logit_bias, penalties and stop_token_ids reach the engine: banning the greedy first token
+// changes the text, a stop token id ends it, ids outside the vocabulary are a 400 naming the field.
+TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
+  const std::string plain = generator_text(kPrompt, 20);
+  Fixture f = make_fixture(2);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(server.is_ok());
+  const uint16_t port = (*server)->port();
+  const json base = {{"prompt", kPrompt}, {"max_tokens", 20}, {"temperature", 0}, {"logprobs", 0}};
+  Reply r = post(port, "/v1/completions", base);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.j()["choices"][0]["text"], plain);
+  const std::string first = r.j()["choices"][0]["logprobs"]["tokens"][0];
+  const std::string second = r.j()["choices"][0]["logprobs"]["tokens"][1];
+  const TokenId first_id = f.tokenizer->piece_to_id(first);
+  ASSERT_GE(first_id, 0) << first;
+
+  json banned = base;
+  banned["logit_bias"] = {{std::to_string(first_id), -100}};
+  Reply b = post(port, "/v1/completions", banned);
+  ASSERT_EQ(b.status, 200) << b.body;
+  EXPECT_NE(b.j()["choices"][0]["logprobs"]["tokens"][0], first);
+
+  json penalized = base;
+  penalized["max_tokens"] = 80;
+  penalized["frequency_penalty"] = 2.0;
+  penalized["presence_penalty"] = 1.0;
+  Reply p = post(port, "/v1/completions", penalized);
+  ASSERT_EQ(p.status, 200) << p.body;
+  json unpenalized = base;
+  unpenalized["max_tokens"] = 80;
+  r = post(port, "/v1/completions", unpenalized);
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::map<std::string, int> plain_counts, penalized_counts;
+  for (const json& t : r.j()["choices"][0]["logprobs"]["tokens"]) ++plain_counts[t.get<std::string>()];
+  for (const json& t : p.j()["choices"][0]["logprobs"]["tokens"]) ++penalized_counts[t.get<std::string>()];
+  auto most = [](const std::map<std::string, int>& m) {
+    int best = 0;
+    for (const auto& [k, v] : m) best = std::max(best, v);
+    return best;
+  };
+  EXPECT_LE(most(penalized_counts), most(plain_counts)) << "penalties repeat tokens no more often";
+  EXPECT_NE(p.j()["choices"][0]["text"], r.j()["choices"][0]["text"]);
+
+  const TokenId second_id = f.tokenizer->piece_to_id(second);
+  ASSERT_GE(second_id, 0) << second;
+  json stopped = base;
+  stopped["stop_token_ids"] = {second_id};
+  Reply s = post(port, "/v1/completions", stopped);
+  ASSERT_EQ(s.status, 200) << s.body;
+  EXPECT_EQ(s.j()["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(s.j()["usage"]["completion_tokens"], 1) << "ends before the stop token";
+
+  json outside = base;
+  outside["logit_bias"] = {{"100000", 1}};
+  Reply o = post(port, "/v1/completions", outside);
+  EXPECT_EQ(o.status, 400);
+  EXPECT_EQ(o.j()["error"]["param"], "logit_bias");
+  outside = base;
+  outside["stop_token_ids"] = {100000};
+  o = post(port, "/v1/completions", outside);
+  EXPECT_EQ(o.status, 400);
+  EXPECT_EQ(o.j()["error"]["param"], "stop_token_ids");
 }
 
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500

@@ -84,6 +84,10 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   check(r.logprobs >= -1 && r.logprobs <= specontext::kMaxLogprobs);
   check(!r.echo || kind == ApiKind::kCompletion);
   check(r.n >= 1 && r.n <= kMaxChoices);
+  check(r.frequency_penalty >= -2.0f && r.frequency_penalty <= 2.0f);
+  check(r.presence_penalty >= -2.0f && r.presence_penalty <= 2.0f);
+  for (const auto& [id, bias] : r.logit_bias) check(id >= 0 && bias >= -100.0f && bias <= 100.0f);
+  for (auto id : r.stop_token_ids) check(id >= 0);
 
   const ResponseMeta meta{"cmpl-fuzz", 1, r.model};
   const std::string& text = kind == ApiKind::kCompletion ? r.prompt_text : r.messages[0].content;

@@ -49,7 +49,6 @@ std::optional<int64_t> as_int64(const json& v) {
   return std::nullopt;
 }
 
-bool is_zero_number(const json& v) { return v.is_number() && v.get<double>() == 0.0; }
 
 // --- the prompt (completions) -------------------------------------------------------------------
 
@@ -318,6 +317,18 @@ Check parse_logit_controls(const json& body, ApiRequest& req) {
       req.logit_bias.emplace_back(static_cast<TokenId>(std::stol(key)), static_cast<float>(bias.get<double>()));
     }
   }
+  if (const json* v = find_field(body, "min_p")) {
+    if (!v->is_number() || !(v->get<double>() >= 0.0 && v->get<double>() <= 1.0)) {
+      return field_error("min_p", "must be a number between 0 and 1");
+    }
+    req.min_p = static_cast<float>(v->get<double>());
+  }
+  if (const json* v = find_field(body, "min_tokens")) {
+    const auto n = as_int64(*v);
+    if (!n || *n < 0) return field_error("min_tokens", "must be an integer >= 0");
+    if (req.max_tokens && *n > *req.max_tokens) return field_error("min_tokens", "must not exceed 'max_tokens'");
+    req.min_tokens = *n;
+  }
   if (const json* v = find_field(body, "stop_token_ids")) {
     std::vector<TokenId> ids;
     if (!v->is_array()) return field_error("stop_token_ids", "must be an array of token ids");
@@ -342,12 +353,6 @@ Check refuse_unsupported(const json& body, ApiKind kind) {
   }
   if (find_field(body, "prompt_logprobs")) {
     return field_error("prompt_logprobs", "must be null: prompt logprobs are not supported");
-  }
-  if (const json* v = find_field(body, "min_p")) {
-    if (!is_zero_number(*v)) return field_error("min_p", "must be 0: min_p sampling is not supported");
-  }
-  if (const json* v = find_field(body, "min_tokens")) {
-    if (!is_zero_number(*v)) return field_error("min_tokens", "must be 0: min_tokens is not supported");
   }
   if (const json* v = find_field(body, "suffix")) {
     if (!(v->is_string() && v->get_ref<const std::string&>().empty())) {

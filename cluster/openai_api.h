@@ -2,7 +2,7 @@
 // no engine): JSON body → a validated request, or an ApiError naming the field; results →
 // response JSON (whole or as server-sent-event chunks). Fuzzed by tests/fuzz/fuzz_openai.cc.
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
-// ignore_eos, stop_token_ids; min_p, min_tokens and the like only when off); anything we cannot
+// ignore_eos, stop_token_ids, min_p, min_tokens); anything we cannot
 // honour is refused with a 400 naming the field, never silently ignored (prompt_logprobs, chat
 // echo, suffix, best_of, tools, ...).
 #pragma once
@@ -75,13 +75,14 @@ struct ApiRequest {
   float presence_penalty = 0.0f;
   std::vector<std::pair<TokenId, float>> logit_bias;
   std::vector<TokenId> stop_token_ids;
+  int64_t min_tokens = 0;  // vLLM: no stop (EOS, stop ids) before this many tokens; <= max_tokens
+  float min_p = 0.0f;      // vLLM: [0, 1]
   std::string user;            // accepted and ignored
 };
 
 // body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
 // (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are ignored, as OpenAI does. Never throws.
 // Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
-// min_p / min_tokens are accepted only when 0;
 // prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n in [1, kMaxChoices]; best_of only when
 // 1; echo (chat) only when false; suffix only when empty; tools/functions only when empty, tool_choice
 // only "none"/"auto", response_format only {"type":"text"}.

@@ -431,6 +431,8 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.logit_bias = in.logit_bias;
   out.frequency_penalty = in.frequency_penalty;
   out.presence_penalty = in.presence_penalty;
+  out.min_p = in.min_p;
+  out.min_tokens = std::min(in.min_tokens, out.max_new_tokens);
   if (in.n > 1) {
     // Distinct streams per choice; without a seed, a random base (0 would make each time-derived,
     // and choices created in the same tick could coincide).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 namespace specontext {
 
@@ -20,6 +21,10 @@ Status Scheduler::validate(const GenerationRequest& r) const {
   for (const auto& [id, bias] : r.logit_bias) {
     if (!std::isfinite(bias)) return invalid_argument("logit_bias of token " + std::to_string(id) + " is not finite");
   }
+  if (r.min_tokens < 0 || r.min_tokens > r.max_new_tokens) {
+    return invalid_argument("min_tokens must be in [0, max_new_tokens]");
+  }
+  if (!(r.min_p >= 0.0f && r.min_p <= 1.0f)) return invalid_argument("min_p must be in [0, 1]");
   if (r.prompt_logprobs && r.logprobs < 0) return invalid_argument("prompt_logprobs needs logprobs >= 0");
   if (r.logprobs > kMaxLogprobs) {
     return invalid_argument("logprobs must be at most " + std::to_string(kMaxLogprobs) + " (got " +
@@ -252,6 +257,18 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       for (const auto& [id, count] : e.output_counts) {
         sample_logits_[static_cast<size_t>(id)] -=
             r.frequency_penalty * static_cast<float>(count) + r.presence_penalty;
+      }
+      if (e.generated < r.min_tokens) {
+        for (TokenId id : r.stop_ids) {
+          if (id >= 0 && id < vocab) sample_logits_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+        }
+      }
+      if (r.min_p > 0.0f && r.sampling.temperature > 0.0f) {
+        const float cut = *std::max_element(sample_logits_.begin(), sample_logits_.end()) +
+                          r.sampling.temperature * std::log(r.min_p);
+        for (float& l : sample_logits_) {
+          if (l < cut) l = -std::numeric_limits<float>::infinity();
+        }
       }
       tok = sample_with_coin(sample_logits_, e.draw, sample_scratch_);
       if (r.logprobs >= 0) logprobs = token_logprobs(row, tok, r.logprobs);

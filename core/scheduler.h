@@ -37,7 +37,14 @@ struct GenerationRequest {
   std::vector<std::pair<TokenId, float>> logit_bias;
   float frequency_penalty = 0.0f;  // [-2, 2]
   float presence_penalty = 0.0f;   // [-2, 2]
-  bool adjusts_logits() const { return !logit_bias.empty() || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
+  // vLLM's: stop ids cannot be drawn before min_tokens tokens; min_p drops tokens less likely than
+  // min_p times the likeliest at the request's temperature (a logit cut at max + T·ln(min_p)).
+  int64_t min_tokens = 0;
+  float min_p = 0.0f;  // [0, 1]
+  bool adjusts_logits() const {
+    return !logit_bias.empty() || frequency_penalty != 0.0f || presence_penalty != 0.0f || min_tokens > 0 ||
+           min_p > 0.0f;
+  }
 };
 
 // kRefused: the request can never fit the engine's memory (any tier), even alone; nothing ran.

@@ -285,8 +285,14 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("logit_bias":{"-5":1})"), "logit_bias", "not a token id");
     expect_refused(k, body(R"("logit_bias":[1])"), "logit_bias", "must be an object");
     expect_refused(k, body(R"("logit_bias":{"7":"x"})"), "logit_bias.7", "must be a number");
-    expect_refused(k, body(R"("min_p":0.1)"), "min_p");
-    expect_refused(k, body(R"("min_tokens":3)"), "min_tokens");
+    expect_refused(k, body(R"("min_p":1.1)"), "min_p", "between 0 and 1");
+    expect_refused(k, body(R"("min_p":"0.1")"), "min_p", "must be a number");
+    expect_refused(k, body(R"("min_tokens":-1)"), "min_tokens", "integer >= 0");
+    expect_refused(k, body(R"("max_tokens":4,"min_tokens":5)"), "min_tokens", "must not exceed");
+    ParseResult mins = parse_api_request(k, body(R"("max_tokens":8,"min_tokens":8,"min_p":0.05)"));
+    ASSERT_TRUE(mins.request) << mins.error.message;
+    EXPECT_EQ(mins.request->min_tokens, 8);
+    EXPECT_FLOAT_EQ(mins.request->min_p, 0.05f);
     expect_refused(k, body(R"("stop_token_ids":[-2])"), "stop_token_ids[0]", "token id");
     expect_refused(k, body(R"("stop_token_ids":3)"), "stop_token_ids", "must be an array");
     ParseResult adj = parse_api_request(k, body(R"("presence_penalty":-0.5,"frequency_penalty":1.25,

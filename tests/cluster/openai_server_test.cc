@@ -863,6 +863,13 @@ TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
   EXPECT_EQ(s.j()["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(s.j()["usage"]["completion_tokens"], 1) << "ends before the stop token";
 
+  // min_tokens holds the stop token back for three tokens.
+  stopped["min_tokens"] = 3;
+  Reply held = post(port, "/v1/completions", stopped);
+  ASSERT_EQ(held.status, 200) << held.body;
+  EXPECT_GE(held.j()["usage"]["completion_tokens"].get<int64_t>(), 3);
+  for (size_t i = 1; i < 3; ++i) EXPECT_NE(held.j()["choices"][0]["logprobs"]["tokens"][i], second) << i;
+
   json outside = base;
   outside["logit_bias"] = {{"100000", 1}};
   Reply o = post(port, "/v1/completions", outside);

@@ -447,5 +447,34 @@ TEST(Scheduler, LogitBiasAndPenaltiesEqualAHandWrittenGreedyLoop) {
   EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
 }
 
+// min_tokens keeps stop ids out of the first tokens; min_p = 1 keeps only the likeliest token,
+// so sampling at temperature 2 gives the greedy text.
+TEST(Scheduler, MinTokensAndMinP) {
+  GenerationRequest r = request({1, 403, 407, 261, 378}, 12);
+  const std::vector<TokenId> greedy = alone(r);
+  ASSERT_GE(greedy.size(), 3u);
+  GenerationRequest stop_first = r;
+  stop_first.stop_ids = {greedy[0]};
+  EXPECT_TRUE(alone(stop_first).empty()) << "its first token is a stop id";
+  stop_first.min_tokens = 3;
+  const std::vector<TokenId> held = alone(stop_first);
+  ASSERT_GE(held.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(held[i], greedy[0]) << i;
+
+  GenerationRequest sharp = request({1, 403, 407, 261, 378}, 12, 2.0f);
+  EXPECT_NE(alone(sharp), greedy) << "temperature 2 alone differs";
+  sharp.min_p = 1.0f;
+  EXPECT_EQ(alone(sharp), greedy);
+
+  auto engine = make_engine(1);
+  Scheduler s(*engine, GeneratorOptions{});
+  GenerationRequest bad = r;
+  bad.min_tokens = 13;
+  EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = r;
+  bad.min_p = 1.5f;
+  EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace specontext

@@ -88,6 +88,8 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   check(r.presence_penalty >= -2.0f && r.presence_penalty <= 2.0f);
   for (const auto& [id, bias] : r.logit_bias) check(id >= 0 && bias >= -100.0f && bias <= 100.0f);
   for (auto id : r.stop_token_ids) check(id >= 0);
+  check(r.min_p >= 0.0f && r.min_p <= 1.0f);
+  check(r.min_tokens >= 0 && (!r.max_tokens || r.min_tokens <= *r.max_tokens));
 
   const ResponseMeta meta{"cmpl-fuzz", 1, r.model};
   const std::string& text = kind == ApiKind::kCompletion ? r.prompt_text : r.messages[0].content;

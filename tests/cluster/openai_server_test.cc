@@ -844,8 +844,9 @@ TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
   r = post(port, "/v1/completions", unpenalized);
   ASSERT_EQ(r.status, 200) << r.body;
   std::map<std::string, int> plain_counts, penalized_counts;
-  for (const json& t : r.j()["choices"][0]["logprobs"]["tokens"]) ++plain_counts[t.get<std::string>()];
-  for (const json& t : p.j()["choices"][0]["logprobs"]["tokens"]) ++penalized_counts[t.get<std::string>()];
+  const json plain_body = r.j(), penalized_body = p.j();  // range-for would not keep a temporary alive
+  for (const json& t : plain_body["choices"][0]["logprobs"]["tokens"]) ++plain_counts[t.get<std::string>()];
+  for (const json& t : penalized_body["choices"][0]["logprobs"]["tokens"]) ++penalized_counts[t.get<std::string>()];
   auto most = [](const std::map<std::string, int>& m) {
     int best = 0;
     for (const auto& [k, v] : m) best = std::max(best, v);

@@ -144,6 +144,23 @@ bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::second
   return pred();
 }
 
+// A stories260K server with `slots` sequence slots; the fixture outlives the server.
+struct Served {
+  Fixture f;
+  std::unique_ptr<OpenAiServer> server;
+  uint16_t port = 0;
+};
+Served serve_stories(int64_t slots) {
+  Served s{make_fixture(slots), nullptr, 0};
+  auto server = OpenAiServer::start(*s.f.engine, *s.f.tokenizer, options_for(*s.f.tokenizer));
+  EXPECT_TRUE(server.is_ok()) << server.status().to_string();
+  if (server.is_ok()) {
+    s.server = std::move(*server);
+    s.port = s.server->port();
+  }
+  return s;
+}
+
 const char* kPrompt = "Once upon a time";
 
 TEST(OpenAiServer, CompletionEqualsTheGeneratorAndStreamingAddsUpToIt) {
@@ -633,10 +650,9 @@ TEST(OpenAiServer, PreemptingAdmissionBatchesWhatReservingRunsOneAtATime) {
 // after a stop string only the tokens that start before it.
 TEST(OpenAiServer, CompletionLogprobsDescribeEveryTokenOfTheText) {
   const std::string expected = generator_text(kPrompt, 40);
-  Fixture f = make_fixture(2);
-  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
-  ASSERT_TRUE(server.is_ok());
-  const uint16_t port = (*server)->port();
+  Served served = serve_stories(2);
+  ASSERT_TRUE(served.server);
+  const uint16_t port = served.port;
   const json body = {{"prompt", kPrompt}, {"max_tokens", 40}, {"temperature", 0}, {"logprobs", 3}};
   Reply r = post(port, "/v1/completions", body);
   ASSERT_EQ(r.status, 200) << r.body;
@@ -697,10 +713,9 @@ TEST(OpenAiServer, CompletionLogprobsDescribeEveryTokenOfTheText) {
 // logprobs 1, max_tokens 1): the text starts with the prompt, every prompt token after the first
 // has the logprob a dense forward gives it, and streaming sends the prompt first.
 TEST(OpenAiServer, EchoWithLogprobsScoresThePrompt) {
-  Fixture f = make_fixture(2);
-  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
-  ASSERT_TRUE(server.is_ok());
-  const uint16_t port = (*server)->port();
+  Served served = serve_stories(2);
+  ASSERT_TRUE(served.server);
+  const uint16_t port = served.port;
   const std::string completion = generator_text(kPrompt, 1);
   const json body = {{"prompt", kPrompt}, {"max_tokens", 1}, {"temperature", 0}, {"logprobs", 1}, {"echo", true}};
   Reply r = post(port, "/v1/completions", body);
@@ -708,7 +723,7 @@ TEST(OpenAiServer, EchoWithLogprobsScoresThePrompt) {
   const json choice = r.j()["choices"][0];
   EXPECT_EQ(choice["text"], std::string(kPrompt) + completion);
   const json lp = choice["logprobs"];
-  auto ids = f.tokenizer->encode(kPrompt, true, false);
+  auto ids = served.f.tokenizer->encode(kPrompt, true, false);
   ASSERT_TRUE(ids.is_ok());
   ASSERT_EQ(lp["tokens"].size(), ids->size() + 1);
   EXPECT_TRUE(lp["token_logprobs"][0].is_null());
@@ -762,10 +777,9 @@ TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
   std::vector<std::string> expected;
   for (uint64_t c = 0; c < 3; ++c) expected.push_back(generator_text(kPrompt, 24, 0.8f, 11 + c));
   EXPECT_NE(expected[0], expected[1]);
-  Fixture f = make_fixture(4);
-  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
-  ASSERT_TRUE(server.is_ok());
-  const uint16_t port = (*server)->port();
+  Served served = serve_stories(4);
+  ASSERT_TRUE(served.server);
+  const uint16_t port = served.port;
   const json body = {{"prompt", kPrompt}, {"max_tokens", 24}, {"temperature", 0.8}, {"seed", 11}, {"n", 3}};
   Reply r = post(port, "/v1/completions", body);
   ASSERT_EQ(r.status, 200) << r.body;
@@ -778,7 +792,7 @@ TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
     tokens += j["choices"][c]["finish_reason"] == "length" ? 24 : 0;
   }
   EXPECT_GE(j["usage"]["completion_tokens"].get<int64_t>(), tokens);
-  EXPECT_GT((*server)->counters().max_batch_sequences, 1) << "the choices ran in one batch";
+  EXPECT_GT(served.server->counters().max_batch_sequences, 1) << "the choices ran in one batch";
 
   json sbody = body;
   sbody["stream"] = true;
@@ -807,24 +821,23 @@ TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
   ASSERT_EQ(greedy.status, 200);
   EXPECT_EQ(greedy.j()["choices"][0]["text"], greedy.j()["choices"][1]["text"]);
   EXPECT_EQ(greedy.j()["choices"][0]["text"], generator_text(kPrompt, 16));
-  EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
+  EXPECT_TRUE(eventually([&] { return served.server->counters().kv_bytes_in_use == 0; }));
 }
 
 // logit_bias, penalties and stop_token_ids reach the engine: banning the greedy first token
 // changes the text, a stop token id ends it, ids outside the vocabulary are a 400 naming the field.
 TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
   const std::string plain = generator_text(kPrompt, 20);
-  Fixture f = make_fixture(2);
-  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
-  ASSERT_TRUE(server.is_ok());
-  const uint16_t port = (*server)->port();
+  Served served = serve_stories(2);
+  ASSERT_TRUE(served.server);
+  const uint16_t port = served.port;
   const json base = {{"prompt", kPrompt}, {"max_tokens", 20}, {"temperature", 0}, {"logprobs", 0}};
   Reply r = post(port, "/v1/completions", base);
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(r.j()["choices"][0]["text"], plain);
   const std::string first = r.j()["choices"][0]["logprobs"]["tokens"][0];
   const std::string second = r.j()["choices"][0]["logprobs"]["tokens"][1];
-  const TokenId first_id = f.tokenizer->piece_to_id(first);
+  const TokenId first_id = served.f.tokenizer->piece_to_id(first);
   ASSERT_GE(first_id, 0) << first;
 
   json banned = base;
@@ -855,7 +868,7 @@ TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
   EXPECT_LE(most(penalized_counts), most(plain_counts)) << "penalties repeat tokens no more often";
   EXPECT_NE(p.j()["choices"][0]["text"], r.j()["choices"][0]["text"]);
 
-  const TokenId second_id = f.tokenizer->piece_to_id(second);
+  const TokenId second_id = served.f.tokenizer->piece_to_id(second);
   ASSERT_GE(second_id, 0) << second;
   json stopped = base;
   stopped["stop_token_ids"] = {second_id};

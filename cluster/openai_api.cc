@@ -261,7 +261,8 @@ Check parse_flags(const json& body, ApiRequest& req) {
 
 // Completions: "logprobs": N alternatives (0 = the chosen token's only). Chat: "logprobs": true,
 // with "top_logprobs": N (default 0) only beside it, as OpenAI checks.
-Check parse_logprobs(ApiKind kind, const json& body, ApiRequest& req) {
+Check parse_logprobs(const json& body, ApiRequest& req) {
+  const ApiKind kind = req.kind;
   const std::string range = "between 0 and " + std::to_string(kMaxLogprobs);
   auto count = [&](const json& v) -> std::optional<int32_t> {
     const auto n = v.is_boolean() ? std::nullopt : as_int64(v);
@@ -287,6 +288,25 @@ Check parse_logprobs(ApiKind kind, const json& body, ApiRequest& req) {
     const auto n = count(*top);
     if (!n) return field_error("top_logprobs", "must be an integer " + range);
     req.logprobs = *n;
+  }
+  return std::nullopt;
+}
+
+// "n" choices, and "echo" (completions only).
+Check parse_choices(const json& body, ApiRequest& req) {
+  if (const json* v = find_field(body, "n")) {
+    const auto n = as_int64(*v);
+    if (!n || *n < 1 || *n > kMaxChoices) {
+      return field_error("n", "must be an integer between 1 and " + std::to_string(kMaxChoices));
+    }
+    req.n = static_cast<int32_t>(*n);
+  }
+  if (const json* v = find_field(body, "echo")) {
+    if (!v->is_boolean()) return field_error("echo", "must be a boolean");
+    if (v->get<bool>() && req.kind == ApiKind::kChat) {
+      return field_error("echo", "must be false: chat completions do not echo (completions do)");
+    }
+    req.echo = v->get<bool>();
   }
   return std::nullopt;
 }
@@ -341,15 +361,9 @@ Check parse_logit_controls(const json& body, ApiRequest& req) {
 }
 
 // Features we cannot honour: refused unless given as their "off" value, never silently ignored.
-Check refuse_unsupported(const json& body, ApiKind kind) {
+Check refuse_unsupported(const json& body) {
   if (const json* v = find_field(body, "best_of"); v && as_int64(*v) != 1) {
     return field_error("best_of", "must be 1: best-of sampling is not supported (n is)");
-  }
-  if (const json* v = find_field(body, "echo")) {
-    if (!v->is_boolean()) return field_error("echo", "must be a boolean");
-    if (v->get<bool>() && kind == ApiKind::kChat) {
-      return field_error("echo", "must be false: chat completions do not echo (completions do)");
-    }
   }
   if (find_field(body, "prompt_logprobs")) {
     return field_error("prompt_logprobs", "must be null: prompt logprobs are not supported");
@@ -390,21 +404,12 @@ Check refuse_unsupported(const json& body, ApiKind kind) {
 ParseResult parse_object(ApiKind kind, const json& body) {
   ApiRequest req;
   req.kind = kind;
-  Check e = refuse_unsupported(body, kind);
+  Check e = refuse_unsupported(body);
   if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
-  for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags, parse_logit_controls}) {
+  for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags,
+                    parse_logit_controls, parse_logprobs, parse_choices}) {
     if (!e) e = step(body, req);
   }
-  if (!e) e = parse_logprobs(kind, body, req);
-  if (const json* v = find_field(body, "n"); !e && v) {
-    const auto n = as_int64(*v);
-    if (!n || *n < 1 || *n > kMaxChoices) {
-      e = field_error("n", "must be an integer between 1 and " + std::to_string(kMaxChoices));
-    } else {
-      req.n = static_cast<int32_t>(*n);
-    }
-  }
-  if (const json* v = find_field(body, "echo"); !e && v) req.echo = v->get<bool>();  // checked above
   if (e) return ParseResult{std::nullopt, std::move(*e)};
   return ParseResult{std::move(req), ApiError{}};
 }

@@ -358,6 +358,13 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
                                                           std::vector<GenerationRequest>& choices) const {
   choices.assign(1, GenerationRequest{});
   GenerationRequest& out = choices[0];
+  const int64_t vocab = engine.config().vocab_size;
+  auto outside_vocabulary = [&](const std::string& field, const char* param, TokenId id) {
+    return ApiError{400, "invalid_request_error",
+                    "field '" + field + "' is token id " + std::to_string(id) + ", outside the vocabulary of " +
+                        std::to_string(vocab),
+                    param, ""};
+  };
   if (!in.model.empty() && in.model != options.model_name) {
     return ApiError{
         404, "not_found_error",
@@ -379,14 +386,9 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
       return ApiError{400, "invalid_request_error", "messages: " + ids.status().message(), "messages", ""};
     out.prompt = std::move(*ids);
   } else if (in.prompt_is_ids) {
-    const int64_t vocab = engine.config().vocab_size;
     for (size_t i = 0; i < in.prompt_ids.size(); ++i) {
       if (in.prompt_ids[i] < 0 || in.prompt_ids[i] >= vocab) {
-        return ApiError{400, "invalid_request_error",
-                        "field 'prompt[" + std::to_string(i) + "]' is token id " +
-                            std::to_string(in.prompt_ids[i]) + ", outside the vocabulary of " +
-                            std::to_string(vocab),
-                        "prompt", ""};
+        return outside_vocabulary("prompt[" + std::to_string(i) + "]", "prompt", in.prompt_ids[i]);
       }
     }
     out.prompt = in.prompt_ids;
@@ -414,19 +416,12 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.logprobs = in.logprobs;
   out.prompt_logprobs = in.echo && in.logprobs >= 0;
   if (!in.ignore_eos) out.stop_ids = options.stop_ids;
-  const int64_t vocab = engine.config().vocab_size;
-  auto outside = [&](const std::string& field, TokenId id) {
-    return ApiError{400, "invalid_request_error",
-                    "field '" + field + "' names token id " + std::to_string(id) + ", outside the vocabulary of " +
-                        std::to_string(vocab),
-                    field, ""};
-  };
   for (TokenId id : in.stop_token_ids) {
-    if (id >= vocab) return outside("stop_token_ids", id);
+    if (id >= vocab) return outside_vocabulary("stop_token_ids", "stop_token_ids", id);
     out.stop_ids.push_back(id);  // ignore_eos leaves these in, as vLLM
   }
   for (const auto& [id, bias] : in.logit_bias) {
-    if (id >= vocab) return outside("logit_bias", id);
+    if (id >= vocab) return outside_vocabulary("logit_bias." + std::to_string(id), "logit_bias", id);
   }
   out.logit_bias = in.logit_bias;
   out.frequency_penalty = in.frequency_penalty;
@@ -511,10 +506,13 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     co_return co_await reply_error(*conn, req, *err);
   }
   // Taken before the job is queued: the engine thread moves the requests out.
-  const std::vector<TokenId> prompt = job->requests[0].prompt;
-  const auto prompt_len = static_cast<int64_t>(prompt.size());
+  const std::vector<TokenId>& queued_prompt = job->requests[0].prompt;
+  const auto prompt_len = static_cast<int64_t>(queued_prompt.size());
+  const TokenId last_prompt_token = queued_prompt.back();
   std::string echo_text;
-  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(prompt) : api.prompt_text;
+  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(queued_prompt) : api.prompt_text;
+  // Only echo with logprobs reads the prompt's tokens later.
+  const std::vector<TokenId> prompt = api.echo && api.logprobs >= 0 ? queued_prompt : std::vector<TokenId>{};
   if (draining) {
     ++rejected;
     const ApiError error{503, "server_error", "server shutting down", "", ""};
@@ -569,7 +567,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   std::vector<Choice> choices;
   for (int32_t c = 0; c < api.n; ++c) {
     choices.emplace_back(api.stop);
-    choices.back().prev = prompt.back();
+    choices.back().prev = last_prompt_token;
     choices.back().echo_pending = api.echo;
   }
   size_t choices_done = 0;

@@ -84,27 +84,24 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     const int64_t final_length =
         std::min(engine_.max_context(),
                  r.synthetic_context + static_cast<int64_t>(e.prompt_size) + r.max_new_tokens);
+    // kReserve asks for its final length beside the running ones' promises and waits when that
+    // fits alone; kPreempt refuses only what never fits alone and waits until its prompt fits.
+    const bool others = engine_.live_sequences() > 0;
+    Status verdict;
+    bool wait = false;
     if (options_.admission == AdmissionPolicy::kPreempt) {
-      if (Status alone = engine_.admit(final_length, /*alone=*/true); !alone.is_ok()) {
-        const bool refused = alone.code() == StatusCode::kResourceExhausted;
-        finish(e, refused ? FinishReason::kRefused : FinishReason::kError, "refused: " + alone.message(), events);
-        if (!refused && first_error.is_ok()) first_error = alone;
-        waiting_.pop_front();
-        continue;
-      }
-      if (engine_.live_sequences() > 0 &&
-          !engine_.fits(near_lengths(), near_length(e, r.synthetic_context)).is_ok()) {
-        break;  // waits, in order, until running requests finish or make room
-      }
-    } else if (Status fits = engine_.admit(final_length, /*alone=*/false); !fits.is_ok()) {
-      if (fits.code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0 &&
-          engine_.admit(final_length, /*alone=*/true).is_ok()) {
-        break;  // fits once running sequences finish: wait, in order
-      }
-      const bool refused = fits.code() == StatusCode::kResourceExhausted;
-      finish(e, refused ? FinishReason::kRefused : FinishReason::kError, "refused: " + fits.message(),
-             events);
-      if (!refused && first_error.is_ok()) first_error = fits;
+      verdict = engine_.admit(final_length, /*alone=*/true);
+      wait = verdict.is_ok() && others && !engine_.fits(near_lengths(), near_length(e, r.synthetic_context)).is_ok();
+    } else {
+      verdict = engine_.admit(final_length, /*alone=*/false);
+      wait = verdict.code() == StatusCode::kResourceExhausted && others &&
+             engine_.admit(final_length, /*alone=*/true).is_ok();
+    }
+    if (wait) break;  // in order, until running requests finish (or make room)
+    if (!verdict.is_ok()) {
+      const bool refused = verdict.code() == StatusCode::kResourceExhausted;
+      finish(e, refused ? FinishReason::kRefused : FinishReason::kError, "refused: " + verdict.message(), events);
+      if (!refused && first_error.is_ok()) first_error = verdict;
       waiting_.pop_front();
       continue;
     }
@@ -143,6 +140,29 @@ void Scheduler::push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEve
 
 LogitsMode Scheduler::sample_mode(const Entry& e) {
   return e.request.logprobs >= 0 || e.request.adjusts_logits() ? LogitsMode::kLast : LogitsMode::kSample;
+}
+
+void Scheduler::adjust_logits(const Entry& e, std::span<float> logits) {
+  const GenerationRequest& r = e.request;
+  const auto vocab = static_cast<TokenId>(logits.size());
+  constexpr float kNever = -std::numeric_limits<float>::infinity();
+  for (const auto& [id, bias] : r.logit_bias) {
+    if (id >= 0 && id < vocab) logits[static_cast<size_t>(id)] += bias;
+  }
+  for (const auto& [id, count] : e.output_counts) {
+    logits[static_cast<size_t>(id)] -= r.frequency_penalty * static_cast<float>(count) + r.presence_penalty;
+  }
+  if (e.generated() < r.min_tokens) {
+    for (TokenId id : r.stop_ids) {
+      if (id >= 0 && id < vocab) logits[static_cast<size_t>(id)] = kNever;
+    }
+  }
+  if (r.min_p > 0.0f && r.sampling.temperature > 0.0f) {
+    const float cut = *std::max_element(logits.begin(), logits.end()) + r.sampling.temperature * std::log(r.min_p);
+    for (float& l : logits) {
+      if (l < cut) l = kNever;
+    }
+  }
 }
 
 int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
@@ -250,26 +270,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       // Asked for logprobs: drawn here, by the procedure sample_rows implements.
       const std::span<float> row = out->row(b, out->n_rows[b] - 1);
       sample_logits_.assign(row.begin(), row.end());
-      const auto vocab = static_cast<TokenId>(sample_logits_.size());
-      for (const auto& [id, bias] : r.logit_bias) {
-        if (id >= 0 && id < vocab) sample_logits_[static_cast<size_t>(id)] += bias;
-      }
-      for (const auto& [id, count] : e.output_counts) {
-        sample_logits_[static_cast<size_t>(id)] -=
-            r.frequency_penalty * static_cast<float>(count) + r.presence_penalty;
-      }
-      if (e.generated < r.min_tokens) {
-        for (TokenId id : r.stop_ids) {
-          if (id >= 0 && id < vocab) sample_logits_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
-        }
-      }
-      if (r.min_p > 0.0f && r.sampling.temperature > 0.0f) {
-        const float cut = *std::max_element(sample_logits_.begin(), sample_logits_.end()) +
-                          r.sampling.temperature * std::log(r.min_p);
-        for (float& l : sample_logits_) {
-          if (l < cut) l = -std::numeric_limits<float>::infinity();
-        }
-      }
+      adjust_logits(e, sample_logits_);
       tok = sample_with_coin(sample_logits_, e.draw, sample_scratch_);
       if (r.logprobs >= 0) logprobs = token_logprobs(row, tok, r.logprobs);
     }
@@ -278,14 +279,13 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       continue;
     }
     push_event(e, {e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs), {}}, events);
-    ++e.generated;
     e.produced.push_back(tok);
     if (r.frequency_penalty != 0.0f || r.presence_penalty != 0.0f) ++e.output_counts[tok];
     if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);
     e.next = tok;
     ++stats_.generated_tokens;
     if (!is_prefill[b]) ++stats_.decode_tokens;
-    if (e.generated >= r.max_new_tokens) {
+    if (e.generated() >= r.max_new_tokens) {
       finish(e, FinishReason::kLength, {}, events);
     } else if (engine_.sequence_length(e.seq) + 1 > engine_.max_context()) {
       finish(e, FinishReason::kContext, {}, events);

@@ -136,9 +136,9 @@ class Scheduler {
     Sampler sampler{SamplingParams{}};
     TokenDraw draw;         // this step's sampling decision, made by the engine where the logits are
     int64_t prefilled = 0;  // prompt tokens already in the cache
-    int64_t generated = 0;
     size_t prompt_size = 0;          // of the request as submitted
     std::vector<TokenId> produced;   // its tokens so far (kPreempt: a preempted one's prompt gains them)
+    int64_t generated() const { return static_cast<int64_t>(produced.size()); }
     std::vector<TokenLogprobs> prompt_logprobs;  // gathered over its prompt chunks
     std::unordered_map<TokenId, int32_t> output_counts;  // produced tokens (frequency/presence penalties)
     bool prompt_logprobs_done = false;           // its first event carried them (not recomputed)
@@ -156,6 +156,8 @@ class Scheduler {
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   void release(Entry& e);
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
+  // The request's logit_bias, penalties, min_tokens and min_p applied to a copy of its raw logits.
+  static void adjust_logits(const Entry& e, std::span<float> logits);
   static bool wants_prompt_logprobs(const Entry& e) {
     return e.request.prompt_logprobs && !e.prompt_logprobs_done;
   }

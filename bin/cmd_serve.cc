@@ -21,6 +21,11 @@ void register_serve(CLI::App& app, ServeArgs& a) {
       app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API (continuous batching)");
   a.engine.admission = "preempt";  // as vLLM: requests without max_tokens would otherwise reserve the context
   add_engine_options(*cmd, a.engine);
+  a.engine.prefix_caching = true;
+  cmd->add_flag("--prefix-caching,!--no-prefix-caching", a.engine.prefix_caching,
+                "start each request from the longest cached prefix of its prompt (running or finished "
+                "requests' KV, in whole pages; finished ones stay cached until memory is wanted)")
+      ->capture_default_str();
   cmd->add_option("--listen", a.listen, "HOST:PORT to listen on (port 0: any free port, printed at start)");
   cmd->add_option("--served-model-name", a.model_name,
                   "the model id clients name (default: the model file's name)");
@@ -78,6 +83,7 @@ int run_serve(const ServeArgs& a) {
   o.scheduling.prefill_chunk = a.engine.prefill_chunk;
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
   o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
+  o.scheduling.prefix_caching = a.engine.prefix_caching;
 
   // Block the stop signals before the server's threads start, so that they inherit the mask and
   // only sigwait below sees them.
@@ -93,7 +99,7 @@ int run_serve(const ServeArgs& a) {
                         {"port", (*server)->port()},     {"model", o.model_name},
                         {"max_batch", a.max_batch},      {"max_context", bundle->engine->max_context()},
                         {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone},
-                        {"admission", a.engine.admission}}
+                        {"admission", a.engine.admission}, {"prefix_caching", a.engine.prefix_caching}}
              .dump()
       << std::endl;
   int sig = 0;
@@ -110,7 +116,9 @@ int run_serve(const ServeArgs& a) {
                               {"prompt_tokens", c.prompt_tokens},
                               {"generated_tokens", c.generated_tokens},
                               {"max_batch_sequences", c.max_batch_sequences},
-                              {"preemptions", c.preemptions}}
+                              {"preemptions", c.preemptions},
+                              {"cached_prompt_tokens", c.cached_prompt_tokens},
+                              {"prefix_cache_evictions", c.prefix_cache_evictions}}
                    .dump()
             << std::endl;
   return 0;

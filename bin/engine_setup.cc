@@ -167,6 +167,7 @@ Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded
   eopts.sparse.selection.sinks = a.sinks;
   eopts.sparse.selection.window = a.window;
   eopts.retrieval_head = head;
+  eopts.prefix_sharing = a.prefix_caching;
   if (head && !quiet) {
     std::fprintf(stderr, "retrieval head: %s (%s)\n",
                  out.head_note.empty() ? "random (synthetic)" : out.head_note.c_str(),

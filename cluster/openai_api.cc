@@ -490,9 +490,11 @@ json envelope(ApiKind kind, const ResponseMeta& meta, bool chunk) {
 }
 
 json usage_json(const Usage& usage) {
-  return json{{"prompt_tokens", usage.prompt_tokens},
-              {"completion_tokens", usage.completion_tokens},
-              {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+  json j{{"prompt_tokens", usage.prompt_tokens},
+         {"completion_tokens", usage.completion_tokens},
+         {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+  if (usage.cached_tokens) j["prompt_tokens_details"] = json{{"cached_tokens", *usage.cached_tokens}};
+  return j;
 }
 
 }  // namespace

@@ -124,6 +124,8 @@ std::string sanitize_utf8(std::string_view s);
 struct Usage {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
+  // With prefix caching: prompt tokens taken from the cache (prompt_tokens_details.cached_tokens).
+  std::optional<int64_t> cached_tokens;
 };
 
 struct ResponseMeta {

@@ -106,7 +106,7 @@ struct OpenAiServer::Impl {
 
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
-  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0}, preemptions{0},
+  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0}, preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0},
       kv_bytes{0};
 
   std::thread io_thread;
@@ -156,6 +156,8 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   generated_tokens = st.generated_tokens;
   max_batch = st.max_batch_sequences;
   preemptions = st.preemptions;
+  cached_prompt_tokens = st.cached_prompt_tokens;
+  prefix_cache_evictions = st.prefix_cache_evictions;
   kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
@@ -204,7 +206,8 @@ void OpenAiServer::Impl::engine_loop() {
       for (size_t c = 0; c < order.job->ids.size(); ++c) {
         if (order.choice >= 0 && static_cast<size_t>(order.choice) != c) continue;
         const RequestId id = order.job->ids[c];
-        if (id.valid() && scheduler.cancel(id)) live.erase(id.value());
+        // Its cache is sound (a stop string, a client gone): prefix caching may keep it.
+        if (id.valid() && scheduler.cancel(id, /*keep_cached=*/true)) live.erase(id.value());
       }
     }
     publish(scheduler);
@@ -622,6 +625,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     }
   };
 
+  int64_t cached_tokens = 0;  // prompt tokens the choices took from the prefix cache
   while (choices_done < choices.size() && !failure) {
     std::vector<ChoiceEvent> events = co_await next_events(*job);
     if (job->client_gone) break;
@@ -632,6 +636,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
       if (ch.done) continue;
       const SchedulerEvent& ev = ce.event;
       std::string& delta = deltas[ce.choice];
+      cached_tokens = std::max(cached_tokens, ev.cached_prompt_tokens);
       const bool failed_ending = ev.finished && (ev.finish == FinishReason::kRefused ||
                                                  ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kError);
       if (ch.echo_pending && !failed_ending) {
@@ -730,7 +735,8 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     ++completed;
     int64_t completion_tokens = 0;
     for (const Choice& ch : choices) completion_tokens += ch.completion_tokens;
-    const Usage usage{prompt_len, completion_tokens};
+    Usage usage{prompt_len, completion_tokens, std::nullopt};
+    if (options.scheduling.prefix_caching) usage.cached_tokens = std::min(cached_tokens, prompt_len);
     if (!api.stream) {
       std::vector<ChoiceOut> out;
       for (const Choice& ch : choices) out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr});
@@ -782,6 +788,10 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_generation_tokens_total", "counter", "tokens generated", generated_tokens);
   metric("specontext_batch_sequences_max", "gauge", "most sequences in one forward pass", max_batch);
   metric("specontext_preemptions_total", "counter", "running requests recomputed to make room", preemptions);
+  metric("specontext_prefix_cache_hit_tokens_total", "counter", "prompt tokens taken from the prefix cache",
+         cached_prompt_tokens);
+  metric("specontext_prefix_cache_evictions_total", "counter", "cached sequences dropped to make room",
+         prefix_cache_evictions);
   metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
   return out;
 }
@@ -872,6 +882,8 @@ ServerCounters OpenAiServer::counters() const {
   c.waiting = s.waiting;
   c.max_batch_sequences = s.max_batch;
   c.preemptions = s.preemptions;
+  c.cached_prompt_tokens = s.cached_prompt_tokens;
+  c.prefix_cache_evictions = s.prefix_cache_evictions;
   c.kv_bytes_in_use = s.kv_bytes;
   return c;
 }

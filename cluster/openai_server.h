@@ -36,6 +36,7 @@ struct ServerOptions {
   GeneratorOptions scheduling = [] {
     GeneratorOptions g;
     g.admission = AdmissionPolicy::kPreempt;
+    g.prefix_caching = true;  // multi-turn chats resend their history
     return g;
   }();
 };
@@ -53,6 +54,8 @@ struct ServerCounters {
   int64_t waiting = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
   int64_t preemptions = 0;          // running requests recomputed to make room (AdmissionPolicy::kPreempt)
+  int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache
+  int64_t prefix_cache_evictions = 0;  // cached sequences dropped for room
   int64_t kv_bytes_in_use = 0;
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <unordered_set>
 
@@ -271,6 +272,79 @@ Result<SeqId> Engine::add_sequence(int64_t final_length) {
   return id;
 }
 
+int64_t Engine::fork_granularity() const {
+  const int64_t ps = kv_->page_size();
+  return options_.sparse.method == SparseMethod::kQuest ? std::lcm(ps, options_.sparse.quest_page_size) : ps;
+}
+
+Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length) {
+  const auto src_it = sequences_.find(source);
+  if (src_it == sequences_.end()) {
+    return invalid_argument("fork_sequence: unknown sequence " + std::to_string(source.value()));
+  }
+  const int64_t granularity = fork_granularity(), source_length = src_it->second.length;
+  if (prefix_tokens <= 0 || prefix_tokens % granularity != 0 || prefix_tokens > source_length) {
+    return invalid_argument("fork_sequence: a prefix of " + std::to_string(prefix_tokens) + " tokens of sequence " +
+                            std::to_string(source.value()) + " (" + std::to_string(source_length) +
+                            " tokens): it must be a positive multiple of " + std::to_string(granularity) +
+                            " up to the sequence's length");
+  }
+  const int64_t n_pages = prefix_tokens / kv_->page_size();
+  const bool head = options_.sparse.method == SparseMethod::kSpeContext;
+  if (head) {
+    const auto& bf = src_it->second.boundary_fused;
+    if (static_cast<int64_t>(bf.size()) < n_pages || !bf[static_cast<size_t>(n_pages - 1)]) {
+      return invalid_argument("fork_sequence: sequence " + std::to_string(source.value()) +
+                              " has no fused features at token " + std::to_string(prefix_tokens - 1) +
+                              (options_.prefix_sharing ? "" : " (EngineOptions::prefix_sharing is off)"));
+    }
+  }
+  SPX_ASSIGN_OR_RETURN(const SeqId id, add_sequence(final_length));
+  Sequence& s = sequences_.at(id);
+  const Sequence& src = sequences_.at(source);  // unordered_map references survive the insertion
+  s.pages.assign(src.pages.begin(), src.pages.begin() + n_pages);
+  for (PageId p : s.pages) kv_->share_page(p);
+  s.length = prefix_tokens;
+  auto undo = [&](const Status& st) -> Status {
+    (void)remove_sequence(id);
+    return st.with_context("fork_sequence");
+  };
+  if (head) {
+    if (Status st = ensure_head_capacity(s, prefix_tokens); !st.is_ok()) return undo(st);
+    const uint64_t bytes = head_block_bytes();
+    const size_t blocks = static_cast<size_t>((prefix_tokens + head_block_tokens_ - 1) / head_block_tokens_);
+    for (size_t b = 0; b < blocks; ++b) {
+      void* dst = kv_->address(s.head_tier, s.head_blocks[b]);
+      const void* from = kv_->address(src.head_tier, src.head_blocks[b]);
+      if (backend_reads(s.head_tier) && backend_reads(src.head_tier)) {
+        if (Status st = backend_->copy_rows(dst, bytes, from, bytes, bytes, 1); !st.is_ok()) return undo(st);
+      } else if (host_visible(s.head_tier) && host_visible(src.head_tier)) {
+        std::memcpy(dst, from, bytes);
+      } else {
+        return undo(unimplemented("the retrieval head's keys are in a tier the engine cannot copy within"));
+      }
+    }
+    const size_t fused_row = static_cast<size_t>(3 * config().dim) * sizeof(float);
+    auto fused = backend_->allocate(fused_row);
+    if (!fused.is_ok()) return undo(fused.status());
+    s.last_fused = *fused;
+    if (Status st = backend_->copy_rows(s.last_fused.get(), fused_row,
+                                                 src.boundary_fused[static_cast<size_t>(n_pages - 1)].get(), fused_row,
+                                                 fused_row, 1); !st.is_ok()) return undo(st);
+    if (Status st = backend_->synchronize(); !st.is_ok()) return undo(st);
+    s.boundary_fused.assign(src.boundary_fused.begin(), src.boundary_fused.begin() + n_pages);
+  } else if (options_.sparse.method == SparseMethod::kQuest) {
+    if (Status st = ensure_sparse_state(s); !st.is_ok()) return undo(st);
+    const auto bounds = static_cast<size_t>(prefix_tokens / options_.sparse.quest_page_size * config().kv_dim());
+    for (size_t l = 0; l < s.layers.size(); ++l) {
+      const LayerSparseState& from = src.layers[l];
+      s.layers[l].page_min.assign(from.page_min.begin(), from.page_min.begin() + static_cast<std::ptrdiff_t>(bounds));
+      s.layers[l].page_max.assign(from.page_max.begin(), from.page_max.begin() + static_cast<std::ptrdiff_t>(bounds));
+    }
+  }
+  return id;
+}
+
 Status Engine::remove_sequence(SeqId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return invalid_argument("unknown sequence " + std::to_string(seq.value()));
@@ -391,22 +465,31 @@ bool Engine::backend_reads(TierId tier) const {
 
 Status Engine::check_invariants() const {
   SPX_RETURN_IF_ERROR(kv_->check_invariants());
-  std::unordered_set<PageId> seen;
+  std::unordered_map<PageId, int32_t> holders;
   for (const auto& [id, s] : sequences_) {
     const int64_t need = (s.length + kv_->page_size() - 1) / kv_->page_size();
     if (static_cast<int64_t>(s.pages.size()) < need) {
       return internal_error("sequence " + std::to_string(id.value()) + " holds " + std::to_string(s.pages.size()) +
                             " pages for " + std::to_string(s.length) + " tokens");
     }
+    std::unordered_set<PageId> own;
     for (PageId p : s.pages) {
-      if (!seen.insert(p).second) {
-        return internal_error("page " + std::to_string(p.value()) + " belongs to two sequences");
+      if (!own.insert(p).second) {
+        return internal_error("sequence " + std::to_string(id.value()) + " holds page " + std::to_string(p.value()) +
+                              " twice");
       }
+      ++holders[p];
     }
   }
-  if (static_cast<int64_t>(seen.size()) != kv_->used_pages()) {
+  if (static_cast<int64_t>(holders.size()) != kv_->used_pages()) {
     return internal_error(std::to_string(kv_->used_pages()) + " pages in use but sequences hold " +
-                          std::to_string(seen.size()));
+                          std::to_string(holders.size()));
+  }
+  for (const auto& [p, n] : holders) {
+    if (kv_->page_references(p) != n) {
+      return internal_error("page " + std::to_string(p.value()) + " has " + std::to_string(kv_->page_references(p)) +
+                            " references but " + std::to_string(n) + " holders");
+    }
   }
   for (int64_t l = 0; l < kv_->n_layers(); ++l) {
     if (kv_->home(LayerId(static_cast<int32_t>(l))) != placement_.layer_home[static_cast<size_t>(l)]) {

@@ -105,6 +105,10 @@ struct EngineOptions {
   // Null: a single rank.
   std::shared_ptr<Communicator> communicator;
   TieringOptions tiering;
+  // Lets fork_sequence start a sequence from any page boundary of another: with SpeContext the
+  // engine then also keeps the fused features at each page's last position (3·dim floats per
+  // page in backend memory), which the retrieval head needs to go on from there.
+  bool prefix_sharing = false;
 };
 
 // Per tier, what the engine holds there and what moved (observability).
@@ -201,7 +205,16 @@ class Engine {
   // to `grown` tokens (one entry per live sequence, any order), fit the engine's memory, with one
   // more sequence of `new_length` tokens beside them when new_length > 0. Answers as admit().
   Status fits(std::span<const int64_t> grown, int64_t new_length) const;
-  // Frees the sequence's pages. Unknown ids are an InvalidArgument.
+  // A new sequence holding the first `prefix_tokens` tokens of `source` without computing them
+  // (prefix caching): it shares source's pages of those tokens (full pages, never written again:
+  // both sequences append to pages of their own) and copies its retrieval-head keys and Quest
+  // bounds. prefix_tokens must be a positive multiple of fork_granularity() and at most source's
+  // length; with SpeContext EngineOptions::prefix_sharing must be on. Admission counts a shared
+  // page once per holder (conservative).
+  Result<SeqId> fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length = 0);
+  // Token multiple of the prefixes fork_sequence takes: the page size (and Quest's page size).
+  int64_t fork_granularity() const;
+  // Frees the sequence's pages (those it shares: its references). Unknown ids are an InvalidArgument.
   Status remove_sequence(SeqId seq);
   // Tokens cached for the sequence (0 for unknown ids).
   int64_t sequence_length(SeqId seq) const;
@@ -284,6 +297,9 @@ class Engine {
     TierId head_tier{0};
     int64_t filter_tokens = 0;  // head keys handed to the candidate filter so far
     std::shared_ptr<void> last_fused;  // fused features of the last cached position [3·dim], backend memory
+    // prefix_sharing: entry k = fused features of position (k+1)·page_size − 1, read-only (forks
+    // hold the same buffers).
+    std::vector<std::shared_ptr<const void>> boundary_fused;
     Selection shared_selection;        // SpeContext / streaming: one per step, all layers
     // With a shared selection every layer's working set has the same slot map, so one diff per
     // step (computed before layer 0) drives the copies of every layer.

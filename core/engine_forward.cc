@@ -98,7 +98,11 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
     // No copy may still touch the buffers; the working sets filled in this step no longer match
     // their slot maps, so they are reloaded from scratch at the next sparse step.
     if (options_.tiering.copies) (void)options_.tiering.copies->wait_all();
-    for (Sequence* s : seqs) invalidate_working_sets(*s);
+    for (Sequence* s : seqs) {
+      invalidate_working_sets(*s);
+      const auto kept = static_cast<size_t>(s->length / kv_->page_size());
+      if (s->boundary_fused.size() > kept) s->boundary_fused.resize(kept);
+    }
     give_back_pages();
     return out.status();
   }
@@ -497,6 +501,18 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
       }
       SPX_RETURN_IF_ERROR(be.copy_rows(s.last_fused.get(), fused_row, fused + (it.token_offset + it.n_tokens - 1) * fd,
                                        fused_row, fused_row, 1));
+      if (options_.prefix_sharing && method == SparseMethod::kSpeContext) {
+        // Page-boundary features for fork_sequence; a failed step truncates them again (forward).
+        for (int64_t k = 0; k < it.n_tokens; ++k) {
+          const int64_t pos = it.start_pos + k;
+          if ((pos + 1) % ps != 0) continue;
+          SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> boundary, be.allocate(fused_row));
+          SPX_RETURN_IF_ERROR(be.copy_rows(boundary.get(), fused_row, fused + (it.token_offset + k) * fd, fused_row,
+                                           fused_row, 1));
+          s.boundary_fused.resize(static_cast<size_t>(pos / ps));
+          s.boundary_fused.push_back(std::move(boundary));
+        }
+      }
     }
   }
 

@@ -62,6 +62,7 @@ Result<std::unique_ptr<KvStore>> KvStore::create(const ModelConfig& config, int6
   s->layers_.resize(static_cast<size_t>(config.n_layers));
   for (LayerHome& l : s->layers_) l.chunks.assign(static_cast<size_t>(n_chunks), kNoChunk);
   s->chunk_use_.assign(static_cast<size_t>(n_chunks), 0);
+  s->page_refs_.assign(static_cast<size_t>(n_pages), 0);
   s->free_list_.reserve(static_cast<size_t>(n_pages));
   for (int64_t p = 0; p < n_pages; ++p) s->free_list_.push_back(PageId(static_cast<int32_t>(p)));  // sorted: a min-heap
   return s;
@@ -121,10 +122,14 @@ Result<PageId> KvStore::allocate_page() {
   ++chunk_use_[static_cast<size_t>(chunk)];
   std::pop_heap(free_list_.begin(), free_list_.end(), std::greater<>());
   free_list_.pop_back();
+  page_refs_[static_cast<size_t>(page.value())] = 1;
   return page;
 }
 
+void KvStore::share_page(PageId page) { ++page_refs_[static_cast<size_t>(page.value())]; }
+
 void KvStore::free_page(PageId page) {
+  if (--page_refs_[static_cast<size_t>(page.value())] > 0) return;
   const int64_t chunk = page.value() / chunk_pages_;
   if (--chunk_use_[static_cast<size_t>(chunk)] == 0) free_chunk(chunk);
   free_list_.push_back(page);
@@ -260,6 +265,11 @@ Status KvStore::check_invariants() const {
   }
   for (int64_t p = 0; p < n_pages_; ++p) {
     if (!is_free[static_cast<size_t>(p)]) ++use[static_cast<size_t>(p / chunk_pages_)];
+    if ((page_refs_[static_cast<size_t>(p)] == 0) != (is_free[static_cast<size_t>(p)] != 0)) {
+      return internal_error("KV store: page " + std::to_string(p) + " has " +
+                            std::to_string(page_refs_[static_cast<size_t>(p)]) + " references but is " +
+                            (is_free[static_cast<size_t>(p)] ? "free" : "in use"));
+    }
   }
   if (use != chunk_use_) return internal_error("KV store: chunk use counts differ from the pages in use");
   // Every used chunk has storage in every layer's home, exactly the allocation of its size, and

@@ -75,7 +75,12 @@ class KvStore {
   // A free page id, with chunk storage allocated in every layer's home when it is the first
   // page of its chunk (all or nothing). kResourceExhausted names the pool or the full tier.
   Result<PageId> allocate_page();
+  // Pages are reference counted so that sequences forked from a common prefix share its full
+  // pages (Engine::fork_sequence): allocate_page hands out one reference, share_page adds one to
+  // a page in use, free_page drops one and returns the page to the pool with the last.
+  void share_page(PageId page);
   void free_page(PageId page);
+  int32_t page_references(PageId page) const { return page_refs_[static_cast<size_t>(page.value())]; }
 
   TierId home(LayerId layer) const { return layers_[static_cast<size_t>(layer.value())].home; }
   bool resident(LayerId layer) const { return home(layer) == TierId(0); }
@@ -136,6 +141,7 @@ class KvStore {
   std::vector<RegionAllocator> allocators_;
   std::vector<LayerHome> layers_;
   std::vector<int32_t> chunk_use_;  // pages in use per chunk
+  std::vector<int32_t> page_refs_;  // holders per page (0: free)
   // A min-heap: the lowest free id is handed out first, so live pages stay packed in the lowest
   // chunks. (LIFO reuse spread a new sequence's pages over the chunks an old one had used, and the
   // device held two chunks per layer for eleven pages: `generate --batch 4 --device-kv 700KiB`

@@ -9,6 +9,8 @@ namespace specontext {
 
 Scheduler::~Scheduler() {
   for (Entry& e : running_) release(e);
+  while (evict_cached()) {
+  }
 }
 
 Status Scheduler::validate(const GenerationRequest& r) const {
@@ -50,14 +52,18 @@ Result<RequestId> Scheduler::submit(GenerationRequest request) {
   return waiting_.back().id;
 }
 
-bool Scheduler::cancel(RequestId id) {
+bool Scheduler::cancel(RequestId id, bool keep_cached) {
   auto match = [id](const Entry& e) { return e.id == id; };
   if (auto it = std::find_if(waiting_.begin(), waiting_.end(), match); it != waiting_.end()) {
     waiting_.erase(it);
     return true;
   }
   if (auto it = std::find_if(running_.begin(), running_.end(), match); it != running_.end()) {
-    release(*it);
+    if (keep_cached) {
+      cache_or_release(*it);
+    } else {
+      release(*it);
+    }
     running_.erase(it);
     return true;
   }
@@ -69,11 +75,90 @@ void Scheduler::release(Entry& e) {
   e.seq = SeqId();
 }
 
+void Scheduler::cache_or_release(Entry& e) {
+  const int64_t length = e.seq.valid() ? engine_.sequence_length(e.seq) : 0;
+  if (!options_.prefix_caching || length == 0 || e.request.synthetic_context > 0) {
+    release(e);
+    return;
+  }
+  CachedSequence c{e.seq, {}};
+  c.tokens.assign(e.request.prompt.begin(), e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
+  c.tokens.insert(c.tokens.end(), e.produced.begin(), e.produced.end());
+  c.tokens.resize(std::min(c.tokens.size(), static_cast<size_t>(length)));  // the last token was never fed
+  cached_.push_back(std::move(c));
+  e.seq = SeqId();
+}
+
+bool Scheduler::evict_cached() {
+  if (cached_.empty()) return false;
+  (void)engine_.remove_sequence(cached_.front().seq);
+  cached_.pop_front();
+  ++stats_.prefix_cache_evictions;
+  return true;
+}
+
 void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
                        std::vector<SchedulerEvent>& events) {
   e.done = true;
-  release(e);
+  if (reason == FinishReason::kLength || reason == FinishReason::kStop || reason == FinishReason::kContext) {
+    cache_or_release(e);
+  } else {
+    release(e);  // a failed step's sequence is not trusted
+  }
   push_event(e, {e.id, -1, true, reason, std::move(error), std::nullopt, {}}, events);
+}
+
+Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length) {
+  const int64_t promised = options_.admission == AdmissionPolicy::kReserve ? final_length : 0;
+  const bool first_admission = !e.admitted_before;
+  e.admitted_before = true;
+  if (!options_.prefix_caching || e.request.synthetic_context > 0 || wants_prompt_logprobs(e)) {
+    return engine_.add_sequence(promised);
+  }
+  // The longest shared prefix in whole fork units, short of the prompt's last token (whose logits
+  // are needed): over the running requests' caches and the cached finished ones.
+  const std::vector<TokenId>& prompt = e.request.prompt;
+  const int64_t unit = engine_.fork_granularity();
+  const auto limit = static_cast<int64_t>(prompt.size()) - 1;
+  auto usable = [&](int64_t cached, auto&& token_at) {
+    const int64_t cap = std::min(cached, limit);
+    int64_t k = 0;
+    while (k < cap && token_at(k) == prompt[static_cast<size_t>(k)]) ++k;
+    return k / unit * unit;
+  };
+  int64_t best = 0;
+  SeqId source;
+  std::optional<size_t> from_cache;
+  for (const Entry& r : running_) {
+    if (!r.seq.valid() || r.request.synthetic_context > 0) continue;
+    const int64_t m = usable(engine_.sequence_length(r.seq), [&](int64_t k) {
+      const auto i = static_cast<size_t>(k);
+      return i < r.prompt_size ? r.request.prompt[i] : r.produced[i - r.prompt_size];
+    });
+    if (m > best) best = m, source = r.seq, from_cache.reset();
+  }
+  for (size_t c = 0; c < cached_.size(); ++c) {
+    const std::vector<TokenId>& tokens = cached_[c].tokens;
+    const int64_t m = usable(static_cast<int64_t>(tokens.size()), [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
+    if (m > best) best = m, source = cached_[c].seq, from_cache = c;
+  }
+  if (best > 0) {
+    auto fork = engine_.fork_sequence(source, best, promised);
+    if (fork.is_ok()) {
+      if (from_cache) {  // now the most recently used
+        CachedSequence used = std::move(cached_[*from_cache]);
+        cached_.erase(cached_.begin() + static_cast<std::ptrdiff_t>(*from_cache));
+        cached_.push_back(std::move(used));
+      }
+      e.prefilled = best;
+      stats_.cached_prompt_tokens += best;
+      if (first_admission) e.cached_prompt_tokens = best;
+      return fork;
+    }
+    // Out of slots: the caller makes room or waits. Anything else: compute the prompt instead.
+    if (fork.status().code() == StatusCode::kResourceExhausted) return fork.status();
+  }
+  return engine_.add_sequence(promised);
 }
 
 Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
@@ -89,11 +174,14 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     const bool others = engine_.live_sequences() > 0;
     Status verdict;
     bool wait = false;
+    // Cached finished sequences give way first.
     if (options_.admission == AdmissionPolicy::kPreempt) {
       verdict = engine_.admit(final_length, /*alone=*/true);
       wait = verdict.is_ok() && others && !engine_.fits(near_lengths(), near_length(e, r.synthetic_context)).is_ok();
+      if (wait && evict_cached()) continue;
     } else {
       verdict = engine_.admit(final_length, /*alone=*/false);
+      if (verdict.code() == StatusCode::kResourceExhausted && evict_cached()) continue;
       wait = verdict.code() == StatusCode::kResourceExhausted && others &&
              engine_.admit(final_length, /*alone=*/true).is_ok();
     }
@@ -105,8 +193,9 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
       waiting_.pop_front();
       continue;
     }
-    auto seq = engine_.add_sequence(options_.admission == AdmissionPolicy::kReserve ? final_length : 0);
+    auto seq = sequence_for(e, final_length);
     if (!seq.is_ok()) {
+      if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached()) continue;
       if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
       finish(e, FinishReason::kError, seq.status().message(), events);
       if (first_error.is_ok()) first_error = seq.status();
@@ -135,6 +224,7 @@ void Scheduler::push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEve
     ev.prompt_logprobs = std::move(e.prompt_logprobs);
     e.prompt_logprobs_done = true;
   }
+  ev.cached_prompt_tokens = e.cached_prompt_tokens;
   events.push_back(std::move(ev));
 }
 
@@ -175,12 +265,16 @@ std::vector<int64_t> Scheduler::near_lengths() const {
   std::vector<int64_t> lens;
   lens.reserve(running_.size());
   for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
+  for (const CachedSequence& c : cached_) lens.push_back(engine_.sequence_length(c.seq));
   return lens;
 }
 
 void Scheduler::preempt_until_fits() {
-  // The last one left always fits: it was admitted only if it fits alone at its final length.
-  while (running_.size() > 1 && !engine_.fits(near_lengths(), 0).is_ok()) {
+  // Cached finished sequences go first. The last running one left always fits: it was admitted
+  // only if it fits alone at its final length.
+  while (!engine_.fits(near_lengths(), 0).is_ok()) {
+    if (evict_cached()) continue;
+    if (running_.size() <= 1) break;
     Entry e = std::move(running_.back());
     running_.pop_back();
     release(e);

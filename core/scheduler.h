@@ -63,6 +63,8 @@ struct GenerationStats {
   int64_t kv_bytes_peak = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
   int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
+  int64_t cached_prompt_tokens = 0;  // prompt tokens taken from the prefix cache, not computed
+  int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tokens_per_s() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0; }
 };
@@ -82,6 +84,12 @@ struct GeneratorOptions {
   int64_t prefill_chunk = 256;      // most prompt tokens of one sequence in one forward
   int64_t max_batch_tokens = 2048;  // most tokens in one forward
   AdmissionPolicy admission = AdmissionPolicy::kReserve;
+  // Prefix caching (vLLM's automatic prefix caching, over whole sequences): a request starts from
+  // the longest prefix of its prompt, in multiples of Engine::fork_granularity(), that a running
+  // request or a finished one has in the cache (Engine::fork_sequence); the rest of its prompt is
+  // computed. Finished requests' sequences stay cached, least recently used first out, until
+  // memory or a sequence slot is wanted. Under SpeContext the engine needs prefix_sharing on.
+  bool prefix_caching = false;
 };
 
 // What one step produced for one request: a token (finished = false), or its ending. A stop
@@ -96,6 +104,9 @@ struct SchedulerEvent {
   std::optional<TokenLogprobs> logprobs;  // token events of requests that asked for them
   // prompt_logprobs requests, on their first event: one per prompt token after the first.
   std::vector<TokenLogprobs> prompt_logprobs;
+  // Prompt tokens the request's first admission took from the prefix cache (OpenAI's
+  // usage.prompt_tokens_details.cached_tokens); on every event of the request.
+  int64_t cached_prompt_tokens = 0;
 };
 
 class Scheduler {
@@ -113,8 +124,9 @@ class Scheduler {
   // running ones (AdmissionPolicy). One that never fits, even alone, ends with kRefused.
   Result<RequestId> submit(GenerationRequest request);
   // Drops a waiting request or frees a running one's sequence at once. False for unknown or
-  // finished ids. No event follows.
-  bool cancel(RequestId id);
+  // finished ids. No event follows. keep_cached: with prefix caching, a running request's
+  // sequence stays cached like a finished one's (the server ending a request at a stop string).
+  bool cancel(RequestId id, bool keep_cached = false);
 
   // Admits, runs one forward, appends the events. A failed forward ends every request of its
   // batch with kError (the engine is unchanged, the other requests go on) and returns the error;
@@ -124,6 +136,7 @@ class Scheduler {
   bool idle() const { return waiting_.empty() && running_.empty(); }
   size_t waiting() const { return waiting_.size(); }
   size_t running() const { return running_.size(); }
+  size_t cached_sequences() const { return cached_.size(); }
   const GenerationStats& stats() const { return stats_; }
   Engine& engine() { return engine_; }
 
@@ -144,6 +157,13 @@ class Scheduler {
     bool prompt_logprobs_done = false;           // its first event carried them (not recomputed)
     TokenId next = -1;  // token to feed in the next decode step
     bool done = false;
+    bool admitted_before = false;
+    int64_t cached_prompt_tokens = 0;  // of its first admission
+  };
+  // A finished request's sequence kept for prefix caching; tokens: what its cache holds.
+  struct CachedSequence {
+    SeqId seq;
+    std::vector<TokenId> tokens;
   };
 
   // Moves waiting requests to running while they fit; refused ones get their finished event.
@@ -154,7 +174,12 @@ class Scheduler {
   std::vector<int64_t> near_lengths() const;
   void preempt_until_fits();
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
+  // Prefix caching: a new sequence for e holding the longest cached prefix of its prompt, or an
+  // empty one (add_sequence) when none is worth forking.
+  Result<SeqId> sequence_for(Entry& e, int64_t final_length);
+  bool evict_cached();  // drops the least recently used cached sequence; false when none
   void release(Entry& e);
+  void cache_or_release(Entry& e);  // prefix caching keeps its sequence, else release
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
   // The request's logit_bias, penalties, min_tokens and min_p applied to a copy of its raw logits.
   static void adjust_logits(const Entry& e, std::span<float> logits);
@@ -171,6 +196,7 @@ class Scheduler {
   std::vector<std::pair<float, int32_t>> sample_scratch_;
   std::deque<Entry> waiting_;
   std::deque<Entry> running_;  // in admission order: the batch order
+  std::deque<CachedSequence> cached_;  // least recently used first
 };
 
 }  // namespace specontext

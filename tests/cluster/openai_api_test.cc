@@ -588,7 +588,7 @@ json parse_event(const std::string& chunk) {
 }
 
 TEST(OpenAiResponse, Completion) {
-  const json j = completion_response(ApiKind::kCompletion, kMeta, "once", "length", Usage{5, 3});
+  const json j = completion_response(ApiKind::kCompletion, kMeta, "once", "length", Usage{5, 3, std::nullopt});
   EXPECT_EQ(j,
             json::parse(R"({"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"stories",
     "choices":[{"index":0,"text":"once","logprobs":null,"finish_reason":"length"}],
@@ -597,7 +597,7 @@ TEST(OpenAiResponse, Completion) {
 
 TEST(OpenAiResponse, Chat) {
   const ResponseMeta meta{"chatcmpl-9", 12, "m"};
-  const json j = completion_response(ApiKind::kChat, meta, "hi \xff", "stop", Usage{2, 1});
+  const json j = completion_response(ApiKind::kChat, meta, "hi \xff", "stop", Usage{2, 1, std::nullopt});
   EXPECT_EQ(j["object"], "chat.completion");
   EXPECT_EQ(j["id"], "chatcmpl-9");
   EXPECT_EQ(j["created"], 12);
@@ -626,14 +626,14 @@ TEST(OpenAiResponse, Logprobs) {
   const std::vector<LogprobEntry> echoed{{"", 0.0f, {}, 0, false}, {"Hi", -3.0f, {{"Hi", -3.0f}}, 0}};
   EXPECT_EQ(logprobs_json(ApiKind::kCompletion, echoed), json::parse(R"({"tokens":["","Hi"],"token_logprobs":[null,-3.0],
     "top_logprobs":[null,{"Hi":-3.0}],"text_offset":[0,0]})"));
-  json j = completion_response(ApiKind::kCompletion, kMeta, "Once\xE2\x82 up", "length", Usage{5, 3}, &entries);
+  json j = completion_response(ApiKind::kCompletion, kMeta, "Once\xE2\x82 up", "length", Usage{5, 3, std::nullopt}, &entries);
   const json expected = json::parse(R"({"tokens":["Once","\ufffd"," up"],"token_logprobs":[-0.25,-1.5,-9999.0],
     "top_logprobs":[{"Once":-0.25," The":-2.0},{"\ufffd":-1.5,"x":-0.5},{" up":-9999.0}],"text_offset":[0,4,5]})");
   EXPECT_EQ(json::parse(j.dump(-1, ' ', false, json::error_handler_t::replace))["choices"][0]["logprobs"], expected);
   j = parse_event(stream_chunk(ApiKind::kCompletion, kMeta, "Once", true, &entries));
   EXPECT_EQ(j["choices"][0]["logprobs"], expected);
 
-  j = completion_response(ApiKind::kChat, kMeta, "x", "stop", Usage{1, 1}, &entries);
+  j = completion_response(ApiKind::kChat, kMeta, "x", "stop", Usage{1, 1, std::nullopt}, &entries);
   const json content = j["choices"][0]["logprobs"]["content"];
   ASSERT_EQ(content.size(), 3u);
   EXPECT_EQ(content[0], json::parse(R"({"token":"Once","logprob":-0.25,"bytes":[79,110,99,101],
@@ -657,7 +657,7 @@ TEST(OpenAiResponse, CompletionStreamChunks) {
   j = parse_event(stream_finish_chunk(ApiKind::kCompletion, kMeta, "stop"));
   EXPECT_EQ(j["choices"], json::parse(R"([{"index":0,"text":"","logprobs":null,"finish_reason":"stop"}])"));
   EXPECT_EQ(j["object"], "text_completion");
-  j = parse_event(stream_usage_chunk(ApiKind::kCompletion, kMeta, Usage{4, 6}));
+  j = parse_event(stream_usage_chunk(ApiKind::kCompletion, kMeta, Usage{4, 6, std::nullopt}));
   EXPECT_EQ(j,
             json::parse(R"({"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"stories",
     "choices":[],"usage":{"prompt_tokens":4,"completion_tokens":6,"total_tokens":10}})"));
@@ -675,10 +675,13 @@ TEST(OpenAiResponse, ChatStreamChunks) {
   EXPECT_EQ(j["choices"],
             json::parse(R"([{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}])"));
   EXPECT_EQ(j["object"], "chat.completion.chunk");
-  j = parse_event(stream_usage_chunk(ApiKind::kChat, meta, Usage{1, 2}));
+  j = parse_event(stream_usage_chunk(ApiKind::kChat, meta, Usage{1, 2, std::nullopt}));
   EXPECT_EQ(j["object"], "chat.completion.chunk");
   EXPECT_EQ(j["choices"], json::array());
   EXPECT_EQ(j["usage"], json::parse(R"({"prompt_tokens":1,"completion_tokens":2,"total_tokens":3})"));
+  j = parse_event(stream_usage_chunk(ApiKind::kChat, meta, Usage{40, 2, 32}));
+  EXPECT_EQ(j["usage"], json::parse(R"({"prompt_tokens":40,"completion_tokens":2,"total_tokens":42,
+                                       "prompt_tokens_details":{"cached_tokens":32}})"));
   // A chunk is one event: a single "data:" line, whatever the text holds.
   const std::string chunk = stream_chunk(ApiKind::kChat, meta, "a\n\nb", false);
   EXPECT_EQ(chunk.find('\n'), chunk.size() - 2);

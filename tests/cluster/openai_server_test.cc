@@ -60,10 +60,13 @@ std::vector<TokenId> stop_ids(const Tokenizer& tok) {
   return ids;
 }
 
+// Prefix caching off: these tests check that a finished or cancelled request's KV is freed;
+// the prefix-caching tests turn it on.
 ServerOptions options_for(const Tokenizer& tok) {
   ServerOptions o;
   o.model_name = "stories";
   o.stop_ids = stop_ids(tok);
+  o.scheduling.prefix_caching = false;
   return o;
 }
 
@@ -922,6 +925,56 @@ TEST(OpenAiServer, AFailedEngineStepIsA500AndTheServerGoesOn) {
   Reply bad = post(port, "/v1/completions", {{"prompt", "1 two 3"}});
   EXPECT_EQ(bad.status, 400) << bad.body;
   EXPECT_NE(bad.body.find("two"), std::string::npos) << bad.body;
+}
+
+// Prefix caching (on by default in ServerOptions): the next turn of a conversation resends the
+// history and is answered from the cache for its whole pages, with the text of computing it all;
+// a request ended by a stop string keeps its cache too.
+TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
+  Fixture f = make_fixture(4);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.scheduling.prefix_caching = true;
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  auto cached_of = [](const Reply& r) { return r.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(); };
+
+  Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
+  ASSERT_EQ(first.status, 200) << first.body;
+  EXPECT_EQ(cached_of(first), 0);
+  const std::string turn = kPrompt + first.j()["choices"][0]["text"].get<std::string>() + " Then";
+  Reply second = post(port, "/v1/completions", {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
+  ASSERT_EQ(second.status, 200) << second.body;
+  EXPECT_EQ(second.j()["choices"][0]["text"], generator_text(turn, 20));
+  const int64_t cached = cached_of(second);
+  EXPECT_GE(cached, 32) << "most of the first turn's 64 tokens, in pages of 16";
+  EXPECT_EQ(cached % 16, 0);
+  EXPECT_LT(cached, second.j()["usage"]["prompt_tokens"].get<int64_t>());
+  EXPECT_EQ((*server)->counters().cached_prompt_tokens, cached);
+  EXPECT_GT((*server)->counters().kv_bytes_in_use, 0) << "finished requests stay cached";
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_prefix_cache_hit_tokens_total " + std::to_string(cached)), std::string::npos)
+      << metrics.body;
+
+  // A stop string ends the request; its sequence stays cached for the turn after it.
+  const std::string other = "The little dog";
+  const std::string full = generator_text(other, 60);
+  ASSERT_GT(full.size(), 150u);
+  const std::string stop = full.substr(140, 6);
+  Reply stopped = post(port, "/v1/completions",
+                       {{"prompt", other}, {"max_tokens", 60}, {"temperature", 0}, {"stop", stop}, {"stream", true}});
+  ASSERT_EQ(stopped.status, 200);
+  std::string text;
+  for (const std::string& e : events_of(stopped.body)) {
+    if (e == "[DONE]") break;
+    text += json::parse(e)["choices"][0]["text"].get<std::string>();
+  }
+  ASSERT_EQ(text, full.substr(0, full.find(stop)));
+  const std::string next = other + text + " Then";
+  Reply after = post(port, "/v1/completions", {{"prompt", next}, {"max_tokens", 10}, {"temperature", 0}});
+  ASSERT_EQ(after.status, 200);
+  EXPECT_GE(cached_of(after), 16) << "from the stopped request's cache";
+  EXPECT_EQ(after.j()["choices"][0]["text"], generator_text(next, 10));
 }
 
 }  // namespace

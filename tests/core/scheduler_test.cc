@@ -36,6 +36,7 @@ std::vector<TokenId> alone(const GenerationRequest& r) {
 struct Collected {
   std::map<int64_t, std::vector<TokenId>> tokens;
   std::map<int64_t, FinishReason> finish;
+  std::map<int64_t, int64_t> cached;  // cached_prompt_tokens of the finished event
 };
 
 void collect(const std::vector<SchedulerEvent>& events, Collected& c) {
@@ -43,6 +44,7 @@ void collect(const std::vector<SchedulerEvent>& events, Collected& c) {
     if (ev.finished) {
       EXPECT_FALSE(c.finish.count(ev.request.value())) << "two endings for request " << ev.request.value();
       c.finish[ev.request.value()] = ev.finish;
+      c.cached[ev.request.value()] = ev.cached_prompt_tokens;
     } else {
       EXPECT_FALSE(c.finish.count(ev.request.value())) << "token after the ending";
       c.tokens[ev.request.value()].push_back(ev.token);
@@ -192,6 +194,8 @@ TEST(Scheduler, AdmissionCountsRunningRequestsAtTheirFinalLength) {
 TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatGiveWay) {
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   ASSERT_TRUE(m.is_ok());
+  for (bool caching : {false, true}) {
+  SCOPED_TRACE(caching ? "prefix caching" : "no prefix caching");
   EngineOptions eo;
   eo.max_sequences = 3;
   eo.kv_pages = 20;  // 320 tokens; the three requests reach 200 + 200 + 162
@@ -202,6 +206,7 @@ TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatG
   GeneratorOptions go;
   go.admission = AdmissionPolicy::kPreempt;
   go.prefill_chunk = 64;
+  go.prefix_caching = caching;
   Scheduler s(**engine, go);
   std::vector<RequestId> ids;
   for (const auto& r : reqs) {
@@ -230,8 +235,15 @@ TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatG
   }
   EXPECT_EQ(got.finish[refused->value()], FinishReason::kRefused);
   EXPECT_FALSE(got.tokens.count(refused->value()));
-  EXPECT_EQ((*engine)->kv_bytes_in_use(), 0);
-  EXPECT_EQ((*engine)->live_sequences(), 0);
+  // Finished sequences stay cached (evicted as the others needed room).
+  EXPECT_EQ((*engine)->live_sequences(), static_cast<int64_t>(s.cached_sequences()));
+  if (caching) {
+    EXPECT_GE(s.stats().prefix_cache_evictions, 1);
+  } else {
+    EXPECT_EQ((*engine)->kv_bytes_in_use(), 0);
+  }
+  EXPECT_TRUE((*engine)->check_invariants().is_ok());
+  }
 }
 
 TEST(Scheduler, SubmitRefusesWhatCanNeverRun) {
@@ -474,6 +486,118 @@ TEST(Scheduler, MinTokensAndMinP) {
   bad = r;
   bad.min_p = 1.5f;
   EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- prefix caching ----
+
+void run_to_idle(Scheduler& s, Collected& got) {
+  std::vector<SchedulerEvent> ev;
+  for (int i = 0; i < 5000 && !s.idle(); ++i) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+  }
+  ASSERT_TRUE(s.idle());
+}
+
+std::vector<TokenId> story_prompt(size_t n) {
+  const std::vector<TokenId> words{403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 426};
+  std::vector<TokenId> p{1};
+  while (p.size() < n) p.push_back(words[p.size() % words.size()]);
+  return p;
+}
+
+TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
+  auto engine = make_engine(4);  // pages of 16 tokens
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefill_chunk = 16;
+  Scheduler s(*engine, go);
+  const GenerationRequest a = request(story_prompt(40), 30);
+  ASSERT_TRUE(s.submit(a).is_ok());
+  Collected got;
+  run_to_idle(s, got);
+  const std::vector<TokenId> ta = got.tokens[1];
+  ASSERT_EQ(ta, alone(a));
+  EXPECT_EQ(got.cached[1], 0);
+  EXPECT_EQ(s.cached_sequences(), 1u);
+  EXPECT_EQ(engine->live_sequences(), 1);
+
+  // The next turn: the conversation so far and more. A's cache holds 40 + 30 − 1 tokens (its
+  // last token was never fed): 64 of them in whole pages.
+  GenerationRequest b = a;
+  b.prompt.insert(b.prompt.end(), ta.begin(), ta.end());
+  b.prompt.insert(b.prompt.end(), {403, 407, 261});
+  b.max_new_tokens = 20;
+  ASSERT_TRUE(s.submit(b).is_ok());
+  run_to_idle(s, got);
+  EXPECT_EQ(got.tokens[2], alone(b));
+  EXPECT_EQ(got.cached[2], 64);
+  EXPECT_EQ(s.stats().cached_prompt_tokens, 64);
+  EXPECT_EQ(s.stats().prompt_tokens, 40 + static_cast<int64_t>(b.prompt.size()) - 64);
+
+  // A prompt that is all cached still computes its last token: 39 usable, 32 in pages.
+  ASSERT_TRUE(s.submit(a).is_ok());
+  run_to_idle(s, got);
+  EXPECT_EQ(got.tokens[3], ta);
+  EXPECT_EQ(got.cached[3], 32);
+  EXPECT_EQ(s.cached_sequences(), 3u);
+  EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
+}
+
+TEST(Scheduler, PrefixCachingForksFromARunningRequest) {
+  auto engine = make_engine(4);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  Scheduler s(*engine, go);
+  const GenerationRequest a = request(story_prompt(40), 40);
+  ASSERT_TRUE(s.submit(a).is_ok());
+  Collected got;
+  std::vector<SchedulerEvent> ev;
+  while (got.tokens[1].size() < 5) {
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+  }
+  GenerationRequest b = request(story_prompt(36), 25, 0.8f);
+  b.prompt.insert(b.prompt.end(), {426, 298, 315});
+  ASSERT_TRUE(s.submit(b).is_ok());
+  run_to_idle(s, got);
+  EXPECT_EQ(got.tokens[1], alone(a));
+  EXPECT_EQ(got.tokens[2], alone(b));
+  EXPECT_EQ(got.cached[2], 32);
+  EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
+  EXPECT_TRUE(engine->check_invariants().is_ok());
+}
+
+TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(m.is_ok());
+  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kPreempt}) {
+    SCOPED_TRACE(policy == AdmissionPolicy::kReserve ? "reserve" : "preempt");
+    // Memory: 20 pages, and each request reaches 13. Slots: 2.
+    EngineOptions eo;
+    eo.max_sequences = 2;
+    eo.kv_pages = 20;
+    auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+    ASSERT_TRUE(engine.is_ok());
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    go.admission = policy;
+    Scheduler s(**engine, go);
+    const std::vector<GenerationRequest> reqs{request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
+                                              request({1, 432, 383}, 190)};
+    Collected got;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      ASSERT_TRUE(s.submit(reqs[i]).is_ok());
+      run_to_idle(s, got);
+      EXPECT_EQ(got.finish[static_cast<int64_t>(i + 1)], FinishReason::kLength) << i;
+      EXPECT_EQ(got.tokens[static_cast<int64_t>(i + 1)], alone(reqs[i])) << i;
+      EXPECT_EQ(s.stats().prefix_cache_evictions, static_cast<int64_t>(i)) << "each one's memory evicts the last";
+      EXPECT_EQ(s.cached_sequences(), 1u);
+    }
+    EXPECT_TRUE((*engine)->check_invariants().is_ok());
+  }
 }
 
 }  // namespace

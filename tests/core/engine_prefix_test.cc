@@ -1,0 +1,175 @@
+// Engine::fork_sequence (prefix caching): a sequence forked from another's page boundary gives the
+// logits of computing its whole prompt itself, under every sparse method and with layers homed in
+// a host tier; the source goes on unharmed; shared pages are counted and freed by reference.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <random>
+
+#include "core/kv_store.h"
+#include "tests/core/tier_test_util.h"
+#include "transport/local_transport.h"
+
+namespace specontext {
+namespace {
+
+using testing::max_abs_diff;
+
+EngineOptions prefix_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head) {
+  EngineOptions o;
+  o.max_sequences = 4;
+  o.max_context = 256;
+  o.page_size = 8;
+  o.kv_chunk_pages = 4;
+  o.sparse.method = method;
+  o.sparse.selection = {24, 1, 4};  // sparse decode from 25 tokens on
+  o.sparse.quest_page_size = 16;    // fork granularity lcm(8, 16) under Quest
+  if (method == SparseMethod::kSpeContext) o.retrieval_head = head;
+  o.prefix_sharing = true;
+  return o;
+}
+
+std::vector<TokenId> random_tokens(size_t n, uint32_t seed, int32_t vocab) {
+  std::mt19937 rng(seed);
+  std::vector<TokenId> t(n);
+  for (auto& x : t) x = static_cast<TokenId>(rng() % static_cast<uint32_t>(vocab));
+  return t;
+}
+
+std::vector<float> last_logits(Engine& e, SeqId seq, std::span<const TokenId> tokens) {
+  const StepRequest r{seq, tokens, LogitsMode::kLast};
+  auto out = e.forward(std::span<const StepRequest>(&r, 1));
+  EXPECT_TRUE(out.is_ok()) << out.status().to_string();
+  if (!out.is_ok()) return {};
+  const auto row = out->row(0);
+  return {row.begin(), row.end()};
+}
+
+struct Case {
+  SparseMethod method;
+  bool host_layers;  // layers 1 and 2 homed in a host tier
+};
+
+class ForkSequence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact) {
+  const Case c = GetParam();
+  auto model = testing::toy_model(3);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  transport::LocalTransport local;
+  EngineOptions o = prefix_options(c.method, *head);
+  if (c.host_layers) {
+    o.tiering.host.push_back(testing::host_tier(8 << 20));
+    o.tiering.transport = &local;
+    o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(local);
+  }
+  auto made = Engine::create(model, testing::cpu_backend(), o);
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  Engine& e = **made;
+  if (c.host_layers) {
+    KvPlacement place = e.placement();
+    place.layer_home = {TierId(0), TierId(1), TierId(1)};
+    ASSERT_TRUE(e.apply_placement(place).is_ok());
+  }
+  // The reference: the same model on an engine that never forks.
+  auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, *head));
+  ASSERT_TRUE(ref_made.is_ok());
+  Engine& ref = **ref_made;
+
+  const int32_t vocab = static_cast<int32_t>(model->config.vocab_size);
+  const std::vector<TokenId> prompt = random_tokens(40, 1, vocab);
+  const std::vector<TokenId> source_tail = random_tokens(6, 2, vocab);  // source decodes these
+  const std::vector<TokenId> fork_tail = random_tokens(8, 3, vocab);    // the fork decodes these
+  const int64_t prefix = 32;
+  ASSERT_EQ(prefix % e.fork_granularity(), 0);
+
+  auto source = e.add_sequence();
+  ASSERT_TRUE(source.is_ok());
+  (void)last_logits(e, *source, prompt);
+  for (size_t i = 0; i < 3; ++i) (void)last_logits(e, *source, std::span(&source_tail[i], 1));
+  const int64_t pages_before = e.kv_store().used_pages();  // 43 tokens: 6 pages
+
+  auto fork = e.fork_sequence(*source, prefix);
+  ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
+  EXPECT_EQ(e.sequence_length(*fork), prefix);
+  EXPECT_EQ(e.kv_store().used_pages(), pages_before);  // nothing new until the fork grows
+  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+
+  // The fork computes prompt[32..40) and decodes; the reference computes all of it.
+  auto whole = ref.add_sequence();
+  ASSERT_TRUE(whole.is_ok());
+  std::vector<float> got = last_logits(e, *fork, std::span(prompt).subspan(prefix));
+  std::vector<float> want = last_logits(ref, *whole, prompt);
+  ASSERT_FALSE(want.empty());
+  EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "the fork's prompt";
+  EXPECT_EQ(e.kv_store().used_pages(), pages_before + 1);  // one page of its own for 32..40
+  for (size_t i = 0; i < fork_tail.size(); ++i) {
+    got = last_logits(e, *fork, std::span(&fork_tail[i], 1));
+    want = last_logits(ref, *whole, std::span(&fork_tail[i], 1));
+    EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "fork decode step " << i;
+  }
+  if (c.method != SparseMethod::kDense) {
+    EXPECT_GT(e.sparse_stats().sparse_steps, 0);
+  }
+  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+
+  // The source goes on as if never forked.
+  auto again = ref.add_sequence();
+  ASSERT_TRUE(again.is_ok());
+  (void)last_logits(ref, *again, prompt);
+  for (size_t i = 0; i < 3; ++i) (void)last_logits(ref, *again, std::span(&source_tail[i], 1));
+  for (size_t i = 3; i < source_tail.size(); ++i) {
+    got = last_logits(e, *source, std::span(&source_tail[i], 1));
+    want = last_logits(ref, *again, std::span(&source_tail[i], 1));
+    EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "source decode step " << i;
+  }
+
+  // Shared pages outlive the source, and go back to the pool with their last holder.
+  ASSERT_TRUE(e.remove_sequence(*source).is_ok());
+  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  EXPECT_EQ(e.kv_store().used_pages(), (prefix + 8 + 8 + 7) / 8);
+  got = last_logits(e, *fork, std::span(&source_tail[0], 1));
+  want = last_logits(ref, *whole, std::span(&source_tail[0], 1));
+  EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "fork after its source is gone";
+  ASSERT_TRUE(e.remove_sequence(*fork).is_ok());
+  EXPECT_EQ(e.kv_store().used_pages(), 0);
+  ASSERT_TRUE(e.check_invariants().is_ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, ForkSequence,
+                         ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
+                                           Case{SparseMethod::kQuest, false}, Case{SparseMethod::kStreaming, false},
+                                           Case{SparseMethod::kSpeContext, true}, Case{SparseMethod::kDense, true}),
+                         [](const auto& info) {
+                           std::string name(sparse_method_name(info.param.method));
+                           std::erase_if(name, [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); });
+                           return name + (info.param.host_layers ? "_host" : "");
+                         });
+
+TEST(ForkSequence, RefusesPrefixesItCannotShare) {
+  auto model = testing::toy_model(2);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  EngineOptions o = prefix_options(SparseMethod::kSpeContext, *head);
+  o.prefix_sharing = false;
+  auto e = Engine::create(model, testing::cpu_backend(), o);
+  ASSERT_TRUE(e.is_ok());
+  auto seq = (*e)->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  const std::vector<TokenId> prompt = random_tokens(20, 1, static_cast<int32_t>(model->config.vocab_size));
+  (void)last_logits(**e, *seq, prompt);
+  for (int64_t bad : {int64_t{0}, int64_t{12}, int64_t{24}, int64_t{-8}}) {
+    auto f = (*e)->fork_sequence(*seq, bad);
+    EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ((*e)->fork_sequence(SeqId(77), 8).status().code(), StatusCode::kInvalidArgument);
+  auto off = (*e)->fork_sequence(*seq, 16);
+  EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(off.status().message().find("prefix_sharing"), std::string::npos) << off.status().to_string();
+  EXPECT_EQ((*e)->live_sequences(), 1);
+  EXPECT_TRUE((*e)->check_invariants().is_ok());
+}
+
+}  // namespace
+}  // namespace specontext

@@ -17,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
 #include "core/synthetic.h"
@@ -25,73 +26,8 @@ using namespace specontext;
 using Clock = std::chrono::steady_clock;
 namespace asio = boost::asio;
 
-namespace {
-
-struct RequestTiming {
-  double ttft_s = 0;              // request sent → first text event
-  std::vector<double> gaps_s;     // between text events
-  double latency_s = 0;           // request sent → [DONE]
-  int64_t completion_tokens = 0;  // from the usage chunk
-  bool ok = false;
-};
-
-// One streaming completion on `socket`; events are timed as their bytes arrive.
-RequestTiming stream_once(asio::ip::tcp::socket& socket, const std::string& body) {
-  RequestTiming t;
-  const std::string req =
-      "POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: " +
-      std::to_string(body.size()) + "\r\n\r\n" + body;
-  const auto start = Clock::now();
-  boost::system::error_code ec;
-  asio::write(socket, asio::buffer(req), ec);
-  if (ec) return t;
-  std::string got;
-  size_t scanned = 0;
-  auto last = start;
-  bool first = true;
-  char buf[16384];
-  for (;;) {
-    const size_t n = socket.read_some(asio::buffer(buf), ec);
-    if (ec) return t;
-    const auto now = Clock::now();
-    got.append(buf, n);
-    size_t pos;
-    while ((pos = got.find("data: ", scanned)) != std::string::npos) {
-      const size_t end = got.find("\n\n", pos);
-      if (end == std::string::npos) break;
-      const std::string event = got.substr(pos + 6, end - pos - 6);
-      scanned = end + 2;
-      if (event == "[DONE]") continue;
-      const auto j = nlohmann::json::parse(event, nullptr, false);
-      if (j.contains("usage")) t.completion_tokens = j["usage"]["completion_tokens"].get<int64_t>();
-      if (!j.contains("choices") || j["choices"].empty() ||
-          j["choices"][0]["text"].get<std::string>().empty())
-        continue;
-      const double since = std::chrono::duration<double>(now - (first ? start : last)).count();
-      if (first) {
-        t.ttft_s = since;
-        first = false;
-      } else {
-        t.gaps_s.push_back(since);
-      }
-      last = now;
-    }
-    if (got.size() >= 5 && got.compare(got.size() - 5, 5, "0\r\n\r\n") == 0 &&
-        got.find("data: [DONE]") != std::string::npos) {
-      t.latency_s = std::chrono::duration<double>(now - start).count();
-      t.ok = true;
-      return t;
-    }
-  }
-}
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5)];
-}
-
-}  // namespace
+using bench::percentile;
+using bench::RequestTiming;
 
 int main(int argc, char** argv) {
   CLI::App app{"continuous batching through the OpenAI-compatible server"};
@@ -166,7 +102,7 @@ int main(int argc, char** argv) {
         if (ec) return;
         for (int64_t r = 0; r < per_client; ++r)
           timings[static_cast<size_t>(k)].push_back(
-              stream_once(s, bodies[static_cast<size_t>(k * per_client + r)]));
+              bench::stream_completion(s, bodies[static_cast<size_t>(k * per_client + r)]));
       });
     }
     for (auto& t : clients) t.join();

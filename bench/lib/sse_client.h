@@ -1,0 +1,31 @@
+// A blocking client for the benchmarks of the OpenAI-compatible server: one streaming completion
+// over a keep-alive connection, its events timed as their bytes arrive.
+#pragma once
+
+#include <utility>  // before Asio: its awaitable.hpp uses std::exchange without it
+
+#include <boost/asio.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace specontext::bench {
+
+struct RequestTiming {
+  double ttft_s = 0;              // request sent → first text event
+  std::vector<double> gaps_s;     // between text events
+  double latency_s = 0;           // request sent → [DONE]
+  int64_t completion_tokens = 0;  // from the usage chunk
+  int64_t cached_tokens = 0;      // usage.prompt_tokens_details.cached_tokens (0 when absent)
+  std::string text;               // the streamed text, concatenated
+  bool ok = false;
+};
+
+// POSTs `body` (a streaming /v1/completions request with stream_options.include_usage) on
+// `socket` and reads until [DONE] and the last chunk.
+RequestTiming stream_completion(boost::asio::ip::tcp::socket& socket, const std::string& body);
+
+// Nearest-rank percentile, p in [0, 1]; 0 for an empty sample.
+double percentile(std::vector<double> v, double p);
+
+}  // namespace specontext::bench

@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
   so.model_name = "bench";
   so.max_waiting = 4096;
   so.scheduling.prefill_chunk = args.prefill_chunk;
+  so.scheduling.prefix_caching = args.prefix_caching;  // random prompts: nothing to share
   auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, so);
   if (!server.is_ok()) return fail(server.status());
   const uint16_t port = (*server)->port();

@@ -138,6 +138,7 @@ int run_generate(const GenerateArgs& a) {
   GeneratorOptions gopts;
   gopts.prefill_chunk = a.engine.prefill_chunk;
   gopts.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
+  gopts.prefix_caching = a.engine.prefix_caching;
   Generator gen(*engine, gopts);
   std::string text;
   TokenId prev = prompt_ids.back();
@@ -179,6 +180,7 @@ int run_generate(const GenerateArgs& a) {
       {"decode_steps", st.decode_steps},
       {"max_batch_sequences", st.max_batch_sequences},
       {"preemptions", st.preemptions},
+      {"cached_prompt_tokens", st.cached_prompt_tokens},
       {"kv_bytes", st.kv_bytes_peak},
       {"kv_bytes_per_token", engine->kv_bytes_per_token()},
       {"kv_dtype", a.engine.kv_dtype},

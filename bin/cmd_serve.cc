@@ -20,12 +20,8 @@ void register_serve(CLI::App& app, ServeArgs& a) {
   CLI::App* cmd =
       app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API (continuous batching)");
   a.engine.admission = "preempt";  // as vLLM: requests without max_tokens would otherwise reserve the context
+  a.engine.prefix_caching = true;  // multi-turn chats resend their history
   add_engine_options(*cmd, a.engine);
-  a.engine.prefix_caching = true;
-  cmd->add_flag("--prefix-caching,!--no-prefix-caching", a.engine.prefix_caching,
-                "start each request from the longest cached prefix of its prompt (running or finished "
-                "requests' KV, in whole pages; finished ones stay cached until memory is wanted)")
-      ->capture_default_str();
   cmd->add_option("--listen", a.listen, "HOST:PORT to listen on (port 0: any free port, printed at start)");
   cmd->add_option("--served-model-name", a.model_name,
                   "the model id clients name (default: the model file's name)");

@@ -49,6 +49,10 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                  "preempt: admit when its prompt fits, and recompute the newest request when memory runs short")
       ->check(CLI::IsMember({"reserve", "preempt"}))
       ->capture_default_str();
+  cmd.add_flag("--prefix-caching,!--no-prefix-caching", a.prefix_caching,
+               "start each request from the longest cached prefix of its prompt (running or finished "
+               "requests' KV, in whole pages; finished ones stay cached until memory is wanted)")
+      ->capture_default_str();
   cmd.add_option("--max-context", a.max_context, "context limit per sequence (default: the model's)");
   cmd.add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
   cmd.add_flag("--reference", a.reference, "use the naive reference kernels (slow; for checking)");

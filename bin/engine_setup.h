@@ -32,7 +32,7 @@ struct EngineArgs {
   int64_t page_size = 16;
   int64_t prefill_chunk = 256;
   std::string admission = "reserve";  // "reserve" or "preempt" (AdmissionPolicy); serve: preempt
-  bool prefix_caching = false;        // serve's --prefix-caching (GeneratorOptions::prefix_caching)
+  bool prefix_caching = false;        // --prefix-caching (GeneratorOptions::prefix_caching); serve: on
   int64_t max_context = 0;
   int threads = 0;
   bool reference = false;

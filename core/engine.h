@@ -214,6 +214,8 @@ class Engine {
   Result<SeqId> fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length = 0);
   // Token multiple of the prefixes fork_sequence takes: the page size (and Quest's page size).
   int64_t fork_granularity() const;
+  // Whether fork_sequence can work at all (SpeContext needs prefix_sharing).
+  bool can_fork() const { return options_.sparse.method != SparseMethod::kSpeContext || options_.prefix_sharing; }
   // Frees the sequence's pages (those it shares: its references). Unknown ids are an InvalidArgument.
   Status remove_sequence(SeqId seq);
   // Tokens cached for the sequence (0 for unknown ids).

@@ -108,15 +108,15 @@ void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
   push_event(e, {e.id, -1, true, reason, std::move(error), std::nullopt, {}}, events);
 }
 
-Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length) {
-  const int64_t promised = options_.admission == AdmissionPolicy::kReserve ? final_length : 0;
-  const bool first_admission = !e.admitted_before;
-  e.admitted_before = true;
-  if (!options_.prefix_caching || e.request.synthetic_context > 0 || wants_prompt_logprobs(e)) {
-    return engine_.add_sequence(promised);
-  }
+bool Scheduler::forks(const Entry& e) const {
+  return options_.prefix_caching && engine_.can_fork() && e.request.synthetic_context == 0 &&
+         !wants_prompt_logprobs(e);
+}
+
+Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
   // The longest shared prefix in whole fork units, short of the prompt's last token (whose logits
-  // are needed): over the running requests' caches and the cached finished ones.
+  // are needed): over the running requests' caches and the cached finished ones; `pending` also
+  // counts what running requests still prefilling will have cached.
   const std::vector<TokenId>& prompt = e.request.prompt;
   const int64_t unit = engine_.fork_granularity();
   const auto limit = static_cast<int64_t>(prompt.size()) - 1;
@@ -126,33 +126,43 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length) {
     while (k < cap && token_at(k) == prompt[static_cast<size_t>(k)]) ++k;
     return k / unit * unit;
   };
-  int64_t best = 0;
-  SeqId source;
-  std::optional<size_t> from_cache;
+  PrefixSource best;
   for (const Entry& r : running_) {
     if (!r.seq.valid() || r.request.synthetic_context > 0) continue;
-    const int64_t m = usable(engine_.sequence_length(r.seq), [&](int64_t k) {
+    auto token_at = [&](int64_t k) {
       const auto i = static_cast<size_t>(k);
       return i < r.prompt_size ? r.request.prompt[i] : r.produced[i - r.prompt_size];
-    });
-    if (m > best) best = m, source = r.seq, from_cache.reset();
+    };
+    const int64_t now = usable(engine_.sequence_length(r.seq), token_at);
+    if (now > best.tokens) best.tokens = now, best.seq = r.seq, best.from_cache.reset();
+    const auto will_have = static_cast<int64_t>(r.prompt_size + r.produced.size());
+    best.pending = std::max(best.pending, usable(will_have, token_at));
   }
   for (size_t c = 0; c < cached_.size(); ++c) {
     const std::vector<TokenId>& tokens = cached_[c].tokens;
     const int64_t m = usable(static_cast<int64_t>(tokens.size()), [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
-    if (m > best) best = m, source = cached_[c].seq, from_cache = c;
+    if (m > best.tokens) best.tokens = m, best.seq = cached_[c].seq, best.from_cache = c;
   }
-  if (best > 0) {
-    auto fork = engine_.fork_sequence(source, best, promised);
+  best.pending = std::max(best.pending, best.tokens);
+  return best;
+}
+
+Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length) {
+  const int64_t promised = options_.admission == AdmissionPolicy::kReserve ? final_length : 0;
+  const bool first_admission = !e.admitted_before;
+  e.admitted_before = true;
+  const PrefixSource best = forks(e) ? find_prefix(e) : PrefixSource{};
+  if (best.tokens > 0) {
+    auto fork = engine_.fork_sequence(best.seq, best.tokens, promised);
     if (fork.is_ok()) {
-      if (from_cache) {  // now the most recently used
-        CachedSequence used = std::move(cached_[*from_cache]);
-        cached_.erase(cached_.begin() + static_cast<std::ptrdiff_t>(*from_cache));
+      if (best.from_cache) {  // now the most recently used
+        CachedSequence used = std::move(cached_[*best.from_cache]);
+        cached_.erase(cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache));
         cached_.push_back(std::move(used));
       }
-      e.prefilled = best;
-      stats_.cached_prompt_tokens += best;
-      if (first_admission) e.cached_prompt_tokens = best;
+      e.prefilled = best.tokens;
+      stats_.cached_prompt_tokens += best.tokens;
+      if (first_admission) e.cached_prompt_tokens = best.tokens;
       return fork;
     }
     // Out of slots: the caller makes room or waits. Anything else: compute the prompt instead.
@@ -172,6 +182,15 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     // kReserve asks for its final length beside the running ones' promises and waits when that
     // fits alone; kPreempt refuses only what never fits alone and waits until its prompt fits.
     const bool others = engine_.live_sequences() > 0;
+    // A running request is still computing more of this prompt than any cache holds (the n
+    // choices of one request, the same prompt sent twice at once): wait for it, then fork.
+    if (forks(e)) {
+      const PrefixSource p = find_prefix(e);
+      if (p.pending > p.tokens) {
+        ++stats_.prefix_waits;
+        break;
+      }
+    }
     Status verdict;
     bool wait = false;
     // Cached finished sequences give way first.

@@ -65,6 +65,7 @@ struct GenerationStats {
   int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
   int64_t cached_prompt_tokens = 0;  // prompt tokens taken from the prefix cache, not computed
   int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
+  int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tokens_per_s() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0; }
 };
@@ -88,7 +89,9 @@ struct GeneratorOptions {
   // the longest prefix of its prompt, in multiples of Engine::fork_granularity(), that a running
   // request or a finished one has in the cache (Engine::fork_sequence); the rest of its prompt is
   // computed. Finished requests' sequences stay cached, least recently used first out, until
-  // memory or a sequence slot is wanted. Under SpeContext the engine needs prefix_sharing on.
+  // memory or a sequence slot is wanted. A request whose prompt a running request is still
+  // prefilling waits (in order) until it can fork what that one computes: a prompt sent n times
+  // at once is computed once. Under SpeContext the engine needs prefix_sharing on.
   bool prefix_caching = false;
 };
 
@@ -177,6 +180,14 @@ class Scheduler {
   // Prefix caching: a new sequence for e holding the longest cached prefix of its prompt, or an
   // empty one (add_sequence) when none is worth forking.
   Result<SeqId> sequence_for(Entry& e, int64_t final_length);
+  struct PrefixSource {
+    int64_t tokens = 0;   // usable now from `seq`
+    SeqId seq;
+    std::optional<size_t> from_cache;  // index in cached_, when seq is a cached one
+    int64_t pending = 0;  // usable once running requests have prefilled their prompts
+  };
+  bool forks(const Entry& e) const;  // prefix caching applies to e
+  PrefixSource find_prefix(const Entry& e) const;
   bool evict_cached();  // drops the least recently used cached sequence; false when none
   void release(Entry& e);
   void cache_or_release(Entry& e);  // prefix caching keeps its sequence, else release

@@ -129,19 +129,29 @@ std::vector<std::string> model_flags() {
           "127.0.0.1:0"};
 }
 
-TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
-  FILE* gen =
-      popen((std::string(SPECONTEXT_BIN) + " generate -m " + repo_path("models/stories260K/stories260K.bin") +
-             " -p 'Once upon a time' -n 40 --json 2>/dev/null")
-                .c_str(),
-            "r");
-  ASSERT_NE(gen, nullptr);
+// `specontext generate`'s greedy text for a prompt (quoted for the shell).
+std::string generate_text(const std::string& prompt, int n) {
+  std::string quoted = "'";
+  for (char ch : prompt) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  quoted += "'";
+  FILE* gen = popen((std::string(SPECONTEXT_BIN) + " generate -m " + repo_path("models/stories260K/stories260K.bin") +
+                     " -p " + quoted + " -n " + std::to_string(n) + " --json 2>/dev/null")
+                        .c_str(),
+                    "r");
+  EXPECT_NE(gen, nullptr);
+  if (gen == nullptr) return {};
   std::string gen_out;
   std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), gen)) > 0) gen_out.append(buf.data(), n);
-  ASSERT_EQ(pclose(gen), 0) << gen_out;
-  const std::string expected = json::parse(gen_out)["text"];
+  size_t got;
+  while ((got = fread(buf.data(), 1, buf.size(), gen)) > 0) gen_out.append(buf.data(), got);
+  EXPECT_EQ(pclose(gen), 0) << gen_out;
+  const json j = json::parse(gen_out, nullptr, false);
+  return j.is_object() ? j.value("text", std::string()) : std::string();
+}
+
+TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
+  const std::string expected = generate_text("Once upon a time", 40);
+  ASSERT_FALSE(expected.empty());
 
   ServeProcess server(model_flags());
   ASSERT_NE(server.port(), 0) << server.first_line();
@@ -154,6 +164,13 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
       post(server.port(),
            {{"model", "stories"}, {"prompt", "Once upon a time"}, {"max_tokens", 40}, {"temperature", 0}});
   EXPECT_EQ(r["choices"][0]["text"], expected) << r.dump();
+  EXPECT_EQ(listening["prefix_caching"], true);
+  // The next turn resends the first: answered from the cache (SpeContext: the head's keys and the
+  // page-boundary features are forked too) with generate's text for the whole prompt.
+  const std::string turn = "Once upon a time" + expected + " Then";
+  const json next = post(server.port(), {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
+  EXPECT_GE(next["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 32) << next.dump();
+  EXPECT_EQ(next["choices"][0]["text"], generate_text(turn, 20)) << next.dump();
 
   // SIGTERM while a request runs: it is answered in full, then the server exits 0.
   json drained;
@@ -165,7 +182,7 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
   auto started = [&] {
     const std::string m = get(server.port(), "/metrics");
     return m.find("specontext_requests_running 1") != std::string::npos ||
-           m.find("specontext_requests_completed_total 2") != std::string::npos;
+           m.find("specontext_requests_completed_total 3") != std::string::npos;
   };
   while (!started() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -177,7 +194,8 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
   const json stopped = json::parse(e.out, nullptr, false);
   ASSERT_TRUE(stopped.is_object()) << e.out;
   EXPECT_EQ(stopped["event"], "stopped");
-  EXPECT_EQ(stopped["completed"], 2);
+  EXPECT_EQ(stopped["completed"], 3);
+  EXPECT_GE(stopped["cached_prompt_tokens"].get<int64_t>(), 32);
   EXPECT_EQ(stopped["signal"], SIGTERM);
 }
 

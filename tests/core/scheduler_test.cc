@@ -570,6 +570,25 @@ TEST(Scheduler, PrefixCachingForksFromARunningRequest) {
   EXPECT_TRUE(engine->check_invariants().is_ok());
 }
 
+TEST(Scheduler, APromptSentTwiceAtOnceIsComputedOnce) {
+  auto engine = make_engine(4);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefill_chunk = 16;  // the first copy prefills over three steps; the second waits for it
+  Scheduler s(*engine, go);
+  const GenerationRequest greedy = request(story_prompt(40), 12);
+  const GenerationRequest sampled = request(story_prompt(40), 12, 0.8f);
+  ASSERT_TRUE(s.submit(greedy).is_ok());
+  ASSERT_TRUE(s.submit(sampled).is_ok());
+  Collected got;
+  run_to_idle(s, got);
+  EXPECT_EQ(got.tokens[1], alone(greedy));
+  EXPECT_EQ(got.tokens[2], alone(sampled));
+  EXPECT_EQ(got.cached[2], 32);
+  EXPECT_GE(s.stats().prefix_waits, 1);
+  EXPECT_EQ(s.stats().prompt_tokens, 40 + 8);
+}
+
 TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   ASSERT_TRUE(m.is_ok());

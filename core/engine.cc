@@ -345,6 +345,53 @@ Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t
   return id;
 }
 
+Status Engine::truncate_sequence(SeqId seq, int64_t length, int64_t final_length) {
+  const auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return invalid_argument("truncate_sequence: unknown sequence " + std::to_string(seq.value()));
+  Sequence& s = it->second;
+  const int64_t granularity = fork_granularity();
+  if (length != s.length && (length <= 0 || length > s.length || length % granularity != 0)) {
+    return invalid_argument("truncate_sequence: " + std::to_string(length) + " tokens of sequence " +
+                            std::to_string(seq.value()) + " (" + std::to_string(s.length) +
+                            " tokens): it must be a positive multiple of " + std::to_string(granularity) +
+                            " up to the sequence's length");
+  }
+  const int64_t ps = kv_->page_size();
+  const auto pages = static_cast<size_t>(length / ps);
+  const bool head = options_.sparse.method == SparseMethod::kSpeContext;
+  if (length != s.length && head &&
+      (s.boundary_fused.size() < pages || !s.boundary_fused[pages - 1] || !s.last_fused)) {
+    return invalid_argument("truncate_sequence: sequence " + std::to_string(seq.value()) +
+                            " has no fused features at token " + std::to_string(length - 1) +
+                            (options_.prefix_sharing ? "" : " (EngineOptions::prefix_sharing is off)"));
+  }
+  s.admitted_length = final_length;
+  if (length == s.length) return Status::ok();
+  if (head) {
+    const size_t fused_row = static_cast<size_t>(3 * config().dim) * sizeof(float);
+    SPX_RETURN_IF_ERROR(backend_->copy_rows(s.last_fused.get(), fused_row, s.boundary_fused[pages - 1].get(), fused_row,
+                                            fused_row, 1));
+    SPX_RETURN_IF_ERROR(backend_->synchronize());
+    s.boundary_fused.resize(pages);
+  }
+  // Nothing can fail from here on.
+  for (size_t p = pages; p < s.pages.size(); ++p) kv_->free_page(s.pages[p]);
+  s.pages.resize(pages);
+  s.length = length;
+  if (options_.sparse.method == SparseMethod::kQuest) {
+    const auto bounds = static_cast<size_t>(length / options_.sparse.quest_page_size * config().kv_dim());
+    for (LayerSparseState& ls : s.layers) {
+      if (ls.page_min.size() > bounds) ls.page_min.resize(bounds), ls.page_max.resize(bounds);
+    }
+  }
+  invalidate_working_sets(s);  // their slot maps name tokens that are gone
+  if (s.filter_tokens > length && options_.tiering.candidate_filter) {
+    options_.tiering.candidate_filter->drop(seq);
+    s.filter_tokens = 0;
+  }
+  return Status::ok();
+}
+
 Status Engine::remove_sequence(SeqId seq) {
   auto it = sequences_.find(seq);
   if (it == sequences_.end()) return invalid_argument("unknown sequence " + std::to_string(seq.value()));

@@ -214,6 +214,11 @@ class Engine {
   Result<SeqId> fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length = 0);
   // Token multiple of the prefixes fork_sequence takes: the page size (and Quest's page size).
   int64_t fork_granularity() const;
+  // Drops the sequence's tokens from `length` on (llama.cpp's seq_rm at the end), so that it can
+  // go on from there: length must be a positive multiple of fork_granularity() below its length
+  // (or equal to it: nothing changes but final_length). final_length: as add_sequence's, from now
+  // on. The prefix cache reuses a finished sequence this way for the request that supersedes it.
+  Status truncate_sequence(SeqId seq, int64_t length, int64_t final_length = 0);
   // Whether fork_sequence can work at all (SpeContext needs prefix_sharing).
   bool can_fork() const { return options_.sparse.method != SparseMethod::kSpeContext || options_.prefix_sharing; }
   // Frees the sequence's pages (those it shares: its references). Unknown ids are an InvalidArgument.

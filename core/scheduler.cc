@@ -89,12 +89,16 @@ void Scheduler::cache_or_release(Entry& e) {
   e.seq = SeqId();
 }
 
-bool Scheduler::evict_cached() {
-  if (cached_.empty()) return false;
-  (void)engine_.remove_sequence(cached_.front().seq);
-  cached_.pop_front();
-  ++stats_.prefix_cache_evictions;
-  return true;
+bool Scheduler::evict_cached(SeqId keep) {
+  for (auto it = cached_.begin(); it != cached_.end(); ++it) {
+    // `keep` goes last, and only when nothing is running (else waiting lets that finish).
+    if (it->seq == keep && (cached_.size() > 1 || !running_.empty())) continue;
+    (void)engine_.remove_sequence(it->seq);
+    cached_.erase(it);
+    ++stats_.prefix_cache_evictions;
+    return true;
+  }
+  return false;
 }
 
 void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
@@ -144,25 +148,43 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
     if (m > best.tokens) best.tokens = m, best.seq = cached_[c].seq, best.from_cache = c;
   }
   best.pending = std::max(best.pending, best.tokens);
+  if (best.from_cache) {
+    const int64_t whole = static_cast<int64_t>(cached_[*best.from_cache].tokens.size()) / unit * unit;
+    best.supersedes = best.tokens == whole;
+  }
   return best;
 }
 
-Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length) {
+Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const PrefixSource& best) {
   const int64_t promised = options_.admission == AdmissionPolicy::kReserve ? final_length : 0;
   const bool first_admission = !e.admitted_before;
   e.admitted_before = true;
-  const PrefixSource best = forks(e) ? find_prefix(e) : PrefixSource{};
+  auto took = [&](int64_t tokens) {
+    e.prefilled = tokens;
+    stats_.cached_prompt_tokens += tokens;
+    if (first_admission) e.cached_prompt_tokens = tokens;
+  };
+  if (best.tokens > 0 && best.from_cache) {
+    const auto at = cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache);
+    // The request would take every whole page of it, and forks only ever take whole pages (the
+    // next turn of a conversation): it takes the sequence itself, cut to the shared pages.
+    if (best.supersedes && engine_.truncate_sequence(at->seq, best.tokens, promised).is_ok()) {
+      const SeqId seq = at->seq;
+      cached_.erase(at);
+      took(best.tokens);
+      return seq;
+    }
+  }
   if (best.tokens > 0) {
     auto fork = engine_.fork_sequence(best.seq, best.tokens, promised);
     if (fork.is_ok()) {
       if (best.from_cache) {  // now the most recently used
-        CachedSequence used = std::move(cached_[*best.from_cache]);
-        cached_.erase(cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache));
+        const auto at = cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache);
+        CachedSequence used = std::move(*at);
+        cached_.erase(at);
         cached_.push_back(std::move(used));
       }
-      e.prefilled = best.tokens;
-      stats_.cached_prompt_tokens += best.tokens;
-      if (first_admission) e.cached_prompt_tokens = best.tokens;
+      took(best.tokens);
       return fork;
     }
     // Out of slots: the caller makes room or waits. Anything else: compute the prompt instead.
@@ -184,23 +206,24 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     const bool others = engine_.live_sequences() > 0;
     // A running request is still computing more of this prompt than any cache holds (the n
     // choices of one request, the same prompt sent twice at once): wait for it, then fork.
-    if (forks(e)) {
-      const PrefixSource p = find_prefix(e);
-      if (p.pending > p.tokens) {
-        ++stats_.prefix_waits;
-        break;
-      }
+    const PrefixSource source = forks(e) ? find_prefix(e) : PrefixSource{};
+    if (source.pending > source.tokens) {
+      ++stats_.prefix_waits;
+      break;
     }
+    // Cached finished sequences give way first, the one this request forks last; one it takes
+    // over (PrefixSource::supersedes) counts as its own.
+    const SeqId keep = source.from_cache ? source.seq : SeqId();
     Status verdict;
     bool wait = false;
-    // Cached finished sequences give way first.
     if (options_.admission == AdmissionPolicy::kPreempt) {
       verdict = engine_.admit(final_length, /*alone=*/true);
-      wait = verdict.is_ok() && others && !engine_.fits(near_lengths(), near_length(e, r.synthetic_context)).is_ok();
-      if (wait && evict_cached()) continue;
+      wait = verdict.is_ok() && others &&
+             !engine_.fits(near_lengths(source.supersedes ? keep : SeqId()), near_length(e, r.synthetic_context)).is_ok();
+      if (wait && evict_cached(keep)) continue;
     } else {
       verdict = engine_.admit(final_length, /*alone=*/false);
-      if (verdict.code() == StatusCode::kResourceExhausted && evict_cached()) continue;
+      if (verdict.code() == StatusCode::kResourceExhausted && evict_cached(keep)) continue;
       wait = verdict.code() == StatusCode::kResourceExhausted && others &&
              engine_.admit(final_length, /*alone=*/true).is_ok();
     }
@@ -212,9 +235,9 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
       waiting_.pop_front();
       continue;
     }
-    auto seq = sequence_for(e, final_length);
+    auto seq = sequence_for(e, final_length, source);
     if (!seq.is_ok()) {
-      if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached()) continue;
+      if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached(keep)) continue;
       if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
       finish(e, FinishReason::kError, seq.status().message(), events);
       if (first_error.is_ok()) first_error = seq.status();
@@ -280,11 +303,11 @@ int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
   return cached + 1;
 }
 
-std::vector<int64_t> Scheduler::near_lengths() const {
+std::vector<int64_t> Scheduler::near_lengths(SeqId taken_over) const {
   std::vector<int64_t> lens;
   lens.reserve(running_.size());
   for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
-  for (const CachedSequence& c : cached_) lens.push_back(engine_.sequence_length(c.seq));
+  for (const CachedSequence& c : cached_) lens.push_back(c.seq == taken_over ? 0 : engine_.sequence_length(c.seq));
   return lens;
 }
 

@@ -89,7 +89,8 @@ struct GeneratorOptions {
   // the longest prefix of its prompt, in multiples of Engine::fork_granularity(), that a running
   // request or a finished one has in the cache (Engine::fork_sequence); the rest of its prompt is
   // computed. Finished requests' sequences stay cached, least recently used first out, until
-  // memory or a sequence slot is wanted. A request whose prompt a running request is still
+  // memory or a sequence slot is wanted; a request that would take every whole page of one (the
+  // next turn of a conversation) takes the sequence itself (Engine::truncate_sequence). A request whose prompt a running request is still
   // prefilling waits (in order) until it can fork what that one computes: a prompt sent n times
   // at once is computed once. Under SpeContext the engine needs prefix_sharing on.
   bool prefix_caching = false;
@@ -174,21 +175,25 @@ class Scheduler {
   // kPreempt: the length each running request reaches after its next step or two (a prefilling
   // one: its whole prompt and first token), and the preemption that makes them fit.
   static int64_t near_length(const Entry& e, int64_t cached);
-  std::vector<int64_t> near_lengths() const;
+  // taken_over: a cached sequence the new request takes over, counted as 0 (the request is).
+  std::vector<int64_t> near_lengths(SeqId taken_over = SeqId()) const;
   void preempt_until_fits();
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   // Prefix caching: a new sequence for e holding the longest cached prefix of its prompt, or an
   // empty one (add_sequence) when none is worth forking.
-  Result<SeqId> sequence_for(Entry& e, int64_t final_length);
   struct PrefixSource {
     int64_t tokens = 0;   // usable now from `seq`
     SeqId seq;
     std::optional<size_t> from_cache;  // index in cached_, when seq is a cached one
+    bool supersedes = false;  // a cached seq whose every whole page the request takes
     int64_t pending = 0;  // usable once running requests have prefilled their prompts
   };
+  Result<SeqId> sequence_for(Entry& e, int64_t final_length, const PrefixSource& source);
   bool forks(const Entry& e) const;  // prefix caching applies to e
   PrefixSource find_prefix(const Entry& e) const;
-  bool evict_cached();  // drops the least recently used cached sequence; false when none
+  // Drops the least recently used cached sequence other than `keep` (that one only when it is the
+  // last and nothing runs); false when none.
+  bool evict_cached(SeqId keep = SeqId());
   void release(Entry& e);
   void cache_or_release(Entry& e);  // prefix caching keeps its sequence, else release
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits

@@ -137,6 +137,56 @@ TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact)
   ASSERT_TRUE(e.check_invariants().is_ok());
 }
 
+TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
+  const Case c = GetParam();
+  auto model = testing::toy_model(3);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  transport::LocalTransport local;
+  EngineOptions o = prefix_options(c.method, *head);
+  if (c.host_layers) {
+    o.tiering.host.push_back(testing::host_tier(8 << 20));
+    o.tiering.transport = &local;
+    o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(local);
+  }
+  auto made = Engine::create(model, testing::cpu_backend(), o);
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  Engine& e = **made;
+  if (c.host_layers) {
+    KvPlacement place = e.placement();
+    place.layer_home = {TierId(0), TierId(1), TierId(1)};
+    ASSERT_TRUE(e.apply_placement(place).is_ok());
+  }
+  auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, *head));
+  ASSERT_TRUE(ref_made.is_ok());
+  Engine& ref = **ref_made;
+  const int32_t vocab = static_cast<int32_t>(model->config.vocab_size);
+  const std::vector<TokenId> prompt = random_tokens(40, 1, vocab);
+  const std::vector<TokenId> old_tail = random_tokens(12, 2, vocab);
+  const std::vector<TokenId> new_tail = random_tokens(8, 3, vocab);
+  auto seq = e.add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  (void)last_logits(e, *seq, prompt);
+  for (TokenId t : old_tail) (void)last_logits(e, *seq, std::span(&t, 1));  // 52 tokens, sparse decode
+  EXPECT_EQ(e.truncate_sequence(*seq, 36).code(), StatusCode::kInvalidArgument) << "not a whole fork unit";
+  EXPECT_EQ(e.truncate_sequence(*seq, 60).code(), StatusCode::kInvalidArgument) << "beyond its length";
+  ASSERT_TRUE(e.truncate_sequence(*seq, 32).is_ok());
+  EXPECT_EQ(e.sequence_length(*seq), 32);
+  EXPECT_EQ(e.kv_store().used_pages(), 4);
+  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  auto whole = ref.add_sequence();
+  ASSERT_TRUE(whole.is_ok());
+  std::vector<float> got = last_logits(e, *seq, std::span(prompt).subspan(32));
+  std::vector<float> want = last_logits(ref, *whole, prompt);
+  EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "the prompt again from token 32";
+  for (size_t i = 0; i < new_tail.size(); ++i) {
+    got = last_logits(e, *seq, std::span(&new_tail[i], 1));
+    want = last_logits(ref, *whole, std::span(&new_tail[i], 1));
+    EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "decode step " << i;
+  }
+  ASSERT_TRUE(e.check_invariants().is_ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Methods, ForkSequence,
                          ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
                                            Case{SparseMethod::kQuest, false}, Case{SparseMethod::kStreaming, false},

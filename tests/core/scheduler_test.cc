@@ -535,14 +535,41 @@ TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   EXPECT_EQ(got.cached[2], 64);
   EXPECT_EQ(s.stats().cached_prompt_tokens, 64);
   EXPECT_EQ(s.stats().prompt_tokens, 40 + static_cast<int64_t>(b.prompt.size()) - 64);
+  EXPECT_EQ(s.cached_sequences(), 1u) << "B took all of A's whole pages: A is superseded";
+  EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
 
   // A prompt that is all cached still computes its last token: 39 usable, 32 in pages.
   ASSERT_TRUE(s.submit(a).is_ok());
   run_to_idle(s, got);
   EXPECT_EQ(got.tokens[3], ta);
   EXPECT_EQ(got.cached[3], 32);
-  EXPECT_EQ(s.cached_sequences(), 3u);
+  EXPECT_EQ(s.cached_sequences(), 2u) << "B keeps pages beyond C's prefix";
   EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
+}
+
+TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
+  auto engine = make_engine(1);  // a fork would need a second slot
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  for (AdmissionPolicy policy : {AdmissionPolicy::kPreempt, AdmissionPolicy::kReserve}) {
+    go.admission = policy;
+    Scheduler s(*engine, go);
+    const GenerationRequest a = request(story_prompt(40), 30);
+    ASSERT_TRUE(s.submit(a).is_ok());
+    Collected got;
+    run_to_idle(s, got);
+    GenerationRequest b = a;
+    b.prompt.insert(b.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+    b.prompt.push_back(403);
+    b.max_new_tokens = 20;
+    ASSERT_TRUE(s.submit(b).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.tokens[2], alone(b));
+    EXPECT_EQ(got.cached[2], 64) << "69 cached tokens, cut to 4 pages";
+    EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
+    EXPECT_EQ(s.cached_sequences(), 1u);
+    EXPECT_TRUE(engine->check_invariants().is_ok());
+  }
 }
 
 TEST(Scheduler, PrefixCachingForksFromARunningRequest) {

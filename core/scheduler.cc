@@ -157,8 +157,7 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
 
 Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const PrefixSource& best) {
   const int64_t promised = options_.admission == AdmissionPolicy::kReserve ? final_length : 0;
-  const bool first_admission = !e.admitted_before;
-  e.admitted_before = true;
+  const bool first_admission = !e.admitted_before;  // set by admit() once a sequence is had
   auto took = [&](int64_t tokens) {
     e.prefilled = tokens;
     stats_.cached_prompt_tokens += tokens;
@@ -245,6 +244,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
       continue;
     }
     e.seq = *seq;
+    e.admitted_before = true;
     if (r.synthetic_context > 0) {
       if (Status st = engine_.fill_synthetic(e.seq, r.synthetic_context,
                                              r.sampling.seed + static_cast<uint64_t>(e.id.value()));

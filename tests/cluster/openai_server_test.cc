@@ -570,6 +570,33 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
   }
   EXPECT_EQ(streamed, expected);
 
+  // The next turn (the history, the reply, a new question) is answered from the cache (prefix
+  // caching is on by default) with the Generator's reply to the whole rendered conversation.
+  const std::vector<ChatMessage> turn2 = {{"system", "Be brief."}, {"user", "Hi there"}, {"assistant", expected},
+                                          {"user", "And then?"}};
+  auto ids2 = (*tok)->encode(apply_chat_template(ChatTemplate::kQwen, turn2), false, true);
+  ASSERT_TRUE(ids2.is_ok());
+  GenerationRequest gr2 = gr;
+  gr2.prompt = *ids2;
+  auto res2 = g.run({gr2});
+  ASSERT_TRUE(res2.is_ok());
+  std::string raw2;
+  prev = gr2.prompt.back();
+  for (TokenId t : (*res2)[0].tokens) {
+    raw2 += (*tok)->decode_token(prev, t);
+    prev = t;
+  }
+  json body2 = body;
+  body2["messages"].push_back({{"role", "assistant"}, {"content", expected}});
+  body2["messages"].push_back({{"role", "user"}, {"content", "And then?"}});
+  Reply r2 = post((*server)->port(), "/v1/chat/completions", body2);
+  ASSERT_EQ(r2.status, 200) << r2.body;
+  EXPECT_EQ(r2.j()["choices"][0]["message"]["content"], sanitize_utf8(raw2));
+  EXPECT_EQ(r2.j()["usage"]["prompt_tokens"], static_cast<int64_t>(ids2->size()));
+  EXPECT_GE(r2.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(),
+            static_cast<int64_t>(ids->size()) / 16 * 16)
+      << r2.body;
+
   // Logprobs, streamed: every token once, its raw bytes adding up to the reply's bytes (tokens of
   // this byte-level vocabulary split UTF-8 sequences, so only the bytes add up exactly).
   sbody["logprobs"] = true;

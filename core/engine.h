@@ -219,6 +219,10 @@ class Engine {
   // (or equal to it: nothing changes but final_length). final_length: as add_sequence's, from now
   // on. The prefix cache reuses a finished sequence this way for the request that supersedes it.
   Status truncate_sequence(SeqId seq, int64_t length, int64_t final_length = 0);
+  // Gives back the device memory of the sequence's sparse working sets (allocated again at its next
+  // sparse step, reloaded from scratch): for sequences that wait, such as finished ones kept for
+  // prefix caching.
+  Status release_working_sets(SeqId seq);
   // Whether fork_sequence can work at all (SpeContext needs prefix_sharing).
   bool can_fork() const { return options_.sparse.method != SparseMethod::kSpeContext || options_.prefix_sharing; }
   // Frees the sequence's pages (those it shares: its references). Unknown ids are an InvalidArgument.

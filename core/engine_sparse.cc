@@ -10,11 +10,13 @@
 namespace specontext {
 
 Status Engine::ensure_sparse_state(Sequence& s) {
-  if (!s.layers.empty()) return Status::ok();
+  if (!s.layers.empty() && s.layers.front().ws_k.valid()) return Status::ok();
   const ModelConfig& c = config();
   const int64_t slots = options_.sparse.selection.budget;
   const uint64_t bytes = working_set_bytes();
-  std::vector<LayerSparseState> layers(static_cast<size_t>(c.n_layers));
+  // New, or released by release_working_sets (the layers keep Quest's bounds).
+  std::vector<LayerSparseState> layers =
+      s.layers.empty() ? std::vector<LayerSparseState>(static_cast<size_t>(c.n_layers)) : std::move(s.layers);
   const TierId device(0);
   Status st;
   for (auto& ls : layers) {
@@ -30,11 +32,32 @@ Status Engine::ensure_sparse_state(Sequence& s) {
     for (auto& ls : layers) {
       if (ls.ws_k.valid()) (void)kv_->release(device, ls.ws_k.offset);
       if (ls.ws_v.valid()) (void)kv_->release(device, ls.ws_v.offset);
+      ls.ws_k = ls.ws_v = Slice{};
     }
+    s.layers = std::move(layers);
+    if (s.layers.front().page_min.empty()) s.layers.clear();  // nothing worth keeping
     return st.with_context("working sets of a sparse sequence");
   }
   if (shares_selection(options_.sparse.method)) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
   s.layers = std::move(layers);
+  return Status::ok();
+}
+
+Status Engine::release_working_sets(SeqId seq) {
+  const auto it = sequences_.find(seq);
+  if (it == sequences_.end()) return invalid_argument("release_working_sets: unknown sequence " + std::to_string(seq.value()));
+  Sequence& s = it->second;
+  if (options_.sparse.method != SparseMethod::kQuest) {
+    drop_sparse_state(s);
+    return Status::ok();
+  }
+  for (auto& ls : s.layers) {  // Quest's bounds stay: forks copy them
+    if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
+    if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
+    ls.ws_k = ls.ws_v = Slice{};
+    ls.ws.clear();
+  }
+  s.shared_ws = ElasticWorkingSet();
   return Status::ok();
 }
 

@@ -81,6 +81,7 @@ void Scheduler::cache_or_release(Entry& e) {
     release(e);
     return;
   }
+  (void)engine_.release_working_sets(e.seq);  // device memory a waiting sequence does not use
   CachedSequence c{e.seq, {}};
   c.tokens.assign(e.request.prompt.begin(), e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
   c.tokens.insert(c.tokens.end(), e.produced.begin(), e.produced.end());

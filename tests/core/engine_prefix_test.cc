@@ -174,6 +174,12 @@ TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
   EXPECT_EQ(e.sequence_length(*seq), 32);
   EXPECT_EQ(e.kv_store().used_pages(), 4);
   ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  // Waiting sequences give their working sets back; the next sparse step allocates them again.
+  const uint64_t device_before = e.kv_store().tier_used_bytes(TierId(0));
+  ASSERT_TRUE(e.release_working_sets(*seq).is_ok());
+  if (c.method != SparseMethod::kDense) {
+    EXPECT_LT(e.kv_store().tier_used_bytes(TierId(0)), device_before) << "working sets released";
+  }
   auto whole = ref.add_sequence();
   ASSERT_TRUE(whole.is_ok());
   std::vector<float> got = last_logits(e, *seq, std::span(prompt).subspan(32));

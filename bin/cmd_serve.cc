@@ -27,6 +27,11 @@ void register_serve(CLI::App& app, ServeArgs& a) {
                   "the model id clients name (default: the model file's name)");
   cmd->add_option("--max-batch", a.max_batch, "sequences decoded together (the engine's sequence slots)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--prefix-cache-slots", a.prefix_cache_slots,
+                  "finished requests' sequences the prefix cache may keep beyond --max-batch (they share "
+                  "the KV memory of --max-batch sequences and give way when it is wanted)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--max-batch-tokens", a.max_batch_tokens, "most tokens in one forward pass")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--max-waiting", a.max_waiting, "requests queued behind the running batch before 503")
@@ -60,7 +65,8 @@ int run_serve(const ServeArgs& a) {
                                : loaded->model->config.max_seq_len);
   auto bundle =
       build_engine(a.engine, *loaded, a.max_batch, context,
-                   std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false);
+                   std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false,
+                   a.engine.prefix_caching ? a.prefix_cache_slots : 0);
   if (!bundle.is_ok()) return fail(bundle.status());
 
   cluster::ServerOptions o;
@@ -79,7 +85,7 @@ int run_serve(const ServeArgs& a) {
   o.scheduling.prefill_chunk = a.engine.prefill_chunk;
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
   o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
-  o.scheduling.prefix_caching = a.engine.prefix_caching;
+  o.scheduling.prefix_caching = a.engine.prefix_caching;  // with --prefix-cache-slots more slots
 
   // Block the stop signals before the server's threads start, so that they inherit the mask and
   // only sigwait below sees them.
@@ -94,6 +100,7 @@ int run_serve(const ServeArgs& a) {
       << nlohmann::json{{"event", "listening"},          {"host", o.host},
                         {"port", (*server)->port()},     {"model", o.model_name},
                         {"max_batch", a.max_batch},      {"max_context", bundle->engine->max_context()},
+                        {"prefix_cache_slots", a.engine.prefix_caching ? a.prefix_cache_slots : 0},
                         {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone},
                         {"admission", a.engine.admission}, {"prefix_caching", a.engine.prefix_caching}}
              .dump()

@@ -113,6 +113,7 @@ struct ServeArgs {
   std::string listen = "127.0.0.1:8000";
   std::string model_name;
   int64_t max_batch = 8;
+  int64_t prefix_cache_slots = 16;  // engine sequence slots beyond max_batch for cached sequences
   int64_t max_batch_tokens = 2048;
   int64_t max_waiting = 256;
   double drain_seconds = 30;

@@ -152,7 +152,7 @@ Result<std::unique_ptr<Backend>> make_backend(const EngineArgs& a) {
 
 Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded, int64_t max_sequences,
                                   int64_t max_context, const std::vector<int64_t>& final_lengths,
-                                  bool quiet) {
+                                  bool quiet, int64_t waiting_slots) {
   EngineBundle out;
   const Model& model = *loaded.model;
   SPX_ASSIGN_OR_RETURN(std::shared_ptr<const RetrievalHead> head, find_head(a, loaded, out.head_note));
@@ -161,7 +161,8 @@ Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded
   SPX_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(a));
 
   EngineOptions& eopts = out.options;
-  eopts.max_sequences = max_sequences;
+  eopts.max_sequences = max_sequences + waiting_slots;
+  eopts.max_running = waiting_slots > 0 ? max_sequences : 0;
   eopts.page_size = a.page_size;
   eopts.kv_dtype = dtype_from_name(a.kv_dtype).value_or(DType::kF32);  // CLI11 checked the name
   eopts.max_context = max_context > 0 ? max_context : model.config.max_seq_len;

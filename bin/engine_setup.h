@@ -70,8 +70,10 @@ struct EngineBundle {
   std::string head_note;  // where the retrieval head came from ("" = none)
 };
 // max_context: 0 = the model's; final_lengths: the lengths a static placement plans for.
-// `quiet`: no notes on stderr (JSON output).
+// `quiet`: no notes on stderr (JSON output). waiting_slots: sequence slots beyond max_sequences
+// for sequences that wait (EngineOptions::max_running = max_sequences when > 0).
 Result<EngineBundle> build_engine(const EngineArgs& args, const LoadedModel& loaded, int64_t max_sequences,
-                                  int64_t max_context, const std::vector<int64_t>& final_lengths, bool quiet);
+                                  int64_t max_context, const std::vector<int64_t>& final_lengths, bool quiet,
+                                  int64_t waiting_slots = 0);
 
 }  // namespace specontext::cli

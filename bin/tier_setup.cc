@@ -256,7 +256,7 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
   pc.base.head_bytes = 0;
   pc.base.runtime_factor = 1.0;
   pc.base.budget = eopts.sparse.method == SparseMethod::kDense ? 1 : eopts.sparse.selection.budget;
-  pc.base.requests = eopts.max_sequences;
+  pc.base.requests = eopts.running_slots();
   for (const TierMemory& t : tiers) {
     if (t.desc.kind == TierKind::kHost) {
       pc.base.host.push_back({t.desc.index, static_cast<int64_t>(t.desc.capacity_bytes), measured(t.desc.id, TierId(0))});

@@ -58,6 +58,9 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
     }
   }
   if (options.max_sequences <= 0) return invalid_argument("max_sequences must be positive");
+  if (options.max_running < 0 || options.max_running > options.max_sequences) {
+    return invalid_argument("max_running must be in [0, max_sequences]");
+  }
   if (options.page_size <= 0) return invalid_argument("page_size must be positive");
   if (!is_kv_dtype(options.kv_dtype)) {
     return invalid_argument("kv_dtype must be f32, f16 or bf16, got " + std::string(dtype_name(options.kv_dtype)));
@@ -159,7 +162,8 @@ Status Engine::import_weights() {
 uint64_t Engine::all_device_bytes(const ModelConfig& c, const EngineOptions& o) {
   const int64_t max_context = o.max_context > 0 ? o.max_context : c.max_seq_len;
   const int64_t pages_per_seq = (max_context + o.page_size - 1) / o.page_size;
-  const int64_t n_pages = o.kv_pages > 0 ? o.kv_pages : pages_per_seq * o.max_sequences;
+  const int64_t running = o.running_slots(), waiting = o.max_sequences - running;
+  const int64_t n_pages = o.kv_pages > 0 ? o.kv_pages : pages_per_seq * running;
   const uint64_t page_bytes = 2 * static_cast<uint64_t>(o.page_size * c.kv_dim()) * dtype_size(o.kv_dtype);
   const uint64_t chunk_pages = static_cast<uint64_t>(
       o.kv_chunk_pages > 0 ? std::min(o.kv_chunk_pages, n_pages) : KvStore::default_chunk_pages(page_bytes, n_pages));
@@ -169,16 +173,16 @@ uint64_t Engine::all_device_bytes(const ModelConfig& c, const EngineOptions& o) 
   const int64_t budget = o.sparse.selection.budget;
   if (o.sparse.method != SparseMethod::kDense) {
     const uint64_t ws = static_cast<uint64_t>(c.n_kv_heads * budget * c.head_dim) * dtype_size(o.kv_dtype);
-    bytes += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2 * ws;
-    allocations += static_cast<uint64_t>(o.max_sequences * c.n_layers) * 2;
+    bytes += static_cast<uint64_t>(running * c.n_layers) * 2 * ws;
+    allocations += static_cast<uint64_t>(running * c.n_layers) * 2;
   }
   if (o.sparse.method == SparseMethod::kSpeContext && o.retrieval_head) {
     // The head's key blocks: `budget` tokens each, f32 (head_block_bytes).
     const auto& hc = o.retrieval_head->config;
-    const int64_t blocks = (max_context + budget - 1) / budget;
-    bytes += static_cast<uint64_t>(o.max_sequences * blocks) *
-             static_cast<uint64_t>(budget * hc.n_kv_heads * hc.head_dim) * sizeof(float);
-    allocations += static_cast<uint64_t>(o.max_sequences * blocks);
+    // Waiting sequences hold tokens of the same pool: a partly filled block each beyond it.
+    const int64_t blocks = running * ((max_context + budget - 1) / budget) + waiting;
+    bytes += static_cast<uint64_t>(blocks) * static_cast<uint64_t>(budget * hc.n_kv_heads * hc.head_dim) * sizeof(float);
+    allocations += static_cast<uint64_t>(blocks);
   }
   return bytes + allocations * 256 + (uint64_t{1} << 20);  // alignment slack per allocation
 }
@@ -187,7 +191,7 @@ Status Engine::setup_tiers() {
   const ModelConfig& c = config();
   const TieringOptions& t = options_.tiering;
   const int64_t pages_per_seq = (max_context_ + options_.page_size - 1) / options_.page_size;
-  const int64_t n_pages = options_.kv_pages > 0 ? options_.kv_pages : pages_per_seq * options_.max_sequences;
+  const int64_t n_pages = options_.kv_pages > 0 ? options_.kv_pages : pages_per_seq * options_.running_slots();
   const bool tiered = !t.host.empty() || !t.remote.empty();
   if (tiered && (t.transport == nullptr || !t.copies)) {
     return invalid_argument("KV tiers: host or remote tiers need a transport and a copy queue");

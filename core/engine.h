@@ -91,9 +91,14 @@ struct TieringOptions {
 
 struct EngineOptions {
   int64_t max_sequences = 16;  // live sequences at once
+  // Sequences that decode at once (0 = max_sequences): the KV pool (kv_pages = 0) and the device's
+  // working sets and retrieval-head blocks are sized for this many at max_context. The slots
+  // beyond it are for sequences that wait (finished ones a prefix cache keeps) and share the pool.
+  int64_t max_running = 0;
+  int64_t running_slots() const { return max_running > 0 ? max_running : max_sequences; }
   int64_t max_context = 0;     // tokens per sequence; 0 = the model's max_seq_len
   int64_t page_size = 16;      // tokens per KV page
-  int64_t kv_pages = 0;        // pages in the pool; 0 = enough for max_sequences at max_context
+  int64_t kv_pages = 0;        // pages in the pool; 0 = enough for running_slots() at max_context
   int64_t kv_chunk_pages = 0;  // pages per storage chunk of a layer; 0 = about 2 MiB (KvStore)
   // Element type of K and V in the cache and the working sets: f32, f16 or bf16 (is_kv_dtype).
   // Attention widens to f32; kv_append rounds to nearest even.
@@ -230,6 +235,7 @@ class Engine {
   // Tokens cached for the sequence (0 for unknown ids).
   int64_t sequence_length(SeqId seq) const;
   int64_t live_sequences() const { return static_cast<int64_t>(sequences_.size()); }
+  int64_t running_slots() const { return options_.running_slots(); }
 
   // One batched forward. Either every request is applied or none is: on any error the KV cache
   // and sequence lengths are as before the call.

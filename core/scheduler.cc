@@ -196,6 +196,8 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
 Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
   Status first_error;
   while (!waiting_.empty()) {
+    // The engine's slots beyond running_slots() hold waiting sequences only (the prefix cache).
+    if (static_cast<int64_t>(running_.size()) >= engine_.running_slots()) break;
     Entry& e = waiting_.front();
     const GenerationRequest& r = e.request;
     const int64_t final_length =

@@ -165,6 +165,7 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
            {{"model", "stories"}, {"prompt", "Once upon a time"}, {"max_tokens", 40}, {"temperature", 0}});
   EXPECT_EQ(r["choices"][0]["text"], expected) << r.dump();
   EXPECT_EQ(listening["prefix_caching"], true);
+  EXPECT_EQ(listening["prefix_cache_slots"], 16);
   // The next turn resends the first: answered from the cache (SpeContext: the head's keys and the
   // page-boundary features are forked too) with generate's text for the whole prompt.
   const std::string turn = "Once upon a time" + expected + " Then";

@@ -572,6 +572,39 @@ TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
   }
 }
 
+TEST(Scheduler, SlotsBeyondTheRunningOnesHoldCachedSequences) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(m.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = 3;
+  eo.max_running = 1;  // the pool: one sequence at the context limit (32 pages of 16)
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  EXPECT_EQ((*engine)->kv_store().total_pages(), 32);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  Scheduler s(**engine, go);
+  const GenerationRequest a = request(story_prompt(40), 30);
+  const GenerationRequest b = request({1, 426, 298}, 30);
+  ASSERT_TRUE(s.submit(a).is_ok());
+  ASSERT_TRUE(s.submit(b).is_ok());
+  Collected got;
+  run_to_idle(s, got);
+  EXPECT_EQ(s.stats().max_batch_sequences, 1) << "one running at a time";
+  EXPECT_EQ(got.tokens[1], alone(a));
+  EXPECT_EQ(got.tokens[2], alone(b));
+  EXPECT_EQ(s.cached_sequences(), 2u);
+  GenerationRequest next = a;
+  next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+  next.prompt.push_back(403);
+  ASSERT_TRUE(s.submit(next).is_ok());
+  run_to_idle(s, got);
+  EXPECT_EQ(got.tokens[3], alone(next));
+  EXPECT_EQ(got.cached[3], 64);
+  EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
+  EXPECT_TRUE((*engine)->check_invariants().is_ok());
+}
+
 TEST(Scheduler, PrefixCachingForksFromARunningRequest) {
   auto engine = make_engine(4);
   GeneratorOptions go;

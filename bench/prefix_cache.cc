@@ -10,14 +10,12 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
 
+#include "bench/lib/report.h"
 #include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
@@ -197,15 +195,6 @@ int main(int argc, char** argv) {
       {"wall_ratio_off_over_on", on->wall_s > 0 ? off->wall_s / on->wall_s : 0.0},
       {"ttft_ratio_off_over_on", on->ttft_sum_s > 0 ? off->ttft_sum_s / on->ttft_sum_s : 0.0},
       {"modes", {off->json, on->json}}};
-  std::filesystem::create_directories(std::filesystem::path(out).parent_path().empty()
-                                          ? std::filesystem::path(".")
-                                          : std::filesystem::path(out).parent_path());
-  std::ofstream(out) << doc.dump(2) << "\n";
-  std::printf("%s\n", doc.dump().c_str());
-  if (plot) {
-    const std::string cmd =
-        std::string("/usr/bin/python3 '") + SPECONTEXT_SOURCE_DIR + "/bench/plot_prefix_cache.py' '" + out + "'";
-    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "bench_prefix_cache: plotting failed\n");
-  }
+  bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_prefix_cache.py");
   return 0;
 }

@@ -10,13 +10,11 @@
 #include <boost/asio.hpp>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
+#include "bench/lib/report.h"
 #include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
@@ -154,15 +152,6 @@ int main(int argc, char** argv) {
       {"requests_per_client", per_client},
       {"threads", std::thread::hardware_concurrency()},
       {"points", points}};
-  std::filesystem::create_directories(std::filesystem::path(out).parent_path().empty()
-                                          ? std::filesystem::path(".")
-                                          : std::filesystem::path(out).parent_path());
-  std::ofstream(out) << doc.dump(2) << "\n";
-  std::printf("%s\n", doc.dump().c_str());
-  if (plot) {
-    const std::string cmd =
-        std::string("/usr/bin/python3 '") + SPECONTEXT_SOURCE_DIR + "/bench/plot_serve.py' '" + out + "'";
-    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "bench_serve: plotting failed\n");
-  }
+  bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_serve.py");
   return 0;
 }

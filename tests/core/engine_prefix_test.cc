@@ -50,37 +50,49 @@ struct Case {
   bool host_layers;  // layers 1 and 2 homed in a host tier
 };
 
-class ForkSequence : public ::testing::TestWithParam<Case> {};
+// The engine under test (layers 1 and 2 in a host tier when asked) and the reference: the same
+// model on an engine that never forks or truncates.
+class ForkSequence : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const Case c = GetParam();
+    model = testing::toy_model(3);
+    auto h = make_random_head(model->config, 9);
+    ASSERT_TRUE(h.is_ok());
+    head = *h;
+    EngineOptions o = prefix_options(c.method, head);
+    if (c.host_layers) {
+      o.tiering.host.push_back(testing::host_tier(8 << 20));
+      o.tiering.transport = &local;
+      o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(local);
+    }
+    auto made = Engine::create(model, testing::cpu_backend(), o);
+    ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+    engine = std::move(*made);
+    if (c.host_layers) {
+      KvPlacement place = engine->placement();
+      place.layer_home = {TierId(0), TierId(1), TierId(1)};
+      ASSERT_TRUE(engine->apply_placement(place).is_ok());
+    }
+    auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, head));
+    ASSERT_TRUE(ref_made.is_ok());
+    reference = std::move(*ref_made);
+    prompt = random_tokens(40, 1, vocab());
+  }
+  int32_t vocab() const { return static_cast<int32_t>(model->config.vocab_size); }
+  transport::LocalTransport local;  // declared first: outlives the engines
+  std::shared_ptr<Model> model;
+  std::shared_ptr<RetrievalHead> head;
+  std::unique_ptr<Engine> engine, reference;
+  std::vector<TokenId> prompt;  // 40 random tokens
+};
 
 TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact) {
   const Case c = GetParam();
-  auto model = testing::toy_model(3);
-  auto head = make_random_head(model->config, 9);
-  ASSERT_TRUE(head.is_ok());
-  transport::LocalTransport local;
-  EngineOptions o = prefix_options(c.method, *head);
-  if (c.host_layers) {
-    o.tiering.host.push_back(testing::host_tier(8 << 20));
-    o.tiering.transport = &local;
-    o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(local);
-  }
-  auto made = Engine::create(model, testing::cpu_backend(), o);
-  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
-  Engine& e = **made;
-  if (c.host_layers) {
-    KvPlacement place = e.placement();
-    place.layer_home = {TierId(0), TierId(1), TierId(1)};
-    ASSERT_TRUE(e.apply_placement(place).is_ok());
-  }
-  // The reference: the same model on an engine that never forks.
-  auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, *head));
-  ASSERT_TRUE(ref_made.is_ok());
-  Engine& ref = **ref_made;
-
-  const int32_t vocab = static_cast<int32_t>(model->config.vocab_size);
-  const std::vector<TokenId> prompt = random_tokens(40, 1, vocab);
-  const std::vector<TokenId> source_tail = random_tokens(6, 2, vocab);  // source decodes these
-  const std::vector<TokenId> fork_tail = random_tokens(8, 3, vocab);    // the fork decodes these
+  Engine& e = *engine;
+  Engine& ref = *reference;
+  const std::vector<TokenId> source_tail = random_tokens(6, 2, vocab());  // source decodes these
+  const std::vector<TokenId> fork_tail = random_tokens(8, 3, vocab());    // the fork decodes these
   const int64_t prefix = 32;
   ASSERT_EQ(prefix % e.fork_granularity(), 0);
 
@@ -139,31 +151,10 @@ TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact)
 
 TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
   const Case c = GetParam();
-  auto model = testing::toy_model(3);
-  auto head = make_random_head(model->config, 9);
-  ASSERT_TRUE(head.is_ok());
-  transport::LocalTransport local;
-  EngineOptions o = prefix_options(c.method, *head);
-  if (c.host_layers) {
-    o.tiering.host.push_back(testing::host_tier(8 << 20));
-    o.tiering.transport = &local;
-    o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(local);
-  }
-  auto made = Engine::create(model, testing::cpu_backend(), o);
-  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
-  Engine& e = **made;
-  if (c.host_layers) {
-    KvPlacement place = e.placement();
-    place.layer_home = {TierId(0), TierId(1), TierId(1)};
-    ASSERT_TRUE(e.apply_placement(place).is_ok());
-  }
-  auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, *head));
-  ASSERT_TRUE(ref_made.is_ok());
-  Engine& ref = **ref_made;
-  const int32_t vocab = static_cast<int32_t>(model->config.vocab_size);
-  const std::vector<TokenId> prompt = random_tokens(40, 1, vocab);
-  const std::vector<TokenId> old_tail = random_tokens(12, 2, vocab);
-  const std::vector<TokenId> new_tail = random_tokens(8, 3, vocab);
+  Engine& e = *engine;
+  Engine& ref = *reference;
+  const std::vector<TokenId> old_tail = random_tokens(12, 2, vocab());
+  const std::vector<TokenId> new_tail = random_tokens(8, 3, vocab());
   auto seq = e.add_sequence();
   ASSERT_TRUE(seq.is_ok());
   (void)last_logits(e, *seq, prompt);

@@ -106,7 +106,7 @@ struct OpenAiServer::Impl {
 
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
-  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0}, preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0},
+  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0}, preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0},
       kv_bytes{0};
 
   std::thread io_thread;
@@ -158,6 +158,7 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   preemptions = st.preemptions;
   cached_prompt_tokens = st.cached_prompt_tokens;
   prefix_cache_evictions = st.prefix_cache_evictions;
+  cached_sequences = static_cast<int64_t>(scheduler.cached_sequences());
   kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
@@ -237,6 +238,7 @@ void OpenAiServer::Impl::engine_loop() {
   }
   running = 0;
   waiting = 0;
+  cached_sequences = 0;
 }
 
 // ---------------------------------------------------------------- Asio thread
@@ -792,6 +794,8 @@ std::string OpenAiServer::Impl::metrics_text() const {
          cached_prompt_tokens);
   metric("specontext_prefix_cache_evictions_total", "counter", "cached sequences dropped to make room",
          prefix_cache_evictions);
+  metric("specontext_prefix_cache_sequences", "gauge", "finished requests' sequences kept for prefix caching",
+         cached_sequences);
   metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
   return out;
 }
@@ -884,6 +888,7 @@ ServerCounters OpenAiServer::counters() const {
   c.preemptions = s.preemptions;
   c.cached_prompt_tokens = s.cached_prompt_tokens;
   c.prefix_cache_evictions = s.prefix_cache_evictions;
+  c.cached_sequences = s.cached_sequences;
   c.kv_bytes_in_use = s.kv_bytes;
   return c;
 }

@@ -56,6 +56,7 @@ struct ServerCounters {
   int64_t preemptions = 0;          // running requests recomputed to make room (AdmissionPolicy::kPreempt)
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache
   int64_t prefix_cache_evictions = 0;  // cached sequences dropped for room
+  int64_t cached_sequences = 0;        // finished requests' sequences held for prefix caching (now)
   int64_t kv_bytes_in_use = 0;
 };
 

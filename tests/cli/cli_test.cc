@@ -51,6 +51,29 @@ TEST(Cli, GenerateJsonSummaryHasTheKeysAndMatchesGreedyGolden) {
   EXPECT_EQ(j["text"].get<std::string>().rfind(", there was a little girl named Lily.", 0), 0u) << j["text"];
 }
 
+// --prefix-caching: a batch of the same prompt computes it once (the others wait for it and fork
+// its pages), with the text of computing it alone; SpeContext forks the head's keys too.
+TEST(Cli, PrefixCachingComputesABatchesSharedPromptOnce) {
+  const std::string prompt =
+      "'Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day'";
+  std::string texts[2];
+  int64_t cached[2] = {0, 0};
+  for (int on = 0; on < 2; ++on) {
+    const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt " +
+                                 prompt + " -n 30 --batch 3 --temperature 0 --json" +
+                                 (on ? " --prefix-caching" : " --no-prefix-caching"),
+                             false);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    texts[on] = j["text"].get<std::string>();
+    cached[on] = j["cached_prompt_tokens"].get<int64_t>();
+    EXPECT_EQ(j["sparse"], "specontext");
+  }
+  EXPECT_EQ(cached[0], 0);
+  EXPECT_EQ(cached[1], 2 * 32) << "two of the three fork the 33-token prompt's 2 whole pages";
+  EXPECT_EQ(texts[1], texts[0]);
+}
+
 TEST(Cli, HalfPrecisionKvHalvesTheCacheAndKeepsTheGreedyText) {
   for (const char* dtype : {"bf16", "f16"}) {
     const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +

@@ -979,6 +979,7 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
   EXPECT_LT(cached, second.j()["usage"]["prompt_tokens"].get<int64_t>());
   EXPECT_EQ((*server)->counters().cached_prompt_tokens, cached);
   EXPECT_GT((*server)->counters().kv_bytes_in_use, 0) << "finished requests stay cached";
+  EXPECT_EQ((*server)->counters().cached_sequences, 1) << "the second turn took the first's sequence over";
   Reply metrics = send(port, http::verb::get, "/metrics");
   EXPECT_NE(metrics.body.find("specontext_prefix_cache_hit_tokens_total " + std::to_string(cached)), std::string::npos)
       << metrics.body;

@@ -168,6 +168,9 @@ struct StepRequest {
   std::span<const TokenId> tokens;
   LogitsMode logits = LogitsMode::kLast;
   const TokenDraw* draw = nullptr;  // required with kSample, ignored otherwise
+  // Prompt tokens: attended densely even as a single token (sparse methods sparsify decode steps
+  // only), so that how a prompt is chunked, or where a cached prefix ends, changes nothing.
+  bool prompt = false;
 };
 
 struct StepOutput {
@@ -340,7 +343,7 @@ class Engine {
   Status reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated);
   bool wants_fused() const;
   static bool shares_selection(SparseMethod m);
-  bool decodes_sparse(const Sequence& s, int64_t n_tokens) const;
+  bool decodes_sparse(const Sequence& s, const StepRequest& r) const;
   Status ensure_sparse_state(Sequence& s);
   void drop_sparse_state(Sequence& s);
   void invalidate_working_sets(Sequence& s);

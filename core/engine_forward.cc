@@ -27,8 +27,8 @@ bool Engine::wants_fused() const {
   return observer_ != nullptr || options_.sparse.method == SparseMethod::kSpeContext;
 }
 
-bool Engine::decodes_sparse(const Sequence& s, int64_t n_tokens) const {
-  return options_.sparse.method != SparseMethod::kDense && n_tokens == 1 &&
+bool Engine::decodes_sparse(const Sequence& s, const StepRequest& r) const {
+  return options_.sparse.method != SparseMethod::kDense && r.tokens.size() == 1 && !r.prompt &&
          s.length + 1 > options_.sparse.selection.budget;
 }
 
@@ -156,7 +156,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     items_[i].token_offset = row;
     items_[i].n_tokens = static_cast<int64_t>(requests[i].tokens.size());
     items_[i].start_pos = start;
-    sparse[i] = decodes_sparse(*seqs[i], items_[i].n_tokens);
+    sparse[i] = decodes_sparse(*seqs[i], requests[i]);
     for (size_t j = 0; j < requests[i].tokens.size(); ++j) {
       ids_[static_cast<size_t>(row)] = requests[i].tokens[j];
       positions_[static_cast<size_t>(row)] = start + static_cast<int64_t>(j);

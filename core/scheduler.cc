@@ -363,7 +363,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
                             : last_chunk             ? sample_mode(e)
                                                      : LogitsMode::kNone;
     batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)), mode,
-                     last_chunk ? &e.draw : nullptr});
+                     last_chunk ? &e.draw : nullptr, /*prompt=*/true});
     in_batch.push_back(&e);
     is_prefill.push_back(true);
     budget -= n;

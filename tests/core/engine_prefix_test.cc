@@ -115,6 +115,7 @@ TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact)
   std::vector<float> want = last_logits(ref, *whole, prompt);
   ASSERT_FALSE(want.empty());
   EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "the fork's prompt";
+  fprintf(stderr, "DIFF %g\n", max_abs_diff(got, want));
   EXPECT_EQ(e.kv_store().used_pages(), pages_before + 1);  // one page of its own for 32..40
   for (size_t i = 0; i < fork_tail.size(); ++i) {
     got = last_logits(e, *fork, std::span(&fork_tail[i], 1));

@@ -5,10 +5,13 @@
 
 #include <limits>
 #include <map>
+#include <random>
+#include <set>
 
 #include "core/generator.h"
 #include "core/scheduler.h"
 #include "core/model_loader.h"
+#include "core/retrieval_head.h"
 #include "tests/core/tier_test_util.h"
 
 namespace specontext {
@@ -678,6 +681,136 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
     EXPECT_TRUE((*engine)->check_invariants().is_ok());
   }
 }
+
+// Prefix caching under load: shared system prompts, conversations that continue finished ones,
+// sampled and greedy requests, cancels, a pool too small for everyone (preemption, eviction) and
+// slots for cached sequences; the KV invariants after every step, and every request that ends
+// gets exactly the tokens it gets alone on an engine without caching.
+// The naive reference kernels: each row's sums in one order whatever the batch's shape, so that
+// sparse selections (top-k over near ties) do not depend on how prompts were chunked or forked.
+// (oneDNN's GEMM rounds a row differently at another M; dense attention shrugs that off.)
+std::shared_ptr<Backend> reference_backend() {
+  cpu::CpuBackendOptions o;
+  o.reference = true;
+  o.num_threads = 1;
+  auto b = cpu::create_cpu_backend(o);
+  EXPECT_TRUE(b.is_ok());
+  return std::shared_ptr<Backend>(std::move(*b));
+}
+
+class PrefixCachingUnderLoad : public ::testing::TestWithParam<SparseMethod> {};
+
+TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
+  auto loaded = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(loaded.is_ok());
+  std::shared_ptr<const Model> model = *loaded;
+  EngineOptions eo;
+  eo.sparse.method = GetParam();
+  eo.sparse.selection = {32, 1, 4};  // sparse decode past 32 tokens
+  if (GetParam() == SparseMethod::kSpeContext) {
+    auto head = load_eagle3_head(testing::repo_path("models/stories260K/retrieval_head.safetensors"), model->config);
+    ASSERT_TRUE(head.is_ok()) << head.status().to_string();
+    eo.retrieval_head = *head;
+  }
+  auto alone_tokens = [&](const GenerationRequest& r) {
+    EngineOptions one = eo;  // without the sharing, slots and pool set below
+    one.max_sequences = 1;
+    one.max_running = 0;
+    one.kv_pages = 0;
+    one.prefix_sharing = false;
+    auto e = Engine::create(model, reference_backend(), one);
+    EXPECT_TRUE(e.is_ok());
+    Generator g(**e, GeneratorOptions{});  // one prefill chunk, not the 24-token ones below
+    auto res = g.run({r});
+    EXPECT_TRUE(res.is_ok());
+    return res.is_ok() ? (*res)[0].tokens : std::vector<TokenId>{};
+  };
+  eo.prefix_sharing = true;
+  eo.max_sequences = 6;
+  eo.max_running = 3;
+  eo.kv_pages = 20;  // 320 tokens for up to three running requests of up to 150: some give way
+  auto engine = Engine::create(model, reference_backend(), eo);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.admission = AdmissionPolicy::kPreempt;
+  go.prefill_chunk = 24;
+  Scheduler s(**engine, go);
+
+  std::mt19937 rng(11);
+  auto random_ids = [&](size_t n) {
+    std::vector<TokenId> t(n);
+    for (auto& x : t) x = static_cast<TokenId>(3 + rng() % 500);
+    return t;
+  };
+  std::vector<std::vector<TokenId>> systems;
+  for (size_t n : {20u, 37u, 50u}) {
+    std::vector<TokenId> p{1};
+    for (TokenId t : random_ids(n)) p.push_back(t);
+    systems.push_back(std::move(p));
+  }
+  const bool multi_turn = GetParam() == SparseMethod::kDense;
+  std::map<int64_t, GenerationRequest> submitted;
+  std::set<int64_t> cancelled;
+  Collected got;
+  std::vector<SchedulerEvent> ev;
+  const int kRequests = 24;
+  for (int step = 0; step < 6000 && (static_cast<int>(submitted.size()) < kRequests || !s.idle()); ++step) {
+    if (static_cast<int>(submitted.size()) < kRequests && rng() % 3 == 0) {
+      GenerationRequest r = request({}, 5 + rng() % 30, rng() % 2 ? 0.8f : 0.0f);
+      r.sampling.seed = rng();
+      std::vector<int64_t> done;
+      for (const auto& [id, reason] : got.finish) {
+        if (reason == FinishReason::kLength && !cancelled.count(id)) done.push_back(id);
+      }
+      // The next turn of a finished conversation, under dense attention only: a sparse method's
+      // generated tokens have the KV their sparse decode gave them, which a fresh dense prefill
+      // of the same tokens does not reproduce (and need not: it is what the model saw).
+      if (multi_turn && !done.empty() && rng() % 3 == 0) {
+        const int64_t prev = done[rng() % done.size()];
+        r.prompt = submitted[prev].prompt;
+        r.prompt.insert(r.prompt.end(), got.tokens[prev].begin(), got.tokens[prev].end());
+      } else {
+        r.prompt = systems[rng() % systems.size()];
+      }
+      for (TokenId t : random_ids(rng() % 20)) r.prompt.push_back(t);
+      if (r.prompt.size() + static_cast<size_t>(r.max_new_tokens) > 150) continue;
+      auto id = s.submit(r);
+      ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+      submitted[id->value()] = std::move(r);
+    }
+    if (!submitted.empty() && rng() % 40 == 0) {  // cancel one now and then
+      const auto it = std::next(submitted.begin(), static_cast<std::ptrdiff_t>(rng() % submitted.size()));
+      const bool keep_cached = rng() % 2 == 0;
+      if (!got.finish.count(it->first) && s.cancel(RequestId(it->first), keep_cached)) cancelled.insert(it->first);
+    }
+    ev.clear();
+    ASSERT_TRUE(s.step(ev).is_ok());
+    collect(ev, got);
+    ASSERT_TRUE((*engine)->check_invariants().is_ok()) << "step " << step << ": " << (*engine)->check_invariants().to_string();
+  }
+  ASSERT_TRUE(s.idle());
+  int checked = 0;
+  for (const auto& [id, r] : submitted) {
+    if (cancelled.count(id)) continue;
+    ASSERT_TRUE(got.finish.count(id)) << "request " << id << " never ended";
+    EXPECT_EQ(got.finish[id], FinishReason::kLength) << id;
+    EXPECT_EQ(got.tokens[id], alone_tokens(r)) << "request " << id << " (" << r.prompt.size() << " prompt tokens, "
+                                               << got.cached[id] << " from the cache, temperature " << r.sampling.temperature << ")";
+    ++checked;
+  }
+  EXPECT_GE(checked, kRequests / 2);
+  EXPECT_GT(s.stats().cached_prompt_tokens, 0);
+  EXPECT_GT(s.stats().prefix_cache_evictions + s.stats().preemptions, 0) << "the pool was tight";
+  std::fprintf(stderr, "cached %lld prompt tokens, computed %lld; %lld preemptions, %lld evictions, %lld waits\n",
+               static_cast<long long>(s.stats().cached_prompt_tokens), static_cast<long long>(s.stats().prompt_tokens),
+               static_cast<long long>(s.stats().preemptions), static_cast<long long>(s.stats().prefix_cache_evictions),
+               static_cast<long long>(s.stats().prefix_waits));
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, PrefixCachingUnderLoad,
+                         ::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext, SparseMethod::kQuest),
+                         [](const auto& info) { return std::string(sparse_method_name(info.param)); });
 
 }  // namespace
 }  // namespace specontext

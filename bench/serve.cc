@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "bench/lib/report.h"
+#include "bench/lib/serve_setup.h"
 #include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
@@ -54,10 +55,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
     return 1;
   };
-  auto loaded = cli::load_model_and_tokenizer(args);
+  auto loaded = bench::load_served_model(args);
   if (!loaded.is_ok()) return fail(loaded.status());
-  if (!loaded->tokenizer)
-    loaded->tokenizer = make_synthetic_tokenizer(static_cast<int32_t>(loaded->model->config.vocab_size));
   const int64_t context =
       std::min<int64_t>(loaded->model->config.max_seq_len, prompt_tokens + max_tokens + 8);
   auto bundle =

@@ -281,28 +281,45 @@ int64_t Engine::fork_granularity() const {
   return options_.sparse.method == SparseMethod::kQuest ? std::lcm(ps, options_.sparse.quest_page_size) : ps;
 }
 
+Status Engine::check_prefix(SeqId seq, const Sequence& s, int64_t tokens, std::string_view what) const {
+  const int64_t granularity = fork_granularity();
+  if (tokens <= 0 || tokens % granularity != 0 || tokens > s.length) {
+    return invalid_argument(std::string(what) + ": a prefix of " + std::to_string(tokens) + " tokens of sequence " +
+                            std::to_string(seq.value()) + " (" + std::to_string(s.length) +
+                            " tokens): it must be a positive multiple of " + std::to_string(granularity) +
+                            " up to the sequence's length");
+  }
+  const auto pages = static_cast<size_t>(tokens / kv_->page_size());
+  if (options_.sparse.method == SparseMethod::kSpeContext &&
+      (s.boundary_fused.size() < pages || !s.boundary_fused[pages - 1])) {
+    return invalid_argument(std::string(what) + ": sequence " + std::to_string(seq.value()) +
+                            " has no fused features at token " + std::to_string(tokens - 1) +
+                            (options_.prefix_sharing ? "" : " (EngineOptions::prefix_sharing is off)"));
+  }
+  return Status::ok();
+}
+
+Status Engine::resume_fused_at(Sequence& s, const std::shared_ptr<const void>& boundary) {
+  const size_t fused_row = static_cast<size_t>(3 * config().dim) * sizeof(float);
+  if (!s.last_fused) {
+    SPX_ASSIGN_OR_RETURN(s.last_fused, backend_->allocate(fused_row));
+  }
+  SPX_RETURN_IF_ERROR(backend_->copy_rows(s.last_fused.get(), fused_row, boundary.get(), fused_row, fused_row, 1));
+  return backend_->synchronize();
+}
+
+size_t Engine::quest_bound_elements(int64_t tokens) const {
+  return static_cast<size_t>(tokens / options_.sparse.quest_page_size * config().kv_dim());
+}
+
 Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length) {
   const auto src_it = sequences_.find(source);
   if (src_it == sequences_.end()) {
     return invalid_argument("fork_sequence: unknown sequence " + std::to_string(source.value()));
   }
-  const int64_t granularity = fork_granularity(), source_length = src_it->second.length;
-  if (prefix_tokens <= 0 || prefix_tokens % granularity != 0 || prefix_tokens > source_length) {
-    return invalid_argument("fork_sequence: a prefix of " + std::to_string(prefix_tokens) + " tokens of sequence " +
-                            std::to_string(source.value()) + " (" + std::to_string(source_length) +
-                            " tokens): it must be a positive multiple of " + std::to_string(granularity) +
-                            " up to the sequence's length");
-  }
+  SPX_RETURN_IF_ERROR(check_prefix(source, src_it->second, prefix_tokens, "fork_sequence"));
   const int64_t n_pages = prefix_tokens / kv_->page_size();
   const bool head = options_.sparse.method == SparseMethod::kSpeContext;
-  if (head) {
-    const auto& bf = src_it->second.boundary_fused;
-    if (static_cast<int64_t>(bf.size()) < n_pages || !bf[static_cast<size_t>(n_pages - 1)]) {
-      return invalid_argument("fork_sequence: sequence " + std::to_string(source.value()) +
-                              " has no fused features at token " + std::to_string(prefix_tokens - 1) +
-                              (options_.prefix_sharing ? "" : " (EngineOptions::prefix_sharing is off)"));
-    }
-  }
   SPX_ASSIGN_OR_RETURN(const SeqId id, add_sequence(final_length));
   Sequence& s = sequences_.at(id);
   const Sequence& src = sequences_.at(source);  // unordered_map references survive the insertion
@@ -328,18 +345,13 @@ Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t
         return undo(unimplemented("the retrieval head's keys are in a tier the engine cannot copy within"));
       }
     }
-    const size_t fused_row = static_cast<size_t>(3 * config().dim) * sizeof(float);
-    auto fused = backend_->allocate(fused_row);
-    if (!fused.is_ok()) return undo(fused.status());
-    s.last_fused = *fused;
-    if (Status st = backend_->copy_rows(s.last_fused.get(), fused_row,
-                                                 src.boundary_fused[static_cast<size_t>(n_pages - 1)].get(), fused_row,
-                                                 fused_row, 1); !st.is_ok()) return undo(st);
-    if (Status st = backend_->synchronize(); !st.is_ok()) return undo(st);
+    if (Status st = resume_fused_at(s, src.boundary_fused[static_cast<size_t>(n_pages - 1)]); !st.is_ok()) {
+      return undo(st);
+    }
     s.boundary_fused.assign(src.boundary_fused.begin(), src.boundary_fused.begin() + n_pages);
   } else if (options_.sparse.method == SparseMethod::kQuest) {
     if (Status st = ensure_sparse_state(s); !st.is_ok()) return undo(st);
-    const auto bounds = static_cast<size_t>(prefix_tokens / options_.sparse.quest_page_size * config().kv_dim());
+    const size_t bounds = quest_bound_elements(prefix_tokens);
     for (size_t l = 0; l < s.layers.size(); ++l) {
       const LayerSparseState& from = src.layers[l];
       s.layers[l].page_min.assign(from.page_min.begin(), from.page_min.begin() + static_cast<std::ptrdiff_t>(bounds));
@@ -353,29 +365,12 @@ Status Engine::truncate_sequence(SeqId seq, int64_t length, int64_t final_length
   const auto it = sequences_.find(seq);
   if (it == sequences_.end()) return invalid_argument("truncate_sequence: unknown sequence " + std::to_string(seq.value()));
   Sequence& s = it->second;
-  const int64_t granularity = fork_granularity();
-  if (length != s.length && (length <= 0 || length > s.length || length % granularity != 0)) {
-    return invalid_argument("truncate_sequence: " + std::to_string(length) + " tokens of sequence " +
-                            std::to_string(seq.value()) + " (" + std::to_string(s.length) +
-                            " tokens): it must be a positive multiple of " + std::to_string(granularity) +
-                            " up to the sequence's length");
-  }
-  const int64_t ps = kv_->page_size();
-  const auto pages = static_cast<size_t>(length / ps);
-  const bool head = options_.sparse.method == SparseMethod::kSpeContext;
-  if (length != s.length && head &&
-      (s.boundary_fused.size() < pages || !s.boundary_fused[pages - 1] || !s.last_fused)) {
-    return invalid_argument("truncate_sequence: sequence " + std::to_string(seq.value()) +
-                            " has no fused features at token " + std::to_string(length - 1) +
-                            (options_.prefix_sharing ? "" : " (EngineOptions::prefix_sharing is off)"));
-  }
+  if (length != s.length) SPX_RETURN_IF_ERROR(check_prefix(seq, s, length, "truncate_sequence"));
   s.admitted_length = final_length;
   if (length == s.length) return Status::ok();
-  if (head) {
-    const size_t fused_row = static_cast<size_t>(3 * config().dim) * sizeof(float);
-    SPX_RETURN_IF_ERROR(backend_->copy_rows(s.last_fused.get(), fused_row, s.boundary_fused[pages - 1].get(), fused_row,
-                                            fused_row, 1));
-    SPX_RETURN_IF_ERROR(backend_->synchronize());
+  const auto pages = static_cast<size_t>(length / kv_->page_size());
+  if (options_.sparse.method == SparseMethod::kSpeContext) {
+    SPX_RETURN_IF_ERROR(resume_fused_at(s, s.boundary_fused[pages - 1]));
     s.boundary_fused.resize(pages);
   }
   // Nothing can fail from here on.
@@ -383,7 +378,7 @@ Status Engine::truncate_sequence(SeqId seq, int64_t length, int64_t final_length
   s.pages.resize(pages);
   s.length = length;
   if (options_.sparse.method == SparseMethod::kQuest) {
-    const auto bounds = static_cast<size_t>(length / options_.sparse.quest_page_size * config().kv_dim());
+    const size_t bounds = quest_bound_elements(length);
     for (LayerSparseState& ls : s.layers) {
       if (ls.page_min.size() > bounds) ls.page_min.resize(bounds), ls.page_max.resize(bounds);
     }

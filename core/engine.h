@@ -341,10 +341,17 @@ class Engine {
   Status setup_tiers();
   Result<void*> fit(Workspace& w, size_t bytes);
   Status reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated);
+  // fork_sequence / truncate_sequence: whether s can go on from `tokens` (a whole fork unit, with
+  // SpeContext the fused features of its last position kept), and making it do so.
+  Status check_prefix(SeqId seq, const Sequence& s, int64_t tokens, std::string_view what) const;
+  Status resume_fused_at(Sequence& s, const std::shared_ptr<const void>& boundary);
+  size_t quest_bound_elements(int64_t tokens) const;  // Quest bounds of whole pages of `tokens`
   bool wants_fused() const;
   static bool shares_selection(SparseMethod m);
   bool decodes_sparse(const Sequence& s, const StepRequest& r) const;
   Status ensure_sparse_state(Sequence& s);
+  static bool has_working_sets(const Sequence& s);   // allocated (not new, not released)
+  void release_slices(std::vector<LayerSparseState>& layers);  // their working-set memory, and maps
   void drop_sparse_state(Sequence& s);
   void invalidate_working_sets(Sequence& s);
   Status ensure_head_capacity(Sequence& s, int64_t tokens);

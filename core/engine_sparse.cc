@@ -9,14 +9,26 @@
 
 namespace specontext {
 
+bool Engine::has_working_sets(const Sequence& s) { return !s.layers.empty() && s.layers.front().ws_k.valid(); }
+
+void Engine::release_slices(std::vector<LayerSparseState>& layers) {
+  for (auto& ls : layers) {
+    if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
+    if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
+    ls.ws_k = ls.ws_v = Slice{};
+    ls.ws.clear();
+  }
+}
+
 Status Engine::ensure_sparse_state(Sequence& s) {
-  if (!s.layers.empty() && s.layers.front().ws_k.valid()) return Status::ok();
+  if (has_working_sets(s)) return Status::ok();
   const ModelConfig& c = config();
   const int64_t slots = options_.sparse.selection.budget;
   const uint64_t bytes = working_set_bytes();
   // New, or released by release_working_sets (the layers keep Quest's bounds).
+  const bool fresh = s.layers.empty();
   std::vector<LayerSparseState> layers =
-      s.layers.empty() ? std::vector<LayerSparseState>(static_cast<size_t>(c.n_layers)) : std::move(s.layers);
+      fresh ? std::vector<LayerSparseState>(static_cast<size_t>(c.n_layers)) : std::move(s.layers);
   const TierId device(0);
   Status st;
   for (auto& ls : layers) {
@@ -29,13 +41,8 @@ Status Engine::ensure_sparse_state(Sequence& s) {
     ls.ws_v = Slice{device, *v, bytes};
   }
   if (!st.is_ok()) {
-    for (auto& ls : layers) {
-      if (ls.ws_k.valid()) (void)kv_->release(device, ls.ws_k.offset);
-      if (ls.ws_v.valid()) (void)kv_->release(device, ls.ws_v.offset);
-      ls.ws_k = ls.ws_v = Slice{};
-    }
-    s.layers = std::move(layers);
-    if (s.layers.front().page_min.empty()) s.layers.clear();  // nothing worth keeping
+    release_slices(layers);
+    if (!fresh) s.layers = std::move(layers);  // as they were: released
     return st.with_context("working sets of a sparse sequence");
   }
   if (shares_selection(options_.sparse.method)) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
@@ -49,23 +56,15 @@ Status Engine::release_working_sets(SeqId seq) {
   Sequence& s = it->second;
   if (options_.sparse.method != SparseMethod::kQuest) {
     drop_sparse_state(s);
-    return Status::ok();
+  } else {  // Quest's bounds stay: forks copy them
+    release_slices(s.layers);
+    s.shared_ws = ElasticWorkingSet();
   }
-  for (auto& ls : s.layers) {  // Quest's bounds stay: forks copy them
-    if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
-    if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
-    ls.ws_k = ls.ws_v = Slice{};
-    ls.ws.clear();
-  }
-  s.shared_ws = ElasticWorkingSet();
   return Status::ok();
 }
 
 void Engine::drop_sparse_state(Sequence& s) {
-  for (auto& ls : s.layers) {
-    if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
-    if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
-  }
+  release_slices(s.layers);
   s.layers.clear();
   s.shared_ws = ElasticWorkingSet();
 }

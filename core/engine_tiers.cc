@@ -54,7 +54,7 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
   for (const auto& [id, s] : sequences_) {
     if (!s.head_blocks.empty() && s.head_tier == device) modelled += s.head_blocks.size() * head_block_bytes();
     growth += static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
-    if (options_.sparse.method != SparseMethod::kDense && (s.layers.empty() || !s.layers.front().ws_k.valid())) {
+    if (options_.sparse.method != SparseMethod::kDense && !has_working_sets(s)) {
       growth += static_cast<uint64_t>(c.n_layers) * ws_bytes;
     }
     if (options_.sparse.method == SparseMethod::kSpeContext) growth += head_block_bytes();

@@ -20,7 +20,6 @@
 #include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
-#include "core/synthetic.h"
 
 using namespace specontext;
 using Clock = std::chrono::steady_clock;
@@ -153,10 +152,8 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
 int main(int argc, char** argv) {
   CLI::App app{"prefix caching through the OpenAI-compatible server: multi-turn conversations, off vs on"};
   cli::EngineArgs args;
-  args.model.synthetic = "llama-3.2-1b";
-  args.model.layers = 4;
   args.admission = "preempt";
-  cli::add_engine_options(app, args);
+  bench::add_served_model_options(app, args);
   Shape shape;
   std::string out = "bench_out/prefix_cache.json";
   bool plot = false;
@@ -169,7 +166,6 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "JSON output path");
   app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
   CLI11_PARSE(app, argc, argv);
-  if (!args.model.model_path.empty()) args.model.synthetic.clear();
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
     return 1;
@@ -181,7 +177,7 @@ int main(int argc, char** argv) {
   auto on = run_mode(args, *loaded, shape, true);
   if (!on.is_ok()) return fail(on.status());
   nlohmann::json doc = {
-      {"model", args.model.model_path.empty() ? args.model.synthetic : args.model.model_path},
+      {"model", bench::served_model_name(args)},
       {"layers", loaded->model->config.n_layers},
       {"conversations", shape.conversations},
       {"turns", shape.turns},

@@ -19,7 +19,6 @@
 #include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
-#include "core/synthetic.h"
 
 using namespace specontext;
 using Clock = std::chrono::steady_clock;
@@ -31,9 +30,7 @@ using bench::RequestTiming;
 int main(int argc, char** argv) {
   CLI::App app{"continuous batching through the OpenAI-compatible server"};
   cli::EngineArgs args;
-  args.model.synthetic = "llama-3.2-1b";
-  args.model.layers = 4;
-  cli::add_engine_options(app, args);
+  bench::add_served_model_options(app, args);
   std::vector<int64_t> concurrency = {1, 2, 4, 8};
   int64_t per_client = 2;
   int64_t prompt_tokens = 64;
@@ -49,7 +46,6 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "JSON output path");
   app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
   CLI11_PARSE(app, argc, argv);
-  if (!args.model.model_path.empty()) args.model.synthetic.clear();
 
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
@@ -142,7 +138,7 @@ int main(int argc, char** argv) {
   }
   (*server)->stop();
   nlohmann::json doc = {
-      {"model", args.model.model_path.empty() ? args.model.synthetic : args.model.model_path},
+      {"model", bench::served_model_name(args)},
       {"layers", loaded->model->config.n_layers},
       {"sparse", bundle->method_name},
       {"prompt_tokens", prompt_tokens},

@@ -63,10 +63,10 @@ int run_serve(const ServeArgs& a) {
           ? a.engine.max_context
           : (loaded->synthetic ? std::min<int64_t>(4096, loaded->model->config.max_seq_len)
                                : loaded->model->config.max_seq_len);
+  const int64_t cache_slots = a.engine.prefix_caching ? a.prefix_cache_slots : 0;
   auto bundle =
       build_engine(a.engine, *loaded, a.max_batch, context,
-                   std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false,
-                   a.engine.prefix_caching ? a.prefix_cache_slots : 0);
+                   std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false, cache_slots);
   if (!bundle.is_ok()) return fail(bundle.status());
 
   cluster::ServerOptions o;
@@ -85,7 +85,7 @@ int run_serve(const ServeArgs& a) {
   o.scheduling.prefill_chunk = a.engine.prefill_chunk;
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
   o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
-  o.scheduling.prefix_caching = a.engine.prefix_caching;  // with --prefix-cache-slots more slots
+  o.scheduling.prefix_caching = a.engine.prefix_caching;
 
   // Block the stop signals before the server's threads start, so that they inherit the mask and
   // only sigwait below sees them.
@@ -100,7 +100,7 @@ int run_serve(const ServeArgs& a) {
       << nlohmann::json{{"event", "listening"},          {"host", o.host},
                         {"port", (*server)->port()},     {"model", o.model_name},
                         {"max_batch", a.max_batch},      {"max_context", bundle->engine->max_context()},
-                        {"prefix_cache_slots", a.engine.prefix_caching ? a.prefix_cache_slots : 0},
+                        {"prefix_cache_slots", cache_slots},
                         {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone},
                         {"admission", a.engine.admission}, {"prefix_caching", a.engine.prefix_caching}}
              .dump()

@@ -90,9 +90,10 @@ struct GeneratorOptions {
   // request or a finished one has in the cache (Engine::fork_sequence); the rest of its prompt is
   // computed. Finished requests' sequences stay cached, least recently used first out, until
   // memory or a sequence slot is wanted; a request that would take every whole page of one (the
-  // next turn of a conversation) takes the sequence itself (Engine::truncate_sequence). A request whose prompt a running request is still
-  // prefilling waits (in order) until it can fork what that one computes: a prompt sent n times
-  // at once is computed once. Under SpeContext the engine needs prefix_sharing on.
+  // next turn of a conversation) takes the sequence itself (Engine::truncate_sequence). A request
+  // whose prompt a running request is still prefilling waits (in order) until it can fork what
+  // that one computes: a prompt sent n times at once is computed once. Under SpeContext the
+  // engine needs prefix_sharing on.
   bool prefix_caching = false;
 };
 
@@ -179,8 +180,7 @@ class Scheduler {
   std::vector<int64_t> near_lengths(SeqId taken_over = SeqId()) const;
   void preempt_until_fits();
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
-  // Prefix caching: a new sequence for e holding the longest cached prefix of its prompt, or an
-  // empty one (add_sequence) when none is worth forking.
+  // Prefix caching: where e's prompt could start from.
   struct PrefixSource {
     int64_t tokens = 0;   // usable now from `seq`
     SeqId seq;
@@ -188,6 +188,8 @@ class Scheduler {
     bool supersedes = false;  // a cached seq whose every whole page the request takes
     int64_t pending = 0;  // usable once running requests have prefilled their prompts
   };
+  // A sequence for e holding `source`'s prefix (a cached one taken over, or a fork), or an empty
+  // one (add_sequence) when there is none to use.
   Result<SeqId> sequence_for(Entry& e, int64_t final_length, const PrefixSource& source);
   bool forks(const Entry& e) const;  // prefix caching applies to e
   PrefixSource find_prefix(const Entry& e) const;

@@ -6,7 +6,7 @@
 // wall time, prompt tokens computed and taken from the cache. JSON (and --plot: PNG via
 // plot_prefix_cache.py).
 //
-//   build/cpu/bench/bench_prefix_cache --synthetic llama-3.2-1b --layers 4 --out bench_out/prefix_cache.json --plot
+//   build/cpu/bench/bench_prefix_cache --out bench_out/prefix_cache.json --plot  (synthetic llama-3.2-1b, 4 layers)
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -54,8 +54,9 @@ struct ModeResult {
 Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded, const Shape& shape,
                             bool caching) {
   args.prefix_caching = caching;
-  const int64_t context = std::min<int64_t>(
-      loaded.model->config.max_seq_len, shape.system_tokens + shape.turns * (shape.user_tokens + shape.max_tokens) + 8);
+  const int64_t context =
+      std::min<int64_t>(loaded.model->config.max_seq_len,
+                        shape.system_tokens + shape.turns * (shape.user_tokens + shape.max_tokens) + 8);
   SPX_ASSIGN_OR_RETURN(cli::EngineBundle bundle,
                        cli::build_engine(args, loaded, shape.max_batch, context,
                                          std::vector<int64_t>(static_cast<size_t>(shape.max_batch), context),
@@ -94,9 +95,9 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
           history.push_back(3 + static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab - 3)));
         }
         const std::string body =
-            nlohmann::json{{"prompt", history},  {"max_tokens", shape.max_tokens},
-                           {"temperature", 0},   {"ignore_eos", true},
-                           {"stream", true},     {"stream_options", {{"include_usage", true}}}}
+            nlohmann::json{{"prompt", history}, {"max_tokens", shape.max_tokens},
+                           {"temperature", 0},  {"ignore_eos", true},
+                           {"stream", true},    {"stream_options", {{"include_usage", true}}}}
                 .dump();
         bench::RequestTiming r = bench::stream_completion(s, body);
         const std::vector<int32_t> answer = ids_of(r.text);
@@ -123,12 +124,13 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
       turn_cached += timings[c][t].cached_tokens;
     }
     cached += turn_cached;
-    turns.push_back({{"turn", t + 1},
-                     {"prompt_tokens", shape.system_tokens + static_cast<int64_t>(t + 1) * shape.user_tokens +
-                                           static_cast<int64_t>(t) * shape.max_tokens},
-                     {"ttft_p50_ms", 1e3 * bench::percentile(ttft, 0.5)},
-                     {"ttft_max_ms", 1e3 * bench::percentile(ttft, 1.0)},
-                     {"cached_tokens_mean", ttft.empty() ? 0.0 : static_cast<double>(turn_cached) / ttft.size()}});
+    turns.push_back(
+        {{"turn", t + 1},
+         {"prompt_tokens", shape.system_tokens + static_cast<int64_t>(t + 1) * shape.user_tokens +
+                               static_cast<int64_t>(t) * shape.max_tokens},
+         {"ttft_p50_ms", 1e3 * bench::percentile(ttft, 0.5)},
+         {"ttft_max_ms", 1e3 * bench::percentile(ttft, 1.0)},
+         {"cached_tokens_mean", ttft.empty() ? 0.0 : static_cast<double>(turn_cached) / ttft.size()}});
   }
   server->stop();
   const cluster::ServerCounters counters = server->counters();

@@ -137,16 +137,15 @@ int main(int argc, char** argv) {
     points.push_back(p);
   }
   (*server)->stop();
-  nlohmann::json doc = {
-      {"model", bench::served_model_name(args)},
-      {"layers", loaded->model->config.n_layers},
-      {"sparse", bundle->method_name},
-      {"prompt_tokens", prompt_tokens},
-      {"max_tokens", max_tokens},
-      {"max_batch", max_batch},
-      {"requests_per_client", per_client},
-      {"threads", std::thread::hardware_concurrency()},
-      {"points", points}};
+  nlohmann::json doc = {{"model", bench::served_model_name(args)},
+                        {"layers", loaded->model->config.n_layers},
+                        {"sparse", bundle->method_name},
+                        {"prompt_tokens", prompt_tokens},
+                        {"max_tokens", max_tokens},
+                        {"max_batch", max_batch},
+                        {"requests_per_client", per_client},
+                        {"threads", std::thread::hardware_concurrency()},
+                        {"points", points}};
   bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_serve.py");
   return 0;
 }

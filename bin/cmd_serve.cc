@@ -64,9 +64,9 @@ int run_serve(const ServeArgs& a) {
           : (loaded->synthetic ? std::min<int64_t>(4096, loaded->model->config.max_seq_len)
                                : loaded->model->config.max_seq_len);
   const int64_t cache_slots = a.engine.prefix_caching ? a.prefix_cache_slots : 0;
-  auto bundle =
-      build_engine(a.engine, *loaded, a.max_batch, context,
-                   std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false, cache_slots);
+  auto bundle = build_engine(a.engine, *loaded, a.max_batch, context,
+                             std::vector<int64_t>(static_cast<size_t>(a.max_batch), context), /*quiet=*/false,
+                             cache_slots);
   if (!bundle.is_ok()) return fail(bundle.status());
 
   cluster::ServerOptions o;
@@ -96,15 +96,19 @@ int run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, o);
   if (!server.is_ok()) return fail(server.status());
-  std::cout
-      << nlohmann::json{{"event", "listening"},          {"host", o.host},
-                        {"port", (*server)->port()},     {"model", o.model_name},
-                        {"max_batch", a.max_batch},      {"max_context", bundle->engine->max_context()},
-                        {"prefix_cache_slots", cache_slots},
-                        {"sparse", bundle->method_name}, {"chat", o.chat_template != ChatTemplate::kNone},
-                        {"admission", a.engine.admission}, {"prefix_caching", a.engine.prefix_caching}}
-             .dump()
-      << std::endl;
+  std::cout << nlohmann::json{{"event", "listening"},
+                              {"host", o.host},
+                              {"port", (*server)->port()},
+                              {"model", o.model_name},
+                              {"max_batch", a.max_batch},
+                              {"max_context", bundle->engine->max_context()},
+                              {"prefix_cache_slots", cache_slots},
+                              {"sparse", bundle->method_name},
+                              {"chat", o.chat_template != ChatTemplate::kNone},
+                              {"admission", a.engine.admission},
+                              {"prefix_caching", a.engine.prefix_caching}}
+                   .dump()
+            << std::endl;
   int sig = 0;
   sigwait(&stop_signals, &sig);
   (*server)->stop(std::chrono::milliseconds(static_cast<int64_t>(a.drain_seconds * 1000)));

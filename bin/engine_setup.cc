@@ -151,8 +151,8 @@ Result<std::unique_ptr<Backend>> make_backend(const EngineArgs& a) {
 }  // namespace
 
 Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded, int64_t max_sequences,
-                                  int64_t max_context, const std::vector<int64_t>& final_lengths,
-                                  bool quiet, int64_t waiting_slots) {
+                                  int64_t max_context, const std::vector<int64_t>& final_lengths, bool quiet,
+                                  int64_t waiting_slots) {
   EngineBundle out;
   const Model& model = *loaded.model;
   SPX_ASSIGN_OR_RETURN(std::shared_ptr<const RetrievalHead> head, find_head(a, loaded, out.head_note));

@@ -106,8 +106,8 @@ struct OpenAiServer::Impl {
 
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
-  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0}, preemptions{0},
-      cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0};
+  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
+      preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0};
 
   std::thread io_thread;
   std::thread engine_thread;

@@ -181,7 +181,8 @@ uint64_t Engine::all_device_bytes(const ModelConfig& c, const EngineOptions& o) 
     const auto& hc = o.retrieval_head->config;
     // Waiting sequences hold tokens of the same pool: a partly filled block each beyond it.
     const int64_t blocks = running * ((max_context + budget - 1) / budget) + waiting;
-    bytes += static_cast<uint64_t>(blocks) * static_cast<uint64_t>(budget * hc.n_kv_heads * hc.head_dim) * sizeof(float);
+    bytes += static_cast<uint64_t>(blocks) * static_cast<uint64_t>(budget * hc.n_kv_heads * hc.head_dim) *
+             sizeof(float);
     allocations += static_cast<uint64_t>(blocks);
   }
   return bytes + allocations * 256 + (uint64_t{1} << 20);  // alignment slack per allocation
@@ -191,7 +192,8 @@ Status Engine::setup_tiers() {
   const ModelConfig& c = config();
   const TieringOptions& t = options_.tiering;
   const int64_t pages_per_seq = (max_context_ + options_.page_size - 1) / options_.page_size;
-  const int64_t n_pages = options_.kv_pages > 0 ? options_.kv_pages : pages_per_seq * options_.running_slots();
+  const int64_t n_pages =
+      options_.kv_pages > 0 ? options_.kv_pages : pages_per_seq * options_.running_slots();
   const bool tiered = !t.host.empty() || !t.remote.empty();
   if (tiered && (t.transport == nullptr || !t.copies)) {
     return invalid_argument("KV tiers: host or remote tiers need a transport and a copy queue");
@@ -284,10 +286,10 @@ int64_t Engine::fork_granularity() const {
 Status Engine::check_prefix(SeqId seq, const Sequence& s, int64_t tokens, std::string_view what) const {
   const int64_t granularity = fork_granularity();
   if (tokens <= 0 || tokens % granularity != 0 || tokens > s.length) {
-    return invalid_argument(std::string(what) + ": a prefix of " + std::to_string(tokens) + " tokens of sequence " +
-                            std::to_string(seq.value()) + " (" + std::to_string(s.length) +
-                            " tokens): it must be a positive multiple of " + std::to_string(granularity) +
-                            " up to the sequence's length");
+    return invalid_argument(std::string(what) + ": a prefix of " + std::to_string(tokens) +
+                            " tokens of sequence " + std::to_string(seq.value()) + " (" +
+                            std::to_string(s.length) + " tokens): it must be a positive multiple of " +
+                            std::to_string(granularity) + " up to the sequence's length");
   }
   const auto pages = static_cast<size_t>(tokens / kv_->page_size());
   if (options_.sparse.method == SparseMethod::kSpeContext &&
@@ -304,7 +306,8 @@ Status Engine::resume_fused_at(Sequence& s, const std::shared_ptr<const void>& b
   if (!s.last_fused) {
     SPX_ASSIGN_OR_RETURN(s.last_fused, backend_->allocate(fused_row));
   }
-  SPX_RETURN_IF_ERROR(backend_->copy_rows(s.last_fused.get(), fused_row, boundary.get(), fused_row, fused_row, 1));
+  SPX_RETURN_IF_ERROR(
+      backend_->copy_rows(s.last_fused.get(), fused_row, boundary.get(), fused_row, fused_row, 1));
   return backend_->synchronize();
 }
 
@@ -354,8 +357,10 @@ Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t
     const size_t bounds = quest_bound_elements(prefix_tokens);
     for (size_t l = 0; l < s.layers.size(); ++l) {
       const LayerSparseState& from = src.layers[l];
-      s.layers[l].page_min.assign(from.page_min.begin(), from.page_min.begin() + static_cast<std::ptrdiff_t>(bounds));
-      s.layers[l].page_max.assign(from.page_max.begin(), from.page_max.begin() + static_cast<std::ptrdiff_t>(bounds));
+      s.layers[l].page_min.assign(from.page_min.begin(),
+                                  from.page_min.begin() + static_cast<std::ptrdiff_t>(bounds));
+      s.layers[l].page_max.assign(from.page_max.begin(),
+                                  from.page_max.begin() + static_cast<std::ptrdiff_t>(bounds));
     }
   }
   return id;
@@ -363,7 +368,8 @@ Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t
 
 Status Engine::truncate_sequence(SeqId seq, int64_t length, int64_t final_length) {
   const auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return invalid_argument("truncate_sequence: unknown sequence " + std::to_string(seq.value()));
+  if (it == sequences_.end())
+    return invalid_argument("truncate_sequence: unknown sequence " + std::to_string(seq.value()));
   Sequence& s = it->second;
   if (length != s.length) SPX_RETURN_IF_ERROR(check_prefix(seq, s, length, "truncate_sequence"));
   s.admitted_length = final_length;
@@ -521,8 +527,8 @@ Status Engine::check_invariants() const {
     std::unordered_set<PageId> own;
     for (PageId p : s.pages) {
       if (!own.insert(p).second) {
-        return internal_error("sequence " + std::to_string(id.value()) + " holds page " + std::to_string(p.value()) +
-                              " twice");
+        return internal_error("sequence " + std::to_string(id.value()) + " holds page " +
+                              std::to_string(p.value()) + " twice");
       }
       ++holders[p];
     }
@@ -533,8 +539,9 @@ Status Engine::check_invariants() const {
   }
   for (const auto& [p, n] : holders) {
     if (kv_->page_references(p) != n) {
-      return internal_error("page " + std::to_string(p.value()) + " has " + std::to_string(kv_->page_references(p)) +
-                            " references but " + std::to_string(n) + " holders");
+      return internal_error("page " + std::to_string(p.value()) + " has " +
+                            std::to_string(kv_->page_references(p)) + " references but " + std::to_string(n) +
+                            " holders");
     }
   }
   for (int64_t l = 0; l < kv_->n_layers(); ++l) {

@@ -232,7 +232,9 @@ class Engine {
   // prefix caching.
   Status release_working_sets(SeqId seq);
   // Whether fork_sequence can work at all (SpeContext needs prefix_sharing).
-  bool can_fork() const { return options_.sparse.method != SparseMethod::kSpeContext || options_.prefix_sharing; }
+  bool can_fork() const {
+    return options_.sparse.method != SparseMethod::kSpeContext || options_.prefix_sharing;
+  }
   // Frees the sequence's pages (those it shares: its references). Unknown ids are an InvalidArgument.
   Status remove_sequence(SeqId seq);
   // Tokens cached for the sequence (0 for unknown ids).
@@ -350,7 +352,7 @@ class Engine {
   static bool shares_selection(SparseMethod m);
   bool decodes_sparse(const Sequence& s, const StepRequest& r) const;
   Status ensure_sparse_state(Sequence& s);
-  static bool has_working_sets(const Sequence& s);   // allocated (not new, not released)
+  static bool has_working_sets(const Sequence& s);             // allocated (not new, not released)
   void release_slices(std::vector<LayerSparseState>& layers);  // their working-set memory, and maps
   void drop_sparse_state(Sequence& s);
   void invalidate_working_sets(Sequence& s);

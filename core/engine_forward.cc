@@ -507,8 +507,8 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
           const int64_t pos = it.start_pos + k;
           if ((pos + 1) % ps != 0) continue;
           SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> boundary, be.allocate(fused_row));
-          SPX_RETURN_IF_ERROR(be.copy_rows(boundary.get(), fused_row, fused + (it.token_offset + k) * fd, fused_row,
-                                           fused_row, 1));
+          SPX_RETURN_IF_ERROR(be.copy_rows(boundary.get(), fused_row, fused + (it.token_offset + k) * fd,
+                                           fused_row, fused_row, 1));
           s.boundary_fused.resize(static_cast<size_t>(pos / ps));
           s.boundary_fused.push_back(std::move(boundary));
         }

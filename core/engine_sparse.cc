@@ -9,7 +9,9 @@
 
 namespace specontext {
 
-bool Engine::has_working_sets(const Sequence& s) { return !s.layers.empty() && s.layers.front().ws_k.valid(); }
+bool Engine::has_working_sets(const Sequence& s) {
+  return !s.layers.empty() && s.layers.front().ws_k.valid();
+}
 
 void Engine::release_slices(std::vector<LayerSparseState>& layers) {
   for (auto& ls : layers) {
@@ -52,7 +54,8 @@ Status Engine::ensure_sparse_state(Sequence& s) {
 
 Status Engine::release_working_sets(SeqId seq) {
   const auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return invalid_argument("release_working_sets: unknown sequence " + std::to_string(seq.value()));
+  if (it == sequences_.end())
+    return invalid_argument("release_working_sets: unknown sequence " + std::to_string(seq.value()));
   Sequence& s = it->second;
   if (options_.sparse.method != SparseMethod::kQuest) {
     drop_sparse_state(s);

@@ -83,7 +83,8 @@ void Scheduler::cache_or_release(Entry& e) {
   }
   (void)engine_.release_working_sets(e.seq);  // device memory a waiting sequence does not use
   CachedSequence c{e.seq, {}};
-  c.tokens.assign(e.request.prompt.begin(), e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
+  c.tokens.assign(e.request.prompt.begin(),
+                  e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
   c.tokens.insert(c.tokens.end(), e.produced.begin(), e.produced.end());
   c.tokens.resize(std::min(c.tokens.size(), static_cast<size_t>(length)));  // the last token was never fed
   cached_.push_back(std::move(c));
@@ -145,7 +146,8 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
   }
   for (size_t c = 0; c < cached_.size(); ++c) {
     const std::vector<TokenId>& tokens = cached_[c].tokens;
-    const int64_t m = usable(static_cast<int64_t>(tokens.size()), [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
+    const int64_t m = usable(static_cast<int64_t>(tokens.size()),
+                             [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
     if (m > best.tokens) best.tokens = m, best.seq = cached_[c].seq, best.from_cache = c;
   }
   best.pending = std::max(best.pending, best.tokens);
@@ -220,8 +222,10 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     bool wait = false;
     if (options_.admission == AdmissionPolicy::kPreempt) {
       verdict = engine_.admit(final_length, /*alone=*/true);
-      wait = verdict.is_ok() && others &&
-             !engine_.fits(near_lengths(source.supersedes ? keep : SeqId()), near_length(e, r.synthetic_context)).is_ok();
+      wait =
+          verdict.is_ok() && others &&
+          !engine_.fits(near_lengths(source.supersedes ? keep : SeqId()), near_length(e, r.synthetic_context))
+               .is_ok();
       if (wait && evict_cached(keep)) continue;
     } else {
       verdict = engine_.admit(final_length, /*alone=*/false);
@@ -308,9 +312,11 @@ int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
 
 std::vector<int64_t> Scheduler::near_lengths(SeqId taken_over) const {
   std::vector<int64_t> lens;
-  lens.reserve(running_.size());
+  lens.reserve(running_.size() + cached_.size());
   for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
-  for (const CachedSequence& c : cached_) lens.push_back(c.seq == taken_over ? 0 : engine_.sequence_length(c.seq));
+  for (const CachedSequence& c : cached_) {
+    lens.push_back(c.seq == taken_over ? 0 : engine_.sequence_length(c.seq));
+  }
   return lens;
 }
 
@@ -362,8 +368,8 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     const LogitsMode mode = wants_prompt_logprobs(e) ? LogitsMode::kAll
                             : last_chunk             ? sample_mode(e)
                                                      : LogitsMode::kNone;
-    batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)), mode,
-                     last_chunk ? &e.draw : nullptr, /*prompt=*/true});
+    batch.push_back({e.seq, std::span<const TokenId>(prompt.data() + e.prefilled, static_cast<size_t>(n)),
+                     mode, last_chunk ? &e.draw : nullptr, /*prompt=*/true});
     in_batch.push_back(&e);
     is_prefill.push_back(true);
     budget -= n;

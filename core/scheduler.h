@@ -63,7 +63,7 @@ struct GenerationStats {
   int64_t kv_bytes_peak = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
   int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
-  int64_t cached_prompt_tokens = 0;  // prompt tokens taken from the prefix cache, not computed
+  int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache, not computed
   int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
   int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
@@ -182,11 +182,11 @@ class Scheduler {
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   // Prefix caching: where e's prompt could start from.
   struct PrefixSource {
-    int64_t tokens = 0;   // usable now from `seq`
+    int64_t tokens = 0;  // usable now from `seq`
     SeqId seq;
     std::optional<size_t> from_cache;  // index in cached_, when seq is a cached one
-    bool supersedes = false;  // a cached seq whose every whole page the request takes
-    int64_t pending = 0;  // usable once running requests have prefilled their prompts
+    bool supersedes = false;           // a cached seq whose every whole page the request takes
+    int64_t pending = 0;               // usable once running requests have prefilled their prompts
   };
   // A sequence for e holding `source`'s prefix (a cached one taken over, or a fork), or an empty
   // one (add_sequence) when there is none to use.
@@ -197,7 +197,7 @@ class Scheduler {
   // last and nothing runs); false when none.
   bool evict_cached(SeqId keep = SeqId());
   void release(Entry& e);
-  void cache_or_release(Entry& e);  // prefix caching keeps its sequence, else release
+  void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
   // The request's logit_bias, penalties, min_tokens and min_p applied to a copy of its raw logits.
   static void adjust_logits(const Entry& e, std::span<float> logits);

@@ -7,7 +7,8 @@
 
 namespace specontext::bench {
 
-void write_report(const nlohmann::json& doc, const std::string& out, bool plot, const std::string& plot_script) {
+void write_report(const nlohmann::json& doc, const std::string& out, bool plot,
+                  const std::string& plot_script) {
   const std::filesystem::path dir = std::filesystem::path(out).parent_path();
   std::filesystem::create_directories(dir.empty() ? std::filesystem::path(".") : dir);
   std::ofstream(out) << doc.dump(2) << "\n";

@@ -7,6 +7,7 @@
 
 namespace specontext::bench {
 
-void write_report(const nlohmann::json& doc, const std::string& out, bool plot, const std::string& plot_script);
+void write_report(const nlohmann::json& doc, const std::string& out, bool plot,
+                  const std::string& plot_script);
 
 }  // namespace specontext::bench

@@ -59,8 +59,8 @@ TEST(Cli, PrefixCachingComputesABatchesSharedPromptOnce) {
   std::string texts[2];
   int64_t cached[2] = {0, 0};
   for (int on = 0; on < 2; ++on) {
-    const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") + " --prompt " +
-                                 prompt + " -n 30 --batch 3 --temperature 0 --json" +
+    const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                                 " --prompt " + prompt + " -n 30 --batch 3 --temperature 0 --json" +
                                  (on ? " --prefix-caching" : " --no-prefix-caching"),
                              false);
     ASSERT_EQ(r.exit_code, 0) << r.out;

@@ -588,7 +588,8 @@ json parse_event(const std::string& chunk) {
 }
 
 TEST(OpenAiResponse, Completion) {
-  const json j = completion_response(ApiKind::kCompletion, kMeta, "once", "length", Usage{5, 3, std::nullopt});
+  const json j =
+      completion_response(ApiKind::kCompletion, kMeta, "once", "length", Usage{5, 3, std::nullopt});
   EXPECT_EQ(j,
             json::parse(R"({"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"stories",
     "choices":[{"index":0,"text":"once","logprobs":null,"finish_reason":"length"}],
@@ -626,7 +627,8 @@ TEST(OpenAiResponse, Logprobs) {
   const std::vector<LogprobEntry> echoed{{"", 0.0f, {}, 0, false}, {"Hi", -3.0f, {{"Hi", -3.0f}}, 0}};
   EXPECT_EQ(logprobs_json(ApiKind::kCompletion, echoed), json::parse(R"({"tokens":["","Hi"],"token_logprobs":[null,-3.0],
     "top_logprobs":[null,{"Hi":-3.0}],"text_offset":[0,0]})"));
-  json j = completion_response(ApiKind::kCompletion, kMeta, "Once\xE2\x82 up", "length", Usage{5, 3, std::nullopt}, &entries);
+  json j = completion_response(ApiKind::kCompletion, kMeta, "Once\xE2\x82 up", "length",
+                               Usage{5, 3, std::nullopt}, &entries);
   const json expected = json::parse(R"({"tokens":["Once","\ufffd"," up"],"token_logprobs":[-0.25,-1.5,-9999.0],
     "top_logprobs":[{"Once":-0.25," The":-2.0},{"\ufffd":-1.5,"x":-0.5},{" up":-9999.0}],"text_offset":[0,4,5]})");
   EXPECT_EQ(json::parse(j.dump(-1, ' ', false, json::error_handler_t::replace))["choices"][0]["logprobs"], expected);

@@ -572,8 +572,8 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
 
   // The next turn (the history, the reply, a new question) is answered from the cache (prefix
   // caching is on by default) with the Generator's reply to the whole rendered conversation.
-  const std::vector<ChatMessage> turn2 = {{"system", "Be brief."}, {"user", "Hi there"}, {"assistant", expected},
-                                          {"user", "And then?"}};
+  const std::vector<ChatMessage> turn2 = {
+      {"system", "Be brief."}, {"user", "Hi there"}, {"assistant", expected}, {"user", "And then?"}};
   auto ids2 = (*tok)->encode(apply_chat_template(ChatTemplate::kQwen, turn2), false, true);
   ASSERT_TRUE(ids2.is_ok());
   GenerationRequest gr2 = gr;
@@ -964,7 +964,9 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
   auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
   ASSERT_TRUE(server.is_ok()) << server.status().to_string();
   const uint16_t port = (*server)->port();
-  auto cached_of = [](const Reply& r) { return r.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(); };
+  auto cached_of = [](const Reply& r) {
+    return r.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+  };
 
   Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
   ASSERT_EQ(first.status, 200) << first.body;
@@ -981,7 +983,8 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
   EXPECT_GT((*server)->counters().kv_bytes_in_use, 0) << "finished requests stay cached";
   EXPECT_EQ((*server)->counters().cached_sequences, 1) << "the second turn took the first's sequence over";
   Reply metrics = send(port, http::verb::get, "/metrics");
-  EXPECT_NE(metrics.body.find("specontext_prefix_cache_hit_tokens_total " + std::to_string(cached)), std::string::npos)
+  EXPECT_NE(metrics.body.find("specontext_prefix_cache_hit_tokens_total " + std::to_string(cached)),
+            std::string::npos)
       << metrics.body;
 
   // A stop string ends the request; its sequence stays cached for the turn after it.
@@ -989,8 +992,9 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
   const std::string full = generator_text(other, 60);
   ASSERT_GT(full.size(), 150u);
   const std::string stop = full.substr(140, 6);
-  Reply stopped = post(port, "/v1/completions",
-                       {{"prompt", other}, {"max_tokens", 60}, {"temperature", 0}, {"stop", stop}, {"stream", true}});
+  Reply stopped =
+      post(port, "/v1/completions",
+           {{"prompt", other}, {"max_tokens", 60}, {"temperature", 0}, {"stop", stop}, {"stream", true}});
   ASSERT_EQ(stopped.status, 200);
   std::string text;
   for (const std::string& e : events_of(stopped.body)) {

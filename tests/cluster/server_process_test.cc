@@ -134,10 +134,11 @@ std::string generate_text(const std::string& prompt, int n) {
   std::string quoted = "'";
   for (char ch : prompt) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
   quoted += "'";
-  FILE* gen = popen((std::string(SPECONTEXT_BIN) + " generate -m " + repo_path("models/stories260K/stories260K.bin") +
-                     " -p " + quoted + " -n " + std::to_string(n) + " --json 2>/dev/null")
-                        .c_str(),
-                    "r");
+  FILE* gen =
+      popen((std::string(SPECONTEXT_BIN) + " generate -m " + repo_path("models/stories260K/stories260K.bin") +
+             " -p " + quoted + " -n " + std::to_string(n) + " --json 2>/dev/null")
+                .c_str(),
+            "r");
   EXPECT_NE(gen, nullptr);
   if (gen == nullptr) return {};
   std::string gen_out;

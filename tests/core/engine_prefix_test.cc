@@ -185,15 +185,16 @@ TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
   ASSERT_TRUE(e.check_invariants().is_ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, ForkSequence,
-                         ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
-                                           Case{SparseMethod::kQuest, false}, Case{SparseMethod::kStreaming, false},
-                                           Case{SparseMethod::kSpeContext, true}, Case{SparseMethod::kDense, true}),
-                         [](const auto& info) {
-                           std::string name(sparse_method_name(info.param.method));
-                           std::erase_if(name, [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); });
-                           return name + (info.param.host_layers ? "_host" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Methods, ForkSequence,
+    ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
+                      Case{SparseMethod::kQuest, false}, Case{SparseMethod::kStreaming, false},
+                      Case{SparseMethod::kSpeContext, true}, Case{SparseMethod::kDense, true}),
+    [](const auto& info) {
+      std::string name(sparse_method_name(info.param.method));
+      std::erase_if(name, [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); });
+      return name + (info.param.host_layers ? "_host" : "");
+    });
 
 TEST(ForkSequence, RefusesPrefixesItCannotShare) {
   auto model = testing::toy_model(2);

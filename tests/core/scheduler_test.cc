@@ -9,9 +9,9 @@
 #include <set>
 
 #include "core/generator.h"
-#include "core/scheduler.h"
 #include "core/model_loader.h"
 #include "core/retrieval_head.h"
+#include "core/scheduler.h"
 #include "tests/core/tier_test_util.h"
 
 namespace specontext {
@@ -198,54 +198,55 @@ TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatG
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   ASSERT_TRUE(m.is_ok());
   for (bool caching : {false, true}) {
-  SCOPED_TRACE(caching ? "prefix caching" : "no prefix caching");
-  EngineOptions eo;
-  eo.max_sequences = 3;
-  eo.kv_pages = 20;  // 320 tokens; the three requests reach 200 + 200 + 162
-  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
-  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  const std::vector<GenerationRequest> reqs{request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
-                                            request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 150, 0.8f)};
-  GeneratorOptions go;
-  go.admission = AdmissionPolicy::kPreempt;
-  go.prefill_chunk = 64;
-  go.prefix_caching = caching;
-  Scheduler s(**engine, go);
-  std::vector<RequestId> ids;
-  for (const auto& r : reqs) {
-    auto id = s.submit(r);
-    ASSERT_TRUE(id.is_ok());
-    ids.push_back(*id);
-  }
-  GenerationRequest too_long = request({1, 426}, 400);  // 402 tokens: 26 pages of 20
-  auto refused = s.submit(too_long);
-  ASSERT_TRUE(refused.is_ok());
-  Collected got;
-  std::vector<SchedulerEvent> ev;
-  int64_t most_running = 0;
-  for (int i = 0; i < 5000 && !s.idle(); ++i) {
-    ev.clear();
-    ASSERT_TRUE(s.step(ev).is_ok());
-    collect(ev, got);
-    most_running = std::max<int64_t>(most_running, static_cast<int64_t>(s.running()));
-  }
-  ASSERT_TRUE(s.idle());
-  EXPECT_GE(most_running, 2) << "requests ran together";
-  EXPECT_GE(s.stats().preemptions, 1) << "the pool was too small for all three at their final lengths";
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    EXPECT_EQ(got.finish[ids[i].value()], FinishReason::kLength) << i;
-    EXPECT_EQ(got.tokens[ids[i].value()], alone(reqs[i])) << "request " << i;
-  }
-  EXPECT_EQ(got.finish[refused->value()], FinishReason::kRefused);
-  EXPECT_FALSE(got.tokens.count(refused->value()));
-  // Finished sequences stay cached (evicted as the others needed room).
-  EXPECT_EQ((*engine)->live_sequences(), static_cast<int64_t>(s.cached_sequences()));
-  if (caching) {
-    EXPECT_GE(s.stats().prefix_cache_evictions, 1);
-  } else {
-    EXPECT_EQ((*engine)->kv_bytes_in_use(), 0);
-  }
-  EXPECT_TRUE((*engine)->check_invariants().is_ok());
+    SCOPED_TRACE(caching ? "prefix caching" : "no prefix caching");
+    EngineOptions eo;
+    eo.max_sequences = 3;
+    eo.kv_pages = 20;  // 320 tokens; the three requests reach 200 + 200 + 162
+    auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+    ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+    const std::vector<GenerationRequest> reqs{
+        request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
+        request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 150, 0.8f)};
+    GeneratorOptions go;
+    go.admission = AdmissionPolicy::kPreempt;
+    go.prefill_chunk = 64;
+    go.prefix_caching = caching;
+    Scheduler s(**engine, go);
+    std::vector<RequestId> ids;
+    for (const auto& r : reqs) {
+      auto id = s.submit(r);
+      ASSERT_TRUE(id.is_ok());
+      ids.push_back(*id);
+    }
+    GenerationRequest too_long = request({1, 426}, 400);  // 402 tokens: 26 pages of 20
+    auto refused = s.submit(too_long);
+    ASSERT_TRUE(refused.is_ok());
+    Collected got;
+    std::vector<SchedulerEvent> ev;
+    int64_t most_running = 0;
+    for (int i = 0; i < 5000 && !s.idle(); ++i) {
+      ev.clear();
+      ASSERT_TRUE(s.step(ev).is_ok());
+      collect(ev, got);
+      most_running = std::max<int64_t>(most_running, static_cast<int64_t>(s.running()));
+    }
+    ASSERT_TRUE(s.idle());
+    EXPECT_GE(most_running, 2) << "requests ran together";
+    EXPECT_GE(s.stats().preemptions, 1) << "the pool was too small for all three at their final lengths";
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(got.finish[ids[i].value()], FinishReason::kLength) << i;
+      EXPECT_EQ(got.tokens[ids[i].value()], alone(reqs[i])) << "request " << i;
+    }
+    EXPECT_EQ(got.finish[refused->value()], FinishReason::kRefused);
+    EXPECT_FALSE(got.tokens.count(refused->value()));
+    // Finished sequences stay cached (evicted as the others needed room).
+    EXPECT_EQ((*engine)->live_sequences(), static_cast<int64_t>(s.cached_sequences()));
+    if (caching) {
+      EXPECT_GE(s.stats().prefix_cache_evictions, 1);
+    } else {
+      EXPECT_EQ((*engine)->kv_bytes_in_use(), 0);
+    }
+    EXPECT_TRUE((*engine)->check_invariants().is_ok());
   }
 }
 
@@ -675,7 +676,8 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
       run_to_idle(s, got);
       EXPECT_EQ(got.finish[static_cast<int64_t>(i + 1)], FinishReason::kLength) << i;
       EXPECT_EQ(got.tokens[static_cast<int64_t>(i + 1)], alone(reqs[i])) << i;
-      EXPECT_EQ(s.stats().prefix_cache_evictions, static_cast<int64_t>(i)) << "each one's memory evicts the last";
+      EXPECT_EQ(s.stats().prefix_cache_evictions, static_cast<int64_t>(i))
+          << "each one's memory evicts the last";
       EXPECT_EQ(s.cached_sequences(), 1u);
     }
     EXPECT_TRUE((*engine)->check_invariants().is_ok());
@@ -708,7 +710,8 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   eo.sparse.method = GetParam();
   eo.sparse.selection = {32, 1, 4};  // sparse decode past 32 tokens
   if (GetParam() == SparseMethod::kSpeContext) {
-    auto head = load_eagle3_head(testing::repo_path("models/stories260K/retrieval_head.safetensors"), model->config);
+    auto head =
+        load_eagle3_head(testing::repo_path("models/stories260K/retrieval_head.safetensors"), model->config);
     ASSERT_TRUE(head.is_ok()) << head.status().to_string();
     eo.retrieval_head = *head;
   }
@@ -782,12 +785,14 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
     if (!submitted.empty() && rng() % 40 == 0) {  // cancel one now and then
       const auto it = std::next(submitted.begin(), static_cast<std::ptrdiff_t>(rng() % submitted.size()));
       const bool keep_cached = rng() % 2 == 0;
-      if (!got.finish.count(it->first) && s.cancel(RequestId(it->first), keep_cached)) cancelled.insert(it->first);
+      if (!got.finish.count(it->first) && s.cancel(RequestId(it->first), keep_cached))
+        cancelled.insert(it->first);
     }
     ev.clear();
     ASSERT_TRUE(s.step(ev).is_ok());
     collect(ev, got);
-    ASSERT_TRUE((*engine)->check_invariants().is_ok()) << "step " << step << ": " << (*engine)->check_invariants().to_string();
+    ASSERT_TRUE((*engine)->check_invariants().is_ok())
+        << "step " << step << ": " << (*engine)->check_invariants().to_string();
   }
   ASSERT_TRUE(s.idle());
   int checked = 0;
@@ -795,21 +800,24 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
     if (cancelled.count(id)) continue;
     ASSERT_TRUE(got.finish.count(id)) << "request " << id << " never ended";
     EXPECT_EQ(got.finish[id], FinishReason::kLength) << id;
-    EXPECT_EQ(got.tokens[id], alone_tokens(r)) << "request " << id << " (" << r.prompt.size() << " prompt tokens, "
-                                               << got.cached[id] << " from the cache, temperature " << r.sampling.temperature << ")";
+    EXPECT_EQ(got.tokens[id], alone_tokens(r))
+        << "request " << id << " (" << r.prompt.size() << " prompt tokens, " << got.cached[id]
+        << " from the cache, temperature " << r.sampling.temperature << ")";
     ++checked;
   }
   EXPECT_GE(checked, kRequests / 2);
   EXPECT_GT(s.stats().cached_prompt_tokens, 0);
   EXPECT_GT(s.stats().prefix_cache_evictions + s.stats().preemptions, 0) << "the pool was tight";
-  std::fprintf(stderr, "cached %lld prompt tokens, computed %lld; %lld preemptions, %lld evictions, %lld waits\n",
-               static_cast<long long>(s.stats().cached_prompt_tokens), static_cast<long long>(s.stats().prompt_tokens),
-               static_cast<long long>(s.stats().preemptions), static_cast<long long>(s.stats().prefix_cache_evictions),
-               static_cast<long long>(s.stats().prefix_waits));
+  std::fprintf(
+      stderr, "cached %lld prompt tokens, computed %lld; %lld preemptions, %lld evictions, %lld waits\n",
+      static_cast<long long>(s.stats().cached_prompt_tokens), static_cast<long long>(s.stats().prompt_tokens),
+      static_cast<long long>(s.stats().preemptions), static_cast<long long>(s.stats().prefix_cache_evictions),
+      static_cast<long long>(s.stats().prefix_waits));
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, PrefixCachingUnderLoad,
-                         ::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext, SparseMethod::kQuest),
+                         ::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext,
+                                           SparseMethod::kQuest),
                          [](const auto& info) { return std::string(sparse_method_name(info.param)); });
 
 }  // namespace

@@ -36,8 +36,9 @@ struct Shape {
   int64_t max_batch = 4;
 };
 
-// The answer's token ids: a synthetic tokenizer's text is " id id ..."; a real one's is
-// re-encoded by the server from the ids we send, so ids are what we keep either way.
+// The answer's token ids, read back from a synthetic tokenizer's text (" id id ..."). With a real
+// model's tokenizer the text holds no ids and the answers stay out of the history: the turns then
+// resend only the system prompt and the user tokens.
 std::vector<int32_t> ids_of(const std::string& text) {
   std::vector<int32_t> ids;
   std::istringstream in(text);

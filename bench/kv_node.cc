@@ -1,7 +1,9 @@
 // Remote KV node data paths side by side: node-side gather vs one-sided RMA (UcxTransferMode),
 // for scattered rows (what elastic loading moves) and contiguous blocks (layer migrations),
 // reads and writes. Against an in-process node (default) or a running `specontext kv-node`
-// (--node HOST:PORT). Prints JSON (and --plot: PNG via plot_kv_node.py).
+// (--node HOST:PORT). Also the stall of bringing a dead replica back: the time
+// UcxRemoteTransport::rejoin takes to copy the whole tier into a new region (in-process nodes).
+// Prints JSON (and --plot: PNG via plot_kv_node.py).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -137,11 +139,57 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
       measure("contiguous", read, contiguous, 1, one);
     }
   }
+  // Rejoin: a tier mirrored on the node and on a second in-process node that then stops; a third
+  // takes the dead replica's place, and rejoin copies the whole tier into it from the node.
+  nlohmann::json rejoins = nlohmann::json::array();
+  for (auto mode : {transport::UcxTransferMode::kNodeGather, transport::UcxTransferMode::kRma}) {
+    const char* mode_name = mode == transport::UcxTransferMode::kRma ? "rma" : "gather";
+    auto fail = [](const Status& s) {
+      std::cerr << "bench_kv_node: rejoin: " << s.to_string() << "\n";
+      std::exit(1);
+    };
+    cluster::KvNodeOptions o;
+    o.capacity = remote_bytes + (1 << 20);
+    auto doomed = cluster::KvNode::start(o);
+    auto heir = cluster::KvNode::start(o);
+    if (!doomed.is_ok()) fail(doomed.status());
+    if (!heir.is_ok()) fail(heir.status());
+    auto c_main = cluster::KvNodeClient::connect(ep);
+    auto c_doomed = cluster::KvNodeClient::connect({"127.0.0.1", (*doomed)->port()});
+    auto c_heir = cluster::KvNodeClient::connect({"127.0.0.1", (*heir)->port()});
+    if (!c_main.is_ok() || !c_doomed.is_ok() || !c_heir.is_ok()) fail(unavailable("cannot reach the nodes"));
+    auto r_main = (*c_main)->allocate(remote_bytes);
+    auto r_doomed = (*c_doomed)->allocate(remote_bytes);
+    auto r_heir = (*c_heir)->allocate(remote_bytes);
+    if (!r_main.is_ok() || !r_doomed.is_ok() || !r_heir.is_ok()) fail(resource_exhausted("cannot allocate"));
+    transport::UcxRemoteConfig cfg{kRemote, {*r_main, *r_doomed}, std::chrono::milliseconds(10000), mode};
+    auto t = transport::UcxRemoteTransport::create(cfg);
+    if (!t.is_ok()) fail(t.status());
+    std::vector<uint8_t> local(remote_bytes, 3);
+    Status reg = (*t)->register_tier(kLocal, MemoryKind::kHost, local.data(), local.size());
+    if (reg.is_ok()) reg = (*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, remote_bytes);
+    if (!reg.is_ok()) fail(reg);
+    (*doomed)->stop();
+    // A write finds the stopped node dead (a reset), as the engine's next step would.
+    auto w = timed(**t, {TransferRequest{kLocal, 0, kRemote, 0, remote_bytes}});
+    if (!w.is_ok()) fail(w.status());
+    const auto t0 = Clock::now();
+    if (Status s = (*t)->rejoin(1, *r_heir); !s.is_ok()) fail(s);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double bytes = static_cast<double>(remote_bytes);
+    rejoins.push_back({{"mode", mode_name},
+                       {"tier_bytes", remote_bytes},
+                       {"seconds", seconds},
+                       {"gb_per_s", bytes / seconds / 1e9}});
+    std::fprintf(stderr, "%-6s rejoin of a %lu-byte tier: %8.3f ms  %7.3f GB/s\n", mode_name,
+                 static_cast<unsigned long>(remote_bytes), seconds * 1e3, bytes / seconds / 1e9);
+  }
   nlohmann::json doc = {{"node", ep.text()},
                         {"in_process_node", local_node != nullptr},
                         {"ucx_tls", std::getenv("UCX_TLS") ? std::getenv("UCX_TLS") : "tcp"},
                         {"repeats", repeats},
-                        {"results", results}};
+                        {"results", results},
+                        {"rejoin", rejoins}};
   std::cout << doc.dump(2) << "\n";
   if (!out_path.empty()) {
     std::ofstream(out_path) << doc.dump(2) << "\n";

@@ -11,6 +11,7 @@
 #include "transport/transport_router.h"
 #if SPECONTEXT_HAVE_UCX
 #include "cluster/kv_node_client.h"
+#include "cluster/replica_healer.h"
 #include "transport/ucx_transport.h"
 #endif
 #if SPECONTEXT_HAVE_CUDA
@@ -35,6 +36,13 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
                  "gather: the node packs each batch of rows into one reply (few round trips; for TCP); "
                  "rma: one-sided get/put per row range (for RDMA NICs)")
       ->check(CLI::IsMember({"gather", "rma"}));
+  cmd.add_option("--kv-node-rejoin-ms", a.kv_node_rejoin_ms,
+                 "a mirrored tier's dead replica is reconnected this often (its node restarted at the same "
+                 "address) and, between steps, filled from a live replica and used again (0: never)")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--kv-node-spare", a.kv_node_spares,
+                 "HOST:PORT of a KV node that takes over a dead replica whose own node does not come back "
+                 "(repeatable; tried in order)");
   cmd.add_option("--remote-latency-us", a.remote_latency_us, "loopback link latency per transfer")
       ->check(CLI::NonNegativeNumber);
   cmd.add_option("--placement", a.placement,
@@ -139,6 +147,8 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     cfg.op_timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
     cfg.mode = args.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma : transport::UcxTransferMode::kNodeGather;
     std::string rest = spec.substr(at + 1);
+    std::vector<cluster::Endpoint> endpoints;
+    std::vector<std::unique_ptr<cluster::KvNodeClient>> sessions;
     while (true) {
       const size_t plus = rest.find('+');
       auto ep = cluster::parse_endpoint(rest.substr(0, plus));
@@ -148,13 +158,32 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
       auto region = (*client)->allocate(static_cast<uint64_t>(*size));
       if (!region.is_ok()) return region.status().with_context(flag);
       cfg.replicas.push_back(std::move(region).value());
-      rt->node_sessions.push_back(std::shared_ptr<cluster::KvNodeClient>(std::move(client).value()));
+      endpoints.push_back(*ep);
+      sessions.push_back(std::move(client).value());
       if (plus == std::string::npos) break;
       rest = rest.substr(plus + 1);
     }
     auto t = transport::UcxRemoteTransport::create(std::move(cfg));
     if (!t.is_ok()) return t.status().with_context(flag);
     rt->kv_node_transports.push_back(t->get());
+    if (args.kv_node_rejoin_ms > 0 && endpoints.size() > 1) {
+      if (!rt->healer) {
+        cluster::HealerOptions ho;
+        ho.retry_interval = std::chrono::milliseconds(args.kv_node_rejoin_ms);
+        ho.timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
+        for (const std::string& spare : args.kv_node_spares) {
+          auto ep = cluster::parse_endpoint(spare);
+          if (!ep.is_ok()) return ep.status().with_context("--kv-node-spare " + spare);
+          ho.spares.push_back(*ep);
+        }
+        rt->healer = std::make_shared<cluster::ReplicaHealer>(ho);
+        eopts.tiering.between_steps = [healer = rt->healer.get()] { healer->maintain(); };
+      }
+      rt->healer->watch(t->get(), std::move(endpoints), static_cast<uint64_t>(*size), std::move(sessions));
+    } else {
+      for (auto& session : sessions)
+        rt->node_sessions.push_back(std::shared_ptr<cluster::KvNodeClient>(std::move(session)));
+    }
     node_transports.push_back(std::move(t).value());
     TierMemory m;
     m.desc.kind = TierKind::kRemote;
@@ -163,6 +192,10 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     m.desc.memory = MemoryKind::kRemote;
     m.desc.capacity_bytes = static_cast<uint64_t>(*size);
     eopts.tiering.remote.push_back(std::move(m));
+  }
+  if (!args.kv_node_spares.empty() && !rt->healer) {
+    return invalid_argument(
+        "--kv-node-spare: spares serve mirrored tiers (--kv-node SIZE@A+B) with --kv-node-rejoin-ms > 0");
   }
 #endif
   // Members in preference order: the CUDA copy engine for device traffic, memcpy between host
@@ -350,14 +383,27 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
       const auto& ucx = static_cast<const transport::UcxRemoteTransport&>(*t);
       nlohmann::json replicas = nlohmann::json::array();
       for (const transport::ReplicaReport& r : ucx.replicas()) {
-        replicas.push_back({{"node", r.node}, {"alive", r.alive}, {"error", r.error}, {"bytes_read", r.bytes_read},
-                            {"bytes_written", r.bytes_written}});
+        replicas.push_back({{"node", r.node},
+                            {"alive", r.alive},
+                            {"error", r.error},
+                            {"bytes_read", r.bytes_read},
+                            {"bytes_written", r.bytes_written},
+                            {"rejoins", r.rejoins},
+                            {"bytes_resynced", r.bytes_resynced}});
+      }
+      nlohmann::json healing = nlohmann::json::array();
+      for (const cluster::HealerEvent& e :
+           rt->healer ? rt->healer->events() : std::vector<cluster::HealerEvent>{}) {
+        if (e.tier != ucx.tier().value()) continue;
+        healing.push_back(
+            {{"replica", e.replica}, {"node", e.node}, {"rejoined", e.rejoined}, {"error", e.message}});
       }
       const auto counts = ucx.counts();
       nodes.push_back({{"tier", ucx.tier().value()},
                        {"mode", rt->args.kv_node_mode},
                        {"replicas", replicas},
                        {"failovers", ucx.failovers()},
+                       {"rejoin_events", healing},
                        {"requests", counts.requests},
                        {"rma_operations", counts.operations}});
     }

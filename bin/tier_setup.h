@@ -16,6 +16,10 @@
 #include "transport/bandwidth_probe.h"
 #include "transport/copy_engine.h"
 
+namespace specontext::cluster {
+class ReplicaHealer;
+}
+
 namespace specontext::cli {
 
 struct TierArgs {
@@ -27,6 +31,8 @@ struct TierArgs {
   std::vector<std::string> kv_nodes;
   int64_t kv_node_timeout_ms = 5000;
   std::string kv_node_mode = "gather";  // gather (node-side, for TCP) | rma (one-sided, for RDMA NICs)
+  int64_t kv_node_rejoin_ms = 1000;     // retry interval for bringing a dead replica back (0: never)
+  std::vector<std::string> kv_node_spares;  // HOST:PORT of KV nodes a dead replica may move to
   int64_t remote_latency_us = 0;
   std::string placement = "dynamic";  // dynamic (re-plan each step) | static (planned once for the final lengths)
   bool cpu_filter = true;             // let the planner switch CPU candidate filtering on
@@ -42,6 +48,8 @@ struct TierRuntime {
   // Control-plane sessions of KV nodes (their regions live as long as these): declared before
   // the transports so that they are destroyed after them.
   std::vector<std::shared_ptr<void>> node_sessions;
+  // Brings dead replicas of mirrored KV node tiers back between steps; owns their sessions.
+  std::shared_ptr<cluster::ReplicaHealer> healer;
   std::vector<std::unique_ptr<Transport>> transports;  // local, loopback, cuda (members of the router)
   std::unique_ptr<Transport> router;
   std::shared_ptr<transport::CopyEngine> copies;

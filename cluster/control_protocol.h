@@ -2,7 +2,8 @@
 //   {"op":"hello"}                → {"ok":true,"node":NAME,"capacity":N,"free":N,"worker_address":HEX}
 //   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"rkey":HEX}
 //   {"op":"free","region":ID}     → {"ok":true}
-//   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N}
+//   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
+//                                    "bytes_gathered":N,"bytes_scattered":N}  (node-side transfers served)
 // Errors: {"ok":false,"error":TEXT} naming the field; the connection stays usable, except after a
 // line longer than kMaxControlLine (then the node replies and closes). Regions belong to the
 // connection that allocated them and are freed when it closes, so a client that dies leaks

@@ -339,6 +339,8 @@ class KvNode::Impl {
         out["used"] = st.used;
         out["regions"] = st.regions;
         out["connections"] = st.connections;
+        out["bytes_gathered"] = st.bytes_gathered;
+        out["bytes_scattered"] = st.bytes_scattered;
         break;
       }
     }

@@ -8,9 +8,10 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <memory>
-#include <string_view>
 #include <span>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -87,6 +88,10 @@ struct TieringOptions {
   std::shared_ptr<PlacementPolicy> policy;   // null: every layer stays on the device
   std::shared_ptr<CandidateFilter> candidate_filter;  // used while the placement says cpu_filtering
   int64_t shortlist_tokens = 0;  // candidates per KV head with CPU filtering; 0 = 4·budget
+  // Called at the start of every forward that passed validation, on the caller's thread, before
+  // the step moves anything (transfers of earlier steps may still be in flight on `copies`). The
+  // CLI heals mirrored remote tiers here (cluster/replica_healer.h). Null: nothing.
+  std::function<void()> between_steps;
 };
 
 struct EngineOptions {

@@ -68,6 +68,8 @@ Result<StepOutput> Engine::forward(std::span<const StepRequest> requests) {
     }
   }
 
+  if (options_.tiering.between_steps) options_.tiering.between_steps();
+
   // ---- the placement for the lengths this step reaches (migrations happen here) ----
   if (options_.tiering.policy) SPX_RETURN_IF_ERROR(rebalance(requests));
 

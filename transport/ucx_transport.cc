@@ -71,32 +71,129 @@ Status UcxRemoteTransport::connect_replicas() {
   replicas_.resize(config_.replicas.size());
   // A replica that cannot be reached now starts out dead: the tier is served by the others.
   for (size_t i = 0; i < config_.replicas.size(); ++i) {
-    const RemoteRegion& region = config_.replicas[i];
-    Replica& r = replicas_[i];
-    r.report.node = region.node;
-    r.address = region.address;
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(region.worker_address.data());
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = &UcxRemoteTransport::on_endpoint_error;
-    ep.err_handler.arg = this;
-    ucs_status_t s = ucp_ep_create(worker_->worker(), &ep, &r.ep);
-    if (s != UCS_OK) {
-      r.ep = nullptr;
-      r.report.alive = false;
-      r.report.error = std::string("cannot connect: ") + ucs_status_string(s);
-      continue;
-    }
-    s = ucp_ep_rkey_unpack(r.ep, region.rkey.data(), &r.rkey);
-    if (s != UCS_OK) {
-      r.rkey = nullptr;
-      mark_dead(static_cast<int>(i), std::string("bad remote key: ") + ucs_status_string(s));
+    if (Status s = connect_replica(i, config_.replicas[i]); !s.is_ok()) {
+      replicas_[i].report.alive = false;
+      replicas_[i].report.error = s.message();
     }
   }
   if (first_live() < 0) return unavailable(who() + ": no replica reachable (" + replicas_text() + ")");
   return Status::ok();
+}
+
+Status UcxRemoteTransport::connect_replica(size_t index, const RemoteRegion& region) {
+  Replica& r = replicas_[index];
+  r.report.node = region.node;
+  r.address = region.address;
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(region.worker_address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &UcxRemoteTransport::on_endpoint_error;
+  ep.err_handler.arg = this;
+  ucs_status_t s = ucp_ep_create(worker_->worker(), &ep, &r.ep);
+  if (s != UCS_OK) {
+    r.ep = nullptr;
+    return unavailable(std::string("cannot connect: ") + ucs_status_string(s));
+  }
+  s = ucp_ep_rkey_unpack(r.ep, region.rkey.data(), &r.rkey);
+  if (s != UCS_OK) {
+    r.rkey = nullptr;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    (void)ucx_wait(worker_->worker(), ucp_ep_close_nbx(r.ep, &p), "close");
+    r.ep = nullptr;
+    return invalid_argument(std::string("bad remote key: ") + ucs_status_string(s));
+  }
+  return Status::ok();
+}
+
+Status UcxRemoteTransport::rejoin(size_t index, RemoteRegion region) {
+  std::lock_guard lock(mu_);
+  const std::string what = who() + ": rejoin of replica " + std::to_string(index) + " on " + region.node;
+  if (index >= replicas_.size()) {
+    return invalid_argument(what + ": the tier has " + std::to_string(replicas_.size()) + " replicas");
+  }
+  Replica& r = replicas_[index];
+  if (r.report.alive) return invalid_argument(what + ": it is alive");
+  if (region.worker_address.empty() || region.rkey.empty()) {
+    return invalid_argument(what + ": the region has no worker address or remote key");
+  }
+  if (region.bytes < remote_bytes_) {
+    return resource_exhausted(what + ": the region holds " + std::to_string(region.bytes) +
+                              " bytes, the tier " + std::to_string(remote_bytes_));
+  }
+  // A transfer in flight chose its replicas when it was posted; its writes would miss the region.
+  for (const auto& [id, op] : ops_) {
+    if (op.state == State::kRunning)
+      return in_progress(what + ": transfers are in flight; rejoin between them");
+  }
+  const int source = first_live();
+  if (source < 0)
+    return unavailable(what + ": no live replica to copy the tier from (" + replicas_text() + ")");
+  if (r.rkey != nullptr) ucp_rkey_destroy(r.rkey);
+  r.rkey = nullptr;
+  if (Status s = connect_replica(index, region); !s.is_ok()) {
+    r.report.error = s.message();
+    return s.with_context(what);
+  }
+  r.report.alive = true;
+  r.report.error.clear();
+  r.joining = true;
+  Status copied = copy_replica(source, static_cast<int>(index));
+  r.joining = false;
+  if (!copied.is_ok()) {
+    mark_dead(static_cast<int>(index), "rejoin failed: " + copied.message());
+    return unavailable(what + ": " + copied.message());
+  }
+  ++r.report.rejoins;
+  r.report.bytes_resynced += remote_bytes_;
+  return Status::ok();
+}
+
+Status UcxRemoteTransport::copy_replica(int source, int target) {
+  if (remote_bytes_ == 0) return Status::ok();  // the tier is not registered: nothing written yet
+  constexpr uint64_t kBounceBytes = 4 << 20;
+  std::vector<std::byte> bounce(std::min(kBounceBytes, remote_bytes_));
+  SPX_ASSIGN_OR_RETURN(auto memory, UcxMemory::map(*worker_, bounce.data(), bounce.size()));
+  for (uint64_t at = 0; at < remote_bytes_; at += bounce.size()) {
+    const uint64_t bytes = std::min<uint64_t>(bounce.size(), remote_bytes_ - at);
+    std::vector<Part> parts{Part{at, bounce.data(), bytes, memory->handle()}};
+    if (config_.mode == UcxTransferMode::kNodeGather) split_parts(parts);
+    Op read;
+    read.reads = parts;
+    read.read.replica = source;  // fails over to another live one (never to the joining target)
+    SPX_RETURN_IF_ERROR_CTX(run_internal(read), "reading the tier from a live replica");
+    Op write;
+    write.writes = std::move(parts);
+    Leg leg;
+    leg.replica = target;
+    write.write.push_back(leg);
+    SPX_RETURN_IF_ERROR_CTX(run_internal(write), "writing the tier to the region");
+  }
+  return Status::ok();
+}
+
+Status UcxRemoteTransport::run_internal(Op& built) {
+  const uint64_t id = next_id_++;
+  built.id = id;
+  built.state = State::kRunning;
+  Op& op = ops_.emplace(id, std::move(built)).first->second;  // replies find it by id
+  if (!op.reads.empty()) (void)start_leg(op, -1);
+  for (size_t i = 0; i < op.write.size(); ++i) (void)start_leg(op, static_cast<int>(i));
+  while (op.state == State::kRunning) advance(op);
+  Status result = op.state == State::kDone ? Status::ok() : op.error;
+  if (op.state != State::kDone && !op.write.empty() && !op.write[0].ok && op.read.refused.empty() &&
+      op.write[0].refused.empty()) {
+    const Replica& r = replicas_[static_cast<size_t>(op.write[0].replica)];
+    result =
+        unavailable("node " + r.report.node + ": " + (r.report.error.empty() ? "failed" : r.report.error));
+  }
+  drain(op);
+  forget_chunks(id, -2);
+  ops_.erase(id);
+  return result;
 }
 
 UcxRemoteTransport::~UcxRemoteTransport() {
@@ -161,7 +258,7 @@ void UcxRemoteTransport::mark_dead(int replica, const std::string& why) {
 
 int UcxRemoteTransport::first_live() const {
   for (size_t i = 0; i < replicas_.size(); ++i) {
-    if (replicas_[i].report.alive) return static_cast<int>(i);
+    if (replicas_[i].report.alive && !replicas_[i].joining) return static_cast<int>(i);
   }
   return -1;
 }
@@ -585,7 +682,7 @@ Status UcxRemoteTransport::post(TransferHandle& handle) {
   }
   if (!op->writes.empty()) {
     for (size_t i = 0; i < replicas_.size(); ++i) {
-      if (!replicas_[i].report.alive) continue;
+      if (!replicas_[i].report.alive || replicas_[i].joining) continue;
       Leg leg;
       leg.replica = static_cast<int>(i);
       op->write.push_back(leg);

@@ -3,8 +3,9 @@
 // gather / scatter active messages (UcxTransferMode, transport/ucx_wire.h). The tier may be
 // mirrored on several nodes (replicas): writes go to every live replica and complete when each
 // has flushed them; reads come from the first live replica and fail over to the next when it
-// dies, so a dead node loses nothing while one replica lives. A replica that failed once is never
-// used again (its copy may be stale; re-synchronising a returning node is not implemented).
+// dies, so a dead node loses nothing while one replica lives. A replica that failed is not used
+// again until rejoin() gives it a fresh region (on the node that came back, or on a spare) and
+// copies the whole tier into it from a live replica (cluster/replica_healer.h drives this).
 //
 // Which memory: exactly the one kRemote tier named in the config (other kRemote ids answer
 // kUnimplemented, so a TransportRouter with one UcxRemoteTransport per remote tier routes each
@@ -64,8 +65,10 @@ struct ReplicaReport {
   std::string node;
   bool alive = true;
   std::string error;  // why it was declared dead
-  uint64_t bytes_read = 0;
-  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;      // including what rejoin() copied from it
+  uint64_t bytes_written = 0;   // including what rejoin() copied to it
+  int64_t rejoins = 0;          // times it came back (rejoin)
+  uint64_t bytes_resynced = 0;  // copied to it by those rejoins
 };
 
 class UcxRemoteTransport final : public Transport {
@@ -85,6 +88,15 @@ class UcxRemoteTransport final : public Transport {
   void release(TransferHandle& handle) override;
 
   TierId tier() const { return config_.tier; }
+  // Brings dead replica `index` back on `region` (a node restarted at the same address, or a
+  // spare): copies the whole registered tier into it from a live replica, then sends it writes
+  // and fails reads over to it again. Call it between transfers: it answers kInProgress while a
+  // transfer is in flight (that transfer's writes did not go to the region; try again later),
+  // and every transfer posted meanwhile waits for the copy. kInvalidArgument for a replica that
+  // is alive or a bad region, kResourceExhausted for a region smaller than the tier,
+  // kUnavailable when no replica lives (there is nothing to copy from: the tier is lost) or
+  // when the region fails during the copy (the replica stays dead).
+  Status rejoin(size_t index, RemoteRegion region);
   std::vector<ReplicaReport> replicas() const;
   int64_t failovers() const;  // reads re-issued on another replica
   // Requests prepared, and the RMA operations they became after adjacent rows were merged.
@@ -101,6 +113,7 @@ class UcxRemoteTransport final : public Transport {
     ucp_ep_h ep = nullptr;
     ucp_rkey_h rkey = nullptr;
     uint64_t address = 0;
+    bool joining = false;  // alive, being filled by rejoin: takes no reads and no transfers' writes
   };
   struct LocalTier {
     MemoryKind kind = MemoryKind::kHost;
@@ -143,6 +156,13 @@ class UcxRemoteTransport final : public Transport {
   static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   Status connect_replicas();  // in create
+  // Endpoint and remote key of `region` for replica `index` (still marked dead). Requires mu_.
+  Status connect_replica(size_t index, const RemoteRegion& region);
+  // rejoin's copy of the tier from replica `source` to `target`, through a registered bounce
+  // buffer. Requires mu_ and no transfer in flight.
+  Status copy_replica(int source, int target);
+  // Runs a transfer built by copy_replica to its end (bounded by op_timeout per leg).
+  Status run_internal(Op& op);
   static void coalesce(std::vector<Part>& parts);
   static void split_parts(std::vector<Part>& parts);
   Op* find(const TransferHandle& handle);  // requires mu_

@@ -1,7 +1,7 @@
 // KV nodes as separate processes (`specontext kv-node`), used by `specontext generate --kv-node`:
 // the text equals the all-device run's; a mirrored tier survives SIGKILL of one node mid-run with
-// the same text; losing the only node, an unreachable node or a bad spec is a clear error naming
-// it, never a hang.
+// the same text; a node restarted mid-run rejoins its tier and carries it when the other dies;
+// losing the only node, an unreachable node or a bad spec is a clear error naming it, never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -26,7 +27,7 @@ using specontext::testing::repo_path;
 // A `specontext kv-node` child; its port is read from the first line it prints.
 class NodeProcess {
  public:
-  explicit NodeProcess(const std::string& capacity = "16MiB") {
+  explicit NodeProcess(const std::string& capacity = "16MiB", const std::string& listen = "127.0.0.1:0") {
     int fds[2];
     if (pipe(fds) != 0) return;
     pid_ = fork();
@@ -34,8 +35,8 @@ class NodeProcess {
       dup2(fds[1], STDOUT_FILENO);
       close(fds[0]);
       close(fds[1]);
-      execl(SPECONTEXT_BIN, SPECONTEXT_BIN, "kv-node", "--capacity", capacity.c_str(),
-            static_cast<char*>(nullptr));
+      execl(SPECONTEXT_BIN, SPECONTEXT_BIN, "kv-node", "--capacity", capacity.c_str(), "--listen",
+            listen.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(fds[1]);
@@ -70,13 +71,14 @@ class NodeProcess {
     while (out_ != nullptr && fgets(line.data(), line.size(), out_) != nullptr) rest += line.data();
     return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, rest};
   }
-  // Regions the node holds (polled through its control plane).
-  int64_t regions() const {
+  // A counter of the node's stats (polled through its control plane); -1 when it does not answer.
+  int64_t stat(const char* name) const {
     auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port_}, 2s);
     if (!c.is_ok()) return -1;
     auto r = (*c)->call_line(R"({"op":"stats"})");
-    return r.is_ok() ? (*r)["regions"].get<int64_t>() : -1;
+    return r.is_ok() && r->contains(name) ? (*r)[name].get<int64_t>() : -1;
   }
+  int64_t regions() const { return stat("regions"); }
 
  private:
   pid_t pid_ = -1;
@@ -177,6 +179,57 @@ TEST_P(KvNodeModes, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
   EXPECT_GT(reps[1]["bytes_read"].get<uint64_t>(), 0u) << reps;
 }
 
+// SIGKILL of node b mid-run; b's replica comes back on a new `kv-node` at b's address (restart)
+// or, with b gone for good, on a spare; then a is killed, and the rejoined replica carries the
+// tier to the end with the all-device text.
+class KvNodeRejoin : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(RestartOrSpare, KvNodeRejoin, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "Restart" : "Spare"; });
+
+TEST_P(KvNodeRejoin, ADeadNodesReplicaComesBackAndCarriesTheTierWhenTheOtherDies) {
+  const bool restart = GetParam();
+  NodeProcess a, b, spare;
+  ASSERT_TRUE(a.port() != 0 && b.port() != 0 && spare.port() != 0);
+  const auto b0 = std::chrono::steady_clock::now();
+  const std::string expect = baseline_text(480);
+  const auto baseline_took = std::chrono::steady_clock::now() - b0;
+  Generate gen(model_args(480) +
+               " --device-kv 200KiB --host-kv 256KiB --kv-node-rejoin-ms 20 --kv-node 2MiB@" + a.endpoint() +
+               "+" + b.endpoint() + (restart ? "" : " --kv-node-spare " + spare.endpoint()));
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while ((a.regions() < 1 || b.regions() < 1) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(baseline_took / 10);
+  const std::string b_address = b.endpoint();
+  b.kill_now();
+  std::unique_ptr<NodeProcess> back;
+  if (restart) {
+    back = std::make_unique<NodeProcess>("16MiB", b_address);  // at the same address, empty
+    ASSERT_EQ(back->endpoint(), b_address);
+  }
+  const NodeProcess& heir = restart ? *back : spare;
+  // The engine fills the new region from a (node-side scatters of the whole 2 MiB tier), then a dies.
+  while (heir.stat("bytes_scattered") < (2 << 20) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  a.kill_now();
+  auto [code, out] = gen.finish();
+  ASSERT_EQ(code, 0) << out;
+  const auto j = parse_json_tail(out);
+  EXPECT_EQ(j["text"].get<std::string>(), expect);
+  const auto& node = j["tiering"]["kv_nodes"][0];
+  const auto& reps = node["replicas"];
+  EXPECT_FALSE(reps[0]["alive"].get<bool>()) << "a died after the run ended: " << reps;
+  EXPECT_TRUE(reps[1]["alive"].get<bool>()) << reps;
+  EXPECT_EQ(reps[1]["node"].get<std::string>(), heir.endpoint()) << reps;
+  EXPECT_EQ(reps[1]["rejoins"].get<int64_t>(), 1) << reps;
+  EXPECT_EQ(reps[1]["bytes_resynced"].get<uint64_t>(), 2u << 20) << reps;
+  EXPECT_GT(reps[1]["bytes_read"].get<uint64_t>(), 0u) << "never read after a died: " << reps;
+  bool rejoined = false;
+  for (const auto& e : node["rejoin_events"])
+    rejoined |= e["rejoined"].get<bool>() && e["node"] == heir.endpoint();
+  EXPECT_TRUE(rejoined) << node["rejoin_events"];
+}
+
 TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
   NodeProcess node;
   ASSERT_NE(node.port(), 0);
@@ -243,6 +296,10 @@ TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {
       {" --kv-node 1MiB@127.0.0.1:1", "127.0.0.1:1"},
       {" --kv-node 64MiB@" + node.endpoint(), "ResourceExhausted"},
       {" --kv-node 1MiB@" + node.endpoint() + " --remote-kv 1MiB", "cannot be combined"},
+      {" --kv-node 1MiB@" + node.endpoint() + " --kv-node-spare " + node.endpoint(),
+       "spares serve mirrored tiers"},
+      {" --kv-node 256KiB@" + node.endpoint() + "+" + node.endpoint() + " --kv-node-spare nowhere",
+       "--kv-node-spare nowhere"},
   };
   for (const auto& [extra, expect] : cases) {
     auto [code, out] = Generate(base + extra + " --kv-node-timeout-ms 2000").finish();

@@ -1,6 +1,7 @@
 // KV nodes in-process: the control plane (good and bad requests), UCX RMA through
 // UcxRemoteTransport (bit-exact batches, capabilities, validation), replication and fail-over
-// when a node stops, and cancellation.
+// when a node stops, a dead replica rejoining (UcxRemoteTransport::rejoin, ReplicaHealer), and
+// cancellation.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,6 +13,7 @@
 
 #include "cluster/kv_node.h"
 #include "cluster/kv_node_client.h"
+#include "cluster/replica_healer.h"
 #include "transport/local_transport.h"
 #include "transport/transport_router.h"
 #include "transport/ucx_transport.h"
@@ -28,9 +30,10 @@ using namespace std::chrono_literals;
 constexpr TierId kLocal{1};
 constexpr TierId kRemote{2};
 
-std::unique_ptr<KvNode> start_node(uint64_t capacity = 8 << 20) {
+std::unique_ptr<KvNode> start_node(uint64_t capacity = 8 << 20, uint16_t port = 0) {
   KvNodeOptions o;
   o.capacity = capacity;
+  o.port = port;
   auto n = KvNode::start(o);
   EXPECT_TRUE(n.is_ok()) << n.status().to_string();
   return n.is_ok() ? std::move(n).value() : nullptr;
@@ -448,6 +451,177 @@ TEST_P(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
   EXPECT_EQ(0, std::memcmp(host.data() + 98304, src.data(), 32768));
   EXPECT_EQ((*ta)->replicas()[0].bytes_written, 65536u);
   EXPECT_EQ((*tb)->replicas()[0].bytes_written, 32768u);
+}
+
+// What a tier holds, read back through the transport in one transfer.
+std::vector<uint8_t> read_tier(Rig& rig, uint64_t bytes) {
+  std::memset(rig.local.data(), 0, bytes);
+  Status s = transfer(*rig.ucx, {{kRemote, 0, kLocal, 0, bytes}});
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  return {rig.local.begin(), rig.local.begin() + static_cast<std::ptrdiff_t>(bytes)};
+}
+
+TEST_P(UcxTransport, ADeadReplicaRejoinsWithTheWholeTierAndServesWhenTheOtherDies) {
+  auto a = start_node(16 << 20);
+  auto b = start_node(16 << 20);
+  ASSERT_TRUE(a && b);
+  constexpr uint64_t kBytes = 6 << 20;  // more than one of rejoin's 4 MiB copies
+  Rig rig = make_rig(GetParam(), {a.get(), b.get()}, kBytes, kBytes);
+  std::vector<uint8_t> expect = pattern(kBytes, 21);
+  std::memcpy(rig.local.data(), expect.data(), kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  b->stop();
+  // Written while b is down: only a holds it, so a stale copy of b would be caught below.
+  const auto later = pattern(kBytes / 2, 22);
+  std::memcpy(rig.local.data(), later.data(), later.size());
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, kBytes / 3, later.size()}}).is_ok());
+  std::copy(later.begin(), later.end(), expect.begin() + kBytes / 3);
+  ASSERT_FALSE(rig.ucx->replicas()[1].alive);
+
+  auto c = start_node(16 << 20);
+  ASSERT_NE(c, nullptr);
+  auto cc = connect(*c);
+  const RemoteRegion region = *cc->allocate(kBytes);
+  // Refusals leave everything as it was.
+  EXPECT_EQ(rig.ucx->rejoin(0, region).code(), StatusCode::kInvalidArgument);  // alive
+  EXPECT_EQ(rig.ucx->rejoin(2, region).code(), StatusCode::kInvalidArgument);  // no such replica
+  RemoteRegion small = *cc->allocate(kBytes / 2);
+  EXPECT_EQ(rig.ucx->rejoin(1, small).code(), StatusCode::kResourceExhausted);
+  {
+    // A transfer in flight chose its replicas when posted: rejoin must wait for it.
+    auto h = rig.ucx->prepare({{kRemote, 0, kLocal, 0, kBytes}});
+    ASSERT_TRUE(h.is_ok());
+    Status posted = rig.ucx->post(*h);
+    if (posted.code() == StatusCode::kInProgress) {
+      EXPECT_EQ(rig.ucx->rejoin(1, region).code(), StatusCode::kInProgress);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (posted.code() == StatusCode::kInProgress && std::chrono::steady_clock::now() < deadline)
+      posted = rig.ucx->poll(*h);
+    EXPECT_TRUE(posted.is_ok()) << posted.to_string();
+    rig.ucx->release(*h);
+  }
+  EXPECT_FALSE(rig.ucx->replicas()[1].alive);
+
+  Status joined = rig.ucx->rejoin(1, region);
+  ASSERT_TRUE(joined.is_ok()) << joined.to_string();
+  auto reps = rig.ucx->replicas();
+  EXPECT_TRUE(reps[1].alive);
+  EXPECT_TRUE(reps[1].error.empty());
+  EXPECT_EQ(reps[1].rejoins, 1);
+  EXPECT_EQ(reps[1].bytes_resynced, kBytes);
+  EXPECT_EQ(reps[1].node, region.node);
+  // Writes go to both again.
+  const auto last = pattern(4096, 23);
+  std::memcpy(rig.local.data(), last.data(), last.size());
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, kBytes - 4096, 4096}}).is_ok());
+  std::copy(last.begin(), last.end(), expect.end() - 4096);
+  // Its first life's write, the copy, and this one.
+  EXPECT_EQ(rig.ucx->replicas()[1].bytes_written, kBytes + kBytes + 4096);
+
+  a->stop();  // the tier now lives on the rejoined replica only
+  EXPECT_TRUE(read_tier(rig, kBytes) == expect);
+  reps = rig.ucx->replicas();
+  EXPECT_FALSE(reps[0].alive);
+  EXPECT_TRUE(reps[1].alive);
+  // Nothing lives to copy from: a dead replica cannot rejoin.
+  c->stop();
+  EXPECT_EQ(transfer(*rig.ucx, {{kRemote, 0, kLocal, 0, 64}}).code(), StatusCode::kUnavailable);
+  auto d = start_node(16 << 20);
+  ASSERT_NE(d, nullptr);
+  auto cd = connect(*d);
+  Status lost = rig.ucx->rejoin(0, *cd->allocate(kBytes));
+  EXPECT_EQ(lost.code(), StatusCode::kUnavailable) << lost.to_string();
+  EXPECT_NE(lost.message().find("no live replica"), std::string::npos) << lost.to_string();
+}
+
+TEST(ReplicaHealer, ANodeRestartedAtItsAddressIsFilledAndUsedAgain) {
+  auto a = start_node();
+  auto b = start_node();
+  ASSERT_TRUE(a && b);
+  const uint16_t port_b = b->port();
+  constexpr uint64_t kBytes = 512 << 10;
+  Rig rig = make_rig(UcxTransferMode::kNodeGather, {a.get(), b.get()}, kBytes, kBytes);
+  HealerOptions ho;
+  ho.retry_interval = 20ms;
+  ho.timeout = 2000ms;
+  ReplicaHealer healer(ho);
+  healer.watch(rig.ucx.get(), {Endpoint{"127.0.0.1", a->port()}, Endpoint{"127.0.0.1", port_b}}, kBytes,
+               std::move(rig.clients));
+  std::vector<uint8_t> expect = pattern(kBytes, 31);
+  std::memcpy(rig.local.data(), expect.data(), kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  healer.maintain();  // all alive: nothing to do
+  EXPECT_TRUE(healer.events().empty());
+
+  b->stop();
+  expect = pattern(kBytes, 32);
+  std::memcpy(rig.local.data(), expect.data(), kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_FALSE(rig.ucx->replicas()[1].alive);
+  // While the node is down, attempts fail (and are recorded) without disturbing transfers.
+  const auto down_until = std::chrono::steady_clock::now() + 10s;
+  while (healer.events().empty() && std::chrono::steady_clock::now() < down_until) {
+    healer.maintain();
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_FALSE(healer.events().empty());
+  EXPECT_FALSE(healer.events()[0].rejoined);
+  EXPECT_NE(healer.events()[0].message.find("127.0.0.1:" + std::to_string(port_b)), std::string::npos)
+      << healer.events()[0].message;
+  EXPECT_FALSE(rig.ucx->replicas()[1].alive);
+
+  auto restarted = start_node(8 << 20, port_b);
+  ASSERT_NE(restarted, nullptr);
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!rig.ucx->replicas()[1].alive && std::chrono::steady_clock::now() < deadline) {
+    healer.maintain();
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_TRUE(rig.ucx->replicas()[1].alive);
+  EXPECT_TRUE(healer.events().back().rejoined);
+  EXPECT_EQ(rig.ucx->replicas()[1].rejoins, 1);
+  EXPECT_EQ(restarted->stats().regions, 1);
+  EXPECT_EQ(restarted->stats().bytes_scattered, kBytes);  // the copy
+  a->stop();
+  EXPECT_TRUE(read_tier(rig, kBytes) == expect);
+  EXPECT_EQ(restarted->stats().bytes_gathered, kBytes);
+  rig.ucx.reset();  // transports go before the healer's sessions (and with them the regions)
+}
+
+TEST(ReplicaHealer, ADeadReplicaWhoseNodeStaysDownMovesToASpare) {
+  auto a = start_node();
+  auto b = start_node();
+  auto spare = start_node();
+  ASSERT_TRUE(a && b && spare);
+  const Endpoint ea{"127.0.0.1", a->port()}, eb{"127.0.0.1", b->port()}, es{"127.0.0.1", spare->port()};
+  constexpr uint64_t kBytes = 256 << 10;
+  Rig rig = make_rig(UcxTransferMode::kRma, {a.get(), b.get()}, kBytes, kBytes);
+  HealerOptions ho;
+  ho.retry_interval = 20ms;
+  ho.timeout = 2000ms;
+  ho.spares = {ea, es};  // a holds a replica of the tier already: never a spare for it
+  ReplicaHealer healer(ho);
+  healer.watch(rig.ucx.get(), {ea, eb}, kBytes, std::move(rig.clients));
+  const std::vector<uint8_t> expect = pattern(kBytes, 41);
+  std::memcpy(rig.local.data(), expect.data(), kBytes);
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  b->stop();  // and stays down
+  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!rig.ucx->replicas()[1].alive && std::chrono::steady_clock::now() < deadline) {
+    healer.maintain();
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_TRUE(rig.ucx->replicas()[1].alive);
+  ASSERT_FALSE(healer.events().empty());
+  EXPECT_TRUE(healer.events().back().rejoined);
+  EXPECT_EQ(healer.events().back().node, es.text());
+  EXPECT_EQ(a->stats().regions, 1);  // a was not given a second copy
+  EXPECT_EQ(spare->stats().regions, 1);
+  a->stop();
+  EXPECT_TRUE(read_tier(rig, kBytes) == expect);
+  rig.ucx.reset();
 }
 
 }  // namespace

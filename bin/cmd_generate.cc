@@ -139,6 +139,7 @@ int run_generate(const GenerateArgs& a) {
   gopts.prefill_chunk = a.engine.prefill_chunk;
   gopts.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
   gopts.prefix_caching = a.engine.prefix_caching;
+  gopts.recompute_lost_tiers = a.engine.lost_tier == "recompute";
   Generator gen(*engine, gopts);
   std::string text;
   TokenId prev = prompt_ids.back();
@@ -180,6 +181,8 @@ int run_generate(const GenerateArgs& a) {
       {"decode_steps", st.decode_steps},
       {"max_batch_sequences", st.max_batch_sequences},
       {"preemptions", st.preemptions},
+      {"lost_tiers", st.lost_tiers},
+      {"lost_tier_recomputes", st.lost_tier_requeues},
       {"cached_prompt_tokens", st.cached_prompt_tokens},
       {"kv_bytes", st.kv_bytes_peak},
       {"kv_bytes_per_token", engine->kv_bytes_per_token()},

@@ -86,6 +86,7 @@ int run_serve(const ServeArgs& a) {
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
   o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
   o.scheduling.prefix_caching = a.engine.prefix_caching;
+  o.scheduling.recompute_lost_tiers = a.engine.lost_tier == "recompute";
 
   // Block the stop signals before the server's threads start, so that they inherit the mask and
   // only sigwait below sees them.
@@ -124,6 +125,8 @@ int run_serve(const ServeArgs& a) {
                               {"generated_tokens", c.generated_tokens},
                               {"max_batch_sequences", c.max_batch_sequences},
                               {"preemptions", c.preemptions},
+                              {"lost_tiers", c.lost_tiers},
+                              {"lost_tier_recomputes", c.lost_tier_requeues},
                               {"cached_prompt_tokens", c.cached_prompt_tokens},
                               {"prefix_cache_evictions", c.prefix_cache_evictions}}
                    .dump()

@@ -53,6 +53,11 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                "start each request from the longest cached prefix of its prompt (running or finished "
                "requests' KV, in whole pages; finished ones stay cached until memory is wanted)")
       ->capture_default_str();
+  cmd.add_option("--lost-tier", a.lost_tier,
+                 "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "
+                 "every request without it, or fail the requests of that step")
+      ->check(CLI::IsMember({"recompute", "fail"}))
+      ->capture_default_str();
   cmd.add_option("--max-context", a.max_context, "context limit per sequence (default: the model's)");
   cmd.add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
   cmd.add_flag("--reference", a.reference, "use the naive reference kernels (slow; for checking)");

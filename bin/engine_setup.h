@@ -33,6 +33,7 @@ struct EngineArgs {
   int64_t prefill_chunk = 256;
   std::string admission = "reserve";  // "reserve" or "preempt" (AdmissionPolicy); serve: preempt
   bool prefix_caching = false;        // --prefix-caching (GeneratorOptions::prefix_caching); serve: on
+  std::string lost_tier = "recompute";  // "recompute" or "fail" (GeneratorOptions::recompute_lost_tiers)
   int64_t max_context = 0;
   int threads = 0;
   bool reference = false;

@@ -373,6 +373,9 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
         {"hidden_fraction", o.hidden_fraction()}}},
       {"placement_events", events},
   };
+  std::vector<int> abandoned;
+  for (TierId t : engine.abandoned_tiers()) abandoned.push_back(t.value());
+  j["lost_tiers"] = abandoned;
   if (rt != nullptr) {
     j["placement"] = rt->args.placement;
     j["probe"] = transport::probe_results_to_json(rt->probe);

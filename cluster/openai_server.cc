@@ -107,7 +107,8 @@ struct OpenAiServer::Impl {
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
   std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
-      preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0};
+      preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0},
+      lost_tiers{0}, lost_tier_requeues{0};
 
   std::thread io_thread;
   std::thread engine_thread;
@@ -156,6 +157,8 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   generated_tokens = st.generated_tokens;
   max_batch = st.max_batch_sequences;
   preemptions = st.preemptions;
+  lost_tiers = st.lost_tiers;
+  lost_tier_requeues = st.lost_tier_requeues;
   cached_prompt_tokens = st.cached_prompt_tokens;
   prefix_cache_evictions = st.prefix_cache_evictions;
   cached_sequences = static_cast<int64_t>(scheduler.cached_sequences());
@@ -790,6 +793,10 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_generation_tokens_total", "counter", "tokens generated", generated_tokens);
   metric("specontext_batch_sequences_max", "gauge", "most sequences in one forward pass", max_batch);
   metric("specontext_preemptions_total", "counter", "running requests recomputed to make room", preemptions);
+  metric("specontext_kv_tiers_lost_total", "counter",
+         "remote KV tiers lost (every replica died) and abandoned", lost_tiers);
+  metric("specontext_lost_tier_recomputes_total", "counter",
+         "running requests recomputed after a KV tier was lost", lost_tier_requeues);
   metric("specontext_prefix_cache_hit_tokens_total", "counter", "prompt tokens taken from the prefix cache",
          cached_prompt_tokens);
   metric("specontext_prefix_cache_evictions_total", "counter", "cached sequences dropped to make room",
@@ -886,6 +893,8 @@ ServerCounters OpenAiServer::counters() const {
   c.waiting = s.waiting;
   c.max_batch_sequences = s.max_batch;
   c.preemptions = s.preemptions;
+  c.lost_tiers = s.lost_tiers;
+  c.lost_tier_requeues = s.lost_tier_requeues;
   c.cached_prompt_tokens = s.cached_prompt_tokens;
   c.prefix_cache_evictions = s.prefix_cache_evictions;
   c.cached_sequences = s.cached_sequences;

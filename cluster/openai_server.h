@@ -54,6 +54,8 @@ struct ServerCounters {
   int64_t waiting = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
   int64_t preemptions = 0;          // running requests recomputed to make room (AdmissionPolicy::kPreempt)
+  int64_t lost_tiers = 0;  // remote KV tiers lost and abandoned (GeneratorOptions::recompute_lost_tiers)
+  int64_t lost_tier_requeues = 0;      // running requests recomputed after such a loss
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache
   int64_t prefix_cache_evictions = 0;  // cached sequences dropped for room
   int64_t cached_sequences = 0;        // finished requests' sequences held for prefix caching (now)

@@ -272,6 +272,16 @@ class Engine {
   // Moves layers (and the retrieval head's keys) to the placement's tiers now, between steps.
   // On a failed move that layer keeps its home and content; the error is returned.
   Status apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons = {});
+  // Remote tiers whose memory the transport reports gone for good (Transport::tier_lost: every
+  // replica died) and that are not abandoned yet.
+  std::vector<TierId> lost_tiers() const;
+  // Stops using a lost tier: its layers are re-homed on the device (a placement policy moves them
+  // on at the next step) and policies see it with no capacity, so nothing goes there again.
+  // Every sequence holds KV in every layer, so no page may be in use: the caller drops the
+  // sequences first and recomputes them (Scheduler does). kInvalidArgument otherwise, or for a
+  // tier that is not remote or was abandoned already.
+  Status abandon_tier(TierId tier);
+  const std::vector<TierId>& abandoned_tiers() const { return abandoned_; }
   // What a placement policy is asked with for these lengths (tiers, usage, device bytes outside
   // its model), and the device bytes one more sequence's first steps take beyond its tokens.
   PlacementInput placement_input(const std::vector<int64_t>& seq_lens) const;
@@ -416,6 +426,7 @@ class Engine {
 
   // Tiers.
   KvPlacement placement_;
+  std::vector<TierId> abandoned_;  // lost remote tiers no longer used (abandon_tier)
   std::vector<TierTraffic> step_traffic_, total_traffic_;
   std::vector<uint64_t> peak_used_;
   OverlapStats overlap_, last_overlap_;

@@ -34,6 +34,9 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
   in.current = placement_;
   for (const TierMemory& t : kv_->tiers()) {
     in.tiers.push_back(t.desc);
+    if (std::find(abandoned_.begin(), abandoned_.end(), t.desc.id) != abandoned_.end()) {
+      in.tiers.back().capacity_bytes = 0;  // lost: nothing is placed there again
+    }
     in.tier_used_bytes.push_back(kv_->tier_used_bytes(t.desc.id));
   }
   // What the planner's model does not count on the device. It must not depend on the placement,
@@ -93,6 +96,9 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
   }
   for (TierId t : target.layer_home) {
     if (!t.valid() || t.value() >= kv_->n_tiers()) return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which does not exist");
+    if (std::find(abandoned_.begin(), abandoned_.end(), t) != abandoned_.end()) {
+      return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which was lost");
+    }
   }
   const TierId head_home = target.head_cache_home;
   if (!head_home.valid() || head_home.value() >= kv_->n_tiers() || !backend_reads(head_home)) {
@@ -167,6 +173,54 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
   if (!result.is_ok()) ev.error = result.to_string();
   events_.push_back(std::move(ev));
   return result;
+}
+
+std::vector<TierId> Engine::lost_tiers() const {
+  std::vector<TierId> lost;
+  if (options_.tiering.transport == nullptr) return lost;
+  for (const TierMemory& t : kv_->tiers()) {
+    const TierId id = t.desc.id;
+    if (t.desc.kind != TierKind::kRemote) continue;
+    if (std::find(abandoned_.begin(), abandoned_.end(), id) != abandoned_.end()) continue;
+    if (options_.tiering.transport->tier_lost(id)) lost.push_back(id);
+  }
+  return lost;
+}
+
+Status Engine::abandon_tier(TierId tier) {
+  const std::string what = "abandon_tier " + std::to_string(tier.value());
+  if (!tier.valid() || tier.value() >= kv_->n_tiers()) return invalid_argument(what + ": no such tier");
+  const TierMemory& t = kv_->tiers()[static_cast<size_t>(tier.value())];
+  if (t.desc.kind != TierKind::kRemote) return invalid_argument(what + ": " + t.desc.name + " is not remote");
+  if (std::find(abandoned_.begin(), abandoned_.end(), tier) != abandoned_.end()) {
+    return invalid_argument(what + ": abandoned already");
+  }
+  if (kv_->used_pages() != 0) {
+    return invalid_argument(what + ": " + std::to_string(kv_->used_pages()) +
+                            " KV pages are in use; drop every sequence first");
+  }
+  // With no page in use no layer has chunks, so re-homing moves nothing from the lost memory.
+  int64_t rehomed = 0;
+  for (int64_t l = 0; l < kv_->n_layers(); ++l) {
+    const LayerId layer(static_cast<int32_t>(l));
+    if (kv_->home(layer) != tier) continue;
+    SPX_ASSIGN_OR_RETURN(std::vector<TransferRequest> moves, kv_->begin_move(layer, TierId(0)));
+    if (!moves.empty()) {
+      kv_->abort_move(layer);
+      return internal_error(what + ": layer " + std::to_string(l) + " holds chunks with no page in use");
+    }
+    SPX_RETURN_IF_ERROR(kv_->commit_move(layer));
+    placement_.layer_home[static_cast<size_t>(l)] = TierId(0);
+    ++rehomed;
+  }
+  abandoned_.push_back(tier);
+  PlacementEvent ev;
+  ev.forward = forwards_;
+  ev.cpu_filtering = placement_.cpu_filtering;
+  ev.reasons.push_back("tier " + t.desc.name + " lost: its layers come back to the device");
+  ev.layers_moved = rehomed;
+  events_.push_back(std::move(ev));
+  return Status::ok();
 }
 
 Status Engine::move_head_caches(TierId to) {

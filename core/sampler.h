@@ -66,6 +66,9 @@ class Sampler {
   // The same with the history's distinct tokens kept by the caller.
   TokenDraw next_draw(const DistinctTokens& history);
   const SamplingParams& params() const { return params_; }
+  // The random stream's position, and going back to one (a draw whose step failed is redrawn).
+  uint64_t stream_state() const { return rng_state_; }
+  void restore_stream(uint64_t state) { rng_state_ = state; }
 
  private:
   uint32_t random_u32();

@@ -328,14 +328,41 @@ void Scheduler::preempt_until_fits() {
     if (running_.size() <= 1) break;
     Entry e = std::move(running_.back());
     running_.pop_back();
-    release(e);
-    e.request.prompt.resize(e.prompt_size);
-    e.request.prompt.insert(e.request.prompt.end(), e.produced.begin(), e.produced.end());
-    e.prefilled = 0;
-    e.prompt_logprobs.clear();  // gathered again if its first event has not gone out
+    requeue(std::move(e));
     ++stats_.preemptions;
-    waiting_.push_front(std::move(e));
   }
+}
+
+void Scheduler::requeue(Entry e) {
+  release(e);
+  e.request.prompt.resize(e.prompt_size);
+  e.request.prompt.insert(e.request.prompt.end(), e.produced.begin(), e.produced.end());
+  e.prefilled = 0;
+  e.prompt_logprobs.clear();  // gathered again if its first event has not gone out
+  waiting_.push_front(std::move(e));
+}
+
+bool Scheduler::recover_lost_tiers(const std::vector<Entry*>& in_batch) {
+  if (!options_.recompute_lost_tiers) return false;
+  const std::vector<TierId> lost = engine_.lost_tiers();
+  if (lost.empty()) return false;
+  // The failed step's draws are made again when the requests come back.
+  for (Entry* e : in_batch) e->sampler.restore_stream(e->stream_before_draw);
+  // Every sequence has KV in every layer, some of it on the lost tier: all of them go. The newest
+  // running request is requeued first, so the oldest ends up first in line.
+  while (!running_.empty()) {
+    Entry e = std::move(running_.back());
+    running_.pop_back();
+    requeue(std::move(e));
+    ++stats_.lost_tier_requeues;
+  }
+  while (evict_cached()) {
+  }
+  for (TierId t : lost) {
+    if (!engine_.abandon_tier(t).is_ok()) return false;  // sequences the scheduler does not own
+    ++stats_.lost_tiers;
+  }
+  return true;
 }
 
 Status Scheduler::step(std::vector<SchedulerEvent>& events) {
@@ -351,6 +378,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   for (Entry& e : running_) {
     if (e.prefilled < static_cast<int64_t>(e.request.prompt.size())) continue;
     if (budget <= 0) break;
+    e.stream_before_draw = e.sampler.stream_state();
     e.draw = e.sampler.next_draw(e.history);
     batch.push_back({e.seq, std::span<const TokenId>(&e.next, 1), sample_mode(e), &e.draw});
     in_batch.push_back(&e);
@@ -364,6 +392,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     if (left <= 0 || budget <= 0) continue;
     const int64_t n = std::min({left, options_.prefill_chunk, budget});
     const bool last_chunk = n == left;
+    e.stream_before_draw = e.sampler.stream_state();
     if (last_chunk) e.draw = e.sampler.next_draw(e.history);
     const LogitsMode mode = wants_prompt_logprobs(e) ? LogitsMode::kAll
                             : last_chunk             ? sample_mode(e)
@@ -381,6 +410,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   const auto t0 = Clock::now();
   auto out = engine_.forward(batch);
   if (!out.is_ok()) {
+    if (recover_lost_tiers(in_batch)) return status;
     // All-or-nothing: the engine is as before; the batch's requests end, the rest go on.
     for (Entry* e : in_batch) {
       if (!e->done) finish(*e, FinishReason::kError, out.status().message(), events);

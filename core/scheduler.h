@@ -66,6 +66,8 @@ struct GenerationStats {
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache, not computed
   int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
   int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
+  int64_t lost_tiers = 0;    // remote tiers lost mid-run and abandoned (recompute_lost_tiers)
+  int64_t lost_tier_requeues = 0;  // running requests sent back to be recomputed after such a loss
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tokens_per_s() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0.0; }
 };
@@ -95,6 +97,12 @@ struct GeneratorOptions {
   // that one computes: a prompt sent n times at once is computed once. Under SpeContext the
   // engine needs prefix_sharing on.
   bool prefix_caching = false;
+  // When a forward fails because a remote tier is gone for good (Engine::lost_tiers: every
+  // replica of a KV node tier died), the engine abandons the tier and every request is
+  // recomputed from its prompt and the tokens it produced, as a preempted one is (its random
+  // stream goes back to before the failed step), instead of ending with kError: nothing accepted
+  // is lost. Cached prefixes are dropped. Off: the batch's requests end with kError.
+  bool recompute_lost_tiers = true;
 };
 
 // What one step produced for one request: a token (finished = false), or its ending. A stop
@@ -135,7 +143,8 @@ class Scheduler {
 
   // Admits, runs one forward, appends the events. A failed forward ends every request of its
   // batch with kError (the engine is unchanged, the other requests go on) and returns the error;
-  // waiting requests stay queued. Ok with no events when there is nothing to do.
+  // waiting requests stay queued. Ok with no events when there is nothing to do, or when the
+  // forward failed for a lost tier that was recovered from (recompute_lost_tiers).
   Status step(std::vector<SchedulerEvent>& events);
 
   bool idle() const { return waiting_.empty() && running_.empty(); }
@@ -153,6 +162,7 @@ class Scheduler {
     DistinctTokens history;  // prompt + generated, for the repetition penalty (kept only when on)
     Sampler sampler{SamplingParams{}};
     TokenDraw draw;         // this step's sampling decision, made by the engine where the logits are
+    uint64_t stream_before_draw = 0;  // the sampler's stream before this step's draw
     int64_t prefilled = 0;  // prompt tokens already in the cache
     size_t prompt_size = 0;          // of the request as submitted
     std::vector<TokenId> produced;   // its tokens so far (kPreempt: a preempted one's prompt gains them)
@@ -179,6 +189,12 @@ class Scheduler {
   // taken_over: a cached sequence the new request takes over, counted as 0 (the request is).
   std::vector<int64_t> near_lengths(SeqId taken_over = SeqId()) const;
   void preempt_until_fits();
+  // Frees a running request's sequence and puts it first in line, to be recomputed from its prompt
+  // and the tokens it produced.
+  void requeue(Entry e);
+  // After a failed forward: when a remote tier is lost, abandons it and requeues every request
+  // (recompute_lost_tiers). False when there is no lost tier or the engine refused.
+  bool recover_lost_tiers(const std::vector<Entry*>& in_batch);
   void finish(Entry& e, FinishReason reason, std::string error, std::vector<SchedulerEvent>& events);
   // Prefix caching: where e's prompt could start from.
   struct PrefixSource {

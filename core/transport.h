@@ -105,6 +105,14 @@ class Transport {
   // See "Cancellation" above. Resets `handle` to invalid.
   virtual void release(TransferHandle& handle) = 0;
 
+  // True once the memory of `tier` is gone for good: a remote tier whose every replica died
+  // (nothing it held can be read again; the engine abandons the tier and its sequences are
+  // recomputed, Engine::abandon_tier). A transient failure is not a loss. Default: never.
+  virtual bool tier_lost(TierId tier) const {
+    (void)tier;
+    return false;
+  }
+
  protected:
   TransferHandle make_handle(uint64_t id) const { return TransferHandle(this, id); }
   static void reset_handle(TransferHandle& handle) { handle = TransferHandle(); }

@@ -13,6 +13,9 @@ Result<std::unique_ptr<FaultInjectingTransport>> FaultInjectingTransport::create
     return invalid_argument("fault: rates must be in [0, 1]");
   }
   if (policy.added_delay.count() < 0) return invalid_argument("fault: negative added_delay");
+  if (policy.permanent && (policy.fail_after_posts < 0 || !policy.target_tier.valid())) {
+    return invalid_argument("fault: permanent needs fail_after_posts and target_tier");
+  }
   return std::unique_ptr<FaultInjectingTransport>(
       new FaultInjectingTransport(std::move(inner), policy));
 }
@@ -57,6 +60,7 @@ Status FaultInjectingTransport::post(TransferHandle& handle) {
     if (op.targeted) {
       if (policy_.fail_after_posts >= 0 && n > policy_.fail_after_posts) {
         ++injected_failures_;
+        lost_ = policy_.permanent;
         return unavailable("fault: injected failure of post " + std::to_string(n) +
                            " (fail after " + std::to_string(policy_.fail_after_posts) + " posts)");
       }
@@ -136,6 +140,14 @@ int64_t FaultInjectingTransport::injected_failures() const {
 int64_t FaultInjectingTransport::injected_no_resource() const {
   std::lock_guard lock(mu_);
   return injected_no_resource_;
+}
+
+bool FaultInjectingTransport::tier_lost(TierId tier) const {
+  {
+    std::lock_guard lock(mu_);
+    if (lost_ && tier == policy_.target_tier) return true;
+  }
+  return inner_->tier_lost(tier);
 }
 
 }  // namespace specontext::transport

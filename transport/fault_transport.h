@@ -28,6 +28,9 @@ struct FaultPolicy {
   // When valid, faults hit only batches that read or write this tier (one failing node or pool
   // while the others stay healthy); other batches pass through untouched and draw nothing.
   TierId target_tier;
+  // With fail_after_posts and target_tier: the failures model a node that died for good, so
+  // tier_lost(target_tier) is true from the first failed post on.
+  bool permanent = false;
 };
 
 class FaultInjectingTransport final : public Transport {
@@ -45,6 +48,7 @@ class FaultInjectingTransport final : public Transport {
   Status post(TransferHandle& handle) override;
   Status poll(TransferHandle& handle) override;
   void release(TransferHandle& handle) override;
+  bool tier_lost(TierId tier) const override;
 
   Transport& inner() { return *inner_; }
   int64_t posts() const;             // posts seen (including rejected ones)
@@ -70,6 +74,7 @@ class FaultInjectingTransport final : public Transport {
   int64_t posts_ = 0;
   int64_t injected_failures_ = 0;
   int64_t injected_no_resource_ = 0;
+  bool lost_ = false;  // permanent: the target tier failed a post
 };
 
 }  // namespace specontext::transport

@@ -283,4 +283,11 @@ int64_t TransportRouter::partial_no_resource() const {
   return partial_no_resource_;
 }
 
+bool TransportRouter::tier_lost(TierId tier) const {
+  for (const Transport* m : members_) {
+    if (m->tier_lost(tier)) return true;
+  }
+  return false;
+}
+
 }  // namespace specontext::transport

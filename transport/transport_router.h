@@ -67,6 +67,7 @@ class TransportRouter final : public Transport {
   Status post(TransferHandle& handle) override;
   Status poll(TransferHandle& handle) override;
   void release(TransferHandle& handle) override;
+  bool tier_lost(TierId tier) const override;  // any member says so
 
   // Which member a request would go to (its index in the preference list), or the routing error
   // prepare would give for it. For tests and logs.

@@ -742,6 +742,11 @@ void UcxRemoteTransport::release(TransferHandle& handle) {
   reset_handle(handle);
 }
 
+bool UcxRemoteTransport::tier_lost(TierId tier) const {
+  std::lock_guard lock(mu_);
+  return tier == config_.tier && first_live() < 0;
+}
+
 std::vector<ReplicaReport> UcxRemoteTransport::replicas() const {
   std::lock_guard lock(mu_);
   std::vector<ReplicaReport> out;

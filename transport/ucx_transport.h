@@ -97,6 +97,7 @@ class UcxRemoteTransport final : public Transport {
   // kUnavailable when no replica lives (there is nothing to copy from: the tier is lost) or
   // when the region fails during the copy (the replica stays dead).
   Status rejoin(size_t index, RemoteRegion region);
+  bool tier_lost(TierId tier) const override;  // the served tier, with no replica alive
   std::vector<ReplicaReport> replicas() const;
   int64_t failovers() const;  // reads re-issued on another replica
   // Requests prepared, and the RMA operations they became after adjacent rows were merged.

@@ -1,7 +1,8 @@
 // KV nodes as separate processes (`specontext kv-node`), used by `specontext generate --kv-node`:
 // the text equals the all-device run's; a mirrored tier survives SIGKILL of one node mid-run with
 // the same text; a node restarted mid-run rejoins its tier and carries it when the other dies;
-// losing the only node, an unreachable node or a bad spec is a clear error naming it, never a hang.
+// losing the only node (with --lost-tier fail), an unreachable node or a bad spec is a clear error
+// naming it, never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -230,11 +231,13 @@ TEST_P(KvNodeRejoin, ADeadNodesReplicaComesBackAndCarriesTheTierWhenTheOtherDies
   EXPECT_TRUE(rejoined) << node["rejoin_events"];
 }
 
+// With --lost-tier fail, losing the only node is a clear error naming it, never a hang. (The
+// default, recomputing without the lost tier, is tested in-process: tests/core/lost_tier_test.cc.)
 TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
   NodeProcess node;
   ASSERT_NE(node.port(), 0);
   const auto t0 = std::chrono::steady_clock::now();
-  Generate gen(model_args(250) + kTiers + " --kv-node 1MiB@" + node.endpoint());
+  Generate gen(model_args(250) + kTiers + " --lost-tier fail --kv-node 1MiB@" + node.endpoint());
   const auto deadline = t0 + 30s;
   while (node.regions() < 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   node.kill_now();

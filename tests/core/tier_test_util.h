@@ -150,16 +150,21 @@ inline std::unique_ptr<Engine> stories_engine(int64_t max_sequences) {
 
 // An engine whose layer 1 lives on a (loopback) remote node behind a link that fails every post
 // after the first `fail_after_posts`, with no retries: forward fails from then on, naming the layer.
+// permanent: the node died for good (the link reports tier 1 lost, Transport::tier_lost).
 struct FailingLinkEngine {
   std::unique_ptr<Transport> link;
   std::shared_ptr<CopyQueue> copies;
   std::unique_ptr<Engine> engine;  // declared last: destroyed before what it borrows
 };
 inline FailingLinkEngine failing_link_engine(const std::shared_ptr<Model>& model, int64_t fail_after_posts,
-                                             int64_t max_sequences) {
+                                             int64_t max_sequences, bool permanent = false) {
   FailingLinkEngine f;
   transport::FaultPolicy fp;
   fp.fail_after_posts = fail_after_posts;
+  if (permanent) {
+    fp.permanent = true;
+    fp.target_tier = TierId(1);
+  }
   auto loopback = transport::LoopbackRemoteTransport::create();
   EXPECT_TRUE(loopback.is_ok());
   auto ft = transport::FaultInjectingTransport::create(std::move(*loopback), fp);

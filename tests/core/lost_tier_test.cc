@@ -1,0 +1,172 @@
+// A remote KV tier lost for good mid-run (every replica died): the scheduler abandons it and
+// recomputes every request without it, so each still gets the tokens it gets alone on an
+// all-device engine (Engine::abandon_tier, GeneratorOptions::recompute_lost_tiers); with
+// recompute off the step's requests fail; abandon_tier refuses what it cannot do.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/generator.h"
+#include "core/model_loader.h"
+#include "core/scheduler.h"
+#include "tests/core/tier_test_util.h"
+
+namespace specontext {
+namespace {
+
+std::shared_ptr<Model> stories() {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+  return *m;
+}
+
+GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature, uint64_t seed) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = n;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = seed;
+  return r;
+}
+
+std::vector<GenerationRequest> requests() {
+  return {request({1, 403, 407, 261, 378}, 60, 0.0f, 1), request({1, 426}, 50, 0.9f, 5),
+          request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 40, 0.7f, 9)};
+}
+
+std::vector<TokenId> alone(const GenerationRequest& r) {
+  auto e = testing::stories_engine(1);
+  Generator g(*e, GeneratorOptions{});
+  auto res = g.run({r});
+  EXPECT_TRUE(res.is_ok());
+  return (*res)[0].tokens;
+}
+
+struct Outcome {
+  std::map<int64_t, std::vector<TokenId>> tokens;
+  std::map<int64_t, FinishReason> finish;
+  std::vector<RequestId> ids;
+  Status first_error;
+};
+
+Outcome run_all(Scheduler& s, const std::vector<GenerationRequest>& reqs) {
+  Outcome run;
+  for (const auto& r : reqs) {
+    auto id = s.submit(r);
+    EXPECT_TRUE(id.is_ok());
+    run.ids.push_back(*id);
+  }
+  std::vector<SchedulerEvent> ev;
+  for (int i = 0; i < 5000 && !s.idle(); ++i) {
+    ev.clear();
+    Status st = s.step(ev);
+    if (!st.is_ok() && run.first_error.is_ok()) run.first_error = st;
+    for (const SchedulerEvent& e : ev) {
+      if (e.finished) {
+        run.finish[e.request.value()] = e.finish;
+      } else {
+        run.tokens[e.request.value()].push_back(e.token);
+      }
+    }
+  }
+  EXPECT_TRUE(s.idle());
+  return run;
+}
+
+TEST(LostTier, RequestsAreRecomputedWithoutTheTierAndGetTheirAloneTokens) {
+  const auto model = stories();
+  const auto reqs = requests();
+  std::vector<std::vector<TokenId>> expect;
+  for (const auto& r : reqs) expect.push_back(alone(r));
+  for (bool caching : {false, true}) {
+    SCOPED_TRACE(caching ? "prefix caching" : "no prefix caching");
+    // Layer 1 on a remote node that dies for good after 40 posts (mid-run: the run posts more).
+    auto f = testing::failing_link_engine(model, /*fail_after_posts=*/40, 3, /*permanent=*/true);
+    ASSERT_NE(f.engine, nullptr);
+    GeneratorOptions go;
+    go.prefill_chunk = 4;
+    go.prefix_caching = caching;
+    Scheduler s(*f.engine, go);
+    const Outcome run = run_all(s, reqs);
+    EXPECT_TRUE(run.first_error.is_ok()) << run.first_error.to_string();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(run.finish.at(run.ids[i].value()), FinishReason::kLength) << i;
+      EXPECT_EQ(run.tokens.at(run.ids[i].value()), expect[i]) << "request " << i;
+    }
+    EXPECT_EQ(s.stats().lost_tiers, 1);
+    EXPECT_GE(s.stats().lost_tier_requeues, 1);
+    auto& link = static_cast<transport::FaultInjectingTransport&>(*f.link);
+    EXPECT_GE(link.injected_failures(), 1);
+    EXPECT_GT(link.posts(), 40) << "the node died before the run used it";
+    EXPECT_EQ(f.engine->abandoned_tiers(), std::vector<TierId>{TierId(1)});
+    EXPECT_TRUE(f.engine->lost_tiers().empty());
+    EXPECT_EQ(f.engine->placement().layer_home[1], TierId(0));
+    EXPECT_TRUE(f.engine->check_invariants().is_ok());
+  }
+}
+
+TEST(LostTier, WithRecomputeOffTheStepsRequestsFailNamingTheLayer) {
+  auto f = testing::failing_link_engine(stories(), /*fail_after_posts=*/40, 3, /*permanent=*/true);
+  ASSERT_NE(f.engine, nullptr);
+  GeneratorOptions go;
+  go.recompute_lost_tiers = false;
+  Scheduler s(*f.engine, go);
+  const Outcome run = run_all(s, requests());
+  ASSERT_FALSE(run.first_error.is_ok());
+  EXPECT_EQ(run.first_error.code(), StatusCode::kUnavailable) << run.first_error.to_string();
+  EXPECT_NE(run.first_error.message().find("layer 1"), std::string::npos) << run.first_error.to_string();
+  int failed = 0;
+  for (const auto& [id, reason] : run.finish) failed += reason == FinishReason::kError;
+  EXPECT_GE(failed, 1);
+  EXPECT_EQ(s.stats().lost_tiers, 0);
+  EXPECT_EQ(f.engine->lost_tiers(), std::vector<TierId>{TierId(1)});
+  EXPECT_TRUE(f.engine->abandoned_tiers().empty());
+}
+
+TEST(LostTier, AbandonTierRefusesWhatItCannotDo) {
+  auto f = testing::failing_link_engine(stories(), /*fail_after_posts=*/4, 2, /*permanent=*/true);
+  ASSERT_NE(f.engine, nullptr);
+  Engine& e = *f.engine;
+  auto seq = e.add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  std::vector<TokenId> tokens{1, 403, 407};
+  EXPECT_TRUE(e.lost_tiers().empty());
+  // Forwards until the node dies; the sequence keeps what it had (all-or-nothing).
+  Status failed;
+  for (int i = 0; i < 20 && failed.is_ok(); ++i) {
+    StepRequest r{*seq, tokens, LogitsMode::kLast};
+    auto out = e.forward(std::span<const StepRequest>(&r, 1));
+    failed = out.status();
+    tokens = {378};
+  }
+  ASSERT_FALSE(failed.is_ok());
+  ASSERT_GT(e.kv_bytes_in_use(), 0) << "the first forward did not succeed";
+  EXPECT_EQ(e.lost_tiers(), std::vector<TierId>{TierId(1)});
+  EXPECT_EQ(e.abandon_tier(TierId(0)).code(), StatusCode::kInvalidArgument);  // the device
+  EXPECT_EQ(e.abandon_tier(TierId(7)).code(), StatusCode::kInvalidArgument);
+  // The sequence holds pages, partly on the lost tier: it must go first.
+  Status busy = e.abandon_tier(TierId(1));
+  EXPECT_EQ(busy.code(), StatusCode::kInvalidArgument) << busy.to_string();
+  EXPECT_NE(busy.message().find("drop every sequence"), std::string::npos) << busy.to_string();
+  EXPECT_TRUE(e.abandoned_tiers().empty());
+  ASSERT_TRUE(e.remove_sequence(*seq).is_ok());
+  Status ok = e.abandon_tier(TierId(1));
+  ASSERT_TRUE(ok.is_ok()) << ok.to_string();
+  EXPECT_EQ(e.abandon_tier(TierId(1)).code(), StatusCode::kInvalidArgument);  // twice
+  EXPECT_TRUE(e.lost_tiers().empty());
+  EXPECT_EQ(e.placement().layer_home[1], TierId(0));
+  KvPlacement back = e.placement();
+  back.layer_home[1] = TierId(1);
+  EXPECT_EQ(e.apply_placement(back).code(), StatusCode::kInvalidArgument);
+  // A new sequence runs without the tier.
+  auto fresh = e.add_sequence();
+  ASSERT_TRUE(fresh.is_ok());
+  const std::vector<TokenId> prompt{1, 403, 407};
+  StepRequest r{*fresh, prompt, LogitsMode::kLast};
+  auto out = e.forward(std::span<const StepRequest>(&r, 1));
+  EXPECT_TRUE(out.is_ok()) << out.status().to_string();
+  EXPECT_TRUE(e.check_invariants().is_ok());
+}
+
+}  // namespace
+}  // namespace specontext

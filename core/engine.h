@@ -427,6 +427,9 @@ class Engine {
   // Tiers.
   KvPlacement placement_;
   std::vector<TierId> abandoned_;  // lost remote tiers no longer used (abandon_tier)
+  bool is_abandoned(TierId tier) const {
+    return std::find(abandoned_.begin(), abandoned_.end(), tier) != abandoned_.end();
+  }
   std::vector<TierTraffic> step_traffic_, total_traffic_;
   std::vector<uint64_t> peak_used_;
   OverlapStats overlap_, last_overlap_;

@@ -34,7 +34,7 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
   in.current = placement_;
   for (const TierMemory& t : kv_->tiers()) {
     in.tiers.push_back(t.desc);
-    if (std::find(abandoned_.begin(), abandoned_.end(), t.desc.id) != abandoned_.end()) {
+    if (is_abandoned(t.desc.id)) {
       in.tiers.back().capacity_bytes = 0;  // lost: nothing is placed there again
     }
     in.tier_used_bytes.push_back(kv_->tier_used_bytes(t.desc.id));
@@ -96,7 +96,7 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
   }
   for (TierId t : target.layer_home) {
     if (!t.valid() || t.value() >= kv_->n_tiers()) return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which does not exist");
-    if (std::find(abandoned_.begin(), abandoned_.end(), t) != abandoned_.end()) {
+    if (is_abandoned(t)) {
       return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which was lost");
     }
   }
@@ -181,7 +181,7 @@ std::vector<TierId> Engine::lost_tiers() const {
   for (const TierMemory& t : kv_->tiers()) {
     const TierId id = t.desc.id;
     if (t.desc.kind != TierKind::kRemote) continue;
-    if (std::find(abandoned_.begin(), abandoned_.end(), id) != abandoned_.end()) continue;
+    if (is_abandoned(id)) continue;
     if (options_.tiering.transport->tier_lost(id)) lost.push_back(id);
   }
   return lost;
@@ -192,7 +192,7 @@ Status Engine::abandon_tier(TierId tier) {
   if (!tier.valid() || tier.value() >= kv_->n_tiers()) return invalid_argument(what + ": no such tier");
   const TierMemory& t = kv_->tiers()[static_cast<size_t>(tier.value())];
   if (t.desc.kind != TierKind::kRemote) return invalid_argument(what + ": " + t.desc.name + " is not remote");
-  if (std::find(abandoned_.begin(), abandoned_.end(), tier) != abandoned_.end()) {
+  if (is_abandoned(tier)) {
     return invalid_argument(what + ": abandoned already");
   }
   if (kv_->used_pages() != 0) {

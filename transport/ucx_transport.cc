@@ -99,11 +99,7 @@ Status UcxRemoteTransport::connect_replica(size_t index, const RemoteRegion& reg
   s = ucp_ep_rkey_unpack(r.ep, region.rkey.data(), &r.rkey);
   if (s != UCS_OK) {
     r.rkey = nullptr;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    (void)ucx_wait(worker_->worker(), ucp_ep_close_nbx(r.ep, &p), "close");
-    r.ep = nullptr;
+    force_close(r);
     return invalid_argument(std::string("bad remote key: ") + ucs_status_string(s));
   }
   return Status::ok();
@@ -245,20 +241,24 @@ void UcxRemoteTransport::mark_dead(int replica, const std::string& why) {
   }
   r.report.error = why;
   // Force-closing completes (with an error) every flush and RMA operation posted to the node, so
-  // no leg waits on a dead peer. Not waited for here: this may run inside progress.
-  if (r.ep != nullptr) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t req = ucp_ep_close_nbx(r.ep, &p);
-    if (req != nullptr && !UCS_PTR_IS_ERR(req)) ucp_request_free(req);
-    r.ep = nullptr;
-  }
+  // no leg waits on a dead peer.
+  force_close(r);
+}
+
+void UcxRemoteTransport::force_close(Replica& r) {
+  // Not waited for: this may run inside progress.
+  if (r.ep == nullptr) return;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t req = ucp_ep_close_nbx(r.ep, &p);
+  if (req != nullptr && !UCS_PTR_IS_ERR(req)) ucp_request_free(req);
+  r.ep = nullptr;
 }
 
 int UcxRemoteTransport::first_live() const {
   for (size_t i = 0; i < replicas_.size(); ++i) {
-    if (replicas_[i].report.alive && !replicas_[i].joining) return static_cast<int>(i);
+    if (replicas_[i].serves()) return static_cast<int>(i);
   }
   return -1;
 }
@@ -682,7 +682,7 @@ Status UcxRemoteTransport::post(TransferHandle& handle) {
   }
   if (!op->writes.empty()) {
     for (size_t i = 0; i < replicas_.size(); ++i) {
-      if (!replicas_[i].report.alive || replicas_[i].joining) continue;
+      if (!replicas_[i].serves()) continue;
       Leg leg;
       leg.replica = static_cast<int>(i);
       op->write.push_back(leg);

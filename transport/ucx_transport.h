@@ -115,6 +115,7 @@ class UcxRemoteTransport final : public Transport {
     ucp_rkey_h rkey = nullptr;
     uint64_t address = 0;
     bool joining = false;  // alive, being filled by rejoin: takes no reads and no transfers' writes
+    bool serves() const { return report.alive && !joining; }  // reads and transfers' writes go to it
   };
   struct LocalTier {
     MemoryKind kind = MemoryKind::kHost;
@@ -184,6 +185,7 @@ class UcxRemoteTransport final : public Transport {
                                const ucp_am_recv_param_t* param);
   void advance(Op& op);
   void mark_dead(int replica, const std::string& why);
+  void force_close(Replica& r);  // closes its endpoint now (completing what was posted to it), not waited for
   int first_live() const;
   std::string replicas_text() const;
   std::string who() const;

@@ -69,7 +69,9 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
     ep = *e;
   }
   nlohmann::json results = nlohmann::json::array();
-  for (auto mode : {transport::UcxTransferMode::kNodeGather, transport::UcxTransferMode::kRma}) {
+  for (int run = 0; run < 4; ++run) {
+    const auto mode = run < 2 ? transport::UcxTransferMode::kNodeGather : transport::UcxTransferMode::kRma;
+    const bool overlap = run % 2 == 0;  // side by side: reads overlapped with writes, and not
     const char* mode_name = mode == transport::UcxTransferMode::kRma ? "rma" : "gather";
     auto client = cluster::KvNodeClient::connect(ep);
     if (!client.is_ok()) {
@@ -94,7 +96,8 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
       std::cerr << "bench_kv_node: " << reg.to_string() << "\n";
       return 1;
     }
-    auto measure = [&](const std::string& pattern, bool read, uint64_t row, int64_t n, const TransferBatch& batch) {
+    auto measure = [&](const std::string& pattern, bool read, uint64_t row, int64_t n,
+                       const TransferBatch& batch) {
       std::vector<double> times;
       for (int r = 0; r < repeats + 1; ++r) {  // the first run warms up (connection, pages)
         auto s = timed(**t, batch);
@@ -117,8 +120,9 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
                          {"gb_per_s", bytes / median / 1e9},
                          {"us_per_row", median * 1e6 / static_cast<double>(n)}});
       std::fprintf(stderr, "%-6s %-10s %-5s row %6lu x %6ld: %8.3f ms  %7.3f GB/s  %7.2f us/row\n", mode_name,
-                   pattern.c_str(), read ? "read" : "write", static_cast<unsigned long>(row), static_cast<long>(n),
-                   median * 1e3, bytes / median / 1e9, median * 1e6 / static_cast<double>(n));
+                   pattern.c_str(), read ? "read" : "write", static_cast<unsigned long>(row),
+                   static_cast<long>(n), median * 1e3, bytes / median / 1e9,
+                   median * 1e6 / static_cast<double>(n));
     };
     for (int64_t rb : row_sizes) {
       const uint64_t row = static_cast<uint64_t>(rb);
@@ -142,7 +146,9 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
   // Rejoin: a tier mirrored on the node and on a second in-process node that then stops; a third
   // takes the dead replica's place, and rejoin copies the whole tier into it from the node.
   nlohmann::json rejoins = nlohmann::json::array();
-  for (auto mode : {transport::UcxTransferMode::kNodeGather, transport::UcxTransferMode::kRma}) {
+  for (int run = 0; run < 4; ++run) {
+    const auto mode = run < 2 ? transport::UcxTransferMode::kNodeGather : transport::UcxTransferMode::kRma;
+    const bool overlap = run % 2 == 0;  // side by side: reads overlapped with writes, and not
     const char* mode_name = mode == transport::UcxTransferMode::kRma ? "rma" : "gather";
     auto fail = [](const Status& s) {
       std::cerr << "bench_kv_node: rejoin: " << s.to_string() << "\n";
@@ -163,6 +169,7 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
     auto r_heir = (*c_heir)->allocate(remote_bytes);
     if (!r_main.is_ok() || !r_doomed.is_ok() || !r_heir.is_ok()) fail(resource_exhausted("cannot allocate"));
     transport::UcxRemoteConfig cfg{kRemote, {*r_main, *r_doomed}, std::chrono::milliseconds(10000), mode};
+    cfg.rejoin_overlap = overlap;
     auto t = transport::UcxRemoteTransport::create(cfg);
     if (!t.is_ok()) fail(t.status());
     std::vector<uint8_t> local(remote_bytes, 3);
@@ -178,11 +185,13 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     const double bytes = static_cast<double>(remote_bytes);
     rejoins.push_back({{"mode", mode_name},
+                       {"overlap", overlap},
                        {"tier_bytes", remote_bytes},
                        {"seconds", seconds},
                        {"gb_per_s", bytes / seconds / 1e9}});
-    std::fprintf(stderr, "%-6s rejoin of a %lu-byte tier: %8.3f ms  %7.3f GB/s\n", mode_name,
-                 static_cast<unsigned long>(remote_bytes), seconds * 1e3, bytes / seconds / 1e9);
+    std::fprintf(stderr, "%-6s rejoin of a %lu-byte tier (%s): %8.3f ms  %7.3f GB/s\n", mode_name,
+                 static_cast<unsigned long>(remote_bytes), overlap ? "overlapped" : "one chunk at a time",
+                 seconds * 1e3, bytes / seconds / 1e9);
   }
   nlohmann::json doc = {{"node", ep.text()},
                         {"in_process_node", local_node != nullptr},
@@ -194,7 +203,8 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
   if (!out_path.empty()) {
     std::ofstream(out_path) << doc.dump(2) << "\n";
     if (plot) {
-      const std::string cmd = std::string("/usr/bin/python3 '") + SPECONTEXT_SOURCE_DIR + "/bench/plot_kv_node.py' '" + out_path + "'";
+      const std::string cmd = std::string("/usr/bin/python3 '") + SPECONTEXT_SOURCE_DIR +
+                              "/bench/plot_kv_node.py' '" + out_path + "'";
       if (std::system(cmd.c_str()) != 0) std::cerr << "bench_kv_node: plotting failed\n";
     }
   }

@@ -92,6 +92,11 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
   ControlRequest r;
   if (name == "hello") {
     r.op = ControlOp::kHello;
+    if (j.contains("version")) {
+      SPX_ASSIGN_OR_RETURN(const uint64_t v, positive_u64(j, "version"));
+      if (v > 1000000) return field_error("version", "is not a protocol version");
+      r.version = static_cast<int64_t>(v);
+    }
   } else if (name == "alloc") {
     r.op = ControlOp::kAlloc;
     SPX_ASSIGN_OR_RETURN(r.bytes, positive_u64(j, "bytes"));
@@ -153,6 +158,14 @@ Result<HelloReply> parse_hello_reply(const nlohmann::json& j, std::string_view n
   auto name = j.find("node");
   if (name == j.end() || !name->is_string()) return reply_error(node, "field 'node' missing or not a string");
   h.node = name->get<std::string>();
+  auto version = j.find("version");
+  const int64_t v = version != j.end() && version->is_number_integer() ? version->get<int64_t>() : 1;
+  if (v != kControlVersion) {
+    return unimplemented("kv node " + std::string(node) + " speaks control protocol " + std::to_string(v) +
+                         ", this client " + std::to_string(kControlVersion) +
+                         ": run the same release on both");
+  }
+  h.version = v;
   SPX_ASSIGN_OR_RETURN(h.capacity, reply_u64(j, "capacity", node));
   SPX_ASSIGN_OR_RETURN(h.free, reply_u64(j, "free", node));
   SPX_ASSIGN_OR_RETURN(h.worker_address, reply_hex(j, "worker_address", node));
@@ -165,6 +178,8 @@ Result<AllocReply> parse_alloc_reply(const nlohmann::json& j, std::string_view n
   SPX_ASSIGN_OR_RETURN(a.address, reply_u64(j, "address", node));
   SPX_ASSIGN_OR_RETURN(a.bytes, reply_u64(j, "bytes", node));
   SPX_ASSIGN_OR_RETURN(a.rkey, reply_hex(j, "rkey", node));
+  SPX_ASSIGN_OR_RETURN(a.key, reply_u64(j, "key", node));
+  if (a.key == 0) return reply_error(node, "field 'key' is 0");
   return a;
 }
 

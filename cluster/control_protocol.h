@@ -1,13 +1,17 @@
 // The KV node's control plane: one JSON object per line over TCP, request → reply, in order.
-//   {"op":"hello"}                → {"ok":true,"node":NAME,"capacity":N,"free":N,"worker_address":HEX}
-//   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"rkey":HEX}
+//   {"op":"hello","version":V}    → {"ok":true,"version":V,"node":NAME,"capacity":N,"free":N,
+//                                    "worker_address":HEX}   (a version the node does not speak: error)
+//   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"rkey":HEX,"key":K}
 //   {"op":"free","region":ID}     → {"ok":true}
 //   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
 //                                    "bytes_gathered":N,"bytes_scattered":N}  (node-side transfers served)
 // Errors: {"ok":false,"error":TEXT} naming the field; the connection stays usable, except after a
 // line longer than kMaxControlLine (then the node replies and closes). Regions belong to the
 // connection that allocated them and are freed when it closes, so a client that dies leaks
-// nothing. Parsing is pure (no sockets) and fuzzed (tests/fuzz/fuzz_control.cc).
+// nothing. A region's key K (random, 64 bits) goes with every gather / scatter that names it
+// (transport/ucx_wire.h); its rkey is its own registration, covering that region alone. A freed
+// region's pages are given back to the system, so the next region over them reads zeros.
+// Parsing is pure (no sockets) and fuzzed (tests/fuzz/fuzz_control.cc).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +26,7 @@
 namespace specontext::cluster {
 
 inline constexpr size_t kMaxControlLine = 64 * 1024;
-inline constexpr int kControlVersion = 1;
+inline constexpr int kControlVersion = 2;  // 2: regions have keys and their own rkeys
 
 enum class ControlOp { kHello, kAlloc, kFree, kStats };
 
@@ -30,6 +34,7 @@ struct ControlRequest {
   ControlOp op = ControlOp::kHello;
   uint64_t bytes = 0;   // alloc
   uint64_t region = 0;  // free
+  int64_t version = 0;  // hello: the client's kControlVersion (0: not given)
 };
 
 // kInvalidArgument naming the field ("control request: field 'bytes' ...").
@@ -38,6 +43,7 @@ std::string control_request_line(const ControlRequest& request);  // with the tr
 
 struct HelloReply {
   std::string node;
+  int64_t version = 0;
   uint64_t capacity = 0;
   uint64_t free = 0;
   std::vector<uint8_t> worker_address;
@@ -47,6 +53,7 @@ struct AllocReply {
   uint64_t address = 0;
   uint64_t bytes = 0;
   std::vector<uint8_t> rkey;
+  uint64_t key = 0;
 };
 // A reply line: the node's error (with its code) when ok is false, kDataLoss naming the field when
 // the reply is malformed.

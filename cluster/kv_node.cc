@@ -2,10 +2,12 @@
 
 #include <poll.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -53,9 +55,7 @@ class KvNode::Impl {
   uint16_t bound_port = 0;
   MappedPool pool;
   std::unique_ptr<transport::UcxWorker> worker;
-  std::unique_ptr<transport::UcxMemory> memory;
   std::string worker_address_hex;
-  std::string rkey_hex;
 
   asio::io_context io;
   tcp::acceptor acceptor{io};
@@ -66,9 +66,25 @@ class KvNode::Impl {
 
   // Touched by the io thread only.
   RegionAllocator allocator;
-  std::unordered_map<uint64_t, uint64_t> region_offset;  // region id → pool offset
   uint64_t next_region = 1;
   std::unordered_set<std::shared_ptr<Session>> sessions;
+  std::mt19937_64 key_source{std::random_device{}()};
+
+  // What a client may touch: a request names its region and that region's key, and every range
+  // must lie inside the region. Each region is registered with UCX on its own, so its RMA key
+  // covers it alone (a NIC enforces that; UCX over TCP does not check RMA addresses).
+  struct Region {
+    uint64_t offset = 0;
+    uint64_t bytes = 0;  // as allocated (whole alignment units)
+    uint64_t key = 0;
+    std::unique_ptr<transport::UcxMemory> memory;
+  };
+  // Guards every call into the UCX worker and context (the progress thread holds it around
+  // progress, so the gather / scatter handlers run under it) and `regions`, which the io thread
+  // changes and the handlers read.
+  std::mutex ucx_mu;
+  std::unordered_map<uint64_t, Region> regions;  // region id → region
+  uint64_t page_bytes = 4096;
 
   mutable std::mutex stats_mu;
   KvNodeStats counters;
@@ -81,7 +97,8 @@ class KvNode::Impl {
       return resource_exhausted("kv node: cannot map " + std::to_string(options.capacity) + " bytes");
     }
     pool.base = p;
-    allocator = RegionAllocator(options.capacity, 4096);
+    page_bytes = static_cast<uint64_t>(std::max(4096L, sysconf(_SC_PAGESIZE)));
+    allocator = RegionAllocator(options.capacity, page_bytes);
     boost::system::error_code ec;
     const auto addr = asio::ip::make_address(options.host, ec);
     if (ec) return invalid_argument("kv node: listen address '" + options.host + "': " + ec.message());
@@ -97,10 +114,7 @@ class KvNode::Impl {
     bound_port = acceptor.local_endpoint().port();
     name = options.name.empty() ? options.host + ":" + std::to_string(bound_port) : options.name;
     SPX_ASSIGN_OR_RETURN(worker, transport::UcxWorker::create("kv node " + name, /*wakeup=*/true));
-    SPX_ASSIGN_OR_RETURN(memory, transport::UcxMemory::map(*worker, pool.base, pool.bytes));
-    SPX_ASSIGN_OR_RETURN(std::vector<uint8_t> rkey, memory->packed_rkey());
     SPX_ASSIGN_OR_RETURN(std::vector<uint8_t> waddr, worker->address());
-    rkey_hex = hex_encode(rkey);
     worker_address_hex = hex_encode(waddr);
     for (bool gather : {true, false}) {
       ucp_am_handler_param_t hp{};
@@ -140,8 +154,9 @@ class KvNode::Impl {
     return UCS_OK;
   }
 
-  // Checks the list against the pool (every range inside it, sizes that add up) before touching
-  // memory; a bad request gets a refusal status, never a crash or a partial copy.
+  // Checks the request against its region (known id, its key, every range inside it, sizes that
+  // add up) before touching memory; a bad request gets a refusal status, never a crash or a
+  // partial copy. Runs under ucx_mu (inside progress).
   void serve(bool gather, const void* header, size_t header_length, const void* data, size_t length,
              const ucp_am_recv_param_t* param) {
     namespace wire = transport::ucx_wire;
@@ -159,12 +174,15 @@ class KvNode::Impl {
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || hdr.ranges > wire::kMaxChunkRanges ||
         length < list_bytes) {
       status = UCS_ERR_INVALID_PARAM;
+    } else if (auto it = regions.find(hdr.region); it == regions.end() || it->second.key != hdr.key) {
+      status = UCS_ERR_REJECTED;  // not a region of this node, or not the caller's
     } else {
       ranges.resize(hdr.ranges);
       std::memcpy(ranges.data(), data, list_bytes);
-      const uint64_t base = reinterpret_cast<uint64_t>(pool.base);
+      const uint64_t base = reinterpret_cast<uint64_t>(pool.base) + it->second.offset;
+      const uint64_t size = it->second.bytes;
       for (const wire::Range& r : ranges) {
-        if (r.address < base || r.bytes > pool.bytes || r.address - base > pool.bytes - r.bytes ||
+        if (r.address < base || r.bytes > size || r.address - base > size - r.bytes ||
             r.bytes > wire::kMaxChunkBytes) {
           status = UCS_ERR_INVALID_ADDR;
           break;
@@ -211,12 +229,15 @@ class KvNode::Impl {
     int efd = -1;
     if (ucp_worker_get_efd(worker->worker(), &efd) != UCS_OK) efd = -1;
     while (!stopping.load(std::memory_order_acquire)) {
+      std::unique_lock lock(ucx_mu);
       if (ucp_worker_progress(worker->worker()) != 0) continue;
       if (efd < 0) {
+        lock.unlock();
         std::this_thread::sleep_for(std::chrono::microseconds(50));
         continue;
       }
       const ucs_status_t s = ucp_worker_arm(worker->worker());
+      lock.unlock();
       if (s == UCS_ERR_BUSY) continue;
       pollfd pfd{efd, POLLIN, 0};
       (void)::poll(&pfd, 1, 100);
@@ -280,11 +301,24 @@ class KvNode::Impl {
     bump([](KvNodeStats& c) { --c.connections; });
   }
 
+  // Forgets the region (requests naming it are refused from now on), drops its registration, and
+  // gives its pages back to the system, so whoever gets the range next reads zeros, never the
+  // last client's KV.
   void free_region(uint64_t id) {
-    auto it = region_offset.find(id);
-    if (it == region_offset.end()) return;
-    (void)allocator.free(it->second);
-    region_offset.erase(it);
+    Region gone;
+    {
+      std::lock_guard lock(ucx_mu);
+      auto it = regions.find(id);
+      if (it == regions.end()) return;
+      gone = std::move(it->second);
+      regions.erase(it);
+      gone.memory.reset();
+    }
+    // Offsets and sizes are whole pages (the allocator's alignment).
+    if (madvise(static_cast<uint8_t*>(pool.base) + gone.offset, gone.bytes, MADV_DONTNEED) != 0) {
+      std::memset(static_cast<uint8_t*>(pool.base) + gone.offset, 0, gone.bytes);
+    }
+    (void)allocator.free(gone.offset);
     const uint64_t used = allocator.used_bytes();
     bump([used](KvNodeStats& c) {
       --c.regions;
@@ -302,6 +336,12 @@ class KvNode::Impl {
     nlohmann::json out = {{"ok", true}};
     switch (req->op) {
       case ControlOp::kHello:
+        if (req->version != 0 && req->version != kControlVersion) {
+          return control_error_line(invalid_argument(
+              "control request: field 'version': the client speaks control protocol " +
+              std::to_string(req->version) + ", this node " + std::to_string(kControlVersion)));
+        }
+        out["version"] = kControlVersion;
         out["node"] = name;
         out["capacity"] = options.capacity;
         out["free"] = allocator.free_bytes();
@@ -310,8 +350,26 @@ class KvNode::Impl {
       case ControlOp::kAlloc: {
         auto off = allocator.allocate(req->bytes);
         if (!off.is_ok()) return control_error_line(off.status().with_context("kv node " + name + ": alloc"));
+        Region region{*off, allocator.size_at(*off), 0, nullptr};
+        do region.key = key_source();
+        while (region.key == 0);  // 0 is no key
         const uint64_t id = next_region++;
-        region_offset.emplace(id, *off);
+        std::string rkey_hex;
+        {
+          std::lock_guard lock(ucx_mu);
+          auto memory =
+              transport::UcxMemory::map(*worker, static_cast<uint8_t*>(pool.base) + *off, region.bytes);
+          auto rkey =
+              memory.is_ok() ? (*memory)->packed_rkey() : Result<std::vector<uint8_t>>(memory.status());
+          if (!rkey.is_ok()) {
+            (void)allocator.free(*off);
+            return control_error_line(rkey.status().with_context("kv node " + name + ": alloc"));
+          }
+          rkey_hex = hex_encode(*rkey);
+          region.memory = std::move(*memory);
+          out["key"] = region.key;
+          regions.emplace(id, std::move(region));
+        }
         s.regions.insert(id);
         const uint64_t used = allocator.used_bytes();
         bump([used](KvNodeStats& c) {
@@ -372,8 +430,8 @@ class KvNode::Impl {
       (void)ucp_worker_signal(worker->worker());
       ucx_thread.join();
     }
-    // Memory registration and worker go before the pool's pages.
-    memory.reset();
+    // Memory registrations and worker go before the pool's pages.
+    regions.clear();
     worker.reset();
   }
 };

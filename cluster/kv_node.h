@@ -1,10 +1,15 @@
-// KvNode: a remote KV node. It owns one pool of host memory registered with UCX, hands out
-// regions of it over the control plane (cluster/control_protocol.h, Boost.Asio) and serves the
-// clients' RMA reads and writes into them (UCX progress; the node's CPU does not copy). Run
-// in-process (tests) or as `specontext kv-node` (its own process, what the engine talks to).
+// KvNode: a remote KV node. It owns one pool of host memory, hands out regions of it over the
+// control plane (cluster/control_protocol.h, Boost.Asio), each registered with UCX on its own, and
+// serves the clients' RMA reads and writes into them (UCX progress; the node's CPU does not copy)
+// or their node-side gathers / scatters (the node packs the rows). Clients are kept apart: a
+// gather or scatter must name its region and that region's random key, and stay inside it; an
+// RMA key covers its region alone; a freed region's pages are returned to the system, so the next
+// client over them reads zeros. Run in-process (tests) or as `specontext kv-node`.
 //
 // Threads: the control plane runs on one Asio thread, which alone touches the allocator and the
 // sessions; UCX progress runs on a second thread that blocks on the worker's event fd when idle.
+// One mutex serialises every call into UCX (progress, memory registration) and guards the region
+// table the gather / scatter handlers check.
 // stats() reads counters under a mutex. stop() (and the destructor) closes the listener and every
 // connection, which peers see as a connection reset, then joins both threads.
 #pragma once

@@ -111,6 +111,7 @@ Result<transport::RemoteRegion> KvNodeClient::allocate(uint64_t bytes) {
   region.address = a.address;
   region.bytes = a.bytes;
   region.region = a.region;
+  region.key = a.key;
   return region;
 }
 

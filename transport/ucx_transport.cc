@@ -84,6 +84,8 @@ Status UcxRemoteTransport::connect_replica(size_t index, const RemoteRegion& reg
   Replica& r = replicas_[index];
   r.report.node = region.node;
   r.address = region.address;
+  r.region = region.region;
+  r.key = region.key;
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -150,45 +152,86 @@ Status UcxRemoteTransport::rejoin(size_t index, RemoteRegion region) {
 
 Status UcxRemoteTransport::copy_replica(int source, int target) {
   if (remote_bytes_ == 0) return Status::ok();  // the tier is not registered: nothing written yet
-  constexpr uint64_t kBounceBytes = 4 << 20;
-  std::vector<std::byte> bounce(std::min(kBounceBytes, remote_bytes_));
+  // Two halves of one registered bounce buffer: chunk i+1 is read into one while chunk i is
+  // written from the other, so the copy costs about max(read, write) per chunk, not their sum.
+  constexpr uint64_t kChunkBytes = 4 << 20;
+  const uint64_t chunk = std::min(kChunkBytes, remote_bytes_);
+  std::vector<std::byte> bounce(2 * chunk);
   SPX_ASSIGN_OR_RETURN(auto memory, UcxMemory::map(*worker_, bounce.data(), bounce.size()));
-  for (uint64_t at = 0; at < remote_bytes_; at += bounce.size()) {
-    const uint64_t bytes = std::min<uint64_t>(bounce.size(), remote_bytes_ - at);
-    std::vector<Part> parts{Part{at, bounce.data(), bytes, memory->handle()}};
+  const uint64_t chunks = (remote_bytes_ + chunk - 1) / chunk;
+  auto parts_of = [&](uint64_t i) {
+    const uint64_t at = i * chunk;
+    std::vector<Part> parts{
+        Part{at, bounce.data() + (i % 2) * chunk, std::min(chunk, remote_bytes_ - at), memory->handle()}};
     if (config_.mode == UcxTransferMode::kNodeGather) split_parts(parts);
+    return parts;
+  };
+  auto read_op = [&](uint64_t i) {
     Op read;
-    read.reads = parts;
+    read.reads = parts_of(i);
     read.read.replica = source;  // fails over to another live one (never to the joining target)
-    SPX_RETURN_IF_ERROR_CTX(run_internal(read), "reading the tier from a live replica");
+    return read;
+  };
+  auto write_op = [&](uint64_t i) {
     Op write;
-    write.writes = std::move(parts);
+    write.writes = parts_of(i);
     Leg leg;
     leg.replica = target;
     write.write.push_back(leg);
-    SPX_RETURN_IF_ERROR_CTX(run_internal(write), "writing the tier to the region");
+    return write;
+  };
+  std::vector<Op> first;
+  first.push_back(read_op(0));
+  SPX_RETURN_IF_ERROR_CTX(run_internal(std::move(first)), "reading the tier from a live replica");
+  for (uint64_t i = 0; i < chunks; ++i) {
+    std::vector<Op> ops;
+    ops.push_back(write_op(i));
+    if (i + 1 < chunks && config_.rejoin_overlap) ops.push_back(read_op(i + 1));
+    SPX_RETURN_IF_ERROR_CTX(run_internal(std::move(ops)),
+                            "copying the tier from a live replica to the region");
+    if (i + 1 < chunks && !config_.rejoin_overlap) {
+      std::vector<Op> next;
+      next.push_back(read_op(i + 1));
+      SPX_RETURN_IF_ERROR_CTX(run_internal(std::move(next)), "reading the tier from a live replica");
+    }
   }
   return Status::ok();
 }
 
-Status UcxRemoteTransport::run_internal(Op& built) {
-  const uint64_t id = next_id_++;
-  built.id = id;
-  built.state = State::kRunning;
-  Op& op = ops_.emplace(id, std::move(built)).first->second;  // replies find it by id
-  if (!op.reads.empty()) (void)start_leg(op, -1);
-  for (size_t i = 0; i < op.write.size(); ++i) (void)start_leg(op, static_cast<int>(i));
-  while (op.state == State::kRunning) advance(op);
-  Status result = op.state == State::kDone ? Status::ok() : op.error;
-  if (op.state != State::kDone && !op.write.empty() && !op.write[0].ok && op.read.refused.empty() &&
-      op.write[0].refused.empty()) {
-    const Replica& r = replicas_[static_cast<size_t>(op.write[0].replica)];
-    result =
-        unavailable("node " + r.report.node + ": " + (r.report.error.empty() ? "failed" : r.report.error));
+Status UcxRemoteTransport::run_internal(std::vector<Op> built) {
+  std::vector<uint64_t> ids;
+  for (Op& b : built) {
+    const uint64_t id = next_id_++;
+    b.id = id;
+    b.state = State::kRunning;
+    Op& op = ops_.emplace(id, std::move(b)).first->second;  // replies find it by id
+    ids.push_back(id);
+    if (!op.reads.empty()) (void)start_leg(op, -1);
+    for (size_t i = 0; i < op.write.size(); ++i) (void)start_leg(op, static_cast<int>(i));
   }
-  drain(op);
-  forget_chunks(id, -2);
-  ops_.erase(id);
+  for (bool running = true; running;) {
+    running = false;
+    for (uint64_t id : ids) {
+      Op& op = ops_.at(id);
+      advance(op);
+      running |= op.state == State::kRunning;
+    }
+  }
+  Status result = Status::ok();
+  for (uint64_t id : ids) {
+    Op& op = ops_.at(id);
+    if (result.is_ok() && op.state != State::kDone) {
+      result = op.error;
+      if (!op.write.empty() && !op.write[0].ok && op.read.refused.empty() && op.write[0].refused.empty()) {
+        const Replica& r = replicas_[static_cast<size_t>(op.write[0].replica)];
+        result = unavailable("node " + r.report.node + ": " +
+                             (r.report.error.empty() ? "failed" : r.report.error));
+      }
+    }
+    drain(op);
+    forget_chunks(id, -2);
+    ops_.erase(id);
+  }
   return result;
 }
 
@@ -488,7 +531,7 @@ bool UcxRemoteTransport::start_chunks(Op& op, int leg_index) {
         this, std::vector<uint8_t>(sizeof(ucx_wire::RequestHeader) + ranges.size() * sizeof(ucx_wire::Range) +
                                    (reading ? 0 : bytes))};
     std::vector<uint8_t>* buf = &sb->bytes;
-    ucx_wire::RequestHeader hdr{token, static_cast<uint32_t>(ranges.size()), 0};
+    const ucx_wire::RequestHeader hdr{token, static_cast<uint32_t>(ranges.size()), 0, r.region, r.key};
     std::memcpy(buf->data(), &hdr, sizeof hdr);
     uint8_t* at = buf->data() + sizeof hdr;
     std::memcpy(at, ranges.data(), ranges.size() * sizeof(ucx_wire::Range));

@@ -43,10 +43,11 @@ namespace specontext::transport {
 struct RemoteRegion {
   std::string node;                     // "host:port", for messages
   std::vector<uint8_t> worker_address;  // the node's UCX worker
-  std::vector<uint8_t> rkey;            // packed remote key of the node's pool
+  std::vector<uint8_t> rkey;            // packed remote key of the region (RMA)
   uint64_t address = 0;                 // remote virtual address of the region's first byte
   uint64_t bytes = 0;
-  uint64_t region = 0;  // the node's id for it (control plane "free")
+  uint64_t region = 0;  // the node's id for it (control plane "free"; named by node-side gathers)
+  uint64_t key = 0;     // its key, sent with every node-side gather / scatter
 };
 
 // kRma: one-sided get/put per merged row range (the right choice on RDMA NICs). kNodeGather: one
@@ -59,12 +60,15 @@ struct UcxRemoteConfig {
   std::vector<RemoteRegion> replicas;          // 1..kMaxReplicas copies of the tier, each >= its size
   std::chrono::milliseconds op_timeout{5000};  // a replica silent this long is declared dead
   UcxTransferMode mode = UcxTransferMode::kRma;
+  // rejoin reads the next chunk while it writes the last; false copies one chunk at a time (for
+  // benchmarks that measure what the overlap gives).
+  bool rejoin_overlap = true;
 };
 
 struct ReplicaReport {
   std::string node;
   bool alive = true;
-  std::string error;  // why it was declared dead
+  std::string error;            // why it was declared dead
   uint64_t bytes_read = 0;      // including what rejoin() copied from it
   uint64_t bytes_written = 0;   // including what rejoin() copied to it
   int64_t rejoins = 0;          // times it came back (rejoin)
@@ -114,6 +118,8 @@ class UcxRemoteTransport final : public Transport {
     ucp_ep_h ep = nullptr;
     ucp_rkey_h rkey = nullptr;
     uint64_t address = 0;
+    uint64_t region = 0;  // the node's id and key of the region (kNodeGather requests name them)
+    uint64_t key = 0;
     bool joining = false;  // alive, being filled by rejoin: takes no reads and no transfers' writes
     bool serves() const { return report.alive && !joining; }  // reads and transfers' writes go to it
   };
@@ -161,10 +167,12 @@ class UcxRemoteTransport final : public Transport {
   // Endpoint and remote key of `region` for replica `index` (still marked dead). Requires mu_.
   Status connect_replica(size_t index, const RemoteRegion& region);
   // rejoin's copy of the tier from replica `source` to `target`, through a registered bounce
-  // buffer. Requires mu_ and no transfer in flight.
+  // buffer in two halves (the next chunk is read while the last is written). Requires mu_ and
+  // no transfer in flight.
   Status copy_replica(int source, int target);
-  // Runs a transfer built by copy_replica to its end (bounded by op_timeout per leg).
-  Status run_internal(Op& op);
+  // Runs transfers built by copy_replica together to their end (bounded by op_timeout per leg);
+  // the first failure.
+  Status run_internal(std::vector<Op> ops);
   static void coalesce(std::vector<Part>& parts);
   static void split_parts(std::vector<Part>& parts);
   Op* find(const TransferHandle& handle);  // requires mu_

@@ -2,7 +2,8 @@
 // messages between UcxRemoteTransport and a KV node (cluster/kv_node.cc). A request lists the
 // node-memory ranges (remote virtual addresses, as in RMA); a gather's reply carries the rows
 // packed in list order, a scatter's request carries them after the list and its reply only the
-// status. One request moves at most kMaxChunkBytes of rows and kMaxChunkRanges ranges (always
+// status. Every range must lie inside the region the header names. One request moves at most
+// kMaxChunkBytes of rows and kMaxChunkRanges ranges (always
 // eager, so each message arrives whole in one callback).
 #pragma once
 
@@ -25,10 +26,13 @@ struct RequestHeader {
   uint64_t token = 0;  // echoed in the reply
   uint32_t ranges = 0;
   uint32_t reserved = 0;
+  uint64_t region = 0;  // the node's id of the caller's region (control plane "alloc")
+  uint64_t key = 0;     // that region's key: requests without it are refused (UCS_ERR_REJECTED)
 };
 struct ReplyHeader {
   uint64_t token = 0;
-  int32_t status = 0;  // ucs_status_t: UCS_OK, or why the node refused (a range outside its pool)
+  int32_t status =
+      0;  // ucs_status_t: UCS_OK, or why the node refused (not the caller's region, a range outside it)
   uint32_t reserved = 0;
 };
 

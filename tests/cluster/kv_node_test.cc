@@ -139,6 +139,8 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
       {R"({"op":"alloc","bytes":0})", "'bytes' must be a positive integer"},
       {R"({"op":"alloc","bytes":"12"})", "'bytes'"},
       {R"({"op":"free","region":99})", "'region'"},
+      {R"({"op":"hello","version":"2"})", "'version'"},
+      {R"({"op":"hello","version":1})", "control protocol 1, this node 2"},
   };
   for (const auto& [line, expect] : cases) {
     auto r = c->call_line(line);
@@ -146,8 +148,28 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
     EXPECT_NE(r.status().message().find(expect), std::string::npos)
         << line << " -> " << r.status().to_string();
   }
-  EXPECT_EQ(node->stats().bad_requests, 8);
+  EXPECT_EQ(node->stats().bad_requests, 9);
   EXPECT_TRUE(c->allocate(4096).is_ok());  // still usable
+}
+
+TEST(KvNodeControl, AClientRefusesANodeOfAnotherProtocolVersion) {
+  // A release-1 node answers hello without a version; its regions have no keys.
+  const auto old =
+      nlohmann::json::parse(R"({"ok":true,"node":"n:1","capacity":10,"free":10,"worker_address":"0a"})");
+  auto h = parse_hello_reply(old, "n:1");
+  ASSERT_FALSE(h.is_ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 2"),
+            std::string::npos)
+      << h.status().to_string();
+  auto current = nlohmann::json::parse(old.dump());
+  current["version"] = kControlVersion;
+  EXPECT_TRUE(parse_hello_reply(current, "n:1").is_ok());
+  const auto keyless =
+      nlohmann::json::parse(R"({"ok":true,"region":1,"address":4096,"bytes":4096,"rkey":"ff"})");
+  auto a = parse_alloc_reply(keyless, "n:1");
+  ASSERT_FALSE(a.is_ok());
+  EXPECT_NE(a.status().message().find("'key'"), std::string::npos) << a.status().to_string();
 }
 
 TEST(KvNodeControl, OverlongLineClosesTheConnectionOthersStayServed) {
@@ -418,6 +440,100 @@ TEST(UcxNodeGather, ANodeRefusesRangesOutsideItsPoolWithoutCrashing) {
   // The node still serves a correct client.
   Rig rig = make_rig(UcxTransferMode::kNodeGather, {node.get()}, 65536, 65536);
   EXPECT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
+}
+
+// Two clients of one node: the second, knowing the first's address, region id or neither, cannot
+// read or write the first's region through the node-side gather / scatter.
+TEST(UcxNodeGather, AClientReachesOnlyItsOwnRegion) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  auto owner = connect(*node);
+  auto other = connect(*node);
+  ASSERT_TRUE(owner && other);
+  constexpr uint64_t kBytes = 65536;
+  const RemoteRegion mine = *owner->allocate(kBytes);
+  const RemoteRegion theirs = *other->allocate(kBytes);
+  ASSERT_NE(mine.key, theirs.key);
+  std::vector<uint8_t> secret = pattern(kBytes, 11);
+  auto t = UcxRemoteTransport::create({kRemote, {mine}, 3000ms, UcxTransferMode::kNodeGather});
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, secret.data(), kBytes).is_ok());
+  ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
+  ASSERT_TRUE(transfer(**t, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+
+  struct Forged {
+    const char* what;
+    RemoteRegion region;
+    uint64_t offset;  // where in the forged region the 4 KiB read and write start
+  };
+  std::vector<Forged> forged;
+  forged.push_back({"its own region id and key, the owner's address", theirs, 0});
+  forged.back().region.address = mine.address;
+  forged.push_back({"the owner's region id with its own key", theirs, 0});
+  forged.back().region.region = mine.region;
+  forged.push_back({"the owner's region id and address with a guessed key", mine, 0});
+  forged.back().region.key ^= 1;
+  forged.push_back({"a range running past the end of its own region", theirs, kBytes - 2048});
+  forged.back().region.bytes = 2 * kBytes;
+  int64_t refusals = 0;
+  for (const Forged& f : forged) {
+    SCOPED_TRACE(f.what);
+    auto spy = UcxRemoteTransport::create({kRemote, {f.region}, 3000ms, UcxTransferMode::kNodeGather});
+    ASSERT_TRUE(spy.is_ok()) << spy.status().to_string();
+    std::vector<uint8_t> host(4096, 0x5a);
+    ASSERT_TRUE((*spy)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
+    ASSERT_TRUE((*spy)->register_tier(kRemote, MemoryKind::kRemote, nullptr, f.region.bytes).is_ok());
+    for (const TransferRequest& r : {TransferRequest{kRemote, f.offset, kLocal, 0, 4096},
+                                     TransferRequest{kLocal, 0, kRemote, f.offset, 4096}}) {
+      Status s = transfer(**spy, {r});
+      EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.to_string();
+      EXPECT_NE(s.message().find("refused"), std::string::npos) << s.to_string();
+      ++refusals;
+    }
+    EXPECT_EQ(host, std::vector<uint8_t>(4096, 0x5a));  // nothing of the owner's came back
+    EXPECT_TRUE((*spy)->replicas()[0].alive);
+  }
+  EXPECT_EQ(node->stats().bad_requests, refusals);
+  // The owner's bytes are untouched, and the other client's own region still works.
+  std::vector<uint8_t> back(kBytes, 0);
+  ASSERT_TRUE((*t)->register_tier(TierId(3), MemoryKind::kHost, back.data(), kBytes).is_ok());
+  ASSERT_TRUE(transfer(**t, {{kRemote, 0, TierId(3), 0, kBytes}}).is_ok());
+  EXPECT_EQ(back, secret);
+  auto own = UcxRemoteTransport::create({kRemote, {theirs}, 3000ms, UcxTransferMode::kNodeGather});
+  ASSERT_TRUE(own.is_ok());
+  std::vector<uint8_t> host(4096, 1);
+  ASSERT_TRUE((*own)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
+  ASSERT_TRUE((*own)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
+  EXPECT_TRUE(transfer(**own, {{kLocal, 0, kRemote, 0, 4096}}).is_ok());
+}
+
+// A region is freed when its client goes; the next client given the same range reads zeros.
+TEST_P(UcxTransport, ARegionFreedAndGivenAgainReadsZerosNotTheLastClientsBytes) {
+  auto node = start_node(1 << 20);
+  ASSERT_NE(node, nullptr);
+  constexpr uint64_t kBytes = 256 << 10;
+  uint64_t first_address = 0;
+  {
+    Rig rig = make_rig(GetParam(), {node.get()}, kBytes, kBytes);
+    const auto bytes = pattern(kBytes, 5);
+    std::memcpy(rig.local.data(), bytes.data(), kBytes);
+    ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+    auto probe = rig.clients[0]->allocate(4096);  // where the allocator starts: right after the tier
+    ASSERT_TRUE(probe.is_ok());
+    first_address = probe->address - kBytes;
+  }
+  for (int i = 0; i < 200 && node->stats().regions != 0; ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(node->stats().regions, 0);
+  auto c = connect(*node);
+  const RemoteRegion again = *c->allocate(kBytes);
+  ASSERT_EQ(again.address, first_address);  // first fit: the same range
+  auto t = UcxRemoteTransport::create({kRemote, {again}, 3000ms, GetParam()});
+  ASSERT_TRUE(t.is_ok());
+  std::vector<uint8_t> host(kBytes, 0x77);
+  ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, host.data(), kBytes).is_ok());
+  ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
+  ASSERT_TRUE(transfer(**t, {{kRemote, 0, kLocal, 0, kBytes}}).is_ok());
+  EXPECT_EQ(host, std::vector<uint8_t>(kBytes, 0));
 }
 
 TEST_P(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {

@@ -39,6 +39,15 @@ void register_serve(CLI::App& app, ServeArgs& a) {
   cmd->add_option("--drain-seconds", a.drain_seconds,
                   "on SIGTERM, how long accepted requests may take to finish")
       ->check(CLI::NonNegativeNumber);
+  // As vLLM's --api-key / VLLM_API_KEY; the variable keeps the key out of `ps`.
+  cmd->add_option("--api-key", a.api_keys,
+                  "a key clients must send as 'Authorization: Bearer KEY' on /v1/ (repeatable: any of "
+                  "them; /health and /metrics stay open)")
+      ->envname("SPECONTEXT_API_KEY");
+  cmd->add_option("--max-connections", a.max_connections,
+                  "connections served at once; one more is answered 503 and closed (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
 }
 
 int run_serve(const ServeArgs& a) {
@@ -48,6 +57,10 @@ int run_serve(const ServeArgs& a) {
   };
   auto ep = cluster::parse_endpoint(a.listen, /*allow_any_port=*/true);
   if (!ep.is_ok()) return fail(ep.status().with_context("--listen"));
+  // Before the model loads: an empty key would make the empty Bearer token valid.
+  if (std::ranges::any_of(a.api_keys, [](const std::string& k) { return k.empty(); })) {
+    return fail(invalid_argument("--api-key: a key must not be empty"));
+  }
   auto loaded = load_model_and_tokenizer(a.engine);
   if (!loaded.is_ok()) return fail(loaded.status());
   if (!loaded->tokenizer) {
@@ -82,6 +95,8 @@ int run_serve(const ServeArgs& a) {
   o.chat_template = chat_template_for(*loaded->model, *loaded->tokenizer);
   o.stop_ids = generation_stop_ids(*loaded->tokenizer);
   o.max_waiting = static_cast<size_t>(a.max_waiting);
+  o.api_keys = a.api_keys;
+  o.max_connections = static_cast<size_t>(a.max_connections);
   o.scheduling.prefill_chunk = a.engine.prefill_chunk;
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
   o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
@@ -107,7 +122,9 @@ int run_serve(const ServeArgs& a) {
                               {"sparse", bundle->method_name},
                               {"chat", o.chat_template != ChatTemplate::kNone},
                               {"admission", a.engine.admission},
-                              {"prefix_caching", a.engine.prefix_caching}}
+                              {"prefix_caching", a.engine.prefix_caching},
+                              {"api_key_required", !o.api_keys.empty()},
+                              {"max_connections", a.max_connections}}
                    .dump()
             << std::endl;
   int sig = 0;
@@ -121,6 +138,8 @@ int run_serve(const ServeArgs& a) {
                               {"rejected", c.rejected},
                               {"cancelled", c.cancelled},
                               {"failed", c.failed},
+                              {"unauthorized", c.unauthorized},
+                              {"connections_refused", c.connections_refused},
                               {"prompt_tokens", c.prompt_tokens},
                               {"generated_tokens", c.generated_tokens},
                               {"max_batch_sequences", c.max_batch_sequences},

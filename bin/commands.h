@@ -117,6 +117,8 @@ struct ServeArgs {
   int64_t max_batch_tokens = 2048;
   int64_t max_waiting = 256;
   double drain_seconds = 30;
+  std::vector<std::string> api_keys;  // --api-key (repeatable), else SPECONTEXT_API_KEY
+  int64_t max_connections = 1024;     // 0 = no limit
 };
 void register_serve(CLI::App& app, ServeArgs& args);
 int run_serve(const ServeArgs& args);

@@ -3,9 +3,11 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
+#include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -13,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
@@ -78,6 +81,30 @@ std::string error_for_status(const Status& s) {
   return std::string(status_code_name(s.code())) + ": " + s.message();
 }
 
+// Equal without an early exit: the time depends on the given token's length only, not on where
+// (or whether) it differs from the key, so a client cannot find a key byte by byte by timing.
+bool constant_time_equal(std::string_view given, std::string_view key) {
+  uint8_t diff = given.size() == key.size() ? 0 : 1;
+  for (size_t i = 0; i < given.size(); ++i) {
+    const auto k = key.empty() ? uint8_t{0} : static_cast<uint8_t>(key[i % key.size()]);
+    diff |= static_cast<uint8_t>(static_cast<uint8_t>(given[i]) ^ k);
+  }
+  return diff == 0;
+}
+
+// The token of "Authorization: Bearer <token>" (the scheme is case-insensitive, RFC 7235), or
+// nothing when the header is absent or of another scheme.
+std::optional<std::string_view> bearer_token(std::string_view authorization) {
+  constexpr std::string_view kScheme = "bearer";
+  if (authorization.size() <= kScheme.size() || authorization[kScheme.size()] != ' ') return std::nullopt;
+  for (size_t i = 0; i < kScheme.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(authorization[i])) != kScheme[i]) return std::nullopt;
+  }
+  std::string_view token = authorization.substr(kScheme.size());
+  token.remove_prefix(std::min(token.find_first_not_of(' '), token.size()));
+  return token;
+}
+
 }  // namespace
 
 struct OpenAiServer::Impl {
@@ -105,7 +132,8 @@ struct OpenAiServer::Impl {
   std::once_flag stopped;
 
   // Counters (ServerCounters), written where the event happens.
-  std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0};
+  std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0}, unauthorized{0};
+  std::atomic<int64_t> open_connections{0}, connections_refused{0};  // written by the Asio thread
   std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
       preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0},
       lost_tiers{0}, lost_tier_requeues{0};
@@ -121,6 +149,10 @@ struct OpenAiServer::Impl {
   // ---- Asio thread ----
   asio::awaitable<void> accept_loop();
   asio::awaitable<void> session(tcp::socket socket);
+  // Past max_connections: a 503 naming the limit, then the connection is closed.
+  asio::awaitable<void> refuse_connection(tcp::socket socket);
+  // True when no keys are set, or the request's Bearer token is one of them.
+  bool authorized(const Request& req) const;
   asio::awaitable<bool> handle(std::shared_ptr<Conn> conn, Request& req);
   asio::awaitable<bool> generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind);
   asio::awaitable<bool> reply(Conn& conn, const Request& req, http::status status, std::string body,
@@ -254,6 +286,14 @@ asio::awaitable<void> OpenAiServer::Impl::accept_loop() {
       if (!acceptor.is_open()) co_return;
       continue;  // e.g. too many open files: the next accept may succeed
     }
+    const bool at_limit = options.max_connections > 0 &&
+                          open_connections.load() >= static_cast<int64_t>(options.max_connections);
+    if (at_limit) {
+      ++connections_refused;
+      asio::co_spawn(ioc, refuse_connection(std::move(socket)), asio::detached);
+      continue;
+    }
+    ++open_connections;  // counted here, not in the session, so that the next accept sees it
     asio::co_spawn(ioc, session(std::move(socket)), [](std::exception_ptr e) {
       if (!e) return;
       try {
@@ -265,7 +305,43 @@ asio::awaitable<void> OpenAiServer::Impl::accept_loop() {
   }
 }
 
+asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket) {
+  Conn conn(std::move(socket));
+  Request req;
+  req.version(11);
+  req.keep_alive(false);
+  const ApiError error{503, "server_error",
+                       "server at its connection limit (" + std::to_string(options.max_connections) +
+                           " connections are open); retry later",
+                       "", ""};
+  // One second for all of it: a refused client must not hold a socket for long.
+  conn.stream.expires_after(std::chrono::seconds(1));
+  if (!co_await reply_error(conn, req, error)) co_return;
+  beast::error_code ec;
+  conn.stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  // Read (and drop) what the client sent until it closes: closing with its request unread would
+  // reset the connection, and the reset can discard the answer before the client reads it.
+  std::array<char, 4096> sink{};
+  while (!ec) co_await conn.stream.async_read_some(asio::buffer(sink), asio::redirect_error(kAwait, ec));
+}
+
+bool OpenAiServer::Impl::authorized(const Request& req) const {
+  if (options.api_keys.empty()) return true;
+  const auto header = req.find(http::field::authorization);
+  if (header == req.end()) return false;
+  const beast::string_view value = header->value();
+  const std::optional<std::string_view> token = bearer_token(std::string_view(value.data(), value.size()));
+  if (!token) return false;
+  bool match = false;
+  for (const std::string& key : options.api_keys) match |= constant_time_equal(*token, key);  // no early exit
+  return match;
+}
+
 asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
+  struct OpenConnection {
+    std::atomic<int64_t>& count;
+    ~OpenConnection() { --count; }
+  } open{open_connections};  // taken by accept_loop
   auto conn = std::make_shared<Conn>(std::move(socket));
   beast::flat_buffer buffer;
   for (;;) {
@@ -309,6 +385,7 @@ asio::awaitable<bool> OpenAiServer::Impl::reply(Conn& conn, const Request& req, 
   res.set(http::field::server, "specontext");
   res.set(http::field::content_type, beast::string_view(content_type.data(), content_type.size()));
   if (status == http::status::service_unavailable) res.set(http::field::retry_after, "1");
+  if (status == http::status::unauthorized) res.set(http::field::www_authenticate, "Bearer");
   res.keep_alive(req.keep_alive());
   res.body() = std::move(body);
   res.prepare_payload();
@@ -327,6 +404,17 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
   const std::string path = target.substr(0, target.find('?'));
   const bool get = req.method() == http::verb::get;
   const bool post = req.method() == http::verb::post;
+  if (path.starts_with("/v1/") && !authorized(req)) {  // /health and /metrics stay open, as vLLM
+    ++unauthorized;
+    const bool has_header = req.find(http::field::authorization) != req.end();
+    // OpenAI's answer to a missing or wrong key.
+    const ApiError error{401, "invalid_request_error",
+                         has_header ? "incorrect API key provided (send 'Authorization: Bearer <key>' "
+                                      "with a key the server was started with)"
+                                    : "no API key provided: send 'Authorization: Bearer <key>'",
+                         "", "invalid_api_key"};
+    co_return co_await reply_error(*conn, req, error);
+  }
   auto wrong_method = [&](std::string_view allowed) -> ApiError {
     return {405, "invalid_request_error",
             "method " + std::string(req.method_string()) + " is not allowed on " + path + " (use " +
@@ -785,7 +873,13 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_requests_accepted_total", "counter", "generation requests queued", accepted);
   metric("specontext_requests_completed_total", "counter", "requests answered with a finish_reason",
          completed);
-  metric("specontext_requests_rejected_total", "counter", "requests answered with a 4xx/503 error", rejected);
+  metric("specontext_requests_rejected_total", "counter",
+         "requests answered with a 4xx/503 error, except 401s", rejected);
+  metric("specontext_unauthorized_requests_total", "counter", "/v1/ requests without a valid API key (401)",
+         unauthorized);
+  metric("specontext_open_connections", "gauge", "client connections open", open_connections);
+  metric("specontext_connections_refused_total", "counter",
+         "connections refused at the connection limit (503)", connections_refused);
   metric("specontext_requests_cancelled_total", "counter", "requests whose client went away", cancelled);
   metric("specontext_requests_failed_total", "counter", "requests whose batch failed in the engine (500)",
          failed);
@@ -813,6 +907,9 @@ OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 
 Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const Tokenizer& tokenizer,
                                                           const ServerOptions& options) {
+  for (const std::string& key : options.api_keys) {
+    if (key.empty()) return invalid_argument("serve: an API key must not be empty");
+  }
   auto impl = std::make_unique<Impl>(engine, tokenizer, options);
   beast::error_code ec;
   const auto address = asio::ip::make_address(options.host, ec);
@@ -887,6 +984,9 @@ ServerCounters OpenAiServer::counters() const {
   c.rejected = s.rejected;
   c.cancelled = s.cancelled;
   c.failed = s.failed;
+  c.unauthorized = s.unauthorized;
+  c.connections_refused = s.connections_refused;
+  c.open_connections = s.open_connections;
   c.prompt_tokens = s.prompt_tokens;
   c.generated_tokens = s.generated_tokens;
   c.running = s.running;

@@ -7,6 +7,9 @@
 // and per-request event lists; the engine thread wakes a request's coroutine by posting to the
 // Asio thread. A client that disconnects has its request cancelled (its sequence freed) at the
 // next step; a stop string cancels the request the same way.
+// Access: with API keys set, every /v1/ request needs "Authorization: Bearer <key>" (401
+// otherwise; /health and /metrics stay open, as vLLM). Past max_connections open connections a
+// new one is answered 503 and closed rather than left waiting.
 #pragma once
 
 #include <chrono>
@@ -31,6 +34,11 @@ struct ServerOptions {
   size_t max_waiting = 256;          // requests queued behind the running ones; more get 503
   size_t max_body_bytes = 4u << 20;  // larger bodies get 413
   std::chrono::milliseconds idle_timeout{60000};  // an idle keep-alive connection is closed after this
+  // Accepted keys (vLLM's --api-key); empty = no authentication. A key may not be empty.
+  std::vector<std::string> api_keys;
+  // Connections served at once (0 = no limit); one more is answered 503 with Retry-After and
+  // closed, so that a client gets an answer instead of waiting on a listen backlog.
+  size_t max_connections = 1024;
   // Preempting admission, as vLLM: requests without max_tokens (up to the context) would
   // otherwise each reserve a whole context and run few at a time.
   GeneratorOptions scheduling = [] {
@@ -45,7 +53,8 @@ struct ServerOptions {
 struct ServerCounters {
   int64_t accepted = 0;       // generation requests queued
   int64_t completed = 0;      // answered with a finish_reason
-  int64_t rejected = 0;       // answered 4xx/5xx before or instead of generating
+  int64_t rejected = 0;       // answered 4xx/5xx before or instead of generating; not the 401s
+  int64_t unauthorized = 0;   // /v1/ requests without a valid API key (answered 401)
   int64_t cancelled = 0;      // the client went away, or a stop string ended the request
   int64_t failed = 0;         // the engine failed their batch (answered 500)
   int64_t prompt_tokens = 0;  // prefilled
@@ -60,12 +69,16 @@ struct ServerCounters {
   int64_t prefix_cache_evictions = 0;  // cached sequences dropped for room
   int64_t cached_sequences = 0;        // finished requests' sequences held for prefix caching (now)
   int64_t kv_bytes_in_use = 0;
+  // Connections: refused past max_connections (answered 503 and closed), and open now.
+  int64_t connections_refused = 0;
+  int64_t open_connections = 0;
 };
 
 class OpenAiServer {
  public:
   // Binds, listens and starts both threads. `engine` and `tokenizer` must outlive the server;
-  // until stop() only the server's engine thread may use the engine.
+  // until stop() only the server's engine thread may use the engine. An empty API key is
+  // InvalidArgument (it would make the empty Bearer token valid).
   static Result<std::unique_ptr<OpenAiServer>> start(Engine& engine, const Tokenizer& tokenizer,
                                                      const ServerOptions& options);
   ~OpenAiServer();  // stop() with no drain time

@@ -1,7 +1,8 @@
 // The OpenAI-compatible server in-process over stories260K: answers equal the Generator's,
 // streaming chunks add up to the whole answer, concurrent requests are batched and each gets the
 // tokens it gets alone, stop strings and disconnects end requests and free their sequences, bad
-// requests get OpenAI error objects naming the field, a full queue gets 503, stop() drains.
+// requests get OpenAI error objects naming the field, a full queue gets 503, stop() drains, API
+// keys guard /v1/ (401), connections past the limit get 503 and are closed.
 #include <gtest/gtest.h>
 
 #include <boost/asio.hpp>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "cluster/openai_server.h"
@@ -97,12 +99,20 @@ struct Reply {
   int status = 0;
   std::string body;
   std::string content_type;
+  std::string retry_after;
+  std::string www_authenticate;
   json j() const { return json::parse(body, nullptr, false); }
 };
 
-// One request on a fresh connection, or on `socket` when given (keep-alive).
+Reply reply_of(const http::response<http::string_body>& res) {
+  return {static_cast<int>(res.result_int()), res.body(), std::string(res[http::field::content_type]),
+          std::string(res[http::field::retry_after]), std::string(res[http::field::www_authenticate])};
+}
+
+// One request on a fresh connection, or on `socket` when given (keep-alive); `authorization`:
+// the Authorization header's value (none when empty).
 Reply send(uint16_t port, http::verb verb, const std::string& target, const std::string& body = "",
-           tcp::socket* socket = nullptr) {
+           tcp::socket* socket = nullptr, const std::string& authorization = "") {
   asio::io_context ioc;
   tcp::socket own(ioc);
   tcp::socket& s = socket ? *socket : own;
@@ -110,6 +120,7 @@ Reply send(uint16_t port, http::verb verb, const std::string& target, const std:
   http::request<http::string_body> req{verb, target, 11};
   req.set(http::field::host, "127.0.0.1");
   req.set(http::field::content_type, "application/json");
+  if (!authorization.empty()) req.set(http::field::authorization, authorization);
   req.body() = body;
   req.prepare_payload();
   http::write(s, req);
@@ -118,7 +129,7 @@ Reply send(uint16_t port, http::verb verb, const std::string& target, const std:
   beast::error_code ec;
   http::read(s, buf, res, ec);
   EXPECT_FALSE(ec) << ec.message();
-  return {static_cast<int>(res.result_int()), res.body(), std::string(res[http::field::content_type])};
+  return reply_of(res);
 }
 
 Reply post(uint16_t port, const std::string& target, const json& body) {
@@ -1007,6 +1018,130 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
   ASSERT_EQ(after.status, 200);
   EXPECT_GE(cached_of(after), 16) << "from the stopped request's cache";
   EXPECT_EQ(after.j()["choices"][0]["text"], generator_text(next, 10));
+}
+
+TEST(OpenAiServer, ApiKeysGuardEveryV1RouteAndLeaveHealthAndMetricsOpen) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.api_keys = {"key-one", "key-two"};
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const std::string completion = R"({"prompt":"Once","max_tokens":3})";
+  asio::io_context ioc;
+  tcp::socket keep(ioc);
+  keep.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  // Absent, another scheme, a prefix of a key, a key with more after it, a wrong case, empty.
+  const std::vector<std::string> refused = {
+      "",       "Basic key-one", "Bearer key-on", "Bearer key-one2", "Bearer KEY-ONE", "Bearer wrong",
+      "Bearer", "key-one"};
+  int64_t unauthorized = 0;
+  for (const std::string& authorization : refused) {
+    SCOPED_TRACE("Authorization: " + authorization);
+    for (auto [verb, target] : {std::pair{http::verb::post, "/v1/completions"},
+                                {http::verb::post, "/v1/chat/completions"},
+                                {http::verb::get, "/v1/models"}}) {
+      SCOPED_TRACE(target);
+      Reply r = send(port, verb, target, verb == http::verb::post ? completion : "", &keep, authorization);
+      ++unauthorized;
+      EXPECT_EQ(r.status, 401) << r.body;
+      EXPECT_EQ(r.www_authenticate, "Bearer");
+      const json j = r.j();
+      ASSERT_TRUE(j.contains("error")) << r.body;
+      EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+      EXPECT_EQ(j["error"]["code"], "invalid_api_key");
+      EXPECT_TRUE(j["error"]["param"].is_null());
+      EXPECT_NE(j["error"]["message"].get<std::string>().find("API key"), std::string::npos) << r.body;
+      EXPECT_EQ(r.body.find("key-one"), std::string::npos) << "no key is echoed";
+    }
+  }
+  EXPECT_EQ((*server)->counters().accepted, 0) << "nothing unauthorized reached the engine";
+  // Either key works, on the connection that was refused before; the scheme is case-insensitive.
+  Reply ok = send(port, http::verb::post, "/v1/completions", completion, &keep, "Bearer key-one");
+  ASSERT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(ok.j()["usage"]["completion_tokens"], 3);
+  EXPECT_FALSE(ok.j()["choices"][0]["text"].get<std::string>().empty());
+  Reply models = send(port, http::verb::get, "/v1/models", "", nullptr, "bearer key-two");
+  ASSERT_EQ(models.status, 200) << models.body;
+  EXPECT_EQ(models.j()["data"][0]["id"], "stories");
+  // Open without a key, as vLLM; routes outside /v1/ are not guarded (404 as before).
+  EXPECT_EQ(send(port, http::verb::get, "/health").status, 200);
+  EXPECT_EQ(send(port, http::verb::get, "/v2/nothing").status, 404);
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  ASSERT_EQ(metrics.status, 200);
+  EXPECT_NE(metrics.body.find("specontext_unauthorized_requests_total " + std::to_string(unauthorized)),
+            std::string::npos)
+      << metrics.body;
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.unauthorized, unauthorized);
+  EXPECT_EQ(c.rejected, 1) << "only the 404: 401s are counted apart";
+  EXPECT_EQ(c.accepted, 1);
+  EXPECT_EQ(c.completed, 1);
+
+  // An empty key would let the empty token in.
+  ServerOptions empty = options_for(*f.tokenizer);
+  empty.api_keys = {"fine", ""};
+  auto refused_start = OpenAiServer::start(*f.engine, *f.tokenizer, empty);
+  ASSERT_FALSE(refused_start.is_ok());
+  EXPECT_EQ(refused_start.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(OpenAiServer, ConnectionsPastTheLimitGet503AndAClosedOneMakesRoom) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.max_connections = 2;
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
+  asio::io_context ioc;
+  // Two keep-alive connections, each answered once so that the server has surely taken them.
+  std::optional<tcp::socket> first(std::in_place, ioc);
+  tcp::socket second(ioc);
+  first->connect(where);
+  second.connect(where);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &*first).status, 200);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &second).status, 200);
+  EXPECT_EQ((*server)->counters().open_connections, 2);
+
+  // A third is answered at once and closed, with or without a request sent.
+  Reply third = post(port, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}});
+  EXPECT_EQ(third.status, 503) << third.body;
+  EXPECT_EQ(third.retry_after, "1");
+  ASSERT_TRUE(third.j().contains("error")) << third.body;
+  EXPECT_NE(third.j()["error"]["message"].get<std::string>().find("connection limit (2"), std::string::npos)
+      << third.body;
+  {
+    tcp::socket silent(ioc);
+    silent.connect(where);
+    beast::flat_buffer buf;
+    http::response<http::string_body> res;
+    beast::error_code ec;
+    http::read(silent, buf, res, ec);  // without writing anything: no hang
+    ASSERT_FALSE(ec) << ec.message();
+    EXPECT_EQ(res.result_int(), 503u);
+    EXPECT_FALSE(res.keep_alive());
+    char byte = 0;
+    silent.read_some(asio::buffer(&byte, 1), ec);
+    EXPECT_EQ(ec, asio::error::eof) << "the refused connection is closed";
+  }
+  EXPECT_EQ((*server)->counters().connections_refused, 2);
+  EXPECT_EQ((*server)->counters().accepted, 0);
+  EXPECT_EQ((*server)->counters().open_connections, 2) << "refused connections are not counted open";
+
+  // Closing one makes room: a new connection is served, and the kept one still is.
+  first.reset();
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().open_connections == 1; }));
+  Reply served = post(port, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}});
+  EXPECT_EQ(served.status, 200) << served.body;
+  EXPECT_EQ(served.j()["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &second).status, 200);
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().open_connections == 1; }));
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_connections_refused_total 2"), std::string::npos) << metrics.body;
+  EXPECT_NE(metrics.body.find("specontext_open_connections 2"), std::string::npos)
+      << metrics.body;  // the kept connection and this one
+  EXPECT_EQ((*server)->counters().connections_refused, 2);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // `specontext serve` as a process: it prints where it listens, answers with the text
 // `specontext generate` gives, drains an accepted request on SIGTERM before it exits 0 with its
-// counters, and bad flags are clear errors (exit 1), never a hang.
+// counters, takes API keys from --api-key or SPECONTEXT_API_KEY, and bad flags are clear errors
+// (exit 1), never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -105,6 +106,21 @@ std::string get(uint16_t port, const std::string& target) {
   return res.body();
 }
 
+// The HTTP status of GET `target`, with `authorization` as the Authorization header unless empty.
+int status_of(uint16_t port, const std::string& target, const std::string& authorization = "") {
+  asio::io_context ioc;
+  asio::ip::tcp::socket s(ioc);
+  s.connect({asio::ip::make_address("127.0.0.1"), port});
+  http::request<http::string_body> req{http::verb::get, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  if (!authorization.empty()) req.set(http::field::authorization, authorization);
+  http::write(s, req);
+  boost::beast::flat_buffer buf;
+  http::response<http::string_body> res;
+  http::read(s, buf, res);
+  return static_cast<int>(res.result_int());
+}
+
 json post(uint16_t port, const json& body) {
   asio::io_context ioc;
   asio::ip::tcp::socket s(ioc);
@@ -201,6 +217,34 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
   EXPECT_EQ(stopped["signal"], SIGTERM);
 }
 
+TEST(ServeProcess, ApiKeysComeFromTheFlagsOrElseTheEnvironment) {
+  {
+    std::vector<std::string> args = model_flags();
+    args.insert(args.end(), {"--api-key", "k1", "--api-key", "k2", "--max-connections", "8"});
+    ServeProcess server(args);
+    ASSERT_NE(server.port(), 0) << server.first_line();
+    const json listening = json::parse(server.first_line());
+    EXPECT_EQ(listening["api_key_required"], true);
+    EXPECT_EQ(listening["max_connections"], 8);
+    EXPECT_EQ(status_of(server.port(), "/v1/models"), 401);
+    EXPECT_EQ(status_of(server.port(), "/v1/models", "Bearer k3"), 401);
+    EXPECT_EQ(status_of(server.port(), "/v1/models", "Bearer k2"), 200);
+    EXPECT_EQ(status_of(server.port(), "/health"), 200);
+    const ServeProcess::Exit e = server.wait(SIGTERM);
+    EXPECT_EQ(e.code, 0) << e.err;
+    const json stopped = json::parse(e.out, nullptr, false);
+    ASSERT_TRUE(stopped.is_object()) << e.out;
+    EXPECT_EQ(stopped["unauthorized"], 2);
+  }
+  // Without --api-key, SPECONTEXT_API_KEY (the child inherits this process's environment).
+  ASSERT_EQ(setenv("SPECONTEXT_API_KEY", "from-env", 1), 0);
+  ServeProcess server(model_flags());
+  unsetenv("SPECONTEXT_API_KEY");
+  ASSERT_NE(server.port(), 0) << server.first_line();
+  EXPECT_EQ(status_of(server.port(), "/v1/models"), 401);
+  EXPECT_EQ(status_of(server.port(), "/v1/models", "Bearer from-env"), 200);
+}
+
 TEST(ServeProcess, BadFlagsAreClearErrors) {
   struct Case {
     std::vector<std::string> args;
@@ -211,6 +255,7 @@ TEST(ServeProcess, BadFlagsAreClearErrors) {
       {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "not-an-endpoint"}, "--listen"},
       {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "10.255.255.1:0"},
        "cannot listen"},
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--api-key", ""}, "--api-key"},
       {{"-m", "/nonexistent/model.bin", "--listen", "127.0.0.1:0"}, "/nonexistent/model.bin"},
   };
   for (const Case& c : cases) {

@@ -386,17 +386,29 @@ Check refuse_unsupported(const json& body) {
       return field_error(key, "must be \"none\" or \"auto\": tool calling is not implemented");
     }
   }
-  if (const json* v = find_field(body, "response_format")) {
-    const json* type = v->is_object() ? find_field(*v, "type") : nullptr;
-    if (!type || !type->is_string() || *type != "text") {
-      return field_error("response_format",
-                         "must be {\"type\": \"text\"}: structured output is not supported");
-    }
-  }
   for (const char* key : {"use_beam_search", "include_stop_str_in_output"}) {
     const json* v = find_field(body, key);
     if (v && !(v->is_boolean() && !v->get<bool>()))
       return field_error(key, "must be false: it is not supported");
+  }
+  return std::nullopt;
+}
+
+// response_format: text (the default) or json_object (core/json_constraint.h).
+Check parse_response_format(const json& body, ApiRequest& req) {
+  if (const json* v = find_field(body, "response_format")) {
+    const json* type = v->is_object() ? find_field(*v, "type") : nullptr;
+    if (!type || !type->is_string()) {
+      return field_error("response_format", "must be an object with a string \"type\"");
+    }
+    if (*type == "json_object") {
+      req.json_object = true;
+    } else if (*type != "text") {
+      return field_error(
+          "response_format",
+          "type must be \"text\" or \"json_object\": json_schema (and other structured output) is not "
+          "supported");
+    }
   }
   return std::nullopt;
 }
@@ -407,7 +419,7 @@ ParseResult parse_object(ApiKind kind, const json& body) {
   Check e = refuse_unsupported(body);
   if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
   for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags,
-                    parse_logit_controls, parse_logprobs, parse_choices}) {
+                    parse_logit_controls, parse_logprobs, parse_choices, parse_response_format}) {
     if (!e) e = step(body, req);
   }
   if (e) return ParseResult{std::nullopt, std::move(*e)};

@@ -4,7 +4,7 @@
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
 // ignore_eos, stop_token_ids, min_p, min_tokens); anything we cannot
 // honour is refused with a 400 naming the field, never silently ignored (prompt_logprobs, chat
-// echo, suffix, best_of, tools, ...).
+// echo, suffix, best_of, tools, json_schema, ...).
 #pragma once
 
 #include <cstdint>
@@ -77,16 +77,20 @@ struct ApiRequest {
   std::vector<TokenId> stop_token_ids;
   int64_t min_tokens = 0;  // vLLM: no stop (EOS, stop ids) before this many tokens; <= max_tokens
   float min_p = 0.0f;      // vLLM: [0, 1]
+  // response_format {"type":"json_object"}: the text is one JSON object (core/json_constraint.h);
+  // {"type":"text"} is the default, json_schema is refused.
+  bool json_object = false;
   std::string user;            // accepted and ignored
 };
 
 // body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
-// (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are ignored, as OpenAI does. Never throws.
-// Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1, seed 0 (= time-derived).
-// prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs": true; n in [1, kMaxChoices]; best_of only when
-// 1; echo (chat) only when false; suffix only when empty; tools/functions only when empty, tool_choice
-// only "none"/"auto", response_format only {"type":"text"}.
-// null counts as absent for every optional field; integral floats (3.0) pass as integers.
+// (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are
+// ignored, as OpenAI does. Never throws. Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1,
+// seed 0 (= time-derived). prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs":
+// true; n in [1, kMaxChoices]; best_of only when 1; echo (chat) only when false; suffix only when empty;
+// tools/functions only when empty, tool_choice only "none"/"auto", response_format {"type":"text"} or
+// {"type":"json_object"}. null counts as absent for every optional field; integral floats (3.0) pass as
+// integers.
 struct ParseResult {
   std::optional<ApiRequest> request;
   ApiError error;  // meaningful when !request

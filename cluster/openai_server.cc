@@ -131,6 +131,12 @@ struct OpenAiServer::Impl {
   std::atomic<int64_t> jobs_in_flight{0};  // accepted and not yet answered
   std::once_flag stopped;
 
+  // response_format json_object: the constraint in its initial state, built from the tokenizer's
+  // vocabulary on the first request that asks (Asio thread), then shared by every such request.
+  mutable std::once_flag json_once;
+  mutable std::shared_ptr<const TokenConstraint> json_prototype;
+  mutable Status json_unavailable;
+
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0}, unauthorized{0};
   std::atomic<int64_t> open_connections{0}, connections_refused{0};  // written by the Asio thread
@@ -524,6 +530,21 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.presence_penalty = in.presence_penalty;
   out.min_p = in.min_p;
   out.min_tokens = std::min(in.min_tokens, out.max_new_tokens);
+  if (in.json_object) {
+    std::call_once(json_once, [this] {
+      auto c = JsonObjectConstraint::create(VocabularyBytes::build(tokenizer));
+      if (c.is_ok()) {
+        json_prototype = std::move(*c);
+      } else {
+        json_unavailable = c.status();
+      }
+    });
+    if (json_prototype == nullptr) {
+      return ApiError{400, "invalid_request_error",
+                      "response_format json_object: " + json_unavailable.message(), "response_format", ""};
+    }
+    out.constraint = json_prototype;
+  }
   if (in.n > 1) {
     // Distinct streams per choice; without a seed, a random base (0 would make each time-derived,
     // and choices created in the same tick could coincide).

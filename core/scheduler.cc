@@ -47,6 +47,7 @@ Result<RequestId> Scheduler::submit(GenerationRequest request) {
   if (request.sampling.repetition_penalty != 1.0f) e.history.add(request.prompt);
   e.sampler = Sampler(request.sampling);
   e.prompt_size = request.prompt.size();
+  if (request.constraint != nullptr) e.constraint = request.constraint->clone();
   e.request = std::move(request);
   waiting_.push_back(std::move(e));
   return waiting_.back().id;
@@ -281,10 +282,11 @@ LogitsMode Scheduler::sample_mode(const Entry& e) {
   return e.request.logprobs >= 0 || e.request.adjusts_logits() ? LogitsMode::kLast : LogitsMode::kSample;
 }
 
-void Scheduler::adjust_logits(const Entry& e, std::span<float> logits) {
+Status Scheduler::adjust_logits(const Entry& e, std::span<float> logits) {
   const GenerationRequest& r = e.request;
   const auto vocab = static_cast<TokenId>(logits.size());
   constexpr float kNever = -std::numeric_limits<float>::infinity();
+  if (e.constraint != nullptr) SPX_RETURN_IF_ERROR(e.constraint->mask(logits));
   for (const auto& [id, bias] : r.logit_bias) {
     if (id >= 0 && id < vocab) logits[static_cast<size_t>(id)] += bias;
   }
@@ -302,6 +304,7 @@ void Scheduler::adjust_logits(const Entry& e, std::span<float> logits) {
       if (l < cut) l = kNever;
     }
   }
+  return Status::ok();
 }
 
 int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
@@ -445,9 +448,18 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       // Asked for logprobs: drawn here, by the procedure sample_rows implements.
       const std::span<float> row = out->row(b, out->n_rows[b] - 1);
       sample_logits_.assign(row.begin(), row.end());
-      adjust_logits(e, sample_logits_);
+      if (Status s = adjust_logits(e, sample_logits_); !s.is_ok()) {
+        finish(e, FinishReason::kError, s.message(), events);
+        continue;
+      }
       tok = sample_with_coin(sample_logits_, e.draw, sample_scratch_);
       if (r.logprobs >= 0) logprobs = token_logprobs(row, tok, r.logprobs);
+      if (e.constraint != nullptr) {
+        if (Status s = e.constraint->accept(tok); !s.is_ok()) {
+          finish(e, FinishReason::kError, s.message(), events);
+          continue;
+        }
+      }
     }
     if (std::find(r.stop_ids.begin(), r.stop_ids.end(), tok) != r.stop_ids.end()) {
       finish(e, FinishReason::kStop, {}, events);
@@ -460,7 +472,9 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     e.next = tok;
     ++stats_.generated_tokens;
     if (!is_prefill[b]) ++stats_.decode_tokens;
-    if (e.generated() >= r.max_new_tokens) {
+    if (e.constraint != nullptr && e.constraint->closed()) {
+      finish(e, FinishReason::kStop, {}, events);
+    } else if (e.generated() >= r.max_new_tokens) {
       finish(e, FinishReason::kLength, {}, events);
     } else if (engine_.sequence_length(e.seq) + 1 > engine_.max_context()) {
       finish(e, FinishReason::kContext, {}, events);

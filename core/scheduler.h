@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "core/json_constraint.h"
 #include "core/sampler.h"
 
 namespace specontext {
@@ -41,9 +42,13 @@ struct GenerationRequest {
   // min_p times the likeliest at the request's temperature (a logit cut at max + T·ln(min_p)).
   int64_t min_tokens = 0;
   float min_p = 0.0f;  // [0, 1]
+  // Constrained decoding (core/json_constraint.h), in its initial state: the request works on its
+  // own clone, which masks the logits before each draw (first, so nothing else revives a masked
+  // token) and ends the request ("stop") once the text is closed. Host path, like logit_bias.
+  std::shared_ptr<const TokenConstraint> constraint;
   bool adjusts_logits() const {
     return !logit_bias.empty() || frequency_penalty != 0.0f || presence_penalty != 0.0f || min_tokens > 0 ||
-           min_p > 0.0f;
+           min_p > 0.0f || constraint != nullptr;
   }
 };
 
@@ -169,6 +174,7 @@ class Scheduler {
     int64_t generated() const { return static_cast<int64_t>(produced.size()); }
     std::vector<TokenLogprobs> prompt_logprobs;  // gathered over its prompt chunks
     std::unordered_map<TokenId, int32_t> output_counts;  // produced tokens (frequency/presence penalties)
+    std::unique_ptr<TokenConstraint> constraint;         // request.constraint's clone, at its tokens so far
     bool prompt_logprobs_done = false;           // its first event carried them (not recomputed)
     TokenId next = -1;  // token to feed in the next decode step
     bool done = false;
@@ -216,7 +222,8 @@ class Scheduler {
   void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
   // The request's logit_bias, penalties, min_tokens and min_p applied to a copy of its raw logits.
-  static void adjust_logits(const Entry& e, std::span<float> logits);
+  // A constraint that leaves no token is an error for the request (it ends kError).
+  [[nodiscard]] static Status adjust_logits(const Entry& e, std::span<float> logits);
   static bool wants_prompt_logprobs(const Entry& e) {
     return e.request.prompt_logprobs && !e.prompt_logprobs_done;
   }

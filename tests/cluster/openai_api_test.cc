@@ -277,8 +277,10 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("tool_choice":"required")"), "tool_choice");
     expect_refused(k, body(R"("tool_choice":{"type":"function","function":{"name":"f"}})"), "tool_choice");
     expect_refused(k, body(R"("function_call":{"name":"f"})"), "function_call");
-    expect_refused(k, body(R"("response_format":{"type":"json_object"})"), "response_format",
-                   "structured output is not supported");
+    expect_refused(k, body(R"("response_format":{"type":"json_schema","json_schema":{"name":"x"}})"),
+                   "response_format", "json_schema (and other structured output) is not supported");
+    expect_refused(k, body(R"("response_format":{"type":"xml"})"), "response_format");
+    expect_refused(k, body(R"("response_format":{})"), "response_format");
     expect_refused(k, body(R"("response_format":"text")"), "response_format");
     expect_refused(k, body(R"("logit_bias":{"50256":-101})"), "logit_bias.50256", "between -100 and 100");
     expect_refused(k, body(R"("logit_bias":{"abc":1})"), "logit_bias", "not a token id");

@@ -937,6 +937,71 @@ TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
   EXPECT_EQ(o.j()["error"]["param"], "stop_token_ids");
 }
 
+// response_format json_object: the text is a JSON object (nlohmann reads it), streamed or not,
+// for every choice; json_schema is a 400 naming the field.
+TEST(OpenAiServer, JsonObjectResponseFormatGivesAnObject) {
+  Served served = serve_stories(4);
+  ASSERT_TRUE(served.server);
+  // Tokens that write '}' and '"' alone, pushed up so that the tiny model closes its object soon.
+  auto id_of = [&](std::string_view piece) {
+    for (TokenId t = 0; t < served.f.tokenizer->vocab_size(); ++t) {
+      if (served.f.tokenizer->decode_token(1, t) == piece) return t;
+    }
+    return TokenId(-1);
+  };
+  const TokenId close = id_of("}"), quote = id_of("\"");
+  ASSERT_TRUE(close >= 0 && quote >= 0);
+  const json body = {{"prompt", kPrompt},
+                     {"max_tokens", 120},
+                     {"temperature", 0},
+                     {"response_format", {{"type", "json_object"}}},
+                     {"logit_bias", {{std::to_string(close), 8}, {std::to_string(quote), 4}}}};
+  Reply r = post(served.port, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::string text = r.j()["choices"][0]["text"];
+  EXPECT_EQ(r.j()["choices"][0]["finish_reason"], "stop") << text;
+  const json parsed = json::parse(text, nullptr, false);
+  EXPECT_TRUE(parsed.is_object()) << text;
+  // The same request unconstrained writes something else (a story).
+  json plain = body;
+  plain.erase("response_format");
+  Reply p = post(served.port, "/v1/completions", plain);
+  ASSERT_EQ(p.status, 200);
+  EXPECT_FALSE(json::parse(p.j()["choices"][0]["text"].get<std::string>(), nullptr, false).is_object());
+  // Streamed, and sampled choices: each closes its object or is cut by max_tokens.
+  json streamed = body;
+  streamed["stream"] = true;
+  Reply st = post(served.port, "/v1/completions", streamed);
+  ASSERT_EQ(st.status, 200);
+  std::string joined;
+  for (const std::string& e : events_of(st.body)) {
+    if (e == "[DONE]") break;
+    const json chunk = json::parse(e);
+    joined += chunk["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(joined, text);
+  json sampled = body;
+  sampled["temperature"] = 1.0;
+  sampled["n"] = 3;
+  sampled["seed"] = 11;
+  Reply n = post(served.port, "/v1/completions", sampled);
+  ASSERT_EQ(n.status, 200) << n.body;
+  for (const json& c : n.j()["choices"]) {
+    const std::string t = c["text"];
+    if (c["finish_reason"] == "stop") {
+      EXPECT_TRUE(json::parse(t, nullptr, false).is_object()) << t;
+    } else {
+      EXPECT_EQ(c["finish_reason"], "length") << t;
+      EXPECT_NE(t.find('{'), std::string::npos) << t;
+    }
+  }
+  json schema = body;
+  schema["response_format"] = {{"type", "json_schema"}, {"json_schema", {{"name", "x"}}}};
+  Reply s = post(served.port, "/v1/completions", schema);
+  EXPECT_EQ(s.status, 400);
+  EXPECT_EQ(s.j()["error"]["param"], "response_format");
+}
+
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500
 // naming the layer (a stream too, since nothing was sent yet), and the server goes on serving.
 TEST(OpenAiServer, AFailedEngineStepIsA500AndTheServerGoesOn) {

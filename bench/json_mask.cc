@@ -1,0 +1,109 @@
+// What JSON-constrained decoding (core/json_constraint.h, response_format json_object) costs per
+// decode step: the time JsonObjectConstraint::mask takes over a whole vocabulary, measured along a
+// real document (a JSON object encoded with the vocabulary, masked before each of its tokens and
+// then advanced by it), for the bundled stories260K vocabulary (512) and GPT-2's BPE vocabulary
+// (50257, data/tokenizer-tests). Also the one-off cost of VocabularyBytes::build.
+//
+//   build/release/bench/bench_json_mask --out bench_out/json_mask.json
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/gguf.h"
+#include "core/json_constraint.h"
+#include "core/tokenizer.h"
+
+using namespace specontext;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+}
+
+[[noreturn]] void fail(const Status& s) {
+  std::fprintf(stderr, "bench_json_mask: %s\n", s.to_string().c_str());
+  std::exit(1);
+}
+
+constexpr const char* kDocument =
+    R"({"name": "Lily", "age": 3, "friends": ["Tom", "Sue"], "likes": {"color": "red", "toy": "ball"},)"
+    R"( "height_m": 0.95, "happy": true, "note": "She said, \"let's play!\" and ran to the park."})";
+
+nlohmann::json measure(const std::string& name, const Tokenizer& tok, int repeats) {
+  const auto t0 = Clock::now();
+  auto vocabulary = VocabularyBytes::build(tok);
+  const double build_s = seconds_since(t0);
+  auto ids = tok.encode(kDocument, /*add_bos=*/false);
+  if (!ids.is_ok()) fail(ids.status());
+  std::vector<double> mask_us;
+  std::vector<float> logits(static_cast<size_t>(tok.vocab_size()));
+  size_t open_total = 0, steps = 0;
+  for (int r = 0; r < repeats; ++r) {
+    auto c = JsonObjectConstraint::create(vocabulary);
+    if (!c.is_ok()) fail(c.status());
+    for (TokenId id : *ids) {
+      std::fill(logits.begin(), logits.end(), 0.0f);
+      const auto m0 = Clock::now();
+      if (Status s = (*c)->mask(logits); !s.is_ok()) fail(s);
+      mask_us.push_back(seconds_since(m0) * 1e6);
+      open_total += static_cast<size_t>(std::count(logits.begin(), logits.end(), 0.0f));
+      ++steps;
+      if (Status s = (*c)->accept(id); !s.is_ok()) fail(s.with_context("the document's own token"));
+    }
+    if (!(*c)->closed()) fail(internal_error("the document did not close the constraint"));
+  }
+  nlohmann::json j = {{"vocabulary", name},
+                      {"vocab_size", tok.vocab_size()},
+                      {"document_tokens", ids->size()},
+                      {"build_ms", build_s * 1e3},
+                      {"mask_us_p50", percentile(mask_us, 0.5)},
+                      {"mask_us_p90", percentile(mask_us, 0.9)},
+                      {"mask_us_max", percentile(mask_us, 1.0)},
+                      {"open_tokens_mean", static_cast<double>(open_total) / static_cast<double>(steps)}};
+  std::fprintf(
+      stderr,
+      "%-12s vocab %6d: build %7.2f ms, mask p50 %8.1f us, p90 %8.1f us, max %8.1f us, %.0f tokens open\n",
+      name.c_str(), tok.vocab_size(), build_s * 1e3, j["mask_us_p50"].get<double>(),
+      j["mask_us_p90"].get<double>(), j["mask_us_max"].get<double>(), j["open_tokens_mean"].get<double>());
+  return j;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_json_mask: the per-step cost of JSON-constrained decoding"};
+  std::string out_path;
+  int repeats = 5;
+  app.add_option("--out", out_path, "write the JSON report here too");
+  app.add_option("--repeats", repeats, "passes over the document")->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+  const std::string root = SPECONTEXT_SOURCE_DIR;
+  nlohmann::json results = nlohmann::json::array();
+  auto stories = load_llama2c_tokenizer(root + "/models/stories260K/tok512.bin", 512);
+  if (!stories.is_ok()) fail(stories.status());
+  results.push_back(measure("stories260K", **stories, repeats));
+  auto gguf = GgufFile::open(root + "/data/tokenizer-tests/ggml-vocab-gpt-2.gguf");
+  if (!gguf.is_ok()) fail(gguf.status());
+  auto gpt2 = load_gguf_tokenizer(**gguf);
+  if (!gpt2.is_ok()) fail(gpt2.status());
+  results.push_back(measure("gpt-2", **gpt2, repeats));
+  const nlohmann::json doc = {{"document", kDocument}, {"repeats", repeats}, {"results", results}};
+  std::printf("%s\n", doc.dump(2).c_str());
+  if (!out_path.empty()) std::ofstream(out_path) << doc.dump(2) << "\n";
+  return 0;
+}

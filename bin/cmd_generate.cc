@@ -31,6 +31,9 @@ void register_generate(CLI::App& app, GenerateArgs& a) {
                   "fill each sequence's KV cache with N random entries instead of prefill (speed only)");
   cmd->add_option("--batch", a.batch, "sequences decoded together")->check(CLI::PositiveNumber);
   cmd->add_option("--prompt-tokens", a.prompt_tokens, "with --synthetic: random prompt length");
+  cmd->add_option("--response-format", a.response_format,
+                  "json_object: the text is one JSON object (as the API's response_format); text: free")
+      ->check(CLI::IsMember({"text", "json_object"}));
 }
 
 namespace {
@@ -117,8 +120,16 @@ int run_generate(const GenerateArgs& a) {
   const SparseMethod method = bundle.method;
   TierRuntime* tier_rt = bundle.tiers.get();
 
+  std::shared_ptr<const TokenConstraint> constraint;
+  if (a.response_format == "json_object") {
+    if (!tok) return fail(invalid_argument("--response-format json_object needs the model's tokenizer"));
+    auto c = JsonObjectConstraint::create(VocabularyBytes::build(*tok));
+    if (!c.is_ok()) return fail(c.status().with_context("--response-format json_object"));
+    constraint = std::move(*c);
+  }
   std::vector<GenerationRequest> reqs(static_cast<size_t>(a.batch));
   for (auto& r : reqs) {
+    r.constraint = constraint;
     r.prompt = prompt_ids;
     r.max_new_tokens = a.n;
     r.stop_ids = stop_ids;

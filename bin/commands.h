@@ -29,6 +29,7 @@ struct GenerateArgs {
   int64_t synthetic_context = 0;
   int64_t batch = 1;
   int64_t prompt_tokens = 16;  // synthetic prompts: random ids
+  std::string response_format = "text";  // or "json_object" (core/json_constraint.h)
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);

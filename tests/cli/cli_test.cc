@@ -111,6 +111,30 @@ TEST(Cli, SyntheticModelDecodesAtSyntheticContext) {
   EXPECT_NE(note.out.find("measures speed, not quality"), std::string::npos);
 }
 
+// --response-format json_object: the greedy text is the start of a JSON object (nlohmann stops
+// only at the end of the input), where the free text is a story; a model without a tokenizer is
+// a clear error.
+TEST(Cli, ResponseFormatJsonObjectConstrainsTheText) {
+  const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                               " --prompt 'Once upon a time' -n 60 --response-format json_object --json",
+                           false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const std::string text = nlohmann::json::parse(r.out)["text"];
+  ASSERT_NE(text.find('{'), std::string::npos) << text;
+  EXPECT_EQ(text.find_first_not_of(" \n\t\r"), text.find('{')) << text;
+  try {
+    EXPECT_TRUE(nlohmann::json::parse(text).is_object()) << text;
+  } catch (const nlohmann::json::parse_error& e) {
+    EXPECT_EQ(e.byte, text.size() + 1) << e.what() << " in " << text;  // cut by -n, not broken
+  }
+  const CliRun bad = run_cli("generate --synthetic toy -n 2 --response-format json_object");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--response-format json_object needs the model's tokenizer"), std::string::npos) << bad.out;
+  const CliRun unknown = run_cli("generate --synthetic toy -n 2 --response-format yaml");
+  EXPECT_NE(unknown.exit_code, 0);
+  EXPECT_NE(unknown.out.find("--response-format"), std::string::npos) << unknown.out;
+}
+
 TEST(Cli, BadInputGivesClearErrorsAndNonZeroExit) {
   const std::string dir = testing::temp_dir("spx-cli");
   // Missing file

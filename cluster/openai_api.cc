@@ -269,6 +269,11 @@ Check parse_logprobs(const json& body, ApiRequest& req) {
     if (!n || *n < 0 || *n > kMaxLogprobs) return std::nullopt;
     return static_cast<int32_t>(*n);
   };
+  if (const json* v = find_field(body, "prompt_logprobs")) {  // vLLM's, for both APIs
+    const auto n = count(*v);
+    if (!n) return field_error("prompt_logprobs", "must be an integer " + range);
+    req.prompt_logprobs = *n;
+  }
   const json* lp = find_field(body, "logprobs");
   const json* top = find_field(body, "top_logprobs");
   if (kind == ApiKind::kCompletion) {
@@ -364,9 +369,6 @@ Check parse_logit_controls(const json& body, ApiRequest& req) {
 Check refuse_unsupported(const json& body) {
   if (const json* v = find_field(body, "best_of"); v && as_int64(*v) != 1) {
     return field_error("best_of", "must be 1: best-of sampling is not supported (n is)");
-  }
-  if (find_field(body, "prompt_logprobs")) {
-    return field_error("prompt_logprobs", "must be null: prompt logprobs are not supported");
   }
   if (const json* v = find_field(body, "suffix")) {
     if (!(v->is_string() && v->get_ref<const std::string&>().empty())) {
@@ -669,6 +671,33 @@ nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries
               {"text_offset", std::move(offsets)}};
 }
 
+nlohmann::json prompt_logprobs_json(std::span<const TokenId> prompt, std::span<const TokenLogprobs> logprobs,
+                                    int32_t top, const std::function<std::string(TokenId, TokenId)>& decode) {
+  json out = json::array();
+  auto finite = [](float v) { return std::isfinite(v) ? static_cast<double>(v) : -9999.0; };
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (i == 0 || i - 1 >= logprobs.size()) {
+      out.push_back(nullptr);
+      continue;
+    }
+    const TokenLogprobs& lp = logprobs[i - 1];
+    const TokenId before = prompt[i - 1];
+    json entry = json::object();
+    const size_t k = std::min(lp.top.size(), static_cast<size_t>(std::max(top, 0)));
+    for (size_t r = 0; r < k; ++r) {
+      entry[std::to_string(lp.top[r].token)] = {
+          {"logprob", finite(lp.top[r].logprob)},
+          {"rank", r + 1},
+          {"decoded_token", sanitize_utf8(decode(before, lp.top[r].token))}};
+    }
+    entry[std::to_string(prompt[i])] = {{"logprob", finite(lp.chosen.logprob)},
+                                        {"rank", lp.chosen_rank},
+                                        {"decoded_token", sanitize_utf8(decode(before, prompt[i]))}};
+    out.push_back(std::move(entry));
+  }
+  return out;
+}
+
 nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::span<const ChoiceOut> choices,
                                    const Usage& usage) {
   try {
@@ -679,6 +708,7 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::
       if (c.logprobs) choice["logprobs"] = logprobs_json(kind, *c.logprobs);
       if (kind == ApiKind::kCompletion) {
         choice["text"] = c.text;
+        if (c.prompt_logprobs) choice["prompt_logprobs"] = *c.prompt_logprobs;
       } else {
         choice["message"] = json{{"role", "assistant"}, {"content", c.text}};
       }
@@ -687,6 +717,9 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::
     json j = envelope(kind, meta, /*chunk=*/false);
     j["choices"] = std::move(out);
     j["usage"] = usage_json(usage);
+    if (kind == ApiKind::kChat && !choices.empty() && choices[0].prompt_logprobs) {
+      j["prompt_logprobs"] = *choices[0].prompt_logprobs;
+    }
     return j;
   } catch (...) {
     return json::object();
@@ -705,12 +738,14 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const
 }
 
 std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
-                         const std::vector<LogprobEntry>* logprobs, int32_t index) {
+                         const std::vector<LogprobEntry>* logprobs, int32_t index,
+                         const json* prompt_logprobs) {
   try {
     json choice{{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (logprobs) choice["logprobs"] = logprobs_json(kind, *logprobs);
     if (kind == ApiKind::kCompletion) {
       choice["text"] = text;
+      if (prompt_logprobs) choice["prompt_logprobs"] = *prompt_logprobs;
     } else {
       json delta{{"content", text}};
       if (first) delta["role"] = "assistant";
@@ -718,6 +753,7 @@ std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::stri
     }
     json j = envelope(kind, meta, /*chunk=*/true);
     j["choices"] = json::array({std::move(choice)});
+    if (kind == ApiKind::kChat && prompt_logprobs) j["prompt_logprobs"] = *prompt_logprobs;
     return event(j);
   } catch (...) {
     return {};

@@ -3,11 +3,12 @@
 // response JSON (whole or as server-sent-event chunks). Fuzzed by tests/fuzz/fuzz_openai.cc.
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
 // ignore_eos, stop_token_ids, min_p, min_tokens); anything we cannot
-// honour is refused with a 400 naming the field, never silently ignored (prompt_logprobs, chat
-// echo, suffix, best_of, tools, json_schema, ...).
+// honour is refused with a 400 naming the field, never silently ignored (chat echo, suffix,
+// best_of, tools, json_schema, ...).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -67,6 +68,9 @@ struct ApiRequest {
   // Completions: the answer's text starts with the prompt, and with logprobs the prompt's tokens
   // come first in them (the first with a null logprob), as OpenAI's legacy API and vLLM do.
   bool echo = false;
+  // vLLM's prompt_logprobs (both APIs): each prompt token's log-probability and rank with this
+  // many alternatives, -1 when not asked (0..kMaxLogprobs).
+  int32_t prompt_logprobs = -1;
   // Choices: n independent samples of the same prompt (seeds seed, seed + 1, ...).
   int32_t n = 1;
   // OpenAI's frequency_penalty / presence_penalty ([-2, 2]) and logit_bias ({"id": [-100, 100]});
@@ -86,7 +90,7 @@ struct ApiRequest {
 // body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
 // (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are
 // ignored, as OpenAI does. Never throws. Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1,
-// seed 0 (= time-derived). prompt_logprobs only when null; top_logprobs only for chat and beside "logprobs":
+// seed 0 (= time-derived). top_logprobs only for chat and beside "logprobs":
 // true; n in [1, kMaxChoices]; best_of only when 1; echo (chat) only when false; suffix only when empty;
 // tools/functions only when empty, tool_choice only "none"/"auto", response_format {"type":"text"} or
 // {"type":"json_object"}. null counts as absent for every optional field; integral floats (3.0) pass as
@@ -164,15 +168,25 @@ struct ChoiceOut {
   std::string text;
   std::string finish_reason;
   const std::vector<LogprobEntry>* logprobs = nullptr;
+  const nlohmann::json* prompt_logprobs = nullptr;  // prompt_logprobs_json: in the choice (completions),
+                                                    // at the top (chat, the first choice's)
 };
+// vLLM's prompt_logprobs: [null, {"ID": {"logprob": L, "rank": R, "decoded_token": T}, ...}, ...],
+// one entry per prompt token; the first has nothing before it to predict it. Each entry holds the
+// prompt token (its rank among the vocabulary) and the `top` most likely tokens (ranks 1..top).
+// `logprobs[i]` predicts prompt[i + 1]; decode(prev, id) gives a token's text after `prev`.
+nlohmann::json prompt_logprobs_json(std::span<const TokenId> prompt, std::span<const TokenLogprobs> logprobs,
+                                    int32_t top, const std::function<std::string(TokenId, TokenId)>& decode);
 nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::span<const ChoiceOut> choices,
                                    const Usage& usage);
 // Streaming: one "data: {...}\n\n" event. A text delta (finish_reason null), the final delta
 // (finish_reason set, empty text; chat: empty delta), the usage-only chunk (choices []), and the
 // terminator "data: [DONE]\n\n". For chat, the first chunk's delta carries role "assistant".
 // `index`: the choice the chunk belongs to.
+// `prompt_logprobs` (prompt_logprobs_json) goes with a choice's first chunk.
 std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
-                         const std::vector<LogprobEntry>* logprobs = nullptr, int32_t index = 0);
+                         const std::vector<LogprobEntry>* logprobs = nullptr, int32_t index = 0,
+                         const nlohmann::json* prompt_logprobs = nullptr);
 std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason,
                                 int32_t index = 0);
 std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usage& usage);

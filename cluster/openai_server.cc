@@ -516,7 +516,8 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.max_new_tokens = in.max_tokens ? *in.max_tokens : context - prompt_len;
   out.sampling = in.sampling;
   out.logprobs = in.logprobs;
-  out.prompt_logprobs = in.echo && in.logprobs >= 0;
+  // echo with logprobs shows the prompt's tokens with `logprobs` alternatives; prompt_logprobs its own count.
+  out.prompt_logprobs = std::max(in.echo && in.logprobs >= 0 ? in.logprobs : -1, in.prompt_logprobs);
   if (!in.ignore_eos) out.stop_ids = options.stop_ids;
   for (TokenId id : in.stop_token_ids) {
     if (id >= vocab) return outside_vocabulary("stop_token_ids", "stop_token_ids", id);
@@ -628,8 +629,9 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
   const TokenId last_prompt_token = queued_prompt.back();
   std::string echo_text;
   if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(queued_prompt) : api.prompt_text;
-  // Only echo with logprobs reads the prompt's tokens later.
-  const std::vector<TokenId> prompt = api.echo && api.logprobs >= 0 ? queued_prompt : std::vector<TokenId>{};
+  // Only echo with logprobs and prompt_logprobs read the prompt's tokens later.
+  const std::vector<TokenId> prompt =
+      (api.echo && api.logprobs >= 0) || api.prompt_logprobs >= 0 ? queued_prompt : std::vector<TokenId>{};
   if (draining) {
     ++rejected;
     const ApiError error{503, "server_error", "server shutting down", "", ""};
@@ -677,6 +679,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     int64_t raw_code_points = 0;   // of every piece decoded so far
     int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
     bool echo_pending = false;
+    nlohmann::json prompt_logprobs;  // prompt_logprobs_json once its first event came (null before)
     bool first_chunk = true;
     bool done = false;
     std::string finish_reason;  // set when generation ended normally
@@ -732,7 +735,10 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
       if (i > 0 && i - 1 < prompt_lp.size()) {
         const TokenLogprobs& lp = prompt_lp[i - 1];
         entry.logprob = lp.chosen.logprob;
-        for (const TokenLogprob& alt : lp.top) entry.top.emplace_back(tokenizer.decode_token(before, alt.token), alt.logprob);
+        // The scheduler computed max(logprobs, prompt_logprobs) alternatives; echo shows `logprobs`.
+        for (size_t k = 0; k < lp.top.size() && k < static_cast<size_t>(api.logprobs); ++k) {
+          entry.top.emplace_back(tokenizer.decode_token(before, lp.top[k].token), lp.top[k].logprob);
+        }
       }
       offset += code_points(entry.token);
       out.push_back(std::move(entry));
@@ -753,6 +759,11 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
       cached_tokens = std::max(cached_tokens, ev.cached_prompt_tokens);
       const bool failed_ending = ev.finished && (ev.finish == FinishReason::kRefused ||
                                                  ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kError);
+      if (api.prompt_logprobs >= 0 && ch.prompt_logprobs.is_null() && !failed_ending) {
+        ch.prompt_logprobs =
+            prompt_logprobs_json(prompt, ev.prompt_logprobs, api.prompt_logprobs,
+                                 [&](TokenId prev, TokenId id) { return tokenizer.decode_token(prev, id); });
+      }
       if (ch.echo_pending && !failed_ending) {
         ch.echo_pending = false;
         delta += echo_text;
@@ -819,8 +830,11 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
         ready.push_back(std::move(ch.logprobs[ch.logprobs_sent++]));
       }
       if (!delta.empty() || !ready.empty()) {
-        std::string chunk = stream_chunk(kind, meta, delta, std::exchange(ch.first_chunk, false),
-                                         want_logprobs ? &ready : nullptr, static_cast<int32_t>(c));
+        const nlohmann::json* prompt_lp =
+            ch.first_chunk && !ch.prompt_logprobs.is_null() ? &ch.prompt_logprobs : nullptr;
+        std::string chunk =
+            stream_chunk(kind, meta, delta, std::exchange(ch.first_chunk, false),
+                         want_logprobs ? &ready : nullptr, static_cast<int32_t>(c), prompt_lp);
         co_await write_event(std::move(chunk));
       }
     }
@@ -853,7 +867,10 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     if (options.scheduling.prefix_caching) usage.cached_tokens = std::min(cached_tokens, prompt_len);
     if (!api.stream) {
       std::vector<ChoiceOut> out;
-      for (const Choice& ch : choices) out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr});
+      for (const Choice& ch : choices) {
+        out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr,
+                       ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
+      }
       std::string body = completion_response(kind, meta, out, usage)
                              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       co_return co_await reply(*conn, req, http::status::ok, std::move(body));
@@ -861,7 +878,10 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     for (size_t c = 0; c < choices.size(); ++c) {
       const auto index = static_cast<int32_t>(c);
       if (choices[c].first_chunk) {
-        std::string role = stream_chunk(kind, meta, "", true, nullptr, index);  // the role, for chat
+        const nlohmann::json* prompt_lp =
+            choices[c].prompt_logprobs.is_null() ? nullptr : &choices[c].prompt_logprobs;
+        std::string role =
+            stream_chunk(kind, meta, "", true, nullptr, index, prompt_lp);  // the role, for chat
         co_await write_event(std::move(role));
       }
       std::string finish = stream_finish_chunk(kind, meta, choices[c].finish_reason, index);

@@ -57,6 +57,9 @@ TokenLogprobs token_logprobs(std::span<const float> logits, TokenId chosen, int3
     return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - log_norm);
   };
   out.chosen = {chosen, logprob(chosen)};
+  const float chosen_logit = logits[static_cast<size_t>(chosen)];
+  out.chosen_rank = 1 + static_cast<int32_t>(std::count_if(logits.begin(), logits.end(),
+                                                           [&](float v) { return v > chosen_logit; }));
   const auto n = static_cast<size_t>(std::clamp<int64_t>(top_n, 0, static_cast<int64_t>(logits.size())));
   if (n == 0) return out;
   // A bounded min-heap of the best n so far: vocab · log n, no copy of the logits.

@@ -90,6 +90,7 @@ struct TokenLogprob {
 };
 struct TokenLogprobs {
   TokenLogprob chosen;
+  int32_t chosen_rank = 1;        // 1 + the tokens strictly more likely than the chosen one (vLLM's rank)
   std::vector<TokenLogprob> top;  // the top_n most likely tokens, most likely first (ties: lower id)
 };
 // `chosen` must index `logits`; top_n in [0, kMaxLogprobs], capped at the vocabulary.

@@ -27,10 +27,12 @@ Status Scheduler::validate(const GenerationRequest& r) const {
     return invalid_argument("min_tokens must be in [0, max_new_tokens]");
   }
   if (!(r.min_p >= 0.0f && r.min_p <= 1.0f)) return invalid_argument("min_p must be in [0, 1]");
-  if (r.prompt_logprobs && r.logprobs < 0) return invalid_argument("prompt_logprobs needs logprobs >= 0");
-  if (r.logprobs > kMaxLogprobs) {
-    return invalid_argument("logprobs must be at most " + std::to_string(kMaxLogprobs) + " (got " +
-                            std::to_string(r.logprobs) + ")");
+  for (const auto& [name, value] :
+       {std::pair{"logprobs", r.logprobs}, std::pair{"prompt_logprobs", r.prompt_logprobs}}) {
+    if (value > kMaxLogprobs) {
+      return invalid_argument(std::string(name) + " must be at most " + std::to_string(kMaxLogprobs) +
+                              " (got " + std::to_string(value) + ")");
+    }
   }
   const int64_t need = r.synthetic_context + static_cast<int64_t>(r.prompt.size());
   if (need > engine_.max_context()) {
@@ -270,7 +272,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
 }
 
 void Scheduler::push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEvent>& events) {
-  if (e.request.prompt_logprobs && !e.prompt_logprobs_done) {
+  if (e.request.prompt_logprobs >= 0 && !e.prompt_logprobs_done) {
     ev.prompt_logprobs = std::move(e.prompt_logprobs);
     e.prompt_logprobs_done = true;
   }
@@ -433,7 +435,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
         for (int64_t k = 0; k < n_tokens; ++k) {
           const auto target = static_cast<size_t>(e.prefilled + k + 1);
           if (target < r.prompt.size()) {
-            e.prompt_logprobs.push_back(token_logprobs(out->row(b, k), r.prompt[target], r.logprobs));
+            e.prompt_logprobs.push_back(token_logprobs(out->row(b, k), r.prompt[target], r.prompt_logprobs));
           }
         }
       }

@@ -29,9 +29,10 @@ struct GenerationRequest {
   // kMaxLogprobs). Such a request's logits come back to the host (LogitsMode::kLast) and its
   // token is drawn there by sample_with_coin, the procedure Backend::sample_rows implements.
   int32_t logprobs = -1;
-  // With logprobs >= 0: the log-probability of every prompt token after the first too (the
-  // completions API's echo). Its prompt chunks bring all their logits to the host (kAll).
-  bool prompt_logprobs = false;
+  // >= 0: the log-probability (and rank) of every prompt token after the first, with this many
+  // alternatives (at most kMaxLogprobs): the completions API's echo with logprobs, vLLM's
+  // prompt_logprobs. Its prompt chunks bring all their logits to the host (kAll).
+  int32_t prompt_logprobs = -1;
   // OpenAI's logit adjustments, applied on the host (such a request takes the kLast path too) to
   // the raw logits before sample_with_coin: `logit_bias` adds to the listed tokens' logits;
   // frequency/presence penalties subtract f·count + p·[count > 0] over the tokens generated so far.
@@ -225,7 +226,7 @@ class Scheduler {
   // A constraint that leaves no token is an error for the request (it ends kError).
   [[nodiscard]] static Status adjust_logits(const Entry& e, std::span<float> logits);
   static bool wants_prompt_logprobs(const Entry& e) {
-    return e.request.prompt_logprobs && !e.prompt_logprobs_done;
+    return e.request.prompt_logprobs >= 0 && !e.prompt_logprobs_done;
   }
   void push_event(Entry& e, SchedulerEvent ev, std::vector<SchedulerEvent>& events);
 

@@ -108,6 +108,15 @@ TEST(OpenAiParse, PromptForms) {
   r = parse_ok(ApiKind::kCompletion, R"({"prompt":[[5, 6]]})");
   EXPECT_TRUE(r.prompt_is_ids);
   EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{5, 6}));
+  // vLLM's prompt_logprobs, in both APIs; json_object output.
+  r = parse_ok(ApiKind::kCompletion,
+               R"({"prompt":"x","prompt_logprobs":3,"response_format":{"type":"json_object"}})");
+  EXPECT_EQ(r.prompt_logprobs, 3);
+  EXPECT_TRUE(r.json_object);
+  EXPECT_EQ(parse_ok(ApiKind::kChat, R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":0})")
+                .prompt_logprobs,
+            0);
+  EXPECT_EQ(parse_ok(ApiKind::kCompletion, R"({"prompt":"x","prompt_logprobs":null})").prompt_logprobs, -1);
   // Integral floats pass as integers.
   r = parse_ok(ApiKind::kCompletion, R"({"prompt":[3.0], "max_tokens": 4.0})");
   EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{3}));
@@ -309,7 +318,9 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     EXPECT_EQ(adj.request->stop_token_ids, (std::vector<TokenId>{2, 9}));
     expect_refused(k, body(R"("use_beam_search":true)"), "use_beam_search");
     expect_refused(k, body(R"("include_stop_str_in_output":true)"), "include_stop_str_in_output");
-    expect_refused(k, body(R"("prompt_logprobs":1)"), "prompt_logprobs");
+    expect_refused(k, body(R"("prompt_logprobs":21)"), "prompt_logprobs", "between 0 and 20");
+    expect_refused(k, body(R"("prompt_logprobs":-1)"), "prompt_logprobs");
+    expect_refused(k, body(R"("prompt_logprobs":true)"), "prompt_logprobs");
     // Their "off" values are accepted.
     parse_ok(k,
              body(R"("n":1,"best_of":1,"echo":false,"presence_penalty":0,"frequency_penalty":0,"suffix":null,

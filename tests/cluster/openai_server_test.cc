@@ -633,6 +633,27 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
   EXPECT_EQ(lp_streamed, expected);
   EXPECT_EQ(entries, (*res)[0].tokens.size());
   EXPECT_EQ(bytes, raw);
+
+  // vLLM's prompt_logprobs: at the top of a chat answer, one entry per prompt token (the first
+  // null), and on the first chunk of a stream.
+  json pbody = body;
+  pbody["prompt_logprobs"] = 1;
+  Reply p = post((*server)->port(), "/v1/chat/completions", pbody);
+  ASSERT_EQ(p.status, 200) << p.body;
+  const json plp = p.j()["prompt_logprobs"];
+  ASSERT_EQ(plp.size(), ids->size()) << p.body;
+  EXPECT_TRUE(plp[0].is_null());
+  for (size_t i = 1; i < ids->size(); ++i) EXPECT_TRUE(plp[i].contains(std::to_string((*ids)[i]))) << i;
+  EXPECT_EQ(p.j()["choices"][0]["message"]["content"], expected) << "the answer is unchanged";
+  pbody["stream"] = true;
+  Reply ps = post((*server)->port(), "/v1/chat/completions", pbody);
+  ASSERT_EQ(ps.status, 200);
+  const auto pevents = events_of(ps.body);
+  ASSERT_FALSE(pevents.empty());
+  EXPECT_EQ(json::parse(pevents[0])["prompt_logprobs"], plp);
+  for (size_t e = 1; e < pevents.size() && pevents[e] != "[DONE]"; ++e) {
+    EXPECT_FALSE(json::parse(pevents[e]).contains("prompt_logprobs")) << "only the first chunk";
+  }
 }
 
 // A KV pool too small for three requests at their final lengths: the server's preempting
@@ -805,6 +826,52 @@ TEST(OpenAiServer, EchoWithLogprobsScoresThePrompt) {
     for (const json& v : c["choices"][0]["logprobs"]["token_logprobs"]) streamed.push_back(v);
   }
   EXPECT_EQ(streamed, lp["token_logprobs"]);
+  // vLLM's prompt_logprobs: the same log-probabilities per prompt token (keyed by id, with rank and
+  // decoded text), the first token null, the top alternatives with ranks 1..k; streamed, in the
+  // first chunk; several choices each carry them.
+  const json pbody = {
+      {"prompt", kPrompt}, {"max_tokens", 2}, {"temperature", 0}, {"prompt_logprobs", 2}, {"n", 2}};
+  Reply p = post(port, "/v1/completions", pbody);
+  ASSERT_EQ(p.status, 200) << p.body;
+  for (int c = 0; c < 2; ++c) {
+    const json plp = p.j()["choices"][c]["prompt_logprobs"];
+    ASSERT_EQ(plp.size(), ids->size()) << p.body;
+    EXPECT_TRUE(plp[0].is_null());
+    EXPECT_TRUE(p.j()["choices"][c]["logprobs"].is_null()) << "logprobs were not asked";
+    for (size_t i = 1; i < ids->size(); ++i) {
+      const json& entry = plp[i];
+      const json& self = entry[std::to_string((*ids)[i])];
+      EXPECT_NEAR(self["logprob"].get<double>(), lp["token_logprobs"][i].get<double>(), 1e-6) << i;
+      EXPECT_EQ(self["decoded_token"], lp["tokens"][i]) << i;
+      const auto rank = self["rank"].get<int64_t>();
+      EXPECT_GE(rank, 1);
+      EXPECT_EQ(entry.size(), rank <= 2 ? 2u : 3u) << entry.dump();
+      std::vector<int64_t> ranks;
+      for (const auto& [id, v] : entry.items()) {
+        if (id != std::to_string((*ids)[i])) ranks.push_back(v["rank"].get<int64_t>());
+        EXPECT_LE(v["logprob"].get<double>(), 0.0);
+      }
+      for (int64_t r : ranks) EXPECT_TRUE(r == 1 || r == 2) << entry.dump();
+    }
+  }
+  json pstream = pbody;
+  pstream["stream"] = true;
+  pstream["n"] = 1;
+  Reply ps = post(port, "/v1/completions", pstream);
+  ASSERT_EQ(ps.status, 200);
+  const auto pevents = events_of(ps.body);
+  ASSERT_FALSE(pevents.empty());
+  // Alone rather than batched with a second choice, so equal up to the GEMM's rounding.
+  const json first_plp = json::parse(pevents[0])["choices"][0]["prompt_logprobs"];
+  const json whole_plp = p.j()["choices"][0]["prompt_logprobs"];
+  ASSERT_EQ(first_plp.size(), whole_plp.size());
+  for (size_t i = 1; i < whole_plp.size(); ++i) {
+    ASSERT_EQ(first_plp[i].size(), whole_plp[i].size()) << i;
+    for (const auto& [id, v] : whole_plp[i].items()) {
+      EXPECT_NEAR(first_plp[i][id]["logprob"].get<double>(), v["logprob"].get<double>(), 1e-4) << i;
+      EXPECT_EQ(first_plp[i][id]["rank"], v["rank"]) << i;
+    }
+  }
   // echo without logprobs: the text only.
   Reply plain = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 1}, {"temperature", 0}, {"echo", true}});
   ASSERT_EQ(plain.status, 200) << plain.body;

@@ -220,6 +220,11 @@ TEST(TokenLogprobs, MatchNaiveLogSoftmaxAndRankTiesByLowerId) {
   EXPECT_TRUE(token_logprobs(logits, 0, 0).top.empty());
   const std::vector<float> three{1.0f, 2.0f, 3.0f};
   EXPECT_EQ(token_logprobs(three, 0, kMaxLogprobs).top.size(), 3u) << "capped at the vocabulary";
+  // Rank: 1 + how many are strictly more likely (the sorted position of the chosen one).
+  const auto pos = static_cast<int32_t>(std::find(order.begin(), order.end(), size_t{123}) - order.begin());
+  EXPECT_EQ(lp.chosen_rank, pos + 1);
+  EXPECT_EQ(token_logprobs(logits, 900, 0).chosen_rank, 1) << "tied at the top";
+  EXPECT_EQ(token_logprobs(three, 0, 0).chosen_rank, 3);
 }
 
 }  // namespace

@@ -380,7 +380,7 @@ TEST(Scheduler, PromptLogprobsCoverEveryPromptTokenAcrossChunks) {
   GenerationRequest r = request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298}, 6);
   const std::vector<TokenId> plain = alone(r);
   r.logprobs = 2;
-  r.prompt_logprobs = true;
+  r.prompt_logprobs = 2;
   auto engine = make_engine(1);
   GeneratorOptions go;
   go.prefill_chunk = 4;  // chunks of 4, 4, 3
@@ -417,8 +417,19 @@ TEST(Scheduler, PromptLogprobsCoverEveryPromptTokenAcrossChunks) {
     EXPECT_EQ(lp[i].top.size(), 2u);
   }
   GenerationRequest bad = r;
-  bad.logprobs = -1;
+  bad.prompt_logprobs = kMaxLogprobs + 1;
   EXPECT_EQ(s.submit(bad).status().code(), StatusCode::kInvalidArgument);
+  // Prompt logprobs without generated-token logprobs: the same entries.
+  GenerationRequest prompt_only = r;
+  prompt_only.logprobs = -1;
+  ASSERT_TRUE(s.submit(prompt_only).is_ok());
+  std::vector<SchedulerEvent> first;
+  while (first.empty() && !s.idle()) ASSERT_TRUE(s.step(first).is_ok());
+  ASSERT_FALSE(first.empty());
+  ASSERT_EQ(first[0].prompt_logprobs.size(), lp.size());
+  EXPECT_FALSE(first[0].logprobs.has_value());
+  for (size_t i = 0; i < lp.size(); ++i)
+    EXPECT_NEAR(first[0].prompt_logprobs[i].chosen.logprob, lp[i].chosen.logprob, 1e-5);
 }
 
 // logit_bias and frequency/presence penalties: the scheduler's tokens equal a hand-written greedy

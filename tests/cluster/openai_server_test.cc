@@ -467,24 +467,32 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
   s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port), ec);
   EXPECT_TRUE(ec) << "connected after stop()";
 
-  // No drain time: a running stream ends with an error event and [DONE].
-  Fixture g = make_fixture(1);
-  auto server2 = OpenAiServer::start(*g.engine, *g.tokenizer, options_for(*g.tokenizer));
-  ASSERT_TRUE(server2.is_ok());
-  Reply cut;
-  std::thread c([&] {
-    cut = post((*server2)->port(), "/v1/completions",
-               {{"prompt", kPrompt}, {"max_tokens", 400}, {"ignore_eos", true}, {"stream", true}});
-  });
-  ASSERT_TRUE(eventually([&] { return (*server2)->counters().generated_tokens > 3; }));
-  (*server2)->stop();
-  c.join();
-  ASSERT_EQ(cut.status, 200);
-  const auto events = events_of(cut.body);
-  ASSERT_GE(events.size(), 2u);
-  EXPECT_EQ(events.back(), "[DONE]");
-  const json err = json::parse(events[events.size() - 2]);
-  EXPECT_NE(err["error"]["message"].get<std::string>().find("shutting down"), std::string::npos) << cut.body;
+  // No drain time: a running stream ends with an error event and [DONE]. stories260K writes its
+  // 400 tokens in well under a second, so on a loaded machine the stream can end before stop()
+  // lands; then the case is tried again (it did not test anything).
+  bool stopped_mid_stream = false;
+  for (int attempt = 0; attempt < 5 && !stopped_mid_stream; ++attempt) {
+    Fixture g = make_fixture(1);
+    auto server2 = OpenAiServer::start(*g.engine, *g.tokenizer, options_for(*g.tokenizer));
+    ASSERT_TRUE(server2.is_ok());
+    Reply cut;
+    std::thread c([&] {
+      cut = post((*server2)->port(), "/v1/completions",
+                 {{"prompt", kPrompt}, {"max_tokens", 400}, {"ignore_eos", true}, {"stream", true}});
+    });
+    ASSERT_TRUE(eventually([&] { return (*server2)->counters().generated_tokens > 3; }));
+    (*server2)->stop();
+    c.join();
+    ASSERT_EQ(cut.status, 200);
+    const auto events = events_of(cut.body);
+    ASSERT_GE(events.size(), 2u);
+    EXPECT_EQ(events.back(), "[DONE]");
+    if ((*server2)->counters().completed == 1) continue;  // it finished first
+    stopped_mid_stream = true;
+    const json err = json::parse(events[events.size() - 2]);
+    EXPECT_NE(err["error"]["message"].get<std::string>().find("shutting down"), std::string::npos) << cut.body;
+  }
+  EXPECT_TRUE(stopped_mid_stream) << "five streams all finished before stop()";
 }
 
 // A byte-level ChatML tokenizer (256 byte tokens + <|im_start|> 256 + <|im_end|> 257) over a
@@ -1053,7 +1061,8 @@ TEST(OpenAiServer, JsonObjectResponseFormatGivesAnObject) {
   sampled["seed"] = 11;
   Reply n = post(served.port, "/v1/completions", sampled);
   ASSERT_EQ(n.status, 200) << n.body;
-  for (const json& c : n.j()["choices"]) {
+  const json sampled_body = n.j();  // range-for would not keep a temporary alive
+  for (const json& c : sampled_body["choices"]) {
     const std::string t = c["text"];
     if (c["finish_reason"] == "stop") {
       EXPECT_TRUE(json::parse(t, nullptr, false).is_object()) << t;

@@ -84,7 +84,6 @@ class KvNode::Impl {
   // changes and the handlers read.
   std::mutex ucx_mu;
   std::unordered_map<uint64_t, Region> regions;  // region id → region
-  uint64_t page_bytes = 4096;
 
   mutable std::mutex stats_mu;
   KvNodeStats counters;
@@ -97,7 +96,8 @@ class KvNode::Impl {
       return resource_exhausted("kv node: cannot map " + std::to_string(options.capacity) + " bytes");
     }
     pool.base = p;
-    page_bytes = static_cast<uint64_t>(std::max(4096L, sysconf(_SC_PAGESIZE)));
+    // Regions in whole pages, so that free_region can hand them back with madvise.
+    const auto page_bytes = static_cast<uint64_t>(std::max(4096L, sysconf(_SC_PAGESIZE)));
     allocator = RegionAllocator(options.capacity, page_bytes);
     boost::system::error_code ec;
     const auto addr = asio::ip::make_address(options.host, ec);

@@ -674,7 +674,6 @@ nlohmann::json logprobs_json(ApiKind kind, std::span<const LogprobEntry> entries
 nlohmann::json prompt_logprobs_json(std::span<const TokenId> prompt, std::span<const TokenLogprobs> logprobs,
                                     int32_t top, const std::function<std::string(TokenId, TokenId)>& decode) {
   json out = json::array();
-  auto finite = [](float v) { return std::isfinite(v) ? static_cast<double>(v) : -9999.0; };
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (i == 0 || i - 1 >= logprobs.size()) {
       out.push_back(nullptr);
@@ -686,11 +685,11 @@ nlohmann::json prompt_logprobs_json(std::span<const TokenId> prompt, std::span<c
     const size_t k = std::min(lp.top.size(), static_cast<size_t>(std::max(top, 0)));
     for (size_t r = 0; r < k; ++r) {
       entry[std::to_string(lp.top[r].token)] = {
-          {"logprob", finite(lp.top[r].logprob)},
+          {"logprob", json_logprob(lp.top[r].logprob)},
           {"rank", r + 1},
           {"decoded_token", sanitize_utf8(decode(before, lp.top[r].token))}};
     }
-    entry[std::to_string(prompt[i])] = {{"logprob", finite(lp.chosen.logprob)},
+    entry[std::to_string(prompt[i])] = {{"logprob", json_logprob(lp.chosen.logprob)},
                                         {"rank", lp.chosen_rank},
                                         {"decoded_token", sanitize_utf8(decode(before, prompt[i]))}};
     out.push_back(std::move(entry));

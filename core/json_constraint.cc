@@ -21,27 +21,35 @@ bool is_digit(uint8_t b) { return b >= '0' && b <= '9'; }
 
 }  // namespace
 
-bool JsonGrammar::feed(uint8_t byte) {
-  JsonGrammar next = *this;
-  if (!next.feed_one(byte)) return false;
-  *this = next;
+bool JsonGrammar::feed_all(std::string_view bytes) {
+  for (char c : bytes) {
+    if (!feed_one(static_cast<uint8_t>(c))) return false;
+  }
   return true;
+}
+
+bool JsonGrammar::feed(uint8_t byte) {
+  const char c = static_cast<char>(byte);
+  return feed(std::string_view(&c, 1));
 }
 
 bool JsonGrammar::feed(std::string_view bytes) {
   JsonGrammar next = *this;
-  for (char c : bytes) {
-    if (!next.feed_one(static_cast<uint8_t>(c))) return false;
-  }
+  if (!next.feed_all(bytes)) return false;
   *this = next;
   return true;
 }
 
 bool JsonGrammar::accepts(std::string_view bytes) const {
   JsonGrammar next = *this;
-  for (char c : bytes) {
-    if (!next.feed_one(static_cast<uint8_t>(c))) return false;
-  }
+  return next.feed_all(bytes);
+}
+
+bool JsonGrammar::start_unicode(bool low_surrogate) {
+  state_ = State::kUnicode;
+  hex_left_ = 4;
+  code_unit_ = 0;
+  want_low_surrogate_ = low_surrogate;
   return true;
 }
 
@@ -203,11 +211,7 @@ bool JsonGrammar::feed_one(uint8_t b) {
           state_ = State::kString;
           return true;
         case 'u':
-          state_ = State::kUnicode;
-          hex_left_ = 4;
-          code_unit_ = 0;
-          want_low_surrogate_ = false;
-          return true;
+          return start_unicode(/*low_surrogate=*/false);
         default:
           return false;
       }
@@ -231,12 +235,7 @@ bool JsonGrammar::feed_one(uint8_t b) {
       state_ = State::kLowU;
       return true;
     case State::kLowU:
-      if (b != 'u') return false;
-      state_ = State::kUnicode;
-      hex_left_ = 4;
-      code_unit_ = 0;
-      want_low_surrogate_ = true;
-      return true;
+      return b == 'u' && start_unicode(/*low_surrogate=*/true);
     case State::kNumMinus:
       if (b == '0') {
         state_ = State::kNumZero;

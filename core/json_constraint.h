@@ -65,6 +65,8 @@ class JsonGrammar {
     kDone,
   };
   bool feed_one(uint8_t byte);
+  bool feed_all(std::string_view bytes);   // no rollback: callers work on a copy
+  bool start_unicode(bool low_surrogate);  // after "\\u"
   bool value_start(uint8_t byte);
   bool end_value();  // a value just ended: kAfterValue, or kDone at depth 0
   bool close(uint8_t byte);

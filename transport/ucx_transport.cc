@@ -180,19 +180,16 @@ Status UcxRemoteTransport::copy_replica(int source, int target) {
     write.write.push_back(leg);
     return write;
   };
-  std::vector<Op> first;
-  first.push_back(read_op(0));
-  SPX_RETURN_IF_ERROR_CTX(run_internal(std::move(first)), "reading the tier from a live replica");
+  constexpr const char* kReading = "reading the tier from a live replica";
+  constexpr const char* kCopying = "copying the tier from a live replica to the region";
+  SPX_RETURN_IF_ERROR_CTX(run_internal({read_op(0)}), kReading);
   for (uint64_t i = 0; i < chunks; ++i) {
-    std::vector<Op> ops;
-    ops.push_back(write_op(i));
-    if (i + 1 < chunks && config_.rejoin_overlap) ops.push_back(read_op(i + 1));
-    SPX_RETURN_IF_ERROR_CTX(run_internal(std::move(ops)),
-                            "copying the tier from a live replica to the region");
-    if (i + 1 < chunks && !config_.rejoin_overlap) {
-      std::vector<Op> next;
-      next.push_back(read_op(i + 1));
-      SPX_RETURN_IF_ERROR_CTX(run_internal(std::move(next)), "reading the tier from a live replica");
+    const bool next = i + 1 < chunks;
+    if (next && config_.rejoin_overlap) {
+      SPX_RETURN_IF_ERROR_CTX(run_internal({write_op(i), read_op(i + 1)}), kCopying);
+    } else {
+      SPX_RETURN_IF_ERROR_CTX(run_internal({write_op(i)}), kCopying);
+      if (next) SPX_RETURN_IF_ERROR_CTX(run_internal({read_op(i + 1)}), kReading);
     }
   }
   return Status::ok();

@@ -65,6 +65,9 @@ struct CancelOrder {
 };
 
 // A connection: shared with the disconnect watcher, which may complete after the session moved on.
+// A request without a valid key may have this much body read, so its connection stays open.
+constexpr uint64_t kUnauthorizedBodyBytes = 64 * 1024;
+
 struct Conn {
   explicit Conn(tcp::socket s) : stream(std::move(s)) {}
   beast::tcp_stream stream;
@@ -157,8 +160,11 @@ struct OpenAiServer::Impl {
   asio::awaitable<void> session(tcp::socket socket);
   // Past max_connections: a 503 naming the limit, then the connection is closed.
   asio::awaitable<void> refuse_connection(tcp::socket socket);
-  // True when no keys are set, or the request's Bearer token is one of them.
-  bool authorized(const Request& req) const;
+  // True when no keys are set, the target is outside /v1/, or the Bearer token is one of the keys.
+  bool authorized(const http::request_header<>& req) const;
+  ApiError unauthorized_error(const http::request_header<>& req);  // the 401, counted
+  // Shuts the sending side, then drops what the client still sends for up to a second.
+  asio::awaitable<void> drain_and_close(Conn& conn);
   asio::awaitable<bool> handle(std::shared_ptr<Conn> conn, Request& req);
   asio::awaitable<bool> generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind);
   asio::awaitable<bool> reply(Conn& conn, const Request& req, http::status status, std::string body,
@@ -320,9 +326,25 @@ asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket) 
                        "server at its connection limit (" + std::to_string(options.max_connections) +
                            " connections are open); retry later",
                        "", ""};
+  conn.stream.expires_after(std::chrono::seconds(1));  // a refused client must not hold a socket
+  if (!co_await reply_error(conn, req, error)) co_return;
+  co_await drain_and_close(conn);
+}
+
+ApiError OpenAiServer::Impl::unauthorized_error(const http::request_header<>& req) {
+  ++unauthorized;
+  const bool has_header = req.find(http::field::authorization) != req.end();
+  // OpenAI's answer to a missing or wrong key.
+  return {401, "invalid_request_error",
+          has_header ? "incorrect API key provided (send 'Authorization: Bearer <key>' "
+                       "with a key the server was started with)"
+                     : "no API key provided: send 'Authorization: Bearer <key>'",
+          "", "invalid_api_key"};
+}
+
+asio::awaitable<void> OpenAiServer::Impl::drain_and_close(Conn& conn) {
   // One second for all of it: a refused client must not hold a socket for long.
   conn.stream.expires_after(std::chrono::seconds(1));
-  if (!co_await reply_error(conn, req, error)) co_return;
   beast::error_code ec;
   conn.stream.socket().shutdown(tcp::socket::shutdown_send, ec);
   // Read (and drop) what the client sent until it closes: closing with its request unread would
@@ -331,8 +353,10 @@ asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket) 
   while (!ec) co_await conn.stream.async_read_some(asio::buffer(sink), asio::redirect_error(kAwait, ec));
 }
 
-bool OpenAiServer::Impl::authorized(const Request& req) const {
+bool OpenAiServer::Impl::authorized(const http::request_header<>& req) const {
   if (options.api_keys.empty()) return true;
+  const std::string_view target(req.target().data(), req.target().size());
+  if (!target.starts_with("/v1/")) return true;  // /health and /metrics stay open, as vLLM
   const auto header = req.find(http::field::authorization);
   if (header == req.end()) return false;
   const beast::string_view value = header->value();
@@ -356,10 +380,34 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
     parser.header_limit(64 * 1024);
     conn->stream.expires_after(options.idle_timeout);
     beast::error_code ec;
-    co_await http::async_read(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
-    if (ec == http::error::end_of_stream || ec == asio::error::eof || ec == beast::error::timeout ||
-        ec == asio::error::connection_reset || ec == asio::error::operation_aborted) {
-      break;
+    // The header first: a request without a valid key is refused before its body is read.
+    co_await http::async_read_header(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
+    const auto end_of_connection = [](const beast::error_code& e) {
+      return e == http::error::end_of_stream || e == asio::error::eof || e == beast::error::timeout ||
+             e == asio::error::connection_reset || e == asio::error::operation_aborted;
+    };
+    if (end_of_connection(ec)) break;
+    const bool key_ok = ec || authorized(parser.get());
+    const bool expects_continue = !ec && beast::iequals(parser.get()[http::field::expect], "100-continue");
+    // Without a valid key, a small body is read (and dropped) so that the connection stays
+    // usable; a large or chunked one, or one the client waits for a 100 Continue to send, is not
+    // read at all: the 401 goes out and the connection closes.
+    const bool small_body = parser.content_length() && *parser.content_length() <= kUnauthorizedBodyBytes;
+    if (!key_ok && !parser.is_done() && (expects_continue || !small_body)) {
+      Request req(parser.get().base());
+      req.keep_alive(false);
+      co_await reply_error(*conn, req, unauthorized_error(req));
+      co_await drain_and_close(*conn);
+      co_return;
+    }
+    if (!ec && expects_continue && !parser.is_done()) {
+      http::response<http::empty_body> go_on{http::status::continue_, parser.get().version()};
+      co_await http::async_write(conn->stream, go_on, asio::redirect_error(kAwait, ec));
+      if (ec) break;
+    }
+    if (!ec && !parser.is_done()) {
+      co_await http::async_read(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
+      if (end_of_connection(ec)) break;
     }
     conn->stream.expires_never();
     if (ec) {
@@ -378,7 +426,7 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
       break;
     }
     Request req = parser.release();
-    const bool keep = co_await handle(conn, req);
+    const bool keep = key_ok ? co_await handle(conn, req) : co_await reply_error(*conn, req, unauthorized_error(req));
     if (!keep || !req.keep_alive()) break;
   }
   beast::error_code ec;
@@ -410,17 +458,6 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
   const std::string path = target.substr(0, target.find('?'));
   const bool get = req.method() == http::verb::get;
   const bool post = req.method() == http::verb::post;
-  if (path.starts_with("/v1/") && !authorized(req)) {  // /health and /metrics stay open, as vLLM
-    ++unauthorized;
-    const bool has_header = req.find(http::field::authorization) != req.end();
-    // OpenAI's answer to a missing or wrong key.
-    const ApiError error{401, "invalid_request_error",
-                         has_header ? "incorrect API key provided (send 'Authorization: Bearer <key>' "
-                                      "with a key the server was started with)"
-                                    : "no API key provided: send 'Authorization: Bearer <key>'",
-                         "", "invalid_api_key"};
-    co_return co_await reply_error(*conn, req, error);
-  }
   auto wrong_method = [&](std::string_view allowed) -> ApiError {
     return {405, "invalid_request_error",
             "method " + std::string(req.method_string()) + " is not allowed on " + path + " (use " +

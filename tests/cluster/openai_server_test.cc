@@ -2,7 +2,7 @@
 // streaming chunks add up to the whole answer, concurrent requests are batched and each gets the
 // tokens it gets alone, stop strings and disconnects end requests and free their sequences, bad
 // requests get OpenAI error objects naming the field, a full queue gets 503, stop() drains, API
-// keys guard /v1/ (401), connections past the limit get 503 and are closed.
+// keys guard /v1/ (401, before a large body is read), connections past the limit get 503 and are closed.
 #include <gtest/gtest.h>
 
 #include <boost/asio.hpp>
@@ -1225,6 +1225,86 @@ TEST(OpenAiServer, ApiKeysGuardEveryV1RouteAndLeaveHealthAndMetricsOpen) {
   auto refused_start = OpenAiServer::start(*f.engine, *f.tokenizer, empty);
   ASSERT_FALSE(refused_start.is_ok());
   EXPECT_EQ(refused_start.status().code(), StatusCode::kInvalidArgument);
+}
+
+// Reads from `s` until `until` has come (or the connection ends, or 10 s pass); what came.
+std::string read_until(tcp::socket& s, const std::string& until) {
+  std::string got;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  s.non_blocking(true);
+  while (got.find(until) == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    char chunk[4096];
+    beast::error_code ec;
+    const size_t n = s.read_some(asio::buffer(chunk), ec);
+    if (ec == asio::error::would_block) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
+    if (ec) break;
+    got.append(chunk, n);
+  }
+  s.non_blocking(false);
+  return got;
+}
+
+TEST(OpenAiServer, AKeylessRequestIsRefusedBeforeItsBodyAndExpectContinueIsHonoured) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.api_keys = {"key-one"};
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), (*server)->port());
+  asio::io_context ioc;
+  const std::string body = R"({"prompt":"Once","max_tokens":3})";
+  auto header = [&](const std::string& authorization, size_t length, bool expect_continue) {
+    std::string h = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n";
+    if (!authorization.empty()) h += "Authorization: " + authorization + "\r\n";
+    if (expect_continue) h += "Expect: 100-continue\r\n";
+    return h + "Content-Length: " + std::to_string(length) + "\r\n\r\n";
+  };
+  {
+    // 3 MiB announced and none sent: the 401 comes at once and the connection closes.
+    tcp::socket s(ioc);
+    s.connect(where);
+    asio::write(s, asio::buffer(header("", 3u << 20, false)));
+    const std::string answer = read_until(s, "\"invalid_api_key\"");
+    EXPECT_TRUE(answer.starts_with("HTTP/1.1 401")) << answer;
+    EXPECT_NE(answer.find("Connection: close"), std::string::npos) << answer;
+    EXPECT_NE(answer.find("invalid_api_key"), std::string::npos) << answer;
+    char byte = 0;
+    beast::error_code ec;
+    s.read_some(asio::buffer(&byte, 1), ec);
+    EXPECT_EQ(ec, asio::error::eof) << "closed after the 401";
+  }
+  {
+    // A wrong key with Expect: 100-continue: no 100, the 401 instead, and the body is never sent.
+    tcp::socket s(ioc);
+    s.connect(where);
+    asio::write(s, asio::buffer(header("Bearer wrong", body.size(), true)));
+    const std::string answer = read_until(s, "\"invalid_api_key\"");
+    EXPECT_TRUE(answer.starts_with("HTTP/1.1 401")) << answer;
+    EXPECT_EQ(answer.find("100 Continue"), std::string::npos) << answer;
+  }
+  {
+    // The right key with Expect: 100-continue: "100 Continue", then the body, then the answer.
+    tcp::socket s(ioc);
+    s.connect(where);
+    asio::write(s, asio::buffer(header("Bearer key-one", body.size(), true)));
+    const std::string interim = read_until(s, "\r\n\r\n");
+    EXPECT_TRUE(interim.starts_with("HTTP/1.1 100 Continue\r\n")) << interim;
+    asio::write(s, asio::buffer(body));
+    beast::flat_buffer buf;
+    http::response<http::string_body> res;
+    beast::error_code ec;
+    http::read(s, buf, res, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    ASSERT_EQ(res.result_int(), 200u) << res.body();
+    EXPECT_EQ(json::parse(res.body())["usage"]["completion_tokens"], 3);
+  }
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.unauthorized, 2);
+  EXPECT_EQ(c.accepted, 1);
+  EXPECT_EQ(c.completed, 1);
 }
 
 TEST(OpenAiServer, ConnectionsPastTheLimitGet503AndAClosedOneMakesRoom) {

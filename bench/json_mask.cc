@@ -4,7 +4,8 @@
 // then advanced by it), for the bundled stories260K vocabulary (512) and GPT-2's BPE vocabulary
 // (50257, data/tokenizer-tests). Also the one-off cost of VocabularyBytes::build.
 //
-//   build/release/bench/bench_json_mask --out bench_out/json_mask.json
+//   build/release/bench/bench_json_mask --out bench_out/json_mask.json --plot
+// JSON (and --plot: a PNG via plot_json_mask.py: the mask time at each token of the document).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "core/gguf.h"
 #include "core/json_constraint.h"
 #include "core/tokenizer.h"
+#include "bench/lib/report.h"
 
 using namespace specontext;
 
@@ -51,23 +53,29 @@ nlohmann::json measure(const std::string& name, const Tokenizer& tok, int repeat
   auto ids = tok.encode(kDocument, /*add_bos=*/false);
   if (!ids.is_ok()) fail(ids.status());
   std::vector<double> mask_us;
+  std::vector<std::vector<double>> at_step(ids->size());  // each pass's time at each token
+  std::vector<int64_t> open_at_step(ids->size());
   std::vector<float> logits(static_cast<size_t>(tok.vocab_size()));
   size_t open_total = 0, steps = 0;
   for (int r = 0; r < repeats; ++r) {
     auto c = JsonObjectConstraint::create(vocabulary);
     if (!c.is_ok()) fail(c.status());
-    for (TokenId id : *ids) {
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const TokenId id = (*ids)[i];
       std::fill(logits.begin(), logits.end(), 0.0f);
       const auto m0 = Clock::now();
       if (Status s = (*c)->mask(logits); !s.is_ok()) fail(s);
       mask_us.push_back(seconds_since(m0) * 1e6);
-      open_total += static_cast<size_t>(std::count(logits.begin(), logits.end(), 0.0f));
+      at_step[i].push_back(mask_us.back());
+      open_at_step[i] = std::count(logits.begin(), logits.end(), 0.0f);
+      open_total += static_cast<size_t>(open_at_step[i]);
       ++steps;
       if (Status s = (*c)->accept(id); !s.is_ok()) fail(s.with_context("the document's own token"));
     }
     if (!(*c)->closed()) fail(internal_error("the document did not close the constraint"));
   }
-  nlohmann::json j = {{"vocabulary", name},
+  nlohmann::json j = {{"constraint", "json_object"},
+                      {"vocabulary", name},
                       {"vocab_size", tok.vocab_size()},
                       {"document_tokens", ids->size()},
                       {"build_ms", build_s * 1e3},
@@ -75,6 +83,13 @@ nlohmann::json measure(const std::string& name, const Tokenizer& tok, int repeat
                       {"mask_us_p90", percentile(mask_us, 0.9)},
                       {"mask_us_max", percentile(mask_us, 1.0)},
                       {"open_tokens_mean", static_cast<double>(open_total) / static_cast<double>(steps)}};
+  nlohmann::json per_step = nlohmann::json::array();
+  for (size_t i = 0; i < ids->size(); ++i) {
+    per_step.push_back({{"token", tok.decode_token(i == 0 ? tok.bos_id() : (*ids)[i - 1], (*ids)[i])},
+                        {"mask_us_median", percentile(at_step[i], 0.5)},
+                        {"open_tokens", open_at_step[i]}});
+  }
+  j["steps"] = std::move(per_step);
   std::fprintf(
       stderr,
       "%-12s vocab %6d: build %7.2f ms, mask p50 %8.1f us, p90 %8.1f us, max %8.1f us, %.0f tokens open\n",
@@ -91,6 +106,8 @@ int main(int argc, char** argv) {
   int repeats = 5;
   app.add_option("--out", out_path, "write the JSON report here too");
   app.add_option("--repeats", repeats, "passes over the document")->check(CLI::PositiveNumber);
+  bool plot = false;
+  app.add_flag("--plot", plot, "PNG beside --out (plot_json_mask.py)");
   CLI11_PARSE(app, argc, argv);
   const std::string root = SPECONTEXT_SOURCE_DIR;
   nlohmann::json results = nlohmann::json::array();
@@ -103,7 +120,11 @@ int main(int argc, char** argv) {
   if (!gpt2.is_ok()) fail(gpt2.status());
   results.push_back(measure("gpt-2", **gpt2, repeats));
   const nlohmann::json doc = {{"document", kDocument}, {"repeats", repeats}, {"results", results}};
-  std::printf("%s\n", doc.dump(2).c_str());
-  if (!out_path.empty()) std::ofstream(out_path) << doc.dump(2) << "\n";
+  if (out_path.empty()) {
+    if (plot) std::fprintf(stderr, "bench_json_mask: --plot needs --out\n");
+    std::printf("%s\n", doc.dump().c_str());
+    return 0;
+  }
+  bench::write_report(doc, out_path, plot, root + "/bench/plot_json_mask.py");
   return 0;
 }

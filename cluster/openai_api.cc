@@ -306,6 +306,20 @@ Check parse_choices(const json& body, ApiRequest& req) {
     }
     req.n = static_cast<int32_t>(*n);
   }
+  req.best_of = req.n;
+  if (const json* v = find_field(body, "best_of")) {
+    const auto best_of = as_int64(*v);
+    if (req.kind == ApiKind::kChat) {
+      if (best_of != 1) return field_error("best_of", "must be 1 for chat completions: best_of is a completions field");
+    } else if (!best_of || *best_of < req.n || *best_of > kMaxChoices) {
+      return field_error("best_of", "must be an integer between n (" + std::to_string(req.n) + ") and " +
+                                        std::to_string(kMaxChoices));
+    } else if (req.stream && *best_of > req.n) {
+      return field_error("best_of", "must equal n when streaming: the best choices are known only at the end");
+    } else {
+      req.best_of = static_cast<int32_t>(*best_of);
+    }
+  }
   if (const json* v = find_field(body, "echo")) {
     if (!v->is_boolean()) return field_error("echo", "must be a boolean");
     if (v->get<bool>() && req.kind == ApiKind::kChat) {
@@ -367,9 +381,6 @@ Check parse_logit_controls(const json& body, ApiRequest& req) {
 
 // Features we cannot honour: refused unless given as their "off" value, never silently ignored.
 Check refuse_unsupported(const json& body) {
-  if (const json* v = find_field(body, "best_of"); v && as_int64(*v) != 1) {
-    return field_error("best_of", "must be 1: best-of sampling is not supported (n is)");
-  }
   if (const json* v = find_field(body, "suffix")) {
     if (!(v->is_string() && v->get_ref<const std::string&>().empty())) {
       return field_error("suffix", "must be null or empty: inserting before a suffix is not supported");

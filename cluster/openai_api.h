@@ -4,7 +4,7 @@
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
 // ignore_eos, stop_token_ids, min_p, min_tokens); anything we cannot
 // honour is refused with a 400 naming the field, never silently ignored (chat echo, suffix,
-// best_of, tools, json_schema, ...).
+// chat best_of, tools, json_schema, ...).
 #pragma once
 
 #include <cstdint>
@@ -73,6 +73,10 @@ struct ApiRequest {
   int32_t prompt_logprobs = -1;
   // Choices: n independent samples of the same prompt (seeds seed, seed + 1, ...).
   int32_t n = 1;
+  // Completions: best_of (n..kMaxChoices) samples are drawn and the n with the highest mean
+  // log-probability per token are answered (OpenAI's "best"); equal to n unless asked, and only
+  // equal to n when streaming. Chat: always n (best_of must be 1 or absent).
+  int32_t best_of = 1;
   // OpenAI's frequency_penalty / presence_penalty ([-2, 2]) and logit_bias ({"id": [-100, 100]});
   // vLLM's stop_token_ids. Ids are checked against the vocabulary by the server.
   float frequency_penalty = 0.0f;
@@ -88,10 +92,10 @@ struct ApiRequest {
 };
 
 // body: the HTTP request body. Errors: malformed JSON (400, param empty), wrong types or ranges
-// (400 naming the field), unsupported features (400, e.g. "field 'best_of' must be 1"). Unknown fields are
+// (400 naming the field), unsupported features (400, e.g. "field 'suffix' must be null or empty"). Unknown fields are
 // ignored, as OpenAI does. Never throws. Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1,
 // seed 0 (= time-derived). top_logprobs only for chat and beside "logprobs":
-// true; n in [1, kMaxChoices]; best_of only when 1; echo (chat) only when false; suffix only when empty;
+// true; n in [1, kMaxChoices]; best_of in [n, kMaxChoices] (completions, not streamed unless = n); echo (chat) only when false; suffix only when empty;
 // tools/functions only when empty, tool_choice only "none"/"auto", response_format {"type":"text"} or
 // {"type":"json_object"}. null counts as absent for every optional field; integral floats (3.0) pass as
 // integers.

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <ctime>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string_view>
@@ -178,7 +179,8 @@ struct OpenAiServer::Impl {
   asio::awaitable<std::vector<ChoiceEvent>> next_events(Job& job);
   std::string metrics_text() const;
   // Builds the engine request from the parsed body, or the error to answer with.
-  // One request per choice (n), seeds seed, seed + 1, ... (a random base when no seed is given).
+  // One request per choice (best_of, which is n unless asked), seeds seed, seed + 1, ... (a random
+  // base when no seed is given).
   std::optional<ApiError> to_generation(const ApiRequest& in, std::vector<GenerationRequest>& out) const;
 };
 
@@ -583,14 +585,16 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
     }
     out.constraint = json_prototype;
   }
-  if (in.n > 1) {
+  // best_of ranks its samples by their tokens' log-probabilities: the chosen one's at least.
+  if (in.best_of > in.n) out.logprobs = std::max(out.logprobs, 0);
+  if (in.best_of > 1) {
     // Distinct streams per choice; without a seed, a random base (0 would make each time-derived,
     // and choices created in the same tick could coincide).
     uint64_t base = in.sampling.seed;
     if (base == 0) base = (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();
     const GenerationRequest proto = out;  // `out` refers into choices, which assign() replaces
-    choices.assign(static_cast<size_t>(in.n), proto);
-    for (int32_t c = 0; c < in.n; ++c) {
+    choices.assign(static_cast<size_t>(in.best_of), proto);
+    for (int32_t c = 0; c < in.best_of; ++c) {
       const uint64_t seed = base + static_cast<uint64_t>(c);
       choices[static_cast<size_t>(c)].sampling.seed = seed == 0 ? 1 : seed;
     }
@@ -710,6 +714,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     StopMatcher matcher;
     TokenId prev = -1;
     int64_t completion_tokens = 0;
+    double logprob_sum = 0.0;  // of the generated tokens (best_of ranks by the mean)
     std::string text;  // non-streaming: the whole text
     std::vector<LogprobEntry> logprobs;
     size_t logprobs_sent = 0;
@@ -722,7 +727,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     std::string finish_reason;  // set when generation ended normally
   };
   std::vector<Choice> choices;
-  for (int32_t c = 0; c < api.n; ++c) {
+  for (int32_t c = 0; c < api.best_of; ++c) {
     choices.emplace_back(api.stop);
     choices.back().prev = last_prompt_token;
     choices.back().echo_pending = api.echo;
@@ -809,6 +814,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
       }
       if (!ev.finished) {
         ++ch.completion_tokens;
+        if (ev.logprobs) ch.logprob_sum += ev.logprobs->chosen.logprob;
         std::string piece = tokenizer.decode_token(ch.prev, ev.token);
         if (want_logprobs && ev.logprobs) {
           LogprobEntry entry{piece, ev.logprobs->chosen.logprob, {}, ch.raw_code_points};
@@ -903,8 +909,21 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     Usage usage{prompt_len, completion_tokens, std::nullopt};
     if (options.scheduling.prefix_caching) usage.cached_tokens = std::min(cached_tokens, prompt_len);
     if (!api.stream) {
+      // best_of: the n choices of the highest mean log-probability per token (ties: the first).
+      std::vector<size_t> order(choices.size());
+      std::iota(order.begin(), order.end(), size_t{0});
+      auto mean_logprob = [&](size_t c) {
+        const Choice& ch = choices[c];
+        return ch.completion_tokens > 0 ? ch.logprob_sum / static_cast<double>(ch.completion_tokens) : 0.0;
+      };
+      if (api.best_of > api.n) {
+        std::stable_sort(order.begin(), order.end(),
+                         [&](size_t a, size_t b) { return mean_logprob(a) > mean_logprob(b); });
+        order.resize(static_cast<size_t>(api.n));
+      }
       std::vector<ChoiceOut> out;
-      for (const Choice& ch : choices) {
+      for (size_t c : order) {
+        const Choice& ch = choices[c];
         out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr,
                        ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
       }

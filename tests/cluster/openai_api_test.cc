@@ -260,6 +260,31 @@ TEST(OpenAiParse, StopRefusals) {
   expect_refused(k, completion(R"("stop":["a",7])"), "stop[1]");
 }
 
+TEST(OpenAiParse, BestOfIsACompletionsFieldOfAtLeastNAndNotStreamed) {
+  ParseResult plain = parse_api_request(ApiKind::kCompletion, completion(R"("n":3)"));
+  ASSERT_TRUE(plain.request) << plain.error.message;
+  EXPECT_EQ(plain.request->best_of, 3) << "best_of defaults to n";
+  ParseResult best = parse_api_request(ApiKind::kCompletion, completion(R"("n":2,"best_of":5.0)"));
+  ASSERT_TRUE(best.request) << best.error.message;
+  EXPECT_EQ(best.request->n, 2);
+  EXPECT_EQ(best.request->best_of, 5);
+  ParseResult streamed_equal =
+      parse_api_request(ApiKind::kCompletion, completion(R"("n":2,"best_of":2,"stream":true)"));
+  ASSERT_TRUE(streamed_equal.request) << streamed_equal.error.message;
+  ParseResult null_best = parse_api_request(ApiKind::kCompletion, completion(R"("n":2,"best_of":null)"));
+  ASSERT_TRUE(null_best.request) << null_best.error.message;
+  EXPECT_EQ(null_best.request->best_of, 2);
+  expect_refused(ApiKind::kCompletion, completion(R"("n":3,"best_of":2)"), "best_of", "between n (3) and 16");
+  expect_refused(ApiKind::kCompletion, completion(R"("best_of":17)"), "best_of", "between n (1) and 16");
+  expect_refused(ApiKind::kCompletion, completion(R"("best_of":0)"), "best_of");
+  expect_refused(ApiKind::kCompletion, completion(R"("best_of":"2")"), "best_of");
+  expect_refused(ApiKind::kCompletion, completion(R"("best_of":3,"stream":true)"), "best_of", "when streaming");
+  expect_refused(ApiKind::kChat, chat(R"("best_of":2)"), "best_of", "completions field");
+  ParseResult chat_one = parse_api_request(ApiKind::kChat, chat(R"("n":2,"best_of":1)"));
+  ASSERT_TRUE(chat_one.request) << chat_one.error.message;
+  EXPECT_EQ(chat_one.request->best_of, 2) << "chat: always n";
+}
+
 TEST(OpenAiParse, UnsupportedFeatureRefusals) {
   for (ApiKind k : {ApiKind::kCompletion, ApiKind::kChat}) {
     auto body = [k](const std::string& extra) {
@@ -269,11 +294,9 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("n":0)"), "n", "between 1 and 16");
     expect_refused(k, body(R"("n":"1")"), "n", "must be an integer");
     expect_refused(k, body(R"("n":1.5)"), "n", "must be an integer");
-    expect_refused(k, body(R"("best_of":2)"), "best_of", "must be 1");
     ParseResult n = parse_api_request(k, body(R"("n":4.0)"));
     ASSERT_TRUE(n.request) << n.error.message;
     EXPECT_EQ(n.request->n, 4);
-    expect_refused(k, body(R"("best_of":3)"), "best_of", "must be 1");
     expect_refused(k, body(R"("echo":"no")"), "echo", "must be a boolean");
     expect_refused(k, body(R"("presence_penalty":2.5)"), "presence_penalty", "between -2 and 2");
     expect_refused(k, body(R"("frequency_penalty":-3)"), "frequency_penalty", "between -2 and 2");

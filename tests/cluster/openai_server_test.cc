@@ -940,6 +940,58 @@ TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
   EXPECT_TRUE(eventually([&] { return served.server->counters().kv_bytes_in_use == 0; }));
 }
 
+// best_of: the n of best_of samples with the highest mean log-probability per token, in that
+// order; the samples are those n = best_of gives (same seeds), and usage counts all of them.
+TEST(OpenAiServer, BestOfAnswersTheMostLikelyOfItsSamples) {
+  Served served = serve_stories(4);
+  ASSERT_TRUE(served.server);
+  const uint16_t port = served.port;
+  const json base = {{"prompt", kPrompt}, {"max_tokens", 16}, {"temperature", 1.0}, {"seed", 5}};
+  json all_body = base;
+  all_body["n"] = 5;
+  all_body["logprobs"] = 0;
+  Reply all = post(port, "/v1/completions", all_body);
+  ASSERT_EQ(all.status, 200) << all.body;
+  const json samples = all.j()["choices"];
+  ASSERT_EQ(samples.size(), 5u);
+  std::vector<std::pair<double, size_t>> ranked;  // (-mean logprob, index): best first
+  for (size_t c = 0; c < samples.size(); ++c) {
+    const json& lp = samples[c]["logprobs"]["token_logprobs"];
+    ASSERT_FALSE(lp.empty());
+    double sum = 0.0;
+    for (const json& v : lp) sum += v.get<double>();
+    ranked.emplace_back(-sum / static_cast<double>(lp.size()), c);
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  ASSERT_FALSE(ranked[0].second == 0 && ranked[1].second == 1)
+      << "the seed must make the best two differ from the first two, or the test could not fail";
+
+  json best_body = base;
+  best_body["n"] = 2;
+  best_body["best_of"] = 5;
+  Reply best = post(port, "/v1/completions", best_body);
+  ASSERT_EQ(best.status, 200) << best.body;
+  const json j = best.j();
+  ASSERT_EQ(j["choices"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], samples[ranked[i].second]["text"]) << "rank " << i;
+    EXPECT_EQ(j["choices"][i]["finish_reason"], samples[ranked[i].second]["finish_reason"]);
+    EXPECT_TRUE(j["choices"][i]["logprobs"].is_null()) << "not asked for";
+  }
+  EXPECT_EQ(j["usage"]["completion_tokens"], all.j()["usage"]["completion_tokens"]) << "all five were generated";
+  // With logprobs asked, the answer carries the winners' own.
+  best_body["logprobs"] = 1;
+  Reply with_lp = post(port, "/v1/completions", best_body);
+  ASSERT_EQ(with_lp.status, 200) << with_lp.body;
+  EXPECT_EQ(with_lp.j()["choices"][0]["logprobs"]["token_logprobs"],
+            samples[ranked[0].second]["logprobs"]["token_logprobs"]);
+  json streamed = best_body;
+  streamed["stream"] = true;
+  EXPECT_EQ(post(port, "/v1/completions", streamed).status, 400);
+  EXPECT_TRUE(eventually([&] { return served.server->counters().kv_bytes_in_use == 0; }));
+}
+
 // logit_bias, penalties and stop_token_ids reach the engine: banning the greedy first token
 // changes the text, a stop token id ends it, ids outside the vocabulary are a 400 naming the field.
 TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {

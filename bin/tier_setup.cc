@@ -82,6 +82,17 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   if (!remote.empty() && !args.kv_nodes.empty()) {
     return invalid_argument("--remote-kv (in-process loopback nodes) and --kv-node cannot be combined");
   }
+  // A remote layer is staged on the device for the step: only its working set under one shared
+  // selection, but its whole KV for a method that attends densely or selects per layer. Such a
+  // tier would relieve the device of nothing, and the step that first stages it would fail.
+  const SparseMethod method = eopts.sparse.method;
+  if ((!remote.empty() || !args.kv_nodes.empty()) && method != SparseMethod::kSpeContext &&
+      method != SparseMethod::kStreaming) {
+    return invalid_argument(std::string(!remote.empty() ? "--remote-kv" : "--kv-node") + " needs --sparse specontext or streaming: under --sparse " +
+                            std::string(sparse_method_name(method)) +
+                            " each step stages a remote layer's whole KV on the device, so a remote tier cannot "
+                            "relieve it; offload to host memory (--host-kv) instead");
+  }
 #if !SPECONTEXT_HAVE_UCX
   if (!args.kv_nodes.empty()) return unimplemented("--kv-node: this build has no UCX (install libucx-dev and rebuild)");
 #endif

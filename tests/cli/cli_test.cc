@@ -267,6 +267,24 @@ TEST(Cli, GenerateRefusesWhatFitsNoTier) {
                              " --prompt 'x' -n 4 --device-kv 1MiB");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.out.find("--device-kv needs --host-kv, --remote-kv or --kv-node"), std::string::npos) << bad.out;
+  // Dense attention (as quest and oracle) stages a remote layer's whole KV on the device each
+  // step: refused at start, naming the way out, instead of a step failing once a layer leaves.
+  for (const char* method : {"dense", "quest", "oracle"}) {
+    SCOPED_TRACE(method);
+    const CliRun remote = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                                  " --prompt 'Once upon a time' -n 300 --sparse " + method +
+                                  " --device-kv 300KiB --host-kv 64KiB --remote-kv 1MiB");
+    EXPECT_EQ(remote.exit_code, 1) << remote.out;
+    EXPECT_NE(remote.out.find("--remote-kv needs --sparse specontext or streaming: under --sparse " +
+                              std::string(method)),
+              std::string::npos)
+        << remote.out;
+    EXPECT_NE(remote.out.find("--host-kv"), std::string::npos) << remote.out;
+  }
+  const CliRun dense_host = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                                    " --prompt 'Once upon a time' -n 300 --sparse dense --device-kv 300KiB "
+                                    "--host-kv 1MiB --json");
+  EXPECT_EQ(dense_host.exit_code, 0) << "host tiers are read in place under dense attention: " << dense_host.out;
   const CliRun size = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
                               " --prompt 'x' -n 4 --host-kv 12XB");
   EXPECT_EQ(size.exit_code, 1);

@@ -535,34 +535,105 @@ std::string error_body(const ApiError& error) {
   }
 }
 
-ParseResult parse_api_request(ApiKind kind, std::string_view body) {
+// The body as a JSON object, or the 400 to answer with.
+std::optional<ApiError> parse_body(std::string_view body, json& out) {
+  try {
+    out = json::parse(body);
+  } catch (const json::parse_error& e) {
+    std::string detail = e.what();
+    // "[json.exception.parse_error.101] parse error at ..." → "parse error at ...".
+    if (auto close = detail.find("] "); detail.starts_with("[json.exception") && close != std::string::npos) {
+      detail.erase(0, close + 2);
+    }
+    ApiError err;
+    err.message = "request body is not valid JSON: " + detail;
+    return err;
+  }
+  if (!out.is_object()) {
+    ApiError err;
+    err.message = "request body must be a JSON object";
+    return err;
+  }
+  return std::nullopt;
+}
+
+// Runs `parse` over the body's object; nlohmann's own exceptions, which the checks make
+// unreachable, become a 400 anyway.
+template <typename Result, typename Parse>
+Result parse_guarded(std::string_view body, Parse parse) {
   try {
     json j;
-    try {
-      j = json::parse(body);
-    } catch (const json::parse_error& e) {
-      std::string detail = e.what();
-      // "[json.exception.parse_error.101] parse error at ..." → "parse error at ...".
-      if (auto close = detail.find("] ");
-          detail.starts_with("[json.exception") && close != std::string::npos) {
-        detail.erase(0, close + 2);
-      }
-      ApiError err;
-      err.message = "request body is not valid JSON: " + detail;
-      return ParseResult{std::nullopt, std::move(err)};
-    }
-    if (!j.is_object()) {
-      ApiError err;
-      err.message = "request body must be a JSON object";
-      return ParseResult{std::nullopt, std::move(err)};
-    }
-    return parse_object(kind, j);
+    if (auto err = parse_body(body, j)) return Result{std::nullopt, std::move(*err)};
+    return parse(j);
   } catch (...) {
-    // The checks above make json's own exceptions unreachable; this keeps the promise anyway.
     ApiError err;
     err.message = "request body could not be read";
-    return ParseResult{std::nullopt, std::move(err)};
+    return Result{std::nullopt, std::move(err)};
   }
+}
+
+ParseResult parse_api_request(ApiKind kind, std::string_view body) {
+  return parse_guarded<ParseResult>(body, [kind](const json& j) { return parse_object(kind, j); });
+}
+
+TokenizeParse parse_tokenize_request(std::string_view body) {
+  return parse_guarded<TokenizeParse>(body, [](const json& j) -> TokenizeParse {
+    TokenizeRequest out;
+    ApiRequest req;
+    const bool chat = find_field(j, "messages") != nullptr;
+    req.kind = chat ? ApiKind::kChat : ApiKind::kCompletion;
+    Check e = parse_strings(j, req);
+    if (!e && chat) {
+      if (find_field(j, "prompt")) e = field_error("prompt", "must not be given with 'messages': one or the other");
+      if (!e) e = parse_messages(j, req);
+    } else if (!e) {
+      const json* p = find_field(j, "prompt");
+      if (!p || !p->is_string()) {
+        e = field_error("prompt", "is required: a string (or give 'messages' to tokenize a chat)");
+      } else {
+        req.prompt_text = p->get<std::string>();
+      }
+    }
+    out.add_special_tokens = !chat;  // vLLM's defaults: the chat template writes its own
+    for (auto [key, flag] : {std::pair{"add_special_tokens", &out.add_special_tokens},
+                             std::pair{"return_token_strs", &out.return_token_strs},
+                             std::pair{"add_generation_prompt", &out.add_generation_prompt}}) {
+      if (e) break;
+      if (const json* v = find_field(j, key)) {
+        if (!v->is_boolean()) {
+          e = field_error(key, "must be a boolean");
+        } else {
+          *flag = v->get<bool>();
+        }
+      }
+    }
+    if (!e && chat && !out.add_generation_prompt) {
+      e = field_error("add_generation_prompt", "must be true: the chat templates here always end with the assistant's turn");
+    }
+    if (!e && !chat && find_field(j, "add_generation_prompt")) {
+      e = field_error("add_generation_prompt", "is for 'messages' only");
+    }
+    if (e) return TokenizeParse{std::nullopt, std::move(*e)};
+    out.kind = req.kind;
+    out.model = std::move(req.model);
+    out.prompt = std::move(req.prompt_text);
+    out.messages = std::move(req.messages);
+    return TokenizeParse{std::move(out), ApiError{}};
+  });
+}
+
+DetokenizeParse parse_detokenize_request(std::string_view body) {
+  return parse_guarded<DetokenizeParse>(body, [](const json& j) -> DetokenizeParse {
+    DetokenizeRequest out;
+    ApiRequest req;
+    Check e = parse_strings(j, req);
+    const json* t = find_field(j, "tokens");
+    if (!e && (!t || !t->is_array())) e = field_error("tokens", "is required: an array of token ids");
+    if (!e && !t->empty()) e = parse_token_ids(*t, "tokens", out.tokens);
+    if (e) return DetokenizeParse{std::nullopt, std::move(*e)};
+    out.model = std::move(req.model);
+    return DetokenizeParse{std::move(out), ApiError{}};
+  });
 }
 
 std::string sanitize_utf8(std::string_view s) {
@@ -799,6 +870,22 @@ std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usa
 }
 
 std::string stream_error_chunk(const ApiError& error) { return "data: " + error_body(error) + "\n\n"; }
+
+nlohmann::json tokenize_response(std::span<const TokenId> tokens, int64_t max_model_len,
+                                 const std::vector<std::string>* token_strs) {
+  try {
+    json out{{"count", tokens.size()}, {"max_model_len", max_model_len},
+             {"tokens", std::vector<TokenId>(tokens.begin(), tokens.end())}};
+    if (token_strs) {
+      json strs = json::array();
+      for (const std::string& piece : *token_strs) strs.push_back(sanitize_utf8(piece));
+      out["token_strs"] = std::move(strs);
+    }
+    return out;
+  } catch (...) {
+    return json::object();
+  }
+}
 
 nlohmann::json models_response(const std::string& model_name, int64_t created, int64_t max_model_len) {
   try {

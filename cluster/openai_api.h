@@ -105,6 +105,40 @@ struct ParseResult {
 };
 ParseResult parse_api_request(ApiKind kind, std::string_view body);
 
+// vLLM's POST /tokenize: {"prompt": TEXT} (add_special_tokens, default true: the BOS the
+// completions API adds) or {"messages": [...]} (rendered by the chat template, as chat
+// completions do; add_special_tokens default false; add_generation_prompt only true), and
+// return_token_strs. The answer is {"count", "max_model_len", "tokens"[, "token_strs"]}; the
+// ids are those the completions / chat API would compute for the same prompt.
+struct TokenizeRequest {
+  ApiKind kind = ApiKind::kCompletion;  // kChat: messages
+  std::string model;
+  std::string prompt;
+  std::vector<ChatMessageIn> messages;
+  bool add_special_tokens = true;
+  bool add_generation_prompt = true;
+  bool return_token_strs = false;
+};
+struct TokenizeParse {
+  std::optional<TokenizeRequest> request;
+  ApiError error;  // meaningful when !request
+};
+TokenizeParse parse_tokenize_request(std::string_view body);
+nlohmann::json tokenize_response(std::span<const TokenId> tokens, int64_t max_model_len,
+                                 const std::vector<std::string>* token_strs);
+
+// vLLM's POST /detokenize: {"tokens": [ids]} → {"prompt": TEXT}. The ids are checked against the
+// vocabulary by the server.
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<TokenId> tokens;
+};
+struct DetokenizeParse {
+  std::optional<DetokenizeRequest> request;
+  ApiError error;
+};
+DetokenizeParse parse_detokenize_request(std::string_view body);
+
 // Text as it is generated, with stop strings: feed() each decoded piece and emit what it
 // returns. A piece is held back while it could be the start of a stop string or while it ends in
 // an incomplete UTF-8 sequence, so streamed text never contains any part of a stop string and

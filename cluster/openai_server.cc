@@ -178,6 +178,16 @@ struct OpenAiServer::Impl {
   void cancel_choice(const std::shared_ptr<Job>& job, size_t choice);
   asio::awaitable<std::vector<ChoiceEvent>> next_events(Job& job);
   std::string metrics_text() const;
+  // 404 unless `model` is empty or the served name.
+  std::optional<ApiError> model_error(const std::string& model) const;
+  // A prompt's ids as the completions (text) or chat (messages, through the template) API
+  // computes them; add_bos: the tokenizer's BOS first.
+  std::optional<ApiError> encode_prompt(ApiKind kind, const std::string& text,
+                                        const std::vector<ChatMessageIn>& messages, bool add_bos,
+                                        std::vector<TokenId>& out) const;
+  // POST /tokenize and /detokenize (vLLM's): the answer's status and body.
+  std::pair<int, std::string> tokenize(std::string_view body) const;
+  std::pair<int, std::string> detokenize(std::string_view body) const;
   // Builds the engine request from the parsed body, or the error to answer with.
   // One request per choice (best_of, which is n unless asked), seeds seed, seed + 1, ... (a random
   // base when no seed is given).
@@ -357,8 +367,10 @@ asio::awaitable<void> OpenAiServer::Impl::drain_and_close(Conn& conn) {
 
 bool OpenAiServer::Impl::authorized(const http::request_header<>& req) const {
   if (options.api_keys.empty()) return true;
-  const std::string_view target(req.target().data(), req.target().size());
-  if (!target.starts_with("/v1/")) return true;  // /health and /metrics stay open, as vLLM
+  std::string_view path(req.target().data(), req.target().size());
+  path = path.substr(0, path.find('?'));
+  // /health and /metrics stay open, as in vLLM; unlike vLLM, so do not /tokenize and /detokenize.
+  if (!path.starts_with("/v1/") && path != "/tokenize" && path != "/detokenize") return true;
   const auto header = req.find(http::field::authorization);
   if (header == req.end()) return false;
   const beast::string_view value = header->value();
@@ -487,12 +499,93 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
     const std::string_view type = path == "/metrics" ? "text/plain; version=0.0.4" : "application/json";
     co_return co_await reply(*conn, req, http::status::ok, std::move(body), type);
   }
+  if (path == "/tokenize" || path == "/detokenize") {
+    if (!post) {
+      ++rejected;
+      const ApiError error = wrong_method("POST");
+      co_return co_await reply_error(*conn, req, error);
+    }
+    auto [status, body] = path == "/tokenize" ? tokenize(req.body()) : detokenize(req.body());
+    if (status != 200) ++rejected;
+    co_return co_await reply(*conn, req, static_cast<http::status>(status), std::move(body));
+  }
   ++rejected;
-  const ApiError error{
-      404, "not_found_error",
-      "no route " + path + " (serving /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
-      "", ""};
+  const ApiError error{404, "not_found_error",
+                       "no route " + path +
+                           " (serving /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
+                           "/health, /metrics)",
+                       "", ""};
   co_return co_await reply_error(*conn, req, error);
+}
+
+std::pair<int, std::string> OpenAiServer::Impl::tokenize(std::string_view body) const {
+  const TokenizeParse parsed = parse_tokenize_request(body);
+  if (!parsed.request) return {parsed.error.http_status, error_body(parsed.error)};
+  const TokenizeRequest& in = *parsed.request;
+  std::optional<ApiError> err = model_error(in.model);
+  std::vector<TokenId> ids;
+  if (!err) {
+    const bool add_bos = in.add_special_tokens && (in.kind == ApiKind::kChat || tokenizer.add_bos_by_default());
+    err = encode_prompt(in.kind, in.prompt, in.messages, add_bos, ids);
+  }
+  if (err) return {err->http_status, error_body(*err)};
+  std::vector<std::string> pieces;
+  if (in.return_token_strs) {
+    for (size_t i = 0; i < ids.size(); ++i) pieces.push_back(tokenizer.decode_token(i == 0 ? -1 : ids[i - 1], ids[i]));
+  }
+  return {200, tokenize_response(ids, engine.max_context(), in.return_token_strs ? &pieces : nullptr)
+                   .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)};
+}
+
+std::pair<int, std::string> OpenAiServer::Impl::detokenize(std::string_view body) const {
+  const DetokenizeParse parsed = parse_detokenize_request(body);
+  if (!parsed.request) return {parsed.error.http_status, error_body(parsed.error)};
+  const DetokenizeRequest& in = *parsed.request;
+  if (auto err = model_error(in.model)) return {err->http_status, error_body(*err)};
+  const int64_t vocab = engine.config().vocab_size;
+  for (size_t i = 0; i < in.tokens.size(); ++i) {
+    if (in.tokens[i] >= vocab) {
+      const ApiError err{400, "invalid_request_error",
+                         "field 'tokens[" + std::to_string(i) + "]' is token id " + std::to_string(in.tokens[i]) +
+                             ", outside the vocabulary of " + std::to_string(vocab),
+                         "tokens", ""};
+      return {400, error_body(err)};
+    }
+  }
+  nlohmann::json out{{"prompt", sanitize_utf8(tokenizer.decode(in.tokens))}};
+  return {200, out.dump()};
+}
+
+std::optional<ApiError> OpenAiServer::Impl::model_error(const std::string& model) const {
+  if (model.empty() || model == options.model_name) return std::nullopt;
+  return ApiError{404, "not_found_error",
+                  "the model '" + model + "' does not exist (this server serves '" + options.model_name + "')",
+                  "model", "model_not_found"};
+}
+
+std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const std::string& text,
+                                                          const std::vector<ChatMessageIn>& messages, bool add_bos,
+                                                          std::vector<TokenId>& out) const {
+  if (kind == ApiKind::kChat) {
+    if (options.chat_template == ChatTemplate::kNone) {
+      return ApiError{400, "invalid_request_error",
+                      "this model has no chat template (its tokenizer is not of a known chat family); use "
+                      "/v1/completions",
+                      "messages", ""};
+    }
+    std::vector<ChatMessage> msgs;
+    for (const ChatMessageIn& m : messages) msgs.push_back({m.role, m.content});
+    // The template writes its own special tokens, so they are parsed.
+    auto ids = tokenizer.encode(apply_chat_template(options.chat_template, msgs), add_bos, /*parse_special=*/true);
+    if (!ids.is_ok())
+      return ApiError{400, "invalid_request_error", "messages: " + ids.status().message(), "messages", ""};
+    out = std::move(*ids);
+    return std::nullopt;
+  }
+  auto ids = tokenizer.encode(text, add_bos, /*parse_special=*/false);
+  if (!ids.is_ok()) return ApiError{400, "invalid_request_error", "prompt: " + ids.status().message(), "prompt", ""};
+  out = std::move(*ids);
+  return std::nullopt;
 }
 
 std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
@@ -506,27 +599,8 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
                         std::to_string(vocab),
                     param, ""};
   };
-  if (!in.model.empty() && in.model != options.model_name) {
-    return ApiError{
-        404, "not_found_error",
-        "the model '" + in.model + "' does not exist (this server serves '" + options.model_name + "')",
-        "model", "model_not_found"};
-  }
-  if (in.kind == ApiKind::kChat) {
-    if (options.chat_template == ChatTemplate::kNone) {
-      return ApiError{400, "invalid_request_error",
-                      "this model has no chat template (its tokenizer is not of a known chat family); use "
-                      "/v1/completions",
-                      "messages", ""};
-    }
-    std::vector<ChatMessage> msgs;
-    for (const ChatMessageIn& m : in.messages) msgs.push_back({m.role, m.content});
-    auto ids = tokenizer.encode(apply_chat_template(options.chat_template, msgs), /*add_bos=*/false,
-                                /*parse_special=*/true);
-    if (!ids.is_ok())
-      return ApiError{400, "invalid_request_error", "messages: " + ids.status().message(), "messages", ""};
-    out.prompt = std::move(*ids);
-  } else if (in.prompt_is_ids) {
+  if (auto err = model_error(in.model)) return err;
+  if (in.prompt_is_ids) {
     for (size_t i = 0; i < in.prompt_ids.size(); ++i) {
       if (in.prompt_ids[i] < 0 || in.prompt_ids[i] >= vocab) {
         return outside_vocabulary("prompt[" + std::to_string(i) + "]", "prompt", in.prompt_ids[i]);
@@ -534,10 +608,8 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
     }
     out.prompt = in.prompt_ids;
   } else {
-    auto ids = tokenizer.encode(in.prompt_text, tokenizer.add_bos_by_default(), /*parse_special=*/false);
-    if (!ids.is_ok())
-      return ApiError{400, "invalid_request_error", "prompt: " + ids.status().message(), "prompt", ""};
-    out.prompt = std::move(*ids);
+    const bool add_bos = in.kind == ApiKind::kCompletion && tokenizer.add_bos_by_default();
+    if (auto err = encode_prompt(in.kind, in.prompt_text, in.messages, add_bos, out.prompt)) return err;
   }
   const char* prompt_field = in.kind == ApiKind::kChat ? "messages" : "prompt";
   if (out.prompt.empty())

@@ -285,6 +285,68 @@ TEST(OpenAiParse, BestOfIsACompletionsFieldOfAtLeastNAndNotStreamed) {
   EXPECT_EQ(chat_one.request->best_of, 2) << "chat: always n";
 }
 
+TEST(OpenAiParse, TokenizeAndDetokenizeBodies) {
+  TokenizeParse p = parse_tokenize_request(R"({"prompt":"hi","model":"m"})");
+  ASSERT_TRUE(p.request) << p.error.message;
+  EXPECT_EQ(p.request->kind, ApiKind::kCompletion);
+  EXPECT_EQ(p.request->prompt, "hi");
+  EXPECT_EQ(p.request->model, "m");
+  EXPECT_TRUE(p.request->add_special_tokens);
+  EXPECT_FALSE(p.request->return_token_strs);
+  TokenizeParse c = parse_tokenize_request(
+      R"({"messages":[{"role":"user","content":"hi"}],"return_token_strs":true,"add_generation_prompt":true})");
+  ASSERT_TRUE(c.request) << c.error.message;
+  EXPECT_EQ(c.request->kind, ApiKind::kChat);
+  ASSERT_EQ(c.request->messages.size(), 1u);
+  EXPECT_FALSE(c.request->add_special_tokens) << "vLLM's chat default";
+  EXPECT_TRUE(c.request->return_token_strs);
+  TokenizeParse empty_prompt = parse_tokenize_request(R"({"prompt":""})");
+  ASSERT_TRUE(empty_prompt.request) << "an empty prompt tokenizes to nothing (or the BOS)";
+  struct Bad {
+    const char* body;
+    const char* param;
+  };
+  for (const Bad& b : std::vector<Bad>{{R"({})", "prompt"},
+                                       {R"({"prompt":[1,2]})", "prompt"},
+                                       {R"({"prompt":"x","messages":[]})", "prompt"},
+                                       {R"({"messages":[]})", "messages"},
+                                       {R"({"messages":[{"role":"robot","content":"x"}]})", "messages[0].role"},
+                                       {R"({"prompt":"x","return_token_strs":1})", "return_token_strs"},
+                                       {R"({"prompt":"x","add_generation_prompt":true})", "add_generation_prompt"},
+                                       {R"({"messages":[{"role":"user","content":"x"}],"add_generation_prompt":false})",
+                                        "add_generation_prompt"},
+                                       {R"({"prompt":"x","model":7})", "model"}}) {
+    TokenizeParse r = parse_tokenize_request(b.body);
+    ASSERT_FALSE(r.request) << b.body;
+    EXPECT_EQ(r.error.http_status, 400) << b.body;
+    EXPECT_EQ(r.error.param, b.param) << b.body << " -> " << r.error.message;
+  }
+  EXPECT_FALSE(parse_tokenize_request("[1]").request);
+  EXPECT_FALSE(parse_tokenize_request("{").request);
+
+  DetokenizeParse d = parse_detokenize_request(R"({"tokens":[1,2,3.0]})");
+  ASSERT_TRUE(d.request) << d.error.message;
+  EXPECT_EQ(d.request->tokens, (std::vector<TokenId>{1, 2, 3}));
+  EXPECT_TRUE(parse_detokenize_request(R"({"tokens":[]})").request);
+  for (const Bad& b : std::vector<Bad>{{R"({})", "tokens"},
+                                       {R"({"tokens":"1 2"})", "tokens"},
+                                       {R"({"tokens":[1,-1]})", "tokens[1]"},
+                                       {R"({"tokens":[1.5]})", "tokens[0]"}}) {
+    DetokenizeParse r = parse_detokenize_request(b.body);
+    ASSERT_FALSE(r.request) << b.body;
+    EXPECT_EQ(r.error.param, b.param) << b.body << " -> " << r.error.message;
+  }
+  // The answer's shape.
+  const std::vector<TokenId> ids = {1, 5};
+  const std::vector<std::string> strs = {"", "\xff"};
+  const nlohmann::json a = tokenize_response(ids, 512, &strs);
+  EXPECT_EQ(a["count"], 2);
+  EXPECT_EQ(a["max_model_len"], 512);
+  EXPECT_EQ(a["tokens"], nlohmann::json({1, 5}));
+  EXPECT_EQ(a["token_strs"][1], "\xEF\xBF\xBD") << "invalid UTF-8 is replaced";
+  EXPECT_FALSE(tokenize_response(ids, 512, nullptr).contains("token_strs"));
+}
+
 TEST(OpenAiParse, UnsupportedFeatureRefusals) {
   for (ApiKind k : {ApiKind::kCompletion, ApiKind::kChat}) {
     auto body = [k](const std::string& extra) {

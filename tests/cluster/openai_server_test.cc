@@ -571,6 +571,25 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
   EXPECT_EQ(j["choices"][0]["message"]["content"], expected);
   EXPECT_EQ(j["usage"]["prompt_tokens"], static_cast<int64_t>(ids->size()));
   EXPECT_EQ(j["choices"][0]["finish_reason"], (*res)[0].finish == FinishReason::kStop ? "stop" : "length");
+  // /tokenize of the same messages gives the ids the chat API computed (the template's own
+  // special tokens parsed, no BOS added); token_strs spell the rendered conversation as text
+  // decodes (control tokens are empty).
+  Reply tokenized = post((*server)->port(), "/tokenize",
+                         {{"messages", body["messages"]}, {"return_token_strs", true}});
+  ASSERT_EQ(tokenized.status, 200) << tokenized.body;
+  EXPECT_EQ(tokenized.j()["tokens"], json(*ids));
+  EXPECT_EQ(tokenized.j()["count"], ids->size());
+  std::string spelled;
+  const json tokenized_json = tokenized.j();  // alive across the loop
+  for (const json& piece : tokenized_json["token_strs"]) spelled += piece.get<std::string>();
+  std::string rendered = apply_chat_template(ChatTemplate::kQwen, msgs);
+  for (const std::string special : {"<|im_start|>", "<|im_end|>"}) {
+    for (size_t at; (at = rendered.find(special)) != std::string::npos;) rendered.erase(at, special.size());
+  }
+  EXPECT_EQ(spelled, rendered) << tokenized.body;
+  EXPECT_EQ(post((*server)->port(), "/tokenize", {{"messages", body["messages"]}, {"add_generation_prompt", false}})
+                .status,
+            400);
 
   json sbody = body;
   sbody["stream"] = true;
@@ -940,6 +959,65 @@ TEST(OpenAiServer, SeveralChoicesAreSampledIndependentlyWholeAndStreamed) {
   EXPECT_TRUE(eventually([&] { return served.server->counters().kv_bytes_in_use == 0; }));
 }
 
+// vLLM's /tokenize and /detokenize: the ids the completions API computes for a prompt (its
+// usage counts them, and sending them as the prompt gives the same text), their pieces, and the
+// text back; bad bodies get errors naming the field.
+TEST(OpenAiServer, TokenizeGivesTheCompletionsIdsAndDetokenizeTheTextBack) {
+  Served served = serve_stories(1);
+  ASSERT_TRUE(served.server);
+  const uint16_t port = served.port;
+  Reply t = post(port, "/tokenize", {{"prompt", kPrompt}, {"return_token_strs", true}});
+  ASSERT_EQ(t.status, 200) << t.body;
+  const json tj = t.j();
+  const std::vector<TokenId> ids = tj["tokens"].get<std::vector<TokenId>>();
+  ASSERT_GT(ids.size(), 2u);
+  EXPECT_EQ(tj["count"], ids.size());
+  EXPECT_EQ(tj["max_model_len"], 512);
+  EXPECT_EQ(ids[0], 1) << "the BOS the completions API adds";
+  ASSERT_EQ(tj["token_strs"].size(), ids.size());
+  Reply by_text = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 8}, {"temperature", 0}});
+  ASSERT_EQ(by_text.status, 200) << by_text.body;
+  EXPECT_EQ(by_text.j()["usage"]["prompt_tokens"], ids.size());
+  Reply by_ids = post(port, "/v1/completions", {{"prompt", ids}, {"max_tokens", 8}, {"temperature", 0}});
+  ASSERT_EQ(by_ids.status, 200) << by_ids.body;
+  EXPECT_EQ(by_ids.j()["choices"][0]["text"], by_text.j()["choices"][0]["text"]);
+  Reply plain = post(port, "/tokenize", {{"prompt", kPrompt}, {"add_special_tokens", false}});
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  EXPECT_EQ(plain.j()["tokens"], json(std::vector<TokenId>(ids.begin() + 1, ids.end()))) << "no BOS";
+  EXPECT_FALSE(plain.j().contains("token_strs"));
+
+  Reply d = post(port, "/detokenize", {{"tokens", ids}});
+  ASSERT_EQ(d.status, 200) << d.body;
+  EXPECT_EQ(d.j()["prompt"], kPrompt);
+  EXPECT_EQ(post(port, "/detokenize", {{"tokens", json::array()}}).j()["prompt"], "");
+
+  struct Bad {
+    const char* route;
+    json body;
+    const char* param;
+  };
+  const std::vector<Bad> bad = {
+      {"/tokenize", json::object(), "prompt"},
+      {"/tokenize", {{"prompt", 3}}, "prompt"},
+      {"/tokenize", {{"prompt", "x"}, {"add_special_tokens", "yes"}}, "add_special_tokens"},
+      {"/tokenize", {{"prompt", "x"}, {"messages", json::array()}}, "prompt"},
+      {"/tokenize", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}}, "messages"},  // no template
+      {"/tokenize", {{"prompt", "x"}, {"model", "other"}}, "model"},
+      {"/detokenize", json::object(), "tokens"},
+      {"/detokenize", {{"tokens", {1, -2}}}, "tokens[1]"},
+      {"/detokenize", {{"tokens", {1, 512}}}, "tokens"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(std::string(b.route) + " " + b.body.dump());
+    Reply r = post(port, b.route, b.body);
+    EXPECT_TRUE(r.status == 400 || r.status == 404) << r.status << " " << r.body;
+    ASSERT_TRUE(r.j().contains("error")) << r.body;
+    EXPECT_EQ(r.j()["error"]["param"], b.param) << r.body;
+  }
+  EXPECT_EQ(send(port, http::verb::post, "/tokenize", "{").status, 400);
+  EXPECT_EQ(send(port, http::verb::get, "/tokenize").status, 405);
+}
+
 // best_of: the n of best_of samples with the highest mean log-probability per token, in that
 // order; the samples are those n = best_of gives (same seeds), and usage counts all of them.
 TEST(OpenAiServer, BestOfAnswersTheMostLikelyOfItsSamples) {
@@ -1233,7 +1311,9 @@ TEST(OpenAiServer, ApiKeysGuardEveryV1RouteAndLeaveHealthAndMetricsOpen) {
     SCOPED_TRACE("Authorization: " + authorization);
     for (auto [verb, target] : {std::pair{http::verb::post, "/v1/completions"},
                                 {http::verb::post, "/v1/chat/completions"},
-                                {http::verb::get, "/v1/models"}}) {
+                                {http::verb::get, "/v1/models"},
+                                {http::verb::post, "/tokenize"},
+                                {http::verb::post, "/detokenize?x=1"}}) {
       SCOPED_TRACE(target);
       Reply r = send(port, verb, target, verb == http::verb::post ? completion : "", &keep, authorization);
       ++unauthorized;

@@ -1,4 +1,4 @@
-// libFuzzer target: the OpenAI API's bodies. Any body gives a request or an error naming its field
+// libFuzzer target: the OpenAI API's bodies (and /tokenize's, /detokenize's). Any body gives a request or an error naming its field
 // (never a throw or crash); a request holds only validated values and its responses serialize to
 // JSON; an error body is JSON. StopMatcher, fed the input in pieces with stops cut from the input,
 // emits only valid UTF-8 and exactly what a whole-text reference predicts: without a match,
@@ -180,6 +180,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else {
       check_error(r.error);
     }
+  }
+  // /tokenize and /detokenize bodies: a request, or an error naming its field.
+  const TokenizeParse t = parse_tokenize_request(input);
+  if (t.request) {
+    check(t.request->kind == ApiKind::kChat ? !t.request->messages.empty() : t.request->messages.empty());
+    const std::vector<std::string> strs = {t.request->prompt};
+    check(parses(tokenize_response(std::vector<specontext::TokenId>{1, 2}, 8, &strs).dump()));
+  } else {
+    check_error(t.error);
+  }
+  const DetokenizeParse d = parse_detokenize_request(input);
+  if (d.request) {
+    for (specontext::TokenId id : d.request->tokens) check(id >= 0);
+  } else {
+    check_error(d.error);
   }
   // Stops cut from the input (short, so they match and hold text back), pieces of 0 to 4 bytes.
   std::vector<std::string> stops;

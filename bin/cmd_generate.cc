@@ -9,6 +9,7 @@
 #include "bin/commands.h"
 #include "core/engine.h"
 #include "core/generator.h"
+#include "core/json_schema.h"
 
 namespace specontext::cli {
 
@@ -34,6 +35,9 @@ void register_generate(CLI::App& app, GenerateArgs& a) {
   cmd->add_option("--response-format", a.response_format,
                   "json_object: the text is one JSON object (as the API's response_format); text: free")
       ->check(CLI::IsMember({"text", "json_object"}));
+  cmd->add_option("--json-schema", a.json_schema_path,
+                  "a JSON Schema file: the text is a document valid against it (as the API's json_schema)")
+      ->excludes("--response-format");
 }
 
 namespace {
@@ -125,6 +129,19 @@ int run_generate(const GenerateArgs& a) {
     if (!tok) return fail(invalid_argument("--response-format json_object needs the model's tokenizer"));
     auto c = JsonObjectConstraint::create(VocabularyBytes::build(*tok));
     if (!c.is_ok()) return fail(c.status().with_context("--response-format json_object"));
+    constraint = std::move(*c);
+  }
+  if (!a.json_schema_path.empty()) {
+    if (!tok) return fail(invalid_argument("--json-schema needs the model's tokenizer"));
+    std::ifstream in(a.json_schema_path);
+    if (!in) return fail(not_found("--json-schema: cannot open " + a.json_schema_path));
+    std::stringstream text;
+    text << in.rdbuf();
+    // Ordered: properties are generated in the file's order.
+    const auto schema = nlohmann::ordered_json::parse(text.str(), nullptr, false);
+    if (schema.is_discarded()) return fail(invalid_argument("--json-schema: " + a.json_schema_path + " is not JSON"));
+    auto c = JsonSchemaConstraint::create(schema, VocabularyBytes::build(*tok));
+    if (!c.is_ok()) return fail(c.status().with_context("--json-schema " + a.json_schema_path));
     constraint = std::move(*c);
   }
   std::vector<GenerationRequest> reqs(static_cast<size_t>(a.batch));

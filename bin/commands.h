@@ -30,6 +30,7 @@ struct GenerateArgs {
   int64_t batch = 1;
   int64_t prompt_tokens = 16;  // synthetic prompts: random ids
   std::string response_format = "text";  // or "json_object" (core/json_constraint.h)
+  std::string json_schema_path;           // --json-schema FILE (core/json_schema.h)
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);

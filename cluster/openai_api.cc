@@ -407,21 +407,68 @@ Check refuse_unsupported(const json& body) {
   return std::nullopt;
 }
 
-// response_format: text (the default) or json_object (core/json_constraint.h).
-Check parse_response_format(const json& body, ApiRequest& req) {
+// Structured output: response_format text (the default), json_object or json_schema; vLLM's
+// guided_json and guided_choice. At most one of them. A schema inside the body is taken again
+// from an ordered parse (parse_api_request): here its key order is already lost.
+Check parse_structured(const json& body, ApiRequest& req) {
+  auto ask = [&](ApiRequest::Structured kind, const char* field) -> Check {
+    if (req.structured != ApiRequest::Structured::kNone) {
+      return field_error(field, "cannot be combined with '" + req.structured_field +
+                                    "': one structured output per request");
+    }
+    req.structured = kind;
+    req.structured_field = field;
+    return std::nullopt;
+  };
   if (const json* v = find_field(body, "response_format")) {
     const json* type = v->is_object() ? find_field(*v, "type") : nullptr;
     if (!type || !type->is_string()) {
       return field_error("response_format", "must be an object with a string \"type\"");
     }
     if (*type == "json_object") {
-      req.json_object = true;
+      if (Check e = ask(ApiRequest::Structured::kJsonObject, "response_format")) return e;
+    } else if (*type == "json_schema") {
+      const json* js = find_field(*v, "json_schema");
+      const json* schema = js && js->is_object() ? find_field(*js, "schema") : nullptr;
+      if (!schema || !(schema->is_object() || schema->is_boolean())) {
+        return field_error("response_format",
+                           "json_schema needs \"json_schema\": {\"name\": ..., \"schema\": {a JSON Schema}}");
+      }
+      if (const json* name = find_field(*js, "name"); name && !name->is_string()) {
+        return field_error("response_format", "json_schema.name must be a string");
+      }
+      if (const json* strict = find_field(*js, "strict"); strict && !strict->is_boolean()) {
+        return field_error("response_format", "json_schema.strict must be a boolean");
+      }
+      if (Check e = ask(ApiRequest::Structured::kJsonSchema, "response_format")) return e;
     } else if (*type != "text") {
-      return field_error(
-          "response_format",
-          "type must be \"text\" or \"json_object\": json_schema (and other structured output) is not "
-          "supported");
+      return field_error("response_format", "type must be \"text\", \"json_object\" or \"json_schema\"");
     }
+  }
+  if (const json* v = find_field(body, "guided_json")) {
+    if (v->is_string()) {
+      // A schema written as JSON text: parsed here, in its own order.
+      req.schema = nlohmann::ordered_json::parse(v->get_ref<const std::string&>(), nullptr, false);
+      if (req.schema.is_discarded() || !(req.schema.is_object() || req.schema.is_boolean())) {
+        return field_error("guided_json", "must be a JSON Schema: an object, or JSON text of one");
+      }
+    } else if (!v->is_object() && !v->is_boolean()) {
+      return field_error("guided_json", "must be a JSON Schema: an object, or JSON text of one");
+    }
+    if (Check e = ask(ApiRequest::Structured::kJsonSchema, "guided_json")) return e;
+  }
+  if (const json* v = find_field(body, "guided_choice")) {
+    if (!v->is_array() || v->empty()) return field_error("guided_choice", "must be a non-empty array of strings");
+    for (size_t i = 0; i < v->size(); ++i) {
+      if (!(*v)[i].is_string() || (*v)[i].get_ref<const std::string&>().empty()) {
+        return field_error(indexed("guided_choice", i), "must be a non-empty string");
+      }
+      req.choices.push_back((*v)[i].get<std::string>());
+    }
+    if (Check e = ask(ApiRequest::Structured::kChoice, "guided_choice")) return e;
+  }
+  for (const char* key : {"guided_regex", "guided_grammar"}) {
+    if (find_field(body, key)) return field_error(key, "is not supported (guided_json and guided_choice are)");
   }
   return std::nullopt;
 }
@@ -432,7 +479,7 @@ ParseResult parse_object(ApiKind kind, const json& body) {
   Check e = refuse_unsupported(body);
   if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
   for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags,
-                    parse_logit_controls, parse_logprobs, parse_choices, parse_response_format}) {
+                    parse_logit_controls, parse_logprobs, parse_choices, parse_structured}) {
     if (!e) e = step(body, req);
   }
   if (e) return ParseResult{std::nullopt, std::move(*e)};
@@ -573,7 +620,25 @@ Result parse_guarded(std::string_view body, Parse parse) {
 }
 
 ParseResult parse_api_request(ApiKind kind, std::string_view body) {
-  return parse_guarded<ParseResult>(body, [kind](const json& j) { return parse_object(kind, j); });
+  ParseResult r = parse_guarded<ParseResult>(body, [kind](const json& j) { return parse_object(kind, j); });
+  if (r.request && r.request->structured == ApiRequest::Structured::kJsonSchema && r.request->schema.is_null()) {
+    // The schema in the body, in its own key order (properties are generated in it).
+    const auto ordered = nlohmann::ordered_json::parse(body, nullptr, false);
+    const bool in_format = r.request->structured_field == "response_format";
+    const nlohmann::ordered_json* at = &ordered;
+    for (const char* key : in_format ? std::vector<const char*>{"response_format", "json_schema", "schema"}
+                                     : std::vector<const char*>{"guided_json"}) {
+      if (!at->is_object() || !at->contains(key)) {
+        at = nullptr;
+        break;
+      }
+      at = &(*at)[key];
+    }
+    if (at == nullptr) return ParseResult{std::nullopt, ApiError{400, "invalid_request_error",
+                                                                 "request body could not be read", "", ""}};
+    r.request->schema = *at;
+  }
+  return r;
 }
 
 TokenizeParse parse_tokenize_request(std::string_view body) {

@@ -4,7 +4,7 @@
 // What is accepted follows the OpenAI reference and vLLM's extensions (top_k, repetition_penalty,
 // ignore_eos, stop_token_ids, min_p, min_tokens); anything we cannot
 // honour is refused with a 400 naming the field, never silently ignored (chat echo, suffix,
-// chat best_of, tools, json_schema, ...).
+// chat best_of, tools, guided_regex, ...).
 #pragma once
 
 #include <cstdint>
@@ -85,9 +85,16 @@ struct ApiRequest {
   std::vector<TokenId> stop_token_ids;
   int64_t min_tokens = 0;  // vLLM: no stop (EOS, stop ids) before this many tokens; <= max_tokens
   float min_p = 0.0f;      // vLLM: [0, 1]
-  // response_format {"type":"json_object"}: the text is one JSON object (core/json_constraint.h);
-  // {"type":"text"} is the default, json_schema is refused.
-  bool json_object = false;
+  // Structured output, at most one per request: response_format {"type":"json_object"} (one JSON
+  // object, core/json_constraint.h) or {"type":"json_schema","json_schema":{"name","schema",
+  // "strict"}}, vLLM's guided_json (a schema, as an object or JSON text) and guided_choice (the
+  // text is one of these strings); schemas and choices are compiled by the server
+  // (core/json_schema.h). {"type":"text"} is the default.
+  enum class Structured { kNone, kJsonObject, kJsonSchema, kChoice };
+  Structured structured = Structured::kNone;
+  std::string structured_field;     // the field that asked for it, for errors
+  nlohmann::ordered_json schema;    // kJsonSchema, in the body's own key order
+  std::vector<std::string> choices;  // kChoice
   std::string user;            // accepted and ignored
 };
 
@@ -96,8 +103,8 @@ struct ApiRequest {
 // ignored, as OpenAI does. Never throws. Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1,
 // seed 0 (= time-derived). top_logprobs only for chat and beside "logprobs":
 // true; n in [1, kMaxChoices]; best_of in [n, kMaxChoices] (completions, not streamed unless = n); echo (chat) only when false; suffix only when empty;
-// tools/functions only when empty, tool_choice only "none"/"auto", response_format {"type":"text"} or
-// {"type":"json_object"}. null counts as absent for every optional field; integral floats (3.0) pass as
+// tools/functions only when empty, tool_choice only "none"/"auto", response_format text, json_object or
+// json_schema (or guided_json / guided_choice, one of them). null counts as absent for every optional field; integral floats (3.0) pass as
 // integers.
 struct ParseResult {
   std::optional<ApiRequest> request;

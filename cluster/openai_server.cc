@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "cluster/openai_api.h"
+#include "core/json_schema.h"
 
 #if !defined(BOOST_ASIO_HAS_CO_AWAIT)
 #error "cluster/openai_server.cc needs Boost.Asio with C++20 coroutines (GCC >= 10, -std=c++20)"
@@ -135,8 +136,10 @@ struct OpenAiServer::Impl {
   std::atomic<int64_t> jobs_in_flight{0};  // accepted and not yet answered
   std::once_flag stopped;
 
-  // response_format json_object: the constraint in its initial state, built from the tokenizer's
-  // vocabulary on the first request that asks (Asio thread), then shared by every such request.
+  // Structured output: the vocabulary's token bytes, built on the first request that asks (Asio
+  // thread), and json_object's constraint in its initial state, shared by every such request.
+  mutable std::once_flag vocabulary_once;
+  mutable std::shared_ptr<const VocabularyBytes> vocabulary;
   mutable std::once_flag json_once;
   mutable std::shared_ptr<const TokenConstraint> json_prototype;
   mutable Status json_unavailable;
@@ -642,20 +645,47 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.presence_penalty = in.presence_penalty;
   out.min_p = in.min_p;
   out.min_tokens = std::min(in.min_tokens, out.max_new_tokens);
-  if (in.json_object) {
-    std::call_once(json_once, [this] {
-      auto c = JsonObjectConstraint::create(VocabularyBytes::build(tokenizer));
-      if (c.is_ok()) {
-        json_prototype = std::move(*c);
-      } else {
-        json_unavailable = c.status();
+  if (in.structured != ApiRequest::Structured::kNone) {
+    std::call_once(vocabulary_once, [this] { vocabulary = VocabularyBytes::build(tokenizer); });
+    auto refused = [&](const Status& st) {
+      return ApiError{400, "invalid_request_error", st.message(), in.structured_field, ""};
+    };
+    switch (in.structured) {
+      case ApiRequest::Structured::kJsonObject: {
+        std::call_once(json_once, [this] {
+          auto c = JsonObjectConstraint::create(vocabulary);
+          if (c.is_ok()) {
+            json_prototype = std::move(*c);
+          } else {
+            json_unavailable = c.status();
+          }
+        });
+        if (json_prototype == nullptr) return refused(json_unavailable.with_context("response_format json_object"));
+        out.constraint = json_prototype;
+        break;
       }
-    });
-    if (json_prototype == nullptr) {
-      return ApiError{400, "invalid_request_error",
-                      "response_format json_object: " + json_unavailable.message(), "response_format", ""};
+      case ApiRequest::Structured::kJsonSchema: {
+        auto c = JsonSchemaConstraint::create(in.schema, vocabulary);
+        if (!c.is_ok()) return refused(c.status());
+        out.constraint = std::move(*c);
+        break;
+      }
+      case ApiRequest::Structured::kChoice: {
+        // One alternative per choice, each spelled exactly.
+        GrammarBuilder g;
+        std::vector<GrammarSequence> alternatives;
+        for (const std::string& choice : in.choices) alternatives.push_back(GrammarBuilder::literal(choice));
+        const uint32_t root = g.add("choice", std::move(alternatives));
+        auto grammar = g.build(root);
+        if (!grammar.is_ok()) return refused(grammar.status().with_context("guided_choice"));
+        auto c = JsonSchemaConstraint::create(std::make_shared<const Grammar>(std::move(*grammar)), vocabulary);
+        if (!c.is_ok()) return refused(c.status().with_context("guided_choice"));
+        out.constraint = std::move(*c);
+        break;
+      }
+      case ApiRequest::Structured::kNone:
+        break;
     }
-    out.constraint = json_prototype;
   }
   // best_of ranks its samples by their tokens' log-probabilities: the chosen one's at least.
   if (in.best_of > in.n) out.logprobs = std::max(out.logprobs, 0);

@@ -320,4 +320,12 @@ std::bitset<256> GrammarMatcher::next_bytes() const {
   return s;
 }
 
+std::vector<uint32_t> GrammarMatcher::state_key() const {
+  std::vector<uint32_t> key;
+  key.reserve(offsets_.size() + data_.size());
+  key.insert(key.end(), offsets_.begin(), offsets_.end());
+  key.insert(key.end(), data_.begin(), data_.end());
+  return key;
+}
+
 }  // namespace specontext

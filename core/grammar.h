@@ -116,6 +116,10 @@ class GrammarMatcher {
   bool dead() const { return offsets_.size() <= 1; }  // no stack at all (never after a kOk)
   size_t stack_count() const { return offsets_.size() - 1; }
   std::bitset<256> next_bytes() const;  // the bytes some stack takes next
+  // Whether both hold the same stacks in the same order (then every byte does the same to both).
+  bool same_state(const GrammarMatcher& other) const { return offsets_ == other.offsets_ && data_ == other.data_; }
+  // The stacks as one key (for caches of what a state allows).
+  std::vector<uint32_t> state_key() const;
 
  private:
   explicit GrammarMatcher(std::shared_ptr<const Grammar> grammar) : grammar_(std::move(grammar)) {}

@@ -737,16 +737,80 @@ struct TrieWalk {
   }
 };
 
+
+bool is_plain(uint8_t b) { return b >= 0x20 && b <= 0x7E && b != '"' && b != '\\'; }
+
+// Advances `from` over `bytes` through the scratch matchers a / b; the result is in a.
+GrammarMatcher::Step advance_over(const GrammarMatcher& from, std::string_view bytes, GrammarMatcher& a,
+                                  GrammarMatcher& b) {
+  const GrammarMatcher* at = &from;
+  for (char ch : bytes) {
+    const GrammarMatcher::Step s = at->advance_to(static_cast<uint8_t>(ch), b);
+    if (s != GrammarMatcher::Step::kOk) return s;
+    std::swap(a, b);
+    at = &a;
+  }
+  if (at == &from) a = from;
+  return GrammarMatcher::Step::kOk;
+}
+
 }  // namespace
 
-Status JsonSchemaConstraint::mask(std::span<float> logits) const {
-  std::vector<uint8_t> open(vocabulary_->bytes.size(), 0);
+bool JsonSchemaConstraint::compute_open(std::vector<uint8_t>& open) const {
+  // Inside a string without length bounds, every plain byte (printable ASCII but '"' and '\\')
+  // leads back to this very state: then a plain token is allowed without a walk, and any other
+  // token is decided by what follows its plain prefix (as JsonObjectConstraint's shortcut).
+  GrammarMatcher a = matcher_, b = matcher_;
+  bool fixed_point = true;
+  for (int byte = 0x20; byte <= 0x7E && fixed_point; ++byte) {
+    if (!is_plain(static_cast<uint8_t>(byte))) continue;
+    fixed_point = matcher_.advance_to(static_cast<uint8_t>(byte), a) == GrammarMatcher::Step::kOk &&
+                  a.same_state(matcher_);
+  }
+  if (fixed_point) {
+    bool exhausted = false;
+    for (size_t id = 0; id < vocabulary_->bytes.size(); ++id) {
+      const std::string& bytes = vocabulary_->bytes[id];
+      if (bytes.empty()) continue;
+      if (vocabulary_->plain_in_string[id]) {
+        open[id] = 1;
+        continue;
+      }
+      size_t k = 0;
+      while (k < bytes.size() && is_plain(static_cast<uint8_t>(bytes[k]))) ++k;
+      const GrammarMatcher::Step s = advance_over(matcher_, std::string_view(bytes).substr(k), a, b);
+      if (s == GrammarMatcher::Step::kExhausted) exhausted = true;
+      if (s == GrammarMatcher::Step::kOk) open[id] = 1;
+    }
+    return !exhausted;
+  }
   std::vector<GrammarMatcher> scratch(trie_->max_depth + 1, matcher_);
   TrieWalk w{*trie_, scratch, open};
   w.walk(0, matcher_, 0);
-  if (w.exhausted) {
-    return resource_exhausted("response_format json_schema: the grammar's parse stacks exploded (more than " +
-                              std::to_string(GrammarMatcher::kMaxStacks) + ")");
+  return !w.exhausted;
+}
+
+Status JsonSchemaConstraint::mask(std::span<float> logits) const {
+  std::vector<uint32_t> key = matcher_.state_key();
+  std::vector<uint8_t> open;
+  {
+    std::lock_guard lock(cache_->mu);
+    for (const auto& [k, cached] : cache_->entries) {
+      if (k == key) {
+        open = cached;
+        break;
+      }
+    }
+  }
+  if (open.empty()) {
+    open.assign(vocabulary_->bytes.size(), 0);
+    if (!compute_open(open)) {
+      return resource_exhausted("response_format json_schema: the grammar's parse stacks exploded (more than " +
+                                std::to_string(GrammarMatcher::kMaxStacks) + ")");
+    }
+    std::lock_guard lock(cache_->mu);
+    if (cache_->entries.size() >= MaskCache::kEntries) cache_->entries.erase(cache_->entries.begin());
+    cache_->entries.emplace_back(std::move(key), open);
   }
   size_t allowed = 0;
   for (size_t id = 0; id < logits.size(); ++id) {

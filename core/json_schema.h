@@ -39,6 +39,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
 
@@ -88,12 +89,25 @@ class JsonSchemaConstraint final : public TokenConstraint {
   const GrammarMatcher& matcher() const { return matcher_; }
 
  private:
+  // The tokens each recent matcher state allows, shared by a constraint and its clones: inside a
+  // string without length bounds every position is the same state, so its mask is computed once.
+  struct MaskCache {
+    static constexpr size_t kEntries = 32;
+    std::mutex mu;
+    std::vector<std::pair<std::vector<uint32_t>, std::vector<uint8_t>>> entries;  // oldest first
+  };
   JsonSchemaConstraint(std::shared_ptr<const VocabularyBytes> vocabulary,
                        std::shared_ptr<const VocabularyTrie> trie, GrammarMatcher matcher)
-      : vocabulary_(std::move(vocabulary)), trie_(std::move(trie)), matcher_(std::move(matcher)) {}
+      : vocabulary_(std::move(vocabulary)),
+        trie_(std::move(trie)),
+        matcher_(std::move(matcher)),
+        cache_(std::make_shared<MaskCache>()) {}
+  // open[id] = 1 for each token that continues the document; false when the stacks explode.
+  bool compute_open(std::vector<uint8_t>& open) const;
   std::shared_ptr<const VocabularyBytes> vocabulary_;
   std::shared_ptr<const VocabularyTrie> trie_;
   GrammarMatcher matcher_;
+  std::shared_ptr<MaskCache> cache_;
 };
 
 }  // namespace specontext

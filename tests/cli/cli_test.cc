@@ -135,6 +135,37 @@ TEST(Cli, ResponseFormatJsonObjectConstrainsTheText) {
   EXPECT_NE(unknown.out.find("--response-format"), std::string::npos) << unknown.out;
 }
 
+// --json-schema FILE: the greedy text is a document valid against the file's schema, properties
+// in the file's order; a bad file or a keyword outside the subset is a clear error naming it.
+TEST(Cli, JsonSchemaFileConstrainsTheText) {
+  const std::string dir = testing::temp_dir("spx-cli-schema");
+  const std::string schema = dir + "/pet.json";
+  testing::write_file(schema, R"({"type":"object","properties":{"pet":{"enum":["cat","dog"]},)"
+                              R"("age":{"type":"integer"}},"required":["pet","age"],"additionalProperties":false})");
+  const std::string model = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                            " --prompt 'Once upon a time' -n 60 --json";
+  const CliRun r = run_cli(model + " --json-schema " + schema, false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const std::string text = nlohmann::json::parse(r.out)["text"];
+  EXPECT_TRUE(text.starts_with(R"({"pet")")) << text;
+  const auto doc = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_TRUE(doc.is_object()) << text;
+  EXPECT_TRUE(doc["pet"] == "cat" || doc["pet"] == "dog") << text;
+  EXPECT_TRUE(doc["age"].is_number_integer()) << text;
+  EXPECT_EQ(doc.size(), 2u) << text;
+  testing::write_file(dir + "/pattern.json", R"({"type":"string","pattern":"a+"})");
+  const CliRun pattern = run_cli(model + " --json-schema " + dir + "/pattern.json");
+  EXPECT_NE(pattern.exit_code, 0);
+  EXPECT_NE(pattern.out.find("unsupported keyword 'pattern'"), std::string::npos) << pattern.out;
+  testing::write_file(dir + "/broken.json", "{");
+  const CliRun broken = run_cli(model + " --json-schema " + dir + "/broken.json");
+  EXPECT_NE(broken.exit_code, 0);
+  EXPECT_NE(broken.out.find("broken.json is not JSON"), std::string::npos) << broken.out;
+  const CliRun missing = run_cli(model + " --json-schema " + dir + "/none.json");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.out.find("none.json"), std::string::npos) << missing.out;
+}
+
 TEST(Cli, BadInputGivesClearErrorsAndNonZeroExit) {
   const std::string dir = testing::temp_dir("spx-cli");
   // Missing file

@@ -112,7 +112,7 @@ TEST(OpenAiParse, PromptForms) {
   r = parse_ok(ApiKind::kCompletion,
                R"({"prompt":"x","prompt_logprobs":3,"response_format":{"type":"json_object"}})");
   EXPECT_EQ(r.prompt_logprobs, 3);
-  EXPECT_TRUE(r.json_object);
+  EXPECT_EQ(r.structured, ApiRequest::Structured::kJsonObject);
   EXPECT_EQ(parse_ok(ApiKind::kChat, R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":0})")
                 .prompt_logprobs,
             0);
@@ -285,6 +285,55 @@ TEST(OpenAiParse, BestOfIsACompletionsFieldOfAtLeastNAndNotStreamed) {
   EXPECT_EQ(chat_one.request->best_of, 2) << "chat: always n";
 }
 
+TEST(OpenAiParse, StructuredOutputKeepsTheSchemasKeyOrderAndIsOnePerRequest) {
+  // The properties come in the body's order (z before a), not nlohmann's sorted one.
+  ParseResult r = parse_api_request(
+      ApiKind::kCompletion,
+      completion(R"("response_format":{"type":"json_schema","json_schema":{"name":"p","strict":true,)"
+                 R"("schema":{"type":"object","properties":{"z":{"type":"string"},"a":{"type":"integer"}}}}})"));
+  ASSERT_TRUE(r.request) << r.error.message;
+  EXPECT_EQ(r.request->structured, ApiRequest::Structured::kJsonSchema);
+  EXPECT_EQ(r.request->structured_field, "response_format");
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : r.request->schema["properties"].items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"z", "a"}));
+  for (const char* guided : {R"("guided_json":{"properties":{"z":{},"a":{}}})",
+                             R"("guided_json":"{\"properties\":{\"z\":{},\"a\":{}}}")"}) {
+    ParseResult g = parse_api_request(ApiKind::kChat, chat(guided));
+    ASSERT_TRUE(g.request) << guided << " -> " << g.error.message;
+    EXPECT_EQ(g.request->structured_field, "guided_json");
+    keys.clear();
+    for (const auto& [key, value] : g.request->schema["properties"].items()) keys.push_back(key);
+    EXPECT_EQ(keys, (std::vector<std::string>{"z", "a"})) << guided;
+  }
+  ParseResult c = parse_api_request(ApiKind::kCompletion, completion(R"("guided_choice":["yes","no"])"));
+  ASSERT_TRUE(c.request) << c.error.message;
+  EXPECT_EQ(c.request->structured, ApiRequest::Structured::kChoice);
+  EXPECT_EQ(c.request->choices, (std::vector<std::string>{"yes", "no"}));
+  ParseResult bool_schema = parse_api_request(
+      ApiKind::kCompletion, completion(R"("response_format":{"type":"json_schema","json_schema":{"schema":true}})"));
+  ASSERT_TRUE(bool_schema.request) << bool_schema.error.message;
+  EXPECT_EQ(bool_schema.request->schema, nlohmann::ordered_json(true));
+
+  const ApiKind k = ApiKind::kCompletion;
+  expect_refused(k, completion(R"("response_format":{"type":"json_object"},"guided_choice":["a"])"), "guided_choice",
+                 "cannot be combined with 'response_format'");
+  expect_refused(k, completion(R"("guided_json":{},"guided_choice":["a"])"), "guided_choice", "one structured output");
+  expect_refused(k, completion(R"("response_format":{"type":"json_schema","json_schema":{"schema":3}})"),
+                 "response_format", "json_schema needs");
+  expect_refused(k, completion(R"("response_format":{"type":"json_schema","json_schema":{"schema":{},"name":1}})"),
+                 "response_format", "name must be a string");
+  expect_refused(k, completion(R"("response_format":{"type":"json_schema","json_schema":{"schema":{},"strict":1}})"),
+                 "response_format", "strict must be a boolean");
+  expect_refused(k, completion(R"("guided_json":"{not json")"), "guided_json", "must be a JSON Schema");
+  expect_refused(k, completion(R"("guided_json":[1])"), "guided_json");
+  expect_refused(k, completion(R"("guided_choice":[])"), "guided_choice", "non-empty array");
+  expect_refused(k, completion(R"("guided_choice":["a",""])"), "guided_choice[1]", "non-empty string");
+  expect_refused(k, completion(R"("guided_choice":["a",2])"), "guided_choice[1]");
+  expect_refused(k, completion(R"("guided_regex":"a+")"), "guided_regex", "not supported");
+  expect_refused(k, completion(R"("guided_grammar":"root ::= x")"), "guided_grammar", "not supported");
+}
+
 TEST(OpenAiParse, TokenizeAndDetokenizeBodies) {
   TokenizeParse p = parse_tokenize_request(R"({"prompt":"hi","model":"m"})");
   ASSERT_TRUE(p.request) << p.error.message;
@@ -372,7 +421,7 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("tool_choice":{"type":"function","function":{"name":"f"}})"), "tool_choice");
     expect_refused(k, body(R"("function_call":{"name":"f"})"), "function_call");
     expect_refused(k, body(R"("response_format":{"type":"json_schema","json_schema":{"name":"x"}})"),
-                   "response_format", "json_schema (and other structured output) is not supported");
+                   "response_format", "json_schema needs");
     expect_refused(k, body(R"("response_format":{"type":"xml"})"), "response_format");
     expect_refused(k, body(R"("response_format":{})"), "response_format");
     expect_refused(k, body(R"("response_format":"text")"), "response_format");

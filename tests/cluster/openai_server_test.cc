@@ -1143,7 +1143,7 @@ TEST(OpenAiServer, LogitControlsAndStopTokenIdsChangeTheText) {
 }
 
 // response_format json_object: the text is a JSON object (nlohmann reads it), streamed or not,
-// for every choice; json_schema is a 400 naming the field.
+// for every choice; json_schema without a schema is a 400 naming the field.
 TEST(OpenAiServer, JsonObjectResponseFormatGivesAnObject) {
   Served served = serve_stories(4);
   ASSERT_TRUE(served.server);
@@ -1206,6 +1206,81 @@ TEST(OpenAiServer, JsonObjectResponseFormatGivesAnObject) {
   Reply s = post(served.port, "/v1/completions", schema);
   EXPECT_EQ(s.status, 400);
   EXPECT_EQ(s.j()["error"]["param"], "response_format");
+}
+
+// response_format json_schema (and vLLM's guided_json): every answer, greedy, sampled or
+// streamed, is a document valid against the schema, properties in the schema's own order (the
+// body is sent as text: "zebra" before "age"); guided_choice answers one of its strings; a
+// keyword outside the subset is a 400 naming it.
+TEST(OpenAiServer, JsonSchemaAndGuidedChoiceConstrainTheText) {
+  Served served = serve_stories(4);
+  ASSERT_TRUE(served.server);
+  const std::string schema =
+      R"({"type":"object","properties":{"zebra":{"type":"string","maxLength":12},"age":{"type":"integer"},)"
+      R"("kind":{"enum":["cat","dog"]}},"required":["zebra","age","kind"],"additionalProperties":false})";
+  auto valid = [](const std::string& text) {
+    const json j = json::parse(text, nullptr, false);
+    if (!j.is_object() || j.size() != 3 || !j.contains("zebra") || !j.contains("age") || !j.contains("kind")) return false;
+    const std::string zebra = j["zebra"].is_string() ? j["zebra"].get<std::string>() : std::string(13, 'x');
+    size_t chars = 0;
+    for (unsigned char ch : zebra) chars += (ch & 0xC0) != 0x80;
+    return chars <= 12 && j["age"].is_number_integer() && (j["kind"] == "cat" || j["kind"] == "dog");
+  };
+  auto body_with = [&](const std::string& structured, const std::string& extra) {
+    return R"({"prompt":"Once upon a time","max_tokens":80,)" + structured + extra + "}";
+  };
+  const std::string format = R"("response_format":{"type":"json_schema","json_schema":{"name":"animal","strict":true,"schema":)" +
+                             schema + "}}";
+  Reply greedy = send(served.port, http::verb::post, "/v1/completions", body_with(format, R"(,"temperature":0)"));
+  ASSERT_EQ(greedy.status, 200) << greedy.body;
+  const std::string text = greedy.j()["choices"][0]["text"];
+  EXPECT_TRUE(valid(text)) << text;
+  EXPECT_EQ(greedy.j()["choices"][0]["finish_reason"], "stop") << text;
+  EXPECT_TRUE(text.starts_with(R"({"zebra")")) << "the schema's order, not the sorted one: " << text;
+  EXPECT_LT(text.find("\"age\""), text.find("\"kind\"")) << text;
+
+  Reply streamed = send(served.port, http::verb::post, "/v1/completions",
+                        body_with(format, R"(,"temperature":0,"stream":true)"));
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  std::string joined;
+  for (const std::string& e : events_of(streamed.body)) {
+    if (e == "[DONE]") break;
+    const json chunk = json::parse(e);
+    if (!chunk["choices"].empty()) joined += chunk["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(joined, text);
+
+  const std::string guided = R"("guided_json":)" + schema;
+  Reply sampled = send(served.port, http::verb::post, "/v1/completions",
+                       body_with(guided, R"(,"temperature":1.0,"n":3,"seed":5)"));
+  ASSERT_EQ(sampled.status, 200) << sampled.body;
+  const json sampled_body = sampled.j();
+  for (const json& c : sampled_body["choices"]) {
+    const std::string t = c["text"];
+    if (c["finish_reason"] == "stop") {
+      EXPECT_TRUE(valid(t)) << t;
+    } else {
+      EXPECT_TRUE(t.starts_with(R"({"zebra")")) << t;  // cut by max_tokens
+    }
+  }
+
+  Reply choice = post(served.port, "/v1/completions",
+                      {{"prompt", kPrompt}, {"max_tokens", 10}, {"temperature", 1.0}, {"n", 4}, {"seed", 3},
+                       {"guided_choice", {"happy", "sad", "a big red ball"}}});
+  ASSERT_EQ(choice.status, 200) << choice.body;
+  const json choice_body = choice.j();
+  for (const json& c : choice_body["choices"]) {
+    const std::string t = c["text"];
+    EXPECT_TRUE(t == "happy" || t == "sad" || t == "a big red ball") << t;
+    EXPECT_EQ(c["finish_reason"], "stop") << t;
+  }
+
+  Reply pattern = send(served.port, http::verb::post, "/v1/completions",
+                       body_with(R"("guided_json":{"type":"string","pattern":"^a+$"})", ""));
+  EXPECT_EQ(pattern.status, 400) << pattern.body;
+  EXPECT_EQ(pattern.j()["error"]["param"], "guided_json");
+  EXPECT_NE(pattern.j()["error"]["message"].get<std::string>().find("'pattern'"), std::string::npos) << pattern.body;
+  EXPECT_TRUE(eventually([&] { return served.server->counters().kv_bytes_in_use == 0; }));
 }
 
 // An engine whose remote KV link is dead: each request's batch fails, the client gets a 500

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "core/gguf.h"
 #include "core/grammar.h"
 #include "core/model_loader.h"
 #include "core/scheduler.h"
@@ -668,6 +669,46 @@ TEST(JsonSchemaConstraint, TheMaskEqualsTheMatcherRunOverEveryToken) {
   EXPECT_GT(steps, 300);
   std::printf("[ stats    ] %d masks over %zu tokens: %.1f us per mask\n", steps, bytes.size(),
               mask_us / steps);
+}
+
+// GPT-2's 50257 tokens, where most of a string's tokens take the shortcut (a plain token in a
+// state every plain byte leads back to) and repeated states come from the mask cache: the mask
+// still equals the matcher run over every token, at every step, with unbounded strings (the
+// shortcut), a bounded one (the walk) and escapes, quotes and non-ASCII inside them.
+TEST(JsonSchemaConstraint, OnGpt2sVocabularyTheShortcutAndTheCacheEqualTheMatcher) {
+  auto gguf = GgufFile::open(testing::repo_path("data/tokenizer-tests/ggml-vocab-gpt-2.gguf"));
+  ASSERT_TRUE(gguf.is_ok()) << gguf.status().to_string();
+  auto tok = load_gguf_tokenizer(**gguf);
+  ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
+  const auto vocabulary = VocabularyBytes::build(**tok);
+  const auto& bytes = vocabulary->bytes;
+  const char* schema =
+      R"({"type":"object","properties":{"note":{"type":"string"},"tag":{"type":"string","maxLength":6},)"
+      R"("list":{"type":"array","items":{"type":"string"}}},"required":["note","tag","list"],"additionalProperties":false})";
+  const std::string doc =
+      "{\"note\": \"She said, \\\"let's play!\\\" \u00e9t\u00e9 and ran\", \"tag\": \"a\\nb\", "
+      "\"list\": [\"one two\", \"three\"]}";
+  ASSERT_TRUE(json::parse(doc, nullptr, false).is_object()) << doc;
+  auto ids = (*tok)->encode(doc, /*add_bos=*/false);
+  ASSERT_TRUE(ids.is_ok());
+  auto con = JsonSchemaConstraint::create(ordered_json::parse(schema), vocabulary);
+  ASSERT_TRUE(con.is_ok()) << con.status().to_string();
+  int steps = 0;
+  for (TokenId id : *ids) {
+    std::vector<float> logits(bytes.size(), 0.0f);
+    ASSERT_TRUE((*con)->mask(logits).is_ok());
+    int open = 0;
+    for (size_t t = 0; t < logits.size(); ++t) {
+      const bool brute = !bytes[t].empty() && (*con)->matcher().accepts(bytes[t]);
+      ASSERT_EQ(logits[t] == 0.0f, brute) << "step " << steps << ", token " << t << " '" << bytes[t] << "'";
+      open += brute;
+    }
+    EXPECT_GT(open, 0);
+    ASSERT_TRUE((*con)->accept(id).is_ok()) << "step " << steps << " token '" << bytes[id] << "'";
+    ++steps;
+  }
+  EXPECT_TRUE((*con)->closed());
+  EXPECT_GT(steps, 20);
 }
 
 TEST(JsonSchemaConstraint, Stories260KWritesValidDocumentsThroughTheScheduler) {

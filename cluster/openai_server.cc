@@ -409,7 +409,9 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
     // Without a valid key, a small body is read (and dropped) so that the connection stays
     // usable; a large or chunked one, or one the client waits for a 100 Continue to send, is not
     // read at all: the 401 goes out and the connection closes.
-    const bool small_body = parser.content_length() && *parser.content_length() <= kUnauthorizedBodyBytes;
+    // content_length() may only be asked once the header was read (Beast asserts it).
+    const bool small_body =
+        !ec && parser.content_length() && *parser.content_length() <= kUnauthorizedBodyBytes;
     if (!key_ok && !parser.is_done() && (expects_continue || !small_body)) {
       Request req(parser.get().base());
       req.keep_alive(false);

@@ -71,7 +71,6 @@ int run(const std::string& node_endpoint, int64_t rows, const std::vector<int64_
   nlohmann::json results = nlohmann::json::array();
   for (int run = 0; run < 4; ++run) {
     const auto mode = run < 2 ? transport::UcxTransferMode::kNodeGather : transport::UcxTransferMode::kRma;
-    const bool overlap = run % 2 == 0;  // side by side: reads overlapped with writes, and not
     const char* mode_name = mode == transport::UcxTransferMode::kRma ? "rma" : "gather";
     auto client = cluster::KvNodeClient::connect(ep);
     if (!client.is_ok()) {

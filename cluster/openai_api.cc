@@ -133,15 +133,42 @@ Check parse_messages(const json& body, ApiRequest& req) {
     ChatMessageIn msg;
     auto role = m.find("role");
     if (role != m.end() && role->is_string()) msg.role = role->get<std::string>();
-    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
-      return field_error(name + ".role", "must be one of system, user, assistant");
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" && msg.role != "tool") {
+      return field_error(name + ".role", "must be one of system, user, assistant, tool");
+    }
+    const json* calls = find_field(m, "tool_calls");
+    if (calls && msg.role != "assistant") return field_error(name + ".tool_calls", "is for assistant messages only");
+    if (calls) {
+      if (!calls->is_array()) return field_error(name + ".tool_calls", "must be an array of tool calls");
+      for (size_t c = 0; c < calls->size(); ++c) {
+        const json& call = (*calls)[c];
+        const std::string cname = indexed(name + ".tool_calls", c);
+        const json* fn = call.is_object() ? find_field(call, "function") : nullptr;
+        const json* fname = fn && fn->is_object() ? find_field(*fn, "name") : nullptr;
+        const json* args = fn && fn->is_object() ? find_field(*fn, "arguments") : nullptr;
+        if (!fname || !fname->is_string() || !args || !args->is_string()) {
+          return field_error(cname, "must be {\"id\", \"type\": \"function\", \"function\": {\"name\": string, \"arguments\": JSON text}}");
+        }
+        ToolCallIn in;
+        in.name = fname->get<std::string>();
+        in.arguments = args->get<std::string>();
+        if (const json* id = find_field(call, "id"); id && id->is_string()) in.id = id->get<std::string>();
+        msg.tool_calls.push_back(std::move(in));
+      }
     }
     const json* content = find_field(m, "content");
-    if (!content) return field_error(name + ".content", "is required: a string or an array of text parts");
-    if (auto e = parse_content(*content, name + ".content", msg.content)) return e;
-    const json* calls = find_field(m, "tool_calls");
-    if (calls && !(calls->is_array() && calls->empty())) {
-      return field_error(name + ".tool_calls", "is not supported: tool calling is not implemented");
+    if (!content && !(msg.role == "assistant" && !msg.tool_calls.empty())) {
+      return field_error(name + ".content", "is required: a string or an array of text parts");
+    }
+    if (content) {
+      if (auto e = parse_content(*content, name + ".content", msg.content)) return e;
+    }
+    if (msg.role == "tool") {
+      // As OpenAI: a tool result names the call it answers.
+      const json* id = find_field(m, "tool_call_id");
+      if (!id) return field_error(name + ".tool_call_id", "is required in a tool message");
+      if (!id->is_string()) return field_error(name + ".tool_call_id", "must be a string");
+      msg.tool_call_id = id->get<std::string>();
     }
     req.messages.push_back(std::move(msg));
   }
@@ -386,18 +413,12 @@ Check refuse_unsupported(const json& body) {
       return field_error("suffix", "must be null or empty: inserting before a suffix is not supported");
     }
   }
-  for (const char* key : {"tools", "functions"}) {
-    const json* v = find_field(body, key);
-    if (v && !(v->is_array() && v->empty())) {
-      return field_error(key, "is not supported: tool calling is not implemented");
-    }
+  // The deprecated function-calling fields (tools and tool_choice replace them).
+  if (const json* v = find_field(body, "functions"); v && !(v->is_array() && v->empty())) {
+    return field_error("functions", "is not supported: use 'tools'");
   }
-  for (const char* key : {"tool_choice", "function_call"}) {
-    // "none" and "auto" mean no calls when no tools are given (and tools are refused above).
-    const json* v = find_field(body, key);
-    if (v && !(v->is_string() && (*v == "none" || *v == "auto"))) {
-      return field_error(key, "must be \"none\" or \"auto\": tool calling is not implemented");
-    }
+  if (const json* v = find_field(body, "function_call"); v && !(v->is_string() && (*v == "none" || *v == "auto"))) {
+    return field_error("function_call", "is not supported: use 'tool_choice'");
   }
   for (const char* key : {"use_beam_search", "include_stop_str_in_output"}) {
     const json* v = find_field(body, key);
@@ -407,12 +428,99 @@ Check refuse_unsupported(const json& body) {
   return std::nullopt;
 }
 
+bool valid_tool_name(const std::string& name) {
+  if (name.empty() || name.size() > 64) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+  });
+}
+
+// tools and tool_choice (chat only). The tools' parameters and definitions are taken again from an
+// ordered parse (parse_api_request): here their key order is lost.
+Check parse_tools(const json& body, ApiRequest& req) {
+  const json* tools = find_field(body, "tools");
+  if (tools && !tools->is_array()) return field_error("tools", "must be an array of tools");
+  const bool any = tools && !tools->empty();
+  if (any && req.kind != ApiKind::kChat) return field_error("tools", "is for chat completions only");
+  if (any) {
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string field = indexed("tools", i);
+      const json* type = t.is_object() ? find_field(t, "type") : nullptr;
+      const json* fn = t.is_object() ? find_field(t, "function") : nullptr;
+      if (!type || *type != "function" || !fn || !fn->is_object()) {
+        return field_error(field, "must be {\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}");
+      }
+      const json* name = find_field(*fn, "name");
+      if (!name || !name->is_string() || !valid_tool_name(name->get<std::string>())) {
+        return field_error(field + ".function.name", "must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'");
+      }
+      for (const ToolIn& earlier : req.tools) {
+        if (earlier.name == *name) return field_error(field + ".function.name", "repeats the tool '" + earlier.name + "'");
+      }
+      if (const json* d = find_field(*fn, "description"); d && !d->is_string()) {
+        return field_error(field + ".function.description", "must be a string");
+      }
+      if (const json* p = find_field(*fn, "parameters"); p && !p->is_object()) {
+        return field_error(field + ".function.parameters", "must be a JSON Schema object");
+      }
+      ToolIn in;
+      in.name = name->get<std::string>();
+      req.tools.push_back(std::move(in));
+    }
+  }
+  const json* choice = find_field(body, "tool_choice");
+  if (!choice) {
+    if (any) {
+      return field_error("tools",
+                         "with tool_choice \"auto\" (the default when tools are given) is not supported: it needs "
+                         "a parser of the model's own tool-call syntax; give tool_choice \"required\", a named "
+                         "function {\"type\": \"function\", \"function\": {\"name\": ...}}, or \"none\"");
+    }
+    return std::nullopt;
+  }
+  if (choice->is_string() && (*choice == "none" || (*choice == "auto" && !any))) return std::nullopt;
+  if (choice->is_string() && *choice == "auto") {
+    return field_error("tool_choice",
+                       "\"auto\" is not supported: it needs a parser of the model's own tool-call syntax; give "
+                       "\"required\" or a named function");
+  }
+  if (choice->is_string() && *choice == "required") {
+    if (!any) return field_error("tool_choice", "\"required\" needs 'tools'");
+    req.tool_choice = ApiRequest::ToolChoice::kRequired;
+    return std::nullopt;
+  }
+  const json* fn = choice->is_object() && find_field(*choice, "type") && *find_field(*choice, "type") == "function"
+                       ? find_field(*choice, "function")
+                       : nullptr;
+  const json* name = fn && fn->is_object() ? find_field(*fn, "name") : nullptr;
+  if (!name || !name->is_string()) {
+    return field_error("tool_choice",
+                       "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+  }
+  const bool known = std::any_of(req.tools.begin(), req.tools.end(), [&](const ToolIn& t) { return t.name == *name; });
+  if (!known) return field_error("tool_choice", "names '" + name->get<std::string>() + "', which is not in 'tools'");
+  req.tool_choice = ApiRequest::ToolChoice::kNamed;
+  req.tool_choice_name = name->get<std::string>();
+  return std::nullopt;
+}
+
+// Called tools are answered whole: their streamed form (tool_calls deltas) is not implemented.
+Check refuse_streamed_calls(const json&, ApiRequest& req) {
+  if (req.stream && req.tool_choice != ApiRequest::ToolChoice::kNone) {
+    return field_error("tool_choice", "with \"stream\": true is not supported: tool calls are answered whole");
+  }
+  return std::nullopt;
+}
+
 // Structured output: response_format text (the default), json_object or json_schema; vLLM's
 // guided_json and guided_choice. At most one of them. A schema inside the body is taken again
 // from an ordered parse (parse_api_request): here its key order is already lost.
 Check parse_structured(const json& body, ApiRequest& req) {
+  // A tool_choice that calls is constrained output too: nothing else may constrain the text.
+  if (req.tool_choice != ApiRequest::ToolChoice::kNone) req.structured_field = "tool_choice";
   auto ask = [&](ApiRequest::Structured kind, const char* field) -> Check {
-    if (req.structured != ApiRequest::Structured::kNone) {
+    if (req.structured != ApiRequest::Structured::kNone || req.tool_choice != ApiRequest::ToolChoice::kNone) {
       return field_error(field, "cannot be combined with '" + req.structured_field +
                                     "': one structured output per request");
     }
@@ -479,7 +587,8 @@ ParseResult parse_object(ApiKind kind, const json& body) {
   Check e = refuse_unsupported(body);
   if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
   for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags,
-                    parse_logit_controls, parse_logprobs, parse_choices, parse_structured}) {
+                    parse_logit_controls, parse_logprobs, parse_choices, parse_tools, refuse_streamed_calls,
+                    parse_structured}) {
     if (!e) e = step(body, req);
   }
   if (e) return ParseResult{std::nullopt, std::move(*e)};
@@ -637,6 +746,23 @@ ParseResult parse_api_request(ApiKind kind, std::string_view body) {
     if (at == nullptr) return ParseResult{std::nullopt, ApiError{400, "invalid_request_error",
                                                                  "request body could not be read", "", ""}};
     r.request->schema = *at;
+  }
+  if (r.request && !r.request->tools.empty()) {
+    // Each tool as the body wrote it (rendered into the prompt) and its parameters' own order.
+    const auto ordered = nlohmann::ordered_json::parse(body, nullptr, false);
+    const nlohmann::ordered_json* tools = ordered.is_object() && ordered.contains("tools") ? &ordered["tools"] : nullptr;
+    if (tools == nullptr || !tools->is_array() || tools->size() != r.request->tools.size()) {
+      return ParseResult{std::nullopt, ApiError{400, "invalid_request_error", "request body could not be read", "", ""}};
+    }
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const nlohmann::ordered_json& fn = (*tools)[i]["function"];
+      ToolIn& t = r.request->tools[i];
+      t.definition = (*tools)[i].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+      t.parameters = fn.contains("parameters") && !fn["parameters"].is_null()
+                         ? fn["parameters"]
+                         : nlohmann::ordered_json{{"type", "object"}, {"properties", nlohmann::ordered_json::object()},
+                                                  {"additionalProperties", false}};
+    }
   }
   return r;
 }
@@ -857,6 +983,16 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::
         if (c.prompt_logprobs) choice["prompt_logprobs"] = *c.prompt_logprobs;
       } else {
         choice["message"] = json{{"role", "assistant"}, {"content", c.text}};
+        if (c.tool_calls && !c.tool_calls->empty()) {
+          json calls = json::array();
+          for (const ToolCallOut& t : *c.tool_calls) {
+            calls.push_back({{"id", t.id},
+                             {"type", "function"},
+                             {"function", {{"name", t.name}, {"arguments", sanitize_utf8(t.arguments)}}}});
+          }
+          if (c.text.empty()) choice["message"]["content"] = nullptr;
+          choice["message"]["tool_calls"] = std::move(calls);
+        }
       }
       out.push_back(std::move(choice));
     }

@@ -38,10 +38,25 @@ struct ApiError {
 };
 std::string error_body(const ApiError& error);  // the JSON text above
 
+struct ToolCallIn {
+  std::string id;
+  std::string name;
+  std::string arguments;  // JSON text, as the API carries it
+};
 struct ChatMessageIn {
-  std::string role;  // "system", "user", "assistant" (others are refused naming messages[i].role)
+  std::string role;  // "system", "user", "assistant", "tool" (others are refused naming messages[i].role)
   // A string, or the text parts of an array of {type:"text",text}, joined by "\n" as vLLM does.
+  // May be empty (null) for an assistant message with tool_calls.
   std::string content;
+  std::vector<ToolCallIn> tool_calls;  // assistant messages that called tools
+  std::string tool_call_id;            // tool messages: the call they answer
+};
+
+// A chat request's tool: {"type":"function","function":{"name","description","parameters"}}.
+struct ToolIn {
+  std::string name;                   // [A-Za-z0-9_-]{1,64}, unique in the request
+  std::string definition;             // the tool object as JSON text, in the body's key order
+  nlohmann::ordered_json parameters;  // its JSON Schema (an empty object schema when absent)
 };
 
 // A parsed, validated request. Limits that need the model (context length, vocabulary) are
@@ -90,6 +105,15 @@ struct ApiRequest {
   // "strict"}}, vLLM's guided_json (a schema, as an object or JSON text) and guided_choice (the
   // text is one of these strings); schemas and choices are compiled by the server
   // (core/json_schema.h). {"type":"text"} is the default.
+  // Chat tools and tool_choice: "none" (the default without tools: tools are not shown to the
+  // model), "required" (the text is a JSON array of {"name", "parameters"} calls, constrained to
+  // the tools' schemas) or a named function (the text is its arguments, constrained to its
+  // schema). "auto", the default with tools, needs a parser of the model's own call syntax,
+  // which is not implemented: 400, as vLLM without --enable-auto-tool-choice.
+  enum class ToolChoice { kNone, kRequired, kNamed };
+  std::vector<ToolIn> tools;
+  ToolChoice tool_choice = ToolChoice::kNone;
+  std::string tool_choice_name;  // kNamed
   enum class Structured { kNone, kJsonObject, kJsonSchema, kChoice };
   Structured structured = Structured::kNone;
   std::string structured_field;     // the field that asked for it, for errors
@@ -209,12 +233,18 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, const
                                    const std::string& finish_reason, const Usage& usage,
                                    const std::vector<LogprobEntry>* logprobs = nullptr);
 // The same with several choices, index i for choices[i].
+struct ToolCallOut {
+  std::string id;  // "call_..."
+  std::string name;
+  std::string arguments;  // JSON text
+};
 struct ChoiceOut {
-  std::string text;
+  std::string text;  // chat with tool_calls: the message's content is null when empty
   std::string finish_reason;
   const std::vector<LogprobEntry>* logprobs = nullptr;
   const nlohmann::json* prompt_logprobs = nullptr;  // prompt_logprobs_json: in the choice (completions),
                                                     // at the top (chat, the first choice's)
+  const std::vector<ToolCallOut>* tool_calls = nullptr;  // chat: message.tool_calls when not empty
 };
 // vLLM's prompt_logprobs: [null, {"ID": {"logprob": L, "rank": R, "decoded_token": T}, ...}, ...],
 // one entry per prompt token; the first has nothing before it to predict it. Each entry holds the

@@ -185,9 +185,15 @@ struct OpenAiServer::Impl {
   std::optional<ApiError> model_error(const std::string& model) const;
   // A prompt's ids as the completions (text) or chat (messages, through the template) API
   // computes them; add_bos: the tokenizer's BOS first.
+  // tools: definitions rendered into a chat prompt (as JSON text).
   std::optional<ApiError> encode_prompt(ApiKind kind, const std::string& text,
                                         const std::vector<ChatMessageIn>& messages, bool add_bos,
-                                        std::vector<TokenId>& out) const;
+                                        std::vector<TokenId>& out, const std::vector<std::string>& tools = {}) const;
+  // The constraint of a tool_choice that calls: a named function's arguments, or for "required"
+  // a JSON array of {"name", "parameters"} calls of any of the tools.
+  std::optional<ApiError> tool_constraint(const ApiRequest& in, std::shared_ptr<const TokenConstraint>& out) const;
+  // A choice's tool calls, read from its constrained text (none when it was cut short).
+  static std::vector<ToolCallOut> tool_calls_of(const ApiRequest& in, const std::string& text);
   // POST /tokenize and /detokenize (vLLM's): the answer's status and body.
   std::pair<int, std::string> tokenize(std::string_view body) const;
   std::pair<int, std::string> detokenize(std::string_view body) const;
@@ -570,7 +576,8 @@ std::optional<ApiError> OpenAiServer::Impl::model_error(const std::string& model
 
 std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const std::string& text,
                                                           const std::vector<ChatMessageIn>& messages, bool add_bos,
-                                                          std::vector<TokenId>& out) const {
+                                                          std::vector<TokenId>& out,
+                                                          const std::vector<std::string>& tools) const {
   if (kind == ApiKind::kChat) {
     if (options.chat_template == ChatTemplate::kNone) {
       return ApiError{400, "invalid_request_error",
@@ -579,9 +586,13 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
                       "messages", ""};
     }
     std::vector<ChatMessage> msgs;
-    for (const ChatMessageIn& m : messages) msgs.push_back({m.role, m.content});
+    for (const ChatMessageIn& m : messages) {
+      ChatMessage msg{m.role, m.content, {}};
+      for (const ToolCallIn& c : m.tool_calls) msg.tool_calls.push_back({c.name, c.arguments});
+      msgs.push_back(std::move(msg));
+    }
     // The template writes its own special tokens, so they are parsed.
-    auto ids = tokenizer.encode(apply_chat_template(options.chat_template, msgs), add_bos, /*parse_special=*/true);
+    auto ids = tokenizer.encode(apply_chat_template(options.chat_template, msgs, tools), add_bos, /*parse_special=*/true);
     if (!ids.is_ok())
       return ApiError{400, "invalid_request_error", "messages: " + ids.status().message(), "messages", ""};
     out = std::move(*ids);
@@ -590,6 +601,83 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
   auto ids = tokenizer.encode(text, add_bos, /*parse_special=*/false);
   if (!ids.is_ok()) return ApiError{400, "invalid_request_error", "prompt: " + ids.status().message(), "prompt", ""};
   out = std::move(*ids);
+  return std::nullopt;
+}
+
+std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in, const std::string& text) {
+  auto call_id = [] {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::random_device rd;
+    std::string id = "call_";
+    for (int i = 0; i < 24; ++i) id += kHex[rd() % 16];
+    return id;
+  };
+  std::vector<ToolCallOut> calls;
+  if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {
+    // The text is the arguments (cut short when max_tokens came first: finish_reason says so).
+    calls.push_back({call_id(), in.tool_choice_name, text});
+    return calls;
+  }
+  // "required": the constrained text is an array of {"name", "parameters"}; cut short, it is not,
+  // and the text stays the message's content.
+  const auto parsed = nlohmann::ordered_json::parse(text, nullptr, false);
+  if (!parsed.is_array()) return calls;
+  for (const auto& c : parsed) {
+    if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) return {};
+    calls.push_back({call_id(), c["name"].get<std::string>(),
+                     c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)});
+  }
+  return calls;
+}
+
+std::optional<ApiError> OpenAiServer::Impl::tool_constraint(const ApiRequest& in,
+                                                            std::shared_ptr<const TokenConstraint>& out) const {
+  std::call_once(vocabulary_once, [this] { vocabulary = VocabularyBytes::build(tokenizer); });
+  nlohmann::ordered_json schema;
+  if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {
+    for (const ToolIn& t : in.tools) {
+      if (t.name == in.tool_choice_name) schema = t.parameters;
+    }
+  } else {
+    // vLLM's form for "required": [{"name": N, "parameters": {...}}, ...], one or more calls.
+    // Each tool's $defs move to the root, where its "#/$defs/..." references point.
+    nlohmann::ordered_json any_of = nlohmann::ordered_json::array();
+    nlohmann::ordered_json shared = {{"$defs", nlohmann::ordered_json::object()},
+                                     {"definitions", nlohmann::ordered_json::object()}};
+    for (const ToolIn& t : in.tools) {
+      nlohmann::ordered_json params = t.parameters;
+      for (const char* key : {"$defs", "definitions"}) {
+        if (!params.is_object() || !params.contains(key)) continue;
+        if (!params[key].is_object()) {
+          return ApiError{400, "invalid_request_error", "tool '" + t.name + "': '" + key + "' must be an object", "tools", ""};
+        }
+        nlohmann::ordered_json& defs = shared[key];
+        for (const auto& [name, def] : params[key].items()) {
+          if (defs.contains(name) && defs[name] != def) {
+            return ApiError{400, "invalid_request_error",
+                            "tools define '" + name + "' differently in their $defs: with tool_choice \"required\" "
+                            "they share one schema",
+                            "tools", ""};
+          }
+          defs[name] = def;
+        }
+        params.erase(key);
+      }
+      any_of.push_back({{"type", "object"},
+                        {"properties", {{"name", {{"enum", {t.name}}}}, {"parameters", params}}},
+                        {"required", {"name", "parameters"}},
+                        {"additionalProperties", false}});
+    }
+    schema = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", any_of}}}};
+    for (const char* key : {"$defs", "definitions"}) {
+      if (!shared[key].empty()) schema[key] = shared[key];
+    }
+  }
+  auto c = JsonSchemaConstraint::create(schema, vocabulary);
+  if (!c.is_ok()) {
+    return ApiError{400, "invalid_request_error", "tools: " + c.status().message(), "tools", ""};
+  }
+  out = std::move(*c);
   return std::nullopt;
 }
 
@@ -614,7 +702,11 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
     out.prompt = in.prompt_ids;
   } else {
     const bool add_bos = in.kind == ApiKind::kCompletion && tokenizer.add_bos_by_default();
-    if (auto err = encode_prompt(in.kind, in.prompt_text, in.messages, add_bos, out.prompt)) return err;
+    std::vector<std::string> tools;  // shown to the model only when it is to call one
+    if (in.tool_choice != ApiRequest::ToolChoice::kNone) {
+      for (const ToolIn& t : in.tools) tools.push_back(t.definition);
+    }
+    if (auto err = encode_prompt(in.kind, in.prompt_text, in.messages, add_bos, out.prompt, tools)) return err;
   }
   const char* prompt_field = in.kind == ApiKind::kChat ? "messages" : "prompt";
   if (out.prompt.empty())
@@ -647,6 +739,9 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.presence_penalty = in.presence_penalty;
   out.min_p = in.min_p;
   out.min_tokens = std::min(in.min_tokens, out.max_new_tokens);
+  if (in.tool_choice != ApiRequest::ToolChoice::kNone) {
+    if (auto err = tool_constraint(in, out.constraint)) return err;
+  }
   if (in.structured != ApiRequest::Structured::kNone) {
     std::call_once(vocabulary_once, [this] { vocabulary = VocabularyBytes::build(tokenizer); });
     auto refused = [&](const Status& st) {
@@ -668,7 +763,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
       }
       case ApiRequest::Structured::kJsonSchema: {
         auto c = JsonSchemaConstraint::create(in.schema, vocabulary);
-        if (!c.is_ok()) return refused(c.status());
+        if (!c.is_ok()) return refused(c.status().with_context(in.structured_field));
         out.constraint = std::move(*c);
         break;
       }
@@ -1026,10 +1121,20 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
         order.resize(static_cast<size_t>(api.n));
       }
       std::vector<ChoiceOut> out;
-      for (size_t c : order) {
-        const Choice& ch = choices[c];
+      std::vector<std::vector<ToolCallOut>> calls(order.size());
+      for (size_t i = 0; i < order.size(); ++i) {
+        const Choice& ch = choices[order[i]];
         out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr,
                        ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
+        if (api.tool_choice != ApiRequest::ToolChoice::kNone) {
+          calls[i] = tool_calls_of(api, ch.text);
+          if (!calls[i].empty()) {
+            out.back().text.clear();
+            out.back().tool_calls = &calls[i];
+            // As OpenAI: "tool_calls" when the model chose to call, "stop" for a named function.
+            if (api.tool_choice == ApiRequest::ToolChoice::kRequired) out.back().finish_reason = "tool_calls";
+          }
+        }
       }
       std::string body = completion_response(kind, meta, out, usage)
                              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -20,7 +20,7 @@ constexpr int kMaxSchemaDepth = 64;
 constexpr size_t kMaxRules = 200000;
 
 Status schema_error(const std::string& message) {
-  return invalid_argument("response_format json_schema: " + message);
+  return invalid_argument("JSON schema: " + message);
 }
 
 std::string at(const std::string& ptr) { return ptr.empty() ? "the root" : ptr; }
@@ -188,7 +188,8 @@ class SchemaCompiler {
   static Result<std::optional<uint32_t>> count(const Json& s, const char* key, const std::string& ptr) {
     auto it = s.find(key);
     if (it == s.end()) return std::optional<uint32_t>();
-    if (!it->is_number_unsigned()) {
+    // A built document holds 1 as a signed integer; parsed text holds it as unsigned.
+    if (!it->is_number_integer() || it->get<int64_t>() < 0) {
       return schema_error("'" + std::string(key) + "' at " + at(ptr) + " must be a non-negative integer");
     }
     const uint64_t v = it->get<uint64_t>();
@@ -690,7 +691,7 @@ std::shared_ptr<const VocabularyTrie> VocabularyTrie::of(
 
 Result<std::unique_ptr<JsonSchemaConstraint>> JsonSchemaConstraint::create(
     std::shared_ptr<const Grammar> grammar, std::shared_ptr<const VocabularyBytes> vocabulary) {
-  if (vocabulary == nullptr) return invalid_argument("response_format json_schema: no vocabulary");
+  if (vocabulary == nullptr) return invalid_argument("JSON schema: no vocabulary");
   SPX_ASSIGN_OR_RETURN(GrammarMatcher matcher, GrammarMatcher::create(std::move(grammar)));
   auto trie = VocabularyTrie::of(vocabulary);
   return std::unique_ptr<JsonSchemaConstraint>(
@@ -699,14 +700,14 @@ Result<std::unique_ptr<JsonSchemaConstraint>> JsonSchemaConstraint::create(
 
 Result<std::unique_ptr<JsonSchemaConstraint>> JsonSchemaConstraint::create(
     const nlohmann::ordered_json& schema, std::shared_ptr<const VocabularyBytes> vocabulary) {
-  if (vocabulary == nullptr) return invalid_argument("response_format json_schema: no vocabulary");
+  if (vocabulary == nullptr) return invalid_argument("JSON schema: no vocabulary");
   SPX_ASSIGN_OR_RETURN(Grammar g, json_schema_to_grammar(schema));
   return create(std::make_shared<const Grammar>(std::move(g)), std::move(vocabulary));
 }
 
 Result<std::unique_ptr<JsonSchemaConstraint>> JsonSchemaConstraint::create(
     const nlohmann::json& schema, std::shared_ptr<const VocabularyBytes> vocabulary) {
-  if (vocabulary == nullptr) return invalid_argument("response_format json_schema: no vocabulary");
+  if (vocabulary == nullptr) return invalid_argument("JSON schema: no vocabulary");
   SPX_ASSIGN_OR_RETURN(Grammar g, json_schema_to_grammar(schema));
   return create(std::make_shared<const Grammar>(std::move(g)), std::move(vocabulary));
 }
@@ -805,7 +806,7 @@ Status JsonSchemaConstraint::mask(std::span<float> logits) const {
   if (open.empty()) {
     open.assign(vocabulary_->bytes.size(), 0);
     if (!compute_open(open)) {
-      return resource_exhausted("response_format json_schema: the grammar's parse stacks exploded (more than " +
+      return resource_exhausted("JSON schema: the grammar's parse stacks exploded (more than " +
                                 std::to_string(GrammarMatcher::kMaxStacks) + ")");
     }
     std::lock_guard lock(cache_->mu);
@@ -822,7 +823,7 @@ Status JsonSchemaConstraint::mask(std::span<float> logits) const {
   }
   if (allowed == 0) {
     return out_of_range(
-        "response_format json_schema: no token of the vocabulary continues the document here");
+        "JSON schema: no token of the vocabulary continues the document here");
   }
   return Status::ok();
 }
@@ -830,19 +831,19 @@ Status JsonSchemaConstraint::mask(std::span<float> logits) const {
 Status JsonSchemaConstraint::accept(TokenId token) {
   if (token < 0 || static_cast<size_t>(token) >= vocabulary_->bytes.size() ||
       vocabulary_->bytes[static_cast<size_t>(token)].empty()) {
-    return invalid_argument("response_format json_schema: token " + std::to_string(token) +
+    return invalid_argument("JSON schema: token " + std::to_string(token) +
                             " cannot be part of the document");
   }
   switch (matcher_.advance(vocabulary_->bytes[static_cast<size_t>(token)])) {
     case GrammarMatcher::Step::kOk:
       return Status::ok();
     case GrammarMatcher::Step::kExhausted:
-      return resource_exhausted("response_format json_schema: the grammar's parse stacks exploded at token " +
+      return resource_exhausted("JSON schema: the grammar's parse stacks exploded at token " +
                                 std::to_string(token));
     case GrammarMatcher::Step::kRefused:
       break;
   }
-  return invalid_argument("response_format json_schema: token " + std::to_string(token) +
+  return invalid_argument("JSON schema: token " + std::to_string(token) +
                           " does not continue a document valid against the schema");
 }
 

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <exception>
 #include <new>
+#include <optional>
+
+#include <nlohmann/json.hpp>
 
 #include "core/gguf.h"
 #include "core/tokenizer_internal.h"
@@ -22,32 +25,262 @@ std::string Tokenizer::decode(const std::vector<TokenId>& ids) const {
 }
 
 // Hard-coded templates (no Jinja):
-//  kLlama3: Llama-3 / 3.1 / 3.2 instruct without the default system prompt or tool blocks:
+//  kLlama3: Llama-3 / 3.1 / 3.2 instruct without the default system prompt:
 //    <|begin_of_text|>{<|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>}...
 //    <|start_header_id|>assistant<|end_header_id|>\n\n
+//    With tools, Llama 3.1's own template (tools_in_user_message): a system turn opening with
+//    "Environment: ipython" and its knowledge/today dates, the functions (JSON, indent 4) put in
+//    front of the first user message, calls as {"name": N, "parameters": ARGS} and tool results
+//    as ipython turns.
 //  kQwen: ChatML as used by Qwen / Qwen2 / Qwen2.5 / Qwen3 (without the default system prompt):
 //    {<|im_start|>role\ncontent<|im_end|>\n}... <|im_start|>assistant\n
-//  kNone: the contents concatenated as plain text (completion models).
+//    With tools, Qwen's Hermes blocks: a system turn (first system message + "\n\n" + "# Tools"
+//    with one <tools> line per tool), <tool_call> blocks in assistant turns, and consecutive tool
+//    results in one user turn of <tool_response> blocks.
+//  kNone: the contents concatenated as plain text (completion models); tools are ignored.
 // Encode the result with parse_special = true and add_bos = false (Llama-3 already has BOS).
-std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages) {
+// JSON is written as Jinja's tojson writes it (Python's json.dumps: ", " and ": " separators, or
+// indent 4), because that is the text the models were trained on.
+namespace {
+
+using OrderedJson = nlohmann::ordered_json;
+
+void append_python_json(std::string& out, const OrderedJson& v) {
+  if (v.is_object()) {
+    out += '{';
+    bool first = true;
+    for (const auto& [key, value] : v.items()) {
+      if (!first) out += ", ";
+      first = false;
+      out += OrderedJson(key).dump();
+      out += ": ";
+      append_python_json(out, value);
+    }
+    out += '}';
+  } else if (v.is_array()) {
+    out += '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) out += ", ";
+      append_python_json(out, v[i]);
+    }
+    out += ']';
+  } else {
+    out += v.dump(-1, ' ', false, OrderedJson::error_handler_t::replace);
+  }
+}
+
+// JSON text re-written as tojson would (indent < 0: one line); text that is not JSON as it is.
+std::string as_tojson(const std::string& text, int indent) {
+  OrderedJson v = OrderedJson::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (v.is_discarded()) return text;
+  if (indent >= 0) return v.dump(indent, ' ', false, OrderedJson::error_handler_t::replace);
   std::string out;
+  append_python_json(out, v);
+  return out;
+}
+
+std::string qwen_chat(const std::vector<ChatMessage>& messages, const std::vector<std::string>& tools) {
+  std::string out;
+  size_t first = 0;
+  if (!tools.empty()) {
+    out = "<|im_start|>system\n";
+    if (!messages.empty() && messages[0].role == "system") {
+      out += messages[0].content + "\n\n";
+      first = 1;
+    }
+    out +=
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+    for (const std::string& tool : tools) out += "\n" + as_tojson(tool, -1);
+    out +=
+        "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
+  }
+  for (size_t i = first; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    if (m.role == "tool") {
+      if (i == first || messages[i - 1].role != "tool") out += "<|im_start|>user";
+      out += "\n<tool_response>\n" + m.content + "\n</tool_response>";
+      if (i + 1 == messages.size() || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+      continue;
+    }
+    out += "<|im_start|>" + m.role + "\n" + m.content;
+    for (size_t c = 0; c < m.tool_calls.size(); ++c) {
+      if (c > 0 || !m.content.empty()) out += "\n";
+      out += "<tool_call>\n{\"name\": \"" + m.tool_calls[c].name +
+             "\", \"arguments\": " + as_tojson(m.tool_calls[c].arguments, -1) + "}\n</tool_call>";
+    }
+    out += "<|im_end|>\n";
+  }
+  out += "<|im_start|>assistant\n";
+  return out;
+}
+
+// Llama 3.1 makes one call per turn; several are written one per line.
+std::string llama3_calls(const std::vector<ChatToolCall>& calls) {
+  std::string out;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    if (c) out += "\n";
+    out += "{\"name\": \"" + calls[c].name + "\", \"parameters\": " + as_tojson(calls[c].arguments, -1) + "}";
+  }
+  return out;
+}
+
+std::string llama3_header(const std::string& role) { return "<|start_header_id|>" + role + "<|end_header_id|>\n\n"; }
+
+// One turn; earlier calls and their results are written in the template's format with or
+// without tools on offer now.
+std::string llama3_turn(const ChatMessage& m) {
+  if (m.role == "tool") return llama3_header("ipython") + m.content + "<|eot_id|>";
+  if (!m.tool_calls.empty()) return llama3_header("assistant") + llama3_calls(m.tool_calls) + "<|eot_id|>";
+  return llama3_header(m.role) + m.content + "<|eot_id|>";
+}
+
+std::string llama3_chat(const std::vector<ChatMessage>& messages, const std::vector<std::string>& tools) {
+  const auto header = llama3_header;
+  std::string out = "<|begin_of_text|>";
+  if (tools.empty()) {
+    for (const ChatMessage& m : messages) out += llama3_turn(m);
+    return out + header("assistant");
+  }
+  out += header("system") +
+         "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
+  size_t first = 0;
+  if (!messages.empty() && messages[0].role == "system") {
+    out += messages[0].content;
+    first = 1;
+  }
+  out += "<|eot_id|>";
+  std::string functions =
+      "Given the following functions, please respond with a JSON for a function call with its proper "
+      "arguments that best answers the given prompt.\n\n"
+      "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+      "its value}.Do not use variables.\n\n";
+  for (const std::string& tool : tools) functions += as_tojson(tool, 4) + "\n\n";
+  // The functions go in front of the first user message (Llama 3.1's template has no other
+  // place for them); without one, they make a user turn of their own.
+  size_t first_user = messages.size();
+  for (size_t i = first; i < messages.size(); ++i) {
+    if (messages[i].role == "user") {
+      first_user = i;
+      break;
+    }
+  }
+  if (first_user == messages.size()) out += header("user") + functions + "<|eot_id|>";
+  for (size_t i = first; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    out += i == first_user ? header("user") + functions + m.content + "<|eot_id|>" : llama3_turn(m);
+  }
+  out += header("assistant");
+  return out;
+}
+
+}  // namespace
+
+std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages,
+                                const std::vector<std::string>& tools) {
   switch (t) {
     case ChatTemplate::kLlama3:
-      out = "<|begin_of_text|>";
-      for (const ChatMessage& m : messages) {
-        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + m.content + "<|eot_id|>";
-      }
-      out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
-      break;
+      return llama3_chat(messages, tools);
     case ChatTemplate::kQwen:
-      for (const ChatMessage& m : messages) {
-        out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
-      }
-      out += "<|im_start|>assistant\n";
-      break;
+      return qwen_chat(messages, tools);
     case ChatTemplate::kNone:
-      for (const ChatMessage& m : messages) out += m.content;
       break;
+  }
+  std::string out;
+  for (const ChatMessage& m : messages) out += m.content;
+  return out;
+}
+
+std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages) {
+  return apply_chat_template(t, messages, {});
+}
+
+namespace {
+
+std::string_view trim_space(std::string_view s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+// {"name": string, <arguments_key>: object} as a call; anything else is not one.
+std::optional<ChatToolCall> call_of(const OrderedJson& v, std::initializer_list<const char*> argument_keys) {
+  if (!v.is_object()) return std::nullopt;
+  auto name = v.find("name");
+  if (name == v.end() || !name->is_string()) return std::nullopt;
+  for (const char* key : argument_keys) {
+    auto args = v.find(key);
+    if (args == v.end()) continue;
+    if (!args->is_object()) return std::nullopt;
+    std::string text;
+    append_python_json(text, *args);
+    return ChatToolCall{name->get<std::string>(), std::move(text)};
+  }
+  return std::nullopt;
+}
+
+std::optional<std::vector<ChatToolCall>> hermes_calls(std::string_view text, size_t first) {
+  static constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+  std::vector<ChatToolCall> calls;
+  size_t at = first;
+  while (at != std::string_view::npos) {
+    const size_t body = at + kOpen.size();
+    const size_t close = text.find(kClose, body);
+    const std::string_view inner = text.substr(body, close == std::string_view::npos ? std::string_view::npos : close - body);
+    auto call = call_of(OrderedJson::parse(trim_space(inner), nullptr, false), {"arguments"});
+    if (!call) return std::nullopt;
+    calls.push_back(std::move(*call));
+    if (close == std::string_view::npos) break;
+    at = text.find(kOpen, close + kClose.size());
+  }
+  return calls;
+}
+
+std::optional<std::vector<ChatToolCall>> llama3_json_calls(std::string_view text) {
+  std::string_view rest = trim_space(text);
+  if (rest.starts_with("<|python_tag|>")) rest = trim_space(rest.substr(std::string_view("<|python_tag|>").size()));
+  if (!rest.starts_with("{")) return std::nullopt;
+  std::vector<ChatToolCall> calls;
+  for (;;) {
+    // One object: the shortest prefix that parses (a ';' inside a string does not split it).
+    size_t end = 0;
+    OrderedJson v;
+    for (size_t pos = rest.find('}'); pos != std::string_view::npos; pos = rest.find('}', pos + 1)) {
+      v = OrderedJson::parse(rest.substr(0, pos + 1), nullptr, false);
+      if (!v.is_discarded()) {
+        end = pos + 1;
+        break;
+      }
+    }
+    if (end == 0) return std::nullopt;
+    auto call = call_of(v, {"parameters", "arguments"});
+    if (!call) return std::nullopt;
+    calls.push_back(std::move(*call));
+    rest = trim_space(rest.substr(end));
+    if (rest.empty()) return calls;
+    if (!rest.starts_with(";")) return std::nullopt;
+    rest = trim_space(rest.substr(1));
+  }
+}
+
+}  // namespace
+
+ParsedToolCalls parse_tool_calls(ChatTemplate t, std::string_view text) {
+  ParsedToolCalls out{std::string(text), {}};
+  if (t == ChatTemplate::kQwen) {
+    const size_t first = text.find("<tool_call>");
+    if (first == std::string_view::npos) return out;
+    if (auto calls = hermes_calls(text, first)) {
+      out.calls = std::move(*calls);
+      out.content = std::string(trim_space(text.substr(0, first)));
+    }
+  } else if (t == ChatTemplate::kLlama3) {
+    if (auto calls = llama3_json_calls(text)) {
+      out.calls = std::move(*calls);
+      out.content.clear();
+    }
   }
   return out;
 }

@@ -46,12 +46,35 @@ Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path);
 
 // Chat templates (hard-coded per family; see core/README.md).
 enum class ChatTemplate { kNone, kLlama3, kQwen };
+// A function call an assistant turn made; arguments is JSON text (an object, as OpenAI sends it).
+struct ChatToolCall {
+  std::string name;
+  std::string arguments;
+};
 struct ChatMessage {
-  std::string role;  // "system", "user", "assistant"
+  std::string role;  // "system", "user", "assistant", "tool"
   std::string content;
+  std::vector<ChatToolCall> tool_calls = {};  // assistant turns only
 };
 // Renders messages and the assistant generation prompt.
 std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages);
+// The same with function tools offered to the model: each of `tools` is one OpenAI tool object as
+// JSON text ({"type": "function", "function": {...}}), rendered as the family's own template
+// does (Qwen: Hermes <tools>/<tool_call>/<tool_response> blocks; Llama 3.1: the JSON functions in
+// the first user message, calls as {"name", "parameters"}, results as ipython turns). kNone
+// ignores tools. With no tools this equals the two-argument form.
+std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages,
+                                const std::vector<std::string>& tools);
+// The calls a model wrote in its family's own syntax, for tool_choice "auto" (as vLLM's hermes
+// and llama3_json parsers): kQwen, <tool_call>{"name", "arguments"}</tool_call> blocks (the last
+// may be unterminated) with the text before the first as content; kLlama3, a reply that is
+// [<|python_tag|>] {"name", "parameters"|"arguments"} objects separated by ';', with no content.
+// When the text holds no call, or any call is malformed, calls is empty and content is the text.
+struct ParsedToolCalls {
+  std::string content;
+  std::vector<ChatToolCall> calls;  // arguments as JSON text
+};
+ParsedToolCalls parse_tool_calls(ChatTemplate t, std::string_view text);
 
 }  // namespace specontext
 

@@ -180,8 +180,10 @@ TEST(OpenAiParse, MessageRefusals) {
   expect_refused(k, R"({"messages":[]})", "messages", "non-empty");
   expect_refused(k, R"({"messages":"hi"})", "messages");
   expect_refused(k, R"({"messages":["hi"]})", "messages[0]", "must be an object");
-  expect_refused(k, R"({"messages":[{"role":"user","content":"a"},{"role":"tool","content":"b"}]})",
+  expect_refused(k, R"({"messages":[{"role":"user","content":"a"},{"role":"function","content":"b"}]})",
                  "messages[1].role", "must be one of system, user, assistant");
+  expect_refused(k, R"({"messages":[{"role":"user","content":"a"},{"role":"tool","content":"b"}]})",
+                 "messages[1].tool_call_id", "is required");
   expect_refused(k, R"({"messages":[{"content":"a"}]})", "messages[0].role");
   expect_refused(k, R"({"messages":[{"role":1,"content":"a"}]})", "messages[0].role");
   expect_refused(k, R"({"messages":[{"role":"user"}]})", "messages[0].content", "is required");
@@ -196,7 +198,11 @@ TEST(OpenAiParse, MessageRefusals) {
                  "messages[0].content[0].text", "must be a string");
   expect_refused(k, R"({"messages":[{"role":"user","content":["a"]}]})", "messages[0].content[0]");
   expect_refused(k, R"({"messages":[{"role":"assistant","content":"","tool_calls":[{"id":"x"}]}]})",
-                 "messages[0].tool_calls");
+                 "messages[0].tool_calls[0]");
+  expect_refused(k, R"({"messages":[{"role":"user","content":"a","tool_calls":[]}]})", "messages[0].tool_calls",
+                 "assistant messages only");
+  expect_refused(k, R"({"messages":[{"role":"tool","content":"a","tool_call_id":3}]})",
+                 "messages[0].tool_call_id");
 }
 
 TEST(OpenAiParse, TypeAndRangeRefusals) {
@@ -334,6 +340,71 @@ TEST(OpenAiParse, StructuredOutputKeepsTheSchemasKeyOrderAndIsOnePerRequest) {
   expect_refused(k, completion(R"("guided_grammar":"root ::= x")"), "guided_grammar", "not supported");
 }
 
+TEST(OpenAiParse, ToolsAndToolChoice) {
+  const std::string tools =
+      R"("tools":[{"type":"function","function":{"name":"get_weather","description":"Weather in a city",)"
+      R"("parameters":{"type":"object","properties":{"zcity":{"type":"string"},"aunit":{"enum":["c","f"]}},)"
+      R"("required":["zcity"]}}},{"type":"function","function":{"name":"now"}}])";
+  ParseResult named = parse_api_request(
+      ApiKind::kChat, chat(tools + R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}})"));
+  ASSERT_TRUE(named.request) << named.error.message;
+  const ApiRequest& r = *named.request;
+  EXPECT_EQ(r.tool_choice, ApiRequest::ToolChoice::kNamed);
+  EXPECT_EQ(r.tool_choice_name, "get_weather");
+  ASSERT_EQ(r.tools.size(), 2u);
+  EXPECT_EQ(r.tools[0].name, "get_weather");
+  // The body's own key order, in the parameters and the definition shown to the model.
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : r.tools[0].parameters["properties"].items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"zcity", "aunit"}));
+  EXPECT_LT(r.tools[0].definition.find("zcity"), r.tools[0].definition.find("aunit")) << r.tools[0].definition;
+  EXPECT_TRUE(r.tools[0].definition.starts_with(R"({"type":"function","function":{"name":"get_weather")"))
+      << r.tools[0].definition;
+  // No parameters: no arguments, {} only.
+  EXPECT_EQ(r.tools[1].parameters["additionalProperties"], false);
+  ParseResult required = parse_api_request(ApiKind::kChat, chat(tools + R"(,"tool_choice":"required")"));
+  ASSERT_TRUE(required.request) << required.error.message;
+  EXPECT_EQ(required.request->tool_choice, ApiRequest::ToolChoice::kRequired);
+  ParseResult none = parse_api_request(ApiKind::kChat, chat(tools + R"(,"tool_choice":"none")"));
+  ASSERT_TRUE(none.request) << none.error.message;
+  EXPECT_EQ(none.request->tool_choice, ApiRequest::ToolChoice::kNone);
+  // History with calls and their results.
+  ParseResult history = parse_api_request(
+      ApiKind::kChat,
+      R"({"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[)"
+      R"({"id":"call_1","type":"function","function":{"name":"now","arguments":"{}"}}]},)"
+      R"({"role":"tool","tool_call_id":"call_1","content":"noon"}]})");
+  ASSERT_TRUE(history.request) << history.error.message;
+  ASSERT_EQ(history.request->messages.size(), 3u);
+  ASSERT_EQ(history.request->messages[1].tool_calls.size(), 1u);
+  EXPECT_EQ(history.request->messages[1].tool_calls[0].name, "now");
+  EXPECT_EQ(history.request->messages[1].tool_calls[0].arguments, "{}");
+  EXPECT_EQ(history.request->messages[2].role, "tool");
+  EXPECT_EQ(history.request->messages[2].tool_call_id, "call_1");
+
+  const ApiKind k = ApiKind::kChat;
+  expect_refused(k, chat(tools), "tools", "auto");
+  expect_refused(k, chat(tools + R"(,"tool_choice":"auto")"), "tool_choice", "not supported");
+  expect_refused(k, chat(tools + R"(,"tool_choice":{"type":"function","function":{"name":"nope"}})"), "tool_choice",
+                 "'nope', which is not in 'tools'");
+  expect_refused(k, chat(tools + R"(,"tool_choice":"required","stream":true)"), "tool_choice", "stream");
+  expect_refused(k, chat(tools + R"(,"tool_choice":"required","response_format":{"type":"json_object"})"),
+                 "response_format", "cannot be combined with 'tool_choice'");
+  expect_refused(k, chat(tools + R"(,"tool_choice":7)"), "tool_choice");
+  expect_refused(k, chat(R"("tools":{},"tool_choice":"required")"), "tools");
+  expect_refused(k, chat(R"("tools":[{"type":"function"}],"tool_choice":"required")"), "tools[0]");
+  expect_refused(k, chat(R"("tools":[{"type":"code","function":{"name":"f"}}],"tool_choice":"required")"), "tools[0]");
+  expect_refused(k, chat(R"("tools":[{"type":"function","function":{"name":"a b"}}],"tool_choice":"required")"),
+                 "tools[0].function.name");
+  expect_refused(k,
+                 chat(R"("tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"f"}}],)"
+                      R"("tool_choice":"required")"),
+                 "tools[1].function.name", "repeats");
+  expect_refused(k, chat(R"("tools":[{"type":"function","function":{"name":"f","parameters":[]}}],"tool_choice":"required")"),
+                 "tools[0].function.parameters");
+  expect_refused(ApiKind::kCompletion, completion(tools + R"(,"tool_choice":"required")"), "tools", "chat");
+}
+
 TEST(OpenAiParse, TokenizeAndDetokenizeBodies) {
   TokenizeParse p = parse_tokenize_request(R"({"prompt":"hi","model":"m"})");
   ASSERT_TRUE(p.request) << p.error.message;
@@ -414,8 +485,7 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("frequency_penalty":"0")"), "frequency_penalty", "must be a number");
     expect_refused(k, body(R"("suffix":"end")"), "suffix");
     expect_refused(k, body(R"("suffix":1)"), "suffix");
-    expect_refused(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"), "tools",
-                   "not supported");
+    expect_refused(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"), "tools");
     expect_refused(k, body(R"("functions":[{"name":"f"}])"), "functions");
     expect_refused(k, body(R"("tool_choice":"required")"), "tool_choice");
     expect_refused(k, body(R"("tool_choice":{"type":"function","function":{"name":"f"}})"), "tool_choice");

@@ -499,6 +499,133 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
 // random model of that vocabulary: /v1/chat/completions renders the Qwen template, answers a
 // chat.completion whose content is the Generator's text for the same ids, and streams chunks
 // whose first delta carries the role.
+// A byte-level ChatML (Qwen) tokenizer over 256 byte tokens and <|im_start|> / <|im_end|>, and a
+// random model of its vocabulary: chat without a bundled chat model.
+struct ChatToy {
+  std::unique_ptr<Tokenizer> tok;
+  std::shared_ptr<Model> model;
+};
+ChatToy chat_toy() {
+  nlohmann::json vocab = nlohmann::json::object();
+  int next = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+    std::string piece;
+    tokenizer_internal::append_utf8(piece, printable ? b : 256 + next++);
+    vocab[piece] = b;
+  }
+  const json tj = {
+      {"added_tokens", json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
+                                    {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers", json::array({{{"type", "Split"},
+                                        {"pattern", {{"Regex", tokenizer_internal::kQwen2Regex}}},
+                                        {"behavior", "Isolated"}},
+                                       {{"type", "ByteLevel"}, {"use_regex", false}}})}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}}};
+  auto tok = tokenizer_internal::parse_hf_tokenizer_json(tj.dump(), "chatml.json");
+  EXPECT_TRUE(tok.is_ok()) << tok.status().to_string();
+  auto config = synthetic_config("toy");
+  EXPECT_TRUE(config.is_ok());
+  config->vocab_size = 258;
+  config->max_seq_len = 2048;
+  auto model = make_random_model(*config, DType::kF32, 5);
+  EXPECT_TRUE(model.is_ok());
+  return {std::move(*tok), std::move(*model)};
+}
+
+// tool_choice with a named function: the text is its arguments, valid against its parameters
+// (keys in the schema's order), answered as message.tool_calls with a null content and "stop";
+// "required": an array of calls of the tools, answered as tool_calls with "tool_calls". The
+// tools are rendered into the prompt only when a call is asked for; a history of calls and
+// results is rendered too.
+TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
+  ChatToy toy = chat_toy();
+  EngineOptions eo;
+  eo.max_sequences = 4;
+  auto engine = Engine::create(toy.model, testing::cpu_backend(), eo);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  ServerOptions o;
+  o.chat_template = ChatTemplate::kQwen;
+  o.stop_ids = toy.tok->stop_ids();
+  o.scheduling.prefix_caching = false;  // so that every sequence's KV is freed at the end
+  auto server = OpenAiServer::start(**engine, *toy.tok, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const std::string tools =
+      R"("tools":[{"type":"function","function":{"name":"get_weather","description":"The weather in a city",)"
+      R"("parameters":{"type":"object","properties":{"zcity":{"type":"string","maxLength":8},"unit":{"enum":["c","f"]}},)"
+      R"("required":["zcity","unit"],"additionalProperties":false}}},{"type":"function","function":{"name":"now"}}])";
+  const std::string messages = R"("messages":[{"role":"user","content":"Weather in Paris?"}])";
+  auto body = [&](const std::string& rest) { return "{" + messages + "," + tools + "," + rest + "}"; };
+  auto valid_weather = [](const nlohmann::ordered_json& a) {
+    return a.is_object() && a.size() == 2 && a.begin().key() == "zcity" && a["zcity"].is_string() &&
+           a["zcity"].get<std::string>().size() <= 8 * 4 && (a["unit"] == "c" || a["unit"] == "f");
+  };
+
+  Reply named = send(port, http::verb::post, "/v1/chat/completions",
+                     body(R"("tool_choice":{"type":"function","function":{"name":"get_weather"}},"max_tokens":80,"temperature":0)"));
+  ASSERT_EQ(named.status, 200) << named.body;
+  const json nj = named.j();
+  const json& message = nj["choices"][0]["message"];
+  EXPECT_TRUE(message["content"].is_null()) << named.body;
+  ASSERT_EQ(message["tool_calls"].size(), 1u) << named.body;
+  const json& call = message["tool_calls"][0];
+  EXPECT_EQ(call["type"], "function");
+  EXPECT_TRUE(call["id"].get<std::string>().starts_with("call_")) << call;
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  const auto args = nlohmann::ordered_json::parse(call["function"]["arguments"].get<std::string>(), nullptr, false);
+  EXPECT_TRUE(valid_weather(args)) << call;
+  EXPECT_EQ(nj["choices"][0]["finish_reason"], "stop");
+
+  // The tools reach the prompt only when a call is asked for.
+  Reply none = send(port, http::verb::post, "/v1/chat/completions",
+                    body(R"("tool_choice":"none","max_tokens":2,"temperature":0)"));
+  ASSERT_EQ(none.status, 200) << none.body;
+  EXPECT_FALSE(none.j()["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_GT(nj["usage"]["prompt_tokens"].get<int64_t>(), none.j()["usage"]["prompt_tokens"].get<int64_t>() + 100);
+
+  // "required", sampled; ']' pushed up so that a random model ends its list of calls.
+  Reply required = send(port, http::verb::post, "/v1/chat/completions",
+                        body(R"("tool_choice":"required","max_tokens":300,"temperature":1,"n":3,"seed":7,)"
+                             R"("logit_bias":{"93":6})"));
+  ASSERT_EQ(required.status, 200) << required.body;
+  const json rj = required.j();
+  int called = 0;
+  for (const json& c : rj["choices"]) {
+    if (c["finish_reason"] != "tool_calls") {
+      EXPECT_EQ(c["finish_reason"], "length") << c;
+      EXPECT_FALSE(c["message"]["content"].get<std::string>().empty()) << c;
+      continue;
+    }
+    ++called;
+    EXPECT_TRUE(c["message"]["content"].is_null()) << c;
+    ASSERT_GE(c["message"]["tool_calls"].size(), 1u) << c;
+    for (const json& tc : c["message"]["tool_calls"]) {
+      const auto a = nlohmann::ordered_json::parse(tc["function"]["arguments"].get<std::string>(), nullptr, false);
+      if (tc["function"]["name"] == "now") {
+        EXPECT_EQ(a, nlohmann::ordered_json::object()) << tc;
+      } else {
+        EXPECT_EQ(tc["function"]["name"], "get_weather") << tc;
+        EXPECT_TRUE(valid_weather(a)) << tc;
+      }
+    }
+  }
+  EXPECT_GE(called, 1) << required.body;
+
+  // A history of a call and its result is rendered (longer prompt), and the answer goes on.
+  const std::string history =
+      R"({"messages":[{"role":"user","content":"Weather in Paris?"},{"role":"assistant","content":null,)"
+      R"("tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather",)"
+      R"("arguments":"{\"zcity\": \"Paris\", \"unit\": \"c\"}"}}]},)"
+      R"({"role":"tool","tool_call_id":"call_1","content":"21 degrees"}],"max_tokens":2,"temperature":0})";
+  Reply after = send(port, http::verb::post, "/v1/chat/completions", history);
+  ASSERT_EQ(after.status, 200) << after.body;
+  EXPECT_GT(after.j()["usage"]["prompt_tokens"].get<int64_t>(), none.j()["usage"]["prompt_tokens"].get<int64_t>() + 40);
+  EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
+}
+
 TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
   nlohmann::json vocab = nlohmann::json::object();
   int next = 0;

@@ -391,6 +391,16 @@ TEST(JsonSchema, HandCasesAreAcceptedOrRefused) {
   }
 }
 
+// A schema built in code holds counts as signed integers (ordered_json{{"minItems", 1}}); they
+// count as the same non-negative integers a parsed document holds.
+TEST(JsonSchema, BuiltDocumentsCountLikeParsedOnes) {
+  const ordered_json built = {{"type", "array"}, {"minItems", 1}, {"maxItems", 2}};
+  ASSERT_TRUE(json_schema_to_grammar(built).is_ok()) << json_schema_to_grammar(built).status().message();
+  const ordered_json negative = {{"type", "array"}, {"minItems", -1}};
+  ASSERT_FALSE(json_schema_to_grammar(negative).is_ok());
+  EXPECT_NE(json_schema_to_grammar(negative).status().message().find("non-negative"), std::string::npos);
+}
+
 // Random walks: pick any allowed next byte (printable ASCII and some UTF-8 bytes) until the
 // matcher closes, or accepts and a coin says stop. Every such document must validate.
 TEST(JsonSchema, RandomWalksWriteValidDocuments) {
@@ -529,7 +539,7 @@ TEST(JsonSchema, OutsideTheSubsetIsAnErrorNamingKeywordAndPointer) {
     ASSERT_FALSE(g.is_ok());
     EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(g.status().message().find(message), std::string::npos) << g.status().message();
-    EXPECT_EQ(g.status().message().rfind("response_format json_schema: ", 0), 0u) << g.status().message();
+    EXPECT_EQ(g.status().message().rfind("JSON schema: ", 0), 0u) << g.status().message();
   }
   // Deep nesting is an error, not a stack overflow.
   std::string deep;

@@ -43,6 +43,127 @@ TEST(ChatTemplate, NoneConcatenatesContents) {
             "Once upon a time");
 }
 
+// A weather lookup: tools, a call, its result, and the next question.
+const std::vector<std::string> kTools = {
+    R"({"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}})"};
+const std::vector<ChatMessage> kToolConversation = {
+    {"system", "Be brief."},
+    {"user", "Weather in Paris?"},
+    {"assistant", "", {{"get_weather", R"({"city":"Paris"})"}}},
+    {"tool", R"({"temp":21})"},
+    {"user", "And Rome?"},
+};
+const char* kToolJson =
+    R"({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})";
+
+TEST(ChatTemplate, QwenToolsAreHermesBlocks) {
+  EXPECT_EQ(apply_chat_template(ChatTemplate::kQwen, kToolConversation, kTools),
+            std::string("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist "
+                        "with the user query.\n\nYou are provided with function signatures within <tools></tools> "
+                        "XML tags:\n<tools>\n") +
+                kToolJson +
+                "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+                "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+                "\"Paris\"}}\n</tool_call><|im_end|>\n"
+                "<|im_start|>user\n<tool_response>\n{\"temp\":21}\n</tool_response><|im_end|>\n"
+                "<|im_start|>user\nAnd Rome?<|im_end|>\n"
+                "<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, QwenGroupsToolResultsAndSeparatesCallsFromText) {
+  const std::vector<ChatMessage> msgs = {
+      {"user", "Both?"},
+      {"assistant", "Looking.", {{"f", "{}"}, {"g", R"({"a":[1,2]})"}}},
+      {"tool", "1"},
+      {"tool", "2"},
+  };
+  // Without tools on offer, earlier calls and results are still written in Hermes form.
+  EXPECT_EQ(apply_chat_template(ChatTemplate::kQwen, msgs, {}),
+            "<|im_start|>user\nBoth?<|im_end|>\n"
+            "<|im_start|>assistant\nLooking.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n"
+            "<tool_call>\n{\"name\": \"g\", \"arguments\": {\"a\": [1, 2]}}\n</tool_call><|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_EQ(apply_chat_template(ChatTemplate::kQwen, msgs), apply_chat_template(ChatTemplate::kQwen, msgs, {}));
+}
+
+TEST(ChatTemplate, Llama31ToolsGoInTheFirstUserMessage) {
+  EXPECT_EQ(apply_chat_template(ChatTemplate::kLlama3, kToolConversation, kTools),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\nCutting Knowledge "
+            "Date: December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond with a JSON "
+            "for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the "
+            "format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.Do not use "
+            "variables.\n\n"
+            "{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"get_weather\",\n        "
+            "\"parameters\": {\n            \"type\": \"object\",\n            \"properties\": {\n                "
+            "\"city\": {\n                    \"type\": \"string\"\n                }\n            },\n            "
+            "\"required\": [\n                \"city\"\n            ]\n        }\n    }\n}\n\n"
+            "Weather in Paris?<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \"parameters\": {\"city\": "
+            "\"Paris\"}}<|eot_id|>"
+            "<|start_header_id|>ipython<|end_header_id|>\n\n{\"temp\":21}<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nAnd Rome?<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+}
+
+TEST(ChatTemplate, ToolsWithoutAUserMessageOrOnAPlainModel) {
+  const std::string llama = apply_chat_template(ChatTemplate::kLlama3, {{"system", "S"}}, kTools);
+  EXPECT_NE(llama.find("S<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nGiven the following functions"),
+            std::string::npos)
+      << llama;
+  EXPECT_TRUE(llama.ends_with("}\n\n<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")) << llama;
+  EXPECT_EQ(apply_chat_template(ChatTemplate::kNone, {{"user", "Once"}}, kTools), "Once");
+  // Tools are the only difference: no tools means the plain template.
+  EXPECT_EQ(apply_chat_template(ChatTemplate::kLlama3, kConversation, {}),
+            apply_chat_template(ChatTemplate::kLlama3, kConversation));
+}
+
+TEST(ToolCallParser, QwenHermesBlocks) {
+  ParsedToolCalls p = parse_tool_calls(
+      ChatTemplate::kQwen,
+      "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}");  // the last one cut before its end tag
+  ASSERT_EQ(p.calls.size(), 2u);
+  EXPECT_EQ(p.content, "Let me look.");
+  EXPECT_EQ(p.calls[0].name, "get_weather");
+  EXPECT_EQ(p.calls[0].arguments, R"({"city": "Paris"})");
+  EXPECT_EQ(p.calls[1].name, "now");
+  EXPECT_EQ(p.calls[1].arguments, "{}");
+  // No call, a malformed one, or arguments that are not an object: all text, no calls.
+  for (const char* text : {"Just words.", "<tool_call>\n{\"name\": \"f\", \"arguments\": {\n</tool_call>",
+                           "<tool_call>{\"name\": \"f\", \"arguments\": \"x\"}</tool_call>",
+                           "<tool_call>{\"arguments\": {}}</tool_call>"}) {
+    SCOPED_TRACE(text);
+    p = parse_tool_calls(ChatTemplate::kQwen, text);
+    EXPECT_TRUE(p.calls.empty());
+    EXPECT_EQ(p.content, text);
+  }
+  // The Llama syntax is not a call on Qwen.
+  EXPECT_TRUE(parse_tool_calls(ChatTemplate::kQwen, R"({"name": "f", "parameters": {}})").calls.empty());
+}
+
+TEST(ToolCallParser, Llama3JsonObjects) {
+  ParsedToolCalls p = parse_tool_calls(
+      ChatTemplate::kLlama3, R"(<|python_tag|>{"name": "f", "parameters": {"q": "a;b}"}}; {"name": "g", "arguments": {}})");
+  ASSERT_EQ(p.calls.size(), 2u);
+  EXPECT_EQ(p.content, "");
+  EXPECT_EQ(p.calls[0].name, "f");
+  EXPECT_EQ(p.calls[0].arguments, R"({"q": "a;b}"})");
+  EXPECT_EQ(p.calls[1].name, "g");
+  for (const char* text : {"The answer is 4.", R"({"name": "f"})", R"({"name": "f", "parameters": {}} and more)",
+                           R"({"city": "Paris"})", "{"}) {
+    SCOPED_TRACE(text);
+    p = parse_tool_calls(ChatTemplate::kLlama3, text);
+    EXPECT_TRUE(p.calls.empty());
+    EXPECT_EQ(p.content, text);
+  }
+  EXPECT_TRUE(parse_tool_calls(ChatTemplate::kNone, R"({"name": "f", "parameters": {}})").calls.empty());
+}
+
 TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
   // Every byte character plus the two ChatML markers.
   nlohmann::json vocab = nlohmann::json::object();

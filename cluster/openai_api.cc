@@ -456,7 +456,7 @@ Check parse_tools(const json& body, ApiRequest& req) {
         return field_error(field + ".function.name", "must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'");
       }
       for (const ToolIn& earlier : req.tools) {
-        if (earlier.name == *name) return field_error(field + ".function.name", "repeats the tool '" + earlier.name + "'");
+        if (earlier.name == name->get_ref<const std::string&>()) return field_error(field + ".function.name", "repeats the tool '" + earlier.name + "'");
       }
       if (const json* d = find_field(*fn, "description"); d && !d->is_string()) {
         return field_error(field + ".function.description", "must be a string");
@@ -470,21 +470,11 @@ Check parse_tools(const json& body, ApiRequest& req) {
     }
   }
   const json* choice = find_field(body, "tool_choice");
-  if (!choice) {
-    if (any) {
-      return field_error("tools",
-                         "with tool_choice \"auto\" (the default when tools are given) is not supported: it needs "
-                         "a parser of the model's own tool-call syntax; give tool_choice \"required\", a named "
-                         "function {\"type\": \"function\", \"function\": {\"name\": ...}}, or \"none\"");
-    }
+  if (!choice || (choice->is_string() && *choice == "auto")) {
+    if (any) req.tool_choice = ApiRequest::ToolChoice::kAuto;
     return std::nullopt;
   }
-  if (choice->is_string() && (*choice == "none" || (*choice == "auto" && !any))) return std::nullopt;
-  if (choice->is_string() && *choice == "auto") {
-    return field_error("tool_choice",
-                       "\"auto\" is not supported: it needs a parser of the model's own tool-call syntax; give "
-                       "\"required\" or a named function");
-  }
+  if (choice->is_string() && *choice == "none") return std::nullopt;
   if (choice->is_string() && *choice == "required") {
     if (!any) return field_error("tool_choice", "\"required\" needs 'tools'");
     req.tool_choice = ApiRequest::ToolChoice::kRequired;
@@ -498,7 +488,7 @@ Check parse_tools(const json& body, ApiRequest& req) {
     return field_error("tool_choice",
                        "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
   }
-  const bool known = std::any_of(req.tools.begin(), req.tools.end(), [&](const ToolIn& t) { return t.name == *name; });
+  const bool known = std::any_of(req.tools.begin(), req.tools.end(), [&](const ToolIn& t) { return t.name == name->get_ref<const std::string&>(); });
   if (!known) return field_error("tool_choice", "names '" + name->get<std::string>() + "', which is not in 'tools'");
   req.tool_choice = ApiRequest::ToolChoice::kNamed;
   req.tool_choice_name = name->get<std::string>();
@@ -508,7 +498,9 @@ Check parse_tools(const json& body, ApiRequest& req) {
 // Called tools are answered whole: their streamed form (tool_calls deltas) is not implemented.
 Check refuse_streamed_calls(const json&, ApiRequest& req) {
   if (req.stream && req.tool_choice != ApiRequest::ToolChoice::kNone) {
-    return field_error("tool_choice", "with \"stream\": true is not supported: tool calls are answered whole");
+    return field_error("tool_choice",
+                       "with \"stream\": true is not supported: tool calls are answered whole; with tools, give "
+                       "\"stream\": false, or tool_choice \"none\" (the default \"auto\" may call)");
   }
   return std::nullopt;
 }
@@ -518,9 +510,11 @@ Check refuse_streamed_calls(const json&, ApiRequest& req) {
 // from an ordered parse (parse_api_request): here its key order is already lost.
 Check parse_structured(const json& body, ApiRequest& req) {
   // A tool_choice that calls is constrained output too: nothing else may constrain the text.
-  if (req.tool_choice != ApiRequest::ToolChoice::kNone) req.structured_field = "tool_choice";
+  // ("auto" leaves the text free, so it combines with them.)
+  const bool calls = req.tool_choice == ApiRequest::ToolChoice::kRequired || req.tool_choice == ApiRequest::ToolChoice::kNamed;
+  if (calls) req.structured_field = "tool_choice";
   auto ask = [&](ApiRequest::Structured kind, const char* field) -> Check {
-    if (req.structured != ApiRequest::Structured::kNone || req.tool_choice != ApiRequest::ToolChoice::kNone) {
+    if (req.structured != ApiRequest::Structured::kNone || calls) {
       return field_error(field, "cannot be combined with '" + req.structured_field +
                                     "': one structured output per request");
     }

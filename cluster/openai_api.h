@@ -108,9 +108,10 @@ struct ApiRequest {
   // Chat tools and tool_choice: "none" (the default without tools: tools are not shown to the
   // model), "required" (the text is a JSON array of {"name", "parameters"} calls, constrained to
   // the tools' schemas) or a named function (the text is its arguments, constrained to its
-  // schema). "auto", the default with tools, needs a parser of the model's own call syntax,
-  // which is not implemented: 400, as vLLM without --enable-auto-tool-choice.
-  enum class ToolChoice { kNone, kRequired, kNamed };
+  // schema) or "auto", the default with tools (the text is free; calls written in the model's
+  // own syntax are read back by parse_tool_calls, core/tokenizer.h). Streamed calls are absent:
+  // stream with any tool_choice but "none" is a 400.
+  enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
   std::vector<ToolIn> tools;
   ToolChoice tool_choice = ToolChoice::kNone;
   std::string tool_choice_name;  // kNamed

@@ -193,7 +193,8 @@ struct OpenAiServer::Impl {
   // a JSON array of {"name", "parameters"} calls of any of the tools.
   std::optional<ApiError> tool_constraint(const ApiRequest& in, std::shared_ptr<const TokenConstraint>& out) const;
   // A choice's tool calls, read from its constrained text (none when it was cut short).
-  static std::vector<ToolCallOut> tool_calls_of(const ApiRequest& in, const std::string& text);
+  // The message's content is what remains of the text (nothing when it was all calls).
+  std::vector<ToolCallOut> tool_calls_of(const ApiRequest& in, const std::string& text, std::string& content) const;
   // POST /tokenize and /detokenize (vLLM's): the answer's status and body.
   std::pair<int, std::string> tokenize(std::string_view body) const;
   std::pair<int, std::string> detokenize(std::string_view body) const;
@@ -604,7 +605,8 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
   return std::nullopt;
 }
 
-std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in, const std::string& text) {
+std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in, const std::string& text,
+                                                            std::string& content) const {
   auto call_id = [] {
     static constexpr char kHex[] = "0123456789abcdef";
     std::random_device rd;
@@ -613,9 +615,17 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
     return id;
   };
   std::vector<ToolCallOut> calls;
+  content = text;
   if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {
     // The text is the arguments (cut short when max_tokens came first: finish_reason says so).
     calls.push_back({call_id(), in.tool_choice_name, text});
+    content.clear();
+    return calls;
+  }
+  if (in.tool_choice == ApiRequest::ToolChoice::kAuto) {
+    ParsedToolCalls parsed = parse_tool_calls(options.chat_template, text);
+    for (ChatToolCall& c : parsed.calls) calls.push_back({call_id(), std::move(c.name), std::move(c.arguments)});
+    content = std::move(parsed.content);
     return calls;
   }
   // "required": the constrained text is an array of {"name", "parameters"}; cut short, it is not,
@@ -623,10 +633,14 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
   const auto parsed = nlohmann::ordered_json::parse(text, nullptr, false);
   if (!parsed.is_array()) return calls;
   for (const auto& c : parsed) {
-    if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) return {};
+    if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) {
+      content = text;
+      return {};
+    }
     calls.push_back({call_id(), c["name"].get<std::string>(),
                      c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)});
   }
+  if (!calls.empty()) content.clear();
   return calls;
 }
 
@@ -739,7 +753,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
   out.presence_penalty = in.presence_penalty;
   out.min_p = in.min_p;
   out.min_tokens = std::min(in.min_tokens, out.max_new_tokens);
-  if (in.tool_choice != ApiRequest::ToolChoice::kNone) {
+  if (in.tool_choice == ApiRequest::ToolChoice::kRequired || in.tool_choice == ApiRequest::ToolChoice::kNamed) {
     if (auto err = tool_constraint(in, out.constraint)) return err;
   }
   if (in.structured != ApiRequest::Structured::kNone) {
@@ -1127,12 +1141,13 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
         out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr,
                        ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
         if (api.tool_choice != ApiRequest::ToolChoice::kNone) {
-          calls[i] = tool_calls_of(api, ch.text);
+          calls[i] = tool_calls_of(api, ch.text, out.back().text);
           if (!calls[i].empty()) {
-            out.back().text.clear();
             out.back().tool_calls = &calls[i];
             // As OpenAI: "tool_calls" when the model chose to call, "stop" for a named function.
-            if (api.tool_choice == ApiRequest::ToolChoice::kRequired) out.back().finish_reason = "tool_calls";
+            if (api.tool_choice != ApiRequest::ToolChoice::kNamed && ch.finish_reason == "stop") {
+              out.back().finish_reason = "tool_calls";
+            }
           }
         }
       }

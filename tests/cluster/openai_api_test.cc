@@ -383,8 +383,17 @@ TEST(OpenAiParse, ToolsAndToolChoice) {
   EXPECT_EQ(history.request->messages[2].tool_call_id, "call_1");
 
   const ApiKind k = ApiKind::kChat;
-  expect_refused(k, chat(tools), "tools", "auto");
-  expect_refused(k, chat(tools + R"(,"tool_choice":"auto")"), "tool_choice", "not supported");
+  // "auto" is the default with tools; it leaves the text free, so response_format may join it.
+  for (const std::string& extra : {std::string(), std::string(R"(,"tool_choice":"auto")"),
+                                   std::string(R"(,"response_format":{"type":"json_object"})")}) {
+    ParseResult a = parse_api_request(ApiKind::kChat, chat(tools + extra));
+    ASSERT_TRUE(a.request) << extra << ": " << a.error.message;
+    EXPECT_EQ(a.request->tool_choice, ApiRequest::ToolChoice::kAuto) << extra;
+  }
+  ParseResult no_tools = parse_api_request(ApiKind::kChat, chat(R"("tool_choice":"auto")"));
+  ASSERT_TRUE(no_tools.request) << no_tools.error.message;
+  EXPECT_EQ(no_tools.request->tool_choice, ApiRequest::ToolChoice::kNone);
+  expect_refused(k, chat(tools + R"(,"stream":true)"), "tool_choice", "stream");
   expect_refused(k, chat(tools + R"(,"tool_choice":{"type":"function","function":{"name":"nope"}})"), "tool_choice",
                  "'nope', which is not in 'tools'");
   expect_refused(k, chat(tools + R"(,"tool_choice":"required","stream":true)"), "tool_choice", "stream");
@@ -485,7 +494,13 @@ TEST(OpenAiParse, UnsupportedFeatureRefusals) {
     expect_refused(k, body(R"("frequency_penalty":"0")"), "frequency_penalty", "must be a number");
     expect_refused(k, body(R"("suffix":"end")"), "suffix");
     expect_refused(k, body(R"("suffix":1)"), "suffix");
-    expect_refused(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"), "tools");
+    if (k == ApiKind::kCompletion) {
+      expect_refused(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"), "tools");
+    } else {  // chat: "auto", the default with tools
+      ParseResult t = parse_api_request(k, body(R"("tools":[{"type":"function","function":{"name":"f"}}])"));
+      ASSERT_TRUE(t.request) << t.error.message;
+      EXPECT_EQ(t.request->tool_choice, ApiRequest::ToolChoice::kAuto);
+    }
     expect_refused(k, body(R"("functions":[{"name":"f"}])"), "functions");
     expect_refused(k, body(R"("tool_choice":"required")"), "tool_choice");
     expect_refused(k, body(R"("tool_choice":{"type":"function","function":{"name":"f"}})"), "tool_choice");

@@ -537,9 +537,9 @@ ChatToy chat_toy() {
 
 // tool_choice with a named function: the text is its arguments, valid against its parameters
 // (keys in the schema's order), answered as message.tool_calls with a null content and "stop";
-// "required": an array of calls of the tools, answered as tool_calls with "tool_calls". The
-// tools are rendered into the prompt only when a call is asked for; a history of calls and
-// results is rendered too.
+// "required": an array of calls of the tools, answered as tool_calls with "tool_calls"; "auto":
+// free text, calls in the model's own syntax read back. The tools are rendered into the prompt
+// unless tool_choice is "none"; a history of calls and results is rendered too.
 TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
   ChatToy toy = chat_toy();
   EngineOptions eo;
@@ -579,7 +579,7 @@ TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
   EXPECT_TRUE(valid_weather(args)) << call;
   EXPECT_EQ(nj["choices"][0]["finish_reason"], "stop");
 
-  // The tools reach the prompt only when a call is asked for.
+  // The tools reach the prompt unless tool_choice is "none".
   Reply none = send(port, http::verb::post, "/v1/chat/completions",
                     body(R"("tool_choice":"none","max_tokens":2,"temperature":0)"));
   ASSERT_EQ(none.status, 200) << none.body;
@@ -613,6 +613,26 @@ TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
     }
   }
   EXPECT_GE(called, 1) << required.body;
+
+  // "auto", the default with tools: they are shown as for a call and the text is free; calls
+  // the model writes in its own syntax (here Qwen's, forced by guided_choice) are read back.
+  Reply auto_free = send(port, http::verb::post, "/v1/chat/completions", body(R"("max_tokens":4,"temperature":0)"));
+  ASSERT_EQ(auto_free.status, 200) << auto_free.body;
+  EXPECT_EQ(auto_free.j()["usage"]["prompt_tokens"], nj["usage"]["prompt_tokens"]);
+  EXPECT_FALSE(auto_free.j()["choices"][0]["message"].contains("tool_calls")) << auto_free.body;
+  EXPECT_TRUE(auto_free.j()["choices"][0]["message"]["content"].is_string()) << auto_free.body;
+  Reply auto_call = send(
+      port, http::verb::post, "/v1/chat/completions",
+      body(R"("tool_choice":"auto","max_tokens":200,"guided_choice":["Checking.\n<tool_call>\n{\"name\": \"get_weather\", )"
+           R"(\"arguments\": {\"zcity\": \"Rome\", \"unit\": \"c\"}}\n</tool_call>"])"));
+  ASSERT_EQ(auto_call.status, 200) << auto_call.body;
+  const json auto_body = auto_call.j();
+  const json& auto_choice = auto_body["choices"][0];
+  EXPECT_EQ(auto_choice["finish_reason"], "tool_calls") << auto_call.body;
+  EXPECT_EQ(auto_choice["message"]["content"], "Checking.") << auto_call.body;
+  ASSERT_EQ(auto_choice["message"]["tool_calls"].size(), 1u) << auto_call.body;
+  EXPECT_EQ(auto_choice["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(auto_choice["message"]["tool_calls"][0]["function"]["arguments"], R"({"zcity": "Rome", "unit": "c"})");
 
   // A history of a call and its result is rendered (longer prompt), and the answer goes on.
   const std::string history =

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cluster/openai_api.h"
+#include "core/tokenizer.h"
 
 namespace {
 
@@ -74,8 +75,19 @@ void check_request(ApiKind kind, const ApiRequest& r) {
     check(r.messages.empty());
   } else {
     check(!r.messages.empty());
-    for (const auto& m : r.messages) check(m.role == "system" || m.role == "user" || m.role == "assistant");
+    for (const auto& m : r.messages) {
+      check(m.role == "system" || m.role == "user" || m.role == "assistant" || m.role == "tool");
+      check(m.tool_calls.empty() || m.role == "assistant");
+    }
   }
+  // Tools: chat only; any tool_choice but "none" has tools, a named one is among them.
+  check(r.tools.empty() || kind == ApiKind::kChat);
+  check(r.tool_choice == ApiRequest::ToolChoice::kNone || !r.tools.empty());
+  if (r.tool_choice == ApiRequest::ToolChoice::kNamed) {
+    check(std::any_of(r.tools.begin(), r.tools.end(), [&](const auto& t) { return t.name == r.tool_choice_name; }));
+  }
+  for (const auto& t : r.tools) check(!t.name.empty() && t.parameters.is_object() && parses(t.definition));
+  check(!r.stream || r.tool_choice == ApiRequest::ToolChoice::kNone);
   check(!r.max_tokens || *r.max_tokens > 0);
   check(r.sampling.validate().is_ok() && r.sampling.temperature <= 2.0f);
   check(r.stop.size() <= 4);
@@ -179,6 +191,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       check_stops(text, r.request->stop, ends);
     } else {
       check_error(r.error);
+    }
+  }
+  // The input as a model's reply under tool_choice "auto": calls whose arguments are JSON
+  // objects, or no calls and the whole text as content.
+  for (specontext::ChatTemplate family : {specontext::ChatTemplate::kQwen, specontext::ChatTemplate::kLlama3}) {
+    const specontext::ParsedToolCalls p = specontext::parse_tool_calls(family, input);
+    if (p.calls.empty()) check(p.content == input);
+    for (const specontext::ChatToolCall& c : p.calls) {
+      check(nlohmann::json::parse(c.arguments, nullptr, false).is_object());
     }
   }
   // /tokenize and /detokenize bodies: a request, or an error naming its field.

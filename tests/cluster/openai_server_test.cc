@@ -505,7 +505,7 @@ struct ChatToy {
   std::unique_ptr<Tokenizer> tok;
   std::shared_ptr<Model> model;
 };
-ChatToy chat_toy() {
+ChatToy chat_toy(int64_t max_seq_len = 2048) {
   nlohmann::json vocab = nlohmann::json::object();
   int next = 0;
   for (int b = 0; b < 256; ++b) {
@@ -529,7 +529,7 @@ ChatToy chat_toy() {
   auto config = synthetic_config("toy");
   EXPECT_TRUE(config.is_ok());
   config->vocab_size = 258;
-  config->max_seq_len = 2048;
+  config->max_seq_len = max_seq_len;
   auto model = make_random_model(*config, DType::kF32, 5);
   EXPECT_TRUE(model.is_ok());
   return {std::move(*tok), std::move(*model)};
@@ -647,32 +647,9 @@ TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
 }
 
 TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
-  nlohmann::json vocab = nlohmann::json::object();
-  int next = 0;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
-    std::string piece;
-    tokenizer_internal::append_utf8(piece, printable ? b : 256 + next++);
-    vocab[piece] = b;
-  }
-  const json tj = {
-      {"added_tokens", json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
-                                    {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})},
-      {"pre_tokenizer",
-       {{"type", "Sequence"},
-        {"pretokenizers", json::array({{{"type", "Split"},
-                                        {"pattern", {{"Regex", tokenizer_internal::kQwen2Regex}}},
-                                        {"behavior", "Isolated"}},
-                                       {{"type", "ByteLevel"}, {"use_regex", false}}})}}},
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}}};
-  auto tok = tokenizer_internal::parse_hf_tokenizer_json(tj.dump(), "chatml.json");
-  ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
-  auto config = synthetic_config("toy");
-  ASSERT_TRUE(config.is_ok());
-  config->vocab_size = 258;
-  config->max_seq_len = 256;
-  auto model = make_random_model(*config, DType::kF32, 5);
-  ASSERT_TRUE(model.is_ok());
+  ChatToy toy = chat_toy(256);
+  const std::unique_ptr<Tokenizer>* tok = &toy.tok;  // as Results are used below
+  const std::shared_ptr<Model>* model = &toy.model;
   auto make = [&](int64_t slots) {
     EngineOptions eo;
     eo.max_sequences = slots;

@@ -140,6 +140,11 @@ struct OpenAiServer::Impl {
   // thread), and json_object's constraint in its initial state, shared by every such request.
   mutable std::once_flag vocabulary_once;
   mutable std::shared_ptr<const VocabularyBytes> vocabulary;
+  // The vocabulary's bytes for a constraint (built once, on first use).
+  const std::shared_ptr<const VocabularyBytes>& vocabulary_bytes() const {
+    std::call_once(vocabulary_once, [this] { vocabulary = VocabularyBytes::build(tokenizer); });
+    return vocabulary;
+  }
   mutable std::once_flag json_once;
   mutable std::shared_ptr<const TokenConstraint> json_prototype;
   mutable Status json_unavailable;
@@ -633,10 +638,7 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
   const auto parsed = nlohmann::ordered_json::parse(text, nullptr, false);
   if (!parsed.is_array()) return calls;
   for (const auto& c : parsed) {
-    if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) {
-      content = text;
-      return {};
-    }
+    if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) return {};
     calls.push_back({call_id(), c["name"].get<std::string>(),
                      c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)});
   }
@@ -646,7 +648,6 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
 
 std::optional<ApiError> OpenAiServer::Impl::tool_constraint(const ApiRequest& in,
                                                             std::shared_ptr<const TokenConstraint>& out) const {
-  std::call_once(vocabulary_once, [this] { vocabulary = VocabularyBytes::build(tokenizer); });
   nlohmann::ordered_json schema;
   if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {
     for (const ToolIn& t : in.tools) {
@@ -687,7 +688,7 @@ std::optional<ApiError> OpenAiServer::Impl::tool_constraint(const ApiRequest& in
       if (!shared[key].empty()) schema[key] = shared[key];
     }
   }
-  auto c = JsonSchemaConstraint::create(schema, vocabulary);
+  auto c = JsonSchemaConstraint::create(schema, vocabulary_bytes());
   if (!c.is_ok()) {
     return ApiError{400, "invalid_request_error", "tools: " + c.status().message(), "tools", ""};
   }
@@ -757,7 +758,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
     if (auto err = tool_constraint(in, out.constraint)) return err;
   }
   if (in.structured != ApiRequest::Structured::kNone) {
-    std::call_once(vocabulary_once, [this] { vocabulary = VocabularyBytes::build(tokenizer); });
+    const std::shared_ptr<const VocabularyBytes>& bytes = vocabulary_bytes();
     auto refused = [&](const Status& st) {
       return ApiError{400, "invalid_request_error", st.message(), in.structured_field, ""};
     };
@@ -776,7 +777,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
         break;
       }
       case ApiRequest::Structured::kJsonSchema: {
-        auto c = JsonSchemaConstraint::create(in.schema, vocabulary);
+        auto c = JsonSchemaConstraint::create(in.schema, bytes);
         if (!c.is_ok()) return refused(c.status().with_context(in.structured_field));
         out.constraint = std::move(*c);
         break;
@@ -789,7 +790,7 @@ std::optional<ApiError> OpenAiServer::Impl::to_generation(const ApiRequest& in,
         const uint32_t root = g.add("choice", std::move(alternatives));
         auto grammar = g.build(root);
         if (!grammar.is_ok()) return refused(grammar.status().with_context("guided_choice"));
-        auto c = JsonSchemaConstraint::create(std::make_shared<const Grammar>(std::move(*grammar)), vocabulary);
+        auto c = JsonSchemaConstraint::create(std::make_shared<const Grammar>(std::move(*grammar)), bytes);
         if (!c.is_ok()) return refused(c.status().with_context("guided_choice"));
         out.constraint = std::move(*c);
         break;

@@ -122,6 +122,16 @@ TEST(ChatTemplate, ToolsWithoutAUserMessageOrOnAPlainModel) {
             apply_chat_template(ChatTemplate::kLlama3, kConversation));
 }
 
+// Replies that hold no well-formed call: no calls, and the whole text as content.
+void expect_all_text(ChatTemplate family, std::initializer_list<const char*> texts) {
+  for (const char* text : texts) {
+    SCOPED_TRACE(text);
+    const ParsedToolCalls p = parse_tool_calls(family, text);
+    EXPECT_TRUE(p.calls.empty());
+    EXPECT_EQ(p.content, text);
+  }
+}
+
 TEST(ToolCallParser, QwenHermesBlocks) {
   ParsedToolCalls p = parse_tool_calls(
       ChatTemplate::kQwen,
@@ -134,14 +144,9 @@ TEST(ToolCallParser, QwenHermesBlocks) {
   EXPECT_EQ(p.calls[1].name, "now");
   EXPECT_EQ(p.calls[1].arguments, "{}");
   // No call, a malformed one, or arguments that are not an object: all text, no calls.
-  for (const char* text : {"Just words.", "<tool_call>\n{\"name\": \"f\", \"arguments\": {\n</tool_call>",
-                           "<tool_call>{\"name\": \"f\", \"arguments\": \"x\"}</tool_call>",
-                           "<tool_call>{\"arguments\": {}}</tool_call>"}) {
-    SCOPED_TRACE(text);
-    p = parse_tool_calls(ChatTemplate::kQwen, text);
-    EXPECT_TRUE(p.calls.empty());
-    EXPECT_EQ(p.content, text);
-  }
+  expect_all_text(ChatTemplate::kQwen, {"Just words.", "<tool_call>\n{\"name\": \"f\", \"arguments\": {\n</tool_call>",
+                                        "<tool_call>{\"name\": \"f\", \"arguments\": \"x\"}</tool_call>",
+                                        "<tool_call>{\"arguments\": {}}</tool_call>"});
   // The Llama syntax is not a call on Qwen.
   EXPECT_TRUE(parse_tool_calls(ChatTemplate::kQwen, R"({"name": "f", "parameters": {}})").calls.empty());
 }
@@ -154,13 +159,8 @@ TEST(ToolCallParser, Llama3JsonObjects) {
   EXPECT_EQ(p.calls[0].name, "f");
   EXPECT_EQ(p.calls[0].arguments, R"({"q": "a;b}"})");
   EXPECT_EQ(p.calls[1].name, "g");
-  for (const char* text : {"The answer is 4.", R"({"name": "f"})", R"({"name": "f", "parameters": {}} and more)",
-                           R"({"city": "Paris"})", "{"}) {
-    SCOPED_TRACE(text);
-    p = parse_tool_calls(ChatTemplate::kLlama3, text);
-    EXPECT_TRUE(p.calls.empty());
-    EXPECT_EQ(p.content, text);
-  }
+  expect_all_text(ChatTemplate::kLlama3, {"The answer is 4.", R"({"name": "f"})",
+                                          R"({"name": "f", "parameters": {}} and more)", R"({"city": "Paris"})", "{"});
   EXPECT_TRUE(parse_tool_calls(ChatTemplate::kNone, R"({"name": "f", "parameters": {}})").calls.empty());
 }
 

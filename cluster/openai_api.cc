@@ -495,16 +495,6 @@ Check parse_tools(const json& body, ApiRequest& req) {
   return std::nullopt;
 }
 
-// Called tools are answered whole: their streamed form (tool_calls deltas) is not implemented.
-Check refuse_streamed_calls(const json&, ApiRequest& req) {
-  if (req.stream && req.tool_choice != ApiRequest::ToolChoice::kNone) {
-    return field_error("tool_choice",
-                       "with \"stream\": true is not supported: tool calls are answered whole; with tools, give "
-                       "\"stream\": false, or tool_choice \"none\" (the default \"auto\" may call)");
-  }
-  return std::nullopt;
-}
-
 // Structured output: response_format text (the default), json_object or json_schema; vLLM's
 // guided_json and guided_choice. At most one of them. A schema inside the body is taken again
 // from an ordered parse (parse_api_request): here its key order is already lost.
@@ -581,7 +571,7 @@ ParseResult parse_object(ApiKind kind, const json& body) {
   Check e = refuse_unsupported(body);
   if (!e) e = kind == ApiKind::kCompletion ? parse_prompt(body, req) : parse_messages(body, req);
   for (auto step : {parse_strings, parse_max_tokens, parse_sampling, parse_stop, parse_flags,
-                    parse_logit_controls, parse_logprobs, parse_choices, parse_tools, refuse_streamed_calls,
+                    parse_logit_controls, parse_logprobs, parse_choices, parse_tools,
                     parse_structured}) {
     if (!e) e = step(body, req);
   }
@@ -1030,6 +1020,30 @@ std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::stri
     json j = envelope(kind, meta, /*chunk=*/true);
     j["choices"] = json::array({std::move(choice)});
     if (kind == ApiKind::kChat && prompt_logprobs) j["prompt_logprobs"] = *prompt_logprobs;
+    return event(j);
+  } catch (...) {
+    return {};
+  }
+}
+
+std::string stream_tool_call_chunk(const ResponseMeta& meta, const ToolCallDelta& delta, bool first, int32_t index) {
+  try {
+    json call{{"index", delta.call_index}};
+    json function{{"arguments", sanitize_utf8(delta.arguments)}};
+    if (!delta.id.empty()) {
+      call["id"] = delta.id;
+      call["type"] = "function";
+      function["name"] = delta.name;
+    }
+    call["function"] = std::move(function);
+    json d{{"tool_calls", json::array({std::move(call)})}};
+    if (first) {
+      d["role"] = "assistant";
+      d["content"] = nullptr;
+    }
+    json choice{{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}, {"delta", std::move(d)}};
+    json j = envelope(ApiKind::kChat, meta, /*chunk=*/true);
+    j["choices"] = json::array({std::move(choice)});
     return event(j);
   } catch (...) {
     return {};

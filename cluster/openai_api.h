@@ -109,8 +109,10 @@ struct ApiRequest {
   // model), "required" (the text is a JSON array of {"name", "parameters"} calls, constrained to
   // the tools' schemas) or a named function (the text is its arguments, constrained to its
   // schema) or "auto", the default with tools (the text is free; calls written in the model's
-  // own syntax are read back by parse_tool_calls, core/tokenizer.h). Streamed calls are absent:
-  // stream with any tool_choice but "none" is a 400.
+  // own syntax are read back by parse_tool_calls, core/tokenizer.h). Streamed, the calls come as
+  // delta.tool_calls (stream_tool_call_chunk): a named function's arguments as they are generated;
+  // "auto" and "required" calls whole once the reply has ended, as only then is it known whether
+  // they parse ("auto" content before them streams as it comes: tool_call_content_prefix).
   enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
   std::vector<ToolIn> tools;
   ToolChoice tool_choice = ToolChoice::kNone;
@@ -128,8 +130,8 @@ struct ApiRequest {
 // ignored, as OpenAI does. Never throws. Defaults: temperature 1, top_p 1, top_k off, repetition_penalty 1,
 // seed 0 (= time-derived). top_logprobs only for chat and beside "logprobs":
 // true; n in [1, kMaxChoices]; best_of in [n, kMaxChoices] (completions, not streamed unless = n); echo (chat) only when false; suffix only when empty;
-// tools/functions only when empty, tool_choice only "none"/"auto", response_format text, json_object or
-// json_schema (or guided_json / guided_choice, one of them). null counts as absent for every optional field; integral floats (3.0) pass as
+// tools (chat) as function tools, the legacy functions only when empty, response_format text,
+// json_object or json_schema (or guided_json / guided_choice, one of them). null counts as absent for every optional field; integral floats (3.0) pass as
 // integers.
 struct ParseResult {
   std::optional<ApiRequest> request;
@@ -263,6 +265,18 @@ nlohmann::json completion_response(ApiKind kind, const ResponseMeta& meta, std::
 std::string stream_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& text, bool first,
                          const std::vector<LogprobEntry>* logprobs = nullptr, int32_t index = 0,
                          const nlohmann::json* prompt_logprobs = nullptr);
+// A chat chunk whose delta is part of one tool call: {"tool_calls": [{"index": call_index, "id",
+// "type": "function", "function": {"name", "arguments"}}]}, as OpenAI streams them: id, type and
+// name only in the call's first delta (`id` not empty), later deltas carry arguments only. The
+// client appends a call's arguments in the order they come.
+struct ToolCallDelta {
+  int32_t call_index = 0;
+  std::string id;    // the first delta of a call: its id ("call_...") and its name
+  std::string name;
+  std::string arguments;  // the next piece of the arguments' JSON text
+};
+std::string stream_tool_call_chunk(const ResponseMeta& meta, const ToolCallDelta& delta, bool first,
+                                   int32_t index = 0);
 std::string stream_finish_chunk(ApiKind kind, const ResponseMeta& meta, const std::string& finish_reason,
                                 int32_t index = 0);
 std::string stream_usage_chunk(ApiKind kind, const ResponseMeta& meta, const Usage& usage);

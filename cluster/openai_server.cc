@@ -82,6 +82,23 @@ int64_t code_points(std::string_view s) {
   return std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<uint8_t>(c) & 0xC0) != 0x80; });
 }
 
+// A tool call's id, as OpenAI's ("call_" and 24 hex digits).
+std::string new_call_id() {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::random_device rd;
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += kHex[rd() % 16];
+  return id;
+}
+
+// A streamed choice under a tool_choice that may call: how much of its text is out.
+struct ToolStream {
+  size_t content_sent = 0;    // bytes of the text sent as content
+  std::string named_id;       // a named function: the call's id once its first delta is out
+  size_t arguments_sent = 0;  // a named function: bytes of the text sent as its arguments
+  bool ended = false;         // the final content and calls are out
+};
+
 std::string error_for_status(const Status& s) {
   return std::string(status_code_name(s.code())) + ": " + s.message();
 }
@@ -200,6 +217,13 @@ struct OpenAiServer::Impl {
   // A choice's tool calls, read from its constrained text (none when it was cut short).
   // The message's content is what remains of the text (nothing when it was all calls).
   std::vector<ToolCallOut> tool_calls_of(const ApiRequest& in, const std::string& text, std::string& content) const;
+  // Streaming with tools, after the choice's text grew (`done`: it is complete): returns the
+  // content to send now and appends the tool-call deltas. The whole stream adds up to the
+  // answer tool_calls_of gives without streaming: "auto" content streams while it cannot become a
+  // call, a named function's arguments as they come, and the rest once the text is complete.
+  // Sets finish_reason "tool_calls" as the answer without streaming does.
+  std::string tool_stream_step(const ApiRequest& in, ToolStream& ts, const std::string& text, bool done,
+                               std::string& finish_reason, std::vector<ToolCallDelta>& calls) const;
   // POST /tokenize and /detokenize (vLLM's): the answer's status and body.
   std::pair<int, std::string> tokenize(std::string_view body) const;
   std::pair<int, std::string> detokenize(std::string_view body) const;
@@ -612,24 +636,17 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
 
 std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in, const std::string& text,
                                                             std::string& content) const {
-  auto call_id = [] {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::random_device rd;
-    std::string id = "call_";
-    for (int i = 0; i < 24; ++i) id += kHex[rd() % 16];
-    return id;
-  };
   std::vector<ToolCallOut> calls;
   content = text;
   if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {
     // The text is the arguments (cut short when max_tokens came first: finish_reason says so).
-    calls.push_back({call_id(), in.tool_choice_name, text});
+    calls.push_back({new_call_id(), in.tool_choice_name, text});
     content.clear();
     return calls;
   }
   if (in.tool_choice == ApiRequest::ToolChoice::kAuto) {
     ParsedToolCalls parsed = parse_tool_calls(options.chat_template, text);
-    for (ChatToolCall& c : parsed.calls) calls.push_back({call_id(), std::move(c.name), std::move(c.arguments)});
+    for (ChatToolCall& c : parsed.calls) calls.push_back({new_call_id(), std::move(c.name), std::move(c.arguments)});
     content = std::move(parsed.content);
     return calls;
   }
@@ -639,11 +656,48 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
   if (!parsed.is_array()) return calls;
   for (const auto& c : parsed) {
     if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) return {};
-    calls.push_back({call_id(), c["name"].get<std::string>(),
-                     c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)});
+    // In the form "auto" calls take (the model's own tojson style), as vLLM answers both.
+    calls.push_back({new_call_id(), c["name"].get<std::string>(),
+                     tojson_line(c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace))});
   }
   if (!calls.empty()) content.clear();
   return calls;
+}
+
+std::string OpenAiServer::Impl::tool_stream_step(const ApiRequest& in, ToolStream& ts, const std::string& text,
+                                                 bool done, std::string& finish_reason,
+                                                 std::vector<ToolCallDelta>& calls) const {
+  if (ts.ended) return {};
+  if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {  // the text is the call's arguments
+    ToolCallDelta d{0, "", "", text.substr(ts.arguments_sent)};
+    ts.arguments_sent = text.size();
+    if (ts.named_id.empty()) {
+      ts.named_id = new_call_id();
+      d.id = ts.named_id;
+      d.name = in.tool_choice_name;
+    }
+    if (!d.id.empty() || !d.arguments.empty()) calls.push_back(std::move(d));
+    ts.ended = done;
+    return {};
+  }
+  if (!done) {
+    // "required" holds everything: cut short, its text is the content.
+    const size_t ready =
+        in.tool_choice == ApiRequest::ToolChoice::kAuto ? tool_call_content_prefix(options.chat_template, text) : 0;
+    if (ready <= ts.content_sent) return {};
+    std::string out = text.substr(ts.content_sent, ready - ts.content_sent);
+    ts.content_sent = ready;
+    return out;
+  }
+  ts.ended = true;
+  std::string content;
+  const std::vector<ToolCallOut> whole = tool_calls_of(in, text, content);
+  for (size_t i = 0; i < whole.size(); ++i) {
+    calls.push_back({static_cast<int32_t>(i), whole[i].id, whole[i].name, whole[i].arguments});
+  }
+  if (!whole.empty() && finish_reason == "stop") finish_reason = "tool_calls";
+  // The content starts with what is out already: tool_call_content_prefix promises it.
+  return content.size() > ts.content_sent ? content.substr(ts.content_sent) : std::string();
 }
 
 std::optional<ApiError> OpenAiServer::Impl::tool_constraint(const ApiRequest& in,
@@ -929,7 +983,8 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     TokenId prev = -1;
     int64_t completion_tokens = 0;
     double logprob_sum = 0.0;  // of the generated tokens (best_of ranks by the mean)
-    std::string text;  // non-streaming: the whole text
+    std::string text;  // the whole text, when not streaming or with tools
+    ToolStream tools;  // streaming with tools
     std::vector<LogprobEntry> logprobs;
     size_t logprobs_sent = 0;
     int64_t raw_code_points = 0;   // of every piece decoded so far
@@ -1080,18 +1135,33 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
         ch.text += delta;
         continue;
       }
+      std::string content = delta;
+      std::vector<ToolCallDelta> call_deltas;
+      if (api.tool_choice != ApiRequest::ToolChoice::kNone) {
+        ch.text += delta;
+        content = tool_stream_step(api, ch.tools, ch.text, ch.done, ch.finish_reason, call_deltas);
+      }
       // Entries whose text is out; at the end (no stop) the rest, whose text may be empty.
       std::vector<LogprobEntry> ready;
       while (ch.logprobs_sent < ch.logprobs.size() &&
              (ch.done || ch.logprobs[ch.logprobs_sent].text_offset < ch.sent_code_points)) {
         ready.push_back(std::move(ch.logprobs[ch.logprobs_sent++]));
       }
-      if (!delta.empty() || !ready.empty()) {
+      if (!content.empty() || !ready.empty()) {
         const nlohmann::json* prompt_lp =
             ch.first_chunk && !ch.prompt_logprobs.is_null() ? &ch.prompt_logprobs : nullptr;
         std::string chunk =
-            stream_chunk(kind, meta, delta, std::exchange(ch.first_chunk, false),
+            stream_chunk(kind, meta, content, std::exchange(ch.first_chunk, false),
                          want_logprobs ? &ready : nullptr, static_cast<int32_t>(c), prompt_lp);
+        co_await write_event(std::move(chunk));
+      }
+      if (!call_deltas.empty() && ch.first_chunk && !ch.prompt_logprobs.is_null()) {  // they go first
+        std::string chunk = stream_chunk(kind, meta, "", std::exchange(ch.first_chunk, false), nullptr,
+                                         static_cast<int32_t>(c), &ch.prompt_logprobs);
+        co_await write_event(std::move(chunk));
+      }
+      for (const ToolCallDelta& d : call_deltas) {
+        std::string chunk = stream_tool_call_chunk(meta, d, std::exchange(ch.first_chunk, false), static_cast<int32_t>(c));
         co_await write_event(std::move(chunk));
       }
     }

@@ -91,7 +91,10 @@ std::string qwen_chat(const std::vector<ChatMessage>& messages, const std::vecto
     out +=
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
-    for (const std::string& tool : tools) out += "\n" + as_tojson(tool, -1);
+    for (const std::string& tool : tools) {
+      out += '\n';  // not "\n" + ...: GCC 12 warns falsely (-Wrestrict) on that operator+
+      out += as_tojson(tool, -1);
+    }
     out +=
         "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
         "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
@@ -199,10 +202,19 @@ std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& 
 
 namespace {
 
+constexpr std::string_view kSpace = " \t\r\n";
+constexpr std::string_view kHermesOpen = "<tool_call>";
+
 std::string_view trim_space(std::string_view s) {
-  const size_t b = s.find_first_not_of(" \t\r\n");
+  const size_t b = s.find_first_not_of(kSpace);
   if (b == std::string_view::npos) return {};
-  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+  return s.substr(b, s.find_last_not_of(kSpace) - b + 1);
+}
+
+// The length of s without its trailing white space.
+size_t trimmed_end(std::string_view s) {
+  const size_t last = s.find_last_not_of(kSpace);
+  return last == std::string_view::npos ? 0 : last + 1;
 }
 
 // {"name": string, <arguments_key>: object} as a call; anything else is not one.
@@ -222,7 +234,7 @@ std::optional<ChatToolCall> call_of(const OrderedJson& v, std::initializer_list<
 }
 
 std::optional<std::vector<ChatToolCall>> hermes_calls(std::string_view text, size_t first) {
-  static constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+  static constexpr std::string_view kOpen = kHermesOpen, kClose = "</tool_call>";
   std::vector<ChatToolCall> calls;
   size_t at = first;
   while (at != std::string_view::npos) {
@@ -270,11 +282,11 @@ std::optional<std::vector<ChatToolCall>> llama3_json_calls(std::string_view text
 ParsedToolCalls parse_tool_calls(ChatTemplate t, std::string_view text) {
   ParsedToolCalls out{std::string(text), {}};
   if (t == ChatTemplate::kQwen) {
-    const size_t first = text.find("<tool_call>");
+    const size_t first = text.find(kHermesOpen);
     if (first == std::string_view::npos) return out;
     if (auto calls = hermes_calls(text, first)) {
       out.calls = std::move(*calls);
-      out.content = std::string(trim_space(text.substr(0, first)));
+      out.content = std::string(text.substr(0, trimmed_end(text.substr(0, first))));
     }
   } else if (t == ChatTemplate::kLlama3) {
     if (auto calls = llama3_json_calls(text)) {
@@ -283,6 +295,34 @@ ParsedToolCalls parse_tool_calls(ChatTemplate t, std::string_view text) {
     }
   }
   return out;
+}
+
+std::string tojson_line(std::string_view json_text) { return as_tojson(std::string(json_text), -1); }
+
+size_t tool_call_content_prefix(ChatTemplate t, std::string_view text) {
+  if (t == ChatTemplate::kQwen) {
+    size_t held = text.find(kHermesOpen);
+    if (held == std::string_view::npos) {
+      // A tail that may yet become <tool_call> is held too (the shortest such tail is the latest).
+      held = text.size();
+      for (size_t start = text.size() > kHermesOpen.size() ? text.size() - kHermesOpen.size() + 1 : 0;
+           start < text.size(); ++start) {
+        if (kHermesOpen.starts_with(text.substr(start))) {
+          held = start;
+          break;
+        }
+      }
+    }
+    return trimmed_end(text.substr(0, held));
+  }
+  if (t == ChatTemplate::kLlama3) {
+    static constexpr std::string_view kTag = "<|python_tag|>";
+    const size_t b = text.find_first_not_of(kSpace);
+    if (b == std::string_view::npos) return 0;
+    const std::string_view rest = text.substr(b);
+    if (rest.starts_with("{") || rest.starts_with(kTag) || kTag.starts_with(rest)) return 0;
+  }
+  return text.size();
 }
 
 namespace tokenizer_internal {

@@ -67,14 +67,26 @@ std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& 
                                 const std::vector<std::string>& tools);
 // The calls a model wrote in its family's own syntax, for tool_choice "auto" (as vLLM's hermes
 // and llama3_json parsers): kQwen, <tool_call>{"name", "arguments"}</tool_call> blocks (the last
-// may be unterminated) with the text before the first as content; kLlama3, a reply that is
-// [<|python_tag|>] {"name", "parameters"|"arguments"} objects separated by ';', with no content.
-// When the text holds no call, or any call is malformed, calls is empty and content is the text.
+// may be unterminated) with the text before the first, less its trailing white space, as content;
+// kLlama3, a reply that is [<|python_tag|>] {"name", "parameters"|"arguments"} objects separated
+// by ';', with no content. When the text holds no call, or any call is malformed, calls is empty
+// and content is the text.
 struct ParsedToolCalls {
   std::string content;
   std::vector<ChatToolCall> calls;  // arguments as JSON text
 };
 ParsedToolCalls parse_tool_calls(ChatTemplate t, std::string_view text);
+// JSON text re-written on one line as Jinja's tojson writes it (Python's json.dumps: ", " and ": "
+// separators, keys in their order), the form tool-call arguments take; text that is not JSON is
+// returned as it is.
+std::string tojson_line(std::string_view json_text);
+// For streaming under tool_choice "auto": the length of the longest prefix of `text` (a reply
+// still being generated) that starts parse_tool_calls(t, text + rest).content for every `rest`,
+// so it may be sent as content now. What follows it is held back: on kQwen from the first
+// <tool_call> (or a partial one at the end) and the white space before it; on kLlama3 the whole
+// reply while it is, or may become, a call (it starts with '{' or <|python_tag|>). Never decreases
+// as the text grows.
+size_t tool_call_content_prefix(ChatTemplate t, std::string_view text);
 
 }  // namespace specontext
 

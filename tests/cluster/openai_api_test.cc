@@ -393,10 +393,11 @@ TEST(OpenAiParse, ToolsAndToolChoice) {
   ParseResult no_tools = parse_api_request(ApiKind::kChat, chat(R"("tool_choice":"auto")"));
   ASSERT_TRUE(no_tools.request) << no_tools.error.message;
   EXPECT_EQ(no_tools.request->tool_choice, ApiRequest::ToolChoice::kNone);
-  expect_refused(k, chat(tools + R"(,"stream":true)"), "tool_choice", "stream");
+  ParseResult streamed = parse_api_request(k, chat(tools + R"(,"tool_choice":"required","stream":true)"));
+  ASSERT_TRUE(streamed.request) << streamed.error.message;  // the calls come as delta.tool_calls
+  EXPECT_TRUE(streamed.request->stream);
   expect_refused(k, chat(tools + R"(,"tool_choice":{"type":"function","function":{"name":"nope"}})"), "tool_choice",
                  "'nope', which is not in 'tools'");
-  expect_refused(k, chat(tools + R"(,"tool_choice":"required","stream":true)"), "tool_choice", "stream");
   expect_refused(k, chat(tools + R"(,"tool_choice":"required","response_format":{"type":"json_object"})"),
                  "response_format", "cannot be combined with 'tool_choice'");
   expect_refused(k, chat(tools + R"(,"tool_choice":7)"), "tool_choice");
@@ -919,6 +920,18 @@ TEST(OpenAiResponse, ChatStreamChunks) {
   // A chunk is one event: a single "data:" line, whatever the text holds.
   const std::string chunk = stream_chunk(ApiKind::kChat, meta, "a\n\nb", false);
   EXPECT_EQ(chunk.find('\n'), chunk.size() - 2);
+}
+
+// A call's first delta names it (id, type, name); the next ones carry arguments only.
+TEST(OpenAiResponse, ToolCallStreamChunks) {
+  const ResponseMeta meta{"chatcmpl-3", 7, "m"};
+  json j = parse_event(stream_tool_call_chunk(meta, ToolCallDelta{1, "call_x", "get_weather", ""}, true, 2));
+  EXPECT_EQ(j, json::parse(R"({"id":"chatcmpl-3","object":"chat.completion.chunk","created":7,"model":"m",
+    "choices":[{"index":2,"delta":{"role":"assistant","content":null,"tool_calls":[{"index":1,"id":"call_x",
+    "type":"function","function":{"name":"get_weather","arguments":""}}]},"logprobs":null,"finish_reason":null}]})"));
+  j = parse_event(stream_tool_call_chunk(meta, ToolCallDelta{1, "", "", "{\"a\": \xff"}, false));
+  EXPECT_EQ(j["choices"][0]["delta"],
+            json::parse(R"({"tool_calls":[{"index":1,"function":{"arguments":"{\"a\": \ufffd"}}]})"));
 }
 
 TEST(OpenAiResponse, Models) {

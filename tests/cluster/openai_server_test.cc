@@ -646,6 +646,118 @@ TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
   EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
 }
 
+// A chat stream put together as a client does: per choice the content, the tool calls (id and
+// name from a call's first delta, its arguments appended in order) and the finish reason; each
+// tool_calls delta's event position in `first_call_event`, the first content's in `first_content_event`.
+struct AssembledChoice {
+  std::string content;
+  json calls = json::array();  // [{"name", "arguments"}], ids checked and dropped
+  std::string finish_reason;
+  int arguments_deltas = 0;
+  size_t first_content_event = SIZE_MAX;
+  size_t first_call_event = SIZE_MAX;
+};
+std::vector<AssembledChoice> assemble_chat_stream(const std::string& body) {
+  std::vector<AssembledChoice> out;
+  const std::vector<std::string> events = events_of(body);
+  for (size_t e = 0; e < events.size() && events[e] != "[DONE]"; ++e) {
+    const json chunk = json::parse(events[e]);
+    for (const json& c : chunk["choices"]) {
+      const size_t i = c["index"];
+      if (out.size() <= i) out.resize(i + 1);
+      AssembledChoice& a = out[i];
+      const json& d = c["delta"];
+      if (d.contains("content") && d["content"].is_string() && !d["content"].get<std::string>().empty()) {
+        a.content += d["content"].get<std::string>();
+        a.first_content_event = std::min(a.first_content_event, e);
+      }
+      for (const json& tc : d.value("tool_calls", json::array())) {
+        a.first_call_event = std::min(a.first_call_event, e);
+        const size_t k = tc["index"];
+        if (k == a.calls.size()) {
+          EXPECT_TRUE(tc["id"].get<std::string>().starts_with("call_")) << tc;
+          EXPECT_EQ(tc["type"], "function") << tc;
+          a.calls.push_back({{"name", tc["function"]["name"]}, {"arguments", ""}});
+        } else {
+          EXPECT_LT(k, a.calls.size()) << "a call's deltas come in order: " << tc;
+          EXPECT_FALSE(tc.contains("id")) << "only a call's first delta names it: " << tc;
+          if (k >= a.calls.size()) continue;
+        }
+        const std::string piece = tc["function"]["arguments"];
+        a.arguments_deltas += piece.empty() ? 0 : 1;
+        a.calls[k]["arguments"] = a.calls[k]["arguments"].get<std::string>() + piece;
+      }
+      if (!c["finish_reason"].is_null()) a.finish_reason = c["finish_reason"];
+    }
+  }
+  return out;
+}
+
+// Streamed, every tool_choice adds up to the answer it gets without streaming (ids aside): a
+// named function's arguments in pieces as they are generated; "auto" content before the call
+// while it is generated, the calls once the reply is complete; "required" sampled with n = 3.
+TEST(OpenAiServer, StreamedToolCallsAddUpToTheWholeAnswer) {
+  ChatToy toy = chat_toy();
+  EngineOptions eo;
+  eo.max_sequences = 4;
+  auto engine = Engine::create(toy.model, testing::cpu_backend(), eo);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  ServerOptions o;
+  o.chat_template = ChatTemplate::kQwen;
+  o.stop_ids = toy.tok->stop_ids();
+  auto server = OpenAiServer::start(**engine, *toy.tok, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const json base = json::parse(
+      R"({"messages":[{"role":"user","content":"Weather in Paris?"}],"tools":[{"type":"function","function":)"
+      R"({"name":"get_weather","parameters":{"type":"object","properties":{"zcity":{"type":"string","maxLength":8},)"
+      R"("unit":{"enum":["c","f"]}},"required":["zcity","unit"],"additionalProperties":false}}},)"
+      R"({"type":"function","function":{"name":"now"}}]})");
+  const json cases[] = {
+      {{"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}}, {"max_tokens", 80}, {"temperature", 0}},
+      {{"tool_choice", "required"}, {"max_tokens", 300}, {"temperature", 1}, {"n", 3}, {"seed", 7}, {"logit_bias", {{"93", 6}}}},
+      {{"tool_choice", "auto"}, {"max_tokens", 200},
+       {"guided_choice", {"Checking the weather now.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                          "{\"zcity\": \"Rome\", \"unit\": \"c\"}}\n</tool_call>"}}},
+      {{"max_tokens", 6}, {"temperature", 0}},  // "auto" by default, a free reply
+  };
+  int called = 0;
+  for (const json& extra : cases) {
+    SCOPED_TRACE(extra.dump());
+    json whole_body = base;
+    whole_body.update(extra);
+    Reply whole = post(port, "/v1/chat/completions", whole_body);
+    ASSERT_EQ(whole.status, 200) << whole.body;
+    json stream_body = whole_body;
+    stream_body["stream"] = true;
+    Reply streamed = post(port, "/v1/chat/completions", stream_body);
+    ASSERT_EQ(streamed.status, 200) << streamed.body;
+    const std::vector<AssembledChoice> got = assemble_chat_stream(streamed.body);
+    const json want = whole.j()["choices"];
+    ASSERT_EQ(got.size(), want.size()) << streamed.body;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const json& m = want[i]["message"];
+      EXPECT_EQ(got[i].content, m["content"].is_null() ? "" : m["content"].get<std::string>()) << streamed.body;
+      EXPECT_EQ(got[i].finish_reason, want[i]["finish_reason"]) << streamed.body;
+      json want_calls = json::array();
+      for (const json& tc : m.value("tool_calls", json::array())) {
+        want_calls.push_back({{"name", tc["function"]["name"]}, {"arguments", tc["function"]["arguments"]}});
+      }
+      EXPECT_EQ(got[i].calls, want_calls) << streamed.body;
+      called += want_calls.empty() ? 0 : 1;
+    }
+    if (extra["tool_choice"].is_object()) {
+      EXPECT_GT(got[0].arguments_deltas, 1) << "the arguments stream as they are generated";
+    }
+    if (extra.contains("guided_choice")) {
+      EXPECT_EQ(got[0].content, "Checking the weather now.");
+      EXPECT_LT(got[0].first_content_event, got[0].first_call_event) << streamed.body;
+      EXPECT_EQ(got[0].finish_reason, "tool_calls");
+    }
+  }
+  EXPECT_GE(called, 3) << "named, auto and at least one required choice called";
+}
+
 TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
   ChatToy toy = chat_toy(256);
   const std::unique_ptr<Tokenizer>* tok = &toy.tok;  // as Results are used below

@@ -164,6 +164,52 @@ TEST(ToolCallParser, Llama3JsonObjects) {
   EXPECT_TRUE(parse_tool_calls(ChatTemplate::kNone, R"({"name": "f", "parameters": {}})").calls.empty());
 }
 
+// Streaming "auto": every prefix of a reply releases content that the whole reply's parse starts
+// with, never less than before, and holds back what may still become a call.
+void expect_streamable(ChatTemplate family, std::string_view text) {
+  const std::string final_content = parse_tool_calls(family, text).content;
+  size_t before = 0;
+  for (size_t end = 0; end <= text.size(); ++end) {
+    const size_t ready = tool_call_content_prefix(family, text.substr(0, end));
+    ASSERT_LE(ready, end);
+    ASSERT_GE(ready, before) << "at " << end;
+    ASSERT_TRUE(final_content.starts_with(text.substr(0, ready))) << "at " << end << ": " << text.substr(0, ready);
+    before = ready;
+  }
+}
+
+TEST(ToolCallParser, StreamedContentIsWhatTheWholeReplyParsesTo) {
+  for (const char* text :
+       {"Let me look.  \n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "Just <words> <tool_",
+        "a <tool_call>{\"name\": 1}</tool_call>", "  <tool_call>\n{\"name\": \"f\", \"arguments\": {}}", "x<<tool_call>y",
+        "<tool_ca", ""}) {
+    SCOPED_TRACE(text);
+    expect_streamable(ChatTemplate::kQwen, text);
+  }
+  for (const char* text : {R"( <|python_tag|>{"name": "f", "parameters": {}})", R"({"name": "f"} no)",
+                           "The answer", "<|pyth", "<|pytho no", "  "}) {
+    SCOPED_TRACE(text);
+    expect_streamable(ChatTemplate::kLlama3, text);
+  }
+  // Content keeps its leading white space (it went out before a call could follow), not the
+  // trailing one before the call.
+  EXPECT_EQ(parse_tool_calls(ChatTemplate::kQwen, " Hi \n<tool_call>{\"name\": \"f\", \"arguments\": {}}").content,
+            " Hi");
+  // Text that cannot be a call goes out as it comes; what may be one is held.
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kQwen, "Let me look. \n<tool_"), 12u);
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kQwen, "Let me look. \n<tool_call>{"), 12u);
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kQwen, "a <tool_cal b"), 13u);
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kLlama3, "The answer"), 10u);
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kLlama3, " {\"name\""), 0u);
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kLlama3, "<|py"), 0u);
+  EXPECT_EQ(tool_call_content_prefix(ChatTemplate::kNone, "{\"name\""), 7u);
+}
+
+TEST(ToolCallParser, ArgumentsAreWrittenAsTojsonDoes) {
+  EXPECT_EQ(tojson_line(R"({"a":[1,2],"b":{"c":"d"}})"), R"({"a": [1, 2], "b": {"c": "d"}})");
+  EXPECT_EQ(tojson_line("not json"), "not json");
+}
+
 TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
   // Every byte character plus the two ChatML markers.
   nlohmann::json vocab = nlohmann::json::object();

@@ -201,6 +201,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const specontext::ChatToolCall& c : p.calls) {
       check(nlohmann::json::parse(c.arguments, nullptr, false).is_object());
     }
+    // Streamed: each prefix releases content the whole reply's content starts with, never less
+    // than a shorter prefix did (at most 32 cut points, so that long inputs stay fast).
+    size_t released = 0;
+    const size_t step = std::max<size_t>(1, input.size() / 32);
+    for (size_t end = 0; end <= input.size(); end += step) {
+      const size_t ready = specontext::tool_call_content_prefix(family, input.substr(0, end));
+      check(ready <= end && ready >= released && p.content.starts_with(input.substr(0, ready)));
+      released = ready;
+    }
+    check(specontext::tool_call_content_prefix(family, input) >= released);
   }
   // /tokenize and /detokenize bodies: a request, or an error naming its field.
   const TokenizeParse t = parse_tokenize_request(input);

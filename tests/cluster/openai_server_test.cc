@@ -535,24 +535,40 @@ ChatToy chat_toy(int64_t max_seq_len = 2048) {
   return {std::move(*tok), std::move(*model)};
 }
 
+// A Qwen-template server on the random ChatML model, prefix caching off so that every
+// sequence's KV is freed at the end; server null (and a failure reported) when it cannot start.
+struct ToolServer {
+  ChatToy toy;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<OpenAiServer> server;
+};
+ToolServer tool_server() {
+  ToolServer out{chat_toy(), nullptr, nullptr};
+  EngineOptions eo;
+  eo.max_sequences = 4;
+  auto engine = Engine::create(out.toy.model, testing::cpu_backend(), eo);
+  EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+  if (!engine.is_ok()) return out;
+  out.engine = std::move(*engine);
+  ServerOptions o;
+  o.chat_template = ChatTemplate::kQwen;
+  o.stop_ids = out.toy.tok->stop_ids();
+  o.scheduling.prefix_caching = false;
+  auto server = OpenAiServer::start(*out.engine, *out.toy.tok, o);
+  EXPECT_TRUE(server.is_ok()) << server.status().to_string();
+  if (server.is_ok()) out.server = std::move(*server);
+  return out;
+}
+
 // tool_choice with a named function: the text is its arguments, valid against its parameters
 // (keys in the schema's order), answered as message.tool_calls with a null content and "stop";
 // "required": an array of calls of the tools, answered as tool_calls with "tool_calls"; "auto":
 // free text, calls in the model's own syntax read back. The tools are rendered into the prompt
 // unless tool_choice is "none"; a history of calls and results is rendered too.
 TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
-  ChatToy toy = chat_toy();
-  EngineOptions eo;
-  eo.max_sequences = 4;
-  auto engine = Engine::create(toy.model, testing::cpu_backend(), eo);
-  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  ServerOptions o;
-  o.chat_template = ChatTemplate::kQwen;
-  o.stop_ids = toy.tok->stop_ids();
-  o.scheduling.prefix_caching = false;  // so that every sequence's KV is freed at the end
-  auto server = OpenAiServer::start(**engine, *toy.tok, o);
-  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
-  const uint16_t port = (*server)->port();
+  ToolServer ts = tool_server();
+  ASSERT_TRUE(ts.server) << "see the failure above";
+  const uint16_t port = ts.server->port();
   const std::string tools =
       R"("tools":[{"type":"function","function":{"name":"get_weather","description":"The weather in a city",)"
       R"("parameters":{"type":"object","properties":{"zcity":{"type":"string","maxLength":8},"unit":{"enum":["c","f"]}},)"
@@ -643,7 +659,7 @@ TEST(OpenAiServer, ToolChoiceCallsANamedFunctionOrTheRequiredOnes) {
   Reply after = send(port, http::verb::post, "/v1/chat/completions", history);
   ASSERT_EQ(after.status, 200) << after.body;
   EXPECT_GT(after.j()["usage"]["prompt_tokens"].get<int64_t>(), none.j()["usage"]["prompt_tokens"].get<int64_t>() + 40);
-  EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
+  EXPECT_TRUE(eventually([&] { return ts.server->counters().kv_bytes_in_use == 0; }));
 }
 
 // A chat stream put together as a client does: per choice the content, the tool calls (id and
@@ -697,17 +713,9 @@ std::vector<AssembledChoice> assemble_chat_stream(const std::string& body) {
 // named function's arguments in pieces as they are generated; "auto" content before the call
 // while it is generated, the calls once the reply is complete; "required" sampled with n = 3.
 TEST(OpenAiServer, StreamedToolCallsAddUpToTheWholeAnswer) {
-  ChatToy toy = chat_toy();
-  EngineOptions eo;
-  eo.max_sequences = 4;
-  auto engine = Engine::create(toy.model, testing::cpu_backend(), eo);
-  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  ServerOptions o;
-  o.chat_template = ChatTemplate::kQwen;
-  o.stop_ids = toy.tok->stop_ids();
-  auto server = OpenAiServer::start(**engine, *toy.tok, o);
-  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
-  const uint16_t port = (*server)->port();
+  ToolServer ts = tool_server();
+  ASSERT_TRUE(ts.server) << "see the failure above";
+  const uint16_t port = ts.server->port();
   const json base = json::parse(
       R"({"messages":[{"role":"user","content":"Weather in Paris?"}],"tools":[{"type":"function","function":)"
       R"({"name":"get_weather","parameters":{"type":"object","properties":{"zcity":{"type":"string","maxLength":8},)"

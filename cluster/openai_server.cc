@@ -215,13 +215,15 @@ struct OpenAiServer::Impl {
   // a JSON array of {"name", "parameters"} calls of any of the tools.
   std::optional<ApiError> tool_constraint(const ApiRequest& in, std::shared_ptr<const TokenConstraint>& out) const;
   // A choice's tool calls, read from its constrained text (none when it was cut short).
-  // The message's content is what remains of the text (nothing when it was all calls).
-  std::vector<ToolCallOut> tool_calls_of(const ApiRequest& in, const std::string& text, std::string& content) const;
+  // The message's content is what remains of the text (nothing when it was all calls), and
+  // finish_reason "stop" becomes "tool_calls" when the model chose to call (as OpenAI: a named
+  // function stays "stop").
+  std::vector<ToolCallOut> tool_calls_of(const ApiRequest& in, const std::string& text, std::string& content,
+                                         std::string& finish_reason) const;
   // Streaming with tools, after the choice's text grew (`done`: it is complete): returns the
   // content to send now and appends the tool-call deltas. The whole stream adds up to the
   // answer tool_calls_of gives without streaming: "auto" content streams while it cannot become a
   // call, a named function's arguments as they come, and the rest once the text is complete.
-  // Sets finish_reason "tool_calls" as the answer without streaming does.
   std::string tool_stream_step(const ApiRequest& in, ToolStream& ts, const std::string& text, bool done,
                                std::string& finish_reason, std::vector<ToolCallDelta>& calls) const;
   // POST /tokenize and /detokenize (vLLM's): the answer's status and body.
@@ -635,7 +637,7 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
 }
 
 std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in, const std::string& text,
-                                                            std::string& content) const {
+                                                            std::string& content, std::string& finish_reason) const {
   std::vector<ToolCallOut> calls;
   content = text;
   if (in.tool_choice == ApiRequest::ToolChoice::kNamed) {
@@ -648,6 +650,7 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
     ParsedToolCalls parsed = parse_tool_calls(options.chat_template, text);
     for (ChatToolCall& c : parsed.calls) calls.push_back({new_call_id(), std::move(c.name), std::move(c.arguments)});
     content = std::move(parsed.content);
+    if (!calls.empty() && finish_reason == "stop") finish_reason = "tool_calls";
     return calls;
   }
   // "required": the constrained text is an array of {"name", "parameters"}; cut short, it is not,
@@ -660,7 +663,10 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
     calls.push_back({new_call_id(), c["name"].get<std::string>(),
                      tojson_line(c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace))});
   }
-  if (!calls.empty()) content.clear();
+  if (!calls.empty()) {
+    content.clear();
+    if (finish_reason == "stop") finish_reason = "tool_calls";
+  }
   return calls;
 }
 
@@ -683,7 +689,9 @@ std::string OpenAiServer::Impl::tool_stream_step(const ApiRequest& in, ToolStrea
   if (!done) {
     // "required" holds everything: cut short, its text is the content.
     const size_t ready =
-        in.tool_choice == ApiRequest::ToolChoice::kAuto ? tool_call_content_prefix(options.chat_template, text) : 0;
+        in.tool_choice == ApiRequest::ToolChoice::kAuto
+            ? tool_call_content_prefix(options.chat_template, text, ts.content_sent)
+            : 0;
     if (ready <= ts.content_sent) return {};
     std::string out = text.substr(ts.content_sent, ready - ts.content_sent);
     ts.content_sent = ready;
@@ -691,11 +699,10 @@ std::string OpenAiServer::Impl::tool_stream_step(const ApiRequest& in, ToolStrea
   }
   ts.ended = true;
   std::string content;
-  const std::vector<ToolCallOut> whole = tool_calls_of(in, text, content);
+  const std::vector<ToolCallOut> whole = tool_calls_of(in, text, content, finish_reason);
   for (size_t i = 0; i < whole.size(); ++i) {
     calls.push_back({static_cast<int32_t>(i), whole[i].id, whole[i].name, whole[i].arguments});
   }
-  if (!whole.empty() && finish_reason == "stop") finish_reason = "tool_calls";
   // The content starts with what is out already: tool_call_content_prefix promises it.
   return content.size() > ts.content_sent ? content.substr(ts.content_sent) : std::string();
 }
@@ -1212,14 +1219,8 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
         out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr,
                        ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
         if (api.tool_choice != ApiRequest::ToolChoice::kNone) {
-          calls[i] = tool_calls_of(api, ch.text, out.back().text);
-          if (!calls[i].empty()) {
-            out.back().tool_calls = &calls[i];
-            // As OpenAI: "tool_calls" when the model chose to call, "stop" for a named function.
-            if (api.tool_choice != ApiRequest::ToolChoice::kNamed && ch.finish_reason == "stop") {
-              out.back().finish_reason = "tool_calls";
-            }
-          }
+          calls[i] = tool_calls_of(api, ch.text, out.back().text, out.back().finish_reason);
+          if (!calls[i].empty()) out.back().tool_calls = &calls[i];
         }
       }
       std::string body = completion_response(kind, meta, out, usage)

@@ -203,7 +203,8 @@ std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& 
 namespace {
 
 constexpr std::string_view kSpace = " \t\r\n";
-constexpr std::string_view kHermesOpen = "<tool_call>";
+constexpr std::string_view kHermesOpen = "<tool_call>", kHermesClose = "</tool_call>";
+constexpr std::string_view kPythonTag = "<|python_tag|>";  // Llama 3.1's call marker
 
 std::string_view trim_space(std::string_view s) {
   const size_t b = s.find_first_not_of(kSpace);
@@ -234,25 +235,24 @@ std::optional<ChatToolCall> call_of(const OrderedJson& v, std::initializer_list<
 }
 
 std::optional<std::vector<ChatToolCall>> hermes_calls(std::string_view text, size_t first) {
-  static constexpr std::string_view kOpen = kHermesOpen, kClose = "</tool_call>";
   std::vector<ChatToolCall> calls;
   size_t at = first;
   while (at != std::string_view::npos) {
-    const size_t body = at + kOpen.size();
-    const size_t close = text.find(kClose, body);
+    const size_t body = at + kHermesOpen.size();
+    const size_t close = text.find(kHermesClose, body);
     const std::string_view inner = text.substr(body, close == std::string_view::npos ? std::string_view::npos : close - body);
     auto call = call_of(OrderedJson::parse(trim_space(inner), nullptr, false), {"arguments"});
     if (!call) return std::nullopt;
     calls.push_back(std::move(*call));
     if (close == std::string_view::npos) break;
-    at = text.find(kOpen, close + kClose.size());
+    at = text.find(kHermesOpen, close + kHermesClose.size());
   }
   return calls;
 }
 
 std::optional<std::vector<ChatToolCall>> llama3_json_calls(std::string_view text) {
   std::string_view rest = trim_space(text);
-  if (rest.starts_with("<|python_tag|>")) rest = trim_space(rest.substr(std::string_view("<|python_tag|>").size()));
+  if (rest.starts_with(kPythonTag)) rest = trim_space(rest.substr(kPythonTag.size()));
   if (!rest.starts_with("{")) return std::nullopt;
   std::vector<ChatToolCall> calls;
   for (;;) {
@@ -299,9 +299,10 @@ ParsedToolCalls parse_tool_calls(ChatTemplate t, std::string_view text) {
 
 std::string tojson_line(std::string_view json_text) { return as_tojson(std::string(json_text), -1); }
 
-size_t tool_call_content_prefix(ChatTemplate t, std::string_view text) {
+size_t tool_call_content_prefix(ChatTemplate t, std::string_view text, size_t released) {
   if (t == ChatTemplate::kQwen) {
-    size_t held = text.find(kHermesOpen);
+    // No marker, whole or partial, starts before `released` (it would have been held then).
+    size_t held = text.find(kHermesOpen, std::min(released, text.size()));
     if (held == std::string_view::npos) {
       // A tail that may yet become <tool_call> is held too (the shortest such tail is the latest).
       held = text.size();
@@ -316,11 +317,10 @@ size_t tool_call_content_prefix(ChatTemplate t, std::string_view text) {
     return trimmed_end(text.substr(0, held));
   }
   if (t == ChatTemplate::kLlama3) {
-    static constexpr std::string_view kTag = "<|python_tag|>";
     const size_t b = text.find_first_not_of(kSpace);
     if (b == std::string_view::npos) return 0;
     const std::string_view rest = text.substr(b);
-    if (rest.starts_with("{") || rest.starts_with(kTag) || kTag.starts_with(rest)) return 0;
+    if (rest.starts_with("{") || rest.starts_with(kPythonTag) || kPythonTag.starts_with(rest)) return 0;
   }
   return text.size();
 }

@@ -85,8 +85,9 @@ std::string tojson_line(std::string_view json_text);
 // so it may be sent as content now. What follows it is held back: on kQwen from the first
 // <tool_call> (or a partial one at the end) and the white space before it; on kLlama3 the whole
 // reply while it is, or may become, a call (it starts with '{' or <|python_tag|>). Never decreases
-// as the text grows.
-size_t tool_call_content_prefix(ChatTemplate t, std::string_view text);
+// as the text grows. `released`: what it returned for a shorter prefix of the same text (or 0);
+// the search resumes there, so a stream that passes it back costs time linear in its length.
+size_t tool_call_content_prefix(ChatTemplate t, std::string_view text, size_t released = 0);
 
 }  // namespace specontext
 

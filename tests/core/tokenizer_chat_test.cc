@@ -165,12 +165,14 @@ TEST(ToolCallParser, Llama3JsonObjects) {
 }
 
 // Streaming "auto": every prefix of a reply releases content that the whole reply's parse starts
-// with, never less than before, and holds back what may still become a call.
+// with, never less than before (the same when the search resumes there), and holds back what may
+// still become a call.
 void expect_streamable(ChatTemplate family, std::string_view text) {
   const std::string final_content = parse_tool_calls(family, text).content;
   size_t before = 0;
   for (size_t end = 0; end <= text.size(); ++end) {
     const size_t ready = tool_call_content_prefix(family, text.substr(0, end));
+    ASSERT_EQ(tool_call_content_prefix(family, text.substr(0, end), before), ready) << "resumed at " << before;
     ASSERT_LE(ready, end);
     ASSERT_GE(ready, before) << "at " << end;
     ASSERT_TRUE(final_content.starts_with(text.substr(0, ready))) << "at " << end << ": " << text.substr(0, ready);

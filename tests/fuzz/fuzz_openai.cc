@@ -207,6 +207,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const size_t step = std::max<size_t>(1, input.size() / 32);
     for (size_t end = 0; end <= input.size(); end += step) {
       const size_t ready = specontext::tool_call_content_prefix(family, input.substr(0, end));
+      check(specontext::tool_call_content_prefix(family, input.substr(0, end), released) == ready);
       check(ready <= end && ready >= released && p.content.starts_with(input.substr(0, ready)));
       released = ready;
     }

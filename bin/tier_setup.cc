@@ -53,6 +53,10 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
   cmd.add_option("--shortlist", a.shortlist, "candidates per KV head with CPU filtering (0 = 4 x budget)")
       ->check(CLI::NonNegativeNumber);
   cmd.add_flag("!--no-probe", a.probe, "skip the start-up bandwidth probe");
+  cmd.add_option("--staging-layers", a.staging_layers,
+                 "remote layers whose whole KV is staged on the device at once, for dense attention and "
+                 "per-layer selections (the next is loaded while one computes; 1 = no overlap)")
+      ->check(CLI::PositiveNumber);
 }
 
 namespace {
@@ -82,17 +86,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   if (!remote.empty() && !args.kv_nodes.empty()) {
     return invalid_argument("--remote-kv (in-process loopback nodes) and --kv-node cannot be combined");
   }
-  // A remote layer is staged on the device for the step: only its working set under one shared
-  // selection, but its whole KV for a method that attends densely or selects per layer. Such a
-  // tier would relieve the device of nothing, and the step that first stages it would fail.
-  const SparseMethod method = eopts.sparse.method;
-  if ((!remote.empty() || !args.kv_nodes.empty()) && method != SparseMethod::kSpeContext &&
-      method != SparseMethod::kStreaming) {
-    return invalid_argument(std::string(!remote.empty() ? "--remote-kv" : "--kv-node") + " needs --sparse specontext or streaming: under --sparse " +
-                            std::string(sparse_method_name(method)) +
-                            " each step stages a remote layer's whole KV on the device, so a remote tier cannot "
-                            "relieve it; offload to host memory (--host-kv) instead");
-  }
+  eopts.tiering.staging_layers = args.staging_layers;
 #if !SPECONTEXT_HAVE_UCX
   if (!args.kv_nodes.empty()) return unimplemented("--kv-node: this build has no UCX (install libucx-dev and rebuild)");
 #endif
@@ -374,6 +368,7 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
       {"layer_homes", homes},
       {"cpu_filtering", engine.placement().cpu_filtering},
       {"filtered_steps", engine.filtered_steps()},
+      {"staging_peak_bytes", engine.peak_staging_bytes()},
       {"overlap",
        {{"steps", o.steps},
         {"step_seconds", o.step_seconds},

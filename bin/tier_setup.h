@@ -38,6 +38,7 @@ struct TierArgs {
   bool cpu_filter = true;             // let the planner switch CPU candidate filtering on
   int64_t shortlist = 0;              // candidates per KV head when filtering (0 = 4·budget)
   bool probe = true;                  // measure tier bandwidths at start-up
+  int64_t staging_layers = 2;         // remote layers staged whole on the device at once
   bool any() const { return !host_kv.empty() || !remote_kv.empty() || !kv_nodes.empty(); }
 };
 void add_tier_options(CLI::App& cmd, TierArgs& args);

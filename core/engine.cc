@@ -73,6 +73,10 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
   if (e->max_context_ <= 0) return invalid_argument("model has no max_seq_len; set max_context");
   e->rope_ = make_rope_params(c);
   e->fused_layers_ = eagle3_fused_layers(c.n_layers);
+  if (options.tiering.staging_layers < 1) {
+    return invalid_argument("tiering.staging_layers must be at least 1, got " +
+                            std::to_string(options.tiering.staging_layers));
+  }
   const SparseOptions& sp = options.sparse;
   if (sp.method != SparseMethod::kDense) {
     if (sp.selection.budget < 1) return invalid_argument("sparse budget must be at least 1");
@@ -429,7 +433,8 @@ Status Engine::admit(int64_t final_length, bool alone) const {
     }
     PlacementInput in = placement_input(lens);
     if (alone) in.device_other_bytes = 0;
-    in.device_other_bytes += new_sequence_reserve();
+    const int64_t final_lengths[] = {final_length};
+    in.device_other_bytes += new_sequence_reserve() + staging_reserve(final_lengths);
     return options_.tiering.policy->admit(in, final_length, alone);
   }
   const int64_t need = (final_length + kv_->page_size() - 1) / kv_->page_size();
@@ -465,10 +470,14 @@ Status Engine::fits(std::span<const int64_t> grown, int64_t new_length) const {
       auto longest = std::max_element(lens.begin(), lens.end());
       asked = *longest;
       lens.erase(longest);
-      return options_.tiering.policy->admit(placement_input(lens), asked, /*alone=*/false);
+      PlacementInput in = placement_input(lens);
+      const int64_t asked_lengths[] = {asked};
+      in.device_other_bytes += staging_reserve(asked_lengths);
+      return options_.tiering.policy->admit(in, asked, /*alone=*/false);
     }
     PlacementInput in = placement_input(lens);
-    in.device_other_bytes += new_sequence_reserve();
+    const int64_t asked_lengths[] = {asked};
+    in.device_other_bytes += new_sequence_reserve() + staging_reserve(asked_lengths);
     return options_.tiering.policy->admit(in, asked, /*alone=*/false);
   }
   const int64_t ps = kv_->page_size();

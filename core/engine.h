@@ -88,6 +88,10 @@ struct TieringOptions {
   std::shared_ptr<PlacementPolicy> policy;   // null: every layer stays on the device
   std::shared_ptr<CandidateFilter> candidate_filter;  // used while the placement says cpu_filtering
   int64_t shortlist_tokens = 0;  // candidates per KV head with CPU filtering; 0 = 4·budget
+  // Remote layers whose whole cached KV is staged on the device at once, for items that read
+  // whole pages (dense attention, per-layer selections, sequences not yet past the budget): the
+  // loads of remote layer j + staging_layers start once layer j has computed. 1 = no overlap.
+  int64_t staging_layers = 2;
   // Called at the start of every forward that passed validation, on the caller's thread, before
   // the step moves anything (transfers of earlier steps may still be in flight on `copies`). The
   // CLI heals mirrored remote tiers here (cluster/replica_healer.h). Null: nothing.
@@ -132,7 +136,7 @@ struct TierTraffic {
 struct TierReport {
   TierDescription desc;
   uint64_t used_bytes = 0;  // everything the engine placed there (pages, working sets, staging, head keys)
-  uint64_t peak_used_bytes = 0;  // the most used_bytes was at the end of a forward
+  uint64_t peak_used_bytes = 0;  // the most used_bytes was during a forward (staging included)
   uint64_t kv_bytes = 0;    // KV pages of layers homed there
   int64_t layers = 0;       // layers homed there
   TierTraffic last_step, total;
@@ -263,6 +267,12 @@ class Engine {
   std::vector<TierReport> tier_report() const;
   const OverlapStats& overlap_stats() const { return overlap_; }
   const OverlapStats& last_step_overlap() const { return last_overlap_; }
+  // The most device bytes a forward staged remote layers in (TieringOptions::staging_layers).
+  uint64_t peak_staging_bytes() const { return peak_staging_; }
+  // Device bytes that staging remote layers may take for sequences of these lengths, counted
+  // whether or not a layer is remote now (0 when every tier is one the backend reads, and under
+  // a shared selection, whose working-set reserve covers it).
+  uint64_t staging_reserve(std::span<const int64_t> lengths) const;
   const std::vector<PlacementEvent>& placement_events() const { return events_; }
   // SpeContext selections made from CPU-filtered candidates (placement.cpu_filtering).
   int64_t filtered_steps() const { return filtered_steps_; }
@@ -432,6 +442,7 @@ class Engine {
   }
   std::vector<TierTraffic> step_traffic_, total_traffic_;
   std::vector<uint64_t> peak_used_;
+  uint64_t peak_staging_ = 0;
   OverlapStats overlap_, last_overlap_;
   std::vector<PlacementEvent> events_;
 

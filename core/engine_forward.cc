@@ -206,35 +206,97 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     }
   }
 
-  // ---- loads of offloaded layers, all posted now (the selection is known before layer 0) ----
+  // ---- loads of offloaded layers, posted now (the selection is known before layer 0) ----
   // A layer homed in a tier the backend reads (device, host pools on the CPU, mapped pinned host
   // memory on CUDA) is attended in place; only a shared selection's working set is loaded, elastic.
-  // A layer in a tier it cannot read (remote) is staged: a page per item for the new token, the
-  // whole cached sequence for items that attend densely or select per layer.
+  // A layer in a tier it cannot read (remote) is staged on the device. Each item's pages this step
+  // writes (its tail: the new tokens' pages, the first loaded when it holds cached tokens) get a
+  // buffer per remote layer, from which they go home after the layer. The cached pages before the
+  // tail, which items that attend densely or select per layer read whole, go through a ring of
+  // staging_layers buffers: remote layer j + depth is loaded once layer j has computed, so the
+  // device holds that many remote layers' KV at a time, not every remote layer's.
   const int64_t n_layers = c.n_layers;
   const uint64_t row_bytes = kv_->row_bytes();
   const uint64_t block_bytes = kv_->block_bytes();
   const uint64_t page_bytes = kv_->page_bytes();
   std::vector<CopyTicket> load_ticket(static_cast<size_t>(n_layers)), store_ticket(static_cast<size_t>(n_layers));
-  std::vector<uint64_t> staging(static_cast<size_t>(n_layers), 0);  // offset of the layer's staging pages
-  std::vector<bool> staged(static_cast<size_t>(n_layers), false);
-  std::vector<int64_t> stage_first(n_req, 0), stage_pages(n_req, 0);
-  int64_t stage_total = 0;
-  for (size_t i = 0; i < n_req; ++i) {
-    const bool elastic = sparse[i] && shared;
-    stage_first[i] = stage_total;
-    stage_pages[i] = elastic ? 1 : (items_[i].start_pos + items_[i].n_tokens + ps - 1) / ps;
-    stage_total += stage_pages[i];
-  }
-  auto release_staging = [&] {
-    for (int64_t l = 0; l < n_layers; ++l) {
-      if (staged[static_cast<size_t>(l)]) (void)kv_->release(device, staging[static_cast<size_t>(l)]);
+  std::vector<CopyTicket> ring_ticket(static_cast<size_t>(n_layers));
+  std::vector<int64_t> remote_layers;  // in layer order
+  std::vector<bool> remote(static_cast<size_t>(n_layers), false);
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const TierId home = kv_->home(LayerId(static_cast<int32_t>(l)));
+    if (home != device && !backend_reads(home)) {
+      remote[static_cast<size_t>(l)] = true;
+      remote_layers.push_back(l);
     }
-  };
+  }
+  // Per item: pages [0, ring_pages) through the ring, pages [ring_pages, pages) in the tail.
+  std::vector<int64_t> ring_first(n_req, 0), ring_pages(n_req, 0), tail_first(n_req, 0), tail_pages(n_req, 0);
+  int64_t ring_total = 0, tail_total = 0;
+  for (size_t i = 0; i < n_req; ++i) {
+    const bool elastic = sparse[i] && shared;  // stages only its new token's page
+    const int64_t start = items_[i].start_pos;
+    const int64_t last_page = (start + items_[i].n_tokens - 1) / ps;
+    ring_first[i] = ring_total;
+    ring_pages[i] = elastic ? 0 : start / ps;
+    ring_total += ring_pages[i];
+    tail_first[i] = tail_total;
+    tail_pages[i] = elastic ? 1 : last_page - start / ps + 1;
+    tail_total += tail_pages[i];
+  }
+  const size_t depth = ring_total == 0 ? 0
+                                       : std::min(remote_layers.size(),
+                                                  static_cast<size_t>(options_.tiering.staging_layers));
+  std::vector<uint64_t> ring_at(depth, 0), tail_at(static_cast<size_t>(n_layers), 0);
+  std::vector<uint64_t> staging_held;  // every staging allocation, released when the step ends
   struct StagingGuard {
-    std::function<void()> f;
-    ~StagingGuard() { f(); }
-  } staging_guard{release_staging};
+    KvStore* kv;
+    TierId device;
+    std::vector<uint64_t>* held;
+    ~StagingGuard() {
+      for (uint64_t at : *held) (void)kv->release(device, at);
+    }
+  } staging_guard{kv_.get(), device, &staging_held};
+  uint64_t staging_bytes = 0;
+  for (size_t slot = 0; slot < depth; ++slot) {
+    SPX_ASSIGN_OR_RETURN(ring_at[slot], kv_->allocate(device, static_cast<uint64_t>(ring_total) * page_bytes));
+    staging_held.push_back(ring_at[slot]);
+    staging_bytes += static_cast<uint64_t>(ring_total) * page_bytes;
+  }
+  for (int64_t l : remote_layers) {
+    SPX_ASSIGN_OR_RETURN(tail_at[static_cast<size_t>(l)],
+                         kv_->allocate(device, static_cast<uint64_t>(tail_total) * page_bytes));
+    staging_held.push_back(tail_at[static_cast<size_t>(l)]);
+    staging_bytes += static_cast<uint64_t>(tail_total) * page_bytes;
+  }
+  peak_staging_ = std::max(peak_staging_, staging_bytes);
+  peak_used_[0] = std::max(peak_used_[0], kv_->tier_used_bytes(device));
+  auto ring_slot = [&](int64_t l) {
+    const auto j = static_cast<size_t>(std::find(remote_layers.begin(), remote_layers.end(), l) - remote_layers.begin());
+    return j;  // remote layer j uses slot j % depth
+  };
+  auto count_loads = [&](TierId home, const std::vector<TransferRequest>& loads) {
+    uint64_t bytes = 0;
+    for (const TransferRequest& r : loads) bytes += r.bytes;
+    traffic(home).bytes_out += bytes;
+    traffic(device).bytes_in += bytes;
+  };
+  // The cached pages before each item's tail, of remote layer `l`, into its ring slot.
+  auto post_ring_loads = [&](int64_t l) -> Status {
+    const LayerId layer(static_cast<int32_t>(l));
+    const TierId home = kv_->home(layer);
+    const uint64_t base = ring_at[ring_slot(l) % depth];
+    std::vector<TransferRequest> loads;
+    for (size_t i = 0; i < n_req; ++i) {
+      for (int64_t p = 0; p < ring_pages[i]; ++p) {
+        const PageLocation loc = kv_->locate(layer, seqs[i]->pages[static_cast<size_t>(p)]);
+        loads.push_back({home, loc.offset, device, base + static_cast<uint64_t>(ring_first[i] + p) * page_bytes, page_bytes});
+      }
+    }
+    count_loads(home, loads);
+    SPX_ASSIGN_OR_RETURN(ring_ticket[static_cast<size_t>(l)], copies->submit(layer, CopyDirection::kLoad, std::move(loads)));
+    return Status::ok();
+  };
   auto ws_offset = [&](const Slice& ws, int64_t head, int64_t slot) {
     return ws.offset + static_cast<uint64_t>(head * options_.sparse.selection.budget + slot) * row_bytes;
   };
@@ -242,14 +304,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     const LayerId layer(static_cast<int32_t>(l));
     const TierId home = kv_->home(layer);
     if (home == device) continue;
-    const bool remote = !backend_reads(home);
     std::vector<TransferRequest> loads;
-    uint64_t stage_at = 0;
-    if (remote) {
-      SPX_ASSIGN_OR_RETURN(stage_at, kv_->allocate(device, static_cast<uint64_t>(stage_total) * page_bytes));
-      staging[static_cast<size_t>(l)] = stage_at;
-      staged[static_cast<size_t>(l)] = true;
-    }
     for (size_t i = 0; i < n_req; ++i) {
       const Sequence& s = *seqs[i];
       const int64_t start = items_[i].start_pos;
@@ -265,23 +320,19 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
           ++traffic(home).tokens_loaded;
         }
         traffic(home).tokens_hit += s.shared_stats.tokens_kept;
-      } else if (remote) {
-        const int64_t cached_pages = (start + ps - 1) / ps;  // pages holding tokens before this step
-        for (int64_t p = 0; p < cached_pages; ++p) {
-          const PageLocation loc = kv_->locate(layer, s.pages[static_cast<size_t>(p)]);
-          loads.push_back({home, loc.offset, device,
-                           stage_at + static_cast<uint64_t>(stage_first[i] + p) * page_bytes, page_bytes});
-        }
+      } else if (remote[static_cast<size_t>(l)] && start % ps != 0) {
+        // The tail's first page holds cached tokens: it is loaded, then the new ones are appended.
+        const PageLocation loc = kv_->locate(layer, s.pages[static_cast<size_t>(start / ps)]);
+        loads.push_back({home, loc.offset, device,
+                         tail_at[static_cast<size_t>(l)] + static_cast<uint64_t>(tail_first[i]) * page_bytes, page_bytes});
       }
     }
-    uint64_t bytes = 0;
-    for (const TransferRequest& r : loads) bytes += r.bytes;
-    traffic(home).bytes_out += bytes;
-    traffic(device).bytes_in += bytes;
+    count_loads(home, loads);
     if (!loads.empty()) {
       SPX_ASSIGN_OR_RETURN(load_ticket[static_cast<size_t>(l)], copies->submit(layer, CopyDirection::kLoad, std::move(loads)));
     }
   }
+  for (size_t j = 0; j < depth; ++j) SPX_RETURN_IF_ERROR(post_ring_loads(remote_layers[j]));
   auto wait_ticket = [&](CopyTicket& t) -> Status {
     if (!t.valid()) return Status::ok();
     const CopyTicket ticket = t;
@@ -295,7 +346,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     const LayerPtrs& w = layer_ptrs_[static_cast<size_t>(l)];
     const LayerId layer(static_cast<int32_t>(l));
     const TierId home = kv_->home(layer);
-    const bool remote = staged[static_cast<size_t>(l)];
+    const bool staged = remote[static_cast<size_t>(l)];
     if (capture_fused) {
       for (int slot = 0; slot < 3; ++slot) {
         if (fused_layers_[static_cast<size_t>(slot)] != l) continue;
@@ -314,23 +365,31 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     }
     SPX_RETURN_IF_ERROR(be.rope(q, total, c.n_heads, positions_dev, rope_));
     SPX_RETURN_IF_ERROR(be.rope(k, total, c.n_kv_heads, positions_dev, rope_));
-    // A staged layer's dense pages must have arrived before new tokens are appended to them.
-    if (remote) SPX_RETURN_IF_ERROR(wait_ticket(load_ticket[static_cast<size_t>(l)]));
+    // A staged layer's pages must have arrived before new tokens are appended to them.
+    if (staged) {
+      SPX_RETURN_IF_ERROR(wait_ticket(load_ticket[static_cast<size_t>(l)]));
+      SPX_RETURN_IF_ERROR(wait_ticket(ring_ticket[static_cast<size_t>(l)]));
+    }
     dense_items_.clear();
     sparse_items_.clear();
     sparse_index_.clear();
     for (size_t i = 0; i < n_req; ++i) {
-      if (!remote) {
+      if (!staged) {
         items_[i].kv = kv_->view(layer, seqs[i]->pages, k_ptrs_[i], v_ptrs_[i]);
       } else {
         const size_t n_pages = seqs[i]->pages.size();
         k_ptrs_[i].resize(n_pages);
         v_ptrs_[i].resize(n_pages);
-        auto* base = static_cast<std::byte*>(kv_->address(device, staging[static_cast<size_t>(l)]));
+        auto* ring = ring_pages[i] > 0 ? static_cast<std::byte*>(kv_->address(device, ring_at[ring_slot(l) % depth]))
+                                       : nullptr;
+        auto* tail = static_cast<std::byte*>(kv_->address(device, tail_at[static_cast<size_t>(l)]));
         for (size_t p = 0; p < n_pages; ++p) {
           // An elastic item stages only the page of its new token; every entry points at it.
-          const int64_t idx = sparse[i] && shared ? 0 : static_cast<int64_t>(p);
-          std::byte* page = base + static_cast<uint64_t>(stage_first[i] + idx) * page_bytes;
+          const auto pi = static_cast<int64_t>(p);
+          std::byte* page = sparse[i] && shared ? tail + static_cast<uint64_t>(tail_first[i]) * page_bytes
+                            : pi < ring_pages[i]
+                                ? ring + static_cast<uint64_t>(ring_first[i] + pi) * page_bytes
+                                : tail + static_cast<uint64_t>(tail_first[i] + pi - ring_pages[i]) * page_bytes;
           k_ptrs_[i][p] = page;
           v_ptrs_[i][p] = page + block_bytes;
         }
@@ -427,18 +486,19 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
                                               c.n_heads, att));
     }
     SPX_RETURN_IF_ERROR(wait_ticket(load_ticket[static_cast<size_t>(l)]));
-    if (remote) {
-      // The new tokens go home: whole pages for densely attended items (their cached part was
-      // loaded), the token's rows for elastic items. The copy engine reads what the compute wrote.
+    if (staged) {
+      // The new tokens go home from the tail: whole pages for densely attended items (their
+      // cached part was loaded), the token's rows for elastic items. The copy engine reads what
+      // the compute wrote.
       SPX_RETURN_IF_ERROR(be.synchronize());
       std::vector<TransferRequest> stores;
-      const uint64_t stage_at = staging[static_cast<size_t>(l)];
+      const uint64_t tail = tail_at[static_cast<size_t>(l)];
       for (size_t i = 0; i < n_req; ++i) {
         const Sequence& s = *seqs[i];
         const int64_t start = items_[i].start_pos, n = items_[i].n_tokens;
         if (sparse[i] && shared) {
           const PageLocation loc = kv_->locate(layer, s.pages[static_cast<size_t>(start / ps)]);
-          const uint64_t src_page = stage_at + static_cast<uint64_t>(stage_first[i]) * page_bytes;
+          const uint64_t src_page = tail + static_cast<uint64_t>(tail_first[i]) * page_bytes;
           for (int64_t h = 0; h < c.n_kv_heads; ++h) {
             const uint64_t in_block = static_cast<uint64_t>(h * ps + start % ps) * row_bytes;
             stores.push_back({device, src_page + in_block, home, loc.offset + in_block, row_bytes});
@@ -448,7 +508,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
         } else {
           for (int64_t p = start / ps; p <= (start + n - 1) / ps; ++p) {
             const PageLocation loc = kv_->locate(layer, s.pages[static_cast<size_t>(p)]);
-            stores.push_back({device, stage_at + static_cast<uint64_t>(stage_first[i] + p) * page_bytes, home,
+            stores.push_back({device, tail + static_cast<uint64_t>(tail_first[i] + p - start / ps) * page_bytes, home,
                               loc.offset, page_bytes});
           }
         }
@@ -458,6 +518,10 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
       traffic(home).bytes_in += bytes;
       traffic(device).bytes_out += bytes;
       SPX_ASSIGN_OR_RETURN(store_ticket[static_cast<size_t>(l)], copies->submit(layer, CopyDirection::kStore, std::move(stores)));
+      // This layer's ring slot has been read (synchronized above): the remote layer `depth`
+      // places further on is loaded into it now.
+      const size_t j = ring_slot(l) + depth;
+      if (depth > 0 && j < remote_layers.size()) SPX_RETURN_IF_ERROR(post_ring_loads(remote_layers[j]));
     }
     SPX_RETURN_IF_ERROR(be.matmul(att, total, w.wo, nullptr, tmp));
     if (comm != nullptr) SPX_RETURN_IF_ERROR(comm->all_reduce_sum(tmp, total * dim));

@@ -63,8 +63,30 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
     if (options_.sparse.method == SparseMethod::kSpeContext) growth += head_block_bytes();
   }
   const uint64_t used = kv_->tier_used_bytes(device);
-  in.device_other_bytes = (used > modelled ? used - modelled : 0) + growth;
+  in.device_other_bytes = (used > modelled ? used - modelled : 0) + growth + staging_reserve(seq_lens);
   return in;
+}
+
+uint64_t Engine::staging_reserve(std::span<const int64_t> lengths) const {
+  // Under a shared selection a sequence stages whole pages only while it is within the budget,
+  // before it has working sets; the growth term above already reserves those working sets (every
+  // layer's), which exceed the staging (at most staging_layers layers of B tokens, and a page
+  // per remote layer). Past the budget its remote layers load elastic into working sets.
+  if (shares_selection(options_.sparse.method)) return 0;
+  bool stages = false;  // a tier the backend cannot read, so its layers are staged
+  for (const TierMemory& t : kv_->tiers()) {
+    stages |= t.desc.id != TierId(0) && !is_abandoned(t.desc.id) && !backend_reads(t.desc.id);
+  }
+  if (!stages) return 0;
+  // Counted whether or not a layer is remote now, so that the room the planner sees does not
+  // depend on the placement: the ring holds the sequence's whole cached pages, each remote layer
+  // a tail page for the token the step appends.
+  const int64_t ps = kv_->page_size();
+  uint64_t pages = 0;
+  for (int64_t len : lengths) {
+    pages += static_cast<uint64_t>(options_.tiering.staging_layers * (len / ps) + kv_->n_layers());
+  }
+  return pages * kv_->page_bytes();
 }
 
 Status Engine::set_placement_policy(std::shared_ptr<PlacementPolicy> policy) {

@@ -298,20 +298,29 @@ TEST(Cli, GenerateRefusesWhatFitsNoTier) {
                              " --prompt 'x' -n 4 --device-kv 1MiB");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.out.find("--device-kv needs --host-kv, --remote-kv or --kv-node"), std::string::npos) << bad.out;
-  // Dense attention (as quest and oracle) stages a remote layer's whole KV on the device each
-  // step: refused at start, naming the way out, instead of a step failing once a layer leaves.
+  // Dense attention (as quest and oracle) stages a remote layer's whole KV on the device, a ring of
+  // --staging-layers layers at a time: with most layers remote, the text is the all-device text.
   for (const char* method : {"dense", "quest", "oracle"}) {
     SCOPED_TRACE(method);
-    const CliRun remote = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
-                                  " --prompt 'Once upon a time' -n 300 --sparse " + method +
-                                  " --device-kv 300KiB --host-kv 64KiB --remote-kv 1MiB");
-    EXPECT_EQ(remote.exit_code, 1) << remote.out;
-    EXPECT_NE(remote.out.find("--remote-kv needs --sparse specontext or streaming: under --sparse " +
-                              std::string(method)),
-              std::string::npos)
-        << remote.out;
-    EXPECT_NE(remote.out.find("--host-kv"), std::string::npos) << remote.out;
+    const std::string run = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                            " --prompt 'Once upon a time' -n 300 -B 32 --json --sparse " + method;
+    const CliRun alone = run_cli(run, false);
+    const CliRun remote = run_cli(run + " --device-kv 400KiB --host-kv 64KiB --remote-kv 2MiB", false);
+    ASSERT_EQ(alone.exit_code, 0) << alone.out;
+    ASSERT_EQ(remote.exit_code, 0) << remote.out;
+    const auto a = nlohmann::json::parse(alone.out), t = nlohmann::json::parse(remote.out);
+    EXPECT_EQ(t["text"], a["text"]);
+    int remote_layers = 0;
+    for (int h : t["tiering"]["layer_homes"]) remote_layers += h == 2;
+    EXPECT_GE(remote_layers, 3) << t["tiering"]["layer_homes"];
+    EXPECT_GT(t["tiering"]["staging_peak_bytes"].get<uint64_t>(), 0u);
   }
+  // A device too small to stage two layers of the request refuses it, naming the device tier.
+  const CliRun small = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                               " --prompt 'Once upon a time' -n 400 --sparse dense --device-kv 300KiB "
+                               "--host-kv 64KiB --remote-kv 2MiB");
+  EXPECT_NE(small.exit_code, 0) << small.out;
+  EXPECT_NE(small.out.find("cannot be placed: the device tier"), std::string::npos) << small.out;
   const CliRun dense_host = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +
                                     " --prompt 'Once upon a time' -n 300 --sparse dense --device-kv 300KiB "
                                     "--host-kv 1MiB --json");

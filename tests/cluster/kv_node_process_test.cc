@@ -1,8 +1,8 @@
 // KV nodes as separate processes (`specontext kv-node`), used by `specontext generate --kv-node`:
 // the text equals the all-device run's; a mirrored tier survives SIGKILL of one node mid-run with
 // the same text; a node restarted mid-run rejoins its tier and carries it when the other dies;
-// losing the only node (with --lost-tier fail), an unreachable node or a bad spec is a clear error
-// naming it, never a hang.
+// losing the only node recomputes without it (the all-device text under dense attention), or with
+// --lost-tier fail is a clear error naming it, as an unreachable node or a bad spec is; never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -232,8 +232,38 @@ TEST_P(KvNodeRejoin, ADeadNodesReplicaComesBackAndCarriesTheTierWhenTheOtherDies
   EXPECT_TRUE(rejoined) << node["rejoin_events"];
 }
 
-// With --lost-tier fail, losing the only node is a clear error naming it, never a hang. (The
-// default, recomputing without the lost tier, is tested in-process: tests/core/lost_tier_test.cc.)
+// The default, --lost-tier recompute: the only node is SIGKILLed once the engine has written KV
+// into it. The tier is abandoned, every request is recomputed from its prompt and the tokens it
+// had, and under dense attention (remote layers staged a ring at a time) each still gets exactly
+// its all-device text. No start-up probe, so the kill cannot land in it.
+TEST(KvNodeProcess, LosingTheOnlyNodeMidRunRecomputesTheAllDeviceText) {
+  NodeProcess node;
+  ASSERT_NE(node.port(), 0);
+  const std::string dense = model_args(400) + " --sparse dense";
+  auto [base_code, base_out] = Generate(dense).finish();
+  ASSERT_EQ(base_code, 0) << base_out;
+  const std::string expect = parse_json_tail(base_out).value("text", "");
+  Generate gen(dense + " --batch 3 --no-probe --device-kv 600KiB --host-kv 512KiB --kv-node 2MiB@" + node.endpoint());
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (node.stat("bytes_scattered") <= 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  const bool written = node.stat("bytes_scattered") > 0;
+  node.kill_now();
+  auto [code, out] = gen.finish();
+  ASSERT_TRUE(written) << "no KV reached the node: " << out;
+  ASSERT_EQ(code, 0) << out;
+  const auto j = parse_json_tail(out);
+  EXPECT_EQ(j["text"].get<std::string>(), expect);
+  EXPECT_EQ(j["lost_tiers"].get<int64_t>(), 1) << "the node died after the run: " << j["tiering"]["kv_nodes"];
+  EXPECT_GE(j["lost_tier_recomputes"].get<int64_t>(), 1);
+  EXPECT_EQ(j["refused"].get<int64_t>(), 0);
+  EXPECT_EQ(j["generated_tokens"].get<int64_t>(), 3 * parse_json_tail(base_out)["generated_tokens"].get<int64_t>());
+  for (int h : j["tiering"]["layer_homes"]) EXPECT_NE(h, 2) << "a layer is still on the lost tier";
+  EXPECT_FALSE(j["tiering"]["kv_nodes"][0]["replicas"][0]["alive"].get<bool>());
+}
+
+// With --lost-tier fail, losing the only node is a clear error naming it, never a hang.
 TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
   NodeProcess node;
   ASSERT_NE(node.port(), 0);

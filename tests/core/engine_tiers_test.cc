@@ -239,7 +239,7 @@ EngineOptions sparse_options(SparseMethod method, const std::shared_ptr<Retrieva
 Pair make_pair(SparseMethod method, Where where, std::unique_ptr<Transport> transport = nullptr,
                uint64_t device_bytes = 0, std::shared_ptr<PlacementPolicy> policy = nullptr, int64_t layers = 5,
                uint64_t tier_bytes = 8 << 20, int64_t chunk_pages = 4, bool threaded = true,
-               DType kv_dtype = DType::kF32) {
+               DType kv_dtype = DType::kF32, int64_t staging_layers = 2) {
   Pair p;
   p.model = testing::toy_model(layers);
   auto head = make_random_head(p.model->config, 9);
@@ -270,6 +270,7 @@ Pair make_pair(SparseMethod method, Where where, std::unique_ptr<Transport> tran
   t.tiering.transport = p.transport.get();
   t.tiering.copies = p.copies;
   t.tiering.policy = std::move(policy);
+  t.tiering.staging_layers = staging_layers;
   auto tiered = Engine::create(p.model, testing::cpu_backend(), t);
   EXPECT_TRUE(tiered.is_ok()) << tiered.status().to_string();
   if (tiered.is_ok()) p.tiered = std::move(*tiered);
@@ -378,6 +379,90 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Where::kHost, Where::kRemote), ::testing::Values(true),
                        ::testing::Values(DType::kBF16, DType::kF16)),
     forced_placement_name);
+
+// More remote layers than staging_layers: the layers that read whole pages (dense attention, Quest,
+// SpeContext sequences not yet past the budget) go through a ring of staging_layers buffers, so
+// the device holds that many remote layers' cached KV at once, and the logits stay the all-device
+// engine's bit for bit. The peak staging is exactly the ring plus a tail buffer per remote layer.
+class LayerWiseStaging : public ::testing::TestWithParam<std::tuple<SparseMethod, int64_t>> {};
+
+TEST_P(LayerWiseStaging, ARingOfLayersGivesTheAllDeviceLogits) {
+  const auto [method, depth] = GetParam();
+  Pair p = make_pair(method, Where::kRemote, nullptr, 0, nullptr, 5, 8 << 20, 4, true, DType::kF32, depth);
+  ASSERT_TRUE(p.tiered);
+  const TierId off(1);
+  KvPlacement place = p.tiered->placement();
+  place.layer_home = {TierId(0), off, off, off, off};
+  ASSERT_TRUE(p.tiered->apply_placement(place, {"test"}).is_ok());
+  const int64_t ps = 8, remote_layers = 4, budget = 24;
+  const uint64_t page_bytes = 2 * 2 * ps * 16 * 4;  // K and V, 2 KV heads of 16, f32
+  const bool shared = method == SparseMethod::kSpeContext;
+  std::vector<SeqId> ids;
+  std::vector<int64_t> lens;
+  uint64_t expect_peak = 0;
+  // One step; `expect_peak` follows the staging the engine should take for it.
+  auto step = [&](const std::vector<size_t>& who, const std::vector<std::vector<TokenId>>& toks, const std::string& what) {
+    std::vector<SeqId> step_ids;
+    int64_t ring = 0, tail = 0;
+    for (size_t k = 0; k < who.size(); ++k) {
+      step_ids.push_back(ids[who[k]]);
+      const int64_t start = lens[who[k]], n = static_cast<int64_t>(toks[k].size());
+      const bool elastic = shared && n == 1 && start + 1 > budget;
+      ring += elastic ? 0 : start / ps;
+      tail += elastic ? 1 : (start + n - 1) / ps - start / ps + 1;
+      lens[who[k]] += n;
+    }
+    const int64_t slots = ring == 0 ? 0 : std::min(depth, remote_layers);
+    expect_peak = std::max(expect_peak, static_cast<uint64_t>(slots * ring + remote_layers * tail) * page_bytes);
+    step_both(p, step_ids, toks, what);
+  };
+  auto add = [&] {
+    auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    ASSERT_EQ(*a, *b);
+    ids.push_back(*a);
+    lens.push_back(0);
+  };
+  add();
+  std::mt19937 rng(11);
+  auto tokens = [&](int n) {
+    std::vector<TokenId> t;
+    for (int i = 0; i < n; ++i) t.push_back(static_cast<TokenId>(rng() % 256));
+    return t;
+  };
+  // Prefill in chunks that end mid-page (the next chunk's first page is loaded, then appended to).
+  for (int c = 0; c < 3; ++c) {
+    step({0}, {tokens(13)}, "prefill chunk " + std::to_string(c));
+    if (HasFatalFailure()) return;
+  }
+  for (int s = 0; s < 6; ++s) {
+    step({0}, {tokens(1)}, "decode " + std::to_string(s));
+    if (HasFatalFailure()) return;
+  }
+  // A short second sequence joins: under SpeContext it attends densely beside an elastic one.
+  add();
+  step({1}, {tokens(6)}, "second prefill");
+  if (HasFatalFailure()) return;
+  for (int s = 0; s < 30; ++s) {
+    step({0, 1}, {tokens(1), tokens(1)}, "decode both " + std::to_string(s));
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_EQ(p.tiered->peak_staging_bytes(), expect_peak);
+  if (shared) {
+    EXPECT_GT(p.tiered->sparse_stats().sparse_steps, 0);
+  }
+  const auto report = p.tiered->tier_report();
+  EXPECT_GT(report[1].total.bytes_out, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    MethodsAndDepths, LayerWiseStaging,
+    ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kQuest, SparseMethod::kSpeContext),
+                       ::testing::Values(int64_t{1}, int64_t{2}, int64_t{4})),
+    [](const auto& info) {
+      return std::string(sparse_method_name(std::get<0>(info.param))) + "_depth" +
+             std::to_string(std::get<1>(info.param));
+    });
 
 std::shared_ptr<planner::PlannerPolicy> policy_for(const Model& m, const RetrievalHead& head, int64_t budget,
                                                    int64_t requests, uint64_t host_bytes, uint64_t chunk_bytes,
@@ -734,6 +819,7 @@ class RecordingBackend final : public Backend {
     return inner_->kv_append(k, v, n, s, kv);
   }
   Status attention(const float* q, const AttentionItem* it, int64_t n, int64_t h, float* o) override {
+    log_.events.push_back("dense");
     return inner_->attention(q, it, n, h, o);
   }
   Status kv_gather(const KvLayerView& kv, const GatherEntry* e, int64_t n, const WorkingSetView& ws) override {
@@ -781,6 +867,52 @@ TEST(TierDataflow, LoadsArePostedBeforeLayerZeroAndEachLayerWaitsForItsOwn) {
                                            "attend",   "wait 3",   "attend",   "wait 4", "attend"};
     EXPECT_EQ(log.events, want) << all;
   }
+}
+
+// Dense attention over four remote layers, two staged at a time: every layer's tail page (which
+// holds cached tokens) and the first two layers' cached pages are posted before layer 0; layer
+// j + 2's cached pages are posted once layer j has computed, before layer j + 1 computes.
+TEST(TierDataflow, RemoteLayersAreStagedTwoAtATimeUnderDenseAttention) {
+  EventLog log;
+  auto model = testing::toy_model(5);
+  auto lb = transport::LoopbackRemoteTransport::create();
+  ASSERT_TRUE(lb.is_ok());
+  auto copies = std::make_shared<RecordingQueue>(make_copies(**lb, true), log);
+  EngineOptions o = sparse_options(SparseMethod::kDense, nullptr);
+  o.tiering.remote.push_back(testing::remote_tier(8 << 20));
+  o.tiering.transport = lb->get();
+  o.tiering.copies = copies;
+  auto e = Engine::create(model, std::make_shared<RecordingBackend>(testing::cpu_backend(), log), o);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  KvPlacement place = (*e)->placement();
+  place.layer_home = {TierId(0), TierId(1), TierId(1), TierId(1), TierId(1)};
+  ASSERT_TRUE((*e)->apply_placement(place).is_ok());
+  auto seq = (*e)->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  for (int at = 0; at < 50; at += 8) {  // a page per chunk, so no prefill stages more than a decode step
+    std::vector<TokenId> chunk(static_cast<size_t>(std::min(8, 50 - at)), 3);
+    const StepRequest pre{*seq, chunk, LogitsMode::kLast};
+    ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&pre, 1)).is_ok());
+  }
+  for (int step = 0; step < 3; ++step) {  // positions 50..52: mid-page, so every tail page is loaded
+    log.events.clear();
+    std::vector<TokenId> tok = {static_cast<TokenId>(step + 1)};
+    const StepRequest r{*seq, tok, LogitsMode::kLast};
+    ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&r, 1)).is_ok());
+    std::string all;
+    for (const auto& ev : log.events) all += ev + "; ";
+    const std::vector<std::string> want = {
+        "submit 1", "submit 2", "submit 3", "submit 4", "submit 1", "submit 2",  // tails; ring of 1, 2
+        "dense",                                                                 // layer 0
+        "wait 1",   "wait 1",   "dense",    "submit 3",                          // layer 1, then 3's ring
+        "wait 2",   "wait 2",   "dense",    "submit 4",                          // layer 2, then 4's ring
+        "wait 3",   "wait 3",   "dense",                                         // layer 3
+        "wait 4",   "wait 4",   "dense",                                         // layer 4
+        "wait 1",   "wait 2",   "wait 3",   "wait 4"};                           // the stores
+    EXPECT_EQ(log.events, want) << all;
+  }
+  // The device never held more than two layers' cached pages (6 each) and four tail pages.
+  EXPECT_EQ((*e)->peak_staging_bytes(), (2 * 6 + 4) * uint64_t{2 * 2 * 8 * 16 * 4});
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <functional>
 #include <string>
 #include <unordered_set>
 
@@ -223,10 +222,12 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
   std::vector<CopyTicket> ring_ticket(static_cast<size_t>(n_layers));
   std::vector<int64_t> remote_layers;  // in layer order
   std::vector<bool> remote(static_cast<size_t>(n_layers), false);
+  std::vector<size_t> remote_rank(static_cast<size_t>(n_layers), 0);  // remote layer j uses ring slot j % depth
   for (int64_t l = 0; l < n_layers; ++l) {
     const TierId home = kv_->home(LayerId(static_cast<int32_t>(l)));
     if (home != device && !backend_reads(home)) {
       remote[static_cast<size_t>(l)] = true;
+      remote_rank[static_cast<size_t>(l)] = remote_layers.size();
       remote_layers.push_back(l);
     }
   }
@@ -271,10 +272,6 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
   }
   peak_staging_ = std::max(peak_staging_, staging_bytes);
   peak_used_[0] = std::max(peak_used_[0], kv_->tier_used_bytes(device));
-  auto ring_slot = [&](int64_t l) {
-    const auto j = static_cast<size_t>(std::find(remote_layers.begin(), remote_layers.end(), l) - remote_layers.begin());
-    return j;  // remote layer j uses slot j % depth
-  };
   auto count_loads = [&](TierId home, const std::vector<TransferRequest>& loads) {
     uint64_t bytes = 0;
     for (const TransferRequest& r : loads) bytes += r.bytes;
@@ -285,7 +282,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
   auto post_ring_loads = [&](int64_t l) -> Status {
     const LayerId layer(static_cast<int32_t>(l));
     const TierId home = kv_->home(layer);
-    const uint64_t base = ring_at[ring_slot(l) % depth];
+    const uint64_t base = ring_at[remote_rank[static_cast<size_t>(l)] % depth];
     std::vector<TransferRequest> loads;
     for (size_t i = 0; i < n_req; ++i) {
       for (int64_t p = 0; p < ring_pages[i]; ++p) {
@@ -380,7 +377,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
         const size_t n_pages = seqs[i]->pages.size();
         k_ptrs_[i].resize(n_pages);
         v_ptrs_[i].resize(n_pages);
-        auto* ring = ring_pages[i] > 0 ? static_cast<std::byte*>(kv_->address(device, ring_at[ring_slot(l) % depth]))
+        auto* ring = ring_pages[i] > 0 ? static_cast<std::byte*>(kv_->address(device, ring_at[remote_rank[static_cast<size_t>(l)] % depth]))
                                        : nullptr;
         auto* tail = static_cast<std::byte*>(kv_->address(device, tail_at[static_cast<size_t>(l)]));
         for (size_t p = 0; p < n_pages; ++p) {
@@ -520,7 +517,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
       SPX_ASSIGN_OR_RETURN(store_ticket[static_cast<size_t>(l)], copies->submit(layer, CopyDirection::kStore, std::move(stores)));
       // This layer's ring slot has been read (synchronized above): the remote layer `depth`
       // places further on is loaded into it now.
-      const size_t j = ring_slot(l) + depth;
+      const size_t j = remote_rank[static_cast<size_t>(l)] + depth;
       if (depth > 0 && j < remote_layers.size()) SPX_RETURN_IF_ERROR(post_ring_loads(remote_layers[j]));
     }
     SPX_RETURN_IF_ERROR(be.matmul(att, total, w.wo, nullptr, tmp));

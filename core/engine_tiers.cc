@@ -326,6 +326,15 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
     return out_of_range("fill_synthetic: " + std::to_string(n_tokens) + " tokens outside (0, " +
                         std::to_string(max_context_) + "]");
   }
+  if (options_.tiering.policy) {
+    // The placement for the length the fill reaches, as a step of that many tokens would get:
+    // layers leave the device first, or a fill longer than the device holds fails.
+    const std::vector<TokenId> tokens(static_cast<size_t>(n_tokens), 0);
+    StepRequest grow;
+    grow.seq = seq;
+    grow.tokens = tokens;
+    SPX_RETURN_IF_ERROR_CTX(rebalance(std::span<const StepRequest>(&grow, 1)), "fill_synthetic");
+  }
   std::vector<PageId> fresh;
   Status st = reserve_pages(s, n_tokens, fresh);
   if (!st.is_ok()) {

@@ -685,6 +685,31 @@ TEST(PlannerPolicyEngine, RequestThatFitsNowhereIsRefusedOthersRun) {
   }
 }
 
+// A synthetic context longer than the device holds (speed runs: `generate --synthetic-context`)
+// is placed first, as a step of that length would be: layers leave the device, then the fill.
+TEST(PlannerPolicyEngine, SyntheticFillLongerThanTheDeviceMovesLayersFirst) {
+  auto model = testing::toy_model(5);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  const uint64_t chunk = 2 * 8 * 32 * 4 * 4;
+  const uint64_t host_bytes = 4 << 20;
+  auto policy = policy_for(*model, **head, 24, 4, host_bytes, chunk, 8);
+  Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 600 << 10, policy, 5, host_bytes);
+  ASSERT_TRUE(p.tiered);
+  GenerationRequest r;
+  r.prompt = {1, 2, 3};
+  r.max_new_tokens = 4;
+  r.synthetic_context = 480;  // 600 KiB of KV (1280 B per token): the whole device tier
+  Generator gen(*p.tiered, GeneratorOptions{});
+  auto out = gen.run({r});
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  EXPECT_EQ((*out)[0].tokens.size(), 4u) << (*out)[0].error;
+  int offloaded = 0;
+  for (TierId t : p.tiered->placement().layer_home) offloaded += t != TierId(0);
+  EXPECT_GT(offloaded, 0);
+  EXPECT_TRUE(p.tiered->check_invariants().is_ok());
+}
+
 }  // namespace
 }  // namespace specontext
 

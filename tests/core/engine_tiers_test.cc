@@ -654,15 +654,20 @@ TEST(TierFaults, FailuresAreRetriedOrReportedNeverWrongAttention) {
 }
 
 // Admission: a request whose KV fits no tier even alone is refused with the reason; the others run.
-TEST(PlannerPolicyEngine, RequestThatFitsNowhereIsRefusedOthersRun) {
+// A SpeContext engine on the toy model with a 600 KiB device tier and a host pool of `host_bytes`,
+// layers placed by the planner (pages of 8 tokens, chunks of 4 pages).
+Pair planned_pair(uint64_t host_bytes) {
   auto model = testing::toy_model(5);
   auto head = make_random_head(model->config, 9);
-  ASSERT_TRUE(head.is_ok());
+  EXPECT_TRUE(head.is_ok());
   const uint64_t chunk = 2 * 8 * 32 * 4 * 4;
-  // 512 tokens need 128 KiB per layer: more than the host pool, and the device holds far less.
-  const uint64_t host_bytes = 64 << 10;
   auto policy = policy_for(*model, **head, 24, 4, host_bytes, chunk, 8);
-  Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 600 << 10, policy, 5, host_bytes);
+  return make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 600 << 10, policy, 5, host_bytes);
+}
+
+TEST(PlannerPolicyEngine, RequestThatFitsNowhereIsRefusedOthersRun) {
+  // 512 tokens need 128 KiB per layer: more than the host pool, and the device holds far less.
+  Pair p = planned_pair(64 << 10);
   ASSERT_TRUE(p.tiered);
   std::vector<GenerationRequest> reqs(3);
   for (auto& r : reqs) {
@@ -688,13 +693,7 @@ TEST(PlannerPolicyEngine, RequestThatFitsNowhereIsRefusedOthersRun) {
 // A synthetic context longer than the device holds (speed runs: `generate --synthetic-context`)
 // is placed first, as a step of that length would be: layers leave the device, then the fill.
 TEST(PlannerPolicyEngine, SyntheticFillLongerThanTheDeviceMovesLayersFirst) {
-  auto model = testing::toy_model(5);
-  auto head = make_random_head(model->config, 9);
-  ASSERT_TRUE(head.is_ok());
-  const uint64_t chunk = 2 * 8 * 32 * 4 * 4;
-  const uint64_t host_bytes = 4 << 20;
-  auto policy = policy_for(*model, **head, 24, 4, host_bytes, chunk, 8);
-  Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 600 << 10, policy, 5, host_bytes);
+  Pair p = planned_pair(4 << 20);
   ASSERT_TRUE(p.tiered);
   GenerationRequest r;
   r.prompt = {1, 2, 3};
@@ -860,37 +859,48 @@ class RecordingBackend final : public Backend {
   EventLog& log_;
 };
 
+// An engine whose backend records attention and whose copy queue (over `transport`) records
+// loads and waits into `log`, with the layers' homes set to `homes`.
+std::unique_ptr<Engine> recorded_engine(EngineOptions o, Transport& transport, EventLog& log,
+                                        std::vector<TierId> homes) {
+  o.tiering.transport = &transport;
+  o.tiering.copies = std::make_shared<RecordingQueue>(make_copies(transport, true), log);
+  auto e = Engine::create(testing::toy_model(5), std::make_shared<RecordingBackend>(testing::cpu_backend(), log), o);
+  EXPECT_TRUE(e.is_ok()) << e.status().to_string();
+  if (!e.is_ok()) return nullptr;
+  KvPlacement place = (*e)->placement();
+  place.layer_home = std::move(homes);
+  EXPECT_TRUE((*e)->apply_placement(place).is_ok());
+  return std::move(*e);
+}
+
+// What one decode step of `token` logs.
+std::vector<std::string> logged_step(Engine& e, SeqId seq, TokenId token, EventLog& log) {
+  log.events.clear();
+  std::vector<TokenId> tok = {token};
+  const StepRequest r{seq, tok, LogitsMode::kLast};
+  EXPECT_TRUE(e.forward(std::span<const StepRequest>(&r, 1)).is_ok());
+  return log.events;
+}
+
 TEST(TierDataflow, LoadsArePostedBeforeLayerZeroAndEachLayerWaitsForItsOwn) {
   EventLog log;
-  auto model = testing::toy_model(5);
-  auto head = make_random_head(model->config, 9);
+  auto head = make_random_head(testing::toy_model(5)->config, 9);
   ASSERT_TRUE(head.is_ok());
   transport::LocalTransport local;
-  auto copies = std::make_shared<RecordingQueue>(make_copies(local, true), log);
   EngineOptions o = sparse_options(SparseMethod::kSpeContext, *head);
   o.tiering.host.push_back(testing::host_tier(8 << 20));
-  o.tiering.transport = &local;
-  o.tiering.copies = copies;
-  auto e = Engine::create(model, std::make_shared<RecordingBackend>(testing::cpu_backend(), log), o);
-  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
-  KvPlacement place = (*e)->placement();
-  place.layer_home = {TierId(0), TierId(1), TierId(0), TierId(1), TierId(1)};
-  ASSERT_TRUE((*e)->apply_placement(place).is_ok());
-  auto seq = (*e)->add_sequence();
+  auto e = recorded_engine(o, local, log, {TierId(0), TierId(1), TierId(0), TierId(1), TierId(1)});
+  ASSERT_TRUE(e);
+  auto seq = e->add_sequence();
   ASSERT_TRUE(seq.is_ok());
   std::vector<TokenId> prompt(50, 3);
   const StepRequest pre{*seq, prompt, LogitsMode::kLast};
-  ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&pre, 1)).is_ok());
+  ASSERT_TRUE(e->forward(std::span<const StepRequest>(&pre, 1)).is_ok());
   for (int step = 0; step < 3; ++step) {
-    log.events.clear();
-    std::vector<TokenId> tok = {static_cast<TokenId>(step + 1)};
-    const StepRequest r{*seq, tok, LogitsMode::kLast};
-    ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&r, 1)).is_ok());
-    std::string all;
-    for (const auto& ev : log.events) all += ev + "; ";
     const std::vector<std::string> want = {"submit 1", "submit 3", "submit 4", "attend", "wait 1", "attend",
                                            "attend",   "wait 3",   "attend",   "wait 4", "attend"};
-    EXPECT_EQ(log.events, want) << all;
+    EXPECT_EQ(logged_step(*e, *seq, static_cast<TokenId>(step + 1), log), want);
   }
 }
 
@@ -899,33 +909,20 @@ TEST(TierDataflow, LoadsArePostedBeforeLayerZeroAndEachLayerWaitsForItsOwn) {
 // j + 2's cached pages are posted once layer j has computed, before layer j + 1 computes.
 TEST(TierDataflow, RemoteLayersAreStagedTwoAtATimeUnderDenseAttention) {
   EventLog log;
-  auto model = testing::toy_model(5);
   auto lb = transport::LoopbackRemoteTransport::create();
   ASSERT_TRUE(lb.is_ok());
-  auto copies = std::make_shared<RecordingQueue>(make_copies(**lb, true), log);
   EngineOptions o = sparse_options(SparseMethod::kDense, nullptr);
   o.tiering.remote.push_back(testing::remote_tier(8 << 20));
-  o.tiering.transport = lb->get();
-  o.tiering.copies = copies;
-  auto e = Engine::create(model, std::make_shared<RecordingBackend>(testing::cpu_backend(), log), o);
-  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
-  KvPlacement place = (*e)->placement();
-  place.layer_home = {TierId(0), TierId(1), TierId(1), TierId(1), TierId(1)};
-  ASSERT_TRUE((*e)->apply_placement(place).is_ok());
-  auto seq = (*e)->add_sequence();
+  auto e = recorded_engine(o, **lb, log, {TierId(0), TierId(1), TierId(1), TierId(1), TierId(1)});
+  ASSERT_TRUE(e);
+  auto seq = e->add_sequence();
   ASSERT_TRUE(seq.is_ok());
   for (int at = 0; at < 50; at += 8) {  // a page per chunk, so no prefill stages more than a decode step
     std::vector<TokenId> chunk(static_cast<size_t>(std::min(8, 50 - at)), 3);
     const StepRequest pre{*seq, chunk, LogitsMode::kLast};
-    ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&pre, 1)).is_ok());
+    ASSERT_TRUE(e->forward(std::span<const StepRequest>(&pre, 1)).is_ok());
   }
   for (int step = 0; step < 3; ++step) {  // positions 50..52: mid-page, so every tail page is loaded
-    log.events.clear();
-    std::vector<TokenId> tok = {static_cast<TokenId>(step + 1)};
-    const StepRequest r{*seq, tok, LogitsMode::kLast};
-    ASSERT_TRUE((*e)->forward(std::span<const StepRequest>(&r, 1)).is_ok());
-    std::string all;
-    for (const auto& ev : log.events) all += ev + "; ";
     const std::vector<std::string> want = {
         "submit 1", "submit 2", "submit 3", "submit 4", "submit 1", "submit 2",  // tails; ring of 1, 2
         "dense",                                                                 // layer 0
@@ -934,10 +931,10 @@ TEST(TierDataflow, RemoteLayersAreStagedTwoAtATimeUnderDenseAttention) {
         "wait 3",   "wait 3",   "dense",                                         // layer 3
         "wait 4",   "wait 4",   "dense",                                         // layer 4
         "wait 1",   "wait 2",   "wait 3",   "wait 4"};                           // the stores
-    EXPECT_EQ(log.events, want) << all;
+    EXPECT_EQ(logged_step(*e, *seq, static_cast<TokenId>(step + 1), log), want);
   }
   // The device never held more than two layers' cached pages (6 each) and four tail pages.
-  EXPECT_EQ((*e)->peak_staging_bytes(), (2 * 6 + 4) * uint64_t{2 * 2 * 8 * 16 * 4});
+  EXPECT_EQ(e->peak_staging_bytes(), (2 * 6 + 4) * uint64_t{2 * 2 * 8 * 16 * 4});
 }
 
 }  // namespace

@@ -178,7 +178,11 @@ class SyntheticTokenizer final : public Tokenizer {
     }
     return ids;
   }
-  std::string decode_token(TokenId, TokenId id) const override { return " " + std::to_string(id); }
+  std::string decode_token(TokenId, TokenId id) const override {
+    std::string piece = std::to_string(id);
+    piece.insert(piece.begin(), ' ');  // not " " + string: GCC 12 warns -Wrestrict inside operator+
+    return piece;
+  }
   TokenId piece_to_id(std::string_view) const override { return -1; }
 
  private:

@@ -105,7 +105,7 @@ void check_request(ApiKind kind, const ApiRequest& r) {
 
   const ResponseMeta meta{"cmpl-fuzz", 1, r.model};
   const std::string& text = kind == ApiKind::kCompletion ? r.prompt_text : r.messages[0].content;
-  check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4}))));
+  check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4, std::nullopt}))));
   // The input's text as token strings (arbitrary bytes), with -inf and NaN-free extremes.
   std::vector<LogprobEntry> entries;
   for (size_t i = 0; i < text.size() && entries.size() < 8; i += 3) {
@@ -113,17 +113,17 @@ void check_request(ApiKind kind, const ApiRequest& r) {
   }
   entries.push_back({"", -std::numeric_limits<float>::infinity(), {}, 0});
   entries.push_back({text.substr(0, 2), 0.0f, {}, 0, /*has_logprob=*/false});
-  check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4}, &entries))));
+  check(parses(dump(completion_response(kind, meta, text, "stop", Usage{3, 4, std::nullopt}, &entries))));
   check_event(stream_chunk(kind, meta, text, false, &entries));
   const std::vector<ChoiceOut> several{{text, "stop", &entries}, {"", "length", nullptr}};
-  const json both = completion_response(kind, meta, several, Usage{1, 1});
+  const json both = completion_response(kind, meta, several, Usage{1, 1, std::nullopt});
   check(parses(dump(both)) && both["choices"].size() == 2);
   check_event(stream_chunk(kind, meta, text, false, nullptr, r.n - 1));
   check_event(stream_finish_chunk(kind, meta, "stop", r.n - 1));
   check_event(stream_chunk(kind, meta, text, true));
   check_event(stream_chunk(kind, meta, text, false));
   check_event(stream_finish_chunk(kind, meta, "length"));
-  check_event(stream_usage_chunk(kind, meta, Usage{1, 2}));
+  check_event(stream_usage_chunk(kind, meta, Usage{1, 2, std::nullopt}));
 }
 
 void check_error(const ApiError& e) {

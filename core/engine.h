@@ -401,6 +401,7 @@ class Engine {
   bool host_visible(TierId tier) const;       // the engine thread may read/write it directly
   bool backend_reads(TierId tier) const;      // backend ops may take pointers into it
   Status rebalance(std::span<const StepRequest> requests);
+  Status rebalance_for(const std::vector<int64_t>& seq_lens);  // the live sequences' lengths to plan for
   Status move_head_caches(TierId to);
   Status write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes);
   TierTraffic& traffic(TierId tier) { return step_traffic_[static_cast<size_t>(tier.value())]; }

@@ -231,8 +231,8 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
       remote_layers.push_back(l);
     }
   }
-  // Per item: pages [0, ring_pages) through the ring, pages [ring_pages, pages) in the tail.
-  std::vector<int64_t> ring_first(n_req, 0), ring_pages(n_req, 0), tail_first(n_req, 0), tail_pages(n_req, 0);
+  // Per item: pages [0, ring_pages) through the ring, the rest in the tail (from tail_first).
+  std::vector<int64_t> ring_first(n_req, 0), ring_pages(n_req, 0), tail_first(n_req, 0);
   int64_t ring_total = 0, tail_total = 0;
   for (size_t i = 0; i < n_req; ++i) {
     const bool elastic = sparse[i] && shared;  // stages only its new token's page
@@ -242,8 +242,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
     ring_pages[i] = elastic ? 0 : start / ps;
     ring_total += ring_pages[i];
     tail_first[i] = tail_total;
-    tail_pages[i] = elastic ? 1 : last_page - start / ps + 1;
-    tail_total += tail_pages[i];
+    tail_total += elastic ? 1 : last_page - start / ps + 1;
   }
   const size_t depth = ring_total == 0 ? 0
                                        : std::min(remote_layers.size(),
@@ -258,19 +257,19 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
       for (uint64_t at : *held) (void)kv->release(device, at);
     }
   } staging_guard{kv_.get(), device, &staging_held};
-  uint64_t staging_bytes = 0;
   for (size_t slot = 0; slot < depth; ++slot) {
     SPX_ASSIGN_OR_RETURN(ring_at[slot], kv_->allocate(device, static_cast<uint64_t>(ring_total) * page_bytes));
     staging_held.push_back(ring_at[slot]);
-    staging_bytes += static_cast<uint64_t>(ring_total) * page_bytes;
   }
   for (int64_t l : remote_layers) {
     SPX_ASSIGN_OR_RETURN(tail_at[static_cast<size_t>(l)],
                          kv_->allocate(device, static_cast<uint64_t>(tail_total) * page_bytes));
     staging_held.push_back(tail_at[static_cast<size_t>(l)]);
-    staging_bytes += static_cast<uint64_t>(tail_total) * page_bytes;
   }
-  peak_staging_ = std::max(peak_staging_, staging_bytes);
+  peak_staging_ = std::max(peak_staging_, static_cast<uint64_t>(static_cast<int64_t>(depth) * ring_total +
+                                                                static_cast<int64_t>(remote_layers.size()) * tail_total) *
+                                              page_bytes);
+  auto ring_of = [&](int64_t l) { return ring_at[remote_rank[static_cast<size_t>(l)] % depth]; };  // its slot's offset
   peak_used_[0] = std::max(peak_used_[0], kv_->tier_used_bytes(device));
   auto count_loads = [&](TierId home, const std::vector<TransferRequest>& loads) {
     uint64_t bytes = 0;
@@ -282,7 +281,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
   auto post_ring_loads = [&](int64_t l) -> Status {
     const LayerId layer(static_cast<int32_t>(l));
     const TierId home = kv_->home(layer);
-    const uint64_t base = ring_at[remote_rank[static_cast<size_t>(l)] % depth];
+    const uint64_t base = ring_of(l);
     std::vector<TransferRequest> loads;
     for (size_t i = 0; i < n_req; ++i) {
       for (int64_t p = 0; p < ring_pages[i]; ++p) {
@@ -377,8 +376,7 @@ Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests, co
         const size_t n_pages = seqs[i]->pages.size();
         k_ptrs_[i].resize(n_pages);
         v_ptrs_[i].resize(n_pages);
-        auto* ring = ring_pages[i] > 0 ? static_cast<std::byte*>(kv_->address(device, ring_at[remote_rank[static_cast<size_t>(l)] % depth]))
-                                       : nullptr;
+        auto* ring = ring_pages[i] > 0 ? static_cast<std::byte*>(kv_->address(device, ring_of(l))) : nullptr;
         auto* tail = static_cast<std::byte*>(kv_->address(device, tail_at[static_cast<size_t>(l)]));
         for (size_t p = 0; p < n_pages; ++p) {
           // An elastic item stages only the page of its new token; every entry points at it.

@@ -105,7 +105,11 @@ Status Engine::rebalance(std::span<const StepRequest> requests) {
     }
     lens.push_back(len);
   }
-  SPX_ASSIGN_OR_RETURN(PlacementDecision d, options_.tiering.policy->decide(placement_input(lens)));
+  return rebalance_for(lens);
+}
+
+Status Engine::rebalance_for(const std::vector<int64_t>& seq_lens) {
+  SPX_ASSIGN_OR_RETURN(PlacementDecision d, options_.tiering.policy->decide(placement_input(seq_lens)));
   if (!d.changed || d.placement == placement_) return Status::ok();
   return apply_placement(d.placement, d.reasons);
 }
@@ -329,11 +333,9 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
   if (options_.tiering.policy) {
     // The placement for the length the fill reaches, as a step of that many tokens would get:
     // layers leave the device first, or a fill longer than the device holds fails.
-    const std::vector<TokenId> tokens(static_cast<size_t>(n_tokens), 0);
-    StepRequest grow;
-    grow.seq = seq;
-    grow.tokens = tokens;
-    SPX_RETURN_IF_ERROR_CTX(rebalance(std::span<const StepRequest>(&grow, 1)), "fill_synthetic");
+    std::vector<int64_t> lens;
+    for (const auto& [id, other] : sequences_) lens.push_back(id == seq ? n_tokens : other.length);
+    SPX_RETURN_IF_ERROR_CTX(rebalance_for(lens), "fill_synthetic");
   }
   std::vector<PageId> fresh;
   Status st = reserve_pages(s, n_tokens, fresh);

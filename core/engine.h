@@ -193,6 +193,28 @@ struct StepOutput {
   }
 };
 
+// The first whole pages of a sequence copied out of the KV cache into plain host memory, with
+// the state the sparse method derives from them (the prefix cache's offload store,
+// GeneratorOptions::prefix_offload_bytes). Engine::import_prefix makes a sequence of it again in
+// any engine of the same model, page size, KV dtype and sparse method, wherever its layers live.
+struct PrefixSnapshot {
+  int64_t tokens = 0;
+  // What import_prefix checks the snapshot against (the engine's layout when exported).
+  int64_t page_size = 0;
+  int64_t layers = 0;
+  uint64_t page_bytes = 0;  // K + V of one page of one layer
+  DType kv_dtype = DType::kF32;
+  SparseMethod method = SparseMethod::kDense;
+  std::vector<std::byte> kv;  // [layers][pages][K block, V block], as the pages are stored
+  // SpeContext: the retrieval head's key blocks covering the tokens ([blocks][T][head kv_dim]),
+  // and per page the fused features of its last position ([3·dim]; empty where none were kept).
+  std::vector<float> head_keys;
+  std::vector<std::vector<float>> boundary_fused;
+  // Quest: per layer, the page bounds of the tokens ([pages][kv_heads][head_dim] each).
+  std::vector<std::vector<float>> quest_min, quest_max;
+  uint64_t bytes() const;  // host memory it holds
+};
+
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(std::shared_ptr<const Model> model,
@@ -236,6 +258,15 @@ class Engine {
   // (or equal to it: nothing changes but final_length). final_length: as add_sequence's, from now
   // on. The prefix cache reuses a finished sequence this way for the request that supersedes it.
   Status truncate_sequence(SeqId seq, int64_t length, int64_t final_length = 0);
+  // Prefix offloading: copies the first `tokens` tokens of the sequence (a positive multiple of
+  // fork_granularity(), at most its length; under SpeContext with prefix_sharing) out of the
+  // cache, from whatever tiers its layers live in. The sequence is unchanged.
+  Result<PrefixSnapshot> export_prefix(SeqId seq, int64_t tokens);
+  // A new sequence holding a snapshot's tokens, written into the layers' homes without computing
+  // them; then as one fork_sequence made. kInvalidArgument naming the field when the snapshot
+  // does not match this engine; kResourceExhausted (nothing changed) when a slot, the pool or a
+  // tier is short.
+  Result<SeqId> import_prefix(const PrefixSnapshot& snapshot, int64_t final_length = 0);
   // Gives back the device memory of the sequence's sparse working sets (allocated again at its next
   // sparse step, reloaded from scratch): for sequences that wait, such as finished ones kept for
   // prefix caching.
@@ -404,13 +435,14 @@ class Engine {
   Status rebalance_for(const std::vector<int64_t>& seq_lens);  // the live sequences' lengths to plan for
   Status move_head_caches(TierId to);
   Status write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes);
+  Status read_block(TierId tier, uint64_t offset, void* host, uint64_t bytes);
   TierTraffic& traffic(TierId tier) { return step_traffic_[static_cast<size_t>(tier.value())]; }
 
   std::shared_ptr<const Model> model_;
   std::shared_ptr<Backend> backend_;
   std::unique_ptr<KvStore> kv_;
   std::shared_ptr<void> device_region_;
-  std::shared_ptr<void> bounce_;  // host staging for writes into remote tiers
+  std::shared_ptr<void> bounce_;  // host staging for reads and writes of remote tiers
   TierId bounce_tier_;
   RopeParams rope_;
   RopeParams head_rope_;

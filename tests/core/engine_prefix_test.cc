@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <functional>
 #include <random>
 
 #include "core/kv_store.h"
@@ -185,6 +186,56 @@ TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
   ASSERT_TRUE(e.check_invariants().is_ok());
 }
 
+// Prefix offloading: a prefix exported to host memory and imported again, into the same engine
+// or another with its layers elsewhere, goes on exactly as a fork of the source does.
+TEST_P(ForkSequence, AnExportedPrefixImportedAgainGoesOnAsAForkOfTheSource) {
+  const Case c = GetParam();
+  Engine& e = *engine;
+  Engine& ref = *reference;
+  const std::vector<TokenId> source_tail = random_tokens(3, 2, vocab());
+  const std::vector<TokenId> tail = random_tokens(8, 3, vocab());
+  const int64_t prefix = 32;
+  auto source = e.add_sequence();
+  ASSERT_TRUE(source.is_ok());
+  (void)last_logits(e, *source, prompt);
+  for (TokenId t : source_tail) (void)last_logits(e, *source, std::span(&t, 1));
+  auto fork = e.fork_sequence(*source, prefix);
+  ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
+  auto snap = e.export_prefix(*source, prefix);
+  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  EXPECT_EQ(snap->tokens, prefix);
+  EXPECT_EQ(snap->kv.size(), 3u * (prefix / 8) * e.kv_store().page_bytes());
+  EXPECT_EQ(e.export_prefix(*source, 36).status().code(), StatusCode::kInvalidArgument) << "not a whole unit";
+  EXPECT_EQ(e.export_prefix(SeqId(99), 8).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(e.remove_sequence(*source).is_ok());
+  const int64_t pages_before = e.kv_store().used_pages();  // the fork's 4 shared pages
+  auto here = e.import_prefix(*snap);
+  ASSERT_TRUE(here.is_ok()) << here.status().to_string();
+  EXPECT_EQ(e.sequence_length(*here), prefix);
+  EXPECT_EQ(e.kv_store().used_pages(), pages_before + prefix / 8) << "pages of its own";
+  auto there = ref.import_prefix(*snap);  // all layers on the device
+  ASSERT_TRUE(there.is_ok()) << there.status().to_string();
+  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  auto same = [&](std::span<const TokenId> tokens, const std::string& what) {
+    const std::vector<float> want = last_logits(e, *fork, tokens);
+    ASSERT_FALSE(want.empty());
+    EXPECT_EQ(max_abs_diff(last_logits(e, *here, tokens), want), 0.0f) << what << ", imported here";
+    EXPECT_EQ(max_abs_diff(last_logits(ref, *there, tokens), want), 0.0f) << what << ", imported there";
+  };
+  same(std::span(prompt).subspan(prefix), "the rest of the prompt");
+  for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
+  if (c.method != SparseMethod::kDense) {
+    EXPECT_GT(e.sparse_stats().sparse_steps, 0);
+  }
+  // An imported sequence exports and forks like any other.
+  auto again = e.export_prefix(*here, prefix);
+  ASSERT_TRUE(again.is_ok());
+  EXPECT_TRUE(again->kv == snap->kv) << "the same pages";
+  auto fork_of_import = e.fork_sequence(*here, e.fork_granularity());
+  EXPECT_TRUE(fork_of_import.is_ok()) << fork_of_import.status().to_string();
+  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Methods, ForkSequence,
     ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
@@ -218,6 +269,101 @@ TEST(ForkSequence, RefusesPrefixesItCannotShare) {
   EXPECT_NE(off.status().message().find("prefix_sharing"), std::string::npos) << off.status().to_string();
   EXPECT_EQ((*e)->live_sequences(), 1);
   EXPECT_TRUE((*e)->check_invariants().is_ok());
+}
+
+TEST(ImportPrefix, RefusesASnapshotOfAnotherLayoutNamingTheField) {
+  auto model = testing::toy_model(2);
+  auto head = make_random_head(model->config, 9);
+  ASSERT_TRUE(head.is_ok());
+  auto e = Engine::create(model, testing::cpu_backend(), prefix_options(SparseMethod::kSpeContext, *head));
+  ASSERT_TRUE(e.is_ok());
+  auto seq = (*e)->add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  (void)last_logits(**e, *seq, random_tokens(20, 1, static_cast<int32_t>(model->config.vocab_size)));
+  auto snap = (*e)->export_prefix(*seq, 16);
+  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  const int64_t pages = (*e)->kv_store().used_pages();
+  const std::vector<std::pair<std::string, std::function<void(PrefixSnapshot&)>>> breaks{
+      {"page_size", [](PrefixSnapshot& s) { s.page_size = 16; }},
+      {"layers", [](PrefixSnapshot& s) { s.layers = 3; }},
+      {"kv_dtype", [](PrefixSnapshot& s) { s.kv_dtype = DType::kBF16; }},
+      {"method", [](PrefixSnapshot& s) { s.method = SparseMethod::kQuest; }},
+      {"tokens", [](PrefixSnapshot& s) { s.tokens = 12; }},
+      {"tokens", [](PrefixSnapshot& s) { s.tokens = 0; }},
+      {"kv", [](PrefixSnapshot& s) { s.kv.pop_back(); }},
+      {"head_keys", [](PrefixSnapshot& s) { s.head_keys.resize(3); }},
+      {"boundary_fused", [](PrefixSnapshot& s) { s.boundary_fused.pop_back(); }},
+      {"boundary_fused", [](PrefixSnapshot& s) { s.boundary_fused.back().clear(); }},
+  };
+  for (const auto& [field, spoil] : breaks) {
+    PrefixSnapshot bad = *snap;
+    spoil(bad);
+    auto r = (*e)->import_prefix(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(r.status().message().find("'" + field + "'"), std::string::npos) << r.status().to_string();
+    EXPECT_EQ((*e)->live_sequences(), 1) << field;
+    EXPECT_EQ((*e)->kv_store().used_pages(), pages) << field;
+  }
+  // A full engine refuses with kResourceExhausted and keeps nothing.
+  EngineOptions one = prefix_options(SparseMethod::kSpeContext, *head);
+  one.max_sequences = 1;
+  auto small = Engine::create(model, testing::cpu_backend(), one);
+  ASSERT_TRUE(small.is_ok());
+  ASSERT_TRUE((*small)->import_prefix(*snap).is_ok());
+  EXPECT_EQ((*small)->import_prefix(*snap).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ((*small)->live_sequences(), 1);
+  EXPECT_TRUE((*small)->check_invariants().is_ok());
+}
+
+// Out of a remote node and into one: the snapshot goes through the bounce buffer both ways.
+TEST(ImportPrefix, MovesAPrefixBetweenEnginesWhoseLayersLiveOnARemoteNode) {
+  for (SparseMethod method : {SparseMethod::kDense, SparseMethod::kQuest, SparseMethod::kSpeContext}) {
+    SCOPED_TRACE(std::string(sparse_method_name(method)));
+    auto model = testing::toy_model(3);
+    auto head = make_random_head(model->config, 9);
+    ASSERT_TRUE(head.is_ok());
+    std::vector<std::unique_ptr<Transport>> links;
+    auto remote_engine = [&](std::vector<TierId> homes) {
+      auto lb = transport::LoopbackRemoteTransport::create();
+      EXPECT_TRUE(lb.is_ok());
+      links.push_back(std::move(*lb));
+      EngineOptions o = prefix_options(method, *head);
+      o.tiering.remote.push_back(testing::remote_tier(8 << 20));
+      o.tiering.transport = links.back().get();
+      o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(*links.back());
+      auto made = Engine::create(model, testing::cpu_backend(), o);
+      EXPECT_TRUE(made.is_ok()) << made.status().to_string();
+      KvPlacement place = (*made)->placement();
+      place.layer_home = std::move(homes);
+      EXPECT_TRUE((*made)->apply_placement(place).is_ok());
+      return std::move(*made);
+    };
+    const TierId dev(0), node(1);
+    auto from = remote_engine({node, dev, node});
+    auto to = remote_engine({dev, node, node});
+    auto ref = Engine::create(model, testing::cpu_backend(), prefix_options(method, *head));
+    ASSERT_TRUE(ref.is_ok());
+    const std::vector<TokenId> prompt = random_tokens(40, 1, static_cast<int32_t>(model->config.vocab_size));
+    auto src = from->add_sequence();
+    ASSERT_TRUE(src.is_ok());
+    (void)last_logits(*from, *src, prompt);
+    auto snap = from->export_prefix(*src, 32);
+    ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+    auto imported = to->import_prefix(*snap);
+    ASSERT_TRUE(imported.is_ok()) << imported.status().to_string();
+    auto whole = (*ref)->add_sequence();
+    ASSERT_TRUE(whole.is_ok());
+    std::vector<float> got = last_logits(*to, *imported, std::span(prompt).subspan(32));
+    std::vector<float> want = last_logits(**ref, *whole, prompt);
+    ASSERT_FALSE(want.empty());
+    EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "the rest of the prompt";
+    for (TokenId t : random_tokens(6, 3, static_cast<int32_t>(model->config.vocab_size))) {
+      got = last_logits(*to, *imported, std::span(&t, 1));
+      want = last_logits(**ref, *whole, std::span(&t, 1));
+      EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "decode";
+    }
+    EXPECT_TRUE(to->check_invariants().is_ok()) << to->check_invariants().to_string();
+  }
 }
 
 }  // namespace

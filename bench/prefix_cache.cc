@@ -2,11 +2,13 @@
 // conversations of T turns each, every turn resending the whole history (a shared system prompt,
 // then each earlier turn's user tokens and the model's answer) plus new user tokens, as chat
 // clients and agent loops do. The same conversations run against a server with prefix caching
-// off and one with it on; per turn: time to first token (p50 over conversations); per mode:
+// off, one with it on, and one that also offloads evicted prefixes to host memory (which matters
+// when there are more conversations than sequence slots: --conversations 8 --max-batch 4); per turn: time to first token (p50 over conversations); per mode:
 // wall time, prompt tokens computed and taken from the cache. JSON (and --plot: PNG via
 // plot_prefix_cache.py).
 //
 //   build/cpu/bench/bench_prefix_cache --out bench_out/prefix_cache.json --plot  (synthetic llama-3.2-1b, 4 layers)
+//   build/cpu/bench/bench_prefix_cache --conversations 8 --max-batch 4 --out bench_out/prefix_offload.json --plot
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +22,7 @@
 #include "bench/lib/sse_client.h"
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
+#include "planner/units.h"
 
 using namespace specontext;
 using Clock = std::chrono::steady_clock;
@@ -52,8 +55,9 @@ struct ModeResult {
   double ttft_sum_s = 0;
 };
 
+// offload_bytes > 0: prefix caching on, evicted prefixes kept in that much host memory.
 Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded, const Shape& shape,
-                            bool caching) {
+                            bool caching, uint64_t offload_bytes) {
   args.prefix_caching = caching;
   const int64_t context =
       std::min<int64_t>(loaded.model->config.max_seq_len,
@@ -67,6 +71,7 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   so.max_waiting = 4096;
   so.scheduling.prefill_chunk = args.prefill_chunk;
   so.scheduling.prefix_caching = caching;
+  so.scheduling.prefix_offload_bytes = offload_bytes;
   SPX_ASSIGN_OR_RETURN(std::unique_ptr<cluster::OpenAiServer> server,
                        cluster::OpenAiServer::start(*bundle.engine, *loaded.tokenizer, so));
   const uint16_t port = server->port();
@@ -136,6 +141,9 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   server->stop();
   const cluster::ServerCounters counters = server->counters();
   out.json = {{"prefix_caching", caching},
+              {"prefix_offload_bytes", offload_bytes},
+              {"prefix_offloads", counters.prefix_offloads},
+              {"prefix_restores", counters.prefix_restores},
               {"wall_s", out.wall_s},
               {"failed", failed},
               {"prompt_tokens_computed", counters.prompt_tokens},
@@ -144,16 +152,20 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
               {"prefix_cache_evictions", counters.prefix_cache_evictions},
               {"max_batch_sequences", counters.max_batch_sequences},
               {"turns", turns}};
-  std::fprintf(stderr, "prefix caching %s: %.2f s, %lld prompt tokens computed, %lld cached, %lld failed\n",
-               caching ? "on " : "off", out.wall_s, static_cast<long long>(counters.prompt_tokens),
-               static_cast<long long>(counters.cached_prompt_tokens), static_cast<long long>(failed));
+  std::fprintf(stderr,
+               "prefix caching %s: %.2f s, %lld prompt tokens computed, %lld cached (%lld evictions, %lld "
+               "offloaded, %lld restored), %lld failed\n",
+               !caching ? "off" : offload_bytes > 0 ? "on + offload" : "on", out.wall_s,
+               static_cast<long long>(counters.prompt_tokens), static_cast<long long>(counters.cached_prompt_tokens),
+               static_cast<long long>(counters.prefix_cache_evictions), static_cast<long long>(counters.prefix_offloads),
+               static_cast<long long>(counters.prefix_restores), static_cast<long long>(failed));
   return out;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"prefix caching through the OpenAI-compatible server: multi-turn conversations, off vs on"};
+  CLI::App app{"prefix caching through the OpenAI-compatible server: multi-turn conversations, off vs on vs on with offload"};
   cli::EngineArgs args;
   args.admission = "preempt";
   bench::add_served_model_options(app, args);
@@ -166,6 +178,9 @@ int main(int argc, char** argv) {
   app.add_option("--user-len", shape.user_tokens, "new user tokens per turn");
   app.add_option("--max-tokens", shape.max_tokens, "answer tokens per turn");
   app.add_option("--max-batch", shape.max_batch, "server sequence slots");
+  std::string offload = "1GiB";
+  app.add_option("--offload", offload, "host memory for offloaded prefixes in the third mode (SIZE)")
+      ->capture_default_str();
   app.add_option("--out", out, "JSON output path");
   app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
   CLI11_PARSE(app, argc, argv);
@@ -175,10 +190,14 @@ int main(int argc, char** argv) {
   };
   auto loaded = bench::load_served_model(args);
   if (!loaded.is_ok()) return fail(loaded.status());
-  auto off = run_mode(args, *loaded, shape, false);
+  auto offload_bytes = planner::parse_size(offload);
+  if (!offload_bytes.is_ok() || *offload_bytes <= 0) return fail(invalid_argument("--offload: " + offload));
+  auto off = run_mode(args, *loaded, shape, false, 0);
   if (!off.is_ok()) return fail(off.status());
-  auto on = run_mode(args, *loaded, shape, true);
+  auto on = run_mode(args, *loaded, shape, true, 0);
   if (!on.is_ok()) return fail(on.status());
+  auto offloaded = run_mode(args, *loaded, shape, true, static_cast<uint64_t>(*offload_bytes));
+  if (!offloaded.is_ok()) return fail(offloaded.status());
   nlohmann::json doc = {
       {"model", bench::served_model_name(args)},
       {"layers", loaded->model->config.n_layers},
@@ -191,7 +210,9 @@ int main(int argc, char** argv) {
       {"threads", std::thread::hardware_concurrency()},
       {"wall_ratio_off_over_on", on->wall_s > 0 ? off->wall_s / on->wall_s : 0.0},
       {"ttft_ratio_off_over_on", on->ttft_sum_s > 0 ? off->ttft_sum_s / on->ttft_sum_s : 0.0},
-      {"modes", {off->json, on->json}}};
+      {"wall_ratio_on_over_offload", offloaded->wall_s > 0 ? on->wall_s / offloaded->wall_s : 0.0},
+      {"ttft_ratio_on_over_offload", offloaded->ttft_sum_s > 0 ? on->ttft_sum_s / offloaded->ttft_sum_s : 0.0},
+      {"modes", {off->json, on->json, offloaded->json}}};
   bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_prefix_cache.py");
   return 0;
 }

@@ -163,12 +163,9 @@ int run_generate(const GenerateArgs& a) {
     std::fprintf(stderr, "note: --synthetic weights are random: this measures speed, not quality\n");
   }
 
-  GeneratorOptions gopts;
-  gopts.prefill_chunk = a.engine.prefill_chunk;
-  gopts.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
-  gopts.prefix_caching = a.engine.prefix_caching;
-  gopts.recompute_lost_tiers = a.engine.lost_tier == "recompute";
-  Generator gen(*engine, gopts);
+  auto gopts = scheduling_options(a.engine);
+  if (!gopts.is_ok()) return fail(gopts.status());
+  Generator gen(*engine, *gopts);
   std::string text;
   TokenId prev = prompt_ids.back();
   const bool stream = tok && !a.json && a.batch == 1;

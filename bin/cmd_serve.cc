@@ -97,11 +97,10 @@ int run_serve(const ServeArgs& a) {
   o.max_waiting = static_cast<size_t>(a.max_waiting);
   o.api_keys = a.api_keys;
   o.max_connections = static_cast<size_t>(a.max_connections);
-  o.scheduling.prefill_chunk = a.engine.prefill_chunk;
+  auto scheduling = scheduling_options(a.engine);
+  if (!scheduling.is_ok()) return fail(scheduling.status());
+  o.scheduling = *scheduling;
   o.scheduling.max_batch_tokens = a.max_batch_tokens;
-  o.scheduling.admission = a.engine.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
-  o.scheduling.prefix_caching = a.engine.prefix_caching;
-  o.scheduling.recompute_lost_tiers = a.engine.lost_tier == "recompute";
 
   // Block the stop signals before the server's threads start, so that they inherit the mask and
   // only sigwait below sees them.
@@ -123,6 +122,7 @@ int run_serve(const ServeArgs& a) {
                               {"chat", o.chat_template != ChatTemplate::kNone},
                               {"admission", a.engine.admission},
                               {"prefix_caching", a.engine.prefix_caching},
+                              {"prefix_offload_bytes", o.scheduling.prefix_offload_bytes},
                               {"api_key_required", !o.api_keys.empty()},
                               {"max_connections", a.max_connections}}
                    .dump()
@@ -147,7 +147,9 @@ int run_serve(const ServeArgs& a) {
                               {"lost_tiers", c.lost_tiers},
                               {"lost_tier_recomputes", c.lost_tier_requeues},
                               {"cached_prompt_tokens", c.cached_prompt_tokens},
-                              {"prefix_cache_evictions", c.prefix_cache_evictions}}
+                              {"prefix_cache_evictions", c.prefix_cache_evictions},
+                              {"prefix_offloads", c.prefix_offloads},
+                              {"prefix_restores", c.prefix_restores}}
                    .dump()
             << std::endl;
   return 0;

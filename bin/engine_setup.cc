@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "core/model_loader.h"
+#include "planner/units.h"
 #include "core/retrieval_head.h"
 #include "core/synthetic.h"
 #include "cpu/cpu_backend.h"
@@ -53,6 +54,11 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                "start each request from the longest cached prefix of its prompt (running or finished "
                "requests' KV, in whole pages; finished ones stay cached until memory is wanted)")
       ->capture_default_str();
+  cmd.add_option("--prefix-offload", a.prefix_offload,
+                 "host memory (SIZE, e.g. 4GiB) that keeps cached prefixes evicted for room, KV of every layer; "
+                 "a request whose prompt starts with one has it written back instead of recomputed (0: off; "
+                 "needs prefix caching)")
+      ->capture_default_str();
   cmd.add_option("--lost-tier", a.lost_tier,
                  "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "
                  "every request without it, or fail the requests of that step")
@@ -73,6 +79,20 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
   cmd.add_option("--backend", a.backend, "cpu, or cuda (falls back to cpu when no CUDA device is present)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   add_tier_options(cmd, a.tiers);
+}
+
+Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
+  GeneratorOptions g;
+  g.prefill_chunk = a.prefill_chunk;
+  g.admission = a.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
+  g.prefix_caching = a.prefix_caching;
+  g.recompute_lost_tiers = a.lost_tier == "recompute";
+  auto offload = planner::parse_size(a.prefix_offload);
+  if (!offload.is_ok()) return offload.status().with_context("--prefix-offload");
+  if (*offload < 0) return invalid_argument("--prefix-offload must not be negative");
+  if (*offload > 0 && !a.prefix_caching) return invalid_argument("--prefix-offload needs --prefix-caching");
+  g.prefix_offload_bytes = static_cast<uint64_t>(*offload);
+  return g;
 }
 
 Result<LoadedModel> load_model_and_tokenizer(const EngineArgs& args) {

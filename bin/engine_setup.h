@@ -10,6 +10,7 @@
 #include "bin/tier_setup.h"
 #include "core/engine.h"
 #include "core/model.h"
+#include "core/scheduler.h"
 #include "core/status.h"
 #include "core/tokenizer.h"
 
@@ -33,6 +34,7 @@ struct EngineArgs {
   int64_t prefill_chunk = 256;
   std::string admission = "reserve";  // "reserve" or "preempt" (AdmissionPolicy); serve: preempt
   bool prefix_caching = false;        // --prefix-caching (GeneratorOptions::prefix_caching); serve: on
+  std::string prefix_offload = "0";   // --prefix-offload SIZE (GeneratorOptions::prefix_offload_bytes)
   std::string lost_tier = "recompute";  // "recompute" or "fail" (GeneratorOptions::recompute_lost_tiers)
   int64_t max_context = 0;
   int threads = 0;
@@ -48,6 +50,10 @@ struct EngineArgs {
 };
 // --model/--synthetic, --tokenizer, the sparse, backend, KV and tier options.
 void add_engine_options(CLI::App& cmd, EngineArgs& args);
+
+// The scheduler's options from --prefill-chunk, --admission, --prefix-caching, --prefix-offload
+// and --lost-tier; kInvalidArgument naming the flag when they do not go together.
+Result<GeneratorOptions> scheduling_options(const EngineArgs& args);
 
 struct LoadedModel {
   std::shared_ptr<Model> model;

@@ -171,7 +171,8 @@ struct OpenAiServer::Impl {
   std::atomic<int64_t> open_connections{0}, connections_refused{0};  // written by the Asio thread
   std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
       preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0},
-      lost_tiers{0}, lost_tier_requeues{0};
+      lost_tiers{0}, lost_tier_requeues{0}, prefix_offloads{0}, prefix_restores{0}, offloaded_prefixes{0},
+      offloaded_bytes{0};
 
   std::thread io_thread;
   std::thread engine_thread;
@@ -259,6 +260,10 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   cached_prompt_tokens = st.cached_prompt_tokens;
   prefix_cache_evictions = st.prefix_cache_evictions;
   cached_sequences = static_cast<int64_t>(scheduler.cached_sequences());
+  prefix_offloads = st.prefix_offloads;
+  prefix_restores = st.prefix_restores;
+  offloaded_prefixes = static_cast<int64_t>(scheduler.offloaded_prefixes());
+  offloaded_bytes = static_cast<int64_t>(scheduler.offloaded_bytes());
   kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
@@ -1290,6 +1295,12 @@ std::string OpenAiServer::Impl::metrics_text() const {
          prefix_cache_evictions);
   metric("specontext_prefix_cache_sequences", "gauge", "finished requests' sequences kept for prefix caching",
          cached_sequences);
+  metric("specontext_prefix_offloads_total", "counter", "evicted cached prefixes kept in host memory",
+         prefix_offloads);
+  metric("specontext_prefix_restores_total", "counter", "offloaded prefixes written back into the KV cache",
+         prefix_restores);
+  metric("specontext_prefix_offload_sequences", "gauge", "prefixes held in host memory", offloaded_prefixes);
+  metric("specontext_prefix_offload_bytes", "gauge", "host memory the offloaded prefixes hold", offloaded_bytes);
   metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
   return out;
 }
@@ -1391,6 +1402,10 @@ ServerCounters OpenAiServer::counters() const {
   c.cached_prompt_tokens = s.cached_prompt_tokens;
   c.prefix_cache_evictions = s.prefix_cache_evictions;
   c.cached_sequences = s.cached_sequences;
+  c.prefix_offloads = s.prefix_offloads;
+  c.prefix_restores = s.prefix_restores;
+  c.offloaded_prefixes = s.offloaded_prefixes;
+  c.offloaded_bytes = s.offloaded_bytes;
   c.kv_bytes_in_use = s.kv_bytes;
   return c;
 }

@@ -68,6 +68,12 @@ struct ServerCounters {
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache
   int64_t prefix_cache_evictions = 0;  // cached sequences dropped for room
   int64_t cached_sequences = 0;        // finished requests' sequences held for prefix caching (now)
+  // The prefix cache's offload store (GeneratorOptions::prefix_offload_bytes): evicted prefixes
+  // kept in host memory, written back for a request, and held now.
+  int64_t prefix_offloads = 0;
+  int64_t prefix_restores = 0;
+  int64_t offloaded_prefixes = 0;
+  int64_t offloaded_bytes = 0;
   int64_t kv_bytes_in_use = 0;
   // Connections: refused past max_connections (answered 503 and closed), and open now.
   int64_t connections_refused = 0;

@@ -9,7 +9,7 @@ namespace specontext {
 
 Scheduler::~Scheduler() {
   for (Entry& e : running_) release(e);
-  while (evict_cached()) {
+  while (evict_cached(SeqId(), /*offload=*/false)) {
   }
 }
 
@@ -94,14 +94,80 @@ void Scheduler::cache_or_release(Entry& e) {
   e.seq = SeqId();
 }
 
-bool Scheduler::evict_cached(SeqId keep) {
+bool Scheduler::evict_cached(SeqId keep, bool offload_it) {
   for (auto it = cached_.begin(); it != cached_.end(); ++it) {
     // `keep` goes last, and only when nothing is running (else waiting lets that finish).
     if (it->seq == keep && (cached_.size() > 1 || !running_.empty())) continue;
+    if (offload_it) offload(*it);
     (void)engine_.remove_sequence(it->seq);
     cached_.erase(it);
     ++stats_.prefix_cache_evictions;
     return true;
+  }
+  return false;
+}
+
+void Scheduler::offload(const CachedSequence& c) {
+  if (options_.prefix_offload_bytes == 0) return;
+  const int64_t unit = engine_.fork_granularity();
+  const int64_t whole = static_cast<int64_t>(c.tokens.size()) / unit * unit;
+  if (whole == 0) return;
+  const std::span<const TokenId> tokens(c.tokens.data(), static_cast<size_t>(whole));
+  auto starts = [](std::span<const TokenId> longer, std::span<const TokenId> shorter) {
+    return shorter.size() <= longer.size() && std::equal(shorter.begin(), shorter.end(), longer.begin());
+  };
+  for (auto it = offloaded_.begin(); it != offloaded_.end();) {
+    if (starts(it->tokens, tokens)) {
+      // An offloaded prefix holds these tokens already: it becomes the most recently used.
+      OffloadedPrefix kept = std::move(*it);
+      offloaded_.erase(it);
+      offloaded_.push_back(std::move(kept));
+      return;
+    }
+    if (starts(tokens, it->tokens)) {  // extended by this one
+      offloaded_bytes_ -= it->snapshot.bytes();
+      it = offloaded_.erase(it);
+      ++stats_.prefix_offload_drops;
+    } else {
+      ++it;
+    }
+  }
+  auto snapshot = engine_.export_prefix(c.seq, whole);
+  if (!snapshot.is_ok() || snapshot->bytes() > options_.prefix_offload_bytes) return;
+  while (offloaded_bytes_ + snapshot->bytes() > options_.prefix_offload_bytes) {
+    offloaded_bytes_ -= offloaded_.front().snapshot.bytes();
+    offloaded_.pop_front();
+    ++stats_.prefix_offload_drops;
+  }
+  offloaded_bytes_ += snapshot->bytes();
+  offloaded_.push_back({std::vector<TokenId>(tokens.begin(), tokens.end()), std::move(*snapshot)});
+  ++stats_.prefix_offloads;
+  stats_.prefix_offload_peak_bytes =
+      std::max(stats_.prefix_offload_peak_bytes, static_cast<int64_t>(offloaded_bytes_));
+}
+
+bool Scheduler::restore_offloaded(size_t index) {
+  // Out of the store while cached sequences are evicted (and offloaded) for its room.
+  OffloadedPrefix p = std::move(offloaded_[index]);
+  offloaded_.erase(offloaded_.begin() + static_cast<std::ptrdiff_t>(index));
+  offloaded_bytes_ -= p.snapshot.bytes();
+  while (true) {
+    auto seq = engine_.import_prefix(p.snapshot);
+    if (seq.is_ok()) {
+      (void)engine_.release_working_sets(*seq);  // it waits, as a cached sequence does
+      cached_.push_back({*seq, std::move(p.tokens)});
+      ++stats_.prefix_restores;
+      return true;
+    }
+    if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached()) continue;
+    break;
+  }
+  offloaded_bytes_ += p.snapshot.bytes();
+  offloaded_.push_back(std::move(p));
+  while (offloaded_bytes_ > options_.prefix_offload_bytes && offloaded_.size() > 1) {
+    offloaded_bytes_ -= offloaded_.front().snapshot.bytes();
+    offloaded_.pop_front();
+    ++stats_.prefix_offload_drops;
   }
   return false;
 }
@@ -154,6 +220,13 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
     if (m > best.tokens) best.tokens = m, best.seq = cached_[c].seq, best.from_cache = c;
   }
   best.pending = std::max(best.pending, best.tokens);
+  int64_t offloaded_best = best.pending;
+  for (size_t o = 0; o < offloaded_.size(); ++o) {
+    const std::vector<TokenId>& tokens = offloaded_[o].tokens;
+    const int64_t m = usable(static_cast<int64_t>(tokens.size()),
+                             [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
+    if (m > offloaded_best) offloaded_best = m, best.from_offload = o;
+  }
   if (best.from_cache) {
     const int64_t whole = static_cast<int64_t>(cached_[*best.from_cache].tokens.size()) / unit * unit;
     best.supersedes = best.tokens == whole;
@@ -200,6 +273,9 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
 
 Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
   Status first_error;
+  // The request an offloaded prefix was restored for in this call: restored once, so that one
+  // evicted again for the request's room (and offloaded) is not restored again in a loop.
+  RequestId restored_for;
   while (!waiting_.empty()) {
     // The engine's slots beyond running_slots() hold waiting sequences only (the prefix cache).
     if (static_cast<int64_t>(running_.size()) >= engine_.running_slots()) break;
@@ -213,7 +289,17 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     const bool others = engine_.live_sequences() > 0;
     // A running request is still computing more of this prompt than any cache holds (the n
     // choices of one request, the same prompt sent twice at once): wait for it, then fork.
-    const PrefixSource source = forks(e) ? find_prefix(e) : PrefixSource{};
+    PrefixSource source = forks(e) ? find_prefix(e) : PrefixSource{};
+    // An offloaded prefix longer than any the cache has or will have: back into the cache, then
+    // look again (it is found there). Failing, it may have evicted the source found.
+    if (source.from_offload && restored_for != e.id && restore_offloaded(*source.from_offload)) {
+      restored_for = e.id;
+      continue;
+    }
+    if (source.from_offload) {
+      source = find_prefix(e);
+      source.from_offload.reset();
+    }
     if (source.pending > source.tokens) {
       ++stats_.prefix_waits;
       break;
@@ -361,7 +447,7 @@ bool Scheduler::recover_lost_tiers(const std::vector<Entry*>& in_batch) {
     requeue(std::move(e));
     ++stats_.lost_tier_requeues;
   }
-  while (evict_cached()) {
+  while (evict_cached(SeqId(), /*offload=*/false)) {  // their KV is partly gone; offloaded prefixes stay
   }
   for (TierId t : lost) {
     if (!engine_.abandon_tier(t).is_ok()) return false;  // sequences the scheduler does not own

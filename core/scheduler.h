@@ -71,6 +71,10 @@ struct GenerationStats {
   int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache, not computed
   int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
+  int64_t prefix_offloads = 0;         // of those, kept in host memory (prefix_offload_bytes)
+  int64_t prefix_restores = 0;         // offloaded prefixes written back into the cache for a request
+  int64_t prefix_offload_drops = 0;    // offloaded prefixes dropped for room in the store
+  int64_t prefix_offload_peak_bytes = 0;
   int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
   int64_t lost_tiers = 0;    // remote tiers lost mid-run and abandoned (recompute_lost_tiers)
   int64_t lost_tier_requeues = 0;  // running requests sent back to be recomputed after such a loss
@@ -103,6 +107,14 @@ struct GeneratorOptions {
   // that one computes: a prompt sent n times at once is computed once. Under SpeContext the
   // engine needs prefix_sharing on.
   bool prefix_caching = false;
+  // Offloading the prefix cache (vLLM's KV offloading to CPU memory): a cached sequence evicted
+  // for room is first copied, whole fork units of it, into up to this many bytes of host memory
+  // (Engine::export_prefix), least recently used out first; one holding a longer prefix of a
+  // request's prompt than any cached or running sequence is written back into the cache
+  // (Engine::import_prefix) instead of being recomputed. An offloaded prefix another one extends
+  // is dropped. Offloaded prefixes are host memory apart from the KV tiers, so they outlive a
+  // lost tier. 0: evicted sequences are dropped.
+  uint64_t prefix_offload_bytes = 0;
   // When a forward fails because a remote tier is gone for good (Engine::lost_tiers: every
   // replica of a KV node tier died), the engine abandons the tier and every request is
   // recomputed from its prompt and the tokens it produced, as a preempted one is (its random
@@ -157,6 +169,8 @@ class Scheduler {
   size_t waiting() const { return waiting_.size(); }
   size_t running() const { return running_.size(); }
   size_t cached_sequences() const { return cached_.size(); }
+  size_t offloaded_prefixes() const { return offloaded_.size(); }
+  uint64_t offloaded_bytes() const { return offloaded_bytes_; }
   const GenerationStats& stats() const { return stats_; }
   Engine& engine() { return engine_; }
 
@@ -187,6 +201,11 @@ class Scheduler {
     SeqId seq;
     std::vector<TokenId> tokens;
   };
+  // An evicted cached sequence's whole fork units, in host memory.
+  struct OffloadedPrefix {
+    std::vector<TokenId> tokens;  // snapshot.tokens of them
+    PrefixSnapshot snapshot;
+  };
 
   // Moves waiting requests to running while they fit; refused ones get their finished event.
   Status admit(std::vector<SchedulerEvent>& events);
@@ -210,6 +229,7 @@ class Scheduler {
     std::optional<size_t> from_cache;  // index in cached_, when seq is a cached one
     bool supersedes = false;           // a cached seq whose every whole page the request takes
     int64_t pending = 0;               // usable once running requests have prefilled their prompts
+    std::optional<size_t> from_offload;  // index in offloaded_ of a longer prefix than `pending`
   };
   // A sequence for e holding `source`'s prefix (a cached one taken over, or a fork), or an empty
   // one (add_sequence) when there is none to use.
@@ -217,8 +237,12 @@ class Scheduler {
   bool forks(const Entry& e) const;  // prefix caching applies to e
   PrefixSource find_prefix(const Entry& e) const;
   // Drops the least recently used cached sequence other than `keep` (that one only when it is the
-  // last and nothing runs); false when none.
-  bool evict_cached(SeqId keep = SeqId());
+  // last and nothing runs), offloading it first when prefix_offload_bytes allows; false when none.
+  bool evict_cached(SeqId keep = SeqId(), bool offload = true);
+  void offload(const CachedSequence& c);
+  // Writes offloaded_[index] back as the most recently used cached sequence, evicting others for
+  // room; false (the prefix stays offloaded) when it cannot.
+  bool restore_offloaded(size_t index);
   void release(Entry& e);
   void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
@@ -239,6 +263,8 @@ class Scheduler {
   std::deque<Entry> waiting_;
   std::deque<Entry> running_;  // in admission order: the batch order
   std::deque<CachedSequence> cached_;  // least recently used first
+  std::deque<OffloadedPrefix> offloaded_;  // least recently used first
+  uint64_t offloaded_bytes_ = 0;
 };
 
 }  // namespace specontext

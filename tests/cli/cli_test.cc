@@ -74,6 +74,19 @@ TEST(Cli, PrefixCachingComputesABatchesSharedPromptOnce) {
   EXPECT_EQ(texts[1], texts[0]);
 }
 
+// --prefix-offload: a size, and only with prefix caching; refused before anything runs.
+TEST(Cli, PrefixOffloadNeedsPrefixCachingAndASize) {
+  const std::string model = "generate --model " + repo_path("models/stories260K/stories260K.bin") + " -n 4";
+  const CliRun ok = run_cli(model + " --prefix-caching --prefix-offload 1MiB --json", false);
+  EXPECT_EQ(ok.exit_code, 0) << ok.out;
+  const CliRun alone = run_cli(model + " --no-prefix-caching --prefix-offload 1MiB");
+  EXPECT_NE(alone.exit_code, 0);
+  EXPECT_NE(alone.out.find("--prefix-offload needs --prefix-caching"), std::string::npos) << alone.out;
+  const CliRun bad = run_cli(model + " --prefix-caching --prefix-offload lots");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--prefix-offload"), std::string::npos) << bad.out;
+}
+
 TEST(Cli, HalfPrecisionKvHalvesTheCacheAndKeepsTheGreedyText) {
   for (const char* dtype : {"bf16", "f16"}) {
     const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +

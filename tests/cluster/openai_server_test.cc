@@ -1610,6 +1610,36 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
   EXPECT_EQ(after.j()["choices"][0]["text"], generator_text(next, 10));
 }
 
+// One sequence slot: another conversation evicts the first's cache, which --prefix-offload keeps
+// in host memory; the first's next turn gets it back and is answered as without any eviction.
+TEST(OpenAiServer, AnOffloadedPrefixAnswersTheNextTurnAfterEviction) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.scheduling.prefix_caching = true;
+  o.scheduling.prefix_offload_bytes = uint64_t{16} << 20;
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
+  ASSERT_EQ(first.status, 200) << first.body;
+  Reply other = post(port, "/v1/completions", {{"prompt", "The little dog"}, {"max_tokens", 30}, {"temperature", 0}});
+  ASSERT_EQ(other.status, 200) << other.body;
+  EXPECT_EQ((*server)->counters().prefix_offloads, 1) << "the first turn's cache gave way to the other";
+  EXPECT_EQ((*server)->counters().offloaded_prefixes, 1);
+  const std::string turn = kPrompt + first.j()["choices"][0]["text"].get<std::string>() + " Then";
+  Reply second = post(port, "/v1/completions", {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
+  ASSERT_EQ(second.status, 200) << second.body;
+  EXPECT_EQ(second.j()["choices"][0]["text"], generator_text(turn, 20));
+  const int64_t cached = second.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+  EXPECT_GE(cached, 32) << "most of the first turn's tokens, in pages of 16";
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.prefix_restores, 1);
+  EXPECT_EQ(c.prefix_offloads, 2) << "the other conversation's cache went to host memory in turn";
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_prefix_restores_total 1"), std::string::npos) << metrics.body;
+  EXPECT_NE(metrics.body.find("specontext_prefix_offload_sequences 1"), std::string::npos) << metrics.body;
+}
+
 TEST(OpenAiServer, ApiKeysGuardEveryV1RouteAndLeaveHealthAndMetricsOpen) {
   Fixture f = make_fixture(1);
   ServerOptions o = options_for(*f.tokenizer);

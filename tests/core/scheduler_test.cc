@@ -695,6 +695,154 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
   }
 }
 
+// Offloading the prefix cache: a conversation's cached sequence evicted for another request's
+// memory goes to host memory, and its next turn writes it back instead of computing it again.
+TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(m.is_ok());
+  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kPreempt}) {
+    for (uint64_t budget : {uint64_t{64} << 20, uint64_t{100} << 10, uint64_t{0}}) {
+      SCOPED_TRACE(std::string(policy == AdmissionPolicy::kReserve ? "reserve" : "preempt") + ", budget " +
+                   std::to_string(budget));
+      // Memory: 20 pages. A reaches 5 of them, B 16: B evicts A. A's next turn (6 pages) fits
+      // beside A's restored 4 whole pages once B is evicted in turn.
+      EngineOptions eo;
+      eo.max_sequences = 2;
+      eo.kv_pages = 20;
+      auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+      ASSERT_TRUE(engine.is_ok());
+      GeneratorOptions go;
+      go.prefix_caching = true;
+      go.admission = policy;
+      go.prefix_offload_bytes = budget;
+      Scheduler s(**engine, go);
+      const GenerationRequest a = request(story_prompt(40), 30);
+      const GenerationRequest b = request({1, 426}, 250);
+      Collected got;
+      for (const GenerationRequest& r : {a, b}) {
+        ASSERT_TRUE(s.submit(r).is_ok());
+        run_to_idle(s, got);
+      }
+      EXPECT_EQ(s.stats().prefix_cache_evictions, 1);
+      const uint64_t page = (*engine)->kv_store().page_bytes() * 5;  // one page of every layer
+      const bool kept_a = budget >= 4 * page, kept_b = budget >= 15 * page;
+      EXPECT_EQ(s.stats().prefix_offloads, kept_a ? 1 : 0);
+      EXPECT_EQ(s.offloaded_bytes(), kept_a ? 4 * page : 0);
+      GenerationRequest next = a;
+      next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+      next.prompt.insert(next.prompt.end(), {403, 407});
+      next.max_new_tokens = 20;
+      ASSERT_TRUE(s.submit(next).is_ok());
+      run_to_idle(s, got);
+      EXPECT_EQ(got.finish[3], FinishReason::kLength);
+      EXPECT_EQ(got.tokens[3], alone(next));
+      EXPECT_EQ(got.cached[3], kept_a ? 64 : 0) << "A's cache held 69 tokens: 4 whole pages";
+      EXPECT_EQ(s.stats().prefix_restores, kept_a ? 1 : 0);
+      EXPECT_EQ(s.stats().prefix_cache_evictions, 2) << "B gave way to the next turn";
+      EXPECT_EQ(s.stats().prefix_offloads, (kept_a ? 1 : 0) + (kept_b ? 1 : 0));
+      EXPECT_EQ(s.offloaded_prefixes(), kept_b ? 1u : 0u) << "A left the store";
+      EXPECT_EQ(s.offloaded_bytes(), kept_b ? 15 * page : 0);
+      EXPECT_TRUE((*engine)->check_invariants().is_ok());
+    }
+  }
+}
+
+// A full store drops its least recently used prefix first.
+TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(m.is_ok());
+  EngineOptions eo;
+  eo.max_sequences = 2;
+  eo.max_running = 1;  // one slot for a cached sequence
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  ASSERT_TRUE(engine.is_ok());
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  const uint64_t page = (*engine)->kv_store().page_bytes() * 5;  // one page of every layer
+  go.prefix_offload_bytes = 10 * page;                         // two prefixes of 4 pages
+  Scheduler s(**engine, go);
+  // Four unrelated conversations of 4 whole pages each (65 tokens cached): from the third on,
+  // each evicts the least recently used cached one into the store.
+  std::vector<GenerationRequest> reqs;
+  Collected got;
+  for (TokenId first : {403, 426, 432, 298}) {
+    reqs.push_back(request({1, first, 261}, 63));
+    ASSERT_TRUE(s.submit(reqs.back()).is_ok());
+    run_to_idle(s, got);
+  }
+  EXPECT_EQ(s.stats().prefix_offloads, 2);
+  EXPECT_EQ(s.offloaded_bytes(), 8 * page);
+  // The first conversation's next turn: out of the store (the third's cache is evicted into it
+  // for the slot), taken over and computed on from 64 tokens.
+  GenerationRequest next = reqs[0];
+  next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+  next.prompt.push_back(407);
+  next.max_new_tokens = 10;
+  ASSERT_TRUE(s.submit(next).is_ok());
+  run_to_idle(s, got);
+  EXPECT_EQ(got.cached[5], 64);
+  EXPECT_EQ(got.tokens[5], alone(next));
+  EXPECT_EQ(s.stats().prefix_restores, 1);
+  EXPECT_EQ(s.stats().prefix_offloads, 3);
+  EXPECT_EQ(s.stats().prefix_offload_drops, 0);
+  // The fourth's cache goes too, and the store drops the second conversation (the oldest) for it.
+  ASSERT_TRUE(s.submit(request({1, 378}, 10)).is_ok());
+  run_to_idle(s, got);
+  EXPECT_EQ(s.stats().prefix_offloads, 4);
+  EXPECT_EQ(s.stats().prefix_offload_drops, 1);
+  EXPECT_EQ(s.offloaded_prefixes(), 2u);
+  EXPECT_EQ(s.offloaded_bytes(), 8 * page);
+  EXPECT_EQ(s.stats().prefix_offload_peak_bytes, static_cast<int64_t>(8 * page));
+  // The third conversation's next turn is restored; the second's, dropped, is computed again.
+  for (size_t c : {size_t{2}, size_t{1}}) {
+    GenerationRequest turn = reqs[c];
+    turn.prompt.insert(turn.prompt.end(), got.tokens[static_cast<int64_t>(c + 1)].begin(),
+                       got.tokens[static_cast<int64_t>(c + 1)].end());
+    turn.max_new_tokens = 5;
+    auto id = s.submit(turn);
+    ASSERT_TRUE(id.is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.cached[id->value()], c == 1 ? 0 : 64) << c;
+    EXPECT_EQ(got.tokens[id->value()], alone(turn)) << c;
+  }
+  EXPECT_TRUE((*engine)->check_invariants().is_ok());
+}
+
+// The store holds one copy of a prefix: one that another extends is dropped for it, and one that
+// a stored prefix extends is not stored again. (Requests with prompt_logprobs compute their whole
+// prompt, so the same tokens can be cached twice.)
+TEST(Scheduler, TheOffloadStoreKeepsTheLongerOfTwoPrefixesOfTheSameTokens) {
+  auto engine = make_engine(2);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefix_offload_bytes = uint64_t{64} << 20;
+  Scheduler s(*engine, go);
+  GenerationRequest shorter = request(story_prompt(40), 30);  // 69 tokens cached: 64 whole
+  shorter.prompt_logprobs = 0;
+  GenerationRequest longer = shorter;  // greedy: the same 29 tokens first, 96 whole in the end
+  longer.max_new_tokens = 60;
+  Collected got;
+  // Unrelated requests of one whole page each evict them, the shorter first.
+  for (const GenerationRequest& r : {shorter, longer, request({1, 426}, 20), request({1, 432}, 20)}) {
+    ASSERT_TRUE(s.submit(r).is_ok());
+    run_to_idle(s, got);
+  }
+  ASSERT_EQ(std::vector<TokenId>(got.tokens[2].begin(), got.tokens[2].begin() + 30), got.tokens[1]);
+  EXPECT_EQ(s.stats().prefix_offloads, 2);
+  EXPECT_EQ(s.stats().prefix_offload_drops, 1) << "the longer one's 96 tokens replaced the 64";
+  EXPECT_EQ(s.offloaded_prefixes(), 1u);
+  const uint64_t held = s.offloaded_bytes();
+  // The same 64 tokens cached again and evicted: the store has them already.
+  for (const GenerationRequest& r : {shorter, request({1, 298}, 20), request({1, 378}, 20)}) {
+    ASSERT_TRUE(s.submit(r).is_ok());
+    run_to_idle(s, got);
+  }
+  EXPECT_EQ(s.stats().prefix_offloads, 2 + 2) << "the two short unrelated ones only";
+  EXPECT_EQ(s.offloaded_prefixes(), 3u);
+  EXPECT_GT(s.offloaded_bytes(), held);
+  EXPECT_TRUE(engine->check_invariants().is_ok());
+}
+
 // Prefix caching under load: shared system prompts, conversations that continue finished ones,
 // sampled and greedy requests, cancels, a pool too small for everyone (preemption, eviction) and
 // slots for cached sequences; the KV invariants after every step, and every request that ends
@@ -711,16 +859,18 @@ std::shared_ptr<Backend> reference_backend() {
   return std::shared_ptr<Backend>(std::move(*b));
 }
 
-class PrefixCachingUnderLoad : public ::testing::TestWithParam<SparseMethod> {};
+// Param: the method, and whether evicted prefixes are offloaded (and restored).
+class PrefixCachingUnderLoad : public ::testing::TestWithParam<std::tuple<SparseMethod, bool>> {};
 
 TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   auto loaded = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   ASSERT_TRUE(loaded.is_ok());
   std::shared_ptr<const Model> model = *loaded;
   EngineOptions eo;
-  eo.sparse.method = GetParam();
+  const auto [method, offload] = GetParam();
+  eo.sparse.method = method;
   eo.sparse.selection = {32, 1, 4};  // sparse decode past 32 tokens
-  if (GetParam() == SparseMethod::kSpeContext) {
+  if (method == SparseMethod::kSpeContext) {
     auto head =
         load_eagle3_head(testing::repo_path("models/stories260K/retrieval_head.safetensors"), model->config);
     ASSERT_TRUE(head.is_ok()) << head.status().to_string();
@@ -749,6 +899,7 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   go.prefix_caching = true;
   go.admission = AdmissionPolicy::kPreempt;
   go.prefill_chunk = 24;
+  go.prefix_offload_bytes = offload ? uint64_t{256} << 10 : 0;  // about 12 pages of every layer
   Scheduler s(**engine, go);
 
   std::mt19937 rng(11);
@@ -763,7 +914,7 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
     for (TokenId t : random_ids(n)) p.push_back(t);
     systems.push_back(std::move(p));
   }
-  const bool multi_turn = GetParam() == SparseMethod::kDense;
+  const bool multi_turn = method == SparseMethod::kDense;
   std::map<int64_t, GenerationRequest> submitted;
   std::set<int64_t> cancelled;
   Collected got;
@@ -819,17 +970,27 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   EXPECT_GE(checked, kRequests / 2);
   EXPECT_GT(s.stats().cached_prompt_tokens, 0);
   EXPECT_GT(s.stats().prefix_cache_evictions + s.stats().preemptions, 0) << "the pool was tight";
-  std::fprintf(
-      stderr, "cached %lld prompt tokens, computed %lld; %lld preemptions, %lld evictions, %lld waits\n",
-      static_cast<long long>(s.stats().cached_prompt_tokens), static_cast<long long>(s.stats().prompt_tokens),
-      static_cast<long long>(s.stats().preemptions), static_cast<long long>(s.stats().prefix_cache_evictions),
-      static_cast<long long>(s.stats().prefix_waits));
+  if (offload) {
+    EXPECT_GT(s.stats().prefix_restores, 0);
+    EXPECT_LE(s.offloaded_bytes(), go.prefix_offload_bytes);
+  }
+  std::fprintf(stderr,
+               "cached %lld prompt tokens, computed %lld; %lld preemptions, %lld evictions, %lld waits; "
+               "%lld offloaded, %lld restored, %lld dropped\n",
+               static_cast<long long>(s.stats().cached_prompt_tokens), static_cast<long long>(s.stats().prompt_tokens),
+               static_cast<long long>(s.stats().preemptions), static_cast<long long>(s.stats().prefix_cache_evictions),
+               static_cast<long long>(s.stats().prefix_waits), static_cast<long long>(s.stats().prefix_offloads),
+               static_cast<long long>(s.stats().prefix_restores), static_cast<long long>(s.stats().prefix_offload_drops));
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, PrefixCachingUnderLoad,
-                         ::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext,
-                                           SparseMethod::kQuest),
-                         [](const auto& info) { return std::string(sparse_method_name(info.param)); });
+                         ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext,
+                                                              SparseMethod::kQuest),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(sparse_method_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_offload" : "");
+                         });
 
 }  // namespace
 }  // namespace specontext

@@ -405,7 +405,7 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
            rt->healer ? rt->healer->events() : std::vector<cluster::HealerEvent>{}) {
         if (e.tier != ucx.tier().value()) continue;
         healing.push_back(
-            {{"replica", e.replica}, {"node", e.node}, {"rejoined", e.rejoined}, {"error", e.message}});
+            {{"replica", e.replica}, {"node", e.node}, {"rejoined", e.rejoined}, {"error", e.message}, {"attempts", e.attempts}});
       }
       const auto counts = ucx.counts();
       nodes.push_back({{"tier", ucx.tier().value()},

@@ -6,7 +6,7 @@ namespace specontext::cluster {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-constexpr size_t kMaxEvents = 256;  // a node that never comes back fails an attempt every interval
+constexpr size_t kMaxEvents = 256;  // the log keeps the latest; repeated failures are one event each
 }  // namespace
 
 ReplicaHealer::~ReplicaHealer() = default;  // the futures of std::async wait for their attempts
@@ -27,6 +27,13 @@ void ReplicaHealer::watch(transport::UcxRemoteTransport* transport, std::vector<
 }
 
 void ReplicaHealer::record(const Watched& w, size_t replica, bool rejoined, std::string message) {
+  const int32_t tier = w.transport->tier().value();
+  const auto last = std::find_if(events_.rbegin(), events_.rend(),
+                                 [&](const HealerEvent& e) { return e.tier == tier && e.replica == replica; });
+  if (!rejoined && last != events_.rend() && !last->rejoined && last->message == message) {
+    ++last->attempts;
+    return;
+  }
   if (events_.size() == kMaxEvents) events_.erase(events_.begin());
   events_.push_back(HealerEvent{w.transport->tier().value(), replica, w.endpoints[replica].text(), rejoined,
                                 std::move(message)});

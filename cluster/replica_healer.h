@@ -42,6 +42,9 @@ struct HealerEvent {
   std::string node;
   bool rejoined = false;
   std::string message;  // why an attempt failed
+  // Failed attempts this event stands for: a replica's attempts that fail in a row for the same
+  // reason are one event, so that a node that stays down cannot push a rejoin out of the log.
+  int64_t attempts = 1;
 };
 
 class ReplicaHealer {

@@ -436,6 +436,8 @@ class Engine {
   Status move_head_caches(TierId to);
   Status write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes);
   Status read_block(TierId tier, uint64_t offset, void* host, uint64_t bytes);
+  // A remote tier's bytes to (kLoad) or from (kStore) host memory, in bounce-buffer pieces.
+  Status through_bounce(TierId tier, uint64_t offset, void* host, uint64_t bytes, CopyDirection direction);
   TierTraffic& traffic(TierId tier) { return step_traffic_[static_cast<size_t>(tier.value())]; }
 
   std::shared_ptr<const Model> model_;

@@ -22,19 +22,7 @@ Status Engine::read_block(TierId tier, uint64_t offset, void* host, uint64_t byt
     std::memcpy(host, kv_->address(tier, offset), bytes);
     return Status::ok();
   }
-  // A remote tier: through the bounce buffer and the copy engine, whose single copy thread runs
-  // this load after every store submitted before it.
-  CopyQueue* copies = options_.tiering.copies.get();
-  if (copies == nullptr || !bounce_) return internal_error("no path to read tier " + std::to_string(tier.value()));
-  constexpr uint64_t kBounceBytes = uint64_t{4} << 20;
-  for (uint64_t done = 0; done < bytes; done += kBounceBytes) {
-    const uint64_t n = std::min(kBounceBytes, bytes - done);
-    SPX_ASSIGN_OR_RETURN(CopyTicket t, copies->submit(LayerId(0), CopyDirection::kLoad,
-                                                      {TransferRequest{tier, offset + done, bounce_tier_, 0, n}}));
-    SPX_RETURN_IF_ERROR(copies->wait(t));
-    std::memcpy(static_cast<std::byte*>(host) + done, bounce_.get(), n);
-  }
-  return Status::ok();
+  return through_bounce(tier, offset, host, bytes, CopyDirection::kLoad);
 }
 
 Result<PrefixSnapshot> Engine::export_prefix(SeqId seq, int64_t tokens) {

@@ -307,16 +307,27 @@ Status Engine::write_block(TierId tier, uint64_t offset, const void* host, uint6
     std::memcpy(kv_->address(tier, offset), host, bytes);
     return Status::ok();
   }
-  // A remote tier: through the bounce buffer and the copy engine.
+  return through_bounce(tier, offset, const_cast<void*>(host), bytes, CopyDirection::kStore);
+}
+
+Status Engine::through_bounce(TierId tier, uint64_t offset, void* host, uint64_t bytes, CopyDirection direction) {
+  // A remote tier: through the bounce buffer and the copy engine, whose single copy thread runs
+  // each transfer after every one submitted before it (a read sees the stores before it).
   CopyQueue* copies = options_.tiering.copies.get();
-  if (copies == nullptr || !bounce_) return internal_error("no path to write tier " + std::to_string(tier.value()));
+  const bool store = direction == CopyDirection::kStore;
+  if (copies == nullptr || !bounce_) {
+    return internal_error(std::string("no path to ") + (store ? "write" : "read") + " tier " + std::to_string(tier.value()));
+  }
   constexpr uint64_t kBounceBytes = uint64_t{4} << 20;
+  auto* at = static_cast<std::byte*>(host);
   for (uint64_t done = 0; done < bytes; done += kBounceBytes) {
     const uint64_t n = std::min(kBounceBytes, bytes - done);
-    std::memcpy(bounce_.get(), static_cast<const std::byte*>(host) + done, n);
-    SPX_ASSIGN_OR_RETURN(CopyTicket t, copies->submit(LayerId(0), CopyDirection::kStore,
-                                                      {TransferRequest{bounce_tier_, 0, tier, offset + done, n}}));
+    if (store) std::memcpy(bounce_.get(), at + done, n);
+    const TransferRequest r = store ? TransferRequest{bounce_tier_, 0, tier, offset + done, n}
+                                    : TransferRequest{tier, offset + done, bounce_tier_, 0, n};
+    SPX_ASSIGN_OR_RETURN(CopyTicket t, copies->submit(LayerId(0), direction, {r}));
     SPX_RETURN_IF_ERROR(copies->wait(t));
+    if (!store) std::memcpy(at + done, bounce_.get(), n);
   }
   return Status::ok();
 }

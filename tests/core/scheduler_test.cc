@@ -664,21 +664,29 @@ TEST(Scheduler, APromptSentTwiceAtOnceIsComputedOnce) {
   EXPECT_EQ(s.stats().prompt_tokens, 40 + 8);
 }
 
-TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
+// stories260K on an engine of `slots` sequence slots and a pool of `pages` KV pages.
+std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages) {
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  ASSERT_TRUE(m.is_ok());
+  EXPECT_TRUE(m.is_ok());
+  if (!m.is_ok()) return nullptr;
+  EngineOptions eo;
+  eo.max_sequences = slots;
+  eo.kv_pages = pages;
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  EXPECT_TRUE(engine.is_ok());
+  return engine.is_ok() ? std::move(*engine) : nullptr;
+}
+
+TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
   for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kPreempt}) {
     SCOPED_TRACE(policy == AdmissionPolicy::kReserve ? "reserve" : "preempt");
     // Memory: 20 pages, and each request reaches 13. Slots: 2.
-    EngineOptions eo;
-    eo.max_sequences = 2;
-    eo.kv_pages = 20;
-    auto engine = Engine::create(*m, testing::cpu_backend(), eo);
-    ASSERT_TRUE(engine.is_ok());
+    auto engine = pool_engine(2, 20);
+    ASSERT_TRUE(engine);
     GeneratorOptions go;
     go.prefix_caching = true;
     go.admission = policy;
-    Scheduler s(**engine, go);
+    Scheduler s(*engine, go);
     const std::vector<GenerationRequest> reqs{request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
                                               request({1, 432, 383}, 190)};
     Collected got;
@@ -691,31 +699,26 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
           << "each one's memory evicts the last";
       EXPECT_EQ(s.cached_sequences(), 1u);
     }
-    EXPECT_TRUE((*engine)->check_invariants().is_ok());
+    EXPECT_TRUE(engine->check_invariants().is_ok());
   }
 }
 
 // Offloading the prefix cache: a conversation's cached sequence evicted for another request's
 // memory goes to host memory, and its next turn writes it back instead of computing it again.
 TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  ASSERT_TRUE(m.is_ok());
   for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kPreempt}) {
     for (uint64_t budget : {uint64_t{64} << 20, uint64_t{100} << 10, uint64_t{0}}) {
       SCOPED_TRACE(std::string(policy == AdmissionPolicy::kReserve ? "reserve" : "preempt") + ", budget " +
                    std::to_string(budget));
       // Memory: 20 pages. A reaches 5 of them, B 16: B evicts A. A's next turn (6 pages) fits
       // beside A's restored 4 whole pages once B is evicted in turn.
-      EngineOptions eo;
-      eo.max_sequences = 2;
-      eo.kv_pages = 20;
-      auto engine = Engine::create(*m, testing::cpu_backend(), eo);
-      ASSERT_TRUE(engine.is_ok());
+      auto engine = pool_engine(2, 20);
+      ASSERT_TRUE(engine);
       GeneratorOptions go;
       go.prefix_caching = true;
       go.admission = policy;
       go.prefix_offload_bytes = budget;
-      Scheduler s(**engine, go);
+      Scheduler s(*engine, go);
       const GenerationRequest a = request(story_prompt(40), 30);
       const GenerationRequest b = request({1, 426}, 250);
       Collected got;
@@ -724,7 +727,7 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
         run_to_idle(s, got);
       }
       EXPECT_EQ(s.stats().prefix_cache_evictions, 1);
-      const uint64_t page = (*engine)->kv_store().page_bytes() * 5;  // one page of every layer
+      const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
       const bool kept_a = budget >= 4 * page, kept_b = budget >= 15 * page;
       EXPECT_EQ(s.stats().prefix_offloads, kept_a ? 1 : 0);
       EXPECT_EQ(s.offloaded_bytes(), kept_a ? 4 * page : 0);
@@ -742,7 +745,7 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
       EXPECT_EQ(s.stats().prefix_offloads, (kept_a ? 1 : 0) + (kept_b ? 1 : 0));
       EXPECT_EQ(s.offloaded_prefixes(), kept_b ? 1u : 0u) << "A left the store";
       EXPECT_EQ(s.offloaded_bytes(), kept_b ? 15 * page : 0);
-      EXPECT_TRUE((*engine)->check_invariants().is_ok());
+      EXPECT_TRUE(engine->check_invariants().is_ok());
     }
   }
 }

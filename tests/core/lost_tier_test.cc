@@ -1,7 +1,8 @@
 // A remote KV tier lost for good mid-run (every replica died): the scheduler abandons it and
 // recomputes every request without it, so each still gets the tokens it gets alone on an
 // all-device engine (Engine::abandon_tier, GeneratorOptions::recompute_lost_tiers); with
-// recompute off the step's requests fail; abandon_tier refuses what it cannot do.
+// recompute off the step's requests fail; abandon_tier refuses what it cannot do; offloaded prefixes
+// outlive the tier.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -103,6 +104,59 @@ TEST(LostTier, RequestsAreRecomputedWithoutTheTierAndGetTheirAloneTokens) {
     EXPECT_EQ(f.engine->placement().layer_home[1], TierId(0));
     EXPECT_TRUE(f.engine->check_invariants().is_ok());
   }
+}
+
+// Offloaded prefixes are host memory apart from the tiers: one stored before the node died is
+// restored after the tier is abandoned, into the layers' new homes.
+TEST(LostTier, AnOffloadedPrefixOutlivesTheTierAndIsRestoredAfterwards) {
+  const auto model = stories();
+  const GenerationRequest a = request({1, 403, 407, 261, 378}, 60, 0.0f, 1);  // 64 tokens cached
+  const GenerationRequest b = request({1, 426}, 20, 0.9f, 5);
+  const GenerationRequest c = request({1, 432, 383, 286, 261, 376, 298, 315}, 40, 0.7f, 9);
+  GeneratorOptions go;
+  go.prefill_chunk = 4;
+  go.prefix_caching = true;
+  go.prefix_offload_bytes = uint64_t{16} << 20;
+  // Two slots: C's admission evicts A's cached sequence into the store. A first run on a link that
+  // never fails counts the posts until C's first step; the second run's node dies just after.
+  int64_t posts_at_c = 0;
+  for (int run = 0; run < 2; ++run) {
+    SCOPED_TRACE(run == 0 ? "counting posts" : "the node dies");
+    auto f = testing::failing_link_engine(model, run == 0 ? int64_t{1} << 40 : posts_at_c + 3, 2,
+                                          /*permanent=*/true);
+    ASSERT_NE(f.engine, nullptr);
+    auto& link = static_cast<transport::FaultInjectingTransport&>(*f.link);
+    Scheduler s(*f.engine, go);
+    const Outcome first = run_all(s, {a});  // then B: A is the least recently used
+    ASSERT_TRUE(first.first_error.is_ok());
+    ASSERT_TRUE(run_all(s, {b}).first_error.is_ok());
+    ASSERT_TRUE(s.submit(c).is_ok());
+    std::vector<SchedulerEvent> ev;
+    ASSERT_TRUE(s.step(ev).is_ok());
+    EXPECT_EQ(s.stats().prefix_offloads, 1) << "A went to the store";
+    if (run == 0) {
+      posts_at_c = link.posts();
+      continue;
+    }
+    (void)run_all(s, {});  // C, recomputed without the tier
+    EXPECT_EQ(s.stats().lost_tiers, 1);
+    EXPECT_GE(link.injected_failures(), 1);
+    EXPECT_EQ(s.offloaded_prefixes(), 1u) << "the store kept A";
+    GenerationRequest next = a;
+    next.prompt.insert(next.prompt.end(), first.tokens.at(first.ids[0].value()).begin(),
+                       first.tokens.at(first.ids[0].value()).end());
+    next.prompt.push_back(403);
+    next.max_new_tokens = 10;
+    const int64_t cached_before = s.stats().cached_prompt_tokens;
+    const Outcome turn = run_all(s, {next});
+    EXPECT_TRUE(turn.first_error.is_ok()) << turn.first_error.to_string();
+    EXPECT_EQ(turn.tokens.at(turn.ids[0].value()), alone(next));
+    EXPECT_EQ(s.stats().prefix_restores, 1);
+    EXPECT_EQ(s.stats().cached_prompt_tokens - cached_before, 64);
+    EXPECT_EQ(f.engine->placement().layer_home[1], TierId(0));
+    EXPECT_TRUE(f.engine->check_invariants().is_ok());
+  }
+  EXPECT_GT(posts_at_c, 0);
 }
 
 TEST(LostTier, WithRecomputeOffTheStepsRequestsFailNamingTheLayer) {

@@ -421,7 +421,7 @@ int64_t Engine::kv_bytes_in_use() const {
   return kv_->used_pages() * static_cast<int64_t>(kv_->page_bytes()) * kv_->n_layers();
 }
 
-Status Engine::admit(int64_t final_length, bool alone) const {
+Status Engine::admit(int64_t final_length, bool alone, SeqId taken_over) const {
   if (final_length > max_context_) {
     return out_of_range("a sequence of " + std::to_string(final_length) + " tokens is beyond the context limit of " +
                         std::to_string(max_context_));
@@ -429,7 +429,9 @@ Status Engine::admit(int64_t final_length, bool alone) const {
   if (options_.tiering.policy) {
     std::vector<int64_t> lens;
     if (!alone) {
-      for (const auto& [id, s] : sequences_) lens.push_back(std::max(s.length, s.admitted_length));
+      for (const auto& [id, s] : sequences_) {
+        if (id != taken_over) lens.push_back(std::max(s.length, s.admitted_length));
+      }
     }
     PlacementInput in = placement_input(lens);
     if (alone) in.device_other_bytes = 0;
@@ -442,6 +444,7 @@ Status Engine::admit(int64_t final_length, bool alone) const {
   if (!alone) {
     // A live sequence holds the pages of its length and is owed those of its admitted length.
     for (const auto& [id, s] : sequences_) {
+      if (id == taken_over) continue;
       available -= (std::max(s.length, s.admitted_length) + kv_->page_size() - 1) / kv_->page_size();
     }
   }

@@ -238,8 +238,9 @@ class Engine {
   // Whether a new sequence that will reach `final_length` tokens can be served: beside the live
   // ones (alone = false) or on an otherwise idle engine (alone = true). kResourceExhausted names
   // what does not fit (the placement policy's answer, or the page pool); kOutOfRange beyond the
-  // context limit.
-  Status admit(int64_t final_length, bool alone) const;
+  // context limit. taken_over: a live sequence the new one takes over (truncate_sequence, the next
+  // turn of a conversation), whose pages the new one's final length counts: not counted again.
+  Status admit(int64_t final_length, bool alone, SeqId taken_over = SeqId()) const;
   // Admission without promises, for a scheduler that preempts: whether the live sequences, grown
   // to `grown` tokens (one entry per live sequence, any order), fit the engine's memory, with one
   // more sequence of `new_length` tokens beside them when new_length > 0. Answers as admit().

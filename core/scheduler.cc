@@ -317,7 +317,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
                .is_ok();
       if (wait && evict_cached(keep)) continue;
     } else {
-      verdict = engine_.admit(final_length, /*alone=*/false);
+      verdict = engine_.admit(final_length, /*alone=*/false, source.supersedes ? keep : SeqId());
       if (verdict.code() == StatusCode::kResourceExhausted && evict_cached(keep)) continue;
       wait = verdict.code() == StatusCode::kResourceExhausted && others &&
              engine_.admit(final_length, /*alone=*/true).is_ok();

@@ -703,6 +703,35 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
   }
 }
 
+// Reserving admission counts a cached sequence the request takes over once: the next turn fits
+// where its history and its final length counted apart would not, and needs no eviction.
+TEST(Scheduler, TheNextTurnTakesOverItsCacheWhereCountingBothWouldNotFit) {
+  for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kPreempt}) {
+    SCOPED_TRACE(policy == AdmissionPolicy::kReserve ? "reserve" : "preempt");
+    auto engine = pool_engine(2, 20);
+    ASSERT_TRUE(engine);
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    go.admission = policy;
+    Scheduler s(*engine, go);
+    const GenerationRequest a = request(story_prompt(40), 30);  // 5 pages, 4 of them whole
+    Collected got;
+    ASSERT_TRUE(s.submit(a).is_ok());
+    run_to_idle(s, got);
+    GenerationRequest next = a;
+    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+    next.prompt.push_back(403);
+    next.max_new_tokens = 200;  // 271 tokens: 17 pages, beside A's 5 there would be 22
+    ASSERT_TRUE(s.submit(next).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.finish[2], FinishReason::kLength);
+    EXPECT_EQ(got.cached[2], 64);
+    EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
+    EXPECT_EQ(got.tokens[2], alone(next));
+    EXPECT_TRUE(engine->check_invariants().is_ok());
+  }
+}
+
 // Offloading the prefix cache: a conversation's cached sequence evicted for another request's
 // memory goes to host memory, and its next turn writes it back instead of computing it again.
 TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {

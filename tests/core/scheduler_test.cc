@@ -19,6 +19,21 @@ namespace {
 
 std::unique_ptr<Engine> make_engine(int64_t max_sequences) { return testing::stories_engine(max_sequences); }
 
+// stories260K on an engine of `slots` sequence slots and a pool of `pages` KV pages (0: enough
+// for `running` sequences at the context limit; running 0: every slot).
+std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages, int64_t running = 0) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  EXPECT_TRUE(m.is_ok());
+  if (!m.is_ok()) return nullptr;
+  EngineOptions eo;
+  eo.max_sequences = slots;
+  eo.max_running = running;
+  eo.kv_pages = pages;
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  EXPECT_TRUE(engine.is_ok());
+  return engine.is_ok() ? std::move(*engine) : nullptr;
+}
+
 GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
   GenerationRequest r;
   r.prompt = std::move(prompt);
@@ -664,19 +679,6 @@ TEST(Scheduler, APromptSentTwiceAtOnceIsComputedOnce) {
   EXPECT_EQ(s.stats().prompt_tokens, 40 + 8);
 }
 
-// stories260K on an engine of `slots` sequence slots and a pool of `pages` KV pages.
-std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages) {
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  EXPECT_TRUE(m.is_ok());
-  if (!m.is_ok()) return nullptr;
-  EngineOptions eo;
-  eo.max_sequences = slots;
-  eo.kv_pages = pages;
-  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
-  EXPECT_TRUE(engine.is_ok());
-  return engine.is_ok() ? std::move(*engine) : nullptr;
-}
-
 TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
   for (AdmissionPolicy policy : {AdmissionPolicy::kReserve, AdmissionPolicy::kPreempt}) {
     SCOPED_TRACE(policy == AdmissionPolicy::kReserve ? "reserve" : "preempt");
@@ -781,18 +783,13 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
 
 // A full store drops its least recently used prefix first.
 TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  ASSERT_TRUE(m.is_ok());
-  EngineOptions eo;
-  eo.max_sequences = 2;
-  eo.max_running = 1;  // one slot for a cached sequence
-  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
-  ASSERT_TRUE(engine.is_ok());
+  auto engine = pool_engine(2, 0, /*running=*/1);  // one slot for a cached sequence
+  ASSERT_TRUE(engine);
   GeneratorOptions go;
   go.prefix_caching = true;
-  const uint64_t page = (*engine)->kv_store().page_bytes() * 5;  // one page of every layer
+  const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
   go.prefix_offload_bytes = 10 * page;                         // two prefixes of 4 pages
-  Scheduler s(**engine, go);
+  Scheduler s(*engine, go);
   // Four unrelated conversations of 4 whole pages each (65 tokens cached): from the third on,
   // each evicts the least recently used cached one into the store.
   std::vector<GenerationRequest> reqs;
@@ -837,7 +834,7 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
     EXPECT_EQ(got.cached[id->value()], c == 1 ? 0 : 64) << c;
     EXPECT_EQ(got.tokens[id->value()], alone(turn)) << c;
   }
-  EXPECT_TRUE((*engine)->check_invariants().is_ok());
+  EXPECT_TRUE(engine->check_invariants().is_ok());
 }
 
 // The store holds one copy of a prefix: one that another extends is dropped for it, and one that

@@ -3,17 +3,21 @@
 // then each earlier turn's user tokens and the model's answer) plus new user tokens, as chat
 // clients and agent loops do. The same conversations run against a server with prefix caching
 // off, one with it on, and one that also offloads evicted prefixes to host memory (which matters
-// when there are more conversations than sequence slots: --conversations 8 --max-batch 4); per turn: time to first token (p50 over conversations); per mode:
+// when there are more conversations than sequence slots: --conversations 8 --max-batch 4), and with
+// --disk SIZE a fourth that offloads them to disk only; per turn: time to first token (p50 over
+// conversations); per mode:
 // wall time, prompt tokens computed and taken from the cache. JSON (and --plot: PNG via
 // plot_prefix_cache.py).
 //
 //   build/cpu/bench/bench_prefix_cache --out bench_out/prefix_cache.json --plot  (synthetic llama-3.2-1b, 4 layers)
 //   build/cpu/bench/bench_prefix_cache --conversations 8 --max-batch 4 --out bench_out/prefix_offload.json --plot
+//   ... --disk 1GiB: the same with the fourth mode
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -55,9 +59,10 @@ struct ModeResult {
   double ttft_sum_s = 0;
 };
 
-// offload_bytes > 0: prefix caching on, evicted prefixes kept in that much host memory.
+// offload_bytes > 0: prefix caching on, evicted prefixes kept in that much host memory; disk_bytes
+// > 0: and on disk (prefix files in the system's temporary directory).
 Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded, const Shape& shape,
-                            bool caching, uint64_t offload_bytes) {
+                            bool caching, uint64_t offload_bytes, uint64_t disk_bytes = 0) {
   args.prefix_caching = caching;
   const int64_t context =
       std::min<int64_t>(loaded.model->config.max_seq_len,
@@ -72,6 +77,7 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   so.scheduling.prefill_chunk = args.prefill_chunk;
   so.scheduling.prefix_caching = caching;
   so.scheduling.prefix_offload_bytes = offload_bytes;
+  so.scheduling.prefix_disk_bytes = disk_bytes;
   SPX_ASSIGN_OR_RETURN(std::unique_ptr<cluster::OpenAiServer> server,
                        cluster::OpenAiServer::start(*bundle.engine, *loaded.tokenizer, so));
   const uint16_t port = server->port();
@@ -144,6 +150,10 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
               {"prefix_offload_bytes", offload_bytes},
               {"prefix_offloads", counters.prefix_offloads},
               {"prefix_restores", counters.prefix_restores},
+              {"prefix_disk_bytes", disk_bytes},
+              {"prefix_disk_writes", counters.prefix_disk_writes},
+              {"prefix_disk_restores", counters.prefix_disk_restores},
+              {"prefix_disk_errors", counters.prefix_disk_errors},
               {"wall_s", out.wall_s},
               {"failed", failed},
               {"prompt_tokens_computed", counters.prompt_tokens},
@@ -154,11 +164,12 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
               {"turns", turns}};
   std::fprintf(stderr,
                "prefix caching %s: %.2f s, %lld prompt tokens computed, %lld cached (%lld evictions, %lld "
-               "offloaded, %lld restored), %lld failed\n",
-               !caching ? "off" : offload_bytes > 0 ? "on + offload" : "on", out.wall_s,
+               "offloaded, %lld restored, %lld from disk), %lld failed\n",
+               !caching ? "off" : disk_bytes > 0 ? "on + disk" : offload_bytes > 0 ? "on + offload" : "on", out.wall_s,
                static_cast<long long>(counters.prompt_tokens), static_cast<long long>(counters.cached_prompt_tokens),
                static_cast<long long>(counters.prefix_cache_evictions), static_cast<long long>(counters.prefix_offloads),
-               static_cast<long long>(counters.prefix_restores), static_cast<long long>(failed));
+               static_cast<long long>(counters.prefix_restores), static_cast<long long>(counters.prefix_disk_restores),
+               static_cast<long long>(failed));
   return out;
 }
 
@@ -181,6 +192,10 @@ int main(int argc, char** argv) {
   std::string offload = "1GiB";
   app.add_option("--offload", offload, "host memory for offloaded prefixes in the third mode (SIZE)")
       ->capture_default_str();
+  std::string disk = "0";
+  app.add_option("--disk", disk,
+                 "a fourth mode, when not 0: no host memory for offloaded prefixes, this much disk (SIZE) instead")
+      ->capture_default_str();
   app.add_option("--out", out, "JSON output path");
   app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
   CLI11_PARSE(app, argc, argv);
@@ -192,12 +207,20 @@ int main(int argc, char** argv) {
   if (!loaded.is_ok()) return fail(loaded.status());
   auto offload_bytes = planner::parse_size(offload);
   if (!offload_bytes.is_ok() || *offload_bytes <= 0) return fail(invalid_argument("--offload: " + offload));
+  auto disk_bytes = planner::parse_size(disk);
+  if (!disk_bytes.is_ok() || *disk_bytes < 0) return fail(invalid_argument("--disk: " + disk));
   auto off = run_mode(args, *loaded, shape, false, 0);
   if (!off.is_ok()) return fail(off.status());
   auto on = run_mode(args, *loaded, shape, true, 0);
   if (!on.is_ok()) return fail(on.status());
   auto offloaded = run_mode(args, *loaded, shape, true, static_cast<uint64_t>(*offload_bytes));
   if (!offloaded.is_ok()) return fail(offloaded.status());
+  std::optional<ModeResult> on_disk;
+  if (*disk_bytes > 0) {
+    auto r = run_mode(args, *loaded, shape, true, 0, static_cast<uint64_t>(*disk_bytes));
+    if (!r.is_ok()) return fail(r.status());
+    on_disk = std::move(*r);
+  }
   nlohmann::json doc = {
       {"model", bench::served_model_name(args)},
       {"layers", loaded->model->config.n_layers},
@@ -213,6 +236,12 @@ int main(int argc, char** argv) {
       {"wall_ratio_on_over_offload", offloaded->wall_s > 0 ? on->wall_s / offloaded->wall_s : 0.0},
       {"ttft_ratio_on_over_offload", offloaded->ttft_sum_s > 0 ? on->ttft_sum_s / offloaded->ttft_sum_s : 0.0},
       {"modes", {off->json, on->json, offloaded->json}}};
+  if (on_disk) {
+    doc["wall_ratio_on_over_disk"] = on_disk->wall_s > 0 ? on->wall_s / on_disk->wall_s : 0.0;
+    doc["wall_ratio_disk_over_offload"] = offloaded->wall_s > 0 ? on_disk->wall_s / offloaded->wall_s : 0.0;
+    doc["ttft_ratio_disk_over_offload"] = offloaded->ttft_sum_s > 0 ? on_disk->ttft_sum_s / offloaded->ttft_sum_s : 0.0;
+    doc["modes"].push_back(on_disk->json);
+  }
   bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_prefix_cache.py");
   return 0;
 }

@@ -123,6 +123,7 @@ int run_serve(const ServeArgs& a) {
                               {"admission", a.engine.admission},
                               {"prefix_caching", a.engine.prefix_caching},
                               {"prefix_offload_bytes", o.scheduling.prefix_offload_bytes},
+                              {"prefix_disk_bytes", o.scheduling.prefix_disk_bytes},
                               {"api_key_required", !o.api_keys.empty()},
                               {"max_connections", a.max_connections}}
                    .dump()
@@ -149,7 +150,10 @@ int run_serve(const ServeArgs& a) {
                               {"cached_prompt_tokens", c.cached_prompt_tokens},
                               {"prefix_cache_evictions", c.prefix_cache_evictions},
                               {"prefix_offloads", c.prefix_offloads},
-                              {"prefix_restores", c.prefix_restores}}
+                              {"prefix_restores", c.prefix_restores},
+                              {"prefix_disk_writes", c.prefix_disk_writes},
+                              {"prefix_disk_restores", c.prefix_disk_restores},
+                              {"prefix_disk_errors", c.prefix_disk_errors}}
                    .dump()
             << std::endl;
   return 0;

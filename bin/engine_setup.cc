@@ -59,6 +59,13 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                  "a request whose prompt starts with one has it written back instead of recomputed (0: off; "
                  "needs prefix caching)")
       ->capture_default_str();
+  cmd.add_option("--prefix-offload-disk", a.prefix_disk,
+                 "disk space (SIZE) for offloaded prefixes that host memory lets go or cannot hold, read back "
+                 "when a request wants one (0: off; needs prefix caching)")
+      ->capture_default_str();
+  cmd.add_option("--prefix-offload-dir", a.prefix_disk_dir,
+                 "directory under which the prefix files go, in a directory of their own removed at exit "
+                 "(default: the system's temporary directory)");
   cmd.add_option("--lost-tier", a.lost_tier,
                  "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "
                  "every request without it, or fail the requests of that step")
@@ -92,6 +99,19 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
   if (*offload < 0) return invalid_argument("--prefix-offload must not be negative");
   if (*offload > 0 && !a.prefix_caching) return invalid_argument("--prefix-offload needs --prefix-caching");
   g.prefix_offload_bytes = static_cast<uint64_t>(*offload);
+  auto disk = planner::parse_size(a.prefix_disk);
+  if (!disk.is_ok()) return disk.status().with_context("--prefix-offload-disk");
+  if (*disk < 0) return invalid_argument("--prefix-offload-disk must not be negative");
+  if (*disk > 0 && !a.prefix_caching) return invalid_argument("--prefix-offload-disk needs --prefix-caching");
+  g.prefix_disk_bytes = static_cast<uint64_t>(*disk);
+  if (!a.prefix_disk_dir.empty()) {
+    if (*disk == 0) return invalid_argument("--prefix-offload-dir needs --prefix-offload-disk");
+    std::error_code ec;
+    if (!std::filesystem::is_directory(a.prefix_disk_dir, ec)) {
+      return invalid_argument("--prefix-offload-dir " + a.prefix_disk_dir + " is not a directory");
+    }
+  }
+  g.prefix_disk_dir = a.prefix_disk_dir;
   return g;
 }
 

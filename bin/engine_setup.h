@@ -35,6 +35,8 @@ struct EngineArgs {
   std::string admission = "reserve";  // "reserve" or "preempt" (AdmissionPolicy); serve: preempt
   bool prefix_caching = false;        // --prefix-caching (GeneratorOptions::prefix_caching); serve: on
   std::string prefix_offload = "0";   // --prefix-offload SIZE (GeneratorOptions::prefix_offload_bytes)
+  std::string prefix_disk = "0";      // --prefix-offload-disk SIZE (GeneratorOptions::prefix_disk_bytes)
+  std::string prefix_disk_dir;        // --prefix-offload-dir DIR (GeneratorOptions::prefix_disk_dir)
   std::string lost_tier = "recompute";  // "recompute" or "fail" (GeneratorOptions::recompute_lost_tiers)
   int64_t max_context = 0;
   int threads = 0;
@@ -51,8 +53,8 @@ struct EngineArgs {
 // --model/--synthetic, --tokenizer, the sparse, backend, KV and tier options.
 void add_engine_options(CLI::App& cmd, EngineArgs& args);
 
-// The scheduler's options from --prefill-chunk, --admission, --prefix-caching, --prefix-offload
-// and --lost-tier; kInvalidArgument naming the flag when they do not go together.
+// The scheduler's options from --prefill-chunk, --admission, --prefix-caching, --prefix-offload,
+// --prefix-offload-disk, --prefix-offload-dir and --lost-tier; kInvalidArgument naming the flag when they do not go together.
 Result<GeneratorOptions> scheduling_options(const EngineArgs& args);
 
 struct LoadedModel {

@@ -172,7 +172,8 @@ struct OpenAiServer::Impl {
   std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
       preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0},
       lost_tiers{0}, lost_tier_requeues{0}, prefix_offloads{0}, prefix_restores{0}, offloaded_prefixes{0},
-      offloaded_bytes{0};
+      offloaded_bytes{0}, prefix_disk_writes{0}, prefix_disk_restores{0}, prefix_disk_errors{0},
+      prefixes_on_disk{0}, prefix_disk_bytes{0};
 
   std::thread io_thread;
   std::thread engine_thread;
@@ -264,6 +265,15 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   prefix_restores = st.prefix_restores;
   offloaded_prefixes = static_cast<int64_t>(scheduler.offloaded_prefixes());
   offloaded_bytes = static_cast<int64_t>(scheduler.offloaded_bytes());
+  prefix_disk_writes = st.prefix_disk_writes;
+  prefix_disk_restores = st.prefix_disk_restores;
+  if (st.prefix_disk_errors > prefix_disk_errors) {  // written by this thread only
+    std::fprintf(stderr, "serve: a prefix file was dropped (its prompt is computed): %s\n",
+                 scheduler.last_prefix_disk_error().c_str());
+  }
+  prefix_disk_errors = st.prefix_disk_errors;
+  prefixes_on_disk = static_cast<int64_t>(scheduler.prefixes_on_disk());
+  prefix_disk_bytes = static_cast<int64_t>(scheduler.disk_bytes());
   kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
@@ -1301,6 +1311,14 @@ std::string OpenAiServer::Impl::metrics_text() const {
          prefix_restores);
   metric("specontext_prefix_offload_sequences", "gauge", "prefixes held in host memory", offloaded_prefixes);
   metric("specontext_prefix_offload_bytes", "gauge", "host memory the offloaded prefixes hold", offloaded_bytes);
+  metric("specontext_prefix_disk_writes_total", "counter", "offloaded prefixes written to disk", prefix_disk_writes);
+  metric("specontext_prefix_disk_restores_total", "counter", "prefixes read back from disk into the KV cache",
+         prefix_disk_restores);
+  metric("specontext_prefix_disk_errors_total", "counter",
+         "prefix files that could not be written or read back intact (dropped; the prompt is computed)",
+         prefix_disk_errors);
+  metric("specontext_prefix_disk_sequences", "gauge", "prefixes held on disk", prefixes_on_disk);
+  metric("specontext_prefix_disk_bytes", "gauge", "disk space the prefix files take", prefix_disk_bytes);
   metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
   return out;
 }
@@ -1406,6 +1424,11 @@ ServerCounters OpenAiServer::counters() const {
   c.prefix_restores = s.prefix_restores;
   c.offloaded_prefixes = s.offloaded_prefixes;
   c.offloaded_bytes = s.offloaded_bytes;
+  c.prefix_disk_writes = s.prefix_disk_writes;
+  c.prefix_disk_restores = s.prefix_disk_restores;
+  c.prefix_disk_errors = s.prefix_disk_errors;
+  c.prefixes_on_disk = s.prefixes_on_disk;
+  c.prefix_disk_bytes = s.prefix_disk_bytes;
   c.kv_bytes_in_use = s.kv_bytes;
   return c;
 }

@@ -74,6 +74,13 @@ struct ServerCounters {
   int64_t prefix_restores = 0;
   int64_t offloaded_prefixes = 0;
   int64_t offloaded_bytes = 0;
+  // Its disk level (GeneratorOptions::prefix_disk_bytes): prefixes written to files, read back for
+  // a request, files that failed to be written or read back, and held now.
+  int64_t prefix_disk_writes = 0;
+  int64_t prefix_disk_restores = 0;
+  int64_t prefix_disk_errors = 0;
+  int64_t prefixes_on_disk = 0;
+  int64_t prefix_disk_bytes = 0;
   int64_t kv_bytes_in_use = 0;
   // Connections: refused past max_connections (answered 503 and closed), and open now.
   int64_t connections_refused = 0;

@@ -2,8 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <limits>
+
+#include "core/prefix_file.h"
 
 namespace specontext {
 
@@ -11,6 +17,15 @@ Scheduler::~Scheduler() {
   for (Entry& e : running_) release(e);
   while (evict_cached(SeqId(), /*offload=*/false)) {
   }
+  if (!disk_dir_.empty()) {
+    std::error_code ignored;  // a destructor does not fail: what cannot be removed stays
+    std::filesystem::remove_all(disk_dir_, ignored);
+  }
+}
+
+size_t Scheduler::offloaded_prefixes() const {
+  return static_cast<size_t>(
+      std::count_if(offloaded_.begin(), offloaded_.end(), [](const OffloadedPrefix& p) { return !p.on_disk(); }));
 }
 
 Status Scheduler::validate(const GenerationRequest& r) const {
@@ -108,7 +123,7 @@ bool Scheduler::evict_cached(SeqId keep, bool offload_it) {
 }
 
 void Scheduler::offload(const CachedSequence& c) {
-  if (options_.prefix_offload_bytes == 0) return;
+  if (options_.prefix_offload_bytes == 0 && options_.prefix_disk_bytes == 0) return;
   const int64_t unit = engine_.fork_granularity();
   const int64_t whole = static_cast<int64_t>(c.tokens.size()) / unit * unit;
   if (whole == 0) return;
@@ -125,50 +140,143 @@ void Scheduler::offload(const CachedSequence& c) {
       return;
     }
     if (starts(tokens, it->tokens)) {  // extended by this one
-      offloaded_bytes_ -= it->snapshot.bytes();
+      ++(it->on_disk() ? stats_.prefix_disk_drops : stats_.prefix_offload_drops);
+      forget(*it, /*remove_file=*/true);
       it = offloaded_.erase(it);
-      ++stats_.prefix_offload_drops;
     } else {
       ++it;
     }
   }
   auto snapshot = engine_.export_prefix(c.seq, whole);
-  if (!snapshot.is_ok() || snapshot->bytes() > options_.prefix_offload_bytes) return;
-  while (offloaded_bytes_ + snapshot->bytes() > options_.prefix_offload_bytes) {
-    offloaded_bytes_ -= offloaded_.front().snapshot.bytes();
-    offloaded_.pop_front();
-    ++stats_.prefix_offload_drops;
+  if (!snapshot.is_ok()) return;
+  OffloadedPrefix p{std::vector<TokenId>(tokens.begin(), tokens.end()), std::move(*snapshot)};
+  if (p.snapshot.bytes() > options_.prefix_offload_bytes) {
+    // Larger than host memory allows: straight to disk, or not kept.
+    if (!write_to_disk(p)) {
+      settle_offloaded();  // files it removed for room are erased
+      return;
+    }
+    p.snapshot = PrefixSnapshot();
+  } else {
+    offloaded_bytes_ += p.snapshot.bytes();
+    ++stats_.prefix_offloads;
   }
-  offloaded_bytes_ += snapshot->bytes();
-  offloaded_.push_back({std::vector<TokenId>(tokens.begin(), tokens.end()), std::move(*snapshot)});
-  ++stats_.prefix_offloads;
+  offloaded_.push_back(std::move(p));
+  settle_offloaded();
+}
+
+bool Scheduler::write_to_disk(OffloadedPrefix& p) {
+  if (options_.prefix_disk_bytes == 0) return false;
+  const auto fail = [&](const std::string& why) {
+    ++stats_.prefix_disk_errors;
+    last_disk_error_ = why;
+    return false;
+  };
+  if (disk_dir_.empty()) {
+    std::error_code ec;
+    const std::filesystem::path base = options_.prefix_disk_dir.empty()
+                                           ? std::filesystem::temp_directory_path(ec)
+                                           : std::filesystem::path(options_.prefix_disk_dir);
+    if (ec) return fail("prefix disk: no temporary directory: " + ec.message());
+    std::string pattern = (base / "specontext-prefixes-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return fail("prefix disk: cannot create a directory under " + base.string() + ": " + std::strerror(errno));
+    }
+    disk_dir_ = pattern;
+  }
+  const std::vector<std::byte> bytes = encode_prefix_file(p.tokens, p.snapshot);
+  if (bytes.size() > options_.prefix_disk_bytes) return false;  // could never fit
+  // Room first, least recently used files out, so that the disk never holds more than its
+  // budget. They are marked gone (settle_offloaded erases them): p may be in offloaded_.
+  for (OffloadedPrefix& old : offloaded_) {
+    if (disk_bytes_ + bytes.size() <= options_.prefix_disk_bytes) break;
+    if (&old == &p || !old.on_disk() || old.gone) continue;
+    forget(old, /*remove_file=*/true);
+    old.gone = true;
+    ++stats_.prefix_disk_drops;
+  }
+  if (disk_bytes_ + bytes.size() > options_.prefix_disk_bytes) return false;  // held by a file being read back
+  const std::string path = (std::filesystem::path(disk_dir_) / (std::to_string(next_file_++) + ".spxprefix")).string();
+  if (Status st = write_prefix_file(path, bytes); !st.is_ok()) return fail(st.to_string());
+  p.file = path;
+  p.file_bytes = bytes.size();
+  disk_bytes_ += p.file_bytes;
+  ++stats_.prefix_disk_writes;
+  stats_.prefix_disk_peak_bytes = std::max(stats_.prefix_disk_peak_bytes, static_cast<int64_t>(disk_bytes_));
+  return true;
+}
+
+void Scheduler::forget(const OffloadedPrefix& p, bool remove_file) {
+  if (p.on_disk()) {
+    disk_bytes_ -= p.file_bytes;
+    if (remove_file) std::remove(p.file.c_str());
+  } else {
+    offloaded_bytes_ -= p.snapshot.bytes();
+  }
+}
+
+void Scheduler::settle_offloaded() {
+  const auto sweep = [&] { std::erase_if(offloaded_, [](const OffloadedPrefix& p) { return p.gone; }); };
+  while (offloaded_bytes_ > options_.prefix_offload_bytes) {
+    auto it = std::find_if(offloaded_.begin(), offloaded_.end(), [](const OffloadedPrefix& p) { return !p.on_disk(); });
+    const uint64_t held = it->snapshot.bytes();
+    if (write_to_disk(*it)) {
+      offloaded_bytes_ -= held;
+      it->snapshot = PrefixSnapshot();
+      sweep();
+    } else {
+      forget(*it, /*remove_file=*/false);
+      offloaded_.erase(it);
+      ++stats_.prefix_offload_drops;
+    }
+  }
+  sweep();
   stats_.prefix_offload_peak_bytes =
       std::max(stats_.prefix_offload_peak_bytes, static_cast<int64_t>(offloaded_bytes_));
 }
 
 bool Scheduler::restore_offloaded(size_t index) {
-  // Out of the store while cached sequences are evicted (and offloaded) for its room.
+  // Out of the store while cached sequences are evicted (and offloaded) for its room. A file
+  // keeps counting against the disk while it is read back.
   OffloadedPrefix p = std::move(offloaded_[index]);
   offloaded_.erase(offloaded_.begin() + static_cast<std::ptrdiff_t>(index));
-  offloaded_bytes_ -= p.snapshot.bytes();
+  PrefixFile read;
+  const PrefixSnapshot* snapshot = &p.snapshot;
+  if (p.on_disk()) {
+    auto r = read_prefix_file(p.file);
+    if (r.is_ok() && r->tokens != p.tokens) {
+      r = data_loss("prefix file " + p.file + ": field 'token_ids' holds other tokens than were written");
+    }
+    if (!r.is_ok()) {  // the request computes its prompt instead
+      ++stats_.prefix_disk_errors;
+      last_disk_error_ = r.status().to_string();
+      forget(p, /*remove_file=*/true);
+      return false;
+    }
+    read = std::move(*r);
+    snapshot = &read.snapshot;
+  } else {
+    forget(p, /*remove_file=*/false);
+  }
   while (true) {
-    auto seq = engine_.import_prefix(p.snapshot);
+    auto seq = engine_.import_prefix(*snapshot);
     if (seq.is_ok()) {
       (void)engine_.release_working_sets(*seq);  // it waits, as a cached sequence does
-      cached_.push_back({*seq, std::move(p.tokens)});
       ++stats_.prefix_restores;
+      if (p.on_disk()) {
+        ++stats_.prefix_disk_restores;
+        forget(p, /*remove_file=*/true);
+      }
+      cached_.push_back({*seq, std::move(p.tokens)});
       return true;
     }
     if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached()) continue;
     break;
   }
-  offloaded_bytes_ += p.snapshot.bytes();
+  // Back in the store as the most recently used (a file stays where it is).
+  if (!p.on_disk()) offloaded_bytes_ += p.snapshot.bytes();
   offloaded_.push_back(std::move(p));
-  while (offloaded_bytes_ > options_.prefix_offload_bytes && offloaded_.size() > 1) {
-    offloaded_bytes_ -= offloaded_.front().snapshot.bytes();
-    offloaded_.pop_front();
-    ++stats_.prefix_offload_drops;
-  }
+  settle_offloaded();
   return false;
 }
 

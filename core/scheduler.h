@@ -75,6 +75,11 @@ struct GenerationStats {
   int64_t prefix_restores = 0;         // offloaded prefixes written back into the cache for a request
   int64_t prefix_offload_drops = 0;    // offloaded prefixes dropped for room in the store
   int64_t prefix_offload_peak_bytes = 0;
+  int64_t prefix_disk_writes = 0;    // offloaded prefixes written to disk (prefix_disk_bytes)
+  int64_t prefix_disk_restores = 0;  // of prefix_restores, those read back from disk
+  int64_t prefix_disk_drops = 0;     // prefix files removed for room on disk
+  int64_t prefix_disk_errors = 0;    // files that could not be written or read back (dropped)
+  int64_t prefix_disk_peak_bytes = 0;
   int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
   int64_t lost_tiers = 0;    // remote tiers lost mid-run and abandoned (recompute_lost_tiers)
   int64_t lost_tier_requeues = 0;  // running requests sent back to be recomputed after such a loss
@@ -115,6 +120,14 @@ struct GeneratorOptions {
   // is dropped. Offloaded prefixes are host memory apart from the KV tiers, so they outlive a
   // lost tier. 0: evicted sequences are dropped.
   uint64_t prefix_offload_bytes = 0;
+  // The store's disk level (LMCache's local disk backend): a prefix the host store lets go for
+  // room, or one larger than it, is written as a file (core/prefix_file.h) into a directory of
+  // the scheduler's own under prefix_disk_dir, up to this many bytes, least recently used out
+  // first, and read back when a request wants it. A file that cannot be written, or read back
+  // intact (disk full, corrupt), is dropped and the request computes its prompt. The directory
+  // goes with the scheduler. 0: no disk level.
+  uint64_t prefix_disk_bytes = 0;
+  std::string prefix_disk_dir;  // empty: the system's temporary directory
   // When a forward fails because a remote tier is gone for good (Engine::lost_tiers: every
   // replica of a KV node tier died), the engine abandons the tier and every request is
   // recomputed from its prompt and the tokens it produced, as a preempted one is (its random
@@ -169,8 +182,14 @@ class Scheduler {
   size_t waiting() const { return waiting_.size(); }
   size_t running() const { return running_.size(); }
   size_t cached_sequences() const { return cached_.size(); }
-  size_t offloaded_prefixes() const { return offloaded_.size(); }
+  size_t offloaded_prefixes() const;  // in host memory
   uint64_t offloaded_bytes() const { return offloaded_bytes_; }
+  size_t prefixes_on_disk() const { return offloaded_.size() - offloaded_prefixes(); }
+  uint64_t disk_bytes() const { return disk_bytes_; }
+  // Where the prefix files go (created at the first one); empty before.
+  const std::string& prefix_disk_directory() const { return disk_dir_; }
+  // Why the last prefix file failed to be written or read back; empty when none has.
+  const std::string& last_prefix_disk_error() const { return last_disk_error_; }
   const GenerationStats& stats() const { return stats_; }
   Engine& engine() { return engine_; }
 
@@ -201,10 +220,14 @@ class Scheduler {
     SeqId seq;
     std::vector<TokenId> tokens;
   };
-  // An evicted cached sequence's whole fork units, in host memory.
+  // An evicted cached sequence's whole fork units, in host memory or in a file.
   struct OffloadedPrefix {
     std::vector<TokenId> tokens;  // snapshot.tokens of them
-    PrefixSnapshot snapshot;
+    PrefixSnapshot snapshot;      // empty on disk
+    std::string file;             // on disk: its path
+    uint64_t file_bytes = 0;
+    bool gone = false;  // its file removed for room; erased by settle_offloaded
+    bool on_disk() const { return !file.empty(); }
   };
 
   // Moves waiting requests to running while they fit; refused ones get their finished event.
@@ -243,6 +266,13 @@ class Scheduler {
   // Writes offloaded_[index] back as the most recently used cached sequence, evicting others for
   // room; false (the prefix stays offloaded) when it cannot.
   bool restore_offloaded(size_t index);
+  // Host memory over prefix_offload_bytes: its least recently used prefixes go to disk (or are
+  // dropped).
+  void settle_offloaded();
+  // Writes p's snapshot to a file, the least recently used files removed for its room first;
+  // false (p unchanged) when there is no disk level, no room or the write fails.
+  bool write_to_disk(OffloadedPrefix& p);
+  void forget(const OffloadedPrefix& p, bool remove_file);  // its bytes out of the accounting
   void release(Entry& e);
   void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
@@ -264,7 +294,11 @@ class Scheduler {
   std::deque<Entry> running_;  // in admission order: the batch order
   std::deque<CachedSequence> cached_;  // least recently used first
   std::deque<OffloadedPrefix> offloaded_;  // least recently used first
-  uint64_t offloaded_bytes_ = 0;
+  uint64_t offloaded_bytes_ = 0;  // host memory of offloaded_
+  uint64_t disk_bytes_ = 0;       // files of offloaded_
+  std::string disk_dir_;
+  int64_t next_file_ = 0;
+  std::string last_disk_error_;
 };
 
 }  // namespace specontext

@@ -85,6 +85,16 @@ TEST(Cli, PrefixOffloadNeedsPrefixCachingAndASize) {
   const CliRun bad = run_cli(model + " --prefix-caching --prefix-offload lots");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.out.find("--prefix-offload"), std::string::npos) << bad.out;
+  // The disk level: a size, prefix caching, and an existing directory.
+  const CliRun disk = run_cli(model + " --prefix-caching --prefix-offload-disk 8MiB --prefix-offload-dir /tmp --json", false);
+  EXPECT_EQ(disk.exit_code, 0) << disk.out;
+  const CliRun disk_alone = run_cli(model + " --no-prefix-caching --prefix-offload-disk 8MiB");
+  EXPECT_NE(disk_alone.out.find("--prefix-offload-disk needs --prefix-caching"), std::string::npos) << disk_alone.out;
+  const CliRun dir_alone = run_cli(model + " --prefix-caching --prefix-offload-dir /tmp");
+  EXPECT_NE(dir_alone.out.find("--prefix-offload-dir needs --prefix-offload-disk"), std::string::npos) << dir_alone.out;
+  const CliRun no_dir = run_cli(model + " --prefix-caching --prefix-offload-disk 8MiB --prefix-offload-dir /nonexistent-dir");
+  EXPECT_NE(no_dir.exit_code, 0);
+  EXPECT_NE(no_dir.out.find("--prefix-offload-dir /nonexistent-dir is not a directory"), std::string::npos) << no_dir.out;
 }
 
 TEST(Cli, HalfPrecisionKvHalvesTheCacheAndKeepsTheGreedyText) {

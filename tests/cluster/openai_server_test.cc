@@ -1640,6 +1640,38 @@ TEST(OpenAiServer, AnOffloadedPrefixAnswersTheNextTurnAfterEviction) {
   EXPECT_NE(metrics.body.find("specontext_prefix_offload_sequences 1"), std::string::npos) << metrics.body;
 }
 
+// The same with no host memory for the store and --prefix-offload-disk: the first turn's prefix
+// goes to a file and comes back from it.
+TEST(OpenAiServer, APrefixOffloadedToDiskAnswersTheNextTurnAfterEviction) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.scheduling.prefix_caching = true;
+  o.scheduling.prefix_disk_bytes = uint64_t{16} << 20;
+  o.scheduling.prefix_disk_dir = ::testing::TempDir();
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
+  ASSERT_EQ(first.status, 200) << first.body;
+  Reply other = post(port, "/v1/completions", {{"prompt", "The little dog"}, {"max_tokens", 30}, {"temperature", 0}});
+  ASSERT_EQ(other.status, 200) << other.body;
+  EXPECT_EQ((*server)->counters().prefix_disk_writes, 1) << "the first turn's cache went to disk";
+  EXPECT_EQ((*server)->counters().prefixes_on_disk, 1);
+  EXPECT_EQ((*server)->counters().offloaded_prefixes, 0);
+  const std::string turn = kPrompt + first.j()["choices"][0]["text"].get<std::string>() + " Then";
+  Reply second = post(port, "/v1/completions", {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
+  ASSERT_EQ(second.status, 200) << second.body;
+  EXPECT_EQ(second.j()["choices"][0]["text"], generator_text(turn, 20));
+  EXPECT_GE(second.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 32);
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.prefix_disk_restores, 1);
+  EXPECT_EQ(c.prefix_disk_errors, 0);
+  EXPECT_GT(c.prefix_disk_bytes, 0);
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_prefix_disk_restores_total 1"), std::string::npos) << metrics.body;
+  EXPECT_NE(metrics.body.find("specontext_prefix_disk_sequences 1"), std::string::npos) << metrics.body;
+}
+
 TEST(OpenAiServer, ApiKeysGuardEveryV1RouteAndLeaveHealthAndMetricsOpen) {
   Fixture f = make_fixture(1);
   ServerOptions o = options_for(*f.tokenizer);

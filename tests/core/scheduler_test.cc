@@ -3,6 +3,8 @@
 // waiting requests are admitted in order as slots free up.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <random>
@@ -872,6 +874,188 @@ TEST(Scheduler, TheOffloadStoreKeepsTheLongerOfTwoPrefixesOfTheSameTokens) {
   EXPECT_TRUE(engine->check_invariants().is_ok());
 }
 
+// The store's disk level: prefix files in a directory of the scheduler's own.
+size_t prefix_files(const std::string& dir) {
+  size_t n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) n += entry.path().extension() == ".spxprefix";
+  return n;
+}
+
+// With no host memory for the store, an evicted conversation's prefix goes to a file, and its
+// next turn reads it back instead of computing it; the directory goes with the scheduler.
+TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
+  auto engine = pool_engine(2, 20);  // as AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt
+  ASSERT_TRUE(engine);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefix_disk_bytes = uint64_t{64} << 20;
+  go.prefix_disk_dir = ::testing::TempDir();
+  std::string dir;
+  {
+    Scheduler s(*engine, go);
+    const GenerationRequest a = request(story_prompt(40), 30);
+    Collected got;
+    for (const GenerationRequest& r : {a, request({1, 426}, 250)}) {
+      ASSERT_TRUE(s.submit(r).is_ok());
+      run_to_idle(s, got);
+    }
+    const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
+    EXPECT_EQ(s.stats().prefix_cache_evictions, 1);
+    EXPECT_EQ(s.stats().prefix_offloads, 0) << "no host memory";
+    EXPECT_EQ(s.stats().prefix_disk_writes, 1);
+    EXPECT_EQ(s.prefixes_on_disk(), 1u);
+    EXPECT_EQ(s.offloaded_prefixes(), 0u);
+    EXPECT_GT(s.disk_bytes(), 4 * page) << "the KV of 4 pages, and the tokens";
+    dir = s.prefix_disk_directory();
+    ASSERT_FALSE(dir.empty());
+    EXPECT_TRUE(std::filesystem::equivalent(std::filesystem::path(dir).parent_path(), go.prefix_disk_dir)) << dir;
+    EXPECT_EQ(prefix_files(dir), 1u);
+    GenerationRequest next = a;
+    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+    next.prompt.insert(next.prompt.end(), {403, 407});
+    next.max_new_tokens = 20;
+    ASSERT_TRUE(s.submit(next).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.tokens[3], alone(next));
+    EXPECT_EQ(got.cached[3], 64) << "A's 4 whole pages came off the disk";
+    EXPECT_EQ(s.stats().prefix_restores, 1);
+    EXPECT_EQ(s.stats().prefix_disk_restores, 1);
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_EQ(s.stats().prefix_disk_writes, 2) << "B went to disk for the next turn's room";
+    EXPECT_EQ(s.prefixes_on_disk(), 1u) << "A's file was removed once read";
+    EXPECT_EQ(prefix_files(dir), 1u);
+    EXPECT_TRUE(engine->check_invariants().is_ok());
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "the scheduler removes its directory";
+}
+
+// Host memory full: its least recently used prefix goes to disk rather than being dropped, and is
+// read back from there; disk full: its least recently used file is removed.
+TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
+  for (bool disk_fits_one : {false, true}) {
+    SCOPED_TRACE(disk_fits_one ? "disk for one prefix" : "disk for all");
+    auto engine = pool_engine(2, 0, /*running=*/1);  // as TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut
+    ASSERT_TRUE(engine);
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
+    go.prefix_offload_bytes = 5 * page;                          // one prefix of 4 pages
+    go.prefix_disk_bytes = disk_fits_one ? 6 * page : uint64_t{64} << 20;
+    Scheduler s(*engine, go);
+    std::vector<GenerationRequest> reqs;
+    Collected got;
+    for (TokenId first : {403, 426, 432, 298}) {
+      reqs.push_back(request({1, first, 261}, 63));
+      ASSERT_TRUE(s.submit(reqs.back()).is_ok());
+      run_to_idle(s, got);
+    }
+    // The first two conversations were evicted, the first from host memory to disk for the second.
+    EXPECT_EQ(s.stats().prefix_offloads, 2);
+    EXPECT_EQ(s.stats().prefix_disk_writes, 1);
+    EXPECT_EQ(s.stats().prefix_offload_drops, 0);
+    EXPECT_EQ(s.offloaded_prefixes(), 1u);
+    EXPECT_EQ(s.prefixes_on_disk(), 1u);
+    EXPECT_EQ(s.offloaded_bytes(), 4 * page);
+    // The first conversation's next turn comes off the disk; the third's cache goes to host
+    // memory for the slot, and the second's prefix from there to disk, except on a disk for one
+    // prefix: the first's file counts until it has been read back, so the second is dropped.
+    GenerationRequest next = reqs[0];
+    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+    next.prompt.push_back(407);
+    next.max_new_tokens = 10;
+    ASSERT_TRUE(s.submit(next).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.cached[5], 64);
+    EXPECT_EQ(got.tokens[5], alone(next));
+    EXPECT_EQ(s.stats().prefix_disk_restores, 1);
+    EXPECT_EQ(s.stats().prefix_disk_writes, disk_fits_one ? 1 : 2);
+    EXPECT_EQ(s.stats().prefix_offload_drops, disk_fits_one ? 1 : 0);
+    EXPECT_EQ(s.prefixes_on_disk(), disk_fits_one ? 0u : 1u);
+    // One more conversation: the fourth's cache goes to host memory, the third's from there to disk.
+    ASSERT_TRUE(s.submit(request({1, 378}, 10)).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(s.stats().prefix_disk_writes, disk_fits_one ? 2 : 3);
+    EXPECT_EQ(s.prefixes_on_disk(), disk_fits_one ? 1u : 2u);
+    // The second conversation's next turn: read back, or computed when it was dropped. The first's
+    // next turn goes to host memory for the slot and the fourth's from there to disk; a disk for
+    // one prefix removes the third's file for it.
+    GenerationRequest turn = reqs[1];
+    turn.prompt.insert(turn.prompt.end(), got.tokens[2].begin(), got.tokens[2].end());
+    turn.max_new_tokens = 5;
+    ASSERT_TRUE(s.submit(turn).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.cached[7], disk_fits_one ? 0 : 64);
+    EXPECT_EQ(got.tokens[7], alone(turn));
+    EXPECT_EQ(s.stats().prefix_disk_restores, disk_fits_one ? 1 : 2);
+    EXPECT_EQ(s.stats().prefix_disk_writes, disk_fits_one ? 3 : 4);
+    EXPECT_EQ(s.stats().prefix_disk_drops, disk_fits_one ? 1 : 0);
+    EXPECT_EQ(s.prefixes_on_disk(), disk_fits_one ? 1u : 2u);
+    EXPECT_LE(s.disk_bytes(), go.prefix_disk_bytes);
+    EXPECT_EQ(prefix_files(s.prefix_disk_directory()), s.prefixes_on_disk());
+    EXPECT_LE(static_cast<uint64_t>(s.stats().prefix_disk_peak_bytes), go.prefix_disk_bytes);
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_TRUE(engine->check_invariants().is_ok());
+  }
+}
+
+// A prefix file that is damaged, gone, or never written costs only its recomputation: the error
+// is counted and kept, the file dropped, and the request gets its tokens.
+TEST(Scheduler, AFileThatCannotBeReadBackOrWrittenIsDroppedAndThePromptComputed) {
+  for (const std::string damage : {"flip", "truncate", "remove", "unwritable"}) {
+    SCOPED_TRACE(damage);
+    auto engine = pool_engine(2, 20);
+    ASSERT_TRUE(engine);
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    go.prefix_disk_bytes = uint64_t{64} << 20;
+    go.prefix_disk_dir = damage == "unwritable" ? "/nonexistent-dir" : ::testing::TempDir();
+    Scheduler s(*engine, go);
+    const GenerationRequest a = request(story_prompt(40), 30);
+    Collected got;
+    for (const GenerationRequest& r : {a, request({1, 426}, 250)}) {
+      ASSERT_TRUE(s.submit(r).is_ok());
+      run_to_idle(s, got);
+    }
+    std::string file;
+    if (damage == "unwritable") {
+      EXPECT_EQ(s.stats().prefix_disk_errors, 1);
+      EXPECT_NE(s.last_prefix_disk_error().find("/nonexistent-dir"), std::string::npos) << s.last_prefix_disk_error();
+      EXPECT_EQ(s.prefixes_on_disk(), 0u);
+    } else {
+      ASSERT_EQ(s.prefixes_on_disk(), 1u);
+      for (const auto& entry : std::filesystem::directory_iterator(s.prefix_disk_directory())) file = entry.path();
+      const auto size = std::filesystem::file_size(file);
+      if (damage == "flip") {
+        std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(static_cast<std::streamoff>(size / 2));
+        f.put('\x5a');
+      } else if (damage == "truncate") {
+        std::filesystem::resize_file(file, size - 100);
+      } else {
+        std::filesystem::remove(file);
+      }
+    }
+    GenerationRequest next = a;
+    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
+    next.prompt.insert(next.prompt.end(), {403, 407});
+    next.max_new_tokens = 20;
+    ASSERT_TRUE(s.submit(next).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.finish[3], FinishReason::kLength);
+    EXPECT_EQ(got.tokens[3], alone(next));
+    EXPECT_EQ(got.cached[3], 0) << "computed";
+    EXPECT_EQ(s.stats().prefix_disk_restores, 0);
+    if (damage != "unwritable") {
+      EXPECT_EQ(s.stats().prefix_disk_errors, 1);
+      EXPECT_NE(s.last_prefix_disk_error().find(file), std::string::npos) << s.last_prefix_disk_error();
+      EXPECT_NE(s.last_prefix_disk_error().find(damage == "remove" ? "cannot open" : "'crc32'"), std::string::npos)
+          << s.last_prefix_disk_error();
+      EXPECT_FALSE(std::filesystem::exists(file));
+    }
+    EXPECT_TRUE(engine->check_invariants().is_ok());
+  }
+}
+
 // Prefix caching under load: shared system prompts, conversations that continue finished ones,
 // sampled and greedy requests, cancels, a pool too small for everyone (preemption, eviction) and
 // slots for cached sequences; the KV invariants after every step, and every request that ends
@@ -888,15 +1072,17 @@ std::shared_ptr<Backend> reference_backend() {
   return std::shared_ptr<Backend>(std::move(*b));
 }
 
-// Param: the method, and whether evicted prefixes are offloaded (and restored).
-class PrefixCachingUnderLoad : public ::testing::TestWithParam<std::tuple<SparseMethod, bool>> {};
+// Where evicted prefixes go: nowhere, host memory, or a little host memory and then disk.
+enum class OffloadStore { kNone, kHost, kHostAndDisk };
+// Param: the method, and the offload store.
+class PrefixCachingUnderLoad : public ::testing::TestWithParam<std::tuple<SparseMethod, OffloadStore>> {};
 
 TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   auto loaded = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   ASSERT_TRUE(loaded.is_ok());
   std::shared_ptr<const Model> model = *loaded;
   EngineOptions eo;
-  const auto [method, offload] = GetParam();
+  const auto [method, store] = GetParam();
   eo.sparse.method = method;
   eo.sparse.selection = {32, 1, 4};  // sparse decode past 32 tokens
   if (method == SparseMethod::kSpeContext) {
@@ -928,7 +1114,11 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   go.prefix_caching = true;
   go.admission = AdmissionPolicy::kPreempt;
   go.prefill_chunk = 24;
-  go.prefix_offload_bytes = offload ? uint64_t{256} << 10 : 0;  // about 12 pages of every layer
+  // 256 KiB: about 12 pages of every layer; 64 KiB about 3, the rest to disk.
+  go.prefix_offload_bytes = store == OffloadStore::kHost ? uint64_t{256} << 10
+                            : store == OffloadStore::kHostAndDisk ? uint64_t{64} << 10
+                                                                  : 0;
+  go.prefix_disk_bytes = store == OffloadStore::kHostAndDisk ? uint64_t{1} << 20 : 0;
   Scheduler s(**engine, go);
 
   std::mt19937 rng(11);
@@ -999,26 +1189,36 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   EXPECT_GE(checked, kRequests / 2);
   EXPECT_GT(s.stats().cached_prompt_tokens, 0);
   EXPECT_GT(s.stats().prefix_cache_evictions + s.stats().preemptions, 0) << "the pool was tight";
-  if (offload) {
+  if (store != OffloadStore::kNone) {
     EXPECT_GT(s.stats().prefix_restores, 0);
     EXPECT_LE(s.offloaded_bytes(), go.prefix_offload_bytes);
   }
+  if (store == OffloadStore::kHostAndDisk) {
+    EXPECT_GT(s.stats().prefix_disk_restores, 0);
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_LE(static_cast<uint64_t>(s.stats().prefix_disk_peak_bytes), go.prefix_disk_bytes);
+  }
   std::fprintf(stderr,
                "cached %lld prompt tokens, computed %lld; %lld preemptions, %lld evictions, %lld waits; "
-               "%lld offloaded, %lld restored, %lld dropped\n",
+               "%lld offloaded, %lld restored, %lld dropped; %lld written to disk, %lld read back\n",
                static_cast<long long>(s.stats().cached_prompt_tokens), static_cast<long long>(s.stats().prompt_tokens),
                static_cast<long long>(s.stats().preemptions), static_cast<long long>(s.stats().prefix_cache_evictions),
                static_cast<long long>(s.stats().prefix_waits), static_cast<long long>(s.stats().prefix_offloads),
-               static_cast<long long>(s.stats().prefix_restores), static_cast<long long>(s.stats().prefix_offload_drops));
+               static_cast<long long>(s.stats().prefix_restores), static_cast<long long>(s.stats().prefix_offload_drops),
+               static_cast<long long>(s.stats().prefix_disk_writes), static_cast<long long>(s.stats().prefix_disk_restores));
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, PrefixCachingUnderLoad,
                          ::testing::Combine(::testing::Values(SparseMethod::kDense, SparseMethod::kSpeContext,
                                                               SparseMethod::kQuest),
-                                            ::testing::Bool()),
+                                            ::testing::Values(OffloadStore::kNone, OffloadStore::kHost,
+                                                              OffloadStore::kHostAndDisk)),
                          [](const auto& info) {
+                           const OffloadStore store = std::get<1>(info.param);
                            return std::string(sparse_method_name(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) ? "_offload" : "");
+                                  (store == OffloadStore::kHost          ? "_offload"
+                                   : store == OffloadStore::kHostAndDisk ? "_offload_disk"
+                                                                         : "");
                          });
 
 }  // namespace

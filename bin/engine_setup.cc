@@ -94,18 +94,18 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
   g.admission = a.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
   g.prefix_caching = a.prefix_caching;
   g.recompute_lost_tiers = a.lost_tier == "recompute";
-  auto offload = planner::parse_size(a.prefix_offload);
-  if (!offload.is_ok()) return offload.status().with_context("--prefix-offload");
-  if (*offload < 0) return invalid_argument("--prefix-offload must not be negative");
-  if (*offload > 0 && !a.prefix_caching) return invalid_argument("--prefix-offload needs --prefix-caching");
-  g.prefix_offload_bytes = static_cast<uint64_t>(*offload);
-  auto disk = planner::parse_size(a.prefix_disk);
-  if (!disk.is_ok()) return disk.status().with_context("--prefix-offload-disk");
-  if (*disk < 0) return invalid_argument("--prefix-offload-disk must not be negative");
-  if (*disk > 0 && !a.prefix_caching) return invalid_argument("--prefix-offload-disk needs --prefix-caching");
-  g.prefix_disk_bytes = static_cast<uint64_t>(*disk);
+  // A size flag that needs prefix caching when not 0.
+  const auto cache_bytes = [&](const std::string& flag, const std::string& value) -> Result<uint64_t> {
+    auto bytes = planner::parse_size(value);
+    if (!bytes.is_ok()) return bytes.status().with_context(flag);
+    if (*bytes < 0) return invalid_argument(flag + " must not be negative");
+    if (*bytes > 0 && !a.prefix_caching) return invalid_argument(flag + " needs --prefix-caching");
+    return static_cast<uint64_t>(*bytes);
+  };
+  SPX_ASSIGN_OR_RETURN(g.prefix_offload_bytes, cache_bytes("--prefix-offload", a.prefix_offload));
+  SPX_ASSIGN_OR_RETURN(g.prefix_disk_bytes, cache_bytes("--prefix-offload-disk", a.prefix_disk));
   if (!a.prefix_disk_dir.empty()) {
-    if (*disk == 0) return invalid_argument("--prefix-offload-dir needs --prefix-offload-disk");
+    if (g.prefix_disk_bytes == 0) return invalid_argument("--prefix-offload-dir needs --prefix-offload-disk");
     std::error_code ec;
     if (!std::filesystem::is_directory(a.prefix_disk_dir, ec)) {
       return invalid_argument("--prefix-offload-dir " + a.prefix_disk_dir + " is not a directory");

@@ -1611,65 +1611,43 @@ TEST(OpenAiServer, PrefixCachingAnswersTheNextTurnFromTheCache) {
 }
 
 // One sequence slot: another conversation evicts the first's cache, which --prefix-offload keeps
-// in host memory; the first's next turn gets it back and is answered as without any eviction.
+// in host memory (or --prefix-offload-disk in a file); the first's next turn gets it back and is
+// answered as without any eviction.
 TEST(OpenAiServer, AnOffloadedPrefixAnswersTheNextTurnAfterEviction) {
-  Fixture f = make_fixture(1);
-  ServerOptions o = options_for(*f.tokenizer);
-  o.scheduling.prefix_caching = true;
-  o.scheduling.prefix_offload_bytes = uint64_t{16} << 20;
-  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
-  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
-  const uint16_t port = (*server)->port();
-  Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
-  ASSERT_EQ(first.status, 200) << first.body;
-  Reply other = post(port, "/v1/completions", {{"prompt", "The little dog"}, {"max_tokens", 30}, {"temperature", 0}});
-  ASSERT_EQ(other.status, 200) << other.body;
-  EXPECT_EQ((*server)->counters().prefix_offloads, 1) << "the first turn's cache gave way to the other";
-  EXPECT_EQ((*server)->counters().offloaded_prefixes, 1);
-  const std::string turn = kPrompt + first.j()["choices"][0]["text"].get<std::string>() + " Then";
-  Reply second = post(port, "/v1/completions", {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
-  ASSERT_EQ(second.status, 200) << second.body;
-  EXPECT_EQ(second.j()["choices"][0]["text"], generator_text(turn, 20));
-  const int64_t cached = second.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
-  EXPECT_GE(cached, 32) << "most of the first turn's tokens, in pages of 16";
-  const ServerCounters c = (*server)->counters();
-  EXPECT_EQ(c.prefix_restores, 1);
-  EXPECT_EQ(c.prefix_offloads, 2) << "the other conversation's cache went to host memory in turn";
-  Reply metrics = send(port, http::verb::get, "/metrics");
-  EXPECT_NE(metrics.body.find("specontext_prefix_restores_total 1"), std::string::npos) << metrics.body;
-  EXPECT_NE(metrics.body.find("specontext_prefix_offload_sequences 1"), std::string::npos) << metrics.body;
-}
-
-// The same with no host memory for the store and --prefix-offload-disk: the first turn's prefix
-// goes to a file and comes back from it.
-TEST(OpenAiServer, APrefixOffloadedToDiskAnswersTheNextTurnAfterEviction) {
-  Fixture f = make_fixture(1);
-  ServerOptions o = options_for(*f.tokenizer);
-  o.scheduling.prefix_caching = true;
-  o.scheduling.prefix_disk_bytes = uint64_t{16} << 20;
-  o.scheduling.prefix_disk_dir = ::testing::TempDir();
-  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
-  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
-  const uint16_t port = (*server)->port();
-  Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
-  ASSERT_EQ(first.status, 200) << first.body;
-  Reply other = post(port, "/v1/completions", {{"prompt", "The little dog"}, {"max_tokens", 30}, {"temperature", 0}});
-  ASSERT_EQ(other.status, 200) << other.body;
-  EXPECT_EQ((*server)->counters().prefix_disk_writes, 1) << "the first turn's cache went to disk";
-  EXPECT_EQ((*server)->counters().prefixes_on_disk, 1);
-  EXPECT_EQ((*server)->counters().offloaded_prefixes, 0);
-  const std::string turn = kPrompt + first.j()["choices"][0]["text"].get<std::string>() + " Then";
-  Reply second = post(port, "/v1/completions", {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
-  ASSERT_EQ(second.status, 200) << second.body;
-  EXPECT_EQ(second.j()["choices"][0]["text"], generator_text(turn, 20));
-  EXPECT_GE(second.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 32);
-  const ServerCounters c = (*server)->counters();
-  EXPECT_EQ(c.prefix_disk_restores, 1);
-  EXPECT_EQ(c.prefix_disk_errors, 0);
-  EXPECT_GT(c.prefix_disk_bytes, 0);
-  Reply metrics = send(port, http::verb::get, "/metrics");
-  EXPECT_NE(metrics.body.find("specontext_prefix_disk_restores_total 1"), std::string::npos) << metrics.body;
-  EXPECT_NE(metrics.body.find("specontext_prefix_disk_sequences 1"), std::string::npos) << metrics.body;
+  for (const bool disk : {false, true}) {
+    SCOPED_TRACE(disk ? "disk" : "host memory");
+    Fixture f = make_fixture(1);
+    ServerOptions o = options_for(*f.tokenizer);
+    o.scheduling.prefix_caching = true;
+    (disk ? o.scheduling.prefix_disk_bytes : o.scheduling.prefix_offload_bytes) = uint64_t{16} << 20;
+    o.scheduling.prefix_disk_dir = disk ? ::testing::TempDir() : "";
+    auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+    ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+    const uint16_t port = (*server)->port();
+    Reply first = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0}});
+    ASSERT_EQ(first.status, 200) << first.body;
+    Reply other = post(port, "/v1/completions", {{"prompt", "The little dog"}, {"max_tokens", 30}, {"temperature", 0}});
+    ASSERT_EQ(other.status, 200) << other.body;
+    ServerCounters c = (*server)->counters();
+    EXPECT_EQ(disk ? c.prefix_disk_writes : c.prefix_offloads, 1) << "the first turn's cache gave way to the other";
+    EXPECT_EQ(disk ? c.prefixes_on_disk : c.offloaded_prefixes, 1);
+    const std::string turn = kPrompt + first.j()["choices"][0]["text"].get<std::string>() + " Then";
+    Reply second = post(port, "/v1/completions", {{"prompt", turn}, {"max_tokens", 20}, {"temperature", 0}});
+    ASSERT_EQ(second.status, 200) << second.body;
+    EXPECT_EQ(second.j()["choices"][0]["text"], generator_text(turn, 20));
+    const int64_t cached = second.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+    EXPECT_GE(cached, 32) << "most of the first turn's tokens, in pages of 16";
+    c = (*server)->counters();
+    EXPECT_EQ(c.prefix_restores, 1);
+    EXPECT_EQ(c.prefix_disk_restores, disk ? 1 : 0);
+    EXPECT_EQ(c.prefix_disk_errors, 0);
+    EXPECT_EQ(disk ? c.prefix_disk_writes : c.prefix_offloads, 2) << "the other conversation's cache went in turn";
+    Reply metrics = send(port, http::verb::get, "/metrics");
+    EXPECT_NE(metrics.body.find("specontext_prefix_restores_total 1"), std::string::npos) << metrics.body;
+    EXPECT_NE(metrics.body.find(disk ? "specontext_prefix_disk_sequences 1" : "specontext_prefix_offload_sequences 1"),
+              std::string::npos)
+        << metrics.body;
+  }
 }
 
 TEST(OpenAiServer, ApiKeysGuardEveryV1RouteAndLeaveHealthAndMetricsOpen) {

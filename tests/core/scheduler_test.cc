@@ -539,6 +539,27 @@ std::vector<TokenId> story_prompt(size_t n) {
   return p;
 }
 
+// The next turn of conversation r: its prompt, its answer, then `more`; n tokens to generate.
+GenerationRequest next_turn(const GenerationRequest& r, const std::vector<TokenId>& answer,
+                            std::vector<TokenId> more, int64_t n) {
+  GenerationRequest next = r;
+  next.prompt.insert(next.prompt.end(), answer.begin(), answer.end());
+  next.prompt.insert(next.prompt.end(), more.begin(), more.end());
+  next.max_new_tokens = n;
+  return next;
+}
+
+// Four unrelated conversations of 4 whole pages each (65 tokens cached), one after another.
+std::vector<GenerationRequest> four_conversations(Scheduler& s, Collected& got) {
+  std::vector<GenerationRequest> reqs;
+  for (TokenId first : {403, 426, 432, 298}) {
+    reqs.push_back(request({1, first, 261}, 63));
+    EXPECT_TRUE(s.submit(reqs.back()).is_ok());
+    run_to_idle(s, got);
+  }
+  return reqs;
+}
+
 TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   auto engine = make_engine(4);  // pages of 16 tokens
   GeneratorOptions go;
@@ -590,10 +611,7 @@ TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
     ASSERT_TRUE(s.submit(a).is_ok());
     Collected got;
     run_to_idle(s, got);
-    GenerationRequest b = a;
-    b.prompt.insert(b.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-    b.prompt.push_back(403);
-    b.max_new_tokens = 20;
+    const GenerationRequest b = next_turn(a, got.tokens[1], {403}, 20);
     ASSERT_TRUE(s.submit(b).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.tokens[2], alone(b));
@@ -626,9 +644,7 @@ TEST(Scheduler, SlotsBeyondTheRunningOnesHoldCachedSequences) {
   EXPECT_EQ(got.tokens[1], alone(a));
   EXPECT_EQ(got.tokens[2], alone(b));
   EXPECT_EQ(s.cached_sequences(), 2u);
-  GenerationRequest next = a;
-  next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-  next.prompt.push_back(403);
+  const GenerationRequest next = next_turn(a, got.tokens[1], {403}, a.max_new_tokens);
   ASSERT_TRUE(s.submit(next).is_ok());
   run_to_idle(s, got);
   EXPECT_EQ(got.tokens[3], alone(next));
@@ -722,10 +738,8 @@ TEST(Scheduler, TheNextTurnTakesOverItsCacheWhereCountingBothWouldNotFit) {
     Collected got;
     ASSERT_TRUE(s.submit(a).is_ok());
     run_to_idle(s, got);
-    GenerationRequest next = a;
-    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-    next.prompt.push_back(403);
-    next.max_new_tokens = 200;  // 271 tokens: 17 pages, beside A's 5 there would be 22
+    // 271 tokens: 17 pages, beside A's 5 there would be 22.
+    const GenerationRequest next = next_turn(a, got.tokens[1], {403}, 200);
     ASSERT_TRUE(s.submit(next).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.finish[2], FinishReason::kLength);
@@ -764,10 +778,7 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
       const bool kept_a = budget >= 4 * page, kept_b = budget >= 15 * page;
       EXPECT_EQ(s.stats().prefix_offloads, kept_a ? 1 : 0);
       EXPECT_EQ(s.offloaded_bytes(), kept_a ? 4 * page : 0);
-      GenerationRequest next = a;
-      next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-      next.prompt.insert(next.prompt.end(), {403, 407});
-      next.max_new_tokens = 20;
+      const GenerationRequest next = next_turn(a, got.tokens[1], {403, 407}, 20);
       ASSERT_TRUE(s.submit(next).is_ok());
       run_to_idle(s, got);
       EXPECT_EQ(got.finish[3], FinishReason::kLength);
@@ -794,21 +805,13 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
   Scheduler s(*engine, go);
   // Four unrelated conversations of 4 whole pages each (65 tokens cached): from the third on,
   // each evicts the least recently used cached one into the store.
-  std::vector<GenerationRequest> reqs;
   Collected got;
-  for (TokenId first : {403, 426, 432, 298}) {
-    reqs.push_back(request({1, first, 261}, 63));
-    ASSERT_TRUE(s.submit(reqs.back()).is_ok());
-    run_to_idle(s, got);
-  }
+  const std::vector<GenerationRequest> reqs = four_conversations(s, got);
   EXPECT_EQ(s.stats().prefix_offloads, 2);
   EXPECT_EQ(s.offloaded_bytes(), 8 * page);
   // The first conversation's next turn: out of the store (the third's cache is evicted into it
   // for the slot), taken over and computed on from 64 tokens.
-  GenerationRequest next = reqs[0];
-  next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-  next.prompt.push_back(407);
-  next.max_new_tokens = 10;
+  const GenerationRequest next = next_turn(reqs[0], got.tokens[1], {407}, 10);
   ASSERT_TRUE(s.submit(next).is_ok());
   run_to_idle(s, got);
   EXPECT_EQ(got.cached[5], 64);
@@ -826,10 +829,7 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
   EXPECT_EQ(s.stats().prefix_offload_peak_bytes, static_cast<int64_t>(8 * page));
   // The third conversation's next turn is restored; the second's, dropped, is computed again.
   for (size_t c : {size_t{2}, size_t{1}}) {
-    GenerationRequest turn = reqs[c];
-    turn.prompt.insert(turn.prompt.end(), got.tokens[static_cast<int64_t>(c + 1)].begin(),
-                       got.tokens[static_cast<int64_t>(c + 1)].end());
-    turn.max_new_tokens = 5;
+    const GenerationRequest turn = next_turn(reqs[c], got.tokens[static_cast<int64_t>(c + 1)], {}, 5);
     auto id = s.submit(turn);
     ASSERT_TRUE(id.is_ok());
     run_to_idle(s, got);
@@ -910,10 +910,7 @@ TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
     ASSERT_FALSE(dir.empty());
     EXPECT_TRUE(std::filesystem::equivalent(std::filesystem::path(dir).parent_path(), go.prefix_disk_dir)) << dir;
     EXPECT_EQ(prefix_files(dir), 1u);
-    GenerationRequest next = a;
-    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-    next.prompt.insert(next.prompt.end(), {403, 407});
-    next.max_new_tokens = 20;
+    const GenerationRequest next = next_turn(a, got.tokens[1], {403, 407}, 20);
     ASSERT_TRUE(s.submit(next).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.tokens[3], alone(next));
@@ -942,13 +939,8 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     go.prefix_offload_bytes = 5 * page;                          // one prefix of 4 pages
     go.prefix_disk_bytes = disk_fits_one ? 6 * page : uint64_t{64} << 20;
     Scheduler s(*engine, go);
-    std::vector<GenerationRequest> reqs;
     Collected got;
-    for (TokenId first : {403, 426, 432, 298}) {
-      reqs.push_back(request({1, first, 261}, 63));
-      ASSERT_TRUE(s.submit(reqs.back()).is_ok());
-      run_to_idle(s, got);
-    }
+    const std::vector<GenerationRequest> reqs = four_conversations(s, got);
     // The first two conversations were evicted, the first from host memory to disk for the second.
     EXPECT_EQ(s.stats().prefix_offloads, 2);
     EXPECT_EQ(s.stats().prefix_disk_writes, 1);
@@ -959,10 +951,7 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     // The first conversation's next turn comes off the disk; the third's cache goes to host
     // memory for the slot, and the second's prefix from there to disk, except on a disk for one
     // prefix: the first's file counts until it has been read back, so the second is dropped.
-    GenerationRequest next = reqs[0];
-    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-    next.prompt.push_back(407);
-    next.max_new_tokens = 10;
+    const GenerationRequest next = next_turn(reqs[0], got.tokens[1], {407}, 10);
     ASSERT_TRUE(s.submit(next).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.cached[5], 64);
@@ -979,9 +968,7 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     // The second conversation's next turn: read back, or computed when it was dropped. The first's
     // next turn goes to host memory for the slot and the fourth's from there to disk; a disk for
     // one prefix removes the third's file for it.
-    GenerationRequest turn = reqs[1];
-    turn.prompt.insert(turn.prompt.end(), got.tokens[2].begin(), got.tokens[2].end());
-    turn.max_new_tokens = 5;
+    const GenerationRequest turn = next_turn(reqs[1], got.tokens[2], {}, 5);
     ASSERT_TRUE(s.submit(turn).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.cached[7], disk_fits_one ? 0 : 64);
@@ -1035,10 +1022,7 @@ TEST(Scheduler, AFileThatCannotBeReadBackOrWrittenIsDroppedAndThePromptComputed)
         std::filesystem::remove(file);
       }
     }
-    GenerationRequest next = a;
-    next.prompt.insert(next.prompt.end(), got.tokens[1].begin(), got.tokens[1].end());
-    next.prompt.insert(next.prompt.end(), {403, 407});
-    next.max_new_tokens = 20;
+    const GenerationRequest next = next_turn(a, got.tokens[1], {403, 407}, 20);
     ASSERT_TRUE(s.submit(next).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.finish[3], FinishReason::kLength);

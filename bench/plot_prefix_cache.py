@@ -38,7 +38,9 @@ b.legend(fontsize=8)
 fig.suptitle(f"{doc['model']} ({doc['layers']} layers): {doc['conversations']} conversations x {doc['turns']} turns, "
              f"wall x{doc['wall_ratio_off_over_on']:.2f}, TTFT x{doc['ttft_ratio_off_over_on']:.2f} (off / on); "
              f"wall x{doc.get('wall_ratio_on_over_offload', 0):.2f}, TTFT x{doc.get('ttft_ratio_on_over_offload', 0):.2f} "
-             "(on / on + offload)",
+             "(on / on + offload)" +
+             (f"; wall x{doc['wall_ratio_disk_over_offload']:.2f} (disk / host memory)"
+              if "wall_ratio_disk_over_offload" in doc else ""),
              fontsize=10)
 out = path.rsplit(".", 1)[0] + ".png"
 fig.tight_layout()

@@ -50,7 +50,7 @@ Status ByteReader::skip(size_t n, std::string_view what) {
 Status ByteReader::read_bytes(void* out, size_t n, std::string_view what) {
   const size_t at = off_;
   SPX_RETURN_IF_ERROR(skip(n, what));
-  std::memcpy(out, data_ + at, n);
+  if (n > 0) std::memcpy(out, data_ + at, n);  // an empty array's data() may be null
   return Status::ok();
 }
 

@@ -206,6 +206,7 @@ int run_generate(const GenerateArgs& a) {
       {"decode_steps", st.decode_steps},
       {"max_batch_sequences", st.max_batch_sequences},
       {"preemptions", st.preemptions},
+      {"preemption_swaps", st.preemption_swaps},
       {"lost_tiers", st.lost_tiers},
       {"lost_tier_recomputes", st.lost_tier_requeues},
       {"cached_prompt_tokens", st.cached_prompt_tokens},

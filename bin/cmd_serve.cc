@@ -145,6 +145,7 @@ int run_serve(const ServeArgs& a) {
                               {"generated_tokens", c.generated_tokens},
                               {"max_batch_sequences", c.max_batch_sequences},
                               {"preemptions", c.preemptions},
+                              {"preemption_swaps", c.preemption_swaps},
                               {"lost_tiers", c.lost_tiers},
                               {"lost_tier_recomputes", c.lost_tier_requeues},
                               {"cached_prompt_tokens", c.cached_prompt_tokens},

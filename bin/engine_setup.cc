@@ -50,6 +50,12 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                  "preempt: admit when its prompt fits, and recompute the newest request when memory runs short")
       ->check(CLI::IsMember({"reserve", "preempt"}))
       ->capture_default_str();
+  cmd.add_option("--preemption-mode", a.preemption_mode,
+                 "what a preempted request's KV does (--admission preempt): swap: its whole pages go to the "
+                 "prefix offload store (--prefix-offload / --prefix-offload-disk) and come back when it runs "
+                 "again; recompute: dropped and computed again (also swap's fallback without a store)")
+      ->check(CLI::IsMember({"swap", "recompute"}))
+      ->capture_default_str();
   cmd.add_flag("--prefix-caching,!--no-prefix-caching", a.prefix_caching,
                "start each request from the longest cached prefix of its prompt (running or finished "
                "requests' KV, in whole pages; finished ones stay cached until memory is wanted)")
@@ -94,6 +100,7 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
   g.admission = a.admission == "preempt" ? AdmissionPolicy::kPreempt : AdmissionPolicy::kReserve;
   g.prefix_caching = a.prefix_caching;
   g.recompute_lost_tiers = a.lost_tier == "recompute";
+  g.swap_preempted = a.preemption_mode == "swap";
   // A size flag that needs prefix caching when not 0.
   const auto cache_bytes = [&](const std::string& flag, const std::string& value) -> Result<uint64_t> {
     auto bytes = planner::parse_size(value);

@@ -34,6 +34,7 @@ struct EngineArgs {
   int64_t prefill_chunk = 256;
   std::string admission = "reserve";  // "reserve" or "preempt" (AdmissionPolicy); serve: preempt
   bool prefix_caching = false;        // --prefix-caching (GeneratorOptions::prefix_caching); serve: on
+  std::string preemption_mode = "swap";  // or "recompute" (GeneratorOptions::swap_preempted)
   std::string prefix_offload = "0";   // --prefix-offload SIZE (GeneratorOptions::prefix_offload_bytes)
   std::string prefix_disk = "0";      // --prefix-offload-disk SIZE (GeneratorOptions::prefix_disk_bytes)
   std::string prefix_disk_dir;        // --prefix-offload-dir DIR (GeneratorOptions::prefix_disk_dir)
@@ -53,8 +54,9 @@ struct EngineArgs {
 // --model/--synthetic, --tokenizer, the sparse, backend, KV and tier options.
 void add_engine_options(CLI::App& cmd, EngineArgs& args);
 
-// The scheduler's options from --prefill-chunk, --admission, --prefix-caching, --prefix-offload,
-// --prefix-offload-disk, --prefix-offload-dir and --lost-tier; kInvalidArgument naming the flag when they do not go together.
+// The scheduler's options from --prefill-chunk, --admission, --preemption-mode, --prefix-caching,
+// --prefix-offload, --prefix-offload-disk, --prefix-offload-dir and --lost-tier; kInvalidArgument
+// naming the flag when they do not go together.
 Result<GeneratorOptions> scheduling_options(const EngineArgs& args);
 
 struct LoadedModel {

@@ -170,10 +170,10 @@ struct OpenAiServer::Impl {
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0}, unauthorized{0};
   std::atomic<int64_t> open_connections{0}, connections_refused{0};  // written by the Asio thread
   std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
-      preemptions{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0}, cached_sequences{0}, kv_bytes{0},
-      lost_tiers{0}, lost_tier_requeues{0}, prefix_offloads{0}, prefix_restores{0}, offloaded_prefixes{0},
-      offloaded_bytes{0}, prefix_disk_writes{0}, prefix_disk_restores{0}, prefix_disk_errors{0},
-      prefixes_on_disk{0}, prefix_disk_bytes{0};
+      preemptions{0}, preemption_swaps{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0},
+      cached_sequences{0}, kv_bytes{0}, lost_tiers{0}, lost_tier_requeues{0}, prefix_offloads{0},
+      prefix_restores{0}, offloaded_prefixes{0}, offloaded_bytes{0}, prefix_disk_writes{0},
+      prefix_disk_restores{0}, prefix_disk_errors{0}, prefixes_on_disk{0}, prefix_disk_bytes{0};
 
   std::thread io_thread;
   std::thread engine_thread;
@@ -256,6 +256,7 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   generated_tokens = st.generated_tokens;
   max_batch = st.max_batch_sequences;
   preemptions = st.preemptions;
+  preemption_swaps = st.preemption_swaps;
   lost_tiers = st.lost_tiers;
   lost_tier_requeues = st.lost_tier_requeues;
   cached_prompt_tokens = st.cached_prompt_tokens;
@@ -1294,7 +1295,9 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_prompt_tokens_total", "counter", "prompt tokens prefilled", prompt_tokens);
   metric("specontext_generation_tokens_total", "counter", "tokens generated", generated_tokens);
   metric("specontext_batch_sequences_max", "gauge", "most sequences in one forward pass", max_batch);
-  metric("specontext_preemptions_total", "counter", "running requests recomputed to make room", preemptions);
+  metric("specontext_preemptions_total", "counter", "running requests preempted to make room", preemptions);
+  metric("specontext_preemption_swaps_total", "counter",
+         "of the preempted requests, those whose KV went to the prefix offload store", preemption_swaps);
   metric("specontext_kv_tiers_lost_total", "counter",
          "remote KV tiers lost (every replica died) and abandoned", lost_tiers);
   metric("specontext_lost_tier_recomputes_total", "counter",
@@ -1415,6 +1418,7 @@ ServerCounters OpenAiServer::counters() const {
   c.waiting = s.waiting;
   c.max_batch_sequences = s.max_batch;
   c.preemptions = s.preemptions;
+  c.preemption_swaps = s.preemption_swaps;
   c.lost_tiers = s.lost_tiers;
   c.lost_tier_requeues = s.lost_tier_requeues;
   c.cached_prompt_tokens = s.cached_prompt_tokens;

@@ -62,7 +62,8 @@ struct ServerCounters {
   int64_t running = 0;
   int64_t waiting = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
-  int64_t preemptions = 0;          // running requests recomputed to make room (AdmissionPolicy::kPreempt)
+  int64_t preemptions = 0;          // running requests preempted to make room (AdmissionPolicy::kPreempt)
+  int64_t preemption_swaps = 0;     // of those, swapped out to the offload store (swap_preempted)
   int64_t lost_tiers = 0;  // remote KV tiers lost and abandoned (GeneratorOptions::recompute_lost_tiers)
   int64_t lost_tier_requeues = 0;      // running requests recomputed after such a loss
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache

@@ -122,11 +122,11 @@ bool Scheduler::evict_cached(SeqId keep, bool offload_it) {
   return false;
 }
 
-void Scheduler::offload(const CachedSequence& c) {
-  if (options_.prefix_offload_bytes == 0 && options_.prefix_disk_bytes == 0) return;
+bool Scheduler::offload(const CachedSequence& c) {
+  if (options_.prefix_offload_bytes == 0 && options_.prefix_disk_bytes == 0) return false;
   const int64_t unit = engine_.fork_granularity();
   const int64_t whole = static_cast<int64_t>(c.tokens.size()) / unit * unit;
-  if (whole == 0) return;
+  if (whole == 0) return false;
   const std::span<const TokenId> tokens(c.tokens.data(), static_cast<size_t>(whole));
   auto starts = [](std::span<const TokenId> longer, std::span<const TokenId> shorter) {
     return shorter.size() <= longer.size() && std::equal(shorter.begin(), shorter.end(), longer.begin());
@@ -137,7 +137,7 @@ void Scheduler::offload(const CachedSequence& c) {
       OffloadedPrefix kept = std::move(*it);
       offloaded_.erase(it);
       offloaded_.push_back(std::move(kept));
-      return;
+      return true;
     }
     if (starts(tokens, it->tokens)) {  // extended by this one
       ++(it->on_disk() ? stats_.prefix_disk_drops : stats_.prefix_offload_drops);
@@ -148,13 +148,15 @@ void Scheduler::offload(const CachedSequence& c) {
     }
   }
   auto snapshot = engine_.export_prefix(c.seq, whole);
-  if (!snapshot.is_ok()) return;
-  OffloadedPrefix p{std::vector<TokenId>(tokens.begin(), tokens.end()), std::move(*snapshot)};
+  if (!snapshot.is_ok()) return false;
+  OffloadedPrefix p;
+  p.tokens.assign(tokens.begin(), tokens.end());
+  p.snapshot = std::move(*snapshot);
   if (p.snapshot.bytes() > options_.prefix_offload_bytes) {
     // Larger than host memory allows: straight to disk, or not kept.
     if (!write_to_disk(p)) {
       settle_offloaded();  // files it removed for room are erased
-      return;
+      return false;
     }
     p.snapshot = PrefixSnapshot();
   } else {
@@ -162,7 +164,8 @@ void Scheduler::offload(const CachedSequence& c) {
     ++stats_.prefix_offloads;
   }
   offloaded_.push_back(std::move(p));
-  settle_offloaded();
+  settle_offloaded();  // older ones give way: this one is within the budget alone
+  return true;
 }
 
 bool Scheduler::write_to_disk(OffloadedPrefix& p) {
@@ -400,6 +403,13 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     PrefixSource source = forks(e) ? find_prefix(e) : PrefixSource{};
     // An offloaded prefix longer than any the cache has or will have: back into the cache, then
     // look again (it is found there). Failing, it may have evicted the source found.
+    // Under kPreempt, not before its prompt fits beside the running requests: restored while it
+    // still waits, the prefix would be evicted again (and offloaded again) before it is used.
+    if (source.from_offload && options_.admission == AdmissionPolicy::kPreempt && others &&
+        !engine_.fits(near_lengths(SeqId(), /*without_cached=*/true), near_length(e, r.synthetic_context))
+             .is_ok()) {
+      break;
+    }
     if (source.from_offload && restored_for != e.id && restore_offloaded(*source.from_offload)) {
       restored_for = e.id;
       continue;
@@ -509,12 +519,12 @@ int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
   return cached + 1;
 }
 
-std::vector<int64_t> Scheduler::near_lengths(SeqId taken_over) const {
+std::vector<int64_t> Scheduler::near_lengths(SeqId taken_over, bool without_cached) const {
   std::vector<int64_t> lens;
   lens.reserve(running_.size() + cached_.size());
   for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
   for (const CachedSequence& c : cached_) {
-    lens.push_back(c.seq == taken_over ? 0 : engine_.sequence_length(c.seq));
+    lens.push_back(c.seq == taken_over || without_cached ? 0 : engine_.sequence_length(c.seq));
   }
   return lens;
 }
@@ -527,9 +537,25 @@ void Scheduler::preempt_until_fits() {
     if (running_.size() <= 1) break;
     Entry e = std::move(running_.back());
     running_.pop_back();
+    if (swaps(e)) swap_out(e);
     requeue(std::move(e));
     ++stats_.preemptions;
   }
+}
+
+bool Scheduler::swaps(const Entry& e) const {
+  return options_.swap_preempted && e.seq.valid() && forks(e) &&
+         (options_.prefix_offload_bytes > 0 || options_.prefix_disk_bytes > 0);
+}
+
+void Scheduler::swap_out(const Entry& e) {
+  // What its cache holds: the prompt as submitted, then its tokens (the last one not yet fed).
+  CachedSequence c{e.seq, {}};
+  c.tokens.assign(e.request.prompt.begin(),
+                  e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
+  c.tokens.insert(c.tokens.end(), e.produced.begin(), e.produced.end());
+  c.tokens.resize(std::min(c.tokens.size(), static_cast<size_t>(engine_.sequence_length(e.seq))));
+  if (offload(c)) ++stats_.preemption_swaps;
 }
 
 void Scheduler::requeue(Entry e) {

@@ -69,6 +69,7 @@ struct GenerationStats {
   int64_t kv_bytes_peak = 0;
   int64_t max_batch_sequences = 0;  // most sequences in one forward
   int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
+  int64_t preemption_swaps = 0;     // of those, the ones whose KV went to the offload store (swap_preempted)
   int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache, not computed
   int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
   int64_t prefix_offloads = 0;         // of those, kept in host memory (prefix_offload_bytes)
@@ -95,7 +96,8 @@ struct GenerationStats {
 // its sequence is freed and it waits again, first in line, to be recomputed from its prompt and
 // the tokens it has produced (its random stream goes on where it was, so its output is the one
 // it would have had, up to prefill-vs-decode rounding). Requests that cannot fit even alone at
-// their final length are refused under both.
+// their final length are refused under both. With an offload store a preempted request's KV is
+// swapped out instead (GeneratorOptions::swap_preempted).
 enum class AdmissionPolicy { kReserve, kPreempt };
 
 struct GeneratorOptions {
@@ -128,6 +130,13 @@ struct GeneratorOptions {
   // goes with the scheduler. 0: no disk level.
   uint64_t prefix_disk_bytes = 0;
   std::string prefix_disk_dir;  // empty: the system's temporary directory
+  // Swap preemption (vLLM's preemption_mode "swap"), under kPreempt with prefix caching and an
+  // offload store (prefix_offload_bytes or prefix_disk_bytes): a preempted request's whole fork
+  // units go to the store as an evicted cached prefix does, and when it is admitted again they
+  // are written back (it waits until its prompt fits beside the running requests, so that they
+  // are not evicted again at once); only the rest, less than a unit, is computed. A store that
+  // has no room, a file that cannot be read back, or off: it is recomputed.
+  bool swap_preempted = true;
   // When a forward fails because a remote tier is gone for good (Engine::lost_tiers: every
   // replica of a KV node tier died), the engine abandons the tier and every request is
   // recomputed from its prompt and the tokens it produced, as a preempted one is (its random
@@ -235,9 +244,13 @@ class Scheduler {
   // kPreempt: the length each running request reaches after its next step or two (a prefilling
   // one: its whole prompt and first token), and the preemption that makes them fit.
   static int64_t near_length(const Entry& e, int64_t cached);
-  // taken_over: a cached sequence the new request takes over, counted as 0 (the request is).
-  std::vector<int64_t> near_lengths(SeqId taken_over = SeqId()) const;
+  // taken_over: a cached sequence the new request takes over, counted as 0 (the request is);
+  // without_cached: every cached sequence counted as 0 (all of them evicted).
+  std::vector<int64_t> near_lengths(SeqId taken_over = SeqId(), bool without_cached = false) const;
   void preempt_until_fits();
+  // swap_preempted applies to e: its KV whole fork units into the store (before requeue).
+  bool swaps(const Entry& e) const;
+  void swap_out(const Entry& e);
   // Frees a running request's sequence and puts it first in line, to be recomputed from its prompt
   // and the tokens it produced.
   void requeue(Entry e);
@@ -262,7 +275,8 @@ class Scheduler {
   // Drops the least recently used cached sequence other than `keep` (that one only when it is the
   // last and nothing runs), offloading it first when prefix_offload_bytes allows; false when none.
   bool evict_cached(SeqId keep = SeqId(), bool offload = true);
-  void offload(const CachedSequence& c);
+  // True when the store holds c's whole fork units afterwards.
+  bool offload(const CachedSequence& c);
   // Writes offloaded_[index] back as the most recently used cached sequence, evicting others for
   // room; false (the prefix stays offloaded) when it cannot.
   bool restore_offloaded(size_t index);

@@ -97,6 +97,32 @@ TEST(Cli, PrefixOffloadNeedsPrefixCachingAndASize) {
   EXPECT_NE(no_dir.out.find("--prefix-offload-dir /nonexistent-dir is not a directory"), std::string::npos) << no_dir.out;
 }
 
+// --preemption-mode: on a pool too small for the batch, swap sends preempted requests' pages to
+// the offload store and back (counted), recompute does not; the text is the same.
+TEST(Cli, PreemptionModeSwapsPreemptedRequestsThroughTheOffloadStore) {
+  const std::string run = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                          " --prompt 'Once upon a time' -n 200 --batch 4 --temperature 0.8 --seed 3"
+                          " --device-kv 1MiB --host-kv 2MiB --admission preempt --prefix-caching"
+                          " --prefix-offload 8MiB --json --preemption-mode ";
+  std::string texts[2];
+  for (int swap = 0; swap < 2; ++swap) {
+    const CliRun r = run_cli(run + (swap ? "swap" : "recompute"), false);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    texts[swap] = j["text"].get<std::string>();
+    EXPECT_GE(j["preemptions"].get<int64_t>(), 1) << j.dump();
+    if (swap) {
+      EXPECT_EQ(j["preemption_swaps"].get<int64_t>(), j["preemptions"].get<int64_t>()) << j.dump();
+    } else {
+      EXPECT_EQ(j["preemption_swaps"].get<int64_t>(), 0) << j.dump();
+    }
+  }
+  EXPECT_EQ(texts[1], texts[0]);
+  const CliRun bad = run_cli(run + "later");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--preemption-mode"), std::string::npos) << bad.out;
+}
+
 TEST(Cli, HalfPrecisionKvHalvesTheCacheAndKeepsTheGreedyText) {
   for (const char* dtype : {"bf16", "f16"}) {
     const CliRun r = run_cli("generate --model " + repo_path("models/stories260K/stories260K.bin") +

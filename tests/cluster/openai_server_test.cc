@@ -929,52 +929,69 @@ TEST(OpenAiServer, ChatCompletionsRenderTheTemplateAndEqualTheGenerator) {
 
 // A KV pool too small for three requests at their final lengths: the server's preempting
 // admission runs them together, recomputes the one that gives way, and each gets its alone text;
-// with reserving admission they run one at a time.
+// with reserving admission they run one at a time. With prefix caching and an offload store the
+// one that gives way is swapped out to the store and back (specontext_preemption_swaps_total).
 TEST(OpenAiServer, PreemptingAdmissionBatchesWhatReservingRunsOneAtATime) {
   const std::vector<std::string> prompts = {"Once upon a time", "The little dog", "Lily and Ben went"};
   std::vector<std::string> expected;
   for (const auto& p : prompts) expected.push_back(generator_text(p, 190));
-  for (AdmissionPolicy policy : {AdmissionPolicy::kPreempt, AdmissionPolicy::kReserve}) {
-    SCOPED_TRACE(policy == AdmissionPolicy::kPreempt ? "preempt" : "reserve");
-    Fixture f;
-    auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-    ASSERT_TRUE(m.is_ok());
-    f.model = *m;
-    auto t = load_tokenizer_for(*f.model, "");
-    ASSERT_TRUE(t.is_ok());
-    f.tokenizer = std::move(*t);
-    EngineOptions eo;
-    eo.max_sequences = 3;
-    eo.kv_pages = 20;  // 320 tokens; each request reaches about 195
-    auto e = Engine::create(f.model, testing::cpu_backend(), eo);
-    ASSERT_TRUE(e.is_ok());
-    f.engine = std::move(*e);
-    ServerOptions o = options_for(*f.tokenizer);
-    o.scheduling.admission = policy;
-    auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
-    ASSERT_TRUE(server.is_ok());
-    const uint16_t port = (*server)->port();
-    std::vector<std::string> got(prompts.size());
-    std::vector<std::thread> clients;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      clients.emplace_back([&, i] {
-        Reply r = post(port, "/v1/completions",
-                       {{"prompt", prompts[i]}, {"max_tokens", 190}, {"temperature", 0}, {"ignore_eos", false}});
-        if (r.status == 200) got[i] = r.j()["choices"][0]["text"];
-      });
+  for (const bool swap : {false, true}) {
+    for (AdmissionPolicy policy : {AdmissionPolicy::kPreempt, AdmissionPolicy::kReserve}) {
+      if (swap && policy == AdmissionPolicy::kReserve) continue;  // nothing is preempted
+      SCOPED_TRACE(swap ? "preempt, swap" : policy == AdmissionPolicy::kPreempt ? "preempt" : "reserve");
+      Fixture f;
+      auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+      ASSERT_TRUE(m.is_ok());
+      f.model = *m;
+      auto t = load_tokenizer_for(*f.model, "");
+      ASSERT_TRUE(t.is_ok());
+      f.tokenizer = std::move(*t);
+      EngineOptions eo;
+      eo.max_sequences = 3;
+      eo.kv_pages = 20;  // 320 tokens; each request reaches about 195
+      auto e = Engine::create(f.model, testing::cpu_backend(), eo);
+      ASSERT_TRUE(e.is_ok());
+      f.engine = std::move(*e);
+      ServerOptions o = options_for(*f.tokenizer);
+      o.scheduling.admission = policy;
+      o.scheduling.prefix_caching = swap;
+      o.scheduling.prefix_offload_bytes = swap ? uint64_t{8} << 20 : 0;
+      auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+      ASSERT_TRUE(server.is_ok());
+      const uint16_t port = (*server)->port();
+      std::vector<std::string> got(prompts.size());
+      std::vector<std::thread> clients;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        clients.emplace_back([&, i] {
+          Reply r =
+              post(port, "/v1/completions",
+                   {{"prompt", prompts[i]}, {"max_tokens", 190}, {"temperature", 0}, {"ignore_eos", false}});
+          if (r.status == 200) got[i] = r.j()["choices"][0]["text"];
+        });
+      }
+      for (auto& c : clients) c.join();
+      for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << "request " << i;
+      const ServerCounters c = (*server)->counters();
+      EXPECT_EQ(c.completed, 3);
+      if (policy == AdmissionPolicy::kPreempt) {
+        EXPECT_GE(c.max_batch_sequences, 2);
+        EXPECT_GE(c.preemptions, 1);
+        EXPECT_EQ(c.preemption_swaps, swap ? c.preemptions : 0);
+        EXPECT_EQ(c.prefix_restores, c.preemption_swaps) << "each swapped-out request came back once";
+      } else {
+        EXPECT_EQ(c.max_batch_sequences, 1);
+        EXPECT_EQ(c.preemptions, 0);
+      }
+      if (swap) {
+        const Reply metrics = send(port, http::verb::get, "/metrics");
+        EXPECT_NE(
+            metrics.body.find("specontext_preemption_swaps_total " + std::to_string(c.preemption_swaps)),
+            std::string::npos)
+            << metrics.body;
+      } else {
+        EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
+      }
     }
-    for (auto& c : clients) c.join();
-    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << "request " << i;
-    const ServerCounters c = (*server)->counters();
-    EXPECT_EQ(c.completed, 3);
-    if (policy == AdmissionPolicy::kPreempt) {
-      EXPECT_GE(c.max_batch_sequences, 2);
-      EXPECT_GE(c.preemptions, 1);
-    } else {
-      EXPECT_EQ(c.max_batch_sequences, 1);
-      EXPECT_EQ(c.preemptions, 0);
-    }
-    EXPECT_TRUE(eventually([&] { return (*server)->counters().kv_bytes_in_use == 0; }));
   }
 }
 

@@ -1040,6 +1040,71 @@ TEST(Scheduler, AFileThatCannotBeReadBackOrWrittenIsDroppedAndThePromptComputed)
   }
 }
 
+// Swap preemption: under the pool of PreemptingAdmissionRunsRequestsTogetherAndRecomputes..., a
+// preempted request's whole pages go to the offload store (host memory, or disk) and come back
+// when it runs again, each once; only what is short of a page is computed. The tokens are the
+// alone ones, as with recompute, for fewer prompt tokens computed.
+TEST(Scheduler, APreemptedRequestIsSwappedOutAndItsPagesComeBackOnce) {
+  const std::vector<GenerationRequest> reqs{
+      request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
+      request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 150, 0.8f)};
+  std::vector<std::vector<TokenId>> expected;
+  int64_t submitted_prompt_tokens = 0;
+  for (const auto& r : reqs) {
+    expected.push_back(alone(r));
+    submitted_prompt_tokens += static_cast<int64_t>(r.prompt.size());
+  }
+  enum class Mode { kRecompute, kSwapToHost, kSwapToDisk };
+  std::map<Mode, GenerationStats> stats;
+  for (Mode mode : {Mode::kRecompute, Mode::kSwapToHost, Mode::kSwapToDisk}) {
+    SCOPED_TRACE(mode == Mode::kRecompute    ? "recompute"
+                 : mode == Mode::kSwapToHost ? "swap to host"
+                                             : "swap to disk");
+    auto engine = pool_engine(3, 20);  // 320 tokens; the three requests reach 200 + 200 + 162
+    ASSERT_TRUE(engine);
+    GeneratorOptions go;
+    go.admission = AdmissionPolicy::kPreempt;
+    go.prefill_chunk = 64;
+    go.prefix_caching = true;
+    go.swap_preempted = mode != Mode::kRecompute;
+    go.prefix_offload_bytes = mode == Mode::kSwapToHost ? uint64_t{64} << 20 : 0;
+    go.prefix_disk_bytes = mode == Mode::kSwapToDisk ? uint64_t{64} << 20 : 0;
+    go.prefix_disk_dir = ::testing::TempDir();
+    Scheduler s(*engine, go);
+    for (const auto& r : reqs) ASSERT_TRUE(s.submit(r).is_ok());
+    Collected got;
+    run_to_idle(s, got);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(got.finish[static_cast<int64_t>(i + 1)], FinishReason::kLength) << i;
+      EXPECT_EQ(got.tokens[static_cast<int64_t>(i + 1)], expected[i]) << "request " << i;
+    }
+    const GenerationStats& st = s.stats();
+    EXPECT_GE(st.preemptions, 1) << "the pool was too small for all three at their final lengths";
+    // Every restore is a swap-in, one for each swap-out (a prefix restored while its request
+    // still had to wait would be evicted, offloaded and restored again).
+    EXPECT_EQ(st.prefix_restores, st.preemption_swaps);
+    EXPECT_EQ(st.prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    if (mode == Mode::kRecompute) {
+      EXPECT_EQ(st.preemption_swaps, 0);
+    } else {
+      EXPECT_EQ(st.preemption_swaps, st.preemptions) << "each preempted request held a whole page";
+      // Each swap-in computes less than a page (16 tokens) and the token not yet fed.
+      EXPECT_LE(st.prompt_tokens, submitted_prompt_tokens + st.preemptions * 16);
+      EXPECT_EQ(st.prefix_disk_restores, mode == Mode::kSwapToDisk ? st.preemption_swaps : 0);
+    }
+    EXPECT_TRUE(engine->check_invariants().is_ok());
+    stats[mode] = st;
+  }
+  EXPECT_GT(stats[Mode::kRecompute].prompt_tokens,
+            submitted_prompt_tokens + stats[Mode::kRecompute].preemptions * 16)
+      << "recompute computes each preempted request's tokens again";
+  std::fprintf(stderr, "prompt tokens computed: recompute %lld (%lld preemptions), swap %lld (%lld swaps)\n",
+               static_cast<long long>(stats[Mode::kRecompute].prompt_tokens),
+               static_cast<long long>(stats[Mode::kRecompute].preemptions),
+               static_cast<long long>(stats[Mode::kSwapToHost].prompt_tokens),
+               static_cast<long long>(stats[Mode::kSwapToHost].preemption_swaps));
+}
+
 // Prefix caching under load: shared system prompts, conversations that continue finished ones,
 // sampled and greedy requests, cancels, a pool too small for everyone (preemption, eviction) and
 // slots for cached sequences; the KV invariants after every step, and every request that ends

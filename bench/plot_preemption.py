@@ -28,7 +28,7 @@ for ax in (a, b):
     ax.tick_params(axis="x", labelsize=8)
 ratios = ", ".join(f"{m['mode']} x{m['wall_ratio_recompute_over_this']:.2f}" for m in modes[1:])
 fig.suptitle(f"{doc['model']} ({doc['layers']} layers): {doc['requests']} requests x ({doc['prompt_tokens']} + "
-             f"{doc['max_tokens']}) tokens on {doc['pool_fraction']:.0%} of their KV; wall, recompute / {ratios}",
+             f"{doc['max_tokens']}) tokens on {doc['pool_fraction']:.0%} of their KV\nwall, recompute / {ratios}",
              fontsize=10)
 out = path.rsplit(".", 1)[0] + ".png"
 fig.tight_layout()

@@ -31,8 +31,8 @@ namespace {
 struct Config {
   std::string model = "llama-3.2-1b";
   int64_t layers = 4;
-  int64_t requests = 6, prompt = 256, generate = 128, page_size = 16;
-  double pool_fraction = 0.5;
+  int64_t requests = 6, prompt = 256, generate = 256, page_size = 16;
+  double pool_fraction = 0.4;
   std::string offload = "4GiB";
   std::string disk = "0";
   int threads = 0;

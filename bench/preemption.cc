@@ -127,13 +127,9 @@ int main(int argc, char** argv) {
   app.add_option("--disk", cfg.disk, "a third mode, when not 0: swapped out to this much disk (SIZE) only")
       ->capture_default_str();
   app.add_option("--threads", cfg.threads, "CPU threads (0 = all cores of the NUMA node)");
-  app.add_option("--out", out, "JSON output path");
-  app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
+  bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
-    return 1;
-  };
+  const auto fail = bench::report_failure;
   auto offload_bytes = planner::parse_size(cfg.offload);
   if (!offload_bytes.is_ok() || *offload_bytes <= 0)
     return fail(invalid_argument("--offload: " + cfg.offload));

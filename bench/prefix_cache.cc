@@ -196,13 +196,9 @@ int main(int argc, char** argv) {
   app.add_option("--disk", disk,
                  "a fourth mode, when not 0: no host memory for offloaded prefixes, this much disk (SIZE) instead")
       ->capture_default_str();
-  app.add_option("--out", out, "JSON output path");
-  app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
+  bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
-    return 1;
-  };
+  const auto fail = bench::report_failure;
   auto loaded = bench::load_served_model(args);
   if (!loaded.is_ok()) return fail(loaded.status());
   auto offload_bytes = planner::parse_size(offload);

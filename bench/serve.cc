@@ -43,14 +43,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-len", prompt_tokens, "prompt tokens (random ids)");
   app.add_option("--max-tokens", max_tokens, "tokens generated per request");
   app.add_option("--max-batch", max_batch, "server sequence slots");
-  app.add_option("--out", out, "JSON output path");
-  app.add_flag("--plot", plot, "also write a PNG next to the JSON (python3 + matplotlib)");
+  bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
 
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "error: %s\n", s.to_string().c_str());
-    return 1;
-  };
+  const auto fail = bench::report_failure;
   auto loaded = bench::load_served_model(args);
   if (!loaded.is_ok()) return fail(loaded.status());
   const int64_t context =

@@ -229,6 +229,11 @@ int run_generate(const GenerateArgs& a) {
     summary["bytes_full_reload_per_token"] = static_cast<double>(sps.bytes_full_reload) * per;
   }
   if (tier_rt || eopts.tiering.device_bytes > 0) summary["tiering"] = tiers_json(*engine, tier_rt);
+  if (gopts->prefix_disk_bytes > 0) {
+    summary["prefix_disk"] = {{"found", st.prefix_disk_found},       {"writes", st.prefix_disk_writes},
+                              {"restores", st.prefix_disk_restores}, {"drops", st.prefix_disk_drops},
+                              {"errors", st.prefix_disk_errors},     {"persist", gopts->prefix_disk_persist}};
+  }
   summary["refused"] = refused;
   if (a.json) {
     if (tok) summary["text"] = text;

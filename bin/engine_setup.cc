@@ -71,7 +71,11 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
       ->capture_default_str();
   cmd.add_option("--prefix-offload-dir", a.prefix_disk_dir,
                  "directory under which the prefix files go, in a directory of their own removed at exit "
-                 "(default: the system's temporary directory)");
+                 "unless --prefix-offload-persist (default: the system's temporary directory)");
+  cmd.add_flag("--prefix-offload-persist", a.prefix_disk_persist,
+               "keep the prefix files across restarts: in DIR/specontext-<model and KV layout hash>, locked "
+               "while this process runs; the cached prefixes are written there at exit and found by the next "
+               "run (needs --prefix-offload-disk and --prefix-offload-dir)");
   cmd.add_option("--lost-tier", a.lost_tier,
                  "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "
                  "every request without it, or fail the requests of that step")
@@ -118,7 +122,12 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
       return invalid_argument("--prefix-offload-dir " + a.prefix_disk_dir + " is not a directory");
     }
   }
+  if (a.prefix_disk_persist && a.prefix_disk_dir.empty()) {
+    return invalid_argument(
+        "--prefix-offload-persist needs --prefix-offload-dir (and --prefix-offload-disk)");
+  }
   g.prefix_disk_dir = a.prefix_disk_dir;
+  g.prefix_disk_persist = a.prefix_disk_persist;
   return g;
 }
 

@@ -38,6 +38,7 @@ struct EngineArgs {
   std::string prefix_offload = "0";   // --prefix-offload SIZE (GeneratorOptions::prefix_offload_bytes)
   std::string prefix_disk = "0";      // --prefix-offload-disk SIZE (GeneratorOptions::prefix_disk_bytes)
   std::string prefix_disk_dir;        // --prefix-offload-dir DIR (GeneratorOptions::prefix_disk_dir)
+  bool prefix_disk_persist = false;   // --prefix-offload-persist (GeneratorOptions::prefix_disk_persist)
   std::string lost_tier = "recompute";  // "recompute" or "fail" (GeneratorOptions::recompute_lost_tiers)
   int64_t max_context = 0;
   int threads = 0;

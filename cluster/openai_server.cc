@@ -175,6 +175,8 @@ struct OpenAiServer::Impl {
       prefix_restores{0}, offloaded_prefixes{0}, offloaded_bytes{0}, prefix_disk_writes{0},
       prefix_disk_restores{0}, prefix_disk_errors{0}, prefixes_on_disk{0}, prefix_disk_bytes{0};
 
+  // Made and opened (Scheduler::open_prefix_disk) by start(); then the engine thread's alone.
+  std::unique_ptr<Scheduler> scheduler_owned;
   std::thread io_thread;
   std::thread engine_thread;
 
@@ -281,7 +283,7 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
 }
 
 void OpenAiServer::Impl::engine_loop() {
-  Scheduler scheduler(engine, options.scheduling);
+  Scheduler& scheduler = *scheduler_owned;
   struct Live {
     std::shared_ptr<Job> job;
     size_t choice = 0;
@@ -352,6 +354,7 @@ void OpenAiServer::Impl::engine_loop() {
       end_with(job, c, FinishReason::kCancelled, "Unavailable: server shutting down");
     }
   }
+  scheduler_owned.reset();  // frees the sequences here (and writes persistent prefixes)
   running = 0;
   waiting = 0;
   cached_sequences = 0;
@@ -1336,6 +1339,8 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const 
     if (key.empty()) return invalid_argument("serve: an API key must not be empty");
   }
   auto impl = std::make_unique<Impl>(engine, tokenizer, options);
+  impl->scheduler_owned = std::make_unique<Scheduler>(engine, options.scheduling);
+  if (Status st = impl->scheduler_owned->open_prefix_disk(); !st.is_ok()) return st.with_context("serve");
   beast::error_code ec;
   const auto address = asio::ip::make_address(options.host, ec);
   if (ec)

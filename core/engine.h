@@ -263,6 +263,13 @@ class Engine {
   // fork_granularity(), at most its length; under SpeContext with prefix_sharing) out of the
   // cache, from whatever tiers its layers live in. The sequence is unchanged.
   Result<PrefixSnapshot> export_prefix(SeqId seq, int64_t tokens);
+  // What a snapshot's contents depend on, as a 64-bit FNV-1a hash: the model's config, a sample
+  // of every weight tensor (8 evenly spaced 256-byte pieces of each matrix, the norm vectors
+  // whole), the retrieval head likewise, the context limit, page size, KV dtype, sparse method,
+  // prefix_sharing and the tensor-parallel rank. Persistent prefix files are kept per identity.
+  // Sampled, not a checksum of the weights: two checkpoints that differ only between the samples
+  // look alike.
+  uint64_t kv_identity() const;
   // A new sequence holding a snapshot's tokens, written into the layers' homes without computing
   // them; then as one fork_sequence made. kInvalidArgument naming the field when the snapshot
   // does not match this engine; kResourceExhausted (nothing changed) when a slot, the pool or a

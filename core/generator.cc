@@ -8,6 +8,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
                                                      const TokenCallback& on_token,
                                                      const ProgressCallback& on_progress) {
   Scheduler scheduler(engine_, options_);
+  SPX_RETURN_IF_ERROR(scheduler.open_prefix_disk());
   // Nothing runs before step(): a request that can never run refuses the whole list.
   std::vector<GenerationResult> results(requests.size());
   std::unordered_map<int64_t, size_t> index_of;  // RequestId → position in `requests`
@@ -44,6 +45,7 @@ Result<std::vector<GenerationResult>> Generator::run(const std::vector<Generatio
       on_progress(prefilled, total_prompt);
     }
   }
+  scheduler.persist_prefixes();  // here rather than at its end: the writes are in the stats
   stats_ = scheduler.stats();
   return results;
 }

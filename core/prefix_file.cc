@@ -9,6 +9,10 @@
 #include <cstring>
 #include <fstream>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include "core/mapped_file.h"
 
 namespace specontext {
@@ -16,7 +20,7 @@ namespace {
 
 static_assert(std::endian::native == std::endian::little, "prefix files are written in host order");
 constexpr char kMagic[8] = {'S', 'P', 'X', 'P', 'R', 'E', 'F', '1'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the identity after the version
 
 uint32_t crc32_of(const std::byte* data, size_t n) {
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -96,10 +100,12 @@ class Parser {
 
 }  // namespace
 
-std::vector<std::byte> encode_prefix_file(std::span<const TokenId> tokens, const PrefixSnapshot& s) {
+std::vector<std::byte> encode_prefix_file(std::span<const TokenId> tokens, const PrefixSnapshot& s,
+                                          uint64_t identity) {
   Writer w;
   for (char c : kMagic) w.put(c);
   w.put(kVersion);
+  w.put(identity);
   w.put(s.tokens);
   w.put(s.page_size);
   w.put(s.layers);
@@ -116,7 +122,8 @@ std::vector<std::byte> encode_prefix_file(std::span<const TokenId> tokens, const
   return std::move(w.bytes());
 }
 
-Result<PrefixFile> parse_prefix_file(std::span<const std::byte> bytes, const std::string& name) {
+Result<PrefixFile> parse_prefix_file(std::span<const std::byte> bytes, const std::string& name,
+                                     bool header_only) {
   Parser in(bytes, name);
   char magic[sizeof(kMagic)];
   SPX_RETURN_IF_ERROR(in.get(&magic, "magic"));
@@ -129,15 +136,18 @@ Result<PrefixFile> parse_prefix_file(std::span<const std::byte> bytes, const std
   // The checksum first: a corrupt file is named as such rather than by whichever field broke.
   if (bytes.size() < sizeof(kMagic) + 2 * sizeof(uint32_t)) return in.bad("crc32", "is missing: the file is truncated");
   const size_t body = bytes.size() - sizeof(uint32_t);
-  uint32_t stored = 0;
-  std::memcpy(&stored, bytes.data() + body, sizeof(stored));
-  if (const uint32_t actual = crc32_of(bytes.data(), body); actual != stored) {
-    return in.bad("crc32", "does not match the contents (stored " + std::to_string(stored) + ", computed " +
-                               std::to_string(actual) + "): the file is corrupt or truncated");
+  if (!header_only) {
+    uint32_t stored = 0;
+    std::memcpy(&stored, bytes.data() + body, sizeof(stored));
+    if (const uint32_t actual = crc32_of(bytes.data(), body); actual != stored) {
+      return in.bad("crc32", "does not match the contents (stored " + std::to_string(stored) + ", computed " +
+                                 std::to_string(actual) + "): the file is corrupt or truncated");
+    }
   }
   PrefixFile f;
   PrefixSnapshot& s = f.snapshot;
   uint8_t dtype = 0, method = 0;
+  SPX_RETURN_IF_ERROR(in.get(&f.identity, "identity"));
   SPX_RETURN_IF_ERROR(in.get(&s.tokens, "tokens"));
   SPX_RETURN_IF_ERROR(in.get(&s.page_size, "page_size"));
   SPX_RETURN_IF_ERROR(in.get(&s.layers, "layers"));
@@ -158,6 +168,7 @@ Result<PrefixFile> parse_prefix_file(std::span<const std::byte> bytes, const std
     return in.bad("token_ids", "holds " + std::to_string(f.tokens.size()) + " ids for " + std::to_string(s.tokens) +
                                    " tokens");
   }
+  if (header_only) return f;
   SPX_RETURN_IF_ERROR(in.get_array(&s.kv, "kv"));
   // layers × whole pages × page_bytes, computed without overflow.
   const uint64_t pages = static_cast<uint64_t>(s.tokens / s.page_size);
@@ -195,9 +206,35 @@ Status write_prefix_file(const std::string& path, std::span<const std::byte> enc
   return Status::ok();
 }
 
-Result<PrefixFile> read_prefix_file(const std::string& path) {
-  SPX_ASSIGN_OR_RETURN(auto file, MappedFile::open(path));
-  return parse_prefix_file(std::span(reinterpret_cast<const std::byte*>(file->data()), file->size()), path);
+Result<PrefixFile> read_prefix_file(const std::string& path, bool header_only) {
+  SPX_ASSIGN_OR_RETURN(auto file, MappedFile::open(path));  // header_only touches the first pages only
+  return parse_prefix_file(std::span(reinterpret_cast<const std::byte*>(file->data()), file->size()), path,
+                           header_only);
+}
+
+Result<FileLock> FileLock::acquire(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return unavailable("cannot open lock file " + path + ": " + std::strerror(errno));
+  // flock locks belong to the open file description: a second open in this process conflicts too.
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) return unavailable("lock file " + path + " is held by another process");
+    return unavailable("cannot lock " + path + ": " + std::strerror(err));
+  }
+  return FileLock(fd);
+}
+
+FileLock& FileLock::operator=(FileLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+FileLock::~FileLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing releases the lock
 }
 
 }  // namespace specontext

@@ -1,13 +1,14 @@
 #include "core/scheduler.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <tuple>
 
 #include "core/prefix_file.h"
 
@@ -15,11 +16,128 @@ namespace specontext {
 
 Scheduler::~Scheduler() {
   for (Entry& e : running_) release(e);
+  if (disk_lock_.held()) {
+    persist_prefixes();
+    return;
+  }
   while (evict_cached(SeqId(), /*offload=*/false)) {
   }
   if (!disk_dir_.empty()) {
     std::error_code ignored;  // a destructor does not fail: what cannot be removed stays
     std::filesystem::remove_all(disk_dir_, ignored);
+  }
+}
+
+uint64_t Scheduler::identity() {
+  if (!identity_) identity_ = engine_.kv_identity();
+  return *identity_;
+}
+
+Status Scheduler::open_prefix_disk() {
+  namespace fs = std::filesystem;
+  if (!options_.prefix_disk_persist || disk_lock_.held()) return Status::ok();
+  if (options_.prefix_disk_bytes == 0 || options_.prefix_disk_dir.empty()) {
+    return invalid_argument("keeping prefix files across restarts needs a disk budget and a directory");
+  }
+  char name[32];
+  std::snprintf(name, sizeof(name), "specontext-%016llx", static_cast<unsigned long long>(identity()));
+  const fs::path dir = fs::path(options_.prefix_disk_dir) / name;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return unavailable("prefix disk: cannot create " + dir.string() + ": " + ec.message());
+  auto lock = FileLock::acquire((dir / "lock").string());
+  if (!lock.is_ok()) {
+    return unavailable("prefix disk: " + dir.string() + " is in use (" + lock.status().message() + ")");
+  }
+  struct Found {
+    fs::file_time_type time;
+    int64_t number = 0;
+    OffloadedPrefix prefix;
+  };
+  std::vector<Found> found;
+  const auto drop = [&](const fs::path& path, const std::string& why) {
+    ++stats_.prefix_disk_errors;
+    last_disk_error_ = why;
+    fs::remove(path, ec);
+  };
+  std::error_code listing;
+  for (fs::directory_iterator it(dir, listing), end; !listing && it != end; it.increment(listing)) {
+    const fs::directory_entry& entry = *it;
+    const fs::path& path = entry.path();
+    if (path.extension() == ".partial") {  // a write cut short
+      fs::remove(path, ec);
+      continue;
+    }
+    if (path.extension() != ".spxprefix" || !entry.is_regular_file(ec)) continue;
+    auto header = read_prefix_file(path.string(), /*header_only=*/true);
+    if (header.is_ok() && header->identity != identity()) {
+      header =
+          data_loss("prefix file " + path.string() + ": field 'identity' is of another model or KV layout");
+    }
+    if (!header.is_ok()) {
+      drop(path, header.status().to_string());
+      continue;
+    }
+    Found f;
+    f.time = entry.last_write_time(ec);
+    const std::string stem = path.stem().string();
+    f.number = std::strtoll(stem.c_str(), nullptr, 10);
+    next_file_ = std::max(next_file_, f.number + 1);
+    f.prefix.tokens = std::move(header->tokens);
+    f.prefix.file = path.string();
+    f.prefix.file_bytes = entry.file_size(ec);
+    found.push_back(std::move(f));
+  }
+  if (listing) return unavailable("prefix disk: cannot list " + dir.string() + ": " + listing.message());
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return std::tie(a.time, a.number) < std::tie(b.time, b.number);
+  });
+  disk_dir_ = dir.string();
+  disk_lock_ = std::move(*lock);
+  for (Found& f : found) {
+    disk_bytes_ += f.prefix.file_bytes;
+    offloaded_.push_back(std::move(f.prefix));
+  }
+  // As offload() keeps the store: no prefix that another one extends, within the budget.
+  for (auto it = offloaded_.begin(); it != offloaded_.end();) {
+    const bool extended = std::any_of(offloaded_.begin(), offloaded_.end(), [&](const OffloadedPrefix& o) {
+      return &o != &*it && o.tokens.size() > it->tokens.size() &&
+             std::equal(it->tokens.begin(), it->tokens.end(), o.tokens.begin());
+    });
+    if (extended || disk_bytes_ > options_.prefix_disk_bytes) {
+      forget(*it, /*remove_file=*/true);
+      it = offloaded_.erase(it);
+      ++stats_.prefix_disk_drops;
+    } else {
+      ++it;
+    }
+  }
+  stats_.prefix_disk_found = static_cast<int64_t>(offloaded_.size());
+  stats_.prefix_disk_peak_bytes = static_cast<int64_t>(disk_bytes_);
+  return Status::ok();
+}
+
+void Scheduler::persist_prefixes() {
+  if (!disk_lock_.held()) return;
+  while (evict_cached(SeqId(), /*offload=*/true)) {  // least recently used first, as in use
+  }
+  for (OffloadedPrefix& p : offloaded_) {
+    if (p.on_disk() || p.gone) continue;
+    const uint64_t held = p.snapshot.bytes();
+    if (write_to_disk(p)) {
+      offloaded_bytes_ -= held;
+      p.snapshot = PrefixSnapshot();
+    }
+  }
+  // Times one millisecond apart in store order, so that the next process sorts them as this one
+  // held them (a file's own time is when it was written, not when it was last used).
+  const auto now = std::filesystem::file_time_type::clock::now();
+  std::chrono::milliseconds step{0};
+  for (const OffloadedPrefix& p : offloaded_) {
+    if (!p.on_disk() || p.gone) continue;
+    std::error_code ignored;
+    std::filesystem::last_write_time(p.file, now + step, ignored);
+    step += std::chrono::milliseconds(1);
   }
 }
 
@@ -175,6 +293,9 @@ bool Scheduler::write_to_disk(OffloadedPrefix& p) {
     last_disk_error_ = why;
     return false;
   };
+  if (options_.prefix_disk_persist && !disk_lock_.held()) {
+    return fail("prefix disk: the persistent directory was not opened (Scheduler::open_prefix_disk)");
+  }
   if (disk_dir_.empty()) {
     std::error_code ec;
     const std::filesystem::path base = options_.prefix_disk_dir.empty()
@@ -187,7 +308,7 @@ bool Scheduler::write_to_disk(OffloadedPrefix& p) {
     }
     disk_dir_ = pattern;
   }
-  const std::vector<std::byte> bytes = encode_prefix_file(p.tokens, p.snapshot);
+  const std::vector<std::byte> bytes = encode_prefix_file(p.tokens, p.snapshot, identity());
   if (bytes.size() > options_.prefix_disk_bytes) return false;  // could never fit
   // Room first, least recently used files out, so that the disk never holds more than its
   // budget. They are marked gone (settle_offloaded erases them): p may be in offloaded_.
@@ -249,6 +370,9 @@ bool Scheduler::restore_offloaded(size_t index) {
     auto r = read_prefix_file(p.file);
     if (r.is_ok() && r->tokens != p.tokens) {
       r = data_loss("prefix file " + p.file + ": field 'token_ids' holds other tokens than were written");
+    }
+    if (r.is_ok() && r->identity != identity()) {
+      r = data_loss("prefix file " + p.file + ": field 'identity' is of another model or KV layout");
     }
     if (!r.is_ok()) {  // the request computes its prompt instead
       ++stats_.prefix_disk_errors;

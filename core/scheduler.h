@@ -13,6 +13,7 @@
 
 #include "core/engine.h"
 #include "core/json_constraint.h"
+#include "core/prefix_file.h"
 #include "core/sampler.h"
 
 namespace specontext {
@@ -81,6 +82,7 @@ struct GenerationStats {
   int64_t prefix_disk_drops = 0;     // prefix files removed for room on disk
   int64_t prefix_disk_errors = 0;    // files that could not be written or read back (dropped)
   int64_t prefix_disk_peak_bytes = 0;
+  int64_t prefix_disk_found = 0;  // files a previous process left, indexed by open_prefix_disk
   int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
   int64_t lost_tiers = 0;    // remote tiers lost mid-run and abandoned (recompute_lost_tiers)
   int64_t lost_tier_requeues = 0;  // running requests sent back to be recomputed after such a loss
@@ -127,9 +129,16 @@ struct GeneratorOptions {
   // the scheduler's own under prefix_disk_dir, up to this many bytes, least recently used out
   // first, and read back when a request wants it. A file that cannot be written, or read back
   // intact (disk full, corrupt), is dropped and the request computes its prompt. The directory
-  // goes with the scheduler. 0: no disk level.
+  // goes with the scheduler (unless prefix_disk_persist). 0: no disk level.
   uint64_t prefix_disk_bytes = 0;
   std::string prefix_disk_dir;  // empty: the system's temporary directory
+  // Keeps the disk level across restarts (LMCache's persistent local disk): the files go into
+  // prefix_disk_dir/specontext-<Engine::kv_identity in hex>, which the scheduler locks (flock)
+  // from Scheduler::open_prefix_disk to its end, and stay there. open_prefix_disk indexes the
+  // files a previous process of the same model and KV layout left, by their headers, least
+  // recently used first; at the end the cached and host-memory prefixes are written there too,
+  // within prefix_disk_bytes. Needs prefix_disk_bytes and prefix_disk_dir.
+  bool prefix_disk_persist = false;
   // Swap preemption (vLLM's preemption_mode "swap"), under kPreempt with prefix caching and an
   // offload store (prefix_offload_bytes or prefix_disk_bytes): a preempted request's whole fork
   // units go to the store as an evicted cached prefix does, and when it is admitted again they
@@ -165,7 +174,9 @@ struct SchedulerEvent {
 class Scheduler {
  public:
   Scheduler(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {}
-  ~Scheduler();  // frees the sequences of running requests
+  // Frees the sequences of running requests; with prefix_disk_persist, writes the cached and
+  // host-memory prefixes to the directory first (what cannot be written is lost, not an error).
+  ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
@@ -173,6 +184,18 @@ class Scheduler {
   // the context (kOutOfRange), max_new_tokens < 1, logprobs above kMaxLogprobs, penalties outside
   // [-2, 2], non-finite biases (ids outside the vocabulary are the caller's to refuse; ignored here).
   Status validate(const GenerationRequest& request) const;
+  // With prefix_disk_persist: creates and locks the prefix directory and indexes the files in it
+  // (call it before the first step; nothing is persisted without it). Files that are partial,
+  // unreadable or of another identity are removed and counted in prefix_disk_errors; the oldest
+  // go when they exceed prefix_disk_bytes. kInvalidArgument without prefix_disk_bytes or
+  // prefix_disk_dir; kUnavailable naming the directory when it cannot be created or another
+  // process holds it. Ok and nothing done without prefix_disk_persist.
+  Status open_prefix_disk();
+  // With the directory opened: every cached and host-memory prefix to disk (running requests
+  // are left alone), and the files' times set in least-recently-used order, which
+  // open_prefix_disk sorts them by. The destructor does it; a caller that wants the writes in
+  // stats() calls it when idle. Without the directory nothing happens.
+  void persist_prefixes();
   // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV fits beside the
   // running ones (AdmissionPolicy). One that never fits, even alone, ends with kRefused.
   Result<RequestId> submit(GenerationRequest request);
@@ -195,7 +218,7 @@ class Scheduler {
   uint64_t offloaded_bytes() const { return offloaded_bytes_; }
   size_t prefixes_on_disk() const { return offloaded_.size() - offloaded_prefixes(); }
   uint64_t disk_bytes() const { return disk_bytes_; }
-  // Where the prefix files go (created at the first one); empty before.
+  // Where the prefix files go (created at the first one, or by open_prefix_disk); empty before.
   const std::string& prefix_disk_directory() const { return disk_dir_; }
   // Why the last prefix file failed to be written or read back; empty when none has.
   const std::string& last_prefix_disk_error() const { return last_disk_error_; }
@@ -286,6 +309,7 @@ class Scheduler {
   // Writes p's snapshot to a file, the least recently used files removed for its room first;
   // false (p unchanged) when there is no disk level, no room or the write fails.
   bool write_to_disk(OffloadedPrefix& p);
+  uint64_t identity();                                      // engine_.kv_identity(), computed once
   void forget(const OffloadedPrefix& p, bool remove_file);  // its bytes out of the accounting
   void release(Entry& e);
   void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release
@@ -311,6 +335,8 @@ class Scheduler {
   uint64_t offloaded_bytes_ = 0;  // host memory of offloaded_
   uint64_t disk_bytes_ = 0;       // files of offloaded_
   std::string disk_dir_;
+  FileLock disk_lock_;  // prefix_disk_persist: held on disk_dir_ while this scheduler runs
+  std::optional<uint64_t> identity_;
   int64_t next_file_ = 0;
   std::string last_disk_error_;
 };

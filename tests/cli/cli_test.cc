@@ -97,6 +97,38 @@ TEST(Cli, PrefixOffloadNeedsPrefixCachingAndASize) {
   EXPECT_NE(no_dir.out.find("--prefix-offload-dir /nonexistent-dir is not a directory"), std::string::npos) << no_dir.out;
 }
 
+// --prefix-offload-persist: the first run's cached prefix is written at its exit and the next
+// run, whose prompt extends the first's prompt and text, takes it from the file; without a
+// directory the flag is refused.
+TEST(Cli, PersistentPrefixFilesCarryACacheFromOneRunToTheNext) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "cli-persist";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string model = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                            " --temperature 0 --prefix-caching --prefix-offload-disk 64MiB --json";
+  const std::string persist = model + " --prefix-offload-persist --prefix-offload-dir " + dir.string();
+  const std::string prompt =
+      "Once upon a time, there was a little girl named Lily. She loved to play outside";
+  const CliRun first = run_cli(persist + " -n 40 --prompt '" + prompt + "'", false);
+  ASSERT_EQ(first.exit_code, 0) << first.out;
+  const auto a = nlohmann::json::parse(first.out);
+  EXPECT_EQ(a["prefix_disk"]["found"].get<int64_t>(), 0) << a.dump();
+  EXPECT_EQ(a["prefix_disk"]["writes"].get<int64_t>(), 1) << a.dump();
+  std::string text = a["text"].get<std::string>();
+  std::erase(text, '\'');
+  const CliRun next = run_cli(persist + " -n 4 --prompt '" + prompt + text + " One day'", false);
+  ASSERT_EQ(next.exit_code, 0) << next.out;
+  const auto b = nlohmann::json::parse(next.out);
+  EXPECT_EQ(b["prefix_disk"]["found"].get<int64_t>(), 1) << b.dump();
+  EXPECT_EQ(b["prefix_disk"]["restores"].get<int64_t>(), 1) << b.dump();
+  EXPECT_GE(b["cached_prompt_tokens"].get<int64_t>(), 48) << b.dump();
+  const CliRun no_dir = run_cli(model + " -n 4 --prefix-offload-persist");
+  EXPECT_NE(no_dir.exit_code, 0);
+  EXPECT_NE(no_dir.out.find("--prefix-offload-persist needs --prefix-offload-dir"), std::string::npos)
+      << no_dir.out;
+  std::filesystem::remove_all(dir);
+}
+
 // --preemption-mode: on a pool too small for the batch, swap sends preempted requests' pages to
 // the offload store and back (counted), recompute does not; the text is the same.
 TEST(Cli, PreemptionModeSwapsPreemptedRequestsThroughTheOffloadStore) {

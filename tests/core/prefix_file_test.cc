@@ -14,9 +14,12 @@
 namespace specontext {
 namespace {
 
+constexpr uint64_t kIdentity = 0x0123456789abcdefULL;
+
 // A SpeContext-shaped snapshot of 2 pages of 3 layers, with every array filled.
 PrefixFile sample() {
   PrefixFile f;
+  f.identity = kIdentity;
   PrefixSnapshot& s = f.snapshot;
   s.tokens = 32;
   s.page_size = 16;
@@ -35,6 +38,7 @@ PrefixFile sample() {
 }
 
 void expect_equal(const PrefixFile& a, const PrefixFile& b) {
+  EXPECT_EQ(a.identity, b.identity);
   EXPECT_EQ(a.tokens, b.tokens);
   EXPECT_EQ(a.snapshot.tokens, b.snapshot.tokens);
   EXPECT_EQ(a.snapshot.page_size, b.snapshot.page_size);
@@ -64,7 +68,7 @@ void reseal(std::vector<std::byte>& bytes) {
 
 TEST(PrefixFile, EveryFieldComesBackAsWritten) {
   const PrefixFile f = sample();
-  const std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot);
+  const std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot, kIdentity);
   auto back = parse_prefix_file(bytes, "p.spxprefix");
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   expect_equal(*back, f);
@@ -82,7 +86,7 @@ TEST(PrefixFile, EveryFieldComesBackAsWritten) {
 
 TEST(PrefixFile, ATruncatedFileNamesTheChecksum) {
   const PrefixFile f = sample();
-  const std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot);
+  const std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot, kIdentity);
   for (size_t keep : {size_t{0}, size_t{5}, size_t{12}, size_t{20}, bytes.size() / 2, bytes.size() - 1}) {
     SCOPED_TRACE(keep);
     const Status st = parse(std::vector<std::byte>(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(keep)));
@@ -94,7 +98,7 @@ TEST(PrefixFile, ATruncatedFileNamesTheChecksum) {
 
 TEST(PrefixFile, AnyFlippedByteIsCaught) {
   const PrefixFile f = sample();
-  const std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot);
+  const std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot, kIdentity);
   for (size_t at = 0; at < bytes.size(); ++at) {
     std::vector<std::byte> bad = bytes;
     bad[at] ^= std::byte{0x10};
@@ -108,7 +112,7 @@ TEST(PrefixFile, AnyFlippedByteIsCaught) {
 TEST(PrefixFile, InconsistentFieldsAreNamedEvenUnderAValidChecksum) {
   PrefixFile f = sample();
   auto expect_field = [](const PrefixFile& file, std::span<const TokenId> tokens, const char* field) {
-    std::vector<std::byte> bytes = encode_prefix_file(tokens, file.snapshot);
+    std::vector<std::byte> bytes = encode_prefix_file(tokens, file.snapshot, kIdentity);
     const Status st = parse(bytes);
     EXPECT_EQ(st.code(), StatusCode::kDataLoss) << field;
     EXPECT_NE(st.message().find(field), std::string::npos) << st.message();
@@ -131,8 +135,8 @@ TEST(PrefixFile, InconsistentFieldsAreNamedEvenUnderAValidChecksum) {
   expect_field(negative, f.tokens, "'tokens'");
 
   // An array length past the end of the file, with the checksum made to match.
-  std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot);
-  const size_t token_count_at = 8 + 4 + 4 * 8 + 2;
+  std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot, kIdentity);
+  const size_t token_count_at = 8 + 4 + 8 + 4 * 8 + 2;
   const uint64_t huge = uint64_t{1} << 60;
   std::memcpy(bytes.data() + token_count_at, &huge, sizeof(huge));
   reseal(bytes);
@@ -140,15 +144,36 @@ TEST(PrefixFile, InconsistentFieldsAreNamedEvenUnderAValidChecksum) {
   EXPECT_EQ(st.code(), StatusCode::kDataLoss);
   EXPECT_NE(st.message().find("'token_ids'"), std::string::npos) << st.message();
   // Bytes after the last array.
-  bytes = encode_prefix_file(f.tokens, f.snapshot);
+  bytes = encode_prefix_file(f.tokens, f.snapshot, kIdentity);
   bytes.insert(bytes.end() - 4, std::byte{0});
   reseal(bytes);
   EXPECT_NE(parse(bytes).message().find("'crc32' is not where the contents end"), std::string::npos);
 }
 
+TEST(PrefixFile, TheHeaderAloneGivesIdentityAndTokensWithoutReadingTheRest) {
+  const PrefixFile f = sample();
+  std::vector<std::byte> bytes = encode_prefix_file(f.tokens, f.snapshot, kIdentity);
+  const size_t kv_at = 8 + 4 + 8 + 4 * 8 + 2 + 8 + f.tokens.size() * sizeof(TokenId);
+  bytes[kv_at + 8 + 3] ^= std::byte{0x40};  // a KV byte: the checksum no longer matches
+  auto header = parse_prefix_file(bytes, "p.spxprefix", /*header_only=*/true);
+  ASSERT_TRUE(header.is_ok()) << header.status().to_string();
+  EXPECT_EQ(header->identity, kIdentity);
+  EXPECT_EQ(header->tokens, f.tokens);
+  EXPECT_EQ(header->snapshot.tokens, 32);
+  EXPECT_TRUE(header->snapshot.kv.empty());
+  // The full parse catches what the header parse does not read.
+  EXPECT_NE(parse(bytes).message().find("'crc32'"), std::string::npos);
+  // A header cut short is still named.
+  bytes.resize(kv_at - 5);
+  const Status cut = parse_prefix_file(bytes, "p.spxprefix", /*header_only=*/true).status();
+  EXPECT_EQ(cut.code(), StatusCode::kDataLoss);
+  EXPECT_NE(cut.message().find("'token_ids'"), std::string::npos) << cut.message();
+}
+
 TEST(PrefixFile, AFileThatCannotBeWrittenOrIsMissingIsNamed) {
   const PrefixFile f = sample();
-  const Status nowhere = write_prefix_file("/nonexistent-dir/x.spxprefix", encode_prefix_file(f.tokens, f.snapshot));
+  const Status nowhere =
+      write_prefix_file("/nonexistent-dir/x.spxprefix", encode_prefix_file(f.tokens, f.snapshot, kIdentity));
   EXPECT_EQ(nowhere.code(), StatusCode::kUnavailable);
   EXPECT_NE(nowhere.message().find("/nonexistent-dir/x.spxprefix"), std::string::npos) << nowhere.message();
   auto missing = read_prefix_file("/nonexistent-dir/x.spxprefix");

@@ -926,6 +926,86 @@ TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
   EXPECT_FALSE(std::filesystem::exists(dir)) << "the scheduler removes its directory";
 }
 
+// prefix_disk_persist: a conversation's cache, written to its directory when the scheduler ends,
+// answers its next turn in the next scheduler (a restarted process); the directory is locked
+// while a scheduler has it, and a file of another model is removed and counted, not restored.
+TEST(Scheduler, PersistentPrefixFilesOutliveTheSchedulerAndAnswerTheNextOne) {
+  auto engine = pool_engine(2, 20);
+  ASSERT_TRUE(engine);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefix_disk_bytes = uint64_t{64} << 20;
+  const std::filesystem::path base = std::filesystem::path(::testing::TempDir()) / "persist-test";
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(base);
+  go.prefix_disk_dir = base.string();
+  go.prefix_disk_persist = true;
+  const GenerationRequest a = request(story_prompt(40), 30);
+  Collected first;
+  std::string dir;
+  {
+    Scheduler s(*engine, go);
+    ASSERT_TRUE(s.open_prefix_disk().is_ok());
+    dir = s.prefix_disk_directory();
+    EXPECT_EQ(std::filesystem::path(dir).parent_path(), base);
+    {
+      Scheduler other(*engine, go);  // a second process on the same directory
+      const Status busy = other.open_prefix_disk();
+      EXPECT_EQ(busy.code(), StatusCode::kUnavailable);
+      EXPECT_NE(busy.message().find(dir), std::string::npos) << busy.message();
+    }
+    ASSERT_TRUE(s.submit(a).is_ok());
+    run_to_idle(s, first);
+    EXPECT_EQ(s.stats().prefix_disk_writes, 0) << "cached in the pool while it runs";
+    EXPECT_EQ(prefix_files(dir), 0u);
+  }
+  EXPECT_EQ(prefix_files(dir), 1u) << "written at the end";
+  EXPECT_TRUE(std::filesystem::exists(dir));
+  EXPECT_EQ(engine->live_sequences(), 0);
+  const GenerationRequest next = next_turn(a, first.tokens[1], {403, 407}, 20);
+  {
+    Scheduler s(*engine, go);
+    ASSERT_TRUE(s.open_prefix_disk().is_ok());
+    EXPECT_EQ(s.stats().prefix_disk_found, 1);
+    EXPECT_EQ(s.prefixes_on_disk(), 1u);
+    Collected got;
+    ASSERT_TRUE(s.submit(next).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.tokens[1], alone(next));
+    EXPECT_EQ(got.cached[1], 64) << "the 4 whole pages of the last scheduler's file";
+    EXPECT_EQ(s.stats().prefix_disk_restores, 1);
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+  }
+  // The same file under another identity: removed at open, counted, and the prompt computed.
+  ASSERT_EQ(prefix_files(dir), 1u);
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".spxprefix") continue;
+    std::fstream f(entry.path(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(12);  // the identity, after the magic and the version
+    const char byte = static_cast<char>(f.get() ^ 0xff);
+    f.seekp(12);
+    f.put(byte);
+  }
+  {
+    Scheduler s(*engine, go);
+    ASSERT_TRUE(s.open_prefix_disk().is_ok());
+    EXPECT_EQ(s.stats().prefix_disk_found, 0);
+    EXPECT_EQ(s.stats().prefix_disk_errors, 1);
+    EXPECT_NE(s.last_prefix_disk_error().find("'identity'"), std::string::npos) << s.last_prefix_disk_error();
+    EXPECT_EQ(prefix_files(dir), 0u);
+    Collected got;
+    ASSERT_TRUE(s.submit(next).is_ok());
+    run_to_idle(s, got);
+    EXPECT_EQ(got.tokens[1], alone(next));
+    EXPECT_EQ(got.cached[1], 0);
+  }
+  // Without a directory the option is refused.
+  go.prefix_disk_dir.clear();
+  Scheduler no_dir(*engine, go);
+  EXPECT_EQ(no_dir.open_prefix_disk().code(), StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(base);
+}
+
 // Host memory full: its least recently used prefix goes to disk rather than being dropped, and is
 // read back from there; disk full: its least recently used file is removed.
 TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {

@@ -13,7 +13,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const specontext::PrefixFile& f = *r;
   if (static_cast<int64_t>(f.tokens.size()) != f.snapshot.tokens) __builtin_trap();
   // What parses encodes back to the same bytes.
-  const auto again = specontext::encode_prefix_file(f.tokens, f.snapshot);
+  const auto again = specontext::encode_prefix_file(f.tokens, f.snapshot, f.identity);
   if (again.size() != size || std::memcmp(again.data(), data, size) != 0) __builtin_trap();
   return 0;
 }

@@ -33,6 +33,14 @@ uint64_t Scheduler::identity() {
   return *identity_;
 }
 
+Result<PrefixFile> Scheduler::read_own_prefix_file(const std::string& path, bool header_only) {
+  SPX_ASSIGN_OR_RETURN(PrefixFile f, read_prefix_file(path, header_only));
+  if (f.identity != identity()) {
+    return data_loss("prefix file " + path + ": field 'identity' is of another model or KV layout");
+  }
+  return f;
+}
+
 Status Scheduler::open_prefix_disk() {
   namespace fs = std::filesystem;
   if (!options_.prefix_disk_persist || disk_lock_.held()) return Status::ok();
@@ -69,11 +77,7 @@ Status Scheduler::open_prefix_disk() {
       continue;
     }
     if (path.extension() != ".spxprefix" || !entry.is_regular_file(ec)) continue;
-    auto header = read_prefix_file(path.string(), /*header_only=*/true);
-    if (header.is_ok() && header->identity != identity()) {
-      header =
-          data_loss("prefix file " + path.string() + ": field 'identity' is of another model or KV layout");
-    }
+    auto header = read_own_prefix_file(path.string(), /*header_only=*/true);
     if (!header.is_ok()) {
       drop(path, header.status().to_string());
       continue;
@@ -122,12 +126,7 @@ void Scheduler::persist_prefixes() {
   while (evict_cached(SeqId(), /*offload=*/true)) {  // least recently used first, as in use
   }
   for (OffloadedPrefix& p : offloaded_) {
-    if (p.on_disk() || p.gone) continue;
-    const uint64_t held = p.snapshot.bytes();
-    if (write_to_disk(p)) {
-      offloaded_bytes_ -= held;
-      p.snapshot = PrefixSnapshot();
-    }
+    if (!p.on_disk() && !p.gone) (void)move_to_disk(p);
   }
   // Times one millisecond apart in store order, so that the next process sorts them as this one
   // held them (a file's own time is when it was written, not when it was last used).
@@ -330,6 +329,14 @@ bool Scheduler::write_to_disk(OffloadedPrefix& p) {
   return true;
 }
 
+bool Scheduler::move_to_disk(OffloadedPrefix& p) {
+  const uint64_t held = p.snapshot.bytes();
+  if (!write_to_disk(p)) return false;
+  offloaded_bytes_ -= held;
+  p.snapshot = PrefixSnapshot();
+  return true;
+}
+
 void Scheduler::forget(const OffloadedPrefix& p, bool remove_file) {
   if (p.on_disk()) {
     disk_bytes_ -= p.file_bytes;
@@ -343,10 +350,7 @@ void Scheduler::settle_offloaded() {
   const auto sweep = [&] { std::erase_if(offloaded_, [](const OffloadedPrefix& p) { return p.gone; }); };
   while (offloaded_bytes_ > options_.prefix_offload_bytes) {
     auto it = std::find_if(offloaded_.begin(), offloaded_.end(), [](const OffloadedPrefix& p) { return !p.on_disk(); });
-    const uint64_t held = it->snapshot.bytes();
-    if (write_to_disk(*it)) {
-      offloaded_bytes_ -= held;
-      it->snapshot = PrefixSnapshot();
+    if (move_to_disk(*it)) {
       sweep();
     } else {
       forget(*it, /*remove_file=*/false);
@@ -367,12 +371,9 @@ bool Scheduler::restore_offloaded(size_t index) {
   PrefixFile read;
   const PrefixSnapshot* snapshot = &p.snapshot;
   if (p.on_disk()) {
-    auto r = read_prefix_file(p.file);
+    auto r = read_own_prefix_file(p.file, /*header_only=*/false);
     if (r.is_ok() && r->tokens != p.tokens) {
       r = data_loss("prefix file " + p.file + ": field 'token_ids' holds other tokens than were written");
-    }
-    if (r.is_ok() && r->identity != identity()) {
-      r = data_loss("prefix file " + p.file + ": field 'identity' is of another model or KV layout");
     }
     if (!r.is_ok()) {  // the request computes its prompt instead
       ++stats_.prefix_disk_errors;

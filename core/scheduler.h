@@ -309,7 +309,11 @@ class Scheduler {
   // Writes p's snapshot to a file, the least recently used files removed for its room first;
   // false (p unchanged) when there is no disk level, no room or the write fails.
   bool write_to_disk(OffloadedPrefix& p);
-  uint64_t identity();                                      // engine_.kv_identity(), computed once
+  // Host memory's p to a file (write_to_disk), its snapshot freed; false (p unchanged) when not.
+  bool move_to_disk(OffloadedPrefix& p);
+  uint64_t identity();  // engine_.kv_identity(), computed once
+  // read_prefix_file, and kDataLoss naming 'identity' for a file of another engine.
+  Result<PrefixFile> read_own_prefix_file(const std::string& path, bool header_only);
   void forget(const OffloadedPrefix& p, bool remove_file);  // its bytes out of the accounting
   void release(Entry& e);
   void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release

@@ -478,19 +478,30 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
     stats_.cached_prompt_tokens += tokens;
     if (first_admission) e.cached_prompt_tokens = tokens;
   };
-  if (best.tokens > 0 && best.from_cache) {
+  // The cached sequence itself, cut to the shared pages.
+  auto take_over = [&]() -> std::optional<SeqId> {
     const auto at = cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache);
-    // The request would take every whole page of it, and forks only ever take whole pages (the
-    // next turn of a conversation): it takes the sequence itself, cut to the shared pages.
-    if (best.supersedes && engine_.truncate_sequence(at->seq, best.tokens, promised).is_ok()) {
-      const SeqId seq = at->seq;
-      cached_.erase(at);
-      took(best.tokens);
-      return seq;
-    }
+    if (!engine_.truncate_sequence(at->seq, best.tokens, promised).is_ok()) return std::nullopt;
+    const SeqId seq = at->seq;
+    cached_.erase(at);
+    took(best.tokens);
+    return seq;
+  };
+  // The request would take every whole page of it, and forks only ever take whole pages (the
+  // next turn of a conversation): it takes the sequence over.
+  if (best.tokens > 0 && best.from_cache && best.supersedes) {
+    if (auto seq = take_over()) return *seq;
   }
   if (best.tokens > 0) {
     auto fork = engine_.fork_sequence(best.seq, best.tokens, promised);
+    // No slot for a fork, and the source is the only cached sequence left to give way (one slot,
+    // as in `generate`): evicted, it would take the prefix with it. Its longer tokens go to the
+    // offload store, when there is one, and the request takes the rest over.
+    if (!fork.is_ok() && fork.status().code() == StatusCode::kResourceExhausted && best.from_cache &&
+        cached_.size() == 1) {
+      (void)offload(cached_.front());
+      if (auto seq = take_over()) return *seq;
+    }
     if (fork.is_ok()) {
       if (best.from_cache) {  // now the most recently used
         const auto at = cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache);

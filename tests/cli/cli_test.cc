@@ -115,6 +115,16 @@ TEST(Cli, PersistentPrefixFilesCarryACacheFromOneRunToTheNext) {
   EXPECT_EQ(a["prefix_disk"]["found"].get<int64_t>(), 0) << a.dump();
   EXPECT_EQ(a["prefix_disk"]["writes"].get<int64_t>(), 1) << a.dump();
   std::string text = a["text"].get<std::string>();
+  // The same prompt again: the file holds more than the prompt, and the one sequence slot of
+  // `generate` goes to it, cut to the prompt's whole pages; the longer prefix stays on disk.
+  const CliRun again = run_cli(persist + " -n 40 --prompt '" + prompt + "'", false);
+  ASSERT_EQ(again.exit_code, 0) << again.out;
+  const auto c = nlohmann::json::parse(again.out);
+  EXPECT_EQ(c["prefix_disk"]["restores"].get<int64_t>(), 1) << c.dump();
+  const int64_t whole_pages = (c["prompt_tokens"].get<int64_t>() - 1) / 16 * 16;
+  ASSERT_GT(whole_pages, 0);
+  EXPECT_EQ(c["cached_prompt_tokens"].get<int64_t>(), whole_pages) << c.dump();
+  EXPECT_EQ(c["text"].get<std::string>(), text);
   std::erase(text, '\'');
   const CliRun next = run_cli(persist + " -n 4 --prompt '" + prompt + text + " One day'", false);
   ASSERT_EQ(next.exit_code, 0) << next.out;

@@ -622,6 +622,34 @@ TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
   }
 }
 
+// The same prompt again, one slot: the cached sequence holds more than the prompt, so a fork
+// would need a second slot and evicting it would lose the prefix. The request takes it over, cut
+// to the prompt's whole pages; with an offload store, its longer tokens are offloaded first.
+TEST(Scheduler, ThePromptAgainTakesOverALongerCachedSequenceWithOneSlot) {
+  for (const bool store : {false, true}) {
+    SCOPED_TRACE(store ? "with an offload store" : "without one");
+    auto engine = make_engine(1);
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    if (store) go.prefix_offload_bytes = uint64_t{64} << 20;
+    Scheduler s(*engine, go);
+    const GenerationRequest a = request(story_prompt(40), 30);  // 69 tokens cached: 64 whole
+    Collected got;
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(s.submit(a).is_ok());
+      run_to_idle(s, got);
+    }
+    EXPECT_EQ(got.tokens[1], alone(a));
+    EXPECT_EQ(got.tokens[2], got.tokens[1]);
+    EXPECT_EQ(got.cached[2], 32) << "39 usable, 2 pages";
+    EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
+    EXPECT_EQ(s.cached_sequences(), 1u);
+    EXPECT_EQ(s.stats().prefix_offloads, store ? 1 : 0);
+    EXPECT_EQ(s.offloaded_prefixes(), store ? 1u : 0u);
+    EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
+  }
+}
+
 TEST(Scheduler, SlotsBeyondTheRunningOnesHoldCachedSequences) {
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   ASSERT_TRUE(m.is_ok());

@@ -230,9 +230,14 @@ int run_generate(const GenerateArgs& a) {
   }
   if (tier_rt || eopts.tiering.device_bytes > 0) summary["tiering"] = tiers_json(*engine, tier_rt);
   if (gopts->prefix_disk_bytes > 0) {
-    summary["prefix_disk"] = {{"found", st.prefix_disk_found},       {"writes", st.prefix_disk_writes},
-                              {"restores", st.prefix_disk_restores}, {"drops", st.prefix_disk_drops},
-                              {"errors", st.prefix_disk_errors},     {"persist", gopts->prefix_disk_persist}};
+    summary["prefix_disk"] = {
+        {"found", st.prefix_disk_found},
+        {"writes", st.prefix_disk_writes},
+        {"restores", st.prefix_disk_restores},
+        {"drops", st.prefix_disk_drops},
+        {"errors", st.prefix_disk_errors},
+        {"persist", gopts->prefix_disk_persist},
+        {"store", gopts->prefix_blob_store ? gopts->prefix_blob_store->name() : "files"}};
   }
   summary["refused"] = refused;
   if (a.json) {

@@ -1,5 +1,9 @@
 #include "bin/engine_setup.h"
 
+#if SPECONTEXT_HAVE_UCX
+#include "cluster/remote_prefix_store.h"
+#endif
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -76,6 +80,10 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                "keep the prefix files across restarts: in DIR/specontext-<model and KV layout hash>, locked "
                "while this process runs; the cached prefixes are written there at exit and found by the next "
                "run (needs --prefix-offload-disk and --prefix-offload-dir)");
+  cmd.add_option("--prefix-offload-remote", a.prefix_remote,
+                 "KV node memory for offloaded prefixes instead of disk: SIZE@HOST:PORT[+HOST:PORT...] (a "
+                 "`specontext kv-node`; mirrored on each endpoint, reads fail over; --kv-node-timeout-ms and "
+                 "--kv-node-mode apply; needs prefix caching)");
   cmd.add_option("--lost-tier", a.lost_tier,
                  "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "
                  "every request without it, or fail the requests of that step")
@@ -128,6 +136,27 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
   }
   g.prefix_disk_dir = a.prefix_disk_dir;
   g.prefix_disk_persist = a.prefix_disk_persist;
+  if (!a.prefix_remote.empty()) {
+    const std::string flag = "--prefix-offload-remote";
+    if (!a.prefix_caching) return invalid_argument(flag + " needs --prefix-caching");
+    if (g.prefix_disk_bytes > 0)
+      return invalid_argument(flag + " and --prefix-offload-disk cannot be combined");
+#if SPECONTEXT_HAVE_UCX
+    SPX_ASSIGN_OR_RETURN(const KvNodeSpec spec, parse_kv_node_spec(flag, a.prefix_remote));
+    cluster::RemotePrefixStoreOptions o;
+    o.replicas = spec.endpoints;
+    o.bytes = spec.bytes;
+    o.timeout = std::chrono::milliseconds(a.tiers.kv_node_timeout_ms);
+    o.mode = a.tiers.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma
+                                           : transport::UcxTransferMode::kNodeGather;
+    auto store = cluster::RemotePrefixStore::create(std::move(o));
+    if (!store.is_ok()) return store.status().with_context(flag + " " + a.prefix_remote);
+    g.prefix_blob_store = std::move(store).value();
+    g.prefix_disk_bytes = spec.bytes;
+#else
+    return unimplemented(flag + ": this build has no UCX (install libucx-dev and rebuild)");
+#endif
+  }
   return g;
 }
 

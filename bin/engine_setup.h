@@ -39,6 +39,8 @@ struct EngineArgs {
   std::string prefix_disk = "0";      // --prefix-offload-disk SIZE (GeneratorOptions::prefix_disk_bytes)
   std::string prefix_disk_dir;        // --prefix-offload-dir DIR (GeneratorOptions::prefix_disk_dir)
   bool prefix_disk_persist = false;   // --prefix-offload-persist (GeneratorOptions::prefix_disk_persist)
+  std::string
+      prefix_remote;  // --prefix-offload-remote SIZE@HOST:PORT[+...] (GeneratorOptions::prefix_blob_store)
   std::string lost_tier = "recompute";  // "recompute" or "fail" (GeneratorOptions::recompute_lost_tiers)
   int64_t max_context = 0;
   int threads = 0;

@@ -73,6 +73,27 @@ Result<std::vector<int64_t>> sizes(const std::string& text, const std::string& f
 
 }  // namespace
 
+Result<KvNodeSpec> parse_kv_node_spec(const std::string& flag, const std::string& spec) {
+  const std::string named = flag + " " + spec;
+  const size_t at = spec.find('@');
+  if (at == std::string::npos) return invalid_argument(named + ": expected SIZE@HOST:PORT[+HOST:PORT...]");
+  auto size = planner::parse_size(spec.substr(0, at));
+  if (!size.is_ok()) return size.status().with_context(named);
+  if (*size <= 0) return invalid_argument(named + ": size must be positive");
+  KvNodeSpec out;
+  out.bytes = static_cast<uint64_t>(*size);
+  std::string rest = spec.substr(at + 1);
+  while (true) {
+    const size_t plus = rest.find('+');
+    auto ep = cluster::parse_endpoint(rest.substr(0, plus));
+    if (!ep.is_ok()) return ep.status().with_context(named);
+    out.endpoints.push_back(*ep);
+    if (plus == std::string::npos) break;
+    rest = rest.substr(plus + 1);
+  }
+  return out;
+}
+
 Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Model& model, const Backend& backend,
                                                  EngineOptions& eopts) {
   SPX_ASSIGN_OR_RETURN(std::vector<int64_t> host, sizes(args.host_kv, "--host-kv"));
@@ -140,33 +161,21 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   // pools, remote tiers in that order), so each transport knows the one tier it serves.
   std::vector<std::unique_ptr<Transport>> node_transports;
   for (size_t i = 0; i < args.kv_nodes.size(); ++i) {
-    const std::string& spec = args.kv_nodes[i];
-    const std::string flag = "--kv-node " + spec;
-    const size_t at = spec.find('@');
-    if (at == std::string::npos) return invalid_argument(flag + ": expected SIZE@HOST:PORT[+HOST:PORT...]");
-    auto size = planner::parse_size(spec.substr(0, at));
-    if (!size.is_ok()) return size.status().with_context(flag);
-    if (*size <= 0) return invalid_argument(flag + ": size must be positive");
+    const std::string flag = "--kv-node " + args.kv_nodes[i];
+    SPX_ASSIGN_OR_RETURN(const KvNodeSpec spec, parse_kv_node_spec("--kv-node", args.kv_nodes[i]));
     transport::UcxRemoteConfig cfg;
     cfg.tier = TierId(static_cast<int32_t>(1 + host.size() + i));
     cfg.op_timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
     cfg.mode = args.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma : transport::UcxTransferMode::kNodeGather;
-    std::string rest = spec.substr(at + 1);
-    std::vector<cluster::Endpoint> endpoints;
+    std::vector<cluster::Endpoint> endpoints = spec.endpoints;
     std::vector<std::unique_ptr<cluster::KvNodeClient>> sessions;
-    while (true) {
-      const size_t plus = rest.find('+');
-      auto ep = cluster::parse_endpoint(rest.substr(0, plus));
-      if (!ep.is_ok()) return ep.status().with_context(flag);
-      auto client = cluster::KvNodeClient::connect(*ep, std::chrono::milliseconds(args.kv_node_timeout_ms));
+    for (const cluster::Endpoint& ep : endpoints) {
+      auto client = cluster::KvNodeClient::connect(ep, std::chrono::milliseconds(args.kv_node_timeout_ms));
       if (!client.is_ok()) return client.status().with_context(flag);
-      auto region = (*client)->allocate(static_cast<uint64_t>(*size));
+      auto region = (*client)->allocate(spec.bytes);
       if (!region.is_ok()) return region.status().with_context(flag);
       cfg.replicas.push_back(std::move(region).value());
-      endpoints.push_back(*ep);
       sessions.push_back(std::move(client).value());
-      if (plus == std::string::npos) break;
-      rest = rest.substr(plus + 1);
     }
     auto t = transport::UcxRemoteTransport::create(std::move(cfg));
     if (!t.is_ok()) return t.status().with_context(flag);
@@ -184,7 +193,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
         rt->healer = std::make_shared<cluster::ReplicaHealer>(ho);
         eopts.tiering.between_steps = [healer = rt->healer.get()] { healer->maintain(); };
       }
-      rt->healer->watch(t->get(), std::move(endpoints), static_cast<uint64_t>(*size), std::move(sessions));
+      rt->healer->watch(t->get(), std::move(endpoints), spec.bytes, std::move(sessions));
     } else {
       for (auto& session : sessions)
         rt->node_sessions.push_back(std::shared_ptr<cluster::KvNodeClient>(std::move(session)));
@@ -195,7 +204,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     m.desc.index = static_cast<int32_t>(i);
     m.desc.name = "remote" + std::to_string(i);
     m.desc.memory = MemoryKind::kRemote;
-    m.desc.capacity_bytes = static_cast<uint64_t>(*size);
+    m.desc.capacity_bytes = spec.bytes;
     eopts.tiering.remote.push_back(std::move(m));
   }
   if (!args.kv_node_spares.empty() && !rt->healer) {

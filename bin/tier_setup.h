@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/control_protocol.h"
 #include "core/engine.h"
 #include "core/status.h"
 #include "planner/planner_policy.h"
@@ -60,6 +61,13 @@ struct TierRuntime {
   std::string placement_note;  // what the static plan decided
   std::vector<Transport*> kv_node_transports;  // UcxRemoteTransport members, for the report
 };
+
+// SIZE@HOST:PORT[+HOST:PORT...] of --kv-node and --prefix-offload-remote: errors name `flag`.
+struct KvNodeSpec {
+  uint64_t bytes = 0;
+  std::vector<cluster::Endpoint> endpoints;  // one per replica
+};
+Result<KvNodeSpec> parse_kv_node_spec(const std::string& flag, const std::string& spec);
 
 // Fills eopts.tiering (device size, host pools, remote nodes, transport, copy engine, filter).
 // Nothing to do (nullptr) when no host or remote size is given.

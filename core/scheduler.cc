@@ -14,6 +14,14 @@
 
 namespace specontext {
 
+Scheduler::Scheduler(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {
+  if (const auto& store = options_.prefix_blob_store) {
+    const uint64_t capacity = store->capacity();
+    options_.prefix_disk_bytes =
+        options_.prefix_disk_bytes == 0 ? capacity : std::min(options_.prefix_disk_bytes, capacity);
+  }
+}
+
 Scheduler::~Scheduler() {
   for (Entry& e : running_) release(e);
   if (disk_lock_.held()) {
@@ -21,6 +29,9 @@ Scheduler::~Scheduler() {
     return;
   }
   while (evict_cached(SeqId(), /*offload=*/false)) {
+  }
+  for (const OffloadedPrefix& p : offloaded_) {  // a store may outlive the scheduler
+    if (p.blob && !p.gone) options_.prefix_blob_store->remove(*p.blob);
   }
   if (!disk_dir_.empty()) {
     std::error_code ignored;  // a destructor does not fail: what cannot be removed stays
@@ -41,9 +52,47 @@ Result<PrefixFile> Scheduler::read_own_prefix_file(const std::string& path, bool
   return f;
 }
 
+Result<PrefixFile> Scheduler::read_back(const OffloadedPrefix& p) {
+  std::string name = p.file;
+  Result<PrefixFile> r = [&]() -> Result<PrefixFile> {
+    if (!p.blob) return read_own_prefix_file(p.file, /*header_only=*/false);
+    PrefixBlobStore& store = *options_.prefix_blob_store;
+    name = store.name() + " blob " + std::to_string(*p.blob);
+    SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store.get(*p.blob));
+    SPX_ASSIGN_OR_RETURN(PrefixFile f, parse_prefix_file(bytes, name));
+    if (f.identity != identity()) {  // a store shared by mistake
+      return data_loss("prefix file " + name + ": field 'identity' is of another model or KV layout");
+    }
+    return f;
+  }();
+  if (r.is_ok() && r->tokens != p.tokens) {
+    return data_loss("prefix file " + name + ": field 'token_ids' holds other tokens than were written");
+  }
+  return r;
+}
+
+Status Scheduler::write_lower(OffloadedPrefix& p, std::span<const std::byte> encoded) {
+  if (const auto& store = options_.prefix_blob_store) {
+    SPX_ASSIGN_OR_RETURN(const uint64_t key, store->put(encoded));
+    p.blob = key;
+  } else {
+    const std::string path =
+        (std::filesystem::path(disk_dir_) / (std::to_string(next_file_++) + ".spxprefix")).string();
+    SPX_RETURN_IF_ERROR(write_prefix_file(path, encoded));
+    p.file = path;
+  }
+  p.file_bytes = encoded.size();
+  disk_bytes_ += p.file_bytes;
+  return Status::ok();
+}
+
 Status Scheduler::open_prefix_disk() {
   namespace fs = std::filesystem;
   if (!options_.prefix_disk_persist || disk_lock_.held()) return Status::ok();
+  if (options_.prefix_blob_store) {
+    return invalid_argument("keeping prefix files across restarts needs a directory, not " +
+                            options_.prefix_blob_store->name());
+  }
   if (options_.prefix_disk_bytes == 0 || options_.prefix_disk_dir.empty()) {
     return invalid_argument("keeping prefix files across restarts needs a disk budget and a directory");
   }
@@ -295,7 +344,7 @@ bool Scheduler::write_to_disk(OffloadedPrefix& p) {
   if (options_.prefix_disk_persist && !disk_lock_.held()) {
     return fail("prefix disk: the persistent directory was not opened (Scheduler::open_prefix_disk)");
   }
-  if (disk_dir_.empty()) {
+  if (disk_dir_.empty() && !options_.prefix_blob_store) {
     std::error_code ec;
     const std::filesystem::path base = options_.prefix_disk_dir.empty()
                                            ? std::filesystem::temp_directory_path(ec)
@@ -311,19 +360,24 @@ bool Scheduler::write_to_disk(OffloadedPrefix& p) {
   if (bytes.size() > options_.prefix_disk_bytes) return false;  // could never fit
   // Room first, least recently used files out, so that the disk never holds more than its
   // budget. They are marked gone (settle_offloaded erases them): p may be in offloaded_.
-  for (OffloadedPrefix& old : offloaded_) {
-    if (disk_bytes_ + bytes.size() <= options_.prefix_disk_bytes) break;
-    if (&old == &p || !old.on_disk() || old.gone) continue;
-    forget(old, /*remove_file=*/true);
-    old.gone = true;
-    ++stats_.prefix_disk_drops;
+  const auto drop_oldest = [&] {
+    for (OffloadedPrefix& old : offloaded_) {
+      if (&old == &p || !old.on_disk() || old.gone) continue;
+      forget(old, /*remove_file=*/true);
+      old.gone = true;
+      ++stats_.prefix_disk_drops;
+      return true;
+    }
+    return false;
+  };
+  while (disk_bytes_ + bytes.size() > options_.prefix_disk_bytes && drop_oldest()) {
   }
   if (disk_bytes_ + bytes.size() > options_.prefix_disk_bytes) return false;  // held by a file being read back
-  const std::string path = (std::filesystem::path(disk_dir_) / (std::to_string(next_file_++) + ".spxprefix")).string();
-  if (Status st = write_prefix_file(path, bytes); !st.is_ok()) return fail(st.to_string());
-  p.file = path;
-  p.file_bytes = bytes.size();
-  disk_bytes_ += p.file_bytes;
+  Status st = write_lower(p, bytes);
+  // A blob store's free space may be in pieces too small for it: older ones out until it fits.
+  while (st.code() == StatusCode::kResourceExhausted && drop_oldest()) st = write_lower(p, bytes);
+  if (st.code() == StatusCode::kResourceExhausted) return false;
+  if (!st.is_ok()) return fail(st.to_string());
   ++stats_.prefix_disk_writes;
   stats_.prefix_disk_peak_bytes = std::max(stats_.prefix_disk_peak_bytes, static_cast<int64_t>(disk_bytes_));
   return true;
@@ -340,7 +394,11 @@ bool Scheduler::move_to_disk(OffloadedPrefix& p) {
 void Scheduler::forget(const OffloadedPrefix& p, bool remove_file) {
   if (p.on_disk()) {
     disk_bytes_ -= p.file_bytes;
-    if (remove_file) std::remove(p.file.c_str());
+    if (remove_file && p.blob) {
+      options_.prefix_blob_store->remove(*p.blob);
+    } else if (remove_file) {
+      std::remove(p.file.c_str());
+    }
   } else {
     offloaded_bytes_ -= p.snapshot.bytes();
   }
@@ -371,10 +429,7 @@ bool Scheduler::restore_offloaded(size_t index) {
   PrefixFile read;
   const PrefixSnapshot* snapshot = &p.snapshot;
   if (p.on_disk()) {
-    auto r = read_own_prefix_file(p.file, /*header_only=*/false);
-    if (r.is_ok() && r->tokens != p.tokens) {
-      r = data_loss("prefix file " + p.file + ": field 'token_ids' holds other tokens than were written");
-    }
+    auto r = read_back(p);
     if (!r.is_ok()) {  // the request computes its prompt instead
       ++stats_.prefix_disk_errors;
       last_disk_error_ = r.status().to_string();

@@ -13,6 +13,7 @@
 
 #include "core/engine.h"
 #include "core/json_constraint.h"
+#include "core/prefix_blob_store.h"
 #include "core/prefix_file.h"
 #include "core/sampler.h"
 
@@ -139,6 +140,12 @@ struct GeneratorOptions {
   // recently used first; at the end the cached and host-memory prefixes are written there too,
   // within prefix_disk_bytes. Needs prefix_disk_bytes and prefix_disk_dir.
   bool prefix_disk_persist = false;
+  // The disk level's files kept in this store instead of a directory (a KV node's memory:
+  // cluster/remote_prefix_store.h; LMCache's remote backend, private to this scheduler), within
+  // prefix_disk_bytes (0: the store's capacity). What cannot be put, or read back intact (a dead
+  // node), is dropped and counted in prefix_disk_errors, as a file is. Not with
+  // prefix_disk_persist; prefix_disk_dir is unused.
+  std::shared_ptr<PrefixBlobStore> prefix_blob_store;
   // Swap preemption (vLLM's preemption_mode "swap"), under kPreempt with prefix caching and an
   // offload store (prefix_offload_bytes or prefix_disk_bytes): a preempted request's whole fork
   // units go to the store as an evicted cached prefix does, and when it is admitted again they
@@ -173,7 +180,7 @@ struct SchedulerEvent {
 
 class Scheduler {
  public:
-  Scheduler(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {}
+  Scheduler(Engine& engine, const GeneratorOptions& options);
   // Frees the sequences of running requests; with prefix_disk_persist, writes the cached and
   // host-memory prefixes to the directory first (what cannot be written is lost, not an error).
   ~Scheduler();
@@ -252,14 +259,16 @@ class Scheduler {
     SeqId seq;
     std::vector<TokenId> tokens;
   };
-  // An evicted cached sequence's whole fork units, in host memory or in a file.
+  // An evicted cached sequence's whole fork units, in host memory or encoded in the lower level
+  // ("disk": a file, or a blob of prefix_blob_store).
   struct OffloadedPrefix {
     std::vector<TokenId> tokens;  // snapshot.tokens of them
     PrefixSnapshot snapshot;      // empty on disk
-    std::string file;             // on disk: its path
+    std::string file;             // in a file: its path
+    std::optional<uint64_t> blob;  // in the blob store: its key
     uint64_t file_bytes = 0;
     bool gone = false;  // its file removed for room; erased by settle_offloaded
-    bool on_disk() const { return !file.empty(); }
+    bool on_disk() const { return !file.empty() || blob.has_value(); }
   };
 
   // Moves waiting requests to running while they fit; refused ones get their finished event.
@@ -314,6 +323,10 @@ class Scheduler {
   uint64_t identity();  // engine_.kv_identity(), computed once
   // read_prefix_file, and kDataLoss naming 'identity' for a file of another engine.
   Result<PrefixFile> read_own_prefix_file(const std::string& path, bool header_only);
+  // p's encoded file read back from the lower level (a file or a blob), its identity and tokens checked.
+  Result<PrefixFile> read_back(const OffloadedPrefix& p);
+  // Encodes p into the lower level, at room already made: its path or key into p.
+  Status write_lower(OffloadedPrefix& p, std::span<const std::byte> encoded);
   void forget(const OffloadedPrefix& p, bool remove_file);  // its bytes out of the accounting
   void release(Entry& e);
   void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release

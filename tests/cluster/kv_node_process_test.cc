@@ -319,6 +319,38 @@ TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {
   EXPECT_EQ(j["bad_requests"].get<int64_t>(), 1);
 }
 
+// --prefix-offload-remote: the offload store's lower level in a KV node's memory. Requests
+// preempted on a pool too small for the batch are swapped out to the node and back (both data
+// paths), with the text of recomputing them; the node's region goes with the client.
+TEST(KvNodeProcess, SwappedOutRequestsGoToTheNodeAndComeBack) {
+  NodeProcess node("32MiB");
+  ASSERT_NE(node.port(), 0);
+  const std::string run = "-m " + repo_path("models/stories260K/stories260K.bin") +
+                          " -p 'Once upon a time' -n 200 --batch 4 --temperature 0.8 --seed 3 --json"
+                          " --device-kv 1MiB --host-kv 2MiB --admission preempt --prefix-caching";
+  auto [code, out] = Generate(run + " --preemption-mode recompute").finish();
+  ASSERT_EQ(code, 0) << out;
+  const std::string expect = parse_json_tail(out).value("text", "");
+  ASSERT_FALSE(expect.empty());
+  for (const char* mode : {"gather", "rma"}) {
+    SCOPED_TRACE(mode);
+    auto [c, o] =
+        Generate(run + " --prefix-offload-remote 8MiB@" + node.endpoint() + " --kv-node-mode " + mode)
+            .finish();
+    ASSERT_EQ(c, 0) << o;
+    const auto j = parse_json_tail(o);
+    EXPECT_EQ(j["text"].get<std::string>(), expect);
+    EXPECT_GE(j["preemptions"].get<int64_t>(), 1) << j.dump();
+    EXPECT_EQ(j["preemption_swaps"].get<int64_t>(), j["preemptions"].get<int64_t>()) << j.dump();
+    const auto& d = j["prefix_disk"];
+    EXPECT_EQ(d["store"].get<std::string>(), "kv-node " + node.endpoint());
+    EXPECT_GE(d["writes"].get<int64_t>(), j["preemption_swaps"].get<int64_t>()) << d.dump();
+    EXPECT_EQ(d["restores"].get<int64_t>(), j["preemption_swaps"].get<int64_t>()) << d.dump();
+    EXPECT_EQ(d["errors"].get<int64_t>(), 0) << d.dump();
+  }
+  EXPECT_EQ(node.regions(), 0) << "the clients' regions were freed";
+}
+
 TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {
   NodeProcess node("1MiB");
   ASSERT_NE(node.port(), 0);
@@ -334,6 +366,13 @@ TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {
        "spares serve mirrored tiers"},
       {" --kv-node 256KiB@" + node.endpoint() + "+" + node.endpoint() + " --kv-node-spare nowhere",
        "--kv-node-spare nowhere"},
+      {" --prefix-caching --prefix-offload-remote 1MiB",
+       "--prefix-offload-remote 1MiB: expected SIZE@HOST:PORT"},
+      {" --prefix-caching --prefix-offload-remote 1MiB@127.0.0.1:1", "127.0.0.1:1"},
+      {" --prefix-caching --prefix-offload-remote 64MiB@" + node.endpoint(), "ResourceExhausted"},
+      {" --prefix-offload-remote 1MiB@" + node.endpoint(), "--prefix-offload-remote needs --prefix-caching"},
+      {" --prefix-caching --prefix-offload-disk 1MiB --prefix-offload-remote 1MiB@" + node.endpoint(),
+       "cannot be combined"},
   };
   for (const auto& [extra, expect] : cases) {
     auto [code, out] = Generate(base + extra + " --kv-node-timeout-ms 2000").finish();

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Plots bench_prefix_cache JSON: time to first token per turn with prefix caching off, on, and on
-with evicted prefixes offloaded to host memory (and, with --disk, to disk only) (left), prompt tokens computed and taken from the cache per mode (right)."""
+with evicted prefixes offloaded to host memory (and, with --disk / --remote, to disk or a KV node's memory only) (left), prompt tokens computed and taken from the cache per mode (right)."""
 import json
 import sys
 
@@ -11,6 +11,8 @@ import matplotlib.pyplot as plt
 path = sys.argv[1]
 doc = json.load(open(path))
 def mode_name(mode):
+    if "mode" in mode:
+        return mode["mode"]
     if not mode["prefix_caching"]:
         return "off"
     if mode.get("prefix_disk_bytes", 0) > 0:

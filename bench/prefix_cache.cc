@@ -4,14 +4,15 @@
 // clients and agent loops do. The same conversations run against a server with prefix caching
 // off, one with it on, and one that also offloads evicted prefixes to host memory (which matters
 // when there are more conversations than sequence slots: --conversations 8 --max-batch 4), and with
-// --disk SIZE a fourth that offloads them to disk only; per turn: time to first token (p50 over
-// conversations); per mode:
-// wall time, prompt tokens computed and taken from the cache. JSON (and --plot: PNG via
-// plot_prefix_cache.py).
+// --disk SIZE a fourth that offloads them to disk only, and with --remote SIZE a fifth that puts
+// them in a KV node's memory instead (an in-process `kv-node` over UCX on loopback TCP); per turn: time to
+// first token (p50 over conversations); per mode: wall time, prompt tokens computed and taken from the cache.
+// JSON (and --plot: PNG via plot_prefix_cache.py).
 //
-//   build/cpu/bench/bench_prefix_cache --out bench_out/prefix_cache.json --plot  (synthetic llama-3.2-1b, 4 layers)
-//   build/cpu/bench/bench_prefix_cache --conversations 8 --max-batch 4 --out bench_out/prefix_offload.json --plot
-//   ... --disk 1GiB: the same with the fourth mode
+//   build/cpu/bench/bench_prefix_cache --out bench_out/prefix_cache.json --plot  (synthetic llama-3.2-1b, 4
+//   layers) build/cpu/bench/bench_prefix_cache --conversations 8 --max-batch 4 --out
+//   bench_out/prefix_offload.json --plot
+//   ... --disk 1GiB --remote 1GiB: the same with the fourth and fifth modes
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -27,6 +28,10 @@
 #include "bin/engine_setup.h"
 #include "cluster/openai_server.h"
 #include "planner/units.h"
+#if SPECONTEXT_HAVE_UCX
+#include "cluster/kv_node.h"
+#include "cluster/remote_prefix_store.h"
+#endif
 
 using namespace specontext;
 using Clock = std::chrono::steady_clock;
@@ -60,9 +65,15 @@ struct ModeResult {
 };
 
 // offload_bytes > 0: prefix caching on, evicted prefixes kept in that much host memory; disk_bytes
-// > 0: and on disk (prefix files in the system's temporary directory).
+// > 0: and on disk (prefix files in the system's temporary directory), or in `store`.
 Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded, const Shape& shape,
-                            bool caching, uint64_t offload_bytes, uint64_t disk_bytes = 0) {
+                            bool caching, uint64_t offload_bytes, uint64_t disk_bytes = 0,
+                            std::shared_ptr<PrefixBlobStore> store = nullptr) {
+  const char* mode = !caching            ? "off"
+                     : store             ? "on + remote"
+                     : disk_bytes > 0    ? "on + disk"
+                     : offload_bytes > 0 ? "on + offload"
+                                         : "on";
   args.prefix_caching = caching;
   const int64_t context =
       std::min<int64_t>(loaded.model->config.max_seq_len,
@@ -78,6 +89,7 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   so.scheduling.prefix_caching = caching;
   so.scheduling.prefix_offload_bytes = offload_bytes;
   so.scheduling.prefix_disk_bytes = disk_bytes;
+  so.scheduling.prefix_blob_store = store;
   SPX_ASSIGN_OR_RETURN(std::unique_ptr<cluster::OpenAiServer> server,
                        cluster::OpenAiServer::start(*bundle.engine, *loaded.tokenizer, so));
   const uint16_t port = server->port();
@@ -146,7 +158,8 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   }
   server->stop();
   const cluster::ServerCounters counters = server->counters();
-  out.json = {{"prefix_caching", caching},
+  out.json = {{"mode", mode},
+              {"prefix_caching", caching},
               {"prefix_offload_bytes", offload_bytes},
               {"prefix_offloads", counters.prefix_offloads},
               {"prefix_restores", counters.prefix_restores},
@@ -165,11 +178,12 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   std::fprintf(stderr,
                "prefix caching %s: %.2f s, %lld prompt tokens computed, %lld cached (%lld evictions, %lld "
                "offloaded, %lld restored, %lld from disk), %lld failed\n",
-               !caching ? "off" : disk_bytes > 0 ? "on + disk" : offload_bytes > 0 ? "on + offload" : "on", out.wall_s,
-               static_cast<long long>(counters.prompt_tokens), static_cast<long long>(counters.cached_prompt_tokens),
-               static_cast<long long>(counters.prefix_cache_evictions), static_cast<long long>(counters.prefix_offloads),
-               static_cast<long long>(counters.prefix_restores), static_cast<long long>(counters.prefix_disk_restores),
-               static_cast<long long>(failed));
+               mode, out.wall_s, static_cast<long long>(counters.prompt_tokens),
+               static_cast<long long>(counters.cached_prompt_tokens),
+               static_cast<long long>(counters.prefix_cache_evictions),
+               static_cast<long long>(counters.prefix_offloads),
+               static_cast<long long>(counters.prefix_restores),
+               static_cast<long long>(counters.prefix_disk_restores), static_cast<long long>(failed));
   return out;
 }
 
@@ -196,6 +210,12 @@ int main(int argc, char** argv) {
   app.add_option("--disk", disk,
                  "a fourth mode, when not 0: no host memory for offloaded prefixes, this much disk (SIZE) instead")
       ->capture_default_str();
+  std::string remote = "0";
+  app.add_option(
+         "--remote", remote,
+         "a fifth mode, when not 0: no host memory for offloaded prefixes, this much of an in-process "
+         "KV node's memory (SIZE) instead")
+      ->capture_default_str();
   bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
   const auto fail = bench::report_failure;
@@ -217,6 +237,27 @@ int main(int argc, char** argv) {
     if (!r.is_ok()) return fail(r.status());
     on_disk = std::move(*r);
   }
+  auto remote_bytes = planner::parse_size(remote);
+  if (!remote_bytes.is_ok() || *remote_bytes < 0) return fail(invalid_argument("--remote: " + remote));
+  std::optional<ModeResult> on_remote;
+  if (*remote_bytes > 0) {
+#if SPECONTEXT_HAVE_UCX
+    cluster::KvNodeOptions no;
+    no.capacity = static_cast<uint64_t>(*remote_bytes);
+    auto node = cluster::KvNode::start(no);
+    if (!node.is_ok()) return fail(node.status());
+    cluster::RemotePrefixStoreOptions ro;
+    ro.replicas = {cluster::Endpoint{"127.0.0.1", (*node)->port()}};
+    ro.bytes = static_cast<uint64_t>(*remote_bytes);
+    auto store = cluster::RemotePrefixStore::create(ro);
+    if (!store.is_ok()) return fail(store.status());
+    auto r = run_mode(args, *loaded, shape, true, 0, ro.bytes, std::move(store).value());
+    if (!r.is_ok()) return fail(r.status());
+    on_remote = std::move(*r);
+#else
+    return fail(unimplemented("--remote: this build has no UCX"));
+#endif
+  }
   nlohmann::json doc = {
       {"model", bench::served_model_name(args)},
       {"layers", loaded->model->config.n_layers},
@@ -237,6 +278,15 @@ int main(int argc, char** argv) {
     doc["wall_ratio_disk_over_offload"] = offloaded->wall_s > 0 ? on_disk->wall_s / offloaded->wall_s : 0.0;
     doc["ttft_ratio_disk_over_offload"] = offloaded->ttft_sum_s > 0 ? on_disk->ttft_sum_s / offloaded->ttft_sum_s : 0.0;
     doc["modes"].push_back(on_disk->json);
+  }
+  if (on_remote) {
+    doc["wall_ratio_remote_over_offload"] =
+        offloaded->wall_s > 0 ? on_remote->wall_s / offloaded->wall_s : 0.0;
+    doc["ttft_ratio_remote_over_offload"] =
+        offloaded->ttft_sum_s > 0 ? on_remote->ttft_sum_s / offloaded->ttft_sum_s : 0.0;
+    if (on_disk)
+      doc["wall_ratio_remote_over_disk"] = on_disk->wall_s > 0 ? on_remote->wall_s / on_disk->wall_s : 0.0;
+    doc["modes"].push_back(on_remote->json);
   }
   bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_prefix_cache.py");
   return 0;

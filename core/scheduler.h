@@ -78,6 +78,7 @@ struct GenerationStats {
   int64_t prefix_restores = 0;         // offloaded prefixes written back into the cache for a request
   int64_t prefix_offload_drops = 0;    // offloaded prefixes dropped for room in the store
   int64_t prefix_offload_peak_bytes = 0;
+  // The lower level: files on disk, or blobs of prefix_blob_store.
   int64_t prefix_disk_writes = 0;    // offloaded prefixes written to disk (prefix_disk_bytes)
   int64_t prefix_disk_restores = 0;  // of prefix_restores, those read back from disk
   int64_t prefix_disk_drops = 0;     // prefix files removed for room on disk

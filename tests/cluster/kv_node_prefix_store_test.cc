@@ -18,6 +18,9 @@
 namespace specontext::cluster {
 namespace {
 
+using testing::alone;
+using testing::story_prompt;
+
 using namespace std::chrono_literals;
 
 std::unique_ptr<KvNode> start_node(uint64_t capacity) {
@@ -124,13 +127,6 @@ GenerationRequest request(std::vector<TokenId> prompt, int64_t n) {
   return r;
 }
 
-std::vector<TokenId> story_prompt(size_t n) {
-  const std::vector<TokenId> words{403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 426};
-  std::vector<TokenId> p{1};
-  while (p.size() < n) p.push_back(words[p.size() % words.size()]);
-  return p;
-}
-
 std::vector<TokenId> run(Scheduler& s, const GenerationRequest& r, int64_t* cached = nullptr) {
   auto id = s.submit(r);
   EXPECT_TRUE(id.is_ok());
@@ -146,14 +142,6 @@ std::vector<TokenId> run(Scheduler& s, const GenerationRequest& r, int64_t* cach
   }
   EXPECT_TRUE(s.idle());
   return tokens;
-}
-
-std::vector<TokenId> alone(const GenerationRequest& r) {
-  auto e = testing::stories_engine(1);
-  Generator g(*e, GeneratorOptions{});
-  auto res = g.run({r});
-  EXPECT_TRUE(res.is_ok());
-  return (*res)[0].tokens;
 }
 
 // One sequence slot: each new conversation evicts the last one, whose prefix goes to the node

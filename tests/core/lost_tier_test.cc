@@ -15,6 +15,8 @@
 namespace specontext {
 namespace {
 
+using testing::alone;
+
 std::shared_ptr<Model> stories() {
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
   EXPECT_TRUE(m.is_ok()) << m.status().to_string();
@@ -33,14 +35,6 @@ GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperat
 std::vector<GenerationRequest> requests() {
   return {request({1, 403, 407, 261, 378}, 60, 0.0f, 1), request({1, 426}, 50, 0.9f, 5),
           request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 40, 0.7f, 9)};
-}
-
-std::vector<TokenId> alone(const GenerationRequest& r) {
-  auto e = testing::stories_engine(1);
-  Generator g(*e, GeneratorOptions{});
-  auto res = g.run({r});
-  EXPECT_TRUE(res.is_ok());
-  return (*res)[0].tokens;
 }
 
 struct Outcome {

@@ -19,6 +19,9 @@
 namespace specontext {
 namespace {
 
+using testing::alone;
+using testing::story_prompt;
+
 std::unique_ptr<Engine> make_engine(int64_t max_sequences) { return testing::stories_engine(max_sequences); }
 
 // stories260K on an engine of `slots` sequence slots and a pool of `pages` KV pages (0: enough
@@ -43,14 +46,6 @@ GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperat
   r.sampling.temperature = temperature;
   r.sampling.seed = 7;
   return r;
-}
-
-std::vector<TokenId> alone(const GenerationRequest& r) {
-  auto e = make_engine(1);
-  Generator g(*e, GeneratorOptions{});
-  auto res = g.run({r});
-  EXPECT_TRUE(res.is_ok());
-  return (*res)[0].tokens;
 }
 
 struct Collected {
@@ -530,13 +525,6 @@ void run_to_idle(Scheduler& s, Collected& got) {
     collect(ev, got);
   }
   ASSERT_TRUE(s.idle());
-}
-
-std::vector<TokenId> story_prompt(size_t n) {
-  const std::vector<TokenId> words{403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 426};
-  std::vector<TokenId> p{1};
-  while (p.size() < n) p.push_back(words[p.size() % words.size()]);
-  return p;
 }
 
 // The next turn of conversation r: its prompt, its answer, then `more`; n tokens to generate.

@@ -12,9 +12,10 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "core/generator.h"
+#include "core/model_loader.h"
 #include "core/retrieval_head.h"
 #include "core/synthetic.h"
-#include "core/model_loader.h"
 #include "cpu/cpu_backend.h"
 #include "tests/tests_common.h"
 #include "transport/fault_transport.h"
@@ -146,6 +147,24 @@ inline std::unique_ptr<Engine> stories_engine(int64_t max_sequences) {
   auto e = Engine::create(*m, std::shared_ptr<Backend>(std::move(*b)), eo);
   EXPECT_TRUE(e.is_ok());
   return std::move(*e);
+}
+
+// The tokens `r` gets run alone on a one-slot stories260K engine: what a request must get
+// whatever else the scheduler does around it.
+inline std::vector<TokenId> alone(const GenerationRequest& r) {
+  auto e = stories_engine(1);
+  Generator g(*e, GeneratorOptions{});
+  auto res = g.run({r});
+  EXPECT_TRUE(res.is_ok());
+  return res.is_ok() ? (*res)[0].tokens : std::vector<TokenId>{};
+}
+
+// A stories260K prompt of n tokens: BOS, then story words over and over.
+inline std::vector<TokenId> story_prompt(size_t n) {
+  const std::vector<TokenId> words{403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 426};
+  std::vector<TokenId> p{1};
+  while (p.size() < n) p.push_back(words[p.size() % words.size()]);
+  return p;
 }
 
 // An engine whose layer 1 lives on a (loopback) remote node behind a link that fails every post

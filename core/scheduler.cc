@@ -13,6 +13,18 @@
 #include "core/prefix_file.h"
 
 namespace specontext {
+namespace {
+
+// A prefix file `name` read back is of this engine (Engine::kv_identity), else kDataLoss naming
+// the field.
+Result<PrefixFile> of_identity(PrefixFile f, uint64_t identity, const std::string& name) {
+  if (f.identity != identity) {
+    return data_loss("prefix file " + name + ": field 'identity' is of another model or KV layout");
+  }
+  return f;
+}
+
+}  // namespace
 
 Scheduler::Scheduler(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {
   if (const auto& store = options_.prefix_blob_store) {
@@ -46,10 +58,7 @@ uint64_t Scheduler::identity() {
 
 Result<PrefixFile> Scheduler::read_own_prefix_file(const std::string& path, bool header_only) {
   SPX_ASSIGN_OR_RETURN(PrefixFile f, read_prefix_file(path, header_only));
-  if (f.identity != identity()) {
-    return data_loss("prefix file " + path + ": field 'identity' is of another model or KV layout");
-  }
-  return f;
+  return of_identity(std::move(f), identity(), path);
 }
 
 Result<PrefixFile> Scheduler::read_back(const OffloadedPrefix& p) {
@@ -60,10 +69,7 @@ Result<PrefixFile> Scheduler::read_back(const OffloadedPrefix& p) {
     name = store.name() + " blob " + std::to_string(*p.blob);
     SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store.get(*p.blob));
     SPX_ASSIGN_OR_RETURN(PrefixFile f, parse_prefix_file(bytes, name));
-    if (f.identity != identity()) {  // a store shared by mistake
-      return data_loss("prefix file " + name + ": field 'identity' is of another model or KV layout");
-    }
-    return f;
+    return of_identity(std::move(f), identity(), name);  // a store shared by mistake
   }();
   if (r.is_ok() && r->tokens != p.tokens) {
     return data_loss("prefix file " + name + ": field 'token_ids' holds other tokens than were written");

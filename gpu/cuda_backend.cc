@@ -136,8 +136,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_ordinal) {
   SPX_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::create());
   SPX_ASSIGN_OR_RETURN(CublasHandle cublas, CublasHandle::create(stream.get()));
   // Default math: CUBLAS_COMPUTE_32F stays true f32 (no TF32); bf16 inputs use tensor cores.
-  SPX_CUBLAS_CHECK(cublasSetMathMode(cublas.get(), CUBLAS_DEFAULT_MATH));
-  SPX_CUBLAS_CHECK(cublasSetPointerMode(cublas.get(), CUBLAS_POINTER_MODE_HOST));
+  SPX_CUBLAS_CHECK(cublas.api().set_math_mode(cublas.get(), CUBLAS_DEFAULT_MATH));
+  SPX_CUBLAS_CHECK(cublas.api().set_pointer_mode(cublas.get(), CUBLAS_POINTER_MODE_HOST));
   return std::unique_ptr<CudaBackend>(
       new CudaBackend(device_ordinal, std::max(sms, 1), std::move(stream), std::move(cublas)));
 }
@@ -301,9 +301,9 @@ Status CudaBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, con
       b_ptr = act_bf16_.data();
       ab_type = CUDA_R_16BF;
     }
-    SPX_CUBLAS_CHECK(cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, n_out, n_tok, n_in,
-                                  &alpha, w.data, ab_type, n_in, b_ptr, ab_type, n_in, &beta, y,
-                                  CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    SPX_CUBLAS_CHECK(cublas_.api().gemm_ex(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, n_out, n_tok, n_in,
+                                           &alpha, w.data, ab_type, n_in, b_ptr, ab_type, n_in, &beta, y,
+                                           CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   if (bias != nullptr) SPX_CUDA_CHECK(kernels::launch_bias_add(y, bias, m, w.rows, s));
   return Status::ok();

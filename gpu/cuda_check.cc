@@ -4,6 +4,8 @@
 #include <string>
 #include <string_view>
 
+#include "gpu/cublas_loader.h"
+
 namespace specontext::gpu {
 
 std::string short_location(std::source_location where) {
@@ -69,8 +71,11 @@ Status cublas_status(cublasStatus_t st, const char* expr, std::source_location w
   if (st == CUBLAS_STATUS_SUCCESS) return Status::ok();
   // A cuBLAS failure may hide an earlier asynchronous CUDA error; surface and clear it too.
   const cudaError_t pending = cudaGetLastError();
-  std::string msg = std::string(expr) + " failed: " + cublasGetStatusName(st) + " (" +
-                    cublasGetStatusString(st) + ")";
+  // A status comes from a loaded cuBLAS (gpu/cublas_loader.h); its code alone if somehow not.
+  const Result<const CublasApi*> api = cublas_api();
+  std::string msg = std::string(expr) + " failed: " +
+                    (api.is_ok() ? std::string((*api)->status_name(st)) + " (" + (*api)->status_string(st) + ")"
+                                 : "cuBLAS status " + std::to_string(static_cast<int>(st)));
   if (pending != cudaSuccess) msg += std::string("; pending CUDA error ") + cudaGetErrorName(pending);
   msg += " at " + short_location(where);
   return Status(cublas_code(st), std::move(msg), where);

@@ -195,27 +195,29 @@ ScopedDevice::~ScopedDevice() {
 // ---- CublasHandle ----
 
 Result<CublasHandle> CublasHandle::create(cudaStream_t stream) {
+  SPX_ASSIGN_OR_RETURN(const CublasApi* api, cublas_api());
   cublasHandle_t h = nullptr;
-  SPX_CUBLAS_CHECK(cublasCreate(&h));
-  CublasHandle handle(h);  // owns h from here on, also on the error paths below
-  SPX_CUBLAS_CHECK(cublasSetStream(h, stream));
+  SPX_CUBLAS_CHECK(api->create(&h));
+  CublasHandle handle(h, api);  // owns h from here on, also on the error paths below
+  SPX_CUBLAS_CHECK(api->set_stream(h, stream));
   return handle;
 }
 
 namespace {
-void destroy_cublas(cublasHandle_t h) noexcept {
+void destroy_cublas(cublasHandle_t h, const CublasApi* api) noexcept {
   if (h == nullptr) return;
-  const cublasStatus_t st = cublasDestroy(h);
+  const cublasStatus_t st = api->destroy(h);
   if (st != CUBLAS_STATUS_SUCCESS) log_error(cublas_status(st, "cublasDestroy"), "release failed");
 }
 }  // namespace
 
-CublasHandle::~CublasHandle() { destroy_cublas(handle_); }
+CublasHandle::~CublasHandle() { destroy_cublas(handle_, api_); }
 
 CublasHandle& CublasHandle::operator=(CublasHandle&& other) noexcept {
   if (this != &other) {
-    destroy_cublas(handle_);
+    destroy_cublas(handle_, api_);
     handle_ = std::exchange(other.handle_, nullptr);
+    api_ = other.api_;
   }
   return *this;
 }

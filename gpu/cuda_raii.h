@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "core/status.h"
+#include "gpu/cublas_loader.h"
 #include "gpu/cuda_check.h"
 
 namespace specontext::gpu {
@@ -207,17 +208,21 @@ class CublasHandle {
 
   CublasHandle() = default;
   ~CublasHandle();
-  CublasHandle(CublasHandle&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  CublasHandle(CublasHandle&& other) noexcept
+      : handle_(std::exchange(other.handle_, nullptr)), api_(other.api_) {}
   CublasHandle& operator=(CublasHandle&& other) noexcept;
   CublasHandle(const CublasHandle&) = delete;
   CublasHandle& operator=(const CublasHandle&) = delete;
 
   cublasHandle_t get() const { return handle_; }
   bool empty() const { return handle_ == nullptr; }
+  // The loaded cuBLAS functions (gpu/cublas_loader.h); valid while the handle is not empty.
+  const CublasApi& api() const { return *api_; }
 
  private:
-  explicit CublasHandle(cublasHandle_t h) : handle_(h) {}
+  CublasHandle(cublasHandle_t h, const CublasApi* api) : handle_(h), api_(api) {}
   cublasHandle_t handle_ = nullptr;
+  const CublasApi* api_ = nullptr;
 };
 
 }  // namespace specontext::gpu

@@ -5,11 +5,13 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <string>
 #include <vector>
 
 #include "gpu/cuda_backend.h"
+#include "gpu/cublas_loader.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_raii.h"
 #ifdef SPECONTEXT_HAVE_NCCL
@@ -25,6 +27,26 @@ bool contains(const std::string& haystack, const std::string& needle) {
 
 // ---------------------------------------------------------------------------------------------
 // Runs everywhere.
+
+// cuBLAS is opened on first use, not linked (gpu/cublas_loader.h): a process that never creates
+// a CUDA backend never pays for loading it. Kept first in this file, so that in a run of the whole
+// binary no earlier test has loaded it (ctest runs each test in a process of its own).
+TEST(CublasLoader, NotLoadedUntilFirstUseThenEveryEntryPointResolves) {
+  const std::string soname = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+  EXPECT_EQ(dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD), nullptr) << soname << " is loaded at start";
+  auto api = cublas_api();
+  ASSERT_TRUE(api.is_ok()) << api.status().to_string();
+  const CublasApi& a = **api;
+  EXPECT_TRUE(a.create && a.destroy && a.set_stream && a.set_math_mode && a.set_pointer_mode && a.gemm_ex &&
+              a.status_name && a.status_string);
+  EXPECT_STREQ(a.status_name(CUBLAS_STATUS_NOT_SUPPORTED), "CUBLAS_STATUS_NOT_SUPPORTED");
+  void* loaded = dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  EXPECT_NE(loaded, nullptr);
+  if (loaded != nullptr) dlclose(loaded);  // drops only the reference NOLOAD took
+  auto again = cublas_api();
+  ASSERT_TRUE(again.is_ok());
+  EXPECT_EQ(*again, *api);  // opened once per process
+}
 
 TEST(CudaDiscovery, CreateWithoutDeviceIsUnavailable) {
   if (cuda_device_available()) {

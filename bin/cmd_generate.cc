@@ -213,6 +213,7 @@ int run_generate(const GenerateArgs& a) {
       {"kv_bytes", st.kv_bytes_peak},
       {"kv_bytes_per_token", engine->kv_bytes_per_token()},
       {"kv_dtype", a.engine.kv_dtype},
+      {"weight_dtype", std::string(dtype_name(engine->model().weight_dtype))},
       {"backend", std::string(engine->backend().name())},
       {"model", synthetic ? a.engine.model.synthetic : a.engine.model.model_path},
       {"sparse", method_name},

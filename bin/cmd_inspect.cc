@@ -41,6 +41,10 @@ int run_inspect(const InspectArgs& args) {
       {"kv_bytes_per_token", c.kv_bytes_per_token(4)},
       {"kv_bytes_per_token_bf16", c.kv_bytes_per_token(2)},
   };
+  // A GGUF's matrix types as stored ({"Q4_K": 96, ...}); they are dequantised on load, so
+  // "dtype" above is what the backends compute with.
+  if (!m.stored_types.empty()) j["stored_types"] = m.stored_types;
+  if (!c.rope_freq_factors.empty()) j["rope_freq_factors"] = c.rope_freq_factors.size();
   if (args.json) {
     std::cout << j.dump() << "\n";
     return 0;
@@ -49,6 +53,13 @@ int run_inspect(const InspectArgs& args) {
   std::printf("architecture       %s\n", std::string(architecture_name(c.arch)).c_str());
   std::printf("parameters         %lld\n", static_cast<long long>(m.parameter_count()));
   std::printf("dtype              %s\n", std::string(dtype_name(m.weight_dtype)).c_str());
+  if (!m.stored_types.empty()) {
+    std::string stored;
+    for (const auto& [type, count] : m.stored_types) {
+      stored += (stored.empty() ? "" : ", ") + type + " x" + std::to_string(count);
+    }
+    std::printf("stored as          %s (matrices; block types dequantised on load)\n", stored.c_str());
+  }
   std::printf("layers             %lld (hidden %lld, mlp %lld)\n", static_cast<long long>(c.n_layers),
               static_cast<long long>(c.dim), static_cast<long long>(c.hidden_dim));
   std::printf("heads              %lld query, %lld kv, head_dim %lld\n", static_cast<long long>(c.n_heads),

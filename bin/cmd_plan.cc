@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bin/commands.h"
+#include "core/model_loader.h"
 #include "core/synthetic.h"
 #include "planner/plan.h"
 #include "planner/plan_json.h"
@@ -39,7 +40,8 @@ Result<ModelBytes> model_bytes_from_args(const PlanArgs& args) {
     mb.weight_elem_bytes = args.model.dtype == "f32" ? 4 : 2;
     mb.model_bytes = mb.params * mb.weight_elem_bytes;
   } else {
-    SPX_ASSIGN_OR_RETURN(std::shared_ptr<Model> model, load_model_from_args(args.model));
+    // The model as stored: --dtype (default bf16 here) sizes synthetic models only.
+    SPX_ASSIGN_OR_RETURN(std::shared_ptr<Model> model, load_model(args.model.model_path));
     mb.config = model->config;
     mb.name = args.model.model_path;
     mb.params = model->parameter_count();

@@ -27,8 +27,12 @@ void add_model_options(CLI::App& cmd, ModelArgs& args) {
                                "llama-3.1-8b, qwen3-8b, toy): measures speed, not quality");
   model->excludes(synth);
   cmd.add_option("--layers", args.layers, "with --synthetic: cut the depth to N layers");
-  cmd.add_option("--dtype", args.dtype, "with --synthetic: weight dtype (f32, bf16)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd.add_option("--dtype", args.dtype,
+                 "weights in memory: auto (f32 and bf16 as stored, f16 and GGUF block types converted "
+                 "to f32; f32 for --synthetic), f32, or bf16 (everything converted or dequantised to "
+                 "bf16: half the memory of f32)")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}))
+      ->capture_default_str();
   cmd.add_option("--weight-seed", args.weight_seed, "with --synthetic: seed of the random weights");
 }
 
@@ -38,7 +42,8 @@ Result<std::shared_ptr<Model>> load_model_from_args(const ModelArgs& args) {
                                 args.dtype == "bf16" ? DType::kBF16 : DType::kF32, args.weight_seed);
   }
   if (args.model_path.empty()) return invalid_argument("give --model PATH or --synthetic NAME");
-  return load_model(args.model_path);
+  return load_model(args.model_path,
+                    LoadOptions{.force_f32 = args.dtype == "f32", .force_bf16 = args.dtype == "bf16"});
 }
 
 void add_engine_options(CLI::App& cmd, EngineArgs& a) {

@@ -21,7 +21,7 @@ struct ModelArgs {
   std::string model_path;
   std::string synthetic;
   int64_t layers = 0;
-  std::string dtype = "f32";
+  std::string dtype = "auto";  // --dtype: auto, f32, bf16 (weights in memory)
   uint64_t weight_seed = 1;
 };
 void add_model_options(CLI::App& cmd, ModelArgs& args);

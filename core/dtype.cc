@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "core/ggml_quants.h"
+
 namespace specontext {
 
 std::string_view dtype_name(DType t) {
@@ -89,15 +91,10 @@ void convert_to_f32(DType t, const void* src, float* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
       return;
     }
-    case DType::kQ8_0: {  // blocks of {f16 scale; int8 q[32]}
-      const auto* s = static_cast<const uint8_t*>(src);
-      for (size_t b = 0; b < n / 32; ++b) {
-        uint16_t d16;
-        std::memcpy(&d16, s + b * 34, 2);
-        const float d = f16_to_f32(d16);
-        const auto* q = reinterpret_cast<const int8_t*>(s + b * 34 + 2);
-        for (int j = 0; j < 32; ++j) dst[b * 32 + j] = d * static_cast<float>(q[j]);
-      }
+    case DType::kQ8_0: {  // blocks of {f16 scale; int8 q[32]}: ggml type 8
+      const int64_t whole = static_cast<int64_t>(n / 32 * 32);
+      static_cast<void>(ggml_dequantize(8, src, dst, whole));  // cannot fail: whole blocks
+      for (size_t i = static_cast<size_t>(whole); i < n; ++i) dst[i] = 0.0f;
       return;
     }
     default:

@@ -68,6 +68,7 @@ uint64_t Engine::kv_identity() const {
   }
   h.add(c.rope_theta);
   add_rope_scaling(h, c.rope_scaling);
+  h.add(c.rope_freq_factors);
   h.add(c.norm_eps);
   for (bool b : {c.tie_embeddings, c.attention_bias, c.qk_norm}) h.add(b);
   h.add(model_->tok_embeddings);

@@ -3,6 +3,8 @@
 #include <limits>
 #include <new>
 
+#include "core/ggml_quants.h"
+
 namespace specontext {
 
 namespace {
@@ -47,36 +49,6 @@ size_t min_value_bytes(uint32_t t) {
     case kString: return 8;
     default: return 12;  // array header
   }
-}
-
-struct GgmlType {
-  uint32_t id;
-  const char* name;
-  int64_t block;  // elements per block
-  int64_t bytes;  // bytes per block
-};
-
-// ggml's type table (ggml.c type_traits), so files holding other quantisations still parse and
-// their sizes are checked; the loader decides which it can use.
-constexpr GgmlType kGgmlTypes[] = {
-    {0, "F32", 1, 4},         {1, "F16", 1, 2},         {2, "Q4_0", 32, 18},
-    {3, "Q4_1", 32, 20},      {6, "Q5_0", 32, 22},      {7, "Q5_1", 32, 24},
-    {8, "Q8_0", 32, 34},      {9, "Q8_1", 32, 36},      {10, "Q2_K", 256, 84},
-    {11, "Q3_K", 256, 110},   {12, "Q4_K", 256, 144},   {13, "Q5_K", 256, 176},
-    {14, "Q6_K", 256, 210},   {15, "Q8_K", 256, 292},   {16, "IQ2_XXS", 256, 66},
-    {17, "IQ2_XS", 256, 74},  {18, "IQ3_XXS", 256, 98}, {19, "IQ1_S", 256, 50},
-    {20, "IQ4_NL", 32, 18},   {21, "IQ3_S", 256, 110},  {22, "IQ2_S", 256, 82},
-    {23, "IQ4_XS", 256, 136}, {24, "I8", 1, 1},         {25, "I16", 1, 2},
-    {26, "I32", 1, 4},        {27, "I64", 1, 8},        {28, "F64", 1, 8},
-    {29, "IQ1_M", 256, 56},   {30, "BF16", 1, 2},       {34, "TQ1_0", 256, 54},
-    {35, "TQ2_0", 256, 66},
-};
-
-const GgmlType* find_ggml_type(uint32_t id) {
-  for (const auto& t : kGgmlTypes) {
-    if (t.id == id) return &t;
-  }
-  return nullptr;
 }
 
 constexpr size_t kMaxDims = 4;  // GGML_MAX_DIMS
@@ -276,14 +248,14 @@ Result<std::shared_ptr<GgufFile>> GgufFile::parse(const uint8_t* data, size_t si
     }
     SPX_RETURN_IF_ERROR(r.read(&t.ggml_type, what + " type"));
     SPX_RETURN_IF_ERROR(r.read(&t.offset, what + " offset"));
-    const GgmlType* gt = find_ggml_type(t.ggml_type);
+    const GgmlTypeInfo* gt = ggml_type_info(t.ggml_type);
     if (gt == nullptr) {
       return invalid_argument(src + ": " + what + ": unknown ggml type " +
                               std::to_string(t.ggml_type));
     }
     if (t.dims[0] % gt->block != 0) {
       return invalid_argument(src + ": " + what + ": first dimension " + std::to_string(t.dims[0]) +
-                              " is not a multiple of the " + gt->name + " block size " +
+                              " is not a multiple of the " + std::string(gt->name) + " block size " +
                               std::to_string(gt->block));
     }
     int64_t bytes = 0;

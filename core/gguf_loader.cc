@@ -1,4 +1,10 @@
-// GGUF models with general.architecture = "llama" (Llama, Mistral and llama2.c conversions).
+// GGUF models with general.architecture = "llama" (Llama, Mistral and llama2.c conversions),
+// "qwen2" or "qwen3", as llama.cpp's convert_hf_to_gguf.py writes them, with weights in F32,
+// F16, BF16 or any block type of core/ggml_quants.h (dequantised on load).
+#include <map>
+#include <optional>
+
+#include "core/ggml_quants.h"
 #include "core/gguf.h"
 #include "core/loader_internal.h"
 #include "core/model_loader.h"
@@ -9,17 +15,20 @@ namespace {
 
 using loader_internal::shape_string;
 
-Result<DType> ggml_to_dtype(const GgufFile& g, const GgufTensorInfo& t) {
-  switch (t.ggml_type) {
+// The plain float types the backends use as they are (F32, BF16) or convert (F16); nullopt for
+// the rest, which matrix() dequantises when it can.
+std::optional<DType> plain_float_dtype(uint32_t ggml_type) {
+  switch (ggml_type) {
     case 0: return DType::kF32;
     case 1: return DType::kF16;
-    case 8: return DType::kQ8_0;
     case 30: return DType::kBF16;
-    default:
-      return unimplemented(g.source() + ": tensor \"" + t.name + "\": ggml type " +
-                           std::to_string(t.ggml_type) +
-                           " is not supported (supported: F32, F16, BF16, Q8_0)");
+    default: return std::nullopt;
   }
+}
+
+std::string ggml_type_name(uint32_t ggml_type) {
+  const GgmlTypeInfo* info = ggml_type_info(ggml_type);
+  return info != nullptr ? std::string(info->name) : std::to_string(ggml_type);
 }
 
 class GgufBuilder {
@@ -43,10 +52,14 @@ class GgufBuilder {
                               shape_string(want) + " (row-major [" + std::to_string(rows) + ", " +
                               std::to_string(cols) + "]), got " + shape_string(t->dims));
     }
-    SPX_ASSIGN_OR_RETURN(DType dt, ggml_to_dtype(g_, *t));
-    SPX_ASSIGN_OR_RETURN(*out,
-                         loader_internal::make_matrix(model_, dt, t->data, rows, cols, opts_,
-                                                      g_.source() + ": tensor \"" + name + "\""));
+    const std::string what = g_.source() + ": tensor \"" + name + "\"";
+    if (const std::optional<DType> dt = plain_float_dtype(t->ggml_type)) {
+      SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_matrix(model_, *dt, t->data, rows, cols, opts_, what));
+    } else {
+      SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_dequantized_matrix(model_, t->ggml_type, t->data,
+                                                                         rows, cols, opts_, what));
+    }
+    ++tensor_types_[ggml_type_name(t->ggml_type)];
     return Status::ok();
   }
 
@@ -56,19 +69,24 @@ class GgufBuilder {
       return invalid_argument(g_.source() + ": tensor \"" + name + "\": expected dims [" +
                               std::to_string(n) + "], got " + shape_string(t->dims));
     }
-    SPX_ASSIGN_OR_RETURN(DType dt, ggml_to_dtype(g_, *t));
-    if (dt == DType::kQ8_0) {
-      return unimplemented(g_.source() + ": tensor \"" + name +
-                           "\": q8_0 vectors are not supported");
+    const std::optional<DType> dt = plain_float_dtype(t->ggml_type);
+    if (!dt) {
+      return unimplemented(g_.source() + ": tensor \"" + name + "\": ggml type " +
+                           ggml_type_name(t->ggml_type) +
+                           " is not supported for vectors (supported: F32, F16, BF16)");
     }
-    *out = loader_internal::to_f32_vec(dt, t->data, static_cast<size_t>(n));
+    *out = loader_internal::to_f32_vec(*dt, t->data, static_cast<size_t>(n));
     return Status::ok();
   }
+
+  // How many matrices came in each ggml type, e.g. {"Q4_K": 96, "Q6_K": 33}.
+  const std::map<std::string, int64_t>& tensor_types() const { return tensor_types_; }
 
  private:
   const GgufFile& g_;
   Model* model_;
   LoadOptions opts_;
+  std::map<std::string, int64_t> tensor_types_;
 };
 
 Result<int64_t> int_or(const GgufFile& g, const std::string& key, int64_t def) {
@@ -90,12 +108,6 @@ Result<int32_t> token_id_or(const GgufFile& g, const std::string& key, int32_t d
 }
 
 Status parse_rope_scaling(const GgufFile& g, const std::string& a, ModelConfig* c) {
-  if (g.find_tensor("rope_freqs.weight") != nullptr) {
-    // Llama 3.1+ conversions bake llama3 scaling into per-frequency factors.
-    return unimplemented(g.source() +
-                         ": tensor \"rope_freqs.weight\" (per-frequency RoPE factors) "
-                         "is not supported");
-  }
   const std::string type_key = a + ".rope.scaling.type";
   if (!g.has(type_key)) return Status::ok();
   SPX_ASSIGN_OR_RETURN(std::string type, g.get_string(type_key));
@@ -109,6 +121,8 @@ Status parse_rope_scaling(const GgufFile& g, const std::string& a, ModelConfig* 
     SPX_ASSIGN_OR_RETURN(s.original_max_position_embeddings,
                          int_or(g, a + ".rope.scaling.original_context_length", c->max_seq_len));
     SPX_ASSIGN_OR_RETURN(s.attention_factor, float_or(g, a + ".rope.scaling.attn_factor", 0.0));
+    SPX_ASSIGN_OR_RETURN(s.beta_fast, float_or(g, a + ".rope.scaling.yarn_beta_fast", s.beta_fast));
+    SPX_ASSIGN_OR_RETURN(s.beta_slow, float_or(g, a + ".rope.scaling.yarn_beta_slow", s.beta_slow));
   } else {
     return unimplemented(g.source() + ": key \"" + type_key + "\" = \"" + type +
                          "\" is not supported (supported: none, linear, yarn)");
@@ -116,19 +130,59 @@ Status parse_rope_scaling(const GgufFile& g, const std::string& a, ModelConfig* 
   return Status::ok();
 }
 
+// What differs between the GGUF architectures we load; everything else (key names under the
+// architecture's prefix, tensor names) is common to llama.cpp's llama, qwen2 and qwen3.
+struct GgufArch {
+  std::string_view name;
+  Architecture arch;
+  // llama.cpp's converter permutes a llama's q/k rows to (2i, 2i+1) pairs (LLAMA_ROPE_TYPE_NORM);
+  // qwen2/qwen3 keep Hugging Face's rotate_half layout (LLAMA_ROPE_TYPE_NEOX).
+  RopeStyle rope_style;
+  bool qk_norm;  // blk.N.attn_q_norm / attn_k_norm (qwen3)
+};
+
+constexpr GgufArch kGgufArchs[] = {
+    {"llama", Architecture::kLlama, RopeStyle::kInterleaved, false},
+    {"qwen2", Architecture::kQwen2, RopeStyle::kHalf, false},
+    {"qwen3", Architecture::kQwen3, RopeStyle::kHalf, true},
+};
+
+// Llama 3.1+ conversions store llama3 RoPE scaling as per-frequency divisors.
+Status read_rope_freqs(const GgufFile& g, ModelConfig* c) {
+  const GgufTensorInfo* t = g.find_tensor("rope_freqs.weight");
+  if (t == nullptr) return Status::ok();
+  const int64_t half = c->head_dim / 2;
+  if (t->dims != std::vector<int64_t>{half}) {
+    return invalid_argument(g.source() + ": tensor \"rope_freqs.weight\": expected dims [" +
+                            std::to_string(half) + "] (head_dim / 2), got " + shape_string(t->dims));
+  }
+  const std::optional<DType> dt = plain_float_dtype(t->ggml_type);
+  if (!dt) {
+    return unimplemented(g.source() + ": tensor \"rope_freqs.weight\": ggml type " +
+                         ggml_type_name(t->ggml_type) + " is not supported (supported: F32, F16, BF16)");
+  }
+  c->rope_freq_factors = loader_internal::to_f32_vec(*dt, t->data, static_cast<size_t>(half));
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const LoadOptions& opts) {
   SPX_ASSIGN_OR_RETURN(std::shared_ptr<GgufFile> g, GgufFile::open(path));
-  SPX_ASSIGN_OR_RETURN(std::string arch, g->get_string("general.architecture"));
-  if (arch != "llama") {
-    return unimplemented(path + ": key \"general.architecture\" = \"" + arch +
-                         "\" is not supported (only llama)");
+  SPX_ASSIGN_OR_RETURN(std::string arch_name, g->get_string("general.architecture"));
+  const GgufArch* arch = nullptr;
+  for (const GgufArch& candidate : kGgufArchs) {
+    if (candidate.name == arch_name) arch = &candidate;
   }
-  const std::string a = arch;
+  if (arch == nullptr) {
+    return unimplemented(path + ": key \"general.architecture\" = \"" + arch_name +
+                         "\" is not supported (supported: llama, qwen2, qwen3)");
+  }
+  const std::string a = arch_name;
   ModelConfig c;
-  c.arch = Architecture::kLlama;
-  c.rope_style = RopeStyle::kInterleaved;  // llama.cpp's converter permutes q/k to (2i, 2i+1) pairs
+  c.arch = arch->arch;
+  c.rope_style = arch->rope_style;
+  c.qk_norm = arch->qk_norm;
   SPX_ASSIGN_OR_RETURN(c.dim, g->get_int(a + ".embedding_length"));
   SPX_ASSIGN_OR_RETURN(c.hidden_dim, g->get_int(a + ".feed_forward_length"));
   SPX_ASSIGN_OR_RETURN(c.n_layers, g->get_int(a + ".block_count"));
@@ -144,6 +198,12 @@ Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const Lo
                             ".attention.head_count\" must be positive");
   }
   SPX_ASSIGN_OR_RETURN(c.head_dim, int_or(*g, a + ".attention.key_length", c.dim / c.n_heads));
+  SPX_ASSIGN_OR_RETURN(int64_t value_dim, int_or(*g, a + ".attention.value_length", c.head_dim));
+  if (value_dim != c.head_dim) {
+    return unimplemented(path + ": key \"" + a + ".attention.value_length\" = " +
+                         std::to_string(value_dim) + " differs from the key length " +
+                         std::to_string(c.head_dim));
+  }
   SPX_ASSIGN_OR_RETURN(int64_t rot, int_or(*g, a + ".rope.dimension_count", c.head_dim));
   if (rot != c.head_dim) {
     return unimplemented(path + ": key \"" + a +
@@ -151,6 +211,13 @@ Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const Lo
                          " (partial rotary) differs from head_dim " + std::to_string(c.head_dim));
   }
   SPX_RETURN_IF_ERROR(parse_rope_scaling(*g, a, &c));
+  SPX_RETURN_IF_ERROR(read_rope_freqs(*g, &c));
+  // Biases on q/k/v: always in qwen2 files, in a llama file only when its model had them.
+  c.attention_bias = g->find_tensor("blk.0.attn_q.bias") != nullptr;
+  if (g->find_tensor("blk.0.attn_output.bias") != nullptr) {
+    return unimplemented(path + ": tensor \"blk.0.attn_output.bias\" (an output projection bias) "
+                         "is not supported");
+  }
 
   // The vocabulary size is the embedding's row count (dims [dim, vocab]).
   const GgufTensorInfo* emb = g->find_tensor("token_embd.weight");
@@ -182,6 +249,15 @@ Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const Lo
     SPX_RETURN_IF_ERROR(b.matrix(p + "attn_k.weight", c.kv_dim(), c.dim, &l.wk));
     SPX_RETURN_IF_ERROR(b.matrix(p + "attn_v.weight", c.kv_dim(), c.dim, &l.wv));
     SPX_RETURN_IF_ERROR(b.matrix(p + "attn_output.weight", c.dim, c.q_dim(), &l.wo));
+    if (c.attention_bias) {
+      SPX_RETURN_IF_ERROR(b.vec(p + "attn_q.bias", c.q_dim(), &l.bq));
+      SPX_RETURN_IF_ERROR(b.vec(p + "attn_k.bias", c.kv_dim(), &l.bk));
+      SPX_RETURN_IF_ERROR(b.vec(p + "attn_v.bias", c.kv_dim(), &l.bv));
+    }
+    if (c.qk_norm) {
+      SPX_RETURN_IF_ERROR(b.vec(p + "attn_q_norm.weight", c.head_dim, &l.q_norm));
+      SPX_RETURN_IF_ERROR(b.vec(p + "attn_k_norm.weight", c.head_dim, &l.k_norm));
+    }
     SPX_RETURN_IF_ERROR(b.vec(p + "ffn_norm.weight", c.dim, &l.ffn_norm));
     SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_gate.weight", c.hidden_dim, c.dim, &l.w_gate));
     SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_up.weight", c.hidden_dim, c.dim, &l.w_up));
@@ -193,6 +269,7 @@ Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const Lo
   } else {
     SPX_RETURN_IF_ERROR(b.matrix("output.weight", c.vocab_size, c.dim, &model->lm_head));
   }
+  model->stored_types = b.tensor_types();
   loader_internal::unify_weight_dtype(model.get());
   SPX_RETURN_IF_ERROR(model->validate());
   return model;

@@ -158,7 +158,7 @@ Result<std::shared_ptr<Model>> load_llama2c_model(const std::string& path,
     SPX_ASSIGN_OR_RETURN(model->lm_head,
                          mat(cur.take(c.vocab_size * dim), c.vocab_size, dim, "wcls"));
   }
-  model->weight_dtype = DType::kF32;
+  loader_internal::unify_weight_dtype(model.get());  // f32, or bf16 with LoadOptions::force_bf16
   SPX_RETURN_IF_ERROR(model->validate());
   return model;
 }

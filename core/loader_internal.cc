@@ -2,9 +2,12 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <new>
+
+#include "core/ggml_quants.h"
 
 namespace specontext::loader_internal {
 
@@ -81,6 +84,16 @@ std::shared_ptr<T[]> alloc_array(size_t n) {
   return std::shared_ptr<T[]>(new (std::nothrow) T[n == 0 ? 1 : n]);
 }
 
+// rows · cols of a weight matrix, refusing empty, overflowing and absurd (> 2^40) shapes.
+Result<int64_t> matrix_elements(int64_t rows, int64_t cols, const std::string& what) {
+  int64_t n = 0;
+  if (rows <= 0 || cols <= 0 || !checked_mul(rows, cols, &n) || n > (int64_t{1} << 40)) {
+    return invalid_argument(what + ": bad matrix shape [" + std::to_string(rows) + ", " +
+                            std::to_string(cols) + "]");
+  }
+  return n;
+}
+
 }  // namespace
 
 Vec to_f32_vec(DType t, const void* src, size_t n) {
@@ -89,18 +102,54 @@ Vec to_f32_vec(DType t, const void* src, size_t n) {
   return v;
 }
 
-Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t rows, int64_t cols,
-                                 const LoadOptions& opts, const std::string& what) {
-  int64_t n = 0;
-  if (rows <= 0 || cols <= 0 || !checked_mul(rows, cols, &n) || n > (int64_t{1} << 40)) {
-    return invalid_argument(what + ": bad matrix shape [" + std::to_string(rows) + ", " +
-                            std::to_string(cols) + "]");
-  }
+namespace {
+
+// A converted copy of an [rows, cols] matrix, kept alive in model->storage: `decode(first_row,
+// n_rows, out)` writes f32 rows; the copy holds them as f32, or as bf16 (rounded to nearest even)
+// when `to_bf16`, decoded a slab of rows at a time so that no f32 copy of the whole matrix exists.
+template <typename Decode>
+Result<WeightMatrix> converted_matrix(Model* model, int64_t rows, int64_t cols, int64_t n, bool to_bf16,
+                                      const std::string& what, Decode decode) {
   WeightMatrix m;
   m.rows = rows;
   m.cols = cols;
-  const bool in_place = t == DType::kF32 || (t == DType::kBF16 && !opts.force_f32);
+  m.dtype = to_bf16 ? DType::kBF16 : DType::kF32;
+  if (!to_bf16) {
+    auto buf = alloc_array<float>(static_cast<size_t>(n));
+    if (!buf) return resource_exhausted(what + ": out of memory converting to f32");
+    SPX_RETURN_IF_ERROR(decode(0, rows, buf.get()));
+    m.data = buf.get();
+    model->storage.push_back(std::shared_ptr<const void>(buf, buf.get()));
+    return m;
+  }
+  auto buf = alloc_array<uint16_t>(static_cast<size_t>(n));
+  if (!buf) return resource_exhausted(what + ": out of memory converting to bf16");
+  const int64_t slab = std::max<int64_t>(1, (int64_t{1} << 16) / cols);
+  std::vector<float> rows_f32(static_cast<size_t>(std::min(slab, rows) * cols));
+  for (int64_t r = 0; r < rows; r += slab) {
+    const int64_t count = std::min(slab, rows - r);
+    SPX_RETURN_IF_ERROR(decode(r, count, rows_f32.data()));
+    uint16_t* out = buf.get() + r * cols;
+    for (int64_t i = 0; i < count * cols; ++i) out[i] = f32_to_bf16(rows_f32[static_cast<size_t>(i)]);
+  }
+  m.data = buf.get();
+  model->storage.push_back(std::shared_ptr<const void>(buf, buf.get()));
+  return m;
+}
+
+}  // namespace
+
+Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t rows, int64_t cols,
+                                 const LoadOptions& opts, const std::string& what) {
+  SPX_ASSIGN_OR_RETURN(const int64_t n, matrix_elements(rows, cols, what));
+  if (opts.force_f32 && opts.force_bf16) {
+    return invalid_argument(what + ": force_f32 and force_bf16 exclude each other");
+  }
+  const bool in_place = (t == DType::kF32 && !opts.force_bf16) || (t == DType::kBF16 && !opts.force_f32);
   if (in_place) {
+    WeightMatrix m;
+    m.rows = rows;
+    m.cols = cols;
     const size_t esz = dtype_size(t);
     m.dtype = t;
     if (reinterpret_cast<uintptr_t>(src) % esz == 0) {
@@ -115,31 +164,42 @@ Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t
     model->storage.push_back(std::shared_ptr<const void>(buf, buf.get()));
     return m;
   }
-  switch (t) {
-    case DType::kF16:
-    case DType::kBF16: break;
-    case DType::kQ8_0:
-      if (cols % 32 != 0) {
-        return invalid_argument(what + ": q8_0 rows need a multiple of 32 columns, got " +
-                                std::to_string(cols));
-      }
-      break;
-    default:
-      return unimplemented(what + ": dtype " + std::string(dtype_name(t)) +
-                           " is not supported for weight matrices");
+  if (t == DType::kQ8_0) return make_dequantized_matrix(model, 8, src, rows, cols, opts, what);
+  if (t != DType::kF32 && t != DType::kF16 && t != DType::kBF16) {
+    return unimplemented(what + ": dtype " + std::string(dtype_name(t)) +
+                         " is not supported for weight matrices");
   }
-  auto buf = alloc_array<float>(static_cast<size_t>(n));
-  if (!buf) return resource_exhausted(what + ": out of memory converting to f32");
-  if (t == DType::kQ8_0) {
-    convert_to_f32(t, src, buf.get(),
-                   static_cast<size_t>(n));  // byte-wise reads: no alignment need
-  } else {
-    convert_aligned(t, src, buf.get(), static_cast<size_t>(n));
+  const size_t row_bytes = static_cast<size_t>(cols) * dtype_size(t);
+  return converted_matrix(model, rows, cols, n, opts.force_bf16, what,
+                          [&](int64_t first, int64_t count, float* out) {
+                            convert_aligned(t, static_cast<const uint8_t*>(src) + static_cast<size_t>(first) * row_bytes,
+                                            out, static_cast<size_t>(count * cols));
+                            return Status::ok();
+                          });
+}
+
+Result<WeightMatrix> make_dequantized_matrix(Model* model, uint32_t ggml_type, const void* src,
+                                             int64_t rows, int64_t cols, const LoadOptions& opts,
+                                             const std::string& what) {
+  const GgmlTypeInfo* info = ggml_type_info(ggml_type);
+  const std::string type_name = info != nullptr ? std::string(info->name) : std::to_string(ggml_type);
+  SPX_ASSIGN_OR_RETURN(const int64_t n, matrix_elements(rows, cols, what));
+  if (info == nullptr || !ggml_is_dequantizable(ggml_type)) {
+    return unimplemented(what + ": ggml type " + type_name +
+                         " is not supported (supported: F32, F16, BF16, " +
+                         std::string(ggml_dequantizable_names()) + ")");
   }
-  m.dtype = DType::kF32;
-  m.data = buf.get();
-  model->storage.push_back(std::shared_ptr<const void>(buf, buf.get()));
-  return m;
+  if (cols % info->block != 0) {
+    return invalid_argument(what + ": " + type_name + " rows need a multiple of " +
+                            std::to_string(info->block) + " columns, got " + std::to_string(cols));
+  }
+  const size_t row_bytes = static_cast<size_t>(cols / info->block * info->bytes);
+  return converted_matrix(model, rows, cols, n, opts.force_bf16, what + " (" + type_name + ")",
+                          [&](int64_t first, int64_t count, float* out) {
+                            return ggml_dequantize(ggml_type,
+                                                   static_cast<const uint8_t*>(src) + static_cast<size_t>(first) * row_bytes,
+                                                   out, count * cols);
+                          });
 }
 
 void unify_weight_dtype(Model* model) {

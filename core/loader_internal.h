@@ -29,12 +29,21 @@ std::string shape_string(const std::vector<int64_t>& shape);
 Vec to_f32_vec(DType t, const void* src, size_t n);
 
 // Builds a matrix view over `src` ([rows, cols] of dtype `t`) following the load policy:
-// f32 and bf16 stay in place (bf16 converted when opts.force_f32), f16 and q8_0 are converted
-// to f32. A converted or realigned copy is kept alive in model->storage. `what` names the
+// f32 and bf16 stay in place (bf16 converted when opts.force_f32, f32 when opts.force_bf16),
+// f16 is converted to f32 (bf16 with force_bf16), q8_0 dequantised as make_dequantized_matrix
+// does. A converted or realigned copy is kept alive in model->storage. `what` names the
 // tensor for errors.
 [[nodiscard]] Result<WeightMatrix> make_matrix(Model* model, DType t, const void* src, int64_t rows,
                                                int64_t cols, const LoadOptions& opts,
                                                const std::string& what);
+
+// A matrix stored in ggml block type `ggml_type` (Q4_0 ... IQ4_XS, see core/ggml_quants.h),
+// decoded to f32 (bf16 with opts.force_bf16) into a buffer kept alive in model->storage. `cols`
+// must be a whole number of blocks. `what` names the tensor for errors.
+[[nodiscard]] Result<WeightMatrix> make_dequantized_matrix(Model* model, uint32_t ggml_type,
+                                                           const void* src, int64_t rows,
+                                                           int64_t cols, const LoadOptions& opts,
+                                                           const std::string& what);
 
 // Makes every big matrix the same dtype (a bf16 file with a few f32 matrices ends up all f32)
 // and sets model->weight_dtype, so backends can trust that one field.

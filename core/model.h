@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,9 @@ struct Model {
   std::string source;           // path it was loaded from
   std::string format;           // "llama2c", "safetensors", "gguf", "synthetic"
   DType weight_dtype = DType::kF32;  // dtype of the big matrices
+  // GGUF: how many big matrices the file stores in each ggml type ({"Q4_K": 96, "Q6_K": 33});
+  // block types are dequantised on load, so this is the file's size, not the memory's.
+  std::map<std::string, int64_t> stored_types;
 
   // Keeps memory maps and converted buffers alive for the views above.
   std::vector<std::shared_ptr<const void>> storage;

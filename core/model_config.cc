@@ -102,6 +102,19 @@ Status ModelConfig::validate(std::string_view source) const {
       }
       break;
   }
+  if (!rope_freq_factors.empty()) {
+    if (static_cast<int64_t>(rope_freq_factors.size()) != head_dim / 2) {
+      return invalid_argument(src + ": rope_freq_factors has " +
+                              std::to_string(rope_freq_factors.size()) + " entries, expected head_dim / 2 = " +
+                              std::to_string(head_dim / 2));
+    }
+    for (size_t i = 0; i < rope_freq_factors.size(); ++i) {
+      if (!(rope_freq_factors[i] > 0.0f) || !std::isfinite(rope_freq_factors[i])) {
+        return invalid_argument(src + ": rope_freq_factors[" + std::to_string(i) +
+                                "] = " + std::to_string(rope_freq_factors[i]) + " must be positive and finite");
+      }
+    }
+  }
   return Status::ok();
 }
 

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 
@@ -43,6 +44,10 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeStyle rope_style = RopeStyle::kHalf;
   RopeScaling rope_scaling;
+  // Per-frequency divisors of the RoPE inverse frequencies (head_dim / 2 of them), applied after
+  // rope_scaling: GGUF's rope_freqs.weight, where llama.cpp's converter bakes Llama 3.1+'s llama3
+  // scaling. Empty = none.
+  std::vector<float> rope_freq_factors;
   float norm_eps = 1e-5f;
   bool tie_embeddings = false;
   bool attention_bias = false;  // Qwen2: q/k/v have biases

@@ -10,9 +10,14 @@
 namespace specontext {
 
 struct LoadOptions {
-  // Convert bf16 weights to f32 at load (the CPU reference path wants f32); f16 is always
-  // converted (the CPU GEMM has no f16 weights), Q8_0 is always dequantised to f32.
+  // Convert bf16 weights to f32 at load (the CPU reference path wants f32). Without either flag,
+  // f32 and bf16 matrices are used as stored and everything else (f16, GGUF block types) is
+  // converted to f32, since the GEMMs take f32 or bf16 weights.
   bool force_f32 = false;
+  // Hold every big matrix in bf16 instead: f32 and f16 matrices are converted (rounded to
+  // nearest even) and block types dequantised to bf16 (2 bytes a parameter: an 8B Q4_K_M file
+  // takes 16 GB, not 32). Not with force_f32.
+  bool force_bf16 = false;
 };
 
 // Detects the format: a directory with config.json (HF safetensors, single or sharded),

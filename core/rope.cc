@@ -73,6 +73,9 @@ RopeParams make_rope_params(const ModelConfig& c) {
       break;
     }
   }
+  if (!c.rope_freq_factors.empty()) {  // ggml_rope_ext: theta / freq_factors[i]
+    for (int64_t i = 0; i < half; ++i) inv[i] /= c.rope_freq_factors[static_cast<size_t>(i)];
+  }
   p.inv_freq.assign(inv.begin(), inv.end());
   return p;
 }

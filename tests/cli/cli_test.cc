@@ -328,6 +328,26 @@ TEST(Cli, InspectPrintsShapeAndKvBytes) {
   EXPECT_EQ(j["kv_bytes_per_token"].get<int64_t>(),
             2 * j["layers"].get<int64_t>() * j["kv_heads"].get<int64_t>() * j["head_dim"].get<int64_t>() * 4);
   EXPECT_GT(j["max_context"].get<int64_t>(), 0);
+  // Every matrix of this file is stored F32: 7 per layer, the embedding and the output.
+  EXPECT_EQ(j["stored_types"]["F32"].get<int64_t>(), 7 * j["layers"].get<int64_t>() + 2) << j.dump();
+}
+
+// --dtype bf16 holds the weights in bf16 (half the memory); the greedy text of the bundled model
+// starts as with f32 weights.
+TEST(Cli, DtypeBf16HoldsTheWeightsInBf16) {
+  const std::string base = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                           " --prompt 'Once upon a time' -n 40 --json --dtype ";
+  for (const char* dtype : {"bf16", "f32", "auto"}) {
+    const CliRun r = run_cli(base + dtype, false);
+    ASSERT_EQ(r.exit_code, 0) << dtype << ": " << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["weight_dtype"], std::string(dtype) == "bf16" ? "bf16" : "f32") << dtype;
+    EXPECT_EQ(j["generated_tokens"].get<int>(), 40);
+    EXPECT_EQ(j["text"].get<std::string>().rfind(", there was a little girl named Lily.", 0), 0u) << dtype << ": " << j["text"];
+  }
+  const CliRun bad = run_cli(base + "f16");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("--dtype"), std::string::npos) << bad.out;
 }
 
 }  // namespace

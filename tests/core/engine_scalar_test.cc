@@ -1,6 +1,9 @@
 // The engine against a straightforward scalar implementation of the same formulas written here
 // (independent of core/ and cpu/): Qwen3-style (q/k norm, explicit head_dim, YaRN), Qwen2-style
 // (attention bias), Llama-3-style (llama3 rope scaling, tied embeddings, GQA), MQA and MHA.
+// Each model also goes through the file formats it can be stored in: a Hugging Face directory
+// and a GGUF file written as llama.cpp's converter writes one (llama q/k rows permuted to
+// interleaved pairs, Llama 3.1's llama3 scaling as rope_freqs.weight, qwen2 / qwen3 keys).
 // Also batching: sequences of different lengths in one forward equal separate runs.
 #include <gtest/gtest.h>
 
@@ -14,6 +17,7 @@
 #include "core/model_loader.h"
 #include "core/safetensors.h"
 #include "core/synthetic.h"
+#include "tests/core/loader_test_util.h"
 #include "tests/tests_common.h"
 #include "cpu/cpu_backend.h"
 
@@ -266,6 +270,104 @@ std::string write_hf_dir(const Model& m) {
   return dir;
 }
 
+// Writes the model as llama.cpp's convert_hf_to_gguf.py would (F32 tensors).
+std::string write_gguf_file(const Model& m) {
+  const ModelConfig& c = m.config;
+  using testing::GgufBuilder;
+  GgufBuilder b;
+  const std::string a = c.arch == Architecture::kQwen3 ? "qwen3" : c.arch == Architecture::kQwen2 ? "qwen2" : "llama";
+  b.kv_str("general.architecture", a);
+  b.kv_u32(a + ".embedding_length", static_cast<uint32_t>(c.dim));
+  b.kv_u32(a + ".feed_forward_length", static_cast<uint32_t>(c.hidden_dim));
+  b.kv_u32(a + ".block_count", static_cast<uint32_t>(c.n_layers));
+  b.kv_u32(a + ".attention.head_count", static_cast<uint32_t>(c.n_heads));
+  b.kv_u32(a + ".attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
+  b.kv_u32(a + ".attention.key_length", static_cast<uint32_t>(c.head_dim));
+  b.kv_u32(a + ".attention.value_length", static_cast<uint32_t>(c.head_dim));
+  b.kv_u32(a + ".rope.dimension_count", static_cast<uint32_t>(c.head_dim));
+  b.kv_u32(a + ".context_length", static_cast<uint32_t>(c.max_seq_len));
+  b.kv_f32(a + ".rope.freq_base", static_cast<float>(c.rope_theta));
+  b.kv_f32(a + ".attention.layer_norm_rms_epsilon", c.norm_eps);
+  const RopeScaling& rs = c.rope_scaling;
+  if (rs.type == RopeScalingType::kYarn) {
+    b.kv_str(a + ".rope.scaling.type", "yarn");
+    b.kv_f32(a + ".rope.scaling.factor", static_cast<float>(rs.factor));
+    b.kv_u32(a + ".rope.scaling.original_context_length",
+             static_cast<uint32_t>(rs.original_max_position_embeddings));
+  }
+  if (rs.type == RopeScalingType::kLlama3) {
+    // convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): freqs in float32 as torch
+    // computes them, the factor per frequency in Python floats, stored as float32.
+    std::vector<float> factors;
+    for (int64_t i = 0; i < c.head_dim; i += 2) {
+      const float freq = 1.0f / std::pow(static_cast<float>(c.rope_theta), static_cast<float>(i) / static_cast<float>(c.head_dim));
+      const double wavelen = 2 * std::numbers::pi / freq;
+      const double old_ctx = static_cast<double>(rs.original_max_position_embeddings);
+      if (wavelen < old_ctx / rs.high_freq_factor) {
+        factors.push_back(1.0f);
+      } else if (wavelen > old_ctx / rs.low_freq_factor) {
+        factors.push_back(static_cast<float>(rs.factor));
+      } else {
+        const double smooth = (old_ctx / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
+        factors.push_back(static_cast<float>(1.0 / ((1 - smooth) / rs.factor + smooth)));
+      }
+    }
+    b.tensor("rope_freqs.weight", {factors.size()}, 0, GgufBuilder::f32_bytes(factors));
+  }
+  auto raw = [](const WeightMatrix& w) {
+    return std::string(static_cast<const char*>(w.data), static_cast<size_t>(w.rows * w.cols) * 4);
+  };
+  // llama: q/k rows from rotate_half halves to interleaved pairs, per head (llama.cpp permute()).
+  auto qk = [&](const WeightMatrix& w, int64_t heads) {
+    if (a != "llama" || c.rope_style == RopeStyle::kInterleaved) return raw(w);
+    std::string out(static_cast<size_t>(w.rows * w.cols) * 4, '\0');
+    const int64_t half = c.head_dim / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < 2; ++i) {
+        for (int64_t j = 0; j < half; ++j) {
+          const int64_t from = h * c.head_dim + i * half + j, to = h * c.head_dim + 2 * j + i;
+          std::memcpy(out.data() + to * w.cols * 4, static_cast<const char*>(w.data) + from * w.cols * 4,
+                      static_cast<size_t>(w.cols) * 4);
+        }
+      }
+    }
+    return out;
+  };
+  auto mat = [&](const std::string& name, const WeightMatrix& w, const std::string& bytes) {
+    EXPECT_EQ(w.dtype, DType::kF32);
+    b.tensor(name, {static_cast<uint64_t>(w.cols), static_cast<uint64_t>(w.rows)}, 0, bytes);
+  };
+  auto vec = [&](const std::string& name, const Vec& v) { b.tensor(name, {v.size()}, 0, GgufBuilder::f32_bytes(v)); };
+  mat("token_embd.weight", m.tok_embeddings, raw(m.tok_embeddings));
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const auto& l = m.layers[i];
+    const std::string p = "blk." + std::to_string(i) + ".";
+    vec(p + "attn_norm.weight", l.attn_norm);
+    mat(p + "attn_q.weight", l.wq, qk(l.wq, c.n_heads));
+    mat(p + "attn_k.weight", l.wk, qk(l.wk, c.n_kv_heads));
+    mat(p + "attn_v.weight", l.wv, raw(l.wv));
+    mat(p + "attn_output.weight", l.wo, raw(l.wo));
+    if (!l.bq.empty()) {
+      vec(p + "attn_q.bias", l.bq);
+      vec(p + "attn_k.bias", l.bk);
+      vec(p + "attn_v.bias", l.bv);
+    }
+    if (!l.q_norm.empty()) {
+      vec(p + "attn_q_norm.weight", l.q_norm);
+      vec(p + "attn_k_norm.weight", l.k_norm);
+    }
+    vec(p + "ffn_norm.weight", l.ffn_norm);
+    mat(p + "ffn_gate.weight", l.w_gate, raw(l.w_gate));
+    mat(p + "ffn_up.weight", l.w_up, raw(l.w_up));
+    mat(p + "ffn_down.weight", l.w_down, raw(l.w_down));
+  }
+  vec("output_norm.weight", m.final_norm);
+  if (!c.tie_embeddings) mat("output.weight", m.lm_head, raw(m.lm_head));
+  const std::string path = testing::temp_dir("spx-gguf") + "/model.gguf";
+  testing::write_file(path, b.build());
+  return path;
+}
+
 TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
   auto model = make_random_model(GetParam().config, DType::kF32, 7);
   ASSERT_TRUE(model.is_ok()) << model.status().to_string();
@@ -274,20 +376,40 @@ TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
     for (auto* v : {&l.attn_norm, &l.ffn_norm, &l.q_norm, &l.k_norm})
       for (size_t i = 0; i < v->size(); ++i) (*v)[i] = 0.5f + 0.03f * static_cast<float>(i % 17);
   }
+  struct Variant {
+    std::string name;
+    std::shared_ptr<const Model> model;
+    bool reference;
+  };
+  std::vector<Variant> variants = {{"reference", *model, true}, {"optimised", *model, false}};
   // The same weights through a safetensors directory (HF layout uses rotate_half RoPE only).
-  std::shared_ptr<Model> loaded;
   if (GetParam().config.rope_style == RopeStyle::kHalf) {
     auto l = load_hf_model(write_hf_dir(**model));
     ASSERT_TRUE(l.is_ok()) << l.status().to_string();
-    loaded = *l;
+    const auto& loaded = *l;
     EXPECT_EQ(loaded->config.qk_norm, GetParam().config.qk_norm);
     EXPECT_EQ(loaded->config.attention_bias, GetParam().config.attention_bias);
     EXPECT_EQ(loaded->config.tie_embeddings, GetParam().config.tie_embeddings);
     EXPECT_EQ(loaded->config.rope_scaling.type, GetParam().config.rope_scaling.type);
+    variants.push_back({"via safetensors", loaded, false});
   }
-  for (int variant = 0; variant < (loaded ? 3 : 2); ++variant) {
-    const bool reference = variant == 0;
-    const auto& run_model = variant == 2 ? loaded : *model;
+  // And through GGUF, every case.
+  {
+    auto l = load_gguf_model(write_gguf_file(**model));
+    ASSERT_TRUE(l.is_ok()) << l.status().to_string();
+    const auto& loaded = *l;
+    EXPECT_EQ(loaded->config.arch, GetParam().config.arch);
+    EXPECT_EQ(loaded->config.qk_norm, GetParam().config.qk_norm);
+    EXPECT_EQ(loaded->config.attention_bias, GetParam().config.attention_bias);
+    EXPECT_EQ(loaded->config.tie_embeddings, GetParam().config.tie_embeddings);
+    EXPECT_EQ(loaded->config.head_dim, GetParam().config.head_dim);
+    EXPECT_EQ(loaded->config.rope_freq_factors.empty(),
+              GetParam().config.rope_scaling.type != RopeScalingType::kLlama3);
+    variants.push_back({"via gguf", loaded, false});
+  }
+  for (const Variant& variant : variants) {
+    const bool reference = variant.reference;
+    const auto& run_model = variant.model;
     cpu::CpuBackendOptions o;
     o.reference = reference;
     auto b = cpu::create_cpu_backend(o);
@@ -319,7 +441,7 @@ TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
     }
     EXPECT_GT(norm, 1e-6);
     EXPECT_LT(rel_l2(got, expect), 2e-5)
-        << GetParam().name << (variant == 0 ? " reference" : variant == 1 ? " optimised" : " via safetensors");
+        << GetParam().name << " " << variant.name;
   }
 }
 

@@ -1,12 +1,17 @@
-// GGUF parsing (metadata types, alignment, bounds checks) and loading (llama architecture, dims
-// reversed, Q8_0/F16 conversion, BF16 in place), against the bundled files and hand-made ones.
+// GGUF parsing (metadata types, alignment, bounds checks), ggml block dequantisation (bit-exact
+// against gguf-py's decoder: tests/data/ggml_quants_golden.gguf) and loading (llama, qwen2 and
+// qwen3 architectures, dims reversed, block types and F16 converted, BF16 in place, Llama 3.1
+// rope_freqs), against the bundled files and hand-made ones.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
+#include "core/ggml_quants.h"
 #include "core/gguf.h"
 #include "core/model_loader.h"
+#include "core/backend.h"
 #include "tests/core/loader_test_util.h"
 
 namespace specontext {
@@ -273,6 +278,86 @@ TEST(LoaderGgufParser, Q8_0BlockDequantisation) {
   for (int j = 0; j < 32; ++j) EXPECT_EQ(out[j], 0.5f * static_cast<float>(j - 16)) << j;
 }
 
+// Every decodable block type against gguf-py's numpy decoder (llama.cpp gguf-py/gguf/quants.py):
+// random blocks with scales of both signs, zero, subnormal and large, decoded bit for bit.
+TEST(GgmlQuants, EveryBlockTypeMatchesGgufPyBitForBit) {
+  auto r = GgufFile::open(repo_path("tests/data/ggml_quants_golden.gguf"));
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  const GgufFile& g = **r;
+  const std::vector<std::pair<std::string, uint32_t>> types = {
+      {"q4_0", 2}, {"q4_1", 3}, {"q5_0", 6},  {"q5_1", 7},  {"q8_0", 8},    {"q2_k", 10},
+      {"q3_k", 11}, {"q4_k", 12}, {"q5_k", 13}, {"q6_k", 14}, {"iq4_nl", 20}, {"iq4_xs", 23}};
+  for (const auto& [name, id] : types) {
+    SCOPED_TRACE(name);
+    const GgufTensorInfo* blocks = g.find_tensor(name + ".blocks");
+    const GgufTensorInfo* expected = g.find_tensor(name + ".expected");
+    ASSERT_NE(blocks, nullptr);
+    ASSERT_NE(expected, nullptr);
+    ASSERT_EQ(blocks->ggml_type, id);
+    ASSERT_TRUE(ggml_is_dequantizable(id));
+    const int64_t n = blocks->n_elements();
+    ASSERT_EQ(n, expected->n_elements());
+    ASSERT_GE(n / ggml_type_info(id)->block, 8);
+    // A guard after the output catches a decoder that writes past its blocks.
+    std::vector<float> got(static_cast<size_t>(n) + 16, -12345.0f);
+    ASSERT_TRUE(ggml_dequantize(id, blocks->data, got.data(), n).is_ok());
+    std::vector<float> want(static_cast<size_t>(n));
+    std::memcpy(want.data(), expected->data, want.size() * 4);
+    int64_t mismatches = 0, nonzero = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = got[static_cast<size_t>(i)], b = want[static_cast<size_t>(i)];
+      ASSERT_TRUE(std::isfinite(a)) << i;
+      nonzero += a != 0.0f;
+      uint32_t ab = 0, bb = 0;
+      std::memcpy(&ab, &a, 4);
+      std::memcpy(&bb, &b, 4);
+      if (ab != bb && mismatches++ < 5) ADD_FAILURE() << "element " << i << ": " << a << " vs " << b;
+    }
+    EXPECT_EQ(mismatches, 0);
+    EXPECT_GT(nonzero, n / 2);
+    for (size_t i = static_cast<size_t>(n); i < got.size(); ++i) ASSERT_EQ(got[i], -12345.0f);
+  }
+}
+
+TEST(GgmlQuants, HandMadeBlocksDecodeToKnownValues) {
+  // Q4_0: d = 0.5, codes 0..15 then 15..0: (code - 8) * d.
+  std::string q4 = GgufBuilder::pod(uint16_t{0x3800});
+  for (int j = 0; j < 16; ++j) q4.push_back(static_cast<char>(j | ((15 - j) << 4)));
+  float y[256];
+  ASSERT_TRUE(ggml_dequantize(2, q4.data(), y, 32).is_ok());
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 0.5f * static_cast<float>(j - 8)) << j;
+    EXPECT_EQ(y[j + 16], 0.5f * static_cast<float>(7 - j)) << j;
+  }
+  // Q6_K: every code 33 (low nibble 1, high bits 2), every scale 3, d = 0.25: 0.25 * 3 * 1.
+  std::string q6(210, '\0');
+  for (int i = 0; i < 128; ++i) q6[i] = 0x11;
+  for (int i = 128; i < 192; ++i) q6[i] = static_cast<char>(0xAA);
+  for (int i = 192; i < 208; ++i) q6[i] = 3;
+  const uint16_t quarter = 0x3400;
+  std::memcpy(q6.data() + 208, &quarter, 2);
+  ASSERT_TRUE(ggml_dequantize(14, q6.data(), y, 256).is_ok());
+  for (int i = 0; i < 256; ++i) ASSERT_EQ(y[i], 0.75f) << i;
+}
+
+TEST(GgmlQuants, RefusesOtherTypesAndPartialBlocks) {
+  float y[64];
+  const std::string zeros(256, '\0');
+  for (uint32_t id : {0u, 1u, 9u, 15u, 16u, 30u, 99u}) {
+    EXPECT_FALSE(ggml_is_dequantizable(id)) << id;
+    const Status s = ggml_dequantize(id, zeros.data(), y, 32);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << id;
+    EXPECT_NE(s.message().find("Q4_K"), std::string::npos) << s.to_string();  // lists what works
+  }
+  const Status partial = ggml_dequantize(2, zeros.data(), y, 48);
+  EXPECT_EQ(partial.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(partial.message().find("Q4_0"), std::string::npos) << partial.to_string();
+  ASSERT_NE(ggml_type_info(12), nullptr);
+  EXPECT_EQ(ggml_type_info(12)->name, "Q4_K");
+  EXPECT_EQ(ggml_type_info(12)->bytes, 144);
+  EXPECT_EQ(ggml_type_info(99), nullptr);
+}
+
 TEST(LoaderGguf, LoadsStories260K) {
   auto r = load_gguf_model(repo_path(kStoriesGguf));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -332,10 +417,14 @@ TEST(LoaderGguf, TruncatedFileIsDataLossNamingTheFile) {
   }
 }
 
-// A tiny llama GGUF: dim 32, hidden 64, 1 layer, 2 heads, 1 kv head (head_dim 16), vocab 32.
+// A tiny GGUF: 1 layer, vocab 32; by default dim 32, hidden 64, 2 heads, 1 kv head (head_dim 16).
 struct TinyGguf {
   std::map<std::string, std::vector<float>> f32;  // expected values (after conversion)
   std::string bytes;
+};
+
+struct TinyShape {
+  uint64_t dim = 32, hidden = 64, heads = 2, kv_heads = 1;
 };
 
 std::string q8_0_encode(const std::vector<float>& v, std::vector<float>* decoded) {
@@ -356,20 +445,46 @@ std::string q8_0_encode(const std::vector<float>& v, std::vector<float>* decoded
   return out;
 }
 
-// `type`: 0 F32, 1 F16, 8 Q8_0, 30 BF16 for the matrices; norms always F32.
-TinyGguf make_tiny_gguf(uint32_t type, bool with_output) {
+// Random blocks of ggml block type `type` whose f16 scales are small and finite (random bytes
+// elsewhere are valid codes), decoded into `decoded` by ggml_dequantize (itself checked against
+// gguf-py above): what the loader must place at each row and column.
+std::string random_blocks(uint32_t type, size_t n, uint32_t seed, std::vector<float>* decoded) {
+  static const std::map<uint32_t, std::vector<size_t>> kScaleOffsets = {
+      {2, {0}},   {3, {0, 2}},  {6, {0}},     {7, {0, 2}},   {10, {80, 82}}, {11, {108}},
+      {12, {0, 2}}, {13, {0, 2}}, {14, {208}}, {20, {0}}, {23, {0}}};
+  const GgmlTypeInfo* info = ggml_type_info(type);
+  std::mt19937 rng(seed);
+  std::string out(n / static_cast<size_t>(info->block) * static_cast<size_t>(info->bytes), '\0');
+  for (auto& c : out) c = static_cast<char>(rng() & 0xFF);
+  for (size_t b = 0; b < n / static_cast<size_t>(info->block); ++b) {
+    for (size_t off : kScaleOffsets.at(type)) {
+      const float scale = (static_cast<float>(rng() % 1000) + 1.0f) * 2e-6f * ((rng() & 1) ? 1.0f : -1.0f);
+      const uint16_t h = f32_to_f16(scale);
+      std::memcpy(out.data() + b * static_cast<size_t>(info->bytes) + off, &h, 2);
+    }
+  }
+  decoded->resize(n);
+  EXPECT_TRUE(ggml_dequantize(type, out.data(), decoded->data(), static_cast<int64_t>(n)).is_ok());
+  return out;
+}
+
+// `type`: the ggml type of the matrices (F32, F16, BF16 or a block type); norms always F32.
+// `extra` adds keys or tensors before the file is built.
+TinyGguf make_tiny_gguf(uint32_t type, bool with_output, TinyShape shape = {},
+                        const std::function<void(GgufBuilder&)>& extra = {}) {
   TinyGguf t;
   GgufBuilder b;
+  const uint64_t head_dim = shape.dim / shape.heads;
   b.kv_str("general.architecture", "llama");
-  b.kv_u32("llama.embedding_length", 32);
-  b.kv_u32("llama.feed_forward_length", 64);
+  b.kv_u32("llama.embedding_length", static_cast<uint32_t>(shape.dim));
+  b.kv_u32("llama.feed_forward_length", static_cast<uint32_t>(shape.hidden));
   b.kv_u32("llama.block_count", 1);
-  b.kv_u32("llama.attention.head_count", 2);
-  b.kv_u32("llama.attention.head_count_kv", 1);
+  b.kv_u32("llama.attention.head_count", static_cast<uint32_t>(shape.heads));
+  b.kv_u32("llama.attention.head_count_kv", static_cast<uint32_t>(shape.kv_heads));
   b.kv_u32("llama.context_length", 128);
   b.kv_f32("llama.rope.freq_base", 500000.0f);
   b.kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-6f);
-  b.kv_u32("llama.rope.dimension_count", 16);
+  b.kv_u32("llama.rope.dimension_count", static_cast<uint32_t>(head_dim));
   b.kv_u32("tokenizer.ggml.bos_token_id", 5);
   b.kv_u32("tokenizer.ggml.eos_token_id", 6);
   uint32_t seed = 1;
@@ -386,8 +501,10 @@ TinyGguf make_tiny_gguf(uint32_t type, bool with_output) {
         data += GgufBuilder::pod(h);
         expect.push_back(type == 1 ? f16_to_f32(h) : bf16_to_f32(h));
       }
-    } else {
+    } else if (type == 8) {
       data = q8_0_encode(v, &expect);
+    } else {
+      data = random_blocks(type, v.size(), seed * 7919u, &expect);
     }
     b.tensor(name, {cols, rows}, type, data);
     t.f32[name] = expect;
@@ -397,18 +514,20 @@ TinyGguf make_tiny_gguf(uint32_t type, bool with_output) {
     b.tensor(name, {n}, 0, GgufBuilder::f32_bytes(v));
     t.f32[name] = v;
   };
-  add_matrix("token_embd.weight", 32, 32);
-  add_vec("blk.0.attn_norm.weight", 32);
-  add_matrix("blk.0.attn_q.weight", 32, 32);
-  add_matrix("blk.0.attn_k.weight", 16, 32);
-  add_matrix("blk.0.attn_v.weight", 16, 32);
-  add_matrix("blk.0.attn_output.weight", 32, 32);
-  add_vec("blk.0.ffn_norm.weight", 32);
-  add_matrix("blk.0.ffn_gate.weight", 64, 32);
-  add_matrix("blk.0.ffn_up.weight", 64, 32);
-  add_matrix("blk.0.ffn_down.weight", 32, 64);
-  add_vec("output_norm.weight", 32);
-  if (with_output) add_matrix("output.weight", 32, 32);
+  const uint64_t kv_dim = shape.kv_heads * head_dim;
+  add_matrix("token_embd.weight", 32, shape.dim);
+  add_vec("blk.0.attn_norm.weight", shape.dim);
+  add_matrix("blk.0.attn_q.weight", shape.dim, shape.dim);
+  add_matrix("blk.0.attn_k.weight", kv_dim, shape.dim);
+  add_matrix("blk.0.attn_v.weight", kv_dim, shape.dim);
+  add_matrix("blk.0.attn_output.weight", shape.dim, shape.dim);
+  add_vec("blk.0.ffn_norm.weight", shape.dim);
+  add_matrix("blk.0.ffn_gate.weight", shape.hidden, shape.dim);
+  add_matrix("blk.0.ffn_up.weight", shape.hidden, shape.dim);
+  add_matrix("blk.0.ffn_down.weight", shape.dim, shape.hidden);
+  add_vec("output_norm.weight", shape.dim);
+  if (with_output) add_matrix("output.weight", 32, shape.dim);
+  if (extra) extra(b);
   t.bytes = b.build();
   return t;
 }
@@ -429,16 +548,21 @@ void expect_tiny_values(const Model& m, const TinyGguf& t) {
 
 TEST(LoaderGguf, HandMadeModelsInEveryMatrixType) {
   const std::string dir = temp_dir("spx-gguf");
-  for (uint32_t type : {0u, 1u, 8u, 30u}) {
-    SCOPED_TRACE("ggml type " + std::to_string(type));
-    const TinyGguf t = make_tiny_gguf(type, /*with_output=*/true);
+  // Block types of 32 fit the default shape; k-quants (super-blocks of 256) need 256 columns.
+  const TinyShape wide{256, 256, 2, 1};
+  const std::vector<std::pair<uint32_t, TinyShape>> cases = {
+      {0, {}},  {1, {}},  {8, {}},  {30, {}},   {2, {}},    {3, {}},    {6, {}},   {7, {}},
+      {20, {}}, {10, wide}, {11, wide}, {12, wide}, {13, wide}, {14, wide}, {23, wide}};
+  for (const auto& [type, shape] : cases) {
+    SCOPED_TRACE("ggml type " + std::string(ggml_type_info(type)->name));
+    const TinyGguf t = make_tiny_gguf(type, /*with_output=*/true, shape);
     const std::string path = dir + "/tiny" + std::to_string(type) + ".gguf";
     write_file(path, t.bytes);
     auto r = load_gguf_model(path);
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
     const Model& m = **r;
-    EXPECT_EQ(m.config.head_dim, 16);
-    EXPECT_EQ(m.config.kv_dim(), 16);
+    EXPECT_EQ(m.config.head_dim, static_cast<int64_t>(shape.dim / shape.heads));
+    EXPECT_EQ(m.config.kv_dim(), static_cast<int64_t>(shape.dim / shape.heads));
     EXPECT_EQ(m.config.bos_token_id, 5);
     EXPECT_EQ(m.config.eos_token_id, 6);
     EXPECT_DOUBLE_EQ(m.config.rope_theta, 500000.0);
@@ -446,10 +570,95 @@ TEST(LoaderGguf, HandMadeModelsInEveryMatrixType) {
     EXPECT_FALSE(m.config.tie_embeddings);
     EXPECT_EQ(m.weight_dtype, type == 30 ? DType::kBF16 : DType::kF32);
     EXPECT_EQ(m.layers[0].wq.dtype, m.weight_dtype);
+    // Nine matrices, all stored in `type`.
+    const std::map<std::string, int64_t> stored = {{std::string(ggml_type_info(type)->name), 9}};
+    EXPECT_EQ(m.stored_types, stored);
     expect_tiny_values(m, t);
     EXPECT_EQ(testing::to_f32(m.lm_head), t.f32.at("output.weight"));
     EXPECT_TRUE(m.validate().is_ok());
   }
+}
+
+// --dtype bf16: every matrix held in bf16, each element the bf16 rounding of what the f32 load
+// gives (block types dequantised, f16 and f32 converted).
+TEST(LoaderGguf, ForceBf16HoldsEveryMatrixInBf16) {
+  const std::string dir = temp_dir("spx-gguf");
+  const TinyShape wide{256, 256, 2, 1};
+  for (const auto& [type, shape] : std::vector<std::pair<uint32_t, TinyShape>>{{0, {}}, {1, {}}, {2, {}}, {12, wide}, {14, wide}}) {
+    SCOPED_TRACE("ggml type " + std::string(ggml_type_info(type)->name));
+    const TinyGguf t = make_tiny_gguf(type, /*with_output=*/true, shape);
+    const std::string path = dir + "/bf16_" + std::to_string(type) + ".gguf";
+    write_file(path, t.bytes);
+    auto r = load_gguf_model(path, LoadOptions{.force_bf16 = true});
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    const Model& m = **r;
+    EXPECT_EQ(m.weight_dtype, DType::kBF16);
+    for (const auto& [name, matrix] : std::vector<std::pair<std::string, const WeightMatrix*>>{
+             {"blk.0.attn_q.weight", &m.layers[0].wq}, {"blk.0.ffn_down.weight", &m.layers[0].w_down},
+             {"output.weight", &m.lm_head}, {"token_embd.weight", &m.tok_embeddings}}) {
+      ASSERT_EQ(matrix->dtype, DType::kBF16) << name;
+      std::vector<float> want = t.f32.at(name);
+      for (float& x : want) x = bf16_to_f32(f32_to_bf16(x));
+      EXPECT_EQ(testing::to_f32(*matrix), want) << name;
+    }
+  }
+  auto both = load_gguf_model(dir + "/bf16_0.gguf", LoadOptions{.force_f32 = true, .force_bf16 = true});
+  EXPECT_EQ(both.status().code(), StatusCode::kInvalidArgument) << both.status().to_string();
+}
+
+TEST(LoaderGguf, BlockTypesWithoutADecoderAreNamed) {
+  const std::string dir = temp_dir("spx-gguf");
+  // IQ2_XXS parses (its size is in ggml's table) but is not decoded: the error names the
+  // tensor, the type and what is supported.
+  std::string bytes = make_tiny_gguf(0, false, TinyShape{256, 256, 2, 1}).bytes;
+  // Rewrite the q matrix's type field (the u32 after its name, dim count and two dims) to
+  // IQ2_XXS (16); its data shrinks, which the parser accepts.
+  const std::string name = "blk.0.attn_q.weight";
+  const size_t pos = bytes.find(name);
+  ASSERT_NE(pos, std::string::npos);
+  const size_t type_at = pos + name.size() + 4 + 2 * 8;
+  const uint32_t iq2 = 16;
+  std::memcpy(bytes.data() + type_at, &iq2, 4);
+  write_file(dir + "/iq2.gguf", bytes);
+  auto m = load_gguf_model(dir + "/iq2.gguf");
+  ASSERT_FALSE(m.is_ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented) << m.status().to_string();
+  for (const char* word : {"\"blk.0.attn_q.weight\"", "IQ2_XXS", "Q4_K", "iq2.gguf"}) {
+    EXPECT_NE(m.status().message().find(word), std::string::npos) << word << ": " << m.status().to_string();
+  }
+}
+
+// Llama 3.1+ conversions carry their llama3 RoPE scaling as rope_freqs.weight: per-frequency
+// divisors that make_rope_params applies (ggml_rope_ext's freq_factors).
+TEST(LoaderGguf, RopeFreqsDivideTheFrequenciesAndBadOnesAreNamed) {
+  const std::string dir = temp_dir("spx-gguf");
+  const std::vector<float> factors = {1.0f, 1.0f, 1.5f, 2.0f, 3.25f, 8.0f, 8.0f, 8.0f};  // head_dim 16
+  auto with = [&](const std::vector<uint64_t>& dims, const std::vector<float>& values) {
+    return make_tiny_gguf(0, false, {}, [&](GgufBuilder& b) {
+      b.tensor("rope_freqs.weight", dims, 0, GgufBuilder::f32_bytes(values));
+    });
+  };
+  write_file(dir + "/freqs.gguf", with({8}, factors).bytes);
+  auto r = load_gguf_model(dir + "/freqs.gguf");
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ((*r)->config.rope_freq_factors, factors);
+  const RopeParams p = make_rope_params((*r)->config);
+  ASSERT_EQ(p.inv_freq.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    const double plain = 1.0 / std::pow(500000.0, 2.0 * static_cast<double>(i) / 16.0);
+    EXPECT_NEAR(p.inv_freq[i], plain / factors[i], 1e-7 * plain) << i;
+  }
+  write_file(dir + "/short.gguf", with({4}, {1, 2, 3, 4}).bytes);
+  auto bad_dims = load_gguf_model(dir + "/short.gguf");
+  EXPECT_EQ(bad_dims.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_dims.status().message().find("rope_freqs.weight"), std::string::npos)
+      << bad_dims.status().to_string();
+  write_file(dir + "/zero.gguf", with({8}, {1, 1, 0, 1, 1, 1, 1, 1}).bytes);
+  auto zero = load_gguf_model(dir + "/zero.gguf");
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("rope_freq_factors[2]"), std::string::npos)
+      << zero.status().to_string();
+  EXPECT_NE(zero.status().message().find("zero.gguf"), std::string::npos) << zero.status().to_string();
 }
 
 TEST(LoaderGguf, Bf16ForceF32Converts) {
@@ -505,6 +714,18 @@ TEST(LoaderGguf, ErrorsNameTheKeyOrTensor) {
     EXPECT_NE(r.status().message().find("\"blk.0.ffn_up.weight\""), std::string::npos)
         << r.status().to_string();
     EXPECT_NE(r.status().message().find("m.gguf"), std::string::npos);
+  }
+  {  // qwen3 files need per-head q/k norms
+    std::string bytes = make_tiny_gguf(0, false).bytes;
+    // Same length keeps every offset: "llama" -> "qwen3" in the value and in every key prefix.
+    for (size_t at = bytes.find("llama"); at != std::string::npos && at < bytes.find("tokenizer.");
+         at = bytes.find("llama", at + 5)) {
+      bytes.replace(at, 5, "qwen3");
+    }
+    auto r = load_bytes(bytes);
+    EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << r.status().to_string();
+    EXPECT_NE(r.status().message().find("\"blk.0.attn_q_norm.weight\""), std::string::npos)
+        << r.status().to_string();
   }
   {  // wrong dims: claim 2 kv heads, so attn_k should be [32, 32]
     std::string bytes = make_tiny_gguf(0, false).bytes;

@@ -1,7 +1,10 @@
-// libFuzzer target: GgufFile::parse and its typed getters must never crash on any input.
+// libFuzzer target: GgufFile::parse and its typed getters must never crash on any input, and
+// decoding any block-quantised tensor it accepts must stay within the tensor's bytes.
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "core/ggml_quants.h"
 #include "core/gguf.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -22,6 +25,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (t.n_bytes > 0) sink = sink ^ t.data[0] ^ t.data[t.n_bytes - 1];
     (void)t.n_elements();
     (void)g.find_tensor(t.name);
+    if (specontext::ggml_is_dequantizable(t.ggml_type) && t.n_elements() <= (int64_t{1} << 16)) {
+      std::vector<float> out(static_cast<size_t>(t.n_elements()));
+      (void)specontext::ggml_dequantize(t.ggml_type, t.data, out.data(), t.n_elements());
+    }
   }
   return 0;
 }

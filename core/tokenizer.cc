@@ -526,12 +526,12 @@ Result<std::unique_ptr<Tokenizer>> load_gguf_tokenizer_impl(const GgufFile& gguf
       v.pre_steps = {{PreTokenizeStep::kRegexSplit, kLlama3Regex, "tokenizer.ggml.pre"}};
       v.ignore_merges = true;  // as Llama-3's tokenizer.json ("ignore_merges": true)
       v.add_bos = true;
-    } else if (pre == "qwen2") {
+    } else if (pre == "qwen2" || pre == "deepseek-r1-qwen") {  // llama.cpp maps both to QWEN2
       v.pre_steps = {{PreTokenizeStep::kRegexSplit, kQwen2Regex, "tokenizer.ggml.pre"}};
       v.add_bos = false;
     } else {
       return unimplemented(src + ": tokenizer.ggml.pre \"" + pre +
-                           "\" is not supported (gpt-2, llama-bpe, qwen2)");
+                           "\" is not supported (gpt-2, llama-bpe, qwen2, deepseek-r1-qwen)");
     }
     v.add_bos = gguf_bool_or(gguf, "tokenizer.ggml.add_bos_token", v.add_bos);
     SPX_ASSIGN_OR_RETURN(std::vector<std::string> merges, gguf.get_string_array("tokenizer.ggml.merges"));

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -154,6 +155,49 @@ TEST(TokenizerBpe, PreTokenizerRegexes) {
     ASSERT_TRUE(ids.is_ok());
     EXPECT_EQ((*t)->decode(*ids), bad);
   }
+}
+
+// tokenizer.ggml.pre picks the pre-tokenizer as llama.cpp does (llama-vocab.cpp): the GPT-2
+// test vocabulary with its "pre" value rewritten (it holds no tensors, so nothing moves).
+TEST(TokenizerBpe, GgufPreNamesPickThePreTokenizer) {
+  const std::string original = testing::read_text_file(repo_path("data/tokenizer-tests/ggml-vocab-gpt-2.gguf"));
+  const std::string key = "tokenizer.ggml.pre";
+  const size_t at = original.find(key);
+  ASSERT_NE(at, std::string::npos);
+  const size_t len_at = at + key.size() + 4;  // after the key and its u32 value type (string)
+  uint64_t old_len = 0;
+  std::memcpy(&old_len, original.data() + len_at, 8);
+  auto with_pre = [&](const std::string& name) -> Result<std::unique_ptr<Tokenizer>> {
+    const uint64_t n = name.size();
+    std::string bytes = original.substr(0, len_at) + std::string(reinterpret_cast<const char*>(&n), 8) + name +
+                        original.substr(len_at + 8 + old_len);
+    auto g = GgufFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "pre.gguf");
+    if (!g.is_ok()) return g.status();
+    return load_gguf_tokenizer(**g);
+  };
+  auto pieces = [](const Tokenizer& t, const std::string& text) {
+    std::vector<std::string> out;
+    const Result<std::vector<TokenId>> ids = t.encode(text, false);
+    EXPECT_TRUE(ids.is_ok()) << ids.status().to_string();
+    if (ids.is_ok()) {
+      for (TokenId id : *ids) out.push_back(t.decode({id}));
+    }
+    return out;
+  };
+  const std::vector<std::string> per_digit = {"1", "2", "3", "4", "5"};
+  for (const char* name : {"qwen2", "deepseek-r1-qwen"}) {
+    auto t = with_pre(name);
+    ASSERT_TRUE(t.is_ok()) << name << ": " << t.status().to_string();
+    EXPECT_EQ(pieces(**t, "12345"), per_digit) << name;
+  }
+  for (const char* name : {"llama-bpe", "llama3"}) {
+    auto t = with_pre(name);
+    ASSERT_TRUE(t.is_ok()) << name << ": " << t.status().to_string();
+    EXPECT_EQ(pieces(**t, "12345"), (std::vector<std::string>{"123", "45"})) << name;
+  }
+  auto unknown = with_pre("tekken");
+  EXPECT_EQ(unknown.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(unknown.status().message().find("\"tekken\""), std::string::npos) << unknown.status().to_string();
 }
 
 // A Llama-3 style tokenizer.json, small enough to compute the ids by hand.

@@ -138,18 +138,17 @@ void q3_k(const uint8_t* b, float* y) {
     scales[i] = static_cast<int8_t>((lo | (hi << 4)) - 32);
   }
   int is = 0;
-  uint8_t m = 1;
+  int bit = 0;  // the hmask bit of this run of 32
   for (int n = 0; n < kQK; n += 128) {
     for (int shift = 0; shift < 8; shift += 2) {
       for (int half = 0; half < 2; ++half) {
         const float dl = d * static_cast<float>(scales[is++]);
-        for (int l = 0; l < 16; ++l) {
-          const int k = l + 16 * half;
-          const int code = ((q[k] >> shift) & 3) - ((hm[k] & m) ? 0 : 4);
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          const int code = ((q[l] >> shift) & 3) - 4 * (((hm[l] >> bit) & 1) ^ 1);
           *y++ = dl * static_cast<float>(code);
         }
       }
-      m = static_cast<uint8_t>(m << 1);
+      ++bit;
     }
     q += 32;
   }
@@ -204,22 +203,25 @@ void q5_k(const uint8_t* b, float* y) {
 }
 
 // block_q6_K: u8 ql[128] (low 4 bits); u8 qh[64] (high 2 bits); i8 scales[16]; f16 d.
+// Each half of 128 elements is four runs of 32: run k takes the low (k < 2) or high nibble of
+// ql[32 (k % 2) + l] and bits 2k..2k+1 of qh[l], with the scales of its two halves of 16. Written
+// run by run (contiguous stores) rather than as ggml interleaves them; the products are the same.
 void q6_k(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = f16_at(b + 208);
   for (int n = 0; n < kQK; n += 128) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * static_cast<float>(sc[is]) * static_cast<float>(q1);
-      y[l + 32] = d * static_cast<float>(sc[is + 2]) * static_cast<float>(q2);
-      y[l + 64] = d * static_cast<float>(sc[is + 4]) * static_cast<float>(q3);
-      y[l + 96] = d * static_cast<float>(sc[is + 6]) * static_cast<float>(q4);
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* lo = ql + 32 * (k % 2);
+      const int nibble = 4 * (k / 2);
+      for (int half = 0; half < 2; ++half) {
+        const float ds = d * static_cast<float>(sc[2 * k + half]);
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          const int q = (((lo[l] >> nibble) & 0xF) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+          y[32 * k + l] = ds * static_cast<float>(q);
+        }
+      }
     }
     y += 128;
     ql += 64;

@@ -133,6 +133,8 @@ else
 fi
 
 # cuBLAS (libcublas.so.13, libcublasLt.so.13): the toolkit's, else PyTorch's nvidia-cublas wheel.
+# Our programs do not link it: gpu/cublas_loader.cc dlopens it by soname, so LD_LIBRARY_PATH below
+# is how they find it (ldd below no longer lists it).
 find_lib_dir() {
   local name=$1 d
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64 \
@@ -175,7 +177,7 @@ for lib in libcublas.so.13 libcublasLt.so.13; do
   if d=$(find_lib_dir "$lib"); then
     case ":$CUBLAS_DIRS:" in *":$d:"*) ;; *) CUBLAS_DIRS="${CUBLAS_DIRS:+$CUBLAS_DIRS:}$d" ;; esac
   else
-    say "[libs] $lib not found (toolkit, pip nvidia-cublas, ldconfig): our programs cannot start"
+    say "[libs] $lib not found (toolkit, pip nvidia-cublas, ldconfig): our CUDA backend will report \"no cuBLAS\" (it opens cuBLAS at run time)"
   fi
 done
 # Our libraries and cuBLAS first, for our programs only (python3 keeps its own environment).

@@ -45,6 +45,22 @@ void scale_min_k4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
   }
 }
 
+// Sub-blocks j and j + 1 of a Q4_K / Q5_K super-block: their scales times d and mins times dmin.
+struct ScaleMinPair {
+  float d1, m1, d2, m2;
+};
+ScaleMinPair scale_min_pair(const uint8_t* scales, int j, float d, float dmin) {
+  uint8_t sc = 0, mn = 0;
+  ScaleMinPair p{};
+  scale_min_k4(j, scales, &sc, &mn);
+  p.d1 = d * static_cast<float>(sc);
+  p.m1 = dmin * static_cast<float>(mn);
+  scale_min_k4(j + 1, scales, &sc, &mn);
+  p.d2 = d * static_cast<float>(sc);
+  p.m2 = dmin * static_cast<float>(mn);
+  return p;
+}
+
 // block_q4_0: f16 d; u8 qs[16]. Low nibbles are elements 0..15, high nibbles 16..31.
 void q4_0(const uint8_t* b, float* y) {
   const float d = f16_at(b);
@@ -155,50 +171,25 @@ void q3_k(const uint8_t* b, float* y) {
 }
 
 // block_q4_K: f16 d, dmin; u8 scales[12] (eight 6-bit scales and mins); u8 qs[128].
-void q4_k(const uint8_t* b, float* y) {
-  const float d = f16_at(b);
-  const float dmin = f16_at(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* q = b + 16;
-  for (int is = 0; is < 8; is += 2) {
-    uint8_t sc = 0, mn = 0;
-    scale_min_k4(is, scales, &sc, &mn);
-    const float d1 = d * static_cast<float>(sc);
-    const float m1 = dmin * static_cast<float>(mn);
-    scale_min_k4(is + 1, scales, &sc, &mn);
-    const float d2 = d * static_cast<float>(sc);
-    const float m2 = dmin * static_cast<float>(mn);
-    for (int l = 0; l < 32; ++l) *y++ = d1 * static_cast<float>(q[l] & 0xF) - m1;
-    for (int l = 0; l < 32; ++l) *y++ = d2 * static_cast<float>(q[l] >> 4) - m2;
-    q += 32;
-  }
-}
-
-// block_q5_K: f16 d, dmin; u8 scales[12]; u8 qh[32] (fifth bits); u8 qs[128].
-void q5_k(const uint8_t* b, float* y) {
+// block_q5_K: the same, with u8 qh[32] (the fifth bit of each element) before qs.
+template <bool kFifthBit>
+void q45_k(const uint8_t* b, float* y) {
   const float d = f16_at(b);
   const float dmin = f16_at(b + 2);
   const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
-  const uint8_t* ql = b + 48;
-  uint8_t u1 = 1, u2 = 2;
-  for (int is = 0; is < 8; is += 2) {
-    uint8_t sc = 0, mn = 0;
-    scale_min_k4(is, scales, &sc, &mn);
-    const float d1 = d * static_cast<float>(sc);
-    const float m1 = dmin * static_cast<float>(mn);
-    scale_min_k4(is + 1, scales, &sc, &mn);
-    const float d2 = d * static_cast<float>(sc);
-    const float m2 = dmin * static_cast<float>(mn);
+  const uint8_t* ql = b + (kFifthBit ? 48 : 16);
+  for (int is = 0; is < 8; is += 2) {  // two runs of 32 (low and high nibbles) per step
+    const auto [d1, m1, d2, m2] = scale_min_pair(scales, is, d, dmin);
     for (int l = 0; l < 32; ++l) {
-      *y++ = d1 * static_cast<float>((ql[l] & 0xF) + ((qh[l] & u1) ? 16 : 0)) - m1;
+      const int hi = kFifthBit ? ((qh[l] >> is) & 1) << 4 : 0;
+      *y++ = d1 * static_cast<float>((ql[l] & 0xF) + hi) - m1;
     }
     for (int l = 0; l < 32; ++l) {
-      *y++ = d2 * static_cast<float>((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - m2;
+      const int hi = kFifthBit ? ((qh[l] >> (is + 1)) & 1) << 4 : 0;
+      *y++ = d2 * static_cast<float>((ql[l] >> 4) + hi) - m2;
     }
     ql += 32;
-    u1 = static_cast<uint8_t>(u1 << 2);
-    u2 = static_cast<uint8_t>(u2 << 2);
   }
 }
 
@@ -279,9 +270,9 @@ BlockDecoder decoder_of(uint32_t id) {
     case 11:
       return q3_k;
     case 12:
-      return q4_k;
+      return q45_k<false>;
     case 13:
-      return q5_k;
+      return q45_k<true>;
     case 14:
       return q6_k;
     case 20:

@@ -208,6 +208,56 @@ std::vector<Case> cases() {
 
 class ScalarTest : public ::testing::TestWithParam<Case> {};
 
+// One file format's tensor names, for the writers below.
+struct TensorNames {
+  const char* embed;
+  const char* layer_prefix;  // + layer index + "."
+  const char *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *q_norm, *k_norm, *ffn_norm, *gate, *up, *down;
+  const char* final_norm;
+  const char* lm_head;
+};
+const TensorNames kHfNames = {"model.embed_tokens.weight", "model.layers.", "input_layernorm.weight",
+                              "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                              "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                              "self_attn.v_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                              "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                              "mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"};
+const TensorNames kGgufNames = {"token_embd.weight", "blk.", "attn_norm.weight", "attn_q.weight", "attn_k.weight",
+                                "attn_v.weight", "attn_output.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+                                "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
+                                "ffn_up.weight", "ffn_down.weight", "output_norm.weight", "output.weight"};
+
+// Calls mat(name, matrix) and vec(name, vector) for every tensor of `m` under `n`'s names; the
+// lm_head only when it is not tied.
+template <typename Mat, typename VecFn>
+void visit_tensors(const Model& m, const TensorNames& n, Mat mat, VecFn vec) {
+  mat(n.embed, m.tok_embeddings);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const auto& l = m.layers[i];
+    const std::string p = n.layer_prefix + std::to_string(i) + ".";
+    vec(p + n.attn_norm, l.attn_norm);
+    mat(p + n.wq, l.wq);
+    mat(p + n.wk, l.wk);
+    mat(p + n.wv, l.wv);
+    mat(p + n.wo, l.wo);
+    if (!l.bq.empty()) {
+      vec(p + n.bq, l.bq);
+      vec(p + n.bk, l.bk);
+      vec(p + n.bv, l.bv);
+    }
+    if (!l.q_norm.empty()) {
+      vec(p + n.q_norm, l.q_norm);
+      vec(p + n.k_norm, l.k_norm);
+    }
+    vec(p + n.ffn_norm, l.ffn_norm);
+    mat(p + n.gate, l.w_gate);
+    mat(p + n.up, l.w_up);
+    mat(p + n.down, l.w_down);
+  }
+  vec(n.final_norm, m.final_norm);
+  if (!m.config.tie_embeddings) mat(n.lm_head, m.lm_head);
+}
+
 // Writes the model as a Hugging Face directory (config.json + model.safetensors).
 std::string write_hf_dir(const Model& m) {
   const ModelConfig& c = m.config;
@@ -219,31 +269,7 @@ std::string write_hf_dir(const Model& m) {
   auto vec = [&](const std::string& name, const Vec& v) {
     t.push_back({name, DType::kF32, {static_cast<int64_t>(v.size())}, v.data()});
   };
-  mat("model.embed_tokens.weight", m.tok_embeddings);
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const auto& l = m.layers[i];
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    vec(p + "input_layernorm.weight", l.attn_norm);
-    vec(p + "post_attention_layernorm.weight", l.ffn_norm);
-    mat(p + "self_attn.q_proj.weight", l.wq);
-    mat(p + "self_attn.k_proj.weight", l.wk);
-    mat(p + "self_attn.v_proj.weight", l.wv);
-    mat(p + "self_attn.o_proj.weight", l.wo);
-    if (!l.bq.empty()) {
-      vec(p + "self_attn.q_proj.bias", l.bq);
-      vec(p + "self_attn.k_proj.bias", l.bk);
-      vec(p + "self_attn.v_proj.bias", l.bv);
-    }
-    if (!l.q_norm.empty()) {
-      vec(p + "self_attn.q_norm.weight", l.q_norm);
-      vec(p + "self_attn.k_norm.weight", l.k_norm);
-    }
-    mat(p + "mlp.gate_proj.weight", l.w_gate);
-    mat(p + "mlp.up_proj.weight", l.w_up);
-    mat(p + "mlp.down_proj.weight", l.w_down);
-  }
-  vec("model.norm.weight", m.final_norm);
-  if (!c.tie_embeddings) mat("lm_head.weight", m.lm_head);
+  visit_tensors(m, kHfNames, mat, vec);
   EXPECT_TRUE(write_safetensors(dir + "/model.safetensors", t).is_ok());
   const char* arch = c.arch == Architecture::kQwen3 ? "Qwen3ForCausalLM"
                      : c.arch == Architecture::kQwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
@@ -333,36 +359,15 @@ std::string write_gguf_file(const Model& m) {
     }
     return out;
   };
-  auto mat = [&](const std::string& name, const WeightMatrix& w, const std::string& bytes) {
+  auto mat = [&](const std::string& name, const WeightMatrix& w) {
     EXPECT_EQ(w.dtype, DType::kF32);
+    const bool q = name.ends_with(".attn_q.weight");
+    const bool k = name.ends_with(".attn_k.weight");
+    const std::string bytes = q ? qk(w, c.n_heads) : k ? qk(w, c.n_kv_heads) : raw(w);
     b.tensor(name, {static_cast<uint64_t>(w.cols), static_cast<uint64_t>(w.rows)}, 0, bytes);
   };
   auto vec = [&](const std::string& name, const Vec& v) { b.tensor(name, {v.size()}, 0, GgufBuilder::f32_bytes(v)); };
-  mat("token_embd.weight", m.tok_embeddings, raw(m.tok_embeddings));
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const auto& l = m.layers[i];
-    const std::string p = "blk." + std::to_string(i) + ".";
-    vec(p + "attn_norm.weight", l.attn_norm);
-    mat(p + "attn_q.weight", l.wq, qk(l.wq, c.n_heads));
-    mat(p + "attn_k.weight", l.wk, qk(l.wk, c.n_kv_heads));
-    mat(p + "attn_v.weight", l.wv, raw(l.wv));
-    mat(p + "attn_output.weight", l.wo, raw(l.wo));
-    if (!l.bq.empty()) {
-      vec(p + "attn_q.bias", l.bq);
-      vec(p + "attn_k.bias", l.bk);
-      vec(p + "attn_v.bias", l.bv);
-    }
-    if (!l.q_norm.empty()) {
-      vec(p + "attn_q_norm.weight", l.q_norm);
-      vec(p + "attn_k_norm.weight", l.k_norm);
-    }
-    vec(p + "ffn_norm.weight", l.ffn_norm);
-    mat(p + "ffn_gate.weight", l.w_gate, raw(l.w_gate));
-    mat(p + "ffn_up.weight", l.w_up, raw(l.w_up));
-    mat(p + "ffn_down.weight", l.w_down, raw(l.w_down));
-  }
-  vec("output_norm.weight", m.final_norm);
-  if (!c.tie_embeddings) mat("output.weight", m.lm_head, raw(m.lm_head));
+  visit_tensors(m, kGgufNames, mat, vec);
   const std::string path = testing::temp_dir("spx-gguf") + "/model.gguf";
   testing::write_file(path, b.build());
   return path;

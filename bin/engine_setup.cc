@@ -176,12 +176,7 @@ Result<LoadedModel> load_model_and_tokenizer(const EngineArgs& args) {
 }
 
 ChatTemplate chat_template_for(const Model& m, const Tokenizer& tok) {
-  if (m.config.arch == Architecture::kQwen2 || m.config.arch == Architecture::kQwen3 ||
-      tok.piece_to_id("<|im_start|>") >= 0) {
-    return ChatTemplate::kQwen;
-  }
-  if (tok.piece_to_id("<|start_header_id|>") >= 0) return ChatTemplate::kLlama3;
-  return ChatTemplate::kNone;
+  return chat_template_of(tok, architecture_name(m.config.arch));
 }
 
 std::vector<TokenId> generation_stop_ids(const Tokenizer& tok) {

@@ -636,6 +636,12 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
                       "/v1/completions",
                       "messages", ""};
     }
+    if (!tools.empty() && !chat_template_renders_tools(options.chat_template)) {
+      return ApiError{400, "invalid_request_error",
+                      "tools: this model's chat template (" + std::string(chat_template_name(options.chat_template)) +
+                          ") has no place for function tools; send the request without them",
+                      "tools", ""};
+    }
     std::vector<ChatMessage> msgs;
     for (const ChatMessageIn& m : messages) {
       ChatMessage msg{m.role, m.content, {}};

@@ -37,6 +37,17 @@ std::string Tokenizer::decode(const std::vector<TokenId>& ids) const {
 //    With tools, Qwen's Hermes blocks: a system turn (first system message + "\n\n" + "# Tools"
 //    with one <tools> line per tool), <tool_call> blocks in assistant turns, and consecutive tool
 //    results in one user turn of <tool_response> blocks.
+//  kDeepSeekR1: DeepSeek-R1 and its distills (R1-Distill-Llama, R1-Distill-Qwen), as the
+//    chat_template of their tokenizer_config.json renders:
+//    <｜begin▁of▁sentence｜> + the last system message, then {<｜User｜>content} and
+//    {<｜Assistant｜>text<｜end▁of▁sentence｜>} (an assistant's text after its last </think>);
+//    tool results <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>r<｜tool▁output▁end｜>
+//    (later ones "\n<｜tool▁output▁begin｜>r<｜tool▁output▁end｜>"), closed by
+//    <｜tool▁outputs▁end｜> before the next assistant text or at the end; earlier calls as the
+//    template writes them (quirks kept: the closing <｜tool▁calls▁end｜><｜end▁of▁sentence｜>
+//    follows only the second and later calls). The generation prompt is
+//    <｜Assistant｜><think>\n, none after a tool result, as the template does. Tools on offer
+//    are not rendered: the template has no place for them.
 //  kNone: the contents concatenated as plain text (completion models); tools are ignored.
 // Encode the result with parse_special = true and add_bos = false (Llama-3 already has BOS).
 // JSON is written as Jinja's tojson writes it (Python's json.dumps: ", " and ": " separators, or
@@ -179,6 +190,70 @@ std::string llama3_chat(const std::vector<ChatMessage>& messages, const std::vec
   return out;
 }
 
+// DeepSeek-R1's special tokens: fullwidth vertical bars (U+FF5C) and lower one-eighth blocks
+// (U+2581) around the words.
+constexpr std::string_view kR1Bos = "<｜begin▁of▁sentence｜>";
+constexpr std::string_view kR1Eos = "<｜end▁of▁sentence｜>";
+constexpr std::string_view kR1User = "<｜User｜>";
+constexpr std::string_view kR1Assistant = "<｜Assistant｜>";
+constexpr std::string_view kR1CallsBegin = "<｜tool▁calls▁begin｜>";
+constexpr std::string_view kR1CallsEnd = "<｜tool▁calls▁end｜>";
+constexpr std::string_view kR1CallBegin = "<｜tool▁call▁begin｜>";
+constexpr std::string_view kR1CallEnd = "<｜tool▁call▁end｜>";
+constexpr std::string_view kR1Sep = "<｜tool▁sep｜>";
+constexpr std::string_view kR1OutputsBegin = "<｜tool▁outputs▁begin｜>";
+constexpr std::string_view kR1OutputsEnd = "<｜tool▁outputs▁end｜>";
+constexpr std::string_view kR1OutputBegin = "<｜tool▁output▁begin｜>";
+constexpr std::string_view kR1OutputEnd = "<｜tool▁output▁end｜>";
+
+// The DeepSeek-R1 template, state for state (its namespace: is_first, is_tool, is_output_first).
+// An assistant turn with calls and no text is the template's "content is none" case.
+std::string deepseek_r1_chat(const std::vector<ChatMessage>& messages) {
+  std::string system;  // the last system message counts
+  for (const ChatMessage& m : messages) {
+    if (m.role == "system") system = m.content;
+  }
+  std::string out = std::string(kR1Bos) + system;
+  bool is_first = false, is_tool = false, is_output_first = true;
+  auto call = [](const ChatToolCall& c) {
+    return std::string(kR1CallBegin) + "function" + std::string(kR1Sep) + c.name + "\n```json\n" + c.arguments +
+           "\n```" + std::string(kR1CallEnd);
+  };
+  for (const ChatMessage& m : messages) {
+    if (m.role == "user") {
+      is_tool = false;
+      out += std::string(kR1User) + m.content;
+    } else if (m.role == "assistant" && !m.tool_calls.empty() && m.content.empty()) {
+      is_tool = false;
+      for (const ChatToolCall& c : m.tool_calls) {
+        if (!is_first) {
+          out += std::string(kR1Assistant) + std::string(kR1CallsBegin) + call(c);
+          is_first = true;
+        } else {
+          out += "\n" + call(c) + std::string(kR1CallsEnd) + std::string(kR1Eos);
+        }
+      }
+    } else if (m.role == "assistant") {
+      if (is_tool) {
+        out += std::string(kR1OutputsEnd) + m.content + std::string(kR1Eos);
+        is_tool = false;
+      } else {
+        const size_t think = m.content.rfind("</think>");
+        out += std::string(kR1Assistant) +
+               (think == std::string::npos ? m.content : m.content.substr(think + 8)) + std::string(kR1Eos);
+      }
+    } else if (m.role == "tool") {
+      is_tool = true;
+      out += is_output_first ? std::string(kR1OutputsBegin) + std::string(kR1OutputBegin)
+                             : "\n" + std::string(kR1OutputBegin);
+      out += m.content + std::string(kR1OutputEnd);
+      is_output_first = false;
+    }
+  }
+  if (is_tool) return out + std::string(kR1OutputsEnd);
+  return out + std::string(kR1Assistant) + "<think>\n";
+}
+
 }  // namespace
 
 std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages,
@@ -188,12 +263,33 @@ std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& 
       return llama3_chat(messages, tools);
     case ChatTemplate::kQwen:
       return qwen_chat(messages, tools);
+    case ChatTemplate::kDeepSeekR1:
+      return deepseek_r1_chat(messages);
     case ChatTemplate::kNone:
       break;
   }
   std::string out;
   for (const ChatMessage& m : messages) out += m.content;
   return out;
+}
+
+ChatTemplate chat_template_of(const Tokenizer& tok, std::string_view architecture) {
+  if (tok.piece_to_id("<｜User｜>") >= 0 && tok.piece_to_id("<｜Assistant｜>") >= 0) return ChatTemplate::kDeepSeekR1;
+  if (architecture.starts_with("qwen") || tok.piece_to_id("<|im_start|>") >= 0) return ChatTemplate::kQwen;
+  if (tok.piece_to_id("<|start_header_id|>") >= 0) return ChatTemplate::kLlama3;
+  return ChatTemplate::kNone;
+}
+
+bool chat_template_renders_tools(ChatTemplate t) { return t == ChatTemplate::kLlama3 || t == ChatTemplate::kQwen; }
+
+std::string_view chat_template_name(ChatTemplate t) {
+  switch (t) {
+    case ChatTemplate::kLlama3: return "llama3";
+    case ChatTemplate::kQwen: return "qwen";
+    case ChatTemplate::kDeepSeekR1: return "deepseek-r1";
+    case ChatTemplate::kNone: break;
+  }
+  return "none";
 }
 
 std::string apply_chat_template(ChatTemplate t, const std::vector<ChatMessage>& messages) {

@@ -45,7 +45,17 @@ Result<std::unique_ptr<Tokenizer>> load_llama2c_tokenizer(const std::string& pat
 Result<std::unique_ptr<Tokenizer>> load_hf_tokenizer(const std::string& path);
 
 // Chat templates (hard-coded per family; see core/README.md).
-enum class ChatTemplate { kNone, kLlama3, kQwen };
+enum class ChatTemplate { kNone, kLlama3, kQwen, kDeepSeekR1 };
+// Whether the template renders function tools offered with a request (kDeepSeekR1 has no place
+// for them; kNone renders no chat at all).
+bool chat_template_renders_tools(ChatTemplate t);
+// The family a model's vocabulary and architecture ("llama", "qwen2", ...) belong to: DeepSeek-R1
+// when its <｜User｜> and <｜Assistant｜> tokens exist (its distills keep their base's other
+// markers), else Qwen for the qwen architectures or a vocabulary with <|im_start|>, else Llama 3
+// with <|start_header_id|>, else kNone.
+ChatTemplate chat_template_of(const Tokenizer& tok, std::string_view architecture);
+// The template family's name: "llama3", "qwen", "deepseek-r1", "none".
+std::string_view chat_template_name(ChatTemplate t);
 // A function call an assistant turn made; arguments is JSON text (an object, as OpenAI sends it).
 struct ChatToolCall {
   std::string name;

@@ -542,7 +542,7 @@ struct ToolServer {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<OpenAiServer> server;
 };
-ToolServer tool_server() {
+ToolServer tool_server(ChatTemplate chat_template = ChatTemplate::kQwen) {
   ToolServer out{chat_toy(), nullptr, nullptr};
   EngineOptions eo;
   eo.max_sequences = 4;
@@ -551,13 +551,39 @@ ToolServer tool_server() {
   if (!engine.is_ok()) return out;
   out.engine = std::move(*engine);
   ServerOptions o;
-  o.chat_template = ChatTemplate::kQwen;
+  o.chat_template = chat_template;
   o.stop_ids = out.toy.tok->stop_ids();
   o.scheduling.prefix_caching = false;
   auto server = OpenAiServer::start(*out.engine, *out.toy.tok, o);
   EXPECT_TRUE(server.is_ok()) << server.status().to_string();
   if (server.is_ok()) out.server = std::move(*server);
   return out;
+}
+
+// A chat template with no place for tools (DeepSeek-R1's) refuses a request that offers them,
+// rather than answering as if the model had seen them; without tools, or with tool_choice
+// "none" (the tools are then not rendered anyway), it answers.
+TEST(OpenAiServer, ToolsOnATemplateWithoutThemAreRefused) {
+  ToolServer ts = tool_server(ChatTemplate::kDeepSeekR1);
+  ASSERT_TRUE(ts.server) << "see the failure above";
+  const uint16_t port = ts.server->port();
+  const std::string start = R"({"messages":[{"role":"user","content":"Weather in Paris?"}],"max_tokens":2,)";
+  const std::string tools = R"("tools":[{"type":"function","function":{"name":"now"}}],)";
+  for (const char* choice : {R"("auto")", R"("required")", R"({"type":"function","function":{"name":"now"}})"}) {
+    Reply r = send(port, http::verb::post, "/v1/chat/completions",
+                   start + tools + R"("tool_choice":)" + choice + "}");
+    EXPECT_EQ(r.status, 400) << choice << ": " << r.body;
+    EXPECT_EQ(r.j()["error"]["param"], "tools") << r.body;
+    EXPECT_NE(r.body.find("deepseek-r1"), std::string::npos) << r.body;
+  }
+  EXPECT_EQ(send(port, http::verb::post, "/v1/chat/completions", start + tools + R"("tool_choice":"none"})").status, 200);
+  Reply plain = send(port, http::verb::post, "/v1/chat/completions", start + R"("temperature":0})");
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  // The prompt is the R1 rendering, encoded as the server encodes chats.
+  auto ids = ts.toy.tok->encode(apply_chat_template(ChatTemplate::kDeepSeekR1, {{"user", "Weather in Paris?"}}),
+                                false, true);
+  ASSERT_TRUE(ids.is_ok());
+  EXPECT_EQ(plain.j()["usage"]["prompt_tokens"].get<int64_t>(), static_cast<int64_t>(ids->size())) << plain.body;
 }
 
 // tool_choice with a named function: the text is its arguments, valid against its parameters

@@ -1,10 +1,13 @@
-// Hard-coded chat templates: exact renderings, and that the markers encode as special tokens.
+// Hard-coded chat templates: exact renderings (DeepSeek-R1's against its own Jinja template,
+// rendered by jinja2: tests/data/chat_deepseek_r1.json), and that the markers encode as special
+// tokens.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include "core/tokenizer.h"
 #include "core/tokenizer_internal.h"
+#include "tests/tests_common.h"
 
 namespace specontext {
 namespace {
@@ -132,6 +135,34 @@ void expect_all_text(ChatTemplate family, std::initializer_list<const char*> tex
   }
 }
 
+// Every conversation of tests/data/chat_deepseek_r1.json as the model's own template renders it
+// (make_chat_deepseek_r1.py: jinja2 over the chat_template of DeepSeek-R1-Distill's
+// tokenizer_config.json): thinking stripped from earlier answers, the last system message first,
+// calls and results with the template's quirks, no generation prompt after a tool result.
+TEST(ChatTemplate, DeepSeekR1MatchesItsJinjaTemplate) {
+  const auto doc =
+      nlohmann::json::parse(testing::read_text_file(testing::repo_path("tests/data/chat_deepseek_r1.json")));
+  ASSERT_GE(doc["cases"].size(), 5u);
+  for (const auto& c : doc["cases"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    std::vector<ChatMessage> messages;
+    for (const auto& m : c["messages"]) {
+      ChatMessage msg{m["role"], m["content"].is_null() ? "" : m["content"].get<std::string>()};
+      if (m.contains("tool_calls")) {
+        for (const auto& t : m["tool_calls"]) msg.tool_calls.push_back({t["function"]["name"], t["function"]["arguments"]});
+      }
+      messages.push_back(std::move(msg));
+    }
+    const std::string expected = c["expected"];
+    EXPECT_EQ(apply_chat_template(ChatTemplate::kDeepSeekR1, messages), expected);
+    // Tools on offer have no place in this template.
+    EXPECT_EQ(apply_chat_template(ChatTemplate::kDeepSeekR1, messages, {R"({"type": "function"})"}), expected);
+  }
+  EXPECT_FALSE(chat_template_renders_tools(ChatTemplate::kDeepSeekR1));
+  EXPECT_TRUE(chat_template_renders_tools(ChatTemplate::kQwen));
+  EXPECT_EQ(chat_template_name(ChatTemplate::kDeepSeekR1), "deepseek-r1");
+}
+
 TEST(ToolCallParser, QwenHermesBlocks) {
   ParsedToolCalls p = parse_tool_calls(
       ChatTemplate::kQwen,
@@ -212,20 +243,23 @@ TEST(ToolCallParser, ArgumentsAreWrittenAsTojsonDoes) {
   EXPECT_EQ(tojson_line("not json"), "not json");
 }
 
-TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
-  // Every byte character plus the two ChatML markers.
+// A byte-level tokenizer.json: one token per byte (ids 0..255) plus `added` special tokens from
+// id 256 on, pre-tokenised with the Qwen2 regex.
+std::unique_ptr<Tokenizer> byte_tokenizer(const std::vector<std::string>& added) {
   nlohmann::json vocab = nlohmann::json::object();
   int next = 0;
-  std::vector<int> bs;
   for (int b = 0; b < 256; ++b) {
     const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
     std::string piece;
     tokenizer_internal::append_utf8(piece, printable ? b : 256 + next++);
     vocab[piece] = b;
   }
+  nlohmann::json tokens = nlohmann::json::array();
+  for (size_t i = 0; i < added.size(); ++i) {
+    tokens.push_back({{"id", 256 + static_cast<int>(i)}, {"content", added[i]}, {"special", true}});
+  }
   nlohmann::json j = {
-      {"added_tokens", nlohmann::json::array({{{"id", 256}, {"content", "<|im_start|>"}, {"special", true}},
-                                              {{"id", 257}, {"content", "<|im_end|>"}, {"special", true}}})},
+      {"added_tokens", tokens},
       {"pre_tokenizer",
        {{"type", "Sequence"},
         {"pretokenizers", nlohmann::json::array({{{"type", "Split"},
@@ -233,9 +267,14 @@ TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
                                                   {"behavior", "Isolated"}},
                                                  {{"type", "ByteLevel"}, {"use_regex", false}}})}}},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
-  auto r = tokenizer_internal::parse_hf_tokenizer_json(j.dump(), "qwen.json");
-  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
-  auto& tok = *r;
+  auto r = tokenizer_internal::parse_hf_tokenizer_json(j.dump(), "bytes.json");
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return r.is_ok() ? std::move(*r) : nullptr;
+}
+
+TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
+  auto tok = byte_tokenizer({"<|im_start|>", "<|im_end|>"});
+  ASSERT_NE(tok, nullptr);
   EXPECT_EQ(tok->eos_id(), 257);
   const std::string text = apply_chat_template(ChatTemplate::kQwen, {{"user", "Hi"}});
   auto ids = tok->encode(text, /*add_bos=*/false, /*parse_special=*/true);
@@ -243,6 +282,31 @@ TEST(ChatTemplate, QwenMarkersEncodeAsSpecialTokens) {
   const std::vector<TokenId> want = {256, 'u', 's', 'e', 'r', '\n', 'H', 'i', 257, '\n', 256,
                                      'a', 's', 's', 'i', 's', 't',      'a', 'n', 't', '\n'};
   EXPECT_EQ(*ids, want);
+}
+
+// DeepSeek-R1 distills keep their base's markers (R1-Distill-Qwen: <|im_start|>; R1-Distill-Llama:
+// <|start_header_id|>): their own tokens decide, and its markers encode as special tokens.
+TEST(ChatTemplate, DeepSeekR1IsDetectedBeforeItsBasesTemplateAndEncodesItsMarkers) {
+  const std::vector<std::string> r1 = {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                                       "<｜Assistant｜>"};
+  for (const std::string base : {"<|im_start|>", "<|start_header_id|>"}) {
+    std::vector<std::string> added = r1;
+    added.push_back(base);
+    auto tok = byte_tokenizer(added);
+    ASSERT_NE(tok, nullptr);
+    EXPECT_EQ(chat_template_of(*tok, "qwen2"), ChatTemplate::kDeepSeekR1) << base;
+    EXPECT_EQ(chat_template_of(*tok, "llama"), ChatTemplate::kDeepSeekR1) << base;
+    auto ids = tok->encode(apply_chat_template(ChatTemplate::kDeepSeekR1, {{"user", "Hi"}}), false, true);
+    ASSERT_TRUE(ids.is_ok());
+    EXPECT_EQ(*ids, (std::vector<TokenId>{256, 258, 'H', 'i', 259, '<', 't', 'h', 'i', 'n', 'k', '>', '\n'}));
+  }
+  auto qwen = byte_tokenizer({"<|im_start|>", "<|im_end|>"});
+  auto llama = byte_tokenizer({"<|start_header_id|>", "<|end_header_id|>"});
+  auto plain = byte_tokenizer({});
+  EXPECT_EQ(chat_template_of(*qwen, "llama"), ChatTemplate::kQwen);
+  EXPECT_EQ(chat_template_of(*plain, "qwen3"), ChatTemplate::kQwen);
+  EXPECT_EQ(chat_template_of(*llama, "llama"), ChatTemplate::kLlama3);
+  EXPECT_EQ(chat_template_of(*plain, "llama"), ChatTemplate::kNone);
 }
 
 }  // namespace

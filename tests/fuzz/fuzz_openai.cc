@@ -195,7 +195,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   // The input as a model's reply under tool_choice "auto": calls whose arguments are JSON
   // objects, or no calls and the whole text as content.
-  for (specontext::ChatTemplate family : {specontext::ChatTemplate::kQwen, specontext::ChatTemplate::kLlama3}) {
+  for (specontext::ChatTemplate family :
+       {specontext::ChatTemplate::kQwen, specontext::ChatTemplate::kLlama3, specontext::ChatTemplate::kDeepSeekR1}) {
     const specontext::ParsedToolCalls p = specontext::parse_tool_calls(family, input);
     if (p.calls.empty()) check(p.content == input);
     for (const specontext::ChatToolCall& c : p.calls) {

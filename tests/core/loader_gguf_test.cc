@@ -10,6 +10,7 @@
 
 #include "core/ggml_quants.h"
 #include "core/gguf.h"
+#include "core/loader_internal.h"
 #include "core/model_loader.h"
 #include "core/backend.h"
 #include "tests/core/loader_test_util.h"
@@ -604,6 +605,28 @@ TEST(LoaderGguf, ForceBf16HoldsEveryMatrixInBf16) {
   }
   auto both = load_gguf_model(dir + "/bf16_0.gguf", LoadOptions{.force_f32 = true, .force_bf16 = true});
   EXPECT_EQ(both.status().code(), StatusCode::kInvalidArgument) << both.status().to_string();
+}
+
+// Matrices of many megabytes are converted into huge-page-advised mappings (aligned to 2 MiB) and
+// hold the same values as small ones; the storage keeps them alive.
+TEST(LoaderGguf, LargeConvertedMatricesAreWholeAndHugePageAligned) {
+  const int64_t rows = 4096, cols = 1024;  // 16 MiB of f32
+  std::vector<float> expect;
+  const std::string blocks = random_blocks(12, static_cast<size_t>(rows * cols), 99, &expect);
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "f32");
+    Model model;
+    auto m = loader_internal::make_dequantized_matrix(&model, 12, blocks.data(), rows, cols,
+                                                      LoadOptions{.force_bf16 = bf16}, "big");
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(m->data) % (uintptr_t{2} << 20), 0u);
+    ASSERT_EQ(model.storage.size(), 1u);
+    std::vector<float> want = expect;
+    if (bf16) {
+      for (float& x : want) x = bf16_to_f32(f32_to_bf16(x));
+    }
+    EXPECT_EQ(testing::to_f32(*m), want);
+  }
 }
 
 TEST(LoaderGguf, BlockTypesWithoutADecoderAreNamed) {

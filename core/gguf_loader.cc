@@ -167,6 +167,11 @@ Status read_rope_freqs(const GgufFile& g, ModelConfig* c) {
 
 }  // namespace
 
+const loader_internal::LayerTensorNames kGgufLayerNames = {
+    "attn_norm.weight",   "attn_q.weight",      "attn_k.weight",   "attn_v.weight", "attn_output.weight",
+    "attn_q.bias",        "attn_k.bias",        "attn_v.bias",     "attn_q_norm.weight",
+    "attn_k_norm.weight", "ffn_norm.weight",    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"};
+
 Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const LoadOptions& opts) {
   SPX_ASSIGN_OR_RETURN(std::shared_ptr<GgufFile> g, GgufFile::open(path));
   SPX_ASSIGN_OR_RETURN(std::string arch_name, g->get_string("general.architecture"));
@@ -244,24 +249,7 @@ Result<std::shared_ptr<Model>> load_gguf_model(const std::string& path, const Lo
   for (int64_t i = 0; i < c.n_layers; ++i) {
     LayerWeights& l = model->layers[static_cast<size_t>(i)];
     const std::string p = "blk." + std::to_string(i) + ".";
-    SPX_RETURN_IF_ERROR(b.vec(p + "attn_norm.weight", c.dim, &l.attn_norm));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_q.weight", c.q_dim(), c.dim, &l.wq));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_k.weight", c.kv_dim(), c.dim, &l.wk));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_v.weight", c.kv_dim(), c.dim, &l.wv));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "attn_output.weight", c.dim, c.q_dim(), &l.wo));
-    if (c.attention_bias) {
-      SPX_RETURN_IF_ERROR(b.vec(p + "attn_q.bias", c.q_dim(), &l.bq));
-      SPX_RETURN_IF_ERROR(b.vec(p + "attn_k.bias", c.kv_dim(), &l.bk));
-      SPX_RETURN_IF_ERROR(b.vec(p + "attn_v.bias", c.kv_dim(), &l.bv));
-    }
-    if (c.qk_norm) {
-      SPX_RETURN_IF_ERROR(b.vec(p + "attn_q_norm.weight", c.head_dim, &l.q_norm));
-      SPX_RETURN_IF_ERROR(b.vec(p + "attn_k_norm.weight", c.head_dim, &l.k_norm));
-    }
-    SPX_RETURN_IF_ERROR(b.vec(p + "ffn_norm.weight", c.dim, &l.ffn_norm));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_gate.weight", c.hidden_dim, c.dim, &l.w_gate));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_up.weight", c.hidden_dim, c.dim, &l.w_up));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "ffn_down.weight", c.dim, c.hidden_dim, &l.w_down));
+    SPX_RETURN_IF_ERROR(loader_internal::load_layer(b, p, kGgufLayerNames, c, l));
   }
   SPX_RETURN_IF_ERROR(b.vec("output_norm.weight", c.dim, &model->final_norm));
   if (c.tie_embeddings) {

@@ -144,6 +144,12 @@ class HfBuilder {
 
 }  // namespace
 
+const loader_internal::LayerTensorNames kHfLayerNames = {
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"};
+
 Result<std::shared_ptr<Model>> load_hf_model(const std::string& dir, const LoadOptions& opts) {
   const std::string config_path = dir + "/config.json";
   SPX_ASSIGN_OR_RETURN(std::string config_text, read_small_file(config_path));
@@ -163,24 +169,7 @@ Result<std::shared_ptr<Model>> load_hf_model(const std::string& dir, const LoadO
   for (int64_t i = 0; i < c.n_layers; ++i) {
     LayerWeights& l = model->layers[static_cast<size_t>(i)];
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    SPX_RETURN_IF_ERROR(b.vec(p + "input_layernorm.weight", c.dim, &l.attn_norm));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "self_attn.q_proj.weight", c.q_dim(), c.dim, &l.wq));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "self_attn.k_proj.weight", c.kv_dim(), c.dim, &l.wk));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "self_attn.v_proj.weight", c.kv_dim(), c.dim, &l.wv));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "self_attn.o_proj.weight", c.dim, c.q_dim(), &l.wo));
-    if (c.attention_bias) {
-      SPX_RETURN_IF_ERROR(b.vec(p + "self_attn.q_proj.bias", c.q_dim(), &l.bq));
-      SPX_RETURN_IF_ERROR(b.vec(p + "self_attn.k_proj.bias", c.kv_dim(), &l.bk));
-      SPX_RETURN_IF_ERROR(b.vec(p + "self_attn.v_proj.bias", c.kv_dim(), &l.bv));
-    }
-    if (c.qk_norm) {
-      SPX_RETURN_IF_ERROR(b.vec(p + "self_attn.q_norm.weight", c.head_dim, &l.q_norm));
-      SPX_RETURN_IF_ERROR(b.vec(p + "self_attn.k_norm.weight", c.head_dim, &l.k_norm));
-    }
-    SPX_RETURN_IF_ERROR(b.vec(p + "post_attention_layernorm.weight", c.dim, &l.ffn_norm));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "mlp.gate_proj.weight", c.hidden_dim, c.dim, &l.w_gate));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "mlp.up_proj.weight", c.hidden_dim, c.dim, &l.w_up));
-    SPX_RETURN_IF_ERROR(b.matrix(p + "mlp.down_proj.weight", c.dim, c.hidden_dim, &l.w_down));
+    SPX_RETURN_IF_ERROR(loader_internal::load_layer(b, p, kHfLayerNames, c, l));
   }
   SPX_RETURN_IF_ERROR(b.vec("model.norm.weight", c.dim, &model->final_norm));
   // transformers ties the head to the embeddings when the config says so (any lm_head.weight in

@@ -45,6 +45,36 @@ Vec to_f32_vec(DType t, const void* src, size_t n);
                                                            int64_t cols, const LoadOptions& opts,
                                                            const std::string& what);
 
+// One file format's names for a decoder layer's tensors (after the layer's prefix).
+struct LayerTensorNames {
+  const char *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *q_norm, *k_norm, *ffn_norm, *gate, *up, *down;
+};
+
+// Loads layer `l` through a format's builder (b.matrix(name, rows, cols, &out), b.vec(name, n,
+// &out)): the shapes come from `c`, biases when c.attention_bias, q/k norms when c.qk_norm.
+template <typename Builder>
+Status load_layer(Builder& b, const std::string& prefix, const LayerTensorNames& n, const ModelConfig& c,
+                  LayerWeights& l) {
+  SPX_RETURN_IF_ERROR(b.vec(prefix + n.attn_norm, c.dim, &l.attn_norm));
+  SPX_RETURN_IF_ERROR(b.matrix(prefix + n.wq, c.q_dim(), c.dim, &l.wq));
+  SPX_RETURN_IF_ERROR(b.matrix(prefix + n.wk, c.kv_dim(), c.dim, &l.wk));
+  SPX_RETURN_IF_ERROR(b.matrix(prefix + n.wv, c.kv_dim(), c.dim, &l.wv));
+  SPX_RETURN_IF_ERROR(b.matrix(prefix + n.wo, c.dim, c.q_dim(), &l.wo));
+  if (c.attention_bias) {
+    SPX_RETURN_IF_ERROR(b.vec(prefix + n.bq, c.q_dim(), &l.bq));
+    SPX_RETURN_IF_ERROR(b.vec(prefix + n.bk, c.kv_dim(), &l.bk));
+    SPX_RETURN_IF_ERROR(b.vec(prefix + n.bv, c.kv_dim(), &l.bv));
+  }
+  if (c.qk_norm) {
+    SPX_RETURN_IF_ERROR(b.vec(prefix + n.q_norm, c.head_dim, &l.q_norm));
+    SPX_RETURN_IF_ERROR(b.vec(prefix + n.k_norm, c.head_dim, &l.k_norm));
+  }
+  SPX_RETURN_IF_ERROR(b.vec(prefix + n.ffn_norm, c.dim, &l.ffn_norm));
+  SPX_RETURN_IF_ERROR(b.matrix(prefix + n.gate, c.hidden_dim, c.dim, &l.w_gate));
+  SPX_RETURN_IF_ERROR(b.matrix(prefix + n.up, c.hidden_dim, c.dim, &l.w_up));
+  return b.matrix(prefix + n.down, c.dim, c.hidden_dim, &l.w_down);
+}
+
 // Makes every big matrix the same dtype (a bf16 file with a few f32 matrices ends up all f32)
 // and sets model->weight_dtype, so backends can trust that one field.
 void unify_weight_dtype(Model* model);

@@ -9,6 +9,7 @@
 #include "bin/commands.h"
 #include "core/engine.h"
 #include "core/generator.h"
+#include "core/json_depth.h"
 #include "core/json_schema.h"
 
 namespace specontext::cli {
@@ -138,8 +139,11 @@ int run_generate(const GenerateArgs& a) {
     std::stringstream text;
     text << in.rdbuf();
     // Ordered: properties are generated in the file's order.
-    const auto schema = nlohmann::ordered_json::parse(text.str(), nullptr, false);
-    if (schema.is_discarded()) return fail(invalid_argument("--json-schema: " + a.json_schema_path + " is not JSON"));
+    const auto schema = parse_ordered_json_bounded(text.str());
+    if (schema.is_discarded())
+      return fail(invalid_argument("--json-schema: " + a.json_schema_path +
+                                   " is not JSON (or nests deeper than " + std::to_string(kMaxJsonDepth) +
+                                   " levels)"));
     auto c = JsonSchemaConstraint::create(schema, VocabularyBytes::build(*tok));
     if (!c.is_ok()) return fail(c.status().with_context("--json-schema " + a.json_schema_path));
     constraint = std::move(*c);

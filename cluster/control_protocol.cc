@@ -2,6 +2,8 @@
 
 #include <charconv>
 
+#include "core/json_depth.h"
+
 namespace specontext::cluster {
 
 std::string hex_encode(const std::vector<uint8_t>& bytes) {
@@ -83,6 +85,10 @@ StatusCode code_from_name(std::string_view name) {
 
 Result<ControlRequest> parse_control_request(std::string_view line) {
   if (line.size() > kMaxControlLine) return invalid_argument("control request: line longer than 64 KiB");
+  if (json_too_deep(line)) {
+    return invalid_argument("control request: nests arrays and objects deeper than " +
+                            std::to_string(kMaxJsonDepth) + " levels");
+  }
   nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return invalid_argument("control request: not valid JSON");
   if (!j.is_object()) return invalid_argument("control request: not a JSON object");
@@ -138,8 +144,8 @@ std::string control_error_line(const Status& status) {
 
 Result<nlohmann::json> parse_control_reply(std::string_view line, std::string_view node) {
   if (line.size() > kMaxControlLine) return reply_error(node, "line longer than 64 KiB");
-  nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return reply_error(node, "not a JSON object");
+  nlohmann::json j = parse_json_bounded(line);
+  if (j.is_discarded() || !j.is_object()) return reply_error(node, "not a JSON object (or nested too deep)");
   auto ok = j.find("ok");
   if (ok == j.end() || !ok->is_boolean()) return reply_error(node, "field 'ok' missing or not a boolean");
   if (!ok->get<bool>()) {

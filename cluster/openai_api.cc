@@ -5,6 +5,8 @@
 #include <limits>
 #include <utility>
 
+#include "core/json_depth.h"
+
 namespace specontext::cluster {
 
 namespace {
@@ -540,7 +542,13 @@ Check parse_structured(const json& body, ApiRequest& req) {
   if (const json* v = find_field(body, "guided_json")) {
     if (v->is_string()) {
       // A schema written as JSON text: parsed here, in its own order.
-      req.schema = nlohmann::ordered_json::parse(v->get_ref<const std::string&>(), nullptr, false);
+      const std::string& text = v->get_ref<const std::string&>();
+      if (auto deep = json_too_deep(text)) {
+        return field_error("guided_json", "nests arrays and objects deeper than " +
+                                              std::to_string(kMaxJsonDepth) + " levels (at " +
+                                              (deep->path.empty() ? "the top" : deep->path) + ")");
+      }
+      req.schema = nlohmann::ordered_json::parse(text, nullptr, false);
       if (req.schema.is_discarded() || !(req.schema.is_object() || req.schema.is_boolean())) {
         return field_error("guided_json", "must be a JSON Schema: an object, or JSON text of one");
       }
@@ -677,6 +685,15 @@ std::string error_body(const ApiError& error) {
 
 // The body as a JSON object, or the 400 to answer with.
 std::optional<ApiError> parse_body(std::string_view body, json& out) {
+  // Before any tree exists: copying, dumping or destroying one recurses per level.
+  if (auto deep = json_too_deep(body)) {
+    ApiError err;
+    err.param = deep->top_key;
+    err.message = (deep->top_key.empty() ? std::string("request body") : "field '" + deep->top_key + "'") +
+                  " nests arrays and objects deeper than " + std::to_string(kMaxJsonDepth) + " levels (at " +
+                  deep->path + ")";
+    return err;
+  }
   try {
     out = json::parse(body);
   } catch (const json::parse_error& e) {

@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "cluster/openai_api.h"
+#include "core/json_depth.h"
 #include "core/json_schema.h"
 
 #if !defined(BOOST_ASIO_HAS_CO_AWAIT)
@@ -680,7 +681,7 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
   }
   // "required": the constrained text is an array of {"name", "parameters"}; cut short, it is not,
   // and the text stays the message's content.
-  const auto parsed = nlohmann::ordered_json::parse(text, nullptr, false);
+  const auto parsed = parse_ordered_json_bounded(text);  // model text: its depth is the model's to choose
   if (!parsed.is_array()) return calls;
   for (const auto& c : parsed) {
     if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) return {};

@@ -8,6 +8,8 @@
 #include <set>
 #include <utility>
 
+#include "core/json_depth.h"
+
 namespace specontext {
 
 namespace {
@@ -615,13 +617,21 @@ class SchemaCompiler {
   std::optional<uint32_t> ws_, utf8_, escape_, char_, string_tail_, string_, integer_, number_, value_;
 };
 
+Status too_deep_error() {
+  return schema_error("the schema nests arrays and objects deeper than " + std::to_string(kMaxJsonDepth) +
+                      " levels");
+}
+
 }  // namespace
 
 Result<Grammar> json_schema_to_grammar(const nlohmann::ordered_json& schema) {
+  // Before anything recurses over the tree (the compiler, dumps of enum and const values).
+  if (json_deeper_than(schema, kMaxJsonDepth)) return too_deep_error();
   return SchemaCompiler(schema).run();
 }
 
 Result<Grammar> json_schema_to_grammar(const nlohmann::json& schema) {
+  if (json_deeper_than(schema, kMaxJsonDepth)) return too_deep_error();
   // Same keys, sorted (nlohmann::json does not keep the order).
   Json ordered;
   try {

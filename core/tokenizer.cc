@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/gguf.h"
+#include "core/json_depth.h"
 #include "core/tokenizer_internal.h"
 
 namespace specontext {
@@ -82,7 +83,7 @@ void append_python_json(std::string& out, const OrderedJson& v) {
 
 // JSON text re-written as tojson would (indent < 0: one line); text that is not JSON as it is.
 std::string as_tojson(const std::string& text, int indent) {
-  OrderedJson v = OrderedJson::parse(text, nullptr, /*allow_exceptions=*/false);
+  OrderedJson v = parse_ordered_json_bounded(text);  // from a request: deeper text stays as it is
   if (v.is_discarded()) return text;
   if (indent >= 0) return v.dump(indent, ' ', false, OrderedJson::error_handler_t::replace);
   std::string out;
@@ -337,7 +338,7 @@ std::optional<std::vector<ChatToolCall>> hermes_calls(std::string_view text, siz
     const size_t body = at + kHermesOpen.size();
     const size_t close = text.find(kHermesClose, body);
     const std::string_view inner = text.substr(body, close == std::string_view::npos ? std::string_view::npos : close - body);
-    auto call = call_of(OrderedJson::parse(trim_space(inner), nullptr, false), {"arguments"});
+    auto call = call_of(parse_ordered_json_bounded(trim_space(inner)), {"arguments"});
     if (!call) return std::nullopt;
     calls.push_back(std::move(*call));
     if (close == std::string_view::npos) break;
@@ -356,7 +357,7 @@ std::optional<std::vector<ChatToolCall>> llama3_json_calls(std::string_view text
     size_t end = 0;
     OrderedJson v;
     for (size_t pos = rest.find('}'); pos != std::string_view::npos; pos = rest.find('}', pos + 1)) {
-      v = OrderedJson::parse(rest.substr(0, pos + 1), nullptr, false);
+      v = parse_ordered_json_bounded(rest.substr(0, pos + 1));
       if (!v.is_discarded()) {
         end = pos + 1;
         break;

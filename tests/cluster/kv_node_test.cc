@@ -129,7 +129,7 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
   ASSERT_NE(node, nullptr);
   auto c = connect(*node);
   ASSERT_NE(c, nullptr);
-  const std::pair<const char*, const char*> cases[] = {
+  const std::pair<std::string, const char*> cases[] = {
       {"not json", "not valid JSON"},
       {"[1,2]", "not a JSON object"},
       {R"({"op":7})", "'op'"},
@@ -141,6 +141,8 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
       {R"({"op":"free","region":99})", "'region'"},
       {R"({"op":"hello","version":"2"})", "'version'"},
       {R"({"op":"hello","version":1})", "control protocol 1, this node 2"},
+      // Refused while it is parsed, before a tree of it exists.
+      {"[" + std::string(30000, '[') + std::string(30000, ']') + "]", "deeper than 128 levels"},
   };
   for (const auto& [line, expect] : cases) {
     auto r = c->call_line(line);
@@ -148,7 +150,7 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
     EXPECT_NE(r.status().message().find(expect), std::string::npos)
         << line << " -> " << r.status().to_string();
   }
-  EXPECT_EQ(node->stats().bad_requests, 9);
+  EXPECT_EQ(node->stats().bad_requests, 10);
   EXPECT_TRUE(c->allocate(4096).is_ok());  // still usable
 }
 

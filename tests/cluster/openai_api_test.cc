@@ -611,6 +611,52 @@ TEST(OpenAiParse, MalformedAndNonObjectBodies) {
   }
 }
 
+// 150000 arrays inside each other (about 300 KB). Before the depth check, copying the schema or
+// the tool out of the body recursed once per level and overflowed the stack (exit 139).
+std::string deep_array() { return std::string(150000, '[') + std::string(150000, ']'); }
+
+TEST(OpenAiParse, DeeplyNestedBodiesAreRefusedNamingTheFieldBeforeAnyTreeIsBuilt) {
+  const std::string deep = deep_array();
+  const std::string why = "nests arrays and objects deeper than 128 levels";
+  expect_refused(ApiKind::kCompletion, completion(R"("guided_json":{"properties":{"a":)" + deep + "}}"),
+                 "guided_json", why);
+  expect_refused(ApiKind::kChat, chat(R"("guided_json":{"properties":{"a":)" + deep + "}}"), "guided_json",
+                 why);
+  expect_refused(ApiKind::kCompletion,
+                 completion(R"("response_format":{"type":"json_schema","json_schema":{"name":"n","schema":)"
+                            R"({"properties":{"a":)" +
+                            deep + "}}}}"),
+                 "response_format", why);
+  expect_refused(
+      ApiKind::kChat,
+      chat(R"("tools":[{"type":"function","function":{"name":"f","parameters":{"properties":{"a":)" + deep +
+           "}}}}]"),
+      "tools", why);
+  // The message says where (the path's first steps).
+  ParseResult r = parse_api_request(
+      ApiKind::kChat,
+      chat(R"("tools":[{"type":"function","function":{"name":"f","parameters":)" + deep + "}}]"));
+  ASSERT_FALSE(r.request);
+  EXPECT_NE(r.error.message.find("(at tools[0].function.parameters[0][0]"), std::string::npos)
+      << r.error.message;
+  // A schema written as JSON text is checked before it is parsed.
+  expect_refused(ApiKind::kCompletion, completion(R"("guided_json":")" + deep + R"(")"), "guided_json", why);
+  // Anywhere else in the body too, and the tokenize routes; a deep body that is all arrays names
+  // no field.
+  expect_refused(ApiKind::kCompletion, completion(R"("user_data":)" + deep), "user_data", why);
+  TokenizeParse t = parse_tokenize_request(R"({"prompt":"hi","x":)" + deep + "}");
+  ASSERT_FALSE(t.request);
+  EXPECT_EQ(t.error.param, "x");
+  ParseResult all = parse_api_request(ApiKind::kCompletion, deep);
+  ASSERT_FALSE(all.request);
+  EXPECT_EQ(all.error.param, "");
+  EXPECT_NE(all.error.message.find("request body " + why), std::string::npos) << all.error.message;
+  // 128 levels are read; 129 are not.
+  auto nested = [](int levels) { return std::string(levels, '[') + std::string(levels, ']'); };
+  EXPECT_TRUE(parse_api_request(ApiKind::kCompletion, completion(R"("x":)" + nested(127))).request);
+  expect_refused(ApiKind::kCompletion, completion(R"("x":)" + nested(128)), "x", why);
+}
+
 TEST(OpenAiErrors, ErrorBody) {
   ApiError e;
   e.message = "field 'n' must be 1";

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "cluster/openai_server.h"
 #include "core/generator.h"
@@ -415,6 +416,39 @@ TEST(OpenAiServer, BadRequestsGetOpenAiErrorsNamingTheFieldAndTheConnectionStays
   Reply metrics = send(port, http::verb::get, "/metrics");
   EXPECT_NE(metrics.body.find("specontext_requests_completed_total 1"), std::string::npos) << metrics.body;
   EXPECT_EQ((*server)->counters().accepted, 1);
+}
+
+// 150000 arrays inside each other in each field that holds a schema: before the depth check one
+// such request overflowed the stack of the server's Asio thread and killed the process (139).
+TEST(OpenAiServer, ADeeplyNestedBodyIsA400NamingTheFieldAndTheServerGoesOn) {
+  Served s = serve_stories(1);
+  ASSERT_NE(s.server, nullptr);
+  const std::string deep = std::string(150000, '[') + std::string(150000, ']');
+  const std::string messages = R"("messages":[{"role":"user","content":"hi"}])";
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"/v1/completions", R"({"prompt":"x","guided_json":{"properties":{"a":)" + deep + "}}}", "guided_json"},
+      {"/v1/completions",
+       R"({"prompt":"x","response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"items":)" +
+           deep + "}}}}",
+       "response_format"},
+      {"/v1/chat/completions",
+       "{" + messages + R"(,"tools":[{"type":"function","function":{"name":"f","parameters":{"items":)" +
+           deep + "}}}]}",
+       "tools"},
+      {"/v1/completions", R"({"prompt":"x","guided_json":")" + deep + R"("})", "guided_json"},
+  };
+  for (const auto& [target, body, field] : cases) {
+    SCOPED_TRACE(field);
+    Reply r = send(s.port, http::verb::post, target, body);
+    EXPECT_EQ(r.status, 400) << r.body.substr(0, 300);
+    const json j = r.j();
+    ASSERT_TRUE(j.contains("error")) << r.body.substr(0, 300);
+    EXPECT_EQ(j["error"]["param"], field);
+    EXPECT_NE(j["error"]["message"].get<std::string>().find("deeper than 128 levels"), std::string::npos)
+        << j.dump();
+  }
+  Reply ok = post(s.port, "/v1/completions", json{{"prompt", kPrompt}, {"max_tokens", 3}});
+  EXPECT_EQ(ok.status, 200) << ok.body;
 }
 
 TEST(OpenAiServer, AFullQueueAnswers503AndNothingAcceptedIsLost) {

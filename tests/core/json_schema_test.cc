@@ -393,6 +393,24 @@ TEST(JsonSchema, HandCasesAreAcceptedOrRefused) {
   }
 }
 
+// Trees built by a caller (parsing is iterative, so they can be any depth): before the depth check
+// the sorted overload's dump, and dumps of const / enum values, recursed per level and
+// overflowed the stack. A tree deeper than kMaxJsonDepth is refused before anything walks it.
+TEST(JsonSchema, SchemasNestedTooDeepAreRefusedBeforeAnythingRecurses) {
+  const std::string deep = std::string(150000, '[') + std::string(150000, ']');
+  const json sorted = json::parse(R"({"const":)" + deep + "}");
+  const ordered_json in_order = ordered_json::parse(R"({"enum":[)" + deep + "]}");
+  for (const Result<Grammar>& g : {json_schema_to_grammar(sorted), json_schema_to_grammar(in_order)}) {
+    ASSERT_FALSE(g.is_ok());
+    EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(g.status().message().find("deeper than 128 levels"), std::string::npos) << g.status().message();
+  }
+  // 128 levels compile (a const of 127 arrays inside the schema object).
+  const std::string ok = std::string(127, '[') + std::string(127, ']');
+  EXPECT_TRUE(json_schema_to_grammar(ordered_json::parse(R"({"const":)" + ok + "}")).is_ok());
+  EXPECT_FALSE(json_schema_to_grammar(ordered_json::parse(R"({"const":[)" + ok + "]}")).is_ok());
+}
+
 // A schema built in code holds counts as signed integers (ordered_json{{"minItems", 1}}); they
 // count as the same non-negative integers a parsed document holds.
 TEST(JsonSchema, BuiltDocumentsCountLikeParsedOnes) {

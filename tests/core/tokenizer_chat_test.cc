@@ -182,6 +182,32 @@ TEST(ToolCallParser, QwenHermesBlocks) {
   EXPECT_TRUE(parse_tool_calls(ChatTemplate::kQwen, R"({"name": "f", "parameters": {}})").calls.empty());
 }
 
+// Model text and request arguments 150000 levels deep: before the depth bound, reading them back
+// (parse_tool_calls) or rewriting them for the template (tojson) recursed per level and overflowed
+// the stack. Now they are not calls, and arguments are written as they came.
+TEST(ToolCallParser, DeeplyNestedTextIsNoCallAndArgumentsStayAsWritten) {
+  const std::string deep = std::string(150000, '[') + std::string(150000, ']');
+  const std::string args = R"({"a":)" + deep + "}";
+  for (const auto& [family, text] :
+       {std::pair{ChatTemplate::kQwen,
+                  "<tool_call>{\"name\": \"f\", \"arguments\": " + args + "}</tool_call>"},
+        std::pair{ChatTemplate::kLlama3, "{\"name\": \"f\", \"parameters\": " + args + "}"}}) {
+    const ParsedToolCalls p = parse_tool_calls(family, text);
+    EXPECT_TRUE(p.calls.empty());
+    EXPECT_TRUE(p.content == text);
+  }
+  EXPECT_EQ(tojson_line(args), args);
+  const std::vector<ChatMessage> history = {{"user", "go"}, {"assistant", "", {{"f", args}}}, {"tool", "1"}};
+  for (ChatTemplate t : {ChatTemplate::kQwen, ChatTemplate::kLlama3}) {
+    EXPECT_NE(apply_chat_template(t, history, {}).find(args), std::string::npos);
+  }
+  // 128 levels are still read as a call.
+  const std::string ok_args = R"({"a":)" + std::string(126, '[') + std::string(126, ']') + "}";
+  ParsedToolCalls p = parse_tool_calls(
+      ChatTemplate::kQwen, "<tool_call>{\"name\": \"f\", \"arguments\": " + ok_args + "}</tool_call>");
+  EXPECT_EQ(p.calls.size(), 1u);
+}
+
 TEST(ToolCallParser, Llama3JsonObjects) {
   ParsedToolCalls p = parse_tool_calls(
       ChatTemplate::kLlama3, R"(<|python_tag|>{"name": "f", "parameters": {"q": "a;b}"}}; {"name": "g", "arguments": {}})");

@@ -34,7 +34,8 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
       ->check(CLI::PositiveNumber);
   cmd.add_option("--kv-node-mode", a.kv_node_mode,
                  "gather: the node packs each batch of rows into one reply (few round trips; for TCP); "
-                 "rma: one-sided get/put per row range (for RDMA NICs)")
+                 "rma: one-sided get/put per row range (refused: KV nodes hand out no RMA keys, since UCX "
+                 "lets one reach beyond its region)")
       ->check(CLI::IsMember({"gather", "rma"}));
   cmd.add_option("--kv-node-rejoin-ms", a.kv_node_rejoin_ms,
                  "a mirrored tier's dead replica is reconnected this often (its node restarted at the same "

@@ -1,12 +1,13 @@
 #include "cluster/control_protocol.h"
 
+#include <algorithm>
 #include <charconv>
 
 #include "core/json_depth.h"
 
 namespace specontext::cluster {
 
-std::string hex_encode(const std::vector<uint8_t>& bytes) {
+std::string hex_encode(std::span<const uint8_t> bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string out;
   out.reserve(bytes.size() * 2);
@@ -175,6 +176,11 @@ Result<HelloReply> parse_hello_reply(const nlohmann::json& j, std::string_view n
   SPX_ASSIGN_OR_RETURN(h.capacity, reply_u64(j, "capacity", node));
   SPX_ASSIGN_OR_RETURN(h.free, reply_u64(j, "free", node));
   SPX_ASSIGN_OR_RETURN(h.worker_address, reply_hex(j, "worker_address", node));
+  auto rma = j.find("rma");
+  if (rma == j.end() || !rma->is_boolean()) return reply_error(node, "field 'rma' missing or not a boolean");
+  h.rma = rma->get<bool>();
+  if (auto why = j.find("rma_refused"); why != j.end() && why->is_string())
+    h.rma_refused = why->get<std::string>();
   return h;
 }
 
@@ -183,9 +189,15 @@ Result<AllocReply> parse_alloc_reply(const nlohmann::json& j, std::string_view n
   SPX_ASSIGN_OR_RETURN(a.region, reply_u64(j, "region", node));
   SPX_ASSIGN_OR_RETURN(a.address, reply_u64(j, "address", node));
   SPX_ASSIGN_OR_RETURN(a.bytes, reply_u64(j, "bytes", node));
-  SPX_ASSIGN_OR_RETURN(a.rkey, reply_hex(j, "rkey", node));
-  SPX_ASSIGN_OR_RETURN(a.key, reply_u64(j, "key", node));
-  if (a.key == 0) return reply_error(node, "field 'key' is 0");
+  if (j.contains("rkey")) {
+    SPX_ASSIGN_OR_RETURN(a.rkey, reply_hex(j, "rkey", node));
+  }
+  SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> key, reply_hex(j, "key", node));
+  if (key.size() != a.key.size()) {
+    return reply_error(node, "field 'key' is not " + std::to_string(2 * a.key.size()) + " hex digits");
+  }
+  std::copy(key.begin(), key.end(), a.key.begin());
+  if (transport::ucx_wire::is_zero_key(a.key)) return reply_error(node, "field 'key' is 0");
   return a;
 }
 

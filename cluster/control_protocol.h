@@ -1,20 +1,25 @@
 // The KV node's control plane: one JSON object per line over TCP, request → reply, in order.
 //   {"op":"hello","version":V}    → {"ok":true,"version":V,"node":NAME,"capacity":N,"free":N,
-//                                    "worker_address":HEX}   (a version the node does not speak: error)
-//   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"rkey":HEX,"key":K}
+//                                    "worker_address":HEX,"rma":false,"rma_refused":WHY}
+//                                   (a version the node does not speak: error)
+//   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"key":HEX[,"rkey":HEX]}
 //   {"op":"free","region":ID}     → {"ok":true}
 //   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
 //                                    "bytes_gathered":N,"bytes_scattered":N}  (node-side transfers served)
 // Errors: {"ok":false,"error":TEXT} naming the field; the connection stays usable, except after a
 // line longer than kMaxControlLine (then the node replies and closes). Regions belong to the
 // connection that allocated them and are freed when it closes, so a client that dies leaks
-// nothing. A region's key K (random, 64 bits) goes with every gather / scatter that names it
-// (transport/ucx_wire.h); its rkey is its own registration, covering that region alone. A freed
+// nothing. A region's id ID (a random 64-bit number) and key K (128 bits from getrandom, 32 hex
+// digits) go with every gather / scatter that names it (transport/ucx_wire.h); neither follows
+// from the ids and keys a client has seen. "rkey" (a UCX remote key of the region alone) is sent
+// only when the node serves one-sided RMA ("rma": true), which it never does where a transport or
+// UCX's software RMA would let an RMA key reach beyond its region ("rma_refused" says why). A freed
 // region's pages are given back to the system, so the next region over them reads zeros.
 // Parsing is pure (no sockets) and fuzzed (tests/fuzz/fuzz_control.cc).
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,11 +27,14 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "transport/ucx_wire.h"
 
 namespace specontext::cluster {
 
 inline constexpr size_t kMaxControlLine = 64 * 1024;
-inline constexpr int kControlVersion = 2;  // 2: regions have keys and their own rkeys
+// 2: regions have keys and their own rkeys. 3: 128-bit keys as hex, random region ids, rkeys
+// only from a node that serves RMA.
+inline constexpr int kControlVersion = 3;
 
 enum class ControlOp { kHello, kAlloc, kFree, kStats };
 
@@ -47,13 +55,15 @@ struct HelloReply {
   uint64_t capacity = 0;
   uint64_t free = 0;
   std::vector<uint8_t> worker_address;
+  bool rma = false;         // the node hands out remote keys for one-sided RMA
+  std::string rma_refused;  // when it does not, why
 };
 struct AllocReply {
   uint64_t region = 0;
   uint64_t address = 0;
   uint64_t bytes = 0;
-  std::vector<uint8_t> rkey;
-  uint64_t key = 0;
+  std::vector<uint8_t> rkey;  // empty when the node serves no RMA
+  transport::ucx_wire::RegionKey key{};
 };
 // A reply line: the node's error (with its code) when ok is false, kDataLoss naming the field when
 // the reply is malformed.
@@ -64,8 +74,8 @@ Result<AllocReply> parse_alloc_reply(const nlohmann::json& reply, std::string_vi
 // Serialises an error reply; the code travels as its name so the client can rebuild it.
 std::string control_error_line(const Status& status);
 
-// Worker addresses and remote keys travel as lowercase hex.
-std::string hex_encode(const std::vector<uint8_t>& bytes);
+// Worker addresses, remote keys and region keys travel as lowercase hex.
+std::string hex_encode(std::span<const uint8_t> bytes);
 // kInvalidArgument naming `field` for odd length or a non-hex digit.
 Result<std::vector<uint8_t>> hex_decode(std::string_view text, std::string_view field);
 

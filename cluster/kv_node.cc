@@ -2,12 +2,14 @@
 
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <boost/asio.hpp>
+#include <cerrno>
 #include <mutex>
-#include <random>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -37,6 +39,21 @@ struct MappedPool {
   }
 };
 
+// Bytes from the OS's random source (getrandom: the kernel CSPRNG, blocking only until it is seeded
+// at boot).
+Status fill_random(std::span<uint8_t> out) {
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = getrandom(out.data() + done, out.size() - done, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return internal_error(std::string("kv node: getrandom failed: ") + std::strerror(errno));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 class KvNode::Impl {
@@ -56,6 +73,8 @@ class KvNode::Impl {
   MappedPool pool;
   std::unique_ptr<transport::UcxWorker> worker;
   std::string worker_address_hex;
+  // Why the node hands out no remote keys for one-sided RMA (hello "rma_refused"); see init().
+  std::string rma_refused;
 
   asio::io_context io;
   tcp::acceptor acceptor{io};
@@ -66,18 +85,15 @@ class KvNode::Impl {
 
   // Touched by the io thread only.
   RegionAllocator allocator;
-  uint64_t next_region = 1;
   std::unordered_set<std::shared_ptr<Session>> sessions;
-  std::mt19937_64 key_source{std::random_device{}()};
 
-  // What a client may touch: a request names its region and that region's key, and every range
-  // must lie inside the region. Each region is registered with UCX on its own, so its RMA key
-  // covers it alone (a NIC enforces that; UCX over TCP does not check RMA addresses).
+  // What a client may touch: a request names its region (a random id) and that region's key (128
+  // random bits), and every range must lie inside the region. Nothing else reaches the pool: the
+  // worker has no UCP_FEATURE_RMA and no region is registered for RMA (see init()).
   struct Region {
     uint64_t offset = 0;
     uint64_t bytes = 0;  // as allocated (whole alignment units)
-    uint64_t key = 0;
-    std::unique_ptr<transport::UcxMemory> memory;
+    transport::ucx_wire::RegionKey key{};
   };
   // Guards every call into the UCX worker and context (the progress thread holds it around
   // progress, so the gather / scatter handlers run under it) and `regions`, which the io thread
@@ -113,7 +129,17 @@ class KvNode::Impl {
     }
     bound_port = acceptor.local_endpoint().port();
     name = options.name.empty() ? options.host + ":" + std::to_string(bound_port) : options.name;
-    SPX_ASSIGN_OR_RETURN(worker, transport::UcxWorker::create("kv node " + name, /*wakeup=*/true));
+    // No UCP_FEATURE_RMA: with it, UCP's software RMA handlers would copy to and from any address
+    // a client names (a client's own region's key, or a forged one, is enough to reach them), over
+    // TCP and over an RDMA NIC alike. Without it those requests are dropped, and the node serves
+    // node-side gathers only, each checked against its region's key and bounds.
+    SPX_ASSIGN_OR_RETURN(worker,
+                         transport::UcxWorker::create("kv node " + name, /*wakeup=*/true, /*rma=*/false));
+    const std::vector<std::string> tls = worker->transports();
+    rma_refused = transport::transports_enforce_rkeys(tls)
+                      ? "UCX's software RMA would read and write any address of the node a client names"
+                      : "its UCX transports (" + transport::transport_list(tls) +
+                            ") check no remote keys: RMA would reach any address of the node";
     SPX_ASSIGN_OR_RETURN(std::vector<uint8_t> waddr, worker->address());
     worker_address_hex = hex_encode(waddr);
     for (bool gather : {true, false}) {
@@ -174,7 +200,8 @@ class KvNode::Impl {
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || hdr.ranges > wire::kMaxChunkRanges ||
         length < list_bytes) {
       status = UCS_ERR_INVALID_PARAM;
-    } else if (auto it = regions.find(hdr.region); it == regions.end() || it->second.key != hdr.key) {
+    } else if (auto it = regions.find(hdr.region);
+               it == regions.end() || !transport::ucx_wire::same_key(it->second.key, hdr.key)) {
       status = UCS_ERR_REJECTED;  // not a region of this node, or not the caller's
     } else {
       ranges.resize(hdr.ranges);
@@ -301,18 +328,16 @@ class KvNode::Impl {
     bump([](KvNodeStats& c) { --c.connections; });
   }
 
-  // Forgets the region (requests naming it are refused from now on), drops its registration, and
-  // gives its pages back to the system, so whoever gets the range next reads zeros, never the
-  // last client's KV.
+  // Forgets the region (requests naming it are refused from now on) and gives its pages back to
+  // the system, so whoever gets the range next reads zeros, never the last client's KV.
   void free_region(uint64_t id) {
     Region gone;
     {
       std::lock_guard lock(ucx_mu);
       auto it = regions.find(id);
       if (it == regions.end()) return;
-      gone = std::move(it->second);
+      gone = it->second;
       regions.erase(it);
-      gone.memory.reset();
     }
     // Offsets and sizes are whole pages (the allocator's alignment).
     if (madvise(static_cast<uint8_t*>(pool.base) + gone.offset, gone.bytes, MADV_DONTNEED) != 0) {
@@ -346,29 +371,30 @@ class KvNode::Impl {
         out["capacity"] = options.capacity;
         out["free"] = allocator.free_bytes();
         out["worker_address"] = worker_address_hex;
+        out["rma"] = false;
+        out["rma_refused"] = rma_refused;
         break;
       case ControlOp::kAlloc: {
         auto off = allocator.allocate(req->bytes);
         if (!off.is_ok()) return control_error_line(off.status().with_context("kv node " + name + ": alloc"));
-        Region region{*off, allocator.size_at(*off), 0, nullptr};
-        do region.key = key_source();
-        while (region.key == 0);  // 0 is no key
-        const uint64_t id = next_region++;
-        std::string rkey_hex;
+        Region region{*off, allocator.size_at(*off), {}};
+        uint64_t id = 0;
         {
           std::lock_guard lock(ucx_mu);
-          auto memory =
-              transport::UcxMemory::map(*worker, static_cast<uint8_t*>(pool.base) + *off, region.bytes);
-          auto rkey =
-              memory.is_ok() ? (*memory)->packed_rkey() : Result<std::vector<uint8_t>>(memory.status());
-          if (!rkey.is_ok()) {
-            (void)allocator.free(*off);
-            return control_error_line(rkey.status().with_context("kv node " + name + ": alloc"));
+          Status random = Status::ok();
+          // Neither follows from what a client has seen: a key of 128 random bits (never all zeros),
+          // and a random id (never 0, never one in use).
+          do random = fill_random(region.key);
+          while (random.is_ok() && transport::ucx_wire::is_zero_key(region.key));
+          while (random.is_ok() && (id == 0 || regions.contains(id))) {
+            random = fill_random(std::span(reinterpret_cast<uint8_t*>(&id), sizeof id));
           }
-          rkey_hex = hex_encode(*rkey);
-          region.memory = std::move(*memory);
-          out["key"] = region.key;
-          regions.emplace(id, std::move(region));
+          if (!random.is_ok()) {
+            (void)allocator.free(*off);
+            return control_error_line(random.with_context("kv node " + name + ": alloc"));
+          }
+          out["key"] = hex_encode(region.key);
+          regions.emplace(id, region);
         }
         s.regions.insert(id);
         const uint64_t used = allocator.used_bytes();
@@ -379,7 +405,6 @@ class KvNode::Impl {
         out["region"] = id;
         out["address"] = reinterpret_cast<uint64_t>(pool.base) + *off;
         out["bytes"] = req->bytes;
-        out["rkey"] = rkey_hex;
         break;
       }
       case ControlOp::kFree:
@@ -430,7 +455,6 @@ class KvNode::Impl {
       (void)ucp_worker_signal(worker->worker());
       ucx_thread.join();
     }
-    // Memory registrations and worker go before the pool's pages.
     regions.clear();
     worker.reset();
   }

@@ -1,10 +1,12 @@
 // KvNode: a remote KV node. It owns one pool of host memory, hands out regions of it over the
-// control plane (cluster/control_protocol.h, Boost.Asio), each registered with UCX on its own, and
-// serves the clients' RMA reads and writes into them (UCX progress; the node's CPU does not copy)
-// or their node-side gathers / scatters (the node packs the rows). Clients are kept apart: a
-// gather or scatter must name its region and that region's random key, and stay inside it; an
-// RMA key covers its region alone; a freed region's pages are returned to the system, so the next
-// client over them reads zeros. Run in-process (tests) or as `specontext kv-node`.
+// control plane (cluster/control_protocol.h, Boost.Asio) and serves the clients' node-side gathers
+// / scatters into them (the node packs the rows). Clients are kept apart: a gather or scatter must
+// name its region (a random id) and that region's key (128 bits from getrandom, compared in
+// constant time), and stay inside it; a freed region's pages are returned to the system, so the
+// next client over them reads zeros. It serves no one-sided RMA and hands out no remote keys: with
+// UCX (1.13) an RMA key confines nothing over TCP or shared memory, and UCP's software RMA (which a
+// UCP_FEATURE_RMA worker serves over any transport) reads and writes any address a client names.
+// Run in-process (tests) or as `specontext kv-node`.
 //
 // Threads: the control plane runs on one Asio thread, which alone touches the allocator and the
 // sessions; UCX progress runs on a second thread that blocks on the worker's event fd when idle.

@@ -112,6 +112,7 @@ Result<transport::RemoteRegion> KvNodeClient::allocate(uint64_t bytes) {
   region.bytes = a.bytes;
   region.region = a.region;
   region.key = a.key;
+  region.rma_refused = hello_.rma ? std::string() : hello_.rma_refused;
   return region;
 }
 

@@ -1,5 +1,7 @@
 #include "transport/ucx_support.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 namespace specontext::transport {
@@ -24,7 +26,7 @@ Status ucx_status(ucs_status_t status, std::string_view what) {
   }
 }
 
-Result<std::unique_ptr<UcxWorker>> UcxWorker::create(std::string_view who, bool wakeup) {
+Result<std::unique_ptr<UcxWorker>> UcxWorker::create(std::string_view who, bool wakeup, bool rma) {
   const std::string ctx = std::string(who) + ": UCX";
   ucp_config_t* config = nullptr;
   SPX_UCX_CHECK(ucp_config_read(nullptr, nullptr, &config), ctx + " config");
@@ -37,7 +39,7 @@ Result<std::unique_ptr<UcxWorker>> UcxWorker::create(std::string_view who, bool 
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | (wakeup ? UCP_FEATURE_WAKEUP : 0);
+  params.features = UCP_FEATURE_AM | (rma ? UCP_FEATURE_RMA : 0) | (wakeup ? UCP_FEATURE_WAKEUP : 0);
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   const ucs_status_t init = ucp_init(&params, config, &w->context_);
   ucp_config_release(config);
@@ -62,6 +64,44 @@ Result<std::vector<uint8_t>> UcxWorker::address() const {
                            reinterpret_cast<const uint8_t*>(addr) + len);
   ucp_worker_release_address(worker_, addr);
   return out;
+}
+
+std::vector<std::string> UcxWorker::transports() const {
+  // Lines "#      resource 0  :  md 0  dev 0  flags -- tcp/lo": the name before the '/'.
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* out = open_memstream(&text, &size);
+  if (out == nullptr) return {};
+  ucp_context_print_info(context_, out);
+  std::fclose(out);
+  std::vector<std::string> names;
+  const std::string_view all(text, size);
+  for (size_t at = all.find("resource"); at != std::string_view::npos; at = all.find("resource", at + 1)) {
+    const size_t eol = std::min(all.find('\n', at), all.size());
+    const std::string_view line = all.substr(at, eol - at);
+    const size_t dashes = line.find("-- ");
+    if (dashes == std::string_view::npos) continue;
+    const std::string_view rest = line.substr(dashes + 3);
+    std::string name(rest.substr(0, rest.find('/')));
+    if (!name.empty() && std::find(names.begin(), names.end(), name) == names.end())
+      names.push_back(std::move(name));
+  }
+  std::free(text);
+  return names;
+}
+
+bool transports_enforce_rkeys(const std::vector<std::string>& transports) {
+  static constexpr std::string_view kVerbs[] = {"rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5"};
+  if (transports.empty()) return false;
+  return std::all_of(transports.begin(), transports.end(), [](const std::string& t) {
+    return std::find(std::begin(kVerbs), std::end(kVerbs), t) != std::end(kVerbs);
+  });
+}
+
+std::string transport_list(const std::vector<std::string>& transports) {
+  std::string out;
+  for (const std::string& t : transports) out += (out.empty() ? "" : ", ") + t;
+  return out.empty() ? "none" : out;
 }
 
 Result<std::unique_ptr<UcxMemory>> UcxMemory::map(const UcxWorker& worker, void* base, uint64_t bytes) {

@@ -45,15 +45,40 @@ Result<std::unique_ptr<UcxRemoteTransport>> UcxRemoteTransport::create(UcxRemote
                             std::to_string(config.replicas.size()));
   }
   if (config.op_timeout.count() <= 0) return invalid_argument(who + ": op_timeout must be positive");
+  const bool rma = config.mode == UcxTransferMode::kRma;
   for (const RemoteRegion& r : config.replicas) {
-    if (r.worker_address.empty() || r.rkey.empty() || r.bytes == 0) {
-      return invalid_argument(who + ": replica " + r.node + " has no worker address, remote key or size");
+    if (r.worker_address.empty() || r.bytes == 0) {
+      return invalid_argument(who + ": replica " + r.node + " has no worker address or size");
     }
   }
   std::unique_ptr<UcxRemoteTransport> t(new UcxRemoteTransport(std::move(config)));
-  SPX_ASSIGN_OR_RETURN(t->worker_, UcxWorker::create(who));
+  SPX_ASSIGN_OR_RETURN(t->worker_, UcxWorker::create(who, /*wakeup=*/false, rma));
+  if (rma) SPX_RETURN_IF_ERROR(t->rma_allowed(t->config_.replicas));
   SPX_RETURN_IF_ERROR(t->connect_replicas());
   return t;
+}
+
+Status UcxRemoteTransport::rma_allowed(const std::vector<RemoteRegion>& regions) const {
+  // Over a transport that checks no remote key, a get or put goes to whatever address is named:
+  // a key confines nothing, and a client could read and write every other client's KV.
+  const std::vector<std::string> tls = worker_->transports();
+  if (!transports_enforce_rkeys(tls)) {
+    return invalid_argument(
+        who() + ": one-sided RMA (--kv-node-mode rma) is refused: this client's UCX transports (" +
+        transport_list(tls) +
+        ") do not check remote keys, so nothing would confine a client's gets and puts to its "
+        "own region; use --kv-node-mode gather");
+  }
+  for (const RemoteRegion& r : regions) {
+    if (r.rkey.empty()) {
+      return invalid_argument(
+          who() + ": one-sided RMA (--kv-node-mode rma) is refused: kv node " + r.node +
+          " hands out no remote keys (" +
+          (r.rma_refused.empty() ? std::string("it serves node-side gathers only") : r.rma_refused) +
+          "); use --kv-node-mode gather");
+    }
+  }
+  return Status::ok();
 }
 
 Status UcxRemoteTransport::connect_replicas() {
@@ -98,6 +123,7 @@ Status UcxRemoteTransport::connect_replica(size_t index, const RemoteRegion& reg
     r.ep = nullptr;
     return unavailable(std::string("cannot connect: ") + ucs_status_string(s));
   }
+  if (config_.mode != UcxTransferMode::kRma) return Status::ok();  // gathers name region and key
   s = ucp_ep_rkey_unpack(r.ep, region.rkey.data(), &r.rkey);
   if (s != UCS_OK) {
     r.rkey = nullptr;
@@ -115,9 +141,8 @@ Status UcxRemoteTransport::rejoin(size_t index, RemoteRegion region) {
   }
   Replica& r = replicas_[index];
   if (r.report.alive) return invalid_argument(what + ": it is alive");
-  if (region.worker_address.empty() || region.rkey.empty()) {
-    return invalid_argument(what + ": the region has no worker address or remote key");
-  }
+  if (region.worker_address.empty()) return invalid_argument(what + ": the region has no worker address");
+  if (config_.mode == UcxTransferMode::kRma) SPX_RETURN_IF_ERROR(rma_allowed({region}));
   if (region.bytes < remote_bytes_) {
     return resource_exhausted(what + ": the region holds " + std::to_string(region.bytes) +
                               " bytes, the tier " + std::to_string(remote_bytes_));

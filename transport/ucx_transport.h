@@ -36,6 +36,7 @@
 
 #include "core/transport.h"
 #include "transport/ucx_support.h"
+#include "transport/ucx_wire.h"
 
 namespace specontext::transport {
 
@@ -43,11 +44,12 @@ namespace specontext::transport {
 struct RemoteRegion {
   std::string node;                     // "host:port", for messages
   std::vector<uint8_t> worker_address;  // the node's UCX worker
-  std::vector<uint8_t> rkey;            // packed remote key of the region (RMA)
+  std::vector<uint8_t> rkey;            // packed remote key of the region (RMA); empty: the node serves none
+  std::string rma_refused;              // when rkey is empty, why the node serves no RMA (for messages)
   uint64_t address = 0;                 // remote virtual address of the region's first byte
   uint64_t bytes = 0;
   uint64_t region = 0;  // the node's id for it (control plane "free"; named by node-side gathers)
-  uint64_t key = 0;     // its key, sent with every node-side gather / scatter
+  ucx_wire::RegionKey key{};  // its key (128 random bits), sent with every node-side gather / scatter
 };
 
 // kRma: one-sided get/put per merged row range (the right choice on RDMA NICs). kNodeGather: one
@@ -119,7 +121,7 @@ class UcxRemoteTransport final : public Transport {
     ucp_rkey_h rkey = nullptr;
     uint64_t address = 0;
     uint64_t region = 0;  // the node's id and key of the region (kNodeGather requests name them)
-    uint64_t key = 0;
+    ucx_wire::RegionKey key{};
     bool joining = false;  // alive, being filled by rejoin: takes no reads and no transfers' writes
     bool serves() const { return report.alive && !joining; }  // reads and transfers' writes go to it
   };
@@ -163,6 +165,10 @@ class UcxRemoteTransport final : public Transport {
   };
   static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
 
+  // kRma only where a NIC checks every access against the region's key: this worker's transports
+  // all do (transports_enforce_rkeys) and each region came with a remote key. kInvalidArgument
+  // saying why not.
+  Status rma_allowed(const std::vector<RemoteRegion>& regions) const;
   Status connect_replicas();  // in create
   // Endpoint and remote key of `region` for replica `index` (still marked dead). Requires mu_.
   Status connect_replica(size_t index, const RemoteRegion& region);

@@ -7,6 +7,8 @@
 // eager, so each message arrives whole in one callback).
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 
 namespace specontext::transport::ucx_wire {
@@ -18,6 +20,22 @@ inline constexpr unsigned kScatterReply = 0x5304;
 inline constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 20;
 inline constexpr uint32_t kMaxChunkRanges = 16384;
 
+// A region's key: 128 bits from the node's OS random source (getrandom), never all zeros.
+inline constexpr size_t kKeyBytes = 16;
+using RegionKey = std::array<uint8_t, kKeyBytes>;
+
+// Compares two keys in time that does not depend on where they differ (every byte is looked at,
+// the differences OR-ed together, no early exit; volatile keeps the compiler from adding one), so
+// a client timing refusals learns nothing about a key's bytes.
+inline bool same_key(const RegionKey& a, const RegionKey& b) {
+  const volatile uint8_t* x = a.data();
+  const volatile uint8_t* y = b.data();
+  uint8_t diff = 0;
+  for (size_t i = 0; i < kKeyBytes; ++i) diff = static_cast<uint8_t>(diff | (x[i] ^ y[i]));
+  return diff == 0;
+}
+inline bool is_zero_key(const RegionKey& k) { return same_key(k, RegionKey{}); }
+
 struct Range {
   uint64_t address = 0;
   uint64_t bytes = 0;
@@ -26,9 +44,10 @@ struct RequestHeader {
   uint64_t token = 0;  // echoed in the reply
   uint32_t ranges = 0;
   uint32_t reserved = 0;
-  uint64_t region = 0;  // the node's id of the caller's region (control plane "alloc")
-  uint64_t key = 0;     // that region's key: requests without it are refused (UCS_ERR_REJECTED)
+  uint64_t region = 0;  // the node's id of the caller's region (control plane "alloc"; random)
+  RegionKey key{};      // that region's key: requests without it are refused (UCS_ERR_REJECTED)
 };
+static_assert(sizeof(RequestHeader) == 40);
 struct ReplyHeader {
   uint64_t token = 0;
   int32_t status =

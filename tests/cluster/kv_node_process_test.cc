@@ -158,9 +158,9 @@ TEST(KvNodeProcess, GenerateOnAKvNodeGivesTheAllDeviceText) {
   EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u);
 }
 
-// Both data paths: the node-side gather (default) and one-sided RMA.
+// The node-side gather (default); one-sided RMA is refused (BadSpecsAndUnreachableNodesAreNamed).
 class KvNodeModes : public ::testing::TestWithParam<const char*> {};
-INSTANTIATE_TEST_SUITE_P(Modes, KvNodeModes, ::testing::Values("gather", "rma"));
+INSTANTIATE_TEST_SUITE_P(Modes, KvNodeModes, ::testing::Values("gather"));
 
 TEST_P(KvNodeModes, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
   auto [base_code, base_out] = Generate(model_args(400)).finish();
@@ -316,7 +316,7 @@ TEST(KvNodeProcess, LosingTheOnlyNodeIsAClearErrorNotAHang) {
 TEST(KvNodeProcess, ANodeOutlivesClientsKilledMidRun) {
   NodeProcess node("64MiB");
   ASSERT_NE(node.port(), 0);
-  for (const char* mode : {"gather", "rma"}) {
+  for (const char* mode : {"gather"}) {
     // SIGKILL of the engine while it streams rows from the node.
     Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node-mode " +
                  std::string(mode) + " --kv-node 2MiB@" + node.endpoint() + " --kv-node-timeout-ms 4321");
@@ -354,8 +354,8 @@ TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {
 }
 
 // --prefix-offload-remote: the offload store's lower level in a KV node's memory. Requests
-// preempted on a pool too small for the batch are swapped out to the node and back (both data
-// paths), with the text of recomputing them; the node's region goes with the client.
+// preempted on a pool too small for the batch are swapped out to the node and back, with the text of
+// recomputing them; the node's region goes with the client.
 TEST(KvNodeProcess, SwappedOutRequestsGoToTheNodeAndComeBack) {
   NodeProcess node("32MiB");
   ASSERT_NE(node.port(), 0);
@@ -366,7 +366,7 @@ TEST(KvNodeProcess, SwappedOutRequestsGoToTheNodeAndComeBack) {
   ASSERT_EQ(code, 0) << out;
   const std::string expect = parse_json_tail(out).value("text", "");
   ASSERT_FALSE(expect.empty());
-  for (const char* mode : {"gather", "rma"}) {
+  for (const char* mode : {"gather"}) {
     SCOPED_TRACE(mode);
     auto [c, o] =
         Generate(run + " --prefix-offload-remote 8MiB@" + node.endpoint() + " --kv-node-mode " + mode)
@@ -407,6 +407,12 @@ TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {
       {" --prefix-offload-remote 1MiB@" + node.endpoint(), "--prefix-offload-remote needs --prefix-caching"},
       {" --prefix-caching --prefix-offload-disk 1MiB --prefix-offload-remote 1MiB@" + node.endpoint(),
        "cannot be combined"},
+      // UCX over TCP checks no remote key: one-sided RMA would reach every client's KV.
+      {" --kv-node 1MiB@" + node.endpoint() + " --kv-node-mode rma",
+       "one-sided RMA (--kv-node-mode rma) is refused: this client's UCX transports (tcp) do not check "
+       "remote keys"},
+      {" --prefix-caching --prefix-offload-remote 1MiB@" + node.endpoint() + " --kv-node-mode rma",
+       "one-sided RMA (--kv-node-mode rma) is refused"},
   };
   for (const auto& [extra, expect] : cases) {
     auto [code, out] = Generate(base + extra + " --kv-node-timeout-ms 2000").finish();

@@ -1,4 +1,4 @@
-// KV nodes in-process: the control plane (good and bad requests), UCX RMA through
+// KV nodes in-process: the control plane (good and bad requests), node-side gathers through
 // UcxRemoteTransport (bit-exact batches, capabilities, validation), replication and fail-over
 // when a node stops, a dead replica rejoining (UcxRemoteTransport::rejoin, ReplicaHealer), and
 // cancellation.
@@ -109,7 +109,8 @@ TEST(KvNodeControl, HelloAllocFreeAndStats) {
   auto a = c->allocate(100000);
   ASSERT_TRUE(a.is_ok()) << a.status().to_string();
   EXPECT_GE(a->bytes, 100000u);
-  EXPECT_FALSE(a->rkey.empty());
+  EXPECT_TRUE(a->rkey.empty());  // no one-sided RMA: kv_node_security_test
+  EXPECT_FALSE(c->hello().rma);
   EXPECT_EQ(node->stats().regions, 1);
   auto too_big = c->allocate(2 << 20);
   ASSERT_FALSE(too_big.is_ok());
@@ -140,7 +141,7 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
       {R"({"op":"alloc","bytes":"12"})", "'bytes'"},
       {R"({"op":"free","region":99})", "'region'"},
       {R"({"op":"hello","version":"2"})", "'version'"},
-      {R"({"op":"hello","version":1})", "control protocol 1, this node 2"},
+      {R"({"op":"hello","version":1})", "control protocol 1, this node 3"},
       // Refused while it is parsed, before a tree of it exists.
       {"[" + std::string(30000, '[') + std::string(30000, ']') + "]", "deeper than 128 levels"},
   };
@@ -161,11 +162,13 @@ TEST(KvNodeControl, AClientRefusesANodeOfAnotherProtocolVersion) {
   auto h = parse_hello_reply(old, "n:1");
   ASSERT_FALSE(h.is_ok());
   EXPECT_EQ(h.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 2"),
+  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 3"),
             std::string::npos)
       << h.status().to_string();
   auto current = nlohmann::json::parse(old.dump());
   current["version"] = kControlVersion;
+  EXPECT_FALSE(parse_hello_reply(current, "n:1").is_ok());  // "rma" is required from version 3
+  current["rma"] = false;
   EXPECT_TRUE(parse_hello_reply(current, "n:1").is_ok());
   const auto keyless =
       nlohmann::json::parse(R"({"ok":true,"region":1,"address":4096,"bytes":4096,"rkey":"ff"})");
@@ -223,10 +226,10 @@ TEST(KvNodeControl, EndpointsAreValidated) {
   EXPECT_FALSE(parse_endpoint("h:12x").is_ok());
 }
 
-// Every data-path case runs with one-sided RMA and with the node-side gather / scatter.
+// Every data-path case runs with the node-side gather / scatter; one-sided RMA is refused
+// (kv_node_security_test.cc).
 class UcxTransport : public ::testing::TestWithParam<UcxTransferMode> {};
-INSTANTIATE_TEST_SUITE_P(Modes, UcxTransport,
-                         ::testing::Values(UcxTransferMode::kRma, UcxTransferMode::kNodeGather),
+INSTANTIATE_TEST_SUITE_P(Modes, UcxTransport, ::testing::Values(UcxTransferMode::kNodeGather),
                          [](const auto& info) {
                            return info.param == UcxTransferMode::kRma ? "Rma" : "NodeGather";
                          });
@@ -473,8 +476,10 @@ TEST(UcxNodeGather, AClientReachesOnlyItsOwnRegion) {
   forged.back().region.address = mine.address;
   forged.push_back({"the owner's region id with its own key", theirs, 0});
   forged.back().region.region = mine.region;
-  forged.push_back({"the owner's region id and address with a guessed key", mine, 0});
-  forged.back().region.key ^= 1;
+  forged.push_back({"the owner's region id and address with its key off in the last bit", mine, 0});
+  forged.back().region.key[15] ^= 1;
+  forged.push_back({"the owner's region id and address with its key off in the first bit", mine, 0});
+  forged.back().region.key[0] ^= 0x80;
   forged.push_back({"a range running past the end of its own region", theirs, kBytes - 2048});
   forged.back().region.bytes = 2 * kBytes;
   int64_t refusals = 0;
@@ -723,7 +728,7 @@ TEST(ReplicaHealer, ADeadReplicaWhoseNodeStaysDownMovesToASpare) {
   ASSERT_TRUE(a && b && spare);
   const Endpoint ea{"127.0.0.1", a->port()}, eb{"127.0.0.1", b->port()}, es{"127.0.0.1", spare->port()};
   constexpr uint64_t kBytes = 256 << 10;
-  Rig rig = make_rig(UcxTransferMode::kRma, {a.get(), b.get()}, kBytes, kBytes);
+  Rig rig = make_rig(UcxTransferMode::kNodeGather, {a.get(), b.get()}, kBytes, kBytes);
   HealerOptions ho;
   ho.retry_interval = 20ms;
   ho.timeout = 2000ms;

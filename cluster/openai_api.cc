@@ -5,6 +5,7 @@
 #include <limits>
 #include <utility>
 
+#include "core/grammar.h"
 #include "core/json_depth.h"
 
 namespace specontext::cluster {
@@ -559,6 +560,11 @@ Check parse_structured(const json& body, ApiRequest& req) {
   }
   if (const json* v = find_field(body, "guided_choice")) {
     if (!v->is_array() || v->empty()) return field_error("guided_choice", "must be a non-empty array of strings");
+    // Each choice is one parse stack of the grammar matcher at the first byte.
+    if (v->size() > GrammarMatcher::kMaxStacks) {
+      return field_error("guided_choice", "has " + std::to_string(v->size()) + " values; at most " +
+                                              std::to_string(GrammarMatcher::kMaxStacks) + " are supported");
+    }
     for (size_t i = 0; i < v->size(); ++i) {
       if (!(*v)[i].is_string() || (*v)[i].get_ref<const std::string&>().empty()) {
         return field_error(indexed("guided_choice", i), "must be a non-empty string");
@@ -704,6 +710,14 @@ std::optional<ApiError> parse_body(std::string_view body, json& out) {
     }
     ApiError err;
     err.message = "request body is not valid JSON: " + detail;
+    return err;
+  } catch (const json::out_of_range&) {
+    // 406: a number beyond a double's range (1e999), which would be infinite.
+    const std::optional<std::string> field = json_error_field(body);
+    ApiError err;
+    err.param = field.value_or("");
+    err.message = (field ? "field '" + *field + "'" : std::string("request body")) +
+                  " holds a number too large for a double: it must be finite";
     return err;
   }
   if (!out.is_object()) {

@@ -27,9 +27,14 @@ class DepthCheck {
     if (!frames_.empty()) frames_.back().key = k.substr(0, 64);
     return true;
   }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) { return false; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) {
+    if (!frames_.empty() && !frames_.front().array)
+      error_top_key_ = top_key(frames_.size() == 1 ? frames_[0].key : "");
+    return false;
+  }
 
   const std::optional<JsonTooDeep>& too_deep() const { return too_deep_; }
+  const std::optional<std::string>& error_top_key() const { return error_top_key_; }
 
  private:
   static constexpr size_t kPathSteps = 8;  // steps of the path written in full
@@ -56,6 +61,9 @@ class DepthCheck {
     }
     return step;
   }
+  // The outermost object's member the parser is in: `step` when that member's value is what begins
+  // now (or errs), else the step the open container below the outermost was reached by.
+  std::string top_key(const std::string& step) const { return frames_.size() == 1 ? step : frames_[1].step; }
   bool value() {
     if (!frames_.empty() && frames_.back().array) ++frames_.back().next_index;
     return true;
@@ -64,8 +72,7 @@ class DepthCheck {
     std::string step = step_to_next();
     if (frames_.size() + 1 > max_depth_) {
       JsonTooDeep t;
-      if (!frames_.empty() && !frames_.front().array)
-        t.top_key = frames_.size() == 1 ? step : frames_[1].step;
+      if (!frames_.empty() && !frames_.front().array) t.top_key = top_key(step);
       for (size_t i = 1; i < frames_.size() && i <= kPathSteps; ++i) t.path += frames_[i].step;
       t.path += frames_.size() <= kPathSteps ? step : "...";
       too_deep_ = std::move(t);
@@ -82,6 +89,7 @@ class DepthCheck {
   size_t max_depth_;
   std::vector<Frame> frames_;  // the open arrays and objects, outermost first (at most max_depth)
   std::optional<JsonTooDeep> too_deep_;
+  std::optional<std::string> error_top_key_;
 };
 
 template <typename Json>
@@ -125,6 +133,15 @@ std::optional<JsonTooDeep> json_too_deep(std::string_view text, size_t max_depth
     // Only allocation can throw here (parse errors go to DepthCheck::parse_error).
   }
   return check.too_deep();
+}
+
+std::optional<std::string> json_error_field(std::string_view text) {
+  DepthCheck check(kMaxJsonDepth);
+  try {
+    (void)nlohmann::json::sax_parse(text, &check, nlohmann::json::input_format_t::json, /*strict=*/true);
+  } catch (const std::exception&) {
+  }
+  return check.error_top_key();
 }
 
 nlohmann::json parse_json_bounded(std::string_view text, size_t max_depth) {

@@ -32,6 +32,11 @@ struct JsonTooDeep {
 // why); else where it passes the bound. Reads `text` once and allocates only its keys and strings.
 std::optional<JsonTooDeep> json_too_deep(std::string_view text, size_t max_depth = kMaxJsonDepth);
 
+// The member of the outermost object in whose value `text` stops being JSON (a syntax error, or a
+// number too large for a double: 1e999, which nlohmann refuses with out_of_range 406), for the
+// message to name it; nullopt when the text is JSON, nests too deep or is not an object there.
+std::optional<std::string> json_error_field(std::string_view text);
+
 // nlohmann's parse(text, nullptr, /*allow_exceptions=*/false), discarded also when `text` nests
 // deeper than max_depth.
 nlohmann::json parse_json_bounded(std::string_view text, size_t max_depth = kMaxJsonDepth);

@@ -396,6 +396,10 @@ class SchemaCompiler {
       if (seen.insert(text).second) alternatives.push_back(GrammarBuilder::literal(text));
     }
     if (alternatives.empty()) return schema_error("no value of 'type' is in the enum at " + at(ptr));
+    if (alternatives.size() > kMaxEnumValues) {
+      return schema_error("'enum' at " + at(ptr) + " has " + std::to_string(alternatives.size()) +
+                          " values; at most " + std::to_string(kMaxEnumValues) + " are supported");
+    }
     return b_.add(ptr + ":enum", std::move(alternatives));
   }
 

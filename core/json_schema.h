@@ -7,8 +7,9 @@
 //
 // Supported subset (anything else is kInvalidArgument naming the keyword and its JSON pointer,
 // e.g. "response_format json_schema: unsupported keyword 'pattern' at /properties/name"):
-//   type (a name or a list), enum, const (values written as nlohmann's compact dump(); with `type`
-//   only the values of those types are kept; with any other keyword: unsupported), true / false
+//   type (a name or a list), enum (at most kMaxEnumValues = 1023 distinct values), const (values
+//   written as nlohmann's compact dump(); with `type` only the values of those types are kept;
+//   with any other keyword: unsupported), true / false
 //   schemas (false: "no value can match"), properties, required, additionalProperties, items,
 //   prefixItems, minItems, maxItems, minLength, maxLength (characters; an escape is one; a
 //   surrogate pair one), anyOf, oneOf (generated as anyOf: the exclusivity is not enforced),
@@ -48,6 +49,12 @@
 #include "core/status.h"
 
 namespace specontext {
+
+// Each enum value is one parse stack of the matcher where the value begins, beside one for the
+// optional space before a value (GrammarMatcher::kMaxStacks = 1024): more is refused naming the
+// limit. (An enum beside other alternatives at one position, inside anyOf, can still exhaust the
+// matcher while generating.)
+inline constexpr size_t kMaxEnumValues = GrammarMatcher::kMaxStacks - 1;
 
 // nlohmann::json keeps object keys sorted, so properties are generated in that order; parse the
 // schema as nlohmann::ordered_json to keep the schema's own order.

@@ -657,6 +657,34 @@ TEST(OpenAiParse, DeeplyNestedBodiesAreRefusedNamingTheFieldBeforeAnyTreeIsBuilt
   expect_refused(ApiKind::kCompletion, completion(R"("x":)" + nested(128)), "x", why);
 }
 
+// Before: 1025 choices passed here and failed when compiled as "an ambiguous grammar"; 1e999 (a
+// double's overflow) was "request body could not be read", naming nothing.
+TEST(OpenAiParse, ChoicesPastTheMatchersLimitAndNonFiniteNumbersNameTheField) {
+  auto choices = [](int n) {
+    json list = json::array();
+    for (int i = 0; i < n; ++i) {
+      std::string c = "c";  // appended: GCC 12 warns falsely (-Wrestrict) on "c" + std::string
+      c += std::to_string(i);
+      list.push_back(c);
+    }
+    return R"("guided_choice":)" + list.dump();
+  };
+  EXPECT_TRUE(parse_api_request(ApiKind::kCompletion, completion(choices(1024))).request);
+  expect_refused(ApiKind::kCompletion, completion(choices(1025)), "guided_choice",
+                 "has 1025 values; at most 1024 are supported");
+  for (const char* field : {"temperature", "top_p", "presence_penalty", "min_p"}) {
+    for (const char* number : {"1e999", "-1e999"}) {
+      std::string member = "\"";
+      member += field;
+      member += "\":";
+      member += number;
+      expect_refused(ApiKind::kCompletion, completion(member), field,
+                     "holds a number too large for a double: it must be finite");
+    }
+  }
+  expect_refused(ApiKind::kChat, chat(R"("logit_bias":{"5":1e400})"), "logit_bias", "must be finite");
+}
+
 TEST(OpenAiErrors, ErrorBody) {
   ApiError e;
   e.message = "field 'n' must be 1";

@@ -5,6 +5,7 @@
 // keys guard /v1/ (401, before a large body is read), connections past the limit get 503 and are closed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
@@ -1533,6 +1534,54 @@ TEST(OpenAiServer, JsonObjectResponseFormatGivesAnObject) {
 // streamed, is a document valid against the schema, properties in the schema's own order (the
 // body is sent as text: "zebra" before "age"); guided_choice answers one of its strings; a
 // keyword outside the subset is a 400 naming it.
+// 1024 choices are served, 1025 are a 400 naming the field and the limit; an enum of more than
+// 1023 values (one stack is the space before a value) likewise. Before, 1025 choices were "an
+// ambiguous grammar" and a 1024-value enum was accepted and failed mid-request (500) when
+// generation reached it.
+TEST(OpenAiServer, ChoicesAndEnumsPastTheMatchersLimitAre400sNamingTheLimit) {
+  Served s = serve_stories(1);
+  ASSERT_NE(s.server, nullptr);
+  auto values = [](int n) {
+    json list = json::array();
+    for (int i = 0; i < n; ++i) {
+      std::string c = "c";  // appended: GCC 12 warns falsely (-Wrestrict) on "c" + std::string
+      c += std::to_string(i);
+      list.push_back(c);
+    }
+    return list;
+  };
+  Reply served =
+      post(s.port, "/v1/completions",
+           json{{"prompt", kPrompt}, {"max_tokens", 8}, {"temperature", 0}, {"guided_choice", values(1024)}});
+  ASSERT_EQ(served.status, 200) << served.body;
+  const json choice = served.j()["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "stop") << served.body;
+  const json all = values(1024);
+  EXPECT_NE(std::find(all.begin(), all.end(), choice["text"]), all.end()) << served.body;
+  const json schema = {{"type", "object"},
+                       {"properties", {{"k", {{"enum", values(1024)}}}}},
+                       {"required", {"k"}},
+                       {"additionalProperties", false}};
+  const std::vector<std::tuple<json, std::string, std::string>> cases = {
+      {json{{"guided_choice", values(1025)}}, "guided_choice", "has 1025 values; at most 1024 are supported"},
+      {json{{"response_format",
+             {{"type", "json_schema"}, {"json_schema", {{"name", "e"}, {"schema", schema}}}}}},
+       "response_format", "has 1024 values; at most 1023 are supported"},
+      {json{{"guided_json", schema}}, "guided_json", "has 1024 values; at most 1023 are supported"},
+  };
+  for (const auto& [extra, field, why] : cases) {
+    SCOPED_TRACE(field);
+    json body = {{"prompt", kPrompt}, {"max_tokens", 16}};
+    body.update(extra);
+    Reply r = post(s.port, "/v1/completions", body);
+    EXPECT_EQ(r.status, 400) << r.body.substr(0, 400);
+    const json j = r.j();
+    ASSERT_TRUE(j.contains("error")) << r.body.substr(0, 400);
+    EXPECT_EQ(j["error"]["param"], field);
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(why), std::string::npos) << j.dump();
+  }
+}
+
 TEST(OpenAiServer, JsonSchemaAndGuidedChoiceConstrainTheText) {
   Served served = serve_stories(4);
   ASSERT_TRUE(served.server);

@@ -411,6 +411,39 @@ TEST(JsonSchema, SchemasNestedTooDeepAreRefusedBeforeAnythingRecurses) {
   EXPECT_FALSE(json_schema_to_grammar(ordered_json::parse(R"({"const":[)" + ok + "]}")).is_ok());
 }
 
+// Each enum value is a parse stack where the value begins, beside one for the optional space
+// before it: past GrammarMatcher::kMaxStacks the matcher cannot go on. Before, 1024 values
+// compiled and the matcher refused the byte before the value (kExhausted); now the compiler names
+// the keyword and the limit, kMaxEnumValues = 1023.
+TEST(JsonSchema, AnEnumPastTheMatchersLimitIsRefusedNamingTheLimit) {
+  auto schema = [](int n) {
+    ordered_json values = ordered_json::array();
+    for (int i = 0; i < n; ++i) {
+      std::string v = "v";  // appended: GCC 12 warns falsely (-Wrestrict) on "v" + std::string
+      v += std::to_string(i);
+      values.push_back(v);
+    }
+    return ordered_json{{"type", "object"},
+                        {"properties", {{"k", {{"enum", values}}}}},
+                        {"required", {"k"}},
+                        {"additionalProperties", false}};
+  };
+  auto ok = json_schema_to_grammar(schema(1023));
+  ASSERT_TRUE(ok.is_ok()) << ok.status().message();
+  auto m = GrammarMatcher::create(std::make_shared<const Grammar>(std::move(*ok)));
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  ASSERT_EQ(m->advance(std::string_view(R"({"k": ")")), Step::kOk);
+  EXPECT_EQ(m->advance(std::string_view(R"(v1022"})")), Step::kOk);
+  EXPECT_TRUE(m->closed());
+  auto refused = json_schema_to_grammar(schema(1024));
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(
+      refused.status().message().find("'enum' at /properties/k has 1024 values; at most 1023 are supported"),
+      std::string::npos)
+      << refused.status().message();
+}
+
 // A schema built in code holds counts as signed integers (ordered_json{{"minItems", 1}}); they
 // count as the same non-negative integers a parsed document holds.
 TEST(JsonSchema, BuiltDocumentsCountLikeParsedOnes) {

@@ -11,6 +11,7 @@
 #include "core/generator.h"
 #include "core/json_depth.h"
 #include "core/json_schema.h"
+#include "core/utf8.h"
 
 namespace specontext::cli {
 
@@ -246,8 +247,9 @@ int run_generate(const GenerateArgs& a) {
   }
   summary["refused"] = refused;
   if (a.json) {
-    if (tok) summary["text"] = text;
-    std::cout << summary.dump() << "\n";
+    // Byte-fallback tokens need not decode to valid UTF-8: U+FFFD, never an abort in dump().
+    if (tok) summary["text"] = sanitize_utf8(text);
+    std::cout << dump_json(summary) << "\n";
   } else {
     std::fprintf(stderr,
                  "prompt tokens: %lld | prefill: %.1f tok/s | decode: %.1f tok/s (%lld tokens, batch %lld) | KV: %lld bytes\n",

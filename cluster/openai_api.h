@@ -20,6 +20,7 @@
 #include "core/ids.h"
 #include "core/sampler.h"
 #include "core/status.h"
+#include "core/utf8.h"
 
 namespace specontext::cluster {
 
@@ -197,9 +198,7 @@ class StopMatcher {
   bool stopped_ = false;
 };
 
-// Valid UTF-8: each invalid sequence (its maximal subpart, as Unicode recommends and Python's
-// errors="replace" does) replaced by one U+FFFD.
-std::string sanitize_utf8(std::string_view s);
+// sanitize_utf8, incomplete_utf8_tail and dump_json: core/utf8.h.
 
 struct Usage {
   int64_t prompt_tokens = 0;

@@ -558,7 +558,7 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
     std::string body = path == "/health" ? std::string("{\"status\":\"ok\"}")
                        : path == "/metrics"
                            ? metrics_text()
-                           : models_response(options.model_name, created, engine.max_context()).dump();
+                           : dump_json(models_response(options.model_name, created, engine.max_context()));
     const std::string_view type = path == "/metrics" ? "text/plain; version=0.0.4" : "application/json";
     co_return co_await reply(*conn, req, http::status::ok, std::move(body), type);
   }
@@ -596,8 +596,8 @@ std::pair<int, std::string> OpenAiServer::Impl::tokenize(std::string_view body) 
   if (in.return_token_strs) {
     for (size_t i = 0; i < ids.size(); ++i) pieces.push_back(tokenizer.decode_token(i == 0 ? -1 : ids[i - 1], ids[i]));
   }
-  return {200, tokenize_response(ids, engine.max_context(), in.return_token_strs ? &pieces : nullptr)
-                   .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)};
+  return {200,
+          dump_json(tokenize_response(ids, engine.max_context(), in.return_token_strs ? &pieces : nullptr))};
 }
 
 std::pair<int, std::string> OpenAiServer::Impl::detokenize(std::string_view body) const {
@@ -616,7 +616,7 @@ std::pair<int, std::string> OpenAiServer::Impl::detokenize(std::string_view body
     }
   }
   nlohmann::json out{{"prompt", sanitize_utf8(tokenizer.decode(in.tokens))}};
-  return {200, out.dump()};
+  return {200, dump_json(out)};
 }
 
 std::optional<ApiError> OpenAiServer::Impl::model_error(const std::string& model) const {
@@ -686,8 +686,7 @@ std::vector<ToolCallOut> OpenAiServer::Impl::tool_calls_of(const ApiRequest& in,
   for (const auto& c : parsed) {
     if (!c.is_object() || !c.contains("name") || !c["name"].is_string() || !c.contains("parameters")) return {};
     // In the form "auto" calls take (the model's own tojson style), as vLLM answers both.
-    calls.push_back({new_call_id(), c["name"].get<std::string>(),
-                     tojson_line(c["parameters"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace))});
+    calls.push_back({new_call_id(), c["name"].get<std::string>(), tojson_line(dump_json(c["parameters"]))});
   }
   if (!calls.empty()) {
     content.clear();
@@ -1249,8 +1248,7 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
           if (!calls[i].empty()) out.back().tool_calls = &calls[i];
         }
       }
-      std::string body = completion_response(kind, meta, out, usage)
-                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      std::string body = dump_json(completion_response(kind, meta, out, usage));
       co_return co_await reply(*conn, req, http::status::ok, std::move(body));
     }
     for (size_t c = 0; c < choices.size(); ++c) {

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "core/utf8.h"
 #include "tests/tests_common.h"
 
 namespace specontext {
@@ -49,6 +50,26 @@ TEST(Cli, GenerateJsonSummaryHasTheKeysAndMatchesGreedyGolden) {
   EXPECT_EQ(j["kv_bytes"].get<int64_t>(), 3 * 16 * 1280);
   // Greedy: the golden continuation of "Once upon a time" begins like llama2.c's.
   EXPECT_EQ(j["text"].get<std::string>().rfind(", there was a little girl named Lily.", 0), 0u) << j["text"];
+}
+
+// At temperature 50 stories260K samples its byte-fallback tokens (<0x80>...) freely, so the text is
+// not valid UTF-8. Before, --json aborted in nlohmann's dump (type_error 316, exit 134); now the
+// JSON carries the text with each invalid sequence as U+FFFD, as the streamed bytes decode.
+TEST(Cli, GenerateJsonReplacesInvalidUtf8InsteadOfAborting) {
+  const std::string args = "generate --model " + repo_path("models/stories260K/stories260K.bin") +
+                           " --prompt 'Once' -n 40 --temperature 50 --seed 1";
+  const CliRun streamed = run_cli(args, false);
+  ASSERT_EQ(streamed.exit_code, 0) << streamed.out;
+  ASSERT_FALSE(streamed.out.empty());
+  const std::string raw = streamed.out.substr(0, streamed.out.size() - 1);  // less the final newline
+  ASSERT_NE(sanitize_utf8(raw), raw) << "the run wrote valid UTF-8: nothing tested";
+  const CliRun json_run = run_cli(args + " --json", false);
+  ASSERT_EQ(json_run.exit_code, 0) << json_run.out;
+  const auto j = nlohmann::json::parse(json_run.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << json_run.out;
+  const std::string text = j["text"].get<std::string>();
+  EXPECT_EQ(text, sanitize_utf8(raw));
+  EXPECT_NE(text.find("\xEF\xBF\xBD"), std::string::npos);
 }
 
 // --prefix-caching: a batch of the same prompt computes it once (the others wait for it and fork

@@ -18,6 +18,7 @@
 namespace {
 
 using namespace specontext::cluster;
+using specontext::sanitize_utf8;
 using json = nlohmann::json;
 
 void check(bool ok) {

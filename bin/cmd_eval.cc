@@ -11,8 +11,10 @@
 
 #include "bin/commands.h"
 #include "core/eval.h"
+#include "core/eval_tasks.h"
 #include "core/model_loader.h"
 #include "core/retrieval_head.h"
+#include "core/safetensors.h"
 #include "cpu/cpu_backend.h"
 
 namespace specontext::cli {
@@ -44,6 +46,20 @@ void register_eval(CLI::App& app, EvalArgs& a) {
   cmd->add_option("--json", a.json_out, "write the records as JSON to this file ('-' = stdout)");
   cmd->add_flag("--plot", a.plot, "also write a PNG next to the JSON (bench/plot_eval.py, /usr/bin/python3)");
   cmd->add_option("--threads", a.threads, "CPU threads (0 = all cores of the NUMA node)");
+  cmd->add_option("--tasks", a.tasks,
+                  "long-context task suite (tasks.json; default: the one beside the model): accuracy per method x "
+                  "budget x task x length x depth, needles in the --text prose");
+  cmd->add_option("--task-lengths", a.task_lengths, "prompt lengths of the task suite (default 1024,2048,4096,8192)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--task-depths", a.task_depths, "needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
+      ->delimiter(',')
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--task-kinds", a.task_kinds, "tasks (default: passkey,multikey,multivalue,kv,vt)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"passkey", "multikey", "multivalue", "kv", "vt"}));
+  cmd->add_option("--task-trials", a.task_trials, "prompts per task x length x depth")->check(CLI::PositiveNumber);
+  cmd->add_flag("--no-fidelity", a.no_fidelity, "run only the task suite (no recall / KL / divergence protocol)");
 }
 
 namespace {
@@ -63,8 +79,8 @@ std::string command_line() {
   return out;
 }
 
-// bench/plot_eval.py: beside the source tree the binary was built from, or under the cwd.
-std::string find_plot_script() {
+// bench/<name>: beside the source tree the binary was built from, or under the cwd.
+std::string find_plot_script(const std::string& name) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
@@ -74,20 +90,105 @@ std::string find_plot_script() {
   }
   roots.push_back(fs::current_path(ec));
   for (const fs::path& r : roots) {
-    const fs::path cand = r / "bench" / "plot_eval.py";
+    const fs::path cand = r / "bench" / name;
     if (fs::exists(cand, ec)) return cand.string();
   }
   return {};
 }
 
-std::string find_head(const std::string& model_path) {
+// `name` in the model's directory or the one above it (HF copies live in a subdirectory).
+std::string find_beside_model(const std::string& model_path, const std::string& name) {
   namespace fs = std::filesystem;
   const fs::path mp(model_path);
   const fs::path dir = fs::is_directory(mp) ? mp : mp.parent_path();
-  for (const fs::path& cand : {dir / "retrieval_head.safetensors", dir.parent_path() / "retrieval_head.safetensors"}) {
+  for (const fs::path& cand : {dir / name, dir.parent_path() / name}) {
     if (fs::exists(cand)) return cand.string();
   }
   return {};
+}
+
+std::string find_head(const std::string& model_path) {
+  return find_beside_model(model_path, "retrieval_head.safetensors");
+}
+
+Result<std::string> read_file(const std::string& path, const std::string& what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return not_found(path + ": cannot open " + what);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// FNV-1a (64-bit) of a file's bytes: how a head's metadata names the text it was trained on
+// (train_text_fnv1a64, written by models/longctx/distill.py).
+uint64_t fnv1a64(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// A head is never scored on the text it was distilled from: refused when its metadata names the
+// --text file's bytes as its training text.
+Status check_head_not_trained_on(const std::string& head_path, std::string_view text, const std::string& text_path) {
+  if (text.empty()) return Status::ok();
+  auto f = SafetensorsFile::open(head_path);
+  if (!f.is_ok()) return Status::ok();  // a directory checkpoint: no metadata of ours
+  const auto& meta = (*f)->metadata();
+  auto it = meta.find("train_text_fnv1a64");
+  if (it == meta.end()) return Status::ok();
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a64(text)));
+  if (it->second == hex) {
+    auto name = meta.find("train_text");
+    return invalid_argument("eval: --text " + text_path + " is the text the retrieval head " + head_path +
+                            " was distilled from (" + (name == meta.end() ? std::string("its metadata") : name->second) +
+                            "); evaluate on held-out text");
+  }
+  return Status::ok();
+}
+
+// The task suite: prompts from the tasks.json and the --text prose, run over every method.
+Result<TaskReport> run_tasks(const EvalArgs& a, const std::string& tasks_path, const std::string& text,
+                             std::shared_ptr<const Model> model, std::shared_ptr<Backend> backend, const Tokenizer& tok,
+                             const EvalOptions& eo) {
+  SPX_ASSIGN_OR_RETURN(std::string tasks_json, read_file(tasks_path, "--tasks file"));
+  SPX_ASSIGN_OR_RETURN(TaskSuite suite, parse_task_suite(tasks_json, tasks_path));
+  SPX_ASSIGN_OR_RETURN(std::vector<TokenId> filler, tok.encode(normalize_paragraphs(text), /*add_bos=*/false));
+  TaskPromptOptions po;
+  if (!a.task_lengths.empty()) {
+    po.lengths = a.task_lengths;
+  } else {
+    po.lengths.clear();
+    for (int64_t len : {1024, 2048, 4096, 8192, 16384}) {
+      if (len <= model->config.max_seq_len) po.lengths.push_back(len);
+    }
+  }
+  if (!a.task_depths.empty()) po.depths = a.task_depths;
+  if (!a.task_kinds.empty()) {
+    po.kinds.clear();
+    for (const std::string& k : a.task_kinds) {
+      SPX_ASSIGN_OR_RETURN(TaskKind kind, parse_task_kind(k));
+      po.kinds.push_back(kind);
+    }
+  }
+  po.trials = a.task_trials;
+  po.seed = a.seed;
+  SPX_ASSIGN_OR_RETURN(std::vector<TaskPrompt> prompts, build_task_prompts(tok, suite, filler, po));
+  TaskEvalOptions to;
+  to.methods = eo.methods;
+  to.budgets = eo.budgets;
+  to.sinks = eo.sinks;
+  to.window = eo.window;
+  to.quest_page_size = eo.quest_page_size;
+  to.head = eo.head;
+  to.on_progress = eo.on_progress;
+  std::fprintf(stderr, "tasks: %zu prompts from %s (lengths", prompts.size(), tasks_path.c_str());
+  for (int64_t len : po.lengths) std::fprintf(stderr, " %lld", static_cast<long long>(len));
+  std::fprintf(stderr, ")\n");
+  return run_task_eval(model, backend, tok, prompts, po, to);
 }
 
 }  // namespace
@@ -117,16 +218,16 @@ int run_eval(const EvalArgs& a) {
   std::vector<std::string> notes;
   const int64_t max_ctx = model->config.max_seq_len;
   int64_t context = a.context > 0 ? a.context : max_ctx;
+  std::string text;
   if (!a.text.empty()) {
-    std::ifstream f(a.text, std::ios::binary);
-    if (!f) return fail(not_found(a.text + ": cannot open --text file"));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    auto ids = encode_stories(*tok, ss.str());
+    auto text_r = read_file(a.text, "--text file");
+    if (!text_r.is_ok()) return fail(text_r.status());
+    text = std::move(*text_r);
+    auto ids = encode_stories(*tok, text);
     if (!ids.is_ok()) return fail(ids.status().with_context(a.text));
     in.tokens = std::move(*ids);
     if (in.tokens.empty()) return fail(invalid_argument(a.text + ": the text encodes to no tokens"));
-    auto filler = encode_filler(*tok, ss.str());
+    auto filler = encode_filler(*tok, text);
     if (!filler.is_ok()) return fail(filler.status().with_context(a.text));
     in.filler = std::move(*filler);
     if (static_cast<int64_t>(in.tokens.size()) < context) {
@@ -182,6 +283,7 @@ int run_eval(const EvalArgs& a) {
         if (!h.is_ok()) return fail(h.status());
         o.head = *h;
         std::fprintf(stderr, "retrieval head: %s (%s)\n", head_path.c_str(), pruning_report(**h).c_str());
+        if (Status st = check_head_not_trained_on(head_path, text, a.text); !st.is_ok()) return fail(st);
       }
     }
   }
@@ -195,15 +297,31 @@ int run_eval(const EvalArgs& a) {
                static_cast<long long>(o.positions));
   for (int64_t b : o.budgets) std::fprintf(stderr, " %lld", static_cast<long long>(b));
   std::fprintf(stderr, "\n");
-  auto rep = run_eval(model, std::shared_ptr<Backend>(std::move(*backend)), in, o);
-  if (!rep.is_ok()) return fail(rep.status());
-  rep->notes.insert(rep->notes.begin(), notes.begin(), notes.end());
-
-  std::fprintf(stderr, "\n%s", format_eval_table(*rep).c_str());
-  for (const std::string& n : rep->notes) std::fprintf(stderr, "note: %s\n", n.c_str());
-  std::fprintf(stderr, "eval took %.1f s\n", rep->seconds);
-
-  nlohmann::json j = eval_report_to_json(*rep);
+  std::shared_ptr<Backend> shared_backend(std::move(*backend));
+  const std::string tasks_path =
+      !a.tasks.empty() ? a.tasks : (synthetic_model ? std::string() : find_beside_model(a.model.model_path, "tasks.json"));
+  if (a.no_fidelity && tasks_path.empty()) return fail(invalid_argument("eval: --no-fidelity needs a task suite (--tasks)"));
+  if (!tasks_path.empty() && (tok == nullptr || text.empty())) {
+    return fail(invalid_argument("eval: the task suite needs a tokenizer and --text prose for its filler"));
+  }
+  nlohmann::json j = nlohmann::json::object();
+  if (!a.no_fidelity) {
+    auto rep = run_eval(model, shared_backend, in, o);
+    if (!rep.is_ok()) return fail(rep.status());
+    rep->notes.insert(rep->notes.begin(), notes.begin(), notes.end());
+    std::fprintf(stderr, "\n%s", format_eval_table(*rep).c_str());
+    for (const std::string& n : rep->notes) std::fprintf(stderr, "note: %s\n", n.c_str());
+    std::fprintf(stderr, "eval took %.1f s\n", rep->seconds);
+    j = eval_report_to_json(*rep);
+  }
+  if (!tasks_path.empty()) {
+    auto trep = run_tasks(a, tasks_path, text, model, shared_backend, *tok, o);
+    if (!trep.is_ok()) return fail(trep.status());
+    std::fprintf(stderr, "\n%s", format_task_table(*trep).c_str());
+    std::fprintf(stderr, "tasks took %.1f s\n", trep->seconds);
+    j["tasks"] = task_report_to_json(*trep);
+    j["tasks"]["file"] = tasks_path;
+  }
   j["model"] = synthetic_model ? a.model.synthetic : a.model.model_path;
   j["command"] = command_line();
   j["text"] = a.text.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.text);
@@ -219,10 +337,15 @@ int run_eval(const EvalArgs& a) {
   }
   if (a.plot) {
     if (a.json_out.empty() || a.json_out == "-") return fail(invalid_argument("eval: --plot needs --json FILE"));
-    const std::string script = find_plot_script();
-    if (script.empty()) return fail(not_found("eval --plot: bench/plot_eval.py not found beside the build or in the cwd"));
-    const std::string cmd = "/usr/bin/python3 '" + script + "' '" + a.json_out + "' 1>&2";
-    if (std::system(cmd.c_str()) != 0) return fail(unavailable("eval --plot: " + cmd + " failed"));
+    std::vector<std::string> scripts;
+    if (j.contains("records")) scripts.push_back("plot_eval.py");
+    if (j.contains("tasks")) scripts.push_back("plot_eval_tasks.py");
+    for (const std::string& name : scripts) {
+      const std::string script = find_plot_script(name);
+      if (script.empty()) return fail(not_found("eval --plot: bench/" + name + " not found beside the build or in the cwd"));
+      const std::string cmd = "/usr/bin/python3 '" + script + "' '" + a.json_out + "' 1>&2";
+      if (std::system(cmd.c_str()) != 0) return fail(unavailable("eval --plot: " + cmd + " failed"));
+    }
   }
   return 0;
 }

@@ -98,6 +98,13 @@ struct EvalArgs {
   std::string json_out;
   bool plot = false;
   int threads = 0;
+  // Long-context task suite (core/eval_tasks.h): tasks.json, default the one beside the model.
+  std::string tasks;
+  std::vector<int64_t> task_lengths;     // empty = 1024,2048,4096,8192 (those that fit)
+  std::vector<double> task_depths;       // empty = 0,0.25,0.5,0.75,1
+  std::vector<std::string> task_kinds;   // empty = all
+  int64_t task_trials = 2;
+  bool no_fidelity = false;              // tasks only
 };
 void register_eval(CLI::App& app, EvalArgs& args);
 int run_eval(const EvalArgs& args);

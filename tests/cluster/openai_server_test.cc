@@ -816,7 +816,10 @@ TEST(OpenAiServer, StreamedToolCallsAddUpToTheWholeAnswer) {
       called += want_calls.empty() ? 0 : 1;
     }
     if (extra.contains("tool_choice") && extra["tool_choice"].is_object()) {
-      EXPECT_GT(got[0].arguments_deltas, 1) << "the arguments stream as they are generated";
+      // The arguments come as deltas of what was generated since the last write: one per token on
+      // an idle machine, fewer when the I/O thread falls behind the engine (a loaded 2-core CI
+      // machine gave one delta in 3 of 4 full runs), so more than one cannot be required.
+      EXPECT_GE(got[0].arguments_deltas, 1) << "the arguments come as tool_calls deltas";
     }
     if (extra.contains("guided_choice")) {
       EXPECT_EQ(got[0].content, "Checking the weather now.");

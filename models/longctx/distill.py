@@ -173,12 +173,16 @@ def main(args):
     kept = sum(p.numel() for _, p in tensors)
     # A full EAGLE-3 draft of this shape: q, k, v, o (2d inputs for q/k/v), an MLP, fc, 4 norms, lm head.
     draft = kept + (G * hd * 2 * d) + (d * H * hd) + 3 * d * cfg["hidden_dim"] + 2 * d + d * cfg["vocab_size"]
-    sha = hashlib.sha256(open(args.text, "rb").read()).hexdigest()
+    raw = open(args.text, "rb").read()
+    sha = hashlib.sha256(raw).hexdigest()
+    fnv = 0xcbf29ce484222325
+    for byte in raw:
+        fnv = ((fnv ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     meta = {"format": "specontext-retrieval-head", "hidden": str(d), "n_heads": str(H), "n_kv_heads": str(G),
             "head_dim": str(hd), "rope_theta": "%.17g" % cfg["rope_theta"], "trained_context": str(cfg["max_pos"]),
             "norm_eps": "%.9g" % eps, "fused_layers": ",".join(map(str, fused_layers)),
             "draft_parameters": str(draft), "kept_parameters": str(kept),
-            "train_text": os.path.basename(args.text), "train_text_sha256": sha,
+            "train_text": os.path.basename(args.text), "train_text_sha256": sha, "train_text_fnv1a64": "%016x" % fnv,
             "train_split": f"tokens [0, {split}) of {len(ids)}; report on [{split}, {len(ids)})"}
     header, off = {}, 0
     arrays = []

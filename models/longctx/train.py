@@ -277,9 +277,10 @@ def word_pools(tok, text):
 
 
 class DocBuilder:
-    """A token sequence with per-token loss weights: filler (1), needles (their random parts 0),
-    answers (ANSWER_W)."""
+    """A token sequence with per-token loss weights: text 1, the assistant's fixed chat text
+    (tool-call markup, <|im_end|>) CHAT_W, retrieved answers ANSWER_W (what answer_acc counts)."""
     ANSWER_W = 4.0
+    CHAT_W = 2.0
 
     def __init__(self, tok):
         self.tok = tok
@@ -368,19 +369,21 @@ def filler_at(rng, filler, n):
     return filler[s:s + n]
 
 
-def build_doc(rng, tok, filler, pools, length):
+def build_doc(rng, tok, filler, pools, length, task_share=0.45):
     """One training sequence: <|endoftext|>, filler with the needles of several tasks placed at
     random points and their queries after them (some at the end). Tasks are added while their
     text stays under ~45% of the window, so at least half of it is prose."""
     events, used = [], 0  # (position fraction, template, answer keys, fields)
-    for kind in ["kv"] + [rng.choice(KINDS) for _ in range(5)]:
+    for kind in ["kv"] + [rng.choice(KINDS) for _ in range(5 if task_share <= 0.5 else 12)]:
         needles, queries = make_task_events(rng, pools, kind)
-        new = [(rng.uniform(0.0, 0.7), tpl, (), kw) for tpl, _, kw in needles]
+        # in the order listed: multivalue's answer names its values, vt its chain, in that order
+        fracs = sorted(rng.uniform(0.0, 0.7) for _ in needles)
+        new = [(f, tpl, (), kw) for f, (tpl, _, kw) in zip(fracs, needles)]
         lo = max(e[0] for e in new)
         new += [(rng.uniform(lo, 1.0) if rng.random() < 0.7 else 1.0, tpl, ans, kw)
                 for tpl, ans, kw in queries]
         cost = sum(len(tok.encode(e[1].format(**e[3]))) for e in new)
-        if used + cost > 0.45 * length:
+        if used + cost > task_share * length:
             if events:
                 continue
             new = new[:1] + [e for e in new if e[2]][:1]  # one needle and its query at least
@@ -415,11 +418,11 @@ def build_chat(rng, tok, filler, pools, length):
         d.add(prefix)
         call = "<tool_call>\n{\"name\": \"lookup_code\", \"arguments\": " + json.dumps({"key": key}) + \
             "}\n</tool_call><|im_end|>\n"
-        d.add(call, DocBuilder.ANSWER_W)
+        d.add(call, DocBuilder.CHAT_W)
         d.add("<|im_start|>user\n<tool_response>\n" + json.dumps({"code": val}) +
               "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
         d.add_templated("The code for {key} is {val}.", ("val",), DocBuilder.ANSWER_W, key=key, val=val)
-        d.add("<|im_end|>\n", DocBuilder.ANSWER_W)
+        d.add("<|im_end|>\n", DocBuilder.CHAT_W)
     else:
         n = rng.randint(2, 10)
         keys = rng.sample(K, n)
@@ -442,7 +445,7 @@ def build_chat(rng, tok, filler, pools, length):
             d.add("What is the code for " + keys[i] + "?<|im_end|>\n<|im_start|>assistant\n")
             d.add_templated("The code for {key} is {val}.", ("val",), DocBuilder.ANSWER_W,
                             key=keys[i], val=vals[i])
-            d.add("<|im_end|>\n", DocBuilder.ANSWER_W)
+            d.add("<|im_end|>\n", DocBuilder.CHAT_W)
     ids, w = d.ids[:length], d.w[:length]
     # pad with more prose after an <|endoftext|> so every sequence has `length` tokens
     if len(ids) < length:
@@ -590,14 +593,14 @@ def cmd_tokenizer(args):
           f"{len(pools['values'])} values, {len(pools['vars'])} vars")
 
 
-def make_batch(rng, tok, filler, pools, batch, length, max_pos):
+def make_batch(rng, tok, filler, pools, batch, length, max_pos, task_share=0.45):
     import torch
     ids, ws, pos = [], [], []
     for _ in range(batch):
         if rng.random() < 0.15:
             i, w = build_chat(rng, tok, filler, pools, length + 1)
         else:
-            i, w = build_doc(rng, tok, filler, pools, length + 1)
+            i, w = build_doc(rng, tok, filler, pools, length + 1, task_share)
         ids.append(i)
         ws.append(w)
         pos.append(pose_positions(rng, length, max_pos))
@@ -642,7 +645,7 @@ def cmd_train(args):
         length, batch, lr = schedule(step, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y, w, pos = make_batch(rng, tok, filler, pools, batch, length, args.max_pos)
+        x, y, w, pos = make_batch(rng, tok, filler, pools, batch, length, args.max_pos, args.task_share)
         logits = model(x, pos)
         lp = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                                reduction="none").view_as(w)
@@ -653,11 +656,11 @@ def cmd_train(args):
         opt.step()
         step += 1
         seen += x.numel()
-        ans = w > 1.5
+        ans = w == DocBuilder.ANSWER_W
         if ans.any():
             acc.append(((logits.argmax(-1) == y) & ans).sum().item() / ans.sum().item())
         if step % args.log_every == 0:
-            prose = (w == 1.0)
+            prose = (w == 1.0)  # text, needles and questions
             print(f"step {step} len {length} lr {lr:.2e} loss {loss.item():.3f} "
                   f"prose {(lp * prose).sum().item() / prose.sum().item():.3f} "
                   f"answer_acc {sum(acc) / max(1, len(acc)):.3f} tok/s {seen / (time.time() - t0):.0f}",
@@ -681,6 +684,8 @@ def main():
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--long-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--task-share", type=float, default=0.45,
+                    help="most of a window the tasks' sentences take (the rest is prose)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <exception>
 #include <filesystem>
 #include <mutex>
@@ -63,19 +64,26 @@ const ByteMap& byte_map() {
 class Regex {
  public:
   static Result<Regex> compile(const std::string& pattern, const std::string& where) {
-    int err = 0;
-    PCRE2_SIZE err_off = 0;
-    pcre2_code* code = pcre2_compile(
-        reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-        PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | PCRE2_NEVER_BACKSLASH_C, &err, &err_off, nullptr);
-    if (code == nullptr) {
-      std::array<PCRE2_UCHAR, 256> msg{};
-      pcre2_get_error_message(err, msg.data(), msg.size());
-      return invalid_argument(where + ": regex does not compile at offset " + std::to_string(err_off) + ": " +
-                              reinterpret_cast<const char*>(msg.data()));
-    }
     Regex r;
-    r.code_.reset(code, pcre2_code_free);
+    // Two compilations: text that is valid UTF-8 (checked once per split) is matched with
+    // PCRE2_NO_UTF_CHECK by a pattern compiled without PCRE2_MATCH_INVALID_UTF; the latter costs
+    // a scan of the rest of the subject on every call (15 s instead of 0.02 s for the 108K
+    // matches of a 466 KB novel), so only text with invalid sequences takes it.
+    for (bool invalid_ok : {false, true}) {
+      int err = 0;
+      PCRE2_SIZE err_off = 0;
+      pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                                       PCRE2_UTF | PCRE2_UCP | PCRE2_NEVER_BACKSLASH_C |
+                                           (invalid_ok ? PCRE2_MATCH_INVALID_UTF : 0u),
+                                       &err, &err_off, nullptr);
+      if (code == nullptr) {
+        std::array<PCRE2_UCHAR, 256> msg{};
+        pcre2_get_error_message(err, msg.data(), msg.size());
+        return invalid_argument(where + ": regex does not compile at offset " + std::to_string(err_off) + ": " +
+                                reinterpret_cast<const char*>(msg.data()));
+      }
+      (invalid_ok ? r.invalid_utf_code_ : r.code_).reset(code, pcre2_code_free);
+    }
     pcre2_match_context* ctx = pcre2_match_context_create(nullptr);
     if (ctx == nullptr) return resource_exhausted(where + ": cannot allocate a PCRE2 match context");
     r.ctx_.reset(ctx, pcre2_match_context_free);
@@ -88,15 +96,18 @@ class Regex {
 
   // Appends the matches and the gaps between them (HF "Isolated" split behaviour).
   Status split(std::string_view text, std::vector<std::string>& out) const {
+    const bool valid = valid_utf8(text);
+    pcre2_code* code = valid ? code_.get() : invalid_utf_code_.get();
+    const uint32_t options = valid ? PCRE2_NO_UTF_CHECK : 0u;
     std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md(
-        pcre2_match_data_create_from_pattern(code_.get(), nullptr), pcre2_match_data_free);
+        pcre2_match_data_create_from_pattern(code, nullptr), pcre2_match_data_free);
     if (md == nullptr) return resource_exhausted(where_ + ": cannot allocate PCRE2 match data");
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
     const size_t n = text.size();
     size_t gap_start = 0;
     size_t pos = 0;
     while (pos < n) {
-      const int rc = pcre2_match(code_.get(), subject, n, pos, 0, md.get(), ctx_.get());
+      const int rc = pcre2_match(code, subject, n, pos, options, md.get(), ctx_.get());
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
         std::array<PCRE2_UCHAR, 256> msg{};
@@ -121,7 +132,44 @@ class Regex {
   }
 
  private:
-  std::shared_ptr<pcre2_code> code_;
+  // RFC 3629 UTF-8 (no overlongs, surrogates or code points past U+10FFFF): what PCRE2's own
+  // check accepts, so PCRE2_NO_UTF_CHECK is only ever given text it would accept.
+  static bool valid_utf8(std::string_view s) {
+    size_t i = 0;
+    const size_t n = s.size();
+    while (i < n) {
+      const auto c = static_cast<unsigned char>(s[i]);
+      if (c < 0x80) {
+        ++i;
+        continue;
+      }
+      size_t len = 0;
+      uint32_t cp = 0;
+      if (c >= 0xC2 && c <= 0xDF) {
+        len = 2, cp = c & 0x1Fu;
+      } else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3, cp = c & 0x0Fu;
+      } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4, cp = c & 0x07u;
+      } else {
+        return false;
+      }
+      if (n - i < len) return false;
+      for (size_t k = 1; k < len; ++k) {
+        const auto d = static_cast<unsigned char>(s[i + k]);
+        if ((d & 0xC0u) != 0x80u) return false;
+        cp = (cp << 6) | (d & 0x3Fu);
+      }
+      if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
+        return false;
+      }
+      i += len;
+    }
+    return true;
+  }
+
+  std::shared_ptr<pcre2_code> code_;              // valid UTF-8 subjects, PCRE2_NO_UTF_CHECK
+  std::shared_ptr<pcre2_code> invalid_utf_code_;  // PCRE2_MATCH_INVALID_UTF, for the rest
   std::shared_ptr<pcre2_match_context> ctx_;
   std::string where_;
 };

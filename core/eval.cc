@@ -8,6 +8,7 @@
 #include <numeric>
 #include <span>
 
+#include "core/eval_internal.h"
 #include "core/sampler.h"
 
 namespace specontext {
@@ -15,17 +16,8 @@ namespace specontext {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using eval_internal::seconds_since;
+using eval_internal::splitmix64;
 
 // Collects per-step, per-layer attention fidelity of single-token decode steps.
 class FidelityObserver final : public ForwardObserver {
@@ -588,26 +580,18 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
   }
 
   // ---- sparse methods × budgets ----
-  for (SparseMethod m : o.methods) {
-    if (m == SparseMethod::kDense) continue;
-    if (m == SparseMethod::kSpeContext && !o.head) {
-      rep.notes.push_back("specontext skipped: no retrieval head (give --head, or put retrieval_head.safetensors beside the model)");
-      continue;
+  for (const eval_internal::SweepPoint& pt :
+       eval_internal::sparse_sweep(o.methods, o.budgets, o.sinks, o.window, o.quest_page_size, o.head != nullptr,
+                                   "specontext skipped: no retrieval head (give --head, or put "
+                                   "retrieval_head.safetensors beside the model)",
+                                   rep.notes)) {
+    auto run = run_config(pt.options);
+    if (!run.is_ok()) {
+      return run.status().with_context(std::string("eval ") + method_label(pt.method) + " budget " +
+                                       std::to_string(pt.budget));
     }
-    for (int64_t b : o.budgets) {
-      SparseOptions sp;
-      sp.method = m;
-      sp.selection.budget = b;
-      sp.selection.sinks = o.sinks;
-      sp.selection.window = o.window;
-      sp.quest_page_size = o.quest_page_size;
-      auto run = run_config(sp);
-      if (!run.is_ok()) {
-        return run.status().with_context(std::string("eval ") + method_label(m) + " budget " + std::to_string(b));
-      }
-      rep.records.push_back(make_record(m, b, *run, ref));
-      report_progress(rep.records.back());
-    }
+    rep.records.push_back(make_record(pt.method, pt.budget, *run, ref));
+    report_progress(rep.records.back());
   }
   if (!rep.records.empty() && rep.records.front().method == SparseMethod::kDense) {
     rep.notes.push_back(
@@ -695,6 +679,31 @@ std::string format_eval_table(const EvalReport& rep) {
     s += line;
   }
   return s;
+}
+
+std::vector<eval_internal::SweepPoint> eval_internal::sparse_sweep(
+    const std::vector<SparseMethod>& methods, const std::vector<int64_t>& budgets, int64_t sinks, int64_t window,
+    int64_t quest_page_size, bool have_head, const std::string& skip_note, std::vector<std::string>& notes) {
+  std::vector<SweepPoint> out;
+  for (SparseMethod m : methods) {
+    if (m == SparseMethod::kDense) continue;
+    if (m == SparseMethod::kSpeContext && !have_head) {
+      notes.push_back(skip_note);
+      continue;
+    }
+    for (int64_t b : budgets) {
+      SweepPoint pt;
+      pt.method = m;
+      pt.budget = b;
+      pt.options.method = m;
+      pt.options.selection.budget = b;
+      pt.options.selection.sinks = sinks;
+      pt.options.selection.window = window;
+      pt.options.quest_page_size = quest_page_size;
+      out.push_back(pt);
+    }
+  }
+  return out;
 }
 
 }  // namespace specontext

@@ -8,6 +8,7 @@
 #include <set>
 #include <tuple>
 
+#include "core/eval_internal.h"
 #include "core/sampler.h"
 
 namespace specontext {
@@ -15,15 +16,8 @@ namespace specontext {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using eval_internal::seconds_since;
+using eval_internal::splitmix64;
 
 // A small deterministic generator for one prompt.
 class Rng {
@@ -504,25 +498,15 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
   if (std::find(o.methods.begin(), o.methods.end(), SparseMethod::kDense) != o.methods.end()) {
     add_records(SparseMethod::kDense, 0, ref, ref);
   }
-  for (SparseMethod m : o.methods) {
-    if (m == SparseMethod::kDense) continue;
-    if (m == SparseMethod::kSpeContext && !o.head) {
-      rep.notes.push_back("tasks: specontext skipped: no retrieval head");
-      continue;
+  for (const eval_internal::SweepPoint& pt :
+       eval_internal::sparse_sweep(o.methods, o.budgets, o.sinks, o.window, o.quest_page_size, o.head != nullptr,
+                                   "tasks: specontext skipped: no retrieval head", rep.notes)) {
+    auto run = run_config(pt.options, pt.budget);
+    if (!run.is_ok()) {
+      return run.status().with_context("eval tasks " + std::string(sparse_method_name(pt.method)) + " budget " +
+                                       std::to_string(pt.budget));
     }
-    for (int64_t b : o.budgets) {
-      SparseOptions sp;
-      sp.method = m;
-      sp.selection.budget = b;
-      sp.selection.sinks = o.sinks;
-      sp.selection.window = o.window;
-      sp.quest_page_size = o.quest_page_size;
-      auto run = run_config(sp, b);
-      if (!run.is_ok()) {
-        return run.status().with_context("eval tasks " + std::string(sparse_method_name(m)) + " budget " + std::to_string(b));
-      }
-      add_records(m, b, *run, ref);
-    }
+    add_records(pt.method, pt.budget, *run, ref);
   }
   rep.notes.push_back(
       "tasks: prefill is dense for every method; the answer tokens decode sparsely once the context exceeds the "

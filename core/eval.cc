@@ -460,13 +460,8 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
   auto run_config = [&](const SparseOptions& sp) -> Result<RunOutput> {
     const auto t0 = Clock::now();
     RunOutput out;
-    EngineOptions eo;
-    eo.max_sequences = 1;
-    eo.max_context = c.max_seq_len;
-    eo.page_size = o.page_size;
-    eo.sparse = sp;
-    eo.retrieval_head = o.head;
-    SPX_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(model, backend, eo));
+    SPX_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         eval_internal::make_eval_engine(model, backend, sp, o.page_size, o.head));
     Engine& e = *engine;
 
     // Teacher forcing.
@@ -679,6 +674,19 @@ std::string format_eval_table(const EvalReport& rep) {
     s += line;
   }
   return s;
+}
+
+Result<std::unique_ptr<Engine>> eval_internal::make_eval_engine(std::shared_ptr<const Model> model,
+                                                                std::shared_ptr<Backend> backend,
+                                                                const SparseOptions& sparse, int64_t page_size,
+                                                                std::shared_ptr<const RetrievalHead> head) {
+  EngineOptions eo;
+  eo.max_sequences = 1;
+  eo.max_context = model->config.max_seq_len;
+  eo.page_size = page_size;
+  eo.sparse = sparse;
+  eo.retrieval_head = std::move(head);
+  return Engine::create(std::move(model), std::move(backend), eo);
 }
 
 std::vector<eval_internal::SweepPoint> eval_internal::sparse_sweep(

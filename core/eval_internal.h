@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "core/retrieval_head.h"
 
 namespace specontext::eval_internal {
 
@@ -20,6 +21,11 @@ inline uint64_t splitmix64(uint64_t& state) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
+
+// An engine for one evaluation configuration: one sequence of the model's whole context.
+Result<std::unique_ptr<Engine>> make_eval_engine(std::shared_ptr<const Model> model, std::shared_ptr<Backend> backend,
+                                                 const SparseOptions& sparse, int64_t page_size,
+                                                 std::shared_ptr<const RetrievalHead> head);
 
 // One sparse configuration of a sweep.
 struct SweepPoint {

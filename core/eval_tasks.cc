@@ -390,13 +390,8 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
     std::map<int64_t, TaskSpeed> speed;  // by length
   };
   auto run_config = [&](const SparseOptions& sp, int64_t budget) -> Result<Run> {
-    EngineOptions eo;
-    eo.max_sequences = 1;
-    eo.max_context = c.max_seq_len;
-    eo.page_size = o.page_size;
-    eo.sparse = sp;
-    eo.retrieval_head = o.head;
-    SPX_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(model, backend, eo));
+    SPX_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         eval_internal::make_eval_engine(model, backend, sp, o.page_size, o.head));
     Engine& e = *engine;
     Run run;
     for (const TaskPrompt& p : prompts) {

@@ -21,6 +21,7 @@
 
 #include "cluster/kv_node.h"
 #include "cluster/kv_node_client.h"
+#include "tests/cluster/kv_node_test_util.h"
 #include "transport/ucx_transport.h"
 
 namespace specontext::cluster {
@@ -34,19 +35,8 @@ using namespace std::chrono_literals;
 constexpr TierId kLocal{1};
 constexpr TierId kRemote{2};
 
-std::unique_ptr<KvNode> start_node(uint64_t capacity = 4 << 20) {
-  KvNodeOptions o;
-  o.capacity = capacity;
-  auto n = KvNode::start(o);
-  EXPECT_TRUE(n.is_ok()) << n.status().to_string();
-  return n.is_ok() ? std::move(n).value() : nullptr;
-}
-
-std::unique_ptr<KvNodeClient> connect(const KvNode& node) {
-  auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", node.port()}, 2s);
-  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
-  return c.is_ok() ? std::move(c).value() : nullptr;
-}
+using testing::connect;
+using testing::start_node;
 
 Status run_to_end(Transport& t, const TransferBatch& batch) {
   auto h = t.prepare(batch);

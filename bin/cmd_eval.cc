@@ -283,6 +283,7 @@ int run_eval(const EvalArgs& a) {
         if (!h.is_ok()) return fail(h.status());
         o.head = *h;
         std::fprintf(stderr, "retrieval head: %s (%s)\n", head_path.c_str(), pruning_report(**h).c_str());
+        if (!(*h)->load_note.empty()) std::fprintf(stderr, "warning: %s: %s\n", head_path.c_str(), (*h)->load_note.c_str());
         if (Status st = check_head_not_trained_on(head_path, text, a.text); !st.is_ok()) return fail(st);
       }
     }

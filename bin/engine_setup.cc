@@ -267,6 +267,7 @@ Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded
     std::fprintf(stderr, "retrieval head: %s (%s)\n",
                  out.head_note.empty() ? "random (synthetic)" : out.head_note.c_str(),
                  pruning_report(*head).c_str());
+    if (!head->load_note.empty()) std::fprintf(stderr, "warning: retrieval head: %s\n", head->load_note.c_str());
   }
   SPX_ASSIGN_OR_RETURN(out.tiers, setup_tiers(a.tiers, model, *backend, eopts));
   SPX_ASSIGN_OR_RETURN(out.engine,

@@ -24,6 +24,7 @@ constexpr const char* kHiddenNorm = "midlayer.hidden_norm.weight";
 constexpr const char* kQProj = "midlayer.self_attn.q_proj.weight";
 constexpr const char* kKProj = "midlayer.self_attn.k_proj.weight";
 constexpr const char* kFormat = "specontext-retrieval-head";
+constexpr double kEagleDefaultRopeTheta = 10000.0;
 
 // Tensors of a full EAGLE-3 draft that the head does not need: counted, then dropped.
 bool is_dropped_draft_tensor(const std::string& name) {
@@ -367,8 +368,16 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
                             " holds " + std::to_string(c.n_kv_heads) + " heads of " +
                             std::to_string(head_dim));
   }
-  c.rope_theta = target.rope_theta;
-  cfg.get_double("rope_theta", "rope_theta", &c.rope_theta);
+  // EAGLE builds its rotary embedding with base 10000 when the draft's config names no rope_theta
+  // (whatever the target's base is), so the head's keys were trained with it.
+  c.rope_theta = kEagleDefaultRopeTheta;
+  if (!cfg.get_double("rope_theta", "rope_theta", &c.rope_theta) && target.rope_theta != kEagleDefaultRopeTheta) {
+    char note[200];
+    std::snprintf(note, sizeof note,
+                  "the draft names no rope_theta: its RoPE base is 10000, EAGLE's default, not the target's %.9g",
+                  target.rope_theta);
+    head->load_note = note;
+  }
   c.trained_context = 2048;
   cfg.get_int("max_position_embeddings", "trained_context", &c.trained_context);
   double eps = target.norm_eps;

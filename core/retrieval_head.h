@@ -42,6 +42,7 @@ struct RetrievalHead {
   WeightMatrix wk;   // [n_kv_heads·head_dim, 2d]
   int64_t draft_parameters = 0;  // parameters of the checkpoint before pruning (embedding excluded)
   int64_t kept_parameters = 0;   // fc + norms + wq + wk
+  std::string load_note;         // a warning of load_eagle3_head (e.g. no rope_theta: 10000 used)
   std::vector<std::shared_ptr<const void>> storage;
 };
 

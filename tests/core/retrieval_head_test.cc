@@ -161,6 +161,29 @@ TEST(RetrievalHead, DirectoryWithConfigJson) {
   EXPECT_NE(bad.status().message().find("num_attention_heads"), std::string::npos);
 }
 
+// EAGLE's draft without rope_theta in its config rotates with base 10000 (EAGLE's default), not
+// with the target's base: the loader follows it and says so.
+TEST(RetrievalHead, ADraftWithoutRopeThetaUsesEaglesDefaultNotTheTargets) {
+  const std::string dir = temp_dir("spx-head-theta");
+  Checkpoint ck;
+  ASSERT_TRUE(ck.write(dir + "/model.safetensors").is_ok());
+  testing::write_file(dir + "/config.json", R"({"hidden_size": 16, "num_attention_heads": 4, "head_dim": 4})");
+  ModelConfig target = small_target();
+  target.rope_theta = 500000.0;
+  auto r = load_eagle3_head(dir, target);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_DOUBLE_EQ((*r)->config.rope_theta, 10000.0);
+  EXPECT_NE((*r)->load_note.find("no rope_theta"), std::string::npos) << (*r)->load_note;
+  EXPECT_NE((*r)->load_note.find("500000"), std::string::npos) << (*r)->load_note;
+  // Named in the config, it is used as it is, without a note.
+  testing::write_file(dir + "/config.json",
+                      R"({"hidden_size": 16, "num_attention_heads": 4, "head_dim": 4, "rope_theta": 500000.0})");
+  r = load_eagle3_head(dir, target);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_DOUBLE_EQ((*r)->config.rope_theta, 500000.0);
+  EXPECT_TRUE((*r)->load_note.empty());
+}
+
 TEST(RetrievalHead, MissingKProjNamesTheKey) {
   const std::string path = temp_dir("spx-head-miss") + "/draft.safetensors";
   Checkpoint ck;

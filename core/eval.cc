@@ -106,22 +106,7 @@ struct NeedleTrial {
   int64_t answer_tokens = 0;
 };
 
-// Prefills `prompt` into a fresh sequence in chunks; the last chunk returns its last logits row.
-Result<std::vector<float>> prefill(Engine& e, SeqId seq, std::span<const TokenId> prompt, int64_t chunk,
-                                   bool want_logits) {
-  std::vector<float> last;
-  for (size_t off = 0; off < prompt.size(); off += static_cast<size_t>(chunk)) {
-    const size_t n = std::min(prompt.size() - off, static_cast<size_t>(chunk));
-    const bool is_last = off + n == prompt.size();
-    StepRequest r{seq, prompt.subspan(off, n), is_last && want_logits ? LogitsMode::kLast : LogitsMode::kNone};
-    SPX_ASSIGN_OR_RETURN(StepOutput out, e.forward(std::span<const StepRequest>(&r, 1)));
-    if (is_last && want_logits) {
-      auto row = out.row(0);
-      last.assign(row.begin(), row.end());
-    }
-  }
-  return last;
-}
+using eval_internal::prefill;
 
 // Greedy continuation of `prompt` (n tokens, no stop tokens: the comparison wants equal lengths).
 Result<std::vector<TokenId>> greedy_continuation(Engine& e, std::span<const TokenId> prompt, int64_t n,
@@ -266,15 +251,7 @@ Result<std::vector<NeedleTrial>> build_needles(const Tokenizer& tok, const std::
   return trials;
 }
 
-std::string decode_inline(const Tokenizer& tok, const std::vector<TokenId>& ids, TokenId ctx_tok) {
-  std::string text;
-  TokenId prev = ctx_tok;
-  for (TokenId id : ids) {
-    text += tok.decode_token(prev, id);
-    prev = id;
-  }
-  return text;
-}
+using eval_internal::decode_inline;
 
 // The answer's leading digits (after spaces).
 std::string leading_digits(const Tokenizer& tok, const std::vector<TokenId>& answer, TokenId ctx_tok) {
@@ -674,6 +651,33 @@ std::string format_eval_table(const EvalReport& rep) {
     s += line;
   }
   return s;
+}
+
+// Prefills `prompt` into a fresh sequence in chunks; the last chunk returns its last logits row.
+Result<std::vector<float>> eval_internal::prefill(Engine& e, SeqId seq, std::span<const TokenId> prompt, int64_t chunk,
+                                   bool want_logits) {
+  std::vector<float> last;
+  for (size_t off = 0; off < prompt.size(); off += static_cast<size_t>(chunk)) {
+    const size_t n = std::min(prompt.size() - off, static_cast<size_t>(chunk));
+    const bool is_last = off + n == prompt.size();
+    StepRequest r{seq, prompt.subspan(off, n), is_last && want_logits ? LogitsMode::kLast : LogitsMode::kNone};
+    SPX_ASSIGN_OR_RETURN(StepOutput out, e.forward(std::span<const StepRequest>(&r, 1)));
+    if (is_last && want_logits) {
+      auto row = out.row(0);
+      last.assign(row.begin(), row.end());
+    }
+  }
+  return last;
+}
+
+std::string eval_internal::decode_inline(const Tokenizer& tok, const std::vector<TokenId>& ids, TokenId ctx_tok) {
+  std::string text;
+  TokenId prev = ctx_tok;
+  for (TokenId id : ids) {
+    text += tok.decode_token(prev, id);
+    prev = id;
+  }
+  return text;
 }
 
 Result<std::unique_ptr<Engine>> eval_internal::make_eval_engine(std::shared_ptr<const Model> model,

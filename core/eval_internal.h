@@ -3,11 +3,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "core/engine.h"
 #include "core/retrieval_head.h"
+#include "core/tokenizer.h"
 
 namespace specontext::eval_internal {
 
@@ -21,6 +23,14 @@ inline uint64_t splitmix64(uint64_t& state) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
+
+// Prefills `prompt` into sequence `seq` in chunks of at most `chunk` tokens; the last chunk's
+// last logits row when want_logits (else empty).
+Result<std::vector<float>> prefill(Engine& e, SeqId seq, std::span<const TokenId> prompt, int64_t chunk,
+                                   bool want_logits);
+
+// The text of `ids` as it continues after token ctx_tok.
+std::string decode_inline(const Tokenizer& tok, const std::vector<TokenId>& ids, TokenId ctx_tok);
 
 // An engine for one evaluation configuration: one sequence of the model's whole context.
 Result<std::unique_ptr<Engine>> make_eval_engine(std::shared_ptr<const Model> model, std::shared_ptr<Backend> backend,

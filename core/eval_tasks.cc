@@ -10,6 +10,7 @@
 
 #include "core/eval_internal.h"
 #include "core/sampler.h"
+#include "core/utf8.h"
 
 namespace specontext {
 
@@ -174,16 +175,6 @@ Spec make_spec(TaskKind kind, const TaskSuite& s, double depth, Rng& rng) {
     }
   }
   return sp;
-}
-
-std::string decode_after(const Tokenizer& tok, TokenId ctx, const std::vector<TokenId>& ids) {
-  std::string text;
-  TokenId prev = ctx;
-  for (TokenId id : ids) {
-    text += tok.decode_token(prev, id);
-    prev = id;
-  }
-  return text;
 }
 
 bool is_word_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_'; }
@@ -402,15 +393,8 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       SPX_ASSIGN_OR_RETURN(SeqId seq, e.add_sequence());
       auto body = [&]() -> Result<std::vector<TokenId>> {
         const auto t0 = Clock::now();
-        std::vector<float> last;
         const std::span<const TokenId> prompt(p.prompt);
-        for (size_t off = 0; off < prompt.size(); off += static_cast<size_t>(o.prefill_chunk)) {
-          const size_t n = std::min(prompt.size() - off, static_cast<size_t>(o.prefill_chunk));
-          const bool is_last = off + n == prompt.size();
-          StepRequest r{seq, prompt.subspan(off, n), is_last ? LogitsMode::kLast : LogitsMode::kNone};
-          SPX_ASSIGN_OR_RETURN(StepOutput so, e.forward(std::span<const StepRequest>(&r, 1)));
-          if (is_last) last.assign(so.row(0).begin(), so.row(0).end());
-        }
+        SPX_ASSIGN_OR_RETURN(std::vector<float> last, eval_internal::prefill(e, seq, prompt, o.prefill_chunk, true));
         sp_rec.prefill_seconds += seconds_since(t0);
         e.reset_sparse_stats();
         std::vector<TokenId> out{argmax(last)};
@@ -460,7 +444,7 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       r.length = p.length;
       r.depth = p.depth;
       ++r.trials;
-      r.correct += task_answer_correct(p, decode_after(tok, ctx_of(p), run.answers[i])) ? 1 : 0;
+      r.correct += task_answer_correct(p, eval_internal::decode_inline(tok, run.answers[i], ctx_of(p))) ? 1 : 0;
       r.same_as_dense += run.answers[i] == ref.answers[i] ? 1 : 0;
     }
     int64_t correct = 0;
@@ -488,7 +472,7 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
     std::string want;
     for (const std::string& a : prompts[i].answers) want += (want.empty() ? "" : " | ") + a;
     rep.examples.push_back({std::string(task_kind_name(prompts[i].kind)), prompts[i].length, prompts[i].depth, want,
-                            decode_after(tok, ctx_of(prompts[i]), ref.answers[i])});
+                            eval_internal::decode_inline(tok, ref.answers[i], ctx_of(prompts[i]))});
   }
   if (std::find(o.methods.begin(), o.methods.end(), SparseMethod::kDense) != o.methods.end()) {
     add_records(SparseMethod::kDense, 0, ref, ref);
@@ -548,7 +532,7 @@ nlohmann::json task_report_to_json(const TaskReport& r) {
   json examples = json::array();
   for (const auto& e : r.examples) {
     examples.push_back({{"task", e.kind}, {"length", e.length}, {"depth", e.depth}, {"answer", e.answer},
-                        {"dense_answer", json::parse(json(e.dense_answer).dump(-1, ' ', false, json::error_handler_t::replace))}});
+                        {"dense_answer", sanitize_utf8(e.dense_answer)}});
   }
   return {{"lengths", r.lengths}, {"depths", r.depths}, {"budgets", r.budgets}, {"trials", r.trials},
           {"sinks", r.sinks}, {"window", r.window}, {"quest_page_size", r.quest_page_size},

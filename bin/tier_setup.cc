@@ -316,6 +316,8 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
   if (eopts.sparse.method == SparseMethod::kSpeContext && eopts.retrieval_head) {
     const auto& hc = eopts.retrieval_head->config;
     pc.base.retrieval_bytes_per_token = hc.n_kv_heads * hc.head_dim * 4;  // K only, f32, no repeat_kv
+    // Engine::head_block_bytes: the head's keys live in blocks of `budget` tokens per sequence.
+    pc.head_block_bytes = static_cast<uint64_t>(pc.base.retrieval_bytes_per_token * eopts.sparse.selection.budget);
   } else {
     pc.base.retrieval_bytes_per_token = 1;  // no retrieval head: (almost) nothing per token
   }

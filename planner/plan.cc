@@ -183,7 +183,7 @@ Result<Plan> build(const PlannerSnapshot& s, const Plan* current, const Hysteres
                      Wide{d.L} * d.T * d.token_bytes + Wide{d.T} * d.retrieval_token_bytes +
                      Wide{d.L} * d.R * d.B * d.token_bytes +
                      Wide{d.R} * d.shortlist * d.retrieval_token_bytes +
-                     Wide{d.T} * d.head_token_bytes;
+                     Wide{d.T} * d.head_token_bytes + Wide{d.L} * s.layer_slack_bytes + s.head_cache_slack_bytes;
     if (all > kMaxBytes) return invalid_argument("planner snapshot: sizes overflow 64-bit byte counts");
   }
   std::vector<TierInfo> tiers = make_tiers(s);
@@ -233,7 +233,7 @@ Result<Plan> build(const PlannerSnapshot& s, const Plan* current, const Hysteres
   if (filtering) {
     Item it;
     it.kind = MigrationItem::kHeadKCache;
-    it.bytes = d.T * d.head_token_bytes;
+    it.bytes = d.T * d.head_token_bytes + s.head_cache_slack_bytes;
     if (current && current->cpu_filtering) it.prev = current->head_cache_home;
     items.push_back(it);
   }
@@ -241,7 +241,7 @@ Result<Plan> build(const PlannerSnapshot& s, const Plan* current, const Hysteres
     Item it;
     it.layer = d.L - 1 - k;
     it.offload_index = k;
-    it.bytes = d.T * d.token_bytes;
+    it.bytes = d.T * d.token_bytes + s.layer_slack_bytes;
     if (current) {
       const TierId h = current->layers[static_cast<size_t>(it.layer)].home;
       if (h != kDeviceTier) it.prev = h;

@@ -46,6 +46,8 @@ json snapshot_to_json(const PlannerSnapshot& s) {
       {"seq_lens", s.seq_lens},
       {"filter_shortlist_tokens", s.filter_shortlist_tokens},
       {"retrieval_bytes_per_token", s.retrieval_bytes_per_token},
+      {"layer_slack_bytes", s.layer_slack_bytes},
+      {"head_cache_slack_bytes", s.head_cache_slack_bytes},
   };
 }
 
@@ -77,6 +79,8 @@ Result<PlannerSnapshot> snapshot_from_json(const json& j) {
     s.seq_lens = j.value("seq_lens", std::vector<int64_t>{});
     s.filter_shortlist_tokens = j.value("filter_shortlist_tokens", int64_t{0});
     s.retrieval_bytes_per_token = j.value("retrieval_bytes_per_token", int64_t{0});
+    s.layer_slack_bytes = j.value("layer_slack_bytes", int64_t{0});
+    s.head_cache_slack_bytes = j.value("head_cache_slack_bytes", int64_t{0});
     SPX_RETURN_IF_ERROR(validate_snapshot(s));
     return s;
   } catch (const json::exception& e) {

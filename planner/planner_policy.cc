@@ -44,15 +44,16 @@ Result<PlannerSnapshot> PlannerPolicy::snapshot_for(const PlacementInput& in, co
                               "requests or a smaller budget");
   }
   s.device_bytes = std::max<int64_t>(device, 0) + reserve;
-  const uint64_t slack = config_.chunk_bytes * static_cast<uint64_t>(s.model.layers);
-  for (size_t i = 0; i < n_host; ++i) {
-    const uint64_t cap = in.tiers[1 + i].capacity_bytes;
-    s.host[i].capacity_bytes = static_cast<int64_t>(cap > slack ? cap - slack : 0);
-  }
+  // The pools' own capacities: allocation granularity is charged to what each pool is given (a
+  // chunk per layer placed there, a key block per sequence for the head's keys), not taken off
+  // every pool for every layer. That took 5 chunks (80 KiB) off a 64 KiB host pool that only had
+  // to hold the head's keys, and refused the run as "host0 0 B free of 0 B".
+  for (size_t i = 0; i < n_host; ++i) s.host[i].capacity_bytes = static_cast<int64_t>(in.tiers[1 + i].capacity_bytes);
   for (size_t i = 0; i < n_remote; ++i) {
-    const uint64_t cap = in.tiers[1 + n_host + i].capacity_bytes;
-    s.remote[i].capacity_bytes = static_cast<int64_t>(cap > slack ? cap - slack : 0);
+    s.remote[i].capacity_bytes = static_cast<int64_t>(in.tiers[1 + n_host + i].capacity_bytes);
   }
+  s.layer_slack_bytes = static_cast<int64_t>(config_.chunk_bytes);
+  s.head_cache_slack_bytes = static_cast<int64_t>(config_.head_block_bytes * lens.size());
   s.seq_lens.clear();
   for (int64_t len : lens) s.seq_lens.push_back((len + config_.page_size - 1) / config_.page_size * config_.page_size);
   return s;

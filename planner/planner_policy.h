@@ -20,10 +20,13 @@ struct PolicyConfig {
   PlannerSnapshot base;
   HysteresisOptions hysteresis;
   bool allow_cpu_filtering = true;  // false: a plan that needs filtering is refused instead
-  // Tokens per KV page and layers' chunk bytes of the engine: lengths are rounded up to whole
-  // pages and host/remote capacities lose one chunk per layer (allocation granularity).
+  // Tokens per KV page, a layer's chunk bytes and the head's key block bytes of the engine:
+  // lengths are rounded up to whole pages; each layer placed off the device is charged one chunk
+  // beyond its KV, and the head's keys one block per sequence (allocation granularity,
+  // PlannerSnapshot::layer_slack_bytes / head_cache_slack_bytes).
   int64_t page_size = 16;
   uint64_t chunk_bytes = 0;
+  uint64_t head_block_bytes = 0;
 };
 
 class PlannerPolicy final : public PlacementPolicy {

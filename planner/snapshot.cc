@@ -79,6 +79,11 @@ Status validate_snapshot(const PlannerSnapshot& s) {
   }
   SPX_RETURN_IF_ERROR(non_negative("filter_shortlist_tokens", static_cast<double>(s.filter_shortlist_tokens)));
   SPX_RETURN_IF_ERROR(non_negative("retrieval_bytes_per_token", static_cast<double>(s.retrieval_bytes_per_token)));
+  SPX_RETURN_IF_ERROR(non_negative("layer_slack_bytes", static_cast<double>(s.layer_slack_bytes)));
+  SPX_RETURN_IF_ERROR(non_negative("head_cache_slack_bytes", static_cast<double>(s.head_cache_slack_bytes)));
+  if (s.layer_slack_bytes > (int64_t{1} << 50) || s.head_cache_slack_bytes > (int64_t{1} << 50)) {
+    return invalid_argument("planner snapshot: layer_slack_bytes or head_cache_slack_bytes out of range");
+  }
   SPX_RETURN_IF_ERROR(non_negative("host_to_host_bandwidth_bps", s.host_to_host_bandwidth_bps));
   for (size_t i = 0; i < s.host.size(); ++i) {
     const std::string f = "host[" + std::to_string(i) + "].";

@@ -61,6 +61,13 @@ struct PlannerSnapshot {
   // repeat_kv expansion of a PyTorch implementation. Our engine keeps K only, no expansion, and
   // passes H_head·D·elem.
   int64_t retrieval_bytes_per_token = 0;
+  // Allocation granularity of the off-device pools (the engine's; 0 in the paper's model). An
+  // offloaded layer's KV takes up to layer_slack_bytes more than Σ S_r·H·D·kvc in its pool (its
+  // last, partly filled chunk), and the head's K cache up to head_cache_slack_bytes more than its
+  // Σ S_r tokens (a partly filled key block per sequence). Each item is placed with its own slack,
+  // so a pool is charged only for what it is given.
+  int64_t layer_slack_bytes = 0;
+  int64_t head_cache_slack_bytes = 0;
 
   int64_t shortlist_tokens() const { return filter_shortlist_tokens > 0 ? filter_shortlist_tokens : 4 * budget; }
   int64_t retrieval_token_bytes() const {

@@ -158,6 +158,29 @@ TEST(KvNodeProcess, GenerateOnAKvNodeGivesTheAllDeviceText) {
   EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u);
 }
 
+// The README's example, as written: 400 tokens need CPU filtering, so the head's keys (52 KiB)
+// go to the 64 KiB host pool and the layers to the mirrored tier. It used to be refused with
+// "host0 0 B free of 0 B": the planner took a chunk per model layer (5 x 16 KiB) off every pool,
+// even one that holds no layer (PlannerPolicy.APoolIsChargedForTheGranularityOfWhatItHolds...).
+TEST(KvNodeProcess, TheReadmesMirroredExampleRunsFourHundredTokens) {
+  NodeProcess a("64MiB"), b("64MiB");
+  ASSERT_TRUE(a.port() != 0 && b.port() != 0);
+  const std::string expect = baseline_text(400);
+  auto [code, out] = Generate(model_args(400) + kTiers + " --kv-node 1MiB@" + a.endpoint() + "+" + b.endpoint()).finish();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_EQ(out.find("0 B free of 0 B"), std::string::npos) << out;
+  const auto j = parse_json_tail(out);
+  EXPECT_EQ(j["refused"].get<int64_t>(), 0) << out;
+  EXPECT_EQ(j["text"].get<std::string>(), expect);
+  const auto& t = j["tiering"];
+  EXPECT_TRUE(t["cpu_filtering"].get<bool>()) << t;
+  EXPECT_GT(t["tiers"][1]["peak_used_bytes"].get<uint64_t>(), 0u) << "the head's keys never reached host0: " << t;
+  for (const auto& rep : t["kv_nodes"][0]["replicas"]) {
+    EXPECT_TRUE(rep["alive"].get<bool>()) << rep;
+    EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u) << rep;
+  }
+}
+
 // The node-side gather (default); one-sided RMA is refused (BadSpecsAndUnreachableNodesAreNamed).
 class KvNodeModes : public ::testing::TestWithParam<const char*> {};
 INSTANTIATE_TEST_SUITE_P(Modes, KvNodeModes, ::testing::Values("gather"));
@@ -182,7 +205,7 @@ TEST_P(KvNodeModes, MirroredTierSurvivesSigkillOfOneNodeMidRun) {
     SCOPED_TRACE("attempt " + std::to_string(attempt) + ", kill at " + std::to_string(kill_at) + "x");
     NodeProcess a, b;
     ASSERT_TRUE(a.port() != 0 && b.port() != 0);
-    // 400 tokens need more host memory than kTiers gives (the head's keys move there).
+    // More host memory than kTiers gives: the head's keys move there, and layers may too.
     Generate gen(model_args(400) + " --device-kv 200KiB --host-kv 256KiB --kv-node-mode " + GetParam() +
                  " --kv-node 2MiB@" + a.endpoint() + "+" + b.endpoint());
     // Once both nodes hold the tier's region, set-up is over.

@@ -126,5 +126,56 @@ TEST(PlannerPolicy, AdmissionAndFilteringRefusalsNameWhatDoesNotFit) {
   EXPECT_EQ((*policy)->decide(one).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Allocation granularity is charged to what a pool holds. The README's kv-node example
+// (`generate -n 400 --device-kv 200KiB --host-kv 64KiB --kv-node 1MiB@...` on stories260K) was
+// refused with "host0 0 B free of 0 B": every pool lost a chunk for each of the model's layers
+// (5 x 16 KiB), although the host pool only had to hold the head's keys (52 KiB) while the layers
+// went to the remote node. Here: 4 layers with 32 KiB chunks (128 KiB) beside a 96 KiB host pool
+// that gets the head's keys (60 KiB + one 1 KiB key block), and a remote pool for the layers.
+TEST(PlannerPolicy, APoolIsChargedForTheGranularityOfWhatItHoldsNotOfEveryLayer) {
+  PolicyConfig pc = config();
+  pc.base.host = {{0, 96 << 10, 10e9}};
+  pc.base.remote = {{0, 1 << 20, 1e9}};
+  pc.chunk_bytes = 32 << 10;
+  pc.head_block_bytes = 128 * 8;  // `budget` (8) tokens of 128 B
+  auto policy = PlannerPolicy::create(pc);
+  ASSERT_TRUE(policy.is_ok()) << policy.status().to_string();
+  KvPlacement current;
+  current.layer_home.assign(4, TierId(0));
+  PlacementInput in = input(0, current);
+  in.seq_lens.clear();
+  TierDescription r;
+  r.id = TierId(2);
+  r.kind = TierKind::kRemote;
+  r.capacity_bytes = 1 << 20;
+  in.tiers[1].capacity_bytes = 96 << 10;
+  in.tiers.push_back(r);
+  in.tier_used_bytes = {0, 0, 0};
+  // S^T_L = (64 KiB - 8 x 4 layers x 8 tokens x 2 x 16) / 128 = 448: 480 tokens need CPU filtering,
+  // so the head's keys (480 x 128 B) go to host0 and every layer to remote0.
+  const Status fits = (*policy)->admit(in, 480, /*alone=*/true);
+  EXPECT_TRUE(fits.is_ok()) << fits.to_string();
+  in.seq_lens = {480};
+  auto d = (*policy)->decide(in);
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_TRUE(d->placement.cpu_filtering);
+  EXPECT_EQ(d->placement.head_cache_home, TierId(1));
+  for (TierId t : d->placement.layer_home) EXPECT_EQ(t, TierId(2));
+  // What does not fit is refused naming the pool's real size: 800 tokens of keys are 100 KiB.
+  const Status big = (*policy)->admit(in, 800, /*alone=*/true);
+  EXPECT_EQ(big.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(big.message().find("host0 96.00 KiB free of 96.00 KiB"), std::string::npos) << big.message();
+  // Layers: four of 480 tokens (120 KiB each) and their chunks fill a remote pool of 4 x 152 KiB
+  // exactly; one byte less and the last layer has no home.
+  const int64_t layer = 480 * 256 + (32 << 10);
+  PlacementInput tight = in;
+  tight.tiers[2].capacity_bytes = static_cast<uint64_t>(4 * layer);
+  EXPECT_TRUE((*policy)->admit(tight, 480, true).is_ok());
+  tight.tiers[2].capacity_bytes = static_cast<uint64_t>(4 * layer - 1);
+  const Status over = (*policy)->admit(tight, 480, true);
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.to_string();
+  EXPECT_NE(over.message().find("layer"), std::string::npos) << over.message();
+}
+
 }  // namespace
 }  // namespace specontext::planner

@@ -437,7 +437,7 @@ Status Engine::admit(int64_t final_length, bool alone, SeqId taken_over) const {
     if (alone) in.device_other_bytes = 0;
     const int64_t final_lengths[] = {final_length};
     in.device_other_bytes += new_sequence_reserve() + staging_reserve(final_lengths);
-    return options_.tiering.policy->admit(in, final_length, alone);
+    return with_lost_tiers(options_.tiering.policy->admit(in, final_length, alone));
   }
   const int64_t need = (final_length + kv_->page_size() - 1) / kv_->page_size();
   int64_t available = kv_->total_pages();
@@ -476,12 +476,12 @@ Status Engine::fits(std::span<const int64_t> grown, int64_t new_length) const {
       PlacementInput in = placement_input(lens);
       const int64_t asked_lengths[] = {asked};
       in.device_other_bytes += staging_reserve(asked_lengths);
-      return options_.tiering.policy->admit(in, asked, /*alone=*/false);
+      return with_lost_tiers(options_.tiering.policy->admit(in, asked, /*alone=*/false));
     }
     PlacementInput in = placement_input(lens);
     const int64_t asked_lengths[] = {asked};
     in.device_other_bytes += new_sequence_reserve() + staging_reserve(asked_lengths);
-    return options_.tiering.policy->admit(in, asked, /*alone=*/false);
+    return with_lost_tiers(options_.tiering.policy->admit(in, asked, /*alone=*/false));
   }
   const int64_t ps = kv_->page_size();
   int64_t need = new_length > 0 ? (new_length + ps - 1) / ps : 0;

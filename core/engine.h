@@ -331,6 +331,10 @@ class Engine {
   // tier that is not remote or was abandoned already.
   Status abandon_tier(TierId tier);
   const std::vector<TierId>& abandoned_tiers() const { return abandoned_; }
+  // "tier NAME was lost: WHY" for an abandoned tier, WHY naming the dead nodes as the transport
+  // told it (Transport::tier_loss); "" for a tier that was not abandoned. Placement errors and
+  // admission refusals after a loss carry it, so that "0 B free of 0 B" is never the whole story.
+  std::string lost_tier_error(TierId tier) const;
   // What a placement policy is asked with for these lengths (tiers, usage, device bytes outside
   // its model), and the device bytes one more sequence's first steps take beyond its tokens.
   PlacementInput placement_input(const std::vector<int64_t>& seq_lens) const;
@@ -480,6 +484,9 @@ class Engine {
   // Tiers.
   KvPlacement placement_;
   std::vector<TierId> abandoned_;  // lost remote tiers no longer used (abandon_tier)
+  std::vector<std::string> abandoned_why_;  // per abandoned_ entry: Transport::tier_loss when abandoned
+  // A policy's refusal with every lost tier's error appended (kResourceExhausted only).
+  Status with_lost_tiers(Status refusal) const;
   bool is_abandoned(TierId tier) const {
     return std::find(abandoned_.begin(), abandoned_.end(), tier) != abandoned_.end();
   }

@@ -123,7 +123,8 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
   for (TierId t : target.layer_home) {
     if (!t.valid() || t.value() >= kv_->n_tiers()) return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which does not exist");
     if (is_abandoned(t)) {
-      return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which was lost");
+      return invalid_argument("placement names tier " + std::to_string(t.value()) + ", which was lost (" +
+                              lost_tier_error(t) + ")");
     }
   }
   const TierId head_home = target.head_cache_home;
@@ -213,6 +214,21 @@ std::vector<TierId> Engine::lost_tiers() const {
   return lost;
 }
 
+std::string Engine::lost_tier_error(TierId tier) const {
+  for (size_t i = 0; i < abandoned_.size(); ++i) {
+    if (abandoned_[i] != tier) continue;
+    return "tier " + kv_->tiers()[static_cast<size_t>(tier.value())].desc.name + " was lost: " + abandoned_why_[i];
+  }
+  return {};
+}
+
+Status Engine::with_lost_tiers(Status refusal) const {
+  if (refusal.code() != StatusCode::kResourceExhausted || abandoned_.empty()) return refusal;
+  std::string lost;
+  for (TierId t : abandoned_) lost += (lost.empty() ? "" : "; ") + lost_tier_error(t);
+  return resource_exhausted(refusal.message() + " (" + lost + ")");
+}
+
 Status Engine::abandon_tier(TierId tier) {
   const std::string what = "abandon_tier " + std::to_string(tier.value());
   if (!tier.valid() || tier.value() >= kv_->n_tiers()) return invalid_argument(what + ": no such tier");
@@ -239,11 +255,14 @@ Status Engine::abandon_tier(TierId tier) {
     placement_.layer_home[static_cast<size_t>(l)] = TierId(0);
     ++rehomed;
   }
+  std::string why = options_.tiering.transport ? options_.tiering.transport->tier_loss(tier) : std::string();
+  if (why.empty()) why = "the transport reports its memory gone";
   abandoned_.push_back(tier);
+  abandoned_why_.push_back(why);
   PlacementEvent ev;
   ev.forward = forwards_;
   ev.cpu_filtering = placement_.cpu_filtering;
-  ev.reasons.push_back("tier " + t.desc.name + " lost: its layers come back to the device");
+  ev.reasons.push_back("tier " + t.desc.name + " lost (" + why + "): its layers come back to the device");
   ev.layers_moved = rehomed;
   events_.push_back(std::move(ev));
   return Status::ok();

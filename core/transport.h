@@ -112,6 +112,13 @@ class Transport {
     (void)tier;
     return false;
   }
+  // Why `tier` was lost, naming what died (a KV node tier: each replica's node and why it was
+  // declared dead), for the errors and events that report the loss. Empty when it is not lost
+  // or the transport cannot say.
+  virtual std::string tier_loss(TierId tier) const {
+    (void)tier;
+    return {};
+  }
 
  protected:
   TransferHandle make_handle(uint64_t id) const { return TransferHandle(this, id); }

@@ -142,6 +142,17 @@ int64_t FaultInjectingTransport::injected_no_resource() const {
   return injected_no_resource_;
 }
 
+std::string FaultInjectingTransport::tier_loss(TierId tier) const {
+  {
+    std::lock_guard lock(mu_);
+    if (lost_ && tier == policy_.target_tier) {
+      return "fault injection: the node of tier " + std::to_string(tier.value()) + " died for good after " +
+             std::to_string(policy_.fail_after_posts) + " posts";
+    }
+  }
+  return inner_->tier_loss(tier);
+}
+
 bool FaultInjectingTransport::tier_lost(TierId tier) const {
   {
     std::lock_guard lock(mu_);

@@ -49,6 +49,7 @@ class FaultInjectingTransport final : public Transport {
   Status poll(TransferHandle& handle) override;
   void release(TransferHandle& handle) override;
   bool tier_lost(TierId tier) const override;
+  std::string tier_loss(TierId tier) const override;
 
   Transport& inner() { return *inner_; }
   int64_t posts() const;             // posts seen (including rejected ones)

@@ -283,6 +283,14 @@ int64_t TransportRouter::partial_no_resource() const {
   return partial_no_resource_;
 }
 
+std::string TransportRouter::tier_loss(TierId tier) const {
+  for (const Transport* m : members_) {
+    std::string why = m->tier_loss(tier);
+    if (!why.empty()) return why;
+  }
+  return {};
+}
+
 bool TransportRouter::tier_lost(TierId tier) const {
   for (const Transport* m : members_) {
     if (m->tier_lost(tier)) return true;

@@ -68,6 +68,7 @@ class TransportRouter final : public Transport {
   Status poll(TransferHandle& handle) override;
   void release(TransferHandle& handle) override;
   bool tier_lost(TierId tier) const override;  // any member says so
+  std::string tier_loss(TierId tier) const override;  // the first member that says why
 
   // Which member a request would go to (its index in the preference list), or the routing error
   // prepare would give for it. For tests and logs.

@@ -807,6 +807,12 @@ void UcxRemoteTransport::release(TransferHandle& handle) {
   reset_handle(handle);
 }
 
+std::string UcxRemoteTransport::tier_loss(TierId tier) const {
+  std::lock_guard lock(mu_);
+  if (tier != config_.tier || first_live() >= 0) return {};
+  return "no replica alive (" + replicas_text() + ")";
+}
+
 bool UcxRemoteTransport::tier_lost(TierId tier) const {
   std::lock_guard lock(mu_);
   return tier == config_.tier && first_live() < 0;

@@ -104,6 +104,8 @@ class UcxRemoteTransport final : public Transport {
   // when the region fails during the copy (the replica stays dead).
   Status rejoin(size_t index, RemoteRegion region);
   bool tier_lost(TierId tier) const override;  // the served tier, with no replica alive
+  // For a lost tier: "no replica alive (node A: why; node B: why)".
+  std::string tier_loss(TierId tier) const override;
   std::vector<ReplicaReport> replicas() const;
   int64_t failovers() const;  // reads re-issued on another replica
   // Requests prepared, and the RMA operations they became after adjacent rows were merged.

@@ -340,6 +340,8 @@ TEST_P(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
   EXPECT_TRUE(reps[1].alive);
   EXPECT_EQ(rig.ucx->failovers(), 1);
   EXPECT_LT(seconds, 3.0) << "fail-over waited for the op timeout instead of the reset";
+  EXPECT_FALSE(rig.ucx->tier_lost(kRemote));
+  EXPECT_EQ(rig.ucx->tier_loss(kRemote), "") << "one replica lives: nothing is lost";
   // Writes now go to the survivor only, and read back.
   const auto src2 = pattern(kBytes, 12);
   std::memcpy(rig.local.data(), src2.data(), kBytes);
@@ -355,6 +357,11 @@ TEST_P(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
   EXPECT_NE(dead.message().find(rig.ucx->replicas()[1].node), std::string::npos) << dead.to_string();
   Status write_dead = transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, 64}});
   EXPECT_EQ(write_dead.code(), StatusCode::kUnavailable) << write_dead.to_string();
+  // The loss, as the engine reports it (Engine::lost_tier_error), names both dead nodes and why.
+  ASSERT_TRUE(rig.ucx->tier_lost(kRemote));
+  const auto gone = rig.ucx->replicas();
+  EXPECT_EQ(rig.ucx->tier_loss(kRemote), "no replica alive (node " + gone[0].node + ": " + gone[0].error + "; node " +
+                                             gone[1].node + ": " + gone[1].error + ")");
 }
 
 TEST_P(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {

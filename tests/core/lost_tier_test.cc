@@ -216,5 +216,59 @@ TEST(LostTier, AbandonTierRefusesWhatItCannotDo) {
   EXPECT_TRUE(e.check_invariants().is_ok());
 }
 
+// A policy that refuses every admission, as the planner does once nothing fits.
+class RefusingPolicy final : public PlacementPolicy {
+ public:
+  Result<PlacementDecision> decide(const PlacementInput& in) override {
+    PlacementDecision d;
+    d.placement = in.current;
+    return d;
+  }
+  Status admit(const PlacementInput&, int64_t, bool) override {
+    return resource_exhausted("remote0 0 B free of 0 B");
+  }
+};
+
+// What reports a loss names what died, as the transport tells it (Transport::tier_loss): for a
+// KV node tier, each replica's node and why (UcxRemoteTransport, KvNodeProcess tests). The
+// placement event of the abandonment, a placement that names the tier, and an admission refused
+// afterwards (where the planner sees the lost tier as "0 B free of 0 B") all carry it.
+TEST(LostTier, ItsErrorsNameWhatDied) {
+  auto f = testing::failing_link_engine(stories(), /*fail_after_posts=*/4, 2, /*permanent=*/true);
+  ASSERT_NE(f.engine, nullptr);
+  Engine& e = *f.engine;
+  auto seq = e.add_sequence();
+  ASSERT_TRUE(seq.is_ok());
+  std::vector<TokenId> tokens{1, 403, 407};
+  Status failed;
+  for (int i = 0; i < 20 && failed.is_ok(); ++i) {
+    StepRequest r{*seq, tokens, LogitsMode::kLast};
+    failed = e.forward(std::span<const StepRequest>(&r, 1)).status();
+    tokens = {378};
+  }
+  ASSERT_FALSE(failed.is_ok());
+  ASSERT_EQ(e.lost_tiers(), std::vector<TierId>{TierId(1)});
+  EXPECT_EQ(f.link->tier_loss(TierId(1)), "fault injection: the node of tier 1 died for good after 4 posts");
+  EXPECT_EQ(f.link->tier_loss(TierId(0)), "");
+  ASSERT_TRUE(e.remove_sequence(*seq).is_ok());
+  EXPECT_EQ(e.lost_tier_error(TierId(1)), "") << "not abandoned yet";
+  ASSERT_TRUE(e.abandon_tier(TierId(1)).is_ok());
+  const std::string name = e.kv_store().tiers()[1].desc.name;
+  const std::string error = e.lost_tier_error(TierId(1));
+  EXPECT_EQ(error, "tier " + name + " was lost: fault injection: the node of tier 1 died for good after 4 posts");
+  EXPECT_EQ(e.lost_tier_error(TierId(0)), "");
+  const std::string event = e.placement_events().back().reasons.at(0);
+  EXPECT_NE(event.find("lost (fault injection: the node of tier 1 died for good"), std::string::npos) << event;
+  KvPlacement back = e.placement();
+  back.layer_home[1] = TierId(1);
+  const Status placed = e.apply_placement(back);
+  EXPECT_EQ(placed.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(placed.message().find(error), std::string::npos) << placed.to_string();
+  ASSERT_TRUE(e.set_placement_policy(std::make_shared<RefusingPolicy>()).is_ok());
+  const Status refused = e.admit(10, /*alone=*/true);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("0 B free of 0 B (" + error + ")"), std::string::npos) << refused.to_string();
+}
+
 }  // namespace
 }  // namespace specontext

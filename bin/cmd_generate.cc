@@ -189,6 +189,7 @@ int run_generate(const GenerateArgs& a) {
     if (show_progress) draw_progress(done, total);
   };
   auto results = gen.run(reqs, on_token, on_progress);
+  if (tier_rt) print_kv_node_events(*tier_rt);  // what the last step saw (text mode)
   if (!results.is_ok()) return fail(results.status());
   int refused = 0;
   for (const GenerationResult& r : *results) {

@@ -131,6 +131,7 @@ int run_serve(const ServeArgs& a) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   (*server)->stop(std::chrono::milliseconds(static_cast<int64_t>(a.drain_seconds * 1000)));
+  if (bundle->tiers) print_kv_node_events(*bundle->tiers);  // what the last steps saw
   const cluster::ServerCounters c = (*server)->counters();
   std::cout << nlohmann::json{{"event", "stopped"},
                               {"signal", sig},

@@ -270,6 +270,7 @@ Result<EngineBundle> build_engine(const EngineArgs& a, const LoadedModel& loaded
     if (!head->load_note.empty()) std::fprintf(stderr, "warning: retrieval head: %s\n", head->load_note.c_str());
   }
   SPX_ASSIGN_OR_RETURN(out.tiers, setup_tiers(a.tiers, model, *backend, eopts));
+  if (out.tiers) out.tiers->print_events = !quiet;  // fail-over, rejoin and loss lines on stderr
   SPX_ASSIGN_OR_RETURN(out.engine,
                        Engine::create(loaded.model, std::shared_ptr<Backend>(std::move(backend)), eopts));
   if (out.tiers) {

@@ -11,6 +11,7 @@
 #include "transport/transport_router.h"
 #if SPECONTEXT_HAVE_UCX
 #include "cluster/kv_node_client.h"
+#include "cluster/replica_events.h"
 #include "cluster/replica_healer.h"
 #include "transport/ucx_transport.h"
 #endif
@@ -181,6 +182,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     auto t = transport::UcxRemoteTransport::create(std::move(cfg));
     if (!t.is_ok()) return t.status().with_context(flag);
     rt->kv_node_transports.push_back(t->get());
+    rt->kv_node_tier_names.push_back("remote" + std::to_string(i));
     if (args.kv_node_rejoin_ms > 0 && endpoints.size() > 1) {
       if (!rt->healer) {
         cluster::HealerOptions ho;
@@ -192,7 +194,6 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
           ho.spares.push_back(*ep);
         }
         rt->healer = std::make_shared<cluster::ReplicaHealer>(ho);
-        eopts.tiering.between_steps = [healer = rt->healer.get()] { healer->maintain(); };
       }
       rt->healer->watch(t->get(), std::move(endpoints), spec.bytes, std::move(sessions));
     } else {
@@ -211,6 +212,14 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   if (!args.kv_node_spares.empty() && !rt->healer) {
     return invalid_argument(
         "--kv-node-spare: spares serve mirrored tiers (--kv-node SIZE@A+B) with --kv-node-rejoin-ms > 0");
+  }
+  if (!rt->kv_node_transports.empty()) {
+    rt->event_log = std::make_shared<cluster::ReplicaEventLog>();
+    // Heal first, so that a rejoin is reported at the step it happened.
+    eopts.tiering.between_steps = [runtime = rt.get()] {
+      if (runtime->healer) runtime->healer->maintain();
+      print_kv_node_events(*runtime);
+    };
   }
 #endif
   // Members in preference order: the CUDA copy engine for device traffic, memcpy between host
@@ -340,6 +349,21 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
   std::vector<std::string> reasons = d.reasons;
   reasons.push_back(rt.placement_note);
   return engine.apply_placement(d.placement, reasons);
+}
+
+void print_kv_node_events(TierRuntime& rt) {
+#if SPECONTEXT_HAVE_UCX
+  if (!rt.print_events || rt.event_log == nullptr) return;
+  std::vector<cluster::TierReplicas> now;
+  for (size_t i = 0; i < rt.kv_node_transports.size(); ++i) {
+    const auto& ucx = static_cast<const transport::UcxRemoteTransport&>(*rt.kv_node_transports[i]);
+    now.push_back({ucx.tier().value(), rt.kv_node_tier_names[i], ucx.replicas()});
+  }
+  for (const std::string& line : rt.event_log->update(now)) std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+#else
+  (void)rt;
+#endif
 }
 
 nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {

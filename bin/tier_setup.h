@@ -19,6 +19,7 @@
 
 namespace specontext::cluster {
 class ReplicaHealer;
+class ReplicaEventLog;
 }
 
 namespace specontext::cli {
@@ -60,6 +61,11 @@ struct TierRuntime {
   std::vector<std::shared_ptr<void>> keep_alive;  // pinned registrations
   std::string placement_note;  // what the static plan decided
   std::vector<Transport*> kv_node_transports;  // UcxRemoteTransport members, for the report
+  std::vector<std::string> kv_node_tier_names;  // the engine's name of each ("remote0", ...)
+  // Fail-over, rejoin and loss of KV node replicas go to stderr, naming the node, between steps
+  // and at print_kv_node_events (build_engine sets it unless quiet: generate's text mode, serve).
+  bool print_events = false;
+  std::shared_ptr<cluster::ReplicaEventLog> event_log;
 };
 
 // SIZE@HOST:PORT[+HOST:PORT...] of --kv-node and --prefix-offload-remote: errors name `flag`.
@@ -78,6 +84,12 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
 // from them and installs it (dynamic) or applies the plan for `final_lengths` once (static).
 Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
                    const std::vector<int64_t>& final_lengths);
+
+// Prints to stderr what happened to KV node replicas since the last call (cluster/replica_events.h:
+// "kv-node: tier remote0: replica 0 on HOST:PORT is dead (why); reads fail over ...", rejoins,
+// "kv-node: tier remote0 lost: no replica alive (every node: why)"), when rt.print_events. The
+// engine's thread calls it between steps; callers call it once more after the run.
+void print_kv_node_events(TierRuntime& rt);
 
 // {"tiers": [...], "overlap": {...}, "placement_events": [...], "probe": [...], ...}
 nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt);

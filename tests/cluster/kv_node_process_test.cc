@@ -181,6 +181,62 @@ TEST(KvNodeProcess, TheReadmesMirroredExampleRunsFourHundredTokens) {
   }
 }
 
+// Text mode (no --json): what happens to the replicas is printed to stderr, naming the node
+// (cluster/replica_events.h). It used to be reported only in --json. The run of KvNodeRejoin
+// (Restart): b dies, comes back at its address and is filled, then a dies.
+TEST(KvNodeProcess, TextModeNamesTheNodeOfEachFailOverAndRejoin) {
+  NodeProcess a, b;
+  ASSERT_TRUE(a.port() != 0 && b.port() != 0);
+  std::string args = model_args(480);
+  args.erase(args.rfind(" --json"));
+  Generate gen(args + " --batch 3 --device-kv 600KiB --host-kv 256KiB --kv-node-rejoin-ms 20 --kv-node 2MiB@" +
+               a.endpoint() + "+" + b.endpoint());
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while ((a.regions() < 1 || b.regions() < 1) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  const std::string b_address = b.endpoint();
+  b.kill_now();
+  NodeProcess back("16MiB", b_address);
+  ASSERT_EQ(back.endpoint(), b_address);
+  while (back.stat("bytes_scattered") < (2 << 20) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  a.kill_now();
+  auto [code, out] = gen.finish();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_EQ(out.find('{'), std::string::npos) << "text mode printed JSON: " << out;
+  const std::string tier = "kv-node: tier remote0: ";
+  const size_t b_dead = out.find(tier + "replica 1 on " + b_address + " is dead (");
+  const size_t b_back = out.find(tier + "replica 1 rejoined on " + b_address + ": 2.00 MiB copied from a live replica");
+  const size_t a_dead = out.find(tier + "replica 0 on " + a.endpoint() + " is dead (");
+  ASSERT_NE(b_dead, std::string::npos) << out;
+  ASSERT_NE(b_back, std::string::npos) << out;
+  ASSERT_NE(a_dead, std::string::npos) << out;
+  EXPECT_LT(b_dead, b_back);
+  EXPECT_LT(b_back, a_dead);
+  EXPECT_NE(out.find("reads fail over, the tier goes on on " + a.endpoint()), std::string::npos) << out;
+  EXPECT_NE(out.find("reads fail over, the tier goes on on " + b_address), std::string::npos) << out;
+}
+
+// Text mode, the only node lost mid-run (LosingTheOnlyNodeMidRunRecomputesTheAllDeviceText): the
+// loss is printed naming the node and why, and the run recomputes and ends well.
+TEST(KvNodeProcess, TextModeNamesTheDeadNodesOfALostTier) {
+  NodeProcess node;
+  ASSERT_NE(node.port(), 0);
+  std::string args = model_args(400);
+  args.erase(args.rfind(" --json"));
+  Generate gen(args + " --sparse dense --batch 3 --no-probe --device-kv 600KiB --host-kv 512KiB --kv-node 2MiB@" +
+               node.endpoint());
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (node.stat("bytes_scattered") <= 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  node.kill_now();
+  auto [code, out] = gen.finish();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("kv-node: tier remote0 lost: no replica alive (" + node.endpoint() + ": "), std::string::npos)
+      << out;
+}
+
 // The node-side gather (default); one-sided RMA is refused (BadSpecsAndUnreachableNodesAreNamed).
 class KvNodeModes : public ::testing::TestWithParam<const char*> {};
 INSTANTIATE_TEST_SUITE_P(Modes, KvNodeModes, ::testing::Values("gather"));

@@ -50,7 +50,7 @@ TEST_P(LongCtxGolden, LogitsMatchThePyTorchForwardAcrossTheWholeContext) {
   auto m = load_model(repo_path(GetParam()));
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   EXPECT_GE((*m)->config.max_seq_len, static_cast<int64_t>(ids.size()));
-  EXPECT_EQ((*m)->config.rope_theta, 1e6);
+  EXPECT_EQ((*m)->config.rope_theta, 1e8);
   auto b = cpu::create_cpu_backend(cpu::CpuBackendOptions{});
   ASSERT_TRUE(b.is_ok());
   EngineOptions eo;

@@ -393,17 +393,23 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       SPX_ASSIGN_OR_RETURN(SeqId seq, e.add_sequence());
       auto body = [&]() -> Result<std::vector<TokenId>> {
         const auto t0 = Clock::now();
+        // Every answer token, the first included, comes from a sparse decode step: the prompt's
+        // last token is decoded, not prefilled (a prefilled last token would answer single-token
+        // tasks with dense attention for every method).
         const std::span<const TokenId> prompt(p.prompt);
-        SPX_ASSIGN_OR_RETURN(std::vector<float> last, eval_internal::prefill(e, seq, prompt, o.prefill_chunk, true));
+        SPX_ASSIGN_OR_RETURN(std::vector<float> unused,
+                             eval_internal::prefill(e, seq, prompt.first(prompt.size() - 1), o.prefill_chunk, false));
+        (void)unused;
         sp_rec.prefill_seconds += seconds_since(t0);
         e.reset_sparse_stats();
-        std::vector<TokenId> out{argmax(last)};
+        std::vector<TokenId> out;
         const auto t1 = Clock::now();
-        int64_t pos = static_cast<int64_t>(prompt.size());
+        int64_t pos = static_cast<int64_t>(prompt.size()) - 1;
         while (static_cast<int64_t>(out.size()) < p.answer_tokens) {
           const int64_t sparse_before = e.sparse_stats().sparse_steps;
           const int64_t selected_before = e.sparse_stats().tokens_selected;
-          StepRequest r{seq, std::span<const TokenId>(&out.back(), 1), LogitsMode::kLast};
+          const TokenId* next = out.empty() ? &prompt.back() : &out.back();
+          StepRequest r{seq, std::span<const TokenId>(next, 1), LogitsMode::kLast};
           SPX_ASSIGN_OR_RETURN(StepOutput so, e.forward(std::span<const StepRequest>(&r, 1)));
           out.push_back(argmax(so.row(0)));
           const SparseStats& st = e.sparse_stats();

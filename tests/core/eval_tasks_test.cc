@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "core/model_loader.h"
+#include "cpu/cpu_backend.h"
 #include "tests/tests_common.h"
 
 namespace specontext {
@@ -136,6 +137,33 @@ TEST(EvalTasks, ParagraphsAreJoinedAsTheTrainingScriptJoinsThem) {
   EXPECT_EQ(normalize_paragraphs("Chapter 1\n\n\nIt is a truth\n  universally acknowledged.\n\n\"Yes.\"\n"),
             "Chapter 1\n\nIt is a truth universally acknowledged.\n\n\"Yes.\"");
   EXPECT_EQ(normalize_paragraphs(""), "");
+}
+
+TEST_F(EvalTasksTest, EveryAnswerTokenIsDecodedByTheMethodNotPrefilledDensely) {
+  // The prompt's last token is decoded under the method, so even the first answer token (the
+  // whole answer of a single-token task) comes from sparse attention, not from dense prefill.
+  TaskPromptOptions po;
+  po.kinds = {TaskKind::kPasskey, TaskKind::kKvLookup};
+  po.lengths = {512};
+  po.depths = {0.0};
+  po.trials = 1;
+  auto prompts = build_task_prompts(*tok_, suite_, filler_, po);
+  ASSERT_TRUE(prompts.is_ok()) << prompts.status().to_string();
+  auto m = load_model(repo_path("models/longctx/hf"));
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  auto b = cpu::create_cpu_backend(cpu::CpuBackendOptions{});
+  ASSERT_TRUE(b.is_ok());
+  TaskEvalOptions o;
+  o.methods = {SparseMethod::kStreaming};
+  o.budgets = {64};
+  auto rep = run_task_eval(*m, std::shared_ptr<Backend>(std::move(*b)), *tok_, *prompts, po, o);
+  ASSERT_TRUE(rep.is_ok()) << rep.status().to_string();
+  int64_t answer_tokens = 0;
+  for (const TaskPrompt& p : *prompts) answer_tokens += p.answer_tokens;
+  ASSERT_FALSE(rep->speed.empty());
+  for (const TaskSpeed& sp : rep->speed) {
+    EXPECT_EQ(sp.decode_tokens, answer_tokens) << sparse_method_name(sp.method) << " budget " << sp.budget;
+  }
 }
 
 }  // namespace

@@ -397,9 +397,8 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
         // last token is decoded, not prefilled (a prefilled last token would answer single-token
         // tasks with dense attention for every method).
         const std::span<const TokenId> prompt(p.prompt);
-        SPX_ASSIGN_OR_RETURN(std::vector<float> unused,
-                             eval_internal::prefill(e, seq, prompt.first(prompt.size() - 1), o.prefill_chunk, false));
-        (void)unused;
+        SPX_RETURN_IF_ERROR(
+            eval_internal::prefill(e, seq, prompt.first(prompt.size() - 1), o.prefill_chunk, false).status());
         sp_rec.prefill_seconds += seconds_since(t0);
         e.reset_sparse_stats();
         std::vector<TokenId> out;

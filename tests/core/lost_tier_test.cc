@@ -23,6 +23,19 @@ std::shared_ptr<Model> stories() {
   return *m;
 }
 
+// Forwards `seq` (a prompt, then one token a step) until the engine reports an error, at most
+// 20 steps; returns that error (ok if the node never died).
+Status forward_until_the_node_dies(Engine& e, SeqId seq) {
+  std::vector<TokenId> tokens{1, 403, 407};
+  Status failed;
+  for (int i = 0; i < 20 && failed.is_ok(); ++i) {
+    StepRequest r{seq, tokens, LogitsMode::kLast};
+    failed = e.forward(std::span<const StepRequest>(&r, 1)).status();
+    tokens = {378};
+  }
+  return failed;
+}
+
 GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature, uint64_t seed) {
   GenerationRequest r;
   r.prompt = std::move(prompt);
@@ -177,17 +190,9 @@ TEST(LostTier, AbandonTierRefusesWhatItCannotDo) {
   Engine& e = *f.engine;
   auto seq = e.add_sequence();
   ASSERT_TRUE(seq.is_ok());
-  std::vector<TokenId> tokens{1, 403, 407};
   EXPECT_TRUE(e.lost_tiers().empty());
   // Forwards until the node dies; the sequence keeps what it had (all-or-nothing).
-  Status failed;
-  for (int i = 0; i < 20 && failed.is_ok(); ++i) {
-    StepRequest r{*seq, tokens, LogitsMode::kLast};
-    auto out = e.forward(std::span<const StepRequest>(&r, 1));
-    failed = out.status();
-    tokens = {378};
-  }
-  ASSERT_FALSE(failed.is_ok());
+  ASSERT_FALSE(forward_until_the_node_dies(e, *seq).is_ok());
   ASSERT_GT(e.kv_bytes_in_use(), 0) << "the first forward did not succeed";
   EXPECT_EQ(e.lost_tiers(), std::vector<TierId>{TierId(1)});
   EXPECT_EQ(e.abandon_tier(TierId(0)).code(), StatusCode::kInvalidArgument);  // the device
@@ -239,14 +244,7 @@ TEST(LostTier, ItsErrorsNameWhatDied) {
   Engine& e = *f.engine;
   auto seq = e.add_sequence();
   ASSERT_TRUE(seq.is_ok());
-  std::vector<TokenId> tokens{1, 403, 407};
-  Status failed;
-  for (int i = 0; i < 20 && failed.is_ok(); ++i) {
-    StepRequest r{*seq, tokens, LogitsMode::kLast};
-    failed = e.forward(std::span<const StepRequest>(&r, 1)).status();
-    tokens = {378};
-  }
-  ASSERT_FALSE(failed.is_ok());
+  ASSERT_FALSE(forward_until_the_node_dies(e, *seq).is_ok());
   ASSERT_EQ(e.lost_tiers(), std::vector<TierId>{TierId(1)});
   EXPECT_EQ(f.link->tier_loss(TierId(1)), "fault injection: the node of tier 1 died for good after 4 posts");
   EXPECT_EQ(f.link->tier_loss(TierId(0)), "");

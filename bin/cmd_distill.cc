@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -20,7 +21,8 @@ void register_distill(CLI::App& app, DistillArgs& a) {
       ->required();
   cmd->add_option("--tokenizer", a.tokenizer, "tokenizer file (default: found next to the model)");
   cmd->add_option("--corpus", a.corpus, "training text; stories separated by <|endoftext|>")->required();
-  cmd->add_option("--heldout", a.heldout, "held-out text (default: the last 20% of the corpus tokens)");
+  cmd->add_option("--heldout", a.heldout,
+                  "held-out text (default: the corpus's last whole stories holding >= 20% of its tokens)");
   cmd->add_option("--out,-o", a.out, "where to write the head (.safetensors)")->required();
   cmd->add_option("--steps", a.steps, "Adam steps")->check(CLI::NonNegativeNumber);
   cmd->add_option("--lr", a.lr, "peak learning rate (cosine decay to lr/10)")->check(CLI::PositiveNumber);
@@ -28,6 +30,8 @@ void register_distill(CLI::App& app, DistillArgs& a) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--batch", a.batch, "query positions per step")->check(CLI::PositiveNumber);
   cmd->add_option("--seed", a.seed, "seed of the initial head and of the minibatches");
+  cmd->add_option("--train", a.train, "parameter groups to train, comma-separated subset of fc,norms,qk")
+      ->capture_default_str();
   cmd->add_option("--threads", a.threads, "CPU threads of the target forward (0 = all of the NUMA node)");
   cmd->add_flag("--json", a.json, "print the report as one JSON object on stdout");
 }
@@ -45,6 +49,62 @@ Result<std::string> read_text(const std::string& path, const char* what) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+std::string basename(const std::string& path) { return std::filesystem::path(path).filename().string(); }
+
+// The training and held-out tokens, with what the head's metadata records about them.
+struct LoadedSplit {
+  CorpusSplit split;
+  uint64_t corpus_fnv = 0;   // of the corpus file's bytes
+  size_t corpus_bytes = 0;
+  int64_t corpus_tokens = 0;
+};
+
+Result<LoadedSplit> load_split(const Tokenizer& tok, const DistillArgs& a) {
+  LoadedSplit out;
+  SPX_ASSIGN_OR_RETURN(std::string text, read_text(a.corpus, "--corpus"));
+  out.corpus_fnv = fnv1a64(text);
+  out.corpus_bytes = text.size();
+  auto stories = encode_corpus_stories(tok, text);
+  if (!stories.is_ok()) return stories.status().with_context(a.corpus);
+  for (const CorpusStory& st : *stories) out.corpus_tokens += static_cast<int64_t>(st.tokens.size());
+  if (a.heldout.empty()) {
+    out.split = split_heldout_stories(*stories, 0.2);
+    return out;
+  }
+  for (const CorpusStory& st : *stories) out.split.train.insert(out.split.train.end(), st.tokens.begin(), st.tokens.end());
+  out.split.stories = out.split.train_stories = static_cast<int64_t>(stories->size());
+  SPX_ASSIGN_OR_RETURN(std::string held_text, read_text(a.heldout, "--heldout"));
+  auto held = encode_corpus(tok, held_text);
+  if (!held.is_ok()) return held.status().with_context(a.heldout);
+  out.split.heldout = std::move(*held);
+  return out;
+}
+
+// What the head records about its training text: `specontext eval` refuses a --text whose
+// bytes hash to train_text_fnv1a64, and train_split names the part that was held out.
+std::map<std::string, std::string> split_metadata(const DistillArgs& a, const LoadedSplit& s) {
+  char fnv[17];
+  std::snprintf(fnv, sizeof fnv, "%016llx", static_cast<unsigned long long>(s.corpus_fnv));
+  const CorpusSplit& sp = s.split;
+  const std::string n_train = std::to_string(sp.train.size()), total = std::to_string(s.corpus_tokens);
+  std::string split;
+  if (!a.heldout.empty()) {
+    split = "all " + total + " tokens of " + basename(a.corpus) + "; held out: " + basename(a.heldout);
+  } else if (sp.heldout_byte != std::string_view::npos) {
+    split = "stories [0, " + std::to_string(sp.train_stories) + ") of " + std::to_string(sp.stories) + " = bytes [0, " +
+            std::to_string(sp.heldout_byte) + ") = tokens [0, " + n_train + ") of " + total +
+            "; held out: bytes [" + std::to_string(sp.heldout_byte) + ", " + std::to_string(s.corpus_bytes) +
+            ") = tokens [" + n_train + ", " + total + ")";
+  } else {
+    split = "tokens [0, " + n_train + ") of " + total + "; held out: tokens [" + n_train + ", " + total + ")";
+  }
+  return {{"train_text", basename(a.corpus)},
+          {"train_text_fnv1a64", fnv},
+          {"train_split", split},
+          {"distill_train", a.train},
+          {"distill_teacher", "per KV head: layer mean of the GQA group's max attention, renormalised"}};
 }
 
 nlohmann::json fidelity_json(const Fidelity& f) {
@@ -76,22 +136,12 @@ int run_distill(const DistillArgs& a) {
   if (!tok_r.is_ok()) return fail(tok_r.status());
   const Tokenizer& tok = **tok_r;
 
-  auto corpus_text = read_text(a.corpus, "--corpus");
-  if (!corpus_text.is_ok()) return fail(corpus_text.status());
-  auto corpus = encode_corpus(tok, *corpus_text);
-  if (!corpus.is_ok()) return fail(corpus.status().with_context(a.corpus));
-  std::vector<TokenId> train_ids = std::move(*corpus), held_ids;
-  if (!a.heldout.empty()) {
-    auto held_text = read_text(a.heldout, "--heldout");
-    if (!held_text.is_ok()) return fail(held_text.status());
-    auto held = encode_corpus(tok, *held_text);
-    if (!held.is_ok()) return fail(held.status().with_context(a.heldout));
-    held_ids = std::move(*held);
-  } else {
-    const size_t cut = train_ids.size() - train_ids.size() / 5;
-    held_ids.assign(train_ids.begin() + static_cast<std::ptrdiff_t>(cut), train_ids.end());
-    train_ids.resize(cut);
-  }
+  auto train_groups = parse_distill_train(a.train);
+  if (!train_groups.is_ok()) return fail(train_groups.status());
+  auto split = load_split(tok, a);
+  if (!split.is_ok()) return fail(split.status());
+  const std::vector<TokenId>& train_ids = split->split.train;
+  const std::vector<TokenId>& held_ids = split->split.heldout;
 
   const int64_t context = a.context > 0 ? a.context : model->config.max_seq_len;
   if (context > model->config.max_seq_len) {
@@ -105,6 +155,7 @@ int run_distill(const DistillArgs& a) {
   opts.context = context;
   opts.batch_positions = a.batch;
   opts.seed = a.seed;
+  opts.train = *train_groups;
   opts.on_step = [&](int64_t step, double kl) {
     if (!a.json)
       std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
@@ -125,7 +176,8 @@ int run_distill(const DistillArgs& a) {
                                       held_chunks, opts);
   if (!rep_r.is_ok()) return fail(rep_r.status());
   const DistillReport& rep = *rep_r;
-  Status w = write_retrieval_head(a.out, *rep.head);
+  const std::map<std::string, std::string> meta = split_metadata(a, *split);
+  Status w = write_distilled_head(a.out, *rep.head, meta);
   if (!w.is_ok()) return fail(w);
 
   const RetrievalHeadConfig& hc = rep.head->config;
@@ -147,6 +199,8 @@ int run_distill(const DistillArgs& a) {
         {"lr", a.lr},
         {"batch", a.batch},
         {"seed", a.seed},
+        {"train", a.train},
+        {"train_split", meta.at("train_split")},
         {"context", rep.context},
         {"train_tokens", rep.train_tokens},
         {"train_chunks", rep.train_chunks},
@@ -173,8 +227,9 @@ int run_distill(const DistillArgs& a) {
       static_cast<long long>(rep.train_tokens), static_cast<long long>(rep.train_chunks),
       static_cast<long long>(rep.heldout_tokens), static_cast<long long>(rep.heldout_chunks),
       static_cast<long long>(rep.context));
-  std::printf("teacher %.2f s, training %lld steps %.2f s\n", rep.teacher_seconds,
-              static_cast<long long>(a.steps), rep.train_seconds);
+  std::printf("split: %s\n", meta.at("train_split").c_str());
+  std::printf("teacher %.2f s, training %lld steps of %s %.2f s\n", rep.teacher_seconds,
+              static_cast<long long>(a.steps), a.train.c_str(), rep.train_seconds);
   std::printf("train    KL(target || head): %.4f -> %.4f nats\n", rep.train_kl_before, rep.train_kl_after);
   std::printf("held-out KL(target || head): %.4f -> %.4f nats (%lld positions)\n", rep.before.kl,
               rep.after.kl, static_cast<long long>(rep.after.positions));

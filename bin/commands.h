@@ -66,7 +66,8 @@ struct DistillArgs {
   std::string model_path;
   std::string tokenizer;
   std::string corpus;
-  std::string heldout;       // default: the last 20% of the corpus tokens
+  std::string heldout;       // default: the corpus's last stories holding 20% of its tokens
+  std::string train = "fc,norms,qk";  // parameter groups distillation updates
   std::string out;
   int64_t steps = 800;
   double lr = 5e-3;

@@ -1,15 +1,18 @@
 // Retrieval-head distillation: teacher capture through ForwardObserver, a KL(teacher ‖ head)
-// objective with hand-written gradients for wq/wk, Adam, and the held-out fidelity report.
+// objective with hand-written gradients for every parameter the head keeps (fc, both RMSNorm
+// weights, wq, wk), Adam, and the held-out fidelity report.
 #include "core/distill.h"
 
 #include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <numeric>
 #include <string>
 
 #include "core/engine.h"
+#include "core/safetensors.h"
 
 namespace specontext {
 
@@ -30,53 +33,24 @@ struct SplitMix {
   int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
 };
 
-// Records the layer- and group-averaged attention of one dense prefill and its fused features.
+// Records, per KV head, the layer average of the group's max attention (unnormalised: the
+// rows are renormalised once every layer is in) and the fused features of one dense prefill.
 class TeacherObserver final : public ForwardObserver {
  public:
   TeacherObserver(const ModelConfig& c, DistillChunk* chunk) : c_(c), chunk_(chunk) {}
 
-  void on_attention(LayerId layer, const float* q, std::span<const AttentionItem> items) override {
+  void on_attention(LayerId, const float* q, std::span<const AttentionItem> items) override {
     if (items.size() != 1 || items[0].start_pos != 0 || items[0].n_tokens != chunk_->length()) {
       error_ = internal_error("distill: expected one dense prefill of the whole chunk");
       return;
     }
-    const KvLayerView& kv = items[0].kv;
-    const int64_t n = chunk_->length(), hd = c_.head_dim, nh = c_.n_heads, nkv = c_.n_kv_heads;
-    const int64_t group = nh / nkv;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const float weight = 1.0f / static_cast<float>(c_.n_layers * group);
+    const int64_t n = chunk_->length(), hd = c_.head_dim;
     std::vector<float> keys(static_cast<size_t>(n * hd));
-    std::vector<float> row(static_cast<size_t>(n));
-    for (int64_t g = 0; g < nkv; ++g) {
-      // Contiguous copy of head g's keys: page t/ps, slot t%ps, block [kv_heads][ps][hd].
-      for (int64_t t = 0; t < n; ++t) {
-        const float* src = kv_row_f32(kv, /*values=*/false, g, t, keys.data() + t * hd);
-        if (src != keys.data() + t * hd) std::copy_n(src, hd, keys.data() + t * hd);
-      }
-      float* out = chunk_->teacher.data() + g * tri(n);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t t = 0; t < n; ++t) {
-          const float* qh = q + (items[0].token_offset + t) * nh * hd + h * hd;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j <= t; ++j) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < hd; ++i) s += qh[i] * keys[static_cast<size_t>(j * hd + i)];
-            row[static_cast<size_t>(j)] = s * scale;
-            mx = std::max(mx, s * scale);
-          }
-          double sum = 0.0;
-          for (int64_t j = 0; j <= t; ++j) {
-            row[static_cast<size_t>(j)] = std::exp(row[static_cast<size_t>(j)] - mx);
-            sum += row[static_cast<size_t>(j)];
-          }
-          const float w = static_cast<float>(weight / sum);
-          float* dst = out + tri(t);
-          for (int64_t j = 0; j <= t; ++j) dst[j] += row[static_cast<size_t>(j)] * w;
-        }
-      }
+    for (int64_t g = 0; g < c_.n_kv_heads; ++g) {
+      copy_keys(items[0].kv, g, n, keys.data());
+      add_group_max(q + items[0].token_offset * c_.n_heads * hd, keys.data(), g, n);
     }
     ++layers_seen_;
-    (void)layer;
   }
 
   void on_fused_hidden(const float* fused, int64_t rows, std::span<const AttentionItem>) override {
@@ -96,6 +70,48 @@ class TeacherObserver final : public ForwardObserver {
   }
 
  private:
+  // Contiguous copy of KV head g's keys: page t/ps, slot t%ps, block [kv_heads][ps][hd].
+  void copy_keys(const KvLayerView& kv, int64_t g, int64_t n, float* keys) const {
+    const int64_t hd = c_.head_dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* src = kv_row_f32(kv, /*values=*/false, g, t, keys + t * hd);
+      if (src != keys + t * hd) std::copy_n(src, hd, keys + t * hd);
+    }
+  }
+
+  // teacher_g(t) += max over the group's query heads of softmax(q_h(t)·K/√hd) / n_layers.
+  void add_group_max(const float* q, const float* keys, int64_t g, int64_t n) {
+    const int64_t hd = c_.head_dim, nh = c_.n_heads, group = nh / c_.n_kv_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const float weight = 1.0f / static_cast<float>(c_.n_layers);
+    std::vector<float> row(static_cast<size_t>(n)), best(static_cast<size_t>(n));
+    float* out = chunk_->teacher.data() + g * tri(n);
+    for (int64_t t = 0; t < n; ++t) {
+      std::fill_n(best.begin(), t + 1, 0.0f);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = q + t * nh * hd + h * hd;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j <= t; ++j) {
+          float s = 0.0f;
+          for (int64_t i = 0; i < hd; ++i) s += qh[i] * keys[j * hd + i];
+          row[static_cast<size_t>(j)] = s * scale;
+          mx = std::max(mx, s * scale);
+        }
+        double sum = 0.0;
+        for (int64_t j = 0; j <= t; ++j) {
+          row[static_cast<size_t>(j)] = std::exp(row[static_cast<size_t>(j)] - mx);
+          sum += row[static_cast<size_t>(j)];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t j = 0; j <= t; ++j) {
+          best[static_cast<size_t>(j)] = std::max(best[static_cast<size_t>(j)], row[static_cast<size_t>(j)] * inv);
+        }
+      }
+      float* dst = out + tri(t);
+      for (int64_t j = 0; j <= t; ++j) dst[j] += best[static_cast<size_t>(j)] * weight;
+    }
+  }
+
   const ModelConfig& c_;
   DistillChunk* chunk_;
   Status error_;
@@ -191,10 +207,261 @@ double top_mass(const float* score, const float* teacher, int64_t n, int64_t bud
   return mass;
 }
 
+
+// Each teacher row (a layer average of group maxima) rescaled to a distribution.
+void normalize_teacher_rows(DistillChunk* ch, int64_t n_kv_heads) {
+  const int64_t n = ch->length();
+  for (int64_t g = 0; g < n_kv_heads; ++g) {
+    for (int64_t t = 0; t < n; ++t) {
+      float* row = ch->teacher.data() + g * tri(n) + tri(t);
+      double sum = 0.0;
+      for (int64_t j = 0; j <= t; ++j) sum += row[j];
+      const float inv = sum > 0.0 ? static_cast<float>(1.0 / sum) : 0.0f;
+      for (int64_t j = 0; j <= t; ++j) row[j] *= inv;
+    }
+  }
+}
+
+struct HeadShape {
+  int64_t d, nh, nkv, hd, qd, kvd, group;
+  explicit HeadShape(const RetrievalHeadConfig& c)
+      : d(c.hidden),
+        nh(c.n_heads),
+        nkv(c.n_kv_heads),
+        hd(c.head_dim),
+        qd(c.n_heads * c.head_dim),
+        kvd(c.n_kv_heads * c.head_dim),
+        group(c.n_heads / c.n_kv_heads) {}
+};
+
+const float* f32(const WeightMatrix& w) { return static_cast<const float*>(w.data); }
+float* mutable_f32(const WeightMatrix& w) { return const_cast<float*>(f32(w)); }  // owned by head->storage
+
+// 1/sqrt(mean(v²) + eps): the scale of an RMSNorm row, as the backends compute it.
+float inv_rms(const float* v, int64_t d, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
+  return 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+}
+
+// out[r] = Σ_c w[r, c] · v[c] for a row-major [rows, cols] matrix.
+void matvec(const float* w, const float* v, int64_t rows, int64_t cols, float* out) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = dot(w + r * cols, v, cols);
+}
+
+// out[c] += Σ_r w[r, c] · v[r] (the transpose), and grad[r, c] += v[r] · x[c].
+void matvec_t_and_outer(const float* w, const float* v, const float* x, int64_t rows, int64_t cols, float* out,
+                        float* grad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (v[r] == 0.0f) continue;
+    axpy(v[r], w + r * cols, out, cols);
+    axpy(v[r], x, grad + r * cols, cols);
+  }
+}
+
+// The head's forward over rows 0..n−1 of a chunk (retrieval_qk's arithmetic), kept for the
+// backward pass.
+struct HeadForward {
+  std::vector<float> h;      // [n, d] fc · fused(p−1), before hidden_norm
+  std::vector<float> r_in;   // [n] RMS scale of the embedding row
+  std::vector<float> r_hid;  // [n] RMS scale of h
+  std::vector<float> x;      // [n, 2d] RMSNorm_in(embed) ⊕ RMSNorm_hidden(h)
+  std::vector<float> k;      // [n, kvd] keys after RoPE
+};
+
+HeadForward forward_head(const RetrievalHead& head, const RopeTable& rope, const HeadInputs& in, int64_t n) {
+  const HeadShape s(head.config);
+  const int64_t d = s.d, d2 = 2 * d, d3 = 3 * d;
+  const float eps = head.config.norm_eps;
+  HeadForward f;
+  f.h.resize(static_cast<size_t>(n * d));
+  f.r_in.resize(static_cast<size_t>(n));
+  f.r_hid.resize(static_cast<size_t>(n));
+  f.x.resize(static_cast<size_t>(n * d2));
+  f.k.resize(static_cast<size_t>(n * s.kvd));
+  for (int64_t p = 0; p < n; ++p) {
+    const float* e = in.embed.data() + p * d;
+    float* h = f.h.data() + p * d;
+    float* x = f.x.data() + p * d2;
+    const float ri = f.r_in[static_cast<size_t>(p)] = inv_rms(e, d, eps);
+    for (int64_t i = 0; i < d; ++i) x[i] = e[i] * ri * head.input_norm[static_cast<size_t>(i)];
+    matvec(f32(head.fc), in.fused_prev.data() + p * d3, d, d3, h);
+    const float rh = f.r_hid[static_cast<size_t>(p)] = inv_rms(h, d, eps);
+    for (int64_t i = 0; i < d; ++i) x[d + i] = h[i] * rh * head.hidden_norm[static_cast<size_t>(i)];
+    float* k = f.k.data() + p * s.kvd;
+    matvec(f32(head.wk), x, s.kvd, d2, k);
+    for (int64_t g = 0; g < s.nkv; ++g) rope.apply(k + g * s.hd, p, false);
+  }
+  return f;
+}
+
+// Σ over query heads of KL(T_g(t) ‖ P_h(t)) for one query row q (after RoPE). With dq and dk
+// non-null, adds `norm`·∂/∂q into dq [qd] and `norm`·∂/∂k into dk [t+1, kvd] (after RoPE).
+double attend_row(const HeadShape& s, const DistillChunk& ch, const float* q, const float* keys, int64_t t,
+                  float norm, float* dq, float* dk) {
+  const int64_t n = ch.length(), len = t + 1;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.hd));
+  std::vector<float> logit(static_cast<size_t>(len));
+  double loss = 0.0;
+  for (int64_t h = 0; h < s.nh; ++h) {
+    const int64_t g = h / s.group;
+    const float* qh = q + h * s.hd;
+    const float* tg = ch.teacher.data() + g * tri(n) + tri(t);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) {
+      logit[static_cast<size_t>(j)] = dot(qh, keys + j * s.kvd + g * s.hd, s.hd) * scale;
+      mx = std::max(mx, logit[static_cast<size_t>(j)]);
+    }
+    double z = 0.0;
+    for (int64_t j = 0; j < len; ++j) z += std::exp(double(logit[static_cast<size_t>(j)] - mx));
+    const double log_z = std::log(z) + mx;
+    for (int64_t j = 0; j < len; ++j) {
+      const double log_p = logit[static_cast<size_t>(j)] - log_z;
+      const double tj = tg[j];
+      if (tj > 0.0) loss += tj * (std::log(tj) - log_p);
+      if (dq == nullptr) continue;
+      // dKL/dlogit = P − T; chain through logit = q·k·scale.
+      const float ds = static_cast<float>(std::exp(log_p) - tj) * norm * scale;
+      if (ds == 0.0f) continue;
+      axpy(ds, keys + j * s.kvd + g * s.hd, dq + h * s.hd, s.hd);
+      axpy(ds, qh, dk + j * s.kvd + g * s.hd, s.hd);
+    }
+  }
+  return loss;
+}
+
+// From ∂L/∂x [n, 2d] into the norm weights and fc: x = w ⊙ u · r with r = (mean(u²) + eps)^−½,
+// so ∂w = ∂x ⊙ u · r and ∂u = r · (w ⊙ ∂x) − r³ · u · Σ(w ⊙ ∂x ⊙ u) / d; then h = fc · fused(p−1).
+void backprop_inputs(const RetrievalHead& head, const HeadInputs& in, const HeadForward& f, const float* dx,
+                     int64_t n, HeadGradients* g) {
+  const int64_t d = head.config.hidden, d2 = 2 * d, d3 = 3 * d;
+  std::vector<float> du(static_cast<size_t>(d));
+  for (int64_t p = 0; p < n; ++p) {
+    const float* dxe = dx + p * d2;
+    const float* dxh = dxe + d;
+    const float* e = in.embed.data() + p * d;
+    const float* h = f.h.data() + p * d;
+    const float ri = f.r_in[static_cast<size_t>(p)], rh = f.r_hid[static_cast<size_t>(p)];
+    float wdu = 0.0f;  // Σ w ⊙ ∂x ⊙ u of the hidden half
+    for (int64_t i = 0; i < d; ++i) {
+      g->input_norm[static_cast<size_t>(i)] += dxe[i] * e[i] * ri;
+      g->hidden_norm[static_cast<size_t>(i)] += dxh[i] * h[i] * rh;
+      wdu += head.hidden_norm[static_cast<size_t>(i)] * dxh[i] * h[i];
+    }
+    const float coef = rh * rh * rh * wdu / static_cast<float>(d);
+    for (int64_t i = 0; i < d; ++i) {
+      du[static_cast<size_t>(i)] = rh * head.hidden_norm[static_cast<size_t>(i)] * dxh[i] - coef * h[i];
+    }
+    const float* fused = in.fused_prev.data() + p * d3;
+    for (int64_t r = 0; r < d; ++r) {
+      if (du[static_cast<size_t>(r)] != 0.0f) axpy(du[static_cast<size_t>(r)], fused, g->fc.data() + r * d3, d3);
+    }
+  }
+}
+
+void zero_gradients(const HeadShape& s, HeadGradients* g) {
+  g->fc.assign(static_cast<size_t>(3 * s.d * s.d), 0.0f);
+  g->input_norm.assign(static_cast<size_t>(s.d), 0.0f);
+  g->hidden_norm.assign(static_cast<size_t>(s.d), 0.0f);
+  g->wq.assign(static_cast<size_t>(s.qd * 2 * s.d), 0.0f);
+  g->wk.assign(static_cast<size_t>(s.kvd * 2 * s.d), 0.0f);
+}
+
+
+// The starting point: EAGLE-3 shape, fc = [I/3 I/3 I/3] exactly (the mean of the three taps),
+// norms 1, random wq/wk; trained_context = the window it will see (YaRN applies beyond it).
+Result<std::shared_ptr<RetrievalHead>> initial_head(const ModelConfig& c, uint64_t seed, int64_t context) {
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, make_random_head(c, seed));
+  const int64_t d = head->config.hidden;
+  float* fc = mutable_f32(head->fc);
+  for (int64_t r = 0; r < d; ++r) {
+    for (int64_t col = 0; col < 3 * d; ++col) fc[r * 3 * d + col] = (col % d == r) ? 1.0f / 3.0f : 0.0f;
+  }
+  head->config.trained_context = context;
+  return head;
+}
+
+// One parameter group that training updates, with its gradient and Adam state.
+struct TrainedGroup {
+  float* w;
+  const std::vector<float>* grad;
+  Adam adam;
+};
+
+std::vector<TrainedGroup> trained_groups(RetrievalHead* head, const HeadGradients& g, const DistillTrain& t) {
+  const HeadShape s(head->config);
+  std::vector<TrainedGroup> out;
+  auto add = [&out](float* w, const std::vector<float>& grad, size_t n) { out.push_back({w, &grad, Adam(n)}); };
+  if (t.fc) add(mutable_f32(head->fc), g.fc, static_cast<size_t>(3 * s.d * s.d));
+  if (t.norms) {
+    add(head->input_norm.data(), g.input_norm, static_cast<size_t>(s.d));
+    add(head->hidden_norm.data(), g.hidden_norm, static_cast<size_t>(s.d));
+  }
+  if (t.qk) {
+    add(mutable_f32(head->wq), g.wq, static_cast<size_t>(s.qd * 2 * s.d));
+    add(mutable_f32(head->wk), g.wk, static_cast<size_t>(s.kvd * 2 * s.d));
+  }
+  return out;
+}
+
+// A chunk with probability ∝ its query positions (t ≥ 1), then up to `batch` distinct positions.
+struct Minibatch {
+  size_t chunk = 0;
+  std::vector<int64_t> positions;
+};
+
+Minibatch sample_minibatch(SplitMix& rng, std::span<const DistillChunk> chunks, int64_t total_positions,
+                           int64_t batch) {
+  Minibatch mb;
+  int64_t r = rng.below(total_positions);
+  while (r >= chunks[mb.chunk].length() - 1) r -= chunks[mb.chunk++].length() - 1;
+  const int64_t n = chunks[mb.chunk].length();
+  std::vector<int64_t> all(static_cast<size_t>(n - 1));
+  std::iota(all.begin(), all.end(), int64_t{1});
+  const int64_t m = std::min<int64_t>(batch, n - 1);
+  for (int64_t i = 0; i < m; ++i) {  // partial Fisher–Yates
+    std::swap(all[static_cast<size_t>(i)], all[static_cast<size_t>(i + rng.below(n - 1 - i))]);
+  }
+  mb.positions.assign(all.begin(), all.begin() + m);
+  return mb;
+}
+
+// Cosine decay from lr to lr/10: large early steps, a settled head at the end.
+double cosine_lr(const DistillOptions& o, int64_t step) {
+  const double progress = o.steps > 1 ? double(step) / double(o.steps - 1) : 1.0;
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(3.141592653589793 * progress)));
+}
+
+// Adam on the groups of o.train for o.steps minibatches.
+void train_head(RetrievalHead* head, std::span<const DistillChunk> chunks, std::span<const HeadInputs> inputs,
+                const DistillOptions& o) {
+  int64_t total_positions = 0;
+  for (const DistillChunk& ch : chunks) total_positions += ch.length() - 1;
+  const RopeParams rope = make_head_rope_params(head->config, head->config.trained_context);
+  HeadGradients grads;
+  zero_gradients(HeadShape(head->config), &grads);
+  std::vector<TrainedGroup> groups = trained_groups(head, grads, o.train);
+  SplitMix rng{o.seed ^ 0x5eed5eedull};
+  double running = 0.0;
+  int64_t running_n = 0;
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const Minibatch mb = sample_minibatch(rng, chunks, total_positions, o.batch_positions);
+    running += distill_loss_grad(*head, rope, chunks[mb.chunk], inputs[mb.chunk], mb.positions, &grads);
+    ++running_n;
+    const double lr = cosine_lr(o, step);
+    for (TrainedGroup& g : groups) g.adam.step(g.w, g.grad->data(), g.grad->size(), lr);
+    if (o.on_step && o.log_every > 0 && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
+      o.on_step(step + 1, running / static_cast<double>(running_n));
+      running = 0.0;
+      running_n = 0;
+    }
+  }
+}
+
 }  // namespace
 
-Result<std::vector<TokenId>> encode_corpus(const Tokenizer& tokenizer, std::string_view text) {
-  std::vector<TokenId> out;
+Result<std::vector<CorpusStory>> encode_corpus_stories(const Tokenizer& tokenizer, std::string_view text) {
+  std::vector<CorpusStory> out;
   size_t start = 0;
   while (start <= text.size()) {
     size_t end = text.find(kStorySeparator, start);
@@ -204,12 +471,44 @@ Result<std::vector<TokenId>> encode_corpus(const Tokenizer& tokenizer, std::stri
     while (!story.empty() && std::isspace(static_cast<unsigned char>(story.back()))) story.remove_suffix(1);
     if (!story.empty()) {
       SPX_ASSIGN_OR_RETURN(std::vector<TokenId> ids, tokenizer.encode(story, /*add_bos=*/true));
-      out.insert(out.end(), ids.begin(), ids.end());
+      out.push_back(CorpusStory{start, std::move(ids)});
     }
     if (end == text.size()) break;
     start = end + kStorySeparator.size();
   }
   return out;
+}
+
+Result<std::vector<TokenId>> encode_corpus(const Tokenizer& tokenizer, std::string_view text) {
+  SPX_ASSIGN_OR_RETURN(std::vector<CorpusStory> stories, encode_corpus_stories(tokenizer, text));
+  std::vector<TokenId> out;
+  for (const CorpusStory& st : stories) out.insert(out.end(), st.tokens.begin(), st.tokens.end());
+  return out;
+}
+
+CorpusSplit split_heldout_stories(std::span<const CorpusStory> stories, double fraction) {
+  CorpusSplit sp;
+  sp.stories = static_cast<int64_t>(stories.size());
+  size_t total = 0;
+  for (const CorpusStory& st : stories) total += st.tokens.size();
+  const size_t want = static_cast<size_t>(std::ceil(fraction * static_cast<double>(total)));
+  if (stories.size() <= 1) {  // one text: a token cut
+    for (const CorpusStory& st : stories) sp.train = st.tokens;
+    const size_t cut = total - std::min(want, total);
+    sp.heldout.assign(sp.train.begin() + static_cast<std::ptrdiff_t>(cut), sp.train.end());
+    sp.train.resize(cut);
+    sp.train_stories = sp.stories;
+    return sp;
+  }
+  size_t held = 0, first = stories.size();
+  while (first > 1 && held < want) held += stories[--first].tokens.size();
+  for (size_t i = 0; i < stories.size(); ++i) {
+    std::vector<TokenId>& dst = i < first ? sp.train : sp.heldout;
+    dst.insert(dst.end(), stories[i].tokens.begin(), stories[i].tokens.end());
+  }
+  sp.heldout_byte = stories[first].byte_begin;
+  sp.train_stories = static_cast<int64_t>(first);
+  return sp;
 }
 
 std::vector<std::vector<TokenId>> split_chunks(std::span<const TokenId> tokens, int64_t context,
@@ -252,6 +551,7 @@ Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> m
     SPX_RETURN_IF_ERROR(engine->remove_sequence(seq));
     if (!step.is_ok()) return step.status();
     SPX_RETURN_IF_ERROR(obs.status());
+    normalize_teacher_rows(&ch, c.n_kv_heads);
     out.push_back(std::move(ch));
   }
   return out;
@@ -324,73 +624,54 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
   return f;
 }
 
-double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_params, const DistillChunk& ch,
-                         const float* x, std::span<const int64_t> positions, float* grad_q, float* grad_k) {
-  const RetrievalHeadConfig& hc = head.config;
-  const int64_t d2 = 2 * hc.hidden, nh = hc.n_heads, nkv = hc.n_kv_heads, hd = hc.head_dim;
-  const int64_t qd = nh * hd, kvd = nkv * hd, group = nh / nkv, n = ch.length();
-  std::fill(grad_q, grad_q + qd * d2, 0.0f);
-  std::fill(grad_k, grad_k + kvd * d2, 0.0f);
-  if (positions.empty()) return 0.0;
-  const float* wq = static_cast<const float*>(head.wq.data);
-  const float* wk = static_cast<const float*>(head.wk.data);
-  const int64_t tmax = *std::max_element(positions.begin(), positions.end());
-  const int64_t nk = tmax + 1;
-  const RopeTable rope(rope_params, nk);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-
-  // Keys of positions 0..tmax with the current wk.
-  std::vector<float> keys(static_cast<size_t>(nk * kvd)), dkeys(static_cast<size_t>(nk * kvd), 0.0f);
-  for (int64_t j = 0; j < nk; ++j) {
-    float* kj = keys.data() + j * kvd;
-    for (int64_t r = 0; r < kvd; ++r) kj[r] = dot(wk + r * d2, x + j * d2, d2);
-    for (int64_t g = 0; g < nkv; ++g) rope.apply(kj + g * hd, j, false);
+Result<HeadInputs> head_inputs(Backend& backend, const Model& model, const DistillChunk& ch) {
+  const int64_t d = model.config.dim, n = ch.length();
+  if (static_cast<int64_t>(ch.fused.size()) != n * 3 * d) {
+    return invalid_argument("distill: the chunk's fused features do not match the model's hidden size");
   }
-  std::vector<float> qv(static_cast<size_t>(qd)), dq(static_cast<size_t>(qd)), logit(static_cast<size_t>(nk));
-  const float norm = 1.0f / static_cast<float>(static_cast<int64_t>(positions.size()) * nh);
+  HeadInputs in;
+  in.embed.resize(static_cast<size_t>(n * d));
+  SPX_RETURN_IF_ERROR(backend.embed(ch.tokens.data(), n, model.tok_embeddings, in.embed.data()));
+  in.fused_prev = shifted_fused(ch, d);
+  return in;
+}
+
+double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_params, const DistillChunk& ch,
+                         const HeadInputs& in, std::span<const int64_t> positions, HeadGradients* grads) {
+  const HeadShape s(head.config);
+  const int64_t d2 = 2 * s.d;
+  if (grads != nullptr) zero_gradients(s, grads);
+  if (positions.empty()) return 0.0;
+  const int64_t nk = *std::max_element(positions.begin(), positions.end()) + 1;
+  const RopeTable rope(rope_params, nk);
+  const HeadForward f = forward_head(head, rope, in, nk);
+  const float norm = 1.0f / static_cast<float>(static_cast<int64_t>(positions.size()) * s.nh);
+  std::vector<float> q(static_cast<size_t>(s.qd)), dq(static_cast<size_t>(s.qd));
+  std::vector<float> dk, dx;
+  if (grads != nullptr) {
+    dk.assign(static_cast<size_t>(nk * s.kvd), 0.0f);
+    dx.assign(static_cast<size_t>(nk * d2), 0.0f);
+  }
   double loss = 0.0;
   for (int64_t t : positions) {
-    const float* xt = x + t * d2;
-    for (int64_t r = 0; r < qd; ++r) qv[static_cast<size_t>(r)] = dot(wq + r * d2, xt, d2);
-    for (int64_t h = 0; h < nh; ++h) rope.apply(qv.data() + h * hd, t, false);
+    const float* xt = f.x.data() + t * d2;
+    matvec(f32(head.wq), xt, s.qd, d2, q.data());
+    for (int64_t h = 0; h < s.nh; ++h) rope.apply(q.data() + h * s.hd, t, false);
     std::fill(dq.begin(), dq.end(), 0.0f);
-    const int64_t len = t + 1;
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t g = h / group;
-      const float* qh = qv.data() + h * hd;
-      const float* tg = ch.teacher.data() + g * tri(n) + tri(t);
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < len; ++j) {
-        logit[static_cast<size_t>(j)] = dot(qh, keys.data() + j * kvd + g * hd, hd) * scale;
-        mx = std::max(mx, logit[static_cast<size_t>(j)]);
-      }
-      double z = 0.0;
-      for (int64_t j = 0; j < len; ++j) z += std::exp(double(logit[static_cast<size_t>(j)] - mx));
-      const double log_z = std::log(z) + mx;
-      float* dqh = dq.data() + h * hd;
-      for (int64_t j = 0; j < len; ++j) {
-        const double log_p = logit[static_cast<size_t>(j)] - log_z;
-        const double tj = tg[j];
-        if (tj > 0.0) loss += tj * (std::log(tj) - log_p);
-        // dKL/dlogit = P − T; chain through logit = q·k·scale.
-        const float ds = static_cast<float>(std::exp(log_p) - tj) * norm * scale;
-        if (ds == 0.0f) continue;
-        axpy(ds, keys.data() + j * kvd + g * hd, dqh, hd);
-        axpy(ds, qh, dkeys.data() + j * kvd + g * hd, hd);
-      }
-    }
-    // Back through RoPE (its transpose) and the projection: grad_q += dq_pre ⊗ x_t.
-    for (int64_t h = 0; h < nh; ++h) rope.apply(dq.data() + h * hd, t, true);
-    for (int64_t r = 0; r < qd; ++r) {
-      if (dq[static_cast<size_t>(r)] != 0.0f) axpy(dq[static_cast<size_t>(r)], xt, grad_q + r * d2, d2);
-    }
+    loss += attend_row(s, ch, q.data(), f.k.data(), t, norm, grads ? dq.data() : nullptr,
+                       grads ? dk.data() : nullptr);
+    if (grads == nullptr) continue;
+    // Back through RoPE (its transpose) and q = wq · x.
+    for (int64_t h = 0; h < s.nh; ++h) rope.apply(dq.data() + h * s.hd, t, true);
+    matvec_t_and_outer(f32(head.wq), dq.data(), xt, s.qd, d2, dx.data() + t * d2, grads->wq.data());
   }
-  for (int64_t j = 0; j < nk; ++j) {
-    float* dk = dkeys.data() + j * kvd;
-    for (int64_t g = 0; g < nkv; ++g) rope.apply(dk + g * hd, j, true);
-    for (int64_t r = 0; r < kvd; ++r) {
-      if (dk[r] != 0.0f) axpy(dk[r], x + j * d2, grad_k + r * d2, d2);
+  if (grads != nullptr) {
+    for (int64_t j = 0; j < nk; ++j) {  // the keys: k = RoPE(wk · x)
+      float* dkj = dk.data() + j * s.kvd;
+      for (int64_t g = 0; g < s.nkv; ++g) rope.apply(dkj + g * s.hd, j, true);
+      matvec_t_and_outer(f32(head.wk), dkj, f.x.data() + j * d2, s.kvd, d2, dx.data() + j * d2, grads->wk.data());
     }
+    backprop_inputs(head, in, f, dx.data(), nk, grads);
   }
   return loss * norm;
 }
@@ -424,75 +705,18 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
   rep.train_chunks = static_cast<int64_t>(train_chunks.size());
   rep.heldout_chunks = static_cast<int64_t>(held_chunks.size());
 
-  // ---- initial head: EAGLE-3 shape, fc = [I/3 I/3 I/3] exactly, norms 1 (kept fixed) ----
-  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, make_random_head(c, o.seed));
-  RetrievalHeadConfig& hc = head->config;
-  const int64_t d = hc.hidden, nh = hc.n_heads, nkv = hc.n_kv_heads, hd = hc.head_dim;
-  const int64_t d2 = 2 * d, qd = nh * hd, kvd = nkv * hd;
-  {
-    float* fc = const_cast<float*>(static_cast<const float*>(head->fc.data));  // owned by head->storage
-    for (int64_t r = 0; r < d; ++r) {
-      for (int64_t col = 0; col < 3 * d; ++col) fc[r * 3 * d + col] = (col % d == r) ? 1.0f / 3.0f : 0.0f;
-    }
-  }
-  hc.trained_context = rep.context;  // the window it saw; YaRN applies beyond it
-  float* wq = const_cast<float*>(static_cast<const float*>(head->wq.data));
-  float* wk = const_cast<float*>(static_cast<const float*>(head->wk.data));
-
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, initial_head(c, o.seed, rep.context));
   SPX_ASSIGN_OR_RETURN(rep.before, evaluate_head(*backend, *model, *head, held_chunks, o.budgets));
   SPX_ASSIGN_OR_RETURN(Fidelity train_before, evaluate_head(*backend, *model, *head, train_chunks, {}));
   rep.train_kl_before = train_before.kl;
 
-  // ---- student inputs x [T, 2d]: fixed because fc and the norms are ----
-  std::vector<std::vector<float>> xs;
-  std::vector<int64_t> weights;  // query positions per chunk (t ≥ 1)
+  std::vector<HeadInputs> inputs;
   for (const DistillChunk& ch : train_chunks) {
-    std::vector<float> x(static_cast<size_t>(ch.length() * d2));
-    const std::vector<float> prev = shifted_fused(ch, d);
-    SPX_RETURN_IF_ERROR(retrieval_inputs(*backend, *head, model->tok_embeddings, ch.tokens.data(),
-                                         prev.data(), ch.length(), x.data()));
-    xs.push_back(std::move(x));
-    weights.push_back(ch.length() - 1);
+    SPX_ASSIGN_OR_RETURN(HeadInputs in, head_inputs(*backend, *model, ch));
+    inputs.push_back(std::move(in));
   }
-  const int64_t total_positions = std::accumulate(weights.begin(), weights.end(), int64_t{0});
-  const RopeParams rope = make_head_rope_params(hc, rep.context);
-
   const auto t1 = Clock::now();
-  SplitMix rng{o.seed ^ 0x5eed5eedull};
-  Adam adam_q(static_cast<size_t>(qd * d2)), adam_k(static_cast<size_t>(kvd * d2));
-  std::vector<float> gq(static_cast<size_t>(qd * d2)), gk(static_cast<size_t>(kvd * d2));
-  std::vector<int64_t> all_pos, picked;
-  double running = 0.0;
-  int64_t running_n = 0;
-  for (int64_t step = 0; step < o.steps; ++step) {
-    // A chunk with probability ∝ its positions, then up to batch_positions distinct positions.
-    int64_t r = rng.below(total_positions), ci = 0;
-    while (r >= weights[static_cast<size_t>(ci)]) r -= weights[static_cast<size_t>(ci++)];
-    const DistillChunk& ch = train_chunks[static_cast<size_t>(ci)];
-    const float* x = xs[static_cast<size_t>(ci)].data();
-    const int64_t n = ch.length();
-    all_pos.resize(static_cast<size_t>(n - 1));
-    std::iota(all_pos.begin(), all_pos.end(), int64_t{1});
-    const int64_t m = std::min<int64_t>(o.batch_positions, n - 1);
-    for (int64_t i = 0; i < m; ++i) {  // partial Fisher–Yates
-      std::swap(all_pos[static_cast<size_t>(i)], all_pos[static_cast<size_t>(i + rng.below(n - 1 - i))]);
-    }
-    picked.assign(all_pos.begin(), all_pos.begin() + m);
-    const double loss = distill_loss_grad(*head, rope, ch, x, picked, gq.data(), gk.data());
-    // Cosine decay to lr/10: large early steps, a settled head at the end.
-    const double progress = o.steps > 1 ? double(step) / double(o.steps - 1) : 1.0;
-    const double lr = o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(3.141592653589793 * progress)));
-    adam_q.step(wq, gq.data(), gq.size(), lr);
-    adam_k.step(wk, gk.data(), gk.size(), lr);
-
-    running += loss;
-    ++running_n;
-    if (o.on_step && o.log_every > 0 && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
-      o.on_step(step + 1, running / static_cast<double>(running_n));
-      running = 0.0;
-      running_n = 0;
-    }
-  }
+  train_head(head.get(), train_chunks, inputs, o);
   rep.train_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
 
   SPX_ASSIGN_OR_RETURN(rep.after, evaluate_head(*backend, *model, *head, held_chunks, o.budgets));
@@ -500,6 +724,70 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
   rep.train_kl_after = train_after.kl;
   rep.head = std::move(head);
   return rep;
+}
+
+Result<DistillTrain> parse_distill_train(std::string_view names) {
+  DistillTrain t{false, false, false};
+  size_t start = 0;
+  while (start <= names.size()) {
+    size_t end = names.find(',', start);
+    if (end == std::string_view::npos) end = names.size();
+    const std::string_view name = names.substr(start, end - start);
+    if (name == "fc") {
+      t.fc = true;
+    } else if (name == "norms") {
+      t.norms = true;
+    } else if (name == "qk") {
+      t.qk = true;
+    } else {
+      return invalid_argument("distill: unknown parameter group '" + std::string(name) +
+                              "' (expected fc, norms or qk)");
+    }
+    start = end + 1;
+  }
+  return t;
+}
+
+std::string distill_train_names(const DistillTrain& t) {
+  std::string out;
+  for (auto [on, name] : {std::pair{t.fc, "fc"}, std::pair{t.norms, "norms"}, std::pair{t.qk, "qk"}}) {
+    if (!on) continue;
+    if (!out.empty()) out += ',';
+    out += name;
+  }
+  return out;
+}
+
+uint64_t fnv1a64(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+Status write_distilled_head(const std::string& path, const RetrievalHead& head,
+                            const std::map<std::string, std::string>& extra) {
+  // The head's own layout first (write_retrieval_head), then the same tensors again with the
+  // extra metadata merged in.
+  const std::string staging = path + ".partial";
+  SPX_RETURN_IF_ERROR(write_retrieval_head(staging, head));
+  Status st = [&]() -> Status {
+    SPX_ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> f, SafetensorsFile::open(staging));
+    std::map<std::string, std::string> meta = f->metadata();
+    for (const auto& [key, value] : extra) {
+      if (!meta.emplace(key, value).second) {
+        return invalid_argument("distill: metadata key '" + key + "' is the head's own");
+      }
+    }
+    std::vector<NamedTensor> tensors;
+    for (const SafetensorsTensor& t : f->tensors()) tensors.push_back({t.name, t.dtype, t.shape, t.data});
+    return write_safetensors(path, tensors, meta);
+  }();
+  std::error_code ec;
+  std::filesystem::remove(staging, ec);
+  return st;
 }
 
 }  // namespace specontext

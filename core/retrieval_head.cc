@@ -13,6 +13,7 @@
 #include "core/loader_internal.h"
 #include "core/mapped_file.h"
 #include "core/safetensors.h"
+#include "core/torch_zip.h"
 
 namespace specontext {
 
@@ -159,6 +160,49 @@ WeightMatrix view(const std::vector<float>& buf, int64_t rows, int64_t cols) {
   return w;
 }
 
+// A draft's tensors from either format it ships in: safetensors, or PyTorch's zip checkpoint
+// (`pytorch_model.bin`, as official EAGLE-3 drafts are published), told apart by their first
+// bytes. Both give SafetensorsTensor views into one memory map, so the rest of the loader is shared.
+struct DraftFile {
+  std::shared_ptr<MappedFile> map;
+  std::shared_ptr<SafetensorsFile> safetensors;
+  std::shared_ptr<TorchZipFile> torch;
+
+  const std::vector<SafetensorsTensor>& tensors() const {
+    return safetensors ? safetensors->tensors() : torch->tensors();
+  }
+  const SafetensorsTensor* find(const std::string& name) const {
+    return safetensors ? safetensors->find(name) : torch->find(name);
+  }
+  // A torch checkpoint has no metadata of ours; config.json describes it.
+  const std::map<std::string, std::string>& metadata() const {
+    static const std::map<std::string, std::string> kNone;
+    return safetensors ? safetensors->metadata() : kNone;
+  }
+};
+
+Result<DraftFile> open_draft(const std::string& path) {
+  DraftFile f;
+  SPX_ASSIGN_OR_RETURN(f.map, MappedFile::open(path));
+  const uint8_t* data = f.map->data();
+  const size_t size = f.map->size();
+  if (is_zip_magic(data, size) || is_legacy_torch_magic(data, size)) {
+    SPX_ASSIGN_OR_RETURN(f.torch, TorchZipFile::parse(data, size, path));
+  } else {
+    SPX_ASSIGN_OR_RETURN(f.safetensors, SafetensorsFile::parse(data, size, path));
+  }
+  return f;
+}
+
+// The weights file of a draft directory: model.safetensors, else pytorch_model.bin.
+Result<std::string> draft_weights_in(const std::string& dir) {
+  for (const char* name : {"/model.safetensors", "/pytorch_model.bin"}) {
+    if (loader_internal::is_regular_file(dir + name)) return dir + name;
+  }
+  return not_found(dir + ": holds neither model.safetensors nor pytorch_model.bin (sharded checkpoints "
+                   "are not read: merge the shards into one file)");
+}
+
 }  // namespace
 
 std::array<int64_t, 3> eagle3_fused_layers(int64_t n_layers) {
@@ -252,7 +296,7 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
   bool have_config = false;
   std::string config_path;
   if (std::filesystem::is_directory(path, ec)) {
-    weights_path = path + "/model.safetensors";
+    SPX_ASSIGN_OR_RETURN(weights_path, draft_weights_in(path));
     config_path = path + "/config.json";
     if (loader_internal::is_regular_file(config_path)) {
       SPX_ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> cf, MappedFile::open(config_path));
@@ -264,7 +308,8 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
       have_config = true;
     }
   }
-  SPX_ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::open(weights_path));
+  SPX_ASSIGN_OR_RETURN(const DraftFile draft_file, open_draft(weights_path));
+  const DraftFile* file = &draft_file;
   const std::string& src = weights_path;
 
   auto head = std::make_shared<RetrievalHead>();

@@ -74,8 +74,10 @@ Status retrieval_qk(Backend& backend, const RetrievalHead& head, const RopeParam
 void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_cache,
                       int64_t length, float* scores);
 
-// Loads an EAGLE-3 draft checkpoint (a .safetensors file, or a directory holding
-// model.safetensors and an optional config.json) and prunes it to the retrieval head.
+// Loads an EAGLE-3 draft checkpoint and prunes it to the retrieval head. `path` is a weights file
+// (safetensors, or PyTorch's zip checkpoint `pytorch_model.bin` as official drafts ship: see
+// core/torch_zip.h; told apart by content) or a directory holding model.safetensors or else
+// pytorch_model.bin, and an optional config.json.
 // target supplies d, the KV-head count (must match) and the fused-layer indices.
 Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
                                                         const ModelConfig& target);

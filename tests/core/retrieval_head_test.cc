@@ -161,6 +161,81 @@ TEST(RetrievalHead, DirectoryWithConfigJson) {
   EXPECT_NE(bad.status().message().find("num_attention_heads"), std::string::npos);
 }
 
+// Official EAGLE-3 drafts ship pytorch_model.bin (torch.save's zip format). The fixtures of
+// tests/data/torch_eagle3 were written by torch.save, each with a safetensors twin holding the
+// same tensors (tests/data/make_torch_fixtures.py): both load to the same head, weight for weight.
+TEST(RetrievalHead, PytorchModelBinLoadsLikeItsSafetensorsTwin) {
+  const int64_t kept = 16 * 48 + 16 + 16 + 16 * 32 + 8 * 32;
+  // Dropped and counted: v_proj, o_proj, post_attention_layernorm, norm, lm_head [32, 16].
+  const int64_t draft = kept + 8 * 32 + 16 * 16 + 16 + 16 + 32 * 16;
+  for (const char* name : {"eagle3_f32", "eagle3_f16", "eagle3_bf16"}) {
+    SCOPED_TRACE(name);
+    const std::string base = testing::repo_path(std::string("tests/data/torch_eagle3/") + name);
+    auto pt = load_eagle3_head(base + ".bin", small_target());
+    ASSERT_TRUE(pt.is_ok()) << pt.status().to_string();
+    auto st = load_eagle3_head(base + ".safetensors", small_target());
+    ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+    const RetrievalHead& a = **pt;
+    const RetrievalHead& b = **st;
+    EXPECT_EQ(a.config.hidden, 16);
+    EXPECT_EQ(a.config.n_heads, 4);
+    EXPECT_EQ(a.config.n_kv_heads, 2);
+    EXPECT_EQ(a.config.head_dim, 4);
+    EXPECT_EQ(a.config.n_heads, b.config.n_heads);
+    EXPECT_EQ(a.config.head_dim, b.config.head_dim);
+    EXPECT_DOUBLE_EQ(a.config.rope_theta, b.config.rope_theta);
+    EXPECT_EQ(a.config.trained_context, b.config.trained_context);
+    EXPECT_EQ(a.config.fused_layers, b.config.fused_layers);
+    EXPECT_EQ(a.kept_parameters, kept);
+    EXPECT_EQ(a.kept_parameters, b.kept_parameters);
+    // bf16 holds only parameters (named_parameters()): the same count, no buffers to skip.
+    EXPECT_EQ(a.draft_parameters, draft);
+    EXPECT_EQ(a.draft_parameters, b.draft_parameters);
+    for (auto [x, y] : {std::pair{&a.fc, &b.fc}, std::pair{&a.wq, &b.wq}, std::pair{&a.wk, &b.wk}}) {
+      ASSERT_EQ(x->rows, y->rows);
+      ASSERT_EQ(x->cols, y->cols);
+      ASSERT_EQ(x->dtype, DType::kF32);
+      EXPECT_EQ(std::memcmp(x->data, y->data, x->bytes()), 0);
+    }
+    EXPECT_EQ(a.input_norm, b.input_norm);
+    EXPECT_EQ(a.hidden_norm, b.hidden_norm);
+    // And the values are the draft's, not zeros: fc is N(0, 0.2²) noise.
+    const float* fc = static_cast<const float*>(a.fc.data);
+    EXPECT_NE(fc[0], 0.0f);
+    EXPECT_NE(fc[16 * 48 - 1], 0.0f);
+  }
+}
+
+TEST(RetrievalHead, DirectoryWithPytorchModelBin) {
+  const std::string dir = temp_dir("spx-head-pt");
+  testing::write_file(dir + "/pytorch_model.bin",
+                      testing::read_text_file(testing::repo_path("tests/data/torch_eagle3/eagle3_f16.bin")));
+  testing::write_file(dir + "/config.json",
+                      R"({"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "rope_theta": 500000.0, "max_position_embeddings": 1024})");
+  auto r = load_eagle3_head(dir, small_target());
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ((*r)->config.trained_context, 1024);
+  EXPECT_DOUBLE_EQ((*r)->config.rope_theta, 500000.0);
+  EXPECT_EQ((*r)->config.head_dim, 4);
+
+  const std::string empty = temp_dir("spx-head-none");
+  auto none = load_eagle3_head(empty, small_target());
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(none.status().message().find("pytorch_model.bin"), std::string::npos) << none.status().to_string();
+}
+
+TEST(RetrievalHead, PytorchModelBinRefusalsNameTheFile) {
+  for (const char* name : {"strided.bin", "legacy.bin", "deflated.bin", "evil_global.bin"}) {
+    SCOPED_TRACE(name);
+    const std::string path = testing::repo_path(std::string("tests/data/torch_eagle3/") + name);
+    auto r = load_eagle3_head(path, small_target());
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status().to_string();
+  }
+}
+
 // EAGLE's draft without rope_theta in its config rotates with base 10000 (EAGLE's default), not
 // with the target's base: the loader follows it and says so.
 TEST(RetrievalHead, ADraftWithoutRopeThetaUsesEaglesDefaultNotTheTargets) {

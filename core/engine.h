@@ -319,7 +319,9 @@ class Engine {
   // measure bandwidths over the engine's own tiers first. Needs host or remote tiers.
   Status set_placement_policy(std::shared_ptr<PlacementPolicy> policy);
   // Moves layers (and the retrieval head's keys) to the placement's tiers now, between steps.
-  // On a failed move that layer keeps its home and content; the error is returned.
+  // On a failed move that layer keeps its home and content; the error is returned. Before the
+  // first layer moves, the backend is synchronised: the copy queue runs on its own stream or
+  // thread, so backend work still queued (a fill_synthetic's copies) must finish first.
   Status apply_placement(const KvPlacement& target, const std::vector<std::string>& reasons = {});
   // Remote tiers whose memory the transport reports gone for good (Transport::tier_lost: every
   // replica died) and that are not abandoned yet.

@@ -153,7 +153,16 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
     }
   }
   Status result;
+  if (!order.empty() && copies != nullptr) {
+    // The copy queue moves pages on the transport's own stream (or thread), which does not wait
+    // for the backend's queue: ops still enqueued there (a step's KV append, fill_synthetic's
+    // copies) could write a page while it moves, or a page freed by a move could be rewritten
+    // before they read it. So the backend drains first; migrations are rare and block anyway.
+    result = backend_->synchronize();
+    if (!result.is_ok()) result = result.with_context("waiting for the backend before moving layers");
+  }
   for (int64_t l : order) {
+    if (!result.is_ok()) break;
     const LayerId layer(static_cast<int32_t>(l));
     const TierId from = kv_->home(layer), to = target.layer_home[static_cast<size_t>(l)];
     if (copies == nullptr) {

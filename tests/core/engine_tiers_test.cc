@@ -939,3 +939,135 @@ TEST(TierDataflow, RemoteLayersAreStagedTwoAtATimeUnderDenseAttention) {
 
 }  // namespace
 }  // namespace specontext
+
+namespace specontext {
+namespace {
+
+// A CPU backend that calls its memory pinned host memory, so that the engine takes its
+// device-memory paths (fill_synthetic uploads a pool of pages and copies them with copy_rows), and
+// that counts the ops enqueued since the last synchronize() as a device backend's stream would
+// hold them (download, select_top_tokens and sample_rows synchronise on a device, so they reset it).
+class QueueingBackend final : public Backend {
+ public:
+  explicit QueueingBackend(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  int64_t queued() const { return queued_; }
+
+  std::string_view name() const override { return "queueing"; }
+  bool supports(BackendOp op, DType d) const override { return inner_->supports(op, d); }
+  Result<std::shared_ptr<void>> allocate(size_t b) override { return inner_->allocate(b); }
+  Status place_weights(const Model& m) override { return inner_->place_weights(m); }
+  MemoryKind memory_kind() const override { return MemoryKind::kPinnedHost; }
+  bool addressable(MemoryKind k) const override { return inner_->addressable(k); }
+  Result<const void*> import_weights(const void* h, size_t b) override { return inner_->import_weights(h, b); }
+  Status upload(void* d, const void* s, size_t b) override { return queue(inner_->upload(d, s, b)); }
+  Status download(void* d, const void* s, size_t b) override { return drain(inner_->download(d, s, b)); }
+  Status copy_rows(void* d, size_t ds, const void* s, size_t ss, size_t rb, int64_t rows) override {
+    return queue(inner_->copy_rows(d, ds, s, ss, rb, rows));
+  }
+  Status synchronize() override { return drain(inner_->synchronize()); }
+  Status embed(const TokenId* i, int64_t n, const WeightMatrix& t, float* o) override { return queue(inner_->embed(i, n, t, o)); }
+  Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* b, float* y) override {
+    return queue(inner_->matmul(x, m, w, b, y));
+  }
+  Status rmsnorm(const float* x, const float* w, int64_t r, int64_t d, float e, float* y) override {
+    return queue(inner_->rmsnorm(x, w, r, d, e, y));
+  }
+  Status rope(float* x, int64_t n, int64_t h, const int64_t* p, const RopeParams& r) override {
+    return queue(inner_->rope(x, n, h, p, r));
+  }
+  Status swiglu(const float* g, const float* u, int64_t n, float* o) override { return queue(inner_->swiglu(g, u, n, o)); }
+  Status add(float* x, const float* y, int64_t n) override { return queue(inner_->add(x, y, n)); }
+  Status kv_append(const float* k, const float* v, int64_t n, int64_t s, const KvLayerView& kv) override {
+    return queue(inner_->kv_append(k, v, n, s, kv));
+  }
+  Status attention(const float* q, const AttentionItem* it, int64_t n, int64_t h, float* o) override {
+    return queue(inner_->attention(q, it, n, h, o));
+  }
+  Status kv_gather(const KvLayerView& kv, const GatherEntry* e, int64_t n, const WorkingSetView& ws) override {
+    return queue(inner_->kv_gather(kv, e, n, ws));
+  }
+  Status attention_sparse(const float* q, const SparseAttentionItem* it, int64_t n, int64_t h, float* o) override {
+    return queue(inner_->attention_sparse(q, it, n, h, o));
+  }
+  Status retrieval_group_scores(const float* q, const float* const* kb, int64_t bt, int64_t len, int64_t h, int64_t kv,
+                                int64_t hd, float* o) override {
+    return queue(inner_->retrieval_group_scores(q, kb, bt, len, h, kv, hd, o));
+  }
+  Status select_top_tokens(const float* s, int64_t kv, int64_t len, const SelectionOptions& o, Selection& out) override {
+    return drain(inner_->select_top_tokens(s, kv, len, o, out));
+  }
+  Status sample_rows(float* l, int64_t r, int64_t v, const TokenDraw* d, TokenId* t) override {
+    return drain(inner_->sample_rows(l, r, v, d, t));
+  }
+
+ private:
+  Status queue(Status s) {
+    ++queued_;
+    return s;
+  }
+  Status drain(Status s) {
+    queued_ = 0;
+    return s;
+  }
+  std::shared_ptr<Backend> inner_;
+  int64_t queued_ = 0;
+};
+
+// Notes, at every migration batch, how many backend ops were still queued.
+class MigrationOrderQueue final : public CopyQueue {
+ public:
+  MigrationOrderQueue(std::shared_ptr<CopyQueue> inner, const QueueingBackend& backend)
+      : inner_(std::move(inner)), backend_(backend) {}
+  std::vector<int64_t> queued_at_migration;
+  Result<CopyTicket> submit(LayerId layer, CopyDirection dir, std::vector<TransferRequest> reqs) override {
+    if (dir == CopyDirection::kMigrate) queued_at_migration.push_back(backend_.queued());
+    return inner_->submit(layer, dir, std::move(reqs));
+  }
+  Status wait(CopyTicket t) override { return inner_->wait(t); }
+  Status wait_all() override { return inner_->wait_all(); }
+  void reset_window() override { inner_->reset_window(); }
+  CopyWindowStats window_stats() const override { return inner_->window_stats(); }
+
+ private:
+  std::shared_ptr<CopyQueue> inner_;
+  const QueueingBackend& backend_;
+};
+
+// The copy queue moves layers on the transport's stream, which does not wait for the backend's:
+// a layer must leave (or come back) only once every backend op queued before the placement has
+// finished, or the move races a fill_synthetic's page copies (or a step's KV append). Before
+// apply_placement synchronised the backend, the first move saw fill_synthetic's copies queued.
+TEST(TierMigrationOrder, LayersMoveOnlyAfterTheBackendHasDrained) {
+  auto backend = std::make_shared<QueueingBackend>(testing::cpu_backend());
+  transport::LocalTransport local;
+  auto queue = std::make_shared<MigrationOrderQueue>(std::make_shared<testing::InlineCopyQueue>(local), *backend);
+  EngineOptions o = sparse_options(SparseMethod::kDense, nullptr);
+  o.tiering.host.push_back(testing::host_tier(8 << 20));
+  o.tiering.transport = &local;
+  o.tiering.copies = queue;
+  auto e = Engine::create(testing::toy_model(5), backend, o);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  auto a = (*e)->add_sequence();
+  ASSERT_TRUE(a.is_ok());
+  ASSERT_TRUE((*e)->fill_synthetic(*a, 100, 1).is_ok());
+  ASSERT_GT(backend->queued(), 0) << "fill_synthetic queued no backend copies: nothing to order against";
+  KvPlacement place = (*e)->placement();
+  place.layer_home = {TierId(0), TierId(1), TierId(0), TierId(1), TierId(1)};
+  ASSERT_TRUE((*e)->apply_placement(place, {"out"}).is_ok());
+  ASSERT_EQ(queue->queued_at_migration.size(), 3u);
+  // And back, after a second fill whose device-homed pages were copied by the backend.
+  auto b = (*e)->add_sequence();
+  ASSERT_TRUE(b.is_ok());
+  ASSERT_TRUE((*e)->fill_synthetic(*b, 60, 2).is_ok());
+  ASSERT_GT(backend->queued(), 0);
+  place.layer_home.assign(5, TierId(0));
+  ASSERT_TRUE((*e)->apply_placement(place, {"back"}).is_ok());
+  ASSERT_EQ(queue->queued_at_migration.size(), 6u);
+  for (size_t i = 0; i < queue->queued_at_migration.size(); ++i) {
+    EXPECT_EQ(queue->queued_at_migration[i], 0) << "migration batch " << i << " was submitted with backend ops queued";
+  }
+  EXPECT_TRUE((*e)->check_invariants().is_ok());
+}
+
+}  // namespace
+}  // namespace specontext

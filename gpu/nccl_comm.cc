@@ -59,6 +59,22 @@ Result<NcclComm> NcclComm::create(int n_ranks, int rank, const ncclUniqueId& id,
   return NcclComm(comm, n_ranks, rank, device);
 }
 
+Result<std::vector<NcclComm>> NcclComm::create_all(std::span<const int> devices) {
+  if (devices.empty()) return invalid_argument("NcclComm::create_all: no devices");
+  const int n = static_cast<int>(devices.size());
+  int previous = 0;
+  SPX_CUDA_CHECK(cudaGetDevice(&previous));
+  std::vector<ncclComm_t> raw(devices.size(), nullptr);
+  const ncclResult_t r = ncclCommInitAll(raw.data(), n, devices.data());
+  const cudaError_t restore = cudaSetDevice(previous);
+  SPX_NCCL_CHECK(r);
+  std::vector<NcclComm> comms;
+  comms.reserve(devices.size());
+  for (int i = 0; i < n; ++i) comms.push_back(NcclComm(raw[static_cast<size_t>(i)], n, i, devices[static_cast<size_t>(i)]));
+  SPX_CUDA_CHECK(restore);  // the communicators are owned above and destroyed on this path
+  return comms;
+}
+
 NcclComm::~NcclComm() { destroy_comm(comm_); }
 
 NcclComm& NcclComm::operator=(NcclComm&& other) noexcept {

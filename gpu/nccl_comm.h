@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <source_location>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "core/status.h"
 #include "gpu/cuda_check.h"
@@ -30,6 +32,11 @@ class NcclComm {
   // Collective over all ranks: every rank must call it with the same id and n_ranks.
   // Sets `device` current for the calling thread (NCCL binds the communicator to it).
   static Result<NcclComm> create(int n_ranks, int rank, const ncclUniqueId& id, int device);
+  // One process, several GPUs: rank i on devices[i], all created by one ncclCommInitAll, which
+  // either creates every rank or none (it cleans up after a failed rank itself, where a group of
+  // ncclCommInitRank calls missing a rank would wait at ncclGroupEnd for it). The caller's
+  // current device is restored. Arguments are the caller's to check (distinct, valid ordinals).
+  static Result<std::vector<NcclComm>> create_all(std::span<const int> devices);
 
   NcclComm() = default;
   ~NcclComm();

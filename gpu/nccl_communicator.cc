@@ -98,29 +98,9 @@ Result<std::vector<std::unique_ptr<NcclCommunicator>>> create_nccl_communicators
     }
   }
   const int n = static_cast<int>(devices.size());
-  SPX_ASSIGN_OR_RETURN(const ncclUniqueId id, nccl_unique_id());
-  std::vector<NcclComm> comms;
-  {
-    int previous = 0;
-    SPX_CUDA_CHECK(cudaGetDevice(&previous));
-    // Everything was checked above so that no rank fails to join inside the group: the ranks
-    // already queued would otherwise wait at ncclGroupEnd for the missing one.
-    SPX_NCCL_CHECK(ncclGroupStart());
-    Status first_error;
-    for (int i = 0; i < n && first_error.is_ok(); ++i) {
-      Result<NcclComm> c = NcclComm::create(n, i, id, devices[static_cast<size_t>(i)]);
-      if (c.is_ok()) {
-        comms.push_back(std::move(*c));
-      } else {
-        first_error = c.status();
-      }
-    }
-    Status end = nccl_status(ncclGroupEnd(), "ncclGroupEnd (initialising the communicators)");
-    const cudaError_t restore = cudaSetDevice(previous);
-    SPX_RETURN_IF_ERROR(first_error);
-    SPX_RETURN_IF_ERROR(end);
-    SPX_CUDA_CHECK(restore);
-  }
+  // One ncclCommInitAll: all ranks or none. A group of per-rank inits that stopped at a failing
+  // rank would leave the ranks already queued waiting at ncclGroupEnd for the missing one.
+  SPX_ASSIGN_OR_RETURN(std::vector<NcclComm> comms, NcclComm::create_all(devices));
   std::vector<std::unique_ptr<NcclCommunicator>> out;
   for (int i = 0; i < n; ++i) {
     SPX_ASSIGN_OR_RETURN(auto c, NcclCommunicator::create(std::move(comms[static_cast<size_t>(i)]),

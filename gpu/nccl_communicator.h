@@ -58,8 +58,8 @@ class NcclCommunicator final : public Communicator {
 };
 
 // One process driving several GPUs: one communicator per device, rank i on devices[i], its
-// collectives on streams[i]. The ranks are initialised together in one NCCL group (what
-// ncclCommInitAll does; done here through NcclComm::create so each rank keeps its RAII owner).
+// collectives on streams[i]. The ranks are created by one ncclCommInitAll (NcclComm::create_all):
+// every rank or none, so a rank that fails cannot leave the others blocked.
 // Errors: empty or mismatched spans, a device outside [0, device count), a device listed twice
 // (NCCL allows one rank per GPU): kInvalidArgument; no device: kUnavailable.
 Result<std::vector<std::unique_ptr<NcclCommunicator>>> create_nccl_communicators(

@@ -140,10 +140,16 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     t.owner = std::shared_ptr<void>(owned, owned->data());
 #if SPECONTEXT_HAVE_CUDA
     if (cuda) {
-      // DMA and mapped reads need page-locked memory (this touches every page once).
+      // DMA and mapped reads need page-locked memory (this touches every page once). The entry
+      // holds the pool too (members destroyed in reverse: unregistered, then freed), so the
+      // memory is never freed while registered, whoever drops the engine's reference first.
+      struct PinnedPool {
+        std::shared_ptr<void> memory;
+        gpu::PinnedHostRegistration registration;
+      };
       SPX_ASSIGN_OR_RETURN(gpu::PinnedHostRegistration reg,
                            gpu::PinnedHostRegistration::create(t.base, t.desc.capacity_bytes));
-      rt->keep_alive.push_back(std::make_shared<gpu::PinnedHostRegistration>(std::move(reg)));
+      rt->keep_alive.push_back(std::make_shared<PinnedPool>(PinnedPool{t.owner, std::move(reg)}));
       t.desc.memory = MemoryKind::kPinnedHost;
     }
 #endif

@@ -47,6 +47,10 @@ void add_tier_options(CLI::App& cmd, TierArgs& args);
 
 // Everything the engine's tiering borrows; destroy after the engine.
 struct TierRuntime {
+  // Page-locked host pools: each entry unregisters its pool, then releases the pool's memory.
+  // Declared first, so destroyed last: after the transports and the copy engine that may still
+  // read the pools (a transfer in flight at teardown), never before them.
+  std::vector<std::shared_ptr<void>> keep_alive;
   TierArgs args;
   // Control-plane sessions of KV nodes (their regions live as long as these): declared before
   // the transports so that they are destroyed after them.
@@ -58,7 +62,6 @@ struct TierRuntime {
   std::shared_ptr<transport::CopyEngine> copies;
   std::shared_ptr<planner::PlannerPolicy> policy;
   std::vector<transport::ProbeResult> probe;
-  std::vector<std::shared_ptr<void>> keep_alive;  // pinned registrations
   std::string placement_note;  // what the static plan decided
   std::vector<Transport*> kv_node_transports;  // UcxRemoteTransport members, for the report
   std::vector<std::string> kv_node_tier_names;  // the engine's name of each ("remote0", ...)

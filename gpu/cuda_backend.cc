@@ -91,6 +91,31 @@ void bind_split_launch(Launch& a, const float* q, float* out, const uint8_t* bas
 
 }  // namespace
 
+uint64_t content_hash(const void* data, size_t bytes) {
+  // 8-byte words through a multiply-rotate round (xxHash64's), the tail byte-wise, the length
+  // last: one pass at memory speed; it tells changed weights apart, it is not a cryptographic hash.
+  constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ull;
+  constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4Full;
+  auto round = [](uint64_t acc, uint64_t w) {
+    acc += w * kPrime2;
+    acc = (acc << 31) | (acc >> 33);
+    return acc * kPrime1;
+  };
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t h = 0x27D4EB2F165667C5ull;
+  size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = round(h, w);
+  }
+  for (; i < bytes; ++i) h = round(h, p[i]);
+  h = round(h, bytes);
+  h ^= h >> 29;
+  h *= kPrime2;
+  return h ^ (h >> 32);
+}
+
 // ---- device discovery ----
 
 Result<int> cuda_device_count() {
@@ -128,6 +153,18 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_ordinal) {
   SPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_ordinal));
   SPX_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_ordinal));
   SPX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_ordinal));
+  DeviceTraits traits;
+  traits.sm_count = std::max(sms, 1);
+  int smem_default = 0;
+  int smem_optin = 0;
+  int host_pointers = 0;
+  SPX_CUDA_CHECK(cudaDeviceGetAttribute(&smem_default, cudaDevAttrMaxSharedMemoryPerBlock, device_ordinal));
+  SPX_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_ordinal));
+  SPX_CUDA_CHECK(
+      cudaDeviceGetAttribute(&host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device_ordinal));
+  traits.smem.per_block = static_cast<size_t>(std::max(smem_default, 0));
+  traits.smem.per_block_optin = static_cast<size_t>(std::max(smem_optin, smem_default));
+  traits.registered_host_pointers = host_pointers == 1;
   if (major < 8) {
     // The kernels are built for sm_80 / sm_90 (bf16, large shared memory).
     return unavailable("CUDA device " + std::to_string(device_ordinal) + " has compute capability " +
@@ -138,12 +175,16 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(int device_ordinal) {
   // Default math: CUBLAS_COMPUTE_32F stays true f32 (no TF32); bf16 inputs use tensor cores.
   SPX_CUBLAS_CHECK(cublas.api().set_math_mode(cublas.get(), CUBLAS_DEFAULT_MATH));
   SPX_CUBLAS_CHECK(cublas.api().set_pointer_mode(cublas.get(), CUBLAS_POINTER_MODE_HOST));
-  return std::unique_ptr<CudaBackend>(
-      new CudaBackend(device_ordinal, std::max(sms, 1), std::move(stream), std::move(cublas)));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(device_ordinal, traits, std::move(stream), std::move(cublas)));
 }
 
-CudaBackend::CudaBackend(int device, int sm_count, CudaStream stream, CublasHandle cublas)
-    : device_(device), sm_count_(sm_count), stream_(std::move(stream)), cublas_(std::move(cublas)) {}
+CudaBackend::CudaBackend(int device, DeviceTraits traits, CudaStream stream, CublasHandle cublas)
+    : device_(device),
+      sm_count_(traits.sm_count),
+      smem_limits_(traits.smem),
+      registered_host_pointers_(traits.registered_host_pointers),
+      stream_(std::move(stream)),
+      cublas_(std::move(cublas)) {}
 
 CudaBackend::~CudaBackend() {
   // Scratch buffers may still be read by queued kernels; cudaFree would wait anyway, but an
@@ -194,18 +235,23 @@ Result<std::shared_ptr<void>> CudaBackend::allocate(size_t bytes) {
 
 Result<const void*> CudaBackend::import_weights(const void* host, size_t bytes) {
   if (host == nullptr && bytes > 0) return invalid_argument("import_weights: null host pointer");
+  const uint64_t hash = content_hash(host, bytes);
   auto it = imported_.find(host);
   if (it != imported_.end()) {
-    if (it->second.bytes != bytes) {
-      return invalid_argument("import_weights: host pointer imported before with " +
-                              std::to_string(it->second.bytes) + " bytes, now " + std::to_string(bytes));
+    if (it->second.bytes == bytes && it->second.hash == hash) {
+      return static_cast<const void*>(it->second.buffer.data());
     }
-    return static_cast<const void*>(it->second.buffer.data());
+    // Other bytes at a known address: the memory was freed and reused (or rewritten). The old
+    // copy is stale; queued kernels may still read it, so wait before freeing it.
+    SPX_ENTER_DEVICE();
+    SPX_RETURN_IF_ERROR(stream_.synchronize());
+    imported_.erase(it);
   }
   SPX_ENTER_DEVICE();
   ImportedWeights copy;
   SPX_ASSIGN_OR_RETURN(copy.buffer, DeviceBuffer<uint8_t>::create(std::max<size_t>(bytes, 1)));
   copy.bytes = bytes;
+  copy.hash = hash;
   SPX_RETURN_IF_ERROR(staging_.copy(copy.buffer.data(), host, bytes, stream_.get()));
   const void* device = copy.buffer.data();
   imported_.emplace(host, std::move(copy));
@@ -235,7 +281,7 @@ Status CudaBackend::copy_rows(void* dst, size_t dst_stride, const void* src, siz
   if (dst == nullptr || src == nullptr) return invalid_argument("copy_rows: null destination or source");
   SPX_ENTER_DEVICE();
   if (rows == 1) {
-    SPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyDeviceToDevice, stream_.get()));
+    SPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyDefault, stream_.get()));
     return Status::ok();
   }
   if (dst_stride < row_bytes || src_stride < row_bytes) {
@@ -243,7 +289,7 @@ Status CudaBackend::copy_rows(void* dst, size_t dst_stride, const void* src, siz
                             std::to_string(src_stride) + " smaller than row_bytes " + std::to_string(row_bytes));
   }
   SPX_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, static_cast<size_t>(rows),
-                                   cudaMemcpyDeviceToDevice, stream_.get()));
+                                   cudaMemcpyDefault, stream_.get()));
   return Status::ok();
 }
 
@@ -301,6 +347,7 @@ Status CudaBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, con
       b_ptr = act_bf16_.data();
       ab_type = CUDA_R_16BF;
     }
+    kernels::clear_stale_error();  // cuBLAS may read the last-error slot after its launches
     SPX_CUBLAS_CHECK(cublas_.api().gemm_ex(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, n_out, n_tok, n_in,
                                            &alpha, w.data, ab_type, n_in, b_ptr, ab_type, n_in, &beta, y,
                                            CUDA_R_32F, n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -450,7 +497,8 @@ Status CudaBackend::retrieval_group_scores(const float* q, const float* const* k
                                            int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                            float* out) {
   SPX_ASSIGN_OR_RETURN(RetrievalScoresPlan plan, plan_retrieval_scores(q, k_blocks, block_tokens, length, n_heads,
-                                                                       n_kv_heads, head_dim, out, sm_count_));
+                                                                       n_kv_heads, head_dim, out, sm_count_,
+                                                                       smem_limits_));
   if (plan.launch.length <= 0) return Status::ok();
   SPX_ENTER_DEVICE();
   meta_host_.clear();

@@ -22,6 +22,7 @@
 #include "core/backend.h"
 #include "core/status.h"
 #include "gpu/cuda_raii.h"
+#include "gpu/retrieval_plan.h"
 #include "gpu/staging_ring.h"
 
 namespace specontext::gpu {
@@ -33,6 +34,9 @@ bool cuda_device_available();
 
 // The backend on `device_ordinal`, or kUnavailable ("no CUDA device") without a device.
 Result<std::unique_ptr<Backend>> create_cuda_backend(int device_ordinal = 0);
+
+// 64-bit hash of `bytes` bytes (import_weights tells a reused host address by it). Pure C++.
+uint64_t content_hash(const void* data, size_t bytes);
 
 class CudaBackend final : public Backend {
  public:
@@ -48,14 +52,21 @@ class CudaBackend final : public Backend {
 
   // ---- memory between the host and the device ----
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
-  // Kernels take device pointers and (UVA) pointers into mapped pinned host memory.
+  // Kernels take device pointers, and pointers into page-locked host memory only where the device
+  // reads registered memory at its host address (cudaDevAttrCanUseHostPointerForRegisteredMem;
+  // cudaHostAlloc'ed memory always is, but the engine's pools are cudaHostRegister'ed). Elsewhere
+  // kPinnedHost is not addressable and the engine stages those tiers through the transport,
+  // which uses the mapped device pointer.
   bool addressable(MemoryKind kind) const override {
-    return kind == MemoryKind::kDevice || kind == MemoryKind::kPinnedHost;
+    return kind == MemoryKind::kDevice || (kind == MemoryKind::kPinnedHost && registered_host_pointers_);
   }
   // Uploads `bytes` of host weights once into a device buffer the backend owns until it is
-  // destroyed; the same `host` pointer again returns the same copy (kInvalidArgument when it
-  // comes with a different size). The copy is stream-ordered before every later op. Keyed by the
-  // pointer: host memory freed and reallocated at the same address returns the old copy.
+  // destroyed; the same `host` pointer with the same size and bytes again returns the same copy.
+  // Keyed by the pointer and checked by size and content_hash (one read of the host bytes per
+  // call): a pointer whose size or bytes changed (memory freed and reused at the same address)
+  // gets a fresh copy, and the stale one is freed once the stream has drained, so a caller that
+  // changes the bytes behind a pointer must stop using the copy of the old bytes. The copy is
+  // stream-ordered before every later op.
   Result<const void*> import_weights(const void* host, size_t bytes) override;
   // host → device on the compute stream through a pinned staging ring (gpu/staging_ring.h):
   // `host_src` (pageable or pinned) is reusable on return; the copy itself is asynchronous.
@@ -63,8 +74,10 @@ class CudaBackend final : public Backend {
   // device → host after everything queued so far; returns when host_dst holds the bytes (waits
   // for the stream, so execution errors of earlier ops surface here).
   Status download(void* host_dst, const void* src, size_t bytes) override;
-  // cudaMemcpy2DAsync on the compute stream (device to device). With rows > 1 each stride must be
-  // >= row_bytes (kInvalidArgument otherwise: overlapping rows of one copy have no defined order).
+  // cudaMemcpy2DAsync on the compute stream, direction cudaMemcpyDefault (either side may be
+  // device memory or page-locked host memory, e.g. the head's keys moving to a pinned pool). With
+  // rows > 1 each stride must be >= row_bytes (kInvalidArgument otherwise: overlapping rows of one
+  // copy have no defined order).
   Status copy_rows(void* dst, size_t dst_stride, const void* src, size_t src_stride, size_t row_bytes,
                    int64_t rows) override;
   // Waits for everything enqueued so far; reports execution errors.
@@ -129,9 +142,15 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_.get(); }
   int device_ordinal() const { return device_; }
   int sm_count() const { return sm_count_; }
+  SharedMemoryLimits shared_memory_limits() const { return smem_limits_; }
 
  private:
-  CudaBackend(int device, int sm_count, CudaStream stream, CublasHandle cublas);
+  struct DeviceTraits {
+    int sm_count = 1;
+    SharedMemoryLimits smem;
+    bool registered_host_pointers = false;
+  };
+  CudaBackend(int device, DeviceTraits traits, CudaStream stream, CublasHandle cublas);
 
   // Grows a scratch buffer (never shrinks). Waits for the stream first: queued work may still
   // read the old buffer, and growth is rare (amortised by 1.5x).
@@ -143,6 +162,8 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   int sm_count_ = 1;
+  SharedMemoryLimits smem_limits_;
+  bool registered_host_pointers_ = false;  // cudaDevAttrCanUseHostPointerForRegisteredMem
   CudaStream stream_;
   CublasHandle cublas_;
 
@@ -159,6 +180,7 @@ class CudaBackend final : public Backend {
   struct ImportedWeights {
     DeviceBuffer<uint8_t> buffer;
     size_t bytes = 0;
+    uint64_t hash = 0;  // content_hash of the host bytes uploaded
   };
   std::unordered_map<const void*, ImportedWeights> imported_;
 

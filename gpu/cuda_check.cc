@@ -34,8 +34,9 @@ StatusCode cuda_code(cudaError_t err) {
     case cudaErrorInvalidDevicePointer:
     case cudaErrorInvalidConfiguration:
       return StatusCode::kInvalidArgument;
-    case cudaErrorNotReady:
-      return StatusCode::kInProgress;
+    // cudaErrorNotReady reaches here only from a call that is not a query (query_status handles
+    // those): a failure like any other, never kInProgress, or a caller would wait for a
+    // completion that cannot come.
     default:
       return StatusCode::kInternal;
   }
@@ -65,6 +66,14 @@ Status cuda_status(cudaError_t err, const char* expr, std::source_location where
   std::string msg = std::string(expr) + " failed: " + cudaGetErrorName(err) + " (" +
                     cudaGetErrorString(err) + ") at " + short_location(where);
   return Status(cuda_code(err), std::move(msg), where);
+}
+
+Status query_status(cudaError_t err, const char* expr, std::source_location where) {
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // the query left "not ready" in the last-error slot
+    return Status(StatusCode::kInProgress, std::string(expr) + ": not ready", where);
+  }
+  return cuda_status(err, expr, where);
 }
 
 Status cublas_status(cublasStatus_t st, const char* expr, std::source_location where) {

@@ -21,6 +21,15 @@ Status cuda_status(cudaError_t err, const char* expr,
 Status cublas_status(cublasStatus_t st, const char* expr,
                      std::source_location where = std::source_location::current());
 
+// For the completion queries (cudaEventQuery, cudaStreamQuery). cudaErrorNotReady means "still
+// running", not a failure: kInProgress, and the runtime's last-error slot, which the query set,
+// is cleared, so that no later check takes it for its own failure (a launcher's cudaGetLastError,
+// CUB's cudaPeekAtLastError, cuBLAS; PyTorch clears it the same way after cudaStreamQuery).
+// cudaSuccess: OK. Anything else: cuda_status. Only this function maps an error to kInProgress;
+// cuda_status never does (a launch that fails is a failure, never "in progress").
+Status query_status(cudaError_t err, const char* expr,
+                    std::source_location where = std::source_location::current());
+
 // For destructors and other places that cannot return: prints a failed Status to stderr.
 void log_error(const Status& status, const char* what) noexcept;
 

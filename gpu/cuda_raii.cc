@@ -77,10 +77,7 @@ Status CudaEvent::synchronize() const {
 
 Status CudaEvent::query() const {
   if (event_ == nullptr) return internal_error("query on an empty CudaEvent");
-  const cudaError_t err = cudaEventQuery(event_);
-  if (err == cudaErrorNotReady) return Status(StatusCode::kInProgress, "event pending");
-  SPX_CUDA_CHECK(err);
-  return Status::ok();
+  return query_status(cudaEventQuery(event_), "cudaEventQuery");
 }
 
 Result<float> CudaEvent::elapsed_ms(const CudaEvent& start, const CudaEvent& end) {

@@ -55,7 +55,8 @@ class CudaEvent {
   bool empty() const { return event_ == nullptr; }
   Status record(cudaStream_t stream);
   Status synchronize() const;
-  // OK when all work before the record has finished, kInProgress while it is still pending.
+  // OK when all work before the record has finished, kInProgress while it is still pending
+  // (query_status: the "not ready" is not left in the runtime's last-error slot).
   Status query() const;
   // Milliseconds between two recorded timing events (both created without DisableTiming).
   static Result<float> elapsed_ms(const CudaEvent& start, const CudaEvent& end);

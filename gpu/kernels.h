@@ -2,6 +2,8 @@
 // included by the .cu translation units (nvcc) and by cuda_backend.cc (the host compiler). Every
 // launcher enqueues on `stream`, returns immediately, and reports launch errors only
 // (cudaGetLastError after the launch); execution errors surface at the next synchronisation.
+// Every launcher first clears the runtime's last-error slot (clear_stale_error), so what it
+// returns is its own launches' result, never an error an earlier call left behind.
 // Arguments are assumed validated by the caller (CudaBackend).
 #pragma once
 
@@ -12,6 +14,14 @@
 #include "gpu/topk_radix.h"
 
 namespace specontext::gpu::kernels {
+
+// The last-error slot (one per host thread) keeps a non-sticky error until cudaGetLastError reads
+// it, and a launch that succeeds leaves it as it was: a "not ready" left by a raw
+// cudaEventQuery / cudaStreamQuery would make the check after a good launch (ours, or CUB's
+// cudaPeekAtLastError) report failure. Such an error was already returned by the call that made
+// it, so dropping it loses nothing; a sticky error (a faulted context) is not cleared and fails
+// the launch itself.
+inline void clear_stale_error() { (void)cudaGetLastError(); }
 
 enum class TableType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
@@ -195,6 +205,9 @@ cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t
 inline constexpr int kRetrievalThreads = 128;
 inline constexpr int kRetrievalHeadsPerPass = 8;
 inline constexpr int64_t kRetrievalMaxHeadDim = 256;
+// Static shared memory of the score kernel (its row_base[kRetrievalThreads] pointer array), on top
+// of the dynamic smem_bytes: a launch needs both within the device's per-block limit.
+inline constexpr size_t kRetrievalStaticSmemBytes = kRetrievalThreads * sizeof(const float*);
 
 struct RetrievalScoresLaunch {
   const float* q = nullptr;        // device [n_heads][head_dim]
@@ -222,6 +235,9 @@ struct RetrievalScoresLaunch {
   bool vec4 = false;             // K rows load as float4 (head_dim % 4 == 0, every block 16-byte aligned)
   float q_scale = 0.0f;          // log2(e) / sqrt(head_dim)
   size_t smem_bytes = 0;         // dynamic shared memory of the score kernel
+  // smem_bytes + kRetrievalStaticSmemBytes exceeds the default per-block limit: the launcher
+  // raises the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize to smem_bytes first.
+  bool smem_opt_in = false;
 };
 
 // logits + block stats, stats merge, group max of the softmax (three kernels on `stream`).

@@ -139,6 +139,7 @@ size_t attention_smem_bytes(int64_t head_dim, int queries_per_warp) {
 }
 
 cudaError_t launch_attention(const AttentionLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
   return launch_split_attention<DenseKernels>(a, stream);
 }
 

@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 }  // namespace
 
 cudaError_t launch_gather_copy(const CopyPiece* pieces, int64_t n_pieces, cudaStream_t stream) {
+  clear_stale_error();
   if (n_pieces <= 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((n_pieces + kCopyWarps - 1) / kCopyWarps, kMaxCopyBlocks);
   gather_copy_kernel<<<static_cast<unsigned>(blocks), kCopyThreads, 0, stream>>>(pieces, n_pieces);

@@ -223,6 +223,7 @@ __global__ void kv_append_kernel(const float* __restrict__ k, const float* __res
 
 cudaError_t launch_embed(const int32_t* ids, int64_t n, const void* table, TableType type,
                          int64_t rows, int64_t cols, float* out, cudaStream_t stream) {
+  clear_stale_error();
   if (n <= 0 || cols <= 0) return cudaSuccess;
   const int threads = static_cast<int>(std::clamp<int64_t>((cols + 31) / 32 * 32, 32, 256));
   embed_kernel<<<static_cast<unsigned>(n), threads, 0, stream>>>(ids, table, type, rows, cols, out);
@@ -230,6 +231,7 @@ cudaError_t launch_embed(const int32_t* ids, int64_t n, const void* table, Table
 }
 
 cudaError_t launch_f32_to_bf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream) {
+  clear_stale_error();
   if (n <= 0) return cudaSuccess;
   f32_to_bf16_kernel<<<grid_for(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
       src, n, reinterpret_cast<__nv_bfloat16*>(dst));
@@ -238,6 +240,7 @@ cudaError_t launch_f32_to_bf16(const float* src, int64_t n, uint16_t* dst, cudaS
 
 cudaError_t launch_bias_add(float* y, const float* bias, int64_t rows, int64_t cols,
                             cudaStream_t stream) {
+  clear_stale_error();
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   bias_add_kernel<<<grid_for(rows * cols, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
       y, bias, rows, cols);
@@ -246,6 +249,7 @@ cudaError_t launch_bias_add(float* y, const float* bias, int64_t rows, int64_t c
 
 cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,
                            float eps, float* y, cudaStream_t stream) {
+  clear_stale_error();
   if (rows <= 0 || dim <= 0) return cudaSuccess;
   const bool vec4 = dim % 4 == 0 && aligned16(x) && aligned16(y) && aligned16(weight);
   const int64_t lanes = vec4 ? dim / 4 : dim;
@@ -261,6 +265,7 @@ cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t rows, in
 cudaError_t launch_rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
                         const int64_t* positions, const float* inv_freq, bool interleaved,
                         float mscale, cudaStream_t stream) {
+  clear_stale_error();
   if (n_tokens <= 0 || n_heads <= 0 || head_dim < 2) return cudaSuccess;
   const int64_t half = head_dim / 2;
   const int tx = static_cast<int>(std::clamp<int64_t>((half + 31) / 32 * 32, 32, 128));
@@ -273,6 +278,7 @@ cudaError_t launch_rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t hea
 
 cudaError_t launch_swiglu(const float* gate, const float* up, int64_t n, float* out,
                           cudaStream_t stream) {
+  clear_stale_error();
   if (n <= 0) return cudaSuccess;
   const bool vec4 = aligned16(gate) && aligned16(up) && aligned16(out);
   const unsigned grid = grid_for(vec4 ? ceil_div(n, 4) : n, kElementwiseThreads);
@@ -285,6 +291,7 @@ cudaError_t launch_swiglu(const float* gate, const float* up, int64_t n, float* 
 }
 
 cudaError_t launch_add(float* x, const float* y, int64_t n, cudaStream_t stream) {
+  clear_stale_error();
   if (n <= 0) return cudaSuccess;
   const bool vec4 = aligned16(x) && aligned16(y);
   const unsigned grid = grid_for(vec4 ? ceil_div(n, 4) : n, kElementwiseThreads);
@@ -299,6 +306,7 @@ cudaError_t launch_add(float* x, const float* y, int64_t n, cudaStream_t stream)
 cudaError_t launch_kv_append(const float* k, const float* v, int64_t n_tokens, int64_t start_pos,
                              void* const* page_table, KvType type, int64_t first_page, int64_t n_touched,
                              int64_t page_size, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
+  clear_stale_error();
   if (n_tokens <= 0 || kv_heads <= 0 || head_dim <= 0) return cudaSuccess;
   const int threads = static_cast<int>(std::clamp<int64_t>((head_dim + 31) / 32 * 32, 32, 256));
   const dim3 grid(static_cast<unsigned>(n_tokens), static_cast<unsigned>(kv_heads));

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
   const float* k_row = k_s + (part * tile + row) * ks;
   // Where each staged row of this KV head starts in the paged cache (rows may cross blocks).
   __shared__ const float* row_base[kRetrievalThreads];
+  static_assert(sizeof(row_base) == kRetrievalStaticSmemBytes, "the plan counts this array");
 
   for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
     const int n_rows = static_cast<int>(min(static_cast<int64_t>(tile), t_end - t0));
@@ -371,8 +372,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_write_kernel(const Sele
 }  // namespace
 
 cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
   if (a.length <= 0) return cudaSuccess;
-  if (a.smem_bytes > 48 * 1024) {
+  if (a.smem_opt_in) {
     const cudaError_t err = cudaFuncSetAttribute(
         retrieval_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(a.smem_bytes));
     if (err != cudaSuccess) return err;
@@ -391,6 +393,7 @@ cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t
 }
 
 cudaError_t launch_select_top(const SelectTopLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
   if (a.n_segments <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(a.blocks_per_segment), static_cast<unsigned>(a.n_segments));
   if (a.take > 0) {

@@ -317,6 +317,7 @@ cudaError_t segmented_sort(void* temp, size_t& temp_bytes, cub::DoubleBuffer<uin
 }  // namespace
 
 cudaError_t sample_sort_temp_bytes(int64_t vocab, int32_t n_slots, int32_t n_seg2, int key_shift, size_t* bytes) {
+  clear_stale_error();
   *bytes = 0;
   if (n_slots <= 0) return cudaSuccess;
   cub::DoubleBuffer<uint64_t> keys(nullptr, nullptr);
@@ -334,6 +335,7 @@ cudaError_t sample_sort_temp_bytes(int64_t vocab, int32_t n_slots, int32_t n_seg
 }
 
 cudaError_t launch_sample_rows(const SampleLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
   if (a.n_rows <= 0) return cudaSuccess;
   sample_prepare_kernel<<<static_cast<unsigned>(a.n_rows), kThreads, 0, stream>>>(a);
   cudaError_t err = cudaGetLastError();

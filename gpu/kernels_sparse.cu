@@ -177,6 +177,7 @@ struct SparseKernels {
 }  // namespace
 
 cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream) {
+  clear_stale_error();
   if (g.n_entries <= 0) return cudaSuccess;
   constexpr int64_t kEntriesPerBlock = kGatherThreads / 32;
   const int64_t blocks = std::min((g.n_entries + kEntriesPerBlock - 1) / kEntriesPerBlock, kMaxGatherBlocks);
@@ -192,6 +193,7 @@ cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream) {
 }
 
 cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
   return launch_split_attention<SparseKernels>(a, stream);
 }
 

@@ -29,7 +29,7 @@ constexpr int64_t kSelectMaxBlocksPerSegment = 64;
 Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* const* k_blocks,
                                                   int64_t block_tokens, int64_t length, int64_t n_heads,
                                                   int64_t n_kv_heads, int64_t head_dim, float* out,
-                                                  int sm_count) {
+                                                  int sm_count, SharedMemoryLimits limits) {
   RetrievalScoresPlan plan;
   if (length <= 0) return plan;
   if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0) {
@@ -83,12 +83,17 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* c
   const int64_t red_floats = a.parts > 1 ? kernels::kRetrievalHeadsPerPass * kernels::kRetrievalThreads : 0;
   const int64_t smem_floats = kernels::kRetrievalThreads * a.k_stride + q_floats + red_floats;
   a.smem_bytes = static_cast<size_t>(smem_floats) * sizeof(float);
-  if (a.smem_bytes > kRetrievalMaxSmemBytes) {
+  // The kernel's static array counts against the same per-block limit as the dynamic part.
+  const size_t smem_total = a.smem_bytes + kernels::kRetrievalStaticSmemBytes;
+  if (smem_total > limits.per_block_optin) {
     return unimplemented("CUDA retrieval_group_scores: " + std::to_string(a.group) +
                          " query heads per KV head of head_dim " + std::to_string(head_dim) + " need " +
-                         std::to_string(a.smem_bytes) + " bytes of shared memory (limit " +
-                         std::to_string(kRetrievalMaxSmemBytes) + ")");
+                         std::to_string(smem_total) + " bytes of shared memory per block (" +
+                         std::to_string(a.smem_bytes) + " dynamic + " +
+                         std::to_string(kernels::kRetrievalStaticSmemBytes) + " static; the device allows " +
+                         std::to_string(limits.per_block_optin) + ")");
   }
+  a.smem_opt_in = smem_total > limits.per_block;
 
   // Enough blocks to fill the device, but whole tiles and at most kMaxTokensPerBlock per block.
   const int64_t target_blocks = std::max<int64_t>(sm_count, 1) * kTargetBlocksPerSm;

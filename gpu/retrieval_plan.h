@@ -25,18 +25,27 @@ struct RetrievalScoresPlan {
   int64_t n_blocks = 0;       // entries of the K block table the length uses
 };
 
-// Largest dynamic shared memory the score kernel asks for (sm_80 allows 163 KiB per block).
-inline constexpr size_t kRetrievalMaxSmemBytes = 160 * 1024;
+// A device's shared memory per block, static and dynamic together: what every launch gets
+// (cudaDevAttrMaxSharedMemoryPerBlock, 48 KiB on every supported device) and the most a kernel
+// may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin: 163 KiB on sm_80, 227 KiB on sm_90).
+// The defaults are sm_80's; CudaBackend passes its device's.
+struct SharedMemoryLimits {
+  size_t per_block = 48 * 1024;
+  size_t per_block_optin = 163 * 1024;
+};
 
 // Checks (kInvalidArgument: non-positive or non-dividing heads, head_dim <= 0, null pointers,
 // length beyond int32 tokens; kUnimplemented: head_dim > 256, or a GQA group whose queries do not
 // fit the shared memory) and plans for `sm_count` multiprocessors. length <= 0: an empty plan.
+// Shared memory: launch.smem_bytes (dynamic) plus kRetrievalStaticSmemBytes must fit
+// limits.per_block_optin (else kUnimplemented), and launch.smem_opt_in is set when they exceed
+// limits.per_block.
 // k_blocks is the HOST table of the paged K cache (Backend::retrieval_group_scores); the plan
 // points launch.k_blocks at it and CudaBackend replaces that with the uploaded copy.
 Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* const* k_blocks,
                                                   int64_t block_tokens, int64_t length, int64_t n_heads,
                                                   int64_t n_kv_heads, int64_t head_dim, float* out,
-                                                  int sm_count);
+                                                  int sm_count, SharedMemoryLimits limits = {});
 
 struct SelectTopPlan {
   int64_t budget = 1;  // max(options.budget, 1), as the host

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -92,6 +93,23 @@ TEST(CudaCheck, CudaErrorBecomesStatusWithExpressionAndLocation) {
   EXPECT_EQ(cuda_status(cudaErrorNoDevice, "x").code(), StatusCode::kUnavailable);
   EXPECT_EQ(cuda_status(cudaErrorInvalidValue, "x").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda_status(cudaErrorLaunchFailure, "x").code(), StatusCode::kInternal);
+}
+
+// "Not ready" is in progress only as the answer of a completion query; from any other call (a
+// launch, a copy) it is a failure, so that a transfer that stored it as its error cannot be
+// polled forever. query_status also clears the last-error slot (shown on a device in
+// cuda_pending_work_test.cc: without a driver every error is the sticky "insufficient driver").
+TEST(CudaCheck, NotReadyIsInProgressOnlyForQueries) {
+  const Status pending = query_status(cudaErrorNotReady, "cudaEventQuery(done)");
+  EXPECT_EQ(pending.code(), StatusCode::kInProgress);
+  EXPECT_TRUE(contains(pending.message(), "cudaEventQuery(done)")) << pending.message();
+  EXPECT_TRUE(query_status(cudaSuccess, "x").is_ok());
+  EXPECT_EQ(query_status(cudaErrorLaunchFailure, "x").code(), StatusCode::kInternal);
+  EXPECT_EQ(query_status(cudaErrorInvalidValue, "x").code(), StatusCode::kInvalidArgument);
+  const Status launch = cuda_status(cudaErrorNotReady, "launch_add");
+  EXPECT_FALSE(launch.is_ok());
+  EXPECT_NE(launch.code(), StatusCode::kInProgress) << launch.to_string();
+  EXPECT_TRUE(contains(launch.message(), "cudaErrorNotReady")) << launch.message();
 }
 
 Status fails_then_would_continue(bool* reached_end) {
@@ -251,6 +269,42 @@ TEST_F(CudaDeviceTest, SupportsMatchesImplementedDtypes) {
   EXPECT_TRUE(b.supports(BackendOp::kAttention, DType::kF32));
   WeightMatrix w{DType::kF16, 4, 4, reinterpret_cast<const void*>(16)};
   EXPECT_EQ(b.matmul(nullptr, 1, w, nullptr, nullptr).code(), StatusCode::kUnimplemented);
+}
+
+// Kernels may take a pointer into page-locked host memory only where the device reads registered
+// memory at its host address; the backend says so through addressable(kPinnedHost), and the
+// engine stages such tiers through the transport elsewhere. copy_rows moves rows between
+// registered host memory and device memory in both directions (cudaMemcpyDefault).
+TEST_F(CudaDeviceTest, PinnedHostIsAddressableOnlyWhereRegisteredHostPointersWork) {
+  auto backend = CudaBackend::create(0);
+  ASSERT_TRUE(backend.is_ok()) << backend.status().to_string();
+  CudaBackend& gpu = **backend;
+  int host_pointers = 0, smem = 0, smem_optin = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlock, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
+  EXPECT_EQ(gpu.addressable(MemoryKind::kPinnedHost), host_pointers == 1);
+  EXPECT_TRUE(gpu.addressable(MemoryKind::kDevice));
+  EXPECT_FALSE(gpu.addressable(MemoryKind::kHost));
+  EXPECT_EQ(gpu.shared_memory_limits().per_block, static_cast<size_t>(smem));
+  EXPECT_EQ(gpu.shared_memory_limits().per_block_optin, static_cast<size_t>(smem_optin));
+
+  constexpr size_t kRow = 256, kRows = 64, kBytes = kRow * kRows;
+  std::vector<uint8_t> pool(2 * kBytes);
+  for (size_t i = 0; i < kBytes; ++i) pool[i] = static_cast<uint8_t>(i * 7 + 3);
+  auto reg = PinnedHostRegistration::create(pool.data(), pool.size());
+  ASSERT_TRUE(reg.is_ok()) << reg.status().to_string();
+  auto dev = gpu.allocate(kBytes);
+  ASSERT_TRUE(dev.is_ok());
+  // Pool -> device (rows, then a single row), then device -> the pool's second half.
+  ASSERT_TRUE(gpu.copy_rows(dev->get(), kRow, pool.data(), kRow, kRow, kRows - 1).is_ok());
+  ASSERT_TRUE(gpu.copy_rows(static_cast<uint8_t*>(dev->get()) + (kRows - 1) * kRow, kRow,
+                            pool.data() + (kRows - 1) * kRow, kRow, kRow, 1)
+                  .is_ok());
+  const Status back = gpu.copy_rows(pool.data() + kBytes, kRow, dev->get(), kRow, kRow, kRows);
+  ASSERT_TRUE(back.is_ok()) << back.to_string();
+  ASSERT_TRUE(gpu.synchronize().is_ok());
+  EXPECT_TRUE(std::equal(pool.begin(), pool.begin() + kBytes, pool.begin() + kBytes));
 }
 
 }  // namespace

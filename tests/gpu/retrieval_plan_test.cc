@@ -13,6 +13,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/backend.h"
@@ -169,7 +170,7 @@ TEST(RetrievalScoresPlan, HostMirrorMatchesHostDefault) {
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     EXPECT_EQ(plan->launch.parts, s.hd <= 64 ? 1 : s.hd <= 128 ? 2 : 4);
     EXPECT_EQ(plan->launch.vec4, s.hd % 4 == 0 && (bt * kvd) % 4 == 0);  // every block 16-byte aligned
-    EXPECT_LE(plan->launch.smem_bytes, kRetrievalMaxSmemBytes);
+    EXPECT_LE(plan->launch.smem_bytes + kernels::kRetrievalStaticSmemBytes, SharedMemoryLimits{}.per_block_optin);
     std::vector<float> got;
     emulate_scores(*plan, got);
     std::vector<float> want(static_cast<size_t>(s.kv * s.length));
@@ -209,6 +210,70 @@ TEST(RetrievalScoresPlan, ArgumentChecks) {
   auto plan = plan_retrieval_scores(&x, misaligned, 4, 4, 1, 1, 8, &x, 132);
   ASSERT_TRUE(plan.is_ok());
   EXPECT_FALSE(plan->launch.vec4);
+}
+
+// The shared memory the score kernel needs, from its layout as kernels_retrieval.cu declares it
+// (not from the plan): a [kRetrievalThreads][k_stride] K tile, the group's queries padded to
+// parts x part_dims, the cross-part reduction buffer, and the static row_base pointer array.
+size_t score_kernel_smem_need(int64_t group, int64_t head_dim) {
+  const int64_t parts = head_dim <= 64 ? 1 : head_dim <= 128 ? 2 : 4;
+  const int64_t part_dims = (head_dim + parts - 1) / parts;
+  const int64_t part_dims4 = (part_dims + 3) / 4 * 4;
+  const int64_t k_stride = (part_dims4 + 31) / 32 * 32 + 4;
+  const int64_t floats = kernels::kRetrievalThreads * k_stride + group * parts * part_dims4 +
+                         (parts > 1 ? kernels::kRetrievalHeadsPerPass * kernels::kRetrievalThreads : 0);
+  return static_cast<size_t>(floats) * sizeof(float) + kernels::kRetrievalThreads * sizeof(const float*);
+}
+
+// What the CUDA runtime accepts for a launch of a plan: static + dynamic shared memory within
+// the default per-block limit, or, after cudaFuncSetAttribute(MaxDynamicSharedMemorySize,
+// dynamic) (which the launcher calls when smem_opt_in), within the opt-in limit.
+bool launch_accepted(const RetrievalScoresPlan& plan, SharedMemoryLimits device) {
+  const size_t total = plan.launch.smem_bytes + kernels::kRetrievalStaticSmemBytes;
+  return total <= (plan.launch.smem_opt_in ? device.per_block_optin : device.per_block);
+}
+
+// Every GQA ratio from MHA to 320 query heads per KV head, at each head-dim class, on an sm_80
+// (163 KiB opt-in) and an sm_90 (227 KiB) device: the plan either launches under the device's
+// limits counting the static array, or refuses with kUnimplemented exactly when the need exceeds
+// the opt-in limit. Before the static array was counted, 128-dim heads with 19-20 query heads per
+// KV head (256: 10; 64: 53-56) planned no opt-in for a launch of more than 48 KiB.
+TEST(RetrievalScoresPlan, LaunchFitsTheDeviceSharedMemoryAtEveryGqaRatio) {
+  float x = 0.0f;
+  std::vector<float> k(64);
+  const float* table[1] = {k.data()};
+  const SharedMemoryLimits devices[] = {{48 * 1024, 163 * 1024}, {48 * 1024, 227 * 1024}};
+  int opt_ins = 0, refusals = 0;
+  for (const SharedMemoryLimits& device : devices) {
+    for (int64_t hd : {16, 64, 100, 128, 200, 256}) {
+      for (int64_t group = 1; group <= 320; ++group) {
+        SCOPED_TRACE("head_dim " + std::to_string(hd) + ", " + std::to_string(group) + " query heads per KV head, opt-in " +
+                     std::to_string(device.per_block_optin));
+        const size_t need = score_kernel_smem_need(group, hd);
+        auto plan = plan_retrieval_scores(&x, table, 4, 4, group * 2, 2, hd, &x, 132, device);
+        if (need > device.per_block_optin) {
+          ASSERT_EQ(plan.status().code(), StatusCode::kUnimplemented) << need << " bytes";
+          EXPECT_NE(plan.status().message().find("shared memory"), std::string::npos);
+          ++refusals;
+          continue;
+        }
+        ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+        EXPECT_EQ(plan->launch.smem_bytes + kernels::kRetrievalStaticSmemBytes, need);
+        EXPECT_TRUE(launch_accepted(*plan, device)) << need << " bytes";
+        EXPECT_EQ(plan->launch.smem_opt_in, need > device.per_block) << need << " bytes";
+        opt_ins += plan->launch.smem_opt_in;
+      }
+    }
+  }
+  EXPECT_GT(opt_ins, 0);
+  EXPECT_GT(refusals, 0);
+  // The ratios the issue named: dynamic shared memory at most 48 KiB, the total above it.
+  for (auto [hd, group] : {std::pair<int64_t, int64_t>{128, 19}, {128, 20}, {256, 10}, {64, 53}, {64, 56}}) {
+    auto plan = plan_retrieval_scores(&x, table, 4, 4, group, 1, hd, &x, 132, devices[0]);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    EXPECT_LE(plan->launch.smem_bytes, size_t{48 * 1024}) << hd << " x " << group;
+    EXPECT_TRUE(plan->launch.smem_opt_in) << hd << " x " << group;
+  }
 }
 
 // ---- selection ----

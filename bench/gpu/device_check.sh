@@ -8,11 +8,18 @@
 #     made before the session) to /tmp and find cuBLAS there; without a bundle, try a source build
 #     (it needs our Debian packages, which that machine lacks: it says so and goes on)
 # (b) nvidia-smi; a probe that our binaries see the device
-# (c) the GPU tests (every test_gpu_*, gtest JSON) and `specontext generate` CUDA vs CPU
-# (d) bench_gpu_copy   (e) bench_gpu_decode (ours, dense and SpeContext)   (f) hf_decode.py
+# (c) the GPU tests (every test_gpu_*, gtest JSON) and `specontext generate` CUDA vs CPU: these
+#     have first claim on the time (up to TESTS_MAX_S, leaving BENCH_MIN_S for the benchmarks)
+# (d) bench_gpu_copy   (e) bench_gpu_decode (ours, dense and SpeContext)   (f) hf_decode.py, in
+#     the time the tests left; the decode grid and the host pool follow the machine: requests
+#     1,8,32 on a card of >= 120 GiB (H200), 1,8,16 below (H100 80 GB: 32K x 32 is 128 GiB of KV),
+#     and the pinned host pool at most MemAvailable minus the host model copy and a margin
 # (g) $OUT/device_check.json combining everything, and a one-screen summary on stdout.
 # Each step runs under its own timeout, so the whole script ends within 8 minutes even if a part
 # hangs; a failing step is reported and the next one runs (set -u, not set -e).
+# Results reach $OUT as they come: tests.json after every test binary, the benchmarks write
+# their JSON there after every configuration, and device_check.json (the summary) is rewritten
+# after every stage, so a run cut off from outside still returns what it measured.
 # $OUT receives at most 8 files (the device tool's limit): device_check.log, nvidia-smi.txt,
 # tests.log, tests.json, gpu_copy.json, gpu_decode.json, hf_decode.json, device_check.json.
 # Everything else is written under /tmp/spx-devcheck.
@@ -20,6 +27,8 @@ set -u
 
 START=$(date +%s)
 LIMIT_S=${DEVCHECK_LIMIT_S:-445}  # the steps; the summary and kill graces stay within 480 s
+TESTS_MAX_S=${DEVCHECK_TESTS_MAX_S:-270}  # the tests' share at most (they go first)
+BENCH_MIN_S=${DEVCHECK_BENCH_MIN_S:-90}   # kept for the benchmarks whatever the tests need
 LAST_S=0
 DEADLINE=$((START + LIMIT_S))
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -38,6 +47,9 @@ LOG="$OUT/device_check.log"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 export PYTHONUNBUFFERED=1
+# No network on the device machine: the HF baseline builds its model from a config, and must not
+# stall on hub look-ups.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export SPECONTEXT_SOURCE_DIR="$ROOT"  # the tests find models/ here, not at the build's path
 
 say() { printf '%s\n' "$*" | tee -a "$LOG"; }
@@ -79,6 +91,159 @@ run() {
 append() {
   { echo "----- $2 -----"; tail -c 4000000 "$1"; echo; } >>"$LOG" 2>/dev/null
 }
+PROBE_OK=0
+HAVE_BIN=0
+GPU_LINE=""
+# summarize [quiet]: $OUT/device_check.json from what is there so far (after every stage); without
+# quiet, also the one-screen summary on stdout and in the log.
+summarize() {
+  local mode=${1:-print}
+  if [ "$mode" = quiet ]; then
+    timeout 30 python3 - "$OUT" "$WORK" "$STEPS" "$(($(now) - START))" "${GPU_LINE:-}" "$PROBE_OK" "$HAVE_BIN" quiet \
+      <"$WORK/summary.py" >>"$WORK/summary.log" 2>&1 || say "[summary] could not write device_check.json"
+  else
+    timeout 30 python3 - "$OUT" "$WORK" "$STEPS" "$(($(now) - START))" "${GPU_LINE:-}" "$PROBE_OK" "$HAVE_BIN" print \
+      <"$WORK/summary.py" 2>&1 | tee -a "$LOG"
+  fi
+}
+cat >"$WORK/summary.py" <<'EOF'
+import json, os, sys
+out, work, steps_path, elapsed, gpu_line, probe_ok, have_bin = sys.argv[1:8]
+quiet = sys.argv[8] == "quiet"
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception as e:
+        return {"missing": "%s: %s" % (os.path.basename(path), e)}
+
+steps = []
+for line in open(steps_path):
+    parts = line.rstrip("\n").split("\t")
+    if len(parts) >= 3:
+        steps.append({"step": parts[0], "status": parts[1], "seconds": int(parts[2] or 0),
+                      "note": parts[3] if len(parts) > 3 else ""})
+tests = load(os.path.join(out, "tests.json"))
+copy = load(os.path.join(out, "gpu_copy.json"))
+ours = load(os.path.join(out, "gpu_decode.json"))
+hf = load(os.path.join(out, "hf_decode.json"))
+
+test_rows = []
+for name, g in sorted((tests.get("gtest") or {}).items()):
+    passed = failed = skipped = 0
+    failures = []
+    for suite in g.get("testsuites", []):
+        for t in suite.get("testsuite", []):
+            if t.get("failures"):
+                failed += 1
+                failures.append(suite.get("name", "") + "." + t.get("name", ""))
+            elif t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
+                skipped += 1
+            else:
+                passed += 1
+    test_rows.append({"binary": name, "passed": passed, "failed": failed, "skipped": skipped,
+                      "failures": failures[:20]})
+ran = {r["binary"] for r in test_rows}
+for s in steps:
+    if s["step"].startswith("test_gpu_") and s["step"] not in ran:
+        test_rows.append({"binary": s["step"], "passed": 0, "failed": 0, "skipped": 0,
+                          "failures": ["no gtest JSON: " + s["status"]]})
+
+gen = tests.get("generate") or {}
+smoke = {}
+for method in ("dense", "specontext"):
+    a, b = gen.get("cuda-" + method), gen.get("cpu-" + method)
+    if not a or not b or "text" not in a or "text" not in b:
+        smoke[method] = "not run or failed"
+    elif a.get("backend") != "cuda":
+        smoke[method] = "CUDA run fell back to %s" % a.get("backend")
+    else:
+        ta, tb = a["text"], b["text"]
+        n = 0
+        while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
+            n += 1
+        smoke[method] = ("same text (%d chars)" % len(ta) if ta == tb else
+                         "texts differ after %d of %d chars" % (n, max(len(ta), len(tb))))
+
+table = {}
+for src, doc in (("ours", ours), ("hf", hf)):
+    for c in doc.get("configs", []) or []:
+        key = (c.get("ctx"), c.get("requests"))
+        col = c.get("method") if src == "ours" else "hf-eager"
+        table.setdefault(key, {})[col] = c
+
+def cell(c):
+    if not c:
+        return "-"
+    st = c.get("status")
+    if st == "ok":
+        v = "%.1f" % c["tokens_per_s"]
+        if c.get("placement", {}).get("layers_offloaded"):
+            v += "*"
+        if c.get("stopped_early"):
+            v += "~"
+        return v
+    return {"does not fit": "no fit", "skipped": "skipped", "OOM": "OOM"}.get(st, "error")
+
+summary = {
+    "elapsed_seconds": int(elapsed),
+    "gpu": gpu_line,
+    "our_binaries": bool(int(have_bin)),
+    "our_programs_see_device": bool(int(probe_ok)),
+    "steps": steps,
+    "tests": test_rows,
+    "generate_cuda_vs_cpu": smoke,
+    "copy": {k: copy.get(k) for k in ("device", "peak", "suggested_gather_below_bytes", "default_gather_below_bytes", "missing") if k in copy},
+    "decode": [dict(ctx=k[0], requests=k[1], **{m: (v.get("tokens_per_s") if v.get("status") == "ok" else v.get("status"))
+                                               for m, v in cols.items()})
+               for k, cols in sorted(table.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0))],
+    "versions": {k: hf.get(k) for k in ("torch", "torch_cuda", "transformers", "python") if k in hf},
+    "ours_status": ours.get("status") or ours.get("missing"),
+    "hf_status": hf.get("status") or hf.get("missing"),
+    "files": sorted(set(os.listdir(out)) | {"device_check.json"}),
+}
+with open(os.path.join(out, "device_check.json"), "w") as f:
+    json.dump({"summary": summary, "gpu_decode": ours, "hf_decode": hf, "gpu_copy": copy}, f, indent=1)
+if quiet:
+    sys.exit(0)
+
+print("== SUMMARY (%s s) %s" % (elapsed, gpu_line or "no GPU reported by nvidia-smi"))
+bad = [s for s in steps if s["status"] not in ("ok",)]
+print("steps: %d ok, %d not ok%s" % (len(steps) - len(bad), len(bad),
+      "".join("\n  %-28s %s (%s s) %s" % (s["step"], s["status"], s["seconds"], s["note"]) for s in bad)))
+print("our programs see the device: %s" % ("yes" if int(probe_ok) else "NO"))
+print("tests:")
+for r in test_rows:
+    print("  %-36s %4d passed %3d failed %3d skipped%s" % (r["binary"], r["passed"], r["failed"], r["skipped"],
+          ("  <- " + ", ".join(r["failures"][:3])) if r["failures"] else ""))
+print("generate stories260K, CUDA vs CPU: dense: %s; specontext: %s" % (smoke.get("dense"), smoke.get("specontext")))
+if "peak" in copy:
+    print("copy: H2D %.1f GB/s, D2H %.1f GB/s; DMA wins from %s B rows (default threshold %s B)" % (
+        copy["peak"].get("h2d_gb_per_s", 0), copy["peak"].get("d2h_gb_per_s", 0),
+        copy.get("suggested_gather_below_bytes"), copy.get("default_gather_below_bytes")))
+else:
+    print("copy: no figures (%s)" % copy.get("missing", "no peak in gpu_copy.json"))
+print("decode tokens/s, %s bf16, %s KV, 32 steps (* = KV tiers used, ~ = fewer steps; ours: %s, HF: %s)" % (
+    (ours.get("model") or {}).get("name", "llama-3.1-8b"), ours.get("kv_dtype", "?"), summary["ours_status"],
+    summary["hf_status"]))
+print("  %6s %4s %12s %12s %12s %9s %9s" % ("ctx", "R", "dense", "specontext", "hf-eager", "spec/dense", "spec/hf"))
+for (ctx, r), cols in sorted(table.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0)):
+    d, s, h = cols.get("dense"), cols.get("specontext"), cols.get("hf-eager")
+    def ratio(a, b):
+        if a and b and a.get("status") == "ok" and b.get("status") == "ok" and b["tokens_per_s"] > 0:
+            return "%.2f" % (a["tokens_per_s"] / b["tokens_per_s"])
+        return "-"
+    print("  %6s %4s %12s %12s %12s %9s %9s" % (ctx, r, cell(d), cell(s), cell(h), ratio(s, d), ratio(s, h)))
+for src, doc in (("ours", ours), ("hf", hf)):
+    for c in doc.get("configs", []) or []:
+        if c.get("status") not in ("ok", "skipped"):
+            why = c.get("error") or c.get("reason") or ""
+            print("  %s ctx %s R %s %s: %s: %.150s" % (src, c.get("ctx"), c.get("requests"), c.get("method"), c.get("status"), why))
+if hf.get("versions") or hf.get("torch"):
+    print("torch %s (CUDA %s), transformers %s" % (hf.get("torch"), hf.get("torch_cuda"), hf.get("transformers")))
+print("files in $OUT: " + ", ".join(summary["files"]))
+EOF
 
 say "== SpeContext device check, $(date -u +%Y-%m-%dT%H:%M:%SZ), repo $ROOT, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 say "host: $(uname -m), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo), $(ldd --version 2>&1 | sed -n 1p)"
@@ -230,44 +395,9 @@ if [ "$HAVE_BIN" -eq 1 ]; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# (c) tests: device tests first, then the host-side ones; then generate CUDA vs CPU.
-if [ "$HAVE_BIN" -eq 1 ]; then
-  TESTS_END=$(($(now) + $(limit 85 350)))
-  order=(cuda_device cuda_ops cuda_engine cuda_retrieval cuda_sampling cuda_transport)
-  listed=" "
-  tests=()
-  for n in "${order[@]}"; do
-    if [ -x "$B/bin/test_gpu_${n}_test" ]; then
-      tests+=("test_gpu_${n}_test")
-      listed+="test_gpu_${n}_test "
-    fi
-  done
-  for f in "$B"/bin/test_gpu_*; do
-    n=$(basename "$f")
-    [[ "$listed" == *" $n "* ]] || tests+=("$n")
-  done
-  for t in "${tests[@]}"; do
-    left=$((TESTS_END - $(now) - 10))  # 10 s kept for the generate comparison
-    secs=$((left < 45 ? left : 45))
-    echo "===== $t" >>"$OUT/tests.log"
-    run "$t" "$secs" "$OUT/tests.log" env LD_LIBRARY_PATH="$OURLD" "$B/bin/$t" --gtest_output="json:$WORK/gtest/$t.json"
-    rc=$?
-    [ "$rc" -eq 0 ] && say "[$t] ok (${LAST_S} s)"
-    echo "===== $t rc=$rc" >>"$OUT/tests.log"
-  done
-  # The CLI end to end: greedy text of stories260K on CUDA and on the CPU, dense and SpeContext.
-  for method in dense specontext; do
-    for be in cuda cpu; do
-      left=$((TESTS_END - $(now)))
-      secs=$((left < 15 ? left : 15))
-      echo "===== generate --backend $be --sparse $method" >>"$OUT/tests.log"
-      run "generate-$be-$method" "$secs" "$WORK/smoke/$be-$method.json" env LD_LIBRARY_PATH="$OURLD" \
-        "$B/bin/specontext" generate -m models/stories260K/stories260K.bin -p "Once upon a time" -n 200 \
-        --sparse "$method" --backend "$be" --json
-      cat "$WORK/smoke/$be-$method.json" >>"$OUT/tests.log"
-    done
-  done
-  # tests.json: every gtest JSON and the generate comparison in one file.
+# (c) tests: device tests first, then the host-side ones; then generate CUDA vs CPU. They have
+# first claim on the time; tests.json is rewritten after each binary.
+write_tests_json() {
   timeout 30 python3 - "$WORK" "$OUT/tests.json" <<'EOF' || say "[tests] could not write tests.json"
 import glob, json, os, sys
 work, out = sys.argv[1], sys.argv[2]
@@ -289,173 +419,100 @@ for path in sorted(glob.glob(os.path.join(work, "smoke", "*.json"))):
             except ValueError:
                 pass
     doc["generate"][name] = res if res is not None else {"error": "no JSON line in the output"}
-json.dump(doc, open(out, "w"), indent=1)
+# Written in place: a temporary file beside it could be left in $OUT as a ninth file.
+with open(out, "w") as f:
+    json.dump(doc, f, indent=1)
 EOF
+}
+if [ "$HAVE_BIN" -eq 1 ]; then
+  TESTS_END=$(($(now) + $(limit "$TESTS_MAX_S" "$BENCH_MIN_S")))
+  # The suites that never ran on a device first (the pending-work checks are quick).
+  order=(cuda_device cuda_pending_work cuda_retrieval cuda_sampling cuda_transport cuda_ops cuda_engine)
+  listed=" "
+  tests=()
+  for n in "${order[@]}"; do
+    if [ -x "$B/bin/test_gpu_${n}_test" ]; then
+      tests+=("test_gpu_${n}_test")
+      listed+="test_gpu_${n}_test "
+    fi
+  done
+  for f in "$B"/bin/test_gpu_*; do
+    n=$(basename "$f")
+    [[ "$listed" == *" $n "* ]] || tests+=("$n")
+  done
+  for t in "${tests[@]}"; do
+    left=$((TESTS_END - $(now) - 20))  # 20 s kept for the generate comparison
+    secs=$((left < 90 ? left : 90))
+    echo "===== $t" >>"$OUT/tests.log"
+    run "$t" "$secs" "$OUT/tests.log" env LD_LIBRARY_PATH="$OURLD" "$B/bin/$t" --gtest_output="json:$WORK/gtest/$t.json"
+    rc=$?
+    [ "$rc" -eq 0 ] && say "[$t] ok (${LAST_S} s)"
+    echo "===== $t rc=$rc" >>"$OUT/tests.log"
+    write_tests_json
+  done
+  # The CLI end to end: greedy text of stories260K on CUDA and on the CPU, dense and SpeContext.
+  for method in dense specontext; do
+    for be in cuda cpu; do
+      left=$((TESTS_END - $(now)))
+      secs=$((left < 15 ? left : 15))
+      echo "===== generate --backend $be --sparse $method" >>"$OUT/tests.log"
+      run "generate-$be-$method" "$secs" "$WORK/smoke/$be-$method.json" env LD_LIBRARY_PATH="$OURLD" \
+        "$B/bin/specontext" generate -m models/stories260K/stories260K.bin -p "Once upon a time" -n 200 \
+        --sparse "$method" --backend "$be" --json
+      cat "$WORK/smoke/$be-$method.json" >>"$OUT/tests.log"
+    done
+  done
+  write_tests_json
+  summarize quiet
 fi
 
 # ---------------------------------------------------------------------------------------------
-# (d) copy rates, (e) our decode, (f) HF decode
+# (d) copy rates, (e) our decode, (f) HF decode, in the time the tests left: copy up to 30 s,
+# then ours about 55 % of the rest, HF what remains. The grid follows the card's memory, the
+# host pool the machine's.
+GPU_MIB=$(timeout 20 nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -dc '0-9')
+GPU_MIB=${GPU_MIB:-0}
+if [ "$GPU_MIB" -ge $((120 * 1024)) ]; then
+  REQUESTS=1,8,32
+else
+  REQUESTS=1,8,16
+fi
+# Pinned host KV pool: what the kernel reports available, less the host copy of the model's
+# weights (15 GiB) and 16 GiB for everything else; at most 96 GiB, none when that leaves nothing.
+AVAIL_GIB=$(awk '/^MemAvailable:/ {printf "%d", $2 / 1048576}' /proc/meminfo 2>/dev/null)
+AVAIL_GIB=${AVAIL_GIB:-0}
+HOST_KV_GIB=$((AVAIL_GIB - 15 - 16))
+[ "$HOST_KV_GIB" -gt 96 ] && HOST_KV_GIB=96
+[ "$HOST_KV_GIB" -lt 0 ] && HOST_KV_GIB=0
+say "[grid] card ${GPU_MIB} MiB: contexts 16384,32768 x requests $REQUESTS; host ${AVAIL_GIB} GiB available: host KV pool at most ${HOST_KV_GIB} GiB"
 if [ "$HAVE_BIN" -eq 1 ]; then
-  run bench_gpu_copy "$(limit 30 320)" "$WORK/gpu_copy.log" env LD_LIBRARY_PATH="$OURLD" "$B/bin/bench_gpu_copy" \
-    --out "$WORK/gpu_copy.json" --rows 1024,4096,16384,65536 --reps 2 --max-case-mib 256 && say "[bench_gpu_copy] ok (${LAST_S} s)"
-  [ -f "$WORK/gpu_copy.json" ] && cp "$WORK/gpu_copy.json" "$OUT/gpu_copy.json"
+  run bench_gpu_copy "$(limit 30 60)" "$WORK/gpu_copy.log" env LD_LIBRARY_PATH="$OURLD" "$B/bin/bench_gpu_copy" \
+    --out "$OUT/gpu_copy.json" --rows 1024,4096,16384,65536 --reps 2 --max-case-mib 256 && say "[bench_gpu_copy] ok (${LAST_S} s)"
   append "$WORK/gpu_copy.log" "bench_gpu_copy"
+  summarize quiet
 
-  secs=$(limit 175 140)
+  left=$((DEADLINE - $(now) - 5))
+  secs=$(limit $((left * 55 / 100)) 20)
   run bench_gpu_decode "$secs" "$WORK/gpu_decode.log" env LD_LIBRARY_PATH="$OURLD" "$B/bin/bench_gpu_decode" \
-    --out "$WORK/gpu_decode.json" --contexts 16384,32768 --requests 1,8,32 --methods dense,specontext --steps 32 \
-    --kv-dtype bf16 --time-budget-s $((secs > 60 ? secs - 40 : secs / 2)) && say "[bench_gpu_decode] ok (${LAST_S} s)"
-  [ -f "$WORK/gpu_decode.json" ] && cp "$WORK/gpu_decode.json" "$OUT/gpu_decode.json"
+    --out "$OUT/gpu_decode.json" --contexts 16384,32768 --requests "$REQUESTS" --methods dense,specontext --steps 32 \
+    --kv-dtype bf16 --host-kv-max-gib "$HOST_KV_GIB" --time-budget-s $((secs > 60 ? secs - 40 : secs / 2)) &&
+    say "[bench_gpu_decode] ok (${LAST_S} s)"
   grep -E '^(ctx|bench_gpu_decode)' "$WORK/gpu_decode.log" | cut -c1-160 | tee -a "$LOG"
   append "$WORK/gpu_decode.log" "bench_gpu_decode"
+  summarize quiet
 fi
 
 secs=$(limit 140 5)
-run hf_decode "$secs" "$WORK/hf_decode.log" python3 bench/gpu/hf_decode.py --out "$WORK/hf_decode.json" \
-  --contexts 16384,32768 --requests 1,8,32 --steps 32 --time-budget-s $((secs > 60 ? secs - 30 : secs / 2)) &&
+run hf_decode "$secs" "$WORK/hf_decode.log" python3 bench/gpu/hf_decode.py --out "$OUT/hf_decode.json" \
+  --contexts 16384,32768 --requests "$REQUESTS" --steps 32 --time-budget-s $((secs > 60 ? secs - 30 : secs / 2)) &&
   say "[hf_decode] ok (${LAST_S} s)"
-[ -f "$WORK/hf_decode.json" ] && cp "$WORK/hf_decode.json" "$OUT/hf_decode.json"
 grep -E '^hf_decode: (ctx|model|torch|no )' "$WORK/hf_decode.log" | cut -c1-160 | tee -a "$LOG"
 append "$WORK/hf_decode.log" "hf_decode.py"
 
 # ---------------------------------------------------------------------------------------------
 # (g) summary
 say ""
-timeout 30 python3 - "$OUT" "$WORK" "$STEPS" "$(($(now) - START))" "${GPU_LINE:-}" "$PROBE_OK" "$HAVE_BIN" <<'EOF' 2>&1 | tee -a "$LOG"
-import json, os, sys
-out, work, steps_path, elapsed, gpu_line, probe_ok, have_bin = sys.argv[1:8]
-
-def load(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except Exception as e:
-        return {"missing": "%s: %s" % (os.path.basename(path), e)}
-
-steps = []
-for line in open(steps_path):
-    parts = line.rstrip("\n").split("\t")
-    if len(parts) >= 3:
-        steps.append({"step": parts[0], "status": parts[1], "seconds": int(parts[2] or 0),
-                      "note": parts[3] if len(parts) > 3 else ""})
-tests = load(os.path.join(out, "tests.json"))
-copy = load(os.path.join(out, "gpu_copy.json"))
-ours = load(os.path.join(out, "gpu_decode.json"))
-hf = load(os.path.join(out, "hf_decode.json"))
-
-test_rows = []
-for name, g in sorted((tests.get("gtest") or {}).items()):
-    passed = failed = skipped = 0
-    failures = []
-    for suite in g.get("testsuites", []):
-        for t in suite.get("testsuite", []):
-            if t.get("failures"):
-                failed += 1
-                failures.append(suite.get("name", "") + "." + t.get("name", ""))
-            elif t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
-                skipped += 1
-            else:
-                passed += 1
-    test_rows.append({"binary": name, "passed": passed, "failed": failed, "skipped": skipped,
-                      "failures": failures[:20]})
-ran = {r["binary"] for r in test_rows}
-for s in steps:
-    if s["step"].startswith("test_gpu_") and s["step"] not in ran:
-        test_rows.append({"binary": s["step"], "passed": 0, "failed": 0, "skipped": 0,
-                          "failures": ["no gtest JSON: " + s["status"]]})
-
-gen = tests.get("generate") or {}
-smoke = {}
-for method in ("dense", "specontext"):
-    a, b = gen.get("cuda-" + method), gen.get("cpu-" + method)
-    if not a or not b or "text" not in a or "text" not in b:
-        smoke[method] = "not run or failed"
-    elif a.get("backend") != "cuda":
-        smoke[method] = "CUDA run fell back to %s" % a.get("backend")
-    else:
-        ta, tb = a["text"], b["text"]
-        n = 0
-        while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
-            n += 1
-        smoke[method] = ("same text (%d chars)" % len(ta) if ta == tb else
-                         "texts differ after %d of %d chars" % (n, max(len(ta), len(tb))))
-
-table = {}
-for src, doc in (("ours", ours), ("hf", hf)):
-    for c in doc.get("configs", []) or []:
-        key = (c.get("ctx"), c.get("requests"))
-        col = c.get("method") if src == "ours" else "hf-eager"
-        table.setdefault(key, {})[col] = c
-
-def cell(c):
-    if not c:
-        return "-"
-    st = c.get("status")
-    if st == "ok":
-        v = "%.1f" % c["tokens_per_s"]
-        if c.get("placement", {}).get("layers_offloaded"):
-            v += "*"
-        if c.get("stopped_early"):
-            v += "~"
-        return v
-    return {"does not fit": "no fit", "skipped": "skipped", "OOM": "OOM"}.get(st, "error")
-
-summary = {
-    "elapsed_seconds": int(elapsed),
-    "gpu": gpu_line,
-    "our_binaries": bool(int(have_bin)),
-    "our_programs_see_device": bool(int(probe_ok)),
-    "steps": steps,
-    "tests": test_rows,
-    "generate_cuda_vs_cpu": smoke,
-    "copy": {k: copy.get(k) for k in ("device", "peak", "suggested_gather_below_bytes", "default_gather_below_bytes", "missing") if k in copy},
-    "decode": [dict(ctx=k[0], requests=k[1], **{m: (v.get("tokens_per_s") if v.get("status") == "ok" else v.get("status"))
-                                               for m, v in cols.items()})
-               for k, cols in sorted(table.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0))],
-    "versions": {k: hf.get(k) for k in ("torch", "torch_cuda", "transformers", "python") if k in hf},
-    "ours_status": ours.get("status") or ours.get("missing"),
-    "hf_status": hf.get("status") or hf.get("missing"),
-    "files": sorted(set(os.listdir(out)) | {"device_check.json"}),
-}
-with open(os.path.join(out, "device_check.json"), "w") as f:
-    json.dump({"summary": summary, "gpu_decode": ours, "hf_decode": hf, "gpu_copy": copy}, f, indent=1)
-
-print("== SUMMARY (%s s) %s" % (elapsed, gpu_line or "no GPU reported by nvidia-smi"))
-bad = [s for s in steps if s["status"] not in ("ok",)]
-print("steps: %d ok, %d not ok%s" % (len(steps) - len(bad), len(bad),
-      "".join("\n  %-28s %s (%s s) %s" % (s["step"], s["status"], s["seconds"], s["note"]) for s in bad)))
-print("our programs see the device: %s" % ("yes" if int(probe_ok) else "NO"))
-print("tests:")
-for r in test_rows:
-    print("  %-36s %4d passed %3d failed %3d skipped%s" % (r["binary"], r["passed"], r["failed"], r["skipped"],
-          ("  <- " + ", ".join(r["failures"][:3])) if r["failures"] else ""))
-print("generate stories260K, CUDA vs CPU: dense: %s; specontext: %s" % (smoke.get("dense"), smoke.get("specontext")))
-if "peak" in copy:
-    print("copy: H2D %.1f GB/s, D2H %.1f GB/s; DMA wins from %s B rows (default threshold %s B)" % (
-        copy["peak"].get("h2d_gb_per_s", 0), copy["peak"].get("d2h_gb_per_s", 0),
-        copy.get("suggested_gather_below_bytes"), copy.get("default_gather_below_bytes")))
-else:
-    print("copy: no figures (%s)" % copy.get("missing", "no peak in gpu_copy.json"))
-print("decode tokens/s, %s bf16, %s KV, 32 steps (* = KV tiers used, ~ = fewer steps; ours: %s, HF: %s)" % (
-    (ours.get("model") or {}).get("name", "llama-3.1-8b"), ours.get("kv_dtype", "?"), summary["ours_status"],
-    summary["hf_status"]))
-print("  %6s %4s %12s %12s %12s %9s %9s" % ("ctx", "R", "dense", "specontext", "hf-eager", "spec/dense", "spec/hf"))
-for (ctx, r), cols in sorted(table.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0)):
-    d, s, h = cols.get("dense"), cols.get("specontext"), cols.get("hf-eager")
-    def ratio(a, b):
-        if a and b and a.get("status") == "ok" and b.get("status") == "ok" and b["tokens_per_s"] > 0:
-            return "%.2f" % (a["tokens_per_s"] / b["tokens_per_s"])
-        return "-"
-    print("  %6s %4s %12s %12s %12s %9s %9s" % (ctx, r, cell(d), cell(s), cell(h), ratio(s, d), ratio(s, h)))
-for src, doc in (("ours", ours), ("hf", hf)):
-    for c in doc.get("configs", []) or []:
-        if c.get("status") not in ("ok", "skipped"):
-            why = c.get("error") or c.get("reason") or ""
-            print("  %s ctx %s R %s %s: %s: %.150s" % (src, c.get("ctx"), c.get("requests"), c.get("method"), c.get("status"), why))
-if hf.get("versions") or hf.get("torch"):
-    print("torch %s (CUDA %s), transformers %s" % (hf.get("torch"), hf.get("torch_cuda"), hf.get("transformers")))
-print("files in $OUT: " + ", ".join(summary["files"]))
-EOF
+summarize
 say "== device check finished in $(($(now) - START)) s"
 # Non-zero when any step failed, timed out or was skipped (the summary above says which).
 if cut -f2 "$STEPS" | grep -qv '^ok$'; then exit 1; fi

@@ -308,7 +308,7 @@ Result<std::shared_ptr<TorchZipFile>> TorchZipFile::parse(const uint8_t* data, s
   return f;
 }
 
-std::string make_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries) {
+std::string make_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries, bool zip64) {
   auto put = [](std::string* out, uint64_t v, int n) {
     for (int k = 0; k < n; ++k) out->push_back(static_cast<char>((v >> (8 * k)) & 0xFF));
   };
@@ -342,25 +342,48 @@ std::string make_stored_zip(const std::vector<std::pair<std::string, std::string
     put(&central, 0, 2);
     put(&central, 0, 4);
     put(&central, crc, 4);
-    put(&central, bytes.size(), 4);
-    put(&central, bytes.size(), 4);
+    put(&central, zip64 ? kZip64Marker : bytes.size(), 4);
+    put(&central, zip64 ? kZip64Marker : bytes.size(), 4);
     put(&central, name.size(), 2);
-    put(&central, 0, 2);  // extra
-    put(&central, 0, 2);  // comment
-    put(&central, 0, 2);  // disk
-    put(&central, 0, 2);  // internal attributes
-    put(&central, 0, 4);  // external attributes
-    put(&central, local, 4);
+    put(&central, zip64 ? 28 : 0, 2);  // extra
+    put(&central, 0, 2);               // comment
+    put(&central, 0, 2);               // disk
+    put(&central, 0, 2);               // internal attributes
+    put(&central, 0, 4);               // external attributes
+    put(&central, zip64 ? kZip64Marker : local, 4);
     central += name;
+    if (zip64) {  // what a writer puts for entries past 4 GiB: the real values in extra field 1
+      put(&central, 1, 2);
+      put(&central, 24, 2);
+      put(&central, bytes.size(), 8);
+      put(&central, bytes.size(), 8);
+      put(&central, local, 8);
+    }
   }
   const uint64_t cd_offset = out.size();
   out += central;
+  if (zip64) {  // ZIP64 end record and its locator, then an end record deferring to them
+    const uint64_t end64 = out.size();
+    put(&out, kEnd64Sig, 4);
+    put(&out, kEnd64Size - 12, 8);  // size of the rest of the record
+    put(&out, 45, 2);               // version made by
+    put(&out, 45, 2);               // version needed
+    put(&out, 0, 8);                // disk numbers
+    put(&out, entries.size(), 8);
+    put(&out, entries.size(), 8);
+    put(&out, central.size(), 8);
+    put(&out, cd_offset, 8);
+    put(&out, kLocator64Sig, 4);
+    put(&out, 0, 4);
+    put(&out, end64, 8);
+    put(&out, 1, 4);  // total disks
+  }
   put(&out, kEndSig, 4);
   put(&out, 0, 4);  // disk numbers
-  put(&out, entries.size(), 2);
-  put(&out, entries.size(), 2);
-  put(&out, central.size(), 4);
-  put(&out, cd_offset, 4);
+  put(&out, zip64 ? 0xFFFF : entries.size(), 2);
+  put(&out, zip64 ? 0xFFFF : entries.size(), 2);
+  put(&out, zip64 ? kZip64Marker : central.size(), 4);
+  put(&out, zip64 ? kZip64Marker : cd_offset, 4);
   put(&out, 0, 2);  // comment
   return out;
 }

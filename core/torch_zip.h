@@ -56,7 +56,9 @@ bool is_zip_magic(const uint8_t* data, size_t size);
 bool is_legacy_torch_magic(const uint8_t* data, size_t size);
 
 // An archive of STORED entries laid out as torch.save lays them out (each payload 64-byte
-// aligned, no ZIP64 record, CRCs set). Tests and the fuzzer wrap hand-made pickles with it.
-std::string make_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries);
+// aligned, CRCs set). Tests and the fuzzer wrap hand-made pickles with it. With zip64, every
+// size and offset goes through ZIP64 records (as for an archive past 4 GiB); without, none does.
+std::string make_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries,
+                            bool zip64 = false);
 
 }  // namespace specontext

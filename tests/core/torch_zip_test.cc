@@ -103,14 +103,15 @@ std::string tensor_pickle(const TensorSpec& s) {
 }
 
 // 12 f32 values 0..11 in archive/data/0 unless `storage` is given.
-std::string archive(const std::string& pickle, std::string storage = "") {
+std::string archive(const std::string& pickle, std::string storage = "", bool zip64 = false) {
   if (storage.empty()) {
     for (int i = 0; i < 12; ++i) {
       const float f = static_cast<float>(i);
       storage.append(reinterpret_cast<const char*>(&f), 4);
     }
   }
-  return make_stored_zip({{"archive/data.pkl", pickle}, {"archive/data/0", storage}, {"archive/version", "3\n"}});
+  return make_stored_zip({{"archive/data.pkl", pickle}, {"archive/data/0", storage}, {"archive/version", "3\n"}},
+                         zip64);
 }
 
 TEST(TorchZip, FixturesMatchTheirSafetensorsTwinsByteForByte) {
@@ -293,6 +294,37 @@ TEST(TorchZip, HandMadeArchiveReadsItsTensor) {
   EXPECT_EQ(w->shape, (std::vector<int64_t>{2, 1, 4}));  // a size-1 dim's stride is free, as in torch
   const float* v = reinterpret_cast<const float*>(w->data);
   for (int i = 0; i < 8; ++i) EXPECT_EQ(v[i], static_cast<float>(4 + i));
+}
+
+// Past 4 GiB, sizes and offsets move to ZIP64 records (extra field 1 of each central record, and
+// the ZIP64 end record): torch's fixtures only have the end record, so this archive has both.
+TEST(TorchZip, Zip64ExtraFieldsAreFollowed) {
+  const std::string bytes = archive(tensor_pickle({}), "", /*zip64=*/true);
+  {
+    Buffer b(bytes);
+    auto f = TorchZipFile::parse(b.data(), b.size, "test.bin");
+    ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+    const SafetensorsTensor* w = (*f)->find("w");
+    ASSERT_NE(w, nullptr);
+    const float* v = reinterpret_cast<const float*>(w->data);
+    for (int i = 0; i < 12; ++i) EXPECT_EQ(v[i], static_cast<float>(i));
+  }
+  const size_t extra = central_field(bytes, "archive/data/0", 46 + std::string("archive/data/0").size());
+  {
+    std::string m = bytes;  // an extra field of another id: the 0xFFFFFFFF fields stay unresolved
+    put_le(&m, extra, 2, 2);
+    expect_refused(m, "local header offset out of range");
+  }
+  {
+    std::string m = bytes;  // field 1 two values long where three are deferred to it
+    put_le(&m, extra + 2, 16, 2);
+    expect_refused(m, "ZIP64 extra field is too short");
+  }
+  {
+    std::string m = bytes;  // the deferred local header offset pointing past the file
+    put_le(&m, extra + 4 + 16, uint64_t{1} << 63, 8);
+    expect_refused(m, "local header offset out of range");
+  }
 }
 
 TEST(TorchZip, TensorViewsOutsideTheirStorageAreRefused) {

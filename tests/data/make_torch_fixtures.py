@@ -4,7 +4,10 @@ serialization, written by torch.save itself) and, for each, the same tensors as 
 file written here by hand (so the C++ loader's torch reader is checked against an independent
 copy of every byte).
 
-  /usr/bin/python3 tests/data/make_torch_fixtures.py [--out DIR]
+  /usr/bin/python3 tests/data/make_torch_fixtures.py [--out DIR] [--corpus DIR]
+
+--corpus also writes the seeds of tests/fuzz/corpus/fuzz_torch_zip (see tests/fuzz/fuzz_torch_zip.cc:
+a first byte 0 for a whole archive, 1 for a data.pkl the fuzzer wraps with storages data/0..3).
 
 Debian's python3-torch (1.13) is the writer: /usr/bin/python3, not a pyenv shim. The shapes fit
 tests/core/retrieval_head_test.cc's small_target(): hidden 16, 4 query heads and 2 KV heads of
@@ -17,6 +20,7 @@ head_dim 4, draft vocabulary 32, target vocabulary 50 (the MLP is left out to ke
   *.safetensors    the twin of each .bin: same names, dtypes, shapes and bytes
   strided.bin      fc.weight saved as a transpose (non-contiguous strides): must be refused
   legacy.bin       torch.save(..., _use_new_zipfile_serialization=False): pre-1.6 format, refused
+                   (its storage keys are object ids: the only file that differs between runs)
   deflated.bin     eagle3_f16.bin re-zipped with DEFLATE: compressed entries, refused
   evil_global.bin  a STORED archive whose data.pkl calls os.system: a disallowed GLOBAL, refused
                    (written as raw bytes; nothing here unpickles it)
@@ -125,17 +129,50 @@ class Draft(torch.nn.Module):
                 t.copy_(src[name])
 
 
+def zip_entry(name, compression):
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # fixed: same bytes every run
+    info.compress_type = compression
+    return info
+
+
 def rezip(src, dst, compression):
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", compression) as zout:
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
         for info in zin.infolist():
-            zout.writestr(info.filename, zin.read(info.filename))
+            zout.writestr(zip_entry(info.filename, compression), zin.read(info.filename))
+
+
+def write_corpus(out, fixtures):
+    """Seeds for fuzz_torch_zip: two whole archives, and pickles whose storages fit data/0..3."""
+    os.makedirs(out, exist_ok=True)
+    for name in ("eagle3_bf16.bin", "evil_global.bin"):
+        with open(os.path.join(fixtures, name), "rb") as f:
+            data = f.read()
+        with open(os.path.join(out, "archive_" + name.replace(".bin", "")), "wb") as f:
+            f.write(b"\x00" + data)
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(8, 16, generator=g)
+    mixed = collections.OrderedDict()
+    mixed["a"] = base[2:6]  # a view at an offset
+    mixed["b"] = torch.randn(4, 4, generator=g).half()
+    mixed["c"] = torch.randn(3, 1, 5, generator=g).bfloat16()
+    mixed["n"] = torch.tensor(7, dtype=torch.int64)  # 0-dim
+    params = {"p": torch.nn.Parameter(torch.randn(2, 3, generator=g))}
+    for name, obj in (("pickle_views", mixed), ("pickle_parameter", params)):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with zipfile.ZipFile(buf) as z:
+            pkl = [n for n in z.namelist() if n.endswith("/data.pkl")][0]
+            with open(os.path.join(out, name), "wb") as f:
+                f.write(b"\x01" + z.read(pkl))
 
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(here, "torch_eagle3"))
-    out = ap.parse_args().out
+    ap.add_argument("--corpus", default=None)
+    args = ap.parse_args()
+    out = args.out
     os.makedirs(out, exist_ok=True)
     p = lambda name: os.path.join(out, name)
 
@@ -164,11 +201,13 @@ def main():
     # cos\nsystem\n (GLOBAL os.system), 'true' as its argument, REDUCE, STOP.
     evil = b"\x80\x02cos\nsystem\nq\x00X\x04\x00\x00\x00trueq\x01\x85q\x02Rq\x03."
     with zipfile.ZipFile(p("evil_global.bin"), "w", zipfile.ZIP_STORED) as z:
-        z.writestr("evil_global/data.pkl", evil)
-        z.writestr("evil_global/version", b"3\n")
+        z.writestr(zip_entry("evil_global/data.pkl", zipfile.ZIP_STORED), evil)
+        z.writestr(zip_entry("evil_global/version", zipfile.ZIP_STORED), b"3\n")
 
     for name in sorted(os.listdir(out)):
         print(f"{name:26s} {os.path.getsize(p(name)):6d} bytes")
+    if args.corpus:
+        write_corpus(args.corpus, out)
 
 
 if __name__ == "__main__":

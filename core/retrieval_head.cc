@@ -199,7 +199,8 @@ Result<std::string> draft_weights_in(const std::string& dir) {
   for (const char* name : {"/model.safetensors", "/pytorch_model.bin"}) {
     if (loader_internal::is_regular_file(dir + name)) return dir + name;
   }
-  return not_found(dir + ": holds neither model.safetensors nor pytorch_model.bin (sharded checkpoints "
+  return not_found(dir +
+                   ": holds neither model.safetensors nor pytorch_model.bin (sharded checkpoints "
                    "are not read: merge the shards into one file)");
 }
 

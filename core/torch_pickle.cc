@@ -21,35 +21,83 @@ constexpr size_t kMaxDims = 16;
 constexpr size_t kMaxGlobalPart = 256;  // bytes of a GLOBAL's module or name
 
 constexpr TorchStorageType kStorageTypes[] = {
-    {"FloatStorage", "F32", 4, true, DType::kF32},    {"HalfStorage", "F16", 2, true, DType::kF16},
+    {"FloatStorage", "F32", 4, true, DType::kF32},      {"HalfStorage", "F16", 2, true, DType::kF16},
     {"BFloat16Storage", "BF16", 2, true, DType::kBF16}, {"DoubleStorage", "F64", 8, false, DType::kU8},
-    {"LongStorage", "I64", 8, true, DType::kI64},     {"IntStorage", "I32", 4, true, DType::kI32},
-    {"ShortStorage", "I16", 2, false, DType::kU8},    {"CharStorage", "I8", 1, false, DType::kU8},
-    {"ByteStorage", "U8", 1, true, DType::kU8},       {"BoolStorage", "BOOL", 1, false, DType::kU8},
+    {"LongStorage", "I64", 8, true, DType::kI64},       {"IntStorage", "I32", 4, true, DType::kI32},
+    {"ShortStorage", "I16", 2, false, DType::kU8},      {"CharStorage", "I8", 1, false, DType::kU8},
+    {"ByteStorage", "U8", 1, true, DType::kU8},         {"BoolStorage", "BOOL", 1, false, DType::kU8},
 };
 
 // Opcodes (CPython Lib/pickletools.py names).
 enum Op : uint8_t {
-  kMark = '(', kStop = '.', kPop = '0', kPopMark = '1', kBinFloat = 'G', kBinInt = 'J',
-  kBinInt1 = 'K', kBinInt2 = 'M', kNone = 'N', kBinPersId = 'Q', kReduce = 'R',
-  kBinUnicode = 'X', kAppend = 'a', kBuild = 'b', kGlobal = 'c', kAppends = 'e', kBinGet = 'h',
-  kLongBinGet = 'j', kBinPut = 'q', kLongBinPut = 'r', kSetItem = 's', kTuple = 't',
-  kSetItems = 'u', kEmptyDict = '}', kEmptyList = ']', kEmptyTuple = ')', kProto = 0x80,
-  kTuple1 = 0x85, kTuple2 = 0x86, kTuple3 = 0x87, kNewTrue = 0x88, kNewFalse = 0x89,
-  kLong1 = 0x8a, kShortBinUnicode = 0x8c, kBinUnicode8 = 0x8d, kStackGlobal = 0x93,
-  kMemoize = 0x94, kFrame = 0x95,
+  kMark = '(',
+  kStop = '.',
+  kPop = '0',
+  kPopMark = '1',
+  kBinFloat = 'G',
+  kBinInt = 'J',
+  kBinInt1 = 'K',
+  kBinInt2 = 'M',
+  kNone = 'N',
+  kBinPersId = 'Q',
+  kReduce = 'R',
+  kBinUnicode = 'X',
+  kAppend = 'a',
+  kBuild = 'b',
+  kGlobal = 'c',
+  kAppends = 'e',
+  kBinGet = 'h',
+  kLongBinGet = 'j',
+  kBinPut = 'q',
+  kLongBinPut = 'r',
+  kSetItem = 's',
+  kTuple = 't',
+  kSetItems = 'u',
+  kEmptyDict = '}',
+  kEmptyList = ']',
+  kEmptyTuple = ')',
+  kProto = 0x80,
+  kTuple1 = 0x85,
+  kTuple2 = 0x86,
+  kTuple3 = 0x87,
+  kNewTrue = 0x88,
+  kNewFalse = 0x89,
+  kLong1 = 0x8a,
+  kShortBinUnicode = 0x8c,
+  kBinUnicode8 = 0x8d,
+  kStackGlobal = 0x93,
+  kMemoize = 0x94,
+  kFrame = 0x95,
 };
 
-enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kString, kTuple, kList, kDict, kGlobal, kStorage, kTensor };
+enum class Kind : uint8_t {
+  kNone,
+  kBool,
+  kInt,
+  kFloat,
+  kString,
+  kTuple,
+  kList,
+  kDict,
+  kGlobal,
+  kStorage,
+  kTensor
+};
 
 // The only callables a pickle may name.
-enum class Callable : uint8_t { kOrderedDict, kRebuildTensorV2, kRebuildParameter, kRebuildParameterWithState, kStorageClass };
+enum class Callable : uint8_t {
+  kOrderedDict,
+  kRebuildTensorV2,
+  kRebuildParameter,
+  kRebuildParameterWithState,
+  kStorageClass
+};
 
 struct Object {
   Kind kind = Kind::kNone;
-  int64_t i = 0;  // kBool / kInt: the value; kStorage: element count
-  double f = 0;   // kFloat
-  Callable callable = Callable::kOrderedDict;       // kGlobal
+  int64_t i = 0;                                   // kBool / kInt: the value; kStorage: element count
+  double f = 0;                                    // kFloat
+  Callable callable = Callable::kOrderedDict;      // kGlobal
   const TorchStorageType* storage_type = nullptr;  // kGlobal (kStorageClass), kStorage
   std::string s;                                   // kString; kStorage: the storage key
   std::vector<uint32_t> items;                     // kTuple / kList; kDict: key, value, key, ...
@@ -81,9 +129,7 @@ class Machine {
   }
 
   // ---- input ----
-  Status need(size_t n) const {
-    return n <= size_ - pos_ ? Status::ok() : fail("truncated operand");
-  }
+  Status need(size_t n) const { return n <= size_ - pos_ ? Status::ok() : fail("truncated operand"); }
   Result<uint64_t> read_le(size_t n) {
     SPX_RETURN_IF_ERROR(need(n));
     uint64_t v = 0;
@@ -100,7 +146,8 @@ class Machine {
   Result<std::string> read_line() {  // GLOBAL's "module\n" and "name\n"
     const size_t limit = std::min(size_ - pos_, kMaxGlobalPart + 1);
     const void* nl = std::memchr(data_ + pos_, '\n', limit);
-    if (nl == nullptr) return fail("GLOBAL operand without a newline in " + std::to_string(kMaxGlobalPart) + " bytes");
+    if (nl == nullptr)
+      return fail("GLOBAL operand without a newline in " + std::to_string(kMaxGlobalPart) + " bytes");
     const size_t n = static_cast<size_t>(static_cast<const uint8_t*>(nl) - (data_ + pos_));
     std::string s(reinterpret_cast<const char*>(data_ + pos_), n);
     pos_ += n + 1;
@@ -175,8 +222,10 @@ class Machine {
   Status extend(Kind want, size_t from) {
     if (from == 0 || from - 1 < fence()) return fail("stack underflow");
     Object& target = objects_[stack_[from - 1]];
-    if (target.kind != want) return fail(want == Kind::kDict ? "SETITEM(S) on a non-dict" : "APPEND(S) on a non-list");
-    if (want == Kind::kDict && (stack_.size() - from) % 2 != 0) return fail("SETITEMS with an odd item count");
+    if (target.kind != want)
+      return fail(want == Kind::kDict ? "SETITEM(S) on a non-dict" : "APPEND(S) on a non-list");
+    if (want == Kind::kDict && (stack_.size() - from) % 2 != 0)
+      return fail("SETITEMS with an odd item count");
     target.items.insert(target.items.end(), stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
     stack_.resize(from);
     return Status::ok();
@@ -215,11 +264,13 @@ class Machine {
 
   Result<std::vector<int64_t>> int_tuple(const Object& args, size_t k, const char* what) const {
     SPX_ASSIGN_OR_RETURN(const Object* t, arg(args, k, Kind::kTuple, what));
-    if (t->items.size() > kMaxDims) return fail(std::string(what) + " has more than " + std::to_string(kMaxDims) + " dims");
+    if (t->items.size() > kMaxDims)
+      return fail(std::string(what) + " has more than " + std::to_string(kMaxDims) + " dims");
     std::vector<int64_t> v;
     for (uint32_t i : t->items) {
       const Object& x = objects_[i];
-      if (x.kind != Kind::kInt || x.i < 0) return fail(std::string(what) + " holds a non-integer or negative entry");
+      if (x.kind != Kind::kInt || x.i < 0)
+        return fail(std::string(what) + " holds a non-integer or negative entry");
       v.push_back(x.i);
     }
     return v;
@@ -265,7 +316,8 @@ class Machine {
       }
       case Callable::kRebuildTensorV2: {
         // (storage, storage_offset, size, stride, requires_grad, backward_hooks[, metadata])
-        if (n != 6 && n != 7) return fail("_rebuild_tensor_v2 takes 6 or 7 arguments, got " + std::to_string(n));
+        if (n != 6 && n != 7)
+          return fail("_rebuild_tensor_v2 takes 6 or 7 arguments, got " + std::to_string(n));
         SPX_ASSIGN_OR_RETURN(const Object* storage, arg(args, 0, Kind::kStorage, "tensor storage"));
         SPX_ASSIGN_OR_RETURN(const Object* offset, arg(args, 1, Kind::kInt, "tensor storage_offset"));
         Object t;
@@ -299,7 +351,8 @@ class Machine {
     (void)state;
     SPX_ASSIGN_OR_RETURN(uint32_t target, top());
     const Kind k = objects_[target].kind;
-    if (k != Kind::kDict && k != Kind::kTensor) return fail("BUILD on an object that is neither a dict nor a tensor");
+    if (k != Kind::kDict && k != Kind::kTensor)
+      return fail("BUILD on an object that is neither a dict nor a tensor");
     return Status::ok();
   }
 

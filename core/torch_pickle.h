@@ -26,8 +26,8 @@ struct TorchStorageType {
   const char* class_name;  // "FloatStorage"
   const char* dtype_name;  // "F32" (safetensors spelling, so errors read the same for both formats)
   size_t element_size;
-  bool supported;          // maps to a DType this project handles
-  DType dtype;             // meaningful only when supported
+  bool supported;  // maps to a DType this project handles
+  DType dtype;     // meaningful only when supported
 };
 
 // One tensor of the pickled dict, as _rebuild_tensor_v2 describes it: a view of storage
@@ -47,8 +47,7 @@ struct TorchTensorRecord {
 // Other entries (numbers, strings, nested dicts) are skipped. Shapes and strides are returned
 // as pickled: the caller checks them against the storage (see TorchZipFile). `source` names the
 // file in errors.
-[[nodiscard]] Result<std::vector<TorchTensorRecord>> read_torch_pickle(const uint8_t* data,
-                                                                       size_t size,
+[[nodiscard]] Result<std::vector<TorchTensorRecord>> read_torch_pickle(const uint8_t* data, size_t size,
                                                                        const std::string& source);
 
 }  // namespace specontext

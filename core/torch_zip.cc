@@ -55,7 +55,8 @@ struct CentralDirectory {
 // A bounds-checked view of the archive; every error names the file.
 class Archive {
  public:
-  Archive(const uint8_t* data, uint64_t size, const std::string& source) : data_(data), size_(size), source_(source) {}
+  Archive(const uint8_t* data, uint64_t size, const std::string& source)
+      : data_(data), size_(size), source_(source) {}
 
   Status error(const std::string& what) const { return invalid_argument(source_ + ": " + what); }
 
@@ -105,8 +106,8 @@ class Archive {
       return error("multi-disk zip archives are not supported");
     }
     if (cd.offset > cd.limit || cd.size > cd.limit - cd.offset) {
-      return error("zip central directory (offset " + std::to_string(cd.offset) + ", " + std::to_string(cd.size) +
-                   " bytes) lies outside the file");
+      return error("zip central directory (offset " + std::to_string(cd.offset) + ", " +
+                   std::to_string(cd.size) + " bytes) lies outside the file");
     }
     if (cd.count > kMaxEntries || cd.count > cd.size / kCentralSize) {
       return error("zip central directory claims " + std::to_string(cd.count) + " entries in " +
@@ -119,7 +120,8 @@ class Archive {
     const uint8_t* l = data_ + locator;
     if (le32(l + 4) != 0 || le32(l + 16) > 1) return error("multi-disk zip archives are not supported");
     const uint64_t at = le(l + 8, 8);
-    if (at > locator || locator - at < kEnd64Size) return error("ZIP64 end record offset lies outside the file");
+    if (at > locator || locator - at < kEnd64Size)
+      return error("ZIP64 end record offset lies outside the file");
     const uint8_t* r = data_ + at;
     if (le32(r) != kEnd64Sig) return error("ZIP64 locator does not point at a ZIP64 end record");
     if (le32(r + 16) != 0 || le32(r + 20) != 0 || le(r + 24, 8) != le(r + 32, 8)) {
@@ -129,7 +131,8 @@ class Archive {
   }
 
   // Fields the ZIP64 extra field (id 1) replaces when the 32-bit field holds 0xFFFFFFFF, in order.
-  Status read_zip64_extra(uint64_t at, uint64_t len, uint64_t* usize, uint64_t* csize, uint64_t* local) const {
+  Status read_zip64_extra(uint64_t at, uint64_t len, uint64_t* usize, uint64_t* csize,
+                          uint64_t* local) const {
     const uint64_t end = at + len;
     while (end - at >= 4) {
       const uint64_t id = le16(data_ + at), n = le16(data_ + at + 2);
@@ -156,7 +159,8 @@ class Archive {
     const uint64_t flags = le16(h + 8), method = le16(h + 10), nlen = le16(h + 28), elen = le16(h + 30),
                    clen = le16(h + 32);
     uint64_t csize = le32(h + 20), usize = le32(h + 24), local = le32(h + 42);
-    if (kCentralSize + nlen + elen + clen > end - *pos) return error("zip central directory entry runs past its end");
+    if (kCentralSize + nlen + elen + clen > end - *pos)
+      return error("zip central directory entry runs past its end");
     ZipEntry e;
     e.name.assign(reinterpret_cast<const char*>(h + kCentralSize), nlen);
     e.crc = le32(h + 16);
@@ -172,16 +176,19 @@ class Archive {
     }
     if (csize != usize) return error(what + " is stored but its two sizes differ");
     // The local header: its own name and extra lengths place the payload.
-    if (local > cd.offset || cd.offset - local < kLocalSize) return error(what + ": local header offset out of range");
+    if (local > cd.offset || cd.offset - local < kLocalSize)
+      return error(what + ": local header offset out of range");
     const uint8_t* lh = data_ + local;
     if (le32(lh) != kLocalSig) return error(what + ": local header has a bad signature");
     const uint64_t lnlen = le16(lh + 26), lelen = le16(lh + 28);
-    if (kLocalSize + lnlen + lelen > cd.offset - local) return error(what + ": local header runs into the central directory");
+    if (kLocalSize + lnlen + lelen > cd.offset - local)
+      return error(what + ": local header runs into the central directory");
     if (lnlen != nlen || std::memcmp(lh + kLocalSize, e.name.data(), nlen) != 0) {
       return error(what + ": local header names another entry");
     }
     e.offset = local + kLocalSize + lnlen + lelen;
-    if (usize > cd.offset - e.offset) return error(what + ": its " + std::to_string(usize) + " bytes run past the data");
+    if (usize > cd.offset - e.offset)
+      return error(what + ": its " + std::to_string(usize) + " bytes run past the data");
     e.size = usize;
     return e;
   }
@@ -192,32 +199,36 @@ class Archive {
 };
 
 // One tensor: a contiguous view inside its storage entry, elements aligned.
-Result<SafetensorsTensor> make_tensor(const TorchTensorRecord& r, const ZipEntry& storage, const uint8_t* base,
-                                      const std::string& source) {
+Result<SafetensorsTensor> make_tensor(const TorchTensorRecord& r, const ZipEntry& storage,
+                                      const uint8_t* base, const std::string& source) {
   const TorchStorageType& type = *r.storage_type;
   const std::string what = source + ": tensor '" + r.name + "'";
   const int64_t es = static_cast<int64_t>(type.element_size);
   int64_t storage_bytes = 0;
-  if (!checked_mul(r.storage_numel, es, &storage_bytes) || static_cast<uint64_t>(storage_bytes) > storage.size) {
+  if (!checked_mul(r.storage_numel, es, &storage_bytes) ||
+      static_cast<uint64_t>(storage_bytes) > storage.size) {
     return invalid_argument(what + ": storage '" + r.storage_key + "' holds " + std::to_string(storage.size) +
-                            " bytes, not " + std::to_string(r.storage_numel) + " elements of " + std::to_string(es));
+                            " bytes, not " + std::to_string(r.storage_numel) + " elements of " +
+                            std::to_string(es));
   }
   int64_t numel = 1;
   for (int64_t d : r.shape) {
-    if (!checked_mul(numel, d, &numel)) return invalid_argument(what + ": shape " + shape_string(r.shape) + " overflows");
+    if (!checked_mul(numel, d, &numel))
+      return invalid_argument(what + ": shape " + shape_string(r.shape) + " overflows");
   }
   // Contiguous (row-major) strides; a dimension of size 1 may have any stride, as in torch.
   int64_t expect = 1;
   for (size_t k = r.shape.size(); k-- > 0 && numel > 0;) {
     if (r.shape[k] != 1 && r.stride[k] != expect) {
-      return invalid_argument(what + ": strides " + shape_string(r.stride) + " are not contiguous for shape " +
-                              shape_string(r.shape) + " (only contiguous tensors are read: save t.contiguous())");
+      return invalid_argument(what + ": strides " + shape_string(r.stride) +
+                              " are not contiguous for shape " + shape_string(r.shape) +
+                              " (only contiguous tensors are read: save t.contiguous())");
     }
     expect *= r.shape[k];  // <= numel: no overflow
   }
   if (r.storage_offset > r.storage_numel || numel > r.storage_numel - r.storage_offset) {
-    return invalid_argument(what + ": offset " + std::to_string(r.storage_offset) + " + " + std::to_string(numel) +
-                            " elements run past storage '" + r.storage_key + "' of " +
+    return invalid_argument(what + ": offset " + std::to_string(r.storage_offset) + " + " +
+                            std::to_string(numel) + " elements run past storage '" + r.storage_key + "' of " +
                             std::to_string(r.storage_numel) + " elements");
   }
   SafetensorsTensor t;
@@ -243,7 +254,8 @@ bool is_zip_magic(const uint8_t* data, size_t size) { return size >= 4 && le32(d
 
 bool is_legacy_torch_magic(const uint8_t* data, size_t size) {
   // PROTO 2, LONG1 of 10 bytes: torch.serialization.MAGIC_NUMBER 0x1950a86a20f9469cfc6c.
-  static const uint8_t kMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
+  static const uint8_t kMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c,
+                                   0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
   return size >= sizeof kMagic && std::memcmp(data, kMagic, sizeof kMagic) == 0;
 }
 
@@ -259,19 +271,21 @@ Result<std::shared_ptr<TorchZipFile>> TorchZipFile::open(const std::string& path
   return f;
 }
 
-Result<std::shared_ptr<TorchZipFile>> TorchZipFile::parse(const uint8_t* data, size_t size, std::string source,
-                                                          bool verify_crc) {
+Result<std::shared_ptr<TorchZipFile>> TorchZipFile::parse(const uint8_t* data, size_t size,
+                                                          std::string source, bool verify_crc) {
   if (is_legacy_torch_magic(data, size)) {
-    return unimplemented(source +
-                         ": PyTorch's legacy (pre-1.6, non-zip) checkpoint format is not supported; re-save it "
-                         "with torch.save in PyTorch >= 1.6 (the default zip format) or convert it to safetensors");
+    return unimplemented(
+        source +
+        ": PyTorch's legacy (pre-1.6, non-zip) checkpoint format is not supported; re-save it "
+        "with torch.save in PyTorch >= 1.6 (the default zip format) or convert it to safetensors");
   }
   const Archive archive(data, size, source);
   SPX_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries, archive.read_directory());
   if (entries.empty()) return archive.error("empty zip archive");
   // Like torch's reader: the archive's folder is the first entry's up to its first '/'.
   const size_t slash = entries.front().name.find('/');
-  if (slash == std::string::npos) return archive.error("first zip entry '" + entries.front().name + "' has no folder");
+  if (slash == std::string::npos)
+    return archive.error("first zip entry '" + entries.front().name + "' has no folder");
   const std::string prefix = entries.front().name.substr(0, slash + 1);
   std::map<std::string, const ZipEntry*> by_name;
   for (const ZipEntry& e : entries) by_name[e.name] = &e;
@@ -288,10 +302,12 @@ Result<std::shared_ptr<TorchZipFile>> TorchZipFile::parse(const uint8_t* data, s
   if (by_name.count(prefix + "byteorder")) {
     SPX_ASSIGN_OR_RETURN(const ZipEntry* bo, entry("byteorder"));
     const std::string order(reinterpret_cast<const char*>(data + bo->offset), bo->size);
-    if (order != "little") return unimplemented(source + ": byteorder '" + order + "' (only little-endian is read)");
+    if (order != "little")
+      return unimplemented(source + ": byteorder '" + order + "' (only little-endian is read)");
   }
   SPX_ASSIGN_OR_RETURN(const ZipEntry* pkl, entry("data.pkl"));
-  if (pkl->size > kMaxPickleBytes) return archive.error("data.pkl of " + std::to_string(pkl->size) + " bytes is too large");
+  if (pkl->size > kMaxPickleBytes)
+    return archive.error("data.pkl of " + std::to_string(pkl->size) + " bytes is too large");
   SPX_ASSIGN_OR_RETURN(std::vector<TorchTensorRecord> records,
                        read_torch_pickle(data + pkl->offset, pkl->size, source));
 
@@ -315,8 +331,8 @@ std::string make_stored_zip(const std::vector<std::pair<std::string, std::string
   std::string out, central;
   for (const auto& [name, bytes] : entries) {
     const uint64_t local = out.size();
-    const uint32_t crc = static_cast<uint32_t>(
-        crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+    const uint32_t crc = static_cast<uint32_t>(crc32(
+        crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
     const size_t unpadded = out.size() + kLocalSize + name.size() + 4;
     const size_t pad = (kStorageAlignment - unpadded % kStorageAlignment) % kStorageAlignment;
     put(&out, kLocalSig, 4);

@@ -223,7 +223,8 @@ TEST(RetrievalHead, DirectoryWithPytorchModelBin) {
   auto none = load_eagle3_head(empty, small_target());
   ASSERT_FALSE(none.is_ok());
   EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
-  EXPECT_NE(none.status().message().find("pytorch_model.bin"), std::string::npos) << none.status().to_string();
+  EXPECT_NE(none.status().message().find("pytorch_model.bin"), std::string::npos)
+      << none.status().to_string();
 }
 
 TEST(RetrievalHead, PytorchModelBinRefusalsNameTheFile) {

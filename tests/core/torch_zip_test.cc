@@ -95,7 +95,13 @@ std::string tensor_pickle(const TensorSpec& s) {
   Pickle p;
   p.global("collections", "OrderedDict").op(')').op('R').op('(');
   p.str("w").global(s.callable_module, s.callable).op('(');
-  p.op('(').str("storage").global("torch", s.storage_class).str("0").str("cpu").integer(s.storage_numel).op('t');
+  p.op('(')
+      .str("storage")
+      .global("torch", s.storage_class)
+      .str("0")
+      .str("cpu")
+      .integer(s.storage_numel)
+      .op('t');
   p.op('Q').integer(s.offset).ints(s.shape).ints(s.stride).op('\x89');
   p.global("collections", "OrderedDict").op(')').op('R').op('t').op('R');
   p.op('u').op('.');
@@ -110,8 +116,8 @@ std::string archive(const std::string& pickle, std::string storage = "", bool zi
       storage.append(reinterpret_cast<const char*>(&f), 4);
     }
   }
-  return make_stored_zip({{"archive/data.pkl", pickle}, {"archive/data/0", storage}, {"archive/version", "3\n"}},
-                         zip64);
+  return make_stored_zip(
+      {{"archive/data.pkl", pickle}, {"archive/data/0", storage}, {"archive/version", "3\n"}}, zip64);
 }
 
 TEST(TorchZip, FixturesMatchTheirSafetensorsTwinsByteForByte) {
@@ -166,16 +172,18 @@ TEST(TorchZip, RefusesWhatTorchWritesButThisReaderDoesNot) {
     StatusCode code;
     const char* needle;
   };
-  for (const Case& c : {Case{"strided.bin", StatusCode::kInvalidArgument, "not contiguous"},
-                        Case{"legacy.bin", StatusCode::kUnimplemented, "legacy (pre-1.6, non-zip)"},
-                        Case{"deflated.bin", StatusCode::kUnimplemented, "is compressed (method 8)"},
-                        Case{"evil_global.bin", StatusCode::kInvalidArgument, "disallowed global 'os.system'"}}) {
+  for (const Case& c :
+       {Case{"strided.bin", StatusCode::kInvalidArgument, "not contiguous"},
+        Case{"legacy.bin", StatusCode::kUnimplemented, "legacy (pre-1.6, non-zip)"},
+        Case{"deflated.bin", StatusCode::kUnimplemented, "is compressed (method 8)"},
+        Case{"evil_global.bin", StatusCode::kInvalidArgument, "disallowed global 'os.system'"}}) {
     SCOPED_TRACE(c.file);
     auto r = TorchZipFile::open(fixture(c.file));
     ASSERT_FALSE(r.is_ok());
     EXPECT_EQ(r.status().code(), c.code) << r.status().to_string();
     EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << r.status().to_string();
-    EXPECT_NE(r.status().message().find(c.file), std::string::npos) << "names the file: " << r.status().to_string();
+    EXPECT_NE(r.status().message().find(c.file), std::string::npos)
+        << "names the file: " << r.status().to_string();
   }
 }
 
@@ -236,7 +244,8 @@ size_t central_field(const std::string& bytes, const std::string& name, size_t f
 }
 
 void put_le(std::string* bytes, size_t at, uint64_t v, int n) {
-  for (int k = 0; k < n; ++k) (*bytes)[at + static_cast<size_t>(k)] = static_cast<char>((v >> (8 * k)) & 0xFF);
+  for (int k = 0; k < n; ++k)
+    (*bytes)[at + static_cast<size_t>(k)] = static_cast<char>((v >> (8 * k)) & 0xFF);
 }
 
 TEST(TorchZip, OffsetsOutsideTheFileAreRefused) {
@@ -347,7 +356,8 @@ TEST(TorchZip, OnlyAllowListedGlobalsAreNamed) {
                  "disallowed global 'os.system'");
   expect_refused(archive(tensor_pickle({.callable_module = "builtins", .callable = "eval"})),
                  "disallowed global 'builtins.eval'");
-  expect_refused(archive(tensor_pickle({.storage_class = "UntypedStorage"})), "disallowed global 'torch.UntypedStorage'");
+  expect_refused(archive(tensor_pickle({.storage_class = "UntypedStorage"})),
+                 "disallowed global 'torch.UntypedStorage'");
   expect_refused(archive(tensor_pickle({.callable_module = "torch", .callable = "FloatStorage"})),
                  "a torch storage class is called");
   // STACK_GLOBAL goes through the same allow-list.
@@ -357,7 +367,9 @@ TEST(TorchZip, OnlyAllowListedGlobalsAreNamed) {
 }
 
 TEST(TorchZip, MalformedPicklesFailCleanly) {
-  expect_refused(archive(bin("\x80\x02" "ios\nsystem\n")), "unsupported pickle opcode 0x69");
+  expect_refused(archive(bin("\x80\x02"
+                             "ios\nsystem\n")),
+                 "unsupported pickle opcode 0x69");
   expect_refused(archive(bin("\x80\x02}")), "ends without STOP");
   expect_refused(archive(bin("\x80\x02.")), "stack underflow");
   expect_refused(archive(bin("\x80\x02h\x07.")), "memo key 7 was never stored");
@@ -370,7 +382,9 @@ TEST(TorchZip, MalformedPicklesFailCleanly) {
   expect_refused(archive(bin("\x80\x02(K\x01\x86.")), "stack underflow");  // TUPLE2 across a MARK
   expect_refused(archive(bin("\x80\x02") + std::string(5000, '(') + "}."), "MARKs nested deeper");
   // A dict that holds itself: nothing recurses, so no trouble; not a tensor, so it is skipped.
-  const Status cyclic = parse_and_touch(archive(bin("\x80\x02}q\x00X\x01\x00\x00\x00" "ah\x00s.")));
+  const Status cyclic =
+      parse_and_touch(archive(bin("\x80\x02}q\x00X\x01\x00\x00\x00"
+                                  "ah\x00s.")));
   EXPECT_TRUE(cyclic.is_ok()) << cyclic.to_string();
 }
 
@@ -380,8 +394,8 @@ TEST(TorchZip, BigEndianArchivesAreRefused) {
                                   {"archive/data/0", std::string(48, '\0')}}),
                  "byteorder 'big'");
   const Status little = parse_and_touch(make_stored_zip({{"archive/data.pkl", tensor_pickle({})},
-                                                        {"archive/byteorder", "little"},
-                                                        {"archive/data/0", std::string(48, '\0')}}));
+                                                         {"archive/byteorder", "little"},
+                                                         {"archive/data/0", std::string(48, '\0')}}));
   EXPECT_TRUE(little.is_ok()) << little.to_string();
 }
 

@@ -44,7 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   std::vector<std::pair<std::string, std::string>> entries = {{"archive/data.pkl", rest}};
   for (size_t k = 0; k < kStorages; ++k) {
-    entries.push_back({"archive/data/" + std::to_string(k), std::string(kStorageBytes, static_cast<char>(k))});
+    entries.push_back(
+        {"archive/data/" + std::to_string(k), std::string(kStorageBytes, static_cast<char>(k))});
   }
   parse_and_touch(specontext::make_stored_zip(entries));
   return 0;

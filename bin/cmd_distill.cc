@@ -20,9 +20,15 @@ void register_distill(CLI::App& app, DistillArgs& a) {
   cmd->add_option("--model,-m", a.model_path, "target model: llama2.c .bin, .gguf or HF directory")
       ->required();
   cmd->add_option("--tokenizer", a.tokenizer, "tokenizer file (default: found next to the model)");
-  cmd->add_option("--corpus", a.corpus, "training text; stories separated by <|endoftext|>")->required();
+  cmd->add_option("--corpus", a.corpus,
+                  "training text; stories separated by <|endoftext|> (repeat the option for several files)")
+      ->required()
+      ->take_all();
   cmd->add_option("--heldout", a.heldout,
-                  "held-out text (default: the corpus's last whole stories holding >= 20% of its tokens)");
+                  "held-out text (default: from each corpus, its last whole stories holding >= 20% of its tokens, "
+                  "or the last 20% of its tokens when it is one text)");
+  cmd->add_option("--corpus-tokens", a.corpus_tokens, "use only the first N tokens of each corpus (0 = all)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--out,-o", a.out, "where to write the head (.safetensors)")->required();
   cmd->add_option("--steps", a.steps, "Adam steps")->check(CLI::NonNegativeNumber);
   cmd->add_option("--lr", a.lr, "peak learning rate (cosine decay to lr/10)")->check(CLI::PositiveNumber);
@@ -31,6 +37,19 @@ void register_distill(CLI::App& app, DistillArgs& a) {
   cmd->add_option("--batch", a.batch, "query positions per step")->check(CLI::PositiveNumber);
   cmd->add_option("--seed", a.seed, "seed of the initial head and of the minibatches");
   cmd->add_option("--train", a.train, "parameter groups to train, comma-separated subset of fc,norms,qk")
+      ->capture_default_str();
+  cmd->add_option("--teacher", a.teacher,
+                  "teacher per KV head, per layer: max (as selection reduces the group) or mean of the group's "
+                  "query-head attention")
+      ->check(CLI::IsMember({"max", "mean"}))
+      ->capture_default_str();
+  cmd->add_option("--exclude-sinks", a.exclude_sinks,
+                  "leave the first N keys out of the loss (selection's --sinks keeps them anyway)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--exclude-window", a.exclude_window,
+                  "leave the last N keys out of the loss (selection's --window keeps them anyway)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--threads", a.threads, "CPU threads of the target forward (0 = all of the NUMA node)");
   cmd->add_flag("--json", a.json, "print the report as one JSON object on stdout");
@@ -53,58 +72,121 @@ Result<std::string> read_text(const std::string& path, const char* what) {
 
 std::string basename(const std::string& path) { return std::filesystem::path(path).filename().string(); }
 
-// The training and held-out tokens, with what the head's metadata records about them.
-struct LoadedSplit {
+// One corpus file, split, with what the head's metadata records about it.
+struct LoadedCorpus {
+  std::string path;
   CorpusSplit split;
-  uint64_t corpus_fnv = 0;   // of the corpus file's bytes
-  size_t corpus_bytes = 0;
-  int64_t corpus_tokens = 0;
+  uint64_t fnv = 0;  // of the file's bytes
+  size_t bytes = 0;
+  int64_t tokens = 0;  // after --corpus-tokens
+  bool truncated = false;  // --corpus-tokens cut the file short
 };
 
-Result<LoadedSplit> load_split(const Tokenizer& tok, const DistillArgs& a) {
-  LoadedSplit out;
-  SPX_ASSIGN_OR_RETURN(std::string text, read_text(a.corpus, "--corpus"));
-  out.corpus_fnv = fnv1a64(text);
-  out.corpus_bytes = text.size();
+// The first `limit` tokens of a corpus (whole stories plus the start of the one it cuts); true
+// when that drops any.
+bool keep_first_tokens(std::vector<CorpusStory>* stories, int64_t limit) {
+  if (limit <= 0) return false;
+  int64_t kept = 0;
+  for (size_t i = 0; i < stories->size(); ++i) {
+    std::vector<TokenId>& t = (*stories)[i].tokens;
+    if (kept + static_cast<int64_t>(t.size()) >= limit) {
+      const bool dropped = kept + static_cast<int64_t>(t.size()) > limit || i + 1 < stories->size();
+      t.resize(static_cast<size_t>(limit - kept));
+      stories->resize(i + 1);
+      return dropped;
+    }
+    kept += static_cast<int64_t>(t.size());
+  }
+  return false;
+}
+
+Result<LoadedCorpus> load_corpus(const Tokenizer& tok, const std::string& path, const DistillArgs& a) {
+  LoadedCorpus out;
+  out.path = path;
+  SPX_ASSIGN_OR_RETURN(std::string text, read_text(path, "--corpus"));
+  out.fnv = fnv1a64(text);
+  out.bytes = text.size();
   auto stories = encode_corpus_stories(tok, text);
-  if (!stories.is_ok()) return stories.status().with_context(a.corpus);
-  for (const CorpusStory& st : *stories) out.corpus_tokens += static_cast<int64_t>(st.tokens.size());
+  if (!stories.is_ok()) return stories.status().with_context(path);
+  out.truncated = keep_first_tokens(&*stories, a.corpus_tokens);
+  for (const CorpusStory& st : *stories) out.tokens += static_cast<int64_t>(st.tokens.size());
   if (a.heldout.empty()) {
     out.split = split_heldout_stories(*stories, 0.2);
-    return out;
+  } else {
+    for (const CorpusStory& st : *stories) out.split.train.insert(out.split.train.end(), st.tokens.begin(), st.tokens.end());
+    out.split.stories = out.split.train_stories = static_cast<int64_t>(stories->size());
   }
-  for (const CorpusStory& st : *stories) out.split.train.insert(out.split.train.end(), st.tokens.begin(), st.tokens.end());
-  out.split.stories = out.split.train_stories = static_cast<int64_t>(stories->size());
-  SPX_ASSIGN_OR_RETURN(std::string held_text, read_text(a.heldout, "--heldout"));
-  auto held = encode_corpus(tok, held_text);
-  if (!held.is_ok()) return held.status().with_context(a.heldout);
-  out.split.heldout = std::move(*held);
   return out;
 }
 
-// What the head records about its training text: `specontext eval` refuses a --text whose
-// bytes hash to train_text_fnv1a64, and train_split names the part that was held out.
-std::map<std::string, std::string> split_metadata(const DistillArgs& a, const LoadedSplit& s) {
-  char fnv[17];
-  std::snprintf(fnv, sizeof fnv, "%016llx", static_cast<unsigned long long>(s.corpus_fnv));
-  const CorpusSplit& sp = s.split;
-  const std::string n_train = std::to_string(sp.train.size()), total = std::to_string(s.corpus_tokens);
-  std::string split;
-  if (!a.heldout.empty()) {
-    split = "all " + total + " tokens of " + basename(a.corpus) + "; held out: " + basename(a.heldout);
-  } else if (sp.heldout_byte != std::string_view::npos) {
-    split = "stories [0, " + std::to_string(sp.train_stories) + ") of " + std::to_string(sp.stories) + " = bytes [0, " +
-            std::to_string(sp.heldout_byte) + ") = tokens [0, " + n_train + ") of " + total +
-            "; held out: bytes [" + std::to_string(sp.heldout_byte) + ", " + std::to_string(s.corpus_bytes) +
-            ") = tokens [" + n_train + ", " + total + ")";
-  } else {
-    split = "tokens [0, " + n_train + ") of " + total + "; held out: tokens [" + n_train + ", " + total + ")";
+std::string fnv_hex(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+// How one corpus was split, for the head's train_split.
+std::string describe_split(const LoadedCorpus& c, const DistillArgs& a) {
+  const CorpusSplit& sp = c.split;
+  const std::string n_train = std::to_string(sp.train.size()), total = std::to_string(c.tokens);
+  const std::string name = basename(c.path) + ": ";
+  const std::string first = c.truncated ? "its first " + total + " tokens; " : std::string();
+  if (!a.heldout.empty()) return name + first + "all " + total + " tokens trained on";
+  if (sp.heldout_byte != std::string_view::npos && !c.truncated) {
+    return name + first + "stories [0, " + std::to_string(sp.train_stories) + ") of " + std::to_string(sp.stories) +
+           " = bytes [0, " + std::to_string(sp.heldout_byte) + ") = tokens [0, " + n_train + ") of " + total +
+           " trained on; held out: bytes [" + std::to_string(sp.heldout_byte) + ", " + std::to_string(c.bytes) +
+           ") = tokens [" + n_train + ", " + total + ")";
   }
-  return {{"train_text", basename(a.corpus)},
-          {"train_text_fnv1a64", fnv},
+  return name + first + "tokens [0, " + n_train + ") of " + total + " trained on; held out: tokens [" + n_train +
+         ", " + total + ")";
+}
+
+// What the head records about its training text: `specontext eval` refuses a --text whose
+// bytes hash to one of train_text_fnv1a64's, and train_split names the parts held out.
+std::map<std::string, std::string> split_metadata(const DistillArgs& a, std::span<const LoadedCorpus> corpora) {
+  std::string names, hashes, split;
+  for (const LoadedCorpus& c : corpora) {
+    names += (names.empty() ? "" : ",") + basename(c.path);
+    hashes += (hashes.empty() ? "" : ",") + fnv_hex(c.fnv);
+    split += (split.empty() ? "" : "; ") + describe_split(c, a);
+  }
+  if (!a.heldout.empty()) split += "; held out: " + basename(a.heldout);
+  return {{"train_text", names},
+          {"train_text_fnv1a64", hashes},
           {"train_split", split},
           {"distill_train", a.train},
-          {"distill_teacher", "per KV head: layer mean of the GQA group's max attention, renormalised"}};
+          {"distill_teacher", "per KV head: layer mean of the GQA group's " + a.teacher + " attention, renormalised"},
+          {"distill_objective", "KL over keys [" + std::to_string(a.exclude_sinks) + ", t+1-" +
+                                    std::to_string(a.exclude_window) + ")"}};
+}
+
+// Training and held-out chunks: each corpus is chunked on its own, every chunk led by BOS.
+struct Chunks {
+  std::vector<std::vector<TokenId>> train, heldout;
+};
+
+Result<Chunks> make_chunks(const Tokenizer& tok, std::span<const LoadedCorpus> corpora, const DistillArgs& a,
+                           int64_t context, int64_t min_chunk) {
+  Chunks out;
+  auto append = [&](std::vector<std::vector<TokenId>>* dst, const std::vector<TokenId>& ids) {
+    for (auto& ch : split_chunks(ids, context, min_chunk, tok.bos_id())) dst->push_back(std::move(ch));
+  };
+  for (const LoadedCorpus& c : corpora) {
+    append(&out.train, c.split.train);
+    append(&out.heldout, c.split.heldout);
+  }
+  if (!a.heldout.empty()) {
+    SPX_ASSIGN_OR_RETURN(std::string held_text, read_text(a.heldout, "--heldout"));
+    auto held = encode_corpus(tok, held_text);
+    if (!held.is_ok()) return held.status().with_context(a.heldout);
+    append(&out.heldout, *held);
+  }
+  if (out.train.empty()) return invalid_argument("distill: too little --corpus text to train on");
+  if (out.heldout.empty()) {
+    return invalid_argument("distill: no held-out chunk of at least " + std::to_string(min_chunk) + " tokens");
+  }
+  return out;
 }
 
 nlohmann::json fidelity_json(const Fidelity& f) {
@@ -138,10 +220,14 @@ int run_distill(const DistillArgs& a) {
 
   auto train_groups = parse_distill_train(a.train);
   if (!train_groups.is_ok()) return fail(train_groups.status());
-  auto split = load_split(tok, a);
-  if (!split.is_ok()) return fail(split.status());
-  const std::vector<TokenId>& train_ids = split->split.train;
-  const std::vector<TokenId>& held_ids = split->split.heldout;
+  auto teacher = parse_teacher_reduction(a.teacher);
+  if (!teacher.is_ok()) return fail(teacher.status());
+  std::vector<LoadedCorpus> corpora;
+  for (const std::string& path : a.corpus) {
+    auto c = load_corpus(tok, path, a);
+    if (!c.is_ok()) return fail(c.status());
+    corpora.push_back(std::move(*c));
+  }
 
   const int64_t context = a.context > 0 ? a.context : model->config.max_seq_len;
   if (context > model->config.max_seq_len) {
@@ -156,27 +242,25 @@ int run_distill(const DistillArgs& a) {
   opts.batch_positions = a.batch;
   opts.seed = a.seed;
   opts.train = *train_groups;
+  opts.teacher = *teacher;
+  opts.objective = DistillObjective{a.exclude_sinks, a.exclude_window};
   opts.on_step = [&](int64_t step, double kl) {
     if (!a.json)
       std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
                    static_cast<long long>(a.steps), kl);
   };
-  const auto train_chunks = split_chunks(train_ids, context, opts.min_chunk);
-  const auto held_chunks = split_chunks(held_ids, context, opts.min_chunk);
-  if (train_chunks.empty()) return fail(invalid_argument(a.corpus + ": too little text to train on"));
-  if (held_chunks.empty())
-    return fail(
-        invalid_argument("no held-out chunk of at least " + std::to_string(opts.min_chunk) + " tokens"));
+  auto chunks = make_chunks(tok, corpora, a, context, opts.min_chunk);
+  if (!chunks.is_ok()) return fail(chunks.status());
 
   cpu::CpuBackendOptions bopts;
   bopts.num_threads = a.threads;
   auto backend = cpu::create_cpu_backend(bopts);
   if (!backend.is_ok()) return fail(backend.status());
-  auto rep_r = distill_retrieval_head(model, std::shared_ptr<Backend>(std::move(*backend)), train_chunks,
-                                      held_chunks, opts);
+  auto rep_r = distill_retrieval_head(model, std::shared_ptr<Backend>(std::move(*backend)), chunks->train,
+                                      chunks->heldout, opts);
   if (!rep_r.is_ok()) return fail(rep_r.status());
   const DistillReport& rep = *rep_r;
-  const std::map<std::string, std::string> meta = split_metadata(a, *split);
+  const std::map<std::string, std::string> meta = split_metadata(a, corpora);
   Status w = write_distilled_head(a.out, *rep.head, meta);
   if (!w.is_ok()) return fail(w);
 
@@ -200,6 +284,9 @@ int run_distill(const DistillArgs& a) {
         {"batch", a.batch},
         {"seed", a.seed},
         {"train", a.train},
+        {"teacher", a.teacher},
+        {"exclude_sinks", a.exclude_sinks},
+        {"exclude_window", a.exclude_window},
         {"train_split", meta.at("train_split")},
         {"context", rep.context},
         {"train_tokens", rep.train_tokens},

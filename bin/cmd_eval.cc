@@ -120,7 +120,8 @@ Result<std::string> read_file(const std::string& path, const std::string& what) 
 }
 
 // FNV-1a (64-bit) of a file's bytes: how a head's metadata names the text it was trained on
-// (train_text_fnv1a64, written by models/longctx/distill.py).
+// (train_text_fnv1a64, written by models/longctx/distill.py and specontext distill; a
+// comma-separated list when the head was distilled from several files).
 uint64_t fnv1a64(std::string_view bytes) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : bytes) {
@@ -141,7 +142,9 @@ Status check_head_not_trained_on(const std::string& head_path, std::string_view 
   if (it == meta.end()) return Status::ok();
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a64(text)));
-  if (it->second == hex) {
+  // One hash, or several separated by commas (a head distilled from several files).
+  const std::string hashes = "," + it->second + ",";
+  if (hashes.find(std::string(",") + hex + ",") != std::string::npos) {
     auto name = meta.find("train_text");
     return invalid_argument("eval: --text " + text_path + " is the text the retrieval head " + head_path +
                             " was distilled from (" + (name == meta.end() ? std::string("its metadata") : name->second) +

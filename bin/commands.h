@@ -65,9 +65,13 @@ int run_plan(const PlanArgs& args);
 struct DistillArgs {
   std::string model_path;
   std::string tokenizer;
-  std::string corpus;
-  std::string heldout;       // default: the corpus's last stories holding 20% of its tokens
+  std::vector<std::string> corpus;  // one or more training texts
+  std::string heldout;       // default: each corpus's last stories holding 20% of its tokens
+  int64_t corpus_tokens = 0;  // > 0: only the first N tokens of each corpus (before the split)
   std::string train = "fc,norms,qk";  // parameter groups distillation updates
+  std::string teacher = "max";        // GQA group reduction of the teacher: max or mean
+  int64_t exclude_sinks = 1;          // keys the loss leaves out: the first N and the last N,
+  int64_t exclude_window = 4;         // which selection keeps anyway (SelectionOptions' defaults)
   std::string out;
   int64_t steps = 800;
   double lr = 5e-3;

@@ -33,11 +33,12 @@ struct SplitMix {
   int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
 };
 
-// Records, per KV head, the layer average of the group's max attention (unnormalised: the
-// rows are renormalised once every layer is in) and the fused features of one dense prefill.
+// Records, per KV head, the layer average of the group's max (or mean) attention (unnormalised:
+// the rows are renormalised once every layer is in) and the fused features of one dense prefill.
 class TeacherObserver final : public ForwardObserver {
  public:
-  TeacherObserver(const ModelConfig& c, DistillChunk* chunk) : c_(c), chunk_(chunk) {}
+  TeacherObserver(const ModelConfig& c, DistillChunk* chunk, TeacherReduction reduction)
+      : c_(c), chunk_(chunk), reduction_(reduction) {}
 
   void on_attention(LayerId, const float* q, std::span<const AttentionItem> items) override {
     if (items.size() != 1 || items[0].start_pos != 0 || items[0].n_tokens != chunk_->length()) {
@@ -48,7 +49,7 @@ class TeacherObserver final : public ForwardObserver {
     std::vector<float> keys(static_cast<size_t>(n * hd));
     for (int64_t g = 0; g < c_.n_kv_heads; ++g) {
       copy_keys(items[0].kv, g, n, keys.data());
-      add_group_max(q + items[0].token_offset * c_.n_heads * hd, keys.data(), g, n);
+      add_group(q + items[0].token_offset * c_.n_heads * hd, keys.data(), g, n);
     }
     ++layers_seen_;
   }
@@ -79,8 +80,9 @@ class TeacherObserver final : public ForwardObserver {
     }
   }
 
-  // teacher_g(t) += max over the group's query heads of softmax(q_h(t)·K/√hd) / n_layers.
-  void add_group_max(const float* q, const float* keys, int64_t g, int64_t n) {
+  // teacher_g(t) += the max (or mean) over the group's query heads of softmax(q_h(t)·K/√hd),
+  // divided by n_layers.
+  void add_group(const float* q, const float* keys, int64_t g, int64_t n) {
     const int64_t hd = c_.head_dim, nh = c_.n_heads, group = nh / c_.n_kv_heads;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const float weight = 1.0f / static_cast<float>(c_.n_layers);
@@ -104,7 +106,9 @@ class TeacherObserver final : public ForwardObserver {
         }
         const float inv = static_cast<float>(1.0 / sum);
         for (int64_t j = 0; j <= t; ++j) {
-          best[static_cast<size_t>(j)] = std::max(best[static_cast<size_t>(j)], row[static_cast<size_t>(j)] * inv);
+          const float p = row[static_cast<size_t>(j)] * inv;
+          float& b = best[static_cast<size_t>(j)];
+          b = reduction_ == TeacherReduction::kGroupMax ? std::max(b, p) : b + p / static_cast<float>(group);
         }
       }
       float* dst = out + tri(t);
@@ -114,6 +118,7 @@ class TeacherObserver final : public ForwardObserver {
 
   const ModelConfig& c_;
   DistillChunk* chunk_;
+  TeacherReduction reduction_;
   Status error_;
   int64_t layers_seen_ = 0;
 };
@@ -295,11 +300,14 @@ HeadForward forward_head(const RetrievalHead& head, const RopeTable& rope, const
   return f;
 }
 
-// Σ over query heads of KL(T_g(t) ‖ P_h(t)) for one query row q (after RoPE). With dq and dk
-// non-null, adds `norm`·∂/∂q into dq [qd] and `norm`·∂/∂k into dk [t+1, kvd] (after RoPE).
-double attend_row(const HeadShape& s, const DistillChunk& ch, const float* q, const float* keys, int64_t t,
-                  float norm, float* dq, float* dk) {
+// Σ over query heads of KL(T_g(t) ‖ P_h(t)) for one query row q (after RoPE), both restricted
+// to the keys the objective scores (renormalised there). With dq and dk non-null, adds
+// `norm`·∂/∂q into dq [qd] and `norm`·∂/∂k into dk [t+1, kvd] (after RoPE).
+double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj, const float* q,
+                  const float* keys, int64_t t, float norm, float* dq, float* dk) {
   const int64_t n = ch.length(), len = t + 1;
+  const int64_t lo = std::min(obj.exclude_sinks, len), hi = std::max(lo, len - obj.exclude_window);
+  if (hi - lo < 2) return 0.0;  // at most one candidate: nothing to rank
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.hd));
   std::vector<float> logit(static_cast<size_t>(len));
   double loss = 0.0;
@@ -307,17 +315,20 @@ double attend_row(const HeadShape& s, const DistillChunk& ch, const float* q, co
     const int64_t g = h / s.group;
     const float* qh = q + h * s.hd;
     const float* tg = ch.teacher.data() + g * tri(n) + tri(t);
+    double tmass = 0.0;
+    for (int64_t j = lo; j < hi; ++j) tmass += tg[j];
+    if (tmass <= 0.0) continue;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) {
+    for (int64_t j = lo; j < hi; ++j) {
       logit[static_cast<size_t>(j)] = dot(qh, keys + j * s.kvd + g * s.hd, s.hd) * scale;
       mx = std::max(mx, logit[static_cast<size_t>(j)]);
     }
     double z = 0.0;
-    for (int64_t j = 0; j < len; ++j) z += std::exp(double(logit[static_cast<size_t>(j)] - mx));
+    for (int64_t j = lo; j < hi; ++j) z += std::exp(double(logit[static_cast<size_t>(j)] - mx));
     const double log_z = std::log(z) + mx;
-    for (int64_t j = 0; j < len; ++j) {
+    for (int64_t j = lo; j < hi; ++j) {
       const double log_p = logit[static_cast<size_t>(j)] - log_z;
-      const double tj = tg[j];
+      const double tj = tg[j] / tmass;
       if (tj > 0.0) loss += tj * (std::log(tj) - log_p);
       if (dq == nullptr) continue;
       // dKL/dlogit = P − T; chain through logit = q·k·scale.
@@ -446,7 +457,7 @@ void train_head(RetrievalHead* head, std::span<const DistillChunk> chunks, std::
   int64_t running_n = 0;
   for (int64_t step = 0; step < o.steps; ++step) {
     const Minibatch mb = sample_minibatch(rng, chunks, total_positions, o.batch_positions);
-    running += distill_loss_grad(*head, rope, chunks[mb.chunk], inputs[mb.chunk], mb.positions, &grads);
+    running += distill_loss_grad(*head, rope, chunks[mb.chunk], inputs[mb.chunk], mb.positions, &grads, o.objective);
     ++running_n;
     const double lr = cosine_lr(o, step);
     for (TrainedGroup& g : groups) g.adam.step(g.w, g.grad->data(), g.grad->size(), lr);
@@ -512,21 +523,28 @@ CorpusSplit split_heldout_stories(std::span<const CorpusStory> stories, double f
 }
 
 std::vector<std::vector<TokenId>> split_chunks(std::span<const TokenId> tokens, int64_t context,
-                                               int64_t min_len) {
+                                               int64_t min_len, TokenId bos) {
   std::vector<std::vector<TokenId>> out;
-  if (context <= 0) return out;
-  for (size_t i = 0; i < tokens.size(); i += static_cast<size_t>(context)) {
-    const size_t n = std::min(tokens.size() - i, static_cast<size_t>(context));
-    if (static_cast<int64_t>(n) < std::max<int64_t>(min_len, 2)) break;
-    out.emplace_back(tokens.begin() + static_cast<std::ptrdiff_t>(i),
-                     tokens.begin() + static_cast<std::ptrdiff_t>(i + n));
+  if (context <= 1) return out;
+  size_t i = 0;
+  while (i < tokens.size()) {
+    const bool lead = bos >= 0 && tokens[i] != bos;
+    const size_t n = std::min(tokens.size() - i, static_cast<size_t>(context - (lead ? 1 : 0)));
+    if (static_cast<int64_t>(n + (lead ? 1 : 0)) < std::max<int64_t>(min_len, 2)) break;
+    std::vector<TokenId> chunk;
+    if (lead) chunk.push_back(bos);
+    chunk.insert(chunk.end(), tokens.begin() + static_cast<std::ptrdiff_t>(i),
+                 tokens.begin() + static_cast<std::ptrdiff_t>(i + n));
+    out.push_back(std::move(chunk));
+    i += n;
   }
   return out;
 }
 
 Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> model,
                                                   std::shared_ptr<Backend> backend,
-                                                  const std::vector<std::vector<TokenId>>& chunks) {
+                                                  const std::vector<std::vector<TokenId>>& chunks,
+                                                  TeacherReduction reduction) {
   if (!model || !backend) return invalid_argument("distill: a model and a backend are required");
   const ModelConfig& c = model->config;
   int64_t longest = 1;
@@ -542,7 +560,7 @@ Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> m
     DistillChunk ch;
     ch.tokens = tokens;
     ch.teacher.assign(static_cast<size_t>(c.n_kv_heads * tri(ch.length())), 0.0f);
-    TeacherObserver obs(c, &ch);
+    TeacherObserver obs(c, &ch, reduction);
     engine->set_observer(&obs);
     SPX_ASSIGN_OR_RETURN(SeqId seq, engine->add_sequence());
     StepRequest req{seq, std::span<const TokenId>(ch.tokens), LogitsMode::kNone};
@@ -637,7 +655,8 @@ Result<HeadInputs> head_inputs(Backend& backend, const Model& model, const Disti
 }
 
 double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_params, const DistillChunk& ch,
-                         const HeadInputs& in, std::span<const int64_t> positions, HeadGradients* grads) {
+                         const HeadInputs& in, std::span<const int64_t> positions, HeadGradients* grads,
+                         const DistillObjective& objective) {
   const HeadShape s(head.config);
   const int64_t d2 = 2 * s.d;
   if (grads != nullptr) zero_gradients(s, grads);
@@ -658,7 +677,7 @@ double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_param
     matvec(f32(head.wq), xt, s.qd, d2, q.data());
     for (int64_t h = 0; h < s.nh; ++h) rope.apply(q.data() + h * s.hd, t, false);
     std::fill(dq.begin(), dq.end(), 0.0f);
-    loss += attend_row(s, ch, q.data(), f.k.data(), t, norm, grads ? dq.data() : nullptr,
+    loss += attend_row(s, ch, objective, q.data(), f.k.data(), t, norm, grads ? dq.data() : nullptr,
                        grads ? dk.data() : nullptr);
     if (grads == nullptr) continue;
     // Back through RoPE (its transpose) and q = wq · x.
@@ -689,8 +708,8 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
   DistillReport rep;
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  SPX_ASSIGN_OR_RETURN(std::vector<DistillChunk> train_chunks, collect_teacher(model, backend, train));
-  SPX_ASSIGN_OR_RETURN(std::vector<DistillChunk> held_chunks, collect_teacher(model, backend, heldout));
+  SPX_ASSIGN_OR_RETURN(std::vector<DistillChunk> train_chunks, collect_teacher(model, backend, train, o.teacher));
+  SPX_ASSIGN_OR_RETURN(std::vector<DistillChunk> held_chunks, collect_teacher(model, backend, heldout, o.teacher));
   rep.teacher_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (train_chunks.empty())
     return invalid_argument("distill: the training corpus has no chunk of at least 2 tokens");
@@ -724,6 +743,12 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
   rep.train_kl_after = train_after.kl;
   rep.head = std::move(head);
   return rep;
+}
+
+Result<TeacherReduction> parse_teacher_reduction(std::string_view name) {
+  if (name == "max") return TeacherReduction::kGroupMax;
+  if (name == "mean") return TeacherReduction::kGroupMean;
+  return invalid_argument("distill: unknown teacher reduction '" + std::string(name) + "' (expected max or mean)");
 }
 
 Result<DistillTrain> parse_distill_train(std::string_view names) {

@@ -3,7 +3,8 @@
 //
 // Teacher, per position t and KV head g: T_g(t) = the target's attention over keys 0..t, per
 // layer the max over the query heads of group g (the group reduction select_tokens applies to
-// the head's scores), averaged over all layers and renormalised to sum 1 (obtained from a dense
+// the head's scores; TeacherReduction::kGroupMean takes their mean instead), averaged over all
+// layers and renormalised to sum 1 (obtained from a dense
 // prefill of each chunk through ForwardObserver). Student, per query head h of group g:
 // P_h(t) = softmax(q_h(t)·k(j)/√head_dim), j ≤ t, with the head's own forward
 // (retrieval_head.h): x = RMSNorm_in(embed(t)) ⊕ RMSNorm_hidden(fc · fused(t−1)), q = RoPE(wq·x),
@@ -44,6 +45,22 @@ struct DistillTrain {
 Result<DistillTrain> parse_distill_train(std::string_view names);
 std::string distill_train_names(const DistillTrain& t);  // the inverse: "fc,norms,qk"
 
+// How the teacher reduces a GQA group's query heads to one distribution per KV head, per layer.
+enum class TeacherReduction {
+  kGroupMax,   // the max over the group (what select_tokens applies to the head's scores)
+  kGroupMean,  // the mean (the group's average attention: what per-head recall averages)
+};
+Result<TeacherReduction> parse_teacher_reduction(std::string_view name);  // "max" / "mean"
+
+// The keys the loss ranks. Selection always keeps the first sinks and the last window tokens
+// (SelectionOptions), so the head's scores only decide among the others; excluding them puts
+// the whole KL on that decision (teacher and head renormalised over the remaining keys). 0, 0:
+// the whole distribution.
+struct DistillObjective {
+  int64_t exclude_sinks = 0;
+  int64_t exclude_window = 0;
+};
+
 struct DistillOptions {
   int64_t steps = 800;                          // Adam steps
   double lr = 5e-3;                             // peak learning rate (cosine decay to lr/10)
@@ -54,6 +71,8 @@ struct DistillOptions {
   int64_t min_chunk = 8;                        // shorter trailing chunks are dropped
   int64_t log_every = 100;                      // on_step period
   DistillTrain train;                           // groups updated (default: all)
+  TeacherReduction teacher = TeacherReduction::kGroupMax;
+  DistillObjective objective;
   std::function<void(int64_t step, double train_kl)> on_step;  // progress (optional)
 };
 
@@ -112,14 +131,17 @@ struct CorpusSplit {
 };
 CorpusSplit split_heldout_stories(std::span<const CorpusStory> stories, double fraction);
 
-// Consecutive chunks of `context` tokens; a trailing chunk shorter than min_len is dropped.
+// Consecutive chunks of `context` tokens; a trailing chunk shorter than min_len is dropped. With
+// bos >= 0 every chunk starts with it, as a fresh sequence (a prompt, eval's context) does: a
+// chunk whose first corpus token is not bos gets it prepended and holds context−1 corpus tokens.
 std::vector<std::vector<TokenId>> split_chunks(std::span<const TokenId> tokens, int64_t context,
-                                               int64_t min_len);
+                                               int64_t min_len, TokenId bos = -1);
 
 // Runs a dense prefill of every chunk and records the teacher attention and fused features.
-Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> model,
-                                                  std::shared_ptr<Backend> backend,
-                                                  const std::vector<std::vector<TokenId>>& chunks);
+Result<std::vector<DistillChunk>> collect_teacher(
+    std::shared_ptr<const Model> model, std::shared_ptr<Backend> backend,
+    const std::vector<std::vector<TokenId>>& chunks,
+    TeacherReduction reduction = TeacherReduction::kGroupMax);
 
 // Held-out fidelity of a head against recorded teacher chunks (q/k through retrieval_qk).
 Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const RetrievalHead& head,
@@ -147,7 +169,8 @@ struct HeadGradients {
 // retrieval_qk). When grads is not null, its vectors are resized and overwritten with the
 // gradient. Exposed for a finite-difference test.
 double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope, const DistillChunk& chunk,
-                         const HeadInputs& inputs, std::span<const int64_t> positions, HeadGradients* grads);
+                         const HeadInputs& inputs, std::span<const int64_t> positions, HeadGradients* grads,
+                         const DistillObjective& objective = {});
 
 // The whole procedure: teacher on both sets, random init (evaluated), training, evaluation.
 Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,

@@ -77,6 +77,16 @@ TEST(Distill, CorpusAndChunks) {
   ASSERT_EQ(chunks.size(), 3u);  // 32, 32, 32; the trailing 4 tokens are dropped
   EXPECT_EQ(chunks[2].front(), 64);
   EXPECT_EQ(split_chunks(ids, 32, 4).size(), 4u);
+
+  // With a BOS (here id 0, the first token), every chunk starts with it: 32, then 1 + 31 each.
+  auto led = split_chunks(ids, 32, 4, /*bos=*/0);
+  ASSERT_EQ(led.size(), 4u);  // 0..31, 0+32..62, 0+63..93, 0+94..99
+  EXPECT_EQ(led[0], std::vector<TokenId>(ids.begin(), ids.begin() + 32));
+  for (size_t i = 1; i < led.size(); ++i) EXPECT_EQ(led[i].front(), 0);
+  EXPECT_EQ(led[1][1], 32);
+  EXPECT_EQ(led[1].size(), 32u);
+  EXPECT_EQ(led[3].back(), 99);
+  EXPECT_EQ(led[3].size(), 7u);
 }
 
 // The default held-out set is whole stories from the end of the corpus, at least 20% of the
@@ -189,7 +199,7 @@ class AllHeadsObserver final : public ForwardObserver {
 };
 
 // The teacher is, per KV head, the layer mean of the max over the group's query heads (the
-// reduction select_tokens applies), renormalised; not the group mean.
+// reduction select_tokens applies), renormalised; not the group mean, which kGroupMean gives.
 TEST(Distill, TeacherIsTheLayerMeanOfTheGroupMax) {
   Fixture f = load();
   ASSERT_TRUE(f.model && f.backend);
@@ -200,6 +210,9 @@ TEST(Distill, TeacherIsTheLayerMeanOfTheGroupMax) {
   auto r = collect_teacher(f.model, f.backend, {tokens});
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   const DistillChunk& ch = (*r)[0];
+  auto rm = collect_teacher(f.model, f.backend, {tokens}, TeacherReduction::kGroupMean);
+  ASSERT_TRUE(rm.is_ok()) << rm.status().to_string();
+  const DistillChunk& ch_mean = (*rm)[0];
 
   EngineOptions eo;
   eo.max_sequences = 1;
@@ -214,7 +227,7 @@ TEST(Distill, TeacherIsTheLayerMeanOfTheGroupMax) {
   ASSERT_TRUE((*engine)->forward(std::span<const StepRequest>(&req, 1)).is_ok());
   ASSERT_EQ(static_cast<int64_t>(obs.layers.size()), c.n_layers);
 
-  double max_err = 0.0, mean_vs_max = 0.0;
+  double max_err = 0.0, mean_vs_max = 0.0, mean_err = 0.0;
   for (int64_t g = 0; g < c.n_kv_heads; ++g) {
     for (int64_t t = 1; t < n; ++t) {
       std::vector<double> want(static_cast<size_t>(t + 1), 0.0), mean(want);
@@ -235,11 +248,14 @@ TEST(Distill, TeacherIsTheLayerMeanOfTheGroupMax) {
       for (int64_t j = 0; j <= t; ++j) {
         max_err = std::max(max_err, std::abs(row[j] - want[static_cast<size_t>(j)] / sum));
         mean_vs_max = std::max(mean_vs_max, std::abs(row[j] - mean[static_cast<size_t>(j)] / msum));
+        const float* mrow = ch_mean.teacher.data() + g * n * (n + 1) / 2 + t * (t + 1) / 2;
+        mean_err = std::max(mean_err, std::abs(mrow[j] - mean[static_cast<size_t>(j)] / msum));
       }
     }
   }
   EXPECT_LT(max_err, 1e-5);
   EXPECT_GT(mean_vs_max, 1e-2);  // the group mean is a different target here
+  EXPECT_LT(mean_err, 1e-5);  // TeacherReduction::kGroupMean: the old teacher
 }
 
 // A small random head whose fc and norms are far from their initial values, so that every
@@ -352,6 +368,29 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
   check(head->hidden_norm.data(), static_cast<size_t>(d), grads.hidden_norm, 1, "hidden_norm");
   check(mat(head->wq), static_cast<size_t>(head->wq.rows * head->wq.cols), grads.wq, 7, "wq");
   check(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 7, "wk");
+
+  // The loss restricted to keys [1, t+1−2): the teacher and the head renormalised there.
+  const DistillObjective skip{1, 2};
+  const double masked = distill_loss_grad(*head, rope, ch, in, positions, &grads, skip);
+  EXPECT_GT(masked, 0.0);
+  EXPECT_NE(masked, loss);
+  auto check_masked = [&](float* data, size_t size, const std::vector<float>& grad, size_t stride, const char* what) {
+    for (size_t i = 0; i < size; i += stride) {
+      const float keep = data[i];
+      const float eps = 1e-2f;
+      data[i] = keep + eps;
+      const double up = distill_loss_grad(*head, rope, ch, in, positions, nullptr, skip);
+      data[i] = keep - eps;
+      const double down = distill_loss_grad(*head, rope, ch, in, positions, nullptr, skip);
+      data[i] = keep;
+      const double numeric = (up - down) / (2.0 * eps);
+      EXPECT_NEAR(grad[i], numeric, 2e-4 + 0.03 * std::abs(numeric)) << what << " entry " << i << " (masked)";
+    }
+  };
+  check_masked(mat(head->fc), static_cast<size_t>(d * 3 * d), grads.fc, 5, "fc");
+  check_masked(head->hidden_norm.data(), static_cast<size_t>(d), grads.hidden_norm, 1, "hidden_norm");
+  check_masked(mat(head->wq), static_cast<size_t>(head->wq.rows * head->wq.cols), grads.wq, 7, "wq");
+  check_masked(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 7, "wk");
 }
 
 // Two short distillations of stories260K on the same data, seeds and steps: every parameter

@@ -45,7 +45,37 @@ void register_serve(CLI::App& app, ServeArgs& a) {
                   "them; /health and /metrics stay open)")
       ->envname("SPECONTEXT_API_KEY");
   cmd->add_option("--max-connections", a.max_connections,
-                  "connections served at once; one more is answered 503 and closed (0: no limit)")
+                  "connections served at once; one more is answered 503 and closed, its /health or "
+                  "/metrics request answered (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--max-connections-per-ip", a.max_connections_per_ip,
+                  "connections served at once from one client address; one more is answered 429 and "
+                  "closed, its /health or /metrics request answered (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--header-timeout", a.header_timeout,
+                  "seconds a request header may take to come whole (from the connect, or from its first "
+                  "byte on a kept connection); then the connection is closed")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--idle-timeout", a.idle_timeout,
+                  "seconds a kept-alive connection may wait for its next request, and a request's body may "
+                  "take to come whole; then the connection is closed")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--request-workers", a.request_workers,
+                  "threads that parse, template and tokenize requests and compile their schemas (off the "
+                  "connection thread)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--request-queue", a.request_queue,
+                  "requests waiting for a worker; one more is answered 503 with Retry-After")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--max-prompt-bytes", a.max_prompt_bytes,
+                  "longest prompt in bytes (text, or a chat's messages); longer is answered 400 before "
+                  "tokenizing (0: 32 bytes per token of the context)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
 }
@@ -97,6 +127,15 @@ int run_serve(const ServeArgs& a) {
   o.max_waiting = static_cast<size_t>(a.max_waiting);
   o.api_keys = a.api_keys;
   o.max_connections = static_cast<size_t>(a.max_connections);
+  o.max_connections_per_ip = static_cast<size_t>(a.max_connections_per_ip);
+  auto millis = [](double seconds) {
+    return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000)));
+  };
+  o.header_timeout = millis(a.header_timeout);
+  o.idle_timeout = millis(a.idle_timeout);
+  o.request_workers = static_cast<size_t>(a.request_workers);
+  o.request_queue = static_cast<size_t>(a.request_queue);
+  o.max_prompt_bytes = static_cast<size_t>(a.max_prompt_bytes);
   auto scheduling = scheduling_options(a.engine);
   if (!scheduling.is_ok()) return fail(scheduling.status());
   o.scheduling = *scheduling;
@@ -125,7 +164,10 @@ int run_serve(const ServeArgs& a) {
                               {"prefix_offload_bytes", o.scheduling.prefix_offload_bytes},
                               {"prefix_disk_bytes", o.scheduling.prefix_disk_bytes},
                               {"api_key_required", !o.api_keys.empty()},
-                              {"max_connections", a.max_connections}}
+                              {"max_connections", a.max_connections},
+                              {"max_connections_per_ip", a.max_connections_per_ip},
+                              {"request_workers", a.request_workers},
+                              {"request_queue", a.request_queue}}
                    .dump()
             << std::endl;
   int sig = 0;
@@ -142,6 +184,9 @@ int run_serve(const ServeArgs& a) {
                               {"failed", c.failed},
                               {"unauthorized", c.unauthorized},
                               {"connections_refused", c.connections_refused},
+                              {"connections_refused_per_ip", c.connections_refused_per_ip},
+                              {"header_timeouts", c.header_timeouts},
+                              {"prepare_refused", c.prepare_refused},
                               {"prompt_tokens", c.prompt_tokens},
                               {"generated_tokens", c.generated_tokens},
                               {"max_batch_sequences", c.max_batch_sequences},

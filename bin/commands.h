@@ -133,6 +133,12 @@ struct ServeArgs {
   double drain_seconds = 30;
   std::vector<std::string> api_keys;  // --api-key (repeatable), else SPECONTEXT_API_KEY
   int64_t max_connections = 1024;     // 0 = no limit
+  int64_t max_connections_per_ip = 256;  // 0 = no limit
+  double header_timeout = 10;            // seconds
+  double idle_timeout = 15;              // seconds
+  int64_t request_workers = 2;
+  int64_t request_queue = 64;
+  int64_t max_prompt_bytes = 0;  // 0 = 32 bytes per token of the context
 };
 void register_serve(CLI::App& app, ServeArgs& args);
 int run_serve(const ServeArgs& args);

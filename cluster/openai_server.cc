@@ -18,7 +18,9 @@
 #include <random>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 #include "cluster/openai_api.h"
 #include "core/json_depth.h"
@@ -77,6 +79,27 @@ struct Conn {
 };
 
 using Request = http::request<http::string_body>;
+
+// Refused connections (past a connection limit) whose request is read to see whether it is a
+// probe: at most this many at once, each for at most kRefusedReadTime; the rest are refused unread.
+constexpr int64_t kRefusedReads = 64;
+constexpr std::chrono::milliseconds kRefusedReadTime{1000};
+
+// The routes answered on every connection, past the connection limits too.
+bool is_probe(std::string_view path) { return path == "/health" || path == "/metrics"; }
+
+std::string_view path_of(const Request& req) {
+  std::string_view target(req.target().data(), req.target().size());
+  return target.substr(0, target.find('?'));
+}
+
+// A generation request as a worker prepares it: parsed, tokenized, its constraint compiled.
+struct PreparedGeneration {
+  std::optional<ApiRequest> api;
+  std::vector<GenerationRequest> requests;  // one per choice
+  std::optional<ApiError> error;            // answer this instead
+  std::string echo_text;                    // echo: the prompt's text
+};
 
 // Code points of UTF-8 text (lead bytes), where the completions API counts its text_offset.
 int64_t code_points(std::string_view s) {
@@ -137,6 +160,10 @@ struct OpenAiServer::Impl {
   Engine& engine;
   const Tokenizer& tokenizer;
   ServerOptions options;
+  size_t max_prompt_bytes = 0;  // options.max_prompt_bytes, or its default for the engine's context
+  // Asio thread only (declared before ioc: sessions destroyed with ioc still release their entry).
+  std::unordered_map<std::string, int64_t> connections_per_ip;  // open connections by client address
+  int64_t refused_reads = 0;  // refused connections being read for a probe now
   asio::io_context ioc;
   tcp::acceptor acceptor;
   uint16_t port = 0;
@@ -169,7 +196,11 @@ struct OpenAiServer::Impl {
 
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0}, unauthorized{0};
-  std::atomic<int64_t> open_connections{0}, connections_refused{0};  // written by the Asio thread
+  std::atomic<int64_t> open_connections{0}, connections_refused{0}, connections_refused_per_ip{0},
+      header_timeouts{0};  // written by the Asio thread
+  // Requests admitted to the workers and not yet prepared, of those being prepared now, and
+  // requests refused because the queue was full.
+  std::atomic<int64_t> prepare_pending{0}, prepare_running{0}, prepare_refused{0};
   std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
       preemptions{0}, preemption_swaps{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0},
       cached_sequences{0}, kv_bytes{0}, lost_tiers{0}, lost_tier_requeues{0}, prefix_offloads{0},
@@ -180,6 +211,8 @@ struct OpenAiServer::Impl {
   std::unique_ptr<Scheduler> scheduler_owned;
   std::thread io_thread;
   std::thread engine_thread;
+  // Last: destroyed first, while what its unrun jobs refer to (ioc, the counters) still exists.
+  std::unique_ptr<asio::thread_pool> workers;
 
   // ---- engine thread ----
   void engine_loop();
@@ -188,9 +221,41 @@ struct OpenAiServer::Impl {
 
   // ---- Asio thread ----
   asio::awaitable<void> accept_loop();
-  asio::awaitable<void> session(tcp::socket socket);
-  // Past max_connections: a 503 naming the limit, then the connection is closed.
-  asio::awaitable<void> refuse_connection(tcp::socket socket);
+  asio::awaitable<void> session(tcp::socket socket, std::string peer);
+  // Why a new connection from `peer` is refused (counted), or nothing when it is served.
+  std::optional<ApiError> connection_refusal(const std::string& peer);
+  void release_peer(const std::string& peer);
+  // Past a connection limit: a probe (/health, /metrics) sent at once is answered, anything else
+  // gets `refusal`; then the connection is closed.
+  asio::awaitable<void> refuse_connection(tcp::socket socket, ApiError refusal);
+  asio::awaitable<bool> answer_probe(Conn& conn, const Request& req, std::string_view path);
+  // Request preparation on the workers. admit_preparation takes a place in the queue (false,
+  // counted, when it is full); on_worker then runs `work` on a worker and resumes here with its result.
+  bool admit_preparation();
+  ApiError queue_full_error() const;
+  template <typename F>
+  asio::awaitable<std::invoke_result_t<F&>> on_worker(F work) {
+    using R = std::invoke_result_t<F&>;
+    auto run = [this, work = std::move(work)]() mutable -> asio::awaitable<R> {
+      struct Running {
+        Impl& s;
+        ~Running() {
+          --s.prepare_running;
+          --s.prepare_pending;
+        }
+      } running{*this};
+      ++prepare_running;
+      if (options.before_prepare) options.before_prepare();
+      co_return work();
+    };
+    co_return co_await asio::co_spawn(*workers, std::move(run), kAwait);
+  }
+  // ---- workers ----
+  PreparedGeneration prepare_generation(ApiKind kind, std::string_view body) const;
+  // 400 naming the field when a prompt is longer than max_prompt_bytes (before tokenizing it).
+  std::optional<ApiError> prompt_bytes_error(ApiKind kind, const std::string& text,
+                                             const std::vector<ChatMessageIn>& messages,
+                                             const std::vector<std::string>& tools) const;
   // True when no keys are set, the target is outside /v1/, or the Bearer token is one of the keys.
   bool authorized(const http::request_header<>& req) const;
   ApiError unauthorized_error(const http::request_header<>& req);  // the 401, counted
@@ -371,15 +436,17 @@ asio::awaitable<void> OpenAiServer::Impl::accept_loop() {
       if (!acceptor.is_open()) co_return;
       continue;  // e.g. too many open files: the next accept may succeed
     }
-    const bool at_limit = options.max_connections > 0 &&
-                          open_connections.load() >= static_cast<int64_t>(options.max_connections);
-    if (at_limit) {
-      ++connections_refused;
-      asio::co_spawn(ioc, refuse_connection(std::move(socket)), asio::detached);
+    beast::error_code peer_ec;
+    const tcp::endpoint remote = socket.remote_endpoint(peer_ec);
+    std::string peer = peer_ec ? std::string("unknown") : remote.address().to_string();
+    if (std::optional<ApiError> refusal = connection_refusal(peer)) {
+      asio::co_spawn(ioc, refuse_connection(std::move(socket), std::move(*refusal)), asio::detached);
       continue;
     }
-    ++open_connections;  // counted here, not in the session, so that the next accept sees it
-    asio::co_spawn(ioc, session(std::move(socket)), [](std::exception_ptr e) {
+    // Counted here, not in the session, so that the next accept sees it.
+    ++open_connections;
+    ++connections_per_ip[peer];
+    asio::co_spawn(ioc, session(std::move(socket), std::move(peer)), [](std::exception_ptr e) {
       if (!e) return;
       try {
         std::rethrow_exception(e);
@@ -390,18 +457,72 @@ asio::awaitable<void> OpenAiServer::Impl::accept_loop() {
   }
 }
 
-asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket) {
-  Conn conn(std::move(socket));
+std::optional<ApiError> OpenAiServer::Impl::connection_refusal(const std::string& peer) {
+  if (options.max_connections > 0 &&
+      open_connections.load() >= static_cast<int64_t>(options.max_connections)) {
+    ++connections_refused;
+    return ApiError{503, "server_error",
+                    "server at its connection limit (" + std::to_string(options.max_connections) +
+                        " connections are open); retry later",
+                    "", ""};
+  }
+  const auto it = connections_per_ip.find(peer);
+  if (options.max_connections_per_ip > 0 && it != connections_per_ip.end() &&
+      it->second >= static_cast<int64_t>(options.max_connections_per_ip)) {
+    ++connections_refused_per_ip;
+    return ApiError{429, "rate_limit_error",
+                    "too many connections from " + peer + ": " + std::to_string(it->second) +
+                        " are open, the most one client address may hold (max_connections_per_ip); close "
+                        "one or retry later",
+                    "", "rate_limit_exceeded"};
+  }
+  return std::nullopt;
+}
+
+void OpenAiServer::Impl::release_peer(const std::string& peer) {
+  const auto it = connections_per_ip.find(peer);
+  if (it != connections_per_ip.end() && --it->second <= 0) connections_per_ip.erase(it);
+}
+
+asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket, ApiError refusal) {
+  auto conn = std::make_shared<Conn>(std::move(socket));
   Request req;
   req.version(11);
   req.keep_alive(false);
-  const ApiError error{503, "server_error",
-                       "server at its connection limit (" + std::to_string(options.max_connections) +
-                           " connections are open); retry later",
-                       "", ""};
-  conn.stream.expires_after(std::chrono::seconds(1));  // a refused client must not hold a socket
-  if (!co_await reply_error(conn, req, error)) co_return;
-  co_await drain_and_close(conn);
+  std::string path;
+  if (refused_reads < kRefusedReads) {
+    // Its request header, if it comes at once: a probe is answered. A timer cancels the read (the
+    // stream's own timeout would close the socket, and the refusal could not be sent).
+    ++refused_reads;
+    struct Reading {
+      int64_t& count;
+      ~Reading() { --count; }
+    } reading{refused_reads};
+    beast::flat_buffer buffer;
+    http::request_parser<http::empty_body> parser;
+    parser.header_limit(8 * 1024);
+    auto armed = std::make_shared<bool>(true);
+    asio::steady_timer timer(ioc);
+    timer.expires_after(std::min<std::chrono::milliseconds>(options.header_timeout, kRefusedReadTime));
+    timer.async_wait([conn, armed](const beast::error_code& ec) {
+      beast::error_code ignored;
+      if (!ec && *armed) conn->stream.socket().cancel(ignored);
+    });
+    beast::error_code ec;
+    co_await http::async_read_header(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
+    *armed = false;
+    timer.cancel();
+    if (!ec && parser.get().method() == http::verb::get) {
+      req = Request(parser.get().base());
+      req.keep_alive(false);
+      path = std::string(path_of(req));
+    }
+  }
+  conn->stream.expires_after(std::chrono::seconds(1));  // a refused client must not hold a socket
+  const bool sent =
+      is_probe(path) ? co_await answer_probe(*conn, req, path) : co_await reply_error(*conn, req, refusal);
+  if (!sent) co_return;
+  co_await drain_and_close(*conn);
 }
 
 ApiError OpenAiServer::Impl::unauthorized_error(const http::request_header<>& req) {
@@ -442,25 +563,43 @@ bool OpenAiServer::Impl::authorized(const http::request_header<>& req) const {
   return match;
 }
 
-asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
+asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::string peer) {
   struct OpenConnection {
-    std::atomic<int64_t>& count;
-    ~OpenConnection() { --count; }
-  } open{open_connections};  // taken by accept_loop
+    Impl& s;
+    std::string peer;
+    ~OpenConnection() {
+      --s.open_connections;
+      s.release_peer(peer);
+    }
+  } open{*this, std::move(peer)};  // taken by accept_loop
   auto conn = std::make_shared<Conn>(std::move(socket));
   beast::flat_buffer buffer;
-  for (;;) {
+  const auto end_of_connection = [](const beast::error_code& e) {
+    return e == http::error::end_of_stream || e == asio::error::eof || e == beast::error::timeout ||
+           e == asio::error::connection_reset || e == asio::error::operation_aborted;
+  };
+  for (bool first = true;; first = false) {
     http::request_parser<http::string_body> parser;
     parser.body_limit(options.max_body_bytes);
     parser.header_limit(64 * 1024);
-    conn->stream.expires_after(options.idle_timeout);
     beast::error_code ec;
-    // The header first: a request without a valid key is refused before its body is read.
+    if (!first && buffer.size() == 0) {
+      // Kept alive between requests: the next one's first byte within idle_timeout, or it closes.
+      conn->stream.expires_after(options.idle_timeout);
+      const size_t n =
+          co_await conn->stream.async_read_some(buffer.prepare(4096), asio::redirect_error(kAwait, ec));
+      buffer.commit(n);
+      if (ec) break;
+    }
+    // The header whole within header_timeout (from the accept, for the first request); on
+    // timeout the stream closes the socket. The header first: a request without a valid key is
+    // refused before its body is read.
+    conn->stream.expires_after(options.header_timeout);
     co_await http::async_read_header(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
-    const auto end_of_connection = [](const beast::error_code& e) {
-      return e == http::error::end_of_stream || e == asio::error::eof || e == beast::error::timeout ||
-             e == asio::error::connection_reset || e == asio::error::operation_aborted;
-    };
+    if (ec == beast::error::timeout) {
+      ++header_timeouts;
+      co_return;
+    }
     if (end_of_connection(ec)) break;
     const bool key_ok = ec || authorized(parser.get());
     const bool expects_continue = !ec && beast::iequals(parser.get()[http::field::expect], "100-continue");
@@ -483,6 +622,7 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket) {
       if (ec) break;
     }
     if (!ec && !parser.is_done()) {
+      conn->stream.expires_after(options.idle_timeout);
       co_await http::async_read(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
       if (end_of_connection(ec)) break;
     }
@@ -515,7 +655,9 @@ asio::awaitable<bool> OpenAiServer::Impl::reply(Conn& conn, const Request& req, 
   http::response<http::string_body> res{status, req.version()};
   res.set(http::field::server, "specontext");
   res.set(http::field::content_type, beast::string_view(content_type.data(), content_type.size()));
-  if (status == http::status::service_unavailable) res.set(http::field::retry_after, "1");
+  if (status == http::status::service_unavailable || status == http::status::too_many_requests) {
+    res.set(http::field::retry_after, "1");
+  }
   if (status == http::status::unauthorized) res.set(http::field::www_authenticate, "Bearer");
   res.keep_alive(req.keep_alive());
   res.body() = std::move(body);
@@ -555,12 +697,9 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
       const ApiError error = wrong_method("GET");
       co_return co_await reply_error(*conn, req, error);
     }
-    std::string body = path == "/health" ? std::string("{\"status\":\"ok\"}")
-                       : path == "/metrics"
-                           ? metrics_text()
-                           : dump_json(models_response(options.model_name, created, engine.max_context()));
-    const std::string_view type = path == "/metrics" ? "text/plain; version=0.0.4" : "application/json";
-    co_return co_await reply(*conn, req, http::status::ok, std::move(body), type);
+    if (is_probe(path)) co_return co_await answer_probe(*conn, req, path);
+    std::string body = dump_json(models_response(options.model_name, created, engine.max_context()));
+    co_return co_await reply(*conn, req, http::status::ok, std::move(body));
   }
   if (path == "/tokenize" || path == "/detokenize") {
     if (!post) {
@@ -568,7 +707,15 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
       const ApiError error = wrong_method("POST");
       co_return co_await reply_error(*conn, req, error);
     }
-    auto [status, body] = path == "/tokenize" ? tokenize(req.body()) : detokenize(req.body());
+    if (!admit_preparation()) {
+      ++rejected;
+      const ApiError error = queue_full_error();
+      co_return co_await reply_error(*conn, req, error);
+    }
+    auto work = [this, &path, &req] {
+      return path == "/tokenize" ? tokenize(req.body()) : detokenize(req.body());
+    };
+    auto [status, body] = co_await on_worker(std::move(work));
     if (status != 200) ++rejected;
     co_return co_await reply(*conn, req, static_cast<http::status>(status), std::move(body));
   }
@@ -579,6 +726,69 @@ asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Req
                            "/health, /metrics)",
                        "", ""};
   co_return co_await reply_error(*conn, req, error);
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::answer_probe(Conn& conn, const Request& req,
+                                                       std::string_view path) {
+  const bool health = path == "/health";
+  std::string body = health ? std::string("{\"status\":\"ok\"}") : metrics_text();
+  const std::string_view type = health ? "application/json" : "text/plain; version=0.0.4";
+  co_return co_await reply(conn, req, http::status::ok, std::move(body), type);
+}
+
+bool OpenAiServer::Impl::admit_preparation() {
+  const auto bound = static_cast<int64_t>(options.request_workers + options.request_queue);
+  if (prepare_pending.load() >= bound) {  // only this thread adds, so the bound holds
+    ++prepare_refused;
+    return false;
+  }
+  ++prepare_pending;
+  return true;
+}
+
+ApiError OpenAiServer::Impl::queue_full_error() const {
+  return {503, "server_error",
+          "server busy: " + std::to_string(options.request_queue) +
+              " requests are waiting for a worker to tokenize them (the request queue is full); retry later",
+          "", ""};
+}
+
+PreparedGeneration OpenAiServer::Impl::prepare_generation(ApiKind kind, std::string_view body) const {
+  PreparedGeneration p;
+  ParseResult parsed = parse_api_request(kind, body);
+  if (!parsed.request) {
+    p.error = std::move(parsed.error);
+    return p;
+  }
+  p.api = std::move(parsed.request);
+  p.error = to_generation(*p.api, p.requests);
+  if (!p.error && p.api->echo) {
+    p.echo_text = p.api->prompt_is_ids ? tokenizer.decode(p.requests[0].prompt) : p.api->prompt_text;
+  }
+  return p;
+}
+
+std::optional<ApiError> OpenAiServer::Impl::prompt_bytes_error(ApiKind kind, const std::string& text,
+                                                               const std::vector<ChatMessageIn>& messages,
+                                                               const std::vector<std::string>& tools) const {
+  auto too_long = [&](const char* field, size_t bytes) -> std::optional<ApiError> {
+    if (bytes <= max_prompt_bytes) return std::nullopt;
+    return ApiError{400, "invalid_request_error",
+                    "field '" + std::string(field) + "' is " + std::to_string(bytes) +
+                        " bytes, more than the " + std::to_string(max_prompt_bytes) +
+                        " bytes of prompt this server tokenizes (max_prompt_bytes; this model's context is " +
+                        std::to_string(engine.max_context()) + " tokens)",
+                    field, "context_length_exceeded"};
+  };
+  if (kind != ApiKind::kChat) return too_long("prompt", text.size());
+  size_t bytes = 0;
+  for (const ChatMessageIn& m : messages) {
+    bytes += m.content.size();
+    for (const ToolCallIn& c : m.tool_calls) bytes += c.name.size() + c.arguments.size();
+  }
+  if (auto err = too_long("messages", bytes)) return err;
+  for (const std::string& t : tools) bytes += t.size();
+  return too_long("tools", bytes);
 }
 
 std::pair<int, std::string> OpenAiServer::Impl::tokenize(std::string_view body) const {
@@ -630,6 +840,7 @@ std::optional<ApiError> OpenAiServer::Impl::encode_prompt(ApiKind kind, const st
                                                           const std::vector<ChatMessageIn>& messages, bool add_bos,
                                                           std::vector<TokenId>& out,
                                                           const std::vector<std::string>& tools) const {
+  if (auto err = prompt_bytes_error(kind, text, messages, tools)) return err;
   if (kind == ApiKind::kChat) {
     if (options.chat_template == ChatTemplate::kNone) {
       return ApiError{400, "invalid_request_error",
@@ -953,23 +1164,31 @@ asio::awaitable<std::vector<ChoiceEvent>> OpenAiServer::Impl::next_events(Job& j
 }
 
 asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind) {
-  ParseResult parsed = parse_api_request(kind, req.body());
-  if (!parsed.request) {
+  if (!admit_preparation()) {
     ++rejected;
-    co_return co_await reply_error(*conn, req, parsed.error);
+    const ApiError error = queue_full_error();
+    co_return co_await reply_error(*conn, req, error);
   }
-  const ApiRequest& api = *parsed.request;
+  ++jobs_in_flight;
+  struct InFlight {
+    std::atomic<int64_t>& count;
+    ~InFlight() { --count; }
+  } in_flight{jobs_in_flight};  // from admission until the answer is written: stop() waits for it
+  // Parsing, the template, tokenizing and compiling the constraint happen on a worker.
+  auto work = [this, kind, &req] { return prepare_generation(kind, req.body()); };
+  PreparedGeneration prepared = co_await on_worker(std::move(work));
+  if (prepared.error) {
+    ++rejected;
+    co_return co_await reply_error(*conn, req, *prepared.error);
+  }
+  const ApiRequest& api = *prepared.api;
   auto job = std::make_shared<Job>();
-  if (auto err = to_generation(api, job->requests)) {
-    ++rejected;
-    co_return co_await reply_error(*conn, req, *err);
-  }
+  job->requests = std::move(prepared.requests);
   // Taken before the job is queued: the engine thread moves the requests out.
   const std::vector<TokenId>& queued_prompt = job->requests[0].prompt;
   const auto prompt_len = static_cast<int64_t>(queued_prompt.size());
   const TokenId last_prompt_token = queued_prompt.back();
-  std::string echo_text;
-  if (api.echo) echo_text = api.prompt_is_ids ? tokenizer.decode(queued_prompt) : api.prompt_text;
+  const std::string echo_text = std::move(prepared.echo_text);
   // Only echo with logprobs and prompt_logprobs read the prompt's tokens later.
   const std::vector<TokenId> prompt =
       (api.echo && api.logprobs >= 0) || api.prompt_logprobs >= 0 ? queued_prompt : std::vector<TokenId>{};
@@ -992,11 +1211,6 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     co_return co_await reply_error(*conn, req, error);
   }
   ++accepted;
-  ++jobs_in_flight;
-  struct InFlight {
-    std::atomic<int64_t>& count;
-    ~InFlight() { --count; }
-  } in_flight{jobs_in_flight};  // until the answer is written: stop() waits for it
   cv.notify_one();
   watch_disconnect(conn, job);
 
@@ -1297,6 +1511,17 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_open_connections", "gauge", "client connections open", open_connections);
   metric("specontext_connections_refused_total", "counter",
          "connections refused at the connection limit (503)", connections_refused);
+  metric("specontext_connections_refused_per_ip_total", "counter",
+         "connections refused at the per-address connection limit (429)", connections_refused_per_ip);
+  metric("specontext_header_timeouts_total", "counter",
+         "connections closed because a request header did not come whole within the header timeout",
+         header_timeouts);
+  metric("specontext_prepare_queue_depth", "gauge", "requests waiting for a worker to tokenize them",
+         prepare_pending - prepare_running);
+  metric("specontext_prepare_running", "gauge", "requests being parsed and tokenized by a worker",
+         prepare_running);
+  metric("specontext_prepare_refused_total", "counter",
+         "requests refused because the request queue was full (503)", prepare_refused);
   metric("specontext_requests_cancelled_total", "counter", "requests whose client went away", cancelled);
   metric("specontext_requests_failed_total", "counter", "requests whose batch failed in the engine (500)",
          failed);
@@ -1343,7 +1568,11 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const 
   for (const std::string& key : options.api_keys) {
     if (key.empty()) return invalid_argument("serve: an API key must not be empty");
   }
+  if (options.request_workers == 0) return invalid_argument("serve: request_workers must be at least 1");
   auto impl = std::make_unique<Impl>(engine, tokenizer, options);
+  impl->max_prompt_bytes = options.max_prompt_bytes > 0
+                               ? options.max_prompt_bytes
+                               : static_cast<size_t>(std::max<int64_t>(engine.max_context(), 1)) * 32;
   impl->scheduler_owned = std::make_unique<Scheduler>(engine, options.scheduling);
   if (Status st = impl->scheduler_owned->open_prefix_disk(); !st.is_ok()) return st.with_context("serve");
   beast::error_code ec;
@@ -1364,6 +1593,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const 
   }
   impl->port = impl->acceptor.local_endpoint().port();
   Impl* p = impl.get();
+  p->workers = std::make_unique<asio::thread_pool>(options.request_workers);
   asio::co_spawn(p->ioc, p->accept_loop(), asio::detached);
   p->engine_thread = std::thread([p] { p->engine_loop(); });
   p->io_thread = std::thread([p] {
@@ -1408,6 +1638,10 @@ void OpenAiServer::stop(std::chrono::milliseconds drain) {
     }
     s.ioc.stop();
     if (s.io_thread.joinable()) s.io_thread.join();
+    if (s.workers) {  // a job still queued is dropped; one running finishes
+      s.workers->stop();
+      s.workers->join();
+    }
   });
 }
 
@@ -1421,6 +1655,11 @@ ServerCounters OpenAiServer::counters() const {
   c.failed = s.failed;
   c.unauthorized = s.unauthorized;
   c.connections_refused = s.connections_refused;
+  c.connections_refused_per_ip = s.connections_refused_per_ip;
+  c.header_timeouts = s.header_timeouts;
+  c.prepare_queued = s.prepare_pending - s.prepare_running;
+  c.prepare_running = s.prepare_running;
+  c.prepare_refused = s.prepare_refused;
   c.open_connections = s.open_connections;
   c.prompt_tokens = s.prompt_tokens;
   c.generated_tokens = s.generated_tokens;

@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
@@ -136,6 +139,9 @@ Reply send(uint16_t port, http::verb verb, const std::string& target, const std:
 
 Reply post(uint16_t port, const std::string& target, const json& body) {
   return send(port, http::verb::post, target, body.dump());
+}
+Reply post_on(tcp::socket& socket, uint16_t port, const std::string& target, const json& body) {
+  return send(port, http::verb::post, target, body.dump(), &socket);
 }
 
 // The data lines of an event stream, without "data: ".
@@ -1931,6 +1937,7 @@ TEST(OpenAiServer, ConnectionsPastTheLimitGet503AndAClosedOneMakesRoom) {
   Fixture f = make_fixture(1);
   ServerOptions o = options_for(*f.tokenizer);
   o.max_connections = 2;
+  o.idle_timeout = std::chrono::minutes(10);  // the kept connections stay for the whole test
   auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
   ASSERT_TRUE(server.is_ok()) << server.status().to_string();
   const uint16_t port = (*server)->port();
@@ -1983,6 +1990,280 @@ TEST(OpenAiServer, ConnectionsPastTheLimitGet503AndAClosedOneMakesRoom) {
   EXPECT_NE(metrics.body.find("specontext_open_connections 2"), std::string::npos)
       << metrics.body;  // the kept connection and this one
   EXPECT_EQ((*server)->counters().connections_refused, 2);
+}
+
+// ---------------------------------------------------------------- hostile and slow clients
+
+// Holds the server's request workers (ServerOptions::before_prepare) until released.
+struct WorkerGate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  void wait() {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return released; });
+  }
+  void release() {
+    {
+      std::lock_guard lk(mu);
+      released = true;
+    }
+    cv.notify_all();
+  }
+};
+
+// Whether the server closes `s`: reads (and drops) until EOF or a reset. False only if a minute
+// passes with the connection open, a bound no passing run comes near.
+bool closed_by_server(tcp::socket& s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  s.non_blocking(true);
+  while (std::chrono::steady_clock::now() < deadline) {
+    char chunk[4096];
+    beast::error_code ec;
+    s.read_some(asio::buffer(chunk), ec);
+    if (ec == asio::error::would_block) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
+    if (ec) return ec == asio::error::eof || ec == asio::error::connection_reset;
+  }
+  return false;
+}
+
+// A tokenizer that counts encode() calls (from any thread) and otherwise is `inner`.
+class CountingTokenizer : public Tokenizer {
+ public:
+  explicit CountingTokenizer(const Tokenizer& inner) : inner_(inner) {}
+  std::string_view kind() const override { return inner_.kind(); }
+  int32_t vocab_size() const override { return inner_.vocab_size(); }
+  TokenId bos_id() const override { return inner_.bos_id(); }
+  TokenId eos_id() const override { return inner_.eos_id(); }
+  std::vector<TokenId> stop_ids() const override { return inner_.stop_ids(); }
+  Result<std::vector<TokenId>> encode(std::string_view text, bool add_bos,
+                                      bool parse_special) const override {
+    ++encodes;
+    return inner_.encode(text, add_bos, parse_special);
+  }
+  std::string decode_token(TokenId prev, TokenId id) const override { return inner_.decode_token(prev, id); }
+  TokenId piece_to_id(std::string_view piece) const override { return inner_.piece_to_id(piece); }
+  bool add_bos_by_default() const override { return inner_.add_bos_by_default(); }
+  mutable std::atomic<int64_t> encodes{0};
+
+ private:
+  const Tokenizer& inner_;
+};
+
+// Issue 26, item 5: a request is parsed and tokenized on a worker, so while one is being
+// prepared (held there by the gate) /health and /metrics are answered; a full request queue is a
+// 503 with Retry-After; what was admitted is answered once the worker goes on.
+TEST(OpenAiServer, RequestsArePreparedOnWorkersSoHealthAnswersWhileOneIsTokenized) {
+  Fixture f = make_fixture(2);
+  WorkerGate gate;
+  ServerOptions o = options_for(*f.tokenizer);
+  o.request_workers = 1;
+  o.request_queue = 1;
+  o.before_prepare = [&gate] { gate.wait(); };
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  Reply completion, tokenized;
+  std::jthread a, b;
+  struct Release {
+    WorkerGate& gate;
+    ~Release() { gate.release(); }  // before the threads are joined, whatever failed
+  } release{gate};
+  a = std::jthread([&] {
+    completion = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 3}, {"temperature", 0}});
+  });
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().prepare_running == 1; }));
+  EXPECT_EQ(send(port, http::verb::get, "/health").status, 200) << "the connection thread is free";
+
+  b = std::jthread([&] { tokenized = post(port, "/tokenize", {{"prompt", kPrompt}}); });
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().prepare_queued == 1; }));
+  Reply refused = post(port, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 3}});
+  EXPECT_EQ(refused.status, 503) << refused.body;
+  EXPECT_EQ(refused.retry_after, "1");
+  ASSERT_TRUE(refused.j().contains("error")) << refused.body;
+  EXPECT_NE(refused.j()["error"]["message"].get<std::string>().find("request queue is full"),
+            std::string::npos)
+      << refused.body;
+  Reply refused_tokenize = post(port, "/tokenize", {{"prompt", kPrompt}});
+  EXPECT_EQ(refused_tokenize.status, 503) << refused_tokenize.body;
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_prepare_running 1"), std::string::npos) << metrics.body;
+  EXPECT_NE(metrics.body.find("specontext_prepare_queue_depth 1"), std::string::npos) << metrics.body;
+  EXPECT_NE(metrics.body.find("specontext_prepare_refused_total 2"), std::string::npos) << metrics.body;
+
+  gate.release();
+  a.join();
+  b.join();
+  EXPECT_EQ(completion.status, 200) << completion.body;
+  EXPECT_EQ(completion.j()["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(tokenized.status, 200) << tokenized.body;
+  EXPECT_EQ(tokenized.j()["count"], 5);  // BOS + 4 pieces
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.prepare_refused, 2);
+  EXPECT_EQ(c.prepare_queued, 0);
+  EXPECT_EQ(c.prepare_running, 0);
+  EXPECT_EQ(c.accepted, 1);
+  EXPECT_EQ(c.completed, 1);
+}
+
+// Issue 26, item 5: a prompt longer than max_prompt_bytes is a 400 naming the field, and the
+// tokenizer never sees it; the default is 32 bytes per token of the context.
+TEST(OpenAiServer, APromptPastTheByteLimitIsA400NamingTheFieldBeforeTokenizing) {
+  Fixture f = make_fixture(1);
+  CountingTokenizer counting(*f.tokenizer);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.max_prompt_bytes = 64;
+  auto server = OpenAiServer::start(*f.engine, counting, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const std::string over(65, 'a');
+  struct Case {
+    const char* route;
+    json body;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {"/v1/completions", {{"prompt", over}, {"max_tokens", 1}}, "prompt"},
+      {"/tokenize", {{"prompt", over}}, "prompt"},
+      {"/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", over}}}}}, "messages"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.route);
+    Reply r = post(port, c.route, c.body);
+    ASSERT_EQ(r.status, 400) << r.body;
+    EXPECT_EQ(r.j()["error"]["param"], c.field) << r.body;
+    const std::string message = r.j()["error"]["message"];
+    const std::string expected = std::string("field '") + c.field + "' is 65 bytes";
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+    EXPECT_NE(message.find("64"), std::string::npos) << message;
+  }
+  EXPECT_EQ(counting.encodes.load(), 0) << "refused before tokenizing";
+  Reply fits = post(port, "/v1/completions", {{"prompt", std::string(64, 'a')}, {"max_tokens", 1}});
+  EXPECT_EQ(fits.status, 200) << fits.body;
+  EXPECT_GT(counting.encodes.load(), 0);
+  server->reset();
+
+  // Default: 32 bytes per token of the engine's context.
+  auto defaulted = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+  ASSERT_TRUE(defaulted.is_ok());
+  const size_t limit = static_cast<size_t>(f.engine->max_context()) * 32;
+  Reply r = post((*defaulted)->port(), "/v1/completions", {{"prompt", std::string(limit + 1, 'a')}});
+  ASSERT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(r.j()["error"]["param"], "prompt");
+  EXPECT_NE(r.j()["error"]["message"].get<std::string>().find(std::to_string(limit)), std::string::npos)
+      << r.body;
+}
+
+// Issue 26, item 6: connections that never send a request fill the limit; /health and /metrics
+// are still answered on a new connection, anything else gets the 503 naming the limit.
+TEST(OpenAiServer, HealthAndMetricsAnswerWhileIdleConnectionsFillTheLimit) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.max_connections = 2;
+  o.header_timeout = std::chrono::minutes(10);  // the idle ones stay for the whole test
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
+  asio::io_context ioc;
+  tcp::socket idle1(ioc), idle2(ioc);
+  idle1.connect(where);
+  idle2.connect(where);
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().open_connections == 2; }));
+
+  Reply health = send(port, http::verb::get, "/health");
+  EXPECT_EQ(health.status, 200) << health.body;
+  EXPECT_EQ(health.j()["status"], "ok");
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_EQ(metrics.status, 200) << metrics.body;
+  EXPECT_NE(metrics.body.find("specontext_open_connections 2"), std::string::npos) << metrics.body;
+  Reply work = post(port, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}});
+  EXPECT_EQ(work.status, 503) << work.body;
+  EXPECT_NE(work.body.find("connection limit (2"), std::string::npos) << work.body;
+  EXPECT_EQ((*server)->counters().connections_refused, 3);
+  EXPECT_EQ((*server)->counters().open_connections, 2);
+}
+
+// Issue 26, item 6: a request header that does not come whole within header_timeout closes the
+// connection (counted); so does a new connection that sends nothing; others are served.
+TEST(OpenAiServer, AHeaderNotWholeWithinTheHeaderTimeoutClosesTheConnection) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.header_timeout = std::chrono::milliseconds(200);
+  o.idle_timeout = std::chrono::minutes(10);  // only the header timeout can close them
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
+  asio::io_context ioc;
+  {
+    tcp::socket partial(ioc);
+    partial.connect(where);
+    asio::write(partial, asio::buffer(std::string("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")));
+    EXPECT_TRUE(closed_by_server(partial));
+  }
+  {
+    tcp::socket silent(ioc);
+    silent.connect(where);
+    EXPECT_TRUE(closed_by_server(silent));
+  }
+  {
+    // Kept alive after a request: idle is allowed (idle_timeout), a started header is not.
+    tcp::socket kept(ioc);
+    kept.connect(where);
+    EXPECT_EQ(send(port, http::verb::get, "/health", "", &kept).status, 200);
+    asio::write(kept, asio::buffer(std::string("GET /hea")));
+    EXPECT_TRUE(closed_by_server(kept));
+  }
+  EXPECT_TRUE(eventually([&] { return (*server)->counters().header_timeouts == 3; }));
+  EXPECT_EQ(send(port, http::verb::get, "/health").status, 200);
+  Reply metrics = send(port, http::verb::get, "/metrics");
+  EXPECT_NE(metrics.body.find("specontext_header_timeouts_total 3"), std::string::npos) << metrics.body;
+}
+
+// Issue 26, item 6: one address may hold max_connections_per_ip connections; one more gets a
+// 429 naming the address and is closed (a probe on it is answered); closing one makes room.
+TEST(OpenAiServer, ConnectionsPastThePerIpCapGet429) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.max_connections_per_ip = 2;
+  o.idle_timeout = std::chrono::minutes(10);
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
+  asio::io_context ioc;
+  std::optional<tcp::socket> first(std::in_place, ioc);
+  tcp::socket second(ioc);
+  first->connect(where);
+  second.connect(where);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &*first).status, 200);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &second).status, 200);
+
+  tcp::socket third(ioc);
+  third.connect(where);
+  Reply refused = post_on(third, port, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}});
+  EXPECT_EQ(refused.status, 429) << refused.body;
+  EXPECT_EQ(refused.retry_after, "1");
+  ASSERT_TRUE(refused.j().contains("error")) << refused.body;
+  EXPECT_EQ(refused.j()["error"]["code"], "rate_limit_exceeded");
+  EXPECT_NE(refused.body.find("too many connections from 127.0.0.1: 2 are open"), std::string::npos)
+      << refused.body;
+  EXPECT_TRUE(closed_by_server(third));
+  EXPECT_EQ(send(port, http::verb::get, "/health").status, 200) << "a probe past the cap is answered";
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.connections_refused_per_ip, 2);
+  EXPECT_EQ(c.connections_refused, 0);
+  EXPECT_EQ(c.accepted, 0);
+
+  first.reset();
+  ASSERT_TRUE(eventually([&] { return (*server)->counters().open_connections == 1; }));
+  Reply served = post(port, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}});
+  EXPECT_EQ(served.status, 200) << served.body;
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &second).status, 200);
 }
 
 }  // namespace

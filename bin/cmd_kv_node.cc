@@ -1,5 +1,7 @@
 // specontext kv-node: a remote KV node in its own process (cluster/kv_node.h). Prints one JSON line
-// when it listens ({"event":"listening","node":...,"port":...}), then serves until SIGINT/SIGTERM.
+// when it listens ({"event":"listening","node":...,"port":...,"auth":...}), then serves until
+// SIGINT/SIGTERM. The shared secret comes from --secret-file or SPECONTEXT_KV_SECRET, never from a
+// flag's value; without one the node warns on stderr and listens on loopback only.
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -18,6 +20,16 @@ void register_kv_node(CLI::App& app, KvNodeArgs& a) {
   cmd->add_option("--listen", a.listen, "HOST:PORT to listen on (port 0: any free port, printed at start)");
   cmd->add_option("--capacity", a.capacity, "bytes of KV memory this node holds (e.g. 4GiB)")->required();
   cmd->add_option("--name", a.name, "name in replies and messages (default HOST:PORT)");
+  cmd->add_option("--secret-file", a.secret_file,
+                  "file holding the shared secret clients must prove at hello (owner-readable only; default: "
+                  "the SPECONTEXT_KV_SECRET environment variable; without either, loopback only)");
+  cmd->add_option("--client-quota", a.client_quota,
+                  "bytes one connection may hold at once (e.g. 1GiB; default: up to the capacity)");
+  cmd->add_option("--max-connections", a.max_connections, "connections served at once; the next is refused")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--idle-timeout-ms", a.idle_timeout_ms,
+                  "close a connection that sends no request for this long while holding no region (0: never)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 int run_kv_node(const KvNodeArgs& a) {
@@ -31,6 +43,19 @@ int run_kv_node(const KvNodeArgs& a) {
   auto cap = planner::parse_size(a.capacity);
   if (!cap.is_ok()) return fail(cap.status().with_context("--capacity"));
   if (*cap <= 0) return fail(invalid_argument("--capacity must be positive"));
+  int64_t quota = 0;
+  if (!a.client_quota.empty()) {
+    auto q = planner::parse_size(a.client_quota);
+    if (!q.is_ok()) return fail(q.status().with_context("--client-quota"));
+    if (*q <= 0) return fail(invalid_argument("--client-quota must be positive"));
+    quota = *q;
+  }
+  auto secret = cluster::load_kv_secret(a.secret_file);
+  if (!secret.is_ok()) return fail(secret.status().with_context("--secret-file"));
+  if (secret->empty()) {
+    std::cerr << "specontext kv-node: WARNING: no secret (--secret-file PATH or " << cluster::kSecretEnv
+              << "): any local process can allocate this node's memory; listening on loopback only\n";
+  }
   // Block the stop signals before the node's threads start, so that they inherit the mask and
   // only sigwait below sees them.
   sigset_t stop_signals;
@@ -43,12 +68,17 @@ int run_kv_node(const KvNodeArgs& a) {
   o.port = ep->port;
   o.capacity = static_cast<uint64_t>(*cap);
   o.name = a.name;
+  o.secret = std::move(secret).value();
+  o.client_quota = static_cast<uint64_t>(quota);
+  o.max_connections = a.max_connections;
+  o.idle_timeout = std::chrono::milliseconds(a.idle_timeout_ms);
   auto node = cluster::KvNode::start(o);
   if (!node.is_ok()) return fail(node.status());
   std::cout << nlohmann::json{{"event", "listening"},
                               {"node", (*node)->name()},
                               {"port", (*node)->port()},
-                              {"capacity", o.capacity}}
+                              {"capacity", o.capacity},
+                              {"auth", o.secret.empty() ? "none" : "hmac-sha256"}}
                    .dump()
             << std::endl;
   int sig = 0;
@@ -59,6 +89,8 @@ int run_kv_node(const KvNodeArgs& a) {
                               {"signal", sig},
                               {"requests", st.requests},
                               {"bad_requests", st.bad_requests},
+                              {"auth_failures", st.auth_failures},
+                              {"connections_refused", st.connections_refused},
                               {"regions", st.regions}}
                    .dump()
             << std::endl;

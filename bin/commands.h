@@ -118,6 +118,10 @@ struct KvNodeArgs {
   std::string listen = "127.0.0.1:0";
   std::string capacity;
   std::string name;
+  std::string secret_file;   // else SPECONTEXT_KV_SECRET; none: loopback only
+  std::string client_quota;  // SIZE one connection may hold ("": up to the capacity)
+  int64_t max_connections = 64;
+  int64_t idle_timeout_ms = 60000;
 };
 void register_kv_node(CLI::App& app, KvNodeArgs& args);
 int run_kv_node(const KvNodeArgs& args);

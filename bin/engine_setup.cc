@@ -152,6 +152,9 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
     o.replicas = spec.endpoints;
     o.bytes = spec.bytes;
     o.timeout = std::chrono::milliseconds(a.tiers.kv_node_timeout_ms);
+    auto secret = cluster::load_kv_secret(a.tiers.kv_secret_file);
+    if (!secret.is_ok()) return secret.status().with_context("--kv-secret-file");
+    o.secret = std::move(secret).value();
     o.mode = a.tiers.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma
                                            : transport::UcxTransferMode::kNodeGather;
     auto store = cluster::RemotePrefixStore::create(std::move(o));

@@ -45,6 +45,9 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
   cmd.add_option("--kv-node-spare", a.kv_node_spares,
                  "HOST:PORT of a KV node that takes over a dead replica whose own node does not come back "
                  "(repeatable; tried in order)");
+  cmd.add_option("--kv-secret-file", a.kv_secret_file,
+                 "file holding the KV nodes' shared secret (owner-readable only), answered at each node's "
+                 "hello (default: the SPECONTEXT_KV_SECRET environment variable; none: nodes without a secret)");
   cmd.add_option("--remote-latency-us", a.remote_latency_us, "loopback link latency per transfer")
       ->check(CLI::NonNegativeNumber);
   cmd.add_option("--placement", a.placement,
@@ -168,6 +171,12 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   // KV node tiers: remote tier ids follow the host pools (Engine::create numbers device, host
   // pools, remote tiers in that order), so each transport knows the one tier it serves.
   std::vector<std::unique_ptr<Transport>> node_transports;
+  std::string kv_secret;
+  if (!args.kv_nodes.empty()) {
+    auto secret = cluster::load_kv_secret(args.kv_secret_file);
+    if (!secret.is_ok()) return secret.status().with_context("--kv-secret-file");
+    kv_secret = std::move(secret).value();
+  }
   for (size_t i = 0; i < args.kv_nodes.size(); ++i) {
     const std::string flag = "--kv-node " + args.kv_nodes[i];
     SPX_ASSIGN_OR_RETURN(const KvNodeSpec spec, parse_kv_node_spec("--kv-node", args.kv_nodes[i]));
@@ -178,7 +187,8 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     std::vector<cluster::Endpoint> endpoints = spec.endpoints;
     std::vector<std::unique_ptr<cluster::KvNodeClient>> sessions;
     for (const cluster::Endpoint& ep : endpoints) {
-      auto client = cluster::KvNodeClient::connect(ep, std::chrono::milliseconds(args.kv_node_timeout_ms));
+      auto client =
+          cluster::KvNodeClient::connect(ep, std::chrono::milliseconds(args.kv_node_timeout_ms), kv_secret);
       if (!client.is_ok()) return client.status().with_context(flag);
       auto region = (*client)->allocate(spec.bytes);
       if (!region.is_ok()) return region.status().with_context(flag);
@@ -194,6 +204,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
         cluster::HealerOptions ho;
         ho.retry_interval = std::chrono::milliseconds(args.kv_node_rejoin_ms);
         ho.timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
+        ho.secret = kv_secret;
         for (const std::string& spare : args.kv_node_spares) {
           auto ep = cluster::parse_endpoint(spare);
           if (!ep.is_ok()) return ep.status().with_context("--kv-node-spare " + spare);

@@ -35,6 +35,8 @@ struct TierArgs {
   std::string kv_node_mode = "gather";  // gather (node-side, for TCP) | rma (one-sided, for RDMA NICs)
   int64_t kv_node_rejoin_ms = 1000;     // retry interval for bringing a dead replica back (0: never)
   std::vector<std::string> kv_node_spares;  // HOST:PORT of KV nodes a dead replica may move to
+  // The KV nodes' shared secret: this file, else SPECONTEXT_KV_SECRET (never a flag's value).
+  std::string kv_secret_file;
   int64_t remote_latency_us = 0;
   std::string placement = "dynamic";  // dynamic (re-plan each step) | static (planned once for the final lengths)
   bool cpu_filter = true;             // let the planner switch CPU candidate filtering on

@@ -104,6 +104,15 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
       if (v > 1000000) return field_error("version", "is not a protocol version");
       r.version = static_cast<int64_t>(v);
     }
+  } else if (name == "auth") {
+    r.op = ControlOp::kAuth;
+    auto mac = j.find("mac");
+    if (mac == j.end() || !mac->is_string() || mac->get_ref<const std::string&>().size() != 2 * r.mac.size()) {
+      return field_error("mac", "must be " + std::to_string(2 * r.mac.size()) + " hex digits");
+    }
+    SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes,
+                         hex_decode(mac->get_ref<const std::string&>(), "control request: field 'mac'"));
+    std::copy(bytes.begin(), bytes.end(), r.mac.begin());
   } else if (name == "alloc") {
     r.op = ControlOp::kAlloc;
     SPX_ASSIGN_OR_RETURN(r.bytes, positive_u64(j, "bytes"));
@@ -113,7 +122,7 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
   } else if (name == "stats") {
     r.op = ControlOp::kStats;
   } else {
-    return field_error("op", "is not one of hello, alloc, free, stats: '" + name.substr(0, 64) + "'");
+    return field_error("op", "is not one of hello, auth, alloc, free, stats: '" + name.substr(0, 64) + "'");
   }
   return r;
 }
@@ -123,6 +132,9 @@ std::string control_request_line(const ControlRequest& r) {
   switch (r.op) {
     case ControlOp::kHello:
       j = {{"op", "hello"}, {"version", kControlVersion}};
+      break;
+    case ControlOp::kAuth:
+      j = {{"op", "auth"}, {"mac", hex_encode(r.mac)}};
       break;
     case ControlOp::kAlloc:
       j = {{"op", "alloc"}, {"bytes", r.bytes}};
@@ -162,9 +174,6 @@ Result<nlohmann::json> parse_control_reply(std::string_view line, std::string_vi
 
 Result<HelloReply> parse_hello_reply(const nlohmann::json& j, std::string_view node) {
   HelloReply h;
-  auto name = j.find("node");
-  if (name == j.end() || !name->is_string()) return reply_error(node, "field 'node' missing or not a string");
-  h.node = name->get<std::string>();
   auto version = j.find("version");
   const int64_t v = version != j.end() && version->is_number_integer() ? version->get<int64_t>() : 1;
   if (v != kControlVersion) {
@@ -173,8 +182,27 @@ Result<HelloReply> parse_hello_reply(const nlohmann::json& j, std::string_view n
                          ": run the same release on both");
   }
   h.version = v;
+  auto name = j.find("node");
+  if (name == j.end() || !name->is_string()) return reply_error(node, "field 'node' missing or not a string");
+  h.node = name->get<std::string>();
+  auto auth = j.find("auth");
+  if (auth == j.end() || !auth->is_string()) return reply_error(node, "field 'auth' missing or not a string");
+  const std::string& scheme = auth->get_ref<const std::string&>();
+  if (scheme == "hmac-sha256") {
+    h.auth_required = true;
+    SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> nonce, reply_hex(j, "nonce", node));
+    if (nonce.size() != h.nonce.size()) {
+      return reply_error(node, "field 'nonce' is not " + std::to_string(2 * h.nonce.size()) + " hex digits");
+    }
+    std::copy(nonce.begin(), nonce.end(), h.nonce.begin());
+    return h;
+  }
+  if (scheme != "none" && scheme != "done") {
+    return reply_error(node, "field 'auth' is not one of none, hmac-sha256, done: '" + scheme.substr(0, 64) + "'");
+  }
   SPX_ASSIGN_OR_RETURN(h.capacity, reply_u64(j, "capacity", node));
   SPX_ASSIGN_OR_RETURN(h.free, reply_u64(j, "free", node));
+  SPX_ASSIGN_OR_RETURN(h.quota, reply_u64(j, "quota", node));
   SPX_ASSIGN_OR_RETURN(h.worker_address, reply_hex(j, "worker_address", node));
   auto rma = j.find("rma");
   if (rma == j.end() || !rma->is_boolean()) return reply_error(node, "field 'rma' missing or not a boolean");

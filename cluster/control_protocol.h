@@ -1,11 +1,23 @@
 // The KV node's control plane: one JSON object per line over TCP, request → reply, in order.
-//   {"op":"hello","version":V}    → {"ok":true,"version":V,"node":NAME,"capacity":N,"free":N,
-//                                    "worker_address":HEX,"rma":false,"rma_refused":WHY}
-//                                   (a version the node does not speak: error)
+//   {"op":"hello","version":V}    → an open node (started without a secret, loopback only):
+//                                   {"ok":true,"version":V,"node":NAME,"auth":"none",INFO}
+//                                   a node with a secret: {"ok":true,"version":V,"node":NAME,
+//                                   "auth":"hmac-sha256","nonce":HEX} (32 random bytes, fresh per hello)
+//                                   (a version the node does not speak: error naming both versions)
+//   {"op":"auth","mac":HEX}       → {"ok":true,"version":V,"node":NAME,"auth":"done",INFO}; MAC is
+//                                   HMAC-SHA256(secret, nonce ‖ context) (cluster/kv_node_auth.h). A wrong
+//                                   or missing answer: error, and the node closes the connection.
+//     INFO: "capacity":N,"free":N,"quota":N,"worker_address":HEX,"rma":false,"rma_refused":WHY
+//     (quota: the bytes this connection may hold at once; 0: up to the capacity)
 //   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"key":HEX[,"rkey":HEX]}
 //   {"op":"free","region":ID}     → {"ok":true}
 //   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
-//                                    "bytes_gathered":N,"bytes_scattered":N}  (node-side transfers served)
+//                                    "bytes_gathered":N,"bytes_scattered":N,"auth_failures":N,
+//                                    "connections_refused":N,"idle_closed":N,"quota_refusals":N}
+// alloc, free and stats before authentication (on a node with a secret) count as a failed
+// authentication and close the connection. An alloc beyond the connection's quota is refused
+// (RESOURCE_EXHAUSTED) and allocates nothing. A connection past the node's limit is sent one error
+// line and closed; one that sends no request for the idle timeout while holding no region is closed.
 // Errors: {"ok":false,"error":TEXT} naming the field; the connection stays usable, except after a
 // line longer than kMaxControlLine (then the node replies and closes). Regions belong to the
 // connection that allocated them and are freed when it closes, so a client that dies leaks
@@ -26,6 +38,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cluster/kv_node_auth.h"
 #include "core/status.h"
 #include "transport/ucx_wire.h"
 
@@ -33,26 +46,32 @@ namespace specontext::cluster {
 
 inline constexpr size_t kMaxControlLine = 64 * 1024;
 // 2: regions have keys and their own rkeys. 3: 128-bit keys as hex, random region ids, rkeys
-// only from a node that serves RMA.
-inline constexpr int kControlVersion = 3;
+// only from a node that serves RMA. 4: challenge–response authentication at hello (op "auth").
+inline constexpr int kControlVersion = 4;
 
-enum class ControlOp { kHello, kAlloc, kFree, kStats };
+enum class ControlOp { kHello, kAuth, kAlloc, kFree, kStats };
 
 struct ControlRequest {
   ControlOp op = ControlOp::kHello;
   uint64_t bytes = 0;   // alloc
   uint64_t region = 0;  // free
   int64_t version = 0;  // hello: the client's kControlVersion (0: not given)
+  Sha256Digest mac{};   // auth: the answer to the hello's nonce
 };
 
 // kInvalidArgument naming the field ("control request: field 'bytes' ...").
 Result<ControlRequest> parse_control_request(std::string_view line);
 std::string control_request_line(const ControlRequest& request);  // with the trailing newline
 
+// A hello reply, or an auth reply. When `auth_required`, only node, version and nonce are set:
+// answer with an auth request, whose reply gives the rest.
 struct HelloReply {
   std::string node;
   int64_t version = 0;
+  bool auth_required = false;
+  AuthNonce nonce{};
   uint64_t capacity = 0;
+  uint64_t quota = 0;  // bytes this connection may hold at once (0: up to the capacity)
   uint64_t free = 0;
   std::vector<uint8_t> worker_address;
   bool rma = false;         // the node hands out remote keys for one-sided RMA

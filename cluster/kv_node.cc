@@ -5,15 +5,19 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <boost/asio.hpp>
 #include <cerrno>
+#include <iostream>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "cluster/kv_node_auth.h"
 #include "core/region_allocator.h"
 #include "transport/ucx_support.h"
 #include "transport/ucx_wire.h"
@@ -39,37 +43,35 @@ struct MappedPool {
   }
 };
 
-// Bytes from the OS's random source (getrandom: the kernel CSPRNG, blocking only until it is seeded
-// at boot).
-Status fill_random(std::span<uint8_t> out) {
-  size_t done = 0;
-  while (done < out.size()) {
-    const ssize_t n = getrandom(out.data() + done, out.size() - done, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return internal_error(std::string("kv node: getrandom failed: ") + std::strerror(errno));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return Status::ok();
-}
-
 }  // namespace
 
 class KvNode::Impl {
  public:
   struct Session : std::enable_shared_from_this<Session> {
-    Session(Impl& node, tcp::socket s) : node(node), socket(std::move(s)) {}
+    Session(Impl& node, tcp::socket s, std::string peer)
+        : node(node), socket(std::move(s)), idle(socket.get_executor()), peer(std::move(peer)) {}
     Impl& node;
     tcp::socket socket;
+    asio::steady_timer idle;
+    std::string peer;  // HOST:PORT of the client, for the log
     std::string in;
     std::string out;
     std::unordered_set<uint64_t> regions;
+    uint64_t held_bytes = 0;         // of its regions, against the quota
+    uint64_t lines = 0;              // requests received; the idle timer checks it moved
+    bool authenticated = false;      // from the start on a node without a secret
+    std::optional<AuthNonce> nonce;  // of the last hello, until answered
+  };
+  // A reply, and whether the connection ends after it (failed authentication, overlong line).
+  struct Answer {
+    std::string line;
+    bool close_after = false;
   };
 
   KvNodeOptions options;
   std::string name;
   uint16_t bound_port = 0;
+  uint64_t page_bytes = 4096;  // regions are whole pages
   MappedPool pool;
   std::unique_ptr<transport::UcxWorker> worker;
   std::string worker_address_hex;
@@ -113,11 +115,17 @@ class KvNode::Impl {
     }
     pool.base = p;
     // Regions in whole pages, so that free_region can hand them back with madvise.
-    const auto page_bytes = static_cast<uint64_t>(std::max(4096L, sysconf(_SC_PAGESIZE)));
+    page_bytes = static_cast<uint64_t>(std::max(4096L, sysconf(_SC_PAGESIZE)));
     allocator = RegionAllocator(options.capacity, page_bytes);
     boost::system::error_code ec;
     const auto addr = asio::ip::make_address(options.host, ec);
     if (ec) return invalid_argument("kv node: listen address '" + options.host + "': " + ec.message());
+    if (options.secret.empty() && !addr.is_loopback()) {
+      return invalid_argument("kv node: refusing to listen on " + options.host +
+                              " without a secret: anyone who reaches it could allocate its memory. Give "
+                              "--secret-file PATH (or set " + std::string(kSecretEnv) +
+                              "), or listen on a loopback address (127.0.0.1)");
+    }
     const tcp::endpoint ep(addr, options.port);
     acceptor.open(ep.protocol(), ec);
     if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
@@ -274,12 +282,81 @@ class KvNode::Impl {
   void accept() {
     acceptor.async_accept([this](boost::system::error_code ec, tcp::socket socket) {
       if (ec) return;  // closed by stop()
-      auto s = std::make_shared<Session>(*this, std::move(socket));
-      sessions.insert(s);
-      bump([](KvNodeStats& c) { ++c.connections; });
-      read(s);
+      boost::system::error_code peer_ec;
+      const tcp::endpoint remote = socket.remote_endpoint(peer_ec);
+      std::string peer = peer_ec ? std::string("(unknown peer)")
+                                 : remote.address().to_string() + ":" + std::to_string(remote.port());
+      if (static_cast<int64_t>(sessions.size()) >= options.max_connections) {
+        refuse(std::move(socket), peer);
+      } else {
+        auto s = std::make_shared<Session>(*this, std::move(socket), std::move(peer));
+        s->authenticated = options.secret.empty();
+        sessions.insert(s);
+        bump([](KvNodeStats& c) { ++c.connections; });
+        read(s);
+      }
       accept();
     });
+  }
+
+  // Past the connection limit: one error line, then the connection is closed. The node stops
+  // sending, then drains what the client sent (its hello) until the client closes or a second has
+  // passed, so that closing sends no reset that could overtake the error line. At most
+  // kMaxLingering refused connections wait so; beyond them a refusal closes at once.
+  static constexpr int kMaxLingering = 64;
+  struct Refused {
+    explicit Refused(tcp::socket s) : socket(std::move(s)), timer(socket.get_executor()) {}
+    tcp::socket socket;
+    asio::steady_timer timer;
+    std::string line;
+    std::array<char, 1024> sink{};
+  };
+  int lingering = 0;  // io thread only
+
+  void refuse(tcp::socket socket, const std::string& peer) {
+    bump([](KvNodeStats& c) { ++c.connections_refused; });
+    log("refused a connection from " + peer + ": " + std::to_string(options.max_connections) +
+        " connections (--max-connections) are served already");
+    auto r = std::make_shared<Refused>(std::move(socket));
+    r->line = control_error_line(resource_exhausted("kv node " + name + ": connection limit (" +
+                                                    std::to_string(options.max_connections) + ") reached"));
+    asio::async_write(r->socket, asio::buffer(r->line), [this, r](boost::system::error_code ec, size_t) {
+      boost::system::error_code ignored;
+      if (ec || lingering >= kMaxLingering) {
+        r->socket.close(ignored);
+        return;
+      }
+      ++lingering;
+      r->socket.shutdown(tcp::socket::shutdown_send, ignored);
+      r->timer.expires_after(std::chrono::seconds(1));
+      r->timer.async_wait([r](boost::system::error_code) {
+        boost::system::error_code ignored2;
+        r->socket.close(ignored2);
+      });
+      drain(r);
+    });
+  }
+
+  void drain(const std::shared_ptr<Refused>& r) {
+    r->socket.async_read_some(asio::buffer(r->sink), [this, r](boost::system::error_code ec, size_t) {
+      if (!ec) {
+        drain(r);
+        return;
+      }
+      --lingering;
+      r->timer.cancel();
+      boost::system::error_code ignored;
+      r->socket.close(ignored);
+    });
+  }
+
+  void log(const std::string& line) {
+    const std::string text = "kv node " + name + ": " + line;
+    if (options.log) {
+      options.log(text);
+    } else {
+      std::cerr << "specontext " << text << std::endl;
+    }
   }
 
   template <typename F>
@@ -288,13 +365,16 @@ class KvNode::Impl {
     f(counters);
   }
 
+  // Waits for the session's next line; the idle timer runs meanwhile.
   void read(const std::shared_ptr<Session>& s) {
+    arm_idle(s);
     asio::async_read_until(
         s->socket, asio::dynamic_buffer(s->in, kMaxControlLine + 1), '\n',
         [this, s](boost::system::error_code ec, size_t n) {
+          ++s->lines;
+          s->idle.cancel();
           if (ec == asio::error::not_found) {
-            reply(s, control_error_line(invalid_argument("control request: line longer than 64 KiB")),
-                  /*close_after=*/true);
+            reply(s, {control_error_line(invalid_argument("control request: line longer than 64 KiB")), true});
             return;
           }
           if (ec) {
@@ -303,14 +383,32 @@ class KvNode::Impl {
           }
           std::string line = s->in.substr(0, n - 1);
           s->in.erase(0, n);
-          reply(s, handle(*s, line), false);
+          reply(s, handle(*s, line));
         });
   }
 
-  void reply(const std::shared_ptr<Session>& s, std::string text, bool close_after) {
-    s->out = std::move(text);
+  // A session that sends no whole line for the idle timeout is closed, unless it holds regions
+  // (a client using its regions talks to the data plane only, perhaps for hours).
+  void arm_idle(const std::shared_ptr<Session>& s) {
+    if (options.idle_timeout.count() <= 0) return;
+    s->idle.expires_after(options.idle_timeout);
+    s->idle.async_wait([this, s, lines = s->lines](boost::system::error_code ec) {
+      // A line came (the timer cancelled, or it expired just as the line was read), or the
+      // session is gone.
+      if (ec || s->lines != lines || !sessions.contains(s)) return;
+      if (!s->regions.empty()) {
+        arm_idle(s);
+        return;
+      }
+      bump([](KvNodeStats& c) { ++c.idle_closed; });
+      close(s);
+    });
+  }
+
+  void reply(const std::shared_ptr<Session>& s, Answer answer) {
+    s->out = std::move(answer.line);
     asio::async_write(s->socket, asio::buffer(s->out),
-                      [this, s, close_after](boost::system::error_code ec, size_t) {
+                      [this, s, close_after = answer.close_after](boost::system::error_code ec, size_t) {
                         if (ec || close_after) {
                           close(s);
                           return;
@@ -319,23 +417,28 @@ class KvNode::Impl {
                       });
   }
 
+  // Frees the session's regions and counts it gone before closing its socket, so that whoever
+  // sees the connection end sees the node's stats without it.
   void close(const std::shared_ptr<Session>& s) {
     if (!sessions.erase(s)) return;
-    boost::system::error_code ignored;
-    s->socket.close(ignored);
+    s->idle.cancel();
     for (uint64_t id : s->regions) free_region(id);
     s->regions.clear();
+    s->held_bytes = 0;
     bump([](KvNodeStats& c) { --c.connections; });
+    boost::system::error_code ignored;
+    s->socket.close(ignored);
   }
 
   // Forgets the region (requests naming it are refused from now on) and gives its pages back to
-  // the system, so whoever gets the range next reads zeros, never the last client's KV.
-  void free_region(uint64_t id) {
+  // the system, so whoever gets the range next reads zeros, never the last client's KV. Returns
+  // the region's size (0 when unknown).
+  uint64_t free_region(uint64_t id) {
     Region gone;
     {
       std::lock_guard lock(ucx_mu);
       auto it = regions.find(id);
-      if (it == regions.end()) return;
+      if (it == regions.end()) return 0;
       gone = it->second;
       regions.erase(it);
     }
@@ -349,85 +452,165 @@ class KvNode::Impl {
       --c.regions;
       c.used = used;
     });
+    return gone.bytes;
   }
 
-  std::string handle(Session& s, std::string_view line) {
+  // Counts and logs a failed authentication; the reply closes the connection.
+  Answer auth_failure(const Session& s, const std::string& why) {
+    const int64_t failures = [&] {
+      std::lock_guard lock(stats_mu);
+      return ++counters.auth_failures;
+    }();
+    log("authentication failed from " + s.peer + ": " + why + " (" + std::to_string(failures) +
+        " so far)");
+    return {control_error_line(invalid_argument("kv node " + name + ": authentication failed: " + why)), true};
+  }
+
+  // What the client may use, after hello (open node) or auth.
+  void describe(nlohmann::json& out, const char* scheme) const {
+    out["version"] = kControlVersion;
+    out["node"] = name;
+    out["auth"] = scheme;
+    out["capacity"] = options.capacity;
+    out["free"] = allocator.free_bytes();
+    out["quota"] = options.client_quota;
+    out["worker_address"] = worker_address_hex;
+    out["rma"] = false;
+    out["rma_refused"] = rma_refused;
+  }
+
+  Answer hello(Session& s, const ControlRequest& req) {
+    if (req.version != 0 && req.version != kControlVersion) {
+      return {control_error_line(invalid_argument(
+          "control request: field 'version': the client speaks control protocol " + std::to_string(req.version) +
+          ", this node " + std::to_string(kControlVersion) + ": run the same release on both"))};
+    }
+    nlohmann::json out = {{"ok", true}};
+    if (options.secret.empty()) {
+      describe(out, "none");
+      return {out.dump() + "\n"};
+    }
+    if (s.authenticated) {
+      return {control_error_line(invalid_argument("control request: hello: this connection is authenticated already"))};
+    }
+    AuthNonce nonce{};
+    if (Status st = fill_random(nonce); !st.is_ok()) {
+      return {control_error_line(st.with_context("kv node " + name + ": hello")), true};
+    }
+    s.nonce = nonce;
+    out["version"] = kControlVersion;
+    out["node"] = name;
+    out["auth"] = "hmac-sha256";
+    out["nonce"] = hex_encode(nonce);
+    return {out.dump() + "\n"};
+  }
+
+  Answer auth(Session& s, const ControlRequest& req) {
+    if (options.secret.empty()) {
+      return {control_error_line(invalid_argument("control request: auth: this node asks for no authentication"))};
+    }
+    if (s.authenticated) {
+      return {control_error_line(invalid_argument("control request: auth: this connection is authenticated already"))};
+    }
+    if (!s.nonce) return auth_failure(s, "auth without a hello's challenge to answer");
+    const Sha256Digest expected = auth_response(options.secret, *s.nonce, name);
+    s.nonce.reset();  // one answer per challenge
+    if (!constant_time_equal(expected, req.mac)) return auth_failure(s, "wrong answer to the challenge");
+    s.authenticated = true;
+    nlohmann::json out = {{"ok", true}};
+    describe(out, "done");
+    return {out.dump() + "\n"};
+  }
+
+  Answer alloc(Session& s, uint64_t bytes) {
+    if (options.client_quota != 0) {
+      const uint64_t room = options.client_quota - std::min(s.held_bytes, options.client_quota);
+      const uint64_t pages = bytes > room ? bytes : (bytes + page_bytes - 1) / page_bytes * page_bytes;
+      if (pages > room) {
+        bump([](KvNodeStats& c) { ++c.quota_refusals; });
+        return {control_error_line(resource_exhausted(
+            "kv node " + name + ": alloc of " + std::to_string(bytes) + " bytes exceeds this connection's quota (" +
+            std::to_string(options.client_quota) + " bytes, " + std::to_string(s.held_bytes) +
+            " held; --client-quota)"))};
+      }
+    }
+    auto off = allocator.allocate(bytes);
+    if (!off.is_ok()) return {control_error_line(off.status().with_context("kv node " + name + ": alloc"))};
+    Region region{*off, allocator.size_at(*off), {}};
+    uint64_t id = 0;
+    nlohmann::json out = {{"ok", true}};
+    {
+      std::lock_guard lock(ucx_mu);
+      Status random = Status::ok();
+      // Neither follows from what a client has seen: a key of 128 random bits (never all zeros),
+      // and a random id (never 0, never one in use).
+      do random = fill_random(region.key);
+      while (random.is_ok() && transport::ucx_wire::is_zero_key(region.key));
+      while (random.is_ok() && (id == 0 || regions.contains(id))) {
+        random = fill_random(std::span(reinterpret_cast<uint8_t*>(&id), sizeof id));
+      }
+      if (!random.is_ok()) {
+        (void)allocator.free(*off);
+        return {control_error_line(random.with_context("kv node " + name + ": alloc"))};
+      }
+      out["key"] = hex_encode(region.key);
+      regions.emplace(id, region);
+    }
+    s.regions.insert(id);
+    s.held_bytes += region.bytes;
+    const uint64_t used = allocator.used_bytes();
+    bump([used](KvNodeStats& c) {
+      ++c.regions;
+      c.used = used;
+    });
+    out["region"] = id;
+    out["address"] = reinterpret_cast<uint64_t>(pool.base) + *off;
+    out["bytes"] = bytes;
+    return {out.dump() + "\n"};
+  }
+
+  Answer stats_reply() const {
+    const KvNodeStats st = snapshot();
+    nlohmann::json out = {{"ok", true},
+                          {"capacity", st.capacity},
+                          {"used", st.used},
+                          {"regions", st.regions},
+                          {"connections", st.connections},
+                          {"bytes_gathered", st.bytes_gathered},
+                          {"bytes_scattered", st.bytes_scattered},
+                          {"auth_failures", st.auth_failures},
+                          {"connections_refused", st.connections_refused},
+                          {"idle_closed", st.idle_closed},
+                          {"quota_refusals", st.quota_refusals}};
+    return {out.dump() + "\n"};
+  }
+
+  Answer handle(Session& s, std::string_view line) {
     bump([](KvNodeStats& c) { ++c.requests; });
     auto req = parse_control_request(line);
     if (!req.is_ok()) {
       bump([](KvNodeStats& c) { ++c.bad_requests; });
-      return control_error_line(req.status());
+      return {control_error_line(req.status())};
     }
-    nlohmann::json out = {{"ok", true}};
+    if (req->op == ControlOp::kHello) return hello(s, *req);
+    if (req->op == ControlOp::kAuth) return auth(s, *req);
+    if (!s.authenticated) return auth_failure(s, "a request before authentication (hello, then auth)");
     switch (req->op) {
-      case ControlOp::kHello:
-        if (req->version != 0 && req->version != kControlVersion) {
-          return control_error_line(invalid_argument(
-              "control request: field 'version': the client speaks control protocol " +
-              std::to_string(req->version) + ", this node " + std::to_string(kControlVersion)));
-        }
-        out["version"] = kControlVersion;
-        out["node"] = name;
-        out["capacity"] = options.capacity;
-        out["free"] = allocator.free_bytes();
-        out["worker_address"] = worker_address_hex;
-        out["rma"] = false;
-        out["rma_refused"] = rma_refused;
-        break;
-      case ControlOp::kAlloc: {
-        auto off = allocator.allocate(req->bytes);
-        if (!off.is_ok()) return control_error_line(off.status().with_context("kv node " + name + ": alloc"));
-        Region region{*off, allocator.size_at(*off), {}};
-        uint64_t id = 0;
-        {
-          std::lock_guard lock(ucx_mu);
-          Status random = Status::ok();
-          // Neither follows from what a client has seen: a key of 128 random bits (never all zeros),
-          // and a random id (never 0, never one in use).
-          do random = fill_random(region.key);
-          while (random.is_ok() && transport::ucx_wire::is_zero_key(region.key));
-          while (random.is_ok() && (id == 0 || regions.contains(id))) {
-            random = fill_random(std::span(reinterpret_cast<uint8_t*>(&id), sizeof id));
-          }
-          if (!random.is_ok()) {
-            (void)allocator.free(*off);
-            return control_error_line(random.with_context("kv node " + name + ": alloc"));
-          }
-          out["key"] = hex_encode(region.key);
-          regions.emplace(id, region);
-        }
-        s.regions.insert(id);
-        const uint64_t used = allocator.used_bytes();
-        bump([used](KvNodeStats& c) {
-          ++c.regions;
-          c.used = used;
-        });
-        out["region"] = id;
-        out["address"] = reinterpret_cast<uint64_t>(pool.base) + *off;
-        out["bytes"] = req->bytes;
-        break;
-      }
+      case ControlOp::kAlloc:
+        return alloc(s, req->bytes);
       case ControlOp::kFree:
         if (!s.regions.contains(req->region)) {
-          return control_error_line(
-              not_found("control request: field 'region': " + std::to_string(req->region) +
-                        " is not a region of this connection"));
+          return {control_error_line(not_found("control request: field 'region': " + std::to_string(req->region) +
+                                               " is not a region of this connection"))};
         }
         s.regions.erase(req->region);
-        free_region(req->region);
-        break;
-      case ControlOp::kStats: {
-        const KvNodeStats st = snapshot();
-        out["capacity"] = st.capacity;
-        out["used"] = st.used;
-        out["regions"] = st.regions;
-        out["connections"] = st.connections;
-        out["bytes_gathered"] = st.bytes_gathered;
-        out["bytes_scattered"] = st.bytes_scattered;
-        break;
-      }
+        s.held_bytes -= std::min(s.held_bytes, free_region(req->region));
+        return {"{\"ok\":true}\n"};
+      case ControlOp::kStats:
+        return stats_reply();
+      default:
+        return {control_error_line(internal_error("control request: unhandled op"))};
     }
-    return out.dump() + "\n";
   }
 
   KvNodeStats snapshot() const {
@@ -464,6 +647,8 @@ KvNode::KvNode(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<KvNode>> KvNode::start(KvNodeOptions options) {
   if (options.capacity == 0) return invalid_argument("kv node: capacity must be positive");
+  if (options.max_connections < 1) return invalid_argument("kv node: max_connections must be positive");
+  if (options.idle_timeout.count() < 0) return invalid_argument("kv node: idle_timeout must not be negative");
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
   Status st = impl->init();

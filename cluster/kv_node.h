@@ -8,6 +8,14 @@
 // UCP_FEATURE_RMA worker serves over any transport) reads and writes any address a client names.
 // Run in-process (tests) or as `specontext kv-node`.
 //
+// Who may use it: with a secret (KvNodeOptions::secret), only a client that answers the hello's
+// challenge (cluster/kv_node_auth.h) may allocate, free or read stats; a wrong answer or a request
+// before authentication is counted (auth_failures), logged with the peer's address, and closes
+// the connection. Without a secret the node serves anyone who can reach it, so it listens on a
+// loopback address only (start() refuses any other). Each connection may hold at most
+// `client_quota` bytes; at most `max_connections` are served at once (the next is sent an error
+// line and closed); one that sends nothing for `idle_timeout` while holding no region is closed.
+//
 // Threads: the control plane runs on one Asio thread, which alone touches the allocator and the
 // sessions; UCX progress runs on a second thread that blocks on the worker's event fd when idle.
 // One mutex serialises every call into UCX (progress, memory registration) and guards the region
@@ -16,7 +24,9 @@
 // connection, which peers see as a connection reset, then joins both threads.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -30,6 +40,15 @@ struct KvNodeOptions {
   uint16_t port = 0;      // 0: any free port (read it back with port())
   uint64_t capacity = 0;  // bytes of the pool
   std::string name;       // in replies and messages; default host:port
+  // The shared secret clients must prove at hello; empty: none (then `host` must be loopback).
+  std::string secret;
+  uint64_t client_quota = 0;  // bytes one connection may hold at once; 0: up to the capacity
+  int64_t max_connections = 64;
+  // A connection that sends no request for this long while holding no region is closed (0: never).
+  std::chrono::milliseconds idle_timeout{std::chrono::seconds(60)};
+  // Where refusals (failed authentication, connection limit) are logged, one line each; default
+  // stderr. Called on the node's control thread.
+  std::function<void(const std::string&)> log;
 };
 
 struct KvNodeStats {
@@ -41,6 +60,10 @@ struct KvNodeStats {
   int64_t bad_requests = 0;
   uint64_t bytes_gathered = 0;  // node-side gathers served (UcxTransferMode::kNodeGather)
   uint64_t bytes_scattered = 0;
+  int64_t auth_failures = 0;        // wrong or missing answers to the challenge
+  int64_t connections_refused = 0;  // past max_connections
+  int64_t idle_closed = 0;          // closed by the idle timeout
+  int64_t quota_refusals = 0;       // allocs beyond a connection's quota
 };
 
 class KvNode {

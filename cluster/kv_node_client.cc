@@ -83,7 +83,8 @@ KvNodeClient::~KvNodeClient() {
 }
 
 Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endpoint,
-                                                            std::chrono::milliseconds timeout) {
+                                                            std::chrono::milliseconds timeout,
+                                                            const std::string& secret) {
   auto impl = std::make_unique<Impl>(endpoint.text(), timeout);
   SPX_RETURN_IF_ERROR(impl->connect(endpoint));
   std::unique_ptr<KvNodeClient> c(new KvNodeClient(std::move(impl), endpoint.text()));
@@ -91,6 +92,18 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   hello.op = ControlOp::kHello;
   SPX_ASSIGN_OR_RETURN(nlohmann::json reply, c->impl_->call(control_request_line(hello)));
   SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
+  if (!c->hello_.auth_required) return c;
+  if (secret.empty()) {
+    return invalid_argument("kv node " + c->endpoint_ +
+                            " requires authentication: give its shared secret in a file (--kv-secret-file PATH) "
+                            "or in " + std::string(kSecretEnv));
+  }
+  ControlRequest auth;
+  auth.op = ControlOp::kAuth;
+  auth.mac = auth_response(secret, c->hello_.nonce, c->hello_.node);
+  SPX_ASSIGN_OR_RETURN(reply, c->impl_->call(control_request_line(auth)));
+  SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
+  if (c->hello_.auth_required) return data_loss("kv node " + c->endpoint_ + ": malformed reply: a second challenge");
   return c;
 }
 

@@ -40,10 +40,10 @@ void ReplicaHealer::record(const Watched& w, size_t replica, bool rejoined, std:
 }
 
 Result<ReplicaHealer::Attempt> ReplicaHealer::find_region(std::vector<Endpoint> candidates, uint64_t bytes,
-                                                          std::chrono::milliseconds timeout) {
+                                                          std::chrono::milliseconds timeout, std::string secret) {
   std::string failures;
   for (const Endpoint& endpoint : candidates) {
-    auto session = KvNodeClient::connect(endpoint, timeout);
+    auto session = KvNodeClient::connect(endpoint, timeout, secret);
     Status failed = session.status();
     if (session.is_ok()) {
       auto region = (*session)->allocate(bytes);
@@ -110,7 +110,7 @@ void ReplicaHealer::maintain() {
         }
       }
       w.attempts[i] = std::async(std::launch::async, &ReplicaHealer::find_region, std::move(candidates),
-                                 w.region_bytes, options_.timeout);
+                                 w.region_bytes, options_.timeout, options_.secret);
     }
   }
 }

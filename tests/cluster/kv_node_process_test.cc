@@ -5,6 +5,8 @@
 // --lost-tier fail is a clear error naming it, as an unreachable node or a bad spec is; never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,7 +14,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <sstream>
+#include <vector>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -25,19 +31,29 @@ namespace {
 using namespace std::chrono_literals;
 using specontext::testing::repo_path;
 
-// A `specontext kv-node` child; its port is read from the first line it prints.
+// A `specontext kv-node` child; its port is read from the first line it prints. `extra` flags
+// follow the capacity and address; stderr goes to `stderr_path` when one is given.
 class NodeProcess {
  public:
-  explicit NodeProcess(const std::string& capacity = "16MiB", const std::string& listen = "127.0.0.1:0") {
+  explicit NodeProcess(const std::string& capacity = "16MiB", const std::string& listen = "127.0.0.1:0",
+                       const std::vector<std::string>& extra = {}, const std::string& stderr_path = "") {
     int fds[2];
     if (pipe(fds) != 0) return;
+    std::vector<std::string> args = {SPECONTEXT_BIN, "kv-node", "--capacity", capacity, "--listen", listen};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     pid_ = fork();
     if (pid_ == 0) {
       dup2(fds[1], STDOUT_FILENO);
       close(fds[0]);
       close(fds[1]);
-      execl(SPECONTEXT_BIN, SPECONTEXT_BIN, "kv-node", "--capacity", capacity.c_str(), "--listen",
-            listen.c_str(), static_cast<char*>(nullptr));
+      if (!stderr_path.empty()) {
+        const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (err >= 0) dup2(err, STDERR_FILENO);
+      }
+      execv(SPECONTEXT_BIN, argv.data());
       _exit(127);
     }
     close(fds[1]);
@@ -78,18 +94,20 @@ class NodeProcess {
   // One connection serves every poll: tests poll every millisecond, and a connection per poll
   // left tens of thousands of sockets in TIME-WAIT, enough to exhaust the ephemeral ports and
   // make the engine's own connections fail ("Destination is unreachable").
-  int64_t stat(const char* name) const {
-    if (stats_client_ == nullptr) {
-      auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port_}, 2s);
-      if (!c.is_ok()) return -1;
-      stats_client_ = std::move(*c);
+  // The node closes a connection idle for its --idle-timeout-ms, so a poll after a quiet spell
+  // reconnects once.
+  int64_t stat(const char* name, const std::string& secret = {}) const {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      if (stats_client_ == nullptr) {
+        auto c = KvNodeClient::connect(Endpoint{"127.0.0.1", port_}, 2s, secret);
+        if (!c.is_ok()) return -1;
+        stats_client_ = std::move(*c);
+      }
+      auto r = stats_client_->call_line(R"({"op":"stats"})");
+      if (r.is_ok()) return r->contains(name) ? (*r)[name].get<int64_t>() : -1;
+      stats_client_.reset();  // the node died or closed it
     }
-    auto r = stats_client_->call_line(R"({"op":"stats"})");
-    if (!r.is_ok()) {
-      stats_client_.reset();  // the node died or closed it: the next poll reconnects
-      return -1;
-    }
-    return r->contains(name) ? (*r)[name].get<int64_t>() : -1;
+    return -1;
   }
   int64_t regions() const { return stat("regions"); }
 
@@ -414,6 +432,80 @@ TEST(KvNodeProcess, ANodeOutlivesClientsKilledMidRun) {
   // Still serving.
   auto [code, out] = Generate(model_args(40) + kTiers + " --kv-node 1MiB@" + node.endpoint()).finish();
   EXPECT_EQ(code, 0) << out;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Issue 26, item 4. Without a secret the node says so on stderr and will not listen beyond
+// loopback.
+TEST(KvNodeProcess, WithoutASecretTheNodeWarnsAndRefusesANonLoopbackListen) {
+  const std::string cmd = std::string("env -u SPECONTEXT_KV_SECRET ") + SPECONTEXT_BIN +
+                          " kv-node --capacity 1MiB --listen 0.0.0.0:0 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 512> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int status = pclose(p);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 1) << out;
+  EXPECT_NE(out.find("WARNING: no secret"), std::string::npos) << out;
+  EXPECT_NE(out.find("refusing to listen on 0.0.0.0 without a secret"), std::string::npos) << out;
+  EXPECT_EQ(out.find(R"("event":"listening")"), std::string::npos) << out;
+}
+
+// With --secret-file: a client with the secret is served, one without or with another is refused;
+// the failures are counted in the stop line and logged to stderr with the peer's address; and
+// `generate --kv-node` reads the same file (--kv-secret-file) or SPECONTEXT_KV_SECRET.
+TEST(KvNodeProcess, ASecretFileGuardsTheNodeAndTheEngineAnswersWithIt) {
+  const std::string dir = ::testing::TempDir();
+  const std::string secret_path = dir + "/kv_node_process_secret";
+  const std::string err_path = dir + "/kv_node_process_stderr";
+  const std::string secret = "process test secret 0123456789abcdef";
+  std::ofstream(secret_path) << secret << "\n";
+  ASSERT_EQ(::chmod(secret_path.c_str(), 0600), 0);
+  NodeProcess node("16MiB", "127.0.0.1:0", {"--secret-file", secret_path}, err_path);
+  ASSERT_NE(node.port(), 0);
+  const Endpoint ep{"127.0.0.1", node.port()};
+  auto none = KvNodeClient::connect(ep, 2s);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_NE(none.status().message().find("requires authentication"), std::string::npos) << none.status().to_string();
+  auto wrong = KvNodeClient::connect(ep, 2s, "not the secret, though long enough");
+  ASSERT_FALSE(wrong.is_ok());
+  EXPECT_NE(wrong.status().message().find("authentication failed"), std::string::npos) << wrong.status().to_string();
+  auto right = KvNodeClient::connect(ep, 2s, secret);
+  ASSERT_TRUE(right.is_ok()) << right.status().to_string();
+  EXPECT_TRUE((*right)->allocate(4096).is_ok());
+  right->reset();
+
+  auto [refused, refused_out] =
+      Generate("-m " + repo_path("models/stories260K/stories260K.bin") + " -p 'Once' -n 4 " + kTiers +
+               " --kv-node 1MiB@" + node.endpoint())
+          .finish();
+  EXPECT_NE(refused, 0) << refused_out;
+  EXPECT_NE(refused_out.find("requires authentication"), std::string::npos) << refused_out;
+  const std::string expect = baseline_text(40);
+  auto [code, out] = Generate(model_args(40) + kTiers + " --kv-secret-file " + secret_path + " --kv-node 1MiB@" +
+                              node.endpoint())
+                         .finish();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_EQ(parse_json_tail(out)["text"].get<std::string>(), expect);
+
+  auto [stop_code, stop_out] = node.terminate();
+  EXPECT_EQ(stop_code, 0) << stop_out;
+  const auto j = nlohmann::json::parse(stop_out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << stop_out;
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1) << stop_out;  // the wrong secret (no secret sends no answer)
+  const std::string err = slurp(err_path);
+  EXPECT_NE(err.find("authentication failed from 127.0.0.1:"), std::string::npos) << err;
+  EXPECT_EQ(err.find(secret), std::string::npos) << "the secret reached the log: " << err;
+  std::filesystem::remove(secret_path);
+  std::filesystem::remove(err_path);
 }
 
 TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {

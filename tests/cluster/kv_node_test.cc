@@ -130,7 +130,7 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
       {R"({"op":"alloc","bytes":"12"})", "'bytes'"},
       {R"({"op":"free","region":99})", "'region'"},
       {R"({"op":"hello","version":"2"})", "'version'"},
-      {R"({"op":"hello","version":1})", "control protocol 1, this node 3"},
+      {R"({"op":"hello","version":1})", "control protocol 1, this node 4"},
       // Refused while it is parsed, before a tree of it exists.
       {"[" + std::string(30000, '[') + std::string(30000, ']') + "]", "deeper than 128 levels"},
   };
@@ -151,11 +151,14 @@ TEST(KvNodeControl, AClientRefusesANodeOfAnotherProtocolVersion) {
   auto h = parse_hello_reply(old, "n:1");
   ASSERT_FALSE(h.is_ok());
   EXPECT_EQ(h.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 3"),
+  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 4"),
             std::string::npos)
       << h.status().to_string();
   auto current = nlohmann::json::parse(old.dump());
   current["version"] = kControlVersion;
+  EXPECT_FALSE(parse_hello_reply(current, "n:1").is_ok());  // "auth" is required from version 4
+  current["auth"] = "none";
+  current["quota"] = 0u;
   EXPECT_FALSE(parse_hello_reply(current, "n:1").is_ok());  // "rma" is required from version 3
   current["rma"] = false;
   EXPECT_TRUE(parse_hello_reply(current, "n:1").is_ok());

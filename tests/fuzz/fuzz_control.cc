@@ -1,11 +1,13 @@
 // libFuzzer target: the KV node's control plane. Any line gives a request or an error (never a
 // throw or crash); a request that parses survives a round trip; any reply line gives a reply or an
-// error, and a well-formed hello/alloc reply decodes its hex fields.
+// error, and a well-formed hello/auth/alloc reply decodes its hex fields; the authentication's
+// HMAC takes any input as secret, nonce and node name.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
 
 #include "cluster/control_protocol.h"
+#include "cluster/kv_node_auth.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace specontext::cluster;
@@ -16,7 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     line.pop_back();  // the newline
     auto again = parse_control_request(line);
     if (!again.is_ok() || again->op != req->op || again->bytes != req->bytes ||
-        again->region != req->region) {
+        again->region != req->region || again->mac != req->mac) {
       __builtin_trap();
     }
   } else {
@@ -28,6 +30,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)parse_alloc_reply(*reply, "fuzz:1");
   }
   (void)parse_endpoint(text, size % 2 == 0);
+  AuthNonce nonce{};
+  for (size_t i = 0; i < size && i < nonce.size(); ++i) nonce[i] = data[i];
+  const Sha256Digest mac = auth_response(text, nonce, text.substr(size / 2));
+  if (!constant_time_equal(mac, auth_response(text, nonce, text.substr(size / 2)))) __builtin_trap();
   auto bytes = hex_decode(text, "fuzz");
   if (bytes.is_ok() && hex_encode(*bytes).size() != text.size()) __builtin_trap();
   return 0;

@@ -1,7 +1,7 @@
 // `specontext serve` as a process: it prints where it listens, answers with the text
 // `specontext generate` gives, drains an accepted request on SIGTERM before it exits 0 with its
-// counters, takes API keys from --api-key or SPECONTEXT_API_KEY, and bad flags are clear errors
-// (exit 1), never a hang.
+// counters, takes API keys from --api-key or SPECONTEXT_API_KEY, passes the connection and
+// request-queue flags to the server, and bad flags are clear errors (exit 1), never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -243,6 +243,41 @@ TEST(ServeProcess, ApiKeysComeFromTheFlagsOrElseTheEnvironment) {
   ASSERT_NE(server.port(), 0) << server.first_line();
   EXPECT_EQ(status_of(server.port(), "/v1/models"), 401);
   EXPECT_EQ(status_of(server.port(), "/v1/models", "Bearer from-env"), 200);
+}
+
+// The connection and request-queue flags reach the server (issue 26, items 5 and 6): the
+// listening line reports them, a prompt past --max-prompt-bytes is a 400 naming the field, and
+// a header never finished is closed (after --header-timeout; counted in the stopped line).
+TEST(ServeProcess, ConnectionAndRequestQueueFlagsReachTheServer) {
+  std::vector<std::string> args = model_flags();
+  args.insert(args.end(), {"--max-connections-per-ip", "3", "--header-timeout", "0.2", "--idle-timeout", "60",
+                           "--request-workers", "1", "--request-queue", "5", "--max-prompt-bytes", "16"});
+  ServeProcess server(args);
+  ASSERT_NE(server.port(), 0) << server.first_line();
+  const json listening = json::parse(server.first_line());
+  EXPECT_EQ(listening["max_connections_per_ip"], 3);
+  EXPECT_EQ(listening["request_workers"], 1);
+  EXPECT_EQ(listening["request_queue"], 5);
+  const json refused = post(server.port(), {{"prompt", std::string(17, 'a')}, {"max_tokens", 1}});
+  EXPECT_EQ(refused["error"]["param"], "prompt") << refused.dump();
+  const json served = post(server.port(), {{"prompt", "Once upon"}, {"max_tokens", 2}});
+  EXPECT_EQ(served["usage"]["completion_tokens"], 2) << served.dump();
+  {
+    asio::io_context ioc;
+    asio::ip::tcp::socket s(ioc);
+    s.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+    asio::write(s, asio::buffer(std::string("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")));
+    // The server closes it (the header timeout, whichever it is, ends the wait).
+    std::array<char, 256> sink{};
+    boost::system::error_code ec;
+    while (!ec) s.read_some(asio::buffer(sink), ec);
+    EXPECT_TRUE(ec == asio::error::eof || ec == asio::error::connection_reset) << ec.message();
+  }
+  const ServeProcess::Exit e = server.wait(SIGTERM);
+  EXPECT_EQ(e.code, 0) << e.err;
+  const json stopped = json::parse(e.out, nullptr, false);
+  ASSERT_TRUE(stopped.is_object()) << e.out;
+  EXPECT_EQ(stopped["header_timeouts"], 1);
 }
 
 TEST(ServeProcess, BadFlagsAreClearErrors) {

@@ -85,6 +85,19 @@ def main(args):
     wq = torch.nn.Parameter(torch.randn(H * hd, 2 * d) * 0.02)
     wk = torch.nn.Parameter(torch.randn(G * hd, 2 * d) * 0.02)
     params = [fc, n_in, n_hid, wq, wk]
+    if args.head_init:  # warm start from a head of the same shape (e.g. one distilled before a temper)
+        with open(args.head_init, "rb") as f:
+            raw_init = f.read()
+        n_hdr = struct.unpack("<Q", raw_init[:8])[0]
+        hdr = json.loads(raw_init[8:8 + n_hdr])
+        names = ["fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                 "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight"]
+        with torch.no_grad():
+            for name, p in zip(names, params):
+                s0, s1 = hdr[name]["data_offsets"]
+                a = np.frombuffer(raw_init[8 + n_hdr + s0:8 + n_hdr + s1], dtype="<f4").reshape(hdr[name]["shape"])
+                assert list(a.shape) == list(p.shape), (name, a.shape, p.shape)
+                p.copy_(torch.from_numpy(a.copy()))
     eps = cfg["norm_eps"]
 
     def rms(x, w):
@@ -201,7 +214,8 @@ def main(args):
             f.write(a.tobytes())
     report = {"held_out_kl_before": kl_before, "held_out_kl_after": kl_after,
               "recall_before": before, "recall_after": after, "budgets": budgets,
-              "context": args.head_len, "steps": args.head_steps}
+              "context": args.head_len, "steps": args.head_steps,
+              "init": os.path.basename(args.head_init) if args.head_init else "random"}
     with open(os.path.join(args.out, "retrieval_head_report.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1))

@@ -4,6 +4,7 @@ that needs its context, on public-domain prose interleaved with RULER-style retr
 
   /usr/bin/python3 models/longctx/train.py tokenizer   # byte-level BPE on Pride and Prejudice
   /usr/bin/python3 models/longctx/train.py train       # resumes from models/longctx/ckpt.pt
+  /usr/bin/python3 models/longctx/train.py temper      # W_q x --alpha for contexts past the windows
   /usr/bin/python3 models/longctx/train.py export      # HF safetensors + GGUF + goldens
   /usr/bin/python3 models/longctx/train.py head        # the retrieval head (distill.py)
 
@@ -11,9 +12,10 @@ Needs Debian's python3-torch, python3-numpy and python3-regex (and, for speed, l
 Data: Pride and Prejudice only (public domain); Persuasion is held out for every evaluation
 and never read here. The text is data/austen/prideprejudice.txt (see data/SOURCES.md) or --text.
 
-Length: training runs on 512-token windows whose position ids skip ahead (PoSE, Zhu et al.
-2023) so every relative distance up to --max-pos is seen, then on 2048-token windows; RoPE
-theta is 1e6 so content matching can live on dimensions that barely turn over 8K tokens.
+Length: training runs on --len windows whose position ids skip ahead (PoSE, Zhu et al. 2023)
+so every relative distance up to --max-pos is seen, then on --long-len windows; RoPE theta is
+1e8 so content matching can live on dimensions that barely turn over 8K tokens. README.md has
+the commands that made the shipped weights.
 """
 import argparse
 import json
@@ -351,6 +353,13 @@ def make_task_events(rng, pools, kind):
 
 
 KINDS = ["passkey", "multikey", "multivalue", "kv", "vt"]
+KIND_WEIGHTS = None  # --kind-weights; None draws the kinds uniformly (the stream of the first runs)
+
+
+def pick_kind(rng):
+    if KIND_WEIGHTS is None:
+        return rng.choice(KINDS)
+    return rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
 
 
 def ends_sentence(tok, token_id):
@@ -375,7 +384,7 @@ def build_doc(rng, tok, filler, pools, length, task_share=0.45):
     random points and their queries after them (some at the end). Tasks are added while their
     text stays under ~45% of the window, so at least half of it is prose."""
     events, used = [], 0  # (position fraction, template, answer keys, fields)
-    for kind in ["kv"] + [rng.choice(KINDS) for _ in range(5 if task_share <= 0.5 else 12)]:
+    for kind in ["kv"] + [pick_kind(rng) for _ in range(5 if task_share <= 0.5 else 12)]:
         needles, queries = make_task_events(rng, pools, kind)
         # in the order listed: multivalue's answer names its values, vt its chain, in that order
         fracs = sorted(rng.uniform(0.0, 0.7) for _ in needles)
@@ -436,7 +445,7 @@ def build_recall(rng, tok, filler, pools, length):
             tpl, ans, kw = pending.pop(rng.randrange(len(pending)))
             d.add_templated(tpl, ans, DocBuilder.ANSWER_W, **kw)
             continue
-        needles, queries = make_task_events(rng, pools, rng.choice(KINDS))
+        needles, queries = make_task_events(rng, pools, pick_kind(rng))
         for tpl, _, kw in needles:
             gap = rng.randint(0, 40)
             if gap:
@@ -704,8 +713,9 @@ def make_batch(rng, tok, filler, pools, batch, length, max_pos, args):
 
 
 def schedule(step, args):
-    """(length, batch, lr) for a step: --len windows first, --long-len ones for the last --long-steps."""
-    long = step >= args.steps - args.long_steps
+    """(length, batch, lr) for a step: --len windows first, --long-len ones for the last --long-steps
+    (and, with --long-every N, on every N-th step before them too)."""
+    long = step >= args.steps - args.long_steps or (args.long_every > 0 and step % args.long_every == 0)
     length, batch = (args.long_len, max(1, args.batch * args.len // args.long_len)) if long else (args.len, args.batch)
     warm = 100
     lr = args.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
@@ -714,6 +724,10 @@ def schedule(step, args):
 
 def cmd_train(args):
     import torch
+    global KIND_WEIGHTS
+    if args.kind_weights:
+        KIND_WEIGHTS = [float(x) for x in args.kind_weights.split(",")]
+        assert len(KIND_WEIGHTS) == len(KINDS), "--kind-weights needs one weight per kind"
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tok = Tokenizer.load(os.path.join(args.out, "tokenizer.json"))
@@ -814,9 +828,31 @@ def cmd_probe(args):
         print(f"{kind:10s} len {L}: {right}/{args.probe_trials}", flush=True)
 
 
+def cmd_temper(args):
+    """Sharpens every attention head of the checkpoint for contexts longer than its training
+    windows: each layer's W_q is multiplied by --alpha, so every attention logit is (alpha x) its
+    trained value, as YaRN's attention scaling does (Peng et al. 2023). Softmax over n keys spreads
+    mass by ~log n, so heads trained on 1024-token windows lose their target among 8192 keys; the
+    scale restores the margin. Applied once: the checkpoint records it and a second call is refused."""
+    import torch
+    ckpt = os.path.join(args.out, "ckpt.pt")
+    st = torch.load(ckpt)
+    if st.get("attn_scale", 1.0) != 1.0:
+        sys.exit(f"{ckpt} is already tempered (attn_scale {st['attn_scale']})")
+    n = 0
+    for name, w in st["model"].items():
+        if name.endswith(".wq.weight"):
+            w.mul_(args.alpha)
+            n += 1
+    st["attn_scale"] = args.alpha
+    torch.save(st, ckpt + ".tmp")
+    os.replace(ckpt + ".tmp", ckpt)
+    print(f"{ckpt}: W_q of {n} layers x {args.alpha} (step {st['step']})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["tokenizer", "train", "probe", "export", "head"])
+    ap.add_argument("command", choices=["tokenizer", "train", "probe", "temper", "export", "head"])
     ap.add_argument("--text", default=default_text())
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--vocab", type=int, default=1024)
@@ -825,12 +861,16 @@ def main():
     ap.add_argument("--long-steps", type=int, default=150)
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--long-len", type=int, default=2048)
+    ap.add_argument("--long-every", type=int, default=0,
+                    help="also run every N-th step on --long-len windows (0: only the last --long-steps)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--task-share", type=float, default=0.45,
                     help="most of a window the tasks' sentences take (the rest is prose)")
     ap.add_argument("--copy-share", type=float, default=0.2)
     ap.add_argument("--recall-share", type=float, default=0.4)
     ap.add_argument("--chat-share", type=float, default=0.1)
+    ap.add_argument("--kind-weights", default="",
+                    help="comma-separated draw weights of " + ",".join(KINDS) + " (default: equal)")
     ap.add_argument("--rope-theta", type=float, default=1e8)
     ap.add_argument("--plant", type=int, default=1, help="start from plant_induction (fresh runs)")
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -840,12 +880,14 @@ def main():
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--probe-len", type=int, default=2048)
     ap.add_argument("--probe-trials", type=int, default=10)
+    ap.add_argument("--alpha", type=float, default=2.5, help="temper: the W_q scale")
     ap.add_argument("--head-steps", type=int, default=300)
     ap.add_argument("--head-len", type=int, default=1024)
     ap.add_argument("--head-batch", type=int, default=2)
     ap.add_argument("--head-lr", type=float, default=3e-3)
+    ap.add_argument("--head-init", default="", help="head: start from this retrieval head (same shape)")
     args = ap.parse_args()
-    {"tokenizer": cmd_tokenizer, "train": cmd_train, "probe": cmd_probe, "export": lambda a: __import__("export").main(a),
+    {"tokenizer": cmd_tokenizer, "train": cmd_train, "probe": cmd_probe, "temper": cmd_temper, "export": lambda a: __import__("export").main(a),
      "head": lambda a: __import__("distill").main(a)}[args.command](args)
 
 

@@ -45,9 +45,10 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
   cmd.add_option("--kv-node-spare", a.kv_node_spares,
                  "HOST:PORT of a KV node that takes over a dead replica whose own node does not come back "
                  "(repeatable; tried in order)");
-  cmd.add_option("--kv-secret-file", a.kv_secret_file,
-                 "file holding the KV nodes' shared secret (owner-readable only), answered at each node's "
-                 "hello (default: the SPECONTEXT_KV_SECRET environment variable; none: nodes without a secret)");
+  cmd.add_option(
+      "--kv-secret-file", a.kv_secret_file,
+      "file holding the KV nodes' shared secret (owner-readable only), answered at each node's "
+      "hello (default: the SPECONTEXT_KV_SECRET environment variable; none: nodes without a secret)");
   cmd.add_option("--remote-latency-us", a.remote_latency_us, "loopback link latency per transfer")
       ->check(CLI::NonNegativeNumber);
   cmd.add_option("--placement", a.placement,

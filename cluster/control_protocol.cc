@@ -107,7 +107,8 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
   } else if (name == "auth") {
     r.op = ControlOp::kAuth;
     auto mac = j.find("mac");
-    if (mac == j.end() || !mac->is_string() || mac->get_ref<const std::string&>().size() != 2 * r.mac.size()) {
+    if (mac == j.end() || !mac->is_string() ||
+        mac->get_ref<const std::string&>().size() != 2 * r.mac.size()) {
       return field_error("mac", "must be " + std::to_string(2 * r.mac.size()) + " hex digits");
     }
     SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes,
@@ -198,7 +199,8 @@ Result<HelloReply> parse_hello_reply(const nlohmann::json& j, std::string_view n
     return h;
   }
   if (scheme != "none" && scheme != "done") {
-    return reply_error(node, "field 'auth' is not one of none, hmac-sha256, done: '" + scheme.substr(0, 64) + "'");
+    return reply_error(node,
+                       "field 'auth' is not one of none, hmac-sha256, done: '" + scheme.substr(0, 64) + "'");
   }
   SPX_ASSIGN_OR_RETURN(h.capacity, reply_u64(j, "capacity", node));
   SPX_ASSIGN_OR_RETURN(h.free, reply_u64(j, "free", node));

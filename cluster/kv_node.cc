@@ -123,8 +123,8 @@ class KvNode::Impl {
     if (options.secret.empty() && !addr.is_loopback()) {
       return invalid_argument("kv node: refusing to listen on " + options.host +
                               " without a secret: anyone who reaches it could allocate its memory. Give "
-                              "--secret-file PATH (or set " + std::string(kSecretEnv) +
-                              "), or listen on a loopback address (127.0.0.1)");
+                              "--secret-file PATH (or set " +
+                              std::string(kSecretEnv) + "), or listen on a loopback address (127.0.0.1)");
     }
     const tcp::endpoint ep(addr, options.port);
     acceptor.open(ep.protocol(), ec);
@@ -374,7 +374,8 @@ class KvNode::Impl {
           ++s->lines;
           s->idle.cancel();
           if (ec == asio::error::not_found) {
-            reply(s, {control_error_line(invalid_argument("control request: line longer than 64 KiB")), true});
+            reply(s,
+                  {control_error_line(invalid_argument("control request: line longer than 64 KiB")), true});
             return;
           }
           if (ec) {
@@ -461,9 +462,9 @@ class KvNode::Impl {
       std::lock_guard lock(stats_mu);
       return ++counters.auth_failures;
     }();
-    log("authentication failed from " + s.peer + ": " + why + " (" + std::to_string(failures) +
-        " so far)");
-    return {control_error_line(invalid_argument("kv node " + name + ": authentication failed: " + why)), true};
+    log("authentication failed from " + s.peer + ": " + why + " (" + std::to_string(failures) + " so far)");
+    return {control_error_line(invalid_argument("kv node " + name + ": authentication failed: " + why)),
+            true};
   }
 
   // What the client may use, after hello (open node) or auth.
@@ -481,9 +482,10 @@ class KvNode::Impl {
 
   Answer hello(Session& s, const ControlRequest& req) {
     if (req.version != 0 && req.version != kControlVersion) {
-      return {control_error_line(invalid_argument(
-          "control request: field 'version': the client speaks control protocol " + std::to_string(req.version) +
-          ", this node " + std::to_string(kControlVersion) + ": run the same release on both"))};
+      return {control_error_line(
+          invalid_argument("control request: field 'version': the client speaks control protocol " +
+                           std::to_string(req.version) + ", this node " + std::to_string(kControlVersion) +
+                           ": run the same release on both"))};
     }
     nlohmann::json out = {{"ok", true}};
     if (options.secret.empty()) {
@@ -491,7 +493,8 @@ class KvNode::Impl {
       return {out.dump() + "\n"};
     }
     if (s.authenticated) {
-      return {control_error_line(invalid_argument("control request: hello: this connection is authenticated already"))};
+      return {control_error_line(
+          invalid_argument("control request: hello: this connection is authenticated already"))};
     }
     AuthNonce nonce{};
     if (Status st = fill_random(nonce); !st.is_ok()) {
@@ -507,10 +510,12 @@ class KvNode::Impl {
 
   Answer auth(Session& s, const ControlRequest& req) {
     if (options.secret.empty()) {
-      return {control_error_line(invalid_argument("control request: auth: this node asks for no authentication"))};
+      return {control_error_line(
+          invalid_argument("control request: auth: this node asks for no authentication"))};
     }
     if (s.authenticated) {
-      return {control_error_line(invalid_argument("control request: auth: this connection is authenticated already"))};
+      return {control_error_line(
+          invalid_argument("control request: auth: this connection is authenticated already"))};
     }
     if (!s.nonce) return auth_failure(s, "auth without a hello's challenge to answer");
     const Sha256Digest expected = auth_response(options.secret, *s.nonce, name);
@@ -529,9 +534,9 @@ class KvNode::Impl {
       if (pages > room) {
         bump([](KvNodeStats& c) { ++c.quota_refusals; });
         return {control_error_line(resource_exhausted(
-            "kv node " + name + ": alloc of " + std::to_string(bytes) + " bytes exceeds this connection's quota (" +
-            std::to_string(options.client_quota) + " bytes, " + std::to_string(s.held_bytes) +
-            " held; --client-quota)"))};
+            "kv node " + name + ": alloc of " + std::to_string(bytes) +
+            " bytes exceeds this connection's quota (" + std::to_string(options.client_quota) + " bytes, " +
+            std::to_string(s.held_bytes) + " held; --client-quota)"))};
       }
     }
     auto off = allocator.allocate(bytes);
@@ -600,8 +605,9 @@ class KvNode::Impl {
         return alloc(s, req->bytes);
       case ControlOp::kFree:
         if (!s.regions.contains(req->region)) {
-          return {control_error_line(not_found("control request: field 'region': " + std::to_string(req->region) +
-                                               " is not a region of this connection"))};
+          return {
+              control_error_line(not_found("control request: field 'region': " + std::to_string(req->region) +
+                                           " is not a region of this connection"))};
         }
         s.regions.erase(req->region);
         s.held_bytes -= std::min(s.held_bytes, free_region(req->region));

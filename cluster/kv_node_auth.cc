@@ -60,8 +60,8 @@ class Sha256 {
   void compress() {
     std::array<uint32_t, 64> w{};
     for (int t = 0; t < 16; ++t) {
-      w[t] = uint32_t{block_[4 * t]} << 24 | uint32_t{block_[4 * t + 1]} << 16 | uint32_t{block_[4 * t + 2]} << 8 |
-             uint32_t{block_[4 * t + 3]};
+      w[t] = uint32_t{block_[4 * t]} << 24 | uint32_t{block_[4 * t + 1]} << 16 |
+             uint32_t{block_[4 * t + 2]} << 8 | uint32_t{block_[4 * t + 3]};
     }
     for (int t = 16; t < 64; ++t) {
       const uint32_t s0 = rotr(w[t - 15], 7) ^ rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
@@ -70,7 +70,8 @@ class Sha256 {
     }
     uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], h = h_[7];
     for (int t = 0; t < 64; ++t) {
-      const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[t] + w[t];
+      const uint32_t t1 =
+          h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[t] + w[t];
       const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
       h = g;
       g = f;
@@ -105,7 +106,8 @@ std::span<const uint8_t> bytes_of(std::string_view s) {
 Result<std::string> checked_secret(std::string secret, const std::string& source) {
   while (!secret.empty() && std::strchr(" \t\r\n", secret.back()) != nullptr) secret.pop_back();
   if (secret.size() < kMinSecretBytes) {
-    return invalid_argument(source + ": the KV node secret must hold at least " + std::to_string(kMinSecretBytes) +
+    return invalid_argument(source + ": the KV node secret must hold at least " +
+                            std::to_string(kMinSecretBytes) +
                             " bytes (e.g. `head -c 32 /dev/urandom | base64`)");
   }
   return secret;
@@ -118,14 +120,15 @@ Result<std::string> read_secret_file(const std::string& file) {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) return invalid_argument("secret file " + file + ": " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) return invalid_argument("secret file " + file + ": not a regular file");
   if ((st.st_mode & 077) != 0) {
     return invalid_argument("secret file " + file + ": readable by group or others (chmod 600 " + file + ")");
   }
   if (st.st_size > static_cast<off_t>(kMaxSecretBytes)) {
-    return invalid_argument("secret file " + file + ": longer than " + std::to_string(kMaxSecretBytes) + " bytes");
+    return invalid_argument("secret file " + file + ": longer than " + std::to_string(kMaxSecretBytes) +
+                            " bytes");
   }
   std::string text(kMaxSecretBytes + 1, '\0');
   size_t got = 0;
@@ -137,7 +140,8 @@ Result<std::string> read_secret_file(const std::string& file) {
     got += static_cast<size_t>(n);
   }
   if (got > kMaxSecretBytes) {
-    return invalid_argument("secret file " + file + ": longer than " + std::to_string(kMaxSecretBytes) + " bytes");
+    return invalid_argument("secret file " + file + ": longer than " + std::to_string(kMaxSecretBytes) +
+                            " bytes");
   }
   text.resize(got);
   return checked_secret(std::move(text), "secret file " + file);
@@ -210,7 +214,8 @@ Result<std::string> load_kv_secret(const std::string& file) {
   if (env == nullptr || *env == '\0') return std::string();
   const std::string value(env);
   if (value.size() > kMaxSecretBytes) {
-    return invalid_argument(std::string(kSecretEnv) + ": longer than " + std::to_string(kMaxSecretBytes) + " bytes");
+    return invalid_argument(std::string(kSecretEnv) + ": longer than " + std::to_string(kMaxSecretBytes) +
+                            " bytes");
   }
   return checked_secret(value, kSecretEnv);
 }

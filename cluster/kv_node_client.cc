@@ -94,16 +94,19 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
   if (!c->hello_.auth_required) return c;
   if (secret.empty()) {
-    return invalid_argument("kv node " + c->endpoint_ +
-                            " requires authentication: give its shared secret in a file (--kv-secret-file PATH) "
-                            "or in " + std::string(kSecretEnv));
+    return invalid_argument(
+        "kv node " + c->endpoint_ +
+        " requires authentication: give its shared secret in a file (--kv-secret-file PATH) "
+        "or in " +
+        std::string(kSecretEnv));
   }
   ControlRequest auth;
   auth.op = ControlOp::kAuth;
   auth.mac = auth_response(secret, c->hello_.nonce, c->hello_.node);
   SPX_ASSIGN_OR_RETURN(reply, c->impl_->call(control_request_line(auth)));
   SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
-  if (c->hello_.auth_required) return data_loss("kv node " + c->endpoint_ + ": malformed reply: a second challenge");
+  if (c->hello_.auth_required)
+    return data_loss("kv node " + c->endpoint_ + ": malformed reply: a second challenge");
   return c;
 }
 

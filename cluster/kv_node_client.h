@@ -19,9 +19,9 @@ class KvNodeClient {
   // (cluster/kv_node_auth.h; load it with load_kv_secret). kUnavailable naming the endpoint when
   // nothing answers in time; kInvalidArgument when the node wants a secret and none is given, or
   // refuses this one.
-  static Result<std::unique_ptr<KvNodeClient>> connect(const Endpoint& endpoint,
-                                                      std::chrono::milliseconds timeout = std::chrono::seconds(5),
-                                                      const std::string& secret = {});
+  static Result<std::unique_ptr<KvNodeClient>> connect(
+      const Endpoint& endpoint, std::chrono::milliseconds timeout = std::chrono::seconds(5),
+      const std::string& secret = {});
   ~KvNodeClient();
   KvNodeClient(const KvNodeClient&) = delete;
   KvNodeClient& operator=(const KvNodeClient&) = delete;

@@ -40,7 +40,8 @@ void ReplicaHealer::record(const Watched& w, size_t replica, bool rejoined, std:
 }
 
 Result<ReplicaHealer::Attempt> ReplicaHealer::find_region(std::vector<Endpoint> candidates, uint64_t bytes,
-                                                          std::chrono::milliseconds timeout, std::string secret) {
+                                                          std::chrono::milliseconds timeout,
+                                                          std::string secret) {
   std::string failures;
   for (const Endpoint& endpoint : candidates) {
     auto session = KvNodeClient::connect(endpoint, timeout, secret);

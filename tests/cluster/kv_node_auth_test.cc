@@ -31,7 +31,9 @@ using namespace std::chrono_literals;
 
 const std::string kSecret = "correct horse battery staple 0123456789";
 
-std::span<const uint8_t> bytes(std::string_view s) { return {reinterpret_cast<const uint8_t*>(s.data()), s.size()}; }
+std::span<const uint8_t> bytes(std::string_view s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
 std::string hex(std::span<const uint8_t> b) { return hex_encode(b); }
 
 // ---- SHA-256 / HMAC-SHA256 known answers ----
@@ -70,13 +72,15 @@ TEST(KvNodeAuthCrypto, HmacSha256MatchesRfc4231) {
             "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
   EXPECT_EQ(hex(hmac_sha256(bytes("Jefe"), bytes("what do ya want for nothing?"))),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-  EXPECT_EQ(hex(hmac_sha256(kaa20, dd50)), "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe");
+  EXPECT_EQ(hex(hmac_sha256(kaa20, dd50)),
+            "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe");
   EXPECT_EQ(hex(hmac_sha256(kaa131, bytes("Test Using Larger Than Block-Size Key - Hash Key First"))),
             "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
-  EXPECT_EQ(hex(hmac_sha256(kaa131, bytes("This is a test using a larger than block-size key and a larger than "
-                                          "block-size data. The key needs to be hashed before being used by the "
-                                          "HMAC algorithm."))),
-            "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2");
+  EXPECT_EQ(
+      hex(hmac_sha256(kaa131, bytes("This is a test using a larger than block-size key and a larger than "
+                                    "block-size data. The key needs to be hashed before being used by the "
+                                    "HMAC algorithm."))),
+      "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2");
 }
 
 TEST(KvNodeAuthCrypto, ConstantTimeEqualComparesEveryByteAndTheSize) {
@@ -281,7 +285,9 @@ AuthNonce nonce_of(const nlohmann::json& hello) {
   return n;
 }
 
-std::string auth_line(const Sha256Digest& mac) { return R"({"op":"auth","mac":")" + hex_encode(mac) + R"("})"; }
+std::string auth_line(const Sha256Digest& mac) {
+  return R"({"op":"auth","mac":")" + hex_encode(mac) + R"("})";
+}
 
 TEST(KvNodeAuth, TheRightSecretIsServed) {
   auto node = start(options());
@@ -321,10 +327,12 @@ TEST(KvNodeAuth, NoSecretOnANodeThatRequiresOneIsRefused) {
   ASSERT_NE(node, nullptr);
   auto c = connect(*node, "");
   ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("requires authentication"), std::string::npos) << c.status().to_string();
+  EXPECT_NE(c.status().message().find("requires authentication"), std::string::npos)
+      << c.status().to_string();
   EXPECT_NE(c.status().message().find(kSecretEnv), std::string::npos) << c.status().to_string();
   // A client that skips the challenge gets nothing: refused, counted, disconnected.
-  for (const char* line : {R"({"op":"alloc","bytes":4096})", R"({"op":"stats"})", R"({"op":"free","region":1})"}) {
+  for (const char* line :
+       {R"({"op":"alloc","bytes":4096})", R"({"op":"stats"})", R"({"op":"free","region":1})"}) {
     RawConnection raw(node->port());
     ASSERT_TRUE(raw.ok());
     auto r = raw.call(line);
@@ -382,7 +390,8 @@ TEST(KvNodeAuth, AnotherProtocolVersionIsAClearError) {
   RawConnection raw(node->port());
   const nlohmann::json r = raw.call(R"({"op":"hello","version":3})");
   EXPECT_EQ(r.value("ok", true), false) << r.dump();
-  EXPECT_NE(r.value("error", std::string()).find("control protocol 3, this node 4"), std::string::npos) << r.dump();
+  EXPECT_NE(r.value("error", std::string()).find("control protocol 3, this node 4"), std::string::npos)
+      << r.dump();
   // A version-3 node's hello reply (no "auth") is refused by this client, naming both versions.
   auto h = parse_hello_reply(nlohmann::json::parse(R"({"ok":true,"version":3,"node":"n:1"})"), "n:1");
   ASSERT_FALSE(h.is_ok());
@@ -433,7 +442,8 @@ TEST(KvNodeAuth, TheConnectionPastTheLimitIsRefused) {
   auto third = connect(*node, kSecret);
   ASSERT_FALSE(third.is_ok());
   EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted) << third.status().to_string();
-  EXPECT_NE(third.status().message().find("connection limit (2)"), std::string::npos) << third.status().to_string();
+  EXPECT_NE(third.status().message().find("connection limit (2)"), std::string::npos)
+      << third.status().to_string();
   EXPECT_EQ(node->stats().connections_refused, 1);
   EXPECT_EQ(node->stats().connections, 2);
   EXPECT_NE(log.all().find("refused a connection from 127.0.0.1:"), std::string::npos) << log.all();
@@ -482,8 +492,10 @@ TEST(KvNodeAuth, WithoutASecretTheNodeListensOnLoopbackOnly) {
   auto refused = KvNode::start(o);
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("without a secret"), std::string::npos) << refused.status().to_string();
-  EXPECT_NE(refused.status().message().find("--secret-file"), std::string::npos) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("without a secret"), std::string::npos)
+      << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("--secret-file"), std::string::npos)
+      << refused.status().to_string();
   o.host = "::1";
   auto loopback6 = KvNode::start(o);
   EXPECT_TRUE(loopback6.is_ok() || loopback6.status().message().find("without a secret") == std::string::npos)

@@ -3,9 +3,9 @@
 // the same text; a node restarted mid-run rejoins its tier and carries it when the other dies;
 // losing the only node recomputes without it (the all-device text under dense attention), or with
 // --lost-tier fail is a clear error naming it, as an unreachable node or a bad spec is; never a hang.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,10 +17,10 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <sstream>
-#include <vector>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
+#include <vector>
 
 #include "cluster/kv_node_client.h"
 #include "tests/tests_common.h"
@@ -474,24 +474,25 @@ TEST(KvNodeProcess, ASecretFileGuardsTheNodeAndTheEngineAnswersWithIt) {
   const Endpoint ep{"127.0.0.1", node.port()};
   auto none = KvNodeClient::connect(ep, 2s);
   ASSERT_FALSE(none.is_ok());
-  EXPECT_NE(none.status().message().find("requires authentication"), std::string::npos) << none.status().to_string();
+  EXPECT_NE(none.status().message().find("requires authentication"), std::string::npos)
+      << none.status().to_string();
   auto wrong = KvNodeClient::connect(ep, 2s, "not the secret, though long enough");
   ASSERT_FALSE(wrong.is_ok());
-  EXPECT_NE(wrong.status().message().find("authentication failed"), std::string::npos) << wrong.status().to_string();
+  EXPECT_NE(wrong.status().message().find("authentication failed"), std::string::npos)
+      << wrong.status().to_string();
   auto right = KvNodeClient::connect(ep, 2s, secret);
   ASSERT_TRUE(right.is_ok()) << right.status().to_string();
   EXPECT_TRUE((*right)->allocate(4096).is_ok());
   right->reset();
 
-  auto [refused, refused_out] =
-      Generate("-m " + repo_path("models/stories260K/stories260K.bin") + " -p 'Once' -n 4 " + kTiers +
-               " --kv-node 1MiB@" + node.endpoint())
-          .finish();
+  auto [refused, refused_out] = Generate("-m " + repo_path("models/stories260K/stories260K.bin") +
+                                         " -p 'Once' -n 4 " + kTiers + " --kv-node 1MiB@" + node.endpoint())
+                                    .finish();
   EXPECT_NE(refused, 0) << refused_out;
   EXPECT_NE(refused_out.find("requires authentication"), std::string::npos) << refused_out;
   const std::string expect = baseline_text(40);
-  auto [code, out] = Generate(model_args(40) + kTiers + " --kv-secret-file " + secret_path + " --kv-node 1MiB@" +
-                              node.endpoint())
+  auto [code, out] = Generate(model_args(40) + kTiers + " --kv-secret-file " + secret_path +
+                              " --kv-node 1MiB@" + node.endpoint())
                          .finish();
   ASSERT_EQ(code, 0) << out;
   EXPECT_EQ(parse_json_tail(out)["text"].get<std::string>(), expect);
@@ -500,7 +501,8 @@ TEST(KvNodeProcess, ASecretFileGuardsTheNodeAndTheEngineAnswersWithIt) {
   EXPECT_EQ(stop_code, 0) << stop_out;
   const auto j = nlohmann::json::parse(stop_out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << stop_out;
-  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1) << stop_out;  // the wrong secret (no secret sends no answer)
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1)
+      << stop_out;  // the wrong secret (no secret sends no answer)
   const std::string err = slurp(err_path);
   EXPECT_NE(err.find("authentication failed from 127.0.0.1:"), std::string::npos) << err;
   EXPECT_EQ(err.find(secret), std::string::npos) << "the secret reached the log: " << err;

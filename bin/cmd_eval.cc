@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "bin/commands.h"
+#include "core/distill.h"
 #include "core/eval.h"
 #include "core/eval_tasks.h"
 #include "core/model_loader.h"
@@ -119,17 +120,9 @@ Result<std::string> read_file(const std::string& path, const std::string& what) 
   return ss.str();
 }
 
-// FNV-1a (64-bit) of a file's bytes: how a head's metadata names the text it was trained on
-// (train_text_fnv1a64, written by models/longctx/distill.py and specontext distill; a
+// A head's metadata names the text it was trained on by FNV-1a (core/distill.h fnv1a64:
+// train_text_fnv1a64, written by models/longctx/distill.py and specontext distill; a
 // comma-separated list when the head was distilled from several files).
-uint64_t fnv1a64(std::string_view bytes) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 // A head is never scored on the text it was distilled from: refused when its metadata names the
 // --text file's bytes as its training text.

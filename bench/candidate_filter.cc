@@ -1,4 +1,4 @@
-// CPU candidate filtering (core/candidate_filter.h, cpu/cpu_candidate_filter.h): how much of the
+// CPU candidate filtering (core/ports/candidate_filter.h, cpu/cpu_candidate_filter.h): how much of the
 // retrieval head's full-scoring selection survives when the head scores only a shortlist of
 // pages, and what the shortlist saves in time.
 //
@@ -30,17 +30,18 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/candidate_select.h"
-#include "core/host_math.h"
-#include "core/engine.h"
-#include "core/eval.h"
-#include "core/model_loader.h"
-#include "core/retrieval_head.h"
-#include "core/selection.h"
+#include "core/base/host_math.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "core/ports/backend.h"
+#include "core/ports/selection.h"
+#include "core/sparse/candidate_select.h"
+#include "core/sparse/retrieval_head.h"
+#include "core/tokenizer/tokenizer_resolve.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/cpu_candidate_filter.h"
 #include "cpu/reference_backend.h"
+#include "research/eval.h"
 
 using namespace specontext;
 

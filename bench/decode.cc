@@ -11,8 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/lib/membw.h"
-#include "core/engine.h"
-#include "core/synthetic.h"
+#include "core/engine/engine.h"
+#include "core/model/synthetic.h"
 #include "cpu/cpu_backend.h"
 
 using namespace specontext;

@@ -17,12 +17,12 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "bin/tier_setup.h"
-#include "core/engine.h"
-#include "core/retrieval_head.h"
-#include "core/synthetic.h"
+#include "core/engine/engine.h"
+#include "core/model/synthetic.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_backend.h"
 #include "planner/units.h"
+#include "runtime/tier_setup.h"
 
 using namespace specontext;
 
@@ -50,16 +50,16 @@ Result<nlohmann::json> run(const Config& cfg, const std::string& mode, const std
   SPX_ASSIGN_OR_RETURN(eo.sparse.method, parse_sparse_method(cfg.method));
   eo.sparse.selection.budget = cfg.budget;
   if (eo.sparse.method == SparseMethod::kSpeContext) eo.retrieval_head = head;
-  cli::TierArgs ta;
+  runtime::TierArgs ta;
   if (mode != "device") {
     ta.device_kv = cfg.device_kv;
     ta.host_kv = cfg.host_kv;
     ta.placement = mode;
   }
-  SPX_ASSIGN_OR_RETURN(std::unique_ptr<cli::TierRuntime> rt, cli::setup_tiers(ta, *model, *backend, eo));
+  SPX_ASSIGN_OR_RETURN(std::unique_ptr<runtime::TierRuntime> rt, runtime::setup_tiers(ta, *model, *backend, eo));
   SPX_ASSIGN_OR_RETURN(auto engine, Engine::create(model, std::shared_ptr<Backend>(std::move(backend)), eo));
   if (rt) {
-    SPX_RETURN_IF_ERROR(cli::start_tiers(*rt, *engine, eo, std::vector<int64_t>(static_cast<size_t>(cfg.requests), cfg.until)));
+    SPX_RETURN_IF_ERROR(runtime::start_tiers(*rt, *engine, eo, std::vector<int64_t>(static_cast<size_t>(cfg.requests), cfg.until)));
   }
   std::mt19937 rng(7);
   std::vector<SeqId> seqs;
@@ -137,7 +137,7 @@ Result<nlohmann::json> run(const Config& cfg, const std::string& mode, const std
                       {"decode_tokens_per_s", decode_s > 0 ? static_cast<double>(steps * cfg.requests) / decode_s : 0.0},
                       {"mean_overlap", engine->sparse_stats().overlap()},
                       {"samples", samples},
-                      {"tiering", cli::tiers_json(*engine, rt.get())}};
+                      {"tiering", runtime::tiers_json(*engine, rt.get())}};
   return j;
 }
 

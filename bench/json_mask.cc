@@ -1,9 +1,9 @@
-// What JSON-constrained decoding (core/json_constraint.h, response_format json_object) costs per
+// What JSON-constrained decoding (serving/structured/json_constraint.h, response_format json_object) costs per
 // decode step: the time JsonObjectConstraint::mask takes over a whole vocabulary, measured along a
 // real document (a JSON object encoded with the vocabulary, masked before each of its tokens and
 // then advanced by it; tokenized longest match first), for the bundled stories260K vocabulary (512) and GPT-2's BPE vocabulary
 // (50257, data/tokenizer-tests). The same for response_format json_schema (JsonSchemaConstraint,
-// core/json_schema.h) with the schema the document is valid against. Also the one-off costs of
+// serving/structured/json_schema.h) with the schema the document is valid against. Also the one-off costs of
 // VocabularyBytes::build and of the first constraint (the schema's vocabulary trie).
 //
 //   build/release/bench/bench_json_mask --out bench_out/json_mask.json --plot
@@ -21,11 +21,11 @@
 #include <string>
 #include <vector>
 
-#include "core/gguf.h"
-#include "core/json_constraint.h"
-#include "core/json_schema.h"
-#include "core/tokenizer.h"
 #include "bench/lib/report.h"
+#include "core/model/gguf.h"
+#include "core/tokenizer/tokenizer.h"
+#include "serving/structured/json_constraint.h"
+#include "serving/structured/json_schema.h"
 
 using namespace specontext;
 

@@ -18,10 +18,10 @@
 #include <thread>
 
 #include "bench/lib/report.h"
-#include "core/generator.h"
-#include "core/synthetic.h"
+#include "core/model/synthetic.h"
 #include "cpu/cpu_backend.h"
 #include "planner/units.h"
+#include "serving/generator.h"
 
 using namespace specontext;
 using Clock = std::chrono::steady_clock;

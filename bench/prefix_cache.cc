@@ -25,9 +25,9 @@
 #include "bench/lib/report.h"
 #include "bench/lib/serve_setup.h"
 #include "bench/lib/sse_client.h"
-#include "bin/engine_setup.h"
-#include "cluster/openai_server.h"
 #include "planner/units.h"
+#include "runtime/engine_setup.h"
+#include "serving/openai/openai_server.h"
 #if SPECONTEXT_HAVE_UCX
 #include "cluster/kv_node.h"
 #include "cluster/remote_prefix_store.h"
@@ -66,7 +66,7 @@ struct ModeResult {
 
 // offload_bytes > 0: prefix caching on, evicted prefixes kept in that much host memory; disk_bytes
 // > 0: and on disk (prefix files in the system's temporary directory), or in `store`.
-Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded, const Shape& shape,
+Result<ModeResult> run_mode(runtime::EngineArgs args, const runtime::LoadedModel& loaded, const Shape& shape,
                             bool caching, uint64_t offload_bytes, uint64_t disk_bytes = 0,
                             std::shared_ptr<PrefixBlobStore> store = nullptr) {
   const char* mode = !caching            ? "off"
@@ -78,8 +78,8 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
   const int64_t context =
       std::min<int64_t>(loaded.model->config.max_seq_len,
                         shape.system_tokens + shape.turns * (shape.user_tokens + shape.max_tokens) + 8);
-  SPX_ASSIGN_OR_RETURN(cli::EngineBundle bundle,
-                       cli::build_engine(args, loaded, shape.max_batch, context,
+  SPX_ASSIGN_OR_RETURN(runtime::EngineBundle bundle,
+                       runtime::build_engine(args, loaded, shape.max_batch, context,
                                          std::vector<int64_t>(static_cast<size_t>(shape.max_batch), context),
                                          /*quiet=*/true));
   cluster::ServerOptions so;
@@ -191,7 +191,7 @@ Result<ModeResult> run_mode(cli::EngineArgs args, const cli::LoadedModel& loaded
 
 int main(int argc, char** argv) {
   CLI::App app{"prefix caching through the OpenAI-compatible server: multi-turn conversations, off vs on vs on with offload"};
-  cli::EngineArgs args;
+  runtime::EngineArgs args;
   args.admission = "preempt";
   bench::add_served_model_options(app, args);
   Shape shape;

@@ -17,8 +17,8 @@
 #include "bench/lib/report.h"
 #include "bench/lib/serve_setup.h"
 #include "bench/lib/sse_client.h"
-#include "bin/engine_setup.h"
-#include "cluster/openai_server.h"
+#include "runtime/engine_setup.h"
+#include "serving/openai/openai_server.h"
 
 using namespace specontext;
 using Clock = std::chrono::steady_clock;
@@ -29,7 +29,7 @@ using bench::RequestTiming;
 
 int main(int argc, char** argv) {
   CLI::App app{"continuous batching through the OpenAI-compatible server"};
-  cli::EngineArgs args;
+  runtime::EngineArgs args;
   bench::add_served_model_options(app, args);
   std::vector<int64_t> concurrency = {1, 2, 4, 8};
   int64_t per_client = 2;
@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
   const int64_t context =
       std::min<int64_t>(loaded->model->config.max_seq_len, prompt_tokens + max_tokens + 8);
   auto bundle =
-      cli::build_engine(args, *loaded, max_batch, context,
+      runtime::build_engine(args, *loaded, max_batch, context,
                         std::vector<int64_t>(static_cast<size_t>(max_batch), context), /*quiet=*/true);
   if (!bundle.is_ok()) return fail(bundle.status());
   cluster::ServerOptions so;

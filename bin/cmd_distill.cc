@@ -8,9 +8,10 @@
 #include <sstream>
 
 #include "bin/commands.h"
-#include "core/distill.h"
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
+#include "core/tokenizer/tokenizer_resolve.h"
 #include "cpu/cpu_backend.h"
+#include "research/distill.h"
 
 namespace specontext::cli {
 

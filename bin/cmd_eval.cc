@@ -1,5 +1,5 @@
 // `specontext eval`: fidelity of the sparse decode methods against dense attention (see
-// core/eval.h for the protocol), as a JSON file, a table on stderr and optionally a PNG.
+// research/eval.h for the protocol), as a JSON file, a table on stderr and optionally a PNG.
 #include <unistd.h>
 
 #include <cstdio>
@@ -10,13 +10,14 @@
 #include <sstream>
 
 #include "bin/commands.h"
-#include "core/distill.h"
-#include "core/eval.h"
-#include "core/eval_tasks.h"
-#include "core/model_loader.h"
-#include "core/retrieval_head.h"
-#include "core/safetensors.h"
+#include "core/model/model_loader.h"
+#include "core/model/safetensors.h"
+#include "core/sparse/retrieval_head.h"
+#include "core/tokenizer/tokenizer_resolve.h"
 #include "cpu/cpu_backend.h"
+#include "research/distill.h"
+#include "research/eval.h"
+#include "research/eval_tasks.h"
 
 namespace specontext::cli {
 
@@ -120,7 +121,7 @@ Result<std::string> read_file(const std::string& path, const std::string& what) 
   return ss.str();
 }
 
-// A head's metadata names the text it was trained on by FNV-1a (core/distill.h fnv1a64:
+// A head's metadata names the text it was trained on by FNV-1a (research/distill.h fnv1a64:
 // train_text_fnv1a64, written by models/longctx/distill.py and specontext distill; a
 // comma-separated list when the head was distilled from several files).
 

@@ -7,11 +7,11 @@
 #include <sstream>
 
 #include "bin/commands.h"
-#include "core/engine.h"
-#include "core/generator.h"
-#include "core/json_depth.h"
-#include "core/json_schema.h"
-#include "core/utf8.h"
+#include "core/base/json_depth.h"
+#include "core/base/utf8.h"
+#include "core/engine/engine.h"
+#include "serving/generator.h"
+#include "serving/structured/json_schema.h"
 
 namespace specontext::cli {
 

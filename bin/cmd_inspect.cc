@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bin/commands.h"
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
 
 namespace specontext::cli {
 

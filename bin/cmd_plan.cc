@@ -7,8 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "bin/commands.h"
-#include "core/model_loader.h"
-#include "core/synthetic.h"
+#include "core/model/model_loader.h"
+#include "core/model/synthetic.h"
 #include "planner/plan.h"
 #include "planner/plan_json.h"
 #include "planner/units.h"

@@ -1,4 +1,4 @@
-// specontext serve: the OpenAI-compatible HTTP server (cluster/openai_server.h) over one engine
+// specontext serve: the OpenAI-compatible HTTP server (serving/openai/openai_server.h) over one engine
 // built from the same options as `generate`. Prints one JSON line when it listens
 // ({"event":"listening","port":P,...}), serves until SIGINT/SIGTERM, then drains and prints its
 // counters ({"event":"stopped",...}).
@@ -11,8 +11,9 @@
 
 #include "bin/commands.h"
 #include "cluster/control_protocol.h"
-#include "cluster/openai_server.h"
-#include "core/synthetic.h"
+#include "core/model/synthetic.h"
+#include "core/tokenizer/synthetic_tokenizer.h"
+#include "serving/openai/openai_server.h"
 
 namespace specontext::cli {
 

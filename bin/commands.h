@@ -6,10 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "bin/engine_setup.h"
-#include "bin/tier_setup.h"
-#include "core/model.h"
-#include "core/status.h"
+#include "bin/options.h"
+#include "core/base/status.h"
+#include "core/model/model.h"
 
 namespace specontext::cli {
 
@@ -29,8 +28,8 @@ struct GenerateArgs {
   int64_t synthetic_context = 0;
   int64_t batch = 1;
   int64_t prompt_tokens = 16;  // synthetic prompts: random ids
-  std::string response_format = "text";  // or "json_object" (core/json_constraint.h)
-  std::string json_schema_path;           // --json-schema FILE (core/json_schema.h)
+  std::string response_format = "text";  // or "json_object" (serving/structured/json_constraint.h)
+  std::string json_schema_path;           // --json-schema FILE (serving/structured/json_schema.h)
 };
 void register_generate(CLI::App& app, GenerateArgs& args);
 int run_generate(const GenerateArgs& args);
@@ -103,7 +102,7 @@ struct EvalArgs {
   std::string json_out;
   bool plot = false;
   int threads = 0;
-  // Long-context task suite (core/eval_tasks.h): tasks.json, default the one beside the model.
+  // Long-context task suite (research/eval_tasks.h): tasks.json, default the one beside the model.
   std::string tasks;
   std::vector<int64_t> task_lengths;     // empty = 1024,2048,4096,8192 (those that fit)
   std::vector<double> task_depths;       // empty = 0,0.25,0.5,0.75,1

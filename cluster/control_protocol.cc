@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <charconv>
 
-#include "core/json_depth.h"
+#include "core/base/json_depth.h"
 
 namespace specontext::cluster {
 

@@ -39,7 +39,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cluster/kv_node_auth.h"
-#include "core/status.h"
+#include "core/base/status.h"
 #include "transport/ucx_wire.h"
 
 namespace specontext::cluster {

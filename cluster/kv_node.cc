@@ -18,7 +18,7 @@
 #include <unordered_set>
 
 #include "cluster/kv_node_auth.h"
-#include "core/region_allocator.h"
+#include "core/base/region_allocator.h"
 #include "transport/ucx_support.h"
 #include "transport/ucx_wire.h"
 

@@ -31,7 +31,7 @@
 #include <string>
 
 #include "cluster/control_protocol.h"
-#include "core/status.h"
+#include "core/base/status.h"
 
 namespace specontext::cluster {
 

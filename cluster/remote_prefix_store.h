@@ -1,7 +1,7 @@
 // RemotePrefixStore: the prefix offload store's lower level in KV node memory
 // (`--prefix-offload-remote SIZE@HOST:PORT[+HOST:PORT...]`; LMCache's remote backend). One region
 // of SIZE on each node (more than one node: mirrored, as a --kv-node tier is), sub-allocated here
-// first-fit (core/region_allocator.h); blobs move through a registered host staging buffer a chunk
+// first-fit (core/base/region_allocator.h); blobs move through a registered host staging buffer a chunk
 // at a time with UcxRemoteTransport, so writes reach every live replica and reads fail over.
 //
 // Private to its client: the node keeps clients apart (keyed regions), so two servers do not
@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "cluster/control_protocol.h"
-#include "core/prefix_blob_store.h"
-#include "core/region_allocator.h"
+#include "core/base/region_allocator.h"
+#include "core/ports/prefix_blob_store.h"
 #include "transport/ucx_transport.h"
 
 namespace specontext::cluster {

@@ -3,7 +3,7 @@
 // a replica that rejoined (on which node, how much was copied into it), and a tier lost (no
 // replica alive: every node named with why it was declared dead). The one place these events are
 // rendered: `specontext generate` in text mode and `specontext serve` print its lines to stderr
-// between steps and at the end (bin/tier_setup.h, print_kv_node_events); `generate --json`
+// between steps and at the end (runtime/tier_setup.h, print_kv_node_events); `generate --json`
 // reports the same state as tiering.kv_nodes instead.
 //
 // It compares snapshots (UcxRemoteTransport::replicas()), so it needs no hook inside the

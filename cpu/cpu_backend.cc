@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/host_math.h"
+#include "core/base/host_math.h"
 #include "cpu/numa.h"
 #include "cpu/reference_backend.h"
 

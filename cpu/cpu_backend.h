@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "core/backend.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/ports/backend.h"
 
 namespace specontext::cpu {
 
@@ -64,7 +64,7 @@ class CpuBackend final : public Backend {
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
                           float* out) override;
 
-  // The host default's arithmetic (core/host_math.h), bit for bit, with the dot products and
+  // The host default's arithmetic (core/base/host_math.h), bit for bit, with the dot products and
   // exponentials spread over the arena; each head's normaliser is still summed in token order.
   Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t length,
                                 int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* out) override;

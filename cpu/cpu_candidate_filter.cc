@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/candidate_select.h"
+#include "core/sparse/candidate_select.h"
 #include "cpu/numa.h"
 
 namespace specontext::cpu {

@@ -1,20 +1,20 @@
-// CandidateFilter on the host (core/candidate_filter.h): per-page key summaries kept
+// CandidateFilter on the host (core/ports/candidate_filter.h): per-page key summaries kept
 // incrementally in NUMA-node memory, shortlists computed by a oneTBB arena pinned to that node.
-// Gives exactly the candidates of ReferenceCandidateFilter (core/candidate_select.h).
+// Gives exactly the candidates of ReferenceCandidateFilter (core/sparse/candidate_select.h).
 //
 // Threads: one thread at a time drives a filter (the engine loop). Each call parallelises inside
 // the filter's own task_arena (num_threads workers; on machines with more than one NUMA node its
 // workers are bound to `numa_node` by a NodePinningObserver, the calling thread is not).
 // Ownership: the filter owns the summaries; it keeps no pointer to the keys or queries passed in.
-// Errors: Status only (argument checks as core/candidate_filter.h says; allocation failure is
+// Errors: Status only (argument checks as core/ports/candidate_filter.h says; allocation failure is
 // ResourceExhausted); nothing throws out of a call, and a failed call changes nothing.
 #pragma once
 
 #include <memory>
 
-#include "core/candidate_filter.h"
-#include "core/ids.h"
-#include "core/status.h"
+#include "core/base/ids.h"
+#include "core/base/status.h"
+#include "core/ports/candidate_filter.h"
 
 namespace specontext::cpu {
 

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <memory>
 
-#include "core/status.h"
+#include "core/base/status.h"
 
 // hwloc stays out of this header: the engine includes it for NumaBuffer only.
 struct hwloc_topology;

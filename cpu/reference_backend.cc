@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "core/backend_checks.h"
+#include "core/ports/backend_checks.h"
 
 namespace specontext::cpu {
 

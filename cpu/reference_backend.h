@@ -4,7 +4,7 @@
 // more accurate than what it checks; RMSNorm sums squares in float like llama2.c.
 #pragma once
 
-#include "core/backend.h"
+#include "core/ports/backend.h"
 
 namespace specontext::cpu {
 

@@ -1,4 +1,4 @@
-// Collectives among threads of one process: the Communicator (core/communicator.h) of
+// Collectives among threads of one process: the Communicator (core/ports/communicator.h) of
 // tensor-parallel ranks that are threads, each driving its own Engine and CPU backend.
 //
 // all_reduce_sum: every rank publishes its buffer and waits until all ranks have joined (the
@@ -31,8 +31,8 @@
 #include <memory>
 #include <vector>
 
-#include "core/communicator.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/ports/communicator.h"
 
 namespace specontext::cpu {
 

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/ports/backend.h"
 #include "gpu/kernels.h"
 
 namespace specontext::gpu {

@@ -8,7 +8,7 @@
 
 #include <cublas_v2.h>
 
-#include "core/status.h"
+#include "core/base/status.h"
 
 namespace specontext::gpu {
 

@@ -1,4 +1,4 @@
-// The CUDA implementation of core/backend.h. Every pointer an op takes is DEVICE memory of this
+// The CUDA implementation of core/ports/backend.h. Every pointer an op takes is DEVICE memory of this
 // backend's device (activations, token ids, positions, norm weights, biases, WeightMatrix::data,
 // KV pages, working-set K/V), except the small host-side descriptions: RopeParams, the
 // AttentionItem / SparseAttentionItem arrays, the KvLayerView page tables (host arrays holding
@@ -19,8 +19,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/ports/backend.h"
 #include "gpu/cuda_raii.h"
 #include "gpu/retrieval_plan.h"
 #include "gpu/staging_ring.h"
@@ -120,7 +120,7 @@ class CudaBackend final : public Backend {
   Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
                                 int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                 float* out) override;
-  // The exact set of select_from_group_scores (core/selection.h) from device scores, by a radix
+  // The exact set of select_from_group_scores (core/ports/selection.h) from device scores, by a radix
   // select on (score, token) keys; `out` is filled on return (synchronises the stream). A context
   // that fits the budget is answered on the host without touching the device. Negative sinks or
   // window are kInvalidArgument (the host version does not check them).
@@ -128,7 +128,7 @@ class CudaBackend final : public Backend {
                            const SelectionOptions& options, Selection& out) override;
 
   // ---- sampling ----
-  // sample_with_coin (core/sampler.h) per row on the device: penalty, greedy argmax, softmax,
+  // sample_with_coin (core/ports/sampler.h) per row on the device: penalty, greedy argmax, softmax,
   // top-k and llama2.c's top-p by segmented radix sorts (gpu/kernels_sampling.cu). logits
   // (device memory) are overwritten; draws and tokens are host memory; synchronises (tokens are
   // on the host on return). Greedy tokens are exact; sampled tokens equal the host's except where

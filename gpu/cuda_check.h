@@ -8,7 +8,7 @@
 
 #include <source_location>
 
-#include "core/status.h"
+#include "core/base/status.h"
 
 namespace specontext::gpu {
 

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <utility>
 
-#include "core/status.h"
+#include "core/base/status.h"
 #include "gpu/cublas_loader.h"
 #include "gpu/cuda_check.h"
 

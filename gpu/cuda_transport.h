@@ -1,4 +1,4 @@
-// CudaTransport: core/transport.h for one GPU. Moves batches between page-locked host memory and
+// CudaTransport: core/ports/transport.h for one GPU. Moves batches between page-locked host memory and
 // device memory and within device memory (kPinnedHost → kDevice, kDevice → kPinnedHost,
 // kDevice → kDevice; nothing else is advertised or accepted), on its own non-blocking copy
 // stream (never the compute stream of a CudaBackend).
@@ -42,7 +42,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "gpu/cuda_raii.h"
 #include "gpu/staging_ring.h"
 #include "gpu/transfer_plan.h"

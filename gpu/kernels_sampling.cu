@@ -1,4 +1,4 @@
-// Sampling on the device (Backend::sample_rows, semantics of sample_with_coin in core/sampler.cc).
+// Sampling on the device (Backend::sample_rows, semantics of sample_with_coin in core/ports/sampler.cc).
 //
 // Per group of rows (gpu/sampling_plan.h): sample_prepare_kernel (block per row) applies the
 // repetition penalty, then either the greedy argmax (host semantics: first index of the max, 0

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/status.h"
+#include "core/base/status.h"
 #include "gpu/cuda_check.h"
 
 namespace specontext::gpu {

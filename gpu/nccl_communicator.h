@@ -1,4 +1,4 @@
-// The Communicator (core/communicator.h) of tensor-parallel ranks that are GPUs: NCCL
+// The Communicator (core/ports/communicator.h) of tensor-parallel ranks that are GPUs: NCCL
 // all-reduce over an NcclComm (gpu/nccl_comm.h), enqueued in place on the rank's compute stream
 // (gpu::CudaBackend::stream()) so it is ordered after the matmul that produced the partial and
 // before the residual add that consumes it. Compiled only with SPECONTEXT_HAVE_NCCL.
@@ -27,8 +27,8 @@
 #include <span>
 #include <vector>
 
-#include "core/communicator.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/ports/communicator.h"
 #include "gpu/nccl_comm.h"
 
 namespace specontext::gpu {

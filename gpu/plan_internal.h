@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string>
 
-#include "core/dtype.h"
-#include "core/status.h"
+#include "core/base/dtype.h"
+#include "core/base/status.h"
 #include "gpu/attention_plan.h"
 #include "gpu/kernels.h"
 

@@ -1,6 +1,6 @@
 // Host-side planning of the retrieval-head ops of CudaBackend: retrieval_group_scores (argument
 // checks, the work split of the score kernel and its shared-memory layout, scratch sizes) and
-// select_top_tokens (the sinks / window / middle arithmetic of core/selection.cc, the radix-select
+// select_top_tokens (the sinks / window / middle arithmetic of core/ports/selection.cc, the radix-select
 // grid and the initial per-head state). Pure C++ with no CUDA calls, so it is unit-tested without
 // a GPU (tests/gpu/retrieval_plan_test.cc runs host mirrors of the kernels from these plans).
 #pragma once
@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/selection.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/ports/selection.h"
 #include "gpu/kernels.h"
 
 namespace specontext::gpu {

@@ -2,7 +2,7 @@
 // (kernels_sampling.cu) and the host mirror in tests/gpu/sampling_plan_test.cc. Plain C++ that
 // nvcc also compiles for the device (SPX_HD); no core headers.
 //
-// core/sampler.cc orders probabilities descending with ties at the LOWER index first (top-k keeps
+// core/ports/sampler.cc orders probabilities descending with ties at the LOWER index first (top-k keeps
 // the lowest indices of a tie at the k-th value; top-p's stable sort puts them first). Here every
 // (p, i) of a row of n becomes one 64-bit key, larger = earlier: the high part is the bits of p
 // (p in [0, 1], so the bits are monotone and below 2^30), the low `shift` bits are n - 1 - i.

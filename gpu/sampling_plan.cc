@@ -80,7 +80,7 @@ Result<SamplePlan> plan_sample_rows(const float* logits, int64_t rows, int64_t v
     m.top_k = top_k ? p.top_k : 0;
     m.mode = top_k ? (top_p ? kernels::kSampleTopKTopP : kernels::kSampleTopK)
                    : (top_p ? kernels::kSampleTopP : kernels::kSampleIndexCdf);
-    // Exactly core/sampler.cc's float expression (vocab > 1 whenever the device runs).
+    // Exactly core/ports/sampler.cc's float expression (vocab > 1 whenever the device runs).
     if (top_p && vocab > 1) m.cutoff = (1.0f - p.top_p) / static_cast<float>(vocab - 1);
   }
   plan.host_only = vocab == 1;

@@ -1,6 +1,6 @@
 // Host-side planning of CudaBackend::sample_rows: argument checks (naming the field), each row's
 // mode (greedy, index-order CDF, top-k, top-p, both), the in-range penalty ids, the cutoff of
-// llama2.c's top-p pre-filter (computed here in float exactly as core/sampler.cc does), which rows
+// llama2.c's top-p pre-filter (computed here in float exactly as core/ports/sampler.cc does), which rows
 // need a sort and their slots, the groups that bound the sort buffers, and the scratch sizes.
 // Pure C++ with no CUDA calls: tests/gpu/sampling_plan_test.cc runs a host mirror of the kernels
 // from these plans and requires sample_with_coin's tokens.
@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/ids.h"
-#include "core/sampler.h"
-#include "core/status.h"
+#include "core/base/ids.h"
+#include "core/base/status.h"
+#include "core/ports/sampler.h"
 #include "gpu/kernels.h"
 #include "gpu/sample_keys.h"
 
@@ -51,7 +51,7 @@ struct SamplePlan {
 // Checks (kInvalidArgument naming the field): vocab <= 0 or beyond int32; rows beyond int32; null
 // logits / draws / tokens with rows > 0; draws[r].params failing SamplingParams::validate(); a
 // coin outside [0, 1) in a sampling row (temperature != 0); a penalized id listed twice while the
-// penalty is on (core/sampler.h requires them distinct; applying one twice has no parallel
+// penalty is on (core/ports/sampler.h requires them distinct; applying one twice has no parallel
 // meaning). Ids outside [0, vocab) are dropped, as the host ignores them. rows <= 0: empty plan.
 // max_sort_keys bounds a group's sort buffers (tests use small values to get many groups).
 Result<SamplePlan> plan_sample_rows(const float* logits, int64_t rows, int64_t vocab, const TokenDraw* draws,

@@ -7,7 +7,7 @@
 #include <string>
 #include <type_traits>
 
-#include "core/backend_checks.h"
+#include "core/ports/backend_checks.h"
 #include "gpu/attention_plan.h"
 #include "gpu/plan_internal.h"
 

@@ -17,7 +17,7 @@
 #include <deque>
 #include <vector>
 
-#include "core/status.h"
+#include "core/base/status.h"
 #include "gpu/cuda_raii.h"
 #include "gpu/ring_allocator.h"
 

@@ -3,7 +3,7 @@
 // order, the digit passes and the final predicate are tested without a GPU. Plain C++ that nvcc
 // also compiles for the device (SPX_HD); no core headers.
 //
-// Order: core/selection.cc keeps, per KV head, the `take` best middle tokens by score with ties
+// Order: core/ports/selection.cc keeps, per KV head, the `take` best middle tokens by score with ties
 // preferring the OLDER token. Here every (score, token) becomes one 64-bit key, larger = better:
 // the high word is the float's bits made monotone (sign flipped for positives, all bits flipped
 // for negatives; -0 folded onto +0 because the host compares them equal), the low word is ~token

@@ -7,14 +7,14 @@
 #include <string_view>
 #include <vector>
 
-#include "core/ids.h"
-#include "core/placement.h"
-#include "core/status.h"
+#include "core/base/ids.h"
+#include "core/base/status.h"
+#include "core/ports/placement.h"
 #include "planner/snapshot.h"
 
 namespace specontext::planner {
 
-// Tier kinds are core's (core/placement.h), so plans and the engine's tiers speak one vocabulary.
+// Tier kinds are core's (core/ports/placement.h), so plans and the engine's tiers speak one vocabulary.
 using specontext::TierKind;
 using specontext::tier_kind_name;
 

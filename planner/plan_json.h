@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "core/status.h"
+#include "core/base/status.h"
 #include "planner/plan.h"
 #include "planner/snapshot.h"
 

@@ -1,4 +1,4 @@
-// The engine's placement policy (core/placement.h) over the pure planner. This is the one
+// The engine's placement policy (core/ports/placement.h) over the pure planner. This is the one
 // stateful piece of planner/: it keeps the last Plan so that replan() can apply hysteresis; it
 // still measures, allocates and touches nothing.
 #pragma once
@@ -6,7 +6,7 @@
 #include <memory>
 #include <optional>
 
-#include "core/placement.h"
+#include "core/ports/placement.h"
 #include "planner/plan.h"
 #include "planner/snapshot.h"
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "core/model_config.h"
-#include "core/status.h"
+#include "core/base/status.h"
+#include "core/model/model_config.h"
 
 namespace specontext::planner {
 

@@ -25,7 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 
 namespace specontext::transport {
 

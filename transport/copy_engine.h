@@ -38,12 +38,12 @@
 #include <thread>
 #include <vector>
 
-#include "core/copy_queue.h"
-#include "core/transport.h"
+#include "core/ports/copy_queue.h"
+#include "core/ports/transport.h"
 
 namespace specontext::transport {
 
-// The ticket types and the interface the engine drives are core's (core/copy_queue.h).
+// The ticket types and the interface the engine drives are core's (core/ports/copy_queue.h).
 using specontext::CopyDirection;
 using specontext::CopyTicket;
 using specontext::CopyWindowStats;

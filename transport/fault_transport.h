@@ -10,7 +10,7 @@
 #include <random>
 #include <unordered_map>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 
 namespace specontext::transport {
 

@@ -15,7 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "transport/tier_table.h"
 
 namespace specontext::transport {

@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 
 namespace specontext::transport {
 

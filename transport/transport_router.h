@@ -21,7 +21,7 @@
 // Aggregation of one transfer's sub-transfers:
 //   - post posts every sub-transfer in member order. All complete now: OK. All NO_RESOURCE:
 //     kResourceExhausted (nothing started; the handle stays prepared and may be posted again,
-//     as core/transport.h requires). Some started and others got NO_RESOURCE: the transfer has
+//     as core/ports/transport.h requires). Some started and others got NO_RESOURCE: the transfer has
 //     started, so post returns kInProgress and poll re-posts the waiting sub-transfers (each poll
 //     tries each waiting one once; while any waits, poll reports kInProgress, so the caller's
 //     timeout bounds endless back-pressure). Counted in partial_no_resource().
@@ -29,7 +29,7 @@
 //     first error of any sub-transfer (from post, re-post or poll) fails the whole transfer:
 //     the other sub-transfers are released (cancelled) at once, and post/poll return that error
 //     with the member's name in front; poll keeps returning it (idempotent once terminal).
-//   - release releases every sub-transfer (each member cancels its part as core/transport.h
+//   - release releases every sub-transfer (each member cancels its part as core/ports/transport.h
 //     says: parts not started are dropped, a part being copied finishes first), so when it
 //     returns no member touches the transfer's buffers. Idempotent; destroying the router
 //     releases everything still held.
@@ -46,7 +46,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "transport/tier_table.h"
 
 namespace specontext::transport {

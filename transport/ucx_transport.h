@@ -34,7 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "transport/ucx_support.h"
 #include "transport/ucx_wire.h"
 

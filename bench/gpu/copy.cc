@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_raii.h"
 #include "gpu/cuda_transport.h"

@@ -35,12 +35,12 @@
 #include <string>
 #include <vector>
 
-#include "bin/tier_setup.h"
-#include "core/dtype.h"
-#include "core/engine.h"
-#include "core/retrieval_head.h"
-#include "core/synthetic.h"
+#include "core/base/dtype.h"
+#include "core/engine/engine.h"
+#include "core/model/synthetic.h"
+#include "core/sparse/retrieval_head.h"
 #include "gpu/cuda_backend.h"
+#include "runtime/tier_setup.h"
 
 namespace {
 
@@ -158,7 +158,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   j["kv_dtype"] = opt.kv_dtype_name;
   j["kv_bytes_per_token"] = c.kv_bytes_per_token(static_cast<int64_t>(dtype_size(opt.kv_dtype)));
 
-  cli::TierArgs ta;
+  runtime::TierArgs ta;
   if (needed > device_room) {
     // Offloaded layers need room on the device as well (staging, working sets), so a host pool
     // only as large as the overflow is not always enough: a quarter more, plus 4 GiB.
@@ -177,21 +177,21 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
     ta.placement = "static";  // planned once for the final lengths, before the fill writes any page
   }
   const auto t_setup = Clock::now();
-  SPX_ASSIGN_OR_RETURN(std::unique_ptr<cli::TierRuntime> rt, cli::setup_tiers(ta, *run.model, *run.backend, eo));
+  SPX_ASSIGN_OR_RETURN(std::unique_ptr<runtime::TierRuntime> rt, runtime::setup_tiers(ta, *run.model, *run.backend, eo));
   j["tier_setup_seconds"] = seconds_since(t_setup);
   const auto t_engine = Clock::now();
   SPX_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(run.model, run.backend, eo));
   // The engine borrows the tiers' transport and copy engine: destroy it first.
   struct Teardown {
     std::unique_ptr<Engine>& e;
-    std::unique_ptr<cli::TierRuntime>& r;
+    std::unique_ptr<runtime::TierRuntime>& r;
     ~Teardown() {
       e.reset();
       r.reset();
     }
   } teardown{engine, rt};
   if (rt) {
-    SPX_RETURN_IF_ERROR(cli::start_tiers(*rt, *engine, eo,
+    SPX_RETURN_IF_ERROR(runtime::start_tiers(*rt, *engine, eo,
                                          std::vector<int64_t>(static_cast<size_t>(requests), ctx + 1 + opt.steps)));
     j["static_plan"] = rt->placement_note;
   }
@@ -270,7 +270,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   j["placement"] = {{"layers", c.n_layers}, {"layers_offloaded", offloaded}, {"tiered", rt != nullptr}};
   j["sparse"] = sparse_json(engine->sparse_stats(), done * requests);
   j["overlap"] = overlap_json(engine->overlap_stats(), overlap_before);
-  if (rt) j["tiering"] = cli::tiers_json(*engine, rt.get());
+  if (rt) j["tiering"] = runtime::tiers_json(*engine, rt.get());
   return Status::ok();
 }
 

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "core/status.h"
+#include "core/base/status.h"
 
 namespace specontext::bench {
 

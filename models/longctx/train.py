@@ -235,7 +235,7 @@ def join_list(xs):
 
 
 def qwen_chat(messages, tools=None):
-    """Mirrors the engine's ChatML (Qwen) template: core/tokenizer.cc qwen_chat."""
+    """Mirrors the engine's ChatML (Qwen) template: core/tokenizer/tokenizer.cc qwen_chat."""
     out, first = "", 0
     if tools:
         out = "<|im_start|>system\n"

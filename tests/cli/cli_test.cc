@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "core/utf8.h"
+#include "core/base/utf8.h"
 #include "tests/tests_common.h"
 
 namespace specontext {

@@ -9,9 +9,9 @@
 
 #include "cluster/kv_node.h"
 #include "cluster/remote_prefix_store.h"
-#include "core/generator.h"
-#include "core/model_loader.h"
-#include "core/scheduler.h"
+#include "core/model/model_loader.h"
+#include "serving/generator.h"
+#include "serving/scheduler.h"
 #include "tests/core/tier_test_util.h"
 #include "tests/tests_common.h"
 

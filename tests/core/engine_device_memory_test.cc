@@ -13,8 +13,8 @@
 #include <map>
 #include <mutex>
 
-#include "core/engine.h"
-#include "core/retrieval_head.h"
+#include "core/engine/engine.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_backend.h"
 #include "tests/core/tier_test_util.h"
 

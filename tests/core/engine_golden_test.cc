@@ -6,10 +6,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/engine.h"
-#include "core/generator.h"
-#include "core/model_loader.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "core/tokenizer/tokenizer_resolve.h"
 #include "cpu/cpu_backend.h"
+#include "serving/generator.h"
 #include "tests/tests_common.h"
 
 namespace specontext {

@@ -7,7 +7,7 @@
 #include <functional>
 #include <random>
 
-#include "core/kv_store.h"
+#include "core/engine/kv_store.h"
 #include "tests/core/tier_test_util.h"
 #include "transport/local_transport.h"
 

@@ -13,13 +13,13 @@
 #include <filesystem>
 #include <fstream>
 
-#include "core/engine.h"
-#include "core/model_loader.h"
-#include "core/safetensors.h"
-#include "core/synthetic.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "core/model/safetensors.h"
+#include "core/model/synthetic.h"
+#include "cpu/cpu_backend.h"
 #include "tests/core/loader_test_util.h"
 #include "tests/tests_common.h"
-#include "cpu/cpu_backend.h"
 
 namespace specontext {
 namespace {

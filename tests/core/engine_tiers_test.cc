@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <random>
 
-#include "core/generator.h"
-#include "core/kv_store.h"
-#include "core/region_allocator.h"
-#include "planner/planner_policy.h"
-#include "tests/core/tier_test_util.h"
+#include "core/base/region_allocator.h"
+#include "core/engine/kv_store.h"
 #include "cpu/cpu_candidate_filter.h"
+#include "planner/planner_policy.h"
+#include "serving/generator.h"
+#include "tests/core/tier_test_util.h"
 #include "transport/copy_engine.h"
 #include "transport/fault_transport.h"
 #include "transport/local_transport.h"

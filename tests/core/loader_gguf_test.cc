@@ -8,11 +8,11 @@
 #include <cstring>
 #include <functional>
 
-#include "core/ggml_quants.h"
-#include "core/gguf.h"
-#include "core/loader_internal.h"
-#include "core/model_loader.h"
-#include "core/backend.h"
+#include "core/model/ggml_quants.h"
+#include "core/model/gguf.h"
+#include "core/model/loader_internal.h"
+#include "core/model/model_loader.h"
+#include "core/ports/backend.h"
 #include "tests/core/loader_test_util.h"
 
 namespace specontext {

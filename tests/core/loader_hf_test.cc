@@ -8,8 +8,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "core/model_loader.h"
-#include "core/safetensors.h"
+#include "core/model/model_loader.h"
+#include "core/model/safetensors.h"
 #include "tests/core/loader_test_util.h"
 
 namespace specontext {

@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
 #include "tests/core/loader_test_util.h"
 
 namespace specontext {

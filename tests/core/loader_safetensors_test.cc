@@ -3,7 +3,7 @@
 
 #include <cstring>
 
-#include "core/safetensors.h"
+#include "core/model/safetensors.h"
 #include "tests/core/loader_test_util.h"
 
 namespace specontext {

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "core/dtype.h"
-#include "core/model.h"
+#include "core/base/dtype.h"
+#include "core/model/model.h"
 #include "tests/tests_common.h"
 
 namespace specontext::testing {

@@ -3,7 +3,8 @@
 
 #include <filesystem>
 
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
+#include "core/tokenizer/tokenizer_resolve.h"
 #include "tests/core/loader_test_util.h"
 
 namespace specontext {

@@ -8,8 +8,9 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "core/engine.h"
-#include "core/model_loader.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "core/tokenizer/tokenizer_resolve.h"
 #include "cpu/cpu_backend.h"
 #include "tests/tests_common.h"
 

@@ -7,9 +7,9 @@
 
 #include <map>
 
-#include "core/generator.h"
-#include "core/model_loader.h"
-#include "core/scheduler.h"
+#include "core/model/model_loader.h"
+#include "serving/generator.h"
+#include "serving/scheduler.h"
 #include "tests/core/tier_test_util.h"
 
 namespace specontext {

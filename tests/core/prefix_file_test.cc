@@ -1,7 +1,7 @@
-// Prefix files (core/prefix_file.h): every field comes back as written, and a truncated, corrupt
+// Prefix files (core/engine/prefix_file.h): every field comes back as written, and a truncated, corrupt
 // or inconsistent file is a kDataLoss naming the file and the field, never a crash or a snapshot
 // that is quietly wrong.
-#include "core/prefix_file.h"
+#include "core/engine/prefix_file.h"
 
 #include <gtest/gtest.h>
 #include <zlib.h>

@@ -9,9 +9,9 @@
 #include <map>
 #include <random>
 
-#include "core/dtype.h"
-#include "core/retrieval_head.h"
-#include "core/safetensors.h"
+#include "core/base/dtype.h"
+#include "core/model/safetensors.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_backend.h"
 #include "tests/tests_common.h"
 

@@ -7,7 +7,7 @@
 #include <random>
 #include <set>
 
-#include "core/sampler.h"
+#include "core/ports/sampler.h"
 
 namespace specontext {
 namespace {

@@ -8,9 +8,9 @@
 #include <random>
 #include <set>
 
-#include "core/backend.h"
-#include "core/elastic.h"
-#include "core/selection.h"
+#include "core/ports/backend.h"
+#include "core/ports/selection.h"
+#include "core/sparse/elastic.h"
 
 namespace specontext {
 namespace {

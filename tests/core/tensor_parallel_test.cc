@@ -13,11 +13,11 @@
 #include <functional>
 #include <thread>
 
-#include "core/engine.h"
-#include "core/model_loader.h"
-#include "core/retrieval_head.h"
-#include "core/synthetic.h"
-#include "core/tensor_parallel.h"
+#include "core/engine/engine.h"
+#include "core/engine/tensor_parallel.h"
+#include "core/model/model_loader.h"
+#include "core/model/synthetic.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/thread_communicator.h"
 #include "tests/tests_common.h"

@@ -11,12 +11,12 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/generator.h"
-#include "core/model_loader.h"
-#include "core/retrieval_head.h"
-#include "core/synthetic.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "core/model/synthetic.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_backend.h"
+#include "serving/generator.h"
 #include "tests/tests_common.h"
 #include "transport/fault_transport.h"
 #include "transport/loopback_transport.h"

@@ -5,8 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/tokenizer.h"
-#include "core/tokenizer_internal.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/tokenizer/tokenizer_internal.h"
 #include "tests/tests_common.h"
 
 namespace specontext {

@@ -6,8 +6,8 @@
 #include <random>
 #include <sstream>
 
-#include "core/tokenizer.h"
-#include "core/tokenizer_internal.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/tokenizer/tokenizer_internal.h"
 #include "tests/tests_common.h"
 
 namespace specontext {

@@ -6,9 +6,9 @@
 #include <random>
 #include <sstream>
 
-#include "core/gguf.h"
-#include "core/tokenizer.h"
-#include "core/tokenizer_internal.h"
+#include "core/model/gguf.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/tokenizer/tokenizer_internal.h"
 #include "tests/core/tokenizer_test_vectors.h"
 #include "tests/tests_common.h"
 

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/ids.h"
+#include "core/base/ids.h"
 #include "tests/tests_common.h"
 
 namespace specontext::testing {

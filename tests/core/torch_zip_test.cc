@@ -1,4 +1,4 @@
-// PyTorch zip checkpoints (core/torch_zip.h, core/torch_pickle.h): the torch.save fixtures of
+// PyTorch zip checkpoints (core/model/torch_zip.h, core/model/torch_pickle.h): the torch.save fixtures of
 // tests/data/torch_eagle3 against their safetensors twins, and every refusal (truncation, bad
 // offsets, compressed entries, disallowed globals, strides, overflowing shapes) failing cleanly.
 #include <gtest/gtest.h>
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "core/safetensors.h"
-#include "core/torch_zip.h"
+#include "core/model/safetensors.h"
+#include "core/model/torch_zip.h"
 #include "tests/tests_common.h"
 
 namespace specontext {

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "core/candidate_select.h"
-#include "core/retrieval_head.h"
-#include "core/selection.h"
+#include "core/ports/selection.h"
+#include "core/sparse/candidate_select.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_candidate_filter.h"
 #include "cpu/reference_backend.h"
 

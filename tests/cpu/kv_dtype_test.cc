@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "core/dtype.h"
+#include "core/base/dtype.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/reference_backend.h"
 #include "tests/cpu/cpu_test_util.h"

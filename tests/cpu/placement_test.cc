@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "core/synthetic.h"
+#include "core/model/synthetic.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/numa.h"
 

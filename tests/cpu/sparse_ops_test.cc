@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "core/elastic.h"
-#include "core/selection.h"
+#include "core/ports/selection.h"
+#include "core/sparse/elastic.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/reference_backend.h"
 #include "tests/cpu/cpu_test_util.h"

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/ggml_quants.h"
-#include "core/gguf.h"
+#include "core/model/ggml_quants.h"
+#include "core/model/gguf.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto r = specontext::GgufFile::parse(data, size, "fuzz.gguf");

@@ -1,4 +1,4 @@
-// libFuzzer target: the JSON grammar of constrained decoding (core/json_constraint.h) against
+// libFuzzer target: the JSON grammar of constrained decoding (serving/structured/json_constraint.h) against
 // nlohmann::json on arbitrary bytes. What the grammar takes as a whole document nlohmann must
 // read (numbers beyond double aside: JSON allows them, nlohmann refuses them); what nlohmann
 // reads the grammar must take, unless the text hits the grammar's own limits (whitespace runs,
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "core/json_constraint.h"
+#include "serving/structured/json_constraint.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// libFuzzer target: the JSON Schema compiler and grammar matcher (core/json_schema.h). Input: a
+// libFuzzer target: the JSON Schema compiler and grammar matcher (serving/structured/json_schema.h). Input: a
 // schema text, a NUL byte, a document text. A schema nlohmann cannot read is skipped; compiling
 // may fail (errors are fine); the document is fed byte by byte. Never a crash or a hang; a
 // document the matcher takes whole must be one nlohmann reads.
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "core/json_schema.h"
+#include "serving/structured/json_schema.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view input(reinterpret_cast<const char*>(data), size);

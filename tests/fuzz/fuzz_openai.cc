@@ -12,8 +12,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cluster/openai_api.h"
-#include "core/tokenizer.h"
+#include "core/tokenizer/tokenizer.h"
+#include "serving/openai/openai_api.h"
 
 namespace {
 

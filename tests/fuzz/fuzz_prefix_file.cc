@@ -5,7 +5,7 @@
 #include <cstring>
 #include <span>
 
-#include "core/prefix_file.h"
+#include "core/engine/prefix_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto r = specontext::parse_prefix_file(std::span(reinterpret_cast<const std::byte*>(data), size), "fuzz.spxprefix");

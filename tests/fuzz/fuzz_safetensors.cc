@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/safetensors.h"
+#include "core/model/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto r = specontext::SafetensorsFile::parse(data, size, "fuzz.safetensors");

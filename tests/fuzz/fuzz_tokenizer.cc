@@ -18,10 +18,10 @@
 #include <string_view>
 #include <vector>
 
-#include "core/gguf.h"
-#include "core/mapped_file.h"
-#include "core/tokenizer.h"
-#include "core/tokenizer_internal.h"
+#include "core/base/mapped_file.h"
+#include "core/model/gguf.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/tokenizer/tokenizer_internal.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
-// libFuzzer target: PyTorch zip checkpoints (core/torch_zip.h) and the pickle subset inside them
-// (core/torch_pickle.h) must reject any malformed input cleanly.
+// libFuzzer target: PyTorch zip checkpoints (core/model/torch_zip.h) and the pickle subset inside them
+// (core/model/torch_pickle.h) must reject any malformed input cleanly.
 // The first byte picks what the rest is: even, a whole archive (CRCs unchecked, so mutations reach
 // the pickle and the views); odd, a data.pkl wrapped into an archive with storages data/0..data/3
 // of 4 KiB each.
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "core/torch_zip.h"
+#include "core/model/torch_zip.h"
 
 namespace {
 

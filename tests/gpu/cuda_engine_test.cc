@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/model_loader.h"
-#include "core/retrieval_head.h"
-#include "core/synthetic.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "core/model/synthetic.h"
+#include "core/sparse/retrieval_head.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_backend.h"
 #include "tests/tests_common.h"

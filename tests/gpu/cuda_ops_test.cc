@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/dtype.h"
+#include "core/base/dtype.h"
+#include "core/ports/backend.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_backend.h"
 #include "gpu/sparse_plan.h"

@@ -17,10 +17,10 @@
 #include <thread>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/model.h"
-#include "core/sampler.h"
-#include "core/transport.h"
+#include "core/model/model.h"
+#include "core/ports/backend.h"
+#include "core/ports/sampler.h"
+#include "core/ports/transport.h"
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_raii.h"

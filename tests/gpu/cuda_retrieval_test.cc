@@ -1,5 +1,5 @@
 // CudaBackend's host↔device memory ops, retrieval-head ops and argmax against the host
-// defaults of core/backend.cc (run on a CPU reference backend) and plain host loops. Device
+// defaults of core/ports/backend.cc (run on a CPU reference backend) and plain host loops. Device
 // outputs sit between sentinel guard regions; scores are compared by relative L2 with NaN/inf and
 // non-zero checks; selections must be identical to select_from_group_scores. A failing selection
 // writes its scores and both selections to a file named in the failure message. Without a device
@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/selection.h"
+#include "core/ports/backend.h"
+#include "core/ports/selection.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_raii.h"

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/sampler.h"
+#include "core/ports/backend.h"
+#include "core/ports/sampler.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_backend.h"
 #include "tests/gpu/device_test_util.h"

@@ -1,6 +1,6 @@
 // CudaTransport on a device: advertised capabilities match behaviour for all 16 (src, dst) kind
 // pairs, random batches are bit-exact for every method and direction with the bytes around the
-// destination ranges untouched, completion and release follow core/transport.h, registration
+// destination ranges untouched, completion and release follow core/ports/transport.h, registration
 // rejects memory of the wrong kind, PinnedHostRegistration works as a tier, and the stream
 // ordering helpers order copies against another stream. Without a device every case skips
 // ("no CUDA device").
@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "gpu/cuda_backend.h"
 #include "gpu/cuda_raii.h"
 #include "gpu/cuda_transport.h"

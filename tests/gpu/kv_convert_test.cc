@@ -1,5 +1,5 @@
 // The KV element conversions of the CUDA kernels (gpu/kv_convert.h: kv_append's rounding,
-// attention's widening) against core's (core/dtype.h), without a GPU: the same functions compile
+// attention's widening) against core's (core/base/dtype.h), without a GPU: the same functions compile
 // for the host, where __float2half_rn / __float2bfloat16_rn are cuda_fp16.h's / cuda_bf16.h's
 // software round-to-nearest-even, which the cvt.rn instructions of the device implement too. The
 // device kernels themselves are compared with the reference backend in cuda_ops_test.cc.
@@ -11,7 +11,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/dtype.h"
+#include "core/base/dtype.h"
 #include "gpu/kv_convert.h"
 #include "tests/gpu/kv_rounding_values.h"
 

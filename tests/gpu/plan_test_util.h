@@ -12,8 +12,8 @@
 #include <random>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/dtype.h"
+#include "core/base/dtype.h"
+#include "core/ports/backend.h"
 #include "gpu/kernels.h"
 
 namespace specontext::gpu::plan_test {

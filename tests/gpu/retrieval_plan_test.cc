@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/selection.h"
+#include "core/ports/backend.h"
+#include "core/ports/selection.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/kernels.h"
 #include "gpu/retrieval_plan.h"

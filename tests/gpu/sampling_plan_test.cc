@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "core/sampler.h"
+#include "core/ports/sampler.h"
 #include "gpu/kernels.h"
 #include "gpu/sample_keys.h"
 #include "gpu/sampling_plan.h"

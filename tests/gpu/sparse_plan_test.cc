@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "core/backend.h"
+#include "core/ports/backend.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/attention_plan.h"
 #include "gpu/kernels.h"

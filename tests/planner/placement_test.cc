@@ -2,7 +2,7 @@
 // order of bandwidth, then remote), CPU filtering beyond S^T_L, and admission refusals.
 #include <gtest/gtest.h>
 
-#include "core/synthetic.h"
+#include "core/model/synthetic.h"
 #include "planner/plan.h"
 
 namespace specontext::planner {

@@ -2,7 +2,7 @@
 // against tiny cases computed by hand; the model and retrieval-head byte counts behind M_O and M_D.
 #include <gtest/gtest.h>
 
-#include "core/synthetic.h"
+#include "core/model/synthetic.h"
 #include "planner/plan.h"
 #include "planner/snapshot.h"
 

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/transport.h"
+#include "core/ports/transport.h"
 #include "transport/fault_transport.h"
 #include "transport/local_transport.h"
 #include "transport/loopback_transport.h"

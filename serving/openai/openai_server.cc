@@ -123,6 +123,141 @@ struct ToolStream {
   bool ended = false;         // the final content and calls are out
 };
 
+// One choice of a generation as its events come in. Log-probabilities: an entry per token, sent
+// once the text before it is out (streaming) or all at the end; after a stop string only tokens
+// that start before it are kept. echo: the prompt leads the text (not seen by the stop strings),
+// sent with the first events.
+struct GenerationChoice {
+  explicit GenerationChoice(const std::vector<std::string>& stops) : matcher(stops) {}
+  StopMatcher matcher;
+  TokenId prev = -1;
+  int64_t completion_tokens = 0;
+  double logprob_sum = 0.0;  // of the generated tokens (best_of ranks by the mean)
+  std::string text;          // the whole text, when not streaming or with tools
+  ToolStream tools;          // streaming with tools
+  std::vector<LogprobEntry> logprobs;
+  size_t logprobs_sent = 0;
+  int64_t raw_code_points = 0;   // of every piece decoded so far
+  int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
+  bool echo_pending = false;
+  nlohmann::json prompt_logprobs;  // prompt_logprobs_json once its first event came (null before)
+  bool first_chunk = true;
+  bool done = false;
+  std::string finish_reason;  // set when generation ended normally
+};
+
+// One generation request from its preparation to its answer (the Asio thread's): its job for the
+// engine thread, one GenerationChoice per sample (best_of), and how it ended.
+struct Generation {
+  Generation(ApiKind k, PreparedGeneration&& prepared)
+      : kind(k),
+        api(std::move(*prepared.api)),
+        job(std::make_shared<Job>()),
+        echo_text(std::move(prepared.echo_text)) {
+    job->requests = std::move(prepared.requests);
+    // Taken before the job is queued: the engine thread moves the requests out.
+    const std::vector<TokenId>& queued_prompt = job->requests[0].prompt;
+    prompt_len = static_cast<int64_t>(queued_prompt.size());
+    // Only echo with logprobs and prompt_logprobs read the prompt's tokens later.
+    if ((api.echo && api.logprobs >= 0) || api.prompt_logprobs >= 0) prompt = queued_prompt;
+    want_logprobs = api.logprobs >= 0;
+    for (int32_t c = 0; c < api.best_of; ++c) {
+      choices.emplace_back(api.stop);
+      choices.back().prev = queued_prompt.back();
+      choices.back().echo_pending = api.echo;
+    }
+  }
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+
+  ApiKind kind;
+  ApiRequest api;
+  std::shared_ptr<Job> job;
+  int64_t prompt_len = 0;
+  std::string echo_text;
+  std::vector<TokenId> prompt;  // echo with logprobs and prompt_logprobs only
+  bool want_logprobs = false;
+  ResponseMeta meta;  // once accepted
+  std::vector<GenerationChoice> choices;
+  size_t choices_done = 0;
+  std::optional<ApiError> failure;  // set when a choice ended in an error: the whole request fails
+  int64_t cached_tokens = 0;        // prompt tokens the choices took from the prefix cache
+};
+
+// The choices a non-streamed answer shows, in order: best_of keeps the n of the highest mean
+// log-probability per token (ties: the first).
+std::vector<size_t> best_choices(const Generation& gen) {
+  std::vector<size_t> order(gen.choices.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  if (gen.api.best_of <= gen.api.n) return order;
+  auto mean_logprob = [&](size_t c) {
+    const GenerationChoice& ch = gen.choices[c];
+    return ch.completion_tokens > 0 ? ch.logprob_sum / static_cast<double>(ch.completion_tokens) : 0.0;
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return mean_logprob(a) > mean_logprob(b); });
+  order.resize(static_cast<size_t>(gen.api.n));
+  return order;
+}
+
+// A streamed answer's server-sent events. The header goes out with the first event, so that a
+// request refused before its first token still gets a proper HTTP error; after a failed write the
+// rest are dropped (ok() is false).
+class EventStream {
+ public:
+  EventStream(Conn& conn, const Request& req)
+      : conn_(conn),
+        head_{http::status::ok, req.version()},
+        chunked_(req.version() >= 11),
+        keep_alive_(req.keep_alive()) {}
+  bool ok() const { return write_ok_; }
+  bool head_sent() const { return head_sent_; }
+
+  asio::awaitable<void> write(std::string data) {
+    if (!write_ok_) co_return;
+    beast::error_code ec;
+    if (!head_sent_) {
+      head_.set(http::field::server, "specontext");
+      head_.set(http::field::content_type, "text/event-stream");
+      head_.set(http::field::cache_control, "no-cache");
+      head_.keep_alive(chunked_ && keep_alive_);
+      if (chunked_) head_.chunked(true);
+      head_sent_ = true;
+      serializer_.emplace(head_);
+      co_await http::async_write_header(conn_.stream, *serializer_, asio::redirect_error(kAwait, ec));
+      if (ec) {
+        write_ok_ = false;
+        co_return;
+      }
+    }
+    if (chunked_) {
+      co_await asio::async_write(conn_.stream, http::make_chunk(asio::buffer(data)),
+                                 asio::redirect_error(kAwait, ec));
+    } else {
+      co_await asio::async_write(conn_.stream, asio::buffer(data), asio::redirect_error(kAwait, ec));
+    }
+    if (ec) write_ok_ = false;
+  }
+
+  // After the last event: the last chunk. True when the connection may serve another request
+  // (without chunked encoding the end of the stream is the end of the connection).
+  asio::awaitable<bool> end() {
+    if (!write_ok_ || !chunked_) co_return false;
+    beast::error_code ec;
+    co_await asio::async_write(conn_.stream, http::make_chunk_last(), asio::redirect_error(kAwait, ec));
+    co_return !ec;
+  }
+
+ private:
+  Conn& conn_;
+  http::response<http::empty_body> head_;
+  std::optional<http::response_serializer<http::empty_body>> serializer_;
+  bool head_sent_ = false;
+  const bool chunked_;
+  const bool keep_alive_;
+  bool write_ok_ = true;
+};
+
 std::string error_for_status(const Status& s) {
   return std::string(status_code_name(s.code())) + ": " + s.message();
 }
@@ -262,7 +397,34 @@ struct OpenAiServer::Impl {
   // Shuts the sending side, then drops what the client still sends for up to a second.
   asio::awaitable<void> drain_and_close(Conn& conn);
   asio::awaitable<bool> handle(std::shared_ptr<Conn> conn, Request& req);
+  // POST /v1/completions and /v1/chat/completions: prepare (on a worker), submit, run, answer.
   asio::awaitable<bool> generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind);
+  // Queues the job for the engine thread (counted as accepted), or the 503 to answer instead.
+  std::optional<ApiError> submit(const std::shared_ptr<Job>& job);
+  ResponseMeta response_meta(ApiKind kind);  // a new response id
+  // Takes the job's events until every choice is done, a choice failed or the client went away;
+  // streaming, each batch of events goes out as it comes.
+  asio::awaitable<void> run_generation(Generation& gen, EventStream& events);
+  // One event of a choice: its text goes to `delta`; a finish ends the choice (or fails the request).
+  void take_event(Generation& gen, size_t choice, const SchedulerEvent& ev, std::string& delta);
+  // On a choice's first event: its prompt_logprobs and the echoed prompt.
+  void take_prompt_parts(const Generation& gen, GenerationChoice& ch, const SchedulerEvent& ev,
+                         std::string& delta) const;
+  // The prompt's entries for echo with logprobs; the first has nothing before it to predict it.
+  void echo_logprobs(const Generation& gen, const std::vector<TokenLogprobs>& prompt_lp,
+                     std::vector<LogprobEntry>& out) const;
+  // A generated token: its text through the stop strings, its log-probabilities.
+  void take_token(Generation& gen, size_t choice, const SchedulerEvent& ev, std::string& delta);
+  // Streaming: a choice's new text (and tool calls, log-probabilities) as chunks.
+  asio::awaitable<void> stream_delta(Generation& gen, size_t choice, const std::string& delta,
+                                     EventStream& events);
+  // A failed request: its error answer, or (once the stream began) an error event.
+  asio::awaitable<bool> answer_failure(Conn& conn, const Request& req, const Generation& gen,
+                                       EventStream& events);
+  Usage usage_of(const Generation& gen) const;
+  std::string completion_body(const Generation& gen, const Usage& usage) const;  // non-streamed
+  // Streaming: each choice's finish chunk (after its role chunk, when nothing was sent), usage, [DONE].
+  asio::awaitable<void> stream_ending(Generation& gen, EventStream& events, const Usage& usage);
   asio::awaitable<bool> reply(Conn& conn, const Request& req, http::status status, std::string body,
                               std::string_view content_type = "application/json");
   asio::awaitable<bool> reply_error(Conn& conn, const Request& req, const ApiError& error);
@@ -329,20 +491,20 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   lost_tier_requeues = st.lost_tier_requeues;
   cached_prompt_tokens = st.cached_prompt_tokens;
   prefix_cache_evictions = st.prefix_cache_evictions;
-  cached_sequences = static_cast<int64_t>(scheduler.cached_sequences());
+  cached_sequences = static_cast<int64_t>(scheduler.prefix_store().cached_sequences());
   prefix_offloads = st.prefix_offloads;
   prefix_restores = st.prefix_restores;
-  offloaded_prefixes = static_cast<int64_t>(scheduler.offloaded_prefixes());
-  offloaded_bytes = static_cast<int64_t>(scheduler.offloaded_bytes());
+  offloaded_prefixes = static_cast<int64_t>(scheduler.prefix_store().offloaded_prefixes());
+  offloaded_bytes = static_cast<int64_t>(scheduler.prefix_store().offloaded_bytes());
   prefix_disk_writes = st.prefix_disk_writes;
   prefix_disk_restores = st.prefix_disk_restores;
   if (st.prefix_disk_errors > prefix_disk_errors) {  // written by this thread only
     std::fprintf(stderr, "serve: a prefix file was dropped (its prompt is computed): %s\n",
-                 scheduler.last_prefix_disk_error().c_str());
+                 scheduler.prefix_store().last_prefix_disk_error().c_str());
   }
   prefix_disk_errors = st.prefix_disk_errors;
-  prefixes_on_disk = static_cast<int64_t>(scheduler.prefixes_on_disk());
-  prefix_disk_bytes = static_cast<int64_t>(scheduler.disk_bytes());
+  prefixes_on_disk = static_cast<int64_t>(scheduler.prefix_store().prefixes_on_disk());
+  prefix_disk_bytes = static_cast<int64_t>(scheduler.prefix_store().disk_bytes());
   kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
@@ -1181,22 +1343,30 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     ++rejected;
     co_return co_await reply_error(*conn, req, *prepared.error);
   }
-  const ApiRequest& api = *prepared.api;
-  auto job = std::make_shared<Job>();
-  job->requests = std::move(prepared.requests);
-  // Taken before the job is queued: the engine thread moves the requests out.
-  const std::vector<TokenId>& queued_prompt = job->requests[0].prompt;
-  const auto prompt_len = static_cast<int64_t>(queued_prompt.size());
-  const TokenId last_prompt_token = queued_prompt.back();
-  const std::string echo_text = std::move(prepared.echo_text);
-  // Only echo with logprobs and prompt_logprobs read the prompt's tokens later.
-  const std::vector<TokenId> prompt =
-      (api.echo && api.logprobs >= 0) || api.prompt_logprobs >= 0 ? queued_prompt : std::vector<TokenId>{};
-  if (draining) {
+  Generation gen(kind, std::move(prepared));
+  if (std::optional<ApiError> refusal = submit(gen.job)) {
     ++rejected;
-    const ApiError error{503, "server_error", "server shutting down", "", ""};
-    co_return co_await reply_error(*conn, req, error);
+    co_return co_await reply_error(*conn, req, *refusal);
   }
+  watch_disconnect(conn, gen.job);
+  gen.meta = response_meta(kind);
+  EventStream events(*conn, req);
+  co_await run_generation(gen, events);
+  conn->stream.socket().cancel();  // ends the disconnect watch
+  if (gen.job->client_gone || !events.ok()) co_return false;
+  if (gen.failure) co_return co_await answer_failure(*conn, req, gen, events);
+  ++completed;
+  const Usage usage = usage_of(gen);
+  if (!gen.api.stream) {
+    std::string body = completion_body(gen, usage);
+    co_return co_await reply(*conn, req, http::status::ok, std::move(body));
+  }
+  co_await stream_ending(gen, events, usage);
+  co_return co_await events.end();
+}
+
+std::optional<ApiError> OpenAiServer::Impl::submit(const std::shared_ptr<Job>& job) {
+  if (draining) return ApiError{503, "server_error", "server shutting down", "", ""};
   bool busy = false;
   {
     std::lock_guard lk(mu);
@@ -1204,293 +1374,244 @@ asio::awaitable<bool> OpenAiServer::Impl::generate(std::shared_ptr<Conn> conn, R
     if (!busy) submits.push_back(job);
   }
   if (busy) {
-    ++rejected;
-    const ApiError error{
+    return ApiError{
         503, "server_error",
         "server busy: " + std::to_string(options.max_waiting) + " requests are waiting; retry later", "", ""};
-    co_return co_await reply_error(*conn, req, error);
   }
   ++accepted;
   cv.notify_one();
-  watch_disconnect(conn, job);
+  return std::nullopt;
+}
 
+ResponseMeta OpenAiServer::Impl::response_meta(ApiKind kind) {
   ResponseMeta meta;
   meta.id = std::string(kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-") + std::to_string(next_response_id++);
   meta.created = std::time(nullptr);
   meta.model = options.model_name;
-  const bool want_logprobs = api.logprobs >= 0;
+  return meta;
+}
 
-  // Per choice. Log-probabilities: an entry per token, sent once the text before it is out
-  // (streaming) or all at the end; after a stop string only tokens that start before it are kept.
-  // echo: the prompt leads the text (not seen by the stop strings), sent with the first events.
-  struct Choice {
-    explicit Choice(const std::vector<std::string>& stops) : matcher(stops) {}
-    StopMatcher matcher;
-    TokenId prev = -1;
-    int64_t completion_tokens = 0;
-    double logprob_sum = 0.0;  // of the generated tokens (best_of ranks by the mean)
-    std::string text;  // the whole text, when not streaming or with tools
-    ToolStream tools;  // streaming with tools
-    std::vector<LogprobEntry> logprobs;
-    size_t logprobs_sent = 0;
-    int64_t raw_code_points = 0;   // of every piece decoded so far
-    int64_t sent_code_points = 0;  // of the text released (the echoed prompt, then the matcher's)
-    bool echo_pending = false;
-    nlohmann::json prompt_logprobs;  // prompt_logprobs_json once its first event came (null before)
-    bool first_chunk = true;
-    bool done = false;
-    std::string finish_reason;  // set when generation ended normally
-  };
-  std::vector<Choice> choices;
-  for (int32_t c = 0; c < api.best_of; ++c) {
-    choices.emplace_back(api.stop);
-    choices.back().prev = last_prompt_token;
-    choices.back().echo_pending = api.echo;
-  }
-  size_t choices_done = 0;
-  std::optional<ApiError> failure;  // set when a choice ended in an error: the whole request fails
-
-  // Streaming state: headers go out with the first event, so that a request refused before its
-  // first token still gets a proper HTTP error.
-  http::response<http::empty_body> head{http::status::ok, req.version()};
-  std::optional<http::response_serializer<http::empty_body>> serializer;
-  bool head_sent = false;
-  const bool chunked = req.version() >= 11;
-  bool write_ok = true;
-  auto write_event = [&](std::string data) -> asio::awaitable<void> {
-    if (!write_ok) co_return;
-    beast::error_code ec;
-    if (!head_sent) {
-      head.set(http::field::server, "specontext");
-      head.set(http::field::content_type, "text/event-stream");
-      head.set(http::field::cache_control, "no-cache");
-      head.keep_alive(chunked && req.keep_alive());
-      if (chunked) head.chunked(true);
-      head_sent = true;
-      serializer.emplace(head);
-      co_await http::async_write_header(conn->stream, *serializer, asio::redirect_error(kAwait, ec));
-      if (ec) {
-        write_ok = false;
-        co_return;
-      }
+asio::awaitable<void> OpenAiServer::Impl::run_generation(Generation& gen, EventStream& events) {
+  while (gen.choices_done < gen.choices.size() && !gen.failure) {
+    std::vector<ChoiceEvent> batch = co_await next_events(*gen.job);
+    if (gen.job->client_gone) break;
+    std::vector<std::string> deltas(gen.choices.size());
+    for (const ChoiceEvent& ce : batch) {
+      if (gen.failure || ce.choice >= gen.choices.size()) break;
+      if (gen.choices[ce.choice].done) continue;
+      take_event(gen, ce.choice, ce.event, deltas[ce.choice]);
     }
-    if (chunked) {
-      co_await asio::async_write(conn->stream, http::make_chunk(asio::buffer(data)),
-                                 asio::redirect_error(kAwait, ec));
-    } else {
-      co_await asio::async_write(conn->stream, asio::buffer(data), asio::redirect_error(kAwait, ec));
-    }
-    if (ec) write_ok = false;
-  };
-
-  // The prompt's entries for echo with logprobs; the first has nothing before it to predict it.
-  auto echo_entries = [&](const std::vector<TokenLogprobs>& prompt_lp, std::vector<LogprobEntry>& out) {
-    int64_t offset = 0;
-    for (size_t i = 0; i < prompt.size(); ++i) {
-      const TokenId before = i == 0 ? -1 : prompt[i - 1];
-      LogprobEntry entry{tokenizer.decode_token(before, prompt[i]), 0.0f, {}, offset, i > 0};
-      if (i > 0 && i - 1 < prompt_lp.size()) {
-        const TokenLogprobs& lp = prompt_lp[i - 1];
-        entry.logprob = lp.chosen.logprob;
-        // The scheduler computed max(logprobs, prompt_logprobs) alternatives; echo shows `logprobs`.
-        for (size_t k = 0; k < lp.top.size() && k < static_cast<size_t>(api.logprobs); ++k) {
-          entry.top.emplace_back(tokenizer.decode_token(before, lp.top[k].token), lp.top[k].logprob);
-        }
-      }
-      offset += code_points(entry.token);
-      out.push_back(std::move(entry));
-    }
-  };
-
-  int64_t cached_tokens = 0;  // prompt tokens the choices took from the prefix cache
-  while (choices_done < choices.size() && !failure) {
-    std::vector<ChoiceEvent> events = co_await next_events(*job);
-    if (job->client_gone) break;
-    std::vector<std::string> deltas(choices.size());
-    for (const ChoiceEvent& ce : events) {
-      if (failure || ce.choice >= choices.size()) break;
-      Choice& ch = choices[ce.choice];
-      if (ch.done) continue;
-      const SchedulerEvent& ev = ce.event;
-      std::string& delta = deltas[ce.choice];
-      cached_tokens = std::max(cached_tokens, ev.cached_prompt_tokens);
-      const bool failed_ending = ev.finished && (ev.finish == FinishReason::kRefused ||
-                                                 ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kError);
-      if (api.prompt_logprobs >= 0 && ch.prompt_logprobs.is_null() && !failed_ending) {
-        ch.prompt_logprobs =
-            prompt_logprobs_json(prompt, ev.prompt_logprobs, api.prompt_logprobs,
-                                 [&](TokenId prev, TokenId id) { return tokenizer.decode_token(prev, id); });
-      }
-      if (ch.echo_pending && !failed_ending) {
-        ch.echo_pending = false;
-        delta += echo_text;
-        if (want_logprobs) echo_entries(ev.prompt_logprobs, ch.logprobs);
-        ch.raw_code_points = code_points(echo_text);
-      }
-      if (!ev.finished) {
-        ++ch.completion_tokens;
-        if (ev.logprobs) ch.logprob_sum += ev.logprobs->chosen.logprob;
-        std::string piece = tokenizer.decode_token(ch.prev, ev.token);
-        if (want_logprobs && ev.logprobs) {
-          LogprobEntry entry{piece, ev.logprobs->chosen.logprob, {}, ch.raw_code_points};
-          for (const TokenLogprob& alt : ev.logprobs->top) {
-            entry.top.emplace_back(tokenizer.decode_token(ch.prev, alt.token), alt.logprob);
-          }
-          ch.logprobs.push_back(std::move(entry));
-        }
-        ch.raw_code_points += code_points(piece);
-        delta += ch.matcher.feed(piece);
-        ch.prev = ev.token;
-        if (ch.matcher.stopped()) {
-          cancel_choice(job, ce.choice);
-          ch.finish_reason = "stop";
-          ch.done = true;
-          ++choices_done;
-        }
-        continue;
-      }
-      ch.done = true;
-      ++choices_done;
-      switch (ev.finish) {
-        case FinishReason::kStop:
-        case FinishReason::kLength:
-        case FinishReason::kContext:
-          delta += ch.matcher.finish();
-          ch.finish_reason = ev.finish == FinishReason::kStop ? "stop" : "length";
-          break;
-        case FinishReason::kRefused:
-          failure =
-              ApiError{400, "invalid_request_error", "request " + ev.error, "", "context_length_exceeded"};
-          break;
-        case FinishReason::kCancelled:  // the server is shutting down
-          failure = ApiError{503, "server_error", ev.error, "", ""};
-          break;
-        case FinishReason::kError:
-          failure = ApiError{500, "server_error", ev.error, "", ""};
-          break;
-      }
-    }
-    for (size_t c = 0; c < choices.size() && !failure; ++c) {
-      Choice& ch = choices[c];
-      const std::string& delta = deltas[c];
-      ch.sent_code_points += code_points(delta);
+    for (size_t c = 0; c < gen.choices.size() && !gen.failure; ++c) {
+      GenerationChoice& ch = gen.choices[c];
+      ch.sent_code_points += code_points(deltas[c]);
       if (ch.matcher.stopped()) {
         std::erase_if(ch.logprobs, [&](const LogprobEntry& e) { return e.text_offset >= ch.sent_code_points; });
       }
-      if (!api.stream) {
-        ch.text += delta;
-        continue;
-      }
-      std::string content = delta;
-      std::vector<ToolCallDelta> call_deltas;
-      if (api.tool_choice != ApiRequest::ToolChoice::kNone) {
-        ch.text += delta;
-        content = tool_stream_step(api, ch.tools, ch.text, ch.done, ch.finish_reason, call_deltas);
-      }
-      // Entries whose text is out; at the end (no stop) the rest, whose text may be empty.
-      std::vector<LogprobEntry> ready;
-      while (ch.logprobs_sent < ch.logprobs.size() &&
-             (ch.done || ch.logprobs[ch.logprobs_sent].text_offset < ch.sent_code_points)) {
-        ready.push_back(std::move(ch.logprobs[ch.logprobs_sent++]));
-      }
-      if (!content.empty() || !ready.empty()) {
-        const nlohmann::json* prompt_lp =
-            ch.first_chunk && !ch.prompt_logprobs.is_null() ? &ch.prompt_logprobs : nullptr;
-        std::string chunk =
-            stream_chunk(kind, meta, content, std::exchange(ch.first_chunk, false),
-                         want_logprobs ? &ready : nullptr, static_cast<int32_t>(c), prompt_lp);
-        co_await write_event(std::move(chunk));
-      }
-      if (!call_deltas.empty() && ch.first_chunk && !ch.prompt_logprobs.is_null()) {  // they go first
-        std::string chunk = stream_chunk(kind, meta, "", std::exchange(ch.first_chunk, false), nullptr,
-                                         static_cast<int32_t>(c), &ch.prompt_logprobs);
-        co_await write_event(std::move(chunk));
-      }
-      for (const ToolCallDelta& d : call_deltas) {
-        std::string chunk = stream_tool_call_chunk(meta, d, std::exchange(ch.first_chunk, false), static_cast<int32_t>(c));
-        co_await write_event(std::move(chunk));
+      if (gen.api.stream) {
+        co_await stream_delta(gen, c, deltas[c], events);
+      } else {
+        ch.text += deltas[c];
       }
     }
-    if (api.stream && !write_ok) {
-      cancel(job);
+    if (gen.api.stream && !events.ok()) {
+      cancel(gen.job);
       break;
     }
   }
-  if (failure) {  // the request fails as a whole: the other choices' sequences are freed at once
-    for (size_t c = 0; c < choices.size(); ++c) {
-      if (!choices[c].done) cancel_choice(job, c);
+  if (gen.failure) {  // the request fails as a whole: the other choices' sequences are freed at once
+    for (size_t c = 0; c < gen.choices.size(); ++c) {
+      if (!gen.choices[c].done) cancel_choice(gen.job, c);
     }
   }
-  conn->stream.socket().cancel();  // ends the disconnect watch
-  if (job->client_gone || !write_ok) co_return false;
-  if (failure) {
-    if (failure->http_status == 500) {
-      ++failed;
-    } else {
-      ++rejected;
+}
+
+void OpenAiServer::Impl::take_event(Generation& gen, size_t choice, const SchedulerEvent& ev,
+                                    std::string& delta) {
+  GenerationChoice& ch = gen.choices[choice];
+  gen.cached_tokens = std::max(gen.cached_tokens, ev.cached_prompt_tokens);
+  const bool failed_ending =
+      ev.finished && (ev.finish == FinishReason::kRefused || ev.finish == FinishReason::kCancelled ||
+                      ev.finish == FinishReason::kError);
+  if (!failed_ending) take_prompt_parts(gen, ch, ev, delta);
+  if (!ev.finished) {
+    take_token(gen, choice, ev, delta);
+    return;
+  }
+  ch.done = true;
+  ++gen.choices_done;
+  switch (ev.finish) {
+    case FinishReason::kStop:
+    case FinishReason::kLength:
+    case FinishReason::kContext:
+      delta += ch.matcher.finish();
+      ch.finish_reason = ev.finish == FinishReason::kStop ? "stop" : "length";
+      break;
+    case FinishReason::kRefused:
+      gen.failure =
+          ApiError{400, "invalid_request_error", "request " + ev.error, "", "context_length_exceeded"};
+      break;
+    case FinishReason::kCancelled:  // the server is shutting down
+      gen.failure = ApiError{503, "server_error", ev.error, "", ""};
+      break;
+    case FinishReason::kError:
+      gen.failure = ApiError{500, "server_error", ev.error, "", ""};
+      break;
+  }
+}
+
+void OpenAiServer::Impl::take_prompt_parts(const Generation& gen, GenerationChoice& ch,
+                                           const SchedulerEvent& ev, std::string& delta) const {
+  if (gen.api.prompt_logprobs >= 0 && ch.prompt_logprobs.is_null()) {
+    ch.prompt_logprobs =
+        prompt_logprobs_json(gen.prompt, ev.prompt_logprobs, gen.api.prompt_logprobs,
+                             [&](TokenId prev, TokenId id) { return tokenizer.decode_token(prev, id); });
+  }
+  if (ch.echo_pending) {
+    ch.echo_pending = false;
+    delta += gen.echo_text;
+    if (gen.want_logprobs) echo_logprobs(gen, ev.prompt_logprobs, ch.logprobs);
+    ch.raw_code_points = code_points(gen.echo_text);
+  }
+}
+
+void OpenAiServer::Impl::echo_logprobs(const Generation& gen, const std::vector<TokenLogprobs>& prompt_lp,
+                                       std::vector<LogprobEntry>& out) const {
+  const std::vector<TokenId>& prompt = gen.prompt;
+  int64_t offset = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const TokenId before = i == 0 ? -1 : prompt[i - 1];
+    LogprobEntry entry{tokenizer.decode_token(before, prompt[i]), 0.0f, {}, offset, i > 0};
+    if (i > 0 && i - 1 < prompt_lp.size()) {
+      const TokenLogprobs& lp = prompt_lp[i - 1];
+      entry.logprob = lp.chosen.logprob;
+      // The scheduler computed max(logprobs, prompt_logprobs) alternatives; echo shows `logprobs`.
+      for (size_t k = 0; k < lp.top.size() && k < static_cast<size_t>(gen.api.logprobs); ++k) {
+        entry.top.emplace_back(tokenizer.decode_token(before, lp.top[k].token), lp.top[k].logprob);
+      }
     }
-    if (!api.stream || !head_sent) co_return co_await reply_error(*conn, req, *failure);
-    std::string error_event = stream_error_chunk(*failure);
-    co_await write_event(std::move(error_event));
+    offset += code_points(entry.token);
+    out.push_back(std::move(entry));
+  }
+}
+
+void OpenAiServer::Impl::take_token(Generation& gen, size_t choice, const SchedulerEvent& ev,
+                                    std::string& delta) {
+  GenerationChoice& ch = gen.choices[choice];
+  ++ch.completion_tokens;
+  if (ev.logprobs) ch.logprob_sum += ev.logprobs->chosen.logprob;
+  std::string piece = tokenizer.decode_token(ch.prev, ev.token);
+  if (gen.want_logprobs && ev.logprobs) {
+    LogprobEntry entry{piece, ev.logprobs->chosen.logprob, {}, ch.raw_code_points};
+    for (const TokenLogprob& alt : ev.logprobs->top) {
+      entry.top.emplace_back(tokenizer.decode_token(ch.prev, alt.token), alt.logprob);
+    }
+    ch.logprobs.push_back(std::move(entry));
+  }
+  ch.raw_code_points += code_points(piece);
+  delta += ch.matcher.feed(piece);
+  ch.prev = ev.token;
+  if (ch.matcher.stopped()) {
+    cancel_choice(gen.job, choice);
+    ch.finish_reason = "stop";
+    ch.done = true;
+    ++gen.choices_done;
+  }
+}
+
+asio::awaitable<void> OpenAiServer::Impl::stream_delta(Generation& gen, size_t c, const std::string& delta,
+                                                       EventStream& events) {
+  GenerationChoice& ch = gen.choices[c];
+  const auto index = static_cast<int32_t>(c);
+  std::string content = delta;
+  std::vector<ToolCallDelta> call_deltas;
+  if (gen.api.tool_choice != ApiRequest::ToolChoice::kNone) {
+    ch.text += delta;
+    content = tool_stream_step(gen.api, ch.tools, ch.text, ch.done, ch.finish_reason, call_deltas);
+  }
+  // Entries whose text is out; at the end (no stop) the rest, whose text may be empty.
+  std::vector<LogprobEntry> ready;
+  while (ch.logprobs_sent < ch.logprobs.size() &&
+         (ch.done || ch.logprobs[ch.logprobs_sent].text_offset < ch.sent_code_points)) {
+    ready.push_back(std::move(ch.logprobs[ch.logprobs_sent++]));
+  }
+  if (!content.empty() || !ready.empty()) {
+    const nlohmann::json* prompt_lp =
+        ch.first_chunk && !ch.prompt_logprobs.is_null() ? &ch.prompt_logprobs : nullptr;
+    std::string chunk = stream_chunk(gen.kind, gen.meta, content, std::exchange(ch.first_chunk, false),
+                                     gen.want_logprobs ? &ready : nullptr, index, prompt_lp);
+    co_await events.write(std::move(chunk));
+  }
+  if (!call_deltas.empty() && ch.first_chunk && !ch.prompt_logprobs.is_null()) {  // they go first
+    std::string chunk = stream_chunk(gen.kind, gen.meta, "", std::exchange(ch.first_chunk, false), nullptr,
+                                     index, &ch.prompt_logprobs);
+    co_await events.write(std::move(chunk));
+  }
+  for (const ToolCallDelta& d : call_deltas) {
+    std::string chunk = stream_tool_call_chunk(gen.meta, d, std::exchange(ch.first_chunk, false), index);
+    co_await events.write(std::move(chunk));
+  }
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::answer_failure(Conn& conn, const Request& req,
+                                                         const Generation& gen, EventStream& events) {
+  const ApiError& failure = *gen.failure;
+  if (failure.http_status == 500) {
+    ++failed;
   } else {
-    ++completed;
-    int64_t completion_tokens = 0;
-    for (const Choice& ch : choices) completion_tokens += ch.completion_tokens;
-    Usage usage{prompt_len, completion_tokens, std::nullopt};
-    if (options.scheduling.prefix_caching) usage.cached_tokens = std::min(cached_tokens, prompt_len);
-    if (!api.stream) {
-      // best_of: the n choices of the highest mean log-probability per token (ties: the first).
-      std::vector<size_t> order(choices.size());
-      std::iota(order.begin(), order.end(), size_t{0});
-      auto mean_logprob = [&](size_t c) {
-        const Choice& ch = choices[c];
-        return ch.completion_tokens > 0 ? ch.logprob_sum / static_cast<double>(ch.completion_tokens) : 0.0;
-      };
-      if (api.best_of > api.n) {
-        std::stable_sort(order.begin(), order.end(),
-                         [&](size_t a, size_t b) { return mean_logprob(a) > mean_logprob(b); });
-        order.resize(static_cast<size_t>(api.n));
-      }
-      std::vector<ChoiceOut> out;
-      std::vector<std::vector<ToolCallOut>> calls(order.size());
-      for (size_t i = 0; i < order.size(); ++i) {
-        const Choice& ch = choices[order[i]];
-        out.push_back({ch.text, ch.finish_reason, want_logprobs ? &ch.logprobs : nullptr,
-                       ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
-        if (api.tool_choice != ApiRequest::ToolChoice::kNone) {
-          calls[i] = tool_calls_of(api, ch.text, out.back().text, out.back().finish_reason);
-          if (!calls[i].empty()) out.back().tool_calls = &calls[i];
-        }
-      }
-      std::string body = dump_json(completion_response(kind, meta, out, usage));
-      co_return co_await reply(*conn, req, http::status::ok, std::move(body));
+    ++rejected;
+  }
+  if (!gen.api.stream || !events.head_sent()) co_return co_await reply_error(conn, req, failure);
+  std::string error_event = stream_error_chunk(failure);
+  co_await events.write(std::move(error_event));
+  std::string done_event(kStreamDone);
+  co_await events.write(std::move(done_event));
+  co_return co_await events.end();
+}
+
+Usage OpenAiServer::Impl::usage_of(const Generation& gen) const {
+  int64_t completion_tokens = 0;
+  for (const GenerationChoice& ch : gen.choices) completion_tokens += ch.completion_tokens;
+  Usage usage{gen.prompt_len, completion_tokens, std::nullopt};
+  if (options.scheduling.prefix_caching) usage.cached_tokens = std::min(gen.cached_tokens, gen.prompt_len);
+  return usage;
+}
+
+std::string OpenAiServer::Impl::completion_body(const Generation& gen, const Usage& usage) const {
+  const std::vector<size_t> order = best_choices(gen);
+  std::vector<ChoiceOut> out;
+  std::vector<std::vector<ToolCallOut>> calls(order.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    const GenerationChoice& ch = gen.choices[order[i]];
+    out.push_back({ch.text, ch.finish_reason, gen.want_logprobs ? &ch.logprobs : nullptr,
+                   ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs});
+    if (gen.api.tool_choice != ApiRequest::ToolChoice::kNone) {
+      calls[i] = tool_calls_of(gen.api, ch.text, out.back().text, out.back().finish_reason);
+      if (!calls[i].empty()) out.back().tool_calls = &calls[i];
     }
-    for (size_t c = 0; c < choices.size(); ++c) {
-      const auto index = static_cast<int32_t>(c);
-      if (choices[c].first_chunk) {
-        const nlohmann::json* prompt_lp =
-            choices[c].prompt_logprobs.is_null() ? nullptr : &choices[c].prompt_logprobs;
-        std::string role =
-            stream_chunk(kind, meta, "", true, nullptr, index, prompt_lp);  // the role, for chat
-        co_await write_event(std::move(role));
-      }
-      std::string finish = stream_finish_chunk(kind, meta, choices[c].finish_reason, index);
-      co_await write_event(std::move(finish));
+  }
+  return dump_json(completion_response(gen.kind, gen.meta, out, usage));
+}
+
+asio::awaitable<void> OpenAiServer::Impl::stream_ending(Generation& gen, EventStream& events,
+                                                        const Usage& usage) {
+  for (size_t c = 0; c < gen.choices.size(); ++c) {
+    const GenerationChoice& ch = gen.choices[c];
+    const auto index = static_cast<int32_t>(c);
+    if (ch.first_chunk) {
+      const nlohmann::json* prompt_lp = ch.prompt_logprobs.is_null() ? nullptr : &ch.prompt_logprobs;
+      std::string role =
+          stream_chunk(gen.kind, gen.meta, "", true, nullptr, index, prompt_lp);  // the role, for chat
+      co_await events.write(std::move(role));
     }
-    if (api.include_usage) {
-      std::string usage_chunk = stream_usage_chunk(kind, meta, usage);
-      co_await write_event(std::move(usage_chunk));
-    }
+    std::string finish = stream_finish_chunk(gen.kind, gen.meta, ch.finish_reason, index);
+    co_await events.write(std::move(finish));
+  }
+  if (gen.api.include_usage) {
+    std::string usage_chunk = stream_usage_chunk(gen.kind, gen.meta, usage);
+    co_await events.write(std::move(usage_chunk));
   }
   std::string done_event(kStreamDone);
-  co_await write_event(std::move(done_event));
-  if (!write_ok) co_return false;
-  if (chunked) {
-    beast::error_code ec;
-    co_await asio::async_write(conn->stream, http::make_chunk_last(), asio::redirect_error(kAwait, ec));
-    co_return !ec;
-  }
-  co_return false;  // without chunked encoding the end of the stream is the end of the connection
+  co_await events.write(std::move(done_event));
 }
 
 std::string OpenAiServer::Impl::metrics_text() const {

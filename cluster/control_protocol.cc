@@ -114,6 +114,14 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
     SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes,
                          hex_decode(mac->get_ref<const std::string&>(), "control request: field 'mac'"));
     std::copy(bytes.begin(), bytes.end(), r.mac.begin());
+    auto nonce = j.find("nonce");
+    if (nonce == j.end() || !nonce->is_string() ||
+        nonce->get_ref<const std::string&>().size() != 2 * r.nonce.size()) {
+      return field_error("nonce", "must be " + std::to_string(2 * r.nonce.size()) + " hex digits");
+    }
+    SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> challenge,
+                         hex_decode(nonce->get_ref<const std::string&>(), "control request: field 'nonce'"));
+    std::copy(challenge.begin(), challenge.end(), r.nonce.begin());
   } else if (name == "alloc") {
     r.op = ControlOp::kAlloc;
     SPX_ASSIGN_OR_RETURN(r.bytes, positive_u64(j, "bytes"));
@@ -135,7 +143,7 @@ std::string control_request_line(const ControlRequest& r) {
       j = {{"op", "hello"}, {"version", kControlVersion}};
       break;
     case ControlOp::kAuth:
-      j = {{"op", "auth"}, {"mac", hex_encode(r.mac)}};
+      j = {{"op", "auth"}, {"mac", hex_encode(r.mac)}, {"nonce", hex_encode(r.nonce)}};
       break;
     case ControlOp::kAlloc:
       j = {{"op", "alloc"}, {"bytes", r.bytes}};
@@ -201,6 +209,14 @@ Result<HelloReply> parse_hello_reply(const nlohmann::json& j, std::string_view n
   if (scheme != "none" && scheme != "done") {
     return reply_error(node,
                        "field 'auth' is not one of none, hmac-sha256, done: '" + scheme.substr(0, 64) + "'");
+  }
+  if (scheme == "done") {
+    SPX_ASSIGN_OR_RETURN(const std::vector<uint8_t> proof, reply_hex(j, "proof", node));
+    if (proof.size() != h.proof.size()) {
+      return reply_error(node, "field 'proof' is not " + std::to_string(2 * h.proof.size()) + " hex digits");
+    }
+    std::copy(proof.begin(), proof.end(), h.proof.begin());
+    h.has_proof = true;
   }
   SPX_ASSIGN_OR_RETURN(h.capacity, reply_u64(j, "capacity", node));
   SPX_ASSIGN_OR_RETURN(h.free, reply_u64(j, "free", node));

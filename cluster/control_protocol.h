@@ -4,9 +4,13 @@
 //                                   a node with a secret: {"ok":true,"version":V,"node":NAME,
 //                                   "auth":"hmac-sha256","nonce":HEX} (32 random bytes, fresh per hello)
 //                                   (a version the node does not speak: error naming both versions)
-//   {"op":"auth","mac":HEX}       → {"ok":true,"version":V,"node":NAME,"auth":"done",INFO}; MAC is
-//                                   HMAC-SHA256(secret, nonce ‖ context) (cluster/kv_node_auth.h). A wrong
-//                                   or missing answer: error, and the node closes the connection.
+//   {"op":"auth","mac":HEX,"nonce":HEX}
+//                                 → {"ok":true,"version":V,"node":NAME,"auth":"done","proof":HEX,INFO};
+//                                   MAC is HMAC-SHA256(secret, node nonce ‖ context), the request's nonce
+//                                   32 random bytes of the client's, and PROOF the node's answer to it
+//                                   (cluster/kv_node_auth.h: mutual authentication). A wrong or missing
+//                                   answer: error, and the node closes the connection; a wrong or missing
+//                                   proof: the client refuses the node.
 //     INFO: "capacity":N,"free":N,"quota":N,"worker_address":HEX,"rma":false,"rma_refused":WHY
 //     (quota: the bytes this connection may hold at once; 0: up to the capacity)
 //   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"key":HEX[,"rkey":HEX]}
@@ -47,7 +51,7 @@ namespace specontext::cluster {
 inline constexpr size_t kMaxControlLine = 64 * 1024;
 // 2: regions have keys and their own rkeys. 3: 128-bit keys as hex, random region ids, rkeys
 // only from a node that serves RMA. 4: challenge–response authentication at hello (op "auth").
-inline constexpr int kControlVersion = 4;
+inline constexpr int kControlVersion = 5;
 
 enum class ControlOp { kHello, kAuth, kAlloc, kFree, kStats };
 
@@ -57,6 +61,7 @@ struct ControlRequest {
   uint64_t region = 0;  // free
   int64_t version = 0;  // hello: the client's kControlVersion (0: not given)
   Sha256Digest mac{};   // auth: the answer to the hello's nonce
+  AuthNonce nonce{};    // auth: the client's challenge to the node
 };
 
 // kInvalidArgument naming the field ("control request: field 'bytes' ...").
@@ -70,6 +75,9 @@ struct HelloReply {
   int64_t version = 0;
   bool auth_required = false;
   AuthNonce nonce{};
+  // An auth reply's proof that the node holds the secret (cluster/kv_node_auth.h node_proof).
+  bool has_proof = false;
+  Sha256Digest proof{};
   uint64_t capacity = 0;
   uint64_t quota = 0;  // bytes this connection may hold at once (0: up to the capacity)
   uint64_t free = 0;

@@ -518,12 +518,14 @@ class KvNode::Impl {
           invalid_argument("control request: auth: this connection is authenticated already"))};
     }
     if (!s.nonce) return auth_failure(s, "auth without a hello's challenge to answer");
-    const Sha256Digest expected = auth_response(options.secret, *s.nonce, name);
+    const AuthNonce challenge = *s.nonce;
     s.nonce.reset();  // one answer per challenge
+    const Sha256Digest expected = auth_response(options.secret, challenge, name);
     if (!constant_time_equal(expected, req.mac)) return auth_failure(s, "wrong answer to the challenge");
     s.authenticated = true;
     nlohmann::json out = {{"ok", true}};
     describe(out, "done");
+    out["proof"] = hex_encode(node_proof(options.secret, req.nonce, challenge, name));
     return {out.dump() + "\n"};
   }
 

@@ -200,8 +200,19 @@ Status fill_random(std::span<uint8_t> out) {
 Sha256Digest auth_response(std::string_view secret, const AuthNonce& nonce, std::string_view node_name) {
   // The context binds the answer to this protocol (never valid for another use of the secret)
   // and to the node that asked.
-  static constexpr std::string_view kContext = "specontext kv-node auth v4";
+  static constexpr std::string_view kContext = "specontext kv-node auth v5";
   std::vector<uint8_t> message(nonce.begin(), nonce.end());
+  message.insert(message.end(), kContext.begin(), kContext.end());
+  message.push_back(0);
+  message.insert(message.end(), node_name.begin(), node_name.end());
+  return hmac_sha256(bytes_of(secret), message);
+}
+
+Sha256Digest node_proof(std::string_view secret, const AuthNonce& client_nonce, const AuthNonce& node_nonce,
+                        std::string_view node_name) {
+  static constexpr std::string_view kContext = "specontext kv-node proof v5";
+  std::vector<uint8_t> message(client_nonce.begin(), client_nonce.end());
+  message.insert(message.end(), node_nonce.begin(), node_nonce.end());
   message.insert(message.end(), kContext.begin(), kContext.end());
   message.push_back(0);
   message.insert(message.end(), node_name.begin(), node_name.end());

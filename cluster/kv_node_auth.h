@@ -2,7 +2,11 @@
 // challenge–response at hello (cluster/control_protocol.h):
 //   node → client: a nonce of kAuthNonceBytes from getrandom (the kernel CSPRNG), fresh per hello;
 //   client → node: HMAC-SHA256(secret, nonce ‖ "specontext kv-node auth v<version>" ‖ 0 ‖ node name);
-//   the node compares in constant time and closes the connection on a wrong answer.
+//   the node compares in constant time and closes the connection on a wrong answer;
+//   the client sends, with its answer, a nonce of its own (getrandom), and the node proves it
+//   holds the secret too: HMAC-SHA256(secret, client nonce ‖ node nonce ‖ "specontext kv-node proof
+//   v<version>" ‖ 0 ‖ node name), which the client compares in constant time before it sends KV
+//   anywhere (so a process posing as a node at a known address is found out at hello).
 // The secret comes from a file (--secret-file / --kv-secret-file) or the environment variable
 // SPECONTEXT_KV_SECRET, never from the command line (where `ps` and shell history show it).
 //
@@ -43,6 +47,11 @@ Status fill_random(std::span<uint8_t> out);
 
 // The client's answer to `nonce` from node `node_name` (the name its hello reply gave).
 Sha256Digest auth_response(std::string_view secret, const AuthNonce& nonce, std::string_view node_name);
+// The node's proof, in its auth reply, that it holds the secret: bound to the client's nonce, to
+// the node's own challenge (so it cannot be replayed from another session) and to the node's name.
+// A different context from auth_response's, so neither side's answer serves as the other's.
+Sha256Digest node_proof(std::string_view secret, const AuthNonce& client_nonce, const AuthNonce& node_nonce,
+                        std::string_view node_name);
 
 // The shared secret: the file's content when `file` is given (at most kMaxSecretBytes, trailing
 // whitespace dropped, readable by its owner only), else SPECONTEXT_KV_SECRET, else "" (none).

@@ -92,7 +92,16 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   hello.op = ControlOp::kHello;
   SPX_ASSIGN_OR_RETURN(nlohmann::json reply, c->impl_->call(control_request_line(hello)));
   SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
-  if (!c->hello_.auth_required) return c;
+  if (!c->hello_.auth_required) {
+    // With a secret, an open node is refused: anything can answer "no authentication".
+    if (!secret.empty()) {
+      return invalid_argument("kv node " + c->endpoint_ +
+                              ": authentication failed: it asks for no authentication, but this client has a "
+                              "shared secret (another process at that address, or a node started without "
+                              "the secret)");
+    }
+    return c;
+  }
   if (secret.empty()) {
     return invalid_argument(
         "kv node " + c->endpoint_ +
@@ -103,10 +112,19 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   ControlRequest auth;
   auth.op = ControlOp::kAuth;
   auth.mac = auth_response(secret, c->hello_.nonce, c->hello_.node);
+  SPX_RETURN_IF_ERROR(fill_random(auth.nonce));
+  const AuthNonce node_nonce = c->hello_.nonce;
   SPX_ASSIGN_OR_RETURN(reply, c->impl_->call(control_request_line(auth)));
   SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
   if (c->hello_.auth_required)
     return data_loss("kv node " + c->endpoint_ + ": malformed reply: a second challenge");
+  // The node's side of the mutual authentication: before any KV goes to it.
+  const Sha256Digest expected = node_proof(secret, auth.nonce, node_nonce, c->hello_.node);
+  if (!c->hello_.has_proof || !constant_time_equal(expected, c->hello_.proof)) {
+    return invalid_argument("kv node " + c->endpoint_ +
+                            ": authentication failed: the node did not prove it holds the shared secret "
+                            "(another process at that address, or a different secret)");
+  }
   return c;
 }
 

@@ -1,7 +1,8 @@
 // The KV node's authentication and limits (issue 26, item 4): SHA-256 and HMAC-SHA256 against
 // FIPS 180-4 and RFC 4231; the secret from a file or SPECONTEXT_KV_SECRET; challenge–response at
 // hello (right secret served; wrong or missing secret refused, counted and logged with the peer;
-// an answer to one nonce refused for another); the protocol version in hello; per-connection
+// an answer to one nonce refused for another; the node proves the secret back, and a client
+// refuses a node that cannot); the protocol version in hello; per-connection
 // quotas; the connection limit; the idle timeout; no secret, no listening beyond loopback.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -15,7 +16,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -285,9 +288,13 @@ AuthNonce nonce_of(const nlohmann::json& hello) {
   return n;
 }
 
-std::string auth_line(const Sha256Digest& mac) {
-  return R"({"op":"auth","mac":")" + hex_encode(mac) + R"("})";
+// An auth request answering with `mac` and challenging the node with `client_nonce`.
+std::string auth_line(const Sha256Digest& mac, const AuthNonce& client_nonce = AuthNonce{}) {
+  return R"({"op":"auth","mac":")" + hex_encode(mac) + R"(","nonce":")" + hex_encode(client_nonce) + R"("})";
 }
+
+// The hello request of this protocol version.
+std::string hello_line() { return R"({"op":"hello","version":)" + std::to_string(kControlVersion) + "}"; }
 
 TEST(KvNodeAuth, TheRightSecretIsServed) {
   auto node = start(options());
@@ -355,7 +362,7 @@ TEST(KvNodeAuth, AnAnswerIsGoodForItsOwnNonceOnly) {
   auto node = start(options());
   ASSERT_NE(node, nullptr);
   RawConnection first(node->port());
-  const nlohmann::json h1 = first.call(R"({"op":"hello","version":4})");
+  const nlohmann::json h1 = first.call(hello_line());
   ASSERT_EQ(h1.value("auth", std::string()), "hmac-sha256") << h1.dump();
   EXPECT_FALSE(h1.contains("capacity")) << "nothing about the node before authentication: " << h1.dump();
   const Sha256Digest answer = auth_response(kSecret, nonce_of(h1), h1.value("node", std::string()));
@@ -366,7 +373,7 @@ TEST(KvNodeAuth, AnAnswerIsGoodForItsOwnNonceOnly) {
 
   // Replayed on another connection, which was sent another nonce.
   RawConnection second(node->port());
-  const nlohmann::json h2 = second.call(R"({"op":"hello","version":4})");
+  const nlohmann::json h2 = second.call(hello_line());
   ASSERT_NE(nonce_of(h2), nonce_of(h1));
   const nlohmann::json replay = second.call(auth_line(answer));
   EXPECT_EQ(replay.value("ok", true), false) << replay.dump();
@@ -376,12 +383,151 @@ TEST(KvNodeAuth, AnAnswerIsGoodForItsOwnNonceOnly) {
 
   // A second hello replaces the challenge: the answer to the first no longer counts.
   RawConnection third(node->port());
-  const nlohmann::json h3 = third.call(R"({"op":"hello","version":4})");
-  const nlohmann::json h4 = third.call(R"({"op":"hello","version":4})");
+  const nlohmann::json h3 = third.call(hello_line());
+  const nlohmann::json h4 = third.call(hello_line());
   ASSERT_NE(nonce_of(h3), nonce_of(h4));
   const nlohmann::json stale = third.call(auth_line(auth_response(kSecret, nonce_of(h3), node->name())));
   EXPECT_EQ(stale.value("ok", true), false) << stale.dump();
   EXPECT_EQ(node->stats().auth_failures, 2);
+}
+
+TEST(KvNodeAuth, TheNodeProvesItHoldsTheSecretToEachChallenge) {
+  auto node = start(options());
+  ASSERT_NE(node, nullptr);
+  RawConnection raw(node->port());
+  const nlohmann::json h = raw.call(hello_line());
+  const AuthNonce node_nonce = nonce_of(h);
+  AuthNonce mine{};
+  ASSERT_TRUE(fill_random(mine).is_ok());
+  const nlohmann::json done = raw.call(auth_line(auth_response(kSecret, node_nonce, node->name()), mine));
+  ASSERT_EQ(done.value("ok", false), true) << done.dump();
+  auto proof = hex_decode(done.value("proof", std::string()), "proof");
+  ASSERT_TRUE(proof.is_ok()) << done.dump();
+  const Sha256Digest want = node_proof(kSecret, mine, node_nonce, node->name());
+  EXPECT_TRUE(constant_time_equal(*proof, want));
+  // The proof answers this client nonce, this node challenge and this secret only.
+  AuthNonce other = mine;
+  other[0] ^= 1;
+  EXPECT_FALSE(constant_time_equal(*proof, node_proof(kSecret, other, node_nonce, node->name())));
+  EXPECT_FALSE(constant_time_equal(*proof, node_proof(kSecret, mine, other, node->name())));
+  EXPECT_FALSE(constant_time_equal(
+      *proof, node_proof("another secret of enough length", mine, node_nonce, node->name())));
+  // And it is never the client's own answer under another name.
+  EXPECT_FALSE(constant_time_equal(*proof, auth_response(kSecret, node_nonce, node->name())));
+  // An auth request without the client's challenge is malformed.
+  RawConnection bare(node->port());
+  bare.call(hello_line());
+  const nlohmann::json r = bare.call(R"({"op":"auth","mac":")" + hex_encode(Sha256Digest{}) + R"("})");
+  EXPECT_NE(r.value("error", std::string()).find("'nonce'"), std::string::npos) << r.dump();
+}
+
+// A process posing as a KV node on loopback: answers each control line with `reply(line)`.
+class FakeNode {
+ public:
+  explicit FakeNode(std::function<std::string(const nlohmann::json&)> reply) : reply_(std::move(reply)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::listen(listener_, 4) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return;
+    }
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~FakeNode() {
+    ::shutdown(listener_, SHUT_RDWR);
+    ::close(listener_);
+    if (thread_.joinable()) thread_.join();
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  void serve() {
+    const int fd = ::accept(listener_, nullptr, nullptr);
+    if (fd < 0) return;
+    std::string line;
+    char c = 0;
+    pollfd p{fd, POLLIN, 0};
+    while (::poll(&p, 1, 60000) == 1 && ::recv(fd, &c, 1, 0) == 1) {
+      if (c != '\n') {
+        line.push_back(c);
+        continue;
+      }
+      const std::string out = reply_(nlohmann::json::parse(line, nullptr, false)) + "\n";
+      line.clear();
+      if (::send(fd, out.data(), out.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(out.size())) break;
+    }
+    ::close(fd);
+  }
+  std::function<std::string(const nlohmann::json&)> reply_;
+  int listener_ = -1;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+// What a fake node says: a challenge at hello, then at auth "done" with `proof` (none when empty).
+std::function<std::string(const nlohmann::json&)> impostor(const std::optional<std::string>& proof_secret) {
+  return [proof_secret](const nlohmann::json& req) {
+    nlohmann::json out = {{"ok", true}, {"version", kControlVersion}, {"node", "fake:1"}};
+    if (req.value("op", std::string()) == "hello") {
+      out["auth"] = "hmac-sha256";
+      out["nonce"] = hex_encode(AuthNonce{});
+      return out.dump();
+    }
+    out["auth"] = "done";
+    if (proof_secret) {
+      AuthNonce theirs{};
+      auto b = hex_decode(req.value("nonce", std::string()), "nonce");
+      if (b.is_ok() && b->size() == theirs.size()) std::copy(b->begin(), b->end(), theirs.begin());
+      out["proof"] = hex_encode(node_proof(*proof_secret, theirs, AuthNonce{}, "fake:1"));
+    }
+    for (const char* k : {"capacity", "free", "quota"}) out[k] = 1 << 20;
+    out["worker_address"] = "0a0b";
+    out["rma"] = false;
+    return out.dump();
+  };
+}
+
+TEST(KvNodeAuth, AClientRefusesANodeThatCannotProveTheSecret) {
+  const auto refused = [](FakeNode& fake, const std::string& secret) {
+    return KvNodeClient::connect(Endpoint{"127.0.0.1", fake.port()}, 5s, secret);
+  };
+  {  // accepts any answer, proves with another secret
+    FakeNode fake(impostor(std::string("a different secret of enough length")));
+    auto c = refused(fake, kSecret);
+    ASSERT_FALSE(c.is_ok());
+    EXPECT_NE(c.status().message().find("did not prove it holds the shared secret"), std::string::npos)
+        << c.status().to_string();
+  }
+  {  // proves with the right secret: served (the fake is then a node that knows the secret)
+    FakeNode fake(impostor(kSecret));
+    auto c = refused(fake, kSecret);
+    EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  }
+  {  // no proof at all
+    FakeNode fake(impostor(std::nullopt));
+    auto c = refused(fake, kSecret);
+    ASSERT_FALSE(c.is_ok());
+    EXPECT_NE(c.status().message().find("'proof'"), std::string::npos) << c.status().to_string();
+  }
+  {  // "no authentication" to a client that holds a secret
+    FakeNode fake([](const nlohmann::json&) {
+      return nlohmann::json{{"ok", true},       {"version", kControlVersion},
+                            {"node", "fake:1"}, {"auth", "none"},
+                            {"capacity", 1},    {"free", 1},
+                            {"quota", 0},       {"worker_address", "0a0b"},
+                            {"rma", false}}
+          .dump();
+    });
+    auto c = refused(fake, kSecret);
+    ASSERT_FALSE(c.is_ok());
+    EXPECT_NE(c.status().message().find("asks for no authentication"), std::string::npos)
+        << c.status().to_string();
+  }
 }
 
 TEST(KvNodeAuth, AnotherProtocolVersionIsAClearError) {
@@ -390,13 +536,17 @@ TEST(KvNodeAuth, AnotherProtocolVersionIsAClearError) {
   RawConnection raw(node->port());
   const nlohmann::json r = raw.call(R"({"op":"hello","version":3})");
   EXPECT_EQ(r.value("ok", true), false) << r.dump();
-  EXPECT_NE(r.value("error", std::string()).find("control protocol 3, this node 4"), std::string::npos)
+  EXPECT_NE(r.value("error", std::string())
+                .find("control protocol 3, this node " + std::to_string(kControlVersion)),
+            std::string::npos)
       << r.dump();
   // A version-3 node's hello reply (no "auth") is refused by this client, naming both versions.
   auto h = parse_hello_reply(nlohmann::json::parse(R"({"ok":true,"version":3,"node":"n:1"})"), "n:1");
   ASSERT_FALSE(h.is_ok());
   EXPECT_EQ(h.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(h.status().message().find("speaks control protocol 3, this client 4"), std::string::npos)
+  EXPECT_NE(
+      h.status().message().find("speaks control protocol 3, this client " + std::to_string(kControlVersion)),
+      std::string::npos)
       << h.status().to_string();
 }
 

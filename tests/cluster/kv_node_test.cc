@@ -130,7 +130,7 @@ TEST(KvNodeControl, MalformedRequestsGetAnErrorAndTheConnectionLives) {
       {R"({"op":"alloc","bytes":"12"})", "'bytes'"},
       {R"({"op":"free","region":99})", "'region'"},
       {R"({"op":"hello","version":"2"})", "'version'"},
-      {R"({"op":"hello","version":1})", "control protocol 1, this node 4"},
+      {R"({"op":"hello","version":1})", "control protocol 1, this node 5"},
       // Refused while it is parsed, before a tree of it exists.
       {"[" + std::string(30000, '[') + std::string(30000, ']') + "]", "deeper than 128 levels"},
   };
@@ -151,7 +151,7 @@ TEST(KvNodeControl, AClientRefusesANodeOfAnotherProtocolVersion) {
   auto h = parse_hello_reply(old, "n:1");
   ASSERT_FALSE(h.is_ok());
   EXPECT_EQ(h.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 4"),
+  EXPECT_NE(h.status().message().find("kv node n:1 speaks control protocol 1, this client 5"),
             std::string::npos)
       << h.status().to_string();
   auto current = nlohmann::json::parse(old.dump());

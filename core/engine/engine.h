@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <span>
@@ -407,9 +408,54 @@ class Engine {
   };
   Engine() = default;
   Status import_weights();
+  // forward()'s phases (engine_forward.cc), in the order they run. Before the step: checks that
+  // change nothing, page reservation (all or nothing), and what a failed or a done step leaves.
+  Status validate_step(std::span<const StepRequest> requests) const;
+  Status validate_request(const StepRequest& r, const Sequence& s) const;
+  Status reserve_step_pages(std::span<const StepRequest> requests, std::vector<Sequence*>& seqs,
+                            std::vector<PageId>& newly_allocated);
+  void give_back_pages(const std::vector<PageId>& newly_allocated);
+  void undo_step(const std::vector<Sequence*>& seqs, const std::vector<PageId>& newly_allocated);
+  void record_step_stats(std::chrono::steady_clock::time_point start);  // traffic, peaks, overlap
   // The body of forward() after validation, re-planning and page reservation; forward() undoes
-  // the reservation and the working-set updates when it fails.
+  // the reservation and the working-set updates when it fails. Its phases share a ForwardStep.
+  struct ForwardStep;
   Result<StepOutput> run_forward(std::span<const StepRequest> requests, const std::vector<Sequence*>& seqs);
+  void lay_out_tokens(ForwardStep& st);  // items_, ids_, positions_, which requests decode sparsely
+  Status upload_tokens(ForwardStep& st);
+  Status fit_activations(ForwardStep& st);
+  Status make_shared_selections(ForwardStep& st);  // SpeContext / streaming, before layer 0
+  // Remote layers: the ring and tail buffers they are staged in, and the loads posted up front.
+  Status plan_staging(ForwardStep& st);
+  Status post_prefetch_loads(ForwardStep& st);
+  std::vector<TransferRequest> layer_loads(ForwardStep& st, int64_t l);
+  Status post_ring_loads(ForwardStep& st, int64_t l);
+  void count_loads(TierId home, const std::vector<TransferRequest>& loads);
+  Status wait_ticket(CopyTicket& t);  // and clears it; an invalid ticket is done
+  // One layer: q/k/v, the new tokens' KV appended, dense and sparse attention, a staged layer's
+  // stores home, attention output and MLP.
+  Status run_layer(ForwardStep& st, int64_t l);
+  Status capture_fused_input(ForwardStep& st, int64_t l);
+  Status project_qkv(ForwardStep& st, int64_t l);
+  Status append_kv(ForwardStep& st, int64_t l);  // also sets items_' views and dense_items_
+  KvLayerView staged_view(ForwardStep& st, size_t i, int64_t l);
+  Status attend_sparse(ForwardStep& st, int64_t l);
+  Status add_sparse_item(ForwardStep& st, size_t i, int64_t l);  // selection, gathers, stats
+  const std::vector<GatherEntry>& sparse_gathers(ForwardStep& st, size_t i, int64_t l, const Selection& sel,
+                                                 ElasticStats& es);
+  void count_sparse_stats(const ElasticStats& es);
+  Status store_staged_layer(ForwardStep& st, int64_t l);
+  std::vector<TransferRequest> staged_stores(ForwardStep& st, int64_t l);
+  Status attention_out_and_mlp(ForwardStep& st, int64_t l);
+  // After the layers: the retrieval head's keys, the fused state, logits and sampled tokens.
+  Status update_fused_state(ForwardStep& st);
+  Status feed_retrieval_head(ForwardStep& st, size_t i);
+  Status keep_boundary_fused(ForwardStep& st, size_t i);
+  Result<StepOutput> compute_logits(ForwardStep& st);
+  Status gather_output_rows(ForwardStep& st, const StepOutput& out, int64_t n_sample, float* rows);
+  Status sample_tokens(ForwardStep& st, const float* rows, int64_t n_sample, StepOutput& out);
+  Status project_logits(const float* rows, int64_t n_out, StepOutput& out);
+  Result<float*> fit_floats(Workspace& w, int64_t floats);
   Status setup_tiers();
   Result<void*> fit(Workspace& w, size_t bytes);
   Status reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated);

@@ -22,12 +22,12 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+inline float hsum(__m128 r) {
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
+inline float hsum(__m256 v) { return hsum(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
 
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
@@ -87,26 +87,29 @@ inline Codes64 codes_q5_k(const uint8_t* blk, int j, __m256i& qh) {
 
 template <int M, int kBytes, Codes64 (*Codes)(const uint8_t*, int, __m256i&)>
 void tile_k4(const KernelArgs& a, int64_t r, int64_t i0) {
-  __m256 acc[M], accm[M];
+  __m256 acc[M];
+  __m128 accm[M];
   const ActQ8K* x[M];
   for (int i = 0; i < M; ++i) {
-    acc[i] = accm[i] = _mm256_setzero_ps();
+    acc[i] = _mm256_setzero_ps();
+    accm[i] = _mm_setzero_ps();
     x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
   }
   const uint8_t* row = a.w + r * a.row_bytes;
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
-    uint8_t sc[8], mn[8];
-    k4_scales_mins(blk + 4, sc, mn);
-    // Each min repeated for the two 16-sums of its sub-block.
-    const __m256i mins16 = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3], mn[4], mn[4],
-                                             mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
+    uint32_t u[4];
+    k4_scales_mins_packed(blk + 4, u);
+    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // scales 0..7, both halves
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
     __m256i isum[M];
     for (int i = 0; i < M; ++i) isum[i] = _mm256_setzero_si256();
     __m256i qh = load(blk + 16);
     for (int j = 0; j < 4; ++j) {
       const Codes64 c = Codes(blk, j, qh);
-      const __m256i slo = _mm256_set1_epi16(sc[2 * j]), shi = _mm256_set1_epi16(sc[2 * j + 1]);
+      const __m256i slo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>((4 * j + 1) << 8 | 4 * j)));
+      const __m256i shi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>((4 * j + 3) << 8 | (4 * j + 2))));
       for (int i = 0; i < M; ++i) {
         const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(c.lo, load(x[i][b].qs + 64 * j)), slo);
         const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(c.hi, load(x[i][b].qs + 64 * j + 32)), shi);
@@ -115,9 +118,11 @@ void tile_k4(const KernelArgs& a, int64_t r, int64_t i0) {
     }
     const float d = f16_at(blk), dmin = f16_at(blk + 2);
     for (int i = 0; i < M; ++i) {
-      const __m256i pm = _mm256_madd_epi16(load(x[i][b].bsums), mins16);
+      // Σ_j mn[j]·(bsums[2j] + bsums[2j + 1]) in four int32 lanes.
+      const __m256i bs = load(x[i][b].bsums);
+      const __m128i pm = _mm_madd_epi16(mins16, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
       acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i][b].d), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-      accm[i] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[i][b].d), _mm256_cvtepi32_ps(pm), accm[i]);
+      accm[i] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[i][b].d), _mm_cvtepi32_ps(pm), accm[i]);
     }
   }
   for (int i = 0; i < M; ++i) a.y[(i0 + i) * a.ldy + r] = hsum(acc[i]) - hsum(accm[i]);

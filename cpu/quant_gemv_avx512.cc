@@ -83,7 +83,7 @@ void tile32(const KernelArgs& a, int64_t r, int64_t i0) {
     }
   }
   for (int i = 0; i < M; ++i) {
-    const __m512 t = _mm512_add_ps(acc[i], _mm512_castps256_ps512(acc1[i]));
+    const __m512 t = _mm512_add_ps(acc[i], join(acc1[i], _mm256_setzero_ps()));
     a.y[(i0 + i) * a.ldy + r] = _mm512_reduce_add_ps(t);
   }
 }
@@ -105,26 +105,27 @@ inline __m512i codes_q5_k(const uint8_t* blk, int j, __m256i& qh) {
 template <int M, int kBytes, __m512i (*Codes)(const uint8_t*, int, __m256i&)>
 void tile_k4(const KernelArgs& a, int64_t r, int64_t i0) {
   __m512 acc[M];
-  __m256 accm[M];
+  __m128 accm[M];
   const ActQ8K* x[M];
   for (int i = 0; i < M; ++i) {
     acc[i] = _mm512_setzero_ps();
-    accm[i] = _mm256_setzero_ps();
+    accm[i] = _mm_setzero_ps();
     x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
   }
   const uint8_t* row = a.w + r * a.row_bytes;
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
-    uint8_t sc[8], mn[8];
-    k4_scales_mins(blk + 4, sc, mn);
-    const __m256i mins16 = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3], mn[4], mn[4],
-                                             mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
+    uint32_t u[4];
+    k4_scales_mins_packed(blk + 4, u);
+    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m512i sc32 = _mm512_cvtepu8_epi32(sm);  // lanes 0..7 scales, 8..15 mins
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
     __m512i isum[M];
     for (int i = 0; i < M; ++i) isum[i] = _mm512_setzero_si512();
     __m256i qh = load256(blk + 16);
     for (int j = 0; j < 4; ++j) {
       const __m512i c = Codes(blk, j, qh);
-      const __m512i s = join(_mm256_set1_epi32(sc[2 * j]), _mm256_set1_epi32(sc[2 * j + 1]));
+      const __m512i s = _mm512_permutexvar_epi32(join(_mm256_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1)), sc32);
       for (int i = 0; i < M; ++i) {
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, load512(x[i][b].qs + 64 * j));
         isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, s));
@@ -132,14 +133,16 @@ void tile_k4(const KernelArgs& a, int64_t r, int64_t i0) {
     }
     const float d = f16_at(blk), dmin = f16_at(blk + 2);
     for (int i = 0; i < M; ++i) {
-      const __m256i pm = _mm256_madd_epi16(load256(x[i][b].bsums), mins16);
+      // Σ_j mn[j]·(bsums[2j] + bsums[2j + 1]) in four int32 lanes.
+      const __m256i bs = load256(x[i][b].bsums);
+      const __m128i pm = _mm_madd_epi16(mins16, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
       acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(d * x[i][b].d), _mm512_cvtepi32_ps(isum[i]), acc[i]);
-      accm[i] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[i][b].d), _mm256_cvtepi32_ps(pm), accm[i]);
+      accm[i] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[i][b].d), _mm_cvtepi32_ps(pm), accm[i]);
     }
   }
   for (int i = 0; i < M; ++i) {
     a.y[(i0 + i) * a.ldy + r] =
-        _mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(_mm512_castps256_ps512(accm[i]));
+        _mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(_mm512_insertf32x4(_mm512_setzero_ps(), accm[i], 0));
   }
 }
 

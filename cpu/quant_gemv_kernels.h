@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace specontext::cpu::quant {
 
@@ -62,6 +63,18 @@ inline void k4_scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
       mn[j] = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
     }
   }
+}
+
+// The same 8 scales and 8 mins as bytes 0..7 and 8..15 of u (ggml's utmp shuffle in
+// ggml_vec_dot_q4_K_q8_K), for the SIMD paths.
+inline void k4_scales_mins_packed(const uint8_t* q, uint32_t u[4]) {
+  constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
+  std::memcpy(u, q, 12);
+  u[3] = ((u[2] >> 4) & kMask2) | (((u[1] >> 6) & kMask3) << 4);
+  const uint32_t aux = u[1] & kMask1;
+  u[1] = (u[2] & kMask2) | (((u[0] >> 6) & kMask3) << 4);
+  u[2] = aux;
+  u[0] &= kMask1;
 }
 
 }  // namespace specontext::cpu::quant

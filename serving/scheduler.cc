@@ -1,203 +1,48 @@
 #include "serving/scheduler.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <filesystem>
 #include <limits>
-#include <tuple>
-
-#include "core/engine/prefix_file.h"
 
 namespace specontext {
 namespace {
 
-// A prefix file `name` read back is of this engine (Engine::kv_identity), else kDataLoss naming
-// the field.
-Result<PrefixFile> of_identity(PrefixFile f, uint64_t identity, const std::string& name) {
-  if (f.identity != identity) {
-    return data_loss("prefix file " + name + ": field 'identity' is of another model or KV layout");
-  }
-  return f;
+PrefixStoreOptions store_options(const GeneratorOptions& o) {
+  PrefixStoreOptions s;
+  s.host_bytes = o.prefix_offload_bytes;
+  s.lower_bytes = o.prefix_disk_bytes;
+  s.disk_dir = o.prefix_disk_dir;
+  s.persist = o.prefix_disk_persist;
+  s.blob_store = o.prefix_blob_store;
+  return s;
 }
 
 }  // namespace
 
-Scheduler::Scheduler(Engine& engine, const GeneratorOptions& options) : engine_(engine), options_(options) {
-  if (const auto& store = options_.prefix_blob_store) {
-    const uint64_t capacity = store->capacity();
-    options_.prefix_disk_bytes =
-        options_.prefix_disk_bytes == 0 ? capacity : std::min(options_.prefix_disk_bytes, capacity);
-  }
-}
+Scheduler::Scheduler(Engine& engine, const GeneratorOptions& options)
+    : engine_(engine), options_(options), store_(engine, store_options(options)) {}
 
 Scheduler::~Scheduler() {
-  for (Entry& e : running_) release(e);
-  if (disk_lock_.held()) {
-    persist_prefixes();
-    return;
-  }
-  while (evict_cached(SeqId(), /*offload=*/false)) {
-  }
-  for (const OffloadedPrefix& p : offloaded_) {  // a store may outlive the scheduler
-    if (p.blob && !p.gone) options_.prefix_blob_store->remove(*p.blob);
-  }
-  if (!disk_dir_.empty()) {
-    std::error_code ignored;  // a destructor does not fail: what cannot be removed stays
-    std::filesystem::remove_all(disk_dir_, ignored);
-  }
+  for (Entry& e : running_) release(e);  // then store_ ends
 }
 
-uint64_t Scheduler::identity() {
-  if (!identity_) identity_ = engine_.kv_identity();
-  return *identity_;
+GenerationStats Scheduler::stats() const {
+  GenerationStats s = stats_;
+  static_cast<PrefixStoreStats&>(s) = store_.stats();
+  return s;
 }
 
-Result<PrefixFile> Scheduler::read_own_prefix_file(const std::string& path, bool header_only) {
-  SPX_ASSIGN_OR_RETURN(PrefixFile f, read_prefix_file(path, header_only));
-  return of_identity(std::move(f), identity(), path);
+StateLog Scheduler::states() const {
+  StateLog log = log_;
+  log += store_.states();
+  return log;
 }
 
-Result<PrefixFile> Scheduler::read_back(const OffloadedPrefix& p) {
-  std::string name = p.file;
-  Result<PrefixFile> r = [&]() -> Result<PrefixFile> {
-    if (!p.blob) return read_own_prefix_file(p.file, /*header_only=*/false);
-    PrefixBlobStore& store = *options_.prefix_blob_store;
-    name = store.name() + " blob " + std::to_string(*p.blob);
-    SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store.get(*p.blob));
-    SPX_ASSIGN_OR_RETURN(PrefixFile f, parse_prefix_file(bytes, name));
-    return of_identity(std::move(f), identity(), name);  // a store shared by mistake
-  }();
-  if (r.is_ok() && r->tokens != p.tokens) {
-    return data_loss("prefix file " + name + ": field 'token_ids' holds other tokens than were written");
-  }
-  return r;
-}
-
-Status Scheduler::write_lower(OffloadedPrefix& p, std::span<const std::byte> encoded) {
-  if (const auto& store = options_.prefix_blob_store) {
-    SPX_ASSIGN_OR_RETURN(const uint64_t key, store->put(encoded));
-    p.blob = key;
-  } else {
-    const std::string path =
-        (std::filesystem::path(disk_dir_) / (std::to_string(next_file_++) + ".spxprefix")).string();
-    SPX_RETURN_IF_ERROR(write_prefix_file(path, encoded));
-    p.file = path;
-  }
-  p.file_bytes = encoded.size();
-  disk_bytes_ += p.file_bytes;
-  return Status::ok();
-}
-
-Status Scheduler::open_prefix_disk() {
-  namespace fs = std::filesystem;
-  if (!options_.prefix_disk_persist || disk_lock_.held()) return Status::ok();
-  if (options_.prefix_blob_store) {
-    return invalid_argument("keeping prefix files across restarts needs a directory, not " +
-                            options_.prefix_blob_store->name());
-  }
-  if (options_.prefix_disk_bytes == 0 || options_.prefix_disk_dir.empty()) {
-    return invalid_argument("keeping prefix files across restarts needs a disk budget and a directory");
-  }
-  char name[32];
-  std::snprintf(name, sizeof(name), "specontext-%016llx", static_cast<unsigned long long>(identity()));
-  const fs::path dir = fs::path(options_.prefix_disk_dir) / name;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return unavailable("prefix disk: cannot create " + dir.string() + ": " + ec.message());
-  auto lock = FileLock::acquire((dir / "lock").string());
-  if (!lock.is_ok()) {
-    return unavailable("prefix disk: " + dir.string() + " is in use (" + lock.status().message() + ")");
-  }
-  struct Found {
-    fs::file_time_type time;
-    int64_t number = 0;
-    OffloadedPrefix prefix;
-  };
-  std::vector<Found> found;
-  const auto drop = [&](const fs::path& path, const std::string& why) {
-    ++stats_.prefix_disk_errors;
-    last_disk_error_ = why;
-    fs::remove(path, ec);
-  };
-  std::error_code listing;
-  for (fs::directory_iterator it(dir, listing), end; !listing && it != end; it.increment(listing)) {
-    const fs::directory_entry& entry = *it;
-    const fs::path& path = entry.path();
-    if (path.extension() == ".partial") {  // a write cut short
-      fs::remove(path, ec);
-      continue;
-    }
-    if (path.extension() != ".spxprefix" || !entry.is_regular_file(ec)) continue;
-    auto header = read_own_prefix_file(path.string(), /*header_only=*/true);
-    if (!header.is_ok()) {
-      drop(path, header.status().to_string());
-      continue;
-    }
-    Found f;
-    f.time = entry.last_write_time(ec);
-    const std::string stem = path.stem().string();
-    f.number = std::strtoll(stem.c_str(), nullptr, 10);
-    next_file_ = std::max(next_file_, f.number + 1);
-    f.prefix.tokens = std::move(header->tokens);
-    f.prefix.file = path.string();
-    f.prefix.file_bytes = entry.file_size(ec);
-    found.push_back(std::move(f));
-  }
-  if (listing) return unavailable("prefix disk: cannot list " + dir.string() + ": " + listing.message());
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
-    return std::tie(a.time, a.number) < std::tie(b.time, b.number);
-  });
-  disk_dir_ = dir.string();
-  disk_lock_ = std::move(*lock);
-  for (Found& f : found) {
-    disk_bytes_ += f.prefix.file_bytes;
-    offloaded_.push_back(std::move(f.prefix));
-  }
-  // As offload() keeps the store: no prefix that another one extends, within the budget.
-  for (auto it = offloaded_.begin(); it != offloaded_.end();) {
-    const bool extended = std::any_of(offloaded_.begin(), offloaded_.end(), [&](const OffloadedPrefix& o) {
-      return &o != &*it && o.tokens.size() > it->tokens.size() &&
-             std::equal(it->tokens.begin(), it->tokens.end(), o.tokens.begin());
-    });
-    if (extended || disk_bytes_ > options_.prefix_disk_bytes) {
-      forget(*it, /*remove_file=*/true);
-      it = offloaded_.erase(it);
-      ++stats_.prefix_disk_drops;
-    } else {
-      ++it;
-    }
-  }
-  stats_.prefix_disk_found = static_cast<int64_t>(offloaded_.size());
-  stats_.prefix_disk_peak_bytes = static_cast<int64_t>(disk_bytes_);
-  return Status::ok();
-}
-
-void Scheduler::persist_prefixes() {
-  if (!disk_lock_.held()) return;
-  while (evict_cached(SeqId(), /*offload=*/true)) {  // least recently used first, as in use
-  }
-  for (OffloadedPrefix& p : offloaded_) {
-    if (!p.on_disk() && !p.gone) (void)move_to_disk(p);
-  }
-  // Times one millisecond apart in store order, so that the next process sorts them as this one
-  // held them (a file's own time is when it was written, not when it was last used).
-  const auto now = std::filesystem::file_time_type::clock::now();
-  std::chrono::milliseconds step{0};
-  for (const OffloadedPrefix& p : offloaded_) {
-    if (!p.on_disk() || p.gone) continue;
-    std::error_code ignored;
-    std::filesystem::last_write_time(p.file, now + step, ignored);
-    step += std::chrono::milliseconds(1);
-  }
-}
-
-size_t Scheduler::offloaded_prefixes() const {
-  return static_cast<size_t>(
-      std::count_if(offloaded_.begin(), offloaded_.end(), [](const OffloadedPrefix& p) { return !p.on_disk(); }));
+void Scheduler::set_state(Entry& e, RequestState to) {
+  const Status st = log_.move(e.state, to);
+  SPX_ASSERT(st.is_ok());
+  (void)st;
 }
 
 Status Scheduler::validate(const GenerationRequest& r) const {
@@ -238,6 +83,7 @@ Result<RequestId> Scheduler::submit(GenerationRequest request) {
   e.prompt_size = request.prompt.size();
   if (request.constraint != nullptr) e.constraint = request.constraint->clone();
   e.request = std::move(request);
+  set_state(e, RequestState::kWaiting);
   waiting_.push_back(std::move(e));
   return waiting_.back().id;
 }
@@ -245,10 +91,12 @@ Result<RequestId> Scheduler::submit(GenerationRequest request) {
 bool Scheduler::cancel(RequestId id, bool keep_cached) {
   auto match = [id](const Entry& e) { return e.id == id; };
   if (auto it = std::find_if(waiting_.begin(), waiting_.end(), match); it != waiting_.end()) {
+    set_state(*it, RequestState::kCancelled);
     waiting_.erase(it);
     return true;
   }
   if (auto it = std::find_if(running_.begin(), running_.end(), match); it != running_.end()) {
+    set_state(*it, RequestState::kCancelled);
     if (keep_cached) {
       cache_or_release(*it);
     } else {
@@ -265,214 +113,34 @@ void Scheduler::release(Entry& e) {
   e.seq = SeqId();
 }
 
+std::vector<TokenId> Scheduler::held_tokens(const Entry& e, int64_t length) const {
+  std::vector<TokenId> tokens(e.request.prompt.begin(),
+                              e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
+  tokens.insert(tokens.end(), e.produced.begin(), e.produced.end());
+  tokens.resize(std::min(tokens.size(), static_cast<size_t>(length)));  // the last token was never fed
+  return tokens;
+}
+
 void Scheduler::cache_or_release(Entry& e) {
   const int64_t length = e.seq.valid() ? engine_.sequence_length(e.seq) : 0;
   if (!options_.prefix_caching || length == 0 || e.request.synthetic_context > 0) {
     release(e);
     return;
   }
-  (void)engine_.release_working_sets(e.seq);  // device memory a waiting sequence does not use
-  CachedSequence c{e.seq, {}};
-  c.tokens.assign(e.request.prompt.begin(),
-                  e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
-  c.tokens.insert(c.tokens.end(), e.produced.begin(), e.produced.end());
-  c.tokens.resize(std::min(c.tokens.size(), static_cast<size_t>(length)));  // the last token was never fed
-  cached_.push_back(std::move(c));
+  store_.insert(e.seq, held_tokens(e, length), e.state);
   e.seq = SeqId();
 }
 
-bool Scheduler::evict_cached(SeqId keep, bool offload_it) {
-  for (auto it = cached_.begin(); it != cached_.end(); ++it) {
-    // `keep` goes last, and only when nothing is running (else waiting lets that finish).
-    if (it->seq == keep && (cached_.size() > 1 || !running_.empty())) continue;
-    if (offload_it) offload(*it);
-    (void)engine_.remove_sequence(it->seq);
-    cached_.erase(it);
-    ++stats_.prefix_cache_evictions;
-    return true;
-  }
-  return false;
-}
-
-bool Scheduler::offload(const CachedSequence& c) {
-  if (options_.prefix_offload_bytes == 0 && options_.prefix_disk_bytes == 0) return false;
-  const int64_t unit = engine_.fork_granularity();
-  const int64_t whole = static_cast<int64_t>(c.tokens.size()) / unit * unit;
-  if (whole == 0) return false;
-  const std::span<const TokenId> tokens(c.tokens.data(), static_cast<size_t>(whole));
-  auto starts = [](std::span<const TokenId> longer, std::span<const TokenId> shorter) {
-    return shorter.size() <= longer.size() && std::equal(shorter.begin(), shorter.end(), longer.begin());
-  };
-  for (auto it = offloaded_.begin(); it != offloaded_.end();) {
-    if (starts(it->tokens, tokens)) {
-      // An offloaded prefix holds these tokens already: it becomes the most recently used.
-      OffloadedPrefix kept = std::move(*it);
-      offloaded_.erase(it);
-      offloaded_.push_back(std::move(kept));
-      return true;
-    }
-    if (starts(tokens, it->tokens)) {  // extended by this one
-      ++(it->on_disk() ? stats_.prefix_disk_drops : stats_.prefix_offload_drops);
-      forget(*it, /*remove_file=*/true);
-      it = offloaded_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  auto snapshot = engine_.export_prefix(c.seq, whole);
-  if (!snapshot.is_ok()) return false;
-  OffloadedPrefix p;
-  p.tokens.assign(tokens.begin(), tokens.end());
-  p.snapshot = std::move(*snapshot);
-  if (p.snapshot.bytes() > options_.prefix_offload_bytes) {
-    // Larger than host memory allows: straight to disk, or not kept.
-    if (!write_to_disk(p)) {
-      settle_offloaded();  // files it removed for room are erased
-      return false;
-    }
-    p.snapshot = PrefixSnapshot();
-  } else {
-    offloaded_bytes_ += p.snapshot.bytes();
-    ++stats_.prefix_offloads;
-  }
-  offloaded_.push_back(std::move(p));
-  settle_offloaded();  // older ones give way: this one is within the budget alone
-  return true;
-}
-
-bool Scheduler::write_to_disk(OffloadedPrefix& p) {
-  if (options_.prefix_disk_bytes == 0) return false;
-  const auto fail = [&](const std::string& why) {
-    ++stats_.prefix_disk_errors;
-    last_disk_error_ = why;
-    return false;
-  };
-  if (options_.prefix_disk_persist && !disk_lock_.held()) {
-    return fail("prefix disk: the persistent directory was not opened (Scheduler::open_prefix_disk)");
-  }
-  if (disk_dir_.empty() && !options_.prefix_blob_store) {
-    std::error_code ec;
-    const std::filesystem::path base = options_.prefix_disk_dir.empty()
-                                           ? std::filesystem::temp_directory_path(ec)
-                                           : std::filesystem::path(options_.prefix_disk_dir);
-    if (ec) return fail("prefix disk: no temporary directory: " + ec.message());
-    std::string pattern = (base / "specontext-prefixes-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) {
-      return fail("prefix disk: cannot create a directory under " + base.string() + ": " + std::strerror(errno));
-    }
-    disk_dir_ = pattern;
-  }
-  const std::vector<std::byte> bytes = encode_prefix_file(p.tokens, p.snapshot, identity());
-  if (bytes.size() > options_.prefix_disk_bytes) return false;  // could never fit
-  // Room first, least recently used files out, so that the disk never holds more than its
-  // budget. They are marked gone (settle_offloaded erases them): p may be in offloaded_.
-  const auto drop_oldest = [&] {
-    for (OffloadedPrefix& old : offloaded_) {
-      if (&old == &p || !old.on_disk() || old.gone) continue;
-      forget(old, /*remove_file=*/true);
-      old.gone = true;
-      ++stats_.prefix_disk_drops;
-      return true;
-    }
-    return false;
-  };
-  while (disk_bytes_ + bytes.size() > options_.prefix_disk_bytes && drop_oldest()) {
-  }
-  if (disk_bytes_ + bytes.size() > options_.prefix_disk_bytes) return false;  // held by a file being read back
-  Status st = write_lower(p, bytes);
-  // A blob store's free space may be in pieces too small for it: older ones out until it fits.
-  while (st.code() == StatusCode::kResourceExhausted && drop_oldest()) st = write_lower(p, bytes);
-  if (st.code() == StatusCode::kResourceExhausted) return false;
-  if (!st.is_ok()) return fail(st.to_string());
-  ++stats_.prefix_disk_writes;
-  stats_.prefix_disk_peak_bytes = std::max(stats_.prefix_disk_peak_bytes, static_cast<int64_t>(disk_bytes_));
-  return true;
-}
-
-bool Scheduler::move_to_disk(OffloadedPrefix& p) {
-  const uint64_t held = p.snapshot.bytes();
-  if (!write_to_disk(p)) return false;
-  offloaded_bytes_ -= held;
-  p.snapshot = PrefixSnapshot();
-  return true;
-}
-
-void Scheduler::forget(const OffloadedPrefix& p, bool remove_file) {
-  if (p.on_disk()) {
-    disk_bytes_ -= p.file_bytes;
-    if (remove_file && p.blob) {
-      options_.prefix_blob_store->remove(*p.blob);
-    } else if (remove_file) {
-      std::remove(p.file.c_str());
-    }
-  } else {
-    offloaded_bytes_ -= p.snapshot.bytes();
-  }
-}
-
-void Scheduler::settle_offloaded() {
-  const auto sweep = [&] { std::erase_if(offloaded_, [](const OffloadedPrefix& p) { return p.gone; }); };
-  while (offloaded_bytes_ > options_.prefix_offload_bytes) {
-    auto it = std::find_if(offloaded_.begin(), offloaded_.end(), [](const OffloadedPrefix& p) { return !p.on_disk(); });
-    if (move_to_disk(*it)) {
-      sweep();
-    } else {
-      forget(*it, /*remove_file=*/false);
-      offloaded_.erase(it);
-      ++stats_.prefix_offload_drops;
-    }
-  }
-  sweep();
-  stats_.prefix_offload_peak_bytes =
-      std::max(stats_.prefix_offload_peak_bytes, static_cast<int64_t>(offloaded_bytes_));
-}
-
-bool Scheduler::restore_offloaded(size_t index) {
-  // Out of the store while cached sequences are evicted (and offloaded) for its room. A file
-  // keeps counting against the disk while it is read back.
-  OffloadedPrefix p = std::move(offloaded_[index]);
-  offloaded_.erase(offloaded_.begin() + static_cast<std::ptrdiff_t>(index));
-  PrefixFile read;
-  const PrefixSnapshot* snapshot = &p.snapshot;
-  if (p.on_disk()) {
-    auto r = read_back(p);
-    if (!r.is_ok()) {  // the request computes its prompt instead
-      ++stats_.prefix_disk_errors;
-      last_disk_error_ = r.status().to_string();
-      forget(p, /*remove_file=*/true);
-      return false;
-    }
-    read = std::move(*r);
-    snapshot = &read.snapshot;
-  } else {
-    forget(p, /*remove_file=*/false);
-  }
-  while (true) {
-    auto seq = engine_.import_prefix(*snapshot);
-    if (seq.is_ok()) {
-      (void)engine_.release_working_sets(*seq);  // it waits, as a cached sequence does
-      ++stats_.prefix_restores;
-      if (p.on_disk()) {
-        ++stats_.prefix_disk_restores;
-        forget(p, /*remove_file=*/true);
-      }
-      cached_.push_back({*seq, std::move(p.tokens)});
-      return true;
-    }
-    if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached()) continue;
-    break;
-  }
-  // Back in the store as the most recently used (a file stays where it is).
-  if (!p.on_disk()) offloaded_bytes_ += p.snapshot.bytes();
-  offloaded_.push_back(std::move(p));
-  settle_offloaded();
-  return false;
-}
+bool Scheduler::evict_cached(SeqId keep) { return store_.evict(keep, /*keep_may_go=*/running_.empty()); }
 
 void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
                        std::vector<SchedulerEvent>& events) {
-  e.done = true;
-  if (reason == FinishReason::kLength || reason == FinishReason::kStop || reason == FinishReason::kContext) {
+  const bool ended_well =
+      reason == FinishReason::kLength || reason == FinishReason::kStop || reason == FinishReason::kContext;
+  set_state(e, ended_well                         ? RequestState::kFinished
+               : reason == FinishReason::kRefused ? RequestState::kRefused
+                                                  : RequestState::kError);
+  if (ended_well) {
     cache_or_release(e);
   } else {
     release(e);  // a failed step's sequence is not trusted
@@ -490,14 +158,8 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
   // are needed): over the running requests' caches and the cached finished ones; `pending` also
   // counts what running requests still prefilling will have cached.
   const std::vector<TokenId>& prompt = e.request.prompt;
+  const std::span<const TokenId> want(prompt.data(), prompt.size() - 1);
   const int64_t unit = engine_.fork_granularity();
-  const auto limit = static_cast<int64_t>(prompt.size()) - 1;
-  auto usable = [&](int64_t cached, auto&& token_at) {
-    const int64_t cap = std::min(cached, limit);
-    int64_t k = 0;
-    while (k < cap && token_at(k) == prompt[static_cast<size_t>(k)]) ++k;
-    return k / unit * unit;
-  };
   PrefixSource best;
   for (const Entry& r : running_) {
     if (!r.seq.valid() || r.request.synthetic_context > 0) continue;
@@ -505,29 +167,19 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
       const auto i = static_cast<size_t>(k);
       return i < r.prompt_size ? r.request.prompt[i] : r.produced[i - r.prompt_size];
     };
-    const int64_t now = usable(engine_.sequence_length(r.seq), token_at);
-    if (now > best.tokens) best.tokens = now, best.seq = r.seq, best.from_cache.reset();
+    const int64_t now = shared_units(want, engine_.sequence_length(r.seq), unit, token_at);
+    if (now > best.tokens) best.tokens = now, best.seq = r.seq;
     const auto will_have = static_cast<int64_t>(r.prompt_size + r.produced.size());
-    best.pending = std::max(best.pending, usable(will_have, token_at));
+    best.pending = std::max(best.pending, shared_units(want, will_have, unit, token_at));
   }
-  for (size_t c = 0; c < cached_.size(); ++c) {
-    const std::vector<TokenId>& tokens = cached_[c].tokens;
-    const int64_t m = usable(static_cast<int64_t>(tokens.size()),
-                             [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
-    if (m > best.tokens) best.tokens = m, best.seq = cached_[c].seq, best.from_cache = c;
+  if (const PrefixStore::Match cached = store_.longest_cached(want, best.tokens); cached.tokens > 0) {
+    best.tokens = cached.tokens;
+    best.seq = cached.seq;
+    best.from_cache = true;
+    best.supersedes = cached.whole;
   }
   best.pending = std::max(best.pending, best.tokens);
-  int64_t offloaded_best = best.pending;
-  for (size_t o = 0; o < offloaded_.size(); ++o) {
-    const std::vector<TokenId>& tokens = offloaded_[o].tokens;
-    const int64_t m = usable(static_cast<int64_t>(tokens.size()),
-                             [&](int64_t k) { return tokens[static_cast<size_t>(k)]; });
-    if (m > offloaded_best) offloaded_best = m, best.from_offload = o;
-  }
-  if (best.from_cache) {
-    const int64_t whole = static_cast<int64_t>(cached_[*best.from_cache].tokens.size()) / unit * unit;
-    best.supersedes = best.tokens == whole;
-  }
+  best.from_offload = store_.longest_stored(want, best.pending);
   return best;
 }
 
@@ -541,11 +193,8 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
   };
   // The cached sequence itself, cut to the shared pages.
   auto take_over = [&]() -> std::optional<SeqId> {
-    const auto at = cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache);
-    if (!engine_.truncate_sequence(at->seq, best.tokens, promised).is_ok()) return std::nullopt;
-    const SeqId seq = at->seq;
-    cached_.erase(at);
-    took(best.tokens);
+    std::optional<SeqId> seq = store_.take(best.seq, best.tokens, promised);
+    if (seq) took(best.tokens);
     return seq;
   };
   // The request would take every whole page of it, and forks only ever take whole pages (the
@@ -559,17 +208,13 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
     // as in `generate`): evicted, it would take the prefix with it. Its longer tokens go to the
     // offload store, when there is one, and the request takes the rest over.
     if (!fork.is_ok() && fork.status().code() == StatusCode::kResourceExhausted && best.from_cache &&
-        cached_.size() == 1) {
-      (void)offload(cached_.front());
+        store_.cached().size() == 1) {
+      const PrefixStore::Cached& only = store_.cached().front();
+      (void)store_.offload(only.seq, only.tokens, RequestState::kCached);
       if (auto seq = take_over()) return *seq;
     }
     if (fork.is_ok()) {
-      if (best.from_cache) {  // now the most recently used
-        const auto at = cached_.begin() + static_cast<std::ptrdiff_t>(*best.from_cache);
-        CachedSequence used = std::move(*at);
-        cached_.erase(at);
-        cached_.push_back(std::move(used));
-      }
+      if (best.from_cache) store_.touch(best.seq);  // now the most recently used
       took(best.tokens);
       return fork;
     }
@@ -607,7 +252,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
              .is_ok()) {
       break;
     }
-    if (source.from_offload && restored_for != e.id && restore_offloaded(*source.from_offload)) {
+    if (source.from_offload && restored_for != e.id && store_.restore(*source.from_offload)) {
       restored_for = e.id;
       continue;
     }
@@ -666,6 +311,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
         continue;
       }
     }
+    set_state(e, RequestState::kPrefilling);
     running_.push_back(std::move(e));
     waiting_.pop_front();
   }
@@ -718,9 +364,9 @@ int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
 
 std::vector<int64_t> Scheduler::near_lengths(SeqId taken_over, bool without_cached) const {
   std::vector<int64_t> lens;
-  lens.reserve(running_.size() + cached_.size());
+  lens.reserve(running_.size() + store_.cached().size());
   for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
-  for (const CachedSequence& c : cached_) {
+  for (const PrefixStore::Cached& c : store_.cached()) {
     lens.push_back(c.seq == taken_over || without_cached ? 0 : engine_.sequence_length(c.seq));
   }
   return lens;
@@ -741,22 +387,17 @@ void Scheduler::preempt_until_fits() {
 }
 
 bool Scheduler::swaps(const Entry& e) const {
-  return options_.swap_preempted && e.seq.valid() && forks(e) &&
-         (options_.prefix_offload_bytes > 0 || options_.prefix_disk_bytes > 0);
+  return options_.swap_preempted && e.seq.valid() && forks(e) && store_.has_levels();
 }
 
 void Scheduler::swap_out(const Entry& e) {
-  // What its cache holds: the prompt as submitted, then its tokens (the last one not yet fed).
-  CachedSequence c{e.seq, {}};
-  c.tokens.assign(e.request.prompt.begin(),
-                  e.request.prompt.begin() + static_cast<std::ptrdiff_t>(e.prompt_size));
-  c.tokens.insert(c.tokens.end(), e.produced.begin(), e.produced.end());
-  c.tokens.resize(std::min(c.tokens.size(), static_cast<size_t>(engine_.sequence_length(e.seq))));
-  if (offload(c)) ++stats_.preemption_swaps;
+  if (store_.offload(e.seq, held_tokens(e, engine_.sequence_length(e.seq)), e.state))
+    ++stats_.preemption_swaps;
 }
 
 void Scheduler::requeue(Entry e) {
   release(e);
+  set_state(e, RequestState::kWaiting);
   e.request.prompt.resize(e.prompt_size);
   e.request.prompt.insert(e.request.prompt.end(), e.produced.begin(), e.produced.end());
   e.prefilled = 0;
@@ -778,7 +419,8 @@ bool Scheduler::recover_lost_tiers(const std::vector<Entry*>& in_batch) {
     requeue(std::move(e));
     ++stats_.lost_tier_requeues;
   }
-  while (evict_cached(SeqId(), /*offload=*/false)) {  // their KV is partly gone; offloaded prefixes stay
+  // Their KV is partly gone; offloaded prefixes stay.
+  while (store_.evict(SeqId(), /*keep_may_go=*/true, /*offload=*/false)) {
   }
   for (TierId t : lost) {
     if (!engine_.abandon_tier(t).is_ok()) return false;  // sequences the scheduler does not own
@@ -835,9 +477,9 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
     if (recover_lost_tiers(in_batch)) return status;
     // All-or-nothing: the engine is as before; the batch's requests end, the rest go on.
     for (Entry* e : in_batch) {
-      if (!e->done) finish(*e, FinishReason::kError, out.status().message(), events);
+      if (!e->ended()) finish(*e, FinishReason::kError, out.status().message(), events);
     }
-    std::erase_if(running_, [](const Entry& e) { return e.done; });
+    std::erase_if(running_, [](const Entry& e) { return e.ended(); });
     return status.is_ok() ? out.status() : status;
   }
   // Sampling belongs to the step's time too.
@@ -885,6 +527,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       continue;
     }
     push_event(e, {e.id, tok, false, FinishReason::kLength, {}, std::move(logprobs), {}}, events);
+    if (e.state == RequestState::kPrefilling) set_state(e, RequestState::kDecoding);  // its first token
     e.produced.push_back(tok);
     if (r.frequency_penalty != 0.0f || r.presence_penalty != 0.0f) ++e.output_counts[tok];
     if (r.sampling.repetition_penalty != 1.0f) e.history.add(tok);
@@ -907,7 +550,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   if (decode_count > 0) ++stats_.decode_steps;
   stats_.max_batch_sequences = std::max(stats_.max_batch_sequences, static_cast<int64_t>(batch.size()));
   stats_.kv_bytes_peak = std::max(stats_.kv_bytes_peak, engine_.kv_bytes_in_use());
-  std::erase_if(running_, [](const Entry& e) { return e.done; });
+  std::erase_if(running_, [](const Entry& e) { return e.ended(); });
   return status;
 }
 

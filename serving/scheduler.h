@@ -12,9 +12,10 @@
 #include <vector>
 
 #include "core/engine/engine.h"
-#include "core/engine/prefix_file.h"
 #include "core/ports/prefix_blob_store.h"
 #include "core/ports/sampler.h"
+#include "serving/prefix_store.h"
+#include "serving/request_state.h"
 #include "serving/structured/json_constraint.h"
 
 namespace specontext {
@@ -61,7 +62,9 @@ struct GenerationRequest {
 // reports it, and cancel() is followed by no event.
 enum class FinishReason { kLength, kStop, kContext, kRefused, kCancelled, kError };
 
-struct GenerationStats {
+// The prefix counters (prefix_cache_evictions, prefix_offloads, prefix_restores, the disk ones) are
+// the PrefixStore's.
+struct GenerationStats : PrefixStoreStats {
   int64_t prompt_tokens = 0;  // tokens run through prefill
   int64_t generated_tokens = 0;
   double prefill_seconds = 0.0;
@@ -72,19 +75,7 @@ struct GenerationStats {
   int64_t max_batch_sequences = 0;  // most sequences in one forward
   int64_t preemptions = 0;          // running requests sent back to wait (AdmissionPolicy::kPreempt)
   int64_t preemption_swaps = 0;     // of those, the ones whose KV went to the offload store (swap_preempted)
-  int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache, not computed
-  int64_t prefix_cache_evictions = 0;  // finished sequences dropped from the cache for room
-  int64_t prefix_offloads = 0;         // of those, kept in host memory (prefix_offload_bytes)
-  int64_t prefix_restores = 0;         // offloaded prefixes written back into the cache for a request
-  int64_t prefix_offload_drops = 0;    // offloaded prefixes dropped for room in the store
-  int64_t prefix_offload_peak_bytes = 0;
-  // The lower level: files on disk, or blobs of prefix_blob_store.
-  int64_t prefix_disk_writes = 0;    // offloaded prefixes written to disk (prefix_disk_bytes)
-  int64_t prefix_disk_restores = 0;  // of prefix_restores, those read back from disk
-  int64_t prefix_disk_drops = 0;     // prefix files removed for room on disk
-  int64_t prefix_disk_errors = 0;    // files that could not be written or read back (dropped)
-  int64_t prefix_disk_peak_bytes = 0;
-  int64_t prefix_disk_found = 0;  // files a previous process left, indexed by open_prefix_disk
+  int64_t cached_prompt_tokens = 0;  // prompt tokens taken from the prefix cache, not computed
   int64_t prefix_waits = 0;  // admissions put off a step for a running request to prefill a shared prompt
   int64_t lost_tiers = 0;    // remote tiers lost mid-run and abandoned (recompute_lost_tiers)
   int64_t lost_tier_requeues = 0;  // running requests sent back to be recomputed after such a loss
@@ -182,8 +173,9 @@ struct SchedulerEvent {
 class Scheduler {
  public:
   Scheduler(Engine& engine, const GeneratorOptions& options);
-  // Frees the sequences of running requests; with prefix_disk_persist, writes the cached and
-  // host-memory prefixes to the directory first (what cannot be written is lost, not an error).
+  // Frees the sequences of running requests; then the prefix store ends (with prefix_disk_persist
+  // it writes the cached and host-memory prefixes to the directory; what cannot be written is
+  // lost, not an error).
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -192,18 +184,12 @@ class Scheduler {
   // the context (kOutOfRange), max_new_tokens < 1, logprobs above kMaxLogprobs, penalties outside
   // [-2, 2], non-finite biases (ids outside the vocabulary are the caller's to refuse; ignored here).
   Status validate(const GenerationRequest& request) const;
-  // With prefix_disk_persist: creates and locks the prefix directory and indexes the files in it
-  // (call it before the first step; nothing is persisted without it). Files that are partial,
-  // unreadable or of another identity are removed and counted in prefix_disk_errors; the oldest
-  // go when they exceed prefix_disk_bytes. kInvalidArgument without prefix_disk_bytes or
-  // prefix_disk_dir; kUnavailable naming the directory when it cannot be created or another
-  // process holds it. Ok and nothing done without prefix_disk_persist.
-  Status open_prefix_disk();
-  // With the directory opened: every cached and host-memory prefix to disk (running requests
-  // are left alone), and the files' times set in least-recently-used order, which
-  // open_prefix_disk sorts them by. The destructor does it; a caller that wants the writes in
-  // stats() calls it when idle. Without the directory nothing happens.
-  void persist_prefixes();
+  // PrefixStore::open_disk (prefix_disk_persist; call it before the first step, nothing is
+  // persisted without it).
+  Status open_prefix_disk() { return store_.open_disk(); }
+  // PrefixStore::persist (running requests are left alone). The destructor does it; a caller
+  // that wants the writes in stats() calls it when idle.
+  void persist_prefixes() { store_.persist(); }
   // Queues a request (FIFO); it is admitted once a sequence slot is free and its KV fits beside the
   // running ones (AdmissionPolicy). One that never fits, even alone, ends with kRefused.
   Result<RequestId> submit(GenerationRequest request);
@@ -221,16 +207,11 @@ class Scheduler {
   bool idle() const { return waiting_.empty() && running_.empty(); }
   size_t waiting() const { return waiting_.size(); }
   size_t running() const { return running_.size(); }
-  size_t cached_sequences() const { return cached_.size(); }
-  size_t offloaded_prefixes() const;  // in host memory
-  uint64_t offloaded_bytes() const { return offloaded_bytes_; }
-  size_t prefixes_on_disk() const { return offloaded_.size() - offloaded_prefixes(); }
-  uint64_t disk_bytes() const { return disk_bytes_; }
-  // Where the prefix files go (created at the first one, or by open_prefix_disk); empty before.
-  const std::string& prefix_disk_directory() const { return disk_dir_; }
-  // Why the last prefix file failed to be written or read back; empty when none has.
-  const std::string& last_prefix_disk_error() const { return last_disk_error_; }
-  const GenerationStats& stats() const { return stats_; }
+  // The prefix cache and its offload levels (occupancy, directory, last error).
+  const PrefixStore& prefix_store() const { return store_; }
+  GenerationStats stats() const;  // the scheduler's counters and the store's
+  // Every request state change so far, the store's included (serving/README.md, "Request states").
+  StateLog states() const;
   Engine& engine() { return engine_; }
 
  private:
@@ -251,27 +232,14 @@ class Scheduler {
     std::unique_ptr<TokenConstraint> constraint;         // request.constraint's clone, at its tokens so far
     bool prompt_logprobs_done = false;           // its first event carried them (not recomputed)
     TokenId next = -1;  // token to feed in the next decode step
-    bool done = false;
+    RequestState state = RequestState::kNew;
+    bool ended() const {
+      return state == RequestState::kFinished || state == RequestState::kRefused ||
+             state == RequestState::kError;
+    }
     bool admitted_before = false;
     int64_t cached_prompt_tokens = 0;  // of its first admission
   };
-  // A finished request's sequence kept for prefix caching; tokens: what its cache holds.
-  struct CachedSequence {
-    SeqId seq;
-    std::vector<TokenId> tokens;
-  };
-  // An evicted cached sequence's whole fork units, in host memory or encoded in the lower level
-  // ("disk": a file, or a blob of prefix_blob_store).
-  struct OffloadedPrefix {
-    std::vector<TokenId> tokens;  // snapshot.tokens of them
-    PrefixSnapshot snapshot;      // empty on disk
-    std::string file;             // in a file: its path
-    std::optional<uint64_t> blob;  // in the blob store: its key
-    uint64_t file_bytes = 0;
-    bool gone = false;  // its file removed for room; erased by settle_offloaded
-    bool on_disk() const { return !file.empty() || blob.has_value(); }
-  };
-
   // Moves waiting requests to running while they fit; refused ones get their finished event.
   Status admit(std::vector<SchedulerEvent>& events);
   // kPreempt: the length each running request reaches after its next step or two (a prefilling
@@ -281,6 +249,9 @@ class Scheduler {
   // without_cached: every cached sequence counted as 0 (all of them evicted).
   std::vector<int64_t> near_lengths(SeqId taken_over = SeqId(), bool without_cached = false) const;
   void preempt_until_fits();
+  // The least recently used cached sequence other than `keep` evicted (PrefixStore::evict; `keep`
+  // too when it is the last and nothing runs).
+  bool evict_cached(SeqId keep = SeqId());
   // swap_preempted applies to e: its KV whole fork units into the store (before requeue).
   bool swaps(const Entry& e) const;
   void swap_out(const Entry& e);
@@ -295,42 +266,21 @@ class Scheduler {
   struct PrefixSource {
     int64_t tokens = 0;  // usable now from `seq`
     SeqId seq;
-    std::optional<size_t> from_cache;  // index in cached_, when seq is a cached one
-    bool supersedes = false;           // a cached seq whose every whole page the request takes
-    int64_t pending = 0;               // usable once running requests have prefilled their prompts
-    std::optional<size_t> from_offload;  // index in offloaded_ of a longer prefix than `pending`
+    bool from_cache = false;             // seq is a cached one
+    bool supersedes = false;             // a cached seq whose every whole page the request takes
+    int64_t pending = 0;                 // usable once running requests have prefilled their prompts
+    std::optional<size_t> from_offload;  // PrefixStore::longest_stored: a longer prefix than `pending`
   };
   // A sequence for e holding `source`'s prefix (a cached one taken over, or a fork), or an empty
   // one (add_sequence) when there is none to use.
   Result<SeqId> sequence_for(Entry& e, int64_t final_length, const PrefixSource& source);
   bool forks(const Entry& e) const;  // prefix caching applies to e
   PrefixSource find_prefix(const Entry& e) const;
-  // Drops the least recently used cached sequence other than `keep` (that one only when it is the
-  // last and nothing runs), offloading it first when prefix_offload_bytes allows; false when none.
-  bool evict_cached(SeqId keep = SeqId(), bool offload = true);
-  // True when the store holds c's whole fork units afterwards.
-  bool offload(const CachedSequence& c);
-  // Writes offloaded_[index] back as the most recently used cached sequence, evicting others for
-  // room; false (the prefix stays offloaded) when it cannot.
-  bool restore_offloaded(size_t index);
-  // Host memory over prefix_offload_bytes: its least recently used prefixes go to disk (or are
-  // dropped).
-  void settle_offloaded();
-  // Writes p's snapshot to a file, the least recently used files removed for its room first;
-  // false (p unchanged) when there is no disk level, no room or the write fails.
-  bool write_to_disk(OffloadedPrefix& p);
-  // Host memory's p to a file (write_to_disk), its snapshot freed; false (p unchanged) when not.
-  bool move_to_disk(OffloadedPrefix& p);
-  uint64_t identity();  // engine_.kv_identity(), computed once
-  // read_prefix_file, and kDataLoss naming 'identity' for a file of another engine.
-  Result<PrefixFile> read_own_prefix_file(const std::string& path, bool header_only);
-  // p's encoded file read back from the lower level (a file or a blob), its identity and tokens checked.
-  Result<PrefixFile> read_back(const OffloadedPrefix& p);
-  // Encodes p into the lower level, at room already made: its path or key into p.
-  Status write_lower(OffloadedPrefix& p, std::span<const std::byte> encoded);
-  void forget(const OffloadedPrefix& p, bool remove_file);  // its bytes out of the accounting
   void release(Entry& e);
-  void cache_or_release(Entry& e);                // prefix caching keeps its sequence, else release
+  void cache_or_release(Entry& e);  // prefix caching keeps its sequence, else release
+  // What e's sequence of `length` tokens holds: the prompt as submitted, then its tokens.
+  std::vector<TokenId> held_tokens(const Entry& e, int64_t length) const;
+  void set_state(Entry& e, RequestState to);      // log_.move; a refusal is a bug (asserted)
   static LogitsMode sample_mode(const Entry& e);  // how a sampling row of e asks for its logits
   // The request's logit_bias, penalties, min_tokens and min_p applied to a copy of its raw logits.
   // A constraint that leaves no token is an error for the request (it ends kError).
@@ -348,15 +298,8 @@ class Scheduler {
   std::vector<std::pair<float, int32_t>> sample_scratch_;
   std::deque<Entry> waiting_;
   std::deque<Entry> running_;  // in admission order: the batch order
-  std::deque<CachedSequence> cached_;  // least recently used first
-  std::deque<OffloadedPrefix> offloaded_;  // least recently used first
-  uint64_t offloaded_bytes_ = 0;  // host memory of offloaded_
-  uint64_t disk_bytes_ = 0;       // files of offloaded_
-  std::string disk_dir_;
-  FileLock disk_lock_;  // prefix_disk_persist: held on disk_dir_ while this scheduler runs
-  std::optional<uint64_t> identity_;
-  int64_t next_file_ = 0;
-  std::string last_disk_error_;
+  PrefixStore store_;
+  StateLog log_;
 };
 
 }  // namespace specontext

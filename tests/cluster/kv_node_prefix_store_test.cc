@@ -162,7 +162,7 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   const GenerationRequest b = request({1, 426, 298}, 20);  // 22 tokens cached: 16 whole
   const std::vector<TokenId> tb = run(s, b);               // evicts A: to the node
   EXPECT_EQ(s.stats().prefix_disk_writes, 1);
-  EXPECT_EQ(s.prefixes_on_disk(), 1u);
+  EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
   EXPECT_EQ(store->blobs(), 1u);
   EXPECT_GT(store->used_bytes(), engine->kv_store().page_bytes() * 5 * 4) << "4 pages of 5 layers";
   GenerationRequest next = a;
@@ -173,7 +173,7 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   EXPECT_EQ(run(s, next, &cached), alone(next));
   EXPECT_EQ(cached, 64) << "A's 4 whole pages came from the node";
   EXPECT_EQ(s.stats().prefix_disk_restores, 1);
-  EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+  EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
 
   // B is on the node now (evicted for the turn); the node dies. B's next turn cannot read it
   // back, and the turn before it cannot be written there when it gives way: two errors.
@@ -188,8 +188,9 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   EXPECT_EQ(cached, 0);
   EXPECT_EQ(s.stats().prefix_disk_restores, 1);
   EXPECT_EQ(s.stats().prefix_disk_errors, 2);
-  EXPECT_NE(s.last_prefix_disk_error().find("kv-node"), std::string::npos) << s.last_prefix_disk_error();
-  EXPECT_EQ(s.prefixes_on_disk(), 0u) << "the lost blob is forgotten";
+  EXPECT_NE(s.prefix_store().last_prefix_disk_error().find("kv-node"), std::string::npos)
+      << s.prefix_store().last_prefix_disk_error();
+  EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 0u) << "the lost blob is forgotten";
   EXPECT_TRUE(engine->check_invariants().is_ok());
 }
 

@@ -148,7 +148,7 @@ TEST(LostTier, AnOffloadedPrefixOutlivesTheTierAndIsRestoredAfterwards) {
     (void)run_all(s, {});  // C, recomputed without the tier
     EXPECT_EQ(s.stats().lost_tiers, 1);
     EXPECT_GE(link.injected_failures(), 1);
-    EXPECT_EQ(s.offloaded_prefixes(), 1u) << "the store kept A";
+    EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 1u) << "the store kept A";
     GenerationRequest next = a;
     next.prompt.insert(next.prompt.end(), first.tokens.at(first.ids[0].value()).begin(),
                        first.tokens.at(first.ids[0].value()).end());

@@ -252,7 +252,7 @@ TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatG
     EXPECT_EQ(got.finish[refused->value()], FinishReason::kRefused);
     EXPECT_FALSE(got.tokens.count(refused->value()));
     // Finished sequences stay cached (evicted as the others needed room).
-    EXPECT_EQ((*engine)->live_sequences(), static_cast<int64_t>(s.cached_sequences()));
+    EXPECT_EQ((*engine)->live_sequences(), static_cast<int64_t>(s.prefix_store().cached_sequences()));
     if (caching) {
       EXPECT_GE(s.stats().prefix_cache_evictions, 1);
     } else {
@@ -561,7 +561,7 @@ TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   const std::vector<TokenId> ta = got.tokens[1];
   ASSERT_EQ(ta, alone(a));
   EXPECT_EQ(got.cached[1], 0);
-  EXPECT_EQ(s.cached_sequences(), 1u);
+  EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
   EXPECT_EQ(engine->live_sequences(), 1);
 
   // The next turn: the conversation so far and more. A's cache holds 40 + 30 − 1 tokens (its
@@ -576,7 +576,7 @@ TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   EXPECT_EQ(got.cached[2], 64);
   EXPECT_EQ(s.stats().cached_prompt_tokens, 64);
   EXPECT_EQ(s.stats().prompt_tokens, 40 + static_cast<int64_t>(b.prompt.size()) - 64);
-  EXPECT_EQ(s.cached_sequences(), 1u) << "B took all of A's whole pages: A is superseded";
+  EXPECT_EQ(s.prefix_store().cached_sequences(), 1u) << "B took all of A's whole pages: A is superseded";
   EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
 
   // A prompt that is all cached still computes its last token: 39 usable, 32 in pages.
@@ -584,7 +584,7 @@ TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   run_to_idle(s, got);
   EXPECT_EQ(got.tokens[3], ta);
   EXPECT_EQ(got.cached[3], 32);
-  EXPECT_EQ(s.cached_sequences(), 2u) << "B keeps pages beyond C's prefix";
+  EXPECT_EQ(s.prefix_store().cached_sequences(), 2u) << "B keeps pages beyond C's prefix";
   EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
 }
 
@@ -605,7 +605,7 @@ TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
     EXPECT_EQ(got.tokens[2], alone(b));
     EXPECT_EQ(got.cached[2], 64) << "69 cached tokens, cut to 4 pages";
     EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
-    EXPECT_EQ(s.cached_sequences(), 1u);
+    EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
     EXPECT_TRUE(engine->check_invariants().is_ok());
   }
 }
@@ -631,9 +631,9 @@ TEST(Scheduler, ThePromptAgainTakesOverALongerCachedSequenceWithOneSlot) {
     EXPECT_EQ(got.tokens[2], got.tokens[1]);
     EXPECT_EQ(got.cached[2], 32) << "39 usable, 2 pages";
     EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
-    EXPECT_EQ(s.cached_sequences(), 1u);
+    EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
     EXPECT_EQ(s.stats().prefix_offloads, store ? 1 : 0);
-    EXPECT_EQ(s.offloaded_prefixes(), store ? 1u : 0u);
+    EXPECT_EQ(s.prefix_store().offloaded_prefixes(), store ? 1u : 0u);
     EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
   }
 }
@@ -659,7 +659,7 @@ TEST(Scheduler, SlotsBeyondTheRunningOnesHoldCachedSequences) {
   EXPECT_EQ(s.stats().max_batch_sequences, 1) << "one running at a time";
   EXPECT_EQ(got.tokens[1], alone(a));
   EXPECT_EQ(got.tokens[2], alone(b));
-  EXPECT_EQ(s.cached_sequences(), 2u);
+  EXPECT_EQ(s.prefix_store().cached_sequences(), 2u);
   const GenerationRequest next = next_turn(a, got.tokens[1], {403}, a.max_new_tokens);
   ASSERT_TRUE(s.submit(next).is_ok());
   run_to_idle(s, got);
@@ -733,7 +733,7 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
       EXPECT_EQ(got.tokens[static_cast<int64_t>(i + 1)], alone(reqs[i])) << i;
       EXPECT_EQ(s.stats().prefix_cache_evictions, static_cast<int64_t>(i))
           << "each one's memory evicts the last";
-      EXPECT_EQ(s.cached_sequences(), 1u);
+      EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
     }
     EXPECT_TRUE(engine->check_invariants().is_ok());
   }
@@ -793,7 +793,7 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
       const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
       const bool kept_a = budget >= 4 * page, kept_b = budget >= 15 * page;
       EXPECT_EQ(s.stats().prefix_offloads, kept_a ? 1 : 0);
-      EXPECT_EQ(s.offloaded_bytes(), kept_a ? 4 * page : 0);
+      EXPECT_EQ(s.prefix_store().offloaded_bytes(), kept_a ? 4 * page : 0);
       const GenerationRequest next = next_turn(a, got.tokens[1], {403, 407}, 20);
       ASSERT_TRUE(s.submit(next).is_ok());
       run_to_idle(s, got);
@@ -803,8 +803,8 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
       EXPECT_EQ(s.stats().prefix_restores, kept_a ? 1 : 0);
       EXPECT_EQ(s.stats().prefix_cache_evictions, 2) << "B gave way to the next turn";
       EXPECT_EQ(s.stats().prefix_offloads, (kept_a ? 1 : 0) + (kept_b ? 1 : 0));
-      EXPECT_EQ(s.offloaded_prefixes(), kept_b ? 1u : 0u) << "A left the store";
-      EXPECT_EQ(s.offloaded_bytes(), kept_b ? 15 * page : 0);
+      EXPECT_EQ(s.prefix_store().offloaded_prefixes(), kept_b ? 1u : 0u) << "A left the store";
+      EXPECT_EQ(s.prefix_store().offloaded_bytes(), kept_b ? 15 * page : 0);
       EXPECT_TRUE(engine->check_invariants().is_ok());
     }
   }
@@ -824,7 +824,7 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
   Collected got;
   const std::vector<GenerationRequest> reqs = four_conversations(s, got);
   EXPECT_EQ(s.stats().prefix_offloads, 2);
-  EXPECT_EQ(s.offloaded_bytes(), 8 * page);
+  EXPECT_EQ(s.prefix_store().offloaded_bytes(), 8 * page);
   // The first conversation's next turn: out of the store (the third's cache is evicted into it
   // for the slot), taken over and computed on from 64 tokens.
   const GenerationRequest next = next_turn(reqs[0], got.tokens[1], {407}, 10);
@@ -840,8 +840,8 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
   run_to_idle(s, got);
   EXPECT_EQ(s.stats().prefix_offloads, 4);
   EXPECT_EQ(s.stats().prefix_offload_drops, 1);
-  EXPECT_EQ(s.offloaded_prefixes(), 2u);
-  EXPECT_EQ(s.offloaded_bytes(), 8 * page);
+  EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 2u);
+  EXPECT_EQ(s.prefix_store().offloaded_bytes(), 8 * page);
   EXPECT_EQ(s.stats().prefix_offload_peak_bytes, static_cast<int64_t>(8 * page));
   // The third conversation's next turn is restored; the second's, dropped, is computed again.
   for (size_t c : {size_t{2}, size_t{1}}) {
@@ -877,16 +877,16 @@ TEST(Scheduler, TheOffloadStoreKeepsTheLongerOfTwoPrefixesOfTheSameTokens) {
   ASSERT_EQ(std::vector<TokenId>(got.tokens[2].begin(), got.tokens[2].begin() + 30), got.tokens[1]);
   EXPECT_EQ(s.stats().prefix_offloads, 2);
   EXPECT_EQ(s.stats().prefix_offload_drops, 1) << "the longer one's 96 tokens replaced the 64";
-  EXPECT_EQ(s.offloaded_prefixes(), 1u);
-  const uint64_t held = s.offloaded_bytes();
+  EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 1u);
+  const uint64_t held = s.prefix_store().offloaded_bytes();
   // The same 64 tokens cached again and evicted: the store has them already.
   for (const GenerationRequest& r : {shorter, request({1, 298}, 20), request({1, 378}, 20)}) {
     ASSERT_TRUE(s.submit(r).is_ok());
     run_to_idle(s, got);
   }
   EXPECT_EQ(s.stats().prefix_offloads, 2 + 2) << "the two short unrelated ones only";
-  EXPECT_EQ(s.offloaded_prefixes(), 3u);
-  EXPECT_GT(s.offloaded_bytes(), held);
+  EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 3u);
+  EXPECT_GT(s.prefix_store().offloaded_bytes(), held);
   EXPECT_TRUE(engine->check_invariants().is_ok());
 }
 
@@ -919,10 +919,10 @@ TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
     EXPECT_EQ(s.stats().prefix_cache_evictions, 1);
     EXPECT_EQ(s.stats().prefix_offloads, 0) << "no host memory";
     EXPECT_EQ(s.stats().prefix_disk_writes, 1);
-    EXPECT_EQ(s.prefixes_on_disk(), 1u);
-    EXPECT_EQ(s.offloaded_prefixes(), 0u);
-    EXPECT_GT(s.disk_bytes(), 4 * page) << "the KV of 4 pages, and the tokens";
-    dir = s.prefix_disk_directory();
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
+    EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 0u);
+    EXPECT_GT(s.prefix_store().disk_bytes(), 4 * page) << "the KV of 4 pages, and the tokens";
+    dir = s.prefix_store().prefix_disk_directory();
     ASSERT_FALSE(dir.empty());
     EXPECT_TRUE(std::filesystem::equivalent(std::filesystem::path(dir).parent_path(), go.prefix_disk_dir)) << dir;
     EXPECT_EQ(prefix_files(dir), 1u);
@@ -933,9 +933,9 @@ TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
     EXPECT_EQ(got.cached[3], 64) << "A's 4 whole pages came off the disk";
     EXPECT_EQ(s.stats().prefix_restores, 1);
     EXPECT_EQ(s.stats().prefix_disk_restores, 1);
-    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
     EXPECT_EQ(s.stats().prefix_disk_writes, 2) << "B went to disk for the next turn's room";
-    EXPECT_EQ(s.prefixes_on_disk(), 1u) << "A's file was removed once read";
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u) << "A's file was removed once read";
     EXPECT_EQ(prefix_files(dir), 1u);
     EXPECT_TRUE(engine->check_invariants().is_ok());
   }
@@ -962,7 +962,7 @@ TEST(Scheduler, PersistentPrefixFilesOutliveTheSchedulerAndAnswerTheNextOne) {
   {
     Scheduler s(*engine, go);
     ASSERT_TRUE(s.open_prefix_disk().is_ok());
-    dir = s.prefix_disk_directory();
+    dir = s.prefix_store().prefix_disk_directory();
     EXPECT_EQ(std::filesystem::path(dir).parent_path(), base);
     {
       Scheduler other(*engine, go);  // a second process on the same directory
@@ -983,14 +983,14 @@ TEST(Scheduler, PersistentPrefixFilesOutliveTheSchedulerAndAnswerTheNextOne) {
     Scheduler s(*engine, go);
     ASSERT_TRUE(s.open_prefix_disk().is_ok());
     EXPECT_EQ(s.stats().prefix_disk_found, 1);
-    EXPECT_EQ(s.prefixes_on_disk(), 1u);
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
     Collected got;
     ASSERT_TRUE(s.submit(next).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(got.tokens[1], alone(next));
     EXPECT_EQ(got.cached[1], 64) << "the 4 whole pages of the last scheduler's file";
     EXPECT_EQ(s.stats().prefix_disk_restores, 1);
-    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
   }
   // The same file under another identity: removed at open, counted, and the prompt computed.
   ASSERT_EQ(prefix_files(dir), 1u);
@@ -1007,7 +1007,8 @@ TEST(Scheduler, PersistentPrefixFilesOutliveTheSchedulerAndAnswerTheNextOne) {
     ASSERT_TRUE(s.open_prefix_disk().is_ok());
     EXPECT_EQ(s.stats().prefix_disk_found, 0);
     EXPECT_EQ(s.stats().prefix_disk_errors, 1);
-    EXPECT_NE(s.last_prefix_disk_error().find("'identity'"), std::string::npos) << s.last_prefix_disk_error();
+    EXPECT_NE(s.prefix_store().last_prefix_disk_error().find("'identity'"), std::string::npos)
+        << s.prefix_store().last_prefix_disk_error();
     EXPECT_EQ(prefix_files(dir), 0u);
     Collected got;
     ASSERT_TRUE(s.submit(next).is_ok());
@@ -1041,9 +1042,9 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     EXPECT_EQ(s.stats().prefix_offloads, 2);
     EXPECT_EQ(s.stats().prefix_disk_writes, 1);
     EXPECT_EQ(s.stats().prefix_offload_drops, 0);
-    EXPECT_EQ(s.offloaded_prefixes(), 1u);
-    EXPECT_EQ(s.prefixes_on_disk(), 1u);
-    EXPECT_EQ(s.offloaded_bytes(), 4 * page);
+    EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 1u);
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
+    EXPECT_EQ(s.prefix_store().offloaded_bytes(), 4 * page);
     // The first conversation's next turn comes off the disk; the third's cache goes to host
     // memory for the slot, and the second's prefix from there to disk, except on a disk for one
     // prefix: the first's file counts until it has been read back, so the second is dropped.
@@ -1055,12 +1056,12 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     EXPECT_EQ(s.stats().prefix_disk_restores, 1);
     EXPECT_EQ(s.stats().prefix_disk_writes, disk_fits_one ? 1 : 2);
     EXPECT_EQ(s.stats().prefix_offload_drops, disk_fits_one ? 1 : 0);
-    EXPECT_EQ(s.prefixes_on_disk(), disk_fits_one ? 0u : 1u);
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), disk_fits_one ? 0u : 1u);
     // One more conversation: the fourth's cache goes to host memory, the third's from there to disk.
     ASSERT_TRUE(s.submit(request({1, 378}, 10)).is_ok());
     run_to_idle(s, got);
     EXPECT_EQ(s.stats().prefix_disk_writes, disk_fits_one ? 2 : 3);
-    EXPECT_EQ(s.prefixes_on_disk(), disk_fits_one ? 1u : 2u);
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), disk_fits_one ? 1u : 2u);
     // The second conversation's next turn: read back, or computed when it was dropped. The first's
     // next turn goes to host memory for the slot and the fourth's from there to disk; a disk for
     // one prefix removes the third's file for it.
@@ -1072,11 +1073,11 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     EXPECT_EQ(s.stats().prefix_disk_restores, disk_fits_one ? 1 : 2);
     EXPECT_EQ(s.stats().prefix_disk_writes, disk_fits_one ? 3 : 4);
     EXPECT_EQ(s.stats().prefix_disk_drops, disk_fits_one ? 1 : 0);
-    EXPECT_EQ(s.prefixes_on_disk(), disk_fits_one ? 1u : 2u);
-    EXPECT_LE(s.disk_bytes(), go.prefix_disk_bytes);
-    EXPECT_EQ(prefix_files(s.prefix_disk_directory()), s.prefixes_on_disk());
+    EXPECT_EQ(s.prefix_store().prefixes_on_disk(), disk_fits_one ? 1u : 2u);
+    EXPECT_LE(s.prefix_store().disk_bytes(), go.prefix_disk_bytes);
+    EXPECT_EQ(prefix_files(s.prefix_store().prefix_disk_directory()), s.prefix_store().prefixes_on_disk());
     EXPECT_LE(static_cast<uint64_t>(s.stats().prefix_disk_peak_bytes), go.prefix_disk_bytes);
-    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
     EXPECT_TRUE(engine->check_invariants().is_ok());
   }
 }
@@ -1102,11 +1103,13 @@ TEST(Scheduler, AFileThatCannotBeReadBackOrWrittenIsDroppedAndThePromptComputed)
     std::string file;
     if (damage == "unwritable") {
       EXPECT_EQ(s.stats().prefix_disk_errors, 1);
-      EXPECT_NE(s.last_prefix_disk_error().find("/nonexistent-dir"), std::string::npos) << s.last_prefix_disk_error();
-      EXPECT_EQ(s.prefixes_on_disk(), 0u);
+      EXPECT_NE(s.prefix_store().last_prefix_disk_error().find("/nonexistent-dir"), std::string::npos)
+          << s.prefix_store().last_prefix_disk_error();
+      EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 0u);
     } else {
-      ASSERT_EQ(s.prefixes_on_disk(), 1u);
-      for (const auto& entry : std::filesystem::directory_iterator(s.prefix_disk_directory())) file = entry.path();
+      ASSERT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
+      for (const auto& entry : std::filesystem::directory_iterator(s.prefix_store().prefix_disk_directory()))
+        file = entry.path();
       const auto size = std::filesystem::file_size(file);
       if (damage == "flip") {
         std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
@@ -1127,9 +1130,12 @@ TEST(Scheduler, AFileThatCannotBeReadBackOrWrittenIsDroppedAndThePromptComputed)
     EXPECT_EQ(s.stats().prefix_disk_restores, 0);
     if (damage != "unwritable") {
       EXPECT_EQ(s.stats().prefix_disk_errors, 1);
-      EXPECT_NE(s.last_prefix_disk_error().find(file), std::string::npos) << s.last_prefix_disk_error();
-      EXPECT_NE(s.last_prefix_disk_error().find(damage == "remove" ? "cannot open" : "'crc32'"), std::string::npos)
-          << s.last_prefix_disk_error();
+      EXPECT_NE(s.prefix_store().last_prefix_disk_error().find(file), std::string::npos)
+          << s.prefix_store().last_prefix_disk_error();
+      EXPECT_NE(
+          s.prefix_store().last_prefix_disk_error().find(damage == "remove" ? "cannot open" : "'crc32'"),
+          std::string::npos)
+          << s.prefix_store().last_prefix_disk_error();
       EXPECT_FALSE(std::filesystem::exists(file));
     }
     EXPECT_TRUE(engine->check_invariants().is_ok());
@@ -1179,7 +1185,7 @@ TEST(Scheduler, APreemptedRequestIsSwappedOutAndItsPagesComeBackOnce) {
     // Every restore is a swap-in, one for each swap-out (a prefix restored while its request
     // still had to wait would be evicted, offloaded and restored again).
     EXPECT_EQ(st.prefix_restores, st.preemption_swaps);
-    EXPECT_EQ(st.prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_EQ(st.prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
     if (mode == Mode::kRecompute) {
       EXPECT_EQ(st.preemption_swaps, 0);
     } else {
@@ -1336,11 +1342,11 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
   EXPECT_GT(s.stats().prefix_cache_evictions + s.stats().preemptions, 0) << "the pool was tight";
   if (store != OffloadStore::kNone) {
     EXPECT_GT(s.stats().prefix_restores, 0);
-    EXPECT_LE(s.offloaded_bytes(), go.prefix_offload_bytes);
+    EXPECT_LE(s.prefix_store().offloaded_bytes(), go.prefix_offload_bytes);
   }
   if (store == OffloadStore::kHostAndDisk) {
     EXPECT_GT(s.stats().prefix_disk_restores, 0);
-    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.last_prefix_disk_error();
+    EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
     EXPECT_LE(static_cast<uint64_t>(s.stats().prefix_disk_peak_bytes), go.prefix_disk_bytes);
   }
   std::fprintf(stderr,

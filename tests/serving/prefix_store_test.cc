@@ -1,0 +1,577 @@
+// PrefixStore's own contract on stories260K (pages of 16 tokens: the fork unit): the longest
+// cached prefix, eviction into host memory, files or blobs and back, take-over, persistence; and
+// the request state machine (serving/request_state.h): the table refuses what the code never does,
+// and every move it allows happens in one of the scenarios below (the Scheduler's and the store's).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "core/model/model_loader.h"
+#include "serving/generator.h"
+#include "serving/prefix_store.h"
+#include "serving/request_state.h"
+#include "serving/scheduler.h"
+#include "tests/core/tier_test_util.h"
+
+namespace specontext {
+namespace {
+
+using S = RequestState;
+using testing::story_prompt;
+
+// A PrefixBlobStore in a map: a KV node's memory without the node. `alive` false: get fails as
+// a dead node's does.
+class MemoryBlobStore : public PrefixBlobStore {
+ public:
+  explicit MemoryBlobStore(uint64_t capacity) : capacity_(capacity) {}
+  const std::string& name() const override { return name_; }
+  uint64_t capacity() const override { return capacity_; }
+  Result<uint64_t> put(std::span<const std::byte> blob) override {
+    if (used_ + blob.size() > capacity_) return resource_exhausted("memory blob store: full");
+    used_ += blob.size();
+    blobs_[next_] = std::vector<std::byte>(blob.begin(), blob.end());
+    return next_++;
+  }
+  Result<std::vector<std::byte>> get(uint64_t key) override {
+    if (!alive) return unavailable("memory blob store: gone");
+    auto it = blobs_.find(key);
+    if (it == blobs_.end()) return not_found("memory blob store: no blob " + std::to_string(key));
+    return it->second;
+  }
+  void remove(uint64_t key) override {
+    auto it = blobs_.find(key);
+    if (it == blobs_.end()) return;
+    used_ -= it->second.size();
+    blobs_.erase(it);
+  }
+  size_t blobs() const { return blobs_.size(); }
+  bool alive = true;
+
+ private:
+  std::string name_ = "memory blob store";
+  uint64_t capacity_;
+  uint64_t used_ = 0;
+  uint64_t next_ = 1;
+  std::map<uint64_t, std::vector<std::byte>> blobs_;
+};
+
+// stories260K on `slots` sequence slots and a pool of `pages` KV pages (0: enough for all).
+std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages) {
+  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
+  EXPECT_TRUE(m.is_ok());
+  if (!m.is_ok()) return nullptr;
+  EngineOptions eo;
+  eo.max_sequences = slots;
+  eo.kv_pages = pages;
+  auto engine = Engine::create(*m, testing::cpu_backend(), eo);
+  EXPECT_TRUE(engine.is_ok());
+  return engine.is_ok() ? std::move(*engine) : nullptr;
+}
+
+// A sequence holding `tokens`' KV, computed.
+SeqId computed(Engine& engine, const std::vector<TokenId>& tokens) {
+  auto seq = engine.add_sequence();
+  EXPECT_TRUE(seq.is_ok());
+  const StepRequest r{*seq, tokens, LogitsMode::kNone, nullptr, /*prompt=*/true};
+  EXPECT_TRUE(engine.forward(std::span<const StepRequest>(&r, 1)).is_ok());
+  return *seq;
+}
+
+// The tokens a prompt may take from the store: all but its last.
+std::span<const TokenId> wanted(const std::vector<TokenId>& prompt) {
+  return {prompt.data(), prompt.size() - 1};
+}
+
+// Prompts of 40 tokens (2 whole pages) that share nothing but BOS.
+std::vector<TokenId> prompt_of(TokenId word, size_t n = 40) {
+  std::vector<TokenId> p{1};
+  while (p.size() < n) p.push_back(static_cast<TokenId>(word + static_cast<TokenId>(p.size() % 3)));
+  return p;
+}
+
+uint64_t page_bytes(Engine& engine) { return engine.kv_store().page_bytes() * 5; }  // every layer's page
+
+PrefixStoreOptions disk_options(uint64_t host, uint64_t lower) {
+  PrefixStoreOptions o;
+  o.host_bytes = host;
+  o.lower_bytes = lower;
+  o.disk_dir = ::testing::TempDir();
+  return o;
+}
+
+// ---- PrefixStore ----
+
+TEST(PrefixStore, TheLongestCachedPrefixInWholePagesAndTakingItOver) {
+  auto engine = pool_engine(3, 0);
+  ASSERT_TRUE(engine);
+  PrefixStore store(*engine, PrefixStoreOptions{});
+  const std::vector<TokenId> a = story_prompt(40);
+  const std::vector<TokenId> b = prompt_of(426);
+  store.insert(computed(*engine, a), a, S::kFinished);
+  store.insert(computed(*engine, b), b, S::kFinished);
+  EXPECT_EQ(store.cached_sequences(), 2u);
+  // The next turn shares all 40 tokens: 2 whole pages, every whole page of a's.
+  std::vector<TokenId> next = a;
+  next.insert(next.end(), {403, 407, 261});
+  PrefixStore::Match m = store.longest_cached(wanted(next), 0);
+  EXPECT_EQ(m.tokens, 32);
+  EXPECT_EQ(m.seq, store.cached().front().seq);
+  EXPECT_TRUE(m.whole);
+  EXPECT_EQ(store.longest_cached(wanted(next), 32).tokens, 0) << "nothing longer than the floor";
+  // A prompt leaving a's at token 20: one page, not every whole page of it.
+  std::vector<TokenId> branch(a.begin(), a.begin() + 20);
+  branch.insert(branch.end(), 10, 500);
+  m = store.longest_cached(wanted(branch), 0);
+  EXPECT_EQ(m.tokens, 16);
+  EXPECT_FALSE(m.whole);
+  // touch: a becomes the most recently used, so b is evicted first (dropped: no levels).
+  store.touch(m.seq);
+  EXPECT_EQ(store.cached().back().seq, m.seq);
+  ASSERT_TRUE(store.evict());
+  EXPECT_EQ(store.cached_sequences(), 1u);
+  EXPECT_EQ(store.stats().prefix_cache_evictions, 1);
+  EXPECT_EQ(store.stats().prefix_offloads, 0);
+  // take: a leaves the cache cut to its first page for the request that takes it over.
+  const auto taken = store.take(m.seq, 16, 0);
+  ASSERT_TRUE(taken.has_value());
+  EXPECT_EQ(engine->sequence_length(*taken), 16);
+  EXPECT_EQ(store.cached_sequences(), 0u);
+  EXPECT_FALSE(store.evict()) << "nothing left";
+  EXPECT_EQ(store.states().count(S::kFinished, S::kCached), 2);
+  EXPECT_EQ(store.states().count(S::kCached, S::kDropped), 1);
+  EXPECT_EQ(store.states().count(S::kCached, S::kPrefilling), 1);
+  EXPECT_EQ(store.states().refused(), 0);
+  (void)engine->remove_sequence(*taken);
+  EXPECT_TRUE(engine->check_invariants().is_ok());
+}
+
+TEST(PrefixStore, TheKeptSequenceGoesLastAndOnlyWhenLetGo) {
+  auto engine = pool_engine(2, 0);
+  ASSERT_TRUE(engine);
+  PrefixStore store(*engine, PrefixStoreOptions{});
+  const std::vector<TokenId> a = story_prompt(40);
+  const SeqId seq = computed(*engine, a);
+  store.insert(seq, a, S::kCancelled);
+  EXPECT_FALSE(store.evict(seq, /*keep_may_go=*/false));
+  EXPECT_TRUE(store.evict(seq, /*keep_may_go=*/true));
+  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(store.states().count(S::kCancelled, S::kCached), 1);
+}
+
+TEST(PrefixStore, AnEvictedPrefixGoesToHostMemoryAndIsRestoredIntoTheCache) {
+  auto engine = pool_engine(2, 0);
+  ASSERT_TRUE(engine);
+  const uint64_t page = page_bytes(*engine);
+  PrefixStoreOptions o;
+  o.host_bytes = 4 * page;  // two prefixes of 2 pages
+  PrefixStore store(*engine, o);
+  const std::vector<TokenId> a = story_prompt(40);
+  store.insert(computed(*engine, a), a, S::kFinished);
+  ASSERT_TRUE(store.evict());
+  EXPECT_EQ(store.cached_sequences(), 0u);
+  EXPECT_EQ(store.offloaded_prefixes(), 1u);
+  EXPECT_EQ(store.offloaded_bytes(), 2 * page);
+  EXPECT_EQ(store.stats().prefix_offloads, 1);
+  EXPECT_FALSE(store.longest_stored(wanted(a), 32).has_value()) << "not longer than the floor";
+  const auto found = store.longest_stored(wanted(a), 0);
+  ASSERT_TRUE(found.has_value());
+  ASSERT_TRUE(store.restore(*found));
+  EXPECT_EQ(store.offloaded_prefixes(), 0u);
+  EXPECT_EQ(store.offloaded_bytes(), 0u);
+  ASSERT_EQ(store.cached_sequences(), 1u);
+  EXPECT_EQ(engine->sequence_length(store.cached().front().seq), 32);
+  EXPECT_EQ(store.stats().prefix_restores, 1);
+  // Three prefixes into room for two: the oldest is dropped.
+  for (TokenId w : {426, 432, 298}) {
+    const std::vector<TokenId> p = prompt_of(w);
+    const SeqId seq = computed(*engine, p);
+    ASSERT_TRUE(store.offload(seq, p, S::kCached));
+    (void)engine->remove_sequence(seq);
+  }
+  EXPECT_EQ(store.offloaded_prefixes(), 2u);
+  EXPECT_EQ(store.stats().prefix_offload_drops, 1);
+  EXPECT_EQ(store.stats().prefix_offload_peak_bytes, static_cast<int64_t>(4 * page));
+  EXPECT_EQ(store.states().count(S::kCached, S::kOffloaded), 4);
+  EXPECT_EQ(store.states().count(S::kOffloaded, S::kCached), 1);
+  EXPECT_EQ(store.states().count(S::kOffloaded, S::kDropped), 1);
+  EXPECT_EQ(store.states().refused(), 0);
+}
+
+TEST(PrefixStore, HostMemoryOverflowsToFilesThatAreReadBackAndRemoved) {
+  auto engine = pool_engine(4, 0);
+  ASSERT_TRUE(engine);
+  const uint64_t page = page_bytes(*engine);
+  std::string dir;
+  {
+    PrefixStore store(*engine, disk_options(2 * page, uint64_t{64} << 20));  // one prefix in host memory
+    const std::vector<TokenId> a = story_prompt(40), b = prompt_of(426);
+    for (const auto& p : {a, b}) store.insert(computed(*engine, p), p, S::kFinished);
+    ASSERT_TRUE(store.evict());
+    ASSERT_TRUE(store.evict());
+    EXPECT_EQ(store.offloaded_prefixes(), 1u);
+    EXPECT_EQ(store.prefixes_on_disk(), 1u) << "a went to disk for b";
+    EXPECT_EQ(store.stats().prefix_disk_writes, 1);
+    EXPECT_GT(store.disk_bytes(), 2 * page);
+    dir = store.prefix_disk_directory();
+    ASSERT_FALSE(dir.empty());
+    const auto found = store.longest_stored(wanted(a), 0);
+    ASSERT_TRUE(found.has_value());
+    ASSERT_TRUE(store.restore(*found));
+    EXPECT_EQ(store.stats().prefix_disk_restores, 1);
+    EXPECT_EQ(store.prefixes_on_disk(), 0u);
+    EXPECT_EQ(store.disk_bytes(), 0u);
+    EXPECT_EQ(store.states().count(S::kOffloaded, S::kOnDisk), 1);
+    EXPECT_EQ(store.states().count(S::kOnDisk, S::kCached), 1);
+    EXPECT_EQ(store.stats().prefix_disk_errors, 0) << store.last_prefix_disk_error();
+    // Larger than host memory allows: straight to a file. A damaged file is dropped and counted.
+    PrefixStore small(*engine, disk_options(page, uint64_t{64} << 20));
+    const std::vector<TokenId> c = prompt_of(432);
+    const SeqId cs = computed(*engine, c);
+    ASSERT_TRUE(small.offload(cs, c, S::kCached));
+    (void)engine->remove_sequence(cs);
+    EXPECT_EQ(small.prefixes_on_disk(), 1u);
+    for (const auto& entry : std::filesystem::directory_iterator(small.prefix_disk_directory())) {
+      std::filesystem::resize_file(entry.path(), 100);
+    }
+    EXPECT_FALSE(small.restore(0));
+    EXPECT_EQ(small.stats().prefix_disk_errors, 1);
+    EXPECT_NE(small.last_prefix_disk_error().find(small.prefix_disk_directory()), std::string::npos)
+        << small.last_prefix_disk_error();
+    EXPECT_EQ(small.prefixes_on_disk(), 0u);
+    EXPECT_EQ(small.states().count(S::kCached, S::kOnDisk), 1);
+    EXPECT_EQ(small.states().count(S::kOnDisk, S::kDropped), 1);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "the store removes its directory";
+  EXPECT_EQ(engine->live_sequences(), 0);
+}
+
+TEST(PrefixStore, BlobsOnANodeAreReadBackAndALostOneIsDropped) {
+  auto engine = pool_engine(3, 0);
+  ASSERT_TRUE(engine);
+  const uint64_t page = page_bytes(*engine);
+  auto blobs = std::make_shared<MemoryBlobStore>(uint64_t{64} << 20);
+  PrefixStoreOptions o;
+  o.host_bytes = 2 * page;
+  o.blob_store = blobs;
+  {
+    PrefixStore store(*engine, o);
+    const std::vector<TokenId> a = story_prompt(40), b = prompt_of(426);
+    for (const auto& p : {a, b}) store.insert(computed(*engine, p), p, S::kFinished);
+    ASSERT_TRUE(store.evict());
+    ASSERT_TRUE(store.evict());
+    EXPECT_EQ(store.prefixes_on_disk(), 1u);
+    EXPECT_EQ(blobs->blobs(), 1u);
+    EXPECT_TRUE(store.prefix_disk_directory().empty()) << "no directory with a blob store";
+    ASSERT_TRUE(store.restore(*store.longest_stored(wanted(a), 0)));
+    EXPECT_EQ(store.stats().prefix_disk_restores, 1);
+    EXPECT_EQ(blobs->blobs(), 0u);
+    // A prefix larger than host memory goes straight to a blob; the node dies; it is dropped.
+    PrefixStoreOptions no_host = o;
+    no_host.host_bytes = 0;
+    PrefixStore other(*engine, no_host);
+    const std::vector<TokenId> c = prompt_of(432);
+    const SeqId cs = computed(*engine, c);
+    ASSERT_TRUE(other.offload(cs, c, S::kCached));
+    (void)engine->remove_sequence(cs);
+    blobs->alive = false;
+    EXPECT_FALSE(other.restore(0));
+    EXPECT_NE(other.last_prefix_disk_error().find("memory blob store"), std::string::npos);
+    EXPECT_EQ(other.prefixes_on_disk(), 0u);
+    EXPECT_EQ(store.states().count(S::kOffloaded, S::kOnNode), 1);
+    EXPECT_EQ(store.states().count(S::kOnNode, S::kCached), 1);
+    EXPECT_EQ(other.states().count(S::kCached, S::kOnNode), 1);
+    EXPECT_EQ(other.states().count(S::kOnNode, S::kDropped), 1);
+    EXPECT_EQ(store.open_disk().code(), StatusCode::kOk) << "nothing to do without persist";
+  }
+  EXPECT_EQ(blobs->blobs(), 0u) << "the stores removed their blobs";
+}
+
+TEST(PrefixStore, PersistedPrefixesAreFoundByTheNextStore) {
+  auto engine = pool_engine(2, 0);
+  ASSERT_TRUE(engine);
+  const std::filesystem::path base = std::filesystem::path(::testing::TempDir()) / "prefix-store-persist";
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(base);
+  PrefixStoreOptions o;
+  o.lower_bytes = uint64_t{64} << 20;
+  o.disk_dir = base.string();
+  o.persist = true;
+  const std::vector<TokenId> a = story_prompt(40);
+  {
+    PrefixStore store(*engine, o);
+    ASSERT_TRUE(store.open_disk().is_ok());
+    store.insert(computed(*engine, a), a, S::kFinished);
+  }  // cached a written at the end
+  EXPECT_EQ(engine->live_sequences(), 0);
+  PrefixStore store(*engine, o);
+  ASSERT_TRUE(store.open_disk().is_ok());
+  EXPECT_EQ(store.stats().prefix_disk_found, 1);
+  EXPECT_EQ(store.states().count(S::kNew, S::kOnDisk), 1);
+  ASSERT_TRUE(store.restore(*store.longest_stored(wanted(a), 0)));
+  EXPECT_EQ(engine->sequence_length(store.cached().front().seq), 32);
+  PrefixStoreOptions blob = o;
+  blob.blob_store = std::make_shared<MemoryBlobStore>(1 << 20);
+  EXPECT_EQ(PrefixStore(*engine, blob).open_disk().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- request states ----
+
+TEST(RequestStates, TheTableRefusesWhatTheCodeNeverDoes) {
+  StateLog log;
+  for (auto [from, to] : {std::pair{S::kWaiting, S::kDecoding}, std::pair{S::kNew, S::kPrefilling},
+                          std::pair{S::kFinished, S::kWaiting}, std::pair{S::kRefused, S::kCached},
+                          std::pair{S::kError, S::kCached}, std::pair{S::kDropped, S::kCached},
+                          std::pair{S::kDecoding, S::kPrefilling}, std::pair{S::kOnDisk, S::kOffloaded},
+                          std::pair{S::kCached, S::kWaiting}, std::pair{S::kWaiting, S::kWaiting}}) {
+    RequestState state = from;
+    const Status st = log.move(state, to);
+    EXPECT_EQ(st.code(), StatusCode::kInternal)
+        << request_state_name(from) << " -> " << request_state_name(to);
+    EXPECT_NE(st.message().find(std::string(request_state_name(to))), std::string::npos) << st.message();
+    EXPECT_EQ(state, from) << "unchanged";
+    EXPECT_EQ(log.count(from, to), 0);
+  }
+  EXPECT_EQ(log.refused(), 10);
+  RequestState state = S::kNew;
+  for (S to : {S::kWaiting, S::kPrefilling, S::kDecoding, S::kFinished, S::kCached, S::kOffloaded, S::kOnDisk,
+               S::kDropped}) {
+    EXPECT_TRUE(log.move(state, to).is_ok()) << request_state_name(to);
+  }
+  EXPECT_EQ(log.count(S::kOnDisk, S::kDropped), 1);
+  EXPECT_EQ(log.refused(), 10);
+}
+
+GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = n;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 7;
+  return r;
+}
+
+// Steps until idle (or `limit` steps); errors of failed forwards are expected in some scenarios.
+void run(Scheduler& s, int limit = 5000) {
+  std::vector<SchedulerEvent> ev;
+  for (int i = 0; i < limit && !s.idle(); ++i) {
+    ev.clear();
+    (void)s.step(ev);
+  }
+}
+
+// Steps until request `id` has had `tokens` token events.
+void run_until(Scheduler& s, RequestId id, int64_t tokens) {
+  std::vector<SchedulerEvent> ev;
+  int64_t got = 0;
+  for (int i = 0; i < 5000 && got < tokens && !s.idle(); ++i) {
+    ev.clear();
+    (void)s.step(ev);
+    for (const SchedulerEvent& e : ev) got += e.request == id && !e.finished;
+  }
+}
+
+// Submitted, cancelled while waiting, prefilling and decoding (kept cached), refused, a first
+// token that is a stop id, a next turn that takes its cache over.
+StateLog lifecycle_scenario() {
+  StateLog all;
+  {
+    auto engine = pool_engine(3, 0);
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    go.prefill_chunk = 8;
+    Scheduler s(*engine, go);
+    const GenerationRequest a = request(story_prompt(40), 10);
+    const std::vector<TokenId> first = testing::alone(a);
+    GenerationRequest stops = a;
+    stops.stop_ids = {first.front()};
+    for (const GenerationRequest& r : {a, stops}) {
+      EXPECT_TRUE(s.submit(r).is_ok());
+      run(s);
+    }
+    // The next turn takes a's cache over.
+    GenerationRequest next = a;
+    next.prompt.insert(next.prompt.end(), first.begin(), first.end());
+    next.max_new_tokens = 3;
+    EXPECT_TRUE(s.submit(next).is_ok());
+    run(s);
+    auto prefilling = s.submit(request(prompt_of(426, 60), 5));
+    std::vector<SchedulerEvent> ev;
+    EXPECT_TRUE(s.step(ev).is_ok());
+    EXPECT_TRUE(s.cancel(*prefilling));
+    auto decoding = s.submit(request(prompt_of(432), 50));
+    run_until(s, *decoding, 3);
+    EXPECT_TRUE(s.cancel(*decoding, /*keep_cached=*/true));
+    auto waiting = s.submit(request({1, 2, 3}, 5));
+    EXPECT_TRUE(s.cancel(*waiting));
+    all += s.states();
+  }
+  {
+    auto engine = pool_engine(1, 4);  // 64 tokens: a final length of 210 never fits
+    Scheduler s(*engine, GeneratorOptions{});
+    EXPECT_TRUE(s.submit(request({1, 403, 407}, 207)).is_ok());
+    run(s);
+    all += s.states();
+  }
+  return all;
+}
+
+// Forwards failing on a dead link (layer 1 on a remote node): during prefill or decode, at
+// admission (a synthetic context written there), or for good (a lost tier: recomputed).
+StateLog failure_scenario() {
+  StateLog all;
+  for (int64_t posts : {0, 2, 4, 8, 16}) {
+    auto f = testing::failing_link_engine(testing::toy_model(2), posts, 2);
+    if (!f.engine) continue;
+    Scheduler s(*f.engine, GeneratorOptions{});
+    (void)s.submit(request({1, 2, 3, 4, 5, 6, 7, 8}, 20));
+    GenerationRequest synthetic = request({9, 10}, 5);
+    synthetic.synthetic_context = 64;
+    (void)s.submit(synthetic);
+    run(s, 100);
+    all += s.states();
+  }
+  for (int64_t posts : {0, 4}) {
+    auto f = testing::failing_link_engine(testing::toy_model(2), posts, 2, /*permanent=*/true);
+    if (!f.engine) continue;
+    GeneratorOptions go;
+    go.prefix_caching = true;
+    Scheduler s(*f.engine, go);
+    (void)s.submit(request({1, 2, 3, 4, 5, 6, 7, 8}, 20));
+    run(s, 100);
+    all += s.states();
+  }
+  return all;
+}
+
+// Preemption under kPreempt with swap into each kind of store: a request preempted while it
+// decodes (three requests too many for the pool), and one preempted while it prefills (a long
+// prompt admitted beside a request that grows past the pool).
+StateLog preemption_scenario() {
+  StateLog all;
+  for (int level = 0; level < 4; ++level) {  // recompute, host, disk, node
+    GeneratorOptions go;
+    go.admission = AdmissionPolicy::kPreempt;
+    go.prefix_caching = true;
+    go.swap_preempted = level > 0;
+    go.prefix_offload_bytes = level == 1 ? uint64_t{64} << 20 : 0;
+    go.prefix_disk_bytes = level == 2 ? uint64_t{64} << 20 : 0;
+    go.prefix_disk_dir = ::testing::TempDir();
+    if (level == 3) go.prefix_blob_store = std::make_shared<MemoryBlobStore>(uint64_t{64} << 20);
+    {
+      auto engine = pool_engine(3, 20);
+      go.prefill_chunk = 64;
+      Scheduler s(*engine, go);
+      for (const GenerationRequest& r :
+           {request({1, 403, 407, 261, 378}, 195), request({1, 426}, 198),
+            request({1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315}, 150, 0.8f)}) {
+        EXPECT_TRUE(s.submit(r).is_ok());
+      }
+      run(s);
+      all += s.states();
+    }
+    {
+      auto engine = pool_engine(2, 8);  // 128 tokens
+      go.prefill_chunk = 8;
+      Scheduler s(*engine, go);
+      auto grows = s.submit(request({1, 403, 407, 261, 378}, 120));
+      run_until(s, *grows, 56);
+      EXPECT_TRUE(s.submit(request(prompt_of(426, 60), 5)).is_ok());
+      run(s);
+      all += s.states();
+    }
+  }
+  return all;
+}
+
+// The store's own moves between its levels (as the PrefixStore tests above make them).
+StateLog store_scenario() {
+  StateLog all;
+  auto engine = pool_engine(4, 0);
+  const uint64_t page = page_bytes(*engine);
+  const std::vector<TokenId> a = story_prompt(40), b = prompt_of(426);
+  auto blobs = std::make_shared<MemoryBlobStore>(uint64_t{64} << 20);
+  for (int lower = 0; lower < 2; ++lower) {  // files, blobs
+    PrefixStoreOptions o = disk_options(2 * page, uint64_t{64} << 20);
+    if (lower == 1) o.blob_store = blobs;
+    PrefixStore store(*engine, o);
+    for (const auto& p : {a, b}) store.insert(computed(*engine, p), p, S::kFinished);
+    while (store.evict()) {
+    }
+    (void)store.restore(*store.longest_stored(wanted(a), 0));  // from the lower level
+    (void)store.restore(*store.longest_stored(wanted(b), 0));  // from host memory
+    while (store.evict(SeqId(), true, /*offload=*/false)) {
+    }
+    PrefixStoreOptions no_host = o;
+    no_host.host_bytes = 0;
+    PrefixStore other(*engine, no_host);
+    const SeqId seq = computed(*engine, a);
+    (void)other.offload(seq, a, S::kCached);
+    (void)engine->remove_sequence(seq);
+    blobs->alive = false;
+    if (lower == 0) std::filesystem::remove(other.prefix_disk_directory() + "/0.spxprefix");
+    (void)other.restore(0);
+    blobs->alive = true;
+    all += store.states();
+    all += other.states();
+  }
+  // Host memory alone: the older of two prefixes is dropped for the newer.
+  PrefixStoreOptions host_only;
+  host_only.host_bytes = 2 * page;
+  PrefixStore host(*engine, host_only);
+  for (const auto& p : {a, b}) {
+    const SeqId seq = computed(*engine, p);
+    (void)host.offload(seq, p, S::kCached);
+    (void)engine->remove_sequence(seq);
+  }
+  all += host.states();
+  return all;
+}
+
+// Prefixes persisted by one scheduler and found by the next (a restarted process).
+StateLog persistence_scenario() {
+  auto engine = pool_engine(2, 0);
+  const std::filesystem::path base = std::filesystem::path(::testing::TempDir()) / "request-states-persist";
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(base);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefix_disk_bytes = uint64_t{64} << 20;
+  go.prefix_disk_dir = base.string();
+  go.prefix_disk_persist = true;
+  StateLog all;
+  for (int process = 0; process < 2; ++process) {
+    Scheduler s(*engine, go);
+    EXPECT_TRUE(s.open_prefix_disk().is_ok());
+    EXPECT_TRUE(s.submit(request(story_prompt(40), 10)).is_ok());
+    run(s);
+    all += s.states();
+  }
+  std::filesystem::remove_all(base);
+  return all;
+}
+
+TEST(RequestStates, EveryAllowedMoveHappensInAScenarioAndNoneIsRefused) {
+  StateLog all;
+  for (StateLog (*scenario)() :
+       {lifecycle_scenario, failure_scenario, preemption_scenario, store_scenario, persistence_scenario}) {
+    const StateLog log = scenario();
+    EXPECT_EQ(log.refused(), 0);
+    all += log;
+  }
+  int64_t moves = 0;
+  for (size_t f = 0; f < kRequestStates; ++f) {
+    for (size_t t = 0; t < kRequestStates; ++t) {
+      const auto from = static_cast<S>(f), to = static_cast<S>(t);
+      if (allowed(from, to)) {
+        EXPECT_GT(all.count(from, to), 0) << request_state_name(from) << " -> " << request_state_name(to);
+        ++moves;
+      }
+    }
+  }
+  std::fprintf(stderr, "%lld allowed moves\n", static_cast<long long>(moves));
+}
+
+}  // namespace
+}  // namespace specontext

@@ -1,4 +1,5 @@
-// STREAM-like triad (a[i] = b[i] + s·c[i]) with oneTBB: the memory bandwidth the roofline uses.
+// Memory bandwidth with oneTBB for rooflines: a STREAM-like triad (a[i] = b[i] + s·c[i]) and a
+// read-only sum (what a weight-bound decode step does: it reads the weights and writes little).
 #pragma once
 
 #include <cstddef>
@@ -12,5 +13,14 @@ struct BandwidthResult {
 };
 
 BandwidthResult measure_triad(size_t bytes_per_array, int repetitions);
+
+struct ReadBandwidthResult {
+  double read_gb_per_s = 0.0;  // best of the repetitions: bytes read / time
+  size_t bytes = 0;
+  int threads = 0;
+};
+
+// Sums `bytes` of doubles over the current task arena's threads (first touched by them).
+ReadBandwidthResult measure_read(size_t bytes, int repetitions);
 
 }  // namespace specontext::bench

@@ -79,6 +79,11 @@ void register_serve(CLI::App& app, ServeArgs& a) {
                   "tokenizing (0: 32 bytes per token of the context)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option(
+      "--tls-cert", a.tls_cert,
+      "PEM certificate chain: serve HTTPS (TLS 1.2 or later) with --tls-key instead of plain HTTP");
+  cmd->add_option("--tls-key", a.tls_key,
+                  "PEM private key of --tls-cert (refused when every user may read it: chmod 600)");
 }
 
 int run_serve(const ServeArgs& a) {
@@ -91,6 +96,10 @@ int run_serve(const ServeArgs& a) {
   // Before the model loads: an empty key would make the empty Bearer token valid.
   if (std::ranges::any_of(a.api_keys, [](const std::string& k) { return k.empty(); })) {
     return fail(invalid_argument("--api-key: a key must not be empty"));
+  }
+  if (a.tls_cert.empty() != a.tls_key.empty()) {
+    return fail(invalid_argument(a.tls_cert.empty() ? "--tls-cert: a certificate file goes with --tls-key"
+                                                    : "--tls-key: a private key file goes with --tls-cert"));
   }
   auto loaded = load_model_and_tokenizer(a.engine);
   if (!loaded.is_ok()) return fail(loaded.status());
@@ -137,6 +146,8 @@ int run_serve(const ServeArgs& a) {
   o.request_workers = static_cast<size_t>(a.request_workers);
   o.request_queue = static_cast<size_t>(a.request_queue);
   o.max_prompt_bytes = static_cast<size_t>(a.max_prompt_bytes);
+  o.tls_cert_file = a.tls_cert;
+  o.tls_key_file = a.tls_key;
   auto scheduling = scheduling_options(a.engine);
   if (!scheduling.is_ok()) return fail(scheduling.status());
   o.scheduling = *scheduling;
@@ -151,26 +162,26 @@ int run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, o);
   if (!server.is_ok()) return fail(server.status());
-  std::cout << nlohmann::json{{"event", "listening"},
-                              {"host", o.host},
-                              {"port", (*server)->port()},
-                              {"model", o.model_name},
-                              {"max_batch", a.max_batch},
-                              {"max_context", bundle->engine->max_context()},
-                              {"prefix_cache_slots", cache_slots},
-                              {"sparse", bundle->method_name},
-                              {"chat", o.chat_template != ChatTemplate::kNone},
-                              {"admission", a.engine.admission},
-                              {"prefix_caching", a.engine.prefix_caching},
-                              {"prefix_offload_bytes", o.scheduling.prefix_offload_bytes},
-                              {"prefix_disk_bytes", o.scheduling.prefix_disk_bytes},
-                              {"api_key_required", !o.api_keys.empty()},
-                              {"max_connections", a.max_connections},
-                              {"max_connections_per_ip", a.max_connections_per_ip},
-                              {"request_workers", a.request_workers},
-                              {"request_queue", a.request_queue}}
-                   .dump()
-            << std::endl;
+  nlohmann::json listening{{"event", "listening"},
+                           {"host", o.host},
+                           {"port", (*server)->port()},
+                           {"model", o.model_name},
+                           {"max_batch", a.max_batch},
+                           {"max_context", bundle->engine->max_context()},
+                           {"prefix_cache_slots", cache_slots},
+                           {"sparse", bundle->method_name},
+                           {"chat", o.chat_template != ChatTemplate::kNone},
+                           {"admission", a.engine.admission},
+                           {"prefix_caching", a.engine.prefix_caching},
+                           {"prefix_offload_bytes", o.scheduling.prefix_offload_bytes},
+                           {"prefix_disk_bytes", o.scheduling.prefix_disk_bytes},
+                           {"api_key_required", !o.api_keys.empty()},
+                           {"max_connections", a.max_connections},
+                           {"max_connections_per_ip", a.max_connections_per_ip},
+                           {"request_workers", a.request_workers},
+                           {"request_queue", a.request_queue}};
+  if (!o.tls_cert_file.empty()) listening["tls"] = true;  // https://
+  std::cout << listening.dump() << std::endl;
   int sig = 0;
   sigwait(&stop_signals, &sig);
   (*server)->stop(std::chrono::milliseconds(static_cast<int64_t>(a.drain_seconds * 1000)));

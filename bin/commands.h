@@ -142,6 +142,8 @@ struct ServeArgs {
   int64_t request_workers = 2;
   int64_t request_queue = 64;
   int64_t max_prompt_bytes = 0;  // 0 = 32 bytes per token of the context
+  std::string tls_cert;          // --tls-cert with --tls-key: HTTPS; none: plain HTTP
+  std::string tls_key;
 };
 void register_serve(CLI::App& app, ServeArgs& args);
 int run_serve(const ServeArgs& args);

@@ -1,16 +1,23 @@
 #include "serving/openai/openai_server.h"
 
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/beast.hpp>
+#include <boost/beast/ssl.hpp>
 #include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <mutex>
 #include <numeric>
@@ -23,6 +30,7 @@
 #include <utility>
 
 #include "core/base/json_depth.h"
+#include "serving/openai/http_request.h"
 #include "serving/openai/openai_api.h"
 #include "serving/structured/json_schema.h"
 
@@ -69,13 +77,66 @@ struct CancelOrder {
   int64_t choice = -1;
 };
 
-// A connection: shared with the disconnect watcher, which may complete after the session moved on.
-// A request without a valid key may have this much body read, so its connection stays open.
-constexpr uint64_t kUnauthorizedBodyBytes = 64 * 1024;
+// A connection's byte stream, TCP or TLS over TCP. It reads and writes as a stream (Beast's HTTP
+// reads and writes take it), and the TCP layer keeps the timeouts and the socket.
+class ConnStream {
+ public:
+  using executor_type = beast::tcp_stream::executor_type;
+  using TlsStream = beast::ssl_stream<beast::tcp_stream>;
 
+  // `tls`: null for plain HTTP.
+  ConnStream(tcp::socket socket, asio::ssl::context* tls) {
+    if (tls != nullptr) {
+      tls_ = std::make_unique<TlsStream>(std::move(socket), *tls);
+    } else {
+      tcp_.emplace(std::move(socket));
+    }
+  }
+  bool is_tls() const { return tls_ != nullptr; }
+  beast::tcp_stream& tcp_layer() { return tls_ ? tls_->next_layer() : *tcp_; }
+  executor_type get_executor() { return tcp_layer().get_executor(); }
+  tcp::socket& socket() { return tcp_layer().socket(); }
+  void expires_after(std::chrono::steady_clock::duration d) { tcp_layer().expires_after(d); }
+  void expires_never() { tcp_layer().expires_never(); }
+
+  template <typename Buffers, typename Token>
+  auto async_read_some(const Buffers& buffers, Token&& token) {
+    if (tls_) return tls_->async_read_some(buffers, std::forward<Token>(token));
+    return tcp_->async_read_some(buffers, std::forward<Token>(token));
+  }
+  template <typename Buffers, typename Token>
+  auto async_write_some(const Buffers& buffers, Token&& token) {
+    if (tls_) return tls_->async_write_some(buffers, std::forward<Token>(token));
+    return tcp_->async_write_some(buffers, std::forward<Token>(token));
+  }
+
+  // TLS: the server's side of the handshake (plain HTTP: nothing to do).
+  asio::awaitable<beast::error_code> handshake() {
+    beast::error_code ec;
+    if (tls_)
+      co_await tls_->async_handshake(asio::ssl::stream_base::server, asio::redirect_error(kAwait, ec));
+    co_return ec;
+  }
+  // No more to send: TLS sends its close_notify (and waits up to a second for the client's),
+  // then the TCP sending side is shut.
+  asio::awaitable<void> shutdown_send() {
+    beast::error_code ec;
+    if (tls_) {
+      expires_after(std::chrono::seconds(1));
+      co_await tls_->async_shutdown(asio::redirect_error(kAwait, ec));
+    }
+    socket().shutdown(tcp::socket::shutdown_send, ec);
+  }
+
+ private:
+  std::optional<beast::tcp_stream> tcp_;
+  std::unique_ptr<TlsStream> tls_;
+};
+
+// A connection: shared with the disconnect watcher, which may complete after the session moved on.
 struct Conn {
-  explicit Conn(tcp::socket s) : stream(std::move(s)) {}
-  beast::tcp_stream stream;
+  Conn(tcp::socket s, asio::ssl::context* tls) : stream(std::move(s), tls) {}
+  ConnStream stream;
 };
 
 using Request = http::request<http::string_body>;
@@ -84,14 +145,6 @@ using Request = http::request<http::string_body>;
 // probe: at most this many at once, each for at most kRefusedReadTime; the rest are refused unread.
 constexpr int64_t kRefusedReads = 64;
 constexpr std::chrono::milliseconds kRefusedReadTime{1000};
-
-// The routes answered on every connection, past the connection limits too.
-bool is_probe(std::string_view path) { return path == "/health" || path == "/metrics"; }
-
-std::string_view path_of(const Request& req) {
-  std::string_view target(req.target().data(), req.target().size());
-  return target.substr(0, target.find('?'));
-}
 
 // A generation request as a worker prepares it: parsed, tokenized, its constraint compiled.
 struct PreparedGeneration {
@@ -258,32 +311,61 @@ class EventStream {
   bool write_ok_ = true;
 };
 
+// True when `file` holds a PEM private key (an encrypted one is not read).
+bool is_pem_private_key(const std::string& file) {
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(file.c_str(), "r"), &std::fclose);
+  if (f == nullptr) return false;
+  auto no_password = [](char*, int, int, void*) { return 0; };
+  EVP_PKEY* key = PEM_read_PrivateKey(f.get(), nullptr, no_password, nullptr);
+  ERR_clear_error();
+  const bool found = key != nullptr;
+  EVP_PKEY_free(key);
+  return found;
+}
+
+// The server's TLS: TLS 1.2 or later, `cert_file` a PEM certificate chain and `key_file` its PEM
+// private key, which may not be readable by every user. The errors name serve's flags.
+Result<std::unique_ptr<asio::ssl::context>> make_tls_context(const std::string& cert_file,
+                                                             const std::string& key_file) {
+  if (cert_file.empty()) return invalid_argument("--tls-cert: a certificate file goes with --tls-key");
+  if (key_file.empty()) return invalid_argument("--tls-key: a private key file goes with --tls-cert");
+  struct stat st {};
+  if (::stat(cert_file.c_str(), &st) != 0) {
+    return invalid_argument("--tls-cert " + cert_file + ": " + std::strerror(errno));
+  }
+  if (::stat(key_file.c_str(), &st) != 0)
+    return invalid_argument("--tls-key " + key_file + ": " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return invalid_argument("--tls-key " + key_file + ": not a regular file");
+  if ((st.st_mode & S_IROTH) != 0) {
+    return invalid_argument("--tls-key " + key_file +
+                            ": the private key is readable by every user (chmod o-r " + key_file +
+                            ", e.g. chmod 600)");
+  }
+  auto tls = std::make_unique<asio::ssl::context>(asio::ssl::context::tls_server);
+  tls->set_options(asio::ssl::context::default_workarounds | asio::ssl::context::no_sslv2 |
+                   asio::ssl::context::no_sslv3 | asio::ssl::context::no_tlsv1 |
+                   asio::ssl::context::no_tlsv1_1 | asio::ssl::context::single_dh_use);
+  if (SSL_CTX_set_min_proto_version(tls->native_handle(), TLS1_2_VERSION) != 1) {
+    return Status(StatusCode::kInternal, "TLS: cannot require TLS 1.2 or later");
+  }
+  // An encrypted key is refused, not asked for at a terminal.
+  tls->set_password_callback([](size_t, asio::ssl::context::password_purpose) { return std::string(); });
+  beast::error_code ec;
+  tls->use_certificate_chain_file(cert_file, ec);
+  if (ec)
+    return invalid_argument("--tls-cert " + cert_file + ": not a PEM certificate chain (" + ec.message() +
+                            ")");
+  tls->use_private_key_file(key_file, asio::ssl::context::pem, ec);
+  if (ec && is_pem_private_key(key_file)) {
+    return invalid_argument("--tls-key " + key_file + ": not the private key of the certificate in " +
+                            cert_file);
+  }
+  if (ec) return invalid_argument("--tls-key " + key_file + ": not a PEM private key (" + ec.message() + ")");
+  return tls;
+}
+
 std::string error_for_status(const Status& s) {
   return std::string(status_code_name(s.code())) + ": " + s.message();
-}
-
-// Equal without an early exit: the time depends on the given token's length only, not on where
-// (or whether) it differs from the key, so a client cannot find a key byte by byte by timing.
-bool constant_time_equal(std::string_view given, std::string_view key) {
-  uint8_t diff = given.size() == key.size() ? 0 : 1;
-  for (size_t i = 0; i < given.size(); ++i) {
-    const auto k = key.empty() ? uint8_t{0} : static_cast<uint8_t>(key[i % key.size()]);
-    diff |= static_cast<uint8_t>(static_cast<uint8_t>(given[i]) ^ k);
-  }
-  return diff == 0;
-}
-
-// The token of "Authorization: Bearer <token>" (the scheme is case-insensitive, RFC 7235), or
-// nothing when the header is absent or of another scheme.
-std::optional<std::string_view> bearer_token(std::string_view authorization) {
-  constexpr std::string_view kScheme = "bearer";
-  if (authorization.size() <= kScheme.size() || authorization[kScheme.size()] != ' ') return std::nullopt;
-  for (size_t i = 0; i < kScheme.size(); ++i) {
-    if (std::tolower(static_cast<unsigned char>(authorization[i])) != kScheme[i]) return std::nullopt;
-  }
-  std::string_view token = authorization.substr(kScheme.size());
-  token.remove_prefix(std::min(token.find_first_not_of(' '), token.size()));
-  return token;
 }
 
 }  // namespace
@@ -301,6 +383,7 @@ struct OpenAiServer::Impl {
   int64_t refused_reads = 0;  // refused connections being read for a probe now
   asio::io_context ioc;
   tcp::acceptor acceptor;
+  std::unique_ptr<asio::ssl::context> tls;  // TLS (https); null: plain HTTP
   uint16_t port = 0;
   int64_t created = 0;
   std::atomic<int64_t> next_response_id{1};
@@ -332,7 +415,7 @@ struct OpenAiServer::Impl {
   // Counters (ServerCounters), written where the event happens.
   std::atomic<int64_t> accepted{0}, completed{0}, rejected{0}, cancelled{0}, failed{0}, unauthorized{0};
   std::atomic<int64_t> open_connections{0}, connections_refused{0}, connections_refused_per_ip{0},
-      header_timeouts{0};  // written by the Asio thread
+      header_timeouts{0}, tls_handshake_failures{0};  // written by the Asio thread
   // Requests admitted to the workers and not yet prepared, of those being prepared now, and
   // requests refused because the queue was full.
   std::atomic<int64_t> prepare_pending{0}, prepare_running{0}, prepare_refused{0};
@@ -391,12 +474,15 @@ struct OpenAiServer::Impl {
   std::optional<ApiError> prompt_bytes_error(ApiKind kind, const std::string& text,
                                              const std::vector<ChatMessageIn>& messages,
                                              const std::vector<std::string>& tools) const;
-  // True when no keys are set, the target is outside /v1/, or the Bearer token is one of the keys.
-  bool authorized(const http::request_header<>& req) const;
   ApiError unauthorized_error(const http::request_header<>& req);  // the 401, counted
   // Shuts the sending side, then drops what the client still sends for up to a second.
   asio::awaitable<void> drain_and_close(Conn& conn);
+  // TLS: the handshake, within header_timeout (a failure is counted); true when the connection
+  // may be read (always, for plain HTTP).
+  asio::awaitable<bool> start_tls(Conn& conn);
   asio::awaitable<bool> handle(std::shared_ptr<Conn> conn, Request& req);
+  // POST /tokenize (encode) and /detokenize, on a worker.
+  asio::awaitable<bool> tokenize_route(Conn& conn, Request& req, bool encode);
   // POST /v1/completions and /v1/chat/completions: prepare (on a worker), submit, run, answer.
   asio::awaitable<bool> generate(std::shared_ptr<Conn> conn, Request& req, ApiKind kind);
   // Queues the job for the engine thread (counted as accepted), or the 503 to answer instead.
@@ -647,11 +733,12 @@ void OpenAiServer::Impl::release_peer(const std::string& peer) {
 }
 
 asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket, ApiError refusal) {
-  auto conn = std::make_shared<Conn>(std::move(socket));
+  auto conn = std::make_shared<Conn>(std::move(socket), tls.get());
   Request req;
   req.version(11);
   req.keep_alive(false);
   std::string path;
+  bool secured = !conn->stream.is_tls();  // TLS: once its handshake is done, the refusal can be sent
   if (refused_reads < kRefusedReads) {
     // Its request header, if it comes at once: a probe is answered. A timer cancels the read (the
     // stream's own timeout would close the socket, and the refusal could not be sent).
@@ -670,16 +757,19 @@ asio::awaitable<void> OpenAiServer::Impl::refuse_connection(tcp::socket socket, 
       beast::error_code ignored;
       if (!ec && *armed) conn->stream.socket().cancel(ignored);
     });
+    secured = co_await start_tls(*conn);
     beast::error_code ec;
-    co_await http::async_read_header(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
+    if (secured)
+      co_await http::async_read_header(conn->stream, buffer, parser, asio::redirect_error(kAwait, ec));
     *armed = false;
     timer.cancel();
-    if (!ec && parser.get().method() == http::verb::get) {
+    if (secured && !ec && parser.get().method() == http::verb::get) {
       req = Request(parser.get().base());
       req.keep_alive(false);
       path = std::string(path_of(req));
     }
   }
+  if (!secured) co_return;                              // closed unanswered: no TLS session to answer in
   conn->stream.expires_after(std::chrono::seconds(1));  // a refused client must not hold a socket
   const bool sent =
       is_probe(path) ? co_await answer_probe(*conn, req, path) : co_await reply_error(*conn, req, refusal);
@@ -701,28 +791,21 @@ ApiError OpenAiServer::Impl::unauthorized_error(const http::request_header<>& re
 asio::awaitable<void> OpenAiServer::Impl::drain_and_close(Conn& conn) {
   // One second for all of it: a refused client must not hold a socket for long.
   conn.stream.expires_after(std::chrono::seconds(1));
-  beast::error_code ec;
-  conn.stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  co_await conn.stream.shutdown_send();
   // Read (and drop) what the client sent until it closes: closing with its request unread would
   // reset the connection, and the reset can discard the answer before the client reads it.
+  beast::error_code ec;
   std::array<char, 4096> sink{};
-  while (!ec) co_await conn.stream.async_read_some(asio::buffer(sink), asio::redirect_error(kAwait, ec));
+  while (!ec)
+    co_await conn.stream.tcp_layer().async_read_some(asio::buffer(sink), asio::redirect_error(kAwait, ec));
 }
 
-bool OpenAiServer::Impl::authorized(const http::request_header<>& req) const {
-  if (options.api_keys.empty()) return true;
-  std::string_view path(req.target().data(), req.target().size());
-  path = path.substr(0, path.find('?'));
-  // /health and /metrics stay open, as in vLLM; unlike vLLM, so do not /tokenize and /detokenize.
-  if (!path.starts_with("/v1/") && path != "/tokenize" && path != "/detokenize") return true;
-  const auto header = req.find(http::field::authorization);
-  if (header == req.end()) return false;
-  const beast::string_view value = header->value();
-  const std::optional<std::string_view> token = bearer_token(std::string_view(value.data(), value.size()));
-  if (!token) return false;
-  bool match = false;
-  for (const std::string& key : options.api_keys) match |= constant_time_equal(*token, key);  // no early exit
-  return match;
+asio::awaitable<bool> OpenAiServer::Impl::start_tls(Conn& conn) {
+  if (!conn.stream.is_tls()) co_return true;
+  conn.stream.expires_after(options.header_timeout);
+  const beast::error_code ec = co_await conn.stream.handshake();
+  if (ec) ++tls_handshake_failures;
+  co_return !ec;
 }
 
 asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::string peer) {
@@ -734,16 +817,16 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::strin
       s.release_peer(peer);
     }
   } open{*this, std::move(peer)};  // taken by accept_loop
-  auto conn = std::make_shared<Conn>(std::move(socket));
+  auto conn = std::make_shared<Conn>(std::move(socket), tls.get());
+  if (!co_await start_tls(*conn)) co_return;  // e.g. plain HTTP sent to the TLS port
   beast::flat_buffer buffer;
   const auto end_of_connection = [](const beast::error_code& e) {
     return e == http::error::end_of_stream || e == asio::error::eof || e == beast::error::timeout ||
            e == asio::error::connection_reset || e == asio::error::operation_aborted;
   };
   for (bool first = true;; first = false) {
-    http::request_parser<http::string_body> parser;
-    parser.body_limit(options.max_body_bytes);
-    parser.header_limit(64 * 1024);
+    HttpRequestParser parser;
+    configure_request_parser(parser, options.max_body_bytes);
     beast::error_code ec;
     if (!first && buffer.size() == 0) {
       // Kept alive between requests: the next one's first byte within idle_timeout, or it closes.
@@ -763,22 +846,18 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::strin
       co_return;
     }
     if (end_of_connection(ec)) break;
-    const bool key_ok = ec || authorized(parser.get());
-    const bool expects_continue = !ec && beast::iequals(parser.get()[http::field::expect], "100-continue");
+    const bool key_ok = ec || authorized(parser.get(), options.api_keys);
     // Without a valid key, a small body is read (and dropped) so that the connection stays
     // usable; a large or chunked one, or one the client waits for a 100 Continue to send, is not
     // read at all: the 401 goes out and the connection closes.
-    // content_length() may only be asked once the header was read (Beast asserts it).
-    const bool small_body =
-        !ec && parser.content_length() && *parser.content_length() <= kUnauthorizedBodyBytes;
-    if (!key_ok && !parser.is_done() && (expects_continue || !small_body)) {
+    if (refuse_unread(parser, key_ok)) {
       Request req(parser.get().base());
       req.keep_alive(false);
       co_await reply_error(*conn, req, unauthorized_error(req));
       co_await drain_and_close(*conn);
       co_return;
     }
-    if (!ec && expects_continue && !parser.is_done()) {
+    if (!ec && expects_continue(parser.get()) && !parser.is_done()) {
       http::response<http::empty_body> go_on{http::status::continue_, parser.get().version()};
       co_await http::async_write(conn->stream, go_on, asio::redirect_error(kAwait, ec));
       if (ec) break;
@@ -795,12 +874,7 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::strin
       req.version(11);
       req.keep_alive(false);
       ++rejected;
-      const ApiError error =
-          ec == http::error::body_limit
-              ? ApiError{413, "invalid_request_error",
-                         "request body is larger than " + std::to_string(options.max_body_bytes) + " bytes",
-                         "", ""}
-              : ApiError{400, "invalid_request_error", "malformed HTTP request: " + ec.message(), "", ""};
+      const ApiError error = unreadable_request_error(ec, options.max_body_bytes);
       co_await reply_error(*conn, req, error);
       break;
     }
@@ -808,8 +882,7 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::strin
     const bool keep = key_ok ? co_await handle(conn, req) : co_await reply_error(*conn, req, unauthorized_error(req));
     if (!keep || !req.keep_alive()) break;
   }
-  beast::error_code ec;
-  conn->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+  co_await conn->stream.shutdown_send();
 }
 
 asio::awaitable<bool> OpenAiServer::Impl::reply(Conn& conn, const Request& req, http::status status,
@@ -835,59 +908,41 @@ asio::awaitable<bool> OpenAiServer::Impl::reply_error(Conn& conn, const Request&
 }
 
 asio::awaitable<bool> OpenAiServer::Impl::handle(std::shared_ptr<Conn> conn, Request& req) {
-  const std::string target(req.target());
-  const std::string path = target.substr(0, target.find('?'));
-  const bool get = req.method() == http::verb::get;
-  const bool post = req.method() == http::verb::post;
-  auto wrong_method = [&](std::string_view allowed) -> ApiError {
-    return {405, "invalid_request_error",
-            "method " + std::string(req.method_string()) + " is not allowed on " + path + " (use " +
-                std::string(allowed) + ")",
-            "", ""};
-  };
-  if (path == "/v1/completions" || path == "/v1/chat/completions") {
-    if (!post) {
-      ++rejected;
-      const ApiError error = wrong_method("POST");
-      co_return co_await reply_error(*conn, req, error);
-    }
-    co_return co_await generate(conn, req, path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
+  const Routing routing = route_of(
+      req.method(), std::string_view(req.method_string().data(), req.method_string().size()), path_of(req));
+  if (!routing.route) {
+    ++rejected;
+    co_return co_await reply_error(*conn, req, routing.error);
   }
-  if (path == "/v1/models" || path == "/health" || path == "/metrics") {
-    if (!get) {
-      ++rejected;
-      const ApiError error = wrong_method("GET");
-      co_return co_await reply_error(*conn, req, error);
+  switch (*routing.route) {
+    case Route::kCompletions:
+      co_return co_await generate(conn, req, ApiKind::kCompletion);
+    case Route::kChatCompletions:
+      co_return co_await generate(conn, req, ApiKind::kChat);
+    case Route::kHealth:
+    case Route::kMetrics:
+      co_return co_await answer_probe(*conn, req, path_of(req));
+    case Route::kModels: {
+      std::string body = dump_json(models_response(options.model_name, created, engine.max_context()));
+      co_return co_await reply(*conn, req, http::status::ok, std::move(body));
     }
-    if (is_probe(path)) co_return co_await answer_probe(*conn, req, path);
-    std::string body = dump_json(models_response(options.model_name, created, engine.max_context()));
-    co_return co_await reply(*conn, req, http::status::ok, std::move(body));
+    case Route::kTokenize:
+    case Route::kDetokenize:
+      co_return co_await tokenize_route(*conn, req, *routing.route == Route::kTokenize);
   }
-  if (path == "/tokenize" || path == "/detokenize") {
-    if (!post) {
-      ++rejected;
-      const ApiError error = wrong_method("POST");
-      co_return co_await reply_error(*conn, req, error);
-    }
-    if (!admit_preparation()) {
-      ++rejected;
-      const ApiError error = queue_full_error();
-      co_return co_await reply_error(*conn, req, error);
-    }
-    auto work = [this, &path, &req] {
-      return path == "/tokenize" ? tokenize(req.body()) : detokenize(req.body());
-    };
-    auto [status, body] = co_await on_worker(std::move(work));
-    if (status != 200) ++rejected;
-    co_return co_await reply(*conn, req, static_cast<http::status>(status), std::move(body));
+  co_return false;
+}
+
+asio::awaitable<bool> OpenAiServer::Impl::tokenize_route(Conn& conn, Request& req, bool encode) {
+  if (!admit_preparation()) {
+    ++rejected;
+    const ApiError error = queue_full_error();
+    co_return co_await reply_error(conn, req, error);
   }
-  ++rejected;
-  const ApiError error{404, "not_found_error",
-                       "no route " + path +
-                           " (serving /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-                           "/health, /metrics)",
-                       "", ""};
-  co_return co_await reply_error(*conn, req, error);
+  auto work = [this, encode, &req] { return encode ? tokenize(req.body()) : detokenize(req.body()); };
+  auto [status, body] = co_await on_worker(std::move(work));
+  if (status != 200) ++rejected;
+  co_return co_await reply(conn, req, static_cast<http::status>(status), std::move(body));
 }
 
 asio::awaitable<bool> OpenAiServer::Impl::answer_probe(Conn& conn, const Request& req,
@@ -1637,6 +1692,9 @@ std::string OpenAiServer::Impl::metrics_text() const {
   metric("specontext_header_timeouts_total", "counter",
          "connections closed because a request header did not come whole within the header timeout",
          header_timeouts);
+  metric("specontext_tls_handshake_failures_total", "counter",
+         "connections closed because their TLS handshake failed (e.g. plain HTTP sent to the TLS port)",
+         tls_handshake_failures);
   metric("specontext_prepare_queue_depth", "gauge", "requests waiting for a worker to tokenize them",
          prepare_pending - prepare_running);
   metric("specontext_prepare_running", "gauge", "requests being parsed and tokenized by a worker",
@@ -1691,6 +1749,11 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const 
   }
   if (options.request_workers == 0) return invalid_argument("serve: request_workers must be at least 1");
   auto impl = std::make_unique<Impl>(engine, tokenizer, options);
+  if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
+    auto tls = make_tls_context(options.tls_cert_file, options.tls_key_file);
+    if (!tls.is_ok()) return tls.status().with_context("serve");
+    impl->tls = std::move(*tls);
+  }
   impl->max_prompt_bytes = options.max_prompt_bytes > 0
                                ? options.max_prompt_bytes
                                : static_cast<size_t>(std::max<int64_t>(engine.max_context(), 1)) * 32;
@@ -1778,6 +1841,7 @@ ServerCounters OpenAiServer::counters() const {
   c.connections_refused = s.connections_refused;
   c.connections_refused_per_ip = s.connections_refused_per_ip;
   c.header_timeouts = s.header_timeouts;
+  c.tls_handshake_failures = s.tls_handshake_failures;
   c.prepare_queued = s.prepare_pending - s.prepare_running;
   c.prepare_running = s.prepare_running;
   c.prepare_refused = s.prepare_refused;

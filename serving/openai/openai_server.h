@@ -13,6 +13,8 @@
 // otherwise; /health and /metrics stay open, as vLLM). Past max_connections open connections (or
 // max_connections_per_ip from one address) a new one is answered at once and closed rather than
 // left waiting: /health and /metrics with their answer, anything else 503 (429 for the per-IP cap).
+// TLS (tls_cert_file, tls_key_file): every connection, refused ones included, is TLS 1.2+; one
+// whose handshake fails (plain HTTP to the TLS port) is closed unanswered.
 #pragma once
 
 #include <chrono>
@@ -61,6 +63,11 @@ struct ServerOptions {
   // definitions) longer than this many bytes is answered 400 naming the field before it is
   // tokenized. 0 = 32 bytes per token of the engine's context.
   size_t max_prompt_bytes = 0;
+  // TLS (https) when both are set (serve's --tls-cert, --tls-key): a PEM certificate chain and
+  // its PEM private key, which may not be readable by every user. TLS 1.2 or later; no client
+  // certificates (the API key is the client's credential). Empty: plain HTTP.
+  std::string tls_cert_file;
+  std::string tls_key_file;
   // Tests only: runs on a worker before each request's preparation (e.g. blocks until released).
   std::function<void()> before_prepare;
   // Preempting admission, as vLLM: requests without max_tokens (up to the context) would
@@ -114,6 +121,7 @@ struct ServerCounters {
   int64_t connections_refused_per_ip = 0;
   int64_t header_timeouts = 0;
   int64_t open_connections = 0;
+  int64_t tls_handshake_failures = 0;  // TLS: connections closed because the handshake failed
   // Request preparation: waiting for a worker and being prepared (now), and refused because
   // request_queue requests were waiting (answered 503).
   int64_t prepare_queued = 0;

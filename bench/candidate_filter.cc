@@ -502,11 +502,11 @@ Result<nlohmann::json> run_real(const RealConfig& cfg) {
   for (int64_t start = 0; start + 64 <= static_cast<int64_t>(all.size()); start += ctx) {
     const int64_t n = std::min<int64_t>(ctx, static_cast<int64_t>(all.size()) - start);
     const std::vector<TokenId> toks(all.begin() + start, all.begin() + start + n);
-    SPX_ASSIGN_OR_RETURN(SeqId s, engine->add_sequence());
+    SPX_ASSIGN_OR_RETURN(SeqId s, engine->memory().add_sequence());
     const StepRequest req{s, toks, LogitsMode::kNone};
     SPX_ASSIGN_OR_RETURN(StepOutput o, engine->forward(std::span<const StepRequest>(&req, 1)));
     (void)o;
-    SPX_RETURN_IF_ERROR(engine->remove_sequence(s));
+    SPX_RETURN_IF_ERROR(engine->memory().remove_sequence(s));
     if (static_cast<int64_t>(obs.fused_.size()) != n * fd) {
       return internal_error("the engine emitted no fused features for the chunk");
     }

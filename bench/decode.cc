@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
     for (int64_t ctx : contexts) {
       std::vector<SeqId> seqs;
       for (int64_t i = 0; i < batch; ++i) {
-        auto s = e.add_sequence();
+        auto s = e.memory().add_sequence();
         if (!s.is_ok() || !e.fill_synthetic(*s, ctx, static_cast<uint64_t>(i + 1)).is_ok()) {
           std::fprintf(stderr, "error: cannot set up batch %lld context %lld\n", (long long)batch, (long long)ctx);
           return 1;
@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
         if (s > 0) seconds += dt;
       }
       const double step_s = seconds / steps;
-      const int64_t kv_bytes = batch * (ctx + steps / 2) * e.kv_bytes_per_token();
+      const int64_t kv_bytes = batch * (ctx + steps / 2) * e.memory().kv_bytes_per_token();
       const double bytes = static_cast<double>(weight_bytes + kv_bytes);
       const double roofline_step_s = bytes / (bw.triad_gb_per_s * 1e9);
       nlohmann::json row = {
@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
                    (long long)batch, (long long)ctx, batch / step_s, batch / roofline_step_s,
                    100.0 * roofline_step_s / step_s, bytes / step_s / 1e9);
       results.push_back(row);
-      for (SeqId s : seqs) (void)e.remove_sequence(s);
+      for (SeqId s : seqs) (void)e.memory().remove_sequence(s);
     }
   }
   nlohmann::json doc = {

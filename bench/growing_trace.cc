@@ -69,7 +69,7 @@ Result<nlohmann::json> run(const Config& cfg, const std::string& mode, const std
     for (auto& t : p) t = static_cast<TokenId>(rng() % static_cast<uint32_t>(cfg.vocab));
   }
   for (int64_t r = 0; r < cfg.requests; ++r) {
-    SPX_ASSIGN_OR_RETURN(SeqId s, engine->add_sequence());
+    SPX_ASSIGN_OR_RETURN(SeqId s, engine->memory().add_sequence());
     seqs.push_back(s);
   }
   // Prefill in chunks of 256 tokens, all sequences together.
@@ -106,16 +106,17 @@ Result<nlohmann::json> run(const Config& cfg, const std::string& mode, const std
       const double secs = std::chrono::duration<double>(Clock::now() - window_start).count();
       const OverlapStats& o = engine->overlap_stats();
       int64_t offloaded = 0;
-      for (TierId t : engine->placement().layer_home) offloaded += t != TierId(0) ? 1 : 0;
+      for (TierId t : engine->memory().placement().layer_home) offloaded += t != TierId(0) ? 1 : 0;
       const double w_step = o.step_seconds - window_overlap_start.step_seconds;
       const double w_copy = o.copy_busy_seconds - window_overlap_start.copy_busy_seconds;
       const double w_wait = o.wait_seconds - window_overlap_start.wait_seconds;
       samples.push_back({{"length", len + 1},
                          {"tokens_per_s", secs > 0 ? static_cast<double>(window_tokens) / secs : 0.0},
                          {"layers_offloaded", offloaded},
-                         {"cpu_filtering", engine->placement().cpu_filtering},
-                         {"device_used_bytes", engine->kv_store().tier_used_bytes(TierId(0))},
-                         {"bytes_moved_per_step", static_cast<double>(window_bytes) / std::max<int64_t>(1, window_tokens / cfg.requests)},
+                         {"cpu_filtering", engine->memory().placement().cpu_filtering},
+                         {"device_used_bytes", engine->memory().kv_store().tier_used_bytes(TierId(0))},
+                         {"bytes_moved_per_step", static_cast<double>(window_bytes) /
+                                                      std::max<int64_t>(1, window_tokens / cfg.requests)},
                          {"step_seconds", w_step},
                          {"copy_busy_seconds", w_copy},
                          {"exposed_wait_seconds", w_wait},

@@ -217,7 +217,7 @@ int run_generate(const GenerateArgs& a) {
       {"lost_tier_recomputes", st.lost_tier_requeues},
       {"cached_prompt_tokens", st.cached_prompt_tokens},
       {"kv_bytes", st.kv_bytes_peak},
-      {"kv_bytes_per_token", engine->kv_bytes_per_token()},
+      {"kv_bytes_per_token", engine->memory().kv_bytes_per_token()},
       {"kv_dtype", a.engine.kv_dtype},
       {"weight_dtype", std::string(dtype_name(engine->model().weight_dtype))},
       {"backend", std::string(engine->backend().name())},
@@ -275,8 +275,9 @@ int run_generate(const GenerateArgs& a) {
                  " MiB read";
       }
       const OverlapStats& o = engine->overlap_stats();
-      std::fprintf(stderr, "tiers (%s): %s | %zu placement changes%s\n", a.engine.tiers.placement.c_str(), homes.c_str(),
-                   engine->placement_events().size(), engine->placement().cpu_filtering ? " | CPU filtering on" : "");
+      std::fprintf(stderr, "tiers (%s): %s | %zu placement changes%s\n", a.engine.tiers.placement.c_str(),
+                   homes.c_str(), engine->placement_events().size(),
+                   engine->memory().placement().cpu_filtering ? " | CPU filtering on" : "");
       if (o.steps > 0) {
         std::fprintf(stderr,
                      "overlap: %lld steps moved KV | step %.3f s vs compute %.3f s + copies %.3f s (serial %.3f s) | "

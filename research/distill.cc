@@ -562,11 +562,11 @@ Result<std::vector<DistillChunk>> collect_teacher(std::shared_ptr<const Model> m
     ch.teacher.assign(static_cast<size_t>(c.n_kv_heads * tri(ch.length())), 0.0f);
     TeacherObserver obs(c, &ch, reduction);
     engine->set_observer(&obs);
-    SPX_ASSIGN_OR_RETURN(SeqId seq, engine->add_sequence());
+    SPX_ASSIGN_OR_RETURN(SeqId seq, engine->memory().add_sequence());
     StepRequest req{seq, std::span<const TokenId>(ch.tokens), LogitsMode::kNone};
     auto step = engine->forward(std::span<const StepRequest>(&req, 1));
     engine->set_observer(nullptr);
-    SPX_RETURN_IF_ERROR(engine->remove_sequence(seq));
+    SPX_RETURN_IF_ERROR(engine->memory().remove_sequence(seq));
     if (!step.is_ok()) return step.status();
     SPX_RETURN_IF_ERROR(obs.status());
     normalize_teacher_rows(&ch, c.n_kv_heads);

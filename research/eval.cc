@@ -111,7 +111,7 @@ using eval_internal::prefill;
 // Greedy continuation of `prompt` (n tokens, no stop tokens: the comparison wants equal lengths).
 Result<std::vector<TokenId>> greedy_continuation(Engine& e, std::span<const TokenId> prompt, int64_t n,
                                                  int64_t chunk) {
-  SPX_ASSIGN_OR_RETURN(SeqId seq, e.add_sequence());
+  SPX_ASSIGN_OR_RETURN(SeqId seq, e.memory().add_sequence());
   auto body = [&]() -> Result<std::vector<TokenId>> {
     SPX_ASSIGN_OR_RETURN(std::vector<float> logits, prefill(e, seq, prompt, chunk, true));
     std::vector<TokenId> out;
@@ -126,7 +126,7 @@ Result<std::vector<TokenId>> greedy_continuation(Engine& e, std::span<const Toke
     return out;
   };
   auto result = body();
-  SPX_RETURN_IF_ERROR(e.remove_sequence(seq));
+  SPX_RETURN_IF_ERROR(e.memory().remove_sequence(seq));
   return result;
 }
 
@@ -443,7 +443,7 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
 
     // Teacher forcing.
     {
-      SPX_ASSIGN_OR_RETURN(SeqId seq, e.add_sequence());
+      SPX_ASSIGN_OR_RETURN(SeqId seq, e.memory().add_sequence());
       FidelityObserver obs(c.n_heads, c.head_dim);
       auto body = [&]() -> Status {
         SPX_RETURN_IF_ERROR(prefill(e, seq, text.first(static_cast<size_t>(P)), o.prefill_chunk, false).status());
@@ -463,7 +463,7 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
       Status st = body();
       e.set_observer(nullptr);
       out.stats = e.sparse_stats();
-      SPX_RETURN_IF_ERROR(e.remove_sequence(seq));
+      SPX_RETURN_IF_ERROR(e.memory().remove_sequence(seq));
       SPX_RETURN_IF_ERROR(st);
       if (obs.head_samples > 0) {
         out.recall = obs.recall_sum / static_cast<double>(obs.head_samples);

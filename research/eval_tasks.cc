@@ -390,7 +390,7 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       sp_rec.method = sp.method;
       sp_rec.budget = budget;
       sp_rec.length = p.length;
-      SPX_ASSIGN_OR_RETURN(SeqId seq, e.add_sequence());
+      SPX_ASSIGN_OR_RETURN(SeqId seq, e.memory().add_sequence());
       auto body = [&]() -> Result<std::vector<TokenId>> {
         const auto t0 = Clock::now();
         // Every answer token, the first included, comes from a sparse decode step: the prompt's
@@ -424,7 +424,7 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
         return out;
       };
       auto res = body();
-      SPX_RETURN_IF_ERROR(e.remove_sequence(seq));
+      SPX_RETURN_IF_ERROR(e.memory().remove_sequence(seq));
       if (!res.is_ok()) return res.status();
       run.answers.push_back(std::move(*res));
     }

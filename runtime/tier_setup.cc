@@ -246,7 +246,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
 
 Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
                    const std::vector<int64_t>& final_lengths) {
-  const KvStore& kv = engine.kv_store();
+  const KvStore& kv = engine.memory().kv_store();
   const auto& tiers = kv.tiers();
   const ModelConfig& c = engine.config();
   // ---- bandwidths, over the engine's own (still empty) tiers ----
@@ -373,11 +373,11 @@ nlohmann::json tiers_json(const Engine& engine, const TierRuntime* rt) {
                       {"error", e.error}});
   }
   std::vector<int> homes;
-  for (TierId t : engine.placement().layer_home) homes.push_back(t.value());
+  for (TierId t : engine.memory().placement().layer_home) homes.push_back(t.value());
   nlohmann::json j = {
       {"tiers", tiers},
       {"layer_homes", homes},
-      {"cpu_filtering", engine.placement().cpu_filtering},
+      {"cpu_filtering", engine.memory().placement().cpu_filtering},
       {"filtered_steps", engine.filtered_steps()},
       {"staging_peak_bytes", engine.peak_staging_bytes()},
       {"overlap",

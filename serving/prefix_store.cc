@@ -207,7 +207,7 @@ size_t PrefixStore::offloaded_prefixes() const {
 }
 
 void PrefixStore::insert(SeqId seq, std::vector<TokenId> tokens, RequestState from) {
-  (void)engine_.release_working_sets(seq);  // device memory a waiting sequence does not use
+  (void)engine_.memory().release_working_sets(seq);  // device memory a waiting sequence does not use
   move(from, RequestState::kCached);
   cached_.push_back({seq, std::move(tokens)});
 }
@@ -220,7 +220,7 @@ bool PrefixStore::evict(SeqId keep, bool keep_may_go, bool offload_it) {
       RequestState state = RequestState::kCached;
       move(state, RequestState::kDropped);
     }
-    (void)engine_.remove_sequence(it->seq);
+    (void)engine_.memory().remove_sequence(it->seq);
     cached_.erase(it);
     ++stats_.prefix_cache_evictions;
     return true;
@@ -230,7 +230,8 @@ bool PrefixStore::evict(SeqId keep, bool keep_may_go, bool offload_it) {
 
 std::optional<SeqId> PrefixStore::take(SeqId seq, int64_t tokens, int64_t promised) {
   const auto at = std::find_if(cached_.begin(), cached_.end(), [&](const Cached& c) { return c.seq == seq; });
-  if (at == cached_.end() || !engine_.truncate_sequence(seq, tokens, promised).is_ok()) return std::nullopt;
+  if (at == cached_.end() || !engine_.memory().truncate_sequence(seq, tokens, promised).is_ok())
+    return std::nullopt;
   cached_.erase(at);
   RequestState state = RequestState::kCached;
   move(state, RequestState::kPrefilling);
@@ -246,7 +247,7 @@ void PrefixStore::touch(SeqId seq) {
 }
 
 PrefixStore::Match PrefixStore::longest_cached(std::span<const TokenId> want, int64_t floor) const {
-  const int64_t unit = engine_.fork_granularity();
+  const int64_t unit = engine_.memory().fork_granularity();
   Match best;
   best.tokens = floor;
   for (const Cached& c : cached_) {
@@ -263,7 +264,7 @@ PrefixStore::Match PrefixStore::longest_cached(std::span<const TokenId> want, in
 }
 
 std::optional<size_t> PrefixStore::longest_stored(std::span<const TokenId> want, int64_t floor) const {
-  const int64_t unit = engine_.fork_granularity();
+  const int64_t unit = engine_.memory().fork_granularity();
   std::optional<size_t> best;
   for (size_t o = 0; o < stored_.size(); ++o) {
     const std::vector<TokenId>& tokens = stored_[o].tokens;
@@ -276,7 +277,7 @@ std::optional<size_t> PrefixStore::longest_stored(std::span<const TokenId> want,
 
 bool PrefixStore::offload(SeqId seq, std::span<const TokenId> all, RequestState from) {
   if (!has_levels()) return false;
-  const int64_t unit = engine_.fork_granularity();
+  const int64_t unit = engine_.memory().fork_granularity();
   const int64_t whole = static_cast<int64_t>(all.size()) / unit * unit;
   if (whole == 0) return false;
   const std::span<const TokenId> tokens = all.first(static_cast<size_t>(whole));
@@ -298,7 +299,7 @@ bool PrefixStore::offload(SeqId seq, std::span<const TokenId> all, RequestState 
       ++it;
     }
   }
-  auto snapshot = engine_.export_prefix(seq, whole);
+  auto snapshot = engine_.memory().export_prefix(seq, whole);
   if (!snapshot.is_ok()) return false;
   Stored p;
   p.tokens.assign(tokens.begin(), tokens.end());
@@ -440,9 +441,9 @@ bool PrefixStore::restore(size_t index) {
     forget(p, /*remove_file=*/false);
   }
   while (true) {
-    auto seq = engine_.import_prefix(*snapshot);
+    auto seq = engine_.memory().import_prefix(*snapshot);
     if (seq.is_ok()) {
-      (void)engine_.release_working_sets(*seq);  // it waits, as a cached sequence does
+      (void)engine_.memory().release_working_sets(*seq);  // it waits, as a cached sequence does
       ++stats_.prefix_restores;
       if (p.lower()) {
         ++stats_.prefix_disk_restores;

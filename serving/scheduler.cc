@@ -109,7 +109,7 @@ bool Scheduler::cancel(RequestId id, bool keep_cached) {
 }
 
 void Scheduler::release(Entry& e) {
-  if (e.seq.valid()) (void)engine_.remove_sequence(e.seq);
+  if (e.seq.valid()) (void)engine_.memory().remove_sequence(e.seq);
   e.seq = SeqId();
 }
 
@@ -122,7 +122,7 @@ std::vector<TokenId> Scheduler::held_tokens(const Entry& e, int64_t length) cons
 }
 
 void Scheduler::cache_or_release(Entry& e) {
-  const int64_t length = e.seq.valid() ? engine_.sequence_length(e.seq) : 0;
+  const int64_t length = e.seq.valid() ? engine_.memory().sequence_length(e.seq) : 0;
   if (!options_.prefix_caching || length == 0 || e.request.synthetic_context > 0) {
     release(e);
     return;
@@ -149,7 +149,7 @@ void Scheduler::finish(Entry& e, FinishReason reason, std::string error,
 }
 
 bool Scheduler::forks(const Entry& e) const {
-  return options_.prefix_caching && engine_.can_fork() && e.request.synthetic_context == 0 &&
+  return options_.prefix_caching && engine_.memory().can_fork() && e.request.synthetic_context == 0 &&
          !wants_prompt_logprobs(e);
 }
 
@@ -159,7 +159,7 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
   // counts what running requests still prefilling will have cached.
   const std::vector<TokenId>& prompt = e.request.prompt;
   const std::span<const TokenId> want(prompt.data(), prompt.size() - 1);
-  const int64_t unit = engine_.fork_granularity();
+  const int64_t unit = engine_.memory().fork_granularity();
   PrefixSource best;
   for (const Entry& r : running_) {
     if (!r.seq.valid() || r.request.synthetic_context > 0) continue;
@@ -167,7 +167,7 @@ Scheduler::PrefixSource Scheduler::find_prefix(const Entry& e) const {
       const auto i = static_cast<size_t>(k);
       return i < r.prompt_size ? r.request.prompt[i] : r.produced[i - r.prompt_size];
     };
-    const int64_t now = shared_units(want, engine_.sequence_length(r.seq), unit, token_at);
+    const int64_t now = shared_units(want, engine_.memory().sequence_length(r.seq), unit, token_at);
     if (now > best.tokens) best.tokens = now, best.seq = r.seq;
     const auto will_have = static_cast<int64_t>(r.prompt_size + r.produced.size());
     best.pending = std::max(best.pending, shared_units(want, will_have, unit, token_at));
@@ -203,7 +203,7 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
     if (auto seq = take_over()) return *seq;
   }
   if (best.tokens > 0) {
-    auto fork = engine_.fork_sequence(best.seq, best.tokens, promised);
+    auto fork = engine_.memory().fork_sequence(best.seq, best.tokens, promised);
     // No slot for a fork, and the source is the only cached sequence left to give way (one slot,
     // as in `generate`): evicted, it would take the prefix with it. Its longer tokens go to the
     // offload store, when there is one, and the request takes the rest over.
@@ -221,7 +221,7 @@ Result<SeqId> Scheduler::sequence_for(Entry& e, int64_t final_length, const Pref
     // Out of slots: the caller makes room or waits. Anything else: compute the prompt instead.
     if (fork.status().code() == StatusCode::kResourceExhausted) return fork.status();
   }
-  return engine_.add_sequence(promised);
+  return engine_.memory().add_sequence(promised);
 }
 
 Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
@@ -239,7 +239,7 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
                  r.synthetic_context + static_cast<int64_t>(e.prompt_size) + r.max_new_tokens);
     // kReserve asks for its final length beside the running ones' promises and waits when that
     // fits alone; kPreempt refuses only what never fits alone and waits until its prompt fits.
-    const bool others = engine_.live_sequences() > 0;
+    const bool others = engine_.memory().live_sequences() > 0;
     // A running request is still computing more of this prompt than any cache holds (the n
     // choices of one request, the same prompt sent twice at once): wait for it, then fork.
     PrefixSource source = forks(e) ? find_prefix(e) : PrefixSource{};
@@ -293,7 +293,8 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     auto seq = sequence_for(e, final_length, source);
     if (!seq.is_ok()) {
       if (seq.status().code() == StatusCode::kResourceExhausted && evict_cached(keep)) continue;
-      if (seq.status().code() == StatusCode::kResourceExhausted && engine_.live_sequences() > 0) break;
+      if (seq.status().code() == StatusCode::kResourceExhausted && engine_.memory().live_sequences() > 0)
+        break;
       finish(e, FinishReason::kError, seq.status().message(), events);
       if (first_error.is_ok()) first_error = seq.status();
       waiting_.pop_front();
@@ -365,9 +366,9 @@ int64_t Scheduler::near_length(const Entry& e, int64_t cached) {
 std::vector<int64_t> Scheduler::near_lengths(SeqId taken_over, bool without_cached) const {
   std::vector<int64_t> lens;
   lens.reserve(running_.size() + store_.cached().size());
-  for (const Entry& e : running_) lens.push_back(near_length(e, engine_.sequence_length(e.seq)));
+  for (const Entry& e : running_) lens.push_back(near_length(e, engine_.memory().sequence_length(e.seq)));
   for (const PrefixStore::Cached& c : store_.cached()) {
-    lens.push_back(c.seq == taken_over || without_cached ? 0 : engine_.sequence_length(c.seq));
+    lens.push_back(c.seq == taken_over || without_cached ? 0 : engine_.memory().sequence_length(c.seq));
   }
   return lens;
 }
@@ -391,7 +392,7 @@ bool Scheduler::swaps(const Entry& e) const {
 }
 
 void Scheduler::swap_out(const Entry& e) {
-  if (store_.offload(e.seq, held_tokens(e, engine_.sequence_length(e.seq)), e.state))
+  if (store_.offload(e.seq, held_tokens(e, engine_.memory().sequence_length(e.seq)), e.state))
     ++stats_.preemption_swaps;
 }
 
@@ -538,7 +539,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
       finish(e, FinishReason::kStop, {}, events);
     } else if (e.generated() >= r.max_new_tokens) {
       finish(e, FinishReason::kLength, {}, events);
-    } else if (engine_.sequence_length(e.seq) + 1 > engine_.max_context()) {
+    } else if (engine_.memory().sequence_length(e.seq) + 1 > engine_.max_context()) {
       finish(e, FinishReason::kContext, {}, events);
     }
   }
@@ -549,7 +550,7 @@ Status Scheduler::step(std::vector<SchedulerEvent>& events) {
   stats_.decode_seconds += seconds * static_cast<double>(decode_count) / total_tokens;
   if (decode_count > 0) ++stats_.decode_steps;
   stats_.max_batch_sequences = std::max(stats_.max_batch_sequences, static_cast<int64_t>(batch.size()));
-  stats_.kv_bytes_peak = std::max(stats_.kv_bytes_peak, engine_.kv_bytes_in_use());
+  stats_.kv_bytes_peak = std::max(stats_.kv_bytes_peak, engine_.memory().kv_bytes_in_use());
   std::erase_if(running_, [](const Entry& e) { return e.ended(); });
   return status;
 }

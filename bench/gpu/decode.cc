@@ -200,7 +200,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   std::vector<SeqId> seqs;
   const auto t_fill = Clock::now();
   for (int64_t r = 0; r < requests; ++r) {
-    SPX_ASSIGN_OR_RETURN(SeqId s, engine->add_sequence());
+    SPX_ASSIGN_OR_RETURN(SeqId s, engine->memory().add_sequence());
     seqs.push_back(s);
     SPX_RETURN_IF_ERROR_CTX(engine->fill_synthetic(s, ctx, opt.seed * 1000 + static_cast<uint64_t>(r)),
                             "fill_synthetic of sequence " + std::to_string(r));
@@ -252,7 +252,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   j["tokens_per_s"] = secs > 0 ? static_cast<double>(done * requests) / secs : 0.0;
   j["step_seconds"] = {{"min", sorted.front()}, {"median", sorted[sorted.size() / 2]}, {"max", sorted.back()}};
   j["device_used_bytes"] = after.total - after.free;  // everything on the device: weights, KV tier, workspaces
-  j["kv_bytes"] = engine->kv_bytes_in_use();
+  j["kv_bytes"] = engine->memory().kv_bytes_in_use();
   uint64_t host_cap = 0, host_peak = 0;
   for (const TierReport& t : engine->tier_report()) {
     if (t.desc.id == TierId(0)) {
@@ -266,7 +266,7 @@ Status run_config(const Run& run, int64_t ctx, int64_t requests, SparseMethod me
   j["host_tier_bytes"] = host_cap;
   j["host_tier_peak_bytes"] = host_peak;
   int64_t offloaded = 0;
-  for (TierId t : engine->placement().layer_home) offloaded += t != TierId(0) ? 1 : 0;
+  for (TierId t : engine->memory().placement().layer_home) offloaded += t != TierId(0) ? 1 : 0;
   j["placement"] = {{"layers", c.n_layers}, {"layers_offloaded", offloaded}, {"tiered", rt != nullptr}};
   j["sparse"] = sparse_json(engine->sparse_stats(), done * requests);
   j["overlap"] = overlap_json(engine->overlap_stats(), overlap_before);

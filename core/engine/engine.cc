@@ -105,9 +105,6 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
     }
     e->fused_layers_ = head->config.fused_layers;
     e->head_rope_ = make_head_rope_params(head->config, e->max_context_);
-    // Head key blocks of B tokens: with equal head and target head_dim a block is exactly one
-    // working-set slice, so the top of the device tier holds a single allocation size.
-    e->head_block_tokens_ = sp.selection.budget;
   }
   SPX_RETURN_IF_ERROR(e->backend_->place_weights(*e->model_));
   SPX_RETURN_IF_ERROR(e->import_weights());
@@ -236,6 +233,8 @@ Status Engine::setup_tiers() {
   };
   for (const TierMemory& h : t.host) SPX_RETURN_IF_ERROR(add(h, TierKind::kHost));
   for (const TierMemory& r : t.remote) SPX_RETURN_IF_ERROR(add(r, TierKind::kRemote));
+  std::shared_ptr<void> bounce;
+  TierId bounce_tier;
   if (tiered) {
     for (const TierMemory& tm : tiers) {
       SPX_RETURN_IF_ERROR_CTX(t.transport->register_tier(tm.desc.id, tm.desc.memory, tm.base, tm.desc.capacity_bytes),
@@ -244,17 +243,27 @@ Status Engine::setup_tiers() {
     if (!t.remote.empty()) {
       // Writes into remote tiers from the host (synthetic fills) go through this bounce buffer.
       constexpr uint64_t kBounceBytes = uint64_t{4} << 20;
-      bounce_ = std::shared_ptr<void>(std::aligned_alloc(4096, kBounceBytes), [](void* p) { std::free(p); });
-      if (!bounce_) return resource_exhausted("KV tiers: cannot allocate the host bounce buffer");
-      bounce_tier_ = TierId(static_cast<int32_t>(tiers.size()));
-      SPX_RETURN_IF_ERROR_CTX(t.transport->register_tier(bounce_tier_, MemoryKind::kHost, bounce_.get(), kBounceBytes),
-                              "KV tiers: registering the bounce buffer");
+      bounce = std::shared_ptr<void>(std::aligned_alloc(4096, kBounceBytes), [](void* p) { std::free(p); });
+      if (!bounce) return resource_exhausted("KV tiers: cannot allocate the host bounce buffer");
+      bounce_tier = TierId(static_cast<int32_t>(tiers.size()));
+      SPX_RETURN_IF_ERROR_CTX(
+          t.transport->register_tier(bounce_tier, MemoryKind::kHost, bounce.get(), kBounceBytes),
+          "KV tiers: registering the bounce buffer");
     }
   }
-  SPX_ASSIGN_OR_RETURN(kv_, KvStore::create(c, options_.page_size, n_pages, std::move(tiers), options_.kv_chunk_pages,
-                                               options_.kv_dtype));
-  placement_.layer_home.assign(static_cast<size_t>(c.n_layers), TierId(0));
-  placement_.head_cache_home = TierId(0);
+  SPX_ASSIGN_OR_RETURN(std::unique_ptr<KvStore> store,
+                       KvStore::create(c, options_.page_size, n_pages, std::move(tiers),
+                                       options_.kv_chunk_pages, options_.kv_dtype));
+  // Head key blocks of B tokens: with equal head and target head_dim a block is exactly one
+  // working-set slice, so the top of the device tier holds a single allocation size.
+  const int64_t head_block_tokens =
+      options_.sparse.method == SparseMethod::kSpeContext ? options_.sparse.selection.budget : 0;
+  memory_ = std::make_unique<KvMemory>(model_, backend_, options_, max_context_, head_block_tokens,
+                                       std::move(store), std::move(bounce), bounce_tier);
+  kv_ = memory_->kv_.get();
+  memory_->replan_ = [this](const std::vector<int64_t>& lengths) {
+    return options_.tiering.policy ? rebalance_for(lengths) : Status::ok();
+  };
   step_traffic_.assign(static_cast<size_t>(kv_->n_tiers()), TierTraffic{});
   total_traffic_ = step_traffic_;
   peak_used_.assign(step_traffic_.size(), 0);
@@ -270,157 +279,6 @@ Result<void*> Engine::fit(Workspace& w, size_t bytes) {
   return w.mem.get();
 }
 
-Result<SeqId> Engine::add_sequence(int64_t final_length) {
-  if (live_sequences() >= options_.max_sequences) {
-    return resource_exhausted("all " + std::to_string(options_.max_sequences) +
-                              " sequence slots are in use");
-  }
-  const SeqId id(next_seq_id_++);
-  Sequence s;
-  s.admitted_length = final_length;
-  sequences_.emplace(id, std::move(s));
-  return id;
-}
-
-int64_t Engine::fork_granularity() const {
-  const int64_t ps = kv_->page_size();
-  return options_.sparse.method == SparseMethod::kQuest ? std::lcm(ps, options_.sparse.quest_page_size) : ps;
-}
-
-Status Engine::check_prefix(SeqId seq, const Sequence& s, int64_t tokens, std::string_view what) const {
-  const int64_t granularity = fork_granularity();
-  if (tokens <= 0 || tokens % granularity != 0 || tokens > s.length) {
-    return invalid_argument(std::string(what) + ": a prefix of " + std::to_string(tokens) +
-                            " tokens of sequence " + std::to_string(seq.value()) + " (" +
-                            std::to_string(s.length) + " tokens): it must be a positive multiple of " +
-                            std::to_string(granularity) + " up to the sequence's length");
-  }
-  const auto pages = static_cast<size_t>(tokens / kv_->page_size());
-  if (options_.sparse.method == SparseMethod::kSpeContext &&
-      (s.boundary_fused.size() < pages || !s.boundary_fused[pages - 1])) {
-    return invalid_argument(std::string(what) + ": sequence " + std::to_string(seq.value()) +
-                            " has no fused features at token " + std::to_string(tokens - 1) +
-                            (options_.prefix_sharing ? "" : " (EngineOptions::prefix_sharing is off)"));
-  }
-  return Status::ok();
-}
-
-Status Engine::resume_fused_at(Sequence& s, const std::shared_ptr<const void>& boundary) {
-  const size_t fused_row = static_cast<size_t>(3 * config().dim) * sizeof(float);
-  if (!s.last_fused) {
-    SPX_ASSIGN_OR_RETURN(s.last_fused, backend_->allocate(fused_row));
-  }
-  SPX_RETURN_IF_ERROR(
-      backend_->copy_rows(s.last_fused.get(), fused_row, boundary.get(), fused_row, fused_row, 1));
-  return backend_->synchronize();
-}
-
-size_t Engine::quest_bound_elements(int64_t tokens) const {
-  return static_cast<size_t>(tokens / options_.sparse.quest_page_size * config().kv_dim());
-}
-
-Result<SeqId> Engine::fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length) {
-  const auto src_it = sequences_.find(source);
-  if (src_it == sequences_.end()) {
-    return invalid_argument("fork_sequence: unknown sequence " + std::to_string(source.value()));
-  }
-  SPX_RETURN_IF_ERROR(check_prefix(source, src_it->second, prefix_tokens, "fork_sequence"));
-  const int64_t n_pages = prefix_tokens / kv_->page_size();
-  const bool head = options_.sparse.method == SparseMethod::kSpeContext;
-  SPX_ASSIGN_OR_RETURN(const SeqId id, add_sequence(final_length));
-  Sequence& s = sequences_.at(id);
-  const Sequence& src = sequences_.at(source);  // unordered_map references survive the insertion
-  s.pages.assign(src.pages.begin(), src.pages.begin() + n_pages);
-  for (PageId p : s.pages) kv_->share_page(p);
-  s.length = prefix_tokens;
-  auto undo = [&](const Status& st) -> Status {
-    (void)remove_sequence(id);
-    return st.with_context("fork_sequence");
-  };
-  if (head) {
-    if (Status st = ensure_head_capacity(s, prefix_tokens); !st.is_ok()) return undo(st);
-    const uint64_t bytes = head_block_bytes();
-    const size_t blocks = static_cast<size_t>((prefix_tokens + head_block_tokens_ - 1) / head_block_tokens_);
-    for (size_t b = 0; b < blocks; ++b) {
-      void* dst = kv_->address(s.head_tier, s.head_blocks[b]);
-      const void* from = kv_->address(src.head_tier, src.head_blocks[b]);
-      if (backend_reads(s.head_tier) && backend_reads(src.head_tier)) {
-        if (Status st = backend_->copy_rows(dst, bytes, from, bytes, bytes, 1); !st.is_ok()) return undo(st);
-      } else if (host_visible(s.head_tier) && host_visible(src.head_tier)) {
-        std::memcpy(dst, from, bytes);
-      } else {
-        return undo(unimplemented("the retrieval head's keys are in a tier the engine cannot copy within"));
-      }
-    }
-    if (Status st = resume_fused_at(s, src.boundary_fused[static_cast<size_t>(n_pages - 1)]); !st.is_ok()) {
-      return undo(st);
-    }
-    s.boundary_fused.assign(src.boundary_fused.begin(), src.boundary_fused.begin() + n_pages);
-  } else if (options_.sparse.method == SparseMethod::kQuest) {
-    if (Status st = ensure_sparse_state(s); !st.is_ok()) return undo(st);
-    const size_t bounds = quest_bound_elements(prefix_tokens);
-    for (size_t l = 0; l < s.layers.size(); ++l) {
-      const LayerSparseState& from = src.layers[l];
-      s.layers[l].page_min.assign(from.page_min.begin(),
-                                  from.page_min.begin() + static_cast<std::ptrdiff_t>(bounds));
-      s.layers[l].page_max.assign(from.page_max.begin(),
-                                  from.page_max.begin() + static_cast<std::ptrdiff_t>(bounds));
-    }
-  }
-  return id;
-}
-
-Status Engine::truncate_sequence(SeqId seq, int64_t length, int64_t final_length) {
-  const auto it = sequences_.find(seq);
-  if (it == sequences_.end())
-    return invalid_argument("truncate_sequence: unknown sequence " + std::to_string(seq.value()));
-  Sequence& s = it->second;
-  if (length != s.length) SPX_RETURN_IF_ERROR(check_prefix(seq, s, length, "truncate_sequence"));
-  s.admitted_length = final_length;
-  if (length == s.length) return Status::ok();
-  const auto pages = static_cast<size_t>(length / kv_->page_size());
-  if (options_.sparse.method == SparseMethod::kSpeContext) {
-    SPX_RETURN_IF_ERROR(resume_fused_at(s, s.boundary_fused[pages - 1]));
-    s.boundary_fused.resize(pages);
-  }
-  // Nothing can fail from here on.
-  for (size_t p = pages; p < s.pages.size(); ++p) kv_->free_page(s.pages[p]);
-  s.pages.resize(pages);
-  s.length = length;
-  if (options_.sparse.method == SparseMethod::kQuest) {
-    const size_t bounds = quest_bound_elements(length);
-    for (LayerSparseState& ls : s.layers) {
-      if (ls.page_min.size() > bounds) ls.page_min.resize(bounds), ls.page_max.resize(bounds);
-    }
-  }
-  invalidate_working_sets(s);  // their slot maps name tokens that are gone
-  if (s.filter_tokens > length && options_.tiering.candidate_filter) {
-    options_.tiering.candidate_filter->drop(seq);
-    s.filter_tokens = 0;
-  }
-  return Status::ok();
-}
-
-Status Engine::remove_sequence(SeqId seq) {
-  auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return invalid_argument("unknown sequence " + std::to_string(seq.value()));
-  for (PageId p : it->second.pages) kv_->free_page(p);
-  drop_sparse_state(it->second);
-  release_head_cache(it->second);
-  if (options_.tiering.candidate_filter) options_.tiering.candidate_filter->drop(seq);
-  sequences_.erase(it);
-  return Status::ok();
-}
-
-int64_t Engine::sequence_length(SeqId seq) const {
-  auto it = sequences_.find(seq);
-  return it == sequences_.end() ? 0 : it->second.length;
-}
-
-int64_t Engine::kv_bytes_in_use() const {
-  return kv_->used_pages() * static_cast<int64_t>(kv_->page_bytes()) * kv_->n_layers();
-}
-
 Status Engine::admit(int64_t final_length, bool alone, SeqId taken_over) const {
   if (final_length > max_context_) {
     return out_of_range("a sequence of " + std::to_string(final_length) + " tokens is beyond the context limit of " +
@@ -429,7 +287,7 @@ Status Engine::admit(int64_t final_length, bool alone, SeqId taken_over) const {
   if (options_.tiering.policy) {
     std::vector<int64_t> lens;
     if (!alone) {
-      for (const auto& [id, s] : sequences_) {
+      for (const auto& [id, s] : memory_->sequences_) {
         if (id != taken_over) lens.push_back(std::max(s.length, s.admitted_length));
       }
     }
@@ -443,7 +301,7 @@ Status Engine::admit(int64_t final_length, bool alone, SeqId taken_over) const {
   int64_t available = kv_->total_pages();
   if (!alone) {
     // A live sequence holds the pages of its length and is owed those of its admitted length.
-    for (const auto& [id, s] : sequences_) {
+    for (const auto& [id, s] : memory_->sequences_) {
       if (id == taken_over) continue;
       available -= (std::max(s.length, s.admitted_length) + kv_->page_size() - 1) / kv_->page_size();
     }
@@ -457,9 +315,9 @@ Status Engine::admit(int64_t final_length, bool alone, SeqId taken_over) const {
 }
 
 Status Engine::fits(std::span<const int64_t> grown, int64_t new_length) const {
-  if (grown.size() != sequences_.size()) {
+  if (grown.size() != memory_->sequences_.size()) {
     return invalid_argument("fits: " + std::to_string(grown.size()) + " lengths for " +
-                            std::to_string(sequences_.size()) + " live sequences");
+                            std::to_string(memory_->sequences_.size()) + " live sequences");
   }
   if (new_length > max_context_) return admit(new_length, /*alone=*/true);  // the same kOutOfRange
   if (options_.tiering.policy) {
@@ -500,68 +358,10 @@ uint64_t Engine::new_sequence_reserve() const {
   const ModelConfig& c = config();
   uint64_t r = static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
   if (options_.sparse.method != SparseMethod::kDense) {
-    r += static_cast<uint64_t>(c.n_layers) * 2 * working_set_bytes();
+    r += static_cast<uint64_t>(c.n_layers) * 2 * memory_->working_set_bytes();
   }
-  if (options_.sparse.method == SparseMethod::kSpeContext) r += head_block_bytes();
+  if (options_.sparse.method == SparseMethod::kSpeContext) r += memory_->head_block_bytes();
   return r;
-}
-
-Status Engine::reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated) {
-  const int64_t need = (new_length + kv_->page_size() - 1) / kv_->page_size();
-  while (static_cast<int64_t>(seq.pages.size()) < need) {
-    auto page = kv_->allocate_page();
-    if (!page.is_ok()) return page.status();
-    seq.pages.push_back(*page);
-    newly_allocated.push_back(*page);
-  }
-  return Status::ok();
-}
-
-bool Engine::host_visible(TierId tier) const {
-  const TierMemory& t = kv_->tiers()[static_cast<size_t>(tier.value())];
-  return t.base != nullptr && (t.desc.memory == MemoryKind::kHost || t.desc.memory == MemoryKind::kPinnedHost);
-}
-
-bool Engine::backend_reads(TierId tier) const {
-  const TierMemory& t = kv_->tiers()[static_cast<size_t>(tier.value())];
-  return t.base != nullptr && (tier == TierId(0) || backend_->addressable(t.desc.memory));
-}
-
-Status Engine::check_invariants() const {
-  SPX_RETURN_IF_ERROR(kv_->check_invariants());
-  std::unordered_map<PageId, int32_t> holders;
-  for (const auto& [id, s] : sequences_) {
-    const int64_t need = (s.length + kv_->page_size() - 1) / kv_->page_size();
-    if (static_cast<int64_t>(s.pages.size()) < need) {
-      return internal_error("sequence " + std::to_string(id.value()) + " holds " + std::to_string(s.pages.size()) +
-                            " pages for " + std::to_string(s.length) + " tokens");
-    }
-    std::unordered_set<PageId> own;
-    for (PageId p : s.pages) {
-      if (!own.insert(p).second) {
-        return internal_error("sequence " + std::to_string(id.value()) + " holds page " +
-                              std::to_string(p.value()) + " twice");
-      }
-      ++holders[p];
-    }
-  }
-  if (static_cast<int64_t>(holders.size()) != kv_->used_pages()) {
-    return internal_error(std::to_string(kv_->used_pages()) + " pages in use but sequences hold " +
-                          std::to_string(holders.size()));
-  }
-  for (const auto& [p, n] : holders) {
-    if (kv_->page_references(p) != n) {
-      return internal_error("page " + std::to_string(p.value()) + " has " +
-                            std::to_string(kv_->page_references(p)) + " references but " + std::to_string(n) +
-                            " holders");
-    }
-  }
-  for (int64_t l = 0; l < kv_->n_layers(); ++l) {
-    if (kv_->home(LayerId(static_cast<int32_t>(l))) != placement_.layer_home[static_cast<size_t>(l)]) {
-      return internal_error("layer " + std::to_string(l) + " is not where the placement says");
-    }
-  }
-  return Status::ok();
 }
 
 }  // namespace specontext

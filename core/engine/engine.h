@@ -18,6 +18,8 @@
 
 #include "core/base/ids.h"
 #include "core/base/status.h"
+#include "core/engine/engine_options.h"
+#include "core/engine/kv_memory.h"
 #include "core/engine/kv_store.h"
 #include "core/model/model.h"
 #include "core/ports/backend.h"
@@ -30,23 +32,6 @@
 #include "core/sparse/retrieval_head.h"
 
 namespace specontext {
-
-// How decode steps choose the tokens they attend to.
-enum class SparseMethod {
-  kDense,       // every cached token
-  kSpeContext,  // retrieval head: one selection per step before layer 0, shared by all layers
-  kStreaming,   // sinks + recent window (StreamingLLM)
-  kQuest,       // per layer, pages ranked by the min/max key bound (Quest)
-  kOracle,      // per layer, the true attention's top tokens (upper bound; costs dense attention)
-};
-std::string_view sparse_method_name(SparseMethod m);
-Result<SparseMethod> parse_sparse_method(std::string_view name);
-
-struct SparseOptions {
-  SparseMethod method = SparseMethod::kDense;
-  SelectionOptions selection;     // budget, sinks, window
-  int64_t quest_page_size = 16;   // Quest page granularity (tokens)
-};
 
 // Read-only view of a forward's internals (evaluation, distillation).
 class ForwardObserver {
@@ -72,58 +57,6 @@ struct SparseStats {
   int64_t bytes_loaded = 0;       // K+V bytes gathered into working sets
   int64_t bytes_full_reload = 0;  // what reloading every selected token would have moved
   double overlap() const { return tokens_selected ? double(tokens_kept) / double(tokens_selected) : 0.0; }
-};
-
-// KV tiers (issue: tiers, prefetch, planner). Without host or remote tiers every layer lives on
-// the device and nothing moves. With them, a PlacementPolicy (planner::PlannerPolicy) decides
-// before every step which layers live where; offloaded layers' KV is loaded through `copies`
-// while earlier layers compute (SpeContext's asynchronous prefetch with elastic loading).
-struct TieringOptions {
-  // Bytes of device memory for KV pages, working sets, staging pages and the retrieval head's
-  // keys (tier 0). 0 = enough to hold every sequence at max_context on the device.
-  uint64_t device_bytes = 0;
-  std::vector<TierMemory> host;    // one pool per NUMA node (ids 1..N), memory owned by the caller
-  std::vector<TierMemory> remote;  // remote nodes (ids N+1..), no base address
-  Transport* transport = nullptr;  // moves bytes between tiers; the engine registers the tiers
-  std::shared_ptr<CopyQueue> copies;         // runs transfers on its own thread, over `transport`
-  std::shared_ptr<PlacementPolicy> policy;   // null: every layer stays on the device
-  std::shared_ptr<CandidateFilter> candidate_filter;  // used while the placement says cpu_filtering
-  int64_t shortlist_tokens = 0;  // candidates per KV head with CPU filtering; 0 = 4·budget
-  // Remote layers whose whole cached KV is staged on the device at once, for items that read
-  // whole pages (dense attention, per-layer selections, sequences not yet past the budget): the
-  // loads of remote layer j + staging_layers start once layer j has computed. 1 = no overlap.
-  int64_t staging_layers = 2;
-  // Called at the start of every forward that passed validation, on the caller's thread, before
-  // the step moves anything (transfers of earlier steps may still be in flight on `copies`). The
-  // CLI heals mirrored remote tiers here (cluster/replica_healer.h). Null: nothing.
-  std::function<void()> between_steps;
-};
-
-struct EngineOptions {
-  int64_t max_sequences = 16;  // live sequences at once
-  // Sequences that decode at once (0 = max_sequences): the KV pool (kv_pages = 0) and the device's
-  // working sets and retrieval-head blocks are sized for this many at max_context. The slots
-  // beyond it are for sequences that wait (finished ones a prefix cache keeps) and share the pool.
-  int64_t max_running = 0;
-  int64_t running_slots() const { return max_running > 0 ? max_running : max_sequences; }
-  int64_t max_context = 0;     // tokens per sequence; 0 = the model's max_seq_len
-  int64_t page_size = 16;      // tokens per KV page
-  int64_t kv_pages = 0;        // pages in the pool; 0 = enough for running_slots() at max_context
-  int64_t kv_chunk_pages = 0;  // pages per storage chunk of a layer; 0 = about 2 MiB (KvStore)
-  // Element type of K and V in the cache and the working sets: f32, f16 or bf16 (is_kv_dtype).
-  // Attention widens to f32; kv_append rounds to nearest even.
-  DType kv_dtype = DType::kF32;
-  SparseOptions sparse;
-  std::shared_ptr<const RetrievalHead> retrieval_head;  // required by SparseMethod::kSpeContext
-  // Tensor parallelism: this engine runs one rank's slice of the model (shard_model in
-  // core/engine/tensor_parallel.h) and sums the attention-out and MLP-down partials over the ranks.
-  // Null: a single rank.
-  std::shared_ptr<Communicator> communicator;
-  TieringOptions tiering;
-  // Lets fork_sequence start a sequence from any page boundary of another: with SpeContext the
-  // engine then also keeps the fused features at each page's last position (3·dim floats per
-  // page in backend memory), which the retrieval head needs to go on from there.
-  bool prefix_sharing = false;
 };
 
 // Per tier, what the engine holds there and what moved (observability).
@@ -194,28 +127,6 @@ struct StepOutput {
   }
 };
 
-// The first whole pages of a sequence copied out of the KV cache into plain host memory, with
-// the state the sparse method derives from them (the prefix cache's offload store,
-// GeneratorOptions::prefix_offload_bytes). Engine::import_prefix makes a sequence of it again in
-// any engine of the same model, page size, KV dtype and sparse method, wherever its layers live.
-struct PrefixSnapshot {
-  int64_t tokens = 0;
-  // What import_prefix checks the snapshot against (the engine's layout when exported).
-  int64_t page_size = 0;
-  int64_t layers = 0;
-  uint64_t page_bytes = 0;  // K + V of one page of one layer
-  DType kv_dtype = DType::kF32;
-  SparseMethod method = SparseMethod::kDense;
-  std::vector<std::byte> kv;  // [layers][pages][K block, V block], as the pages are stored
-  // SpeContext: the retrieval head's key blocks covering the tokens ([blocks][T][head kv_dim]),
-  // and per page the fused features of its last position ([3·dim]; empty where none were kept).
-  std::vector<float> head_keys;
-  std::vector<std::vector<float>> boundary_fused;
-  // Quest: per layer, the page bounds of the tokens ([pages][kv_heads][head_dim] each).
-  std::vector<std::vector<float>> quest_min, quest_max;
-  uint64_t bytes() const;  // host memory it holds
-};
-
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(std::shared_ptr<const Model> model,
@@ -232,10 +143,11 @@ class Engine {
   Backend& backend() { return *backend_; }
   int64_t max_context() const { return max_context_; }
 
-  // New empty sequence; ResourceExhausted when max_sequences are live. `final_length` (0 = not
-  // known) is the length it was admitted for: admit() counts live sequences at the larger of
-  // their length and it, so that requests admitted together fit together when they have grown.
-  Result<SeqId> add_sequence(int64_t final_length = 0);
+  // The KV memory the forward pass runs over: sequences, page tables, forks, truncation, prefix
+  // snapshots, where layers live (kv_memory.h).
+  KvMemory& memory() { return *memory_; }
+  const KvMemory& memory() const { return *memory_; }
+
   // Whether a new sequence that will reach `final_length` tokens can be served: beside the live
   // ones (alone = false) or on an otherwise idle engine (alone = true). kResourceExhausted names
   // what does not fit (the placement policy's answer, or the page pool); kOutOfRange beyond the
@@ -246,24 +158,6 @@ class Engine {
   // to `grown` tokens (one entry per live sequence, any order), fit the engine's memory, with one
   // more sequence of `new_length` tokens beside them when new_length > 0. Answers as admit().
   Status fits(std::span<const int64_t> grown, int64_t new_length) const;
-  // A new sequence holding the first `prefix_tokens` tokens of `source` without computing them
-  // (prefix caching): it shares source's pages of those tokens (full pages, never written again:
-  // both sequences append to pages of their own) and copies its retrieval-head keys and Quest
-  // bounds. prefix_tokens must be a positive multiple of fork_granularity() and at most source's
-  // length; with SpeContext EngineOptions::prefix_sharing must be on. Admission counts a shared
-  // page once per holder (conservative).
-  Result<SeqId> fork_sequence(SeqId source, int64_t prefix_tokens, int64_t final_length = 0);
-  // Token multiple of the prefixes fork_sequence takes: the page size (and Quest's page size).
-  int64_t fork_granularity() const;
-  // Drops the sequence's tokens from `length` on (llama.cpp's seq_rm at the end), so that it can
-  // go on from there: length must be a positive multiple of fork_granularity() below its length
-  // (or equal to it: nothing changes but final_length). final_length: as add_sequence's, from now
-  // on. The prefix cache reuses a finished sequence this way for the request that supersedes it.
-  Status truncate_sequence(SeqId seq, int64_t length, int64_t final_length = 0);
-  // Prefix offloading: copies the first `tokens` tokens of the sequence (a positive multiple of
-  // fork_granularity(), at most its length; under SpeContext with prefix_sharing) out of the
-  // cache, from whatever tiers its layers live in. The sequence is unchanged.
-  Result<PrefixSnapshot> export_prefix(SeqId seq, int64_t tokens);
   // What a snapshot's contents depend on, as a 64-bit FNV-1a hash: the model's config, a sample
   // of every weight tensor (8 evenly spaced 256-byte pieces of each matrix, the norm vectors
   // whole), the retrieval head likewise, the context limit, page size, KV dtype, sparse method,
@@ -271,24 +165,6 @@ class Engine {
   // Sampled, not a checksum of the weights: two checkpoints that differ only between the samples
   // look alike.
   uint64_t kv_identity() const;
-  // A new sequence holding a snapshot's tokens, written into the layers' homes without computing
-  // them; then as one fork_sequence made. kInvalidArgument naming the field when the snapshot
-  // does not match this engine; kResourceExhausted (nothing changed) when a slot, the pool or a
-  // tier is short.
-  Result<SeqId> import_prefix(const PrefixSnapshot& snapshot, int64_t final_length = 0);
-  // Gives back the device memory of the sequence's sparse working sets (allocated again at its next
-  // sparse step, reloaded from scratch): for sequences that wait, such as finished ones kept for
-  // prefix caching.
-  Status release_working_sets(SeqId seq);
-  // Whether fork_sequence can work at all (SpeContext needs prefix_sharing).
-  bool can_fork() const {
-    return options_.sparse.method != SparseMethod::kSpeContext || options_.prefix_sharing;
-  }
-  // Frees the sequence's pages (those it shares: its references). Unknown ids are an InvalidArgument.
-  Status remove_sequence(SeqId seq);
-  // Tokens cached for the sequence (0 for unknown ids).
-  int64_t sequence_length(SeqId seq) const;
-  int64_t live_sequences() const { return static_cast<int64_t>(sequences_.size()); }
   int64_t running_slots() const { return options_.running_slots(); }
 
   // One batched forward. Either every request is applied or none is: on any error the KV cache
@@ -299,10 +175,6 @@ class Engine {
   // of decode speed at long context; says nothing about quality). The sequence must be empty.
   Status fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed);
 
-  // Bytes of KV held by live sequences (pages in use × page bytes) and per token of context.
-  int64_t kv_bytes_in_use() const;
-  const KvStore& kv_store() const { return *kv_; }
-  const KvPlacement& placement() const { return placement_; }
   // Per tier: usage and traffic (last forward and total).
   std::vector<TierReport> tier_report() const;
   const OverlapStats& overlap_stats() const { return overlap_; }
@@ -342,11 +214,6 @@ class Engine {
   // its model), and the device bytes one more sequence's first steps take beyond its tokens.
   PlacementInput placement_input(const std::vector<int64_t>& seq_lens) const;
   uint64_t new_sequence_reserve() const;
-  // Checks the KV store's invariants and that every live sequence's pages are distinct and in use.
-  Status check_invariants() const;
-  int64_t kv_bytes_per_token() const {
-    return config().kv_bytes_per_token(static_cast<int64_t>(dtype_size(options_.kv_dtype)));
-  }
 
   void set_observer(ForwardObserver* observer) { observer_ = observer; }
   const SparseOptions& sparse_options() const { return options_.sparse; }
@@ -365,42 +232,9 @@ class Engine {
     const float* k_norm = nullptr;
     WeightMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
-  // An allocation in one tier of the KV store.
-  struct Slice {
-    TierId tier;
-    uint64_t offset = 0;
-    uint64_t bytes = 0;
-    bool valid() const { return bytes > 0; }
-  };
-  // Per-layer sparse-decode state of one sequence.
-  struct LayerSparseState {
-    ElasticWorkingSet ws;      // per-layer selections (Quest, oracle) only
-    Slice ws_k, ws_v;          // [kv_heads][budget][head_dim] each, in the device tier
-    Selection selection;       // per-layer methods (Quest, oracle)
-    std::vector<float> page_min, page_max;  // Quest key bounds [pages][kv_heads][head_dim]
-  };
-  struct Sequence {
-    int64_t length = 0;
-    int64_t admitted_length = 0;  // the final length it was admitted for (add_sequence)
-    std::vector<PageId> pages;
-    // Retrieval head K cache, paged: block b holds tokens [b·T, (b+1)·T) token-major
-    // ([T][head kv_dim]), T = head_block_tokens_, all blocks in tier head_tier. Fixed-size
-    // blocks (the size of one working-set slice) never fragment their tier and never copy.
-    std::vector<uint64_t> head_blocks;
-    TierId head_tier{0};
-    int64_t filter_tokens = 0;  // head keys handed to the candidate filter so far
-    std::shared_ptr<void> last_fused;  // fused features of the last cached position [3·dim], backend memory
-    // prefix_sharing: entry k = fused features of position (k+1)·page_size − 1, read-only (forks
-    // hold the same buffers).
-    std::vector<std::shared_ptr<const void>> boundary_fused;
-    Selection shared_selection;        // SpeContext / streaming: one per step, all layers
-    // With a shared selection every layer's working set has the same slot map, so one diff per
-    // step (computed before layer 0) drives the copies of every layer.
-    ElasticWorkingSet shared_ws;
-    ElasticStats shared_stats;
-    std::vector<GatherEntry> shared_loads;
-    std::vector<LayerSparseState> layers;  // allocated when the sequence first decodes sparsely
-  };
+  using Sequence = KvSequence;
+  using LayerSparseState = KvLayerSparseState;
+  using Slice = KvSlice;
   // Grow-only scratch in backend memory.
   struct Workspace {
     std::shared_ptr<void> mem;
@@ -414,7 +248,6 @@ class Engine {
   Status validate_request(const StepRequest& r, const Sequence& s) const;
   Status reserve_step_pages(std::span<const StepRequest> requests, std::vector<Sequence*>& seqs,
                             std::vector<PageId>& newly_allocated);
-  void give_back_pages(const std::vector<PageId>& newly_allocated);
   void undo_step(const std::vector<Sequence*>& seqs, const std::vector<PageId>& newly_allocated);
   void record_step_stats(std::chrono::steady_clock::time_point start);  // traffic, peaks, overlap
   // The body of forward() after validation, re-planning and page reservation; forward() undoes
@@ -458,28 +291,8 @@ class Engine {
   Result<float*> fit_floats(Workspace& w, int64_t floats);
   Status setup_tiers();
   Result<void*> fit(Workspace& w, size_t bytes);
-  Status reserve_pages(Sequence& seq, int64_t new_length, std::vector<PageId>& newly_allocated);
-  // fork_sequence / truncate_sequence: whether s can go on from `tokens` (a whole fork unit, with
-  // SpeContext the fused features of its last position kept), and making it do so.
-  Status check_prefix(SeqId seq, const Sequence& s, int64_t tokens, std::string_view what) const;
-  Status resume_fused_at(Sequence& s, const std::shared_ptr<const void>& boundary);
-  size_t quest_bound_elements(int64_t tokens) const;  // Quest bounds of whole pages of `tokens`
   bool wants_fused() const;
-  static bool shares_selection(SparseMethod m);
   bool decodes_sparse(const Sequence& s, const StepRequest& r) const;
-  Status ensure_sparse_state(Sequence& s);
-  static bool has_working_sets(const Sequence& s);             // allocated (not new, not released)
-  void release_slices(std::vector<LayerSparseState>& layers);  // their working-set memory, and maps
-  void drop_sparse_state(Sequence& s);
-  void invalidate_working_sets(Sequence& s);
-  Status ensure_head_capacity(Sequence& s, int64_t tokens);
-  int64_t head_capacity(const Sequence& s) const { return static_cast<int64_t>(s.head_blocks.size()) * head_block_tokens_; }
-  uint64_t head_block_bytes() const;
-  // Bytes of K (or V) of one (sequence, layer) working set: kv_heads · budget · head_dim elements.
-  uint64_t working_set_bytes() const;
-  float* head_row(const Sequence& s, int64_t token) const;  // address of token's key row
-  const float* const* head_block_table(const Sequence& s);  // backend pointers, valid until the next call
-  void release_head_cache(Sequence& s);
   // Retrieval head on tokens whose fused(p−1) is known (backend memory); writes their keys into
   // the head cache at start_pos.. and the query rows to q_out.
   Status run_head(Sequence& s, const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
@@ -489,36 +302,25 @@ class Engine {
   Status select_for_layer(Sequence& s, LayerId layer, const AttentionItem& item, const float* q,
                           const Selection** selection);
   Status update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n);
-  bool host_visible(TierId tier) const;       // the engine thread may read/write it directly
-  bool backend_reads(TierId tier) const;      // backend ops may take pointers into it
   Status rebalance(std::span<const StepRequest> requests);
   Status rebalance_for(const std::vector<int64_t>& seq_lens);  // the live sequences' lengths to plan for
   Status move_head_caches(TierId to);
-  Status write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes);
-  Status read_block(TierId tier, uint64_t offset, void* host, uint64_t bytes);
-  // A remote tier's bytes to (kLoad) or from (kStore) host memory, in bounce-buffer pieces.
-  Status through_bounce(TierId tier, uint64_t offset, void* host, uint64_t bytes, CopyDirection direction);
   TierTraffic& traffic(TierId tier) { return step_traffic_[static_cast<size_t>(tier.value())]; }
 
   std::shared_ptr<const Model> model_;
   std::shared_ptr<Backend> backend_;
-  std::unique_ptr<KvStore> kv_;
+  std::unique_ptr<KvMemory> memory_;
+  KvStore* kv_ = nullptr;  // memory_'s store (observer)
   std::shared_ptr<void> device_region_;
-  std::shared_ptr<void> bounce_;  // host staging for reads and writes of remote tiers
-  TierId bounce_tier_;
   RopeParams rope_;
   RopeParams head_rope_;
   EngineOptions options_;
   int64_t max_context_ = 0;
-  int64_t next_seq_id_ = 0;
-  std::unordered_map<SeqId, Sequence> sequences_;
   ForwardObserver* observer_ = nullptr;
   SparseStats sparse_stats_;
   std::array<int64_t, 3> fused_layers_{};
   int64_t forwards_ = 0;
-  int64_t head_block_tokens_ = 0;
   int64_t filtered_steps_ = 0;
-  std::vector<const float*> head_table_;
   Candidates candidates_;
 
   // Weights as the backend reads them.
@@ -530,7 +332,6 @@ class Engine {
   const float* head_hidden_norm_ = nullptr;
 
   // Tiers.
-  KvPlacement placement_;
   std::vector<TierId> abandoned_;  // lost remote tiers no longer used (abandon_tier)
   std::vector<std::string> abandoned_why_;  // per abandoned_ entry: Transport::tier_loss when abandoned
   // A policy's refusal with every lost tier's error appended (kResourceExhausted only).

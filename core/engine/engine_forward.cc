@@ -43,10 +43,6 @@ class StagingHold {
 
 }  // namespace
 
-bool Engine::shares_selection(SparseMethod m) {
-  return m == SparseMethod::kSpeContext || m == SparseMethod::kStreaming;
-}
-
 bool Engine::wants_fused() const {
   return observer_ != nullptr || options_.sparse.method == SparseMethod::kSpeContext;
 }
@@ -139,8 +135,8 @@ Status Engine::validate_step(std::span<const StepRequest> requests) const {
   if (requests.empty()) return invalid_argument("forward: empty batch");
   std::unordered_set<SeqId> seen;
   for (const StepRequest& r : requests) {
-    auto it = sequences_.find(r.seq);
-    if (it == sequences_.end())
+    auto it = memory_->sequences_.find(r.seq);
+    if (it == memory_->sequences_.end())
       return invalid_argument("forward: unknown sequence " + std::to_string(r.seq.value()));
     if (!seen.insert(r.seq).second) {
       return invalid_argument("forward: sequence " + std::to_string(r.seq.value()) +
@@ -184,23 +180,15 @@ Status Engine::reserve_step_pages(std::span<const StepRequest> requests, std::ve
                                   std::vector<PageId>& newly_allocated) {
   seqs.assign(requests.size(), nullptr);
   for (size_t i = 0; i < requests.size(); ++i) {
-    seqs[i] = &sequences_[requests[i].seq];
-    Status st = reserve_pages(*seqs[i], seqs[i]->length + static_cast<int64_t>(requests[i].tokens.size()),
-                              newly_allocated);
+    seqs[i] = &memory_->sequences_[requests[i].seq];
+    Status st = memory_->reserve_pages(
+        *seqs[i], seqs[i]->length + static_cast<int64_t>(requests[i].tokens.size()), newly_allocated);
     if (!st.is_ok()) {
-      give_back_pages(newly_allocated);
+      memory_->give_back_pages(newly_allocated);
       return st;
     }
   }
   return Status::ok();
-}
-
-void Engine::give_back_pages(const std::vector<PageId>& newly_allocated) {
-  std::unordered_set<PageId> fresh(newly_allocated.begin(), newly_allocated.end());
-  for (auto& [id, seq] : sequences_) {
-    while (!seq.pages.empty() && fresh.count(seq.pages.back())) seq.pages.pop_back();
-  }
-  for (PageId p : newly_allocated) kv_->free_page(p);
 }
 
 void Engine::undo_step(const std::vector<Sequence*>& seqs, const std::vector<PageId>& newly_allocated) {
@@ -208,11 +196,11 @@ void Engine::undo_step(const std::vector<Sequence*>& seqs, const std::vector<Pag
   // their slot maps, so they are reloaded from scratch at the next sparse step.
   if (options_.tiering.copies) (void)options_.tiering.copies->wait_all();
   for (Sequence* s : seqs) {
-    invalidate_working_sets(*s);
+    memory_->invalidate_working_sets(*s);
     const auto kept = static_cast<size_t>(s->length / kv_->page_size());
     if (s->boundary_fused.size() > kept) s->boundary_fused.resize(kept);
   }
-  give_back_pages(newly_allocated);
+  memory_->give_back_pages(newly_allocated);
 }
 
 void Engine::record_step_stats(std::chrono::steady_clock::time_point start) {
@@ -238,7 +226,7 @@ void Engine::record_step_stats(std::chrono::steady_clock::time_point start) {
 
 Result<StepOutput> Engine::run_forward(std::span<const StepRequest> requests,
                                        const std::vector<Sequence*>& seqs) {
-  ForwardStep st(requests, seqs, kv_.get());
+  ForwardStep st(requests, seqs, kv_);
   lay_out_tokens(st);
   SPX_RETURN_IF_ERROR(upload_tokens(st));
   SPX_RETURN_IF_ERROR(fit_activations(st));
@@ -332,7 +320,7 @@ Status Engine::make_shared_selections(ForwardStep& st) {
   for (size_t i = 0; i < st.n_req; ++i) {
     if (!st.sparse[i]) continue;
     Sequence& s = *st.seqs[i];
-    SPX_RETURN_IF_ERROR(ensure_sparse_state(s));
+    SPX_RETURN_IF_ERROR(memory_->ensure_sparse_state(s));
     if (st.shared) {
       const int64_t off = items_[i].token_offset;
       SPX_RETURN_IF_ERROR(shared_selection_for(s, st.requests[i].seq, st.ids_dev + off,
@@ -365,7 +353,7 @@ Status Engine::plan_staging(ForwardStep& st) {
   st.remote_rank.assign(at(n_layers), 0);
   for (int64_t l = 0; l < n_layers; ++l) {
     const TierId home = kv_->home(LayerId(static_cast<int32_t>(l)));
-    if (home != device && !backend_reads(home)) {
+    if (home != device && !memory_->backend_reads(home)) {
       st.remote[at(l)] = true;
       st.remote_rank[at(l)] = st.remote_layers.size();
       st.remote_layers.push_back(l);
@@ -791,7 +779,7 @@ Status Engine::feed_retrieval_head(ForwardStep& st, size_t i) {
   }
   const auto& hc = options_.retrieval_head->config;
   SPX_ASSIGN_OR_RETURN(float* hq, fit_floats(head_q_, it.n_tokens * hc.n_heads * hc.head_dim));
-  SPX_RETURN_IF_ERROR(ensure_head_capacity(s, it.start_pos + it.n_tokens));
+  SPX_RETURN_IF_ERROR(memory_->ensure_head_capacity(s, it.start_pos + it.n_tokens));
   return run_head(s, st.ids_dev + it.token_offset, prev, st.positions_dev + it.token_offset, it.start_pos,
                   it.n_tokens, hq);
 }

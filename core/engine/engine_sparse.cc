@@ -9,120 +9,13 @@
 
 namespace specontext {
 
-bool Engine::has_working_sets(const Sequence& s) {
-  return !s.layers.empty() && s.layers.front().ws_k.valid();
-}
-
-void Engine::release_slices(std::vector<LayerSparseState>& layers) {
-  for (auto& ls : layers) {
-    if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
-    if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
-    ls.ws_k = ls.ws_v = Slice{};
-    ls.ws.clear();
-  }
-}
-
-Status Engine::ensure_sparse_state(Sequence& s) {
-  if (has_working_sets(s)) return Status::ok();
-  const ModelConfig& c = config();
-  const int64_t slots = options_.sparse.selection.budget;
-  const uint64_t bytes = working_set_bytes();
-  // New, or released by release_working_sets (the layers keep Quest's bounds).
-  const bool fresh = s.layers.empty();
-  std::vector<LayerSparseState> layers =
-      fresh ? std::vector<LayerSparseState>(static_cast<size_t>(c.n_layers)) : std::move(s.layers);
-  const TierId device(0);
-  Status st;
-  for (auto& ls : layers) {
-    if (!shares_selection(options_.sparse.method)) ls.ws = ElasticWorkingSet(c.n_kv_heads, slots);
-    auto k = kv_->allocate(device, bytes);
-    if (!k.is_ok()) { st = k.status(); break; }
-    ls.ws_k = Slice{device, *k, bytes};
-    auto v = kv_->allocate(device, bytes);
-    if (!v.is_ok()) { st = v.status(); break; }
-    ls.ws_v = Slice{device, *v, bytes};
-  }
-  if (!st.is_ok()) {
-    release_slices(layers);
-    if (!fresh) s.layers = std::move(layers);  // as they were: released
-    return st.with_context("working sets of a sparse sequence");
-  }
-  if (shares_selection(options_.sparse.method)) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
-  s.layers = std::move(layers);
-  return Status::ok();
-}
-
-Status Engine::release_working_sets(SeqId seq) {
-  const auto it = sequences_.find(seq);
-  if (it == sequences_.end())
-    return invalid_argument("release_working_sets: unknown sequence " + std::to_string(seq.value()));
-  Sequence& s = it->second;
-  if (options_.sparse.method != SparseMethod::kQuest) {
-    drop_sparse_state(s);
-  } else {  // Quest's bounds stay: forks copy them
-    release_slices(s.layers);
-    s.shared_ws = ElasticWorkingSet();
-  }
-  return Status::ok();
-}
-
-void Engine::drop_sparse_state(Sequence& s) {
-  release_slices(s.layers);
-  s.layers.clear();
-  s.shared_ws = ElasticWorkingSet();
-}
-
-void Engine::invalidate_working_sets(Sequence& s) {
-  s.shared_ws.clear();
-  for (auto& ls : s.layers) ls.ws.clear();
-}
-
-uint64_t Engine::working_set_bytes() const {
-  const ModelConfig& c = config();
-  return static_cast<uint64_t>(c.n_kv_heads * options_.sparse.selection.budget * c.head_dim) *
-         dtype_size(options_.kv_dtype);
-}
-
-uint64_t Engine::head_block_bytes() const {
-  const auto& hc = options_.retrieval_head->config;
-  return static_cast<uint64_t>(head_block_tokens_ * hc.n_kv_heads * hc.head_dim) * sizeof(float);
-}
-
-float* Engine::head_row(const Sequence& s, int64_t token) const {
-  const auto& hc = options_.retrieval_head->config;
-  auto* block = static_cast<float*>(kv_->address(s.head_tier, s.head_blocks[static_cast<size_t>(token / head_block_tokens_)]));
-  return block + (token % head_block_tokens_) * hc.n_kv_heads * hc.head_dim;
-}
-
-const float* const* Engine::head_block_table(const Sequence& s) {
-  head_table_.resize(s.head_blocks.size());
-  for (size_t b = 0; b < s.head_blocks.size(); ++b) {
-    head_table_[b] = static_cast<const float*>(kv_->address(s.head_tier, s.head_blocks[b]));
-  }
-  return head_table_.data();
-}
-
-void Engine::release_head_cache(Sequence& s) {
-  for (uint64_t off : s.head_blocks) (void)kv_->release(s.head_tier, off);
-  s.head_blocks.clear();
-}
-
-Status Engine::ensure_head_capacity(Sequence& s, int64_t tokens) {
-  if (s.head_blocks.empty()) s.head_tier = placement_.head_cache_home;
-  while (head_capacity(s) < tokens) {
-    SPX_ASSIGN_OR_RETURN(uint64_t off, kv_->allocate(s.head_tier, head_block_bytes()));
-    s.head_blocks.push_back(off);
-  }
-  return Status::ok();
-}
-
 Status Engine::run_head(Sequence& s, const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
                         int64_t start_pos, int64_t n, float* q_out) {
   const RetrievalHeadConfig& hc = options_.retrieval_head->config;
   Backend& be = *backend_;
   const int64_t d = hc.hidden;
   const int64_t kd = hc.n_kv_heads * hc.head_dim;
-  if (start_pos + n > head_capacity(s)) return internal_error("retrieval head cache too small");
+  if (start_pos + n > memory_->head_capacity(s)) return internal_error("retrieval head cache too small");
   SPX_ASSIGN_OR_RETURN(void* scratch, fit(head_x_, static_cast<size_t>(n * (4 * d + kd)) * sizeof(float)));
   float* x = static_cast<float*>(scratch);  // [n, 2d]
   float* e = x + n * 2 * d;                 // [n, d]
@@ -143,8 +36,10 @@ Status Engine::run_head(Sequence& s, const TokenId* tokens_dev, const float* fus
   // Into the paged cache, one run of rows per block touched.
   const size_t key_row = static_cast<size_t>(kd) * sizeof(float);
   for (int64_t t = start_pos; t < start_pos + n;) {
-    const int64_t run = std::min(start_pos + n - t, head_block_tokens_ - t % head_block_tokens_);
-    SPX_RETURN_IF_ERROR(be.copy_rows(head_row(s, t), key_row, k + (t - start_pos) * kd, key_row, key_row, run));
+    const int64_t run =
+        std::min(start_pos + n - t, memory_->head_block_tokens_ - t % memory_->head_block_tokens_);
+    SPX_RETURN_IF_ERROR(
+        be.copy_rows(memory_->head_row(s, t), key_row, k + (t - start_pos) * kd, key_row, key_row, run));
     t += run;
   }
   return Status::ok();
@@ -161,14 +56,14 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const TokenId* token_
   }
   const RetrievalHeadConfig& hc = options_.retrieval_head->config;
   Backend& be = *backend_;
-  SPX_RETURN_IF_ERROR(ensure_head_capacity(s, length));
+  SPX_RETURN_IF_ERROR(memory_->ensure_head_capacity(s, length));
   SPX_ASSIGN_OR_RETURN(void* qp, fit(head_q_, static_cast<size_t>(hc.n_heads * hc.head_dim) * sizeof(float)));
   float* hq = static_cast<float*>(qp);
   SPX_RETURN_IF_ERROR(run_head(s, token_dev, static_cast<const float*>(s.last_fused.get()), position_dev, start_pos, 1, hq));
-  if (placement_.cpu_filtering && options_.tiering.candidate_filter) {
+  if (memory_->placement_.cpu_filtering && options_.tiering.candidate_filter) {
     // The CPU shortlists pages from its summaries of the head's keys; the head scores only those
     // candidates (core/ports/candidate_filter.h). Keys and query are read on the host.
-    if (!host_visible(s.head_tier)) {
+    if (!memory_->host_visible(s.head_tier)) {
       return unimplemented("CPU candidate filtering reads the retrieval head's keys on the host, but they are in " +
                            kv_->tiers()[static_cast<size_t>(s.head_tier.value())].desc.name);
     }
@@ -177,8 +72,8 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const TokenId* token_
     // leaves its key summarised: a summary only bounds a page, so that loosens, never breaks, it).
     while (s.filter_tokens < length) {
       const int64_t t = s.filter_tokens;
-      const int64_t run = std::min(length - t, head_block_tokens_ - t % head_block_tokens_);
-      SPX_RETURN_IF_ERROR(filter.append_keys(id, head_row(s, t), t, run));
+      const int64_t run = std::min(length - t, memory_->head_block_tokens_ - t % memory_->head_block_tokens_);
+      SPX_RETURN_IF_ERROR(filter.append_keys(id, memory_->head_row(s, t), t, run));
       s.filter_tokens += run;
     }
     host_q_.resize(static_cast<size_t>(hc.n_heads * hc.head_dim));
@@ -186,19 +81,20 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const TokenId* token_
     const int64_t shortlist = options_.tiering.shortlist_tokens > 0 ? options_.tiering.shortlist_tokens : 4 * opts.budget;
     SPX_RETURN_IF_ERROR(filter.shortlist(id, host_q_.data(), length, shortlist, opts, candidates_));
     ++filtered_steps_;
-    return select_among_candidates(host_q_.data(), head_block_table(s), head_block_tokens_, hc.n_heads, hc.n_kv_heads,
-                                   hc.head_dim, candidates_, opts, s.shared_selection);
+    return select_among_candidates(host_q_.data(), memory_->head_block_table(s), memory_->head_block_tokens_,
+                                   hc.n_heads, hc.n_kv_heads, hc.head_dim, candidates_, opts,
+                                   s.shared_selection);
   }
   SPX_ASSIGN_OR_RETURN(void* sp, fit(scores_, static_cast<size_t>(hc.n_kv_heads * length) * sizeof(float)));
   float* scores = static_cast<float*>(sp);
-  SPX_RETURN_IF_ERROR(be.retrieval_group_scores(hq, head_block_table(s), head_block_tokens_, length, hc.n_heads,
-                                                hc.n_kv_heads, hc.head_dim, scores));
+  SPX_RETURN_IF_ERROR(be.retrieval_group_scores(hq, memory_->head_block_table(s), memory_->head_block_tokens_,
+                                                length, hc.n_heads, hc.n_kv_heads, hc.head_dim, scores));
   return be.select_top_tokens(scores, hc.n_kv_heads, length, opts, s.shared_selection);
 }
 
 Status Engine::update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n) {
   const ModelConfig& c = config();
-  SPX_RETURN_IF_ERROR(ensure_sparse_state(s));
+  SPX_RETURN_IF_ERROR(memory_->ensure_sparse_state(s));
   LayerSparseState& ls = s.layers[static_cast<size_t>(layer.value())];
   const int64_t ps = options_.sparse.quest_page_size, kvd = c.kv_dim();
   const int64_t pages = (start_pos + n + ps - 1) / ps;

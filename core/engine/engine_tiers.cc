@@ -31,7 +31,7 @@ struct SyntheticValues {
 PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) const {
   PlacementInput in;
   in.seq_lens = seq_lens;
-  in.current = placement_;
+  in.current = memory_->placement_;
   for (const TierMemory& t : kv_->tiers()) {
     in.tiers.push_back(t.desc);
     if (is_abandoned(t.desc.id)) {
@@ -52,15 +52,16 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
     const LayerId layer(static_cast<int32_t>(l));
     if (kv_->resident(layer)) modelled += kv_->layer_bytes(layer);
   }
-  const uint64_t ws_bytes = 2 * working_set_bytes();
+  const uint64_t ws_bytes = 2 * memory_->working_set_bytes();
   uint64_t growth = 0;
-  for (const auto& [id, s] : sequences_) {
-    if (!s.head_blocks.empty() && s.head_tier == device) modelled += s.head_blocks.size() * head_block_bytes();
+  for (const auto& [id, s] : memory_->sequences_) {
+    if (!s.head_blocks.empty() && s.head_tier == device)
+      modelled += s.head_blocks.size() * memory_->head_block_bytes();
     growth += static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
-    if (options_.sparse.method != SparseMethod::kDense && !has_working_sets(s)) {
+    if (options_.sparse.method != SparseMethod::kDense && !memory_->has_working_sets(s)) {
       growth += static_cast<uint64_t>(c.n_layers) * ws_bytes;
     }
-    if (options_.sparse.method == SparseMethod::kSpeContext) growth += head_block_bytes();
+    if (options_.sparse.method == SparseMethod::kSpeContext) growth += memory_->head_block_bytes();
   }
   const uint64_t used = kv_->tier_used_bytes(device);
   in.device_other_bytes = (used > modelled ? used - modelled : 0) + growth + staging_reserve(seq_lens);
@@ -75,7 +76,7 @@ uint64_t Engine::staging_reserve(std::span<const int64_t> lengths) const {
   if (shares_selection(options_.sparse.method)) return 0;
   bool stages = false;  // a tier the backend cannot read, so its layers are staged
   for (const TierMemory& t : kv_->tiers()) {
-    stages |= t.desc.id != TierId(0) && !is_abandoned(t.desc.id) && !backend_reads(t.desc.id);
+    stages |= t.desc.id != TierId(0) && !is_abandoned(t.desc.id) && !memory_->backend_reads(t.desc.id);
   }
   if (!stages) return 0;
   // Counted whether or not a layer is remote now, so that the room the planner sees does not
@@ -97,8 +98,8 @@ Status Engine::set_placement_policy(std::shared_ptr<PlacementPolicy> policy) {
 
 Status Engine::rebalance(std::span<const StepRequest> requests) {
   std::vector<int64_t> lens;
-  lens.reserve(sequences_.size());
-  for (const auto& [id, s] : sequences_) {
+  lens.reserve(memory_->sequences_.size());
+  for (const auto& [id, s] : memory_->sequences_) {
     int64_t len = s.length;
     for (const StepRequest& r : requests) {
       if (r.seq == id) len += static_cast<int64_t>(r.tokens.size());
@@ -110,7 +111,7 @@ Status Engine::rebalance(std::span<const StepRequest> requests) {
 
 Status Engine::rebalance_for(const std::vector<int64_t>& seq_lens) {
   SPX_ASSIGN_OR_RETURN(PlacementDecision d, options_.tiering.policy->decide(placement_input(seq_lens)));
-  if (!d.changed || d.placement == placement_) return Status::ok();
+  if (!d.changed || d.placement == memory_->placement_) return Status::ok();
   return apply_placement(d.placement, d.reasons);
 }
 
@@ -128,7 +129,7 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
     }
   }
   const TierId head_home = target.head_cache_home;
-  if (!head_home.valid() || head_home.value() >= kv_->n_tiers() || !backend_reads(head_home)) {
+  if (!head_home.valid() || head_home.value() >= kv_->n_tiers() || !memory_->backend_reads(head_home)) {
     return invalid_argument("placement puts the retrieval head's keys on tier " + std::to_string(head_home.value()) +
                             ", which the backend cannot read");
   }
@@ -136,7 +137,7 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
   const TierId device(0);
   PlacementEvent ev;
   ev.forward = forwards_;
-  for (const auto& [id, s] : sequences_) ev.seq_lens.push_back(s.length);
+  for (const auto& [id, s] : memory_->sequences_) ev.seq_lens.push_back(s.length);
   ev.reasons = reasons;
   ev.cpu_filtering = target.cpu_filtering;
   const Clock::time_point start = Clock::now();
@@ -189,21 +190,22 @@ Status Engine::apply_placement(const KvPlacement& target, const std::vector<std:
       break;
     }
     SPX_RETURN_IF_ERROR(kv_->commit_move(layer));
-    placement_.layer_home[static_cast<size_t>(l)] = to;
+    memory_->placement_.layer_home[static_cast<size_t>(l)] = to;
     ++ev.layers_moved;
     ev.bytes_moved += bytes;
     total_traffic_[static_cast<size_t>(from.value())].bytes_out += bytes;
     total_traffic_[static_cast<size_t>(to.value())].bytes_in += bytes;
   }
-  if (result.is_ok() && head_home != placement_.head_cache_home) result = move_head_caches(head_home);
+  if (result.is_ok() && head_home != memory_->placement_.head_cache_home)
+    result = move_head_caches(head_home);
   if (result.is_ok()) {
-    if (placement_.cpu_filtering && !target.cpu_filtering && options_.tiering.candidate_filter) {
-      for (auto& [id, s] : sequences_) {
+    if (memory_->placement_.cpu_filtering && !target.cpu_filtering && options_.tiering.candidate_filter) {
+      for (auto& [id, s] : memory_->sequences_) {
         options_.tiering.candidate_filter->drop(id);
         s.filter_tokens = 0;
       }
     }
-    placement_.cpu_filtering = target.cpu_filtering;
+    memory_->placement_.cpu_filtering = target.cpu_filtering;
   }
   ev.seconds = seconds_since(start);
   if (!result.is_ok()) ev.error = result.to_string();
@@ -261,7 +263,7 @@ Status Engine::abandon_tier(TierId tier) {
       return internal_error(what + ": layer " + std::to_string(l) + " holds chunks with no page in use");
     }
     SPX_RETURN_IF_ERROR(kv_->commit_move(layer));
-    placement_.layer_home[static_cast<size_t>(l)] = TierId(0);
+    memory_->placement_.layer_home[static_cast<size_t>(l)] = TierId(0);
     ++rehomed;
   }
   std::string why = options_.tiering.transport ? options_.tiering.transport->tier_loss(tier) : std::string();
@@ -270,7 +272,7 @@ Status Engine::abandon_tier(TierId tier) {
   abandoned_why_.push_back(why);
   PlacementEvent ev;
   ev.forward = forwards_;
-  ev.cpu_filtering = placement_.cpu_filtering;
+  ev.cpu_filtering = memory_->placement_.cpu_filtering;
   ev.reasons.push_back("tier " + t.desc.name + " lost (" + why + "): its layers come back to the device");
   ev.layers_moved = rehomed;
   events_.push_back(std::move(ev));
@@ -279,8 +281,8 @@ Status Engine::abandon_tier(TierId tier) {
 
 Status Engine::move_head_caches(TierId to) {
   // The backend reads both tiers (checked by apply_placement), so blocks move with copy_rows.
-  const uint64_t bytes = head_block_bytes();
-  for (auto& [id, s] : sequences_) {
+  const uint64_t bytes = memory_->head_block_bytes();
+  for (auto& [id, s] : memory_->sequences_) {
     if (s.head_blocks.empty() || s.head_tier == to) continue;
     std::vector<uint64_t> moved;
     Status st;
@@ -299,11 +301,11 @@ Status Engine::move_head_caches(TierId to) {
     const uint64_t total = bytes * s.head_blocks.size();
     total_traffic_[static_cast<size_t>(s.head_tier.value())].bytes_out += total;
     total_traffic_[static_cast<size_t>(to.value())].bytes_in += total;
-    release_head_cache(s);
+    memory_->release_head_cache(s);
     s.head_blocks = std::move(moved);
     s.head_tier = to;
   }
-  placement_.head_cache_home = to;
+  memory_->placement_.head_cache_home = to;
   return Status::ok();
 }
 
@@ -327,42 +329,9 @@ std::vector<TierReport> Engine::tier_report() const {
   return out;
 }
 
-Status Engine::write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes) {
-  if (tier == TierId(0) && backend_->memory_kind() != MemoryKind::kHost) {
-    return backend_->upload(kv_->address(tier, offset), host, bytes);
-  }
-  if (host_visible(tier)) {
-    std::memcpy(kv_->address(tier, offset), host, bytes);
-    return Status::ok();
-  }
-  return through_bounce(tier, offset, const_cast<void*>(host), bytes, CopyDirection::kStore);
-}
-
-Status Engine::through_bounce(TierId tier, uint64_t offset, void* host, uint64_t bytes, CopyDirection direction) {
-  // A remote tier: through the bounce buffer and the copy engine, whose single copy thread runs
-  // each transfer after every one submitted before it (a read sees the stores before it).
-  CopyQueue* copies = options_.tiering.copies.get();
-  const bool store = direction == CopyDirection::kStore;
-  if (copies == nullptr || !bounce_) {
-    return internal_error(std::string("no path to ") + (store ? "write" : "read") + " tier " + std::to_string(tier.value()));
-  }
-  constexpr uint64_t kBounceBytes = uint64_t{4} << 20;
-  auto* at = static_cast<std::byte*>(host);
-  for (uint64_t done = 0; done < bytes; done += kBounceBytes) {
-    const uint64_t n = std::min(kBounceBytes, bytes - done);
-    if (store) std::memcpy(bounce_.get(), at + done, n);
-    const TransferRequest r = store ? TransferRequest{bounce_tier_, 0, tier, offset + done, n}
-                                    : TransferRequest{tier, offset + done, bounce_tier_, 0, n};
-    SPX_ASSIGN_OR_RETURN(CopyTicket t, copies->submit(LayerId(0), direction, {r}));
-    SPX_RETURN_IF_ERROR(copies->wait(t));
-    if (!store) std::memcpy(at + done, bounce_.get(), n);
-  }
-  return Status::ok();
-}
-
 Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
-  auto it = sequences_.find(seq);
-  if (it == sequences_.end()) return invalid_argument("fill_synthetic: unknown sequence");
+  auto it = memory_->sequences_.find(seq);
+  if (it == memory_->sequences_.end()) return invalid_argument("fill_synthetic: unknown sequence");
   Sequence& s = it->second;
   if (s.length != 0) return invalid_argument("fill_synthetic: sequence is not empty");
   if (n_tokens <= 0 || n_tokens > max_context_) {
@@ -373,11 +342,11 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
     // The placement for the length the fill reaches, as a step of that many tokens would get:
     // layers leave the device first, or a fill longer than the device holds fails.
     std::vector<int64_t> lens;
-    for (const auto& [id, other] : sequences_) lens.push_back(id == seq ? n_tokens : other.length);
+    for (const auto& [id, other] : memory_->sequences_) lens.push_back(id == seq ? n_tokens : other.length);
     SPX_RETURN_IF_ERROR_CTX(rebalance_for(lens), "fill_synthetic");
   }
   std::vector<PageId> fresh;
-  Status st = reserve_pages(s, n_tokens, fresh);
+  Status st = memory_->reserve_pages(s, n_tokens, fresh);
   if (!st.is_ok()) {
     for (PageId p : fresh) kv_->free_page(p);
     s.pages.clear();
@@ -420,10 +389,11 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
       if (home == TierId(0) && pool_dev != nullptr) {
         const void* src = element_at(pool_dev, kvt, pool_index(l, p));
         st = backend_->copy_rows(kv_->address(loc.tier, loc.offset), page_bytes, src, page_bytes, page_bytes, 1);
-      } else if (host_visible(home) && (home != TierId(0) || backend_->memory_kind() == MemoryKind::kHost)) {
+      } else if (memory_->host_visible(home) &&
+                 (home != TierId(0) || backend_->memory_kind() == MemoryKind::kHost)) {
         std::memcpy(kv_->address(loc.tier, loc.offset), pool_page_elems(l, p), page_bytes);
       } else {
-        st = write_block(loc.tier, loc.offset, pool_page_elems(l, p), page_bytes);
+        st = memory_->write_block(loc.tier, loc.offset, pool_page_elems(l, p), page_bytes);
       }
     }
   }
@@ -432,11 +402,11 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
   if (st.is_ok() && options_.sparse.method == SparseMethod::kSpeContext) {
     const auto& hc = options_.retrieval_head->config;
     SyntheticValues r{seed * 0xD1B54A32D192ED03ull + 7};
-    st = ensure_head_capacity(s, n_tokens);
-    std::vector<float> keys(static_cast<size_t>(head_block_tokens_ * hc.n_kv_heads * hc.head_dim));
+    st = memory_->ensure_head_capacity(s, n_tokens);
+    std::vector<float> keys(static_cast<size_t>(memory_->head_block_tokens_ * hc.n_kv_heads * hc.head_dim));
     for (size_t b = 0; b < s.head_blocks.size() && st.is_ok(); ++b) {
       for (auto& x : keys) x = r.next();
-      st = write_block(s.head_tier, s.head_blocks[b], keys.data(), keys.size() * sizeof(float));
+      st = memory_->write_block(s.head_tier, s.head_blocks[b], keys.data(), keys.size() * sizeof(float));
     }
     if (st.is_ok()) {
       std::vector<float> fused(static_cast<size_t>(3 * c.dim));
@@ -466,8 +436,8 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
   if (!st.is_ok()) {
     for (PageId p : s.pages) kv_->free_page(p);
     s.pages.clear();
-    drop_sparse_state(s);
-    release_head_cache(s);
+    memory_->drop_sparse_state(s);
+    memory_->release_head_cache(s);
     return st;
   }
   s.length = n_tokens;

@@ -164,7 +164,7 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   EXPECT_EQ(s.stats().prefix_disk_writes, 1);
   EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
   EXPECT_EQ(store->blobs(), 1u);
-  EXPECT_GT(store->used_bytes(), engine->kv_store().page_bytes() * 5 * 4) << "4 pages of 5 layers";
+  EXPECT_GT(store->used_bytes(), engine->memory().kv_store().page_bytes() * 5 * 4) << "4 pages of 5 layers";
   GenerationRequest next = a;
   next.prompt.insert(next.prompt.end(), ta.begin(), ta.end());
   next.prompt.push_back(403);
@@ -191,7 +191,7 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   EXPECT_NE(s.prefix_store().last_prefix_disk_error().find("kv-node"), std::string::npos)
       << s.prefix_store().last_prefix_disk_error();
   EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 0u) << "the lost blob is forgotten";
-  EXPECT_TRUE(engine->check_invariants().is_ok());
+  EXPECT_TRUE(engine->memory().check_invariants().is_ok());
 }
 
 TEST(RemotePrefixStore, PersistingPrefixesNeedsADirectory) {

@@ -193,7 +193,7 @@ TEST(EngineDeviceMemory, DeviceBackendGivesTheHostLogitsWithoutHostAccess) {
     ASSERT_TRUE(host.is_ok());
     std::vector<SeqId> ids;
     for (int i = 0; i < 3; ++i) {
-      auto a = (*dev)->add_sequence(), b = (*host)->add_sequence();
+      auto a = (*dev)->memory().add_sequence(), b = (*host)->memory().add_sequence();
       ASSERT_TRUE(a.is_ok() && b.is_ok());
       ids.push_back(*a);
     }
@@ -238,11 +238,11 @@ TEST(EngineDeviceMemory, SampledRowsEqualHostSamplingOfTheReturnedLogits) {
   ASSERT_TRUE(dev.is_ok() && host.is_ok() && plain.is_ok());
   std::vector<SeqId> ids;
   for (int i = 0; i < 4; ++i) {
-    auto a = (*dev)->add_sequence(), b = (*host)->add_sequence();
+    auto a = (*dev)->memory().add_sequence(), b = (*host)->memory().add_sequence();
     ASSERT_TRUE(a.is_ok() && b.is_ok());
     ids.push_back(*a);
   }
-  auto plain_seq = (*plain)->add_sequence();
+  auto plain_seq = (*plain)->memory().add_sequence();
   ASSERT_TRUE(plain_seq.is_ok());
   ASSERT_EQ(*plain_seq, ids[0]);
   std::vector<SamplingParams> params(3);
@@ -299,7 +299,7 @@ TEST(EngineDeviceMemory, SampledRowsEqualHostSamplingOfTheReturnedLogits) {
   {
     auto solo = Engine::create(model, std::make_shared<ProtectedMemoryBackend>(testing::cpu_backend()), o);
     ASSERT_TRUE(solo.is_ok());
-    auto s = (*solo)->add_sequence();
+    auto s = (*solo)->memory().add_sequence();
     ASSERT_TRUE(s.is_ok());
     Sampler sampler(params[0]);
     std::vector<TokenId> h(plain_history.begin(), plain_history.begin() + 3);
@@ -316,7 +316,7 @@ TEST(EngineDeviceMemory, SampledRowsEqualHostSamplingOfTheReturnedLogits) {
   EXPECT_EQ(protected_backend->foreign_pointers(), 0);
 
   // A sampled row needs a draw, with a coin in [0, 1) and valid parameters.
-  auto seq = (*dev)->add_sequence();
+  auto seq = (*dev)->memory().add_sequence();
   ASSERT_FALSE(seq.is_ok());  // all four slots are in use
   const TokenId t = 1;
   StepRequest missing{ids[0], std::span<const TokenId>(&t, 1), LogitsMode::kSample};
@@ -337,7 +337,7 @@ TEST(EngineDeviceMemory, SampledRowsEqualHostSamplingOfTheReturnedLogits) {
   ASSERT_FALSE(params_error.is_ok());
   EXPECT_NE(params_error.status().message().find("top_p"), std::string::npos);
   // Nothing was accepted: the sequence still continues exactly.
-  EXPECT_EQ((*dev)->sequence_length(ids[0]), (*host)->sequence_length(ids[0]));
+  EXPECT_EQ((*dev)->memory().sequence_length(ids[0]), (*host)->memory().sequence_length(ids[0]));
 }
 
 TEST(EngineDeviceMemory, OracleNeedsHostMemory) {

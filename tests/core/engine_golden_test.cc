@@ -77,7 +77,7 @@ class EngineFixture : public ::testing::TestWithParam<Param> {
   // Runs the prompt in chunks of `chunk` tokens, collecting logits of every position.
   std::vector<float> prompt_logits(int64_t chunk) {
     const auto ids = golden_prompt_ids();
-    auto seq = engine_->add_sequence();
+    auto seq = engine_->memory().add_sequence();
     EXPECT_TRUE(seq.is_ok());
     std::vector<float> all;
     for (size_t at = 0; at < ids.size(); at += static_cast<size_t>(chunk)) {
@@ -87,7 +87,7 @@ class EngineFixture : public ::testing::TestWithParam<Param> {
       EXPECT_TRUE(out.is_ok()) << out.status().to_string();
       all.insert(all.end(), out->logits.begin(), out->logits.end());
     }
-    EXPECT_TRUE(engine_->remove_sequence(*seq).is_ok());
+    EXPECT_TRUE(engine_->memory().remove_sequence(*seq).is_ok());
     return all;
   }
 

@@ -71,7 +71,7 @@ class ForkSequence : public ::testing::TestWithParam<Case> {
     ASSERT_TRUE(made.is_ok()) << made.status().to_string();
     engine = std::move(*made);
     if (c.host_layers) {
-      KvPlacement place = engine->placement();
+      KvPlacement place = engine->memory().placement();
       place.layer_home = {TierId(0), TierId(1), TierId(1)};
       ASSERT_TRUE(engine->apply_placement(place).is_ok());
     }
@@ -95,29 +95,29 @@ TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact)
   const std::vector<TokenId> source_tail = random_tokens(6, 2, vocab());  // source decodes these
   const std::vector<TokenId> fork_tail = random_tokens(8, 3, vocab());    // the fork decodes these
   const int64_t prefix = 32;
-  ASSERT_EQ(prefix % e.fork_granularity(), 0);
+  ASSERT_EQ(prefix % e.memory().fork_granularity(), 0);
 
-  auto source = e.add_sequence();
+  auto source = e.memory().add_sequence();
   ASSERT_TRUE(source.is_ok());
   (void)last_logits(e, *source, prompt);
   for (size_t i = 0; i < 3; ++i) (void)last_logits(e, *source, std::span(&source_tail[i], 1));
-  const int64_t pages_before = e.kv_store().used_pages();  // 43 tokens: 6 pages
+  const int64_t pages_before = e.memory().kv_store().used_pages();  // 43 tokens: 6 pages
 
-  auto fork = e.fork_sequence(*source, prefix);
+  auto fork = e.memory().fork_sequence(*source, prefix);
   ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
-  EXPECT_EQ(e.sequence_length(*fork), prefix);
-  EXPECT_EQ(e.kv_store().used_pages(), pages_before);  // nothing new until the fork grows
-  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  EXPECT_EQ(e.memory().sequence_length(*fork), prefix);
+  EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before);  // nothing new until the fork grows
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
 
   // The fork computes prompt[32..40) and decodes; the reference computes all of it.
-  auto whole = ref.add_sequence();
+  auto whole = ref.memory().add_sequence();
   ASSERT_TRUE(whole.is_ok());
   std::vector<float> got = last_logits(e, *fork, std::span(prompt).subspan(prefix));
   std::vector<float> want = last_logits(ref, *whole, prompt);
   ASSERT_FALSE(want.empty());
   EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "the fork's prompt";
   fprintf(stderr, "DIFF %g\n", max_abs_diff(got, want));
-  EXPECT_EQ(e.kv_store().used_pages(), pages_before + 1);  // one page of its own for 32..40
+  EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before + 1);  // one page of its own for 32..40
   for (size_t i = 0; i < fork_tail.size(); ++i) {
     got = last_logits(e, *fork, std::span(&fork_tail[i], 1));
     want = last_logits(ref, *whole, std::span(&fork_tail[i], 1));
@@ -126,10 +126,10 @@ TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact)
   if (c.method != SparseMethod::kDense) {
     EXPECT_GT(e.sparse_stats().sparse_steps, 0);
   }
-  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
 
   // The source goes on as if never forked.
-  auto again = ref.add_sequence();
+  auto again = ref.memory().add_sequence();
   ASSERT_TRUE(again.is_ok());
   (void)last_logits(ref, *again, prompt);
   for (size_t i = 0; i < 3; ++i) (void)last_logits(ref, *again, std::span(&source_tail[i], 1));
@@ -140,15 +140,15 @@ TEST_P(ForkSequence, GivesTheLogitsOfComputingThePromptAndLeavesTheSourceIntact)
   }
 
   // Shared pages outlive the source, and go back to the pool with their last holder.
-  ASSERT_TRUE(e.remove_sequence(*source).is_ok());
-  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
-  EXPECT_EQ(e.kv_store().used_pages(), (prefix + 8 + 8 + 7) / 8);
+  ASSERT_TRUE(e.memory().remove_sequence(*source).is_ok());
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
+  EXPECT_EQ(e.memory().kv_store().used_pages(), (prefix + 8 + 8 + 7) / 8);
   got = last_logits(e, *fork, std::span(&source_tail[0], 1));
   want = last_logits(ref, *whole, std::span(&source_tail[0], 1));
   EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "fork after its source is gone";
-  ASSERT_TRUE(e.remove_sequence(*fork).is_ok());
-  EXPECT_EQ(e.kv_store().used_pages(), 0);
-  ASSERT_TRUE(e.check_invariants().is_ok());
+  ASSERT_TRUE(e.memory().remove_sequence(*fork).is_ok());
+  EXPECT_EQ(e.memory().kv_store().used_pages(), 0);
+  ASSERT_TRUE(e.memory().check_invariants().is_ok());
 }
 
 TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
@@ -157,23 +157,25 @@ TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
   Engine& ref = *reference;
   const std::vector<TokenId> old_tail = random_tokens(12, 2, vocab());
   const std::vector<TokenId> new_tail = random_tokens(8, 3, vocab());
-  auto seq = e.add_sequence();
+  auto seq = e.memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   (void)last_logits(e, *seq, prompt);
   for (TokenId t : old_tail) (void)last_logits(e, *seq, std::span(&t, 1));  // 52 tokens, sparse decode
-  EXPECT_EQ(e.truncate_sequence(*seq, 36).code(), StatusCode::kInvalidArgument) << "not a whole fork unit";
-  EXPECT_EQ(e.truncate_sequence(*seq, 60).code(), StatusCode::kInvalidArgument) << "beyond its length";
-  ASSERT_TRUE(e.truncate_sequence(*seq, 32).is_ok());
-  EXPECT_EQ(e.sequence_length(*seq), 32);
-  EXPECT_EQ(e.kv_store().used_pages(), 4);
-  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  EXPECT_EQ(e.memory().truncate_sequence(*seq, 36).code(), StatusCode::kInvalidArgument)
+      << "not a whole fork unit";
+  EXPECT_EQ(e.memory().truncate_sequence(*seq, 60).code(), StatusCode::kInvalidArgument)
+      << "beyond its length";
+  ASSERT_TRUE(e.memory().truncate_sequence(*seq, 32).is_ok());
+  EXPECT_EQ(e.memory().sequence_length(*seq), 32);
+  EXPECT_EQ(e.memory().kv_store().used_pages(), 4);
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
   // Waiting sequences give their working sets back; the next sparse step allocates them again.
-  const uint64_t device_before = e.kv_store().tier_used_bytes(TierId(0));
-  ASSERT_TRUE(e.release_working_sets(*seq).is_ok());
+  const uint64_t device_before = e.memory().kv_store().tier_used_bytes(TierId(0));
+  ASSERT_TRUE(e.memory().release_working_sets(*seq).is_ok());
   if (c.method != SparseMethod::kDense) {
-    EXPECT_LT(e.kv_store().tier_used_bytes(TierId(0)), device_before) << "working sets released";
+    EXPECT_LT(e.memory().kv_store().tier_used_bytes(TierId(0)), device_before) << "working sets released";
   }
-  auto whole = ref.add_sequence();
+  auto whole = ref.memory().add_sequence();
   ASSERT_TRUE(whole.is_ok());
   std::vector<float> got = last_logits(e, *seq, std::span(prompt).subspan(32));
   std::vector<float> want = last_logits(ref, *whole, prompt);
@@ -183,7 +185,7 @@ TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
     want = last_logits(ref, *whole, std::span(&new_tail[i], 1));
     EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "decode step " << i;
   }
-  ASSERT_TRUE(e.check_invariants().is_ok());
+  ASSERT_TRUE(e.memory().check_invariants().is_ok());
 }
 
 // Prefix offloading: a prefix exported to host memory and imported again, into the same engine
@@ -195,27 +197,28 @@ TEST_P(ForkSequence, AnExportedPrefixImportedAgainGoesOnAsAForkOfTheSource) {
   const std::vector<TokenId> source_tail = random_tokens(3, 2, vocab());
   const std::vector<TokenId> tail = random_tokens(8, 3, vocab());
   const int64_t prefix = 32;
-  auto source = e.add_sequence();
+  auto source = e.memory().add_sequence();
   ASSERT_TRUE(source.is_ok());
   (void)last_logits(e, *source, prompt);
   for (TokenId t : source_tail) (void)last_logits(e, *source, std::span(&t, 1));
-  auto fork = e.fork_sequence(*source, prefix);
+  auto fork = e.memory().fork_sequence(*source, prefix);
   ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
-  auto snap = e.export_prefix(*source, prefix);
+  auto snap = e.memory().export_prefix(*source, prefix);
   ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
   EXPECT_EQ(snap->tokens, prefix);
-  EXPECT_EQ(snap->kv.size(), 3u * (prefix / 8) * e.kv_store().page_bytes());
-  EXPECT_EQ(e.export_prefix(*source, 36).status().code(), StatusCode::kInvalidArgument) << "not a whole unit";
-  EXPECT_EQ(e.export_prefix(SeqId(99), 8).status().code(), StatusCode::kInvalidArgument);
-  ASSERT_TRUE(e.remove_sequence(*source).is_ok());
-  const int64_t pages_before = e.kv_store().used_pages();  // the fork's 4 shared pages
-  auto here = e.import_prefix(*snap);
+  EXPECT_EQ(snap->kv.size(), 3u * (prefix / 8) * e.memory().kv_store().page_bytes());
+  EXPECT_EQ(e.memory().export_prefix(*source, 36).status().code(), StatusCode::kInvalidArgument)
+      << "not a whole unit";
+  EXPECT_EQ(e.memory().export_prefix(SeqId(99), 8).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(e.memory().remove_sequence(*source).is_ok());
+  const int64_t pages_before = e.memory().kv_store().used_pages();  // the fork's 4 shared pages
+  auto here = e.memory().import_prefix(*snap);
   ASSERT_TRUE(here.is_ok()) << here.status().to_string();
-  EXPECT_EQ(e.sequence_length(*here), prefix);
-  EXPECT_EQ(e.kv_store().used_pages(), pages_before + prefix / 8) << "pages of its own";
-  auto there = ref.import_prefix(*snap);  // all layers on the device
+  EXPECT_EQ(e.memory().sequence_length(*here), prefix);
+  EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before + prefix / 8) << "pages of its own";
+  auto there = ref.memory().import_prefix(*snap);  // all layers on the device
   ASSERT_TRUE(there.is_ok()) << there.status().to_string();
-  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
   auto same = [&](std::span<const TokenId> tokens, const std::string& what) {
     const std::vector<float> want = last_logits(e, *fork, tokens);
     ASSERT_FALSE(want.empty());
@@ -228,12 +231,12 @@ TEST_P(ForkSequence, AnExportedPrefixImportedAgainGoesOnAsAForkOfTheSource) {
     EXPECT_GT(e.sparse_stats().sparse_steps, 0);
   }
   // An imported sequence exports and forks like any other.
-  auto again = e.export_prefix(*here, prefix);
+  auto again = e.memory().export_prefix(*here, prefix);
   ASSERT_TRUE(again.is_ok());
   EXPECT_TRUE(again->kv == snap->kv) << "the same pages";
-  auto fork_of_import = e.fork_sequence(*here, e.fork_granularity());
+  auto fork_of_import = e.memory().fork_sequence(*here, e.memory().fork_granularity());
   EXPECT_TRUE(fork_of_import.is_ok()) << fork_of_import.status().to_string();
-  ASSERT_TRUE(e.check_invariants().is_ok()) << e.check_invariants().to_string();
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -255,20 +258,20 @@ TEST(ForkSequence, RefusesPrefixesItCannotShare) {
   o.prefix_sharing = false;
   auto e = Engine::create(model, testing::cpu_backend(), o);
   ASSERT_TRUE(e.is_ok());
-  auto seq = (*e)->add_sequence();
+  auto seq = (*e)->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   const std::vector<TokenId> prompt = random_tokens(20, 1, static_cast<int32_t>(model->config.vocab_size));
   (void)last_logits(**e, *seq, prompt);
   for (int64_t bad : {int64_t{0}, int64_t{12}, int64_t{24}, int64_t{-8}}) {
-    auto f = (*e)->fork_sequence(*seq, bad);
+    auto f = (*e)->memory().fork_sequence(*seq, bad);
     EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument) << bad;
   }
-  EXPECT_EQ((*e)->fork_sequence(SeqId(77), 8).status().code(), StatusCode::kInvalidArgument);
-  auto off = (*e)->fork_sequence(*seq, 16);
+  EXPECT_EQ((*e)->memory().fork_sequence(SeqId(77), 8).status().code(), StatusCode::kInvalidArgument);
+  auto off = (*e)->memory().fork_sequence(*seq, 16);
   EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(off.status().message().find("prefix_sharing"), std::string::npos) << off.status().to_string();
-  EXPECT_EQ((*e)->live_sequences(), 1);
-  EXPECT_TRUE((*e)->check_invariants().is_ok());
+  EXPECT_EQ((*e)->memory().live_sequences(), 1);
+  EXPECT_TRUE((*e)->memory().check_invariants().is_ok());
 }
 
 TEST(ImportPrefix, RefusesASnapshotOfAnotherLayoutNamingTheField) {
@@ -277,12 +280,12 @@ TEST(ImportPrefix, RefusesASnapshotOfAnotherLayoutNamingTheField) {
   ASSERT_TRUE(head.is_ok());
   auto e = Engine::create(model, testing::cpu_backend(), prefix_options(SparseMethod::kSpeContext, *head));
   ASSERT_TRUE(e.is_ok());
-  auto seq = (*e)->add_sequence();
+  auto seq = (*e)->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   (void)last_logits(**e, *seq, random_tokens(20, 1, static_cast<int32_t>(model->config.vocab_size)));
-  auto snap = (*e)->export_prefix(*seq, 16);
+  auto snap = (*e)->memory().export_prefix(*seq, 16);
   ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
-  const int64_t pages = (*e)->kv_store().used_pages();
+  const int64_t pages = (*e)->memory().kv_store().used_pages();
   const std::vector<std::pair<std::string, std::function<void(PrefixSnapshot&)>>> breaks{
       {"page_size", [](PrefixSnapshot& s) { s.page_size = 16; }},
       {"layers", [](PrefixSnapshot& s) { s.layers = 3; }},
@@ -298,21 +301,21 @@ TEST(ImportPrefix, RefusesASnapshotOfAnotherLayoutNamingTheField) {
   for (const auto& [field, spoil] : breaks) {
     PrefixSnapshot bad = *snap;
     spoil(bad);
-    auto r = (*e)->import_prefix(bad);
+    auto r = (*e)->memory().import_prefix(bad);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << field;
     EXPECT_NE(r.status().message().find("'" + field + "'"), std::string::npos) << r.status().to_string();
-    EXPECT_EQ((*e)->live_sequences(), 1) << field;
-    EXPECT_EQ((*e)->kv_store().used_pages(), pages) << field;
+    EXPECT_EQ((*e)->memory().live_sequences(), 1) << field;
+    EXPECT_EQ((*e)->memory().kv_store().used_pages(), pages) << field;
   }
   // A full engine refuses with kResourceExhausted and keeps nothing.
   EngineOptions one = prefix_options(SparseMethod::kSpeContext, *head);
   one.max_sequences = 1;
   auto small = Engine::create(model, testing::cpu_backend(), one);
   ASSERT_TRUE(small.is_ok());
-  ASSERT_TRUE((*small)->import_prefix(*snap).is_ok());
-  EXPECT_EQ((*small)->import_prefix(*snap).status().code(), StatusCode::kResourceExhausted);
-  EXPECT_EQ((*small)->live_sequences(), 1);
-  EXPECT_TRUE((*small)->check_invariants().is_ok());
+  ASSERT_TRUE((*small)->memory().import_prefix(*snap).is_ok());
+  EXPECT_EQ((*small)->memory().import_prefix(*snap).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ((*small)->memory().live_sequences(), 1);
+  EXPECT_TRUE((*small)->memory().check_invariants().is_ok());
 }
 
 // Out of a remote node and into one: the snapshot goes through the bounce buffer both ways.
@@ -333,7 +336,7 @@ TEST(ImportPrefix, MovesAPrefixBetweenEnginesWhoseLayersLiveOnARemoteNode) {
       o.tiering.copies = std::make_shared<testing::InlineCopyQueue>(*links.back());
       auto made = Engine::create(model, testing::cpu_backend(), o);
       EXPECT_TRUE(made.is_ok()) << made.status().to_string();
-      KvPlacement place = (*made)->placement();
+      KvPlacement place = (*made)->memory().placement();
       place.layer_home = std::move(homes);
       EXPECT_TRUE((*made)->apply_placement(place).is_ok());
       return std::move(*made);
@@ -344,14 +347,14 @@ TEST(ImportPrefix, MovesAPrefixBetweenEnginesWhoseLayersLiveOnARemoteNode) {
     auto ref = Engine::create(model, testing::cpu_backend(), prefix_options(method, *head));
     ASSERT_TRUE(ref.is_ok());
     const std::vector<TokenId> prompt = random_tokens(40, 1, static_cast<int32_t>(model->config.vocab_size));
-    auto src = from->add_sequence();
+    auto src = from->memory().add_sequence();
     ASSERT_TRUE(src.is_ok());
     (void)last_logits(*from, *src, prompt);
-    auto snap = from->export_prefix(*src, 32);
+    auto snap = from->memory().export_prefix(*src, 32);
     ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
-    auto imported = to->import_prefix(*snap);
+    auto imported = to->memory().import_prefix(*snap);
     ASSERT_TRUE(imported.is_ok()) << imported.status().to_string();
-    auto whole = (*ref)->add_sequence();
+    auto whole = (*ref)->memory().add_sequence();
     ASSERT_TRUE(whole.is_ok());
     std::vector<float> got = last_logits(*to, *imported, std::span(prompt).subspan(32));
     std::vector<float> want = last_logits(**ref, *whole, prompt);
@@ -362,7 +365,7 @@ TEST(ImportPrefix, MovesAPrefixBetweenEnginesWhoseLayersLiveOnARemoteNode) {
       want = last_logits(**ref, *whole, std::span(&t, 1));
       EXPECT_LE(max_abs_diff(got, want), 1e-4f) << "decode";
     }
-    EXPECT_TRUE(to->check_invariants().is_ok()) << to->check_invariants().to_string();
+    EXPECT_TRUE(to->memory().check_invariants().is_ok()) << to->memory().check_invariants().to_string();
   }
 }
 

@@ -425,7 +425,7 @@ TEST_P(ScalarTest, EngineMatchesScalarFormulas) {
     ASSERT_TRUE(e.is_ok()) << e.status().to_string();
     std::vector<TokenId> tokens;
     for (int i = 0; i < 21; ++i) tokens.push_back((i * 37 + 5) % 97);
-    auto seq = (*e)->add_sequence();
+    auto seq = (*e)->memory().add_sequence();
     ASSERT_TRUE(seq.is_ok());
     // Prefill 13 tokens in one chunk, then decode the rest one at a time.
     std::vector<float> last;
@@ -469,17 +469,17 @@ TEST(EngineBatch, MixedBatchEqualsSeparateRuns) {
   // Separate: each prompt alone, logits of its last token.
   std::vector<std::vector<float>> alone;
   for (const auto& p : prompts) {
-    auto s = eng.add_sequence();
+    auto s = eng.memory().add_sequence();
     ASSERT_TRUE(s.is_ok());
     StepRequest r{*s, p, LogitsMode::kLast};
     auto out = eng.forward(std::span<const StepRequest>(&r, 1));
     ASSERT_TRUE(out.is_ok());
     alone.emplace_back(out->row(0).begin(), out->row(0).end());
-    ASSERT_TRUE(eng.remove_sequence(*s).is_ok());
+    ASSERT_TRUE(eng.memory().remove_sequence(*s).is_ok());
   }
   // Batched: seq 0 prefilled earlier with its first 6 tokens then decodes its 7th, together
   // with full prefills of seqs 1 and 2.
-  auto s0 = eng.add_sequence(), s1 = eng.add_sequence(), s2 = eng.add_sequence();
+  auto s0 = eng.memory().add_sequence(), s1 = eng.memory().add_sequence(), s2 = eng.memory().add_sequence();
   StepRequest pre{*s0, std::span<const TokenId>(prompts[0].data(), 6), LogitsMode::kNone};
   ASSERT_TRUE(eng.forward(std::span<const StepRequest>(&pre, 1)).is_ok());
   std::vector<StepRequest> batch = {
@@ -491,8 +491,8 @@ TEST(EngineBatch, MixedBatchEqualsSeparateRuns) {
   EXPECT_LT(rel_l2(out->row(0), alone[1]), 1e-5);
   EXPECT_LT(rel_l2(out->row(1), alone[0]), 1e-5);
   EXPECT_LT(rel_l2(out->row(2), alone[2]), 1e-5);
-  EXPECT_EQ(eng.sequence_length(*s0), 7);
-  EXPECT_EQ(eng.sequence_length(*s1), 2);
+  EXPECT_EQ(eng.memory().sequence_length(*s0), 7);
+  EXPECT_EQ(eng.memory().sequence_length(*s1), 2);
 }
 
 TEST(EngineErrors, ContextLimitAndFullCacheLeaveStateUnchanged) {
@@ -507,7 +507,7 @@ TEST(EngineErrors, ContextLimitAndFullCacheLeaveStateUnchanged) {
   auto e = Engine::create(*model, std::shared_ptr<Backend>(std::move(*b)), eo);
   ASSERT_TRUE(e.is_ok());
   Engine& eng = **e;
-  auto a = eng.add_sequence(), c = eng.add_sequence();
+  auto a = eng.memory().add_sequence(), c = eng.memory().add_sequence();
   std::vector<TokenId> eleven(11, 5), nine(9, 6), eight(8, 7);
   StepRequest too_long{*a, eleven, LogitsMode::kLast};
   auto r = eng.forward(std::span<const StepRequest>(&too_long, 1));
@@ -520,9 +520,9 @@ TEST(EngineErrors, ContextLimitAndFullCacheLeaveStateUnchanged) {
   r = eng.forward(std::span<const StepRequest>(&no_room, 1));
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
-  EXPECT_EQ(eng.sequence_length(*c), 0);
-  EXPECT_EQ(eng.sequence_length(*a), 9);
-  EXPECT_EQ(eng.kv_bytes_in_use(), 3 * 2 * 4 * base_config().kv_dim() * 4 * base_config().n_layers);
+  EXPECT_EQ(eng.memory().sequence_length(*c), 0);
+  EXPECT_EQ(eng.memory().sequence_length(*a), 9);
+  EXPECT_EQ(eng.memory().kv_bytes_in_use(), 3 * 2 * 4 * base_config().kv_dim() * 4 * base_config().n_layers);
   // The failed request's pages went back: a 4-token request now fits.
   StepRequest small{*c, std::span<const TokenId>(eight.data(), 4), LogitsMode::kLast};
   EXPECT_TRUE(eng.forward(std::span<const StepRequest>(&small, 1)).is_ok());

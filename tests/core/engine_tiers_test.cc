@@ -288,7 +288,8 @@ void step_both(Pair& p, const std::vector<SeqId>& ids, const std::vector<std::ve
   ASSERT_TRUE(a.is_ok()) << what << ": " << a.status().to_string();
   ASSERT_TRUE(b.is_ok()) << what << ": " << b.status().to_string();
   ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << what;
-  ASSERT_TRUE(p.tiered->check_invariants().is_ok()) << what << ": " << p.tiered->check_invariants().to_string();
+  ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok())
+      << what << ": " << p.tiered->memory().check_invariants().to_string();
 }
 
 TokenId argmax(const std::vector<float>& logits, int64_t vocab, int64_t row) {
@@ -310,12 +311,12 @@ TEST_P(ForcedPlacement, OffloadedLayersGiveTheAllDeviceLogits) {
   Pair p = make_pair(method, where, nullptr, 0, nullptr, 5, 8 << 20, 4, threaded, kv_dtype);
   ASSERT_TRUE(p.tiered);
   const TierId off(1);
-  KvPlacement place = p.tiered->placement();
+  KvPlacement place = p.tiered->memory().placement();
   place.layer_home = {TierId(0), off, TierId(0), off, off};
   ASSERT_TRUE(p.tiered->apply_placement(place, {"test"}).is_ok());
   std::vector<SeqId> ids;
   for (int i = 0; i < 2; ++i) {
-    auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+    auto a = p.ref->memory().add_sequence(), b = p.tiered->memory().add_sequence();
     ASSERT_TRUE(a.is_ok() && b.is_ok());
     ASSERT_EQ(*a, *b);
     ids.push_back(*a);
@@ -350,7 +351,7 @@ TEST_P(ForcedPlacement, OffloadedLayersGiveTheAllDeviceLogits) {
     auto b = p.tiered->forward(reqs);
     ASSERT_TRUE(a.is_ok() && b.is_ok()) << (a.is_ok() ? b.status() : a.status()).to_string();
     ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << "decode step " << step;
-    ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+    ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok());
     for (int i = 0; i < 2; ++i) next[i] = {argmax(a->logits, a->vocab, i)};
   }
   if (method != SparseMethod::kDense) {
@@ -391,7 +392,7 @@ TEST_P(LayerWiseStaging, ARingOfLayersGivesTheAllDeviceLogits) {
   Pair p = make_pair(method, Where::kRemote, nullptr, 0, nullptr, 5, 8 << 20, 4, true, DType::kF32, depth);
   ASSERT_TRUE(p.tiered);
   const TierId off(1);
-  KvPlacement place = p.tiered->placement();
+  KvPlacement place = p.tiered->memory().placement();
   place.layer_home = {TierId(0), off, off, off, off};
   ASSERT_TRUE(p.tiered->apply_placement(place, {"test"}).is_ok());
   const int64_t ps = 8, remote_layers = 4, budget = 24;
@@ -417,7 +418,7 @@ TEST_P(LayerWiseStaging, ARingOfLayersGivesTheAllDeviceLogits) {
     step_both(p, step_ids, toks, what);
   };
   auto add = [&] {
-    auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+    auto a = p.ref->memory().add_sequence(), b = p.tiered->memory().add_sequence();
     ASSERT_TRUE(a.is_ok() && b.is_ok());
     ASSERT_EQ(*a, *b);
     ids.push_back(*a);
@@ -502,7 +503,7 @@ TEST(PlannerPolicyEngine, RandomisedGrowthAndShrinkMigratesWithoutLosingPages) {
     auto policy = policy_for(*model, **head, 24, 4, 8 << 20, chunk, ps);
     const uint64_t device_bytes = 640 << 10;
     Pair p = make_pair(method, Where::kHost, nullptr, device_bytes, policy, 5, 8 << 20, 1);
-    ASSERT_EQ(p.tiered->kv_store().chunk_bytes(), chunk);
+    ASSERT_EQ(p.tiered->memory().kv_store().chunk_bytes(), chunk);
     ASSERT_TRUE(p.tiered);
     std::mt19937 rng(11);
     struct Live {
@@ -515,7 +516,7 @@ TEST(PlannerPolicyEngine, RandomisedGrowthAndShrinkMigratesWithoutLosingPages) {
     for (int step = 0; step < 400; ++step) {
       // Arrivals while there is room; long-lived sequences make the cache grow.
       if (live.size() < 3 && rng() % 4 == 0) {
-        auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+        auto a = p.ref->memory().add_sequence(), b = p.tiered->memory().add_sequence();
         ASSERT_TRUE(a.is_ok() && b.is_ok());
         std::vector<TokenId> prompt(10 + rng() % 70);
         for (auto& t : prompt) t = static_cast<TokenId>(rng() % 256);
@@ -541,13 +542,15 @@ TEST(PlannerPolicyEngine, RandomisedGrowthAndShrinkMigratesWithoutLosingPages) {
         auto th = policy->current_thresholds();
         std::string ths;
         if (th.is_ok()) for (auto t : *th) ths += std::to_string(t) + " ";
-        ADD_FAILURE() << "planner state: device_bytes " << snap.device_bytes << " lens " << lens << " thresholds " << ths
-                      << " offloaded " << (policy->last_plan() ? policy->last_plan()->offloaded_layers : -1)
-                      << " device used " << p.tiered->kv_store().tier_used_bytes(TierId(0));
+        ADD_FAILURE() << "planner state: device_bytes " << snap.device_bytes << " lens " << lens
+                      << " thresholds " << ths << " offloaded "
+                      << (policy->last_plan() ? policy->last_plan()->offloaded_layers : -1) << " device used "
+                      << p.tiered->memory().kv_store().tier_used_bytes(TierId(0));
       }
       ASSERT_TRUE(b.is_ok()) << "step " << step << ": " << b.status().to_string();
       ASSERT_EQ(max_abs_diff(a->logits, b->logits), 0.0f) << "step " << step;
-      ASSERT_TRUE(p.tiered->check_invariants().is_ok()) << p.tiered->check_invariants().to_string();
+      ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok())
+          << p.tiered->memory().check_invariants().to_string();
       for (size_t e = events_before; e < p.tiered->placement_events().size(); ++e) {
         const PlacementEvent& ev = p.tiered->placement_events()[e];
         ASSERT_TRUE(ev.error.empty()) << ev.error;
@@ -559,10 +562,10 @@ TEST(PlannerPolicyEngine, RandomisedGrowthAndShrinkMigratesWithoutLosingPages) {
       for (size_t i = 0; i < live.size(); ++i) live[i].next = argmax(a->logits, a->vocab, static_cast<int64_t>(i));
       for (size_t i = live.size(); i-- > 0;) {
         if (--live[i].left > 0) continue;
-        ASSERT_TRUE(p.ref->remove_sequence(live[i].id).is_ok());
-        ASSERT_TRUE(p.tiered->remove_sequence(live[i].id).is_ok());
+        ASSERT_TRUE(p.ref->memory().remove_sequence(live[i].id).is_ok());
+        ASSERT_TRUE(p.tiered->memory().remove_sequence(live[i].id).is_ok());
         live.erase(live.begin() + static_cast<long>(i));
-        ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+        ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok());
       }
     }
     // The run really exercised both directions.
@@ -602,17 +605,17 @@ TEST(TierFaults, FailuresAreRetriedOrReportedNeverWrongAttention) {
     auto e = Engine::create(p.model, testing::cpu_backend(), t);
     ASSERT_TRUE(e.is_ok()) << e.status().to_string();
     p.tiered = std::move(*e);
-    KvPlacement place = p.tiered->placement();
+    KvPlacement place = p.tiered->memory().placement();
     for (size_t l = 1; l < place.layer_home.size(); l += 2) place.layer_home[l] = TierId(1);
     Status moved;
     for (int attempt = 0; attempt < 50; ++attempt) {  // moves go through the faulty link too
       moved = p.tiered->apply_placement(place);
       if (moved.is_ok()) break;
       ASSERT_EQ(moved.code(), StatusCode::kUnavailable) << moved.to_string();
-      ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+      ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok());
     }
     ASSERT_TRUE(moved.is_ok()) << moved.to_string();
-    auto a_id = p.ref->add_sequence(), b_id = p.tiered->add_sequence();
+    auto a_id = p.ref->memory().add_sequence(), b_id = p.tiered->memory().add_sequence();
     ASSERT_TRUE(a_id.is_ok() && b_id.is_ok());
     std::vector<TokenId> prompt(40);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>((i * 37) % 256);
@@ -627,7 +630,7 @@ TEST(TierFaults, FailuresAreRetriedOrReportedNeverWrongAttention) {
         ++failures;
         EXPECT_EQ(b.status().code(), StatusCode::kUnavailable) << b.status().to_string();
         EXPECT_NE(b.status().message().find("layer"), std::string::npos) << b.status().to_string();
-        ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+        ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok());
         continue;  // the engine is as before the step: retry it
       }
       auto a = p.ref->forward(std::span<const StepRequest>(&r, 1));
@@ -704,9 +707,9 @@ TEST(PlannerPolicyEngine, SyntheticFillLongerThanTheDeviceMovesLayersFirst) {
   ASSERT_TRUE(out.is_ok()) << out.status().to_string();
   EXPECT_EQ((*out)[0].tokens.size(), 4u) << (*out)[0].error;
   int offloaded = 0;
-  for (TierId t : p.tiered->placement().layer_home) offloaded += t != TierId(0);
+  for (TierId t : p.tiered->memory().placement().layer_home) offloaded += t != TierId(0);
   EXPECT_GT(offloaded, 0);
-  EXPECT_TRUE(p.tiered->check_invariants().is_ok());
+  EXPECT_TRUE(p.tiered->memory().check_invariants().is_ok());
 }
 
 }  // namespace
@@ -748,14 +751,14 @@ TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCand
     auto e = Engine::create(p.model, testing::cpu_backend(), t);
     ASSERT_TRUE(e.is_ok()) << e.status().to_string();
     p.tiered = std::move(*e);
-    auto a = p.ref->add_sequence(), b = p.tiered->add_sequence();
+    auto a = p.ref->memory().add_sequence(), b = p.tiered->memory().add_sequence();
     ASSERT_TRUE(a.is_ok() && b.is_ok());
     std::vector<TokenId> prompt(60);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>((i * 53 + 7) % 256);
     step_both(p, {*a}, {prompt}, "prefill");
     // Filtering switches on mid-run: the head's keys move to the host pool and the filter
     // catches up with every key written so far.
-    KvPlacement place = p.tiered->placement();
+    KvPlacement place = p.tiered->memory().placement();
     place.cpu_filtering = true;
     place.head_cache_home = TierId(1);
     place.layer_home[2] = TierId(1);
@@ -783,7 +786,7 @@ TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCand
     place.cpu_filtering = false;
     place.head_cache_home = TierId(0);
     ASSERT_TRUE(p.tiered->apply_placement(place, {"filter off"}).is_ok());
-    ASSERT_TRUE(p.tiered->check_invariants().is_ok());
+    ASSERT_TRUE(p.tiered->memory().check_invariants().is_ok());
   }
 }
 
@@ -868,7 +871,7 @@ std::unique_ptr<Engine> recorded_engine(EngineOptions o, Transport& transport, E
   auto e = Engine::create(testing::toy_model(5), std::make_shared<RecordingBackend>(testing::cpu_backend(), log), o);
   EXPECT_TRUE(e.is_ok()) << e.status().to_string();
   if (!e.is_ok()) return nullptr;
-  KvPlacement place = (*e)->placement();
+  KvPlacement place = (*e)->memory().placement();
   place.layer_home = std::move(homes);
   EXPECT_TRUE((*e)->apply_placement(place).is_ok());
   return std::move(*e);
@@ -892,7 +895,7 @@ TEST(TierDataflow, LoadsArePostedBeforeLayerZeroAndEachLayerWaitsForItsOwn) {
   o.tiering.host.push_back(testing::host_tier(8 << 20));
   auto e = recorded_engine(o, local, log, {TierId(0), TierId(1), TierId(0), TierId(1), TierId(1)});
   ASSERT_TRUE(e);
-  auto seq = e->add_sequence();
+  auto seq = e->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   std::vector<TokenId> prompt(50, 3);
   const StepRequest pre{*seq, prompt, LogitsMode::kLast};
@@ -915,7 +918,7 @@ TEST(TierDataflow, RemoteLayersAreStagedTwoAtATimeUnderDenseAttention) {
   o.tiering.remote.push_back(testing::remote_tier(8 << 20));
   auto e = recorded_engine(o, **lb, log, {TierId(0), TierId(1), TierId(1), TierId(1), TierId(1)});
   ASSERT_TRUE(e);
-  auto seq = e->add_sequence();
+  auto seq = e->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   for (int at = 0; at < 50; at += 8) {  // a page per chunk, so no prefill stages more than a decode step
     std::vector<TokenId> chunk(static_cast<size_t>(std::min(8, 50 - at)), 3);
@@ -1047,16 +1050,16 @@ TEST(TierMigrationOrder, LayersMoveOnlyAfterTheBackendHasDrained) {
   o.tiering.copies = queue;
   auto e = Engine::create(testing::toy_model(5), backend, o);
   ASSERT_TRUE(e.is_ok()) << e.status().to_string();
-  auto a = (*e)->add_sequence();
+  auto a = (*e)->memory().add_sequence();
   ASSERT_TRUE(a.is_ok());
   ASSERT_TRUE((*e)->fill_synthetic(*a, 100, 1).is_ok());
   ASSERT_GT(backend->queued(), 0) << "fill_synthetic queued no backend copies: nothing to order against";
-  KvPlacement place = (*e)->placement();
+  KvPlacement place = (*e)->memory().placement();
   place.layer_home = {TierId(0), TierId(1), TierId(0), TierId(1), TierId(1)};
   ASSERT_TRUE((*e)->apply_placement(place, {"out"}).is_ok());
   ASSERT_EQ(queue->queued_at_migration.size(), 3u);
   // And back, after a second fill whose device-homed pages were copied by the backend.
-  auto b = (*e)->add_sequence();
+  auto b = (*e)->memory().add_sequence();
   ASSERT_TRUE(b.is_ok());
   ASSERT_TRUE((*e)->fill_synthetic(*b, 60, 2).is_ok());
   ASSERT_GT(backend->queued(), 0);
@@ -1066,7 +1069,7 @@ TEST(TierMigrationOrder, LayersMoveOnlyAfterTheBackendHasDrained) {
   for (size_t i = 0; i < queue->queued_at_migration.size(); ++i) {
     EXPECT_EQ(queue->queued_at_migration[i], 0) << "migration batch " << i << " was submitted with backend ops queued";
   }
-  EXPECT_TRUE((*e)->check_invariants().is_ok());
+  EXPECT_TRUE((*e)->memory().check_invariants().is_ok());
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ TEST_P(LongCtxGolden, LogitsMatchThePyTorchForwardAcrossTheWholeContext) {
   eo.max_context = static_cast<int64_t>(ids.size());
   auto e = Engine::create(*m, std::shared_ptr<Backend>(std::move(*b)), eo);
   ASSERT_TRUE(e.is_ok()) << e.status().to_string();
-  auto seq = (*e)->add_sequence();
+  auto seq = (*e)->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   std::vector<float> at_positions(golden.size());
   const size_t chunk = 1024;

@@ -108,8 +108,8 @@ TEST(LostTier, RequestsAreRecomputedWithoutTheTierAndGetTheirAloneTokens) {
     EXPECT_GT(link.posts(), 40) << "the node died before the run used it";
     EXPECT_EQ(f.engine->abandoned_tiers(), std::vector<TierId>{TierId(1)});
     EXPECT_TRUE(f.engine->lost_tiers().empty());
-    EXPECT_EQ(f.engine->placement().layer_home[1], TierId(0));
-    EXPECT_TRUE(f.engine->check_invariants().is_ok());
+    EXPECT_EQ(f.engine->memory().placement().layer_home[1], TierId(0));
+    EXPECT_TRUE(f.engine->memory().check_invariants().is_ok());
   }
 }
 
@@ -160,8 +160,8 @@ TEST(LostTier, AnOffloadedPrefixOutlivesTheTierAndIsRestoredAfterwards) {
     EXPECT_EQ(turn.tokens.at(turn.ids[0].value()), alone(next));
     EXPECT_EQ(s.stats().prefix_restores, 1);
     EXPECT_EQ(s.stats().cached_prompt_tokens - cached_before, 64);
-    EXPECT_EQ(f.engine->placement().layer_home[1], TierId(0));
-    EXPECT_TRUE(f.engine->check_invariants().is_ok());
+    EXPECT_EQ(f.engine->memory().placement().layer_home[1], TierId(0));
+    EXPECT_TRUE(f.engine->memory().check_invariants().is_ok());
   }
   EXPECT_GT(posts_at_c, 0);
 }
@@ -188,12 +188,12 @@ TEST(LostTier, AbandonTierRefusesWhatItCannotDo) {
   auto f = testing::failing_link_engine(stories(), /*fail_after_posts=*/4, 2, /*permanent=*/true);
   ASSERT_NE(f.engine, nullptr);
   Engine& e = *f.engine;
-  auto seq = e.add_sequence();
+  auto seq = e.memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   EXPECT_TRUE(e.lost_tiers().empty());
   // Forwards until the node dies; the sequence keeps what it had (all-or-nothing).
   ASSERT_FALSE(forward_until_the_node_dies(e, *seq).is_ok());
-  ASSERT_GT(e.kv_bytes_in_use(), 0) << "the first forward did not succeed";
+  ASSERT_GT(e.memory().kv_bytes_in_use(), 0) << "the first forward did not succeed";
   EXPECT_EQ(e.lost_tiers(), std::vector<TierId>{TierId(1)});
   EXPECT_EQ(e.abandon_tier(TierId(0)).code(), StatusCode::kInvalidArgument);  // the device
   EXPECT_EQ(e.abandon_tier(TierId(7)).code(), StatusCode::kInvalidArgument);
@@ -202,23 +202,23 @@ TEST(LostTier, AbandonTierRefusesWhatItCannotDo) {
   EXPECT_EQ(busy.code(), StatusCode::kInvalidArgument) << busy.to_string();
   EXPECT_NE(busy.message().find("drop every sequence"), std::string::npos) << busy.to_string();
   EXPECT_TRUE(e.abandoned_tiers().empty());
-  ASSERT_TRUE(e.remove_sequence(*seq).is_ok());
+  ASSERT_TRUE(e.memory().remove_sequence(*seq).is_ok());
   Status ok = e.abandon_tier(TierId(1));
   ASSERT_TRUE(ok.is_ok()) << ok.to_string();
   EXPECT_EQ(e.abandon_tier(TierId(1)).code(), StatusCode::kInvalidArgument);  // twice
   EXPECT_TRUE(e.lost_tiers().empty());
-  EXPECT_EQ(e.placement().layer_home[1], TierId(0));
-  KvPlacement back = e.placement();
+  EXPECT_EQ(e.memory().placement().layer_home[1], TierId(0));
+  KvPlacement back = e.memory().placement();
   back.layer_home[1] = TierId(1);
   EXPECT_EQ(e.apply_placement(back).code(), StatusCode::kInvalidArgument);
   // A new sequence runs without the tier.
-  auto fresh = e.add_sequence();
+  auto fresh = e.memory().add_sequence();
   ASSERT_TRUE(fresh.is_ok());
   const std::vector<TokenId> prompt{1, 403, 407};
   StepRequest r{*fresh, prompt, LogitsMode::kLast};
   auto out = e.forward(std::span<const StepRequest>(&r, 1));
   EXPECT_TRUE(out.is_ok()) << out.status().to_string();
-  EXPECT_TRUE(e.check_invariants().is_ok());
+  EXPECT_TRUE(e.memory().check_invariants().is_ok());
 }
 
 // A policy that refuses every admission, as the planner does once nothing fits.
@@ -242,22 +242,22 @@ TEST(LostTier, ItsErrorsNameWhatDied) {
   auto f = testing::failing_link_engine(stories(), /*fail_after_posts=*/4, 2, /*permanent=*/true);
   ASSERT_NE(f.engine, nullptr);
   Engine& e = *f.engine;
-  auto seq = e.add_sequence();
+  auto seq = e.memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   ASSERT_FALSE(forward_until_the_node_dies(e, *seq).is_ok());
   ASSERT_EQ(e.lost_tiers(), std::vector<TierId>{TierId(1)});
   EXPECT_EQ(f.link->tier_loss(TierId(1)), "fault injection: the node of tier 1 died for good after 4 posts");
   EXPECT_EQ(f.link->tier_loss(TierId(0)), "");
-  ASSERT_TRUE(e.remove_sequence(*seq).is_ok());
+  ASSERT_TRUE(e.memory().remove_sequence(*seq).is_ok());
   EXPECT_EQ(e.lost_tier_error(TierId(1)), "") << "not abandoned yet";
   ASSERT_TRUE(e.abandon_tier(TierId(1)).is_ok());
-  const std::string name = e.kv_store().tiers()[1].desc.name;
+  const std::string name = e.memory().kv_store().tiers()[1].desc.name;
   const std::string error = e.lost_tier_error(TierId(1));
   EXPECT_EQ(error, "tier " + name + " was lost: fault injection: the node of tier 1 died for good after 4 posts");
   EXPECT_EQ(e.lost_tier_error(TierId(0)), "");
   const std::string event = e.placement_events().back().reasons.at(0);
   EXPECT_NE(event.find("lost (fault injection: the node of tier 1 died for good"), std::string::npos) << event;
-  KvPlacement back = e.placement();
+  KvPlacement back = e.memory().placement();
   back.layer_home[1] = TierId(1);
   const Status placed = e.apply_placement(back);
   EXPECT_EQ(placed.code(), StatusCode::kInvalidArgument);

@@ -74,7 +74,7 @@ void run_script(Engine& e, const Tokens& prompts, int steps, Communicator* comm,
   e.set_observer(&recorder);
   std::vector<SeqId> seqs;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    auto s = e.add_sequence();
+    auto s = e.memory().add_sequence();
     if (!s.is_ok()) {
       out.status = s.status();
       return;
@@ -593,7 +593,7 @@ std::vector<ForwardResult> forward_each_rank(int world, std::chrono::millisecond
       auto e = Engine::create(*shard, make_backend(), eo);
       EXPECT_TRUE(e.is_ok()) << e.status().to_string();
       if (r == odd && skip) return;  // never joins
-      auto seq = (*e)->add_sequence();
+      auto seq = (*e)->memory().add_sequence();
       const std::vector<TokenId> prompt = {1, 5, 9, 13, 17, 21};
       StepRequest req{*seq, prompt, LogitsMode::kLast};
       const auto t0 = Clock::now();

@@ -198,7 +198,7 @@ inline FailingLinkEngine failing_link_engine(const std::shared_ptr<Model>& model
   auto engine = Engine::create(model, cpu_backend(), o);
   EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
   if (!engine.is_ok()) return f;
-  KvPlacement place = (*engine)->placement();
+  KvPlacement place = (*engine)->memory().placement();
   place.layer_home[1] = TierId(1);
   EXPECT_TRUE((*engine)->apply_placement(place).is_ok());
   f.engine = std::move(*engine);

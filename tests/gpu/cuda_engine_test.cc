@@ -192,8 +192,8 @@ void run_greedy(EnginePair& p, const std::vector<std::vector<TokenId>>& prompts,
   const size_t n = prompts.size();
   std::vector<SeqId> cpu_ids, cuda_ids;
   for (size_t i = 0; i < n; ++i) {
-    auto a = p.cpu->add_sequence();
-    auto b = p.cuda->add_sequence();
+    auto a = p.cpu->memory().add_sequence();
+    auto b = p.cuda->memory().add_sequence();
     ASSERT_TRUE(a.is_ok() && b.is_ok());
     cpu_ids.push_back(*a);
     cuda_ids.push_back(*b);
@@ -374,8 +374,8 @@ TEST_P(CudaEngineSyntheticTest, FilledContextDecodesAlike) {
   // Three sequences: two filled (different lengths, different seeds), one from a short prompt.
   std::vector<SeqId> ids_c, ids_g;
   for (int i = 0; i < 3; ++i) {
-    auto a = p.cpu->add_sequence();
-    auto b = p.cuda->add_sequence();
+    auto a = p.cpu->memory().add_sequence();
+    auto b = p.cuda->memory().add_sequence();
     ASSERT_TRUE(a.is_ok() && b.is_ok());
     ids_c.push_back(*a);
     ids_g.push_back(*b);

@@ -222,7 +222,7 @@ TEST(Distill, TeacherIsTheLayerMeanOfTheGroupMax) {
   ASSERT_TRUE(engine.is_ok());
   AllHeadsObserver obs(c);
   (*engine)->set_observer(&obs);
-  auto seq = (*engine)->add_sequence();
+  auto seq = (*engine)->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   StepRequest req{*seq, std::span<const TokenId>(tokens), LogitsMode::kNone};
   ASSERT_TRUE((*engine)->forward(std::span<const StepRequest>(&req, 1)).is_ok());

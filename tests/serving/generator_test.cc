@@ -51,7 +51,7 @@ TEST(Generator, BatchedRequestsEqualSeparateRuns) {
   }
   EXPECT_EQ(g.stats().prompt_tokens, 5 + 12 + 2);
   EXPECT_EQ(g.stats().generated_tokens, 20 + 25 + 30);
-  EXPECT_EQ(e->live_sequences(), 0);  // every sequence released
+  EXPECT_EQ(e->memory().live_sequences(), 0);  // every sequence released
 }
 
 // The generator samples on the backend (kSample) with the penalty set it keeps incrementally:
@@ -72,7 +72,7 @@ TEST(Generator, PenalisedSamplingEqualsAPlainLoopOverTheLogits) {
     ASSERT_TRUE(res.is_ok()) << res.status().to_string();
 
     auto plain = make_engine(1);
-    auto seq = plain->add_sequence();
+    auto seq = plain->memory().add_sequence();
     ASSERT_TRUE(seq.is_ok());
     Sampler sampler(r.sampling);
     std::vector<TokenId> history = r.prompt, generated;
@@ -141,7 +141,7 @@ TEST(Generator, ContextLimitEndsGenerationAndLongPromptsAreRefused) {
   res = g.run({ok, ok, ok, ok, ok});
   ASSERT_TRUE(res.is_ok()) << res.status().to_string();
   for (const auto& r : *res) EXPECT_EQ(r.tokens, (*res)[0].tokens);
-  EXPECT_EQ(e->live_sequences(), 0);
+  EXPECT_EQ(e->memory().live_sequences(), 0);
 }
 
 }  // namespace

@@ -1158,7 +1158,7 @@ TEST(OpenAiServer, EchoWithLogprobsScoresThePrompt) {
   EXPECT_EQ(joined, choice["text"]);
   // Against a dense forward over the prompt on a fresh engine.
   Fixture d = make_fixture(1);
-  auto seq = d.engine->add_sequence();
+  auto seq = d.engine->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   const std::vector<StepRequest> step{{*seq, *ids, LogitsMode::kAll, nullptr}};
   auto out = d.engine->forward(step);

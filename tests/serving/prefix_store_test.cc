@@ -72,7 +72,7 @@ std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages) {
 
 // A sequence holding `tokens`' KV, computed.
 SeqId computed(Engine& engine, const std::vector<TokenId>& tokens) {
-  auto seq = engine.add_sequence();
+  auto seq = engine.memory().add_sequence();
   EXPECT_TRUE(seq.is_ok());
   const StepRequest r{*seq, tokens, LogitsMode::kNone, nullptr, /*prompt=*/true};
   EXPECT_TRUE(engine.forward(std::span<const StepRequest>(&r, 1)).is_ok());
@@ -91,7 +91,9 @@ std::vector<TokenId> prompt_of(TokenId word, size_t n = 40) {
   return p;
 }
 
-uint64_t page_bytes(Engine& engine) { return engine.kv_store().page_bytes() * 5; }  // every layer's page
+uint64_t page_bytes(Engine& engine) {
+  return engine.memory().kv_store().page_bytes() * 5;
+}  // every layer's page
 
 PrefixStoreOptions disk_options(uint64_t host, uint64_t lower) {
   PrefixStoreOptions o;
@@ -136,15 +138,15 @@ TEST(PrefixStore, TheLongestCachedPrefixInWholePagesAndTakingItOver) {
   // take: a leaves the cache cut to its first page for the request that takes it over.
   const auto taken = store.take(m.seq, 16, 0);
   ASSERT_TRUE(taken.has_value());
-  EXPECT_EQ(engine->sequence_length(*taken), 16);
+  EXPECT_EQ(engine->memory().sequence_length(*taken), 16);
   EXPECT_EQ(store.cached_sequences(), 0u);
   EXPECT_FALSE(store.evict()) << "nothing left";
   EXPECT_EQ(store.states().count(S::kFinished, S::kCached), 2);
   EXPECT_EQ(store.states().count(S::kCached, S::kDropped), 1);
   EXPECT_EQ(store.states().count(S::kCached, S::kPrefilling), 1);
   EXPECT_EQ(store.states().refused(), 0);
-  (void)engine->remove_sequence(*taken);
-  EXPECT_TRUE(engine->check_invariants().is_ok());
+  (void)engine->memory().remove_sequence(*taken);
+  EXPECT_TRUE(engine->memory().check_invariants().is_ok());
 }
 
 TEST(PrefixStore, TheKeptSequenceGoesLastAndOnlyWhenLetGo) {
@@ -156,7 +158,7 @@ TEST(PrefixStore, TheKeptSequenceGoesLastAndOnlyWhenLetGo) {
   store.insert(seq, a, S::kCancelled);
   EXPECT_FALSE(store.evict(seq, /*keep_may_go=*/false));
   EXPECT_TRUE(store.evict(seq, /*keep_may_go=*/true));
-  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(engine->memory().live_sequences(), 0);
   EXPECT_EQ(store.states().count(S::kCancelled, S::kCached), 1);
 }
 
@@ -181,14 +183,14 @@ TEST(PrefixStore, AnEvictedPrefixGoesToHostMemoryAndIsRestoredIntoTheCache) {
   EXPECT_EQ(store.offloaded_prefixes(), 0u);
   EXPECT_EQ(store.offloaded_bytes(), 0u);
   ASSERT_EQ(store.cached_sequences(), 1u);
-  EXPECT_EQ(engine->sequence_length(store.cached().front().seq), 32);
+  EXPECT_EQ(engine->memory().sequence_length(store.cached().front().seq), 32);
   EXPECT_EQ(store.stats().prefix_restores, 1);
   // Three prefixes into room for two: the oldest is dropped.
   for (TokenId w : {426, 432, 298}) {
     const std::vector<TokenId> p = prompt_of(w);
     const SeqId seq = computed(*engine, p);
     ASSERT_TRUE(store.offload(seq, p, S::kCached));
-    (void)engine->remove_sequence(seq);
+    (void)engine->memory().remove_sequence(seq);
   }
   EXPECT_EQ(store.offloaded_prefixes(), 2u);
   EXPECT_EQ(store.stats().prefix_offload_drops, 1);
@@ -230,7 +232,7 @@ TEST(PrefixStore, HostMemoryOverflowsToFilesThatAreReadBackAndRemoved) {
     const std::vector<TokenId> c = prompt_of(432);
     const SeqId cs = computed(*engine, c);
     ASSERT_TRUE(small.offload(cs, c, S::kCached));
-    (void)engine->remove_sequence(cs);
+    (void)engine->memory().remove_sequence(cs);
     EXPECT_EQ(small.prefixes_on_disk(), 1u);
     for (const auto& entry : std::filesystem::directory_iterator(small.prefix_disk_directory())) {
       std::filesystem::resize_file(entry.path(), 100);
@@ -244,7 +246,7 @@ TEST(PrefixStore, HostMemoryOverflowsToFilesThatAreReadBackAndRemoved) {
     EXPECT_EQ(small.states().count(S::kOnDisk, S::kDropped), 1);
   }
   EXPECT_FALSE(std::filesystem::exists(dir)) << "the store removes its directory";
-  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(engine->memory().live_sequences(), 0);
 }
 
 TEST(PrefixStore, BlobsOnANodeAreReadBackAndALostOneIsDropped) {
@@ -274,7 +276,7 @@ TEST(PrefixStore, BlobsOnANodeAreReadBackAndALostOneIsDropped) {
     const std::vector<TokenId> c = prompt_of(432);
     const SeqId cs = computed(*engine, c);
     ASSERT_TRUE(other.offload(cs, c, S::kCached));
-    (void)engine->remove_sequence(cs);
+    (void)engine->memory().remove_sequence(cs);
     blobs->alive = false;
     EXPECT_FALSE(other.restore(0));
     EXPECT_NE(other.last_prefix_disk_error().find("memory blob store"), std::string::npos);
@@ -304,13 +306,13 @@ TEST(PrefixStore, PersistedPrefixesAreFoundByTheNextStore) {
     ASSERT_TRUE(store.open_disk().is_ok());
     store.insert(computed(*engine, a), a, S::kFinished);
   }  // cached a written at the end
-  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(engine->memory().live_sequences(), 0);
   PrefixStore store(*engine, o);
   ASSERT_TRUE(store.open_disk().is_ok());
   EXPECT_EQ(store.stats().prefix_disk_found, 1);
   EXPECT_EQ(store.states().count(S::kNew, S::kOnDisk), 1);
   ASSERT_TRUE(store.restore(*store.longest_stored(wanted(a), 0)));
-  EXPECT_EQ(engine->sequence_length(store.cached().front().seq), 32);
+  EXPECT_EQ(engine->memory().sequence_length(store.cached().front().seq), 32);
   PrefixStoreOptions blob = o;
   blob.blob_store = std::make_shared<MemoryBlobStore>(1 << 20);
   EXPECT_EQ(PrefixStore(*engine, blob).open_disk().code(), StatusCode::kInvalidArgument);
@@ -508,7 +510,7 @@ StateLog store_scenario() {
     PrefixStore other(*engine, no_host);
     const SeqId seq = computed(*engine, a);
     (void)other.offload(seq, a, S::kCached);
-    (void)engine->remove_sequence(seq);
+    (void)engine->memory().remove_sequence(seq);
     blobs->alive = false;
     if (lower == 0) std::filesystem::remove(other.prefix_disk_directory() + "/0.spxprefix");
     (void)other.restore(0);
@@ -523,7 +525,7 @@ StateLog store_scenario() {
   for (const auto& p : {a, b}) {
     const SeqId seq = computed(*engine, p);
     (void)host.offload(seq, p, S::kCached);
-    (void)engine->remove_sequence(seq);
+    (void)engine->memory().remove_sequence(seq);
   }
   all += host.states();
   return all;

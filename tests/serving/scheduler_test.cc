@@ -102,7 +102,7 @@ TEST(Scheduler, RequestsSubmittedMidRunJoinTheBatchAndGetTheirAloneTokens) {
   EXPECT_EQ(got.tokens[ib->value()], alone(b));
   EXPECT_EQ(got.tokens[ic->value()], alone(c));
   for (int64_t id : {ia->value(), ib->value(), ic->value()}) EXPECT_EQ(got.finish[id], FinishReason::kLength);
-  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(engine->memory().live_sequences(), 0);
 }
 
 TEST(Scheduler, CancelFreesTheSequenceAtOnceAndTheOthersGoOn) {
@@ -119,11 +119,11 @@ TEST(Scheduler, CancelFreesTheSequenceAtOnceAndTheOthersGoOn) {
     ASSERT_TRUE(s.step(ev).is_ok());
     collect(ev, got);
   }
-  EXPECT_EQ(engine->live_sequences(), 2);
-  const int64_t kv_two = engine->kv_bytes_in_use();
+  EXPECT_EQ(engine->memory().live_sequences(), 2);
+  const int64_t kv_two = engine->memory().kv_bytes_in_use();
   EXPECT_TRUE(s.cancel(*ia));
-  EXPECT_EQ(engine->live_sequences(), 1);
-  EXPECT_LT(engine->kv_bytes_in_use(), kv_two);
+  EXPECT_EQ(engine->memory().live_sequences(), 1);
+  EXPECT_LT(engine->memory().kv_bytes_in_use(), kv_two);
   EXPECT_FALSE(s.cancel(*ia)) << "a second cancel finds nothing";
   EXPECT_FALSE(s.cancel(RequestId(999)));
   while (!s.idle()) {
@@ -134,7 +134,7 @@ TEST(Scheduler, CancelFreesTheSequenceAtOnceAndTheOthersGoOn) {
   EXPECT_EQ(got.tokens[ia->value()].size(), 6u);
   EXPECT_FALSE(got.finish.count(ia->value())) << "no event follows a cancel";
   EXPECT_EQ(got.tokens[ib->value()], alone(b));
-  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(engine->memory().live_sequences(), 0);
 }
 
 TEST(Scheduler, WaitingRequestsAreAdmittedInOrderAndCanBeCancelledBeforeTheyRun) {
@@ -177,12 +177,12 @@ TEST(Scheduler, AdmissionCountsRunningRequestsAtTheirFinalLength) {
   eo.kv_pages = 20;  // 320 tokens: one 200-token request at a time
   auto engine = Engine::create(*m, testing::cpu_backend(), eo);
   ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  auto seq = (*engine)->add_sequence(/*final_length=*/200);
+  auto seq = (*engine)->memory().add_sequence(/*final_length=*/200);
   ASSERT_TRUE(seq.is_ok());
   EXPECT_EQ((*engine)->admit(200, /*alone=*/false).code(), StatusCode::kResourceExhausted)
       << "13 pages promised to the empty sequence";
   EXPECT_TRUE((*engine)->admit(100, /*alone=*/false).is_ok());
-  ASSERT_TRUE((*engine)->remove_sequence(*seq).is_ok());
+  ASSERT_TRUE((*engine)->memory().remove_sequence(*seq).is_ok());
 
   Scheduler s(**engine, GeneratorOptions{});
   auto a = s.submit(request({1, 403, 407, 261, 378}, 195));
@@ -252,13 +252,14 @@ TEST(Scheduler, PreemptingAdmissionRunsRequestsTogetherAndRecomputesTheOnesThatG
     EXPECT_EQ(got.finish[refused->value()], FinishReason::kRefused);
     EXPECT_FALSE(got.tokens.count(refused->value()));
     // Finished sequences stay cached (evicted as the others needed room).
-    EXPECT_EQ((*engine)->live_sequences(), static_cast<int64_t>(s.prefix_store().cached_sequences()));
+    EXPECT_EQ((*engine)->memory().live_sequences(),
+              static_cast<int64_t>(s.prefix_store().cached_sequences()));
     if (caching) {
       EXPECT_GE(s.stats().prefix_cache_evictions, 1);
     } else {
-      EXPECT_EQ((*engine)->kv_bytes_in_use(), 0);
+      EXPECT_EQ((*engine)->memory().kv_bytes_in_use(), 0);
     }
-    EXPECT_TRUE((*engine)->check_invariants().is_ok());
+    EXPECT_TRUE((*engine)->memory().check_invariants().is_ok());
   }
 }
 
@@ -299,7 +300,7 @@ TEST(Scheduler, AFailedForwardEndsOnlyItsBatchAndWaitingRequestsStayQueued) {
   ASSERT_TRUE(got.finish.count(a->value()));
   EXPECT_EQ(got.finish[a->value()], FinishReason::kError);
   EXPECT_NE(failed.message().find("layer"), std::string::npos) << failed.to_string();
-  EXPECT_EQ(engine->live_sequences(), 0) << "the failed request's sequence is freed";
+  EXPECT_EQ(engine->memory().live_sequences(), 0) << "the failed request's sequence is freed";
   EXPECT_FALSE(got.finish.count(c->value())) << "the waiting request was not in the failed batch";
   EXPECT_EQ(s.waiting(), 1u);
   // It runs next (and fails on the dead link too): one ending, not lost.
@@ -351,7 +352,7 @@ TEST(Scheduler, LogprobsLeaveTheTokensUnchangedAndMatchADenseForward) {
       EXPECT_FALSE(without[id][i].logprobs.has_value());
       tokens.push_back(got[i].token);
     }
-    auto seq = dense->add_sequence();
+    auto seq = dense->memory().add_sequence();
     ASSERT_TRUE(seq.is_ok());
     tokens.pop_back();  // the last token's logits are not needed
     const std::vector<StepRequest> step{{*seq, tokens, LogitsMode::kAll, nullptr}};
@@ -377,7 +378,7 @@ TEST(Scheduler, LogprobsLeaveTheTokensUnchangedAndMatchADenseForward) {
         EXPECT_EQ(lp.top[0].token, got[i].token) << "greedy takes the top";
       }
     }
-    ASSERT_TRUE(dense->remove_sequence(*seq).is_ok());
+    ASSERT_TRUE(dense->memory().remove_sequence(*seq).is_ok());
   }
   GenerationRequest too_many = plain[0];
   too_many.logprobs = kMaxLogprobs + 1;
@@ -415,7 +416,7 @@ TEST(Scheduler, PromptLogprobsCoverEveryPromptTokenAcrossChunks) {
   EXPECT_EQ(tokens, plain);
 
   auto dense = make_engine(1);
-  auto seq = dense->add_sequence();
+  auto seq = dense->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   const std::vector<StepRequest> step{{*seq, r.prompt, LogitsMode::kAll, nullptr}};
   auto out = dense->forward(step);
@@ -459,7 +460,7 @@ TEST(Scheduler, LogitBiasAndPenaltiesEqualAHandWrittenGreedyLoop) {
   EXPECT_NE(got[0], plain[0]) << "the banned token is never drawn first";
 
   auto engine = make_engine(1);
-  auto seq = engine->add_sequence();
+  auto seq = engine->memory().add_sequence();
   ASSERT_TRUE(seq.is_ok());
   std::vector<TokenId> feed = r.prompt, expected;
   std::map<TokenId, int> counts;
@@ -562,7 +563,7 @@ TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   ASSERT_EQ(ta, alone(a));
   EXPECT_EQ(got.cached[1], 0);
   EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
-  EXPECT_EQ(engine->live_sequences(), 1);
+  EXPECT_EQ(engine->memory().live_sequences(), 1);
 
   // The next turn: the conversation so far and more. A's cache holds 40 + 30 − 1 tokens (its
   // last token was never fed): 64 of them in whole pages.
@@ -585,7 +586,7 @@ TEST(Scheduler, PrefixCachingStartsTheNextTurnFromTheLastTurnsCache) {
   EXPECT_EQ(got.tokens[3], ta);
   EXPECT_EQ(got.cached[3], 32);
   EXPECT_EQ(s.prefix_store().cached_sequences(), 2u) << "B keeps pages beyond C's prefix";
-  EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
+  EXPECT_TRUE(engine->memory().check_invariants().is_ok()) << engine->memory().check_invariants().to_string();
 }
 
 TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
@@ -606,7 +607,7 @@ TEST(Scheduler, TheNextTurnTakesOverTheLastTurnsSequenceEvenWithOneSlot) {
     EXPECT_EQ(got.cached[2], 64) << "69 cached tokens, cut to 4 pages";
     EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
     EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
   }
 }
 
@@ -634,7 +635,8 @@ TEST(Scheduler, ThePromptAgainTakesOverALongerCachedSequenceWithOneSlot) {
     EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
     EXPECT_EQ(s.stats().prefix_offloads, store ? 1 : 0);
     EXPECT_EQ(s.prefix_store().offloaded_prefixes(), store ? 1u : 0u);
-    EXPECT_TRUE(engine->check_invariants().is_ok()) << engine->check_invariants().to_string();
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok())
+        << engine->memory().check_invariants().to_string();
   }
 }
 
@@ -646,7 +648,7 @@ TEST(Scheduler, SlotsBeyondTheRunningOnesHoldCachedSequences) {
   eo.max_running = 1;  // the pool: one sequence at the context limit (32 pages of 16)
   auto engine = Engine::create(*m, testing::cpu_backend(), eo);
   ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  EXPECT_EQ((*engine)->kv_store().total_pages(), 32);
+  EXPECT_EQ((*engine)->memory().kv_store().total_pages(), 32);
   GeneratorOptions go;
   go.prefix_caching = true;
   Scheduler s(**engine, go);
@@ -666,7 +668,7 @@ TEST(Scheduler, SlotsBeyondTheRunningOnesHoldCachedSequences) {
   EXPECT_EQ(got.tokens[3], alone(next));
   EXPECT_EQ(got.cached[3], 64);
   EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
-  EXPECT_TRUE((*engine)->check_invariants().is_ok());
+  EXPECT_TRUE((*engine)->memory().check_invariants().is_ok());
 }
 
 TEST(Scheduler, PrefixCachingForksFromARunningRequest) {
@@ -691,7 +693,7 @@ TEST(Scheduler, PrefixCachingForksFromARunningRequest) {
   EXPECT_EQ(got.tokens[2], alone(b));
   EXPECT_EQ(got.cached[2], 32);
   EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
-  EXPECT_TRUE(engine->check_invariants().is_ok());
+  EXPECT_TRUE(engine->memory().check_invariants().is_ok());
 }
 
 TEST(Scheduler, APromptSentTwiceAtOnceIsComputedOnce) {
@@ -735,7 +737,7 @@ TEST(Scheduler, CachedSequencesGiveWayToNewRequests) {
           << "each one's memory evicts the last";
       EXPECT_EQ(s.prefix_store().cached_sequences(), 1u);
     }
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
   }
 }
 
@@ -762,7 +764,7 @@ TEST(Scheduler, TheNextTurnTakesOverItsCacheWhereCountingBothWouldNotFit) {
     EXPECT_EQ(got.cached[2], 64);
     EXPECT_EQ(s.stats().prefix_cache_evictions, 0);
     EXPECT_EQ(got.tokens[2], alone(next));
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
   }
 }
 
@@ -790,7 +792,7 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
         run_to_idle(s, got);
       }
       EXPECT_EQ(s.stats().prefix_cache_evictions, 1);
-      const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
+      const uint64_t page = engine->memory().kv_store().page_bytes() * 5;  // one page of every layer
       const bool kept_a = budget >= 4 * page, kept_b = budget >= 15 * page;
       EXPECT_EQ(s.stats().prefix_offloads, kept_a ? 1 : 0);
       EXPECT_EQ(s.prefix_store().offloaded_bytes(), kept_a ? 4 * page : 0);
@@ -805,7 +807,7 @@ TEST(Scheduler, AnEvictedConversationIsOffloadedAndItsNextTurnRestoresIt) {
       EXPECT_EQ(s.stats().prefix_offloads, (kept_a ? 1 : 0) + (kept_b ? 1 : 0));
       EXPECT_EQ(s.prefix_store().offloaded_prefixes(), kept_b ? 1u : 0u) << "A left the store";
       EXPECT_EQ(s.prefix_store().offloaded_bytes(), kept_b ? 15 * page : 0);
-      EXPECT_TRUE(engine->check_invariants().is_ok());
+      EXPECT_TRUE(engine->memory().check_invariants().is_ok());
     }
   }
 }
@@ -816,7 +818,7 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
   ASSERT_TRUE(engine);
   GeneratorOptions go;
   go.prefix_caching = true;
-  const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
+  const uint64_t page = engine->memory().kv_store().page_bytes() * 5;  // one page of every layer
   go.prefix_offload_bytes = 10 * page;                         // two prefixes of 4 pages
   Scheduler s(*engine, go);
   // Four unrelated conversations of 4 whole pages each (65 tokens cached): from the third on,
@@ -852,7 +854,7 @@ TEST(Scheduler, TheOffloadStoreKeepsItsBudgetLeastRecentlyUsedOut) {
     EXPECT_EQ(got.cached[id->value()], c == 1 ? 0 : 64) << c;
     EXPECT_EQ(got.tokens[id->value()], alone(turn)) << c;
   }
-  EXPECT_TRUE(engine->check_invariants().is_ok());
+  EXPECT_TRUE(engine->memory().check_invariants().is_ok());
 }
 
 // The store holds one copy of a prefix: one that another extends is dropped for it, and one that
@@ -887,7 +889,7 @@ TEST(Scheduler, TheOffloadStoreKeepsTheLongerOfTwoPrefixesOfTheSameTokens) {
   EXPECT_EQ(s.stats().prefix_offloads, 2 + 2) << "the two short unrelated ones only";
   EXPECT_EQ(s.prefix_store().offloaded_prefixes(), 3u);
   EXPECT_GT(s.prefix_store().offloaded_bytes(), held);
-  EXPECT_TRUE(engine->check_invariants().is_ok());
+  EXPECT_TRUE(engine->memory().check_invariants().is_ok());
 }
 
 // The store's disk level: prefix files in a directory of the scheduler's own.
@@ -915,7 +917,7 @@ TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
       ASSERT_TRUE(s.submit(r).is_ok());
       run_to_idle(s, got);
     }
-    const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
+    const uint64_t page = engine->memory().kv_store().page_bytes() * 5;  // one page of every layer
     EXPECT_EQ(s.stats().prefix_cache_evictions, 1);
     EXPECT_EQ(s.stats().prefix_offloads, 0) << "no host memory";
     EXPECT_EQ(s.stats().prefix_disk_writes, 1);
@@ -937,7 +939,7 @@ TEST(Scheduler, AnEvictedConversationGoesToDiskAndItsNextTurnReadsItBack) {
     EXPECT_EQ(s.stats().prefix_disk_writes, 2) << "B went to disk for the next turn's room";
     EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u) << "A's file was removed once read";
     EXPECT_EQ(prefix_files(dir), 1u);
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
   }
   EXPECT_FALSE(std::filesystem::exists(dir)) << "the scheduler removes its directory";
 }
@@ -977,7 +979,7 @@ TEST(Scheduler, PersistentPrefixFilesOutliveTheSchedulerAndAnswerTheNextOne) {
   }
   EXPECT_EQ(prefix_files(dir), 1u) << "written at the end";
   EXPECT_TRUE(std::filesystem::exists(dir));
-  EXPECT_EQ(engine->live_sequences(), 0);
+  EXPECT_EQ(engine->memory().live_sequences(), 0);
   const GenerationRequest next = next_turn(a, first.tokens[1], {403, 407}, 20);
   {
     Scheduler s(*engine, go);
@@ -1032,7 +1034,7 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     ASSERT_TRUE(engine);
     GeneratorOptions go;
     go.prefix_caching = true;
-    const uint64_t page = engine->kv_store().page_bytes() * 5;  // one page of every layer
+    const uint64_t page = engine->memory().kv_store().page_bytes() * 5;  // one page of every layer
     go.prefix_offload_bytes = 5 * page;                          // one prefix of 4 pages
     go.prefix_disk_bytes = disk_fits_one ? 6 * page : uint64_t{64} << 20;
     Scheduler s(*engine, go);
@@ -1078,7 +1080,7 @@ TEST(Scheduler, HostMemoryLetsItsOldestPrefixGoToDiskAndTheDiskItsOldestFile) {
     EXPECT_EQ(prefix_files(s.prefix_store().prefix_disk_directory()), s.prefix_store().prefixes_on_disk());
     EXPECT_LE(static_cast<uint64_t>(s.stats().prefix_disk_peak_bytes), go.prefix_disk_bytes);
     EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
   }
 }
 
@@ -1138,7 +1140,7 @@ TEST(Scheduler, AFileThatCannotBeReadBackOrWrittenIsDroppedAndThePromptComputed)
           << s.prefix_store().last_prefix_disk_error();
       EXPECT_FALSE(std::filesystem::exists(file));
     }
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
   }
 }
 
@@ -1194,7 +1196,7 @@ TEST(Scheduler, APreemptedRequestIsSwappedOutAndItsPagesComeBackOnce) {
       EXPECT_LE(st.prompt_tokens, submitted_prompt_tokens + st.preemptions * 16);
       EXPECT_EQ(st.prefix_disk_restores, mode == Mode::kSwapToDisk ? st.preemption_swaps : 0);
     }
-    EXPECT_TRUE(engine->check_invariants().is_ok());
+    EXPECT_TRUE(engine->memory().check_invariants().is_ok());
     stats[mode] = st;
   }
   EXPECT_GT(stats[Mode::kRecompute].prompt_tokens,
@@ -1323,8 +1325,8 @@ TEST_P(PrefixCachingUnderLoad, EveryRequestGetsItsAloneTokens) {
     ev.clear();
     ASSERT_TRUE(s.step(ev).is_ok());
     collect(ev, got);
-    ASSERT_TRUE((*engine)->check_invariants().is_ok())
-        << "step " << step << ": " << (*engine)->check_invariants().to_string();
+    ASSERT_TRUE((*engine)->memory().check_invariants().is_ok())
+        << "step " << step << ": " << (*engine)->memory().check_invariants().to_string();
   }
   ASSERT_TRUE(s.idle());
   int checked = 0;

@@ -591,7 +591,7 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   prefix_disk_errors = st.prefix_disk_errors;
   prefixes_on_disk = static_cast<int64_t>(scheduler.prefix_store().prefixes_on_disk());
   prefix_disk_bytes = static_cast<int64_t>(scheduler.prefix_store().disk_bytes());
-  kv_bytes = engine.memory().kv_bytes_in_use();
+  kv_bytes = engine.kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
 }
@@ -822,7 +822,8 @@ asio::awaitable<void> OpenAiServer::Impl::session(tcp::socket socket, std::strin
   beast::flat_buffer buffer;
   const auto end_of_connection = [](const beast::error_code& e) {
     return e == http::error::end_of_stream || e == asio::error::eof || e == beast::error::timeout ||
-           e == asio::error::connection_reset || e == asio::error::operation_aborted;
+           e == asio::error::connection_reset || e == asio::error::operation_aborted ||
+           e == asio::ssl::error::stream_truncated;  // TLS: closed without close_notify
   };
   for (bool first = true;; first = false) {
     HttpRequestParser parser;

@@ -1,8 +1,9 @@
 // The OpenAI server over TLS (ServerOptions::tls_cert_file/tls_key_file; serve --tls-cert,
 // --tls-key), on loopback with a self-signed certificate made here with OpenSSL's API: /health and
 // a streamed completion are answered over TLS 1.2+, a client that only speaks TLS 1.1 or plain
-// HTTP is refused (counted) and the server goes on, and a missing, unreadable, mismatched or
-// world-readable key or certificate is a startup error naming the flag.
+// HTTP is refused (counted) and the server goes on (a TLS client gone without close_notify is no
+// bad request), and a missing, unreadable, mismatched or world-readable key or certificate is a
+// startup error naming the flag.
 #include <gtest/gtest.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
@@ -221,6 +222,12 @@ TEST(OpenAiTls, PlainHttpAndTls11ClientsAreRefusedAndTheServerGoesOn) {
     TlsClient old(port, files, TLS1_1_VERSION);
     EXPECT_TRUE(old.handshake()) << "a TLS 1.1 handshake succeeded";
   }
+  {
+    // A TLS client that goes away without close_notify: the end of its connection, not a bad request.
+    TlsClient gone(port, files);
+    ASSERT_FALSE(gone.handshake());
+    beast::get_lowest_layer(gone.stream).close();
+  }
   TlsClient client(port, files);
   ASSERT_FALSE(client.handshake());
   EXPECT_EQ(client.request(http::verb::get, "/health").result_int(), 200u);
@@ -229,6 +236,7 @@ TEST(OpenAiTls, PlainHttpAndTls11ClientsAreRefusedAndTheServerGoesOn) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ((*server)->counters().tls_handshake_failures, 2);
+  EXPECT_EQ((*server)->counters().rejected, 0);
   TlsClient metrics(port, files);
   ASSERT_FALSE(metrics.handshake());
   EXPECT_NE(

@@ -591,7 +591,7 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   prefix_disk_errors = st.prefix_disk_errors;
   prefixes_on_disk = static_cast<int64_t>(scheduler.prefix_store().prefixes_on_disk());
   prefix_disk_bytes = static_cast<int64_t>(scheduler.prefix_store().disk_bytes());
-  kv_bytes = engine.kv_bytes_in_use();
+  kv_bytes = engine.memory().kv_bytes_in_use();
   waiting = static_cast<int64_t>(scheduler.waiting());
   running = static_cast<int64_t>(scheduler.running());
 }

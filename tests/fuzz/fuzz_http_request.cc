@@ -7,6 +7,30 @@
 // (method, target, body, keep-alive); it respects the body limit; an unreadable one is a 413 at
 // the body limit and a 400 otherwise; routing gives a route or a 404/405; without keys every
 // request is authorized; error bodies are JSON.
+// Boost.Beast 1.74's basic_parser::parse_chunk_header asserts `n >= 5` where a final chunk that
+// arrives a few bytes at a time legitimately holds fewer; the code after the assertion asks for more
+// bytes, as it should (the assertion was corrected upstream: boostorg/beast#2861, May 2024).
+// Release builds compile it out, so the server is not affected; here, in a Debug build, that one
+// assertion is let through and every other Boost assertion still stops the fuzzer.
+#define BOOST_ENABLE_ASSERT_HANDLER
+#include <boost/assert.hpp>
+#include <cstring>
+
+namespace boost {
+void assertion_failed(char const* expr, char const* function, char const* file, long line) {
+  (void)function;
+  (void)line;
+  if (std::strcmp(expr, "n >= 5") == 0 && std::strstr(file, "beast/http/impl/basic_parser.ipp") != nullptr)
+    return;
+  __builtin_trap();
+}
+void assertion_failed_msg(char const* expr, char const* msg, char const* function, char const* file,
+                          long line) {
+  (void)msg;
+  assertion_failed(expr, function, file, line);
+}
+}  // namespace boost
+
 #include <algorithm>
 #include <array>
 #include <boost/asio/buffer.hpp>

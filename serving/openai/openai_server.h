@@ -40,9 +40,9 @@ struct ServerOptions {
   size_t max_waiting = 256;          // requests queued behind the running ones; more get 503
   size_t max_body_bytes = 4u << 20;  // larger bodies get 413
   // A request's header must come whole within header_timeout (nginx's client_header_timeout): on
-  // a new connection from its accept, on a kept one from the request's first byte. A partial
-  // header is then answered 408 and the connection closed; a new connection that sent nothing is
-  // closed. Between requests a keep-alive connection may be idle for idle_timeout (then it is
+  // a new connection from its accept, on a kept one from the request's first byte; past it the
+  // connection is closed without an answer (counted in header_timeouts), whether part of a header
+  // came or nothing did. Between requests a keep-alive connection may be idle for idle_timeout (then it is
   // closed), and a request's body must come whole within idle_timeout of its header.
   std::chrono::milliseconds header_timeout{10000};
   std::chrono::milliseconds idle_timeout{15000};

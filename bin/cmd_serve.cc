@@ -186,35 +186,10 @@ int run_serve(const ServeArgs& a) {
   sigwait(&stop_signals, &sig);
   (*server)->stop(std::chrono::milliseconds(static_cast<int64_t>(a.drain_seconds * 1000)));
   if (bundle->tiers) print_kv_node_events(*bundle->tiers);  // what the last steps saw
-  const cluster::ServerCounters c = (*server)->counters();
-  std::cout << nlohmann::json{{"event", "stopped"},
-                              {"signal", sig},
-                              {"accepted", c.accepted},
-                              {"completed", c.completed},
-                              {"rejected", c.rejected},
-                              {"cancelled", c.cancelled},
-                              {"failed", c.failed},
-                              {"unauthorized", c.unauthorized},
-                              {"connections_refused", c.connections_refused},
-                              {"connections_refused_per_ip", c.connections_refused_per_ip},
-                              {"header_timeouts", c.header_timeouts},
-                              {"prepare_refused", c.prepare_refused},
-                              {"prompt_tokens", c.prompt_tokens},
-                              {"generated_tokens", c.generated_tokens},
-                              {"max_batch_sequences", c.max_batch_sequences},
-                              {"preemptions", c.preemptions},
-                              {"preemption_swaps", c.preemption_swaps},
-                              {"lost_tiers", c.lost_tiers},
-                              {"lost_tier_recomputes", c.lost_tier_requeues},
-                              {"cached_prompt_tokens", c.cached_prompt_tokens},
-                              {"prefix_cache_evictions", c.prefix_cache_evictions},
-                              {"prefix_offloads", c.prefix_offloads},
-                              {"prefix_restores", c.prefix_restores},
-                              {"prefix_disk_writes", c.prefix_disk_writes},
-                              {"prefix_disk_restores", c.prefix_disk_restores},
-                              {"prefix_disk_errors", c.prefix_disk_errors}}
-                   .dump()
-            << std::endl;
+  nlohmann::json stopped = cluster::render_json((*server)->counters());
+  stopped["event"] = "stopped";
+  stopped["signal"] = sig;
+  std::cout << stopped.dump() << std::endl;
   return 0;
 }
 

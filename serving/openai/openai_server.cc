@@ -419,11 +419,14 @@ struct OpenAiServer::Impl {
   // Requests admitted to the workers and not yet prepared, of those being prepared now, and
   // requests refused because the queue was full.
   std::atomic<int64_t> prepare_pending{0}, prepare_running{0}, prepare_refused{0};
-  std::atomic<int64_t> prompt_tokens{0}, generated_tokens{0}, running{0}, waiting{0}, max_batch{0},
-      preemptions{0}, preemption_swaps{0}, cached_prompt_tokens{0}, prefix_cache_evictions{0},
-      cached_sequences{0}, kv_bytes{0}, lost_tiers{0}, lost_tier_requeues{0}, prefix_offloads{0},
-      prefix_restores{0}, offloaded_prefixes{0}, offloaded_bytes{0}, prefix_disk_writes{0},
-      prefix_disk_restores{0}, prefix_disk_errors{0}, prefixes_on_disk{0}, prefix_disk_bytes{0};
+  // The counters the engine thread owns (publish()); its other fields stay 0.
+  mutable std::mutex published_mu;
+  ServerCounters published;
+  int64_t waiting_now() const {
+    std::lock_guard lk(published_mu);
+    return published.waiting;
+  }
+  ServerCounters snapshot() const;  // every counter, now
 
   // Made and opened (Scheduler::open_prefix_disk) by start(); then the engine thread's alone.
   std::unique_ptr<Scheduler> scheduler_owned;
@@ -567,33 +570,23 @@ void OpenAiServer::Impl::deliver(const std::shared_ptr<Job>& job, size_t choice,
 }
 
 void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
-  const GenerationStats& st = scheduler.stats();
-  prompt_tokens = st.prompt_tokens;
-  generated_tokens = st.generated_tokens;
-  max_batch = st.max_batch_sequences;
-  preemptions = st.preemptions;
-  preemption_swaps = st.preemption_swaps;
-  lost_tiers = st.lost_tiers;
-  lost_tier_requeues = st.lost_tier_requeues;
-  cached_prompt_tokens = st.cached_prompt_tokens;
-  prefix_cache_evictions = st.prefix_cache_evictions;
-  cached_sequences = static_cast<int64_t>(scheduler.prefix_store().cached_sequences());
-  prefix_offloads = st.prefix_offloads;
-  prefix_restores = st.prefix_restores;
-  offloaded_prefixes = static_cast<int64_t>(scheduler.prefix_store().offloaded_prefixes());
-  offloaded_bytes = static_cast<int64_t>(scheduler.prefix_store().offloaded_bytes());
-  prefix_disk_writes = st.prefix_disk_writes;
-  prefix_disk_restores = st.prefix_disk_restores;
-  if (st.prefix_disk_errors > prefix_disk_errors) {  // written by this thread only
+  const PrefixStore& store = scheduler.prefix_store();
+  ServerCounters p;
+  copy_generation_stats(scheduler.stats(), p);
+  p.cached_sequences = static_cast<int64_t>(store.cached_sequences());
+  p.offloaded_prefixes = static_cast<int64_t>(store.offloaded_prefixes());
+  p.offloaded_bytes = static_cast<int64_t>(store.offloaded_bytes());
+  p.prefixes_on_disk = static_cast<int64_t>(store.prefixes_on_disk());
+  p.prefix_disk_bytes = static_cast<int64_t>(store.disk_bytes());
+  p.kv_bytes_in_use = engine.memory().kv_bytes_in_use();
+  p.waiting = static_cast<int64_t>(scheduler.waiting());
+  p.running = static_cast<int64_t>(scheduler.running());
+  std::lock_guard lk(published_mu);
+  if (p.prefix_disk_errors > published.prefix_disk_errors) {
     std::fprintf(stderr, "serve: a prefix file was dropped (its prompt is computed): %s\n",
-                 scheduler.prefix_store().last_prefix_disk_error().c_str());
+                 store.last_prefix_disk_error().c_str());
   }
-  prefix_disk_errors = st.prefix_disk_errors;
-  prefixes_on_disk = static_cast<int64_t>(scheduler.prefix_store().prefixes_on_disk());
-  prefix_disk_bytes = static_cast<int64_t>(scheduler.prefix_store().disk_bytes());
-  kv_bytes = engine.memory().kv_bytes_in_use();
-  waiting = static_cast<int64_t>(scheduler.waiting());
-  running = static_cast<int64_t>(scheduler.running());
+  published = p;
 }
 
 void OpenAiServer::Impl::engine_loop() {
@@ -669,9 +662,10 @@ void OpenAiServer::Impl::engine_loop() {
     }
   }
   scheduler_owned.reset();  // frees the sequences here (and writes persistent prefixes)
-  running = 0;
-  waiting = 0;
-  cached_sequences = 0;
+  std::lock_guard lk(published_mu);
+  published.running = 0;
+  published.waiting = 0;
+  published.cached_sequences = 0;
 }
 
 // ---------------------------------------------------------------- Asio thread
@@ -1426,7 +1420,7 @@ std::optional<ApiError> OpenAiServer::Impl::submit(const std::shared_ptr<Job>& j
   bool busy = false;
   {
     std::lock_guard lk(mu);
-    busy = static_cast<size_t>(waiting.load()) + submits.size() >= options.max_waiting;
+    busy = static_cast<size_t>(waiting_now()) + submits.size() >= options.max_waiting;
     if (!busy) submits.push_back(job);
   }
   if (busy) {
@@ -1670,74 +1664,7 @@ asio::awaitable<void> OpenAiServer::Impl::stream_ending(Generation& gen, EventSt
   co_await events.write(std::move(done_event));
 }
 
-std::string OpenAiServer::Impl::metrics_text() const {
-  std::string out;
-  auto metric = [&](const char* name, const char* type, const char* help, int64_t value) {
-    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " " +
-           std::to_string(value) + "\n";
-  };
-  metric("specontext_requests_running", "gauge", "requests in the running batch", running);
-  metric("specontext_requests_waiting", "gauge", "requests queued behind the running batch", waiting);
-  metric("specontext_requests_accepted_total", "counter", "generation requests queued", accepted);
-  metric("specontext_requests_completed_total", "counter", "requests answered with a finish_reason",
-         completed);
-  metric("specontext_requests_rejected_total", "counter",
-         "requests answered with a 4xx/503 error, except 401s", rejected);
-  metric("specontext_unauthorized_requests_total", "counter", "/v1/ requests without a valid API key (401)",
-         unauthorized);
-  metric("specontext_open_connections", "gauge", "client connections open", open_connections);
-  metric("specontext_connections_refused_total", "counter",
-         "connections refused at the connection limit (503)", connections_refused);
-  metric("specontext_connections_refused_per_ip_total", "counter",
-         "connections refused at the per-address connection limit (429)", connections_refused_per_ip);
-  metric("specontext_header_timeouts_total", "counter",
-         "connections closed because a request header did not come whole within the header timeout",
-         header_timeouts);
-  metric("specontext_tls_handshake_failures_total", "counter",
-         "connections closed because their TLS handshake failed (e.g. plain HTTP sent to the TLS port)",
-         tls_handshake_failures);
-  metric("specontext_prepare_queue_depth", "gauge", "requests waiting for a worker to tokenize them",
-         prepare_pending - prepare_running);
-  metric("specontext_prepare_running", "gauge", "requests being parsed and tokenized by a worker",
-         prepare_running);
-  metric("specontext_prepare_refused_total", "counter",
-         "requests refused because the request queue was full (503)", prepare_refused);
-  metric("specontext_requests_cancelled_total", "counter", "requests whose client went away", cancelled);
-  metric("specontext_requests_failed_total", "counter", "requests whose batch failed in the engine (500)",
-         failed);
-  metric("specontext_prompt_tokens_total", "counter", "prompt tokens prefilled", prompt_tokens);
-  metric("specontext_generation_tokens_total", "counter", "tokens generated", generated_tokens);
-  metric("specontext_batch_sequences_max", "gauge", "most sequences in one forward pass", max_batch);
-  metric("specontext_preemptions_total", "counter", "running requests preempted to make room", preemptions);
-  metric("specontext_preemption_swaps_total", "counter",
-         "of the preempted requests, those whose KV went to the prefix offload store", preemption_swaps);
-  metric("specontext_kv_tiers_lost_total", "counter",
-         "remote KV tiers lost (every replica died) and abandoned", lost_tiers);
-  metric("specontext_lost_tier_recomputes_total", "counter",
-         "running requests recomputed after a KV tier was lost", lost_tier_requeues);
-  metric("specontext_prefix_cache_hit_tokens_total", "counter", "prompt tokens taken from the prefix cache",
-         cached_prompt_tokens);
-  metric("specontext_prefix_cache_evictions_total", "counter", "cached sequences dropped to make room",
-         prefix_cache_evictions);
-  metric("specontext_prefix_cache_sequences", "gauge", "finished requests' sequences kept for prefix caching",
-         cached_sequences);
-  metric("specontext_prefix_offloads_total", "counter", "evicted cached prefixes kept in host memory",
-         prefix_offloads);
-  metric("specontext_prefix_restores_total", "counter", "offloaded prefixes written back into the KV cache",
-         prefix_restores);
-  metric("specontext_prefix_offload_sequences", "gauge", "prefixes held in host memory", offloaded_prefixes);
-  metric("specontext_prefix_offload_bytes", "gauge", "host memory the offloaded prefixes hold", offloaded_bytes);
-  metric("specontext_prefix_disk_writes_total", "counter", "offloaded prefixes written to disk", prefix_disk_writes);
-  metric("specontext_prefix_disk_restores_total", "counter", "prefixes read back from disk into the KV cache",
-         prefix_disk_restores);
-  metric("specontext_prefix_disk_errors_total", "counter",
-         "prefix files that could not be written or read back intact (dropped; the prompt is computed)",
-         prefix_disk_errors);
-  metric("specontext_prefix_disk_sequences", "gauge", "prefixes held on disk", prefixes_on_disk);
-  metric("specontext_prefix_disk_bytes", "gauge", "disk space the prefix files take", prefix_disk_bytes);
-  metric("specontext_kv_bytes_in_use", "gauge", "KV cache bytes held by live sequences", kv_bytes);
-  return out;
-}
+std::string OpenAiServer::Impl::metrics_text() const { return render_prometheus(snapshot()); }
 
 // ---------------------------------------------------------------- OpenAiServer
 
@@ -1830,46 +1757,33 @@ void OpenAiServer::stop(std::chrono::milliseconds drain) {
   });
 }
 
-ServerCounters OpenAiServer::counters() const {
-  const Impl& s = *impl_;
+ServerCounters OpenAiServer::Impl::snapshot() const {
   ServerCounters c;
-  c.accepted = s.accepted;
-  c.completed = s.completed;
-  c.rejected = s.rejected;
-  c.cancelled = s.cancelled;
-  c.failed = s.failed;
-  c.unauthorized = s.unauthorized;
-  c.connections_refused = s.connections_refused;
-  c.connections_refused_per_ip = s.connections_refused_per_ip;
-  c.header_timeouts = s.header_timeouts;
-  c.tls_handshake_failures = s.tls_handshake_failures;
-  c.prepare_queued = s.prepare_pending - s.prepare_running;
-  c.prepare_running = s.prepare_running;
-  c.prepare_refused = s.prepare_refused;
-  c.open_connections = s.open_connections;
-  c.prompt_tokens = s.prompt_tokens;
-  c.generated_tokens = s.generated_tokens;
-  c.running = s.running;
-  c.waiting = s.waiting;
-  c.max_batch_sequences = s.max_batch;
-  c.preemptions = s.preemptions;
-  c.preemption_swaps = s.preemption_swaps;
-  c.lost_tiers = s.lost_tiers;
-  c.lost_tier_requeues = s.lost_tier_requeues;
-  c.cached_prompt_tokens = s.cached_prompt_tokens;
-  c.prefix_cache_evictions = s.prefix_cache_evictions;
-  c.cached_sequences = s.cached_sequences;
-  c.prefix_offloads = s.prefix_offloads;
-  c.prefix_restores = s.prefix_restores;
-  c.offloaded_prefixes = s.offloaded_prefixes;
-  c.offloaded_bytes = s.offloaded_bytes;
-  c.prefix_disk_writes = s.prefix_disk_writes;
-  c.prefix_disk_restores = s.prefix_disk_restores;
-  c.prefix_disk_errors = s.prefix_disk_errors;
-  c.prefixes_on_disk = s.prefixes_on_disk;
-  c.prefix_disk_bytes = s.prefix_disk_bytes;
-  c.kv_bytes_in_use = s.kv_bytes;
+  {
+    std::lock_guard lk(published_mu);
+    c = published;
+  }
+  // The counters written where the event happens.
+  static constexpr std::pair<int64_t ServerCounters::*, const std::atomic<int64_t> Impl::*> kCounted[] = {
+      {&ServerCounters::accepted, &Impl::accepted},
+      {&ServerCounters::completed, &Impl::completed},
+      {&ServerCounters::rejected, &Impl::rejected},
+      {&ServerCounters::cancelled, &Impl::cancelled},
+      {&ServerCounters::failed, &Impl::failed},
+      {&ServerCounters::unauthorized, &Impl::unauthorized},
+      {&ServerCounters::open_connections, &Impl::open_connections},
+      {&ServerCounters::connections_refused, &Impl::connections_refused},
+      {&ServerCounters::connections_refused_per_ip, &Impl::connections_refused_per_ip},
+      {&ServerCounters::header_timeouts, &Impl::header_timeouts},
+      {&ServerCounters::tls_handshake_failures, &Impl::tls_handshake_failures},
+      {&ServerCounters::prepare_running, &Impl::prepare_running},
+      {&ServerCounters::prepare_refused, &Impl::prepare_refused},
+  };
+  for (const auto& [field, counted] : kCounted) c.*field = (this->*counted).load();
+  c.prepare_queued = prepare_pending - prepare_running;
   return c;
 }
+
+ServerCounters OpenAiServer::counters() const { return impl_->snapshot(); }
 
 }  // namespace specontext::cluster

@@ -27,6 +27,7 @@
 #include "core/base/status.h"
 #include "core/engine/engine.h"
 #include "core/tokenizer/tokenizer.h"
+#include "serving/openai/server_counters.h"
 #include "serving/scheduler.h"
 
 namespace specontext::cluster {
@@ -78,55 +79,6 @@ struct ServerOptions {
     g.prefix_caching = true;  // multi-turn chats resend their history
     return g;
   }();
-};
-
-// Counts since start (running/waiting/kv bytes: now).
-struct ServerCounters {
-  int64_t accepted = 0;       // generation requests queued
-  int64_t completed = 0;      // answered with a finish_reason
-  int64_t rejected = 0;       // answered 4xx/5xx before or instead of generating; not the 401s
-  int64_t unauthorized = 0;   // /v1/ requests without a valid API key (answered 401)
-  int64_t cancelled = 0;      // the client went away, or a stop string ended the request
-  int64_t failed = 0;         // the engine failed their batch (answered 500)
-  int64_t prompt_tokens = 0;  // prefilled
-  int64_t generated_tokens = 0;
-  int64_t running = 0;
-  int64_t waiting = 0;
-  int64_t max_batch_sequences = 0;  // most sequences in one forward
-  int64_t preemptions = 0;          // running requests preempted to make room (AdmissionPolicy::kPreempt)
-  int64_t preemption_swaps = 0;     // of those, swapped out to the offload store (swap_preempted)
-  int64_t lost_tiers = 0;  // remote KV tiers lost and abandoned (GeneratorOptions::recompute_lost_tiers)
-  int64_t lost_tier_requeues = 0;      // running requests recomputed after such a loss
-  int64_t cached_prompt_tokens = 0;    // prompt tokens taken from the prefix cache
-  int64_t prefix_cache_evictions = 0;  // cached sequences dropped for room
-  int64_t cached_sequences = 0;        // finished requests' sequences held for prefix caching (now)
-  // The prefix cache's offload store (GeneratorOptions::prefix_offload_bytes): evicted prefixes
-  // kept in host memory, written back for a request, and held now.
-  int64_t prefix_offloads = 0;
-  int64_t prefix_restores = 0;
-  int64_t offloaded_prefixes = 0;
-  int64_t offloaded_bytes = 0;
-  // Its disk level (GeneratorOptions::prefix_disk_bytes): prefixes written to files, read back for
-  // a request, files that failed to be written or read back, and held now.
-  int64_t prefix_disk_writes = 0;
-  int64_t prefix_disk_restores = 0;
-  int64_t prefix_disk_errors = 0;
-  int64_t prefixes_on_disk = 0;
-  int64_t prefix_disk_bytes = 0;
-  int64_t kv_bytes_in_use = 0;
-  // Connections: refused past max_connections (answered 503 and closed), past
-  // max_connections_per_ip (429), closed because a request header did not come whole within
-  // header_timeout, and open now.
-  int64_t connections_refused = 0;
-  int64_t connections_refused_per_ip = 0;
-  int64_t header_timeouts = 0;
-  int64_t open_connections = 0;
-  int64_t tls_handshake_failures = 0;  // TLS: connections closed because the handshake failed
-  // Request preparation: waiting for a worker and being prepared (now), and refused because
-  // request_queue requests were waiting (answered 503).
-  int64_t prepare_queued = 0;
-  int64_t prepare_running = 0;
-  int64_t prepare_refused = 0;
 };
 
 class OpenAiServer {

@@ -274,6 +274,14 @@ TEST(ServeProcess, ConnectionAndRequestQueueFlagsReachTheServer) {
     while (!ec) s.read_some(asio::buffer(sink), ec);
     EXPECT_TRUE(ec == asio::error::eof || ec == asio::error::connection_reset) << ec.message();
   }
+  // The timer closes the socket before the connection's coroutine resumes and counts the timeout:
+  // wait until /metrics shows it, so the SIGTERM cannot overtake the count (a safety net of 60 s,
+  // not a timing assertion).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (get(server.port(), "/metrics").find("specontext_header_timeouts_total 1") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   const ServeProcess::Exit e = server.wait(SIGTERM);
   EXPECT_EQ(e.code, 0) << e.err;
   const json stopped = json::parse(e.out, nullptr, false);

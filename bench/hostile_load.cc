@@ -338,13 +338,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   const auto fail = bench::report_failure;
-  auto loaded = bench::load_served_model(args);
-  if (!loaded.is_ok()) return fail(loaded.status());
-  const int64_t context =
-      std::min<int64_t>(loaded->model->config.max_seq_len, prompt_tokens + max_tokens + 8);
-  auto bundle = runtime::build_engine(args, *loaded, max_batch, context,
-                                      std::vector<int64_t>(static_cast<size_t>(max_batch), context), true);
-  if (!bundle.is_ok()) return fail(bundle.status());
+  auto served = bench::build_served_engine(args, max_batch, prompt_tokens, max_tokens);
+  if (!served.is_ok()) return fail(served.status());
+  const runtime::LoadedModel& loaded = served->loaded;
   cluster::ServerOptions so;
   so.model_name = "bench";
   so.scheduling.prefill_chunk = args.prefill_chunk;
@@ -354,23 +350,15 @@ int main(int argc, char** argv) {
   so.max_connections_per_ip = 32;
   so.max_connections = 256;
   const double rss_before = rss_mib();
-  auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, so);
+  auto server = cluster::OpenAiServer::start(*served->bundle.engine, *loaded.tokenizer, so);
   if (!server.is_ok()) return fail(server.status());
   const uint16_t port = (*server)->port();
 
   std::mt19937 rng(1);
-  std::uniform_int_distribution<int32_t> id(3, static_cast<int32_t>(loaded->model->config.vocab_size) - 1);
   std::vector<std::string> bodies;
   for (int64_t i = 0; i < clients * per_client; ++i) {
-    std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
-    for (auto& t : prompt) t = id(rng);
-    bodies.push_back(nlohmann::json{{"prompt", prompt},
-                                    {"max_tokens", max_tokens},
-                                    {"temperature", 0},
-                                    {"ignore_eos", true},
-                                    {"stream", true},
-                                    {"stream_options", {{"include_usage", true}}}}
-                         .dump());
+    bodies.push_back(
+        bench::random_stream_body(rng, loaded.model->config.vocab_size, prompt_tokens, max_tokens));
   }
 
   std::atomic<bool> probe_stop{false}, attack_stop{false};
@@ -443,7 +431,7 @@ int main(int argc, char** argv) {
     for (const auto& [what, n] : m) attacks += n;
   }
   nlohmann::json doc = {{"model", bench::served_model_name(args)},
-                        {"layers", loaded->model->config.n_layers},
+                        {"layers", loaded.model->config.n_layers},
                         {"clients", clients},
                         {"requests_per_client", per_client},
                         {"prompt_tokens", prompt_tokens},

@@ -47,32 +47,22 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   const auto fail = bench::report_failure;
-  auto loaded = bench::load_served_model(args);
-  if (!loaded.is_ok()) return fail(loaded.status());
-  const int64_t context =
-      std::min<int64_t>(loaded->model->config.max_seq_len, prompt_tokens + max_tokens + 8);
-  auto bundle =
-      runtime::build_engine(args, *loaded, max_batch, context,
-                        std::vector<int64_t>(static_cast<size_t>(max_batch), context), /*quiet=*/true);
-  if (!bundle.is_ok()) return fail(bundle.status());
+  auto served = bench::build_served_engine(args, max_batch, prompt_tokens, max_tokens);
+  if (!served.is_ok()) return fail(served.status());
+  const runtime::LoadedModel& loaded = served->loaded;
+  const runtime::EngineBundle& bundle = served->bundle;
   cluster::ServerOptions so;
   so.model_name = "bench";
   so.max_waiting = 4096;
   so.scheduling.prefill_chunk = args.prefill_chunk;
   so.scheduling.prefix_caching = args.prefix_caching;  // random prompts: nothing to share
-  auto server = cluster::OpenAiServer::start(*bundle->engine, *loaded->tokenizer, so);
+  auto server = cluster::OpenAiServer::start(*bundle.engine, *loaded.tokenizer, so);
   if (!server.is_ok()) return fail(server.status());
   const uint16_t port = (*server)->port();
 
   std::mt19937 rng(1);
-  std::uniform_int_distribution<int32_t> id(3, static_cast<int32_t>(loaded->model->config.vocab_size) - 1);
   auto body_for = [&](std::mt19937& r) {
-    std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
-    for (auto& t : prompt) t = id(r);
-    return nlohmann::json{{"prompt", prompt}, {"max_tokens", max_tokens},
-                          {"temperature", 0}, {"ignore_eos", true},
-                          {"stream", true},   {"stream_options", {{"include_usage", true}}}}
-        .dump();
+    return bench::random_stream_body(r, loaded.model->config.vocab_size, prompt_tokens, max_tokens);
   };
 
   nlohmann::json points = nlohmann::json::array();
@@ -134,8 +124,8 @@ int main(int argc, char** argv) {
   }
   (*server)->stop();
   nlohmann::json doc = {{"model", bench::served_model_name(args)},
-                        {"layers", loaded->model->config.n_layers},
-                        {"sparse", bundle->method_name},
+                        {"layers", loaded.model->config.n_layers},
+                        {"sparse", bundle.method_name},
                         {"prompt_tokens", prompt_tokens},
                         {"max_tokens", max_tokens},
                         {"max_batch", max_batch},

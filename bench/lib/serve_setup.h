@@ -4,7 +4,11 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "bin/options.h"
 #include "core/model/synthetic.h"
@@ -26,6 +30,38 @@ inline Result<runtime::LoadedModel> load_served_model(runtime::EngineArgs& args)
     loaded.tokenizer = make_synthetic_tokenizer(static_cast<int32_t>(loaded.model->config.vocab_size));
   }
   return loaded;
+}
+
+// The model and the engine a server benchmark serves: max_batch sequences of up to
+// prompt_tokens + max_tokens (+8) tokens each, planned for that length (quiet: no notes).
+struct ServedEngine {
+  runtime::LoadedModel loaded;
+  runtime::EngineBundle bundle;
+};
+inline Result<ServedEngine> build_served_engine(runtime::EngineArgs& args, int64_t max_batch,
+                                                int64_t prompt_tokens, int64_t max_tokens) {
+  ServedEngine s;
+  SPX_ASSIGN_OR_RETURN(s.loaded, load_served_model(args));
+  const int64_t context =
+      std::min<int64_t>(s.loaded.model->config.max_seq_len, prompt_tokens + max_tokens + 8);
+  SPX_ASSIGN_OR_RETURN(s.bundle,
+                       runtime::build_engine(args, s.loaded, max_batch, context,
+                                             std::vector<int64_t>(static_cast<size_t>(max_batch), context),
+                                             /*quiet=*/true));
+  return s;
+}
+
+// A greedy streaming /v1/completions body of `prompt_tokens` random ids in [3, vocab) that
+// generates max_tokens tokens whatever they are (ignore_eos), with the usage chunk.
+inline std::string random_stream_body(std::mt19937& rng, int64_t vocab, int64_t prompt_tokens,
+                                      int64_t max_tokens) {
+  std::uniform_int_distribution<int32_t> id(3, static_cast<int32_t>(vocab) - 1);
+  std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
+  for (auto& t : prompt) t = id(rng);
+  return nlohmann::json{{"prompt", prompt}, {"max_tokens", max_tokens},
+                        {"temperature", 0}, {"ignore_eos", true},
+                        {"stream", true},   {"stream_options", {{"include_usage", true}}}}
+      .dump();
 }
 
 // What the report calls the model.

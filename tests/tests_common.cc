@@ -1,6 +1,7 @@
 #include "tests/tests_common.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -30,6 +31,26 @@ std::string read_text_file(const std::string& path) {
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+void fill_random(std::span<std::byte> out, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  size_t i = 0;
+  for (; i + 8 <= out.size(); i += 8) {
+    const uint64_t r = rng();
+    std::memcpy(out.data() + i, &r, 8);
+  }
+  for (; i < out.size(); ++i) out[i] = static_cast<std::byte>(rng() & 0xff);
+}
+
+void fill_random(std::span<uint8_t> out, uint64_t seed) {
+  fill_random(std::as_writable_bytes(out), seed);
+}
+
+void fill_random(std::span<float> out, uint64_t seed, float lo, float hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  for (float& f : out) f = dist(rng);
 }
 
 }  // namespace specontext::testing

@@ -1,6 +1,9 @@
 // Helpers shared by the test executables.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -12,5 +15,17 @@ std::string repo_path(const std::string& relative);
 std::string temp_dir(const std::string& prefix);
 std::string read_text_file(const std::string& path);
 void write_file(const std::string& path, const std::string& bytes);
+
+// Random data from a seed (std::mt19937_64): the same seed gives the same bytes everywhere.
+void fill_random(std::span<std::byte> out, uint64_t seed);
+void fill_random(std::span<uint8_t> out, uint64_t seed);
+// Uniform in [lo, hi).
+void fill_random(std::span<float> out, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
+template <class Byte = std::byte>
+std::vector<Byte> random_bytes(size_t n, uint64_t seed) {
+  std::vector<Byte> v(n);
+  fill_random(std::as_writable_bytes(std::span<Byte>(v)), seed);
+  return v;
+}
 
 }  // namespace specontext::testing

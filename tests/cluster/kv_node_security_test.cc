@@ -22,6 +22,7 @@
 #include "cluster/kv_node.h"
 #include "cluster/kv_node_client.h"
 #include "tests/cluster/kv_node_test_util.h"
+#include "tests/transport/transport_test_util.h"
 #include "transport/ucx_transport.h"
 
 namespace specontext::cluster {
@@ -37,19 +38,7 @@ constexpr TierId kRemote{2};
 
 using testing::connect;
 using testing::start_node;
-
-Status run_to_end(Transport& t, const TransferBatch& batch) {
-  auto h = t.prepare(batch);
-  if (!h.is_ok()) return h.status();
-  Status s = t.post(*h);
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (s.code() == StatusCode::kInProgress && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(20us);
-    s = t.poll(*h);
-  }
-  t.release(*h);
-  return s;
-}
+using transport_conformance::run_batch;
 
 // A UCX worker of the attacker's own, with RMA (as any client may build one), over TCP.
 class RawUcx {
@@ -176,7 +165,7 @@ TEST(KvNodeSecurity, NoRemoteKeyIsHandedOutAndRmaReachesNoOtherRegion) {
   std::vector<uint8_t> local = secret;
   ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, local.data(), kBytes).is_ok());
   ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
-  ASSERT_TRUE(run_to_end(**t, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
 
   // The attacker's own region: no remote key comes with it.
   auto theirs = attacker->call_line(R"({"op":"alloc","bytes":65536})");
@@ -200,7 +189,7 @@ TEST(KvNodeSecurity, NoRemoteKeyIsHandedOutAndRmaReachesNoOtherRegion) {
 
   // The owner's KV is as it wrote it.
   std::fill(local.begin(), local.end(), 0);
-  ASSERT_TRUE(run_to_end(**t, {{kRemote, 0, kLocal, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kRemote, 0, kLocal, 0, kBytes}}).is_ok());
   EXPECT_TRUE(local == secret) << "the owner's KV was overwritten";
 }
 

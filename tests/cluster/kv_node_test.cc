@@ -14,6 +14,8 @@
 #include "cluster/kv_node.h"
 #include "cluster/kv_node_client.h"
 #include "tests/cluster/kv_node_test_util.h"
+#include "tests/tests_common.h"
+#include "tests/transport/transport_test_util.h"
 #include "cluster/replica_healer.h"
 #include "transport/local_transport.h"
 #include "transport/transport_router.h"
@@ -33,31 +35,9 @@ constexpr TierId kRemote{2};
 
 using testing::connect;
 using testing::start_node;
-
-Status run_to_end(Transport& t, TransferHandle& h) {
-  Status s = t.post(h);
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (s.code() == StatusCode::kInProgress && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(20us);
-    s = t.poll(h);
-  }
-  return s;
-}
-
-Status transfer(Transport& t, const TransferBatch& batch) {
-  auto h = t.prepare(batch);
-  if (!h.is_ok()) return h.status();
-  Status s = run_to_end(t, *h);
-  t.release(*h);
-  return s;
-}
-
-std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
-  std::vector<uint8_t> v(n);
-  std::mt19937 rng(seed);
-  for (auto& b : v) b = static_cast<uint8_t>(rng());
-  return v;
-}
+using specontext::testing::random_bytes;
+using transport_conformance::run_batch;
+using transport_conformance::run_to_end;
 
 // A node pair of client + transport over `regions` (one per replica), and a local buffer.
 struct Rig {
@@ -231,7 +211,7 @@ TEST_P(UcxTransport, RandomBatchesRoundTripBitExact) {
   ASSERT_NE(node, nullptr);
   constexpr uint64_t kBytes = 1 << 20;
   Rig rig = make_rig(GetParam(), {node.get()}, kBytes, 2 * kBytes);
-  const auto src = pattern(kBytes, 7);
+  const auto src = random_bytes<uint8_t>(kBytes, 7);
   std::memcpy(rig.local.data(), src.data(), kBytes);
   std::mt19937 rng(3);
   // Scatter random ranges out (local [0, 1M) -> remote, each into its own 4 KiB slot, in random
@@ -250,8 +230,8 @@ TEST_P(UcxTransport, RandomBatchesRoundTripBitExact) {
     out.push_back({kLocal, from, kRemote, at, len});
   }
   for (const auto& r : out) std::memcpy(expect.data() + r.dst_offset, src.data() + r.src_offset, r.bytes);
-  ASSERT_TRUE(transfer(*rig.ucx, out).is_ok());
-  ASSERT_TRUE(transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, out).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}}).is_ok());
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, expect.data(), kBytes));
   // Many small reads in one batch (elastic loads are rows of a few hundred bytes).
   TransferBatch in;
@@ -260,7 +240,7 @@ TEST_P(UcxTransport, RandomBatchesRoundTripBitExact) {
   std::memset(rig.local.data() + kBytes, 0, kBytes);
   for (const auto& r : in)
     std::memcpy(got_expect.data() + (r.dst_offset - kBytes), expect.data() + r.src_offset, r.bytes);
-  ASSERT_TRUE(transfer(*rig.ucx, in).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, in).is_ok());
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, got_expect.data(), kBytes));
   // Adjacent rows became one operation: the whole-slot writes next to each other, and a batch of
   // consecutive rows given in shuffled order.
@@ -269,7 +249,7 @@ TEST_P(UcxTransport, RandomBatchesRoundTripBitExact) {
   for (uint64_t i = 0; i < 512; ++i) rows.push_back({kRemote, i * 128, kLocal, kBytes + i * 128, 128});
   std::shuffle(rows.begin(), rows.end(), rng);
   std::memset(rig.local.data() + kBytes, 0, kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, rows).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, rows).is_ok());
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, expect.data(), 512 * 128));
   const auto after = rig.ucx->counts();
   EXPECT_EQ(after.requests - before.requests, 512);
@@ -326,14 +306,14 @@ TEST_P(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
   ASSERT_TRUE(a && b);
   constexpr uint64_t kBytes = 256 << 10;
   Rig rig = make_rig(GetParam(), {a.get(), b.get()}, kBytes, 2 * kBytes);
-  const auto src = pattern(kBytes, 11);
+  const auto src = random_bytes<uint8_t>(kBytes, 11);
   std::memcpy(rig.local.data(), src.data(), kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
   for (const auto& r : rig.ucx->replicas()) EXPECT_EQ(r.bytes_written, kBytes) << r.node;
   a->stop();  // the primary dies
   std::memset(rig.local.data() + kBytes, 0, kBytes);
   const auto t0 = std::chrono::steady_clock::now();
-  Status s = transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}});
+  Status s = run_batch(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, src.data(), kBytes));
@@ -346,19 +326,19 @@ TEST_P(UcxTransport, ReplicasReceiveEveryWriteAndReadsFailOverWhenANodeStops) {
   EXPECT_FALSE(rig.ucx->tier_lost(kRemote));
   EXPECT_EQ(rig.ucx->tier_loss(kRemote), "") << "one replica lives: nothing is lost";
   // Writes now go to the survivor only, and read back.
-  const auto src2 = pattern(kBytes, 12);
+  const auto src2 = random_bytes<uint8_t>(kBytes, 12);
   std::memcpy(rig.local.data(), src2.data(), kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
-  ASSERT_TRUE(transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}}).is_ok());
   EXPECT_EQ(0, std::memcmp(rig.local.data() + kBytes, src2.data(), kBytes));
   // The last replica dies: a clear error naming both nodes, no hang.
   b->stop();
-  Status dead = transfer(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}});
+  Status dead = run_batch(*rig.ucx, {{kRemote, 0, kLocal, kBytes, kBytes}});
   ASSERT_EQ(dead.code(), StatusCode::kUnavailable) << dead.to_string();
   EXPECT_NE(dead.message().find("no live replica"), std::string::npos) << dead.to_string();
   EXPECT_NE(dead.message().find(rig.ucx->replicas()[0].node), std::string::npos) << dead.to_string();
   EXPECT_NE(dead.message().find(rig.ucx->replicas()[1].node), std::string::npos) << dead.to_string();
-  Status write_dead = transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, 64}});
+  Status write_dead = run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, 64}});
   EXPECT_EQ(write_dead.code(), StatusCode::kUnavailable) << write_dead.to_string();
   // The loss, as the engine reports it (Engine::lost_tier_error), names both dead nodes and why.
   ASSERT_TRUE(rig.ucx->tier_lost(kRemote));
@@ -378,12 +358,12 @@ TEST_P(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {
   auto t = UcxRemoteTransport::create(cfg);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   std::vector<uint8_t> host(131072);
-  const auto src = pattern(65536, 9);
+  const auto src = random_bytes<uint8_t>(65536, 9);
   std::memcpy(host.data(), src.data(), 65536);
   ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
   ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, 65536).is_ok());
-  ASSERT_TRUE(transfer(**t, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
-  ASSERT_TRUE(transfer(**t, {{kRemote, 0, kLocal, 65536, 65536}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kRemote, 0, kLocal, 65536, 65536}}).is_ok());
   EXPECT_EQ(0, std::memcmp(host.data() + 65536, src.data(), 65536));
   const auto reps = (*t)->replicas();
   EXPECT_FALSE(reps[0].alive);
@@ -398,7 +378,7 @@ TEST_P(UcxTransport, AReplicaDeadAtSetUpStartsOutDeadTheOthersServe) {
     // UCX may connect lazily; then the first transfer finds both dead.
     ASSERT_TRUE((*none)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
     ASSERT_TRUE((*none)->register_tier(kRemote, MemoryKind::kRemote, nullptr, 65536).is_ok());
-    Status s = transfer(**none, {{kRemote, 0, kLocal, 0, 64}});
+    Status s = run_batch(**none, {{kRemote, 0, kLocal, 0, 64}});
     EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
   }
 }
@@ -434,7 +414,7 @@ TEST(UcxNodeGather, ANodeRefusesRangesOutsideItsPoolWithoutCrashing) {
   ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, 65536).is_ok());
   for (const TransferRequest& r :
        {TransferRequest{kRemote, 0, kLocal, 0, 4096}, TransferRequest{kLocal, 0, kRemote, 0, 4096}}) {
-    Status s = transfer(**t, {r});
+    Status s = run_batch(**t, {r});
     EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.to_string();
     EXPECT_NE(s.message().find("refused"), std::string::npos) << s.to_string();
   }
@@ -443,7 +423,7 @@ TEST(UcxNodeGather, ANodeRefusesRangesOutsideItsPoolWithoutCrashing) {
   EXPECT_EQ(host[0], 7);  // nothing written on a refused gather
   // The node still serves a correct client.
   Rig rig = make_rig(UcxTransferMode::kNodeGather, {node.get()}, 65536, 65536);
-  EXPECT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
+  EXPECT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, 65536}}).is_ok());
 }
 
 // Two clients of one node: the second, knowing the first's address, region id or neither, cannot
@@ -458,12 +438,12 @@ TEST(UcxNodeGather, AClientReachesOnlyItsOwnRegion) {
   const RemoteRegion mine = *owner->allocate(kBytes);
   const RemoteRegion theirs = *other->allocate(kBytes);
   ASSERT_NE(mine.key, theirs.key);
-  std::vector<uint8_t> secret = pattern(kBytes, 11);
+  std::vector<uint8_t> secret = random_bytes<uint8_t>(kBytes, 11);
   auto t = UcxRemoteTransport::create({kRemote, {mine}, 3000ms, UcxTransferMode::kNodeGather});
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, secret.data(), kBytes).is_ok());
   ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
-  ASSERT_TRUE(transfer(**t, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
 
   struct Forged {
     const char* what;
@@ -491,7 +471,7 @@ TEST(UcxNodeGather, AClientReachesOnlyItsOwnRegion) {
     ASSERT_TRUE((*spy)->register_tier(kRemote, MemoryKind::kRemote, nullptr, f.region.bytes).is_ok());
     for (const TransferRequest& r : {TransferRequest{kRemote, f.offset, kLocal, 0, 4096},
                                      TransferRequest{kLocal, 0, kRemote, f.offset, 4096}}) {
-      Status s = transfer(**spy, {r});
+      Status s = run_batch(**spy, {r});
       EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.to_string();
       EXPECT_NE(s.message().find("refused"), std::string::npos) << s.to_string();
       ++refusals;
@@ -503,14 +483,14 @@ TEST(UcxNodeGather, AClientReachesOnlyItsOwnRegion) {
   // The owner's bytes are untouched, and the other client's own region still works.
   std::vector<uint8_t> back(kBytes, 0);
   ASSERT_TRUE((*t)->register_tier(TierId(3), MemoryKind::kHost, back.data(), kBytes).is_ok());
-  ASSERT_TRUE(transfer(**t, {{kRemote, 0, TierId(3), 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kRemote, 0, TierId(3), 0, kBytes}}).is_ok());
   EXPECT_EQ(back, secret);
   auto own = UcxRemoteTransport::create({kRemote, {theirs}, 3000ms, UcxTransferMode::kNodeGather});
   ASSERT_TRUE(own.is_ok());
   std::vector<uint8_t> host(4096, 1);
   ASSERT_TRUE((*own)->register_tier(kLocal, MemoryKind::kHost, host.data(), host.size()).is_ok());
   ASSERT_TRUE((*own)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
-  EXPECT_TRUE(transfer(**own, {{kLocal, 0, kRemote, 0, 4096}}).is_ok());
+  EXPECT_TRUE(run_batch(**own, {{kLocal, 0, kRemote, 0, 4096}}).is_ok());
 }
 
 // A region is freed when its client goes; the next client given the same range reads zeros.
@@ -521,9 +501,9 @@ TEST_P(UcxTransport, ARegionFreedAndGivenAgainReadsZerosNotTheLastClientsBytes) 
   uint64_t first_address = 0;
   {
     Rig rig = make_rig(GetParam(), {node.get()}, kBytes, kBytes);
-    const auto bytes = pattern(kBytes, 5);
+    const auto bytes = random_bytes<uint8_t>(kBytes, 5);
     std::memcpy(rig.local.data(), bytes.data(), kBytes);
-    ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+    ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
     auto probe = rig.clients[0]->allocate(4096);  // where the allocator starts: right after the tier
     ASSERT_TRUE(probe.is_ok());
     first_address = probe->address - kBytes;
@@ -538,7 +518,7 @@ TEST_P(UcxTransport, ARegionFreedAndGivenAgainReadsZerosNotTheLastClientsBytes) 
   std::vector<uint8_t> host(kBytes, 0x77);
   ASSERT_TRUE((*t)->register_tier(kLocal, MemoryKind::kHost, host.data(), kBytes).is_ok());
   ASSERT_TRUE((*t)->register_tier(kRemote, MemoryKind::kRemote, nullptr, kBytes).is_ok());
-  ASSERT_TRUE(transfer(**t, {{kRemote, 0, kLocal, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(**t, {{kRemote, 0, kLocal, 0, kBytes}}).is_ok());
   EXPECT_EQ(host, std::vector<uint8_t>(kBytes, 0));
 }
 
@@ -557,7 +537,7 @@ TEST_P(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
   auto router = transport::TransportRouter::create({&local, ta->get(), tb->get()});
   ASSERT_TRUE(router.is_ok());
   std::vector<uint8_t> host(65536 * 2);
-  const auto src = pattern(65536, 5);
+  const auto src = random_bytes<uint8_t>(65536, 5);
   std::memcpy(host.data(), src.data(), 65536);
   ASSERT_TRUE((*router)->register_tier(TierId(1), MemoryKind::kHost, host.data(), host.size()).is_ok());
   ASSERT_TRUE((*router)->register_tier(TierId(2), MemoryKind::kRemote, nullptr, 65536).is_ok());
@@ -565,9 +545,9 @@ TEST_P(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
   EXPECT_EQ(*(*router)->route({TierId(1), 0, TierId(2), 0, 8}), 1u);
   EXPECT_EQ(*(*router)->route({TierId(3), 0, TierId(1), 0, 8}), 2u);
   ASSERT_TRUE(
-      transfer(**router, {{TierId(1), 0, TierId(2), 0, 65536}, {TierId(1), 0, TierId(3), 0, 32768}}).is_ok());
+      run_batch(**router, {{TierId(1), 0, TierId(2), 0, 65536}, {TierId(1), 0, TierId(3), 0, 32768}}).is_ok());
   ASSERT_TRUE(
-      transfer(**router, {{TierId(2), 0, TierId(1), 65536, 32768}, {TierId(3), 0, TierId(1), 98304, 32768}})
+      run_batch(**router, {{TierId(2), 0, TierId(1), 65536, 32768}, {TierId(3), 0, TierId(1), 98304, 32768}})
           .is_ok());
   EXPECT_EQ(0, std::memcmp(host.data() + 65536, src.data(), 32768));
   EXPECT_EQ(0, std::memcmp(host.data() + 98304, src.data(), 32768));
@@ -578,7 +558,7 @@ TEST_P(UcxTransport, RouterSendsEachRemoteTierToItsOwnNode) {
 // What a tier holds, read back through the transport in one transfer.
 std::vector<uint8_t> read_tier(Rig& rig, uint64_t bytes) {
   std::memset(rig.local.data(), 0, bytes);
-  Status s = transfer(*rig.ucx, {{kRemote, 0, kLocal, 0, bytes}});
+  Status s = run_batch(*rig.ucx, {{kRemote, 0, kLocal, 0, bytes}});
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   return {rig.local.begin(), rig.local.begin() + static_cast<std::ptrdiff_t>(bytes)};
 }
@@ -589,14 +569,14 @@ TEST_P(UcxTransport, ADeadReplicaRejoinsWithTheWholeTierAndServesWhenTheOtherDie
   ASSERT_TRUE(a && b);
   constexpr uint64_t kBytes = 6 << 20;  // more than one of rejoin's 4 MiB copies
   Rig rig = make_rig(GetParam(), {a.get(), b.get()}, kBytes, kBytes);
-  std::vector<uint8_t> expect = pattern(kBytes, 21);
+  std::vector<uint8_t> expect = random_bytes<uint8_t>(kBytes, 21);
   std::memcpy(rig.local.data(), expect.data(), kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
   b->stop();
   // Written while b is down: only a holds it, so a stale copy of b would be caught below.
-  const auto later = pattern(kBytes / 2, 22);
+  const auto later = random_bytes<uint8_t>(kBytes / 2, 22);
   std::memcpy(rig.local.data(), later.data(), later.size());
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, kBytes / 3, later.size()}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, kBytes / 3, later.size()}}).is_ok());
   std::copy(later.begin(), later.end(), expect.begin() + kBytes / 3);
   ASSERT_FALSE(rig.ucx->replicas()[1].alive);
 
@@ -634,9 +614,9 @@ TEST_P(UcxTransport, ADeadReplicaRejoinsWithTheWholeTierAndServesWhenTheOtherDie
   EXPECT_EQ(reps[1].bytes_resynced, kBytes);
   EXPECT_EQ(reps[1].node, region.node);
   // Writes go to both again.
-  const auto last = pattern(4096, 23);
+  const auto last = random_bytes<uint8_t>(4096, 23);
   std::memcpy(rig.local.data(), last.data(), last.size());
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, kBytes - 4096, 4096}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, kBytes - 4096, 4096}}).is_ok());
   std::copy(last.begin(), last.end(), expect.end() - 4096);
   // Its first life's write, the copy, and this one.
   EXPECT_EQ(rig.ucx->replicas()[1].bytes_written, kBytes + kBytes + 4096);
@@ -648,7 +628,7 @@ TEST_P(UcxTransport, ADeadReplicaRejoinsWithTheWholeTierAndServesWhenTheOtherDie
   EXPECT_TRUE(reps[1].alive);
   // Nothing lives to copy from: a dead replica cannot rejoin.
   c->stop();
-  EXPECT_EQ(transfer(*rig.ucx, {{kRemote, 0, kLocal, 0, 64}}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(run_batch(*rig.ucx, {{kRemote, 0, kLocal, 0, 64}}).code(), StatusCode::kUnavailable);
   auto d = start_node(16 << 20);
   ASSERT_NE(d, nullptr);
   auto cd = connect(*d);
@@ -670,16 +650,16 @@ TEST(ReplicaHealer, ANodeRestartedAtItsAddressIsFilledAndUsedAgain) {
   ReplicaHealer healer(ho);
   healer.watch(rig.ucx.get(), {Endpoint{"127.0.0.1", a->port()}, Endpoint{"127.0.0.1", port_b}}, kBytes,
                std::move(rig.clients));
-  std::vector<uint8_t> expect = pattern(kBytes, 31);
+  std::vector<uint8_t> expect = random_bytes<uint8_t>(kBytes, 31);
   std::memcpy(rig.local.data(), expect.data(), kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
   healer.maintain();  // all alive: nothing to do
   EXPECT_TRUE(healer.events().empty());
 
   b->stop();
-  expect = pattern(kBytes, 32);
+  expect = random_bytes<uint8_t>(kBytes, 32);
   std::memcpy(rig.local.data(), expect.data(), kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
   ASSERT_FALSE(rig.ucx->replicas()[1].alive);
   // While the node is down, attempts fail (and are recorded) without disturbing transfers.
   const auto down_until = std::chrono::steady_clock::now() + 10s;
@@ -734,11 +714,11 @@ TEST(ReplicaHealer, ADeadReplicaWhoseNodeStaysDownMovesToASpare) {
   ho.spares = {ea, es};  // a holds a replica of the tier already: never a spare for it
   ReplicaHealer healer(ho);
   healer.watch(rig.ucx.get(), {ea, eb}, kBytes, std::move(rig.clients));
-  const std::vector<uint8_t> expect = pattern(kBytes, 41);
+  const std::vector<uint8_t> expect = random_bytes<uint8_t>(kBytes, 41);
   std::memcpy(rig.local.data(), expect.data(), kBytes);
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
   b->stop();  // and stays down
-  ASSERT_TRUE(transfer(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
+  ASSERT_TRUE(run_batch(*rig.ucx, {{kLocal, 0, kRemote, 0, kBytes}}).is_ok());
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (!rig.ucx->replicas()[1].alive && std::chrono::steady_clock::now() < deadline) {
     healer.maintain();

@@ -28,6 +28,7 @@
 #include "serving/openai/openai_api.h"
 #include "serving/openai/openai_server.h"
 #include "tests/core/tier_test_util.h"
+#include "tests/serving/server_test_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext::cluster {
@@ -39,29 +40,8 @@ namespace http = beast::http;
 using tcp = asio::ip::tcp;
 using json = nlohmann::json;
 
-struct Fixture {
-  std::shared_ptr<Model> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-  std::unique_ptr<Engine> engine;
-};
-
-Fixture make_fixture(int64_t max_sequences) {
-  Fixture f;
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  EXPECT_TRUE(m.is_ok());
-  f.model = *m;
-  auto t = load_tokenizer_for(*f.model, "");
-  EXPECT_TRUE(t.is_ok());
-  f.tokenizer = std::move(*t);
-  auto b = cpu::create_cpu_backend({});
-  EXPECT_TRUE(b.is_ok());
-  EngineOptions eo;
-  eo.max_sequences = max_sequences;
-  auto e = Engine::create(f.model, std::shared_ptr<Backend>(std::move(*b)), eo);
-  EXPECT_TRUE(e.is_ok());
-  f.engine = std::move(*e);
-  return f;
-}
+using Fixture = testing::ServedModel;
+Fixture make_fixture(int64_t max_sequences) { return testing::serve_stories260k(max_sequences); }
 
 std::vector<TokenId> stop_ids(const Tokenizer& tok) {
   std::vector<TokenId> ids = tok.stop_ids();

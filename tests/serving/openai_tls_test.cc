@@ -32,6 +32,7 @@
 #include "core/tokenizer/tokenizer_resolve.h"
 #include "cpu/cpu_backend.h"
 #include "serving/openai/openai_server.h"
+#include "tests/serving/server_test_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext::cluster {
@@ -81,29 +82,8 @@ struct TlsFiles {
   }
 };
 
-struct Fixture {
-  std::shared_ptr<Model> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-  std::unique_ptr<Engine> engine;
-};
-
-Fixture make_fixture() {
-  Fixture f;
-  auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
-  EXPECT_TRUE(m.is_ok());
-  f.model = *m;
-  auto t = load_tokenizer_for(*f.model, "");
-  EXPECT_TRUE(t.is_ok());
-  f.tokenizer = std::move(*t);
-  auto b = cpu::create_cpu_backend({});
-  EXPECT_TRUE(b.is_ok());
-  EngineOptions eo;
-  eo.max_sequences = 2;
-  auto e = Engine::create(f.model, std::shared_ptr<Backend>(std::move(*b)), eo);
-  EXPECT_TRUE(e.is_ok());
-  f.engine = std::move(*e);
-  return f;
-}
+using Fixture = testing::ServedModel;
+Fixture make_fixture() { return testing::serve_stories260k(2); }
 
 ServerOptions tls_options(const Tokenizer& tok, const TlsFiles& files) {
   ServerOptions o;

@@ -23,6 +23,22 @@ const ActQ8K* act_q8k(const KernelArgs& a, int64_t i) {
   return reinterpret_cast<const ActQ8K*>(a.act + i * a.act_row_bytes);
 }
 
+// y[i][r] = Σ_b dot(block b of weight row r, block b of activation row i), summed in double,
+// for the weight rows [r0, r1) and every activation row.
+template <typename Act, typename Dot>
+void dot_rows(const KernelArgs& a, int64_t r0, int64_t r1, int64_t block_bytes,
+              const Act* (*act)(const KernelArgs&, int64_t), Dot dot) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = a.w + r * a.row_bytes;
+    for (int64_t i = 0; i < a.m; ++i) {
+      const Act* x = act(a, i);
+      double sum = 0.0;
+      for (int64_t b = 0; b < a.nb; ++b) sum += dot(row + b * block_bytes, x[b]);
+      a.y[i * a.ldy + r] = static_cast<float>(sum);
+    }
+  }
+}
+
 // One 32-element block: dw · dx · Σ w·x (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_q4_0_q8_0).
 double block32(float dw, const int8_t* w, const ActQ8_0& x) {
   int32_t s = 0;
@@ -41,19 +57,10 @@ void decode_q4_0(const uint8_t* blk, int8_t* w) {
 template <int kBytes, void (*Decode)(const uint8_t*, int8_t*)>
 void rows32(const KernelArgs& a, int64_t r0, int64_t r1) {
   int8_t w[32];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = a.w + r * a.row_bytes;
-    for (int64_t i = 0; i < a.m; ++i) {
-      const ActQ8_0* x = act_q8_0(a, i);
-      double sum = 0.0;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const uint8_t* blk = row + b * kBytes;
-        Decode(blk, w);
-        sum += block32(f16_at(blk), w, x[b]);
-      }
-      a.y[i * a.ldy + r] = static_cast<float>(sum);
-    }
-  }
+  dot_rows(a, r0, r1, kBytes, act_q8_0, [&](const uint8_t* blk, const ActQ8_0& x) {
+    Decode(blk, w);
+    return block32(f16_at(blk), w, x);
+  });
 }
 
 // Q4_K / Q5_K super-block: codes 0..15 (0..31), sub-block j of 32 has scale sc[j] and min mn[j]:
@@ -89,7 +96,8 @@ void decode_q5_k(const uint8_t* blk, uint8_t* codes) {
   for (int j = 0; j < 4; ++j) {
     for (int l = 0; l < 32; ++l) {
       codes[64 * j + l] = static_cast<uint8_t>((q[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
-      codes[64 * j + 32 + l] = static_cast<uint8_t>((q[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+      codes[64 * j + 32 + l] =
+          static_cast<uint8_t>((q[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
     }
   }
 }
@@ -97,19 +105,10 @@ void decode_q5_k(const uint8_t* blk, uint8_t* codes) {
 template <int kBytes, void (*Decode)(const uint8_t*, uint8_t*)>
 void rows_k4(const KernelArgs& a, int64_t r0, int64_t r1) {
   uint8_t codes[256];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = a.w + r * a.row_bytes;
-    for (int64_t i = 0; i < a.m; ++i) {
-      const ActQ8K* x = act_q8k(a, i);
-      double sum = 0.0;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const uint8_t* blk = row + b * kBytes;
-        Decode(blk, codes);
-        sum += block_k4(blk, codes, x[b]);
-      }
-      a.y[i * a.ldy + r] = static_cast<float>(sum);
-    }
-  }
+  dot_rows(a, r0, r1, kBytes, act_q8k, [&](const uint8_t* blk, const ActQ8K& x) {
+    Decode(blk, codes);
+    return block_k4(blk, codes, x);
+  });
 }
 
 // Q6_K super-block: codes −32..31, 16 sub-blocks of 16 with int8 scales:
@@ -132,27 +131,18 @@ void decode_q6_k(const uint8_t* blk, int8_t* w) {
 
 void rows_q6_k(const KernelArgs& a, int64_t r0, int64_t r1) {
   int8_t w[256];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = a.w + r * a.row_bytes;
-    for (int64_t i = 0; i < a.m; ++i) {
-      const ActQ8K* x = act_q8k(a, i);
-      double sum = 0.0;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const uint8_t* blk = row + b * kQ6KBytes;
-        decode_q6_k(blk, w);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-        int32_t sumq = 0;
-        for (int g = 0; g < 16; ++g) {
-          int32_t s = 0;
-          for (int l = 0; l < 16; ++l) s += static_cast<int32_t>(w[16 * g + l]) * x[b].qs[16 * g + l];
-          sumq += sc[g] * s;
-        }
-        const float d = f16_at(blk + 208) * x[b].d;
-        sum += static_cast<double>(d) * sumq;
-      }
-      a.y[i * a.ldy + r] = static_cast<float>(sum);
+  dot_rows(a, r0, r1, kQ6KBytes, act_q8k, [&](const uint8_t* blk, const ActQ8K& x) {
+    decode_q6_k(blk, w);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    int32_t sumq = 0;
+    for (int g = 0; g < 16; ++g) {
+      int32_t s = 0;
+      for (int l = 0; l < 16; ++l) s += static_cast<int32_t>(w[16 * g + l]) * x.qs[16 * g + l];
+      sumq += sc[g] * s;
     }
-  }
+    const float d = f16_at(blk + 208) * x.d;
+    return static_cast<double>(d) * sumq;
+  });
 }
 
 }  // namespace

@@ -225,31 +225,10 @@ struct PhaseResult {
   double wall_s = 0;
 };
 
-PhaseResult run_clients(uint16_t port, const std::vector<std::string>& bodies, int64_t clients,
-                        int64_t per_client) {
-  PhaseResult r;
-  r.timings.resize(bodies.size());
+PhaseResult run_clients(uint16_t port, const std::vector<std::string>& bodies, int64_t clients) {
   const auto start = Clock::now();
-  std::vector<std::thread> threads;
-  for (int64_t k = 0; k < clients; ++k) {
-    threads.emplace_back([&, k] {
-      asio::io_context ioc;
-      asio::ip::tcp::socket s(ioc);
-      boost::system::error_code ec;
-      s.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
-      if (ec) return;
-      for (int64_t i = 0; i < per_client; ++i) {
-        const size_t at = static_cast<size_t>(k * per_client + i);
-        r.timings[at] = bench::stream_completion(s, bodies[at]);
-        if (!r.timings[at].ok) {  // a new connection for the next one
-          s = asio::ip::tcp::socket(ioc);
-          s.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
-          if (ec) return;
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  PhaseResult r;
+  r.timings = bench::stream_from_clients(port, bodies, clients);
   r.wall_s = seconds_since(start);
   return r;
 }
@@ -363,12 +342,12 @@ int main(int argc, char** argv) {
 
   std::atomic<bool> probe_stop{false}, attack_stop{false};
   std::atomic<int> phase{0};
-  HealthProbe probe{port, probe_stop, phase};
+  HealthProbe probe{port, probe_stop, phase, {}, {0, 0}, 0};
   std::thread probe_thread([&] { probe.run(); });
 
   std::fprintf(stderr, "baseline: %lld clients x %lld requests\n", static_cast<long long>(clients),
                static_cast<long long>(per_client));
-  const PhaseResult base = run_clients(port, bodies, clients, per_client);
+  const PhaseResult base = run_clients(port, bodies, clients);
   const double rss_baseline = rss_mib();
 
   const std::vector<std::pair<std::string, const char*>> kinds = {
@@ -403,7 +382,7 @@ int main(int argc, char** argv) {
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // let the attack build up
   std::fprintf(stderr, "under attack: %zu attacker threads\n", attack_threads.size());
-  const PhaseResult attacked = run_clients(port, bodies, clients, per_client);
+  const PhaseResult attacked = run_clients(port, bodies, clients);
   // Hold the attack until every slow kind has met the server's timeouts at least once.
   while (seconds_since(attack_start) < header_timeout_s + idle_timeout_s + 1) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -419,7 +398,7 @@ int main(int argc, char** argv) {
   const bool alive = after.open("127.0.0.3", port, 5.0) &&
                      after.send("GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") &&
                      after.status() == "200";
-  const PhaseResult again = run_clients(port, bodies, 1, 1);
+  const PhaseResult again = run_clients(port, {bodies[0]}, 1);
   const double rss_after = rss_mib();
   const cluster::ServerCounters counters = (*server)->counters();
   (*server)->stop();

@@ -68,38 +68,22 @@ int main(int argc, char** argv) {
   nlohmann::json points = nlohmann::json::array();
   double base_tps = 0;
   for (int64_t c : concurrency) {
-    std::vector<std::vector<RequestTiming>> timings(static_cast<size_t>(c));
     std::vector<std::string> bodies;
     for (int64_t i = 0; i < c * per_client; ++i) bodies.push_back(body_for(rng));
     const auto start = Clock::now();
-    std::vector<std::thread> clients;
-    for (int64_t k = 0; k < c; ++k) {
-      clients.emplace_back([&, k] {
-        asio::io_context ioc;
-        asio::ip::tcp::socket s(ioc);
-        boost::system::error_code ec;
-        s.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
-        if (ec) return;
-        for (int64_t r = 0; r < per_client; ++r)
-          timings[static_cast<size_t>(k)].push_back(
-              bench::stream_completion(s, bodies[static_cast<size_t>(k * per_client + r)]));
-      });
-    }
-    for (auto& t : clients) t.join();
+    const std::vector<RequestTiming> timings = bench::stream_from_clients(port, bodies, c);
     const double wall = std::chrono::duration<double>(Clock::now() - start).count();
     std::vector<double> ttft, gaps, latency;
     int64_t tokens = 0, failed = 0;
-    for (const auto& per : timings) {
-      for (const RequestTiming& t : per) {
-        if (!t.ok) {
-          ++failed;
-          continue;
-        }
-        ttft.push_back(t.ttft_s);
-        latency.push_back(t.latency_s);
-        gaps.insert(gaps.end(), t.gaps_s.begin(), t.gaps_s.end());
-        tokens += t.completion_tokens;
+    for (const RequestTiming& t : timings) {
+      if (!t.ok) {
+        ++failed;
+        continue;
       }
+      ttft.push_back(t.ttft_s);
+      latency.push_back(t.latency_s);
+      gaps.insert(gaps.end(), t.gaps_s.begin(), t.gaps_s.end());
+      tokens += t.completion_tokens;
     }
     const double tps = wall > 0 ? static_cast<double>(tokens) / wall : 0;
     if (base_tps == 0) base_tps = tps;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 namespace specontext::bench {
 
@@ -63,6 +64,31 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
       return t;
     }
   }
+}
+
+std::vector<RequestTiming> stream_from_clients(uint16_t port, const std::vector<std::string>& bodies,
+                                               int64_t clients) {
+  std::vector<RequestTiming> timings(bodies.size());
+  const size_t per_client = clients > 0 ? bodies.size() / static_cast<size_t>(clients) : 0;
+  const asio::ip::tcp::endpoint server(asio::ip::make_address("127.0.0.1"), port);
+  std::vector<std::thread> threads;
+  for (size_t k = 0; k < static_cast<size_t>(clients); ++k) {
+    threads.emplace_back([&, k] {
+      asio::io_context ioc;
+      asio::ip::tcp::socket s(ioc);
+      boost::system::error_code ec;
+      s.connect(server, ec);
+      for (size_t i = k * per_client; i < (k + 1) * per_client && !ec; ++i) {
+        timings[i] = stream_completion(s, bodies[i]);
+        if (!timings[i].ok) {  // a new connection for the next one
+          s = asio::ip::tcp::socket(ioc);
+          s.connect(server, ec);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return timings;
 }
 
 double percentile(std::vector<double> v, double p) {

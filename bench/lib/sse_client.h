@@ -25,6 +25,12 @@ struct RequestTiming {
 // `socket` and reads until [DONE] and the last chunk.
 RequestTiming stream_completion(boost::asio::ip::tcp::socket& socket, const std::string& body);
 
+// `clients` threads; client k sends bodies[k·n, (k+1)·n) (n = bodies.size() / clients) back to back
+// over one keep-alive connection to 127.0.0.1:`port`, opening a new one after a failed request.
+// The timings in the bodies' order (a request never sent is not ok).
+std::vector<RequestTiming> stream_from_clients(uint16_t port, const std::vector<std::string>& bodies,
+                                               int64_t clients);
+
 // Nearest-rank percentile, p in [0, 1]; 0 for an empty sample.
 double percentile(std::vector<double> v, double p);
 

@@ -1915,6 +1915,20 @@ TEST(OpenAiServer, AKeylessRequestIsRefusedBeforeItsBodyAndExpectContinueIsHonou
   EXPECT_EQ(c.completed, 1);
 }
 
+// Two keep-alive connections to 127.0.0.1:port, each answered once (/health) so that the server
+// has surely taken them; the first in an optional, for a test to close it.
+std::pair<std::optional<tcp::socket>, tcp::socket> two_kept_connections(asio::io_context& ioc,
+                                                                        uint16_t port) {
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
+  std::pair<std::optional<tcp::socket>, tcp::socket> kept(std::nullopt, tcp::socket(ioc));
+  kept.first.emplace(ioc);
+  kept.first->connect(where);
+  kept.second.connect(where);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &*kept.first).status, 200);
+  EXPECT_EQ(send(port, http::verb::get, "/health", "", &kept.second).status, 200);
+  return kept;
+}
+
 TEST(OpenAiServer, ConnectionsPastTheLimitGet503AndAClosedOneMakesRoom) {
   Fixture f = make_fixture(1);
   ServerOptions o = options_for(*f.tokenizer);
@@ -1925,13 +1939,7 @@ TEST(OpenAiServer, ConnectionsPastTheLimitGet503AndAClosedOneMakesRoom) {
   const uint16_t port = (*server)->port();
   const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
   asio::io_context ioc;
-  // Two keep-alive connections, each answered once so that the server has surely taken them.
-  std::optional<tcp::socket> first(std::in_place, ioc);
-  tcp::socket second(ioc);
-  first->connect(where);
-  second.connect(where);
-  EXPECT_EQ(send(port, http::verb::get, "/health", "", &*first).status, 200);
-  EXPECT_EQ(send(port, http::verb::get, "/health", "", &second).status, 200);
+  auto [first, second] = two_kept_connections(ioc, port);
   EXPECT_EQ((*server)->counters().open_connections, 2);
 
   // A third is answered at once and closed, with or without a request sent.
@@ -2218,12 +2226,7 @@ TEST(OpenAiServer, ConnectionsPastThePerIpCapGet429) {
   const uint16_t port = (*server)->port();
   const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
   asio::io_context ioc;
-  std::optional<tcp::socket> first(std::in_place, ioc);
-  tcp::socket second(ioc);
-  first->connect(where);
-  second.connect(where);
-  EXPECT_EQ(send(port, http::verb::get, "/health", "", &*first).status, 200);
-  EXPECT_EQ(send(port, http::verb::get, "/health", "", &second).status, 200);
+  auto [first, second] = two_kept_connections(ioc, port);
 
   tcp::socket third(ioc);
   third.connect(where);

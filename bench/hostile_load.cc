@@ -292,7 +292,8 @@ int main(int argc, char** argv) {
   CLI::App app{"normal clients' latency while hostile clients attack the server"};
   runtime::EngineArgs args;
   bench::add_served_model_options(app, args);
-  int64_t clients = 2, per_client = 6, prompt_tokens = 64, max_tokens = 16, max_batch = 8;
+  int64_t clients = 2, per_client = 6;
+  bench::ServedShape shape;
   int64_t attackers = 4;  // per kind
   int64_t flood = 80;     // connections conn_flood tries to hold (per-IP cap below: 32)
   double header_timeout_s = 2, idle_timeout_s = 3;
@@ -302,9 +303,7 @@ int main(int argc, char** argv) {
   bool plot = false;
   app.add_option("--clients", clients, "normal clients, each streaming completions back to back");
   app.add_option("--requests-per-client", per_client, "requests per normal client per phase");
-  app.add_option("--prompt-len", prompt_tokens, "prompt tokens (random ids)");
-  app.add_option("--max-tokens", max_tokens, "tokens generated per request");
-  app.add_option("--max-batch", max_batch, "server sequence slots");
+  bench::add_served_shape_options(app, shape);
   app.add_option("--attackers", attackers, "attacker threads per attack kind");
   app.add_option("--flood", flood, "connections conn_flood tries to hold open");
   app.add_option("--kinds", only, "attack kinds to run (default: all; conn_flood is one of them)")
@@ -317,7 +316,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   const auto fail = bench::report_failure;
-  auto served = bench::build_served_engine(args, max_batch, prompt_tokens, max_tokens);
+  auto served = bench::build_served_engine(args, shape);
   if (!served.is_ok()) return fail(served.status());
   const runtime::LoadedModel& loaded = served->loaded;
   cluster::ServerOptions so;
@@ -336,8 +335,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::vector<std::string> bodies;
   for (int64_t i = 0; i < clients * per_client; ++i) {
-    bodies.push_back(
-        bench::random_stream_body(rng, loaded.model->config.vocab_size, prompt_tokens, max_tokens));
+    bodies.push_back(bench::random_stream_body(rng, loaded.model->config.vocab_size, shape));
   }
 
   std::atomic<bool> probe_stop{false}, attack_stop{false};
@@ -413,8 +411,8 @@ int main(int argc, char** argv) {
                         {"layers", loaded.model->config.n_layers},
                         {"clients", clients},
                         {"requests_per_client", per_client},
-                        {"prompt_tokens", prompt_tokens},
-                        {"max_tokens", max_tokens},
+                        {"prompt_tokens", shape.prompt_tokens},
+                        {"max_tokens", shape.max_tokens},
                         {"attackers_per_kind", attackers},
                         {"attack_interval_s", interval_s},
                         {"kinds", only.empty() ? std::vector<std::string>{"all"} : only},

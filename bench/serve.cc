@@ -33,21 +33,17 @@ int main(int argc, char** argv) {
   bench::add_served_model_options(app, args);
   std::vector<int64_t> concurrency = {1, 2, 4, 8};
   int64_t per_client = 2;
-  int64_t prompt_tokens = 64;
-  int64_t max_tokens = 16;
-  int64_t max_batch = 8;
+  bench::ServedShape shape;
   std::string out = "bench_out/serve.json";
   bool plot = false;
   app.add_option("--concurrency", concurrency, "clients sending at once, one point each")->delimiter(',');
   app.add_option("--requests-per-client", per_client, "requests each client sends back to back");
-  app.add_option("--prompt-len", prompt_tokens, "prompt tokens (random ids)");
-  app.add_option("--max-tokens", max_tokens, "tokens generated per request");
-  app.add_option("--max-batch", max_batch, "server sequence slots");
+  bench::add_served_shape_options(app, shape);
   bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
 
   const auto fail = bench::report_failure;
-  auto served = bench::build_served_engine(args, max_batch, prompt_tokens, max_tokens);
+  auto served = bench::build_served_engine(args, shape);
   if (!served.is_ok()) return fail(served.status());
   const runtime::LoadedModel& loaded = served->loaded;
   const runtime::EngineBundle& bundle = served->bundle;
@@ -62,7 +58,7 @@ int main(int argc, char** argv) {
 
   std::mt19937 rng(1);
   auto body_for = [&](std::mt19937& r) {
-    return bench::random_stream_body(r, loaded.model->config.vocab_size, prompt_tokens, max_tokens);
+    return bench::random_stream_body(r, loaded.model->config.vocab_size, shape);
   };
 
   nlohmann::json points = nlohmann::json::array();
@@ -110,9 +106,9 @@ int main(int argc, char** argv) {
   nlohmann::json doc = {{"model", bench::served_model_name(args)},
                         {"layers", loaded.model->config.n_layers},
                         {"sparse", bundle.method_name},
-                        {"prompt_tokens", prompt_tokens},
-                        {"max_tokens", max_tokens},
-                        {"max_batch", max_batch},
+                        {"prompt_tokens", shape.prompt_tokens},
+                        {"max_tokens", shape.max_tokens},
+                        {"max_batch", shape.max_batch},
                         {"requests_per_client", per_client},
                         {"threads", std::thread::hardware_concurrency()},
                         {"points", points}};

@@ -7,13 +7,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
 #include <cstdio>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -136,6 +139,21 @@ json post(uint16_t port, const json& body) {
   return json::parse(res.body(), nullptr, false);
 }
 
+// Polls /metrics until it holds one of `any_of` or `limit` passes (a safety net against a hang,
+// not a timing assertion: the caller checks what it wanted afterwards).
+void wait_for_metrics(uint16_t port, std::initializer_list<std::string_view> any_of,
+                      std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  const auto shown = [&] {
+    const std::string m = get(port, "/metrics");
+    return std::any_of(any_of.begin(), any_of.end(),
+                       [&](std::string_view s) { return m.find(s) != std::string::npos; });
+  };
+  while (!shown() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 std::vector<std::string> model_flags() {
   return {"-m",
           repo_path("models/stories260K/stories260K.bin"),
@@ -196,15 +214,8 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
     drained =
         post(server.port(), {{"prompt", "Once upon a time"}, {"max_tokens", 400}, {"ignore_eos", true}});
   });
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  auto started = [&] {
-    const std::string m = get(server.port(), "/metrics");
-    return m.find("specontext_requests_running 1") != std::string::npos ||
-           m.find("specontext_requests_completed_total 3") != std::string::npos;
-  };
-  while (!started() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  wait_for_metrics(server.port(), {"specontext_requests_running 1", "specontext_requests_completed_total 3"},
+                   std::chrono::seconds(30));
   const ServeProcess::Exit e = server.wait(SIGTERM);
   client.join();
   EXPECT_EQ(e.code, 0) << e.err;
@@ -277,11 +288,7 @@ TEST(ServeProcess, ConnectionAndRequestQueueFlagsReachTheServer) {
   // The timer closes the socket before the connection's coroutine resumes and counts the timeout:
   // wait until /metrics shows it, so the SIGTERM cannot overtake the count (a safety net of 60 s,
   // not a timing assertion).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (get(server.port(), "/metrics").find("specontext_header_timeouts_total 1") == std::string::npos &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  wait_for_metrics(server.port(), {"specontext_header_timeouts_total 1"}, std::chrono::seconds(60));
   const ServeProcess::Exit e = server.wait(SIGTERM);
   EXPECT_EQ(e.code, 0) << e.err;
   const json stopped = json::parse(e.out, nullptr, false);

@@ -440,26 +440,126 @@ bool PrefixStore::restore(size_t index) {
   } else {
     forget(p, /*remove_file=*/false);
   }
-  while (true) {
-    auto seq = engine_.memory().import_prefix(*snapshot);
-    if (seq.is_ok()) {
-      (void)engine_.memory().release_working_sets(*seq);  // it waits, as a cached sequence does
-      ++stats_.prefix_restores;
-      if (p.lower()) {
-        ++stats_.prefix_disk_restores;
-        forget(p, /*remove_file=*/true);
-      }
-      move(p.state, RequestState::kCached);
-      cached_.push_back({*seq, std::move(p.tokens)});
-      return true;
+  if (const std::optional<SeqId> seq = import_evicting(*snapshot)) {
+    ++stats_.prefix_restores;
+    if (p.lower()) {
+      ++stats_.prefix_disk_restores;
+      forget(p, /*remove_file=*/true);
     }
-    if (seq.status().code() == StatusCode::kResourceExhausted && evict()) continue;
-    break;
+    move(p.state, RequestState::kCached);
+    cached_.push_back({*seq, std::move(p.tokens)});
+    return true;
   }
   // Back in the store as the most recently used (a file stays where it is).
   if (!p.lower()) host_bytes_ += p.snapshot.bytes();
   stored_.push_back(std::move(p));
   settle();
+  return false;
+}
+
+std::optional<SeqId> PrefixStore::import_evicting(const PrefixSnapshot& snapshot) {
+  while (true) {
+    auto seq = engine_.memory().import_prefix(snapshot);
+    if (seq.is_ok()) {
+      (void)engine_.memory().release_working_sets(*seq);  // it waits, as a cached sequence does
+      return *seq;
+    }
+    if (seq.status().code() == StatusCode::kResourceExhausted && evict()) continue;
+    return std::nullopt;
+  }
+}
+
+bool PrefixStore::shared_error(const std::string& why) {
+  ++stats_.prefix_shared_errors;
+  last_shared_error_ = why;
+  return false;
+}
+
+bool PrefixStore::publish(SeqId seq, std::span<const TokenId> tokens) {
+  SharedPrefixStore* store = options_.shared_store.get();
+  if (store == nullptr || !seq.valid()) return false;
+  const int64_t unit = engine_.memory().fork_granularity();
+  const int64_t held = std::min(static_cast<int64_t>(tokens.size()), engine_.memory().sequence_length(seq));
+  const int64_t whole = held / unit * unit;
+  if (whole == 0) return false;
+  const std::span<const TokenId> prefix = tokens.first(static_cast<size_t>(whole));
+  const PrefixKey key = prefix_key(identity(), prefix);
+  const auto held_already = store->contains(std::span<const PrefixKey>(&key, 1));
+  if (!held_already.is_ok()) return shared_error(held_already.status().to_string());
+  if (held_already->at(0)) return false;
+  auto snapshot = engine_.memory().export_prefix(seq, whole);
+  if (!snapshot.is_ok()) return shared_error(snapshot.status().to_string());
+  const std::vector<std::byte> bytes = encode_prefix_file(prefix, *snapshot, identity());
+  if (Status st = store->put(key, bytes); !st.is_ok()) return shared_error(st.to_string());
+  ++stats_.prefix_shared_writes;
+  stats_.prefix_shared_bytes_written += static_cast<int64_t>(bytes.size());
+  probe_.reset();  // a miss asked about may be there now
+  return true;
+}
+
+int64_t PrefixStore::find_shared(std::span<const TokenId> want, int64_t floor) {
+  SharedPrefixStore* store = options_.shared_store.get();
+  if (store == nullptr) return 0;
+  const Probe question{prefix_key(0, want).token_hash, want.size(), floor, 0};
+  if (probe_ && probe_->want_hash == question.want_hash && probe_->want_size == question.want_size &&
+      probe_->floor == question.floor) {
+    return probe_->found;
+  }
+  const std::vector<PrefixKey> keys = prefix_keys(identity(), want, engine_.memory().fork_granularity(), floor);
+  if (keys.empty()) return 0;
+  const auto held = store->contains(keys);
+  if (!held.is_ok()) {
+    (void)shared_error(held.status().to_string());
+    ++stats_.prefix_shared_misses;
+    return 0;  // asked again next time: the store may be back
+  }
+  probe_ = question;
+  for (size_t k = keys.size(); k-- > 0;) {
+    if (k < held->size() && (*held)[k]) {
+      probe_->found = keys[k].tokens;
+      return probe_->found;
+    }
+  }
+  ++stats_.prefix_shared_misses;
+  return 0;
+}
+
+bool PrefixStore::restore_shared(std::span<const TokenId> want, int64_t tokens) {
+  SharedPrefixStore* store = options_.shared_store.get();
+  probe_.reset();  // what is found next is asked afresh
+  if (store == nullptr || tokens <= 0 || tokens > static_cast<int64_t>(want.size())) return false;
+  const std::span<const TokenId> prefix = want.first(static_cast<size_t>(tokens));
+  const PrefixKey key = prefix_key(identity(), prefix);
+  RequestState state = RequestState::kNew;
+  move(state, RequestState::kShared);
+  const std::string name = store->name() + " key " + key.text();
+  Result<PrefixFile> read = [&]() -> Result<PrefixFile> {
+    SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store->get(key));
+    stats_.prefix_shared_bytes_read += static_cast<int64_t>(bytes.size());
+    SPX_ASSIGN_OR_RETURN(PrefixFile f, parse_prefix_file(bytes, name));
+    SPX_ASSIGN_OR_RETURN(f, of_identity(std::move(f), identity(), name));
+    if (!std::equal(f.tokens.begin(), f.tokens.end(), prefix.begin(), prefix.end())) {
+      return data_loss("prefix file " + name + ": field 'token_ids' holds other tokens (a hash collision)");
+    }
+    return f;
+  }();
+  if (!read.is_ok()) {  // the request computes its prompt instead
+    if (read.status().code() == StatusCode::kNotFound) {
+      ++stats_.prefix_shared_misses;  // expired or evicted since it was found
+    } else {
+      (void)shared_error(read.status().to_string());
+    }
+    move(state, RequestState::kDropped);
+    return false;
+  }
+  ++stats_.prefix_shared_hits;
+  if (const std::optional<SeqId> seq = import_evicting(read->snapshot)) {
+    ++stats_.prefix_restores;
+    move(state, RequestState::kCached);
+    cached_.push_back({*seq, std::move(read->tokens)});
+    return true;
+  }
+  move(state, RequestState::kDropped);  // no room: it stays in the shared store
   return false;
 }
 

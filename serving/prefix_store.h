@@ -10,6 +10,11 @@
 // cache (Engine::import_prefix), the cache evicting for its room. A stored prefix another one
 // extends is dropped. A file or blob that cannot be written or read back intact is dropped and
 // counted (the request computes its prompt). Each prefix's moves go through a StateLog.
+//   shared      a SharedPrefixStore other servers see (Redis): every finished request's prompt,
+//               in whole fork units, is written there under its content key (publish); a
+//               request no local level serves as far asks it (find_shared) and reads the longest
+//               prefix found back into the cache (restore_shared). The store decides what it
+//               keeps; an unreachable one costs the prompt's computation only (counted).
 // Not thread-safe: the Scheduler's thread owns it.
 #pragma once
 
@@ -24,6 +29,7 @@
 #include "core/engine/engine.h"
 #include "core/engine/prefix_file.h"
 #include "core/ports/prefix_blob_store.h"
+#include "core/ports/shared_prefix_store.h"
 #include "serving/request_state.h"
 
 namespace specontext {
@@ -34,6 +40,7 @@ struct PrefixStoreOptions {
   std::string disk_dir;      // under which the directory is made; empty: the system's temporary one
   bool persist = false;      // the directory specontext-<kv_identity> kept across restarts
   std::shared_ptr<PrefixBlobStore> blob_store;  // the lower level in blobs, not files
+  std::shared_ptr<SharedPrefixStore> shared_store;  // the shared level; null: none
 };
 
 // GenerationStats' prefix counters (GenerationStats derives from this).
@@ -49,6 +56,13 @@ struct PrefixStoreStats {
   int64_t prefix_disk_errors = 0;    // files or blobs that could not be written or read back (dropped)
   int64_t prefix_disk_peak_bytes = 0;
   int64_t prefix_disk_found = 0;  // files a previous process left, indexed by open_disk
+  // The shared level (PrefixStoreOptions::shared_store).
+  int64_t prefix_shared_hits = 0;     // prefixes read back intact from it into the cache
+  int64_t prefix_shared_misses = 0;   // lookups that found none, or whose blob was gone when read
+  int64_t prefix_shared_writes = 0;   // prompts written to it
+  int64_t prefix_shared_bytes_read = 0;
+  int64_t prefix_shared_bytes_written = 0;
+  int64_t prefix_shared_errors = 0;  // unreachable, refused a write, or a blob not of this engine
 };
 
 // The longest common prefix of `want` and a sequence of `have` tokens (the k-th: at(k)), in
@@ -119,6 +133,22 @@ class PrefixStore {
   // for room; false (it stays stored, or is dropped when it cannot be read back) when not.
   bool restore(size_t index);
 
+  // The shared level. publish: `seq`'s first whole fork units of `tokens` (at most its length)
+  // written to the shared store unless it holds them already; false when nothing was written (no
+  // store, held already, under one unit, or an error: counted).
+  bool publish(SeqId seq, std::span<const TokenId> tokens);
+  // The longest prefix of `want` longer than `floor` in whole fork units the shared store holds:
+  // its length, 0 when none (or no store; an error counts and is 0). The same question twice in
+  // a row (a request waiting at the head of the queue) is answered without asking again.
+  int64_t find_shared(std::span<const TokenId> want, int64_t floor);
+  // Reads the shared prefix of `want`'s first `tokens` back as the most recently used cached
+  // sequence, evicting others for room; false (counted: gone, unreachable, not of this engine, no
+  // room) when not.
+  bool restore_shared(std::span<const TokenId> want, int64_t tokens);
+  bool has_shared() const { return options_.shared_store != nullptr; }
+  // Why the last shared-store operation failed; empty when none has.
+  const std::string& last_shared_error() const { return last_shared_error_; }
+
   size_t cached_sequences() const { return cached_.size(); }
   size_t offloaded_prefixes() const;  // in host memory
   uint64_t offloaded_bytes() const { return host_bytes_; }
@@ -163,6 +193,9 @@ class PrefixStore {
   void forget(const Stored& p, bool remove_file);  // its bytes out of the accounting
   void drop(Stored& p, bool remove_file);          // forget, and kDropped
   bool lower_error(const std::string& why);        // counted and kept; false
+  bool shared_error(const std::string& why);       // counted and kept; false
+  // The snapshot as a new cached sequence (the most recently used), others evicted for room.
+  std::optional<SeqId> import_evicting(const PrefixSnapshot& snapshot);
   void drop_extended();  // open_disk: no prefix that another extends, within the budget
 
   Engine& engine_;
@@ -178,6 +211,15 @@ class PrefixStore {
   std::optional<uint64_t> identity_;
   int64_t next_file_ = 0;
   std::string last_error_;
+  std::string last_shared_error_;
+  // find_shared's last question (want's hash and length, floor) and answer.
+  struct Probe {
+    uint64_t want_hash = 0;
+    size_t want_size = 0;
+    int64_t floor = 0;
+    int64_t found = 0;
+  };
+  std::optional<Probe> probe_;
 };
 
 }  // namespace specontext

@@ -30,6 +30,8 @@ std::string_view request_state_name(RequestState s) {
       return "on disk";
     case RequestState::kOnNode:
       return "on a node";
+    case RequestState::kShared:
+      return "in the shared store";
     case RequestState::kDropped:
       return "dropped";
   }
@@ -41,8 +43,8 @@ bool allowed(RequestState from, RequestState to) {
   // Where a prefix goes when it enters the store: host memory, or straight to the lower level.
   const bool into_store = to == S::kOffloaded || to == S::kOnDisk || to == S::kOnNode;
   switch (from) {
-    case S::kNew:  // submitted; or a file found at open
-      return to == S::kWaiting || to == S::kOnDisk;
+    case S::kNew:  // submitted; or a file found at open; or a prefix found in the shared store
+      return to == S::kWaiting || to == S::kOnDisk || to == S::kShared;
     case S::kWaiting:  // admitted, refused, failed at admission, cancelled
       return to == S::kPrefilling || to == S::kRefused || to == S::kError || to == S::kCancelled;
     case S::kPrefilling:
@@ -60,6 +62,7 @@ bool allowed(RequestState from, RequestState to) {
       return to == S::kOnDisk || to == S::kOnNode || to == S::kCached || to == S::kDropped;
     case S::kOnDisk:
     case S::kOnNode:
+    case S::kShared:  // read back into the cache, or not (gone, unreadable, no room)
       return to == S::kCached || to == S::kDropped;
     case S::kRefused:
     case S::kError:

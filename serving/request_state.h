@@ -31,6 +31,7 @@ enum class RequestState : uint8_t {
   kOffloaded,   // its whole fork units in host memory
   kOnDisk,      // in a file
   kOnNode,      // in a PrefixBlobStore's blob (a KV node's memory)
+  kShared,      // found in a SharedPrefixStore (another server's, or this one's, earlier write)
   kDropped,     // out of every level: its KV is gone
 };
 inline constexpr size_t kRequestStates = static_cast<size_t>(RequestState::kDropped) + 1;

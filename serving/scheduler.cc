@@ -15,6 +15,7 @@ PrefixStoreOptions store_options(const GeneratorOptions& o) {
   s.disk_dir = o.prefix_disk_dir;
   s.persist = o.prefix_disk_persist;
   s.blob_store = o.prefix_blob_store;
+  s.shared_store = o.prefix_shared_store;
   return s;
 }
 
@@ -127,8 +128,15 @@ void Scheduler::cache_or_release(Entry& e) {
     release(e);
     return;
   }
-  store_.insert(e.seq, held_tokens(e, length), e.state);
+  std::vector<TokenId> held = held_tokens(e, length);
+  // The prompt short of its last token: what a request with the same prompt takes.
+  const size_t published = std::min(held.size(), e.prompt_size > 0 ? e.prompt_size - 1 : 0);
+  const SeqId seq = e.seq;
+  store_.insert(seq, held, e.state);
   e.seq = SeqId();
+  if (store_.has_shared() && forks(e)) {
+    (void)store_.publish(seq, std::span<const TokenId>(held).first(published));
+  }
 }
 
 bool Scheduler::evict_cached(SeqId keep) { return store_.evict(keep, /*keep_may_go=*/running_.empty()); }
@@ -243,20 +251,30 @@ Status Scheduler::admit(std::vector<SchedulerEvent>& events) {
     // A running request is still computing more of this prompt than any cache holds (the n
     // choices of one request, the same prompt sent twice at once): wait for it, then fork.
     PrefixSource source = forks(e) ? find_prefix(e) : PrefixSource{};
+    // No local level serves it as far: the shared store may (another server's prompt).
+    if (forks(e) && !source.from_offload && store_.has_shared() && restored_for != e.id) {
+      source.from_shared =
+          store_.find_shared(std::span<const TokenId>(r.prompt.data(), r.prompt.size() - 1), source.pending);
+    }
+    const bool from_store = source.from_offload || source.from_shared > 0;
     // An offloaded prefix longer than any the cache has or will have: back into the cache, then
     // look again (it is found there). Failing, it may have evicted the source found.
     // Under kPreempt, not before its prompt fits beside the running requests: restored while it
     // still waits, the prefix would be evicted again (and offloaded again) before it is used.
-    if (source.from_offload && options_.admission == AdmissionPolicy::kPreempt && others &&
+    if (from_store && options_.admission == AdmissionPolicy::kPreempt && others &&
         !engine_.fits(near_lengths(SeqId(), /*without_cached=*/true), near_length(e, r.synthetic_context))
              .is_ok()) {
       break;
     }
-    if (source.from_offload && restored_for != e.id && store_.restore(*source.from_offload)) {
+    if (from_store && restored_for != e.id &&
+        (source.from_offload ? store_.restore(*source.from_offload)
+                             : store_.restore_shared(
+                                   std::span<const TokenId>(r.prompt.data(), r.prompt.size() - 1),
+                                   source.from_shared))) {
       restored_for = e.id;
       continue;
     }
-    if (source.from_offload) {
+    if (from_store) {
       source = find_prefix(e);
       source.from_offload.reset();
     }

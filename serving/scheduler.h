@@ -138,6 +138,16 @@ struct GeneratorOptions {
   // node), is dropped and counted in prefix_disk_errors, as a file is. Not with
   // prefix_disk_persist; prefix_disk_dir is unused.
   std::shared_ptr<PrefixBlobStore> prefix_blob_store;
+  // A prefix store other servers share (cluster/redis_prefix_store.h; LMCache's remote backend
+  // shared by its servers), with prefix caching: when a request finishes, its prompt's whole fork
+  // units (short of its last token, what a request with the same prompt can take) are written
+  // there under their content key (PrefixKey: the engine's kv_identity and the tokens'
+  // hash) unless it holds them already; a request that no cached, running or stored prefix
+  // serves as far asks it for the longest prefix of its prompt and has that read back instead of
+  // computed. Found only whole: a stored prompt serves a later prompt that starts with all of it.
+  // An unreachable store, or a blob gone or unreadable, costs the prompt's computation only
+  // (counted in prefix_shared_*). Independent of the other levels.
+  std::shared_ptr<SharedPrefixStore> prefix_shared_store;
   // Swap preemption (vLLM's preemption_mode "swap"), under kPreempt with prefix caching and an
   // offload store (prefix_offload_bytes or prefix_disk_bytes): a preempted request's whole fork
   // units go to the store as an evicted cached prefix does, and when it is admitted again they
@@ -270,6 +280,7 @@ class Scheduler {
     bool supersedes = false;             // a cached seq whose every whole page the request takes
     int64_t pending = 0;                 // usable once running requests have prefilled their prompts
     std::optional<size_t> from_offload;  // PrefixStore::longest_stored: a longer prefix than `pending`
+    int64_t from_shared = 0;  // PrefixStore::find_shared: a longer prefix than `pending` (tokens)
   };
   // A sequence for e holding `source`'s prefix (a cached one taken over, or a fork), or an empty
   // one (add_sequence) when there is none to use.

@@ -57,6 +57,39 @@ class MemoryBlobStore : public PrefixBlobStore {
   std::map<uint64_t, std::vector<std::byte>> blobs_;
 };
 
+// A SharedPrefixStore in a map, for the state machine and PrefixStore's side of the contract (the
+// Redis store itself is tested against a real redis-server: tests/cluster/redis_prefix_store_test.cc).
+// `alive` false: every call fails as an unreachable store's does.
+class MemorySharedStore : public SharedPrefixStore {
+ public:
+  const std::string& name() const override { return name_; }
+  Status put(const PrefixKey& key, std::span<const std::byte> blob) override {
+    if (!alive) return unavailable("memory shared store: gone");
+    blobs_[key.text()] = std::vector<std::byte>(blob.begin(), blob.end());
+    return Status::ok();
+  }
+  Result<std::vector<std::byte>> get(const PrefixKey& key) override {
+    if (!alive) return unavailable("memory shared store: gone");
+    auto it = blobs_.find(key.text());
+    if (it == blobs_.end()) return not_found("memory shared store: no " + key.text());
+    return it->second;
+  }
+  Result<std::vector<bool>> contains(std::span<const PrefixKey> keys) override {
+    if (!alive) return unavailable("memory shared store: gone");
+    ++asked;
+    std::vector<bool> held;
+    for (const PrefixKey& k : keys) held.push_back(blobs_.count(k.text()) > 0);
+    return held;
+  }
+  size_t blobs() const { return blobs_.size(); }
+  bool alive = true;
+  int asked = 0;  // contains calls that reached it
+
+ private:
+  std::string name_ = "memory shared store";
+  std::map<std::string, std::vector<std::byte>> blobs_;
+};
+
 // stories260K on `slots` sequence slots and a pool of `pages` KV pages (0: enough for all).
 std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages) {
   auto m = load_model(testing::repo_path("models/stories260K/stories260K.bin"));
@@ -318,6 +351,104 @@ TEST(PrefixStore, PersistedPrefixesAreFoundByTheNextStore) {
   EXPECT_EQ(PrefixStore(*engine, blob).open_disk().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(PrefixKey, KeysNameIdentityLengthAndTokensAndComeInWholeUnits) {
+  const std::vector<TokenId> t = story_prompt(40);
+  const PrefixKey k = prefix_key(7, std::span<const TokenId>(t).first(32));
+  EXPECT_EQ(k.tokens, 32);
+  EXPECT_EQ(k.text().rfind("spx:prefix:v1:0000000000000007:32:", 0), 0u) << k.text();
+  EXPECT_NE(prefix_key(8, std::span<const TokenId>(t).first(32)), k) << "another engine";
+  std::vector<TokenId> other(t.begin(), t.begin() + 32);
+  other[31] += 1;
+  EXPECT_NE(prefix_key(7, other).token_hash, k.token_hash);
+  const std::vector<PrefixKey> keys = prefix_keys(7, t, 16, 0);
+  ASSERT_EQ(keys.size(), 2u);
+  EXPECT_EQ(keys[0], prefix_key(7, std::span<const TokenId>(t).first(16)));
+  EXPECT_EQ(keys[1], k);
+  EXPECT_EQ(prefix_keys(7, t, 16, 16).size(), 1u) << "longer than the floor only";
+}
+
+// Server A's prompt, written to the shared store when it finishes, is read back by server B (its
+// own engine) instead of computed: same greedy tokens; an unreachable store costs B nothing but
+// the computation (and a counted error).
+TEST(PrefixStore, ASecondEngineReadsTheFirstsPromptFromTheSharedStore) {
+  const std::vector<TokenId> prompt = story_prompt(60);  // 59 tokens wanted: 3 whole pages
+  const std::vector<GenerationRequest> requests{[&] {
+    GenerationRequest r;
+    r.prompt = prompt;
+    r.max_new_tokens = 12;
+    return r;
+  }()};
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  const auto generate = [&](const GeneratorOptions& o, GenerationStats* stats) {
+    auto engine = pool_engine(2, 0);
+    EXPECT_TRUE(engine);
+    if (!engine) return std::vector<TokenId>{};
+    Generator g(*engine, o);
+    auto r = g.run(requests);
+    EXPECT_TRUE(r.is_ok());
+    if (stats) *stats = g.stats();
+    return r.is_ok() ? (*r)[0].tokens : std::vector<TokenId>{};
+  };
+  const std::vector<TokenId> alone = generate(go, nullptr);
+  ASSERT_EQ(alone.size(), 12u);
+  auto shared = std::make_shared<MemorySharedStore>();
+  go.prefix_shared_store = shared;
+  GenerationStats a, b, c;
+  EXPECT_EQ(generate(go, &a), alone);
+  EXPECT_EQ(a.prefix_shared_misses, 1) << "asked, found none";
+  EXPECT_EQ(a.prefix_shared_writes, 1);
+  EXPECT_GT(a.prefix_shared_bytes_written, 0);
+  EXPECT_EQ(a.cached_prompt_tokens, 0);
+  EXPECT_EQ(shared->blobs(), 1u);
+  EXPECT_EQ(generate(go, &b), alone) << "the prompt read back decodes as computed";
+  EXPECT_EQ(b.prefix_shared_hits, 1);
+  EXPECT_EQ(b.prefix_shared_misses, 0);
+  EXPECT_EQ(b.prefix_shared_writes, 0) << "held already";
+  EXPECT_EQ(b.prefix_shared_bytes_read, a.prefix_shared_bytes_written);
+  EXPECT_EQ(b.cached_prompt_tokens, 48);
+  EXPECT_EQ(b.prefix_shared_errors, 0);
+  shared->alive = false;
+  EXPECT_EQ(generate(go, &c), alone) << "a dead store costs the computation only";
+  EXPECT_EQ(c.prefix_shared_hits, 0);
+  EXPECT_EQ(c.prefix_shared_misses, 1);
+  EXPECT_GE(c.prefix_shared_errors, 1);
+  EXPECT_EQ(c.cached_prompt_tokens, 0);
+}
+
+TEST(PrefixStore, AFoundPrefixIsAskedOnceAndOneGoneSinceIsAMiss) {
+  auto engine = pool_engine(3, 0);
+  ASSERT_TRUE(engine);
+  auto shared = std::make_shared<MemorySharedStore>();
+  PrefixStoreOptions o;
+  o.shared_store = shared;
+  PrefixStore store(*engine, o);
+  const std::vector<TokenId> a = story_prompt(40);
+  const SeqId seq = computed(*engine, a);
+  EXPECT_EQ(store.find_shared(wanted(a), 0), 0);
+  EXPECT_EQ(store.find_shared(wanted(a), 0), 0);
+  EXPECT_EQ(shared->asked, 1) << "the same question is answered without asking again";
+  EXPECT_TRUE(store.publish(seq, wanted(a)));
+  EXPECT_FALSE(store.publish(seq, wanted(a))) << "held already";
+  EXPECT_EQ(store.find_shared(wanted(a), 0), 32) << "a write makes it ask again";
+  EXPECT_EQ(store.find_shared(wanted(a), 32), 0) << "not longer than the floor";
+  (void)engine->memory().remove_sequence(seq);
+  ASSERT_TRUE(store.restore_shared(wanted(a), 32));
+  ASSERT_EQ(store.cached_sequences(), 1u);
+  EXPECT_EQ(engine->memory().sequence_length(store.cached().front().seq), 32);
+  EXPECT_EQ(store.cached().front().tokens, std::vector<TokenId>(a.begin(), a.begin() + 32));
+  // Gone between the question and the read (expired): a miss, not an error.
+  const std::vector<TokenId> b = prompt_of(426);
+  EXPECT_FALSE(store.restore_shared(wanted(b), 32));
+  EXPECT_EQ(store.stats().prefix_shared_hits, 1);
+  EXPECT_EQ(store.stats().prefix_shared_misses, 2);
+  EXPECT_EQ(store.stats().prefix_shared_errors, 0) << store.last_shared_error();
+  EXPECT_EQ(store.states().count(S::kNew, S::kShared), 2);
+  EXPECT_EQ(store.states().count(S::kShared, S::kCached), 1);
+  EXPECT_EQ(store.states().count(S::kShared, S::kDropped), 1);
+  EXPECT_EQ(store.states().refused(), 0);
+}
+
 // ---- request states ----
 
 TEST(RequestStates, TheTableRefusesWhatTheCodeNeverDoes) {
@@ -554,10 +685,33 @@ StateLog persistence_scenario() {
   return all;
 }
 
+// One scheduler's prompt found in the shared store by the next one's (another server), and one
+// gone when it is read.
+StateLog shared_scenario() {
+  auto engine = pool_engine(2, 0);
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  go.prefix_shared_store = std::make_shared<MemorySharedStore>();
+  StateLog all;
+  for (int server = 0; server < 2; ++server) {
+    Scheduler s(*engine, go);
+    EXPECT_TRUE(s.submit(request(story_prompt(40), 4)).is_ok());
+    run(s);
+    all += s.states();
+  }
+  PrefixStoreOptions o;
+  o.shared_store = go.prefix_shared_store;
+  PrefixStore store(*engine, o);
+  EXPECT_FALSE(store.restore_shared(wanted(prompt_of(426)), 32));
+  all += store.states();
+  return all;
+}
+
 TEST(RequestStates, EveryAllowedMoveHappensInAScenarioAndNoneIsRefused) {
   StateLog all;
   for (StateLog (*scenario)() :
-       {lifecycle_scenario, failure_scenario, preemption_scenario, store_scenario, persistence_scenario}) {
+       {lifecycle_scenario, failure_scenario, preemption_scenario, store_scenario, persistence_scenario,
+        shared_scenario}) {
     const StateLog log = scenario();
     EXPECT_EQ(log.refused(), 0);
     all += log;

@@ -1,0 +1,47 @@
+#include "core/ports/shared_prefix_store.h"
+
+#include <cstdio>
+
+namespace specontext {
+namespace {
+
+constexpr uint64_t kFnvBasis = 14695981039346656037ull;
+constexpr uint64_t kFnvPrime = 1099511628211ull;
+
+uint64_t add_token(uint64_t h, TokenId t) {
+  const auto v = static_cast<uint32_t>(t);
+  for (int byte = 0; byte < 4; ++byte) {
+    h ^= (v >> (8 * byte)) & 0xffu;
+    h *= kFnvPrime;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string PrefixKey::text() const {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "spx:prefix:v1:%016llx:%lld:%016llx", static_cast<unsigned long long>(identity),
+                static_cast<long long>(tokens), static_cast<unsigned long long>(token_hash));
+  return buf;
+}
+
+PrefixKey prefix_key(uint64_t identity, std::span<const TokenId> tokens) {
+  uint64_t h = kFnvBasis;
+  for (TokenId t : tokens) h = add_token(h, t);
+  return PrefixKey{identity, static_cast<int64_t>(tokens.size()), h};
+}
+
+std::vector<PrefixKey> prefix_keys(uint64_t identity, std::span<const TokenId> tokens, int64_t unit, int64_t floor) {
+  std::vector<PrefixKey> keys;
+  if (unit <= 0) return keys;
+  uint64_t h = kFnvBasis;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    h = add_token(h, tokens[i]);
+    const auto n = static_cast<int64_t>(i + 1);
+    if (n % unit == 0 && n > floor) keys.push_back(PrefixKey{identity, n, h});
+  }
+  return keys;
+}
+
+}  // namespace specontext

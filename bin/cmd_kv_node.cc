@@ -23,6 +23,10 @@ void register_kv_node(CLI::App& app, KvNodeArgs& a) {
   cmd->add_option("--secret-file", a.secret_file,
                   "file holding the shared secret clients must prove at hello (owner-readable only; default: "
                   "the SPECONTEXT_KV_SECRET environment variable; without either, loopback only)");
+  cmd->add_option("--tls-cert", a.tls_cert_file,
+                  "PEM certificate chain: the control plane speaks TLS 1.2+ only (clients give "
+                  "--kv-node-tls-ca with its CA); the UCX data plane stays unencrypted");
+  cmd->add_option("--tls-key", a.tls_key_file, "PEM private key of --tls-cert (not readable by every user)");
   cmd->add_option("--client-quota", a.client_quota,
                   "bytes one connection may hold at once (e.g. 1GiB; default: up to the capacity)");
   cmd->add_option("--max-connections", a.max_connections, "connections served at once; the next is refused")
@@ -69,6 +73,8 @@ int run_kv_node(const KvNodeArgs& a) {
   o.capacity = static_cast<uint64_t>(*cap);
   o.name = a.name;
   o.secret = std::move(secret).value();
+  o.tls_cert_file = a.tls_cert_file;
+  o.tls_key_file = a.tls_key_file;
   o.client_quota = static_cast<uint64_t>(quota);
   o.max_connections = a.max_connections;
   o.idle_timeout = std::chrono::milliseconds(a.idle_timeout_ms);
@@ -78,7 +84,8 @@ int run_kv_node(const KvNodeArgs& a) {
                               {"node", (*node)->name()},
                               {"port", (*node)->port()},
                               {"capacity", o.capacity},
-                              {"auth", o.secret.empty() ? "none" : "hmac-sha256"}}
+                              {"auth", o.secret.empty() ? "none" : "hmac-sha256"},
+                              {"tls", !o.tls_cert_file.empty()}}
                    .dump()
             << std::endl;
   int sig = 0;
@@ -91,6 +98,7 @@ int run_kv_node(const KvNodeArgs& a) {
                               {"bad_requests", st.bad_requests},
                               {"auth_failures", st.auth_failures},
                               {"connections_refused", st.connections_refused},
+                              {"tls_failures", st.tls_failures},
                               {"regions", st.regions}}
                    .dump()
             << std::endl;

@@ -118,6 +118,8 @@ struct KvNodeArgs {
   std::string capacity;
   std::string name;
   std::string secret_file;   // else SPECONTEXT_KV_SECRET; none: loopback only
+  std::string tls_cert_file;  // TLS of the control plane: certificate chain and key (PEM)
+  std::string tls_key_file;
   std::string client_quota;  // SIZE one connection may hold ("": up to the capacity)
   int64_t max_connections = 64;
   int64_t idle_timeout_ms = 60000;

@@ -17,7 +17,8 @@
 //   {"op":"free","region":ID}     → {"ok":true}
 //   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
 //                                    "bytes_gathered":N,"bytes_scattered":N,"auth_failures":N,
-//                                    "connections_refused":N,"idle_closed":N,"quota_refusals":N}
+//                                    "connections_refused":N,"idle_closed":N,"quota_refusals":N,
+//                                    "tls_failures":N}
 // alloc, free and stats before authentication (on a node with a secret) count as a failed
 // authentication and close the connection. An alloc beyond the connection's quota is refused
 // (RESOURCE_EXHAUSTED) and allocates nothing. A connection past the node's limit is sent one error
@@ -31,6 +32,7 @@
 // only when the node serves one-sided RMA ("rma": true), which it never does where a transport or
 // UCX's software RMA would let an RMA key reach beyond its region ("rma_refused" says why). A freed
 // region's pages are given back to the system, so the next region over them reads zeros.
+// The lines travel over TCP, or TLS (cluster/kv_node_tls.h) when the node has a certificate.
 // Parsing is pure (no sockets) and fuzzed (tests/fuzz/fuzz_control.cc).
 #pragma once
 

@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "cluster/kv_node_auth.h"
+#include "cluster/kv_node_tls.h"
 #include "core/base/region_allocator.h"
 #include "transport/ucx_support.h"
 #include "transport/ucx_wire.h"
@@ -48,10 +49,10 @@ struct MappedPool {
 class KvNode::Impl {
  public:
   struct Session : std::enable_shared_from_this<Session> {
-    Session(Impl& node, tcp::socket s, std::string peer)
-        : node(node), socket(std::move(s)), idle(socket.get_executor()), peer(std::move(peer)) {}
+    Session(Impl& node, tcp::socket s, asio::ssl::context* tls, std::string peer)
+        : node(node), stream(std::move(s), tls), idle(stream.get_executor()), peer(std::move(peer)) {}
     Impl& node;
-    tcp::socket socket;
+    ControlStream stream;  // TLS on a node with a certificate
     asio::steady_timer idle;
     std::string peer;  // HOST:PORT of the client, for the log
     std::string in;
@@ -59,6 +60,7 @@ class KvNode::Impl {
     std::unordered_set<uint64_t> regions;
     uint64_t held_bytes = 0;         // of its regions, against the quota
     uint64_t lines = 0;              // requests received; the idle timer checks it moved
+    bool started = false;            // its first bytes checked (and, with TLS, its handshake done)
     bool authenticated = false;      // from the start on a node without a secret
     std::optional<AuthNonce> nonce;  // of the last hello, until answered
   };
@@ -78,6 +80,7 @@ class KvNode::Impl {
   // Why the node hands out no remote keys for one-sided RMA (hello "rma_refused"); see init().
   std::string rma_refused;
 
+  std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
   asio::io_context io;
   tcp::acceptor acceptor{io};
   std::thread io_thread;
@@ -125,6 +128,9 @@ class KvNode::Impl {
                               " without a secret: anyone who reaches it could allocate its memory. Give "
                               "--secret-file PATH (or set " +
                               std::string(kSecretEnv) + "), or listen on a loopback address (127.0.0.1)");
+    }
+    if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
+      SPX_ASSIGN_OR_RETURN(tls, make_node_tls_context(options.tls_cert_file, options.tls_key_file));
     }
     const tcp::endpoint ep(addr, options.port);
     acceptor.open(ep.protocol(), ec);
@@ -287,9 +293,15 @@ class KvNode::Impl {
       std::string peer = peer_ec ? std::string("(unknown peer)")
                                  : remote.address().to_string() + ":" + std::to_string(remote.port());
       if (static_cast<int64_t>(sessions.size()) >= options.max_connections) {
-        refuse(std::move(socket), peer);
+        bump([](KvNodeStats& c) { ++c.connections_refused; });
+        log("refused a connection from " + peer + ": " + std::to_string(options.max_connections) +
+            " connections (--max-connections) are served already");
+        refuse(std::make_shared<Refused>(std::move(socket), tls.get(),
+                                         control_error_line(resource_exhausted(
+                                             "kv node " + name + ": connection limit (" +
+                                             std::to_string(options.max_connections) + ") reached"))));
       } else {
-        auto s = std::make_shared<Session>(*this, std::move(socket), std::move(peer));
+        auto s = std::make_shared<Session>(*this, std::move(socket), tls.get(), std::move(peer));
         s->authenticated = options.secret.empty();
         sessions.insert(s);
         bump([](KvNodeStats& c) { ++c.connections; });
@@ -299,55 +311,86 @@ class KvNode::Impl {
     });
   }
 
-  // Past the connection limit: one error line, then the connection is closed. The node stops
-  // sending, then drains what the client sent (its hello) until the client closes or a second has
-  // passed, so that closing sends no reset that could overtake the error line. At most
-  // kMaxLingering refused connections wait so; beyond them a refusal closes at once.
+  // A refused connection (past max_connections, or plain TCP to a TLS node): one error line, then
+  // closed. On a TLS stream the handshake comes first, so that a TLS client reads the line. The node
+  // then stops sending and drains what the client sent (its hello) until the client closes, so that
+  // closing sends no reset that could overtake the error line; all within a second. At most
+  // kMaxLingering refused connections wait so; beyond them a refusal closes as soon as its line is
+  // written (plain) or at once (TLS).
   static constexpr int kMaxLingering = 64;
   struct Refused {
-    explicit Refused(tcp::socket s) : socket(std::move(s)), timer(socket.get_executor()) {}
-    tcp::socket socket;
+    Refused(tcp::socket s, asio::ssl::context* tls, std::string line)
+        : stream(std::move(s), tls), timer(stream.get_executor()), line(std::move(line)) {}
+    ControlStream stream;
     asio::steady_timer timer;
     std::string line;
     std::array<char, 1024> sink{};
+    bool counted = false;  // in `lingering` until end_refusal
   };
   int lingering = 0;  // io thread only
 
-  void refuse(tcp::socket socket, const std::string& peer) {
-    bump([](KvNodeStats& c) { ++c.connections_refused; });
-    log("refused a connection from " + peer + ": " + std::to_string(options.max_connections) +
-        " connections (--max-connections) are served already");
-    auto r = std::make_shared<Refused>(std::move(socket));
-    r->line = control_error_line(resource_exhausted("kv node " + name + ": connection limit (" +
-                                                    std::to_string(options.max_connections) + ") reached"));
-    asio::async_write(r->socket, asio::buffer(r->line), [this, r](boost::system::error_code ec, size_t) {
-      boost::system::error_code ignored;
-      if (ec || lingering >= kMaxLingering) {
-        r->socket.close(ignored);
+  void refuse(const std::shared_ptr<Refused>& r) {
+    boost::system::error_code ignored;
+    if (lingering >= kMaxLingering) {
+      if (r->stream.is_tls()) {
+        r->stream.socket().close(ignored);
         return;
       }
-      ++lingering;
-      r->socket.shutdown(tcp::socket::shutdown_send, ignored);
-      r->timer.expires_after(std::chrono::seconds(1));
-      r->timer.async_wait([r](boost::system::error_code) {
+      asio::async_write(r->stream, asio::buffer(r->line), [r](boost::system::error_code, size_t) {
         boost::system::error_code ignored2;
-        r->socket.close(ignored2);
+        r->stream.socket().close(ignored2);
       });
+      return;
+    }
+    ++lingering;
+    r->counted = true;
+    r->timer.expires_after(std::chrono::seconds(1));
+    r->timer.async_wait([r](boost::system::error_code) {
+      boost::system::error_code ignored2;
+      r->stream.socket().close(ignored2);  // whatever is pending ends with operation_aborted
+    });
+    if (!r->stream.is_tls()) {
+      send_refusal(r);
+      return;
+    }
+    r->stream.tls()->async_handshake(asio::ssl::stream_base::server, [this, r](boost::system::error_code ec) {
+      if (ec) {
+        end_refusal(r);
+        return;
+      }
+      send_refusal(r);
+    });
+  }
+
+  void send_refusal(const std::shared_ptr<Refused>& r) {
+    asio::async_write(r->stream, asio::buffer(r->line), [this, r](boost::system::error_code ec, size_t) {
+      if (ec) {
+        end_refusal(r);
+        return;
+      }
+      boost::system::error_code ignored;
+      r->stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
       drain(r);
     });
   }
 
   void drain(const std::shared_ptr<Refused>& r) {
-    r->socket.async_read_some(asio::buffer(r->sink), [this, r](boost::system::error_code ec, size_t) {
+    r->stream.async_read_some(asio::buffer(r->sink), [this, r](boost::system::error_code ec, size_t) {
       if (!ec) {
         drain(r);
         return;
       }
-      --lingering;
-      r->timer.cancel();
-      boost::system::error_code ignored;
-      r->socket.close(ignored);
+      end_refusal(r);
     });
+  }
+
+  void end_refusal(const std::shared_ptr<Refused>& r) {
+    if (!r->counted) return;
+    r->counted = false;
+    --lingering;
+    r->timer.cancel();
+    boost::system::error_code ignored;
+    r->stream.socket().close(ignored);
   }
 
   void log(const std::string& line) {
@@ -365,11 +408,79 @@ class KvNode::Impl {
     f(counters);
   }
 
-  // Waits for the session's next line; the idle timer runs meanwhile.
+  // Waits for the session's next line; the idle timer runs meanwhile (and bounds the first bytes
+  // and the TLS handshake of a new session too).
   void read(const std::shared_ptr<Session>& s) {
     arm_idle(s);
+    if (!s->started) {
+      start(s);
+      return;
+    }
+    read_line(s);
+  }
+
+  // A new session's first byte tells a TLS handshake (0x16) from a control line ('{'): a TLS client
+  // of a node without TLS is closed (its handshake fails at once, naming the node), a plain client
+  // of a TLS node is sent a plain error line saying so; both counted (tls_failures) and logged. A
+  // TLS session then completes its handshake (a failure, e.g. a client that does not trust the
+  // node's certificate, is counted and logged too).
+  void start(const std::shared_ptr<Session>& s) {
+    s->stream.socket().async_wait(tcp::socket::wait_read, [this, s](boost::system::error_code ec) {
+      if (ec || !sessions.contains(s)) {
+        close(s);
+        return;
+      }
+      unsigned char first = 0;
+      boost::system::error_code peek_ec;
+      const size_t n = s->stream.socket().receive(asio::buffer(&first, 1), tcp::socket::message_peek, peek_ec);
+      if (peek_ec || n == 0) {
+        close(s);  // gone before its first byte
+        return;
+      }
+      const bool tls_hello = first == kTlsHandshakeByte;
+      if (!s->stream.is_tls()) {
+        if (tls_hello) {
+          tls_failure(*s, "a TLS handshake, but this node speaks plain TCP (start it with --tls-cert and "
+                          "--tls-key, or drop --kv-node-tls-ca from the client)");
+          close(s);
+          return;
+        }
+        s->started = true;
+        read_line(s);
+        return;
+      }
+      if (!tls_hello) {
+        tls_failure(*s, "plain TCP, but this node speaks TLS only");
+        auto r = std::make_shared<Refused>(
+            std::move(s->stream.socket()), nullptr,
+            control_error_line(invalid_argument("kv node " + name +
+                                                " speaks TLS only: give the client the CA of its certificate "
+                                                "(--kv-node-tls-ca FILE)")));
+        close(s);
+        refuse(r);
+        return;
+      }
+      s->stream.tls()->async_handshake(asio::ssl::stream_base::server, [this, s](boost::system::error_code hs) {
+        if (!sessions.contains(s)) return;  // closed meanwhile (idle timeout, stop)
+        if (hs) {
+          tls_failure(*s, "TLS handshake failed: " + hs.message());
+          close(s);
+          return;
+        }
+        s->started = true;
+        read_line(s);
+      });
+    });
+  }
+
+  void tls_failure(const Session& s, const std::string& why) {
+    bump([](KvNodeStats& c) { ++c.tls_failures; });
+    log("refused a connection from " + s.peer + ": " + why);
+  }
+
+  void read_line(const std::shared_ptr<Session>& s) {
     asio::async_read_until(
-        s->socket, asio::dynamic_buffer(s->in, kMaxControlLine + 1), '\n',
+        s->stream, asio::dynamic_buffer(s->in, kMaxControlLine + 1), '\n',
         [this, s](boost::system::error_code ec, size_t n) {
           ++s->lines;
           s->idle.cancel();
@@ -408,7 +519,7 @@ class KvNode::Impl {
 
   void reply(const std::shared_ptr<Session>& s, Answer answer) {
     s->out = std::move(answer.line);
-    asio::async_write(s->socket, asio::buffer(s->out),
+    asio::async_write(s->stream, asio::buffer(s->out),
                       [this, s, close_after = answer.close_after](boost::system::error_code ec, size_t) {
                         if (ec || close_after) {
                           close(s);
@@ -428,7 +539,7 @@ class KvNode::Impl {
     s->held_bytes = 0;
     bump([](KvNodeStats& c) { --c.connections; });
     boost::system::error_code ignored;
-    s->socket.close(ignored);
+    s->stream.socket().close(ignored);
   }
 
   // Forgets the region (requests naming it are refused from now on) and gives its pages back to
@@ -588,7 +699,8 @@ class KvNode::Impl {
                           {"auth_failures", st.auth_failures},
                           {"connections_refused", st.connections_refused},
                           {"idle_closed", st.idle_closed},
-                          {"quota_refusals", st.quota_refusals}};
+                          {"quota_refusals", st.quota_refusals},
+                          {"tls_failures", st.tls_failures}};
     return {out.dump() + "\n"};
   }
 

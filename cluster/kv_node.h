@@ -12,7 +12,8 @@
 // challenge (cluster/kv_node_auth.h) may allocate, free or read stats; a wrong answer or a request
 // before authentication is counted (auth_failures), logged with the peer's address, and closes
 // the connection. Without a secret the node serves anyone who can reach it, so it listens on a
-// loopback address only (start() refuses any other). Each connection may hold at most
+// loopback address only (start() refuses any other). With a certificate (tls_cert_file,
+// tls_key_file) the control plane is TLS 1.2+ (cluster/kv_node_tls.h); the data plane is not. Each connection may hold at most
 // `client_quota` bytes; at most `max_connections` are served at once (the next is sent an error
 // line and closed); one that sends nothing for `idle_timeout` while holding no region is closed.
 //
@@ -42,6 +43,11 @@ struct KvNodeOptions {
   std::string name;       // in replies and messages; default host:port
   // The shared secret clients must prove at hello; empty: none (then `host` must be loopback).
   std::string secret;
+  // TLS for the control plane (cluster/kv_node_tls.h) when both are set: a PEM certificate chain
+  // and its PEM private key (not readable by every user). Then every connection is TLS 1.2+; a
+  // plain one is sent an error line saying so and closed.
+  std::string tls_cert_file;
+  std::string tls_key_file;
   uint64_t client_quota = 0;  // bytes one connection may hold at once; 0: up to the capacity
   int64_t max_connections = 64;
   // A connection that sends no request for this long while holding no region is closed (0: never).
@@ -64,6 +70,7 @@ struct KvNodeStats {
   int64_t connections_refused = 0;  // past max_connections
   int64_t idle_closed = 0;          // closed by the idle timeout
   int64_t quota_refusals = 0;       // allocs beyond a connection's quota
+  int64_t tls_failures = 0;         // failed TLS handshakes; TLS to a plain node, plain to a TLS node
 };
 
 class KvNode {

@@ -2,6 +2,8 @@
 
 #include <boost/asio.hpp>
 
+#include "cluster/kv_node_tls.h"
+
 namespace specontext::cluster {
 
 namespace asio = boost::asio;
@@ -9,12 +11,17 @@ using asio::ip::tcp;
 
 class KvNodeClient::Impl {
  public:
-  Impl(std::string endpoint, std::chrono::milliseconds timeout)
-      : endpoint(std::move(endpoint)), timeout(timeout) {}
+  Impl(std::string endpoint, std::chrono::milliseconds timeout, std::shared_ptr<const KvNodeTlsClient> tls)
+      : endpoint(std::move(endpoint)),
+        timeout(timeout),
+        tls(std::move(tls)),
+        stream(tcp::socket(io), this->tls ? &this->tls->context() : nullptr) {}
   std::string endpoint;
   std::chrono::milliseconds timeout;
+  std::shared_ptr<const KvNodeTlsClient> tls;  // keeps the context alive for the stream
   asio::io_context io;
-  tcp::socket socket{io};
+  ControlStream stream;
+  tcp::socket& socket = stream.socket();
   std::string in;
 
   // Runs the queued operations for at most the timeout; false (socket closed) when they did not
@@ -40,6 +47,18 @@ class KvNodeClient::Impl {
                         [&](boost::system::error_code e, const tcp::endpoint&) { result = e; });
     if (!run_bounded()) return unavailable("kv node " + endpoint + ": no connection within " + ms());
     if (result) return unavailable("kv node " + endpoint + ": cannot connect: " + result.message());
+    if (!stream.is_tls()) return Status::ok();
+    SPX_RETURN_IF_ERROR(expect_node_identity(*stream.tls(), ep.host));
+    boost::system::error_code hs = asio::error::would_block;
+    stream.tls()->async_handshake(asio::ssl::stream_base::client, [&](boost::system::error_code e) { hs = e; });
+    if (!run_bounded()) return unavailable("kv node " + endpoint + ": no TLS handshake within " + ms());
+    if (hs) {
+      boost::system::error_code ignored;
+      socket.close(ignored);
+      return unavailable("kv node " + endpoint + ": TLS handshake failed (" + tls_failure_reason(*stream.tls(), hs) +
+                         "; CA " + tls->ca_file() +
+                         "): is it a node with --tls-cert and --tls-key, and its certificate for " + ep.host + "?");
+    }
     return Status::ok();
   }
 
@@ -50,10 +69,10 @@ class KvNodeClient::Impl {
     boost::system::error_code write_ec = asio::error::would_block;
     boost::system::error_code read_ec = asio::error::would_block;
     size_t n = 0;
-    asio::async_write(socket, asio::buffer(line), [&](boost::system::error_code e, size_t) {
+    asio::async_write(stream, asio::buffer(line), [&](boost::system::error_code e, size_t) {
       write_ec = e;
       if (e) return;
-      asio::async_read_until(socket, asio::dynamic_buffer(in, kMaxControlLine + 1), '\n',
+      asio::async_read_until(stream, asio::dynamic_buffer(in, kMaxControlLine + 1), '\n',
                              [&](boost::system::error_code e2, size_t got) {
                                read_ec = e2;
                                n = got;
@@ -84,8 +103,9 @@ KvNodeClient::~KvNodeClient() {
 
 Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endpoint,
                                                             std::chrono::milliseconds timeout,
-                                                            const std::string& secret) {
-  auto impl = std::make_unique<Impl>(endpoint.text(), timeout);
+                                                            const KvNodeAccess& access) {
+  const std::string& secret = access.secret;
+  auto impl = std::make_unique<Impl>(endpoint.text(), timeout, access.tls);
   SPX_RETURN_IF_ERROR(impl->connect(endpoint));
   std::unique_ptr<KvNodeClient> c(new KvNodeClient(std::move(impl), endpoint.text()));
   ControlRequest hello;
@@ -126,6 +146,17 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
                             "(another process at that address, or a different secret)");
   }
   return c;
+}
+
+Result<KvNodeAccess> load_kv_node_access(const std::string& secret_file, const std::string& tls_ca_file) {
+  KvNodeAccess access;
+  auto secret = load_kv_secret(secret_file);
+  if (!secret.is_ok()) return secret.status().with_context("--kv-secret-file");
+  access.secret = std::move(secret).value();
+  if (!tls_ca_file.empty()) {
+    SPX_ASSIGN_OR_RETURN(access.tls, KvNodeTlsClient::load(tls_ca_file));
+  }
+  return access;
 }
 
 Result<transport::RemoteRegion> KvNodeClient::allocate(uint64_t bytes) {

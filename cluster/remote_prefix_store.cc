@@ -37,7 +37,7 @@ Result<std::unique_ptr<RemotePrefixStore>> RemotePrefixStore::create(RemotePrefi
   for (size_t i = 0; i < o.replicas.size(); ++i) {
     const std::string node = o.replicas[i].text();
     store->name_ += (i ? "+" : "") + node;
-    SPX_ASSIGN_OR_RETURN(auto session, KvNodeClient::connect(o.replicas[i], o.timeout, o.secret));
+    SPX_ASSIGN_OR_RETURN(auto session, KvNodeClient::connect(o.replicas[i], o.timeout, o.access));
     auto region = session->allocate(o.bytes);
     if (!region.is_ok()) return region.status().with_context("remote prefix store on " + node);
     cfg.replicas.push_back(std::move(region).value());

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cluster/control_protocol.h"
+#include "cluster/kv_node_client.h"
 #include "core/base/region_allocator.h"
 #include "core/ports/prefix_blob_store.h"
 #include "transport/ucx_transport.h"
@@ -32,7 +33,7 @@ struct RemotePrefixStoreOptions {
   std::vector<Endpoint> replicas;  // 1..UcxRemoteTransport::kMaxReplicas nodes, each holding a copy
   uint64_t bytes = 0;              // the region on each
   std::chrono::milliseconds timeout{5000};
-  std::string secret;  // answers the nodes' challenge (cluster/kv_node_auth.h)
+  KvNodeAccess access;  // secret and TLS for the nodes (cluster/kv_node_client.h)
   transport::UcxTransferMode mode = transport::UcxTransferMode::kNodeGather;
   uint64_t staging_bytes = uint64_t{8} << 20;  // host bytes moved per transfer
 };

@@ -41,10 +41,10 @@ void ReplicaHealer::record(const Watched& w, size_t replica, bool rejoined, std:
 
 Result<ReplicaHealer::Attempt> ReplicaHealer::find_region(std::vector<Endpoint> candidates, uint64_t bytes,
                                                           std::chrono::milliseconds timeout,
-                                                          std::string secret) {
+                                                          KvNodeAccess access) {
   std::string failures;
   for (const Endpoint& endpoint : candidates) {
-    auto session = KvNodeClient::connect(endpoint, timeout, secret);
+    auto session = KvNodeClient::connect(endpoint, timeout, access);
     Status failed = session.status();
     if (session.is_ok()) {
       auto region = (*session)->allocate(bytes);
@@ -111,7 +111,7 @@ void ReplicaHealer::maintain() {
         }
       }
       w.attempts[i] = std::async(std::launch::async, &ReplicaHealer::find_region, std::move(candidates),
-                                 w.region_bytes, options_.timeout, options_.secret);
+                                 w.region_bytes, options_.timeout, options_.access);
     }
   }
 }

@@ -34,7 +34,7 @@ struct HealerOptions {
   std::chrono::milliseconds retry_interval{1000};  // between attempts on one dead replica
   std::chrono::milliseconds timeout{5000};         // of each control-plane call
   std::vector<Endpoint> spares;                    // KV nodes to re-replicate onto, in this order
-  std::string secret;                              // answers the nodes' challenge (kv_node_auth.h)
+  KvNodeAccess access;                             // secret and TLS for the nodes (kv_node_client.h)
 };
 
 struct HealerEvent {
@@ -83,7 +83,7 @@ class ReplicaHealer {
   void adopt(Watched& w, size_t replica, Attempt& attempt);  // after a successful rejoin
   // A region of `bytes` on the first candidate that gives one (runs on an attempt's thread).
   static Result<Attempt> find_region(std::vector<Endpoint> candidates, uint64_t bytes,
-                                     std::chrono::milliseconds timeout, std::string secret);
+                                     std::chrono::milliseconds timeout, KvNodeAccess access);
 
   HealerOptions options_;
   std::vector<Watched> watched_;

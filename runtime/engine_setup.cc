@@ -71,9 +71,7 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
     o.replicas = spec.endpoints;
     o.bytes = spec.bytes;
     o.timeout = std::chrono::milliseconds(a.tiers.kv_node_timeout_ms);
-    auto secret = cluster::load_kv_secret(a.tiers.kv_secret_file);
-    if (!secret.is_ok()) return secret.status().with_context("--kv-secret-file");
-    o.secret = std::move(secret).value();
+    SPX_ASSIGN_OR_RETURN(o.access, cluster::load_kv_node_access(a.tiers.kv_secret_file, a.tiers.kv_node_tls_ca));
     o.mode = a.tiers.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma
                                            : transport::UcxTransferMode::kNodeGather;
     auto store = cluster::RemotePrefixStore::create(std::move(o));

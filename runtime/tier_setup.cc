@@ -129,11 +129,9 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   // KV node tiers: remote tier ids follow the host pools (Engine::create numbers device, host
   // pools, remote tiers in that order), so each transport knows the one tier it serves.
   std::vector<std::unique_ptr<Transport>> node_transports;
-  std::string kv_secret;
+  cluster::KvNodeAccess kv_access;
   if (!args.kv_nodes.empty()) {
-    auto secret = cluster::load_kv_secret(args.kv_secret_file);
-    if (!secret.is_ok()) return secret.status().with_context("--kv-secret-file");
-    kv_secret = std::move(secret).value();
+    SPX_ASSIGN_OR_RETURN(kv_access, cluster::load_kv_node_access(args.kv_secret_file, args.kv_node_tls_ca));
   }
   for (size_t i = 0; i < args.kv_nodes.size(); ++i) {
     const std::string flag = "--kv-node " + args.kv_nodes[i];
@@ -146,7 +144,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
     std::vector<std::unique_ptr<cluster::KvNodeClient>> sessions;
     for (const cluster::Endpoint& ep : endpoints) {
       auto client =
-          cluster::KvNodeClient::connect(ep, std::chrono::milliseconds(args.kv_node_timeout_ms), kv_secret);
+          cluster::KvNodeClient::connect(ep, std::chrono::milliseconds(args.kv_node_timeout_ms), kv_access);
       if (!client.is_ok()) return client.status().with_context(flag);
       auto region = (*client)->allocate(spec.bytes);
       if (!region.is_ok()) return region.status().with_context(flag);
@@ -162,7 +160,7 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
         cluster::HealerOptions ho;
         ho.retry_interval = std::chrono::milliseconds(args.kv_node_rejoin_ms);
         ho.timeout = std::chrono::milliseconds(args.kv_node_timeout_ms);
-        ho.secret = kv_secret;
+        ho.access = kv_access;
         for (const std::string& spare : args.kv_node_spares) {
           auto ep = cluster::parse_endpoint(spare);
           if (!ep.is_ok()) return ep.status().with_context("--kv-node-spare " + spare);

@@ -36,6 +36,8 @@ struct TierArgs {
   std::vector<std::string> kv_node_spares;  // HOST:PORT of KV nodes a dead replica may move to
   // The KV nodes' shared secret: this file, else SPECONTEXT_KV_SECRET (never a flag's value).
   std::string kv_secret_file;
+  // PEM CA certificates the KV nodes' TLS certificates are verified against; "": plain TCP.
+  std::string kv_node_tls_ca;
   int64_t remote_latency_us = 0;
   std::string placement = "dynamic";  // dynamic (re-plan each step) | static (planned once for the final lengths)
   bool cpu_filter = true;             // let the planner switch CPU candidate filtering on

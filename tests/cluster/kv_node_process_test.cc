@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cluster/kv_node_client.h"
+#include "tests/cluster/kv_node_tls_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext::cluster {
@@ -508,6 +509,41 @@ TEST(KvNodeProcess, ASecretFileGuardsTheNodeAndTheEngineAnswersWithIt) {
   EXPECT_EQ(err.find(secret), std::string::npos) << "the secret reached the log: " << err;
   std::filesystem::remove(secret_path);
   std::filesystem::remove(err_path);
+}
+
+// `kv-node --tls-cert/--tls-key` with a secret: `generate --kv-node-tls-ca CA --kv-secret-file` runs
+// on it with the all-device text; without the CA the engine's error says the node speaks TLS only;
+// the node's listening line says tls, its stop line counts the refused plain connection.
+TEST(KvNodeProcess, GenerateReachesATlsNodeThroughItsCa) {
+  testing::TlsDir pki;
+  const auto ca = pki.make_ca("ca");
+  const auto leaf = pki.make_leaf(ca, "node", "IP:127.0.0.1");
+  const std::string secret_path = pki.path("secret");
+  std::ofstream(secret_path) << "process tls secret 0123456789abcdef\n";
+  ASSERT_EQ(::chmod(secret_path.c_str(), 0600), 0);
+  NodeProcess node("16MiB", "127.0.0.1:0",
+                   {"--secret-file", secret_path, "--tls-cert", leaf.cert_file, "--tls-key", leaf.key_file},
+                   pki.path("stderr"));
+  ASSERT_NE(node.port(), 0);
+  auto [plain, plain_out] = Generate(model_args(8) + kTiers + " --kv-secret-file " + secret_path +
+                                     " --kv-node 1MiB@" + node.endpoint())
+                                .finish();
+  EXPECT_NE(plain, 0) << plain_out;
+  EXPECT_NE(plain_out.find("speaks TLS only"), std::string::npos) << plain_out;
+  const std::string expect = baseline_text(40);
+  auto [code, out] = Generate(model_args(40) + kTiers + " --kv-secret-file " + secret_path +
+                              " --kv-node-tls-ca " + ca.cert_file + " --kv-node 1MiB@" + node.endpoint())
+                         .finish();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_EQ(parse_json_tail(out)["text"].get<std::string>(), expect);
+  auto [stop_code, stop_out] = node.terminate();
+  EXPECT_EQ(stop_code, 0) << stop_out;
+  const auto j = nlohmann::json::parse(stop_out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << stop_out;
+  EXPECT_EQ(j["tls_failures"].get<int64_t>(), 1) << stop_out;
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 0) << stop_out;
+  const std::string err = slurp(pki.path("stderr"));
+  EXPECT_NE(err.find("plain TCP, but this node speaks TLS only"), std::string::npos) << err;
 }
 
 TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {

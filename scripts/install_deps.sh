@@ -3,7 +3,8 @@
 set -euo pipefail
 PACKAGES=(build-essential cmake ninja-build pkg-config clang-16 libclang-rt-16-dev
           libgtest-dev libgmock-dev libdnnl-dev ocl-icd-opencl-dev libtbb-dev libhwloc-dev libpcre2-dev
-          nlohmann-json3-dev libcli11-dev libboost-dev libssl-dev libucx-dev zlib1g-dev python3 python3-matplotlib)
+          nlohmann-json3-dev libcli11-dev libboost-dev libssl-dev libucx-dev zlib1g-dev libhiredis-dev redis-server
+          python3 python3-matplotlib)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,12 +23,18 @@ void register_kv_node(CLI::App& app, KvNodeArgs& a) {
   cmd->add_option("--secret-file", a.secret_file,
                   "file holding the shared secret clients must prove at hello (owner-readable only; default: "
                   "the SPECONTEXT_KV_SECRET environment variable; without either, loopback only)");
+  cmd->add_option("--keys-file", a.keys_file,
+                  "per-client identities, one per line 'ID SECRET QUOTA [MAX_CONNECTIONS]' (owner-readable "
+                  "only; default: the SPECONTEXT_KV_KEYS_FILE environment variable): each client answers "
+                  "with its own secret (engines' --kv-client-id), holds at most its QUOTA across all its "
+                  "connections (e.g. 1GiB; 0: up to the capacity) and sees only its own usage");
   cmd->add_option("--tls-cert", a.tls_cert_file,
                   "PEM certificate chain: the control plane speaks TLS 1.2+ only (clients give "
                   "--kv-node-tls-ca with its CA); the UCX data plane stays unencrypted");
   cmd->add_option("--tls-key", a.tls_key_file, "PEM private key of --tls-cert (not readable by every user)");
   cmd->add_option("--client-quota", a.client_quota,
-                  "bytes one connection may hold at once (e.g. 1GiB; default: up to the capacity)");
+                  "bytes the shared secret's client (on a node without secret or keys: all connections "
+                  "together) may hold at once (e.g. 1GiB; default: up to the capacity)");
   cmd->add_option("--max-connections", a.max_connections, "connections served at once; the next is refused")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--idle-timeout-ms", a.idle_timeout_ms,
@@ -56,8 +62,11 @@ int run_kv_node(const KvNodeArgs& a) {
   }
   auto secret = cluster::load_kv_secret(a.secret_file);
   if (!secret.is_ok()) return fail(secret.status().with_context("--secret-file"));
-  if (secret->empty()) {
+  auto keys = cluster::load_kv_keys(a.keys_file);
+  if (!keys.is_ok()) return fail(keys.status().with_context("--keys-file"));
+  if (secret->empty() && keys->empty()) {
     std::cerr << "specontext kv-node: WARNING: no secret (--secret-file PATH or " << cluster::kSecretEnv
+              << ") and no keys file (--keys-file PATH or " << cluster::kKeysFileEnv
               << "): any local process can allocate this node's memory; listening on loopback only\n";
   }
   // Block the stop signals before the node's threads start, so that they inherit the mask and
@@ -73,6 +82,7 @@ int run_kv_node(const KvNodeArgs& a) {
   o.capacity = static_cast<uint64_t>(*cap);
   o.name = a.name;
   o.secret = std::move(secret).value();
+  o.clients = std::move(keys).value();
   o.tls_cert_file = a.tls_cert_file;
   o.tls_key_file = a.tls_key_file;
   o.client_quota = static_cast<uint64_t>(quota);
@@ -84,7 +94,8 @@ int run_kv_node(const KvNodeArgs& a) {
                               {"node", (*node)->name()},
                               {"port", (*node)->port()},
                               {"capacity", o.capacity},
-                              {"auth", o.secret.empty() ? "none" : "hmac-sha256"},
+                              {"auth", o.secret.empty() && o.clients.empty() ? "none" : "hmac-sha256"},
+                              {"clients", o.clients.size()},
                               {"tls", !o.tls_cert_file.empty()}}
                    .dump()
             << std::endl;

@@ -118,9 +118,10 @@ struct KvNodeArgs {
   std::string capacity;
   std::string name;
   std::string secret_file;   // else SPECONTEXT_KV_SECRET; none: loopback only
+  std::string keys_file;      // per-client ID SECRET QUOTA lines; else SPECONTEXT_KV_KEYS_FILE
   std::string tls_cert_file;  // TLS of the control plane: certificate chain and key (PEM)
   std::string tls_key_file;
-  std::string client_quota;  // SIZE one connection may hold ("": up to the capacity)
+  std::string client_quota;  // SIZE the shared secret's client may hold ("": up to the capacity)
   int64_t max_connections = 64;
   int64_t idle_timeout_ms = 60000;
 };

@@ -111,6 +111,9 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
       "--kv-secret-file", a.kv_secret_file,
       "file holding the KV nodes' shared secret (owner-readable only), answered at each node's "
       "hello (default: the SPECONTEXT_KV_SECRET environment variable; none: nodes without a secret)");
+  cmd.add_option("--kv-client-id", a.kv_client_id,
+                 "this engine's client ID in the KV nodes' keys file (kv-node --keys-file); its secret is "
+                 "--kv-secret-file's (default: SPECONTEXT_KV_CLIENT_ID; none: the nodes' shared secret)");
   cmd.add_option("--kv-node-tls-ca", a.kv_node_tls_ca,
                  "PEM CA certificate(s): talk TLS 1.2+ to the KV nodes (--kv-node, --prefix-offload-remote) and "
                  "accept only a node whose certificate they sign, for the HOST of its HOST:PORT (nodes started "

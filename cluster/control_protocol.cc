@@ -104,6 +104,13 @@ Result<ControlRequest> parse_control_request(std::string_view line) {
       if (v > 1000000) return field_error("version", "is not a protocol version");
       r.version = static_cast<int64_t>(v);
     }
+    if (auto client = j.find("client"); client != j.end()) {
+      if (!client->is_string() || !valid_client_id(client->get_ref<const std::string&>())) {
+        return field_error("client", "must be 1 to " + std::to_string(kMaxClientIdBytes) +
+                                         " of A-Z a-z 0-9 . _ -");
+      }
+      r.client = client->get<std::string>();
+    }
   } else if (name == "auth") {
     r.op = ControlOp::kAuth;
     auto mac = j.find("mac");
@@ -141,6 +148,7 @@ std::string control_request_line(const ControlRequest& r) {
   switch (r.op) {
     case ControlOp::kHello:
       j = {{"op", "hello"}, {"version", kControlVersion}};
+      if (!r.client.empty()) j["client"] = r.client;
       break;
     case ControlOp::kAuth:
       j = {{"op", "auth"}, {"mac", hex_encode(r.mac)}, {"nonce", hex_encode(r.nonce)}};

@@ -1,9 +1,13 @@
 // The KV node's control plane: one JSON object per line over TCP, request → reply, in order.
-//   {"op":"hello","version":V}    → an open node (started without a secret, loopback only):
+//   {"op":"hello","version":V[,"client":ID]}
+//                                 → an open node (started without a secret, loopback only):
 //                                   {"ok":true,"version":V,"node":NAME,"auth":"none",INFO}
 //                                   a node with a secret: {"ok":true,"version":V,"node":NAME,
 //                                   "auth":"hmac-sha256","nonce":HEX} (32 random bytes, fresh per hello)
 //                                   (a version the node does not speak: error naming both versions)
+//                                   ID: the client's name in the node's keys file (kv_node_auth.h);
+//                                   none: the shared secret's client. Known or not, the reply is the
+//                                   same challenge: an unknown ID fails at auth like a wrong answer.
 //   {"op":"auth","mac":HEX,"nonce":HEX}
 //                                 → {"ok":true,"version":V,"node":NAME,"auth":"done","proof":HEX,INFO};
 //                                   MAC is HMAC-SHA256(secret, node nonce ‖ context), the request's nonce
@@ -12,16 +16,22 @@
 //                                   answer: error, and the node closes the connection; a wrong or missing
 //                                   proof: the client refuses the node.
 //     INFO: "capacity":N,"free":N,"quota":N,"worker_address":HEX,"rma":false,"rma_refused":WHY
-//     (quota: the bytes this connection may hold at once; 0: up to the capacity)
+//     (quota: the bytes this client, all its connections together, may hold at once; 0: up to the
+//     capacity; free: what the node has free, at most what the quota leaves this client)
 //   {"op":"alloc","bytes":N}      → {"ok":true,"region":ID,"address":A,"bytes":N,"key":HEX[,"rkey":HEX]}
 //   {"op":"free","region":ID}     → {"ok":true}
-//   {"op":"stats"}                → {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
+//   {"op":"stats"}                → a client of the keys file sees its own usage only:
+//                                   {"ok":true,"client":ID,"capacity":N,"quota":N,"used":N,
+//                                    "regions":N,"connections":N}
+//                                   the shared secret's client (or anyone, on an open node) the node's:
+//                                   {"ok":true,"capacity":N,"used":N,"regions":N,"connections":N,
 //                                    "bytes_gathered":N,"bytes_scattered":N,"auth_failures":N,
 //                                    "connections_refused":N,"idle_closed":N,"quota_refusals":N,
 //                                    "tls_failures":N}
 // alloc, free and stats before authentication (on a node with a secret) count as a failed
-// authentication and close the connection. An alloc beyond the connection's quota is refused
-// (RESOURCE_EXHAUSTED) and allocates nothing. A connection past the node's limit is sent one error
+// authentication and close the connection. An alloc beyond the client's quota (what its connections
+// hold together) is refused (RESOURCE_EXHAUSTED) and allocates nothing; a client at its own
+// connection limit is refused at auth (RESOURCE_EXHAUSTED) and closed. A connection past the node's limit is sent one error
 // line and closed; one that sends no request for the idle timeout while holding no region is closed.
 // Errors: {"ok":false,"error":TEXT} naming the field; the connection stays usable, except after a
 // line longer than kMaxControlLine (then the node replies and closes). Regions belong to the
@@ -64,6 +74,7 @@ struct ControlRequest {
   int64_t version = 0;  // hello: the client's kControlVersion (0: not given)
   Sha256Digest mac{};   // auth: the answer to the hello's nonce
   AuthNonce nonce{};    // auth: the client's challenge to the node
+  std::string client;   // hello: the client's ID ("": the shared secret's client); valid_client_id
 };
 
 // kInvalidArgument naming the field ("control request: field 'bytes' ...").

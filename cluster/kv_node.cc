@@ -48,6 +48,18 @@ struct MappedPool {
 
 class KvNode::Impl {
  public:
+  // Who holds what: quotas and connection limits are per client, across its connections. The
+  // shared secret's client (and, on an open node, everyone) has the ID "".
+  struct Client {
+    std::string id;
+    std::string secret;
+    uint64_t quota = 0;           // 0: up to the capacity
+    int64_t max_connections = 0;  // 0: only the node's limit
+    bool keyed = false;           // from the keys file: sees its own stats only
+    uint64_t held = 0;            // bytes its connections' regions hold
+    int64_t regions = 0;
+    int64_t connections = 0;      // authenticated ones
+  };
   struct Session : std::enable_shared_from_this<Session> {
     Session(Impl& node, tcp::socket s, asio::ssl::context* tls, std::string peer)
         : node(node), stream(std::move(s), tls), idle(stream.get_executor()), peer(std::move(peer)) {}
@@ -58,7 +70,9 @@ class KvNode::Impl {
     std::string in;
     std::string out;
     std::unordered_set<uint64_t> regions;
-    uint64_t held_bytes = 0;         // of its regions, against the quota
+    uint64_t held_bytes = 0;         // of its regions (its client's quota counts them)
+    Client* client = nullptr;        // once authenticated
+    std::string claimed;             // the client ID its last hello named
     uint64_t lines = 0;              // requests received; the idle timer checks it moved
     bool started = false;            // its first bytes checked (and, with TLS, its handshake done)
     bool authenticated = false;      // from the start on a node without a secret
@@ -89,6 +103,8 @@ class KvNode::Impl {
   bool stopped = false;
 
   // Touched by the io thread only.
+  std::unordered_map<std::string, Client> clients;  // by ID; filled by init(), never grown after
+  std::string decoy_secret;  // answers for an unknown ID are checked against it (same work, no match)
   RegionAllocator allocator;
   std::unordered_set<std::shared_ptr<Session>> sessions;
 
@@ -123,7 +139,7 @@ class KvNode::Impl {
     boost::system::error_code ec;
     const auto addr = asio::ip::make_address(options.host, ec);
     if (ec) return invalid_argument("kv node: listen address '" + options.host + "': " + ec.message());
-    if (options.secret.empty() && !addr.is_loopback()) {
+    if (!auth_required() && !addr.is_loopback()) {
       return invalid_argument("kv node: refusing to listen on " + options.host +
                               " without a secret: anyone who reaches it could allocate its memory. Give "
                               "--secret-file PATH (or set " +
@@ -132,6 +148,19 @@ class KvNode::Impl {
     if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
       SPX_ASSIGN_OR_RETURN(tls, make_node_tls_context(options.tls_cert_file, options.tls_key_file));
     }
+    if (!auth_required() || !options.secret.empty()) {
+      clients[""] = Client{"", options.secret, options.client_quota, 0, false};
+    }
+    for (const KvClientKey& k : options.clients) {
+      if (!valid_client_id(k.id) || clients.contains(k.id)) {
+        return invalid_argument("kv node: client ID '" + k.id.substr(0, kMaxClientIdBytes) +
+                                "' is not valid or given twice");
+      }
+      clients[k.id] = Client{k.id, k.secret, k.quota, k.max_connections, true};
+    }
+    std::array<uint8_t, 32> decoy{};
+    SPX_RETURN_IF_ERROR(fill_random(decoy));
+    decoy_secret = hex_encode(decoy);
     const tcp::endpoint ep(addr, options.port);
     acceptor.open(ep.protocol(), ec);
     if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
@@ -302,7 +331,11 @@ class KvNode::Impl {
                                              std::to_string(options.max_connections) + ") reached"))));
       } else {
         auto s = std::make_shared<Session>(*this, std::move(socket), tls.get(), std::move(peer));
-        s->authenticated = options.secret.empty();
+        if (!auth_required()) {
+          s->authenticated = true;
+          s->client = &clients.at("");
+          ++s->client->connections;
+        }
         sessions.insert(s);
         bump([](KvNodeStats& c) { ++c.connections; });
         read(s);
@@ -535,6 +568,12 @@ class KvNode::Impl {
     if (!sessions.erase(s)) return;
     s->idle.cancel();
     for (uint64_t id : s->regions) free_region(id);
+    if (s->client != nullptr) {
+      s->client->held -= std::min(s->client->held, s->held_bytes);
+      s->client->regions -= static_cast<int64_t>(s->regions.size());
+      --s->client->connections;
+      s->client = nullptr;
+    }
     s->regions.clear();
     s->held_bytes = 0;
     bump([](KvNodeStats& c) { --c.connections; });
@@ -567,25 +606,32 @@ class KvNode::Impl {
     return gone.bytes;
   }
 
-  // Counts and logs a failed authentication; the reply closes the connection.
-  Answer auth_failure(const Session& s, const std::string& why) {
+  bool auth_required() const { return !options.secret.empty() || !options.clients.empty(); }
+
+  // Counts and logs a failed authentication; the reply closes the connection. `why` goes to the
+  // client; `detail` (default: the same) to the node's log only, so that an unknown client ID and a
+  // wrong answer look alike to the client.
+  Answer auth_failure(const Session& s, const std::string& why, const std::string& detail = {}) {
     const int64_t failures = [&] {
       std::lock_guard lock(stats_mu);
       return ++counters.auth_failures;
     }();
-    log("authentication failed from " + s.peer + ": " + why + " (" + std::to_string(failures) + " so far)");
+    log("authentication failed from " + s.peer + ": " + (detail.empty() ? why : detail) + " (" +
+        std::to_string(failures) + " so far)");
     return {control_error_line(invalid_argument("kv node " + name + ": authentication failed: " + why)),
             true};
   }
 
   // What the client may use, after hello (open node) or auth.
-  void describe(nlohmann::json& out, const char* scheme) const {
+  void describe(nlohmann::json& out, const char* scheme, const Client& c) const {
     out["version"] = kControlVersion;
     out["node"] = name;
     out["auth"] = scheme;
+    if (c.keyed) out["client"] = c.id;
     out["capacity"] = options.capacity;
-    out["free"] = allocator.free_bytes();
-    out["quota"] = options.client_quota;
+    const uint64_t room = c.quota == 0 ? options.capacity : c.quota - std::min(c.held, c.quota);
+    out["free"] = std::min(allocator.free_bytes(), room);
+    out["quota"] = c.quota;
     out["worker_address"] = worker_address_hex;
     out["rma"] = false;
     out["rma_refused"] = rma_refused;
@@ -599,8 +645,8 @@ class KvNode::Impl {
                            ": run the same release on both"))};
     }
     nlohmann::json out = {{"ok", true}};
-    if (options.secret.empty()) {
-      describe(out, "none");
+    if (!auth_required()) {
+      describe(out, "none", *s.client);
       return {out.dump() + "\n"};
     }
     if (s.authenticated) {
@@ -612,6 +658,7 @@ class KvNode::Impl {
       return {control_error_line(st.with_context("kv node " + name + ": hello")), true};
     }
     s.nonce = nonce;
+    s.claimed = req.client;
     out["version"] = kControlVersion;
     out["node"] = name;
     out["auth"] = "hmac-sha256";
@@ -620,7 +667,7 @@ class KvNode::Impl {
   }
 
   Answer auth(Session& s, const ControlRequest& req) {
-    if (options.secret.empty()) {
+    if (!auth_required()) {
       return {control_error_line(
           invalid_argument("control request: auth: this node asks for no authentication"))};
     }
@@ -631,25 +678,52 @@ class KvNode::Impl {
     if (!s.nonce) return auth_failure(s, "auth without a hello's challenge to answer");
     const AuthNonce challenge = *s.nonce;
     s.nonce.reset();  // one answer per challenge
-    const Sha256Digest expected = auth_response(options.secret, challenge, name);
-    if (!constant_time_equal(expected, req.mac)) return auth_failure(s, "wrong answer to the challenge");
+    // An unknown ID costs the same HMAC and compare as a known one (against a random secret).
+    auto it = clients.find(s.claimed);
+    const bool known = it != clients.end();
+    const Sha256Digest expected = auth_response(known ? it->second.secret : decoy_secret, challenge, name, s.claimed);
+    const bool right = constant_time_equal(expected, req.mac);
+    if (!right || !known) {
+      if (!known && s.claimed.empty()) {
+        return auth_failure(s, "this node knows its clients by ID: give one (--kv-client-id or " +
+                                   std::string(kClientIdEnv) + ")");
+      }
+      const std::string as = s.claimed.empty() ? std::string() : " as client '" + s.claimed + "'";
+      return auth_failure(s, "wrong answer to the challenge" + as,
+                          known ? "wrong answer to the challenge" + as : "unknown client '" + s.claimed + "'");
+    }
+    Client& c = it->second;
+    if (c.max_connections > 0 && c.connections >= c.max_connections) {
+      bump([](KvNodeStats& st) { ++st.connections_refused; });
+      log("refused a connection from " + s.peer + ": client '" + c.id + "' holds its " +
+          std::to_string(c.max_connections) + " connections already");
+      return {control_error_line(resource_exhausted("kv node " + name + ": client '" + c.id +
+                                                    "' is at its connection limit (" +
+                                                    std::to_string(c.max_connections) + ")")),
+              true};
+    }
     s.authenticated = true;
+    s.client = &c;
+    ++c.connections;
     nlohmann::json out = {{"ok", true}};
-    describe(out, "done");
-    out["proof"] = hex_encode(node_proof(options.secret, req.nonce, challenge, name));
+    describe(out, "done", c);
+    out["proof"] = hex_encode(node_proof(c.secret, req.nonce, challenge, name, c.id));
     return {out.dump() + "\n"};
   }
 
   Answer alloc(Session& s, uint64_t bytes) {
-    if (options.client_quota != 0) {
-      const uint64_t room = options.client_quota - std::min(s.held_bytes, options.client_quota);
+    Client& client = *s.client;
+    if (client.quota != 0) {
+      const uint64_t room = client.quota - std::min(client.held, client.quota);
       const uint64_t pages = bytes > room ? bytes : (bytes + page_bytes - 1) / page_bytes * page_bytes;
       if (pages > room) {
         bump([](KvNodeStats& c) { ++c.quota_refusals; });
+        const std::string who = client.keyed ? "client '" + client.id + "'" : std::string("this client");
         return {control_error_line(resource_exhausted(
-            "kv node " + name + ": alloc of " + std::to_string(bytes) +
-            " bytes exceeds this connection's quota (" + std::to_string(options.client_quota) + " bytes, " +
-            std::to_string(s.held_bytes) + " held; --client-quota)"))};
+            "kv node " + name + ": alloc of " + std::to_string(bytes) + " bytes exceeds " + who + "'s quota (" +
+            std::to_string(client.quota) + " bytes, " + std::to_string(client.held) + " held by its " +
+            std::to_string(client.connections) + " connection(s); " +
+            (client.keyed ? "keys file" : "--client-quota") + ")"))};
       }
     }
     auto off = allocator.allocate(bytes);
@@ -676,6 +750,8 @@ class KvNode::Impl {
     }
     s.regions.insert(id);
     s.held_bytes += region.bytes;
+    client.held += region.bytes;
+    ++client.regions;
     const uint64_t used = allocator.used_bytes();
     bump([used](KvNodeStats& c) {
       ++c.regions;
@@ -687,7 +763,13 @@ class KvNode::Impl {
     return {out.dump() + "\n"};
   }
 
-  Answer stats_reply() const {
+  Answer stats_reply(const Client& c) const {
+    if (c.keyed) {  // its own usage, nothing of other clients'
+      nlohmann::json out = {{"ok", true},          {"client", c.id},       {"capacity", options.capacity},
+                            {"quota", c.quota},    {"used", c.held},       {"regions", c.regions},
+                            {"connections", c.connections}};
+      return {out.dump() + "\n"};
+    }
     const KvNodeStats st = snapshot();
     nlohmann::json out = {{"ok", true},
                           {"capacity", st.capacity},
@@ -723,11 +805,16 @@ class KvNode::Impl {
               control_error_line(not_found("control request: field 'region': " + std::to_string(req->region) +
                                            " is not a region of this connection"))};
         }
-        s.regions.erase(req->region);
-        s.held_bytes -= std::min(s.held_bytes, free_region(req->region));
+        {
+          s.regions.erase(req->region);
+          const uint64_t freed = free_region(req->region);
+          s.held_bytes -= std::min(s.held_bytes, freed);
+          s.client->held -= std::min(s.client->held, freed);
+          --s.client->regions;
+        }
         return {"{\"ok\":true}\n"};
       case ControlOp::kStats:
-        return stats_reply();
+        return stats_reply(*s.client);
       default:
         return {control_error_line(internal_error("control request: unhandled op"))};
     }

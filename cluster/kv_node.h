@@ -13,9 +13,12 @@
 // before authentication is counted (auth_failures), logged with the peer's address, and closes
 // the connection. Without a secret the node serves anyone who can reach it, so it listens on a
 // loopback address only (start() refuses any other). With a certificate (tls_cert_file,
-// tls_key_file) the control plane is TLS 1.2+ (cluster/kv_node_tls.h); the data plane is not. Each connection may hold at most
-// `client_quota` bytes; at most `max_connections` are served at once (the next is sent an error
-// line and closed); one that sends nothing for `idle_timeout` while holding no region is closed.
+// tls_key_file) the control plane is TLS 1.2+ (cluster/kv_node_tls.h); the data plane is not.
+// Clients of a keys file (`clients`) authenticate with their own secrets, hold at most their own
+// quota across all their connections, open at most their own number of connections and see only
+// their own usage in `stats`; the shared secret is one client more, with `client_quota`. At most
+// `max_connections` are served at once (the next is sent an error line and closed); one that
+// sends nothing for `idle_timeout` while holding no region is closed.
 //
 // Threads: the control plane runs on one Asio thread, which alone touches the allocator and the
 // sessions; UCX progress runs on a second thread that blocks on the worker's event fd when idle.
@@ -30,6 +33,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cluster/control_protocol.h"
 #include "core/base/status.h"
@@ -48,7 +52,13 @@ struct KvNodeOptions {
   // plain one is sent an error line saying so and closed.
   std::string tls_cert_file;
   std::string tls_key_file;
-  uint64_t client_quota = 0;  // bytes one connection may hold at once; 0: up to the capacity
+  // Clients of a keys file (cluster/kv_node_auth.h load_kv_keys), each with its own secret, quota
+  // and connection limit; they see their own usage only. With `secret` too, that is one more client
+  // (no ID). With either, every client must authenticate.
+  std::vector<KvClientKey> clients;
+  // Bytes the shared secret's client may hold at once, all its connections together (on an open
+  // node: all connections); 0: up to the capacity.
+  uint64_t client_quota = 0;
   int64_t max_connections = 64;
   // A connection that sends no request for this long while holding no region is closed (0: never).
   std::chrono::milliseconds idle_timeout{std::chrono::seconds(60)};

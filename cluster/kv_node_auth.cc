@@ -6,8 +6,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <unordered_set>
 #include <vector>
 
 namespace specontext::cluster {
@@ -113,38 +117,73 @@ Result<std::string> checked_secret(std::string secret, const std::string& source
   return secret;
 }
 
-Result<std::string> read_secret_file(const std::string& file) {
+// The whole of a file that holds secrets: a regular file, readable by its owner only, at most
+// `max_bytes`. Errors start with `what` and the file's name.
+Result<std::string> read_private_file(const std::string& file, size_t max_bytes, const std::string& what) {
+  const std::string label = what + " " + file;
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return invalid_argument("secret file " + file + ": " + std::strerror(errno));
+  if (fd < 0) return invalid_argument(label + ": " + std::strerror(errno));
   struct FdCloser {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return invalid_argument("secret file " + file + ": " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) return invalid_argument("secret file " + file + ": not a regular file");
+  if (::fstat(fd, &st) != 0) return invalid_argument(label + ": " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return invalid_argument(label + ": not a regular file");
   if ((st.st_mode & 077) != 0) {
-    return invalid_argument("secret file " + file + ": readable by group or others (chmod 600 " + file + ")");
+    return invalid_argument(label + ": readable by group or others (chmod 600 " + file + ")");
   }
-  if (st.st_size > static_cast<off_t>(kMaxSecretBytes)) {
-    return invalid_argument("secret file " + file + ": longer than " + std::to_string(kMaxSecretBytes) +
-                            " bytes");
+  if (st.st_size > static_cast<off_t>(max_bytes)) {
+    return invalid_argument(label + ": longer than " + std::to_string(max_bytes) + " bytes");
   }
-  std::string text(kMaxSecretBytes + 1, '\0');
+  std::string text(max_bytes + 1, '\0');
   size_t got = 0;
   while (got < text.size()) {
     const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return invalid_argument("secret file " + file + ": " + std::strerror(errno));
+    if (n < 0) return invalid_argument(label + ": " + std::strerror(errno));
     if (n == 0) break;
     got += static_cast<size_t>(n);
   }
-  if (got > kMaxSecretBytes) {
-    return invalid_argument("secret file " + file + ": longer than " + std::to_string(kMaxSecretBytes) +
-                            " bytes");
-  }
+  if (got > max_bytes) return invalid_argument(label + ": longer than " + std::to_string(max_bytes) + " bytes");
   text.resize(got);
+  return text;
+}
+
+Result<std::string> read_secret_file(const std::string& file) {
+  SPX_ASSIGN_OR_RETURN(std::string text, read_private_file(file, kMaxSecretBytes, "secret file"));
   return checked_secret(std::move(text), "secret file " + file);
+}
+
+// QUOTA of a keys file: bytes, optionally with a binary suffix; 0 allowed.
+std::optional<uint64_t> parse_quota(std::string_view text) {
+  static constexpr std::pair<std::string_view, int> kSuffixes[] = {{"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"TiB", 40}};
+  int shift = 0;
+  for (const auto& [suffix, bits] : kSuffixes) {
+    if (text.size() > suffix.size() && text.substr(text.size() - suffix.size()) == suffix) {
+      text.remove_suffix(suffix.size());
+      shift = bits;
+      break;
+    }
+  }
+  uint64_t value = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || p != text.data() + text.size() || text.empty()) return std::nullopt;
+  if (shift > 0 && value > (std::numeric_limits<uint64_t>::max() >> shift)) return std::nullopt;
+  return value << shift;
+}
+
+std::vector<std::string_view> split_fields(std::string_view line) {
+  std::vector<std::string_view> out;
+  size_t i = 0;
+  while (i < line.size()) {
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+    size_t j = i;
+    while (j < line.size() && line[j] != ' ' && line[j] != '\t') ++j;
+    if (j > i) out.push_back(line.substr(i, j - i));
+    i = j;
+  }
+  return out;
 }
 
 }  // namespace
@@ -197,7 +236,15 @@ Status fill_random(std::span<uint8_t> out) {
   return Status::ok();
 }
 
-Sha256Digest auth_response(std::string_view secret, const AuthNonce& nonce, std::string_view node_name) {
+// `… ‖ 0 ‖ ID` for a client with an ID; nothing for the shared secret's client.
+void bind_client(std::vector<uint8_t>& message, std::string_view client_id) {
+  if (client_id.empty()) return;
+  message.push_back(0);
+  message.insert(message.end(), client_id.begin(), client_id.end());
+}
+
+Sha256Digest auth_response(std::string_view secret, const AuthNonce& nonce, std::string_view node_name,
+                           std::string_view client_id) {
   // The context binds the answer to this protocol (never valid for another use of the secret)
   // and to the node that asked.
   static constexpr std::string_view kContext = "specontext kv-node auth v5";
@@ -205,17 +252,19 @@ Sha256Digest auth_response(std::string_view secret, const AuthNonce& nonce, std:
   message.insert(message.end(), kContext.begin(), kContext.end());
   message.push_back(0);
   message.insert(message.end(), node_name.begin(), node_name.end());
+  bind_client(message, client_id);
   return hmac_sha256(bytes_of(secret), message);
 }
 
 Sha256Digest node_proof(std::string_view secret, const AuthNonce& client_nonce, const AuthNonce& node_nonce,
-                        std::string_view node_name) {
+                        std::string_view node_name, std::string_view client_id) {
   static constexpr std::string_view kContext = "specontext kv-node proof v5";
   std::vector<uint8_t> message(client_nonce.begin(), client_nonce.end());
   message.insert(message.end(), node_nonce.begin(), node_nonce.end());
   message.insert(message.end(), kContext.begin(), kContext.end());
   message.push_back(0);
   message.insert(message.end(), node_name.begin(), node_name.end());
+  bind_client(message, client_id);
   return hmac_sha256(bytes_of(secret), message);
 }
 
@@ -229,6 +278,100 @@ Result<std::string> load_kv_secret(const std::string& file) {
                             " bytes");
   }
   return checked_secret(value, kSecretEnv);
+}
+
+bool valid_client_id(std::string_view id) {
+  if (id.empty() || id.size() > kMaxClientIdBytes) return false;
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+Result<std::vector<KvClientKey>> parse_kv_keys(std::string_view text, const std::string& source) {
+  std::vector<KvClientKey> keys;
+  std::unordered_set<std::string> ids;
+  size_t line_no = 0;
+  while (!text.empty()) {
+    const size_t eol = text.find('\n');
+    std::string_view line = text.substr(0, eol);
+    text = eol == std::string_view::npos ? std::string_view() : text.substr(eol + 1);
+    ++line_no;
+    if (const size_t hash = line.find('#'); hash != std::string_view::npos) line = line.substr(0, hash);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    const std::vector<std::string_view> f = split_fields(line);
+    if (f.empty()) continue;
+    const std::string where = source + " line " + std::to_string(line_no);
+    if (f.size() < 3 || f.size() > 4) {
+      return invalid_argument(where + ": expected ID SECRET QUOTA [MAX_CONNECTIONS], found " +
+                              std::to_string(f.size()) + " fields");
+    }
+    KvClientKey k;
+    if (!valid_client_id(f[0])) {
+      return invalid_argument(where + ": the client ID must be 1 to " + std::to_string(kMaxClientIdBytes) +
+                              " of A-Z a-z 0-9 . _ -");
+    }
+    k.id = std::string(f[0]);
+    if (!ids.insert(k.id).second) return invalid_argument(where + ": client " + k.id + " is listed twice");
+    if (f[1].size() < kMinSecretBytes) {
+      return invalid_argument(where + ": client " + k.id + "'s secret must hold at least " +
+                              std::to_string(kMinSecretBytes) + " bytes");
+    }
+    k.secret = std::string(f[1]);
+    const std::optional<uint64_t> quota = parse_quota(f[2]);
+    if (!quota) {
+      return invalid_argument(where + ": client " + k.id + "'s quota must be bytes (e.g. 1073741824, 1GiB; 0: up to "
+                                                           "the capacity)");
+    }
+    k.quota = *quota;
+    if (f.size() == 4) {
+      int64_t n = 0;
+      auto [p, ec] = std::from_chars(f[3].data(), f[3].data() + f[3].size(), n);
+      if (ec != std::errc() || p != f[3].data() + f[3].size() || n < 0 || n > 1000000) {
+        return invalid_argument(where + ": client " + k.id +
+                                "'s MAX_CONNECTIONS must be a count (0: only the node's limit)");
+      }
+      k.max_connections = n;
+    }
+    keys.push_back(std::move(k));
+    if (keys.size() > kMaxClients) {
+      return invalid_argument(source + ": more than " + std::to_string(kMaxClients) + " clients");
+    }
+  }
+  return keys;
+}
+
+Result<std::vector<KvClientKey>> load_kv_keys(const std::string& file) {
+  std::string path = file;
+  std::string label = "keys file " + file;
+  if (path.empty()) {
+    const char* env = std::getenv(kKeysFileEnv);
+    if (env == nullptr || *env == '\0') return std::vector<KvClientKey>{};
+    path = env;
+    label = std::string(kKeysFileEnv) + "=" + path;
+  }
+  SPX_ASSIGN_OR_RETURN(const std::string text, read_private_file(path, kMaxKeysFileBytes, "keys file"));
+  SPX_ASSIGN_OR_RETURN(std::vector<KvClientKey> keys, parse_kv_keys(text, label));
+  if (keys.empty()) return invalid_argument(label + ": no client in it");
+  return keys;
+}
+
+Result<std::string> load_kv_client_id(const std::string& id) {
+  std::string value = id;
+  std::string source = "--kv-client-id";
+  if (value.empty()) {
+    const char* env = std::getenv(kClientIdEnv);
+    if (env == nullptr || *env == '\0') return std::string();
+    value = env;
+    source = kClientIdEnv;
+  }
+  if (!valid_client_id(value)) {
+    return invalid_argument(source + ": a client ID is 1 to " + std::to_string(kMaxClientIdBytes) +
+                            " of A-Z a-z 0-9 . _ -");
+  }
+  return value;
 }
 
 }  // namespace specontext::cluster

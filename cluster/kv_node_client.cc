@@ -2,6 +2,8 @@
 
 #include <boost/asio.hpp>
 
+#include <cstdlib>
+
 #include "cluster/kv_node_tls.h"
 
 namespace specontext::cluster {
@@ -110,6 +112,7 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   std::unique_ptr<KvNodeClient> c(new KvNodeClient(std::move(impl), endpoint.text()));
   ControlRequest hello;
   hello.op = ControlOp::kHello;
+  hello.client = access.client_id;
   SPX_ASSIGN_OR_RETURN(nlohmann::json reply, c->impl_->call(control_request_line(hello)));
   SPX_ASSIGN_OR_RETURN(c->hello_, parse_hello_reply(reply, c->endpoint_));
   if (!c->hello_.auth_required) {
@@ -131,7 +134,7 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   }
   ControlRequest auth;
   auth.op = ControlOp::kAuth;
-  auth.mac = auth_response(secret, c->hello_.nonce, c->hello_.node);
+  auth.mac = auth_response(secret, c->hello_.nonce, c->hello_.node, access.client_id);
   SPX_RETURN_IF_ERROR(fill_random(auth.nonce));
   const AuthNonce node_nonce = c->hello_.nonce;
   SPX_ASSIGN_OR_RETURN(reply, c->impl_->call(control_request_line(auth)));
@@ -139,7 +142,7 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   if (c->hello_.auth_required)
     return data_loss("kv node " + c->endpoint_ + ": malformed reply: a second challenge");
   // The node's side of the mutual authentication: before any KV goes to it.
-  const Sha256Digest expected = node_proof(secret, auth.nonce, node_nonce, c->hello_.node);
+  const Sha256Digest expected = node_proof(secret, auth.nonce, node_nonce, c->hello_.node, access.client_id);
   if (!c->hello_.has_proof || !constant_time_equal(expected, c->hello_.proof)) {
     return invalid_argument("kv node " + c->endpoint_ +
                             ": authentication failed: the node did not prove it holds the shared secret "
@@ -148,8 +151,14 @@ Result<std::unique_ptr<KvNodeClient>> KvNodeClient::connect(const Endpoint& endp
   return c;
 }
 
-Result<KvNodeAccess> load_kv_node_access(const std::string& secret_file, const std::string& tls_ca_file) {
+Result<KvNodeAccess> load_kv_node_access(const std::string& secret_file, const std::string& tls_ca_file,
+                                         const std::string& client_id) {
   KvNodeAccess access;
+  SPX_ASSIGN_OR_RETURN(access.client_id, load_kv_client_id(client_id));
+  if (!access.client_id.empty() && secret_file.empty() && std::getenv(kSecretEnv) == nullptr) {
+    return invalid_argument("--kv-client-id " + access.client_id +
+                            ": its secret goes in a file (--kv-secret-file PATH) or in " + std::string(kSecretEnv));
+  }
   auto secret = load_kv_secret(secret_file);
   if (!secret.is_ok()) return secret.status().with_context("--kv-secret-file");
   access.secret = std::move(secret).value();

@@ -20,12 +20,16 @@ class KvNodeTlsClient;
 // How a client reaches its nodes: the secret it answers their challenge with, and TLS.
 struct KvNodeAccess {
   std::string secret;  // cluster/kv_node_auth.h (load_kv_secret); empty: for nodes without one
+  // The ID the secret belongs to in the nodes' keys file (load_kv_client_id); "": the shared secret.
+  std::string client_id;
   // Verifies the nodes' certificates (KvNodeTlsClient::load, --kv-node-tls-ca); null: plain TCP.
   std::shared_ptr<const KvNodeTlsClient> tls;
 };
 // An engine's access from its flags: the secret from `secret_file` (else SPECONTEXT_KV_SECRET),
-// TLS when `tls_ca_file` is given. Errors name --kv-secret-file or --kv-node-tls-ca.
-Result<KvNodeAccess> load_kv_node_access(const std::string& secret_file, const std::string& tls_ca_file);
+// the client ID `client_id` (else SPECONTEXT_KV_CLIENT_ID), TLS when `tls_ca_file` is given.
+// Errors name --kv-secret-file, --kv-client-id or --kv-node-tls-ca.
+Result<KvNodeAccess> load_kv_node_access(const std::string& secret_file, const std::string& tls_ca_file,
+                                         const std::string& client_id = {});
 
 class KvNodeClient {
  public:
@@ -40,7 +44,7 @@ class KvNodeClient {
       const KvNodeAccess& access = {});
   static Result<std::unique_ptr<KvNodeClient>> connect(const Endpoint& endpoint, std::chrono::milliseconds timeout,
                                                        const std::string& secret) {
-    return connect(endpoint, timeout, KvNodeAccess{secret, nullptr});
+    return connect(endpoint, timeout, KvNodeAccess{secret, {}, nullptr});
   }
   ~KvNodeClient();
   KvNodeClient(const KvNodeClient&) = delete;

@@ -71,7 +71,8 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
     o.replicas = spec.endpoints;
     o.bytes = spec.bytes;
     o.timeout = std::chrono::milliseconds(a.tiers.kv_node_timeout_ms);
-    SPX_ASSIGN_OR_RETURN(o.access, cluster::load_kv_node_access(a.tiers.kv_secret_file, a.tiers.kv_node_tls_ca));
+    SPX_ASSIGN_OR_RETURN(o.access, cluster::load_kv_node_access(a.tiers.kv_secret_file, a.tiers.kv_node_tls_ca,
+                                                                   a.tiers.kv_client_id));
     o.mode = a.tiers.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma
                                            : transport::UcxTransferMode::kNodeGather;
     auto store = cluster::RemotePrefixStore::create(std::move(o));

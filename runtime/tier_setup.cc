@@ -131,7 +131,8 @@ Result<std::unique_ptr<TierRuntime>> setup_tiers(const TierArgs& args, const Mod
   std::vector<std::unique_ptr<Transport>> node_transports;
   cluster::KvNodeAccess kv_access;
   if (!args.kv_nodes.empty()) {
-    SPX_ASSIGN_OR_RETURN(kv_access, cluster::load_kv_node_access(args.kv_secret_file, args.kv_node_tls_ca));
+    SPX_ASSIGN_OR_RETURN(kv_access, cluster::load_kv_node_access(args.kv_secret_file, args.kv_node_tls_ca,
+                                                                    args.kv_client_id));
   }
   for (size_t i = 0; i < args.kv_nodes.size(); ++i) {
     const std::string flag = "--kv-node " + args.kv_nodes[i];

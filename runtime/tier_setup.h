@@ -36,6 +36,9 @@ struct TierArgs {
   std::vector<std::string> kv_node_spares;  // HOST:PORT of KV nodes a dead replica may move to
   // The KV nodes' shared secret: this file, else SPECONTEXT_KV_SECRET (never a flag's value).
   std::string kv_secret_file;
+  // The client ID that secret belongs to in the nodes' keys file ("": SPECONTEXT_KV_CLIENT_ID, else
+  // the shared secret's client).
+  std::string kv_client_id;
   // PEM CA certificates the KV nodes' TLS certificates are verified against; "": plain TCP.
   std::string kv_node_tls_ca;
   int64_t remote_latency_us = 0;

@@ -546,6 +546,45 @@ TEST(KvNodeProcess, GenerateReachesATlsNodeThroughItsCa) {
   EXPECT_NE(err.find("plain TCP, but this node speaks TLS only"), std::string::npos) << err;
 }
 
+// `kv-node --keys-file`: `generate --kv-client-id alice --kv-secret-file` (alice's own secret) runs
+// with the all-device text; the same secret under another ID is refused and counted; a quota too
+// small for the tier is the engine's error naming the client.
+TEST(KvNodeProcess, GenerateAuthenticatesAsAClientOfTheKeysFile) {
+  const std::string dir = ::testing::TempDir();
+  const std::string keys = dir + "/kv_node_process_keys";
+  const std::string alice_secret = dir + "/kv_node_process_alice";
+  std::ofstream(keys) << "alice alice-process-secret-0123456789 4MiB 4\n"
+                      << "tiny tiny-process-secret-0123456789ab 64KiB\n";
+  std::ofstream(alice_secret) << "alice-process-secret-0123456789\n";
+  const std::string tiny_secret = dir + "/kv_node_process_tiny";
+  std::ofstream(tiny_secret) << "tiny-process-secret-0123456789ab\n";
+  for (const std::string& f : {keys, alice_secret, tiny_secret}) ASSERT_EQ(::chmod(f.c_str(), 0600), 0);
+  NodeProcess node("16MiB", "127.0.0.1:0", {"--keys-file", keys});
+  ASSERT_NE(node.port(), 0);
+  const std::string expect = baseline_text(40);
+  auto [code, out] = Generate(model_args(40) + kTiers + " --kv-client-id alice --kv-secret-file " + alice_secret +
+                              " --kv-node 1MiB@" + node.endpoint())
+                         .finish();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_EQ(parse_json_tail(out)["text"].get<std::string>(), expect);
+  auto [wrong, wrong_out] = Generate(model_args(8) + kTiers + " --kv-client-id tiny --kv-secret-file " +
+                                     alice_secret + " --kv-node 1MiB@" + node.endpoint())
+                                .finish();
+  EXPECT_NE(wrong, 0) << wrong_out;
+  EXPECT_NE(wrong_out.find("authentication failed"), std::string::npos) << wrong_out;
+  auto [small, small_out] = Generate(model_args(8) + kTiers + " --kv-client-id tiny --kv-secret-file " +
+                                     tiny_secret + " --kv-node 1MiB@" + node.endpoint())
+                                .finish();
+  EXPECT_NE(small, 0) << small_out;
+  EXPECT_NE(small_out.find("client 'tiny''s quota"), std::string::npos) << small_out;
+  auto [stop_code, stop_out] = node.terminate();
+  EXPECT_EQ(stop_code, 0) << stop_out;
+  const auto j = nlohmann::json::parse(stop_out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << stop_out;
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1) << stop_out;
+  for (const std::string& f : {keys, alice_secret, tiny_secret}) std::filesystem::remove(f);
+}
+
 TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {
   NodeProcess node("1MiB");
   ASSERT_NE(node.port(), 0);

@@ -1,5 +1,6 @@
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -174,7 +175,14 @@ int run_generate(const GenerateArgs& a) {
   std::string text;
   TokenId prev = prompt_ids.back();
   const bool stream = tok && !a.json && a.batch == 1;
+  // Time to the first token of any request, from the run's start (model loading excluded; a
+  // prefix read back from --prefix-store included).
+  const auto run_start = std::chrono::steady_clock::now();
+  double first_token_s = -1.0;
   auto on_token = [&](size_t request, TokenId id) {
+    if (first_token_s < 0) {
+      first_token_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    }
     if (!tok || request != 0) return;
     const std::string piece = tok->decode_token(prev, id);
     prev = id;
@@ -216,6 +224,7 @@ int run_generate(const GenerateArgs& a) {
       {"lost_tiers", st.lost_tiers},
       {"lost_tier_recomputes", st.lost_tier_requeues},
       {"cached_prompt_tokens", st.cached_prompt_tokens},
+      {"time_to_first_token_s", first_token_s},
       {"kv_bytes", st.kv_bytes_peak},
       {"kv_bytes_per_token", engine->memory().kv_bytes_per_token()},
       {"kv_dtype", a.engine.kv_dtype},
@@ -245,6 +254,16 @@ int run_generate(const GenerateArgs& a) {
         {"errors", st.prefix_disk_errors},
         {"persist", gopts->prefix_disk_persist},
         {"store", gopts->prefix_blob_store ? gopts->prefix_blob_store->name() : "files"}};
+  }
+  if (gopts->prefix_shared_store) {
+    summary["prefix_store"] = {{"store", gopts->prefix_shared_store->name()},
+                               {"hits", st.prefix_shared_hits},
+                               {"misses", st.prefix_shared_misses},
+                               {"writes", st.prefix_shared_writes},
+                               {"bytes_read", st.prefix_shared_bytes_read},
+                               {"bytes_written", st.prefix_shared_bytes_written},
+                               {"errors", st.prefix_shared_errors},
+                               {"cached_prompt_tokens", st.cached_prompt_tokens}};
   }
   summary["refused"] = refused;
   if (a.json) {

@@ -181,6 +181,7 @@ int run_serve(const ServeArgs& a) {
                            {"request_workers", a.request_workers},
                            {"request_queue", a.request_queue}};
   if (!o.tls_cert_file.empty()) listening["tls"] = true;  // https://
+  if (o.scheduling.prefix_shared_store) listening["prefix_store"] = o.scheduling.prefix_shared_store->name();
   std::cout << listening.dump() << std::endl;
   int sig = 0;
   sigwait(&stop_signals, &sig);

@@ -62,6 +62,28 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                  "KV node memory for offloaded prefixes instead of disk: SIZE@HOST:PORT[+HOST:PORT...] (a "
                  "`specontext kv-node`; mirrored on each endpoint, reads fail over; --kv-node-timeout-ms and "
                  "--kv-node-mode apply; needs prefix caching)");
+  cmd.add_option("--prefix-store", a.prefix_store,
+                 "a prefix store other servers share: redis://[USER@]HOST:PORT[/DB] (Redis or Valkey, "
+                 "standalone; cluster mode is refused). Each finished prompt's whole pages are written there "
+                 "under a key of the model, KV layout and tokens; a prompt no local cache serves as far reads "
+                 "the longest one found back instead of computing it. The server evicts (run it with "
+                 "maxmemory-policy allkeys-lru); an unreachable store costs the computation only (needs prefix "
+                 "caching)");
+  cmd.add_option("--prefix-store-password-file", a.prefix_store_password_file,
+                 "file whose first line is the store's password (AUTH; USER@ in the URL for an ACL user; "
+                 "others must not be able to read it); default: the SPECONTEXT_PREFIX_STORE_PASSWORD "
+                 "environment variable; none: no AUTH. Never in the URL");
+  cmd.add_option("--prefix-store-ttl", a.prefix_store_ttl_s,
+                 "seconds a prefix written to --prefix-store lives (EX)")
+      ->capture_default_str();
+  cmd.add_option("--prefix-store-timeout-ms", a.prefix_store_timeout_ms,
+                 "connect and command timeout of --prefix-store; after a failure it is not tried again for "
+                 "250 ms, doubling to 10 s")
+      ->capture_default_str();
+  cmd.add_option("--prefix-store-max-value", a.prefix_store_max_value,
+                 "largest prefix (SIZE) written to or read from --prefix-store; longer prompts are not shared "
+                 "(Redis's proto-max-bulk-len is 512MB by default)")
+      ->capture_default_str();
   cmd.add_option("--lost-tier", a.lost_tier,
                  "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "
                  "every request without it, or fail the requests of that step")

@@ -82,8 +82,12 @@ struct RedisPrefixStore::Reply {
 void RedisPrefixStore::ContextFree::operator()(redisContext* c) const { redisFree(c); }
 
 Result<RedisPrefixStoreOptions> parse_redis_url(std::string_view url, RedisPrefixStoreOptions o) {
+  // The URL as said in errors: whatever precedes '@' (a user, or a password given by mistake) left out.
+  const size_t userinfo = url.rfind('@');
+  const std::string shown =
+      userinfo == std::string_view::npos ? std::string(url) : "redis://...@" + std::string(url.substr(userinfo + 1));
   const auto bad = [&](const std::string& why) {
-    return invalid_argument("prefix store '" + std::string(url) + "': " + why +
+    return invalid_argument("prefix store '" + shown + "': " + why +
                             " (expected redis://[USER@]HOST:PORT[/DB])");
   };
   constexpr std::string_view kScheme = "redis://";

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "cluster/redis_prefix_store.h"
+
 #include "core/model/model_loader.h"
 #include "core/model/synthetic.h"
 #include "core/sparse/retrieval_head.h"
@@ -83,6 +85,29 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
     return unimplemented(flag + ": this build has no UCX (install libucx-dev and rebuild)");
 #endif
   }
+  if (a.prefix_store.empty()) {
+    if (!a.prefix_store_password_file.empty()) {
+      return invalid_argument("--prefix-store-password-file needs --prefix-store");
+    }
+    return g;
+  }
+  const std::string flag = "--prefix-store";
+  if (!a.prefix_caching) return invalid_argument(flag + " needs --prefix-caching");
+  SPX_ASSIGN_OR_RETURN(cluster::RedisPrefixStoreOptions o, cluster::parse_redis_url(a.prefix_store));
+  auto password = cluster::load_redis_password(a.prefix_store_password_file);
+  if (!password.is_ok()) return password.status().with_context("--prefix-store-password-file");
+  o.password = std::move(password).value();
+  if (a.prefix_store_ttl_s < 1) return invalid_argument("--prefix-store-ttl must be at least 1 second");
+  o.ttl_seconds = a.prefix_store_ttl_s;
+  if (a.prefix_store_timeout_ms < 1) return invalid_argument("--prefix-store-timeout-ms must be positive");
+  o.connect_timeout = o.command_timeout = std::chrono::milliseconds(a.prefix_store_timeout_ms);
+  auto bound = planner::parse_size(a.prefix_store_max_value);
+  if (!bound.is_ok()) return bound.status().with_context("--prefix-store-max-value");
+  if (*bound < 1) return invalid_argument("--prefix-store-max-value must be positive");
+  o.max_blob_bytes = static_cast<uint64_t>(*bound);
+  auto store = cluster::RedisPrefixStore::create(std::move(o));
+  if (!store.is_ok()) return store.status().with_context(flag + " " + a.prefix_store);
+  g.prefix_shared_store = std::move(store).value();
   return g;
 }
 

@@ -40,6 +40,13 @@ struct EngineArgs {
   std::string
       prefix_remote;  // --prefix-offload-remote SIZE@HOST:PORT[+...] (GeneratorOptions::prefix_blob_store)
   std::string lost_tier = "recompute";  // "recompute" or "fail" (GeneratorOptions::recompute_lost_tiers)
+  // --prefix-store redis://[USER@]HOST:PORT[/DB] (GeneratorOptions::prefix_shared_store) and its
+  // password file (else SPECONTEXT_PREFIX_STORE_PASSWORD), TTL, timeout and value bound.
+  std::string prefix_store;
+  std::string prefix_store_password_file;
+  int64_t prefix_store_ttl_s = 3600;
+  int64_t prefix_store_timeout_ms = 2000;
+  std::string prefix_store_max_value = "512MiB";
   int64_t max_context = 0;
   int threads = 0;
   bool reference = false;
@@ -54,8 +61,9 @@ struct EngineArgs {
 };
 
 // The scheduler's options from --prefill-chunk, --admission, --preemption-mode, --prefix-caching,
-// --prefix-offload, --prefix-offload-disk, --prefix-offload-dir and --lost-tier; kInvalidArgument
-// naming the flag when they do not go together.
+// --prefix-offload, --prefix-offload-disk, --prefix-offload-dir, --prefix-store and --lost-tier;
+// kInvalidArgument naming the flag when they do not go together. With --prefix-store it connects to
+// the store (an unreachable one, a refused password or cluster mode is an error here).
 Result<GeneratorOptions> scheduling_options(const EngineArgs& args);
 
 struct LoadedModel {

@@ -45,6 +45,15 @@ struct ServerCounters {
   int64_t prefix_disk_errors = 0;
   int64_t prefixes_on_disk = 0;
   int64_t prefix_disk_bytes = 0;
+  // The shared prefix store (GeneratorOptions::prefix_shared_store, `--prefix-store`): prompts read
+  // back from it, lookups that found none, prompts written, bytes each way, and failed operations
+  // (an unreachable store: the prompt is computed).
+  int64_t prefix_shared_hits = 0;
+  int64_t prefix_shared_misses = 0;
+  int64_t prefix_shared_writes = 0;
+  int64_t prefix_shared_bytes_read = 0;
+  int64_t prefix_shared_bytes_written = 0;
+  int64_t prefix_shared_errors = 0;
   int64_t kv_bytes_in_use = 0;
   // Connections: refused past max_connections (answered 503 and closed), past
   // max_connections_per_ip (429), closed because a request header did not come whole within

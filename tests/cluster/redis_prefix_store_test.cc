@@ -372,6 +372,7 @@ TEST(RedisPrefixStore, UrlsAndPasswordSources) {
   auto secret = parse_redis_url("redis://spx:hunter2@10.0.0.2:6379");
   ASSERT_FALSE(secret.is_ok());
   EXPECT_NE(secret.status().message().find("password does not go in the URL"), std::string::npos);
+  EXPECT_EQ(secret.status().message().find("hunter2"), std::string::npos) << "not repeated in the error";
   for (const char* bad : {"http://h:1", "redis://h", "redis://h:0", "redis://h:1/x", "rediss://h:1"}) {
     EXPECT_EQ(parse_redis_url(bad).status().code(), StatusCode::kInvalidArgument) << bad;
   }

@@ -98,7 +98,13 @@ TEST(ServerCounters, JsonHasEachCountedFieldUnderItsKey) {
                                               "prefix_restores",
                                               "prefix_disk_writes",
                                               "prefix_disk_restores",
-                                              "prefix_disk_errors"};
+                                              "prefix_disk_errors",
+                                              "prefix_shared_hits",
+                                              "prefix_shared_misses",
+                                              "prefix_shared_writes",
+                                              "prefix_shared_bytes_read",
+                                              "prefix_shared_bytes_written",
+                                              "prefix_shared_errors"};
   std::set<std::string> keys;
   for (const auto& [key, value] : j.items()) keys.insert(key);
   EXPECT_EQ(keys, stopped_keys);
@@ -119,6 +125,8 @@ TEST(ServerCounters, CopiesTheSchedulersCountsOnly) {
   }
   EXPECT_EQ(c.prompt_tokens, st.prompt_tokens);
   EXPECT_EQ(c.prefix_disk_errors, st.prefix_disk_errors);  // PrefixStoreStats' fields too
+  EXPECT_EQ(c.prefix_shared_hits, st.prefix_shared_hits);
+  EXPECT_EQ(c.prefix_shared_errors, st.prefix_shared_errors);
   EXPECT_EQ(c.max_batch_sequences, st.max_batch_sequences);
   EXPECT_EQ(c.accepted, 0);  // the server's own
 }

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -330,12 +332,10 @@ Result<std::vector<TaskPrompt>> build_task_prompts(const Tokenizer& tok, const T
   return out;
 }
 
-bool task_answer_correct(const TaskPrompt& p, std::string_view generated) {
-  if (p.ordered) {
-    if (p.answers.empty()) return false;
-    const std::string& a = p.answers[0];
-    return generated.starts_with(a) && (generated.size() == a.size() || !is_word_char(generated[a.size()]));
-  }
+namespace {
+
+// The whole words of `generated` before its first '.'.
+std::set<std::string> words_before_period(std::string_view generated) {
   const std::string_view head = generated.substr(0, generated.find('.'));
   std::set<std::string> words;
   for (size_t i = 0; i < head.size();) {
@@ -348,10 +348,29 @@ bool task_answer_correct(const TaskPrompt& p, std::string_view generated) {
     words.emplace(head.substr(i, j - i));
     i = j;
   }
-  for (const std::string& a : p.answers) {
-    if (!words.contains(a)) return false;
-  }
-  return !p.answers.empty();
+  return words;
+}
+
+bool ordered_answer_correct(const TaskPrompt& p, std::string_view generated) {
+  if (p.answers.empty()) return false;
+  const std::string& a = p.answers[0];
+  return generated.starts_with(a) && (generated.size() == a.size() || !is_word_char(generated[a.size()]));
+}
+
+}  // namespace
+
+bool task_answer_correct(const TaskPrompt& p, std::string_view generated) {
+  if (p.ordered) return ordered_answer_correct(p, generated);
+  return !p.answers.empty() && task_answer_score(p, generated) == 1.0;
+}
+
+double task_answer_score(const TaskPrompt& p, std::string_view generated) {
+  if (p.answers.empty()) return 0.0;
+  if (p.ordered) return ordered_answer_correct(p, generated) ? 1.0 : 0.0;
+  const std::set<std::string> words = words_before_period(generated);
+  int64_t found = 0;
+  for (const std::string& a : p.answers) found += words.contains(a) ? 1 : 0;
+  return static_cast<double>(found) / static_cast<double>(p.answers.size());
 }
 
 Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared_ptr<Backend> backend,
@@ -449,7 +468,9 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       r.length = p.length;
       r.depth = p.depth;
       ++r.trials;
-      r.correct += task_answer_correct(p, eval_internal::decode_inline(tok, run.answers[i], ctx_of(p))) ? 1 : 0;
+      const std::string text = eval_internal::decode_inline(tok, run.answers[i], ctx_of(p));
+      r.correct += task_answer_correct(p, text) ? 1 : 0;
+      r.score += task_answer_score(p, text);
       r.same_as_dense += run.answers[i] == ref.answers[i] ? 1 : 0;
     }
     int64_t correct = 0;
@@ -504,7 +525,8 @@ nlohmann::json task_report_to_json(const TaskReport& r) {
   using json = nlohmann::json;
   json records = json::array();
   json summary = json::object();
-  std::map<std::tuple<std::string, int64_t, std::string>, std::pair<int64_t, int64_t>> pooled;
+  // (method, budget, task) -> (correct, score sum, trials)
+  std::map<std::tuple<std::string, int64_t, std::string>, std::tuple<int64_t, double, int64_t>> pooled;
   for (const TaskRecord& t : r.records) {
     records.push_back({{"method", sparse_method_name(t.method)},
                        {"budget", t.budget},
@@ -514,14 +536,21 @@ nlohmann::json task_report_to_json(const TaskReport& r) {
                        {"trials", t.trials},
                        {"correct", t.correct},
                        {"accuracy", static_cast<double>(t.correct) / static_cast<double>(std::max<int64_t>(1, t.trials))},
+                       {"ruler_score", t.score / static_cast<double>(std::max<int64_t>(1, t.trials))},
                        {"same_as_dense", t.same_as_dense}});
-    auto& a = pooled[{std::string(sparse_method_name(t.method)), t.budget, std::string(task_kind_name(t.kind))}];
-    a.first += t.correct;
-    a.second += t.trials;
+    auto& [correct, score, trials] =
+        pooled[{std::string(sparse_method_name(t.method)), t.budget, std::string(task_kind_name(t.kind))}];
+    correct += t.correct;
+    score += t.score;
+    trials += t.trials;
   }
+  json ruler_summary = json::object();
   for (const auto& [k, v] : pooled) {
     const auto& [m, b, kind] = k;
-    summary[m][std::to_string(b)][kind] = static_cast<double>(v.first) / static_cast<double>(std::max<int64_t>(1, v.second));
+    const auto& [correct, score, trials] = v;
+    const double n = static_cast<double>(std::max<int64_t>(1, trials));
+    summary[m][std::to_string(b)][kind] = static_cast<double>(correct) / n;
+    ruler_summary[m][std::to_string(b)][kind] = score / n;
   }
   json speed = json::array();
   for (const TaskSpeed& s : r.speed) {
@@ -541,26 +570,32 @@ nlohmann::json task_report_to_json(const TaskReport& r) {
   }
   return {{"lengths", r.lengths}, {"depths", r.depths}, {"budgets", r.budgets}, {"trials", r.trials},
           {"sinks", r.sinks}, {"window", r.window}, {"quest_page_size", r.quest_page_size},
-          {"records", records}, {"summary", summary}, {"speed", speed}, {"examples", examples},
+          {"records", records}, {"summary", summary}, {"summary_ruler_score", ruler_summary},
+          {"speed", speed}, {"examples", examples},
           {"notes", r.notes}, {"seconds", r.seconds}};
 }
 
-std::string format_task_table(const TaskReport& r) {
-  // (method, budget) -> kind -> (correct, trials), and -> length -> (correct, trials)
-  std::map<std::pair<std::string, int64_t>, std::map<std::string, std::pair<int64_t, int64_t>>> by_kind;
-  std::map<std::pair<std::string, int64_t>, std::map<int64_t, std::pair<int64_t, int64_t>>> by_len;
+namespace {
+
+// One table of a per-prompt value (`value(record)` summed, divided by trials) by method x budget,
+// with a column per task kind and per length.
+std::string format_task_value_table(const TaskReport& r, const std::string& title,
+                                    const std::function<double(const TaskRecord&)>& value) {
+  // (method, budget) -> kind -> (sum, trials), and -> length -> (sum, trials)
+  std::map<std::pair<std::string, int64_t>, std::map<std::string, std::pair<double, int64_t>>> by_kind;
+  std::map<std::pair<std::string, int64_t>, std::map<int64_t, std::pair<double, int64_t>>> by_len;
   std::vector<std::pair<std::string, int64_t>> order;
   for (const TaskRecord& t : r.records) {
     const std::pair<std::string, int64_t> key{std::string(sparse_method_name(t.method)), t.budget};
     if (std::find(order.begin(), order.end(), key) == order.end()) order.push_back(key);
     auto& a = by_kind[key][std::string(task_kind_name(t.kind))];
-    a.first += t.correct;
+    a.first += value(t);
     a.second += t.trials;
     auto& l = by_len[key][t.length];
-    l.first += t.correct;
+    l.first += value(t);
     l.second += t.trials;
   }
-  std::string out = "task accuracy (all lengths and depths)\nmethod      budget";
+  std::string out = title + "\nmethod      budget";
   for (TaskKind k : all_task_kinds()) {
     char h[24];
     std::snprintf(h, sizeof(h), " %10s", std::string(task_kind_name(k)).c_str());
@@ -582,7 +617,7 @@ std::string format_task_table(const TaskReport& r) {
       if (it == by_kind[key].end()) {
         std::snprintf(cell, sizeof(cell), " %10s", "-");
       } else {
-        std::snprintf(cell, sizeof(cell), " %10.3f", static_cast<double>(it->second.first) / static_cast<double>(it->second.second));
+        std::snprintf(cell, sizeof(cell), " %10.3f", it->second.first / static_cast<double>(it->second.second));
       }
       out += cell;
     }
@@ -590,10 +625,26 @@ std::string format_task_table(const TaskReport& r) {
       auto it = by_len[key].find(len);
       char cell[24];
       std::snprintf(cell, sizeof(cell), " %7.3f",
-                    it == by_len[key].end() ? 0.0 : static_cast<double>(it->second.first) / static_cast<double>(it->second.second));
+                    it == by_len[key].end() ? 0.0 : it->second.first / static_cast<double>(it->second.second));
       out += cell;
     }
     out += "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_task_table(const TaskReport& r) {
+  std::string out = format_task_value_table(r, "task accuracy (all lengths and depths)", [](const TaskRecord& t) {
+    return static_cast<double>(t.correct);
+  });
+  const bool multi_word = std::any_of(r.records.begin(), r.records.end(), [](const TaskRecord& t) {
+    return t.kind == TaskKind::kMultiValue || t.kind == TaskKind::kVarTracking;
+  });
+  if (multi_word) {
+    out += "\n" + format_task_value_table(r, "RULER score (fraction of the answer words found, string_match_all)",
+                                          [](const TaskRecord& t) { return t.score; });
   }
   return out;
 }

@@ -78,6 +78,9 @@ Result<std::vector<TaskPrompt>> build_task_prompts(const Tokenizer& tok, const T
 // prompt at once and end at a word boundary; unordered ones must each appear as whole words
 // before the answer's first '.'.
 bool task_answer_correct(const TaskPrompt& p, std::string_view generated);
+// RULER's string_match_all, read as task_answer_correct reads: the fraction of the prompt's
+// answers found (1 or 0 for an ordered answer). Partial credit for multi-word answers.
+double task_answer_score(const TaskPrompt& p, std::string_view generated);
 
 // Paragraphs (blank-line separated) with their lines joined by single spaces, joined by "\n\n":
 // the form the training script gives its prose (train.py normalize).
@@ -105,6 +108,7 @@ struct TaskRecord {
   double depth = 0.0;
   int64_t trials = 0;
   int64_t correct = 0;
+  double score = 0.0;           // sum over trials of task_answer_score (RULER's metric)
   int64_t same_as_dense = 0;    // greedy answer tokens equal to dense's
 };
 

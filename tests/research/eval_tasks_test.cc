@@ -123,6 +123,22 @@ TEST(EvalTasks, AnswersAreScoredAsWholeWords) {
   EXPECT_FALSE(task_answer_correct(unordered, " anything."));
 }
 
+TEST(EvalTasks, RulerScoreIsTheFractionOfAnswerWordsFound) {
+  TaskPrompt unordered;
+  unordered.ordered = false;
+  unordered.answers = {"ALWAYS", "AUNT", "ARE", "ASK"};
+  EXPECT_DOUBLE_EQ(task_answer_score(unordered, " ASK, AUNT, ARE and ALWAYS."), 1.0);
+  EXPECT_DOUBLE_EQ(task_answer_score(unordered, " AUNT, AUNT, ARE and THE."), 0.5);
+  EXPECT_DOUBLE_EQ(task_answer_score(unordered, " ALWAYS. AUNT, ARE and ASK."), 0.25);  // the rest after '.'
+  EXPECT_DOUBLE_EQ(task_answer_score(unordered, " AUNTS."), 0.0);
+  TaskPrompt ordered;
+  ordered.answers = {" 38896"};
+  EXPECT_DOUBLE_EQ(task_answer_score(ordered, " 38896."), 1.0);
+  EXPECT_DOUBLE_EQ(task_answer_score(ordered, " 388961."), 0.0);
+  unordered.answers.clear();
+  EXPECT_DOUBLE_EQ(task_answer_score(unordered, " anything."), 0.0);
+}
+
 TEST(EvalTasks, SuiteFilesAreCheckedFieldByField) {
   auto bad = parse_task_suite("[1]", "t.json");
   ASSERT_FALSE(bad.is_ok());

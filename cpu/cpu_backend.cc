@@ -15,6 +15,7 @@
 #include <limits>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -22,7 +23,10 @@
 #include <vector>
 
 #include "core/base/host_math.h"
+#include "core/model/ggml_quants.h"
 #include "cpu/numa.h"
+#include "cpu/quant_dequant.h"
+#include "cpu/quant_gemv.h"
 #include "cpu/reference_backend.h"
 
 // Hot loops are compiled three times (baseline x86-64, AVX2+FMA, AVX-512) and one variant is
@@ -411,6 +415,13 @@ constexpr int64_t kMinSliceCols = 64;    // narrower matmul slices lose more tha
 // B=6 24.6 vs 35.9, B=8 29.5 vs 40.9, B=12 38.7 vs 34.1, B=16 44.1 vs 43.1; one row stays on
 // oneDNN's gemv (11.7 vs 11.3).
 constexpr int64_t kRowLoopMaxRows = 8;
+// Block-type weights (GGUF Q8_0, Q4_0, Q4_K, Q5_K, Q6_K kept as stored): up to this many input
+// rows quant_gemv reads the blocks directly (decode and small batches: bytes bound); more rows
+// (prefill: compute bound) dequantise kBlockTileBytes of weight rows at a time into f32 and run
+// them through the f32 path, so prefill keeps oneDNN's GEMM. Measured in bench/RESULTS.md
+// ("Quantized weights kept as stored").
+constexpr int64_t kQuantGemvMaxRows = 16;
+constexpr int64_t kBlockTileBytes = int64_t{4} << 20;
 constexpr int64_t kKeyBlock = 64;        // keys per attention block (K and V block fit L1/L2)
 constexpr int64_t kMinChunk = 512;       // smallest automatic split-K chunk
 constexpr int64_t kMaxTileQueries = 32;  // queries (tokens x heads of a group) per task
@@ -533,7 +544,9 @@ struct CpuBackend::Impl {
   std::vector<float> x_rounded;  // the fallback's bf16-rounded input, widened back to f32
   std::mutex retrieval_mu;              // guards retrieval_logits (the op stays re-entrant)
   std::vector<float> retrieval_logits;  // retrieval_group_scores' [n_heads][length] scratch
-  std::string last_path_f32 = "none", last_path_bf16 = "none";
+  std::vector<float> block_tile;  // dequantised weight rows of a block-type matmul with many inputs
+  std::vector<float> tile_out;    // that tile's outputs [m][tile rows]
+  std::string last_path_f32 = "none", last_path_bf16 = "none", last_path_block = "none";
 
   // Runs f(begin, end) over [0, n) on the arena, or inline when the work is too small for
   // threads to pay off.
@@ -562,6 +575,12 @@ struct CpuBackend::Impl {
   void run_slice(const MatmulPlan& plan, int64_t index, int slot, const void* src, const void* w,
                  const float* bias, float* y, int64_t n_total, int64_t k, size_t elem_bytes);
   Status matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
+  // f32 / bf16 weights: oneDNN's plan for the shape, or the row loops. Caller holds matmul_mu.
+  Status matmul_plain(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
+  // Block-type weights (is_block_dtype): quant_gemv for m <= kQuantGemvMaxRows, else
+  // matmul_block_tiles. Caller holds matmul_mu.
+  Status matmul_blocks(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
+  Status matmul_block_tiles(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads, float* out);
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
                           float* out);
@@ -746,6 +765,102 @@ Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const Weight
       matmul_rows_bf16(xr, m, k, static_cast<const uint16_t*>(w.data), bias, n0, n1, n_total, wbuf.data(), y);
     });
   }
+  return Status::ok();
+}
+
+Status CpuBackend::Impl::matmul_plain(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                                      float* y) {
+  const MatmulKey key{m, w.cols, w.rows, w.dtype, bias != nullptr};
+  std::string& last_path = w.dtype == DType::kBF16 ? last_path_bf16 : last_path_f32;
+  if (force_matmul_fallback) {
+    last_path = "fallback";
+    return matmul_fallback(x, m, w, bias, y);
+  }
+  if (w.dtype == DType::kF32 && m >= 2 && m <= kRowLoopMaxRows) {
+    last_path = "rows:small-batch";
+    return matmul_fallback(x, m, w, bias, y);
+  }
+  MatmulPlan& plan = plan_for(key);
+  if (!plan.usable) {
+    last_path = "fallback";
+    return matmul_fallback(x, m, w, bias, y);
+  }
+  const void* src = x;
+  if (w.dtype == DType::kBF16) {
+    const size_t count = static_cast<size_t>(m * w.cols);
+    if (x_bf16.size() < count) x_bf16.resize(count);
+    uint16_t* dst = x_bf16.data();
+    parallel(static_cast<int64_t>(count), 1 << 16,
+               [&](int64_t b, int64_t e) { f32_to_bf16_range(x + b, dst + b, e - b); });
+    src = dst;
+  }
+  const size_t elem_bytes = w.dtype == DType::kBF16 ? 2 : 4;
+  if (plan.n_slices == 1 || num_threads <= 1) {
+    // Inline on the caller: slot 0 is free, slices only run under matmul_mu.
+    for (int64_t i = 0; i < plan.n_slices; ++i) {
+      run_slice(plan, i, 0, src, w.data, bias, y, w.rows, w.cols, elem_bytes);
+    }
+  } else {
+    arena->execute([&] {
+      tbb::parallel_for(int64_t{0}, plan.n_slices, [&](int64_t i) {
+        // Inside the arena the slot index is unique among the threads running its tasks.
+        const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
+        run_slice(plan, i, slot, src, w.data, bias, y, w.rows, w.cols, elem_bytes);
+      });
+    });
+  }
+  last_path = "onednn:" + plan.impl;
+  return Status::ok();
+}
+
+Status CpuBackend::Impl::matmul_blocks(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                                       float* y) {
+  if (m > kQuantGemvMaxRows) return matmul_block_tiles(x, m, w, bias, y);
+  const QuantMatrix q{*ggml_block_type_id(w.dtype), w.rows, w.cols, w.data};
+  // quant_gemv splits its output rows over oneTBB in the caller's arena: ours.
+  Status st;
+  const QuantGemvOptions opts{QuantPath::kAuto, /*parallel=*/num_threads > 1};
+  arena->execute([&] { st = quant_gemv(q, x, m, y, opts); });
+  SPX_RETURN_IF_ERROR(st);
+  if (bias != nullptr) {
+    for (int64_t i = 0; i < m; ++i) add_range(y + i * w.rows, bias, w.rows);
+  }
+  last_path_block = "quant_gemv:" + std::string(quant_path_name(resolve_quant_path(QuantPath::kAuto)));
+  return Status::ok();
+}
+
+Status CpuBackend::Impl::matmul_block_tiles(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                                            float* y) {
+  const uint32_t ggml_type = *ggml_block_type_id(w.dtype);
+  const int64_t k = w.cols;
+  const int64_t tile_rows = std::clamp<int64_t>(kBlockTileBytes / (k * 4) / 16 * 16, 16, w.rows);
+  const size_t row_bytes = w.row_bytes();
+  if (block_tile.size() < static_cast<size_t>(tile_rows * k)) block_tile.resize(static_cast<size_t>(tile_rows * k));
+  if (tile_out.size() < static_cast<size_t>(m * tile_rows)) tile_out.resize(static_cast<size_t>(m * tile_rows));
+  std::string plain_path = "none";
+  for (int64_t r0 = 0; r0 < w.rows; r0 += tile_rows) {
+    const int64_t rows = std::min(tile_rows, w.rows - r0);
+    const auto* src = static_cast<const uint8_t*>(w.data) + static_cast<size_t>(r0) * row_bytes;
+    Status decoded;
+    std::mutex decoded_mu;
+    parallel(rows, 4, [&](int64_t b, int64_t e) {
+      const Status st = dequantize_rows(ggml_type, src + static_cast<size_t>(b) * row_bytes, e - b, k,
+                                        block_tile.data() + b * k);
+      if (!st.is_ok()) {
+        std::lock_guard<std::mutex> lock(decoded_mu);
+        decoded = st;
+      }
+    });
+    SPX_RETURN_IF_ERROR(decoded);
+    const WeightMatrix tile{DType::kF32, rows, k, block_tile.data()};
+    SPX_RETURN_IF_ERROR(matmul_plain(x, m, tile, bias != nullptr ? bias + r0 : nullptr, tile_out.data()));
+    parallel(m, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        std::memcpy(y + i * w.rows + r0, tile_out.data() + i * rows, static_cast<size_t>(rows) * sizeof(float));
+      }
+    });
+  }
+  last_path_block = "dequantised-tiles+" + last_path_f32;
   return Status::ok();
 }
 
@@ -1043,21 +1158,29 @@ int CpuBackend::numa_node() const { return impl_->numa_node; }
 
 std::string CpuBackend::matmul_path(DType dtype) const {
   std::lock_guard<std::mutex> lock(impl_->matmul_mu);
+  if (is_block_dtype(dtype)) return impl_->last_path_block;
   return dtype == DType::kBF16 ? impl_->last_path_bf16 : impl_->last_path_f32;
 }
 
 bool CpuBackend::supports(BackendOp op, DType weight_dtype) const {
+  const std::optional<uint32_t> block = ggml_block_type_id(weight_dtype);
+  const bool runs_blocks = block && quant_gemv_supports(*block);
   switch (op) {
     case BackendOp::kMatmul:
-      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 || runs_blocks;
     case BackendOp::kEmbed:
-      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 || weight_dtype == DType::kF16;
+      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 || weight_dtype == DType::kF16 ||
+             runs_blocks;
     default:
       return true;  // no weight matrix involved
   }
 }
 
 Status CpuBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) {
+  if (is_block_dtype(table.dtype)) {
+    SPX_RETURN_IF_ERROR(check_embed_ids(ids, n, table));
+    return guarded("embed", [&]() -> Status { return embed_blocks(ids, n, table, out); });
+  }
   SPX_RETURN_IF_ERROR(check_embed_args(ids, n, table));
   return guarded("embed", [&]() -> Status {
     const int64_t cols = table.cols;
@@ -1084,8 +1207,28 @@ Status CpuBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& tabl
   });
 }
 
+Status CpuBackend::embed_blocks(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) {
+  const uint32_t ggml_type = *ggml_block_type_id(table.dtype);
+  const size_t row_bytes = table.row_bytes();
+  Status decoded;
+  std::mutex decoded_mu;
+  impl_->parallel(n, std::max<int64_t>(1, 4096 / table.cols), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const auto* row = static_cast<const uint8_t*>(table.data) + static_cast<size_t>(ids[i]) * row_bytes;
+      const Status st = dequantize_rows(ggml_type, row, 1, table.cols, out + i * table.cols);
+      if (!st.is_ok()) {
+        std::lock_guard<std::mutex> lock(decoded_mu);
+        decoded = st;
+      }
+    }
+  });
+  return decoded;
+}
+
 Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) {
-  SPX_RETURN_IF_ERROR(check_matmul_dtype(w.dtype));
+  if (!is_block_dtype(w.dtype) || !supports(BackendOp::kMatmul, w.dtype)) {
+    SPX_RETURN_IF_ERROR(check_matmul_dtype(w.dtype));
+  }
   if (m <= 0 || w.rows <= 0) return Status::ok();
   if (w.cols <= 0) {  // empty reduction: y = bias or 0 (oneDNN rejects zero-size K)
     for (int64_t i = 0; i < m; ++i) {
@@ -1096,47 +1239,7 @@ Status CpuBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, cons
   return guarded("matmul", [&]() -> Status {
     Impl& s = *impl_;
     std::lock_guard<std::mutex> lock(s.matmul_mu);
-    const MatmulKey key{m, w.cols, w.rows, w.dtype, bias != nullptr};
-    std::string& last_path = w.dtype == DType::kBF16 ? s.last_path_bf16 : s.last_path_f32;
-    if (s.force_matmul_fallback) {
-      last_path = "fallback";
-      return s.matmul_fallback(x, m, w, bias, y);
-    }
-    if (w.dtype == DType::kF32 && m >= 2 && m <= kRowLoopMaxRows) {
-      last_path = "rows:small-batch";
-      return s.matmul_fallback(x, m, w, bias, y);
-    }
-    MatmulPlan& plan = s.plan_for(key);
-    if (!plan.usable) {
-      last_path = "fallback";
-      return s.matmul_fallback(x, m, w, bias, y);
-    }
-    const void* src = x;
-    if (w.dtype == DType::kBF16) {
-      const size_t count = static_cast<size_t>(m * w.cols);
-      if (s.x_bf16.size() < count) s.x_bf16.resize(count);
-      uint16_t* dst = s.x_bf16.data();
-      s.parallel(static_cast<int64_t>(count), 1 << 16,
-                 [&](int64_t b, int64_t e) { f32_to_bf16_range(x + b, dst + b, e - b); });
-      src = dst;
-    }
-    const size_t elem_bytes = w.dtype == DType::kBF16 ? 2 : 4;
-    if (plan.n_slices == 1 || s.num_threads <= 1) {
-      // Inline on the caller: slot 0 is free, slices only run under matmul_mu.
-      for (int64_t i = 0; i < plan.n_slices; ++i) {
-        s.run_slice(plan, i, 0, src, w.data, bias, y, w.rows, w.cols, elem_bytes);
-      }
-    } else {
-      s.arena->execute([&] {
-        tbb::parallel_for(int64_t{0}, plan.n_slices, [&](int64_t i) {
-          // Inside the arena the slot index is unique among the threads running its tasks.
-          const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
-          s.run_slice(plan, i, slot, src, w.data, bias, y, w.rows, w.cols, elem_bytes);
-        });
-      });
-    }
-    last_path = "onednn:" + plan.impl;
-    return Status::ok();
+    return is_block_dtype(w.dtype) ? s.matmul_blocks(x, m, w, bias, y) : s.matmul_plain(x, m, w, bias, y);
   });
 }
 

@@ -43,8 +43,11 @@ class CpuBackend final : public Backend {
   // Weight bytes place_weights bound to the node (0 where binding is unsupported).
   int64_t weight_bytes_bound() const { return weight_bytes_bound_; }
 
+  // Block-type tables (is_block_dtype) have the rows asked for dequantised.
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
   // Thread-safe, but concurrent matmuls serialise (one primitive cache, per-slot streams).
+  // Block-type weights: quant_gemv (cpu/quant_gemv.h) for up to 16 input rows, else tiles of
+  // weight rows dequantised to f32 and multiplied on the f32 path.
   Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y) override;
   Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
                  float* y) override;
@@ -70,11 +73,14 @@ class CpuBackend final : public Backend {
                                 int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* out) override;
   int num_threads() const;
   int numa_node() const;
-  // Which path the last matmul of this dtype took: "onednn:<impl>" or "fallback" (diagnostics).
+  // Which path the last matmul of this dtype took: "onednn:<impl>", "rows:small-batch" or
+  // "fallback"; for any block type (one record for all of them) "quant_gemv:<path>" or
+  // "dequantised-tiles+<f32 path>" (diagnostics).
   std::string matmul_path(DType dtype) const;
 
  private:
   struct Impl;
+  Status embed_blocks(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out);
   explicit CpuBackend(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
   int64_t weight_bytes_bound_ = 0;

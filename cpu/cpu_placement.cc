@@ -1,7 +1,9 @@
 // NUMA placement of the memory the CPU backend reads: KV/working-set allocations and weights.
 #include <hwloc.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -18,8 +20,32 @@ Result<std::shared_ptr<void>> CpuBackend::allocate(size_t bytes) {
   return std::shared_ptr<void>(owner, data);
 }
 
+namespace {
+
+// Maps the pages of [data, data + bytes) now (they may be a file's memory map, e.g. GGUF blocks
+// kept as stored), so that the first forward does not take a page fault per 4 KiB of weights
+// inside its matmuls. MADV_POPULATE_READ (Linux 5.14) does it in one call; elsewhere one byte
+// per page is read.
+void prefault(const void* data, size_t bytes) {
+  if (data == nullptr || bytes == 0) return;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + bytes;
+#ifdef MADV_POPULATE_READ
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
+#endif
+  unsigned char sink = 0;
+  for (uintptr_t p = reinterpret_cast<uintptr_t>(data); p < end; p = (p / page + 1) * page) {
+    sink ^= *reinterpret_cast<const volatile unsigned char*>(p);
+  }
+  static_cast<void>(sink);
+}
+
+}  // namespace
+
 Status CpuBackend::place_weights(const Model& model) {
   weight_bytes_bound_ = 0;
+  for (const WeightMatrix* w : model.matrices()) prefault(w->data, w->bytes());
   if (!memory_binding_supported()) return Status::ok();
   auto topo = system_topology();
   if (!topo.is_ok()) return Status::ok();  // placement is an optimisation, never a failure

@@ -24,6 +24,10 @@ Status check_embed_args(const TokenId* ids, int64_t n, const WeightMatrix& table
     return unimplemented("CPU embed supports f32/bf16/f16 tables, not " +
                          std::string(dtype_name(table.dtype)));
   }
+  return check_embed_ids(ids, n, table);
+}
+
+Status check_embed_ids(const TokenId* ids, int64_t n, const WeightMatrix& table) {
   if (n > 0 && (ids == nullptr || table.data == nullptr)) {
     return invalid_argument("embed: null ids or table");
   }

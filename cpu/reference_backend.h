@@ -35,7 +35,10 @@ class ReferenceBackend final : public Backend {
 // Checks shared by both CPU backends (cheap, O(items)); the engine validates shapes too, these
 // catch what would otherwise be an out-of-bounds access.
 Status check_matmul_dtype(DType t);
+// The table's dtype is f32, bf16 or f16, and check_embed_ids.
 Status check_embed_args(const TokenId* ids, int64_t n, const WeightMatrix& table);
+// Non-null ids and table when n > 0, every id inside [0, table.rows).
+Status check_embed_ids(const TokenId* ids, int64_t n, const WeightMatrix& table);
 Status check_rope_params(const RopeParams& params);
 Status check_kv_append_args(int64_t n_tokens, int64_t start_pos, const KvLayerView& kv);
 Status check_attention_args(const AttentionItem* items, int64_t n_items, int64_t n_heads);

@@ -13,12 +13,17 @@ std::string_view dtype_name(DType t) {
     case DType::kI32: return "i32";
     case DType::kI64: return "i64";
     case DType::kU8: return "u8";
+    case DType::kQ4_0: return "q4_0";
+    case DType::kQ4_K: return "q4_k";
+    case DType::kQ5_K: return "q5_k";
+    case DType::kQ6_K: return "q6_k";
   }
   return "?";
 }
 
 std::optional<DType> dtype_from_name(std::string_view name) {
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kI32, DType::kI64, DType::kU8}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kI32, DType::kI64, DType::kU8,
+                  DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
     if (dtype_name(t) == name) return t;
   }
   return std::nullopt;
@@ -30,9 +35,47 @@ size_t dtype_size(DType t) {
     case DType::kF16: case DType::kBF16: return 2;
     case DType::kI64: return 8;
     case DType::kU8: return 1;
-    case DType::kQ8_0: return 0;
+    case DType::kQ8_0: case DType::kQ4_0: case DType::kQ4_K: case DType::kQ5_K: case DType::kQ6_K: return 0;
   }
   return 0;
+}
+
+namespace {
+
+struct BlockLayout {
+  int64_t elements;
+  size_t bytes;
+};
+
+// ggml-common.h: block_q8_0 {f16 d; i8 qs[32]}, block_q4_0 {f16 d; u8 qs[16]}, block_q4_K {f16 d,
+// dmin; u8 scales[12], qs[128]}, block_q5_K {... qh[32], qs[128]}, block_q6_K {ql[128], qh[64],
+// i8 scales[16]; f16 d}.
+std::optional<BlockLayout> block_layout(DType t) {
+  switch (t) {
+    case DType::kQ8_0: return BlockLayout{32, 34};
+    case DType::kQ4_0: return BlockLayout{32, 18};
+    case DType::kQ4_K: return BlockLayout{256, 144};
+    case DType::kQ5_K: return BlockLayout{256, 176};
+    case DType::kQ6_K: return BlockLayout{256, 210};
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
+bool is_block_dtype(DType t) { return block_layout(t).has_value(); }
+
+int64_t dtype_block_elements(DType t) {
+  const std::optional<BlockLayout> b = block_layout(t);
+  return b ? b->elements : 1;
+}
+
+size_t dtype_row_bytes(DType t, int64_t cols) {
+  if (cols <= 0) return 0;
+  if (const std::optional<BlockLayout> b = block_layout(t)) {
+    return static_cast<size_t>((cols + b->elements - 1) / b->elements) * b->bytes;
+  }
+  return static_cast<size_t>(cols) * dtype_size(t);
 }
 
 float f16_to_f32(uint16_t h) {

@@ -8,13 +8,23 @@
 
 namespace specontext {
 
-enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kI32, kI64, kU8 };
+// kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K are ggml's block quantisations (the layouts of ggml types 8,
+// 2, 12, 13, 14 as GGUF stores them): a weight matrix may hold them as stored
+// (LoadOptions::keep_quantized); they are never elements of a KV cache or an activation.
+enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kI32, kI64, kU8, kQ4_0, kQ4_K, kQ5_K, kQ6_K };
 
 std::string_view dtype_name(DType t);
 // The DType whose dtype_name is `name`, if any.
 std::optional<DType> dtype_from_name(std::string_view name);
-// Bytes per element; 0 for block-quantised types (use row_bytes).
+// Bytes per element; 0 for block-quantised types (use dtype_row_bytes).
 size_t dtype_size(DType t);
+// True for the block-quantised types (kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K).
+bool is_block_dtype(DType t);
+// Elements per block (32 or 256) of a block type; 1 for every other type.
+int64_t dtype_block_elements(DType t);
+// Bytes of one row of `cols` elements: cols · dtype_size for element types, ceil(cols / block)
+// whole blocks for block types (GGUF pads rows to whole blocks).
+size_t dtype_row_bytes(DType t, int64_t cols);
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;

@@ -7,6 +7,8 @@
 #include <string>
 #include <unordered_set>
 
+#include "core/model/model_loader.h"
+
 namespace specontext {
 
 namespace {
@@ -45,18 +47,29 @@ TierTraffic& TierTraffic::operator+=(const TierTraffic& o) {
   return *this;
 }
 
+Result<std::shared_ptr<const Model>> fit_weights_to_backend(std::shared_ptr<const Model> model,
+                                                            const Backend& backend) {
+  auto runs = [&](DType t) {
+    return backend.supports(BackendOp::kEmbed, t) && backend.supports(BackendOp::kMatmul, t);
+  };
+  const DType to = model->weight_dtype;
+  SPX_ASSIGN_OR_RETURN(model, dequantize_block_matrices(std::move(model), to, runs));
+  for (const auto& [dtype, count] : model->held_types()) {
+    if (!runs(dtype)) {
+      return unimplemented("backend " + std::string(backend.name()) + " does not support " +
+                           std::string(dtype_name(dtype)) + " weights");
+    }
+  }
+  return model;
+}
+
 Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> model,
                                                std::shared_ptr<Backend> backend,
                                                const EngineOptions& options) {
   if (!model || !backend) return invalid_argument("Engine::create: model and backend are required");
   SPX_RETURN_IF_ERROR(model->validate());
+  SPX_ASSIGN_OR_RETURN(model, fit_weights_to_backend(std::move(model), *backend));
   const ModelConfig& c = model->config;
-  for (BackendOp op : {BackendOp::kEmbed, BackendOp::kMatmul}) {
-    if (!backend->supports(op, model->weight_dtype)) {
-      return unimplemented("backend " + std::string(backend->name()) + " does not support " +
-                           std::string(dtype_name(model->weight_dtype)) + " weights");
-    }
-  }
   if (options.max_sequences <= 0) return invalid_argument("max_sequences must be positive");
   if (options.max_running < 0 || options.max_running > options.max_sequences) {
     return invalid_argument("max_running must be in [0, max_sequences]");

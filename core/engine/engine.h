@@ -127,6 +127,13 @@ struct StepOutput {
   }
 };
 
+// The model an engine on `backend` computes with: `model` itself when the backend runs every
+// dtype it holds (Backend::supports, kEmbed and kMatmul), else a copy whose block-type matrices
+// it cannot run are dequantised to model->weight_dtype (dequantize_block_matrices).
+// kUnimplemented when a matrix of another dtype is not supported.
+Result<std::shared_ptr<const Model>> fit_weights_to_backend(std::shared_ptr<const Model> model,
+                                                            const Backend& backend);
+
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(std::shared_ptr<const Model> model,

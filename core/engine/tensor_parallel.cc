@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "core/model/model_loader.h"
+
 namespace specontext {
 
 namespace {
@@ -32,7 +34,7 @@ Status check_divides(const char* what, const char* field, int64_t value, int wor
 }
 
 // Element size of a matrix dtype that slices element-wise; block-quantised types are refused
-// (a Q8_0 column slice would need 32-aligned column ranges and validate() never admits Q8_0).
+// (shard_model dequantises them before slicing).
 Result<size_t> element_bytes(const std::string& name, const WeightMatrix& m) {
   switch (m.dtype) {
     case DType::kF32:
@@ -40,6 +42,10 @@ Result<size_t> element_bytes(const std::string& name, const WeightMatrix& m) {
     case DType::kBF16:
       return dtype_size(m.dtype);
     case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
     case DType::kI32:
     case DType::kI64:
     case DType::kU8:
@@ -98,6 +104,8 @@ Result<std::shared_ptr<const Model>> shard_model(std::shared_ptr<const Model> mo
   if (!model) return invalid_argument("shard_model: model is null");
   SPX_RETURN_IF_ERROR(check_rank(kWhat, rank, world));
   SPX_RETURN_IF_ERROR(model->validate());  // shapes are trusted below
+  const DType plain = model->weight_dtype;
+  SPX_ASSIGN_OR_RETURN(model, dequantize_block_matrices(std::move(model), plain, [](DType) { return false; }));
   const ModelConfig& c = model->config;
   SPX_RETURN_IF_ERROR(check_divides(kWhat, "n_heads", c.n_heads, world));
   SPX_RETURN_IF_ERROR(check_divides(kWhat, "n_kv_heads", c.n_kv_heads, world));

@@ -14,10 +14,10 @@
 //
 // Errors (kInvalidArgument, naming the field and the values): world < 1, rank outside
 // [0, world), world not dividing n_heads, n_kv_heads or hidden_dim (the head's n_kv_heads for
-// shard_retrieval_head), an invalid parent model. Weight dtypes: f32, f16, bf16 (what
-// Model::validate accepts; loaders turn Q8_0 into f32, so a Q8_0 matrix cannot reach here — it
-// would be refused by validate before any slicing). world == 1 returns an equivalent model whose
-// matrices are all views of the parent's.
+// shard_retrieval_head), an invalid parent model. Weight dtypes: f32, f16, bf16; block-type
+// matrices (LoadOptions::keep_quantized) are dequantised to the parent's weight_dtype first
+// (a column slice would cut blocks), so every shard holds plain matrices. world == 1 returns an
+// equivalent model whose matrices are all views of the parent's (or of its dequantised copy).
 //
 // Thread safety: pure functions of immutable inputs; shards of one model may be made and used
 // from several threads at once.

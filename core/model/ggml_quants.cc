@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "core/base/dtype.h"
 
@@ -288,6 +289,27 @@ const GgmlTypeInfo* ggml_type_info(uint32_t id) {
     if (t.id == id) return &t;
   }
   return nullptr;
+}
+
+namespace {
+
+constexpr std::pair<uint32_t, DType> kBlockDTypes[] = {
+    {8, DType::kQ8_0}, {2, DType::kQ4_0}, {12, DType::kQ4_K}, {13, DType::kQ5_K}, {14, DType::kQ6_K}};
+
+}  // namespace
+
+std::optional<DType> ggml_block_dtype(uint32_t id) {
+  for (const auto& [ggml_id, dtype] : kBlockDTypes) {
+    if (ggml_id == id) return dtype;
+  }
+  return std::nullopt;
+}
+
+std::optional<uint32_t> ggml_block_type_id(DType t) {
+  for (const auto& [ggml_id, dtype] : kBlockDTypes) {
+    if (dtype == t) return ggml_id;
+  }
+  return std::nullopt;
 }
 
 bool ggml_is_dequantizable(uint32_t id) { return decoder_of(id) != nullptr; }

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
+#include "core/base/dtype.h"
 #include "core/base/status.h"
 
 namespace specontext {
@@ -26,6 +28,12 @@ bool ggml_is_dequantizable(uint32_t id);
 
 // The names ggml_dequantize accepts, for error messages ("Q4_0, Q4_1, ...").
 std::string_view ggml_dequantizable_names();
+
+// The DType of a block type a matrix may hold as stored (ggml ids 8, 2, 12, 13, 14: kQ8_0,
+// kQ4_0, kQ4_K, kQ5_K, kQ6_K), nullopt for every other id.
+std::optional<DType> ggml_block_dtype(uint32_t id);
+// The ggml type id of a block DType (is_block_dtype), nullopt for the rest.
+std::optional<uint32_t> ggml_block_type_id(DType t);
 
 // Decodes `n` elements (a whole number of blocks) of ggml type `id` read from `src` (any
 // alignment; (n / block) · bytes bytes) into `dst`, as ggml's dequantize_row_* do: each

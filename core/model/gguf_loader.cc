@@ -53,8 +53,11 @@ class GgufBuilder {
                               std::to_string(cols) + "]), got " + shape_string(t->dims));
     }
     const std::string what = g_.source() + ": tensor \"" + name + "\"";
+    const std::optional<DType> block = ggml_block_dtype(t->ggml_type);
     if (const std::optional<DType> dt = plain_float_dtype(t->ggml_type)) {
       SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_matrix(model_, *dt, t->data, rows, cols, opts_, what));
+    } else if (block && opts_.keep_quantized) {
+      SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_block_matrix(*block, t->data, rows, cols, what));
     } else {
       SPX_ASSIGN_OR_RETURN(*out, loader_internal::make_dequantized_matrix(model_, t->ggml_type, t->data,
                                                                          rows, cols, opts_, what));

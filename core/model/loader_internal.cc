@@ -216,6 +216,19 @@ Result<WeightMatrix> make_dequantized_matrix(Model* model, uint32_t ggml_type, c
                           });
 }
 
+Result<WeightMatrix> make_block_matrix(DType t, const void* src, int64_t rows, int64_t cols,
+                                       const std::string& what) {
+  SPX_RETURN_IF_ERROR(matrix_elements(rows, cols, what).status());
+  if (!is_block_dtype(t)) {
+    return invalid_argument(what + ": dtype " + std::string(dtype_name(t)) + " is not a block type");
+  }
+  if (cols % dtype_block_elements(t) != 0) {
+    return invalid_argument(what + ": " + std::string(dtype_name(t)) + " rows need a multiple of " +
+                            std::to_string(dtype_block_elements(t)) + " columns, got " + std::to_string(cols));
+  }
+  return WeightMatrix{t, rows, cols, src};
+}
+
 void unify_weight_dtype(Model* model) {
   std::vector<WeightMatrix*> all = {&model->tok_embeddings, &model->lm_head};
   for (auto& l : model->layers) {

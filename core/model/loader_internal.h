@@ -45,6 +45,11 @@ Vec to_f32_vec(DType t, const void* src, size_t n);
                                                            int64_t cols, const LoadOptions& opts,
                                                            const std::string& what);
 
+// A view of `src` as a matrix of block type `t` (is_block_dtype), as stored: nothing is copied.
+// `cols` must be a whole number of blocks. `what` names the tensor for errors.
+[[nodiscard]] Result<WeightMatrix> make_block_matrix(DType t, const void* src, int64_t rows, int64_t cols,
+                                                     const std::string& what);
+
 // One file format's names for a decoder layer's tensors (after the layer's prefix).
 struct LayerTensorNames {
   const char *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *q_norm, *k_norm, *ffn_norm, *gate, *up, *down;

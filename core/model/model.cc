@@ -1,5 +1,9 @@
 #include "core/model/model.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
 namespace specontext {
 
 namespace {
@@ -16,9 +20,13 @@ std::string pair_string(int64_t a, int64_t b) {
 Status check_matrix(const std::string& source, const std::string& name, const WeightMatrix& m,
                     int64_t rows, int64_t cols) {
   if (m.empty()) return not_found(source + ": " + name + ": missing");
-  if (m.dtype != DType::kF32 && m.dtype != DType::kF16 && m.dtype != DType::kBF16) {
+  if (m.dtype != DType::kF32 && m.dtype != DType::kF16 && m.dtype != DType::kBF16 && !is_block_dtype(m.dtype)) {
     return invalid_argument(source + ": " + name + ": dtype " + std::string(dtype_name(m.dtype)) +
-                            " is not a matrix dtype (expected f32, f16 or bf16)");
+                            " is not a matrix dtype (expected f32, f16, bf16 or a block type)");
+  }
+  if (is_block_dtype(m.dtype) && m.cols % dtype_block_elements(m.dtype) != 0) {
+    return invalid_argument(source + ": " + name + ": " + std::string(dtype_name(m.dtype)) + " rows need a multiple of " +
+                            std::to_string(dtype_block_elements(m.dtype)) + " columns, got " + std::to_string(m.cols));
   }
   if (m.rows != rows || m.cols != cols) {
     return invalid_argument(source + ": " + name + ": expected " + pair_string(rows, cols) +
@@ -47,6 +55,47 @@ int64_t Model::parameter_count() const {
                               l.bv.size() + l.q_norm.size() + l.k_norm.size());
   }
   return n;
+}
+
+std::vector<const WeightMatrix*> Model::matrices() const {
+  std::vector<const WeightMatrix*> out;
+  if (!tok_embeddings.empty()) out.push_back(&tok_embeddings);
+  if (!lm_head.empty() && lm_head.data != tok_embeddings.data) out.push_back(&lm_head);
+  for (const LayerWeights& l : layers) {
+    for (const WeightMatrix* w : l.matrices()) {
+      if (!w->empty()) out.push_back(w);
+    }
+  }
+  return out;
+}
+
+std::map<DType, int64_t> Model::held_types() const {
+  std::map<DType, int64_t> out;
+  for (const WeightMatrix* w : matrices()) ++out[w->dtype];
+  return out;
+}
+
+size_t Model::weight_bytes() const {
+  size_t n = 0;
+  for (const WeightMatrix* w : matrices()) n += w->bytes();
+  size_t floats = final_norm.size();
+  for (const LayerWeights& l : layers) {
+    for (const Vec* v : {&l.attn_norm, &l.ffn_norm, &l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm}) floats += v->size();
+  }
+  return n + floats * sizeof(float);
+}
+
+std::string Model::weights_held_text() const {
+  const std::map<DType, int64_t> held = held_types();
+  std::vector<std::pair<DType, int64_t>> types(held.begin(), held.end());
+  std::stable_sort(types.begin(), types.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.1f MiB", static_cast<double>(weight_bytes()) / (1024.0 * 1024.0));
+  std::string s = mib;
+  for (size_t i = 0; i < types.size(); ++i) {
+    s.append(i == 0 ? " (" : ", ").append(dtype_name(types[i].first)).append(" ").append(std::to_string(types[i].second));
+  }
+  return types.empty() ? s : s + ")";
 }
 
 Status Model::validate() const {

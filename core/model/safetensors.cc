@@ -210,7 +210,7 @@ std::string_view safetensors_dtype_name(DType t) {
     case DType::kI32: return "I32";
     case DType::kI64: return "I64";
     case DType::kU8: return "U8";
-    case DType::kQ8_0: return "";
+    case DType::kQ8_0: case DType::kQ4_0: case DType::kQ4_K: case DType::kQ5_K: case DType::kQ6_K: return "";
   }
   return "";
 }

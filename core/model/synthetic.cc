@@ -1,10 +1,14 @@
 #include "core/model/synthetic.h"
 
+#include "core/model/ggml_quants.h"
+#include "core/model/gguf_writer.h"
+
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 namespace specontext {
 
@@ -146,6 +150,116 @@ Result<std::shared_ptr<Model>> make_synthetic_model(const std::string& name, int
   SPX_ASSIGN_OR_RETURN(ModelConfig c, synthetic_config(name));
   if (layers > 0) c.n_layers = std::min(layers, c.n_layers);
   return make_random_model(c, dtype, seed);
+}
+
+namespace {
+
+void put_f16(uint8_t* p, float v) {
+  const uint16_t h = f32_to_f16(v);
+  std::memcpy(p, &h, 2);
+}
+
+// Scale fields of one random block of type t, so that its weights spread about ±`spread`:
+// Q8_0 d·q (|q| ≤ 128); Q4_0 d·(q − 8); Q4_K / Q5_K d·sc·q − dmin·m with 6-bit sc, m and 4- / 5-bit
+// q (dmin centres the mean); Q6_K d·sc·(q − 32) with int8 sc.
+void set_block_scales(DType t, uint8_t* blk, float spread, Rng& rng) {
+  const float sign = rng.next() < 0 ? -1.0f : 1.0f;
+  switch (t) {
+    case DType::kQ8_0: put_f16(blk, sign * spread / 128.0f); break;
+    case DType::kQ4_0: put_f16(blk, sign * spread / 8.0f); break;
+    case DType::kQ4_K:
+      put_f16(blk, spread / 236.0f);
+      put_f16(blk + 2, 7.5f * spread / 236.0f);
+      break;
+    case DType::kQ5_K:
+      put_f16(blk, spread / 488.0f);
+      put_f16(blk + 2, 15.5f * spread / 488.0f);
+      break;
+    case DType::kQ6_K: put_f16(blk + 208, spread / 1024.0f); break;
+    default: break;
+  }
+}
+
+std::vector<uint8_t> random_matrix_bytes(DType t, int64_t rows, int64_t cols, Rng& rng) {
+  const float spread = 1.0f / std::sqrt(static_cast<float>(cols));
+  if (t == DType::kF32) {
+    std::vector<uint8_t> out(static_cast<size_t>(rows * cols) * 4);
+    auto* p = reinterpret_cast<float*>(out.data());
+    for (int64_t i = 0; i < rows * cols; ++i) p[i] = rng.next() * spread;
+    return out;
+  }
+  const size_t block_bytes = dtype_row_bytes(t, dtype_block_elements(t));
+  std::vector<uint8_t> out(static_cast<size_t>(rows) * dtype_row_bytes(t, cols));
+  for (size_t b = 0; b < out.size(); b += block_bytes) {
+    for (size_t i = 0; i < block_bytes; i += 2) {
+      const auto bits = static_cast<uint16_t>((rng.next() + 1.0f) * 32768.0f);
+      std::memcpy(out.data() + b + i, &bits, std::min<size_t>(2, block_bytes - i));
+    }
+    set_block_scales(t, out.data() + b, spread, rng);
+  }
+  return out;
+}
+
+}  // namespace
+
+Status write_random_gguf(const std::string& path, const ModelConfig& config, DType matrix_type, uint64_t seed) {
+  SPX_RETURN_IF_ERROR(config.validate(path));
+  uint32_t ggml_type = 0;
+  if (matrix_type != DType::kF32) {
+    const std::optional<uint32_t> id = ggml_block_type_id(matrix_type);
+    if (!id) {
+      return invalid_argument(path + ": random GGUF matrices must be f32 or a block type, not " +
+                              std::string(dtype_name(matrix_type)));
+    }
+    ggml_type = *id;
+    const int64_t block = dtype_block_elements(matrix_type);
+    for (int64_t cols : {config.dim, config.q_dim(), config.hidden_dim}) {
+      if (cols % block != 0) {
+        return invalid_argument(path + ": " + std::string(dtype_name(matrix_type)) + " needs rows of whole " +
+                                std::to_string(block) + "-element blocks, got " + std::to_string(cols) + " columns");
+      }
+    }
+  }
+  const ModelConfig& c = config;
+  GgufWriter w;
+  w.add_string("general.architecture", "llama");
+  w.add_u32("llama.embedding_length", static_cast<uint32_t>(c.dim));
+  w.add_u32("llama.feed_forward_length", static_cast<uint32_t>(c.hidden_dim));
+  w.add_u32("llama.block_count", static_cast<uint32_t>(c.n_layers));
+  w.add_u32("llama.attention.head_count", static_cast<uint32_t>(c.n_heads));
+  w.add_u32("llama.attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
+  w.add_u32("llama.attention.key_length", static_cast<uint32_t>(c.head_dim));
+  w.add_u32("llama.context_length", static_cast<uint32_t>(c.max_seq_len));
+  w.add_f32("llama.rope.freq_base", static_cast<float>(c.rope_theta));
+  w.add_f32("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
+  w.add_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(std::max(c.bos_token_id, 0)));
+  w.add_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(std::max(c.eos_token_id, 0)));
+  Rng rng{seed * 0x9E3779B97F4A7C15ull + 1};
+  auto matrix = [&](const std::string& name, int64_t rows, int64_t cols) {
+    w.add_tensor(name, {cols, rows}, ggml_type, random_matrix_bytes(matrix_type, rows, cols, rng));
+  };
+  auto ones = [&](const std::string& name, int64_t n) {
+    const std::vector<float> v(static_cast<size_t>(n), 1.0f);
+    std::vector<uint8_t> bytes(v.size() * 4);
+    std::memcpy(bytes.data(), v.data(), bytes.size());
+    w.add_tensor(name, {n}, 0, std::move(bytes));
+  };
+  matrix("token_embd.weight", c.vocab_size, c.dim);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    ones(p + "attn_norm.weight", c.dim);
+    matrix(p + "attn_q.weight", c.q_dim(), c.dim);
+    matrix(p + "attn_k.weight", c.kv_dim(), c.dim);
+    matrix(p + "attn_v.weight", c.kv_dim(), c.dim);
+    matrix(p + "attn_output.weight", c.dim, c.q_dim());
+    ones(p + "ffn_norm.weight", c.dim);
+    matrix(p + "ffn_gate.weight", c.hidden_dim, c.dim);
+    matrix(p + "ffn_up.weight", c.hidden_dim, c.dim);
+    matrix(p + "ffn_down.weight", c.dim, c.hidden_dim);
+  }
+  ones("output_norm.weight", c.dim);
+  if (!c.tie_embeddings) matrix("output.weight", c.vocab_size, c.dim);
+  return w.write(path);
 }
 
 }  // namespace specontext

@@ -87,7 +87,12 @@ TEST(CpuBackendFactory, Supports) {
   EXPECT_TRUE(b->supports(BackendOp::kMatmul, DType::kF32));
   EXPECT_TRUE(b->supports(BackendOp::kMatmul, DType::kBF16));
   EXPECT_FALSE(b->supports(BackendOp::kMatmul, DType::kF16));
-  EXPECT_FALSE(b->supports(BackendOp::kMatmul, DType::kQ8_0));
+  EXPECT_FALSE(b->supports(BackendOp::kMatmul, DType::kI32));
+  // The block types quant_gemv reads (tests/cpu/quantized_matmul_test.cc).
+  for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+    EXPECT_TRUE(b->supports(BackendOp::kMatmul, t)) << dtype_name(t);
+    EXPECT_TRUE(b->supports(BackendOp::kEmbed, t)) << dtype_name(t);
+  }
   EXPECT_TRUE(b->supports(BackendOp::kEmbed, DType::kF16));
   EXPECT_TRUE(b->supports(BackendOp::kAttention, DType::kF32));
 }
@@ -278,7 +283,7 @@ TEST(CpuMatmul, UnsupportedDtypesAndEmptyShapes) {
   float x[2] = {1, 2}, y[2] = {5, 5};
   EXPECT_EQ(cpu->matmul(x, 1, WeightMatrix{DType::kF16, 2, 2, w}, nullptr, y).code(),
             StatusCode::kUnimplemented);
-  EXPECT_EQ(cpu->matmul(x, 1, WeightMatrix{DType::kQ8_0, 2, 2, w}, nullptr, y).code(),
+  EXPECT_EQ(cpu->matmul(x, 1, WeightMatrix{DType::kI32, 2, 2, w}, nullptr, y).code(),
             StatusCode::kUnimplemented);
   EXPECT_TRUE(cpu->matmul(x, 0, WeightMatrix{DType::kF32, 2, 2, w}, nullptr, y).is_ok());
   EXPECT_EQ(y[0], 5.0f);  // m = 0 writes nothing

@@ -33,6 +33,10 @@ PrefixStore::PrefixStore(Engine& engine, PrefixStoreOptions options)
     const uint64_t capacity = store->capacity();
     options_.lower_bytes = options_.lower_bytes == 0 ? capacity : std::min(options_.lower_bytes, capacity);
   }
+  // The shared store's keys need the identity (a hash of every weight: about a second per GB):
+  // computed now, with the scheduler (serve: at start), not in the first request's time to its
+  // first token.
+  if (options_.shared_store) (void)identity();
 }
 
 PrefixStore::~PrefixStore() {

@@ -229,6 +229,7 @@ int run_generate(const GenerateArgs& a) {
       {"kv_bytes_per_token", engine->memory().kv_bytes_per_token()},
       {"kv_dtype", a.engine.kv_dtype},
       {"weight_dtype", std::string(dtype_name(engine->model().weight_dtype))},
+      {"weights_held", weights_held_json(engine->model())},
       {"backend", std::string(engine->backend().name())},
       {"model", synthetic ? a.engine.model.synthetic : a.engine.model.model_path},
       {"sparse", method_name},
@@ -271,6 +272,7 @@ int run_generate(const GenerateArgs& a) {
     if (tok) summary["text"] = sanitize_utf8(text);
     std::cout << dump_json(summary) << "\n";
   } else {
+    std::fprintf(stderr, "weights held: %s\n", engine->model().weights_held_text().c_str());
     std::fprintf(stderr,
                  "prompt tokens: %lld | prefill: %.1f tok/s | decode: %.1f tok/s (%lld tokens, batch %lld) | KV: %lld bytes\n",
                  static_cast<long long>(prompt_ids.size()), st.prefill_tokens_per_s(), st.decode_tokens_per_s(),

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,10 @@ int run_generate(const GenerateArgs& args);
 struct InspectArgs {
   std::string path;
   bool json = false;
+  std::string dtype = "auto";  // --dtype, as generate's: what the weights are held as
 };
+// {"bytes": N, "types": {"q4_k": 22, ...}, "text": "..."}: the big matrices as `m` holds them.
+nlohmann::json weights_held_json(const Model& m);
 void register_inspect(CLI::App& app, InspectArgs& args);
 int run_inspect(const InspectArgs& args);
 

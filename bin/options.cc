@@ -11,8 +11,9 @@ void add_model_options(CLI::App& cmd, ModelArgs& args) {
   model->excludes(synth);
   cmd.add_option("--layers", args.layers, "with --synthetic: cut the depth to N layers");
   cmd.add_option("--dtype", args.dtype,
-                 "weights in memory: auto (f32 and bf16 as stored, f16 and GGUF block types converted "
-                 "to f32; f32 for --synthetic), f32, or bf16 (everything converted or dequantised to "
+                 "weights in memory: auto (f32 and bf16 as stored, GGUF Q8_0/Q4_0/Q4_K/Q5_K/Q6_K kept as "
+                 "stored where the backend runs them (CPU), f16 and other block types converted to f32; "
+                 "f32 for --synthetic), f32 (everything converted or dequantised to f32), or bf16 (to "
                  "bf16: half the memory of f32)")
       ->check(CLI::IsMember({"auto", "f32", "bf16"}))
       ->capture_default_str();

@@ -28,8 +28,12 @@ Result<std::shared_ptr<Model>> load_model_from_args(const ModelArgs& args) {
                                 args.dtype == "bf16" ? DType::kBF16 : DType::kF32, args.weight_seed);
   }
   if (args.model_path.empty()) return invalid_argument("give --model PATH or --synthetic NAME");
-  return load_model(args.model_path,
-                    LoadOptions{.force_f32 = args.dtype == "f32", .force_bf16 = args.dtype == "bf16"});
+  return load_model(args.model_path, load_options_for_dtype(args.dtype));
+}
+
+LoadOptions load_options_for_dtype(const std::string& dtype) {
+  return LoadOptions{
+      .force_f32 = dtype == "f32", .force_bf16 = dtype == "bf16", .keep_quantized = dtype == "auto"};
 }
 
 Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {

@@ -9,6 +9,7 @@
 #include "core/base/status.h"
 #include "core/engine/engine.h"
 #include "core/model/model.h"
+#include "core/model/model_loader.h"
 #include "core/tokenizer/tokenizer.h"
 #include "runtime/tier_setup.h"
 #include "serving/scheduler.h"
@@ -24,6 +25,9 @@ struct ModelArgs {
   uint64_t weight_seed = 1;
 };
 Result<std::shared_ptr<Model>> load_model_from_args(const ModelArgs& args);
+// --dtype's load policy: "auto" keeps GGUF Q8_0/Q4_0/Q4_K/Q5_K/Q6_K matrices as stored (the engine
+// dequantises them for a backend that cannot run them), "f32" / "bf16" convert every matrix.
+LoadOptions load_options_for_dtype(const std::string& dtype);
 
 struct EngineArgs {
   ModelArgs model;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/base/utf8.h"
+#include "core/model/synthetic.h"
 #include "tests/tests_common.h"
 
 namespace specontext {
@@ -351,6 +352,47 @@ TEST(Cli, InspectPrintsShapeAndKvBytes) {
   EXPECT_GT(j["max_context"].get<int64_t>(), 0);
   // Every matrix of this file is stored F32: 7 per layer, the embedding and the output.
   EXPECT_EQ(j["stored_types"]["F32"].get<int64_t>(), 7 * j["layers"].get<int64_t>() + 2) << j.dump();
+}
+
+// A Q4_K GGUF (random weights, the stories260K vocabulary): `inspect` and `generate --json` say
+// what is held: the blocks as stored with --dtype auto on the CPU backend (about the file's
+// size), f32 with --dtype f32, and f32 when the backend cannot run blocks (--reference).
+TEST(Cli, QuantizedWeightsHeldAsStoredAndReported) {
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  c.dim = 256;
+  c.hidden_dim = 512;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 512;
+  c.max_seq_len = 256;  // untied: token_embd, output and 2 x 7 matrices
+  const std::string path = testing::temp_dir("cli_quantized") + "/q4_k.gguf";
+  ASSERT_TRUE(write_random_gguf(path, c, DType::kQ4_K, 1).is_ok());
+  const int64_t file_bytes = static_cast<int64_t>(std::filesystem::file_size(path));
+  CliRun r = run_cli("inspect --json " + path, false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["weights_held"]["types"], nlohmann::json({{"q4_k", 16}})) << j.dump();
+  EXPECT_LE(j["weights_held"]["bytes"].get<int64_t>(), file_bytes);
+  EXPECT_GE(j["weights_held"]["bytes"].get<int64_t>(), file_bytes - 8192);
+  r = run_cli("inspect --json --dtype f32 " + path, false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["weights_held"]["types"], nlohmann::json({{"f32", 16}})) << j.dump();
+  EXPECT_GT(j["weights_held"]["bytes"].get<int64_t>(), 3 * file_bytes);
+
+  const std::string gen = "generate --model " + path + " --tokenizer " + repo_path("models/stories260K/tok512.bin") +
+                          " --prompt 'Once upon a time' -n 4 --json --threads 2";
+  for (const auto& [flags, type] : {std::pair<std::string, std::string>{"", "q4_k"}, {" --dtype f32", "f32"},
+                                    {" --reference", "f32"}}) {
+    r = run_cli(gen + flags, false);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.out;
+    j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["weights_held"]["types"], nlohmann::json({{type, 16}})) << flags << ": " << j.dump();
+    EXPECT_GE(j["generated_tokens"].get<int>(), 1) << flags;  // random weights may stop early
+  }
 }
 
 // --dtype bf16 holds the weights in bf16 (half the memory); the greedy text of the bundled model

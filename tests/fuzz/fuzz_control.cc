@@ -1,8 +1,10 @@
 // libFuzzer target: the KV node's control plane. Any line gives a request or an error (never a
 // throw or crash); a request that parses survives a round trip; any reply line gives a reply or an
 // error, and a well-formed hello/auth/alloc reply decodes its hex fields; the authentication's
-// HMAC takes any input as secret, nonce and node name.
+// HMAC takes any input as secret, nonce, node name and client ID, and binds the ID; any text as a
+// keys file gives clients with valid IDs, long enough secrets without whitespace, or an error.
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <string_view>
 
@@ -18,9 +20,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     line.pop_back();  // the newline
     auto again = parse_control_request(line);
     if (!again.is_ok() || again->op != req->op || again->bytes != req->bytes ||
-        again->region != req->region || again->mac != req->mac) {
+        again->region != req->region || again->mac != req->mac || again->nonce != req->nonce ||
+        again->client != req->client) {
       __builtin_trap();
     }
+    if (!req->client.empty() && !valid_client_id(req->client)) __builtin_trap();
   } else {
     (void)control_error_line(req.status());
   }
@@ -36,6 +40,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!constant_time_equal(mac, auth_response(text, nonce, text.substr(size / 2)))) __builtin_trap();
   // The node's proof never equals the client's answer for the same nonce (distinct contexts).
   if (constant_time_equal(mac, node_proof(text, nonce, nonce, text.substr(size / 2)))) __builtin_trap();
+  // A client's answer is bound to its ID: never the shared secret's answer, never another ID's.
+  const std::string_view id = text.substr(0, std::min<size_t>(size, kMaxClientIdBytes));
+  if (valid_client_id(id)) {
+    const Sha256Digest as_client = auth_response(text, nonce, "node", id);
+    if (constant_time_equal(as_client, auth_response(text, nonce, "node"))) __builtin_trap();
+    if (constant_time_equal(node_proof(text, nonce, nonce, "node", id), node_proof(text, nonce, nonce, "node")))
+      __builtin_trap();
+  }
+  auto keys = parse_kv_keys(text, "fuzz");
+  if (keys.is_ok()) {
+    if (keys->size() > kMaxClients) __builtin_trap();
+    for (const KvClientKey& k : *keys) {
+      if (!valid_client_id(k.id) || k.secret.size() < kMinSecretBytes || k.max_connections < 0) __builtin_trap();
+      for (char c : k.secret) {
+        if (c == ' ' || c == '\t' || c == '\n' || c == '#') __builtin_trap();
+      }
+    }
+  }
   auto bytes = hex_decode(text, "fuzz");
   if (bytes.is_ok() && hex_encode(*bytes).size() != text.size()) __builtin_trap();
   return 0;

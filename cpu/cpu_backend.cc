@@ -406,6 +406,21 @@ struct MatmulPlan {
   MatmulSlice full, tail;
 };
 
+// A slice primitive of `width` output columns for the f32 tiles of a block-type matmul
+// (matmul_block_tiles): key.n is the whole output's row stride.
+struct TileKey {
+  MatmulKey key;
+  int64_t width;
+  bool operator==(const TileKey&) const = default;
+};
+struct TileKeyHash {
+  size_t operator()(const TileKey& t) const noexcept { return MatmulKeyHash()(t.key) * 1000003u ^ std::hash<int64_t>()(t.width); }
+};
+struct TileSlice {
+  bool usable = false;  // false: no oneDNN primitive but its reference code; the row loop runs
+  MatmulSlice slice;
+};
+
 constexpr size_t kMaxPlans = 256;        // prefill chunk sizes vary; bound the cache
 constexpr int64_t kMinSliceCols = 64;    // narrower matmul slices lose more than threads gain
 // f32 with 2..8 input rows (small decode batches): oneDNN's sgemm packs the weights on every
@@ -421,7 +436,8 @@ constexpr int64_t kRowLoopMaxRows = 8;
 // them through the f32 path, so prefill keeps oneDNN's GEMM. Measured in bench/RESULTS.md
 // ("Quantized weights kept as stored").
 constexpr int64_t kQuantGemvMaxRows = 16;
-constexpr int64_t kBlockTileBytes = int64_t{4} << 20;
+constexpr int64_t kBlockTileBytes = int64_t{1} << 20;
+constexpr int64_t kBlockTileMinRows = 64;  // narrower GEMMs lose more than the cache gains
 constexpr int64_t kKeyBlock = 64;        // keys per attention block (K and V block fit L1/L2)
 constexpr int64_t kMinChunk = 512;       // smallest automatic split-K chunk
 constexpr int64_t kMaxTileQueries = 32;  // queries (tokens x heads of a group) per task
@@ -544,8 +560,8 @@ struct CpuBackend::Impl {
   std::vector<float> x_rounded;  // the fallback's bf16-rounded input, widened back to f32
   std::mutex retrieval_mu;              // guards retrieval_logits (the op stays re-entrant)
   std::vector<float> retrieval_logits;  // retrieval_group_scores' [n_heads][length] scratch
-  std::vector<float> block_tile;  // dequantised weight rows of a block-type matmul with many inputs
-  std::vector<float> tile_out;    // that tile's outputs [m][tile rows]
+  std::unordered_map<TileKey, TileSlice, TileKeyHash> tile_slices;
+  std::vector<std::vector<float>> tile_bufs;  // per arena slot: dequantised weight rows of one tile
   std::string last_path_f32 = "none", last_path_bf16 = "none", last_path_block = "none";
 
   // Runs f(begin, end) over [0, n) on the arena, or inline when the work is too small for
@@ -581,6 +597,11 @@ struct CpuBackend::Impl {
   // matmul_block_tiles. Caller holds matmul_mu.
   Status matmul_blocks(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
   Status matmul_block_tiles(const float* x, int64_t m, const WeightMatrix& w, const float* bias, float* y);
+  // The primitive for tiles of `width` weight rows of an [n_total, k] block-type matrix.
+  const TileSlice& tile_slice(int64_t m, int64_t k, int64_t n_total, int64_t width, bool bias);
+  // Runs one slice primitive with the stream and scratchpad of arena slot `slot`: dst is y's
+  // first column of the slice (row stride per the primitive), or a dense buffer when staged.
+  void execute_slice(const MatmulSlice& sl, int slot, const void* src, const void* w, const float* bias, float* dst);
   Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads, float* out);
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
                           float* out);
@@ -700,16 +721,7 @@ void CpuBackend::Impl::run_slice(const MatmulPlan& plan, int64_t index, int slot
   const bool last = index == plan.n_slices - 1;
   const MatmulSlice& sl = last && plan.n_slices * plan.width != n_total ? plan.tail : plan.full;
   const int64_t n0 = index * plan.width;
-  std::vector<uint8_t>& pad = scratch[static_cast<size_t>(slot)];
-  if (pad.size() < sl.scratch_bytes) pad.resize(sl.scratch_bytes);
-  // Single-threaded oneDNN inside this task (see find_omp_set_num_threads).
-  if (omp_set_num_threads != nullptr) omp_set_num_threads(1);
-  // oneDNN takes non-const handles but only reads src/weights/bias.
   const auto* w_bytes = static_cast<const uint8_t*>(w) + static_cast<size_t>(n0 * k) * elem_bytes;
-  std::unordered_map<int, dnnl::memory> args = {
-      {DNNL_ARG_SRC, dnnl::memory(sl.src_md, engine, const_cast<void*>(src))},
-      {DNNL_ARG_WEIGHTS, dnnl::memory(sl.w_md, engine, const_cast<uint8_t*>(w_bytes))},
-  };
   float* dst = y + n0;
   if (sl.staged) {
     std::vector<float>& stage = staging[static_cast<size_t>(slot)];
@@ -717,9 +729,29 @@ void CpuBackend::Impl::run_slice(const MatmulPlan& plan, int64_t index, int slot
     if (stage.size() < need) stage.resize(need);
     dst = stage.data();
   }
-  args.emplace(DNNL_ARG_DST, dnnl::memory(sl.dst_md, engine, dst));
-  if (bias != nullptr)
-    args.emplace(DNNL_ARG_BIAS, dnnl::memory(sl.bias_md, engine, const_cast<float*>(bias + n0)));
+  execute_slice(sl, slot, src, w_bytes, bias != nullptr ? bias + n0 : nullptr, dst);
+  if (sl.staged) {
+    const int64_t rows = sl.dst_md.dims()[0];
+    const int64_t width = sl.dst_md.dims()[1];
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(y + i * n_total + n0, dst + i * width, static_cast<size_t>(width) * sizeof(float));
+    }
+  }
+}
+
+void CpuBackend::Impl::execute_slice(const MatmulSlice& sl, int slot, const void* src, const void* w,
+                                     const float* bias, float* dst) {
+  std::vector<uint8_t>& pad = scratch[static_cast<size_t>(slot)];
+  if (pad.size() < sl.scratch_bytes) pad.resize(sl.scratch_bytes);
+  // Single-threaded oneDNN inside this task (see find_omp_set_num_threads).
+  if (omp_set_num_threads != nullptr) omp_set_num_threads(1);
+  // oneDNN takes non-const handles but only reads src/weights/bias.
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, dnnl::memory(sl.src_md, engine, const_cast<void*>(src))},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(sl.w_md, engine, const_cast<void*>(w))},
+      {DNNL_ARG_DST, dnnl::memory(sl.dst_md, engine, dst)},
+  };
+  if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, dnnl::memory(sl.bias_md, engine, const_cast<float*>(bias)));
   if (sl.scratch_bytes > 0) {
     args.emplace(DNNL_ARG_SCRATCHPAD,
                  dnnl::memory(dnnl::memory::desc({static_cast<int64_t>(sl.scratch_bytes)},
@@ -729,13 +761,6 @@ void CpuBackend::Impl::run_slice(const MatmulPlan& plan, int64_t index, int slot
   dnnl::stream& stream = streams[static_cast<size_t>(slot)];
   sl.prim.execute(stream, args);
   stream.wait();
-  if (sl.staged) {
-    const int64_t rows = sl.dst_md.dims()[0];
-    const int64_t width = sl.dst_md.dims()[1];
-    for (int64_t i = 0; i < rows; ++i) {
-      std::memcpy(y + i * n_total + n0, dst + i * width, static_cast<size_t>(width) * sizeof(float));
-    }
-  }
 }
 
 Status CpuBackend::Impl::matmul_fallback(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
@@ -829,38 +854,76 @@ Status CpuBackend::Impl::matmul_blocks(const float* x, int64_t m, const WeightMa
   return Status::ok();
 }
 
+const TileSlice& CpuBackend::Impl::tile_slice(int64_t m, int64_t k, int64_t n_total, int64_t width, bool bias) {
+  const TileKey key{{m, k, n_total, DType::kF32, bias}, width};
+  auto it = tile_slices.find(key);
+  if (it != tile_slices.end()) return it->second;
+  TileSlice& t = tile_slices[key];
+  try {
+    std::string impl;
+    t.usable = make_best_slice(key.key, width, /*whole=*/false, t.slice, impl);
+  } catch (const dnnl::error&) {
+    t.usable = false;  // the row loop serves it
+  }
+  return t;
+}
+
 Status CpuBackend::Impl::matmul_block_tiles(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
                                             float* y) {
   const uint32_t ggml_type = *ggml_block_type_id(w.dtype);
   const int64_t k = w.cols;
-  const int64_t tile_rows = std::clamp<int64_t>(kBlockTileBytes / (k * 4) / 16 * 16, 16, w.rows);
+  const int64_t tile_rows = std::min(w.rows, std::max(kBlockTileMinRows, kBlockTileBytes / (k * 4) / 16 * 16));
+  const int64_t n_tiles = (w.rows + tile_rows - 1) / tile_rows;
+  const int64_t last_rows = w.rows - (n_tiles - 1) * tile_rows;
+  if (tile_slices.size() + 2 > kMaxPlans) tile_slices.clear();  // before taking references into it
+  const TileSlice& full = tile_slice(m, k, w.rows, tile_rows, bias != nullptr);
+  const TileSlice& last = tile_slice(m, k, w.rows, last_rows, bias != nullptr);
+  if (tile_bufs.size() < streams.size()) tile_bufs.resize(streams.size());
   const size_t row_bytes = w.row_bytes();
-  if (block_tile.size() < static_cast<size_t>(tile_rows * k)) block_tile.resize(static_cast<size_t>(tile_rows * k));
-  if (tile_out.size() < static_cast<size_t>(m * tile_rows)) tile_out.resize(static_cast<size_t>(m * tile_rows));
-  std::string plain_path = "none";
-  for (int64_t r0 = 0; r0 < w.rows; r0 += tile_rows) {
-    const int64_t rows = std::min(tile_rows, w.rows - r0);
-    const auto* src = static_cast<const uint8_t*>(w.data) + static_cast<size_t>(r0) * row_bytes;
-    Status decoded;
-    std::mutex decoded_mu;
-    parallel(rows, 4, [&](int64_t b, int64_t e) {
-      const Status st = dequantize_rows(ggml_type, src + static_cast<size_t>(b) * row_bytes, e - b, k,
-                                        block_tile.data() + b * k);
-      if (!st.is_ok()) {
-        std::lock_guard<std::mutex> lock(decoded_mu);
-        decoded = st;
-      }
-    });
-    SPX_RETURN_IF_ERROR(decoded);
-    const WeightMatrix tile{DType::kF32, rows, k, block_tile.data()};
-    SPX_RETURN_IF_ERROR(matmul_plain(x, m, tile, bias != nullptr ? bias + r0 : nullptr, tile_out.data()));
-    parallel(m, 64, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        std::memcpy(y + i * w.rows + r0, tile_out.data() + i * rows, static_cast<size_t>(rows) * sizeof(float));
-      }
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  Status failed;
+  std::mutex failed_mu;
+  // One task per tile: decode its rows into the slot's buffer (it stays in cache), then multiply
+  // them on one thread, writing y's columns of those rows. No barrier between tiles.
+  auto run_tile = [&](int64_t t, int slot) {
+    const int64_t r0 = t * tile_rows;
+    const int64_t rows = t == n_tiles - 1 ? last_rows : tile_rows;
+    std::vector<float>& buf = tile_bufs[static_cast<size_t>(slot)];
+    if (buf.size() < static_cast<size_t>(tile_rows * k)) buf.resize(static_cast<size_t>(tile_rows * k));
+    const Status st = dequantize_rows(ggml_type, src + static_cast<size_t>(r0) * row_bytes, rows, k, buf.data());
+    if (!st.is_ok()) {
+      std::lock_guard<std::mutex> lock(failed_mu);
+      failed = st;
+      return;
+    }
+    const float* b = bias != nullptr ? bias + r0 : nullptr;
+    const TileSlice& ts = t == n_tiles - 1 ? last : full;
+    if (!ts.usable) {
+      matmul_rows_f32(x, m, k, buf.data(), b, 0, rows, w.rows, y + r0);
+      return;
+    }
+    if (!ts.slice.staged) {
+      execute_slice(ts.slice, slot, x, buf.data(), b, y + r0);
+      return;
+    }
+    std::vector<float>& stage = staging[static_cast<size_t>(slot)];
+    if (stage.size() < static_cast<size_t>(m * rows)) stage.resize(static_cast<size_t>(m * rows));
+    execute_slice(ts.slice, slot, x, buf.data(), b, stage.data());
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(y + i * w.rows + r0, stage.data() + i * rows, static_cast<size_t>(rows) * sizeof(float));
+    }
+  };
+  if (num_threads <= 1 || n_tiles == 1) {
+    for (int64_t t = 0; t < n_tiles; ++t) run_tile(t, 0);
+  } else {
+    arena->execute([&] {
+      tbb::parallel_for(int64_t{0}, n_tiles, [&](int64_t t) {
+        run_tile(t, std::max(0, tbb::this_task_arena::current_thread_index()));
+      });
     });
   }
-  last_path_block = "dequantised-tiles+" + last_path_f32;
+  SPX_RETURN_IF_ERROR(failed);
+  last_path_block = std::string("dequantised-tiles+") + (full.usable ? (full.slice.staged ? "onednn:staged" : "onednn") : "rows");
   return Status::ok();
 }
 

@@ -17,7 +17,7 @@ class KvNodeClient::Impl {
       : endpoint(std::move(endpoint)),
         timeout(timeout),
         tls(std::move(tls)),
-        stream(tcp::socket(io), this->tls ? &this->tls->context() : nullptr) {}
+        stream(io, this->tls ? &this->tls->context() : nullptr) {}
   std::string endpoint;
   std::chrono::milliseconds timeout;
   std::shared_ptr<const KvNodeTlsClient> tls;  // keeps the context alive for the stream

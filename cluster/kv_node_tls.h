@@ -14,6 +14,7 @@
 // The UCX data plane is not covered (see cluster/README.md).
 #pragma once
 
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl.hpp>
 #include <memory>
@@ -61,6 +62,14 @@ class ControlStream {
       tls_ = std::make_unique<TlsStream>(std::move(socket), *tls);
     } else {
       tcp_.emplace(std::move(socket));
+    }
+  }
+  // A client's: a new socket on `io`.
+  ControlStream(boost::asio::io_context& io, boost::asio::ssl::context* tls) {
+    if (tls != nullptr) {
+      tls_ = std::make_unique<TlsStream>(io, *tls);
+    } else {
+      tcp_.emplace(io);
     }
   }
   bool is_tls() const { return tls_ != nullptr; }

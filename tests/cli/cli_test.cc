@@ -119,6 +119,26 @@ TEST(Cli, PrefixOffloadNeedsPrefixCachingAndASize) {
   EXPECT_NE(no_dir.out.find("--prefix-offload-dir /nonexistent-dir is not a directory"), std::string::npos) << no_dir.out;
 }
 
+// --prefix-store: needs prefix caching; a password in the URL is refused without being repeated;
+// the password file needs the store; a store nobody listens at is an error at start, named.
+// (The store itself, against a real redis-server: tests/cluster/redis_prefix_store_test.cc.)
+TEST(Cli, PrefixStoreFlagsAreCheckedAtStart) {
+  const std::string model = "generate --model " + repo_path("models/stories260K/stories260K.bin") + " -n 4";
+  const CliRun alone = run_cli(model + " --no-prefix-caching --prefix-store redis://127.0.0.1:1");
+  EXPECT_NE(alone.exit_code, 0);
+  EXPECT_NE(alone.out.find("--prefix-store needs --prefix-caching"), std::string::npos) << alone.out;
+  const CliRun secret = run_cli(model + " --prefix-caching --prefix-store redis://u:hunter2@127.0.0.1:1");
+  EXPECT_NE(secret.exit_code, 0);
+  EXPECT_NE(secret.out.find("password does not go in the URL"), std::string::npos) << secret.out;
+  EXPECT_EQ(secret.out.find("hunter2"), std::string::npos) << secret.out;
+  const CliRun file = run_cli(model + " --prefix-caching --prefix-store-password-file /nonexistent");
+  EXPECT_NE(file.exit_code, 0);
+  EXPECT_NE(file.out.find("--prefix-store-password-file needs --prefix-store"), std::string::npos) << file.out;
+  const CliRun nobody = run_cli(model + " --prefix-caching --prefix-store redis://127.0.0.1:1");
+  EXPECT_NE(nobody.exit_code, 0);
+  EXPECT_NE(nobody.out.find("redis 127.0.0.1:1/0: cannot connect"), std::string::npos) << nobody.out;
+}
+
 // --prefix-offload-persist: the first run's cached prefix is written at its exit and the next
 // run, whose prompt extends the first's prompt and text, takes it from the file; without a
 // directory the flag is refused.

@@ -4,8 +4,8 @@
 // TLS (right secret served, wrong one refused and counted); a client with another CA, or a node
 // certificate for another host, is refused before any line is sent; plain TCP to a TLS node and TLS
 // to a plain node are each a quick error naming the node (never the client's timeout); the
-// connection limit's refusal reaches a TLS client; bad certificate, key and CA files are start-up
-// errors naming the flag.
+// connection limit's refusal reaches a TLS client; junk or silence in a handshake is closed; bad
+// certificate, key and CA files are start-up errors naming the flag.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -17,6 +17,7 @@
 #include "cluster/kv_node.h"
 #include "cluster/kv_node_client.h"
 #include "cluster/kv_node_tls.h"
+#include "tests/cluster/kv_node_test_util.h"
 #include "tests/cluster/kv_node_tls_util.h"
 
 namespace specontext::cluster {
@@ -187,6 +188,38 @@ TEST(KvNodeTls, TheConnectionLimitsRefusalReachesATlsClient) {
   ASSERT_FALSE(second.is_ok());
   EXPECT_EQ(second.status().code(), StatusCode::kResourceExhausted) << second.status().to_string();
   EXPECT_TRUE(contains(second.status(), "connection limit (1)")) << second.status().to_string();
+}
+
+// A TLS node under hostile handshakes: a record header followed by junk is a failed handshake
+// (counted, closed), one byte of a handshake and then silence is closed by the idle timeout (a
+// handshake is no way around it), and the node serves a real client after both.
+TEST(KvNodeTls, JunkOrSilenceInTheHandshakeIsClosedAndTheNodeServesOn) {
+  Pki pki;
+  KvNodeOptions o;
+  o.capacity = 1 << 20;
+  o.secret = kSecret;
+  o.tls_cert_file = pki.node.cert_file;
+  o.tls_key_file = pki.node.key_file;
+  o.idle_timeout = 50ms;
+  o.log = [](const std::string&) {};
+  auto node = KvNode::start(o);
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  testing::RawConnection junk((*node)->port());
+  ASSERT_TRUE(junk.ok());
+  ASSERT_TRUE(junk.send(std::string("\x16\x03\x01\x00\x08junkjunk", 13)));
+  bool closed = false;  // after the node's TLS alert, a few bytes
+  for (int i = 0; i < 64 && !closed; ++i) closed = junk.closed_by_peer();
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(wait_for(**node, &KvNodeStats::tls_failures, 1), 1);
+  testing::RawConnection silent((*node)->port());
+  ASSERT_TRUE(silent.ok());
+  ASSERT_TRUE(silent.send(std::string(1, static_cast<char>(kTlsHandshakeByte))));
+  EXPECT_TRUE(silent.closed_by_peer());
+  EXPECT_EQ(wait_for(**node, &KvNodeStats::idle_closed, 1), 1);
+  EXPECT_EQ((*node)->stats().requests, 0);
+  auto good = KvNodeClient::connect(Endpoint{"127.0.0.1", (*node)->port()}, kTimeout, access(pki.ca.cert_file));
+  ASSERT_TRUE(good.is_ok()) << good.status().to_string();
+  EXPECT_TRUE((*good)->allocate(4096).is_ok());
 }
 
 TEST(KvNodeTls, BadCertificateKeyOrCaFilesAreErrorsNamingTheFlag) {

@@ -5,8 +5,13 @@ and k_proj. The input is EAGLE-3's: x(t) = RMSNorm_in(embed(token_t)) ⊕ RMSNor
 fused(t−1)), fused = the target's residual stream entering layers (2, L/2, L−3) (clamped), zero
 at t = 0; q, k get RoPE (rotate_half, the target's theta). Teacher, per KV head g and position t:
 the target's attention over keys 0..t, max over the query heads of g (as selection takes it),
-averaged over layers and renormalised. Loss: mean over positions and query heads of KL(teacher ‖
-softmax(q_h·kᵀ/√head_dim)).
+averaged over layers and renormalised. Loss: KL(teacher ‖ softmax(q_h·kᵀ/√head_dim)) per query
+head and position over the keys selection ranks (past --head-sinks, before the last
+--head-window: those are kept anyway), both renormalised there; a position weighs by the teacher
+mass on those keys (--head-weight far: positions that look far back count, local ones barely),
+times --head-answer-weight where the next token is a task's answer (the retrieval queries). The
+report gives each method's recall as the engine selects (budget with sinks and window included),
+over all positions and at the answer positions alone.
 
 Data: the training documents of train.py (Pride and Prejudice filler with tasks, PoSE positions up
 to max_pos) from the first 90% of the novel's tokens; the report uses documents from the last
@@ -117,59 +122,93 @@ def main(args):
         mask = torch.full((T, T), float("-inf")).triu(1)
         return torch.log_softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, -1)  # [B,H,T,T]
 
-    def kl(tch, logp):  # tch [B,G,T,T], logp [B,H,T,T]
+    def ranked_keys(T):
+        """[T, T] bool: the keys selection ranks at query t (causal, past the first --head-sinks
+        keys and before the last --head-window): the sinks and the window are kept anyway."""
+        i = torch.arange(T)
+        return (i[None, :] >= args.head_sinks) & (i[None, :] <= i[:, None] - args.head_window)
+
+    def kl(tch, logp, asks=None):  # tch [B,G,T,T], logp [B,H,T,T], asks [B,T] bool
+        """Mean over query heads and positions of KL(teacher || head) over the ranked keys, both
+        renormalised there; with --head-weight far, each position weighs by the teacher mass it
+        puts on those keys (positions that look far back count, local ones barely)."""
         B, _, T, _ = tch.shape
         tg = tch.repeat_interleave(H // G, 1)
+        keep = ranked_keys(T)
+        rows = keep.any(-1)
+        tg = tg.masked_fill(~keep, 0)
+        mass = tg.sum(-1, keepdim=True)  # [B,H,T,1]
+        tg = tg / mass.clamp_min(1e-30)
+        lp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), -1)
         lt = torch.log(tg.clamp_min(1e-30))
-        return ((tg * (lt - logp)).masked_fill(tg == 0, 0).sum(-1)).mean()
+        per = (tg * (lt - lp)).masked_fill(tg == 0, 0).sum(-1)  # [B,H,T]
+        per = per[..., rows]
+        w = mass.squeeze(-1)[..., rows] if args.head_weight == "far" else torch.ones_like(per)
+        if asks is not None and args.head_answer_weight != 1:
+            w = w * (1 + (args.head_answer_weight - 1) * asks[:, None, rows].float())
+        return (per * w).sum() / w.sum().clamp_min(1e-30)
 
     def batch(rng, fill, n):
-        xs, ps = [], []
+        """n documents as train.py builds them, with PoSE positions, and per position whether the
+        next token is an answer (the query positions of retrieval: --head-answer-weight)."""
+        xs, ps, qs = [], [], []
         for _ in range(n):
-            i, _ = tr.build_doc(rng, tok, fill, pools, args.head_len)
+            i, w = tr.build_doc(rng, tok, fill, pools, args.head_len)
             xs.append(i)
             ps.append(tr.pose_positions(rng, args.head_len, cfg["max_pos"]))
-        return torch.tensor(xs), torch.tensor(ps)
+            qs.append([wi >= tr.DocBuilder.ANSWER_W for wi in w[1:]] + [False])
+        return torch.tensor(xs), torch.tensor(ps), torch.tensor(qs)
 
-    def recall(tch, logp, budgets):
-        """Teacher mass on the top-B keys per KV head (max over its group's heads) of the head,
-        of StreamingLLM (4 sinks + recent) and of the teacher itself, over positions t >= B."""
+    def recall(tch, logp, budgets, asks=None):
+        """Teacher mass on the tokens each method keeps per KV head, over positions t >= B, as the
+        engine selects them (budget B with --head-sinks sinks and a --head-window window included):
+        the head (the rest by its scores, max over the group's heads), the oracle (the rest by the
+        teacher's own weights) and StreamingLLM (the sinks and the most recent B - sinks)."""
         B_, G_, T, _ = tch.shape
+        S, W = args.head_sinks, args.head_window
         sel = logp.view(B_, G, H // G, T, T).amax(2)
+        idx = torch.arange(T)
+        ranked = ranked_keys(T)
+        fixed = ((idx[None, :] < S) | (idx[None, :] > idx[:, None] - W)) & (idx[None, :] <= idx[:, None])
         out = {}
         for b in budgets:
             rows = torch.arange(b, T)
-            if len(rows) == 0:
+            if len(rows) == 0 or b <= S + W:
                 continue
             tt, ss = tch[:, :, rows], sel[:, :, rows]
-            top = ss.topk(b, -1).indices
-            head = tt.gather(-1, top).sum(-1).mean().item()
-            orc = tt.topk(b, -1).values.sum(-1).mean().item()
-            idx = torch.arange(T)
-            keep = (idx[None, :] < 4) | (idx[None, :] > rows[:, None] - (b - 4))
+            base = (tt * fixed[rows]).sum(-1)
+            ninf = float("-inf")
+            top = ss.masked_fill(~ranked[rows], ninf).topk(b - S - W, -1).indices
+            head = base + tt.gather(-1, top).sum(-1)  # [B,G,rows]
+            orc = base + tt.masked_fill(~ranked[rows], 0).topk(b - S - W, -1).values.sum(-1)
+            keep = (idx[None, :] < S) | (idx[None, :] > rows[:, None] - (b - S))
             keep &= idx[None, :] <= rows[:, None]
-            strm = (tt * keep).sum(-1).mean().item()
-            out[b] = {"head": head, "streaming": strm, "oracle": orc}
+            strm = (tt * keep).sum(-1)
+            out[b] = {"head": head.mean().item(), "streaming": strm.mean().item(), "oracle": orc.mean().item()}
+            if asks is not None and asks[:, rows].any():
+                a = asks[:, None, rows].expand_as(head)
+                out[b]["at_answers"] = {"head": head[a].mean().item(), "streaming": strm[a].mean().item(),
+                                        "oracle": orc[a].mean().item(), "positions": int(asks[:, rows].sum())}
         return out
 
     opt = torch.optim.Adam(params, lr=args.head_lr)
     rng = random.Random(args.seed + 7)
     held_rng = random.Random(args.seed + 99)
     with torch.no_grad():
-        hx, hp = batch(held_rng, held_fill, 2)
+        hx, hp, hq = batch(held_rng, held_fill, 2)
         h_t, h_f, h_cs = teacher(hx, hp)
     budgets = [args.head_len // 64, args.head_len // 16, args.head_len // 8]
     with torch.no_grad():
-        before = recall(h_t, student_logp(hx, h_f, h_cs), budgets)
-        kl_before = kl(h_t, student_logp(hx, h_f, h_cs)).item()
+        before = recall(h_t, student_logp(hx, h_f, h_cs), budgets, hq)
+        kl_before = kl(h_t, student_logp(hx, h_f, h_cs), hq).item()
     for step in range(args.head_steps):
         lr = args.head_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.head_steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        x, p = batch(rng, train_fill, args.head_batch)
+        x, p, q = batch(rng, train_fill, args.head_batch)
         with torch.no_grad():
             t, f, cs = teacher(x, p)
-        loss = kl(t, student_logp(x, f, cs))
+        loss = kl(t, student_logp(x, f, cs), q)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -177,8 +216,8 @@ def main(args):
             print(f"head step {step + 1} kl {loss.item():.4f}", flush=True)
     with torch.no_grad():
         lp = student_logp(hx, h_f, h_cs)
-        after = recall(h_t, lp, budgets)
-        kl_after = kl(h_t, lp).item()
+        after = recall(h_t, lp, budgets, hq)
+        kl_after = kl(h_t, lp, hq).item()
 
     tensors = [("fc.weight", fc), ("midlayer.input_layernorm.weight", n_in),
                ("midlayer.hidden_norm.weight", n_hid), ("midlayer.self_attn.q_proj.weight", wq),
@@ -214,7 +253,9 @@ def main(args):
             f.write(a.tobytes())
     report = {"held_out_kl_before": kl_before, "held_out_kl_after": kl_after,
               "recall_before": before, "recall_after": after, "budgets": budgets,
-              "context": args.head_len, "steps": args.head_steps,
+              "context": args.head_len, "steps": args.head_steps, "lr": args.head_lr,
+              "ranked_keys": f"past {args.head_sinks} sinks, before the last {args.head_window}",
+              "position_weight": args.head_weight, "answer_weight": args.head_answer_weight,
               "init": os.path.basename(args.head_init) if args.head_init else "random"}
     with open(os.path.join(args.out, "retrieval_head_report.json"), "w") as f:
         json.dump(report, f, indent=1)

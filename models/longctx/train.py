@@ -886,6 +886,14 @@ def main():
     ap.add_argument("--head-batch", type=int, default=2)
     ap.add_argument("--head-lr", type=float, default=3e-3)
     ap.add_argument("--head-init", default="", help="head: start from this retrieval head (same shape)")
+    ap.add_argument("--head-sinks", type=int, default=4,
+                    help="head: first keys left out of the loss (selection keeps them anyway)")
+    ap.add_argument("--head-window", type=int, default=32,
+                    help="head: most recent keys left out of the loss (selection keeps them anyway)")
+    ap.add_argument("--head-weight", choices=["uniform", "far"], default="far",
+                    help="head: positions weigh alike, or by the teacher mass on the keys the loss ranks")
+    ap.add_argument("--head-answer-weight", type=float, default=1.0,
+                    help="head: weight of the positions whose next token is a task's answer (retrieval queries)")
     args = ap.parse_args()
     {"tokenizer": cmd_tokenizer, "train": cmd_train, "probe": cmd_probe, "temper": cmd_temper, "export": lambda a: __import__("export").main(a),
      "head": lambda a: __import__("distill").main(a)}[args.command](args)

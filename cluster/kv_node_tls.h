@@ -1,9 +1,9 @@
 // TLS for the KV node's control plane (cluster/control_protocol.h): the node's certificate and
 // key (`kv-node --tls-cert/--tls-key`), the clients' CA (`--kv-node-tls-ca`), and the stream both
 // sides read and write lines on, plain TCP or TLS over TCP. TLS 1.2 or later only, OpenSSL through
-// Boost.Asio's ssl::context and ssl::stream (the same loading rules as the HTTP server's
-// serving/openai make_tls_context: an encrypted key is refused, a key readable by every user is
-// refused, errors name the flag). The client verifies the node's certificate chain against the CA
+// Boost.Asio's ssl::context and ssl::stream (the node's context is core/tls make_server_context, as
+// the HTTP server's: an encrypted key is refused, a key readable by every user is refused, errors
+// name the flag). The client verifies the node's certificate chain against the CA
 // and the endpoint's host against the certificate as OpenSSL does it (DNS names with
 // SSL_set1_host, IP addresses against the certificate's IP SANs), and sends the host as SNI.
 //

@@ -1,10 +1,6 @@
 #include "serving/openai/openai_server.h"
 
-#include <openssl/err.h>
-#include <openssl/pem.h>
-#include <openssl/ssl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
@@ -14,7 +10,6 @@
 #include <boost/beast.hpp>
 #include <boost/beast/ssl.hpp>
 #include <cctype>
-#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -30,6 +25,7 @@
 #include <utility>
 
 #include "core/base/json_depth.h"
+#include "core/tls/tls_context.h"
 #include "serving/openai/http_request.h"
 #include "serving/openai/openai_api.h"
 #include "serving/structured/json_schema.h"
@@ -310,59 +306,6 @@ class EventStream {
   const bool keep_alive_;
   bool write_ok_ = true;
 };
-
-// True when `file` holds a PEM private key (an encrypted one is not read).
-bool is_pem_private_key(const std::string& file) {
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(file.c_str(), "r"), &std::fclose);
-  if (f == nullptr) return false;
-  auto no_password = [](char*, int, int, void*) { return 0; };
-  EVP_PKEY* key = PEM_read_PrivateKey(f.get(), nullptr, no_password, nullptr);
-  ERR_clear_error();
-  const bool found = key != nullptr;
-  EVP_PKEY_free(key);
-  return found;
-}
-
-// The server's TLS: TLS 1.2 or later, `cert_file` a PEM certificate chain and `key_file` its PEM
-// private key, which may not be readable by every user. The errors name serve's flags.
-Result<std::unique_ptr<asio::ssl::context>> make_tls_context(const std::string& cert_file,
-                                                             const std::string& key_file) {
-  if (cert_file.empty()) return invalid_argument("--tls-cert: a certificate file goes with --tls-key");
-  if (key_file.empty()) return invalid_argument("--tls-key: a private key file goes with --tls-cert");
-  struct stat st {};
-  if (::stat(cert_file.c_str(), &st) != 0) {
-    return invalid_argument("--tls-cert " + cert_file + ": " + std::strerror(errno));
-  }
-  if (::stat(key_file.c_str(), &st) != 0)
-    return invalid_argument("--tls-key " + key_file + ": " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) return invalid_argument("--tls-key " + key_file + ": not a regular file");
-  if ((st.st_mode & S_IROTH) != 0) {
-    return invalid_argument("--tls-key " + key_file +
-                            ": the private key is readable by every user (chmod o-r " + key_file +
-                            ", e.g. chmod 600)");
-  }
-  auto tls = std::make_unique<asio::ssl::context>(asio::ssl::context::tls_server);
-  tls->set_options(asio::ssl::context::default_workarounds | asio::ssl::context::no_sslv2 |
-                   asio::ssl::context::no_sslv3 | asio::ssl::context::no_tlsv1 |
-                   asio::ssl::context::no_tlsv1_1 | asio::ssl::context::single_dh_use);
-  if (SSL_CTX_set_min_proto_version(tls->native_handle(), TLS1_2_VERSION) != 1) {
-    return Status(StatusCode::kInternal, "TLS: cannot require TLS 1.2 or later");
-  }
-  // An encrypted key is refused, not asked for at a terminal.
-  tls->set_password_callback([](size_t, asio::ssl::context::password_purpose) { return std::string(); });
-  beast::error_code ec;
-  tls->use_certificate_chain_file(cert_file, ec);
-  if (ec)
-    return invalid_argument("--tls-cert " + cert_file + ": not a PEM certificate chain (" + ec.message() +
-                            ")");
-  tls->use_private_key_file(key_file, asio::ssl::context::pem, ec);
-  if (ec && is_pem_private_key(key_file)) {
-    return invalid_argument("--tls-key " + key_file + ": not the private key of the certificate in " +
-                            cert_file);
-  }
-  if (ec) return invalid_argument("--tls-key " + key_file + ": not a PEM private key (" + ec.message() + ")");
-  return tls;
-}
 
 std::string error_for_status(const Status& s) {
   return std::string(status_code_name(s.code())) + ": " + s.message();
@@ -1678,7 +1621,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const 
   if (options.request_workers == 0) return invalid_argument("serve: request_workers must be at least 1");
   auto impl = std::make_unique<Impl>(engine, tokenizer, options);
   if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
-    auto tls = make_tls_context(options.tls_cert_file, options.tls_key_file);
+    auto tls = tls::make_server_context(options.tls_cert_file, options.tls_key_file);
     if (!tls.is_ok()) return tls.status().with_context("serve");
     impl->tls = std::move(*tls);
   }

@@ -2214,6 +2214,48 @@ TEST(OpenAiServer, AHeaderNotWholeWithinTheHeaderTimeoutClosesTheConnection) {
   EXPECT_NE(metrics.body.find("specontext_header_timeouts_total 3"), std::string::npos) << metrics.body;
 }
 
+// Issue 26, item 6 (slow and idle clients): a kept-alive connection idle for idle_timeout is
+// closed, and so is one whose body does not come whole within idle_timeout of its header or whose
+// client goes away mid-body; none of them is a request, and the server serves on.
+TEST(OpenAiServer, AnIdleConnectionOrABodyNotWholeWithinTheIdleTimeoutIsClosed) {
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.header_timeout = std::chrono::minutes(10);  // only the idle timeout can close them
+  o.idle_timeout = std::chrono::seconds(2);     // whole requests are never cut short on a loaded machine
+  auto server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+  const uint16_t port = (*server)->port();
+  const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), port);
+  asio::io_context ioc;
+  const std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: 64\r\n\r\n{\"prompt\": \"Once\"";  // 17 of its 64 body bytes
+  {
+    tcp::socket kept(ioc);
+    kept.connect(where);
+    EXPECT_EQ(send(port, http::verb::get, "/health", "", &kept).status, 200);
+    EXPECT_TRUE(closed_by_server(kept)) << "an idle kept-alive connection";
+  }
+  {
+    tcp::socket slow_body(ioc);
+    slow_body.connect(where);
+    asio::write(slow_body, asio::buffer(head));
+    EXPECT_TRUE(closed_by_server(slow_body)) << "a body that stops coming";
+  }
+  {
+    tcp::socket gone(ioc);
+    gone.connect(where);
+    asio::write(gone, asio::buffer(head));
+  }  // the client goes away mid-body
+  EXPECT_TRUE(eventually([&] { return (*server)->counters().open_connections == 0; }));
+  const ServerCounters c = (*server)->counters();
+  EXPECT_EQ(c.accepted, 0);
+  EXPECT_EQ(c.header_timeouts, 0);
+  Reply served = post(port, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}});
+  EXPECT_EQ(served.status, 200) << served.body;
+  EXPECT_EQ((*server)->counters().accepted, 1);
+}
+
 // Issue 26, item 6: one address may hold max_connections_per_ip connections; one more gets a
 // 429 naming the address and is closed (a probe on it is answered); closing one makes room.
 TEST(OpenAiServer, ConnectionsPastThePerIpCapGet429) {

@@ -241,6 +241,21 @@ TEST(OpenAiTls, BadCertificateOrKeyIsAStartupErrorNamingTheFlag) {
     std::fclose(k);
     EVP_PKEY_free(pkey);
   }
+  // The certificate's own key, encrypted with a passphrase: refused, never asked for.
+  const std::string encrypted = (files.dir / "encrypted_key.pem").string();
+  {
+    FILE* in = std::fopen(files.key.c_str(), "r");
+    ASSERT_NE(in, nullptr);
+    EVP_PKEY* pkey = PEM_read_PrivateKey(in, nullptr, nullptr, nullptr);
+    std::fclose(in);
+    ASSERT_NE(pkey, nullptr);
+    FILE* k = std::fopen(encrypted.c_str(), "w");
+    ::chmod(encrypted.c_str(), 0600);
+    char pass[] = "a passphrase";
+    ASSERT_EQ(PEM_write_PrivateKey(k, pkey, EVP_aes_256_cbc(), nullptr, 0, nullptr, pass), 1);
+    std::fclose(k);
+    EVP_PKEY_free(pkey);
+  }
   const std::string readable = (files.dir / "readable_key.pem").string();
   std::filesystem::copy_file(files.key, readable);
   ::chmod(readable.c_str(), 0644);
@@ -251,6 +266,7 @@ TEST(OpenAiTls, BadCertificateOrKeyIsAStartupErrorNamingTheFlag) {
       {files.cert.string(), files.cert.string(), "--tls-key"},  // a certificate, not a key
       {files.cert.string(), other, "--tls-key " + other + ": not the private key of the certificate"},
       {files.cert.string(), readable, "readable by every user"},
+      {files.cert.string(), encrypted, "--tls-key " + encrypted + ": not a PEM private key"},
       {files.cert.string(), "", "--tls-key"},
       {"", files.key.string(), "--tls-cert"},
   };

@@ -15,6 +15,8 @@ std::string repo_path(const std::string& relative);
 std::string temp_dir(const std::string& prefix);
 std::string read_text_file(const std::string& path);
 void write_file(const std::string& path, const std::string& bytes);
+// ‖a − b‖₂ / ‖b‖₂ over a.size() elements (b the reference), in double.
+double rel_l2(std::span<const float> a, std::span<const float> b);
 
 // Random data from a seed (std::mt19937_64): the same seed gives the same bytes everywhere.
 void fill_random(std::span<std::byte> out, uint64_t seed);

@@ -162,14 +162,7 @@ std::vector<float> scalar_forward(const Model& m, const std::vector<TokenId>& to
   return linear(m.lm_head, last, {});
 }
 
-double rel_l2(std::span<const float> a, std::span<const float> b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
+using testing::rel_l2;
 
 ModelConfig base_config() {
   ModelConfig c;

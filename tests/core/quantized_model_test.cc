@@ -75,14 +75,7 @@ size_t file_size(const std::string& path) {
   return static_cast<size_t>(st.st_size);
 }
 
-double rel_l2(std::span<const float> a, std::span<const float> b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
+using testing::rel_l2;
 
 std::shared_ptr<Backend> cpu_backend() {
   auto b = cpu::CpuBackend::create(cpu::CpuBackendOptions{.num_threads = 2});

@@ -29,14 +29,7 @@ using testing::repo_path;
 using Clock = std::chrono::steady_clock;
 using Tokens = std::vector<std::vector<TokenId>>;  // [step or prompt][sequence]
 
-double rel_l2(std::span<const float> a, std::span<const float> b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
+using testing::rel_l2;
 
 std::shared_ptr<Backend> make_backend() {
   cpu::CpuBackendOptions o;

@@ -11,6 +11,8 @@
 // documented codes naming the request and tier; handle misuse (poll before post, post twice,
 // poll after release); release cancels without touching the buffers afterwards, and destruction
 // with transfers in flight is clean. Transport-specific behaviour stays in each transport's file.
+// A transport that serves one remote tier only (UCX: the tier of its config) names its id in
+// TransportCase::remote_tier, and every remote tier a case registers gets that id.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -119,6 +121,11 @@ struct TransportCase {
   std::string unavailable = "unavailable";
   // post() of an empty batch returns OK at once (a transport-specific promise, not the contract's).
   bool empty_done_at_post = false;
+  // Set for a transport that serves exactly one kRemote tier, of this id (UcxRemoteTransport: the
+  // tier of its config; another remote id is refused with kUnimplemented). The cases register
+  // their remote tier under it; a second remote tier keeps the case's own id (and is refused).
+  // Not one of the ids the cases use otherwise (0-11, 20, 40-47, 1000 and up). Unset: any id.
+  std::optional<TierId> remote_tier = std::nullopt;
 };
 
 inline void PrintTo(const TransportCase& c, std::ostream* os) { *os << c.name; }
@@ -148,6 +155,17 @@ class TransportConformance : public ::testing::TestWithParam<TransportCase> {
   }
   Transport& t() { return rig_->transport(); }
   Capabilities caps() { return t().capabilities(); }
+
+  // The id to register a tier of `kind` under: `wanted`, or for a remote tier the case's
+  // remote_tier while no registered tier holds it.
+  TierId tier_id(MemoryKind kind, TierId wanted) const {
+    const std::optional<TierId>& remote = GetParam().remote_tier;
+    if (!is_remote(kind) || !remote) return wanted;
+    for (const Tier& t : tiers_) {
+      if (t.id == *remote) return wanted;
+    }
+    return *remote;
+  }
 
   // Registers tier `id` of `kind` with fresh memory of `bytes`.
   Status add_tier(TierId id, MemoryKind kind, uint64_t bytes) {
@@ -242,8 +260,10 @@ TEST_P(TransportConformance, EveryPairMatchesAdvertisement) {
       ASSERT_NE(rig_, nullptr);
       const bool advertised = caps().supports(src, dst);
       const std::vector<std::byte> data = specontext::testing::random_bytes(256, 7);
-      const Status ra = add_tier(TierId(0), src, 256);
-      const Status rb = add_tier(TierId(1), dst, 256);
+      const TierId a = tier_id(src, TierId(0));
+      const Status ra = add_tier(a, src, 256);
+      const TierId b = tier_id(dst, TierId(1));
+      const Status rb = add_tier(b, dst, 256);
       if (!ra.is_ok() || !rb.is_ok()) {
         EXPECT_FALSE(advertised) << "advertised but cannot register: " << ra.to_string() << " "
                                  << rb.to_string();
@@ -254,8 +274,8 @@ TEST_P(TransportConformance, EveryPairMatchesAdvertisement) {
         }
         continue;
       }
-      if (!is_remote(src)) write_tier(TierId(0), data);
-      auto h = t().prepare({{TierId(0), 0, TierId(1), 64, 128}});
+      if (!is_remote(src)) write_tier(a, data);
+      auto h = t().prepare({{a, 0, b, 64, 128}});
       if (!advertised) {
         ASSERT_FALSE(h.is_ok());
         EXPECT_EQ(h.status().code(), GetParam().unsupported_pair) << h.status().to_string();
@@ -267,7 +287,7 @@ TEST_P(TransportConformance, EveryPairMatchesAdvertisement) {
       t().release(*h);
       EXPECT_FALSE(h->valid());
       if (!is_remote(src) && !is_remote(dst)) {
-        const std::vector<std::byte> got = read_tier(TierId(1));
+        const std::vector<std::byte> got = read_tier(b);
         EXPECT_EQ(std::memcmp(got.data() + 64, data.data(), 128), 0);
       }
     }
@@ -293,14 +313,16 @@ TEST_P(TransportConformance, RandomBatchesBitExactEveryDirection) {
     SCOPED_TRACE(std::string(memory_kind_name(src_kind)) + " -> " + std::string(memory_kind_name(dst_kind)));
     fresh_rig();
     ASSERT_NE(rig_, nullptr);
-    ASSERT_TRUE(add_tier(TierId(10), src_kind, n).is_ok());
-    ASSERT_TRUE(add_tier(TierId(11), dst_kind, n).is_ok());
+    const TierId from = tier_id(src_kind, TierId(10));
+    ASSERT_TRUE(add_tier(from, src_kind, n).is_ok());
+    const TierId to = tier_id(dst_kind, TierId(11));
+    ASSERT_TRUE(add_tier(to, dst_kind, n).is_ok());
     const std::vector<std::byte> src = specontext::testing::random_bytes(n, seed++);
-    write_tier(TierId(10), src);
+    write_tier(from, src);
     std::mt19937_64 rng(seed++);
     for (int round = 0; round < 6; ++round) {
       std::vector<std::byte> want = specontext::testing::random_bytes(n, seed++);
-      write_tier(TierId(11), want);
+      write_tier(to, want);
       TransferBatch batch;
       uint64_t at = 0;
       const uint64_t row = uint64_t{1} << (7 + round % 6);  // 128 B .. 4 KiB typical rows
@@ -311,7 +333,7 @@ TEST_P(TransportConformance, RandomBatchesBitExactEveryDirection) {
         uint64_t s = rng() % (n - bytes + 1);
         if (!batch.empty() && rng() % 3 == 0) s = batch.back().src_offset + batch.back().bytes;
         if (s + bytes > n) s = 0;
-        batch.push_back({TierId(10), s, TierId(11), d, bytes});
+        batch.push_back({from, s, to, d, bytes});
         std::memcpy(want.data() + d, src.data() + s, bytes);
         at = d + bytes + (rng() % 8 == 0 ? 4096 : 0);
       }
@@ -321,7 +343,7 @@ TEST_P(TransportConformance, RandomBatchesBitExactEveryDirection) {
       ASSERT_TRUE(done.is_ok()) << done.to_string();
       EXPECT_TRUE(t().poll(*h).is_ok()) << "poll is idempotent once terminal";
       t().release(*h);
-      const std::vector<std::byte> got = read_tier(TierId(11));
+      const std::vector<std::byte> got = read_tier(to);
       ASSERT_EQ(got.size(), n);
       size_t first_diff = 0;
       while (first_diff < n && got[first_diff] == want[first_diff]) ++first_diff;
@@ -344,7 +366,8 @@ TEST_P(TransportConformance, ScatteredPagesRoundTripBitExact) {
   const uint64_t n = 1 << 16, page = n / 16;
   ASSERT_TRUE(add_tier(TierId(0), near, n).is_ok());
   ASSERT_TRUE(add_tier(TierId(1), near, n).is_ok());
-  ASSERT_TRUE(add_tier(TierId(9), far, n).is_ok());
+  const TierId mid = tier_id(far, TierId(9));
+  ASSERT_TRUE(add_tier(mid, far, n).is_ok());
   std::mt19937_64 rng(22);
   for (int round = 0; round < 20; ++round) {
     const std::vector<std::byte> a = specontext::testing::random_bytes(n, 100 + round);
@@ -355,8 +378,8 @@ TEST_P(TransportConformance, ScatteredPagesRoundTripBitExact) {
     std::shuffle(perm.begin(), perm.end(), rng);
     TransferBatch put, get;
     for (uint64_t i = 0; i < 16; ++i) {
-      put.push_back({TierId(0), i * page, TierId(9), perm[i] * page, page});
-      get.push_back({TierId(9), perm[i] * page, TierId(1), i * page, page});
+      put.push_back({TierId(0), i * page, mid, perm[i] * page, page});
+      get.push_back({mid, perm[i] * page, TierId(1), i * page, page});
     }
     ASSERT_TRUE(run_batch(t(), put).is_ok());
     ASSERT_TRUE(run_batch(t(), get).is_ok());
@@ -368,8 +391,10 @@ TEST_P(TransportConformance, ScatteredPagesRoundTripBitExact) {
 // its neighbours still arrive.
 TEST_P(TransportConformance, EmptyBatchAndZeroLengthRequests) {
   const auto [s, d] = some_direction();
-  ASSERT_TRUE(add_tier(TierId(0), s, 4096).is_ok());
-  ASSERT_TRUE(add_tier(TierId(1), d, 4096).is_ok());
+  const TierId x = tier_id(s, TierId(0));
+  ASSERT_TRUE(add_tier(x, s, 4096).is_ok());
+  const TierId y = tier_id(d, TierId(1));
+  ASSERT_TRUE(add_tier(y, d, 4096).is_ok());
   auto empty = t().prepare({});
   ASSERT_TRUE(empty.is_ok()) << empty.status().to_string();
   if (GetParam().empty_done_at_post) {
@@ -380,24 +405,25 @@ TEST_P(TransportConformance, EmptyBatchAndZeroLengthRequests) {
   EXPECT_TRUE(t().poll(*empty).is_ok());
   t().release(*empty);
 
-  if (is_remote(s) || is_remote(d)) return;
   const std::vector<std::byte> a = specontext::testing::random_bytes(4096, 5);
   std::vector<std::byte> want(4096);
-  write_tier(TierId(0), a);
-  write_tier(TierId(1), want);
-  const Status st = run_batch(t(), {{TierId(0), 0, TierId(1), 0, 0},
-                                    {TierId(0), 64, TierId(1), 128, 256},
-                                    {TierId(0), 4096, TierId(1), 4096, 0}});
+  write_tier(x, a);
+  write_tier(y, want);
+  const Status st = run_batch(t(), {{x, 0, y, 0, 0}, {x, 64, y, 128, 256}, {x, 4096, y, 4096, 0}});
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   std::memcpy(want.data() + 128, a.data() + 64, 256);
-  EXPECT_TRUE(read_tier(TierId(1)) == want);
+  EXPECT_TRUE(read_tier(y) == want);
 }
 
 // prepare refuses bad requests naming the request and the tier; register_tier refuses bad tiers.
 TEST_P(TransportConformance, ValidationNamesRequestAndTier) {
   const auto [s, d] = some_direction();
-  ASSERT_TRUE(add_tier(TierId(0), s, 4096).is_ok());
-  ASSERT_TRUE(add_tier(TierId(1), d, 1024).is_ok());
+  const TierId x = tier_id(s, TierId(0));
+  ASSERT_TRUE(add_tier(x, s, 4096).is_ok());
+  const TierId y = tier_id(d, TierId(1));
+  ASSERT_TRUE(add_tier(y, d, 1024).is_ok());
+  const std::string src_x = "src tier " + std::to_string(x.value());
+  const std::string dst_y = "dst tier " + std::to_string(y.value());
   auto expect_error = [&](const TransferBatch& batch, StatusCode code,
                           const std::vector<std::string>& parts) {
     auto h = t().prepare(batch);
@@ -405,26 +431,22 @@ TEST_P(TransportConformance, ValidationNamesRequestAndTier) {
     EXPECT_EQ(h.status().code(), code) << h.status().to_string();
     expect_mentions(h.status(), parts);
   };
-  const TransferRequest ok{TierId(0), 0, TierId(1), 0, 512};
-  expect_error({ok, {TierId(0), 0, TierId(1), 1000, 100}}, StatusCode::kOutOfRange,
-               {"request 1", "dst tier 1", "1024"});
-  expect_error({{TierId(0), 4000, TierId(1), 0, 100}}, StatusCode::kOutOfRange, {"request 0", "src tier 0"});
-  expect_error({ok, ok, {TierId(5), 0, TierId(1), 0, 8}}, StatusCode::kInvalidArgument,
+  const TransferRequest ok{x, 0, y, 0, 512};
+  expect_error({ok, {x, 0, y, 1000, 100}}, StatusCode::kOutOfRange, {"request 1", dst_y, "1024"});
+  expect_error({{x, 4000, y, 0, 100}}, StatusCode::kOutOfRange, {"request 0", src_x});
+  expect_error({ok, ok, {TierId(5), 0, y, 0, 8}}, StatusCode::kInvalidArgument,
                {"request 2", "src tier 5", "not registered"});
-  expect_error({{TierId(0), 0, TierId(6), 0, 8}}, StatusCode::kInvalidArgument,
+  expect_error({{x, 0, TierId(6), 0, 8}}, StatusCode::kInvalidArgument,
                {"request 0", "dst tier 6", "not registered"});
   // offset + bytes would wrap around 2^64
-  expect_error({{TierId(0), ~0ull - 4, TierId(1), 0, 8}}, StatusCode::kOutOfRange,
-               {"request 0", "src tier 0"});
+  expect_error({{x, ~0ull - 4, y, 0, 8}}, StatusCode::kOutOfRange, {"request 0", src_x});
   if (s == d && !is_remote(s)) {
-    expect_error({{TierId(0), 0, TierId(0), 100, 200}}, StatusCode::kInvalidArgument,
-                 {"request 0", "overlap", "tier 0"});
+    expect_error({{x, 0, x, 100, 200}}, StatusCode::kInvalidArgument, {"request 0", "overlap", "tier 0"});
   }
 
   // Registration: duplicate id, null base, zero size, invalid id, a kind it cannot handle.
   TierMemory& m = rig_->memory(s, 64);
-  EXPECT_EQ(t().register_tier(TierId(0), s, m.base(), 64).code(), StatusCode::kInvalidArgument)
-      << "duplicate id";
+  EXPECT_EQ(t().register_tier(x, s, m.base(), 64).code(), StatusCode::kInvalidArgument) << "duplicate id";
   if (!is_remote(s)) {
     EXPECT_EQ(t().register_tier(TierId(2), s, nullptr, 64).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ(t().register_tier(TierId(3), s, m.base(), 0).code(), StatusCode::kInvalidArgument);
@@ -444,9 +466,11 @@ TEST_P(TransportConformance, ValidationNamesRequestAndTier) {
 // handle is refused.
 TEST_P(TransportConformance, HandleMisuse) {
   const auto [s, d] = some_direction();
-  ASSERT_TRUE(add_tier(TierId(0), s, 4096).is_ok());
-  ASSERT_TRUE(add_tier(TierId(1), d, 4096).is_ok());
-  auto h = t().prepare({{TierId(0), 0, TierId(1), 1024, 512}});
+  const TierId x = tier_id(s, TierId(0));
+  ASSERT_TRUE(add_tier(x, s, 4096).is_ok());
+  const TierId y = tier_id(d, TierId(1));
+  ASSERT_TRUE(add_tier(y, d, 4096).is_ok());
+  auto h = t().prepare({{x, 0, y, 1024, 512}});
   ASSERT_TRUE(h.is_ok());
   EXPECT_TRUE(h->valid());
   EXPECT_EQ(h->owner(), &t());
@@ -462,7 +486,7 @@ TEST_P(TransportConformance, HandleMisuse) {
 
 // release() of posted transfers: afterwards the transport no longer writes their destinations
 // (a sentinel written after release survives while the other transfers finish); destroying the
-// transport with transfers in flight is clean.
+// transport with transfers in flight is clean. Eight transfers read one source tier.
 TEST_P(TransportConformance, ReleaseStopsTouchingTheBuffersAndDestroyIsClean) {
   std::pair<MemoryKind, MemoryKind> dir = some_direction();
   for (const auto& p : directions(false)) {
@@ -477,13 +501,12 @@ TEST_P(TransportConformance, ReleaseStopsTouchingTheBuffersAndDestroyIsClean) {
   const std::vector<std::byte> data = specontext::testing::random_bytes(n, 3);
   const std::vector<std::byte> sentinel(n, std::byte{0x5a});
   std::vector<TransferHandle> hs;
+  const TierId from = tier_id(s, TierId(20));
+  ASSERT_TRUE(add_tier(from, s, n).is_ok());
+  write_tier(from, data);
+  for (uint32_t i = 0; i < 8; ++i) ASSERT_TRUE(add_tier(TierId(40 + i), d, n).is_ok());
   for (uint32_t i = 0; i < 8; ++i) {
-    ASSERT_TRUE(add_tier(TierId(20 + i), s, n).is_ok());
-    ASSERT_TRUE(add_tier(TierId(40 + i), d, n).is_ok());
-    write_tier(TierId(20 + i), data);
-  }
-  for (uint32_t i = 0; i < 8; ++i) {
-    auto h = t().prepare({{TierId(20 + i), 0, TierId(40 + i), 0, n}});
+    auto h = t().prepare({{from, 0, TierId(40 + i), 0, n}});
     ASSERT_TRUE(h.is_ok());
     const Status st = t().post(*h);
     EXPECT_TRUE(st.is_ok() || st.code() == StatusCode::kInProgress) << st.to_string();
@@ -507,7 +530,7 @@ TEST_P(TransportConformance, ReleaseStopsTouchingTheBuffersAndDestroyIsClean) {
   for (uint32_t i = 0; i < 4; ++i) EXPECT_TRUE(read_tier(TierId(40 + i)) == sentinel) << i;
   // Destroy with four transfers posted and not released.
   for (uint32_t i = 0; i < 4; ++i) {
-    auto h = t().prepare({{TierId(20 + i), 0, TierId(40 + i), 0, n}});
+    auto h = t().prepare({{from, 0, TierId(40 + i), 0, n}});
     ASSERT_TRUE(h.is_ok());
     (void)t().post(*h);
   }

@@ -1,4 +1,4 @@
-// The KV cache across tiers (core/README.md "KV tiers"): global page ids shared by every layer,
+// The KV cache across tiers (core/README.md "KV memory"): global page ids shared by every layer,
 // and per layer a home tier holding that layer's pages. Also the sub-allocation of every tier's
 // registered region, so that working sets, staging pages and the retrieval head's keys live in
 // the same accounted memory as the pages.

@@ -11,6 +11,7 @@
 #include <boost/beast.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -59,8 +60,11 @@ ServerOptions options_for(const Tokenizer& tok) {
   return o;
 }
 
-// The text the Generator gives a prompt alone: greedy, or sampled at `temperature` with `seed`.
-std::string generator_text(const std::string& prompt, int64_t n, float temperature = 0.0f, uint64_t seed = 0) {
+// The pieces (decode_token of each token, as the server's stream appends them) the Generator
+// gives a prompt alone: greedy, or sampled at `temperature` with `seed`.
+std::vector<std::string> generator_pieces(const std::string& prompt, int64_t n, float temperature = 0.0f,
+                                          uint64_t seed = 0,
+                                          const std::vector<std::pair<TokenId, float>>& logit_bias = {}) {
   Fixture f = make_fixture(1);
   auto ids = f.tokenizer->encode(prompt, f.tokenizer->add_bos_by_default(), false);
   EXPECT_TRUE(ids.is_ok());
@@ -69,16 +73,24 @@ std::string generator_text(const std::string& prompt, int64_t n, float temperatu
   r.max_new_tokens = n;
   r.sampling.temperature = temperature;
   r.sampling.seed = seed;
+  r.logit_bias = logit_bias;
   r.stop_ids = stop_ids(*f.tokenizer);
   Generator g(*f.engine, GeneratorOptions{});
   auto res = g.run({r});
   EXPECT_TRUE(res.is_ok());
-  std::string text;
+  std::vector<std::string> pieces;
   TokenId prev = r.prompt.back();
   for (TokenId t : (*res)[0].tokens) {
-    text += f.tokenizer->decode_token(prev, t);
+    pieces.push_back(f.tokenizer->decode_token(prev, t));
     prev = t;
   }
+  return pieces;
+}
+
+// Their concatenation: the raw bytes of the text (not necessarily valid UTF-8).
+std::string generator_text(const std::string& prompt, int64_t n, float temperature = 0.0f, uint64_t seed = 0) {
+  std::string text;
+  for (const std::string& p : generator_pieces(prompt, n, temperature, seed)) text += p;
   return text;
 }
 
@@ -1109,6 +1121,138 @@ TEST(OpenAiServer, CompletionLogprobsDescribeEveryTokenOfTheText) {
   for (const json& tok : tl["tokens"]) kept += tok.get<std::string>();
   EXPECT_TRUE(kept.starts_with(expected.substr(0, at))) << kept;
   EXPECT_LT(tl["text_offset"].back().get<int64_t>(), static_cast<int64_t>(at)) << "no token of the stop string";
+}
+
+// Model text that is not UTF-8, end to end (issue #26, item 9). As in Cli.GenerateJsonReplaces-
+// InvalidUtf8InsteadOfAborting, stories260K emits its byte-fallback tokens (<0x80>...<0xFF>): here a
+// logit_bias of +18 on each mixes them into its words at temperature 1 (the API caps it at 2). The seed is
+// the first whose text holds both an invalid sequence and a valid character whose bytes come in
+// separate tokens. Whole, streamed and chat answers are JSON that parses, every invalid sequence is
+// one U+FFFD (sanitize_utf8 of the raw bytes the Generator gives), the stream holds a character's
+// first bytes back until it completes, and the streamed chunks add up to the whole text.
+TEST(OpenAiServer, TextThatIsNotUtf8ReachesEveryAnswerAsReplacementCharactersAndNeverBreaksTheJson) {
+  const int64_t n = 64;
+  const float temperature = 1.0f;
+  Fixture probe = make_fixture(1);
+  std::vector<std::pair<TokenId, float>> bias;
+  json bias_json = json::object();
+  for (int b = 0x80; b <= 0xFF; ++b) {
+    char piece[8];
+    std::snprintf(piece, sizeof piece, "<0x%02X>", b);
+    const TokenId id = probe.tokenizer->piece_to_id(piece);
+    ASSERT_GE(id, 0) << piece << " is not in the vocabulary";
+    bias.emplace_back(id, 18.0f);
+    bias_json[std::to_string(id)] = 18;
+  }
+  // A lead byte alone in its piece, completed by the next pieces: a character split across tokens.
+  auto split_character = [](const std::vector<std::string>& pieces) -> std::string {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      if (pieces[i].size() != 1) continue;
+      const auto lead = static_cast<unsigned char>(pieces[i][0]);
+      const size_t len = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC2 ? 2 : 0;
+      if (len == 0 || i + len > pieces.size()) continue;
+      std::string c;
+      for (size_t k = 0; k < len; ++k) c += pieces[i + k];
+      if (c.size() == len && sanitize_utf8(c) == c) return c;
+    }
+    return "";
+  };
+  uint64_t seed = 0;
+  std::string raw, split;
+  for (uint64_t s = 1; s <= 16 && split.empty(); ++s) {
+    const std::vector<std::string> pieces = generator_pieces(kPrompt, n, temperature, s, bias);
+    std::string text;
+    for (const std::string& p : pieces) text += p;
+    if (sanitize_utf8(text) == text) continue;
+    split = split_character(pieces);
+    if (!split.empty()) {
+      seed = s;
+      raw = text;
+    }
+  }
+  ASSERT_NE(seed, 0u) << "no seed in 1..16 gives invalid UTF-8 and a character split across tokens: nothing tested";
+  const std::string expected = sanitize_utf8(raw);
+  ASSERT_NE(expected, raw) << "the raw text is valid UTF-8: nothing tested";
+  ASSERT_NE(expected.find("\xEF\xBF\xBD"), std::string::npos);
+  ASSERT_NE(expected.find(split), std::string::npos) << "the split character survives sanitizing";
+  // A body parses only if every string in it is valid UTF-8 (nlohmann's parser checks).
+  auto parse = [](const std::string& text) {
+    const json j = json::parse(text, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << "not JSON: " << text;
+    return j;
+  };
+
+  Served served = serve_stories(2);
+  ASSERT_TRUE(served.server);
+  const json body = {{"prompt", kPrompt},  {"max_tokens", n},       {"temperature", temperature},
+                     {"seed", seed},       {"logprobs", 2},         {"logit_bias", bias_json}};
+  Reply whole = post(served.port, "/v1/completions", body);
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json wj = parse(whole.body);
+  ASSERT_TRUE(wj.is_object());
+  const std::string whole_text = wj["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(whole_text, expected);
+  EXPECT_EQ(wj["choices"][0]["logprobs"]["tokens"].size(), wj["usage"]["completion_tokens"].get<size_t>())
+      << "byte tokens' strings too";
+
+  json sbody = body;
+  sbody["stream"] = true;
+  Reply stream = post(served.port, "/v1/completions", sbody);
+  ASSERT_EQ(stream.status, 200) << stream.body;
+  const std::vector<std::string> events = events_of(stream.body);
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string streamed;
+  size_t chunks = 0;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    SCOPED_TRACE("event " + std::to_string(i));
+    const json c = parse(events[i]);
+    ASSERT_TRUE(c.is_object());
+    const std::string piece = c["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(sanitize_utf8(piece), piece);
+    streamed += piece;
+    ++chunks;
+  }
+  EXPECT_GT(chunks, 2u) << "the text came in pieces";
+  EXPECT_EQ(streamed, whole_text);
+
+  // The chat API over the same model (a ChatML template; stories260K spells its tags in pieces):
+  // the reply's content, whole and streamed as deltas.
+  Fixture f = make_fixture(1);
+  ServerOptions o = options_for(*f.tokenizer);
+  o.chat_template = ChatTemplate::kQwen;
+  auto chat_server = OpenAiServer::start(*f.engine, *f.tokenizer, o);
+  ASSERT_TRUE(chat_server.is_ok()) << chat_server.status().to_string();
+  const uint16_t chat_port = (*chat_server)->port();
+  json chat = {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
+               {"max_tokens", n},
+               {"temperature", temperature},
+               {"seed", seed},
+               {"logit_bias", bias_json}};
+  Reply cw = post(chat_port, "/v1/chat/completions", chat);
+  ASSERT_EQ(cw.status, 200) << cw.body;
+  const json cj = parse(cw.body);
+  ASSERT_TRUE(cj.is_object());
+  const std::string content = cj["choices"][0]["message"]["content"].get<std::string>();
+  EXPECT_NE(content.find("\xEF\xBF\xBD"), std::string::npos) << "the chat reply held invalid bytes too";
+  chat["stream"] = true;
+  Reply cs = post(chat_port, "/v1/chat/completions", chat);
+  ASSERT_EQ(cs.status, 200) << cs.body;
+  const std::vector<std::string> chat_events = events_of(cs.body);
+  ASSERT_GE(chat_events.size(), 3u);
+  EXPECT_EQ(chat_events.back(), "[DONE]");
+  std::string deltas;
+  for (size_t i = 0; i + 1 < chat_events.size(); ++i) {
+    SCOPED_TRACE("chat event " + std::to_string(i));
+    const json c = parse(chat_events[i]);
+    ASSERT_TRUE(c.is_object());
+    const json& delta = c["choices"][0]["delta"];
+    if (!delta.contains("content") || delta["content"].is_null()) continue;
+    const std::string piece = delta["content"].get<std::string>();
+    EXPECT_EQ(sanitize_utf8(piece), piece);
+    deltas += piece;
+  }
+  EXPECT_EQ(deltas, content);
 }
 
 // echo with logprobs, as evaluation harnesses score text (lm-eval's local-completions: echo,

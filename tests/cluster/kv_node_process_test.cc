@@ -3,6 +3,7 @@
 // the same text; a node restarted mid-run rejoins its tier and carries it when the other dies;
 // losing the only node recomputes without it (the all-device text under dense attention), or with
 // --lost-tier fail is a clear error naming it, as an unreachable node or a bad spec is; never a hang.
+// The README's kv-node example runs as README.md writes it; secrets never reach a command line.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -10,14 +11,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -38,37 +44,21 @@ class NodeProcess {
  public:
   explicit NodeProcess(const std::string& capacity = "16MiB", const std::string& listen = "127.0.0.1:0",
                        const std::vector<std::string>& extra = {}, const std::string& stderr_path = "") {
-    int fds[2];
-    if (pipe(fds) != 0) return;
-    std::vector<std::string> args = {SPECONTEXT_BIN, "kv-node", "--capacity", capacity, "--listen", listen};
+    std::vector<std::string> args = {"kv-node", "--capacity", capacity, "--listen", listen};
     args.insert(args.end(), extra.begin(), extra.end());
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], STDOUT_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      if (!stderr_path.empty()) {
-        const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (err >= 0) dup2(err, STDERR_FILENO);
-      }
-      execv(SPECONTEXT_BIN, argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    std::array<char, 512> line{};
-    if (out_ != nullptr && fgets(line.data(), line.size(), out_) != nullptr) {
-      auto j = nlohmann::json::parse(line.data(), nullptr, false);
-      if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
-    }
+    start(args, stderr_path, "");
   }
+  // `specontext ARGS...` (ARGS from "kv-node" on) run in the directory `cwd`.
+  struct Argv {
+    std::vector<std::string> args;
+    std::string cwd;
+  };
+  explicit NodeProcess(const Argv& a) { start(a.args, "", a.cwd); }
   ~NodeProcess() {
     kill_now();
     if (out_ != nullptr) fclose(out_);
   }
+  pid_t pid() const { return pid_; }
   uint16_t port() const { return port_; }
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
   void kill_now() {
@@ -90,6 +80,15 @@ class NodeProcess {
     std::array<char, 512> line{};
     while (out_ != nullptr && fgets(line.data(), line.size(), out_) != nullptr) rest += line.data();
     return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, rest};
+  }
+  // terminate(), expecting exit 0, and the node's stop line as JSON (a discarded value when it
+  // printed none: callers ASSERT is_object()).
+  nlohmann::json stop() {
+    auto [code, out] = terminate();
+    EXPECT_EQ(code, 0) << out;
+    const auto j = nlohmann::json::parse(out, nullptr, false);
+    EXPECT_TRUE(j.is_object()) << out;
+    return j;
   }
   // A counter of the node's stats (polled through its control plane); -1 when it does not answer.
   // One connection serves every poll: tests poll every millisecond, and a connection per poll
@@ -113,6 +112,35 @@ class NodeProcess {
   int64_t regions() const { return stat("regions"); }
 
  private:
+  void start(std::vector<std::string> args, const std::string& stderr_path, const std::string& cwd) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    args.insert(args.begin(), SPECONTEXT_BIN);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], STDOUT_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(126);
+      if (!stderr_path.empty()) {
+        const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (err >= 0) dup2(err, STDERR_FILENO);
+      }
+      execv(SPECONTEXT_BIN, argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    std::array<char, 512> line{};
+    if (out_ != nullptr && fgets(line.data(), line.size(), out_) != nullptr) {
+      auto j = nlohmann::json::parse(line.data(), nullptr, false);
+      if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
+    }
+  }
+
   pid_t pid_ = -1;
   FILE* out_ = nullptr;
   uint16_t port_ = 0;
@@ -122,10 +150,12 @@ class NodeProcess {
 // A background `specontext generate`; finish() returns exit code and stdout.
 class Generate {
  public:
-  explicit Generate(const std::string& args) {
-    const std::string cmd = std::string(SPECONTEXT_BIN) + " generate " + args + " 2>&1";
-    pipe_ = popen(cmd.c_str(), "r");
-  }
+  explicit Generate(const std::string& args) : Generate(Shell{std::string(SPECONTEXT_BIN) + " generate " + args}) {}
+  // A whole shell command line (stderr joins stdout).
+  struct Shell {
+    std::string line;
+  };
+  explicit Generate(const Shell& sh) { pipe_ = popen((sh.line + " 2>&1").c_str(), "r"); }
   std::pair<int, std::string> finish() {
     std::string out;
     std::array<char, 4096> buf;
@@ -177,11 +207,13 @@ TEST(KvNodeProcess, GenerateOnAKvNodeGivesTheAllDeviceText) {
   EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u);
 }
 
-// The README's example, as written: 400 tokens need CPU filtering, so the head's keys (52 KiB)
-// go to the 64 KiB host pool and the layers to the mirrored tier. It used to be refused with
-// "host0 0 B free of 0 B": the planner took a chunk per model layer (5 x 16 KiB) off every pool,
-// even one that holds no layer (PlannerPolicy.APoolIsChargedForTheGranularityOfWhatItHolds...).
-TEST(KvNodeProcess, TheReadmesMirroredExampleRunsFourHundredTokens) {
+// The README's tiers at 400 tokens (issue #26, item 8: the README once ran this): 400 tokens need
+// CPU filtering, so the head's keys (52 KiB) go to the 64 KiB host pool and the layers to the
+// mirrored tier. It used to be refused with "host0 0 B free of 0 B": the planner took a chunk per
+// model layer (5 x 16 KiB) off every pool, even one that holds no layer
+// (PlannerPolicy.APoolIsChargedForTheGranularityOfWhatItHolds...). The README's own commands:
+// KvNodeProcess.TheReadmesKvNodeExampleRunsAsWritten.
+TEST(KvNodeProcess, AMirroredTierWithTheHeadsKeysOnA64KiBHostPoolRunsFourHundredTokens) {
   NodeProcess a("64MiB"), b("64MiB");
   ASSERT_TRUE(a.port() != 0 && b.port() != 0);
   const std::string expect = baseline_text(400);
@@ -198,6 +230,144 @@ TEST(KvNodeProcess, TheReadmesMirroredExampleRunsFourHundredTokens) {
     EXPECT_TRUE(rep["alive"].get<bool>()) << rep;
     EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u) << rep;
   }
+}
+
+// The command lines of the README's kv-node example (the block under "# KV on remote nodes" in
+// README.md's quick start, up to the next comment): backslash continuations joined, comments
+// and blank lines left out.
+std::vector<std::string> readme_kv_node_example() {
+  std::ifstream in(repo_path("README.md"));
+  std::vector<std::string> commands;
+  std::string line, pending;
+  bool in_block = false;
+  while (std::getline(in, line)) {
+    if (!in_block) {
+      in_block = line.starts_with("# KV on remote nodes");
+      continue;
+    }
+    if (pending.empty() && line.starts_with("#")) {
+      if (!commands.empty()) break;  // the block's own comment lines come before its commands
+      continue;
+    }
+    if (line.empty() || line.starts_with("```")) break;
+    const bool continued = line.ends_with("\\");
+    pending += continued ? line.substr(0, line.size() - 1) : line;
+    if (!continued) {
+      commands.push_back(pending);
+      pending.clear();
+    }
+  }
+  return commands;
+}
+
+// Whitespace-separated words of a command without quotes, less a trailing "&".
+std::vector<std::string> words_of(const std::string& command) {
+  std::vector<std::string> words;
+  std::istringstream in(command);
+  for (std::string w; in >> w;) words.push_back(w);
+  if (!words.empty() && words.back() == "&") words.pop_back();
+  return words;
+}
+
+void replace_all(std::string& s, const std::string& from, const std::string& to) {
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+}
+
+// The README's kv-node example, read from README.md so that the two cannot drift: its commands
+// run as written in a directory of their own (models/ a link to the repository's), with two
+// changes only: this build's binary for build/release/bin/specontext, and each node's port chosen
+// by the system (--listen HOST:0, its printed port put in the engine's --kv-node) so that tests
+// running at once do not collide. The secret file the README makes guards both nodes, the engine
+// answers with it, the run writes to both replicas and gives the text of the same command without
+// the tiers and nodes.
+TEST(KvNodeProcess, TheReadmesKvNodeExampleRunsAsWritten) {
+  const std::vector<std::string> commands = readme_kv_node_example();
+  ASSERT_EQ(commands.size(), 4u) << "expected: make the secret, two kv-nodes, one generate";
+  const std::string binary = "build/release/bin/specontext";
+  const std::string dir = ::testing::TempDir() + "/kv_node_readme_example";
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(std::filesystem::create_directories(dir));
+  std::filesystem::create_directory_symlink(repo_path("models"), dir + "/models");
+
+  // (umask 077; head -c 32 /dev/urandom | base64 > kv.secret)
+  ASSERT_EQ(commands[0].find(binary), std::string::npos) << commands[0];
+  ASSERT_EQ(std::system(("cd '" + dir + "' && " + commands[0]).c_str()), 0) << commands[0];
+
+  std::vector<std::unique_ptr<NodeProcess>> nodes;
+  std::vector<std::pair<std::string, std::string>> endpoints;  // the README's -> this run's
+  for (size_t i = 1; i <= 2; ++i) {
+    SCOPED_TRACE(commands[i]);
+    ASSERT_TRUE(commands[i].ends_with("&")) << "a node runs in the background";
+    std::vector<std::string> words = words_of(commands[i]);
+    ASSERT_GE(words.size(), 2u);
+    ASSERT_EQ(words[0], binary);
+    ASSERT_EQ(words[1], "kv-node");
+    words.erase(words.begin());
+    const auto listen = std::find(words.begin(), words.end(), "--listen");
+    ASSERT_TRUE(listen != words.end() && listen + 1 != words.end());
+    const std::string readme_endpoint = *(listen + 1);
+    const size_t colon = readme_endpoint.rfind(':');
+    ASSERT_NE(colon, std::string::npos);
+    *(listen + 1) = readme_endpoint.substr(0, colon) + ":0";
+    nodes.push_back(std::make_unique<NodeProcess>(NodeProcess::Argv{words, dir}));
+    ASSERT_NE(nodes.back()->port(), 0);
+    endpoints.emplace_back(readme_endpoint, nodes.back()->endpoint());
+  }
+
+  std::string run = commands[3];
+  ASSERT_TRUE(run.starts_with(binary + " generate ")) << run;
+  ASSERT_NE(run.find("--kv-secret-file"), std::string::npos) << "the README's nodes hold a secret";
+  replace_all(run, binary, SPECONTEXT_BIN);
+  // Without tiers and nodes: the all-device text.
+  std::string alone = run;
+  for (const char* flag : {"--device-kv", "--host-kv", "--kv-node", "--kv-secret-file"}) {
+    const size_t at = alone.find(std::string(" ") + flag + " ");
+    ASSERT_NE(at, std::string::npos) << flag << " in " << run;
+    const size_t value_end = alone.find(' ', at + std::strlen(flag) + 2);
+    alone.erase(at, (value_end == std::string::npos ? alone.size() : value_end) - at);
+  }
+  for (const auto& [readme, actual] : endpoints) {
+    ASSERT_NE(run.find(readme), std::string::npos) << readme << " in " << run;
+    replace_all(run, readme, actual);
+  }
+  auto [alone_code, alone_out] = Generate(Generate::Shell{"cd '" + dir + "' && " + alone}).finish();
+  ASSERT_EQ(alone_code, 0) << alone << "\n" << alone_out;
+  const std::string expect = parse_json_tail(alone_out).value("text", "");
+  ASSERT_FALSE(expect.empty()) << alone_out;
+
+  auto [code, out] = Generate(Generate::Shell{"cd '" + dir + "' && " + run}).finish();
+  ASSERT_EQ(code, 0) << run << "\n" << out;
+  const auto j = parse_json_tail(out);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["refused"].get<int64_t>(), 0) << out;
+  EXPECT_EQ(j["text"].get<std::string>(), expect);
+  const auto& t = j["tiering"];
+  int remote_layers = 0;
+  for (int h : t["layer_homes"]) remote_layers += h == 2;
+  EXPECT_GT(remote_layers, 0) << t["layer_homes"];
+  ASSERT_EQ(t["kv_nodes"][0]["replicas"].size(), 2u) << t;
+  for (const auto& rep : t["kv_nodes"][0]["replicas"]) {
+    EXPECT_TRUE(rep["alive"].get<bool>()) << rep;
+    EXPECT_GT(rep["bytes_written"].get<uint64_t>(), 0u) << rep;
+  }
+  for (auto& node : nodes) {
+    const auto stopped = node->stop();
+    ASSERT_TRUE(stopped.is_object());
+    EXPECT_EQ(stopped["auth_failures"].get<int64_t>(), 0) << stopped;
+    EXPECT_GT(stopped["requests"].get<int64_t>(), 0) << stopped;
+  }
+  // The nodes demanded the secret: a client without it is refused (checked on a fresh node of the
+  // README's first command line, as the nodes above are stopped).
+  std::vector<std::string> first = words_of(commands[1]);
+  first.erase(first.begin());
+  *(std::find(first.begin(), first.end(), "--listen") + 1) = "127.0.0.1:0";
+  NodeProcess again(NodeProcess::Argv{first, dir});
+  ASSERT_NE(again.port(), 0);
+  auto none = KvNodeClient::connect(Endpoint{"127.0.0.1", again.port()}, 2s);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_NE(none.status().message().find("requires authentication"), std::string::npos)
+      << none.status().to_string();
+  std::filesystem::remove_all(dir);
 }
 
 // Text mode (no --json): what happens to the replicas is printed to stderr, naming the node
@@ -442,6 +612,104 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// A secret (or keys) file as the node and the engine accept it: `text` and a newline, mode 0600.
+::testing::AssertionResult write_owner_only(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text << "\n";
+  if (::chmod(path.c_str(), 0600) != 0) return ::testing::AssertionFailure() << "chmod 0600 " << path;
+  return ::testing::AssertionSuccess();
+}
+
+// `specontext CMD --help`'s long options that take a value: name -> its help line.
+std::map<std::string, std::string> options_with_values(const std::string& command) {
+  const std::string cmd = std::string(SPECONTEXT_BIN) + " " + command + " --help 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  if (p != nullptr) {
+    std::array<char, 4096> buf{};
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+    pclose(p);
+  }
+  // "  -n,--max-tokens INT:POSITIVE ...", "  --secret-file TEXT   file ...", "  --json   emit ...":
+  // a value's type is a word in capitals (TEXT, INT:POSITIVE, FLOAT) right after the names.
+  static const std::regex option(R"(^  (?:-\w,)?(--[A-Za-z0-9-]+)(?: ([A-Z][A-Z:_]*)\b)?)");
+  std::map<std::string, std::string> found;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, option) && m[2].matched) found[m[1]] = line;
+  }
+  return found;
+}
+
+// Issue 26, item 4: a secret comes from a file or the environment, never the command line, where
+// every user of the machine reads it (ps, /proc/PID/cmdline). kv-node, serve and generate offer
+// no option that takes a secret itself (a name with secret, password, token, key or credential in
+// it ends in -file; --tls-key is the PEM file's path, --api-key the one exception, below); and a
+// node guarded by --secret-file or --keys-file has none of the secret's bytes in its command line
+// (read back from /proc, where the file's path is).
+TEST(KvNodeProcess, SecretsNeverTravelOnTheCommandLine) {
+  // The options that take a path, not a secret, though named for one.
+  const std::set<std::string> paths = {"--tls-key"};
+  // serve --api-key KEY, as vLLM's: kept for OpenAI-client compatibility and also read from
+  // SPECONTEXT_API_KEY (which keeps it out of ps); the one inline secret option (issue #26 report).
+  const std::set<std::string> inline_exceptions = {"--api-key"};
+  const std::set<std::string> secret_words = {"secret", "secrets", "password", "passwd", "token",
+                                              "key",    "keys",    "credential", "credentials"};
+  std::set<std::string> seen;
+  for (const char* command : {"kv-node", "serve", "generate"}) {
+    SCOPED_TRACE(command);
+    const auto options = options_with_values(command);
+    ASSERT_GT(options.size(), 3u) << "no options parsed from " << command << " --help";
+    for (const auto& [name, line] : options) {
+      std::vector<std::string> words;
+      std::istringstream parts(name.substr(2));
+      for (std::string w; std::getline(parts, w, '-');) words.push_back(w);
+      const bool names_a_secret =
+          std::any_of(words.begin(), words.end(), [&](const std::string& w) { return secret_words.contains(w); });
+      if (!names_a_secret) continue;
+      seen.insert(name);
+      if (name.ends_with("-file") || paths.contains(name) || inline_exceptions.contains(name)) continue;
+      ADD_FAILURE() << command << " " << name << " takes a secret on the command line: " << line;
+    }
+  }
+  // The parse found the options it should (else the loop above checked nothing).
+  for (const char* expected : {"--secret-file", "--keys-file", "--kv-secret-file", "--tls-key"})
+    EXPECT_TRUE(seen.contains(expected)) << expected;
+
+  const std::string dir = ::testing::TempDir();
+  const std::string secret = "cmdline-test-secret-7f3a91c2d4e5b6a8";
+  const std::string secret_path = dir + "/kv_node_cmdline_secret";
+  const std::string keys_path = dir + "/kv_node_cmdline_keys";
+  const std::string client_secret = "cmdline-client-secret-0b1c2d3e4f5a6978";
+  ASSERT_TRUE(write_owner_only(secret_path, secret));
+  ASSERT_TRUE(write_owner_only(keys_path, "alice " + client_secret + " 1MiB"));
+  auto cmdline_of = [](pid_t pid) {
+    std::string c = slurp("/proc/" + std::to_string(pid) + "/cmdline");
+    std::replace(c.begin(), c.end(), '\0', ' ');
+    return c;
+  };
+  {
+    NodeProcess node("1MiB", "127.0.0.1:0", {"--secret-file", secret_path});
+    ASSERT_NE(node.port(), 0);
+    ASSERT_TRUE(KvNodeClient::connect(Endpoint{"127.0.0.1", node.port()}, 2s, secret).is_ok())
+        << "the node serves with the file's secret";
+    const std::string cmdline = cmdline_of(node.pid());
+    EXPECT_NE(cmdline.find(secret_path), std::string::npos) << "cmdline not read: " << cmdline;
+    EXPECT_EQ(cmdline.find(secret), std::string::npos) << cmdline;
+  }
+  {
+    NodeProcess node("1MiB", "127.0.0.1:0", {"--keys-file", keys_path});
+    ASSERT_NE(node.port(), 0);
+    ASSERT_TRUE(KvNodeClient::connect(Endpoint{"127.0.0.1", node.port()}, 2s, KvNodeAccess{client_secret, "alice", nullptr}).is_ok());
+    const std::string cmdline = cmdline_of(node.pid());
+    EXPECT_NE(cmdline.find(keys_path), std::string::npos) << "cmdline not read: " << cmdline;
+    EXPECT_EQ(cmdline.find(client_secret), std::string::npos) << cmdline;
+  }
+  std::filesystem::remove(secret_path);
+  std::filesystem::remove(keys_path);
+}
+
 // Issue 26, item 4. Without a secret the node says so on stderr and will not listen beyond
 // loopback.
 TEST(KvNodeProcess, WithoutASecretTheNodeWarnsAndRefusesANonLoopbackListen) {
@@ -468,8 +736,7 @@ TEST(KvNodeProcess, ASecretFileGuardsTheNodeAndTheEngineAnswersWithIt) {
   const std::string secret_path = dir + "/kv_node_process_secret";
   const std::string err_path = dir + "/kv_node_process_stderr";
   const std::string secret = "process test secret 0123456789abcdef";
-  std::ofstream(secret_path) << secret << "\n";
-  ASSERT_EQ(::chmod(secret_path.c_str(), 0600), 0);
+  ASSERT_TRUE(write_owner_only(secret_path, secret));
   NodeProcess node("16MiB", "127.0.0.1:0", {"--secret-file", secret_path}, err_path);
   ASSERT_NE(node.port(), 0);
   const Endpoint ep{"127.0.0.1", node.port()};
@@ -498,12 +765,9 @@ TEST(KvNodeProcess, ASecretFileGuardsTheNodeAndTheEngineAnswersWithIt) {
   ASSERT_EQ(code, 0) << out;
   EXPECT_EQ(parse_json_tail(out)["text"].get<std::string>(), expect);
 
-  auto [stop_code, stop_out] = node.terminate();
-  EXPECT_EQ(stop_code, 0) << stop_out;
-  const auto j = nlohmann::json::parse(stop_out, nullptr, false);
-  ASSERT_TRUE(j.is_object()) << stop_out;
-  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1)
-      << stop_out;  // the wrong secret (no secret sends no answer)
+  const auto j = node.stop();
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1) << j;  // the wrong secret (no secret sends no answer)
   const std::string err = slurp(err_path);
   EXPECT_NE(err.find("authentication failed from 127.0.0.1:"), std::string::npos) << err;
   EXPECT_EQ(err.find(secret), std::string::npos) << "the secret reached the log: " << err;
@@ -519,8 +783,7 @@ TEST(KvNodeProcess, GenerateReachesATlsNodeThroughItsCa) {
   const auto ca = pki.make_ca("ca");
   const auto leaf = pki.make_leaf(ca, "node", "IP:127.0.0.1");
   const std::string secret_path = pki.path("secret");
-  std::ofstream(secret_path) << "process tls secret 0123456789abcdef\n";
-  ASSERT_EQ(::chmod(secret_path.c_str(), 0600), 0);
+  ASSERT_TRUE(write_owner_only(secret_path, "process tls secret 0123456789abcdef"));
   NodeProcess node("16MiB", "127.0.0.1:0",
                    {"--secret-file", secret_path, "--tls-cert", leaf.cert_file, "--tls-key", leaf.key_file},
                    pki.path("stderr"));
@@ -536,12 +799,10 @@ TEST(KvNodeProcess, GenerateReachesATlsNodeThroughItsCa) {
                          .finish();
   ASSERT_EQ(code, 0) << out;
   EXPECT_EQ(parse_json_tail(out)["text"].get<std::string>(), expect);
-  auto [stop_code, stop_out] = node.terminate();
-  EXPECT_EQ(stop_code, 0) << stop_out;
-  const auto j = nlohmann::json::parse(stop_out, nullptr, false);
-  ASSERT_TRUE(j.is_object()) << stop_out;
-  EXPECT_EQ(j["tls_failures"].get<int64_t>(), 1) << stop_out;
-  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 0) << stop_out;
+  const auto j = node.stop();
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["tls_failures"].get<int64_t>(), 1) << j;
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 0) << j;
   const std::string err = slurp(pki.path("stderr"));
   EXPECT_NE(err.find("plain TCP, but this node speaks TLS only"), std::string::npos) << err;
 }
@@ -553,12 +814,11 @@ TEST(KvNodeProcess, GenerateAuthenticatesAsAClientOfTheKeysFile) {
   const std::string dir = ::testing::TempDir();
   const std::string keys = dir + "/kv_node_process_keys";
   const std::string alice_secret = dir + "/kv_node_process_alice";
-  std::ofstream(keys) << "alice alice-process-secret-0123456789 4MiB 4\n"
-                      << "tiny tiny-process-secret-0123456789ab 64KiB\n";
-  std::ofstream(alice_secret) << "alice-process-secret-0123456789\n";
   const std::string tiny_secret = dir + "/kv_node_process_tiny";
-  std::ofstream(tiny_secret) << "tiny-process-secret-0123456789ab\n";
-  for (const std::string& f : {keys, alice_secret, tiny_secret}) ASSERT_EQ(::chmod(f.c_str(), 0600), 0);
+  ASSERT_TRUE(write_owner_only(keys, "alice alice-process-secret-0123456789 4MiB 4\n"
+                                     "tiny tiny-process-secret-0123456789ab 64KiB"));
+  ASSERT_TRUE(write_owner_only(alice_secret, "alice-process-secret-0123456789"));
+  ASSERT_TRUE(write_owner_only(tiny_secret, "tiny-process-secret-0123456789ab"));
   NodeProcess node("16MiB", "127.0.0.1:0", {"--keys-file", keys});
   ASSERT_NE(node.port(), 0);
   const std::string expect = baseline_text(40);
@@ -577,11 +837,9 @@ TEST(KvNodeProcess, GenerateAuthenticatesAsAClientOfTheKeysFile) {
                                 .finish();
   EXPECT_NE(small, 0) << small_out;
   EXPECT_NE(small_out.find("client 'tiny''s quota"), std::string::npos) << small_out;
-  auto [stop_code, stop_out] = node.terminate();
-  EXPECT_EQ(stop_code, 0) << stop_out;
-  const auto j = nlohmann::json::parse(stop_out, nullptr, false);
-  ASSERT_TRUE(j.is_object()) << stop_out;
-  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1) << stop_out;
+  const auto j = node.stop();
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["auth_failures"].get<int64_t>(), 1) << j;
   for (const std::string& f : {keys, alice_secret, tiny_secret}) std::filesystem::remove(f);
 }
 
@@ -593,10 +851,8 @@ TEST(KvNodeProcess, SigtermStopsTheNodeCleanly) {
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
     EXPECT_FALSE((*c)->call_line("{").is_ok());
   }
-  auto [code, out] = node.terminate();
-  EXPECT_EQ(code, 0) << out;
-  const auto j = nlohmann::json::parse(out, nullptr, false);
-  ASSERT_TRUE(j.is_object()) << out;
+  const auto j = node.stop();
+  ASSERT_TRUE(j.is_object());
   EXPECT_EQ(j["event"], "stopped");
   EXPECT_EQ(j["bad_requests"].get<int64_t>(), 1);
 }

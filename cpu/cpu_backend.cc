@@ -602,9 +602,9 @@ struct CpuBackend::Impl {
   // Runs one slice primitive with the stream and scratchpad of arena slot `slot`: dst is y's
   // first column of the slice (row stride per the primitive), or a dense buffer when staged.
   void execute_slice(const MatmulSlice& sl, int slot, const void* src, const void* w, const float* bias, float* dst);
-  Status attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads, float* out);
-  Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
-                          float* out);
+  // attention and attention_sparse: one kernel over a KV reader (PagedCausalKv, WorkingSetKv).
+  template <typename Kv>
+  Status attend(const float* q, const Kv& kv, int64_t n_items, int64_t n_heads, float* out);
   // Tasks per (item, KV head, token tile) before splitting, and the key chunks wanted per task
   // so that there are about 4 tasks per thread.
   int64_t chunks_wanted(int64_t base_tasks) const;
@@ -928,44 +928,93 @@ Status CpuBackend::Impl::matmul_block_tiles(const float* x, int64_t m, const Wei
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention: tasks are (item, tile of new tokens, kv head, key chunk). All query heads sharing
-// a KV head are processed together, so each K/V row is read once per tile, not once per head.
-// Long contexts with too few tasks to fill the threads are split over keys (flash-decoding);
-// the per-chunk (max, sum, weighted V) partials are merged afterwards.
+// Attention: one kernel for both KV layouts. Tasks are (item, tile of new tokens, KV head, key
+// chunk). All query heads sharing a KV head are processed together, so each K/V row is read once
+// per tile, not once per head. Long contexts with too few tasks to fill the threads are split
+// over keys (flash-decoding); the per-chunk (max, sum, weighted V) partials are merged afterwards.
+// What differs between dense and sparse attention is only how a task reads its keys, which a
+// KV reader says (PagedCausalKv, WorkingSetKv):
+//   items / head_dim(): the items and their one head_dim, each item with token_offset, n_tokens
+//     and a view (kv_heads, dtype);
+//   keys(i, t1, h): key positions [0, keys) that tokens < t1 of item i see from KV head h;
+//   kCausal: whether token t of item i sees only positions < limit(i, t) (else every key);
+//   block(i, h, pos, k1): the next ≤ kKeyBlock keys from pos (< k1), in one contiguous run.
 
-Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, int64_t n_items,
-                                   int64_t n_heads, float* out) {
+namespace {
+
+struct KvBlock {
+  const void* k_base;
+  const void* v_base;
+  int64_t first;  // element offset of the first row in k_base / v_base
+  int64_t rows;
+};
+
+// The paged cache under the causal mask: token t of an item sees positions ≤ start_pos + t.
+// A block stays within one page.
+struct PagedCausalKv {
+  static constexpr bool kCausal = true;
+  const AttentionItem* items;
+  static const KvLayerView& view(const AttentionItem& it) { return it.kv; }
+  int64_t head_dim() const { return items[0].kv.head_dim; }
+  int64_t keys(int64_t i, int64_t t1, int64_t /*kvh*/) const { return items[i].start_pos + t1; }
+  int64_t limit(int64_t i, int64_t t) const { return items[i].start_pos + t + 1; }
+  KvBlock block(int64_t i, int64_t kvh, int64_t pos, int64_t k1) const {
+    const KvLayerView& kv = items[i].kv;
+    const int64_t page = pos / kv.page_size;
+    const int64_t slot = pos % kv.page_size;
+    return {kv.k_pages[page], kv.v_pages[page], (kvh * kv.page_size + slot) * kv.head_dim,
+            std::min({kKeyBlock, kv.page_size - slot, k1 - pos})};
+  }
+};
+
+// A working set ([kv_heads][slots][head_dim], one head's rows contiguous): every token of an item
+// sees the first counts[h] rows of head h; no mask.
+struct WorkingSetKv {
+  static constexpr bool kCausal = false;
+  const SparseAttentionItem* items;
+  static const WorkingSetView& view(const SparseAttentionItem& it) { return it.ws; }
+  int64_t head_dim() const { return items[0].ws.head_dim; }
+  int64_t keys(int64_t i, int64_t /*t1*/, int64_t kvh) const { return items[i].ws.counts[kvh]; }
+  KvBlock block(int64_t i, int64_t kvh, int64_t pos, int64_t k1) const {
+    const WorkingSetView& ws = items[i].ws;
+    return {ws.k, ws.v, (kvh * ws.slots + pos) * ws.head_dim, std::min(kKeyBlock, k1 - pos)};
+  }
+};
+
+}  // namespace
+
+template <typename Kv>
+Status CpuBackend::Impl::attend(const float* q, const Kv& kv, int64_t n_items, int64_t n_heads, float* out) {
   if (n_items == 0) return Status::ok();
-  const int64_t d = items[0].kv.head_dim;
+  const int64_t d = kv.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const auto group_of = [&](int64_t i) { return n_heads / Kv::view(kv.items[i]).kv_heads; };
+  const auto tile_of = [&](int64_t i) { return std::max<int64_t>(1, kMaxTileQueries / group_of(i)); };
 
-  // 1. Tiles and the split decision.
+  // 1. Tasks. A head without keys (an empty working set) still gets one (empty) task: it writes zeros.
   std::vector<AttnTask> tasks;
   std::vector<AttnGroup> groups;
   int64_t base_tasks = 0;
   for (int64_t i = 0; i < n_items; ++i) {
-    const int64_t group = n_heads / items[i].kv.kv_heads;
-    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
-    base_tasks += (items[i].n_tokens + tile - 1) / tile * items[i].kv.kv_heads;
+    base_tasks += (kv.items[i].n_tokens + tile_of(i) - 1) / tile_of(i) * Kv::view(kv.items[i]).kv_heads;
   }
   const int64_t split = chunks_wanted(base_tasks);
   int64_t partial_floats = 0;
   for (int64_t i = 0; i < n_items; ++i) {
-    const AttentionItem& it = items[i];
-    const int64_t group = n_heads / it.kv.kv_heads;
-    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
-    for (int64_t t0 = 0; t0 < it.n_tokens; t0 += tile) {
-      const int64_t t1 = std::min(it.n_tokens, t0 + tile);
-      const int64_t keys = it.start_pos + t1;  // keys the last token of the tile sees
-      int64_t chunk = keys;
-      if (attention_chunk > 0) {
-        chunk = attention_chunk;
-      } else if (split > 1) {
-        chunk = std::max(kMinChunk, (keys + split - 1) / split);
-      }
-      const int64_t n_chunks = (keys + chunk - 1) / chunk;
-      const int64_t nq = (t1 - t0) * group;
-      for (int64_t h = 0; h < it.kv.kv_heads; ++h) {
+    const int64_t n_tokens = kv.items[i].n_tokens;
+    const int64_t tile = tile_of(i);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += tile) {
+      const int64_t t1 = std::min(n_tokens, t0 + tile);
+      const int64_t nq = (t1 - t0) * group_of(i);
+      for (int64_t h = 0; h < Kv::view(kv.items[i]).kv_heads; ++h) {
+        const int64_t keys = kv.keys(i, t1, h);  // the last token of the tile sees the most
+        int64_t chunk = std::max<int64_t>(keys, 1);
+        if (attention_chunk > 0) {
+          chunk = attention_chunk;
+        } else if (split > 1) {
+          chunk = std::max(kMinChunk, (keys + split - 1) / split);
+        }
+        const int64_t n_chunks = std::max<int64_t>(1, (keys + chunk - 1) / chunk);
         AttnGroup g{tasks.size(), 0};
         for (int64_t c = 0; c < n_chunks; ++c) {
           int64_t partial = -1;
@@ -973,7 +1022,8 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
             partial = partial_floats;
             partial_floats += nq * (d + 2);
           }
-          tasks.push_back({i, h, t0, t1, c * chunk, std::min(keys, (c + 1) * chunk), partial});
+          tasks.push_back(
+              {i, h, t0, t1, std::min(keys, c * chunk), std::min(keys, (c + 1) * chunk), partial});
         }
         g.task_end = tasks.size();
         if (n_chunks > 1) groups.push_back(g);
@@ -982,34 +1032,35 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
   }
   float* partial_base = partial_scratch(partial_floats);
 
-  // 2. Every task folds its keys into online-softmax state.
+  // 2. Every task folds its keys into the online-softmax state of its queries.
   auto run_task = [&](const AttnTask& task) {
-    const AttentionItem& it = items[task.item];
-    const KvLayerView& kv = it.kv;
-    const int64_t group = n_heads / kv.kv_heads;
+    const int64_t group = group_of(task.item);
+    const int64_t token_offset = kv.items[task.item].token_offset;
+    const DType dtype = Kv::view(kv.items[task.item]).dtype;
     const int64_t nq = (task.t1 - task.t0) * group;
     const auto [qs, acc, m_state, l_state, s] = task_scratch(nq, d);
     thread_local std::vector<int64_t> limits;
     if (limits.size() < static_cast<size_t>(nq * 2)) limits.resize(static_cast<size_t>(nq * 2));
-    int64_t* limit = limits.data();  // [nq] first key position query r may not see
-    int64_t* valid = limit + nq;     // [nq] per block
+    int64_t* limit = limits.data();  // [nq] first key position query r may not see (causal)
+    int64_t* valid = limit + nq;     // [nq] keys of the block query r sees
     for (int64_t t = task.t0; t < task.t1; ++t) {
       // Heads kvh*group .. kvh*group+group-1 are adjacent in q's row.
-      const float* src = q + ((it.token_offset + t) * n_heads + task.kvh * group) * d;
+      const float* src = q + ((token_offset + t) * n_heads + task.kvh * group) * d;
       float* dst = qs + (t - task.t0) * group * d;
       for (int64_t e = 0; e < group * d; ++e) dst[e] = src[e] * scale;
-      for (int64_t g = 0; g < group; ++g) limit[(t - task.t0) * group + g] = it.start_pos + t + 1;
+      if constexpr (Kv::kCausal) std::fill_n(limit + (t - task.t0) * group, group, kv.limit(task.item, t));
     }
     for (int64_t pos = task.k0; pos < task.k1;) {
-      const int64_t page = pos / kv.page_size;
-      const int64_t slot = pos % kv.page_size;
-      const int64_t n = std::min({kKeyBlock, kv.page_size - slot, task.k1 - pos});
-      for (int64_t r = 0; r < nq; ++r) valid[r] = std::clamp<int64_t>(limit[r] - pos, 0, n);
-      const int64_t off = (task.kvh * kv.page_size + slot) * d;
-      attend_rows(qs, nq, d, valid, kv.k_pages[page], kv.v_pages[page], kv.dtype, off, n, m_state, l_state, acc, s);
-      pos += n;
+      const KvBlock b = kv.block(task.item, task.kvh, pos, task.k1);
+      if constexpr (Kv::kCausal) {
+        for (int64_t r = 0; r < nq; ++r) valid[r] = std::clamp<int64_t>(limit[r] - pos, 0, b.rows);
+      } else {
+        std::fill(valid, valid + nq, b.rows);
+      }
+      attend_rows(qs, nq, d, valid, b.k_base, b.v_base, dtype, b.first, b.rows, m_state, l_state, acc, s);
+      pos += b.rows;
     }
-    store_task_result(task, nq, group, d, n_heads, it.token_offset, m_state, l_state, acc, out, partial_base);
+    store_task_result(task, nq, group, d, n_heads, token_offset, m_state, l_state, acc, out, partial_base);
   };
   parallel(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);
@@ -1017,7 +1068,7 @@ Status CpuBackend::Impl::attention(const float* q, const AttentionItem* items, i
 
   // 3. Merge split-K partials.
   merge_partials(tasks, groups, n_heads, d, partial_base, out, [&](int64_t item) {
-    return std::pair<int64_t, int64_t>(items[item].token_offset, n_heads / items[item].kv.kv_heads);
+    return std::pair<int64_t, int64_t>(kv.items[item].token_offset, group_of(item));
   });
   return Status::ok();
 }
@@ -1061,99 +1112,6 @@ void CpuBackend::Impl::merge_partials(const std::vector<AttnTask>& tasks,
       }
     }
   });
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sparse attention: the same (item, token tile, KV head, key chunk) tasks as attention(), over
-// the first counts[h] rows of the working set of head h ([kv_heads][slots][head_dim], so one
-// head's rows are contiguous and stream in blocks of kKeyBlock). No causal mask: every row of an
-// item sees the whole working set.
-
-Status CpuBackend::Impl::attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
-                                          int64_t n_heads, float* out) {
-  if (n_items == 0) return Status::ok();
-  const int64_t d = items[0].ws.head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-
-  // 1. Tasks. A head with an empty working set still gets one (empty) task: it writes zeros.
-  std::vector<AttnTask> tasks;
-  std::vector<AttnGroup> groups;
-  int64_t base_tasks = 0;
-  for (int64_t i = 0; i < n_items; ++i) {
-    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / (n_heads / items[i].ws.kv_heads));
-    base_tasks += (items[i].n_tokens + tile - 1) / tile * items[i].ws.kv_heads;
-  }
-  const int64_t split = chunks_wanted(base_tasks);
-  int64_t partial_floats = 0;
-  for (int64_t i = 0; i < n_items; ++i) {
-    const SparseAttentionItem& it = items[i];
-    const int64_t group = n_heads / it.ws.kv_heads;
-    const int64_t tile = std::max<int64_t>(1, kMaxTileQueries / group);
-    for (int64_t t0 = 0; t0 < it.n_tokens; t0 += tile) {
-      const int64_t t1 = std::min(it.n_tokens, t0 + tile);
-      const int64_t nq = (t1 - t0) * group;
-      for (int64_t h = 0; h < it.ws.kv_heads; ++h) {
-        const int64_t keys = it.ws.counts[h];
-        int64_t chunk = std::max<int64_t>(keys, 1);
-        if (attention_chunk > 0) {
-          chunk = attention_chunk;
-        } else if (split > 1) {
-          chunk = std::max(kMinChunk, (keys + split - 1) / split);
-        }
-        const int64_t n_chunks = std::max<int64_t>(1, (keys + chunk - 1) / chunk);
-        AttnGroup g{tasks.size(), 0};
-        for (int64_t c = 0; c < n_chunks; ++c) {
-          int64_t partial = -1;
-          if (n_chunks > 1) {
-            partial = partial_floats;
-            partial_floats += nq * (d + 2);
-          }
-          tasks.push_back(
-              {i, h, t0, t1, std::min(keys, c * chunk), std::min(keys, (c + 1) * chunk), partial});
-        }
-        g.task_end = tasks.size();
-        if (n_chunks > 1) groups.push_back(g);
-      }
-    }
-  }
-  float* partial_base = partial_scratch(partial_floats);
-
-  // 2. Every task folds its slots into the online-softmax state of the group's queries, so each
-  // K/V row is read from memory once per (token tile, KV head), not once per query head.
-  auto run_task = [&](const AttnTask& task) {
-    const SparseAttentionItem& it = items[task.item];
-    const WorkingSetView& ws = it.ws;
-    const int64_t group = n_heads / ws.kv_heads;
-    const int64_t nq = (task.t1 - task.t0) * group;
-    const auto [qs, acc, m_state, l_state, s] = task_scratch(nq, d);
-    thread_local std::vector<int64_t> valid_buf;
-    if (valid_buf.size() < static_cast<size_t>(nq)) valid_buf.resize(static_cast<size_t>(nq));
-    int64_t* valid = valid_buf.data();
-    for (int64_t t = task.t0; t < task.t1; ++t) {
-      const float* src = q + ((it.token_offset + t) * n_heads + task.kvh * group) * d;
-      float* dst = qs + (t - task.t0) * group * d;
-      for (int64_t e = 0; e < group * d; ++e) dst[e] = src[e] * scale;
-    }
-    const int64_t head_base = task.kvh * ws.slots * d;
-    for (int64_t pos = task.k0; pos < task.k1;) {
-      const int64_t n = std::min(kKeyBlock, task.k1 - pos);
-      std::fill(valid, valid + nq, n);
-      const int64_t off = head_base + pos * d;
-      attend_rows(qs, nq, d, valid, ws.k, ws.v, ws.dtype, off, n, m_state, l_state, acc, s);
-      pos += n;
-    }
-    // An empty working set (l == 0) writes zeros.
-    store_task_result(task, nq, group, d, n_heads, it.token_offset, m_state, l_state, acc, out, partial_base);
-  };
-  parallel(static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) run_task(tasks[static_cast<size_t>(i)]);
-  });
-
-  // 3. Merge split-K partials.
-  merge_partials(tasks, groups, n_heads, d, partial_base, out, [&](int64_t item) {
-    return std::pair<int64_t, int64_t>(items[item].token_offset, n_heads / items[item].ws.kv_heads);
-  });
-  return Status::ok();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1445,7 +1403,8 @@ Status CpuBackend::kv_append(const float* k, const float* v, int64_t n_tokens, i
 Status CpuBackend::attention(const float* q, const AttentionItem* items, int64_t n_items, int64_t n_heads,
                              float* out) {
   SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
-  return guarded("attention", [&]() -> Status { return impl_->attention(q, items, n_items, n_heads, out); });
+  return guarded("attention",
+                 [&]() -> Status { return impl_->attend(q, PagedCausalKv{items}, n_items, n_heads, out); });
 }
 
 Status CpuBackend::kv_gather(const KvLayerView& kv, const GatherEntry* entries, int64_t n_entries,
@@ -1474,7 +1433,7 @@ Status CpuBackend::attention_sparse(const float* q, const SparseAttentionItem* i
                                     int64_t n_heads, float* out) {
   SPX_RETURN_IF_ERROR(check_attention_sparse_args(items, n_items, n_heads));
   return guarded("attention_sparse",
-                 [&]() -> Status { return impl_->attention_sparse(q, items, n_items, n_heads, out); });
+                 [&]() -> Status { return impl_->attend(q, WorkingSetKv{items}, n_items, n_heads, out); });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -264,61 +264,80 @@ Status ReferenceBackend::kv_append(const float* k, const float* v, int64_t n_tok
 }
 
 namespace {
-// Softmax attention of one query in double over keys 0 .. n_keys - 1, whose K / V rows
-// (head_dim elements of `dtype`) start at key_row(j) / value_row(j); no key (an empty working
-// set) gives zeros.
-template <typename KeyRow, typename ValueRow>
-void attend_query(const float* qh, int64_t n_keys, int64_t d, DType dtype, double scale, KeyRow key_row,
-                  ValueRow value_row, std::vector<double>& scores, float* oh) {
-  std::vector<float> row(static_cast<size_t>(d));
-  scores.assign(static_cast<size_t>(n_keys), 0.0);
-  double max_score = -std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < n_keys; ++j) {
-    convert_to_f32(dtype, key_row(j), row.data(), row.size());
-    double dot = 0.0;
-    for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * row[e];
-    scores[j] = dot * scale;
-    if (scores[j] > max_score) max_score = scores[j];
+// Attention of every query row of every item, one kernel for both KV layouts; the reader Kv says
+// how a query reads its keys: view(item) (kv_heads, head_dim, dtype), n_keys(item, t, kvh)
+// (keys 0 .. n_keys - 1 of KV head kvh that token t sees) and row(item, values, kvh, j) (where
+// K or V row j of that head starts). Softmax in double; no key (an empty working set) gives zeros.
+template <typename Kv, typename Item>
+void attend_items(const float* q, const Item* items, int64_t n_items, int64_t n_heads, const Kv& kv,
+                  float* out) {
+  std::vector<double> scores;
+  for (int64_t it = 0; it < n_items; ++it) {
+    const auto& view = kv.view(items[it]);
+    const int64_t d = view.head_dim;
+    const int64_t group = n_heads / view.kv_heads;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    std::vector<float> row(static_cast<size_t>(d));
+    std::vector<double> acc(static_cast<size_t>(d));
+    for (int64_t t = 0; t < items[it].n_tokens; ++t) {
+      const int64_t out_row = items[it].token_offset + t;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t kvh = h / group;
+        const int64_t n_keys = kv.n_keys(items[it], t, kvh);
+        const float* qh = q + (out_row * n_heads + h) * d;
+        scores.assign(static_cast<size_t>(n_keys), 0.0);
+        double max_score = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < n_keys; ++j) {
+          convert_to_f32(view.dtype, kv.row(items[it], false, kvh, j), row.data(), row.size());
+          double dot = 0.0;
+          for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * row[e];
+          scores[j] = dot * scale;
+          if (scores[j] > max_score) max_score = scores[j];
+        }
+        double denom = 0.0;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          scores[j] = std::exp(scores[j] - max_score);
+          denom += scores[j];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < n_keys; ++j) {
+          convert_to_f32(view.dtype, kv.row(items[it], true, kvh, j), row.data(), row.size());
+          for (int64_t e = 0; e < d; ++e) acc[e] += scores[j] * row[e];
+        }
+        float* oh = out + (out_row * n_heads + h) * d;
+        for (int64_t e = 0; e < d; ++e) oh[e] = n_keys > 0 ? static_cast<float>(acc[e] / denom) : 0.0f;
+      }
+    }
   }
-  double denom = 0.0;
-  for (int64_t j = 0; j < n_keys; ++j) {
-    scores[j] = std::exp(scores[j] - max_score);
-    denom += scores[j];
-  }
-  std::vector<double> acc(static_cast<size_t>(d), 0.0);
-  for (int64_t j = 0; j < n_keys; ++j) {
-    convert_to_f32(dtype, value_row(j), row.data(), row.size());
-    for (int64_t e = 0; e < d; ++e) acc[e] += scores[j] * row[e];
-  }
-  for (int64_t e = 0; e < d; ++e) oh[e] = n_keys > 0 ? static_cast<float>(acc[e] / denom) : 0.0f;
 }
+
+// The paged cache, causal: token t sees itself and everything before.
+struct PagedCausalKv {
+  static const KvLayerView& view(const AttentionItem& item) { return item.kv; }
+  static int64_t n_keys(const AttentionItem& item, int64_t t, int64_t) { return item.start_pos + t + 1; }
+  static const void* row(const AttentionItem& item, bool values, int64_t kvh, int64_t j) {
+    const KvLayerView& kv = item.kv;
+    void* const* pages = values ? kv.v_pages : kv.k_pages;
+    return element_at(pages[j / kv.page_size], kv.dtype,
+                      (kvh * kv.page_size + j % kv.page_size) * kv.head_dim);
+  }
+};
+
+// A working set: every token sees the first counts[kvh] rows of its head; no mask.
+struct WorkingSetKv {
+  static const WorkingSetView& view(const SparseAttentionItem& item) { return item.ws; }
+  static int64_t n_keys(const SparseAttentionItem& item, int64_t, int64_t kvh) { return item.ws.counts[kvh]; }
+  static const void* row(const SparseAttentionItem& item, bool values, int64_t kvh, int64_t j) {
+    const WorkingSetView& ws = item.ws;
+    return element_at(values ? ws.v : ws.k, ws.dtype, (kvh * ws.slots + j) * ws.head_dim);
+  }
+};
 }  // namespace
 
 Status ReferenceBackend::attention(const float* q, const AttentionItem* items, int64_t n_items,
                                    int64_t n_heads, float* out) {
   SPX_RETURN_IF_ERROR(check_attention_args(items, n_items, n_heads));
-  std::vector<double> scores;
-  for (int64_t it = 0; it < n_items; ++it) {
-    const AttentionItem& item = items[it];
-    const KvLayerView& kv = item.kv;
-    const int64_t d = kv.head_dim;
-    const int64_t group = n_heads / kv.kv_heads;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-    for (int64_t t = 0; t < item.n_tokens; ++t) {
-      const int64_t row = item.token_offset + t;
-      const int64_t n_keys = item.start_pos + t + 1;  // causal: itself and everything before
-      for (int64_t h = 0; h < n_heads; ++h) {
-        const int64_t kvh = h / group;
-        const float* qh = q + (row * n_heads + h) * d;
-        const auto row_of = [&](void* const* pages, int64_t j) -> const void* {
-          return element_at(pages[j / kv.page_size], kv.dtype, (kvh * kv.page_size + j % kv.page_size) * d);
-        };
-        attend_query(
-            qh, n_keys, d, kv.dtype, scale, [&](int64_t j) { return row_of(kv.k_pages, j); },
-            [&](int64_t j) { return row_of(kv.v_pages, j); }, scores, out + (row * n_heads + h) * d);
-      }
-    }
-  }
+  attend_items(q, items, n_items, n_heads, PagedCausalKv{}, out);
   return Status::ok();
 }
 
@@ -340,26 +359,7 @@ Status ReferenceBackend::kv_gather(const KvLayerView& kv, const GatherEntry* ent
 Status ReferenceBackend::attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
                                           int64_t n_heads, float* out) {
   SPX_RETURN_IF_ERROR(check_attention_sparse_args(items, n_items, n_heads));
-  std::vector<double> scores;
-  for (int64_t it = 0; it < n_items; ++it) {
-    const SparseAttentionItem& item = items[it];
-    const WorkingSetView& ws = item.ws;
-    const int64_t d = ws.head_dim;
-    const int64_t group = n_heads / ws.kv_heads;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-    for (int64_t t = 0; t < item.n_tokens; ++t) {
-      const int64_t row = item.token_offset + t;
-      for (int64_t h = 0; h < n_heads; ++h) {
-        const int64_t kvh = h / group;
-        const int64_t n_keys = ws.counts[kvh];
-        const float* qh = q + (row * n_heads + h) * d;
-        const int64_t head = kvh * ws.slots * d;
-        attend_query(
-            qh, n_keys, d, ws.dtype, scale, [&](int64_t j) { return element_at(ws.k, ws.dtype, head + j * d); },
-            [&](int64_t j) { return element_at(ws.v, ws.dtype, head + j * d); }, scores, out + (row * n_heads + h) * d);
-      }
-    }
-  }
+  attend_items(q, items, n_items, n_heads, WorkingSetKv{}, out);
   return Status::ok();
 }
 

@@ -1,6 +1,7 @@
-// Device code shared by the dense (kernels_attention.cu) and sparse (kernels_sparse.cu)
-// flash-decoding kernels: warp reductions, the per-tile online-softmax step, the P·V
-// accumulation, the (m, l, o) output of a chunk, the merge of the chunks and the launch layer.
+// The flash-decoding attention of both the dense (kernels_attention.cu) and the sparse
+// (kernels_sparse.cu) path: one partial and one merge kernel templated on a KV reader, their
+// pieces (warp reductions, the per-tile online-softmax step, the P·V accumulation, the (m, l, o)
+// output of a chunk, the merge of the chunks) and the launch layer.
 // Everything is __forceinline__ so each kernel compiles as if written out in place (the register
 // budget of __launch_bounds__(kThreads, 4) was tuned for that), and lives in an unnamed namespace
 // because each .cu file is its own translation unit.
@@ -268,12 +269,141 @@ __device__ __forceinline__ void merge_chunks(const Launch& a, int64_t base, int6
   }
 }
 
-// Launch layer. Kernels names the kernel pair of one file: `using Launch`, and static
-// partial<kDpl, kQpw, T>() (T: the K/V element type) and merge<kDpl>() returning the kernels.
-template <class Kernels, int kDpl, int kQpw, typename T>
-cudaError_t launch_partial(const typename Kernels::Launch& a, cudaStream_t stream) {
+// ---- the kernel pair of both attentions ----
+// One partial kernel and one merge kernel for dense and sparse attention, templated on a KV
+// reader Kv that says how a block reads its keys (kernels_attention.cu's PagedCausalKv: the paged
+// cache under the causal mask; kernels_sparse.cu's WorkingSetKv: the first counts[h] rows of a
+// working set, no mask):
+//   Launch, kCausal;
+//   key_range<kQpb>(a, it, chunk, kvh, group, n_pairs, pair0, begin, end): the keys of the
+//     block's chunk that some query of its tile sees; false when none (the block exits);
+//   no_keys<kQpb>(...): what such a block writes first (sparse without a split: zeros);
+//   Rows<T>(a, it, kvh, hd) with at(pos, k, v): where K and V rows of key pos start;
+//   query_pos(it, pair, group): causal only, the position of query pair (its last visible key);
+//   merge_chunks_of(a, item_idx, r, h, row): the chunks holding keys of batch row r (item item_idx)
+//     for head h, and its output row.
+
+// Work split: a block serves one (item, query tile, KV head, key chunk). A query tile is
+// kWarps · kQpw consecutive (row, head-of-group) pairs of one item that share the KV head, so
+// every K/V tile staged in shared memory is reused by all of them (GQA decode: the group's heads;
+// prefill: consecutive rows). Keys are streamed in tiles of 32 (one key per lane for the scores);
+// each warp keeps an online softmax (running max m, sum l, unnormalised output o) per query in
+// registers, in log2 units (q is pre-scaled by log2(e)/sqrt(head_dim), exp2f). With a single
+// chunk the block writes o / l directly, else the partial (m, l, o) for the merge kernel.
+// T: element type of the K/V rows (float, __half, __nv_bfloat16), widened to f32 while the tile
+// is staged, so shared memory and everything after it are f32 for every T.
+// minBlocks 4 lets ptxas use up to 128 registers; without it ptxas picked 64-72 and spilled for
+// some instantiations on sm_90.
+template <class Kv, int kDpl, int kQpw, typename T>
+__global__ void __launch_bounds__(kThreads, 4) split_attention_partial_kernel(const typename Kv::Launch a) {
+  constexpr int kQpb = kWarps * kQpw;
+  extern __shared__ float smem[];
+  const int hd = static_cast<int>(a.head_dim);
+  const auto [k_s, v_s, q_s, k_stride] = tile_smem(smem, hd);
+  const auto [it, chunk, kvh, group, n_pairs, pair0] = block_work<kQpb>(a);
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  int64_t key_begin = 0;
+  int64_t key_end = 0;
+  if (!Kv::template key_range<kQpb>(a, it, chunk, kvh, group, n_pairs, pair0, key_begin, key_end)) {
+    Kv::template no_keys<kQpb>(a, it, kvh, group, n_pairs, pair0, hd, warp, lane);
+    return;  // block-uniform
+  }
+  stage_queries<kQpb>(q_s, a.q, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads, hd, a.scale * kLog2e,
+                      warp, lane);
+
+  float m[kQpw];
+  float l[kQpw];
+  float o[kQpw][kDpl];
+  init_softmax(m, l, o);
+  // Causal: this warp's queries (tile slots warp * kQpw + s); qpos -1 masks every key (padding).
+  int64_t qpos[kQpw];
+  if constexpr (Kv::kCausal) {
+#pragma unroll
+    for (int s = 0; s < kQpw; ++s) {
+      const int64_t pair = pair0 + warp * kQpw + s;
+      qpos[s] = pair < n_pairs ? Kv::query_pos(it, pair, group) : -1;
+    }
+  }
+
+  const typename Kv::template Rows<T> rows(a, it, kvh, hd);
+  const float* q_w = q_s + warp * kQpw * hd;
+
+  for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
+    const int n_keys = static_cast<int>(min(static_cast<int64_t>(kKeyTile), key_end - t0));
+    __syncthreads();  // q_s is written (first tile) / the previous K/V tile is consumed
+    for (int j = warp; j < n_keys; j += kWarps) {
+      const T* k_row = nullptr;
+      const T* v_row = nullptr;
+      rows.at(t0 + j, k_row, v_row);
+      stage_kv_row(k_s + j * k_stride, v_s + j * hd, k_row, v_row, hd, lane);
+    }
+    __syncthreads();
+
+    float sc[kQpw];
+    tile_scores(sc, k_s, k_stride, q_w, hd, lane, n_keys);
+
+    const int64_t key_pos = t0 + lane;
+    float p[kQpw];
+#pragma unroll
+    for (int s = 0; s < kQpw; ++s) {
+      bool valid = lane < n_keys;
+      if constexpr (Kv::kCausal) valid = valid && key_pos <= qpos[s];
+      const float score = valid ? sc[s] : -INFINITY;
+      const float tile_max = warp_max(score);
+      p[s] = 0.0f;
+      // Warp-uniform: no key of this tile for query s (only under a mask; else n_keys >= 1).
+      if constexpr (Kv::kCausal) {
+        if (tile_max == -INFINITY) continue;
+      }
+      p[s] = online_softmax_step(valid, score, tile_max, m[s], l[s], o[s]);
+    }
+
+    accumulate_pv(o, p, v_s, hd, lane, n_keys);
+  }
+
+#pragma unroll
+  for (int s = 0; s < kQpw; ++s) {
+    if constexpr (Kv::kCausal) {
+      if (qpos[s] < key_begin) continue;  // padding slot, or no key of this chunk is visible
+    }
+    const int64_t pair = pair0 + warp * kQpw + s;
+    if constexpr (!Kv::kCausal) {
+      if (pair >= n_pairs) continue;  // padding slot
+    }
+    store_query(a, it, pair, group, kvh, chunk, m[s], l[s], o[s], hd, lane);
+  }
+}
+
+// One warp per (row, head): combines the chunks that hold keys of that query (every such chunk
+// was written and has l >= 1); none (an empty working set) gives zeros.
+template <class Kv, int kDpl>
+__global__ void __launch_bounds__(kThreads) split_attention_merge_kernel(const typename Kv::Launch a) {
+  int64_t r = 0;
+  int64_t h = 0;
+  int64_t item_idx = 0;
+  if (!merge_query(a, r, h, item_idx)) return;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int hd = static_cast<int>(a.head_dim);
+  int64_t row = 0;
+  const int64_t n = Kv::merge_chunks_of(a, item_idx, r, h, row);
+  const int64_t base = (r * a.n_heads + h) * a.n_chunks_max;
+  float* dst = a.out + (row * a.n_heads + h) * hd;
+  if constexpr (!Kv::kCausal) {
+    if (n == 0) {  // empty working set (a causal query always sees itself)
+      for (int d = lane; d < hd; d += 32) dst[d] = 0.0f;
+      return;
+    }
+  }
+  merge_chunks<kDpl>(a, base, n, dst, hd, lane);
+}
+
+// Launch layer: the kernel pair over the reader Kv, by K/V element type, head_dim and queries per
+// warp.
+template <class Kv, int kDpl, int kQpw, typename T>
+cudaError_t launch_partial(const typename Kv::Launch& a, cudaStream_t stream) {
   const size_t smem = attention_smem_bytes(a.head_dim, kQpw);
-  auto* kernel = Kernels::template partial<kDpl, kQpw, T>();
+  auto* kernel = split_attention_partial_kernel<Kv, kDpl, kQpw, T>;
   if (smem > 48 * 1024) {
     // Opt-in above the 48 KiB default (head_dim 256 with 4 queries per warp: ~80 KiB).
     const cudaError_t err =
@@ -285,48 +415,48 @@ cudaError_t launch_partial(const typename Kernels::Launch& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
-template <class Kernels, int kDpl, typename T>
-cudaError_t launch_for_dim(const typename Kernels::Launch& a, cudaStream_t stream) {
+template <class Kv, int kDpl, typename T>
+cudaError_t launch_for_dim(const typename Kv::Launch& a, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (a.queries_per_warp) {
     case 1:
-      err = launch_partial<Kernels, kDpl, 1, T>(a, stream);
+      err = launch_partial<Kv, kDpl, 1, T>(a, stream);
       break;
     case 2:
-      err = launch_partial<Kernels, kDpl, 2, T>(a, stream);
+      err = launch_partial<Kv, kDpl, 2, T>(a, stream);
       break;
     default:
-      err = launch_partial<Kernels, kDpl, 4, T>(a, stream);
+      err = launch_partial<Kv, kDpl, 4, T>(a, stream);
       break;
   }
   if (err != cudaSuccess || a.n_chunks_max == 1) return err;
   // The merge reads f32 partials only: one instance per kDpl, whatever T.
   const int64_t warps = a.total_rows * a.n_heads;
   const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
-  auto* merge = Kernels::template merge<kDpl>();
+  auto* merge = split_attention_merge_kernel<Kv, kDpl>;
   merge<<<blocks, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 // Dims per lane by head_dim (<= 64, <= 128, <= kAttentionMaxHeadDim).
-template <class Kernels, typename T>
-cudaError_t launch_for_type(const typename Kernels::Launch& a, cudaStream_t stream) {
-  if (a.head_dim <= 64) return launch_for_dim<Kernels, 2, T>(a, stream);
-  if (a.head_dim <= 128) return launch_for_dim<Kernels, 4, T>(a, stream);
-  return launch_for_dim<Kernels, 8, T>(a, stream);
+template <class Kv, typename T>
+cudaError_t launch_for_type(const typename Kv::Launch& a, cudaStream_t stream) {
+  if (a.head_dim <= 64) return launch_for_dim<Kv, 2, T>(a, stream);
+  if (a.head_dim <= 128) return launch_for_dim<Kv, 4, T>(a, stream);
+  return launch_for_dim<Kv, 8, T>(a, stream);
 }
 
 // By the K/V element type; nothing to do without work.
-template <class Kernels>
-cudaError_t launch_split_attention(const typename Kernels::Launch& a, cudaStream_t stream) {
+template <class Kv>
+cudaError_t launch_split_attention(const typename Kv::Launch& a, cudaStream_t stream) {
   if (a.total_blocks <= 0 || a.total_rows <= 0) return cudaSuccess;
   switch (a.kv_type) {
     case KvType::kF16:
-      return launch_for_type<Kernels, __half>(a, stream);
+      return launch_for_type<Kv, __half>(a, stream);
     case KvType::kBF16:
-      return launch_for_type<Kernels, __nv_bfloat16>(a, stream);
+      return launch_for_type<Kv, __nv_bfloat16>(a, stream);
     case KvType::kF32:
-      return launch_for_type<Kernels, float>(a, stream);
+      return launch_for_type<Kv, float>(a, stream);
   }
   return cudaErrorInvalidValue;  // not a KvType (the planners never produce one)
 }

@@ -1,11 +1,5 @@
-// Causal attention over the paged KV cache, flash-decoding style.
-//
-// Work split: a block serves one (item, query tile, KV head, key chunk). A query tile is
-// kAttentionWarps · kQpw consecutive (row, head-of-group) pairs of one item that share the KV
-// head, so every K/V tile staged in shared memory is reused by all of them (GQA decode: the
-// group's heads; prefill: consecutive rows). Keys are streamed in tiles of 32 (one key per lane
-// for the scores); each warp keeps an online softmax (running max m, sum l, unnormalised output o)
-// per query in registers, in log2 units (q is pre-scaled by log2(e)/sqrt(head_dim), exp2f).
+// Causal attention over the paged KV cache, flash-decoding style: the kernel pair of
+// attention_common.cuh (work split, online softmax, split-K) over the reader PagedCausalKv.
 //
 // With a single chunk (enough blocks without splitting) the block writes o / l directly. Else
 // every (query, chunk) writes partial (m, l, o) and the merge kernel combines the chunks of each
@@ -23,110 +17,62 @@ namespace specontext::gpu::kernels {
 
 namespace {
 
-// T: element type of the K/V pages (float, __half, __nv_bfloat16), widened to f32 while the tile
-// is staged, so shared memory and everything after it are f32 for every T.
-// minBlocks 4 lets ptxas use up to 128 registers; without it ptxas picked 64-72 and spilled for
-// some instantiations on sm_90.
-template <int kDpl, int kQpw, typename T>
-__global__ void __launch_bounds__(kThreads, 4) attention_partial_kernel(const AttentionLaunch a) {
-  constexpr int kQpb = kWarps * kQpw;
-  extern __shared__ float smem[];
-  const int hd = static_cast<int>(a.head_dim);
-  const auto [k_s, v_s, q_s, k_stride] = tile_smem(smem, hd);
-  const auto [it, chunk, kvh, group, n_pairs, pair0] = block_work<kQpb>(a);
-  const int64_t last_pair = min(pair0 + kQpb, n_pairs) - 1;
-  const int64_t max_qpos = it.start_pos + last_pair / group;
-  const int64_t key_begin = chunk * a.chunk_size;
-  if (key_begin > max_qpos) return;  // causal: no query of this tile reaches this chunk
-  const int64_t key_end = min(key_begin + a.chunk_size, max_qpos + 1);
+// The paged cache under the causal mask: the query of row t (position start_pos + t) sees keys
+// 0 .. start_pos + t, through the item's page table.
+struct PagedCausalKv {
+  using Launch = AttentionLaunch;
+  static constexpr bool kCausal = true;
 
-  const int warp = static_cast<int>(threadIdx.x >> 5);
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  stage_queries<kQpb>(q_s, a.q, pair0, n_pairs, it.token_offset, group, kvh, a.n_heads, hd, a.scale * kLog2e,
-                      warp, lane);
+  // Keys of this chunk up to the tile's last query; none when the chunk starts beyond it.
+  template <int kQpb>
+  __device__ __forceinline__ static bool key_range(const Launch& a, const AttentionItemMeta& it,
+                                                   int64_t chunk, int64_t /*kvh*/, int64_t group,
+                                                   int64_t n_pairs, int64_t pair0, int64_t& key_begin,
+                                                   int64_t& key_end) {
+    const int64_t last_pair = min(pair0 + kQpb, n_pairs) - 1;
+    const int64_t max_qpos = it.start_pos + last_pair / group;
+    key_begin = chunk * a.chunk_size;
+    if (key_begin > max_qpos) return false;  // causal: no query of this tile reaches this chunk
+    key_end = min(key_begin + a.chunk_size, max_qpos + 1);
+    return true;
+  }
+  template <int kQpb>
+  __device__ __forceinline__ static void no_keys(const Launch&, const AttentionItemMeta&, int64_t, int64_t,
+                                                 int64_t, int64_t, int, int, int) {}  // nothing to write
 
-  // This warp's queries: tile slots warp * kQpw + s. qpos -1 masks every key (padding slot).
-  int64_t qpos[kQpw];
-  float m[kQpw];
-  float l[kQpw];
-  float o[kQpw][kDpl];
-  init_softmax(m, l, o);
-#pragma unroll
-  for (int s = 0; s < kQpw; ++s) {
-    const int64_t pair = pair0 + warp * kQpw + s;
-    qpos[s] = pair < n_pairs ? it.start_pos + pair / group : -1;
+  __device__ __forceinline__ static int64_t query_pos(const AttentionItemMeta& it, int64_t pair,
+                                                      int64_t group) {
+    return it.start_pos + pair / group;
   }
 
-  void* const* k_pages = a.page_table + it.page_table_offset;
-  void* const* v_pages = k_pages + it.n_pages;
-  const int64_t page_size = it.page_size;
-  const float* q_w = q_s + warp * kQpw * hd;
-
-  for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
-    const int n_keys = static_cast<int>(min(static_cast<int64_t>(kKeyTile), key_end - t0));
-    __syncthreads();  // q_s is written (first tile) / the previous K/V tile is consumed
-    for (int j = warp; j < n_keys; j += kWarps) {
-      const int64_t pos = t0 + j;
+  template <typename T>
+  struct Rows {
+    void* const* k_pages;
+    void* const* v_pages;
+    int64_t page_size;
+    int64_t kvh;
+    int hd;
+    __device__ __forceinline__ Rows(const Launch& a, const AttentionItemMeta& it, int64_t kvh_, int hd_)
+        : k_pages(a.page_table + it.page_table_offset),
+          v_pages(k_pages + it.n_pages),
+          page_size(it.page_size),
+          kvh(kvh_),
+          hd(hd_) {}
+    __device__ __forceinline__ void at(int64_t pos, const T*& k, const T*& v) const {
       const int64_t page = pos / page_size;
       const int64_t off = (kvh * page_size + (pos - page * page_size)) * hd;
-      stage_kv_row(k_s + j * k_stride, v_s + j * hd, static_cast<const T*>(k_pages[page]) + off,
-                   static_cast<const T*>(v_pages[page]) + off, hd, lane);
+      k = static_cast<const T*>(k_pages[page]) + off;
+      v = static_cast<const T*>(v_pages[page]) + off;
     }
-    __syncthreads();
+  };
 
-    float sc[kQpw];
-    tile_scores(sc, k_s, k_stride, q_w, hd, lane, n_keys);
-
-    const int64_t key_pos = t0 + lane;
-    float p[kQpw];
-#pragma unroll
-    for (int s = 0; s < kQpw; ++s) {
-      const bool valid = lane < n_keys && key_pos <= qpos[s];
-      const float score = valid ? sc[s] : -INFINITY;
-      const float tile_max = warp_max(score);
-      p[s] = 0.0f;
-      if (tile_max == -INFINITY) continue;  // warp-uniform: no key of this tile for query s
-      p[s] = online_softmax_step(valid, score, tile_max, m[s], l[s], o[s]);
-    }
-
-    accumulate_pv(o, p, v_s, hd, lane, n_keys);
-  }
-
-#pragma unroll
-  for (int s = 0; s < kQpw; ++s) {
-    if (qpos[s] < key_begin) continue;  // padding slot, or no key of this chunk is visible
-    const int64_t pair = pair0 + warp * kQpw + s;
-    store_query(a, it, pair, group, kvh, chunk, m[s], l[s], o[s], hd, lane);
-  }
-}
-
-// One warp per (row, head): combines the chunks 0 .. qpos / chunk_size of that query.
-template <int kDpl>
-__global__ void __launch_bounds__(kThreads) attention_merge_kernel(const AttentionLaunch a) {
-  int64_t r = 0;
-  int64_t h = 0;
-  int64_t item_idx = 0;
-  if (!merge_query(a, r, h, item_idx)) return;
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int hd = static_cast<int>(a.head_dim);
-  const int64_t local = r - a.row_begin[item_idx];
-  const int64_t row = a.items[item_idx].token_offset + local;
-  const int64_t qpos = a.items[item_idx].start_pos + local;
-  const int64_t n = qpos / a.chunk_size + 1;
-  const int64_t base = (r * a.n_heads + h) * a.n_chunks_max;
-  merge_chunks<kDpl>(a, base, n, a.out + (row * a.n_heads + h) * hd, hd, lane);
-}
-
-// The kernel pair for the shared launch layer of attention_common.cuh.
-struct DenseKernels {
-  using Launch = AttentionLaunch;
-  template <int kDpl, int kQpw, typename T>
-  static auto partial() {
-    return attention_partial_kernel<kDpl, kQpw, T>;
-  }
-  template <int kDpl>
-  static auto merge() {
-    return attention_merge_kernel<kDpl>;
+  // A query at position p has keys in chunks 0 .. p / chunk_size, each holding a key <= p.
+  __device__ __forceinline__ static int64_t merge_chunks_of(const Launch& a, int64_t item_idx, int64_t r,
+                                                            int64_t /*h*/, int64_t& row) {
+    const int64_t local = r - a.row_begin[item_idx];
+    row = a.items[item_idx].token_offset + local;
+    const int64_t qpos = a.items[item_idx].start_pos + local;
+    return qpos / a.chunk_size + 1;
   }
 };
 
@@ -140,7 +86,7 @@ size_t attention_smem_bytes(int64_t head_dim, int queries_per_warp) {
 
 cudaError_t launch_attention(const AttentionLaunch& a, cudaStream_t stream) {
   clear_stale_error();
-  return launch_split_attention<DenseKernels>(a, stream);
+  return launch_split_attention<PagedCausalKv>(a, stream);
 }
 
 }  // namespace specontext::gpu::kernels

@@ -1,9 +1,9 @@
 // The attention work split, checked without a GPU: plan_attention's metadata drives a host
-// mirror of the two kernels (attention_partial_kernel and attention_merge_kernel in
-// gpu/kernels_attention.cu: same block decomposition, same per-lane arithmetic in log2 units),
-// and the result must match the CPU reference. This pins down the decomposition (tiles, chunks,
-// causal early exits, split-K partial indexing and merge) in CI; the CUDA tests
-// (cuda_ops_test.cc) check the kernels themselves on a device.
+// mirror of the two kernels (split_attention_partial_kernel and split_attention_merge_kernel of
+// gpu/attention_common.cuh over kernels_attention.cu's PagedCausalKv: same block decomposition,
+// same per-lane arithmetic in log2 units), and the result must match the CPU reference. This pins
+// down the decomposition (tiles, chunks, causal early exits, split-K partial indexing and merge)
+// in CI; the CUDA tests (cuda_ops_test.cc) check the kernels themselves on a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -63,7 +63,7 @@ void emulate_gather(const KvGatherPlan& plan, const GatherEntry* entries) {
   }
 }
 
-// Host mirror of sparse_attention_partial_kernel and sparse_attention_merge_kernel.
+// Host mirror of split_attention_partial_kernel and split_attention_merge_kernel over WorkingSetKv.
 void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* out) {
   const kernels::SparseAttentionLaunch& a = plan.launch;
   const DType dtype = dtype_of(a.kv_type);

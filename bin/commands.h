@@ -155,4 +155,24 @@ struct ServeArgs {
 void register_serve(CLI::App& app, ServeArgs& args);
 int run_serve(const ServeArgs& args);
 
+struct RouterArgs {
+  std::vector<std::string> replicas;  // --replica http://HOST:PORT (repeatable)
+  std::string policy = "rr";          // rr | least-load | prefix
+  std::string host = "127.0.0.1";
+  int64_t port = 8080;  // 0: any free port (printed at start)
+  int64_t chunk_bytes = 64;
+  double match_ratio = 0.5;
+  int64_t balance_threshold = 8;
+  double health_interval = 1;  // seconds
+  double connect_timeout = 2;  // seconds
+  double upstream_timeout = 600;
+  int64_t max_connections = 1024;
+  int64_t max_body_bytes = 4 << 20;
+  std::vector<std::string> api_keys;
+  std::string tls_cert;
+  std::string tls_key;
+};
+void register_router(CLI::App& app, RouterArgs& args);
+int run_router(const RouterArgs& args);
+
 }  // namespace specontext::cli

@@ -1,4 +1,4 @@
-// specontext: one binary, subcommands (generate, serve, inspect, plan, distill, eval, kv-node).
+// specontext: one binary, subcommands (generate, serve, inspect, plan, distill, eval, kv-node, router).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
   specontext::cli::register_kv_node(app, kv_node);
   specontext::cli::ServeArgs serve;
   specontext::cli::register_serve(app, serve);
+  specontext::cli::RouterArgs router;
+  specontext::cli::register_router(app, router);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -34,5 +36,6 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("distill")) return specontext::cli::run_distill(distill);
   if (app.got_subcommand("kv-node")) return specontext::cli::run_kv_node(kv_node);
   if (app.got_subcommand("serve")) return specontext::cli::run_serve(serve);
+  if (app.got_subcommand("router")) return specontext::cli::run_router(router);
   return 2;
 }

@@ -28,7 +28,7 @@ ALLOWED = {
     "core/ports": ["core/base", "core/model"],
     "core/sparse": ["core/base", "core/model", "core/ports"],
     "core/engine": ["core/base", "core/model", "core/ports", "core/sparse"],
-    "core/tls": ["core/base"],  # OpenSSL contexts; not in CORE: only cluster and serving/openai use it
+    "core/tls": ["core/base"],  # OpenSSL contexts; not in CORE: only cluster, serving/openai and serving/router use it
     "planner": ["core/base", "core/model", "core/ports"],
     "transport": ["core/base", "core/ports"],
     "cpu": CORE,
@@ -37,10 +37,12 @@ ALLOWED = {
     "serving/structured": ["core/base", "core/model", "core/tokenizer"],
     "serving": CORE + ["serving/structured"],
     "serving/openai": CORE + ["core/tls", "serving", "serving/structured"],
+    # the router in front of serve replicas: the server's HTTP request handling and API errors
+    "serving/router": ["core/base", "core/tls", "serving/openai"],
     "research": CORE,
     "runtime": CORE + ["cpu", "gpu", "transport", "planner", "cluster", "serving", "serving/structured"],
     "bin": CORE + ["cpu", "gpu", "transport", "planner", "cluster", "serving", "serving/structured",
-                   "serving/openai", "research", "runtime"],
+                   "serving/openai", "serving/router", "research", "runtime"],
 }
 ALLOWED["bench"] = ALLOWED["bin"] + ["bin"]
 ALLOWED["tests"] = ALLOWED["bench"] + ["bench"]

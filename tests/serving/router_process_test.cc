@@ -1,0 +1,184 @@
+// `specontext router` as a process in front of two `specontext serve` processes: it prints where
+// it listens, answers with the replicas' text, spreads requests by least-load, keeps answering
+// when a replica is killed, exits 0 on SIGTERM with its counters, and bad flags are clear errors.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/tests_common.h"
+
+namespace specontext::router {
+namespace {
+
+namespace asio = boost::asio;
+namespace http = boost::beast::http;
+using json = nlohmann::json;
+using specontext::testing::repo_path;
+
+// A `specontext SUBCOMMAND` child with stdout and stderr captured; the port comes from its first
+// line (as server_process_test's ServeProcess).
+class Process {
+ public:
+  explicit Process(std::vector<std::string> args) {
+    args.insert(args.begin(), SPECONTEXT_BIN);
+    int out[2], err[2];
+    if (pipe(out) != 0 || pipe(err) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      dup2(err[1], STDERR_FILENO);
+      for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(SPECONTEXT_BIN, argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    close(err[1]);
+    out_ = fdopen(out[0], "r");
+    err_ = fdopen(err[0], "r");
+    std::array<char, 4096> line{};
+    if (fgets(line.data(), line.size(), out_) != nullptr) {
+      first_line_ = line.data();
+      auto j = json::parse(first_line_, nullptr, false);
+      if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
+    }
+  }
+  ~Process() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_) fclose(out_);
+    if (err_) fclose(err_);
+  }
+  uint16_t port() const { return port_; }
+  const std::string& first_line() const { return first_line_; }
+  struct Exit {
+    int code = -1;
+    std::string out, err;
+  };
+  Exit wait(int sig) {
+    if (sig != 0) ::kill(pid_, sig);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    Exit e;
+    e.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::array<char, 4096> buf{};
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), out_)) > 0) e.out.append(buf.data(), n);
+    while ((n = fread(buf.data(), 1, buf.size(), err_)) > 0) e.err.append(buf.data(), n);
+    return e;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  FILE* err_ = nullptr;
+  uint16_t port_ = 0;
+  std::string first_line_;
+};
+
+std::pair<int, std::string> request(uint16_t port, http::verb verb, const std::string& target, const std::string& body) {
+  asio::io_context ioc;
+  asio::ip::tcp::socket s(ioc);
+  s.connect({asio::ip::make_address("127.0.0.1"), port});
+  http::request<http::string_body> req{verb, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  req.body() = body;
+  req.prepare_payload();
+  http::write(s, req);
+  boost::beast::flat_buffer buf;
+  http::response<http::string_body> res;
+  http::read(s, buf, res);
+  return {static_cast<int>(res.result_int()), res.body()};
+}
+
+Process serve() {
+  return Process({"serve", "-m", repo_path("models/stories260K/stories260K.bin"), "--served-model-name", "stories",
+                  "--listen", "127.0.0.1:0"});
+}
+
+TEST(RouterProcess, RoutesToServeProcessesAndKeepsAnsweringWhenOneIsKilled) {
+  Process a = serve();
+  Process b = serve();
+  ASSERT_NE(a.port(), 0) << a.first_line();
+  ASSERT_NE(b.port(), 0) << b.first_line();
+  Process router({"router", "--replica", "http://127.0.0.1:" + std::to_string(a.port()), "--replica",
+                  "127.0.0.1:" + std::to_string(b.port()), "--policy", "least-load", "--port", "0",
+                  "--health-interval", "0"});
+  ASSERT_NE(router.port(), 0) << router.first_line();
+  const json listening = json::parse(router.first_line());
+  EXPECT_EQ(listening["event"], "listening");
+  EXPECT_EQ(listening["policy"], "least-load");
+  EXPECT_EQ(listening["replicas"].size(), 2u);
+
+  const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 24}, {"temperature", 0}}.dump();
+  const auto direct = request(a.port(), http::verb::post, "/v1/completions", body);
+  ASSERT_EQ(direct.first, 200) << direct.second;
+  const std::string expected = json::parse(direct.second)["choices"][0]["text"];
+  for (int i = 0; i < 2; ++i) {
+    const auto r = request(router.port(), http::verb::post, "/v1/completions", body);
+    ASSERT_EQ(r.first, 200) << r.second;
+    EXPECT_EQ(json::parse(r.second)["choices"][0]["text"], expected);
+  }
+  a.wait(SIGKILL);  // gone without a goodbye
+  for (int i = 0; i < 3; ++i) {
+    const auto r = request(router.port(), http::verb::post, "/v1/completions", body);
+    ASSERT_EQ(r.first, 200) << r.second;
+    EXPECT_EQ(json::parse(r.second)["choices"][0]["text"], expected);
+  }
+  const auto metrics = request(router.port(), http::verb::get, "/metrics", "");
+  EXPECT_NE(metrics.second.find("\nspecontext_router_replicas_up 1\n"), std::string::npos) << metrics.second;
+  const Process::Exit e = router.wait(SIGTERM);
+  EXPECT_EQ(e.code, 0) << e.err;
+  const json stopped = json::parse(e.out, nullptr, false);
+  ASSERT_TRUE(stopped.is_object()) << e.out;
+  EXPECT_EQ(stopped["event"], "stopped");
+  EXPECT_EQ(stopped["requests"], 6);  // five completions and /metrics
+  EXPECT_EQ(stopped["proxied"], 5);
+  EXPECT_EQ(stopped["unavailable"], 0);
+  EXPECT_NE(e.err.find("marked down"), std::string::npos) << e.err;
+}
+
+TEST(RouterProcess, BadFlagsAreClearErrors) {
+  {
+    Process p({"router", "--replica", "https://127.0.0.1:9", "--port", "0"});
+    const Process::Exit e = p.wait(0);
+    EXPECT_EQ(e.code, 1);
+    EXPECT_NE(e.err.find("--replica"), std::string::npos) << e.err;
+    EXPECT_NE(e.err.find("https:// replicas are not supported"), std::string::npos) << e.err;
+  }
+  {
+    Process p({"router", "--replica", "127.0.0.1:nope", "--port", "0"});
+    const Process::Exit e = p.wait(0);
+    EXPECT_EQ(e.code, 1);
+    EXPECT_NE(e.err.find("expected http://HOST:PORT"), std::string::npos) << e.err;
+  }
+  {
+    Process p({"router", "--port", "0"});
+    const Process::Exit e = p.wait(0);
+    EXPECT_NE(e.code, 0);
+    EXPECT_NE(e.err.find("--replica"), std::string::npos) << e.err;
+  }
+  {
+    Process p({"router", "--replica", "127.0.0.1:9", "--policy", "random"});
+    const Process::Exit e = p.wait(0);
+    EXPECT_NE(e.code, 0);
+    EXPECT_NE(e.err.find("--policy"), std::string::npos) << e.err;
+  }
+}
+
+}  // namespace
+}  // namespace specontext::router

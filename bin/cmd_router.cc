@@ -53,10 +53,7 @@ void register_router(CLI::App& app, RouterArgs& a) {
   cmd->add_option("--max-body-bytes", a.max_body_bytes, "largest request body (more: 413)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
       ->capture_default_str();
-  cmd->add_option("--api-key", a.api_keys,
-                  "a key clients must send as 'Authorization: Bearer KEY' on /v1/ (repeatable); the header "
-                  "is passed on to the replicas")
-      ->envname("SPECONTEXT_API_KEY");
+  add_api_key_options(*cmd, a.api_key, "the header is passed on to the replicas");
   cmd->add_option("--tls-cert", a.tls_cert, "PEM certificate chain: HTTPS towards clients (with --tls-key)");
   cmd->add_option("--tls-key", a.tls_key, "PEM private key of --tls-cert");
 }
@@ -84,7 +81,11 @@ int run_router(const RouterArgs& a) {
   o.upstream_timeout = ms(a.upstream_timeout);
   o.max_connections = static_cast<size_t>(a.max_connections);
   o.max_body_bytes = static_cast<size_t>(a.max_body_bytes);
-  o.api_keys = a.api_keys;
+  {
+    auto keys = api_keys_of(a.api_key);
+    if (!keys.is_ok()) return fail(keys.status());
+    o.api_keys = std::move(*keys);
+  }
   o.tls_cert_file = a.tls_cert;
   o.tls_key_file = a.tls_key;
   // The stop signals blocked before the router's threads start: only sigwait below sees them.

@@ -40,11 +40,7 @@ void register_serve(CLI::App& app, ServeArgs& a) {
   cmd->add_option("--drain-seconds", a.drain_seconds,
                   "on SIGTERM, how long accepted requests may take to finish")
       ->check(CLI::NonNegativeNumber);
-  // As vLLM's --api-key / VLLM_API_KEY; the variable keeps the key out of `ps`.
-  cmd->add_option("--api-key", a.api_keys,
-                  "a key clients must send as 'Authorization: Bearer KEY' on /v1/ (repeatable: any of "
-                  "them; /health and /metrics stay open)")
-      ->envname("SPECONTEXT_API_KEY");
+  add_api_key_options(*cmd, a.api_key, "/health and /metrics stay open");
   cmd->add_option("--max-connections", a.max_connections,
                   "connections served at once; one more is answered 503 and closed, its /health or "
                   "/metrics request answered (0: no limit)")
@@ -93,10 +89,9 @@ int run_serve(const ServeArgs& a) {
   };
   auto ep = cluster::parse_endpoint(a.listen, /*allow_any_port=*/true);
   if (!ep.is_ok()) return fail(ep.status().with_context("--listen"));
-  // Before the model loads: an empty key would make the empty Bearer token valid.
-  if (std::ranges::any_of(a.api_keys, [](const std::string& k) { return k.empty(); })) {
-    return fail(invalid_argument("--api-key: a key must not be empty"));
-  }
+  // Before the model loads: a bad key file is a quick error.
+  auto api_keys = api_keys_of(a.api_key);
+  if (!api_keys.is_ok()) return fail(api_keys.status());
   if (a.tls_cert.empty() != a.tls_key.empty()) {
     return fail(invalid_argument(a.tls_cert.empty() ? "--tls-cert: a certificate file goes with --tls-key"
                                                     : "--tls-key: a private key file goes with --tls-cert"));
@@ -135,7 +130,7 @@ int run_serve(const ServeArgs& a) {
   o.chat_template = chat_template_for(*loaded->model, *loaded->tokenizer);
   o.stop_ids = generation_stop_ids(*loaded->tokenizer);
   o.max_waiting = static_cast<size_t>(a.max_waiting);
-  o.api_keys = a.api_keys;
+  o.api_keys = std::move(*api_keys);
   o.max_connections = static_cast<size_t>(a.max_connections);
   o.max_connections_per_ip = static_cast<size_t>(a.max_connections_per_ip);
   auto millis = [](double seconds) {

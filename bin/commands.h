@@ -141,7 +141,7 @@ struct ServeArgs {
   int64_t max_batch_tokens = 2048;
   int64_t max_waiting = 256;
   double drain_seconds = 30;
-  std::vector<std::string> api_keys;  // --api-key (repeatable), else SPECONTEXT_API_KEY
+  ApiKeyArgs api_key;  // --api-key-file, else SPECONTEXT_API_KEY
   int64_t max_connections = 1024;     // 0 = no limit
   int64_t max_connections_per_ip = 256;  // 0 = no limit
   double header_timeout = 10;            // seconds
@@ -168,7 +168,7 @@ struct RouterArgs {
   double upstream_timeout = 600;
   int64_t max_connections = 1024;
   int64_t max_body_bytes = 4 << 20;
-  std::vector<std::string> api_keys;
+  ApiKeyArgs api_key;
   std::string tls_cert;
   std::string tls_key;
 };

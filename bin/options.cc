@@ -1,5 +1,7 @@
 #include "bin/options.h"
 
+#include "serving/openai/http_request.h"
+
 namespace specontext::cli {
 
 void add_model_options(CLI::App& cmd, ModelArgs& args) {
@@ -155,6 +157,24 @@ void add_tier_options(CLI::App& cmd, TierArgs& a) {
                  "remote layers whose whole KV is staged on the device at once, for dense attention and "
                  "per-layer selections (the next is loaded while one computes; 1 = no overlap)")
       ->check(CLI::PositiveNumber);
+}
+
+void add_api_key_options(CLI::App& cmd, ApiKeyArgs& args, const std::string& help) {
+  cmd.add_option("--api-key-file", args.file,
+                 "file of the keys clients must send as 'Authorization: Bearer KEY' on /v1/ (one per line, "
+                 "chmod 600; else SPECONTEXT_API_KEY); " + help);
+  // vLLM's --api-key KEY puts the key where every local user reads it: named here only to refuse it.
+  cmd.add_option("--api-key", args.inline_keys)->group("");
+}
+
+Result<std::vector<std::string>> api_keys_of(const ApiKeyArgs& args) {
+  if (!args.inline_keys.empty()) {
+    return invalid_argument(
+        "--api-key: a key on the command line is visible to every local user (ps, /proc/PID/cmdline); "
+        "put the keys in a file readable by you only (chmod 600) and pass --api-key-file FILE, or set "
+        "SPECONTEXT_API_KEY");
+  }
+  return cluster::load_api_keys(args.file);
 }
 
 }  // namespace specontext::cli

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <string>
+#include <vector>
 
 #include "runtime/engine_setup.h"
 #include "runtime/tier_setup.h"
@@ -18,5 +20,14 @@ void add_model_options(CLI::App& cmd, ModelArgs& args);
 void add_engine_options(CLI::App& cmd, EngineArgs& args);
 // --device-kv, --host-kv, --remote-kv, --kv-node and the other tier flags.
 void add_tier_options(CLI::App& cmd, TierArgs& args);
+
+// The keys HTTP clients must send (serve, router): --api-key-file FILE, else SPECONTEXT_API_KEY.
+struct ApiKeyArgs {
+  std::string file;
+  std::vector<std::string> inline_keys;  // a hidden --api-key KEY, refused: ps shows it to everyone
+};
+void add_api_key_options(CLI::App& cmd, ApiKeyArgs& args, const std::string& help);
+// The keys (serving/openai load_api_keys), or kInvalidArgument naming the flag.
+Result<std::vector<std::string>> api_keys_of(const ApiKeyArgs& args);
 
 }  // namespace specontext::cli

@@ -1,5 +1,7 @@
 #include "tests/tests_common.h"
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +29,12 @@ std::string read_text_file(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+::testing::AssertionResult write_owner_only(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text << "\n";
+  if (::chmod(path.c_str(), 0600) != 0) return ::testing::AssertionFailure() << "chmod 0600 " << path;
+  return ::testing::AssertionSuccess();
 }
 
 void write_file(const std::string& path, const std::string& bytes) {

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <gtest/gtest.h>
 #include <span>
 #include <string>
 #include <vector>
@@ -15,6 +16,8 @@ std::string repo_path(const std::string& relative);
 std::string temp_dir(const std::string& prefix);
 std::string read_text_file(const std::string& path);
 void write_file(const std::string& path, const std::string& bytes);
+// A file of secrets as users are told to write them: `text` and a newline, mode 0600.
+::testing::AssertionResult write_owner_only(const std::string& path, const std::string& text);
 // ‖a − b‖₂ / ‖b‖₂ over a.size() elements (b the reference), in double.
 double rel_l2(std::span<const float> a, std::span<const float> b);
 

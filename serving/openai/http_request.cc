@@ -1,6 +1,9 @@
 #include "serving/openai/http_request.h"
 
+#include "core/base/private_file.h"
+
 #include <algorithm>
+#include <cstdlib>
 #include <cctype>
 
 namespace specontext::cluster {
@@ -103,6 +106,33 @@ Routing route_of(http::verb method, std::string_view method_name, std::string_vi
            " (serving /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
            "/metrics)",
        "", ""}};
+}
+
+Result<std::vector<std::string>> load_api_keys(const std::string& file) {
+  static constexpr size_t kMaxApiKeysFileBytes = 64 * 1024;
+  static constexpr std::string_view kSpace = " \t\r";
+  std::vector<std::string> keys;
+  if (file.empty()) {
+    const char* env = std::getenv("SPECONTEXT_API_KEY");
+    if (env == nullptr) return keys;
+    std::string_view key(env);
+    while (!key.empty() && kSpace.find(key.back()) != std::string_view::npos) key.remove_suffix(1);
+    if (key.empty()) return invalid_argument("SPECONTEXT_API_KEY: empty; unset it for no key");
+    keys.emplace_back(key);
+    return keys;
+  }
+  SPX_ASSIGN_OR_RETURN(std::string text, read_private_file(file, kMaxApiKeysFileBytes, "--api-key-file"));
+  std::string_view rest(text);
+  while (!rest.empty()) {
+    const size_t end = rest.find('\n');
+    std::string_view line = rest.substr(0, end);
+    rest = end == std::string_view::npos ? std::string_view() : rest.substr(end + 1);
+    while (!line.empty() && kSpace.find(line.front()) != std::string_view::npos) line.remove_prefix(1);
+    while (!line.empty() && kSpace.find(line.back()) != std::string_view::npos) line.remove_suffix(1);
+    if (!line.empty()) keys.emplace_back(line);
+  }
+  if (keys.empty()) return invalid_argument("--api-key-file " + file + ": holds no key (one per line)");
+  return keys;
 }
 
 }  // namespace specontext::cluster

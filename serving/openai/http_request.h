@@ -42,6 +42,13 @@ bool constant_time_equal(std::string_view given, std::string_view key);
 // the Bearer token is one of the keys (each compared in full).
 bool authorized(const HttpRequestHeader& req, const std::vector<std::string>& api_keys);
 
+// The API keys clients must send: one per line of `file` (--api-key-file; blank lines and
+// surrounding whitespace ignored; the file readable by its owner only, at most 64 KiB, at least
+// one key), else the SPECONTEXT_API_KEY variable (one key), else none. Never from the command
+// line, where every local user reads it (ps, /proc/PID/cmdline). kInvalidArgument naming
+// --api-key-file or the variable.
+Result<std::vector<std::string>> load_api_keys(const std::string& file);
+
 // Once a request's header is read (parser.is_header_done()): true when it must be refused (401)
 // unread and its connection closed: without a valid key, a body that is large, chunked, or waits
 // for a 100 Continue is not read.

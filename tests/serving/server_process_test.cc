@@ -1,9 +1,10 @@
 // `specontext serve` as a process: it prints where it listens, answers with the text
 // `specontext generate` gives, drains an accepted request on SIGTERM before it exits 0 with its
-// counters, takes API keys from --api-key or SPECONTEXT_API_KEY, passes the connection and
+// counters, takes API keys from --api-key-file or SPECONTEXT_API_KEY, passes the connection and
 // request-queue flags to the server, and bad flags are clear errors (exit 1), never a hang.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,6 +30,9 @@ namespace asio = boost::asio;
 namespace http = boost::beast::http;
 using json = nlohmann::json;
 using specontext::testing::repo_path;
+using specontext::testing::temp_dir;
+using specontext::testing::write_file;
+using specontext::testing::write_owner_only;
 
 // A `specontext serve` child with stdout and stderr captured; the port comes from its first line.
 class ServeProcess {
@@ -228,10 +232,12 @@ TEST(ServeProcess, AnswersWithTheTextGenerateGivesAndDrainsOnSigterm) {
   EXPECT_EQ(stopped["signal"], SIGTERM);
 }
 
-TEST(ServeProcess, ApiKeysComeFromTheFlagsOrElseTheEnvironment) {
+TEST(ServeProcess, ApiKeysComeFromTheKeyFileOrElseTheEnvironment) {
   {
+    const std::string keys = temp_dir("serve_api_keys") + "/keys";
+    ASSERT_TRUE(write_owner_only(keys, "k1\n\n  k2  "));  // one per line; blanks and spaces ignored
     std::vector<std::string> args = model_flags();
-    args.insert(args.end(), {"--api-key", "k1", "--api-key", "k2", "--max-connections", "8"});
+    args.insert(args.end(), {"--api-key-file", keys, "--max-connections", "8"});
     ServeProcess server(args);
     ASSERT_NE(server.port(), 0) << server.first_line();
     const json listening = json::parse(server.first_line());
@@ -247,7 +253,7 @@ TEST(ServeProcess, ApiKeysComeFromTheFlagsOrElseTheEnvironment) {
     ASSERT_TRUE(stopped.is_object()) << e.out;
     EXPECT_EQ(stopped["unauthorized"], 2);
   }
-  // Without --api-key, SPECONTEXT_API_KEY (the child inherits this process's environment).
+  // Without --api-key-file, SPECONTEXT_API_KEY (the child inherits this process's environment).
   ASSERT_EQ(setenv("SPECONTEXT_API_KEY", "from-env", 1), 0);
   ServeProcess server(model_flags());
   unsetenv("SPECONTEXT_API_KEY");
@@ -297,6 +303,11 @@ TEST(ServeProcess, ConnectionAndRequestQueueFlagsReachTheServer) {
 }
 
 TEST(ServeProcess, BadFlagsAreClearErrors) {
+  const std::string dir = temp_dir("serve_bad_keys");
+  const std::string readable_keys = dir + "/readable", empty_keys = dir + "/empty";
+  write_file(readable_keys, "k1\n");
+  ASSERT_EQ(::chmod(readable_keys.c_str(), 0644), 0);
+  ASSERT_TRUE(write_owner_only(empty_keys, " \n"));
   struct Case {
     std::vector<std::string> args;
     std::string in_error;
@@ -306,7 +317,12 @@ TEST(ServeProcess, BadFlagsAreClearErrors) {
       {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "not-an-endpoint"}, "--listen"},
       {{"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "10.255.255.1:0"},
        "cannot listen"},
-      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--api-key", ""}, "--api-key"},
+      // vLLM's --api-key KEY: refused, the key would be in ps; the message names the file flag.
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--api-key", "k1"}, "--api-key-file FILE"},
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--api-key-file", "/nonexistent/keys"},
+       "--api-key-file /nonexistent/keys"},
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--api-key-file", readable_keys}, "chmod 600"},
+      {{"-m", repo_path("models/stories260K/stories260K.bin"), "--api-key-file", empty_keys}, "holds no key"},
       {{"-m", "/nonexistent/model.bin", "--listen", "127.0.0.1:0"}, "/nonexistent/model.bin"},
   };
   for (const Case& c : cases) {

@@ -213,6 +213,8 @@ struct Router::Impl {
   RouterCounters counters;
   std::vector<ReplicaCounters> replica_counters;
   std::vector<bool> up;
+  // Declared before ioc: sessions destroyed with ioc still count themselves out.
+  std::atomic<int64_t> open_connections{0};
 
   asio::io_context ioc;
   tcp::acceptor acceptor;
@@ -222,7 +224,6 @@ struct Router::Impl {
   std::thread io_thread;
   std::once_flag stopped;
   uint16_t port = 0;
-  std::atomic<int64_t> open_connections{0};
 
   asio::awaitable<void> accept_loop();
   asio::awaitable<void> refuse(tcp::socket socket);

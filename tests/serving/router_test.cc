@@ -11,7 +11,9 @@
 #include <array>
 #include <atomic>
 #include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/beast.hpp>
+#include <boost/beast/ssl.hpp>
 #include <chrono>
 #include <future>
 #include <map>
@@ -22,6 +24,7 @@
 
 #include "serving/openai/openai_server.h"
 #include "serving/router/router.h"
+#include "tests/cluster/kv_node_tls_util.h"
 #include "tests/serving/server_test_util.h"
 
 namespace specontext::router {
@@ -410,7 +413,9 @@ TEST(RouterEndToEnd, AStoppedReplicaIsSkippedAndComesBackAfterItsHealthCheck) {
   const std::string expected = post(a.port, "/v1/completions", whole).body;
   const std::string expected_stream = post(a.port, "/v1/completions", streamed).body;
   for (int i = 0; i < 2; ++i) EXPECT_EQ(post(router->port(), "/v1/completions", whole).status, 200);
-  b.server->stop();  // refuses connections from now on
+  // Gone: its listener closed, connections refused from now on (stop() alone may leave the
+  // listening socket open until the server is destroyed).
+  b.server.reset();
   // Six more, half of them streamed: every one answered in full by a.
   for (int i = 0; i < 6; ++i) {
     const bool stream = i % 2 == 1;
@@ -531,6 +536,64 @@ TEST(RouterEndToEnd, HostileBodiesAreBoundedAndUnreadablePromptsRouteByLoad) {
   EXPECT_EQ(send(router->port(), http::verb::get, "/v2/nothing").status, 404);
   EXPECT_EQ(send(router->port(), http::verb::get, "/v1/completions").status, 405);
   EXPECT_EQ(router->replicas()[0].counters.chosen, 2);
+}
+
+TEST(RouterEndToEnd, ApiKeysAndTlsGuardTheRouterItself) {
+  Replica a(false);
+  cluster::testing::TlsDir dir;
+  const auto ca = dir.make_ca("ca");
+  const auto leaf = dir.make_leaf(ca, "router", "IP:127.0.0.1");
+  RouterOptions o = router_options(Policy::kRoundRobin, {a.url()});
+  o.api_keys = {"sesame"};
+  o.tls_cert_file = leaf.cert_file;
+  o.tls_key_file = leaf.key_file;
+  auto router = start_router(o);
+  ASSERT_TRUE(router);
+  const std::string body = json{{"prompt", kPrompt}, {"max_tokens", 12}, {"temperature", 0}}.dump();
+  const Reply direct = post(a.port, "/v1/completions", json::parse(body));
+  ASSERT_EQ(direct.status, 200);
+  // Over TLS, the CA checked: without the key 401 from the router; with it, the replica's answer.
+  auto https = [&](const std::string& authorization) {
+    asio::io_context ioc;
+    asio::ssl::context ctx(asio::ssl::context::tls_client);
+    ctx.load_verify_file(ca.cert_file);
+    ctx.set_verify_mode(asio::ssl::verify_peer);
+    beast::ssl_stream<beast::tcp_stream> s(ioc, ctx);
+    beast::get_lowest_layer(s).connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), router->port()));
+    s.handshake(asio::ssl::stream_base::client);
+    http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+    req.set(http::field::host, "127.0.0.1");
+    if (!authorization.empty()) req.set(http::field::authorization, authorization);
+    req.body() = body;
+    req.prepare_payload();
+    http::write(s, req);
+    beast::flat_buffer buf;
+    http::response<http::string_body> res;
+    http::read(s, buf, res);
+    return Reply{static_cast<int>(res.result_int()), res.body(), std::string(res[http::field::content_type])};
+  };
+  const Reply refused = https("");
+  EXPECT_EQ(refused.status, 401);
+  EXPECT_EQ(router->replicas()[0].counters.chosen, 0);
+  const Reply wrong = https("Bearer open");
+  EXPECT_EQ(wrong.status, 401);
+  const Reply ok = https("Bearer sesame");
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(without_ids(ok.body), without_ids(direct.body));
+  EXPECT_EQ(router->replicas()[0].counters.chosen, 1);
+  // Plain HTTP to the TLS port: closed unanswered, counted.
+  {
+    asio::io_context ioc;
+    tcp::socket s(ioc);
+    s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), router->port()));
+    asio::write(s, asio::buffer(std::string("GET /health HTTP/1.1\r\nHost: x\r\n\r\n")));
+    std::array<char, 256> buf{};
+    beast::error_code ec;
+    size_t got = 0;
+    while (!ec) got += s.read_some(asio::buffer(buf), ec);
+    EXPECT_EQ(std::string(buf.data(), std::min<size_t>(got, 4)).find("HTTP"), std::string::npos);
+  }
+  EXPECT_EQ(router->counters().tls_handshake_failures, 1);
 }
 
 }  // namespace

@@ -144,6 +144,7 @@ def main(args):
         per = (tg * (lt - lp)).masked_fill(tg == 0, 0).sum(-1)  # [B,H,T]
         per = per[..., rows]
         w = mass.squeeze(-1)[..., rows] if args.head_weight == "far" else torch.ones_like(per)
+        w = w + args.head_weight_floor  # every position counts at least this much (prose positions too)
         if asks is not None and args.head_answer_weight != 1:
             w = w * (1 + (args.head_answer_weight - 1) * asks[:, None, rows].float())
         return (per * w).sum() / w.sum().clamp_min(1e-30)
@@ -191,6 +192,41 @@ def main(args):
                                         "oracle": orc[a].mean().item(), "positions": int(asks[:, rows].sum())}
         return out
 
+    def save_head(path):
+        """The head as EAGLE-3 safetensors (the names load_eagle3_head reads) with its metadata."""
+        tensors = [("fc.weight", fc), ("midlayer.input_layernorm.weight", n_in),
+                   ("midlayer.hidden_norm.weight", n_hid), ("midlayer.self_attn.q_proj.weight", wq),
+                   ("midlayer.self_attn.k_proj.weight", wk)]
+        kept = sum(p.numel() for _, p in tensors)
+        # A full EAGLE-3 draft of this shape: q, k, v, o (2d inputs for q/k/v), an MLP, fc, 4 norms, lm head.
+        draft = kept + (G * hd * 2 * d) + (d * H * hd) + 3 * d * cfg["hidden_dim"] + 2 * d + d * cfg["vocab_size"]
+        raw = open(args.text, "rb").read()
+        sha = hashlib.sha256(raw).hexdigest()
+        fnv = 0xcbf29ce484222325
+        for byte in raw:
+            fnv = ((fnv ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+        meta = {"format": "specontext-retrieval-head", "hidden": str(d), "n_heads": str(H), "n_kv_heads": str(G),
+                "head_dim": str(hd), "rope_theta": "%.17g" % cfg["rope_theta"], "trained_context": str(cfg["max_pos"]),
+                "norm_eps": "%.9g" % eps, "fused_layers": ",".join(map(str, fused_layers)),
+                "draft_parameters": str(draft), "kept_parameters": str(kept),
+                "train_text": os.path.basename(args.text), "train_text_sha256": sha, "train_text_fnv1a64": "%016x" % fnv,
+                "train_split": f"tokens [0, {split}) of {len(ids)}; report on [{split}, {len(ids)})"}
+        header, off = {}, 0
+        arrays = []
+        for name, p in tensors:
+            a = np.ascontiguousarray(p.detach().float().numpy(), dtype="<f4")
+            header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+            off += a.nbytes
+            arrays.append(a)
+        header["__metadata__"] = meta
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(hb)) + hb)
+            for a in arrays:
+                f.write(a.tobytes())
+        return meta
+
     opt = torch.optim.Adam(params, lr=args.head_lr)
     rng = random.Random(args.seed + 7)
     held_rng = random.Random(args.seed + 99)
@@ -214,48 +250,20 @@ def main(args):
         opt.step()
         if (step + 1) % 20 == 0:
             print(f"head step {step + 1} kl {loss.item():.4f}", flush=True)
+        if args.head_save_every and (step + 1) % args.head_save_every == 0:  # resumable with --head-init
+            save_head(os.path.join(args.out, "retrieval_head.partial.safetensors"))
+            print(f"head step {step + 1}: saved retrieval_head.partial.safetensors", flush=True)
     with torch.no_grad():
         lp = student_logp(hx, h_f, h_cs)
         after = recall(h_t, lp, budgets, hq)
         kl_after = kl(h_t, lp, hq).item()
 
-    tensors = [("fc.weight", fc), ("midlayer.input_layernorm.weight", n_in),
-               ("midlayer.hidden_norm.weight", n_hid), ("midlayer.self_attn.q_proj.weight", wq),
-               ("midlayer.self_attn.k_proj.weight", wk)]
-    kept = sum(p.numel() for _, p in tensors)
-    # A full EAGLE-3 draft of this shape: q, k, v, o (2d inputs for q/k/v), an MLP, fc, 4 norms, lm head.
-    draft = kept + (G * hd * 2 * d) + (d * H * hd) + 3 * d * cfg["hidden_dim"] + 2 * d + d * cfg["vocab_size"]
-    raw = open(args.text, "rb").read()
-    sha = hashlib.sha256(raw).hexdigest()
-    fnv = 0xcbf29ce484222325
-    for byte in raw:
-        fnv = ((fnv ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
-    meta = {"format": "specontext-retrieval-head", "hidden": str(d), "n_heads": str(H), "n_kv_heads": str(G),
-            "head_dim": str(hd), "rope_theta": "%.17g" % cfg["rope_theta"], "trained_context": str(cfg["max_pos"]),
-            "norm_eps": "%.9g" % eps, "fused_layers": ",".join(map(str, fused_layers)),
-            "draft_parameters": str(draft), "kept_parameters": str(kept),
-            "train_text": os.path.basename(args.text), "train_text_sha256": sha, "train_text_fnv1a64": "%016x" % fnv,
-            "train_split": f"tokens [0, {split}) of {len(ids)}; report on [{split}, {len(ids)})"}
-    header, off = {}, 0
-    arrays = []
-    for name, p in tensors:
-        a = np.ascontiguousarray(p.detach().float().numpy(), dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        off += a.nbytes
-        arrays.append(a)
-    header["__metadata__"] = meta
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    path = os.path.join(args.out, "retrieval_head.safetensors")
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)) + hb)
-        for a in arrays:
-            f.write(a.tobytes())
+    save_head(os.path.join(args.out, "retrieval_head.safetensors"))
     report = {"held_out_kl_before": kl_before, "held_out_kl_after": kl_after,
               "recall_before": before, "recall_after": after, "budgets": budgets,
               "context": args.head_len, "steps": args.head_steps, "lr": args.head_lr,
               "ranked_keys": f"past {args.head_sinks} sinks, before the last {args.head_window}",
-              "position_weight": args.head_weight, "answer_weight": args.head_answer_weight,
+              "position_weight": args.head_weight, "position_weight_floor": args.head_weight_floor, "answer_weight": args.head_answer_weight,
               "init": os.path.basename(args.head_init) if args.head_init else "random"}
     with open(os.path.join(args.out, "retrieval_head_report.json"), "w") as f:
         json.dump(report, f, indent=1)

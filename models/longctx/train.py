@@ -892,6 +892,10 @@ def main():
                     help="head: most recent keys left out of the loss (selection keeps them anyway)")
     ap.add_argument("--head-weight", choices=["uniform", "far"], default="far",
                     help="head: positions weigh alike, or by the teacher mass on the keys the loss ranks")
+    ap.add_argument("--head-weight-floor", type=float, default=0.0,
+                    help="head: added to every position's weight (with far: prose positions still count)")
+    ap.add_argument("--head-save-every", type=int, default=0,
+                    help="head: also write retrieval_head.partial.safetensors every N steps (0 = only at the end)")
     ap.add_argument("--head-answer-weight", type=float, default=1.0,
                     help="head: weight of the positions whose next token is a task's answer (retrieval queries)")
     args = ap.parse_args()

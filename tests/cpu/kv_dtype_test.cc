@@ -5,7 +5,9 @@
 //    holding the same rounded values (so the dtype changes the storage, nothing else), and
 //    differs from attention over the unrounded values (the rounding did happen);
 //  * CpuBackend against the reference on randomised shapes (kv_append bytes exact, attention and
-//    attention_sparse at the f32 tolerance, kv_gather bytes exact, guard regions);
+//    attention_sparse at the f32 tolerance, kv_gather bytes exact, guard regions), and the
+//    fused 16-bit kernel over long contexts (split-K), GQA 32/8, head-dim tails and working
+//    sets whose unused slots hold NaN / inf;
 //  * bad dtypes and mismatched working sets are rejected with the dtype named.
 #include <gtest/gtest.h>
 
@@ -217,6 +219,109 @@ TEST_P(KvDtypeTest, GatherCopiesElementsAndSparseAttentionMatchesReference) {
     const Status st = be->kv_gather(kv.view, entries.data(), n_entries, wrong);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find(std::string(dtype_name(t))), std::string::npos) << st.message();
+  }
+}
+
+// The fused 16-bit kernel (f16 / bf16 widened in the loads) on what the short cases above do
+// not reach: contexts of thousands of keys (automatic split-K over the threads, and a forced
+// 100-key chunk), a prefill tail after a long cached prefix, Llama-3.2-1B's GQA 32/8 at d 64,
+// head dims that leave a tail after the 8-lane loads (20, 68), MQA at d 128, scores in the
+// hundreds. Slots past each sequence hold NaN (one spare page): reading them fails the check.
+TEST_P(KvDtypeTest, CpuAttentionLongContextsMatchReference) {
+  const DType t = GetParam();
+  ReferenceBackend ref;
+  uint32_t seed = 700;
+  for (int64_t chunk : {int64_t{0}, int64_t{100}}) {
+    auto cpu = make_cpu({.attention_chunk = chunk});
+    ASSERT_NE(cpu, nullptr);
+    for (const Shape& s : {Shape{32, 8, 64, 16}, Shape{8, 2, 20, 7}, Shape{8, 1, 128, 32}, Shape{4, 2, 68, 16}}) {
+      SCOPED_TRACE("heads " + std::to_string(s.n_heads) + "/" + std::to_string(s.kv_heads) + " d " +
+                   std::to_string(s.head_dim) + " page " + std::to_string(s.page_size) + " chunk " +
+                   std::to_string(chunk));
+      const std::vector<std::pair<int64_t, int64_t>> seqs = {{4999, 1}, {2043, 5}, {1500, 1}};
+      std::vector<std::unique_ptr<PagedKv>> kvs;
+      std::vector<AttentionItem> items;
+      int64_t rows = 0;
+      for (const auto& [start, n_new] : seqs) {
+        const int64_t len = start + n_new;
+        const int64_t pages = (len + s.page_size - 1) / s.page_size + 1;
+        kvs.push_back(std::make_unique<PagedKv>(pages, s.page_size, s.kv_heads, s.head_dim, seed, t));
+        const size_t n = static_cast<size_t>(len * s.kv_heads * s.head_dim);
+        const float k_range = seqs.size() == kvs.size() ? 8.0f : 2.0f;  // the last: large scores
+        const auto k = random_floats(n, seed + 1, -k_range, k_range);
+        const auto v = random_floats(n, seed + 2);
+        ++seed;
+        ASSERT_TRUE(ref.kv_append(k.data(), v.data(), len, 0, kvs.back()->view).is_ok());
+        rows += 1;  // a gap row between items: must stay untouched
+        items.push_back({rows, n_new, start, kvs.back()->view});
+        rows += n_new;
+      }
+      const size_t out_n = static_cast<size_t>(rows * s.n_heads * s.head_dim);
+      const auto q = random_floats(out_n, seed + 500, -2.0f, 2.0f);
+      GuardedBuffer want(out_n, 0.0f), got(out_n, 0.0f);
+      const auto n_items = static_cast<int64_t>(items.size());
+      ASSERT_TRUE(ref.attention(q.data(), items.data(), n_items, s.n_heads, want.data()).is_ok());
+      ASSERT_TRUE(cpu->attention(q.data(), items.data(), n_items, s.n_heads, got.data()).is_ok());
+      EXPECT_TRUE(got.intact());
+      const size_t row_floats = static_cast<size_t>(s.n_heads * s.head_dim);
+      for (const AttentionItem& it : items) {
+        EXPECT_EQ(got[static_cast<size_t>(it.token_offset - 1) * row_floats], 0.0f) << "gap row written";
+        const size_t b = static_cast<size_t>(it.token_offset) * row_floats;
+        const size_t e = static_cast<size_t>(it.n_tokens) * row_floats;
+        expect_close(got.data() + b, want.data() + b, e, 1e-5, "attention item");
+      }
+    }
+  }
+}
+
+// attention_sparse over 16-bit working sets with the slots past counts[h] poisoned by NaN and
+// ±inf bit patterns of the dtype: a head of 3000 rows (split-K), one of 13 (a tail of 4-row
+// groups), an empty one (zeros), at d 68 (a tail after the 8-lane loads) and d 64.
+TEST_P(KvDtypeTest, SparseAttentionOverPoisonedWorkingSetsMatchesReference) {
+  const DType t = GetParam();
+  const uint16_t nan_bits = t == DType::kF16 ? 0x7E00 : 0x7FC0;
+  const uint16_t inf_bits = t == DType::kF16 ? 0x7C00 : 0x7F80;
+  ReferenceBackend ref;
+  for (int64_t chunk : {int64_t{0}, int64_t{333}}) {
+    auto cpu = make_cpu({.attention_chunk = chunk});
+    ASSERT_NE(cpu, nullptr);
+    for (int64_t d : {int64_t{68}, int64_t{64}}) {
+      SCOPED_TRACE("d " + std::to_string(d) + " chunk " + std::to_string(chunk));
+      const int64_t kv_heads = 3, n_heads = 12, slots = 3072;
+      const std::vector<int32_t> counts = {3000, 13, 0};
+      const size_t n = static_cast<size_t>(kv_heads * slots * d);
+      std::vector<uint16_t> k(n), v(n);
+      const auto kf = random_floats(n, 41 + static_cast<uint32_t>(d), -3.0f, 3.0f);
+      const auto vf = random_floats(n, 42 + static_cast<uint32_t>(d));
+      convert_from_f32(t, kf.data(), k.data(), n);
+      convert_from_f32(t, vf.data(), v.data(), n);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t sl = counts[static_cast<size_t>(h)]; sl < slots; ++sl) {
+          for (int64_t e = 0; e < d; ++e) {
+            const size_t at = static_cast<size_t>((h * slots + sl) * d + e);
+            k[at] = (sl + e) % 3 == 0 ? nan_bits : static_cast<uint16_t>(inf_bits | ((sl & 1) << 15));
+            v[at] = (sl + e) % 2 == 0 ? nan_bits : inf_bits;
+          }
+        }
+      }
+      WorkingSetView ws{k.data(), v.data(), kv_heads, slots, d, counts.data(), t};
+      const int64_t n_tokens = 3;
+      const auto q = random_floats(static_cast<size_t>(n_tokens * n_heads * d), 43, -2.0f, 2.0f);
+      SparseAttentionItem it{0, n_tokens, ws};
+      GuardedBuffer want(q.size(), 1.0f), got(q.size(), 1.0f);
+      ASSERT_TRUE(ref.attention_sparse(q.data(), &it, 1, n_heads, want.data()).is_ok());
+      ASSERT_TRUE(cpu->attention_sparse(q.data(), &it, 1, n_heads, got.data()).is_ok());
+      EXPECT_TRUE(got.intact());
+      expect_close(got.data(), want.data(), q.size(), 1e-5, "attention_sparse");
+      // Query heads 8..11 read KV head 2, which is empty: exact zeros.
+      for (int64_t tok = 0; tok < n_tokens; ++tok) {
+        for (int64_t h = 8; h < 12; ++h) {
+          for (int64_t e = 0; e < d; ++e) {
+            ASSERT_EQ(got[static_cast<size_t>((tok * n_heads + h) * d + e)], 0.0f);
+          }
+        }
+      }
+    }
   }
 }
 

@@ -529,13 +529,12 @@ TEST(SparseOpsTest, RejectsImpossibleShapes) {
 
 // Timing (not a correctness test; run with --gtest_also_run_disabled_tests): attention_sparse
 // over 16 sequences x 8 KV heads x 2048 slots x head_dim 128 (32 query heads, one decode row
-// each) with 1 and 2 threads, next to dense attention at context 2048 with the same shape.
+// each) with 1 and 2 threads, next to dense attention at context 2048 with the same shape, for
+// f32, bf16 and f16 K/V (the same values, rounded; 16-bit rows move half the bytes).
 TEST(SparseOpsTest, DISABLED_Timing) {
   const int64_t n_seq = 16, kv_heads = 8, n_heads = 32, slots = 2048, d = 128, page_size = 16;
   std::vector<std::unique_ptr<WorkingSet>> sets;
   std::vector<std::unique_ptr<PagedKv>> caches;
-  std::vector<SparseAttentionItem> sparse;
-  std::vector<AttentionItem> dense;
   for (int64_t i = 0; i < n_seq; ++i) {
     sets.push_back(std::make_unique<WorkingSet>(kv_heads, slots, d));
     WorkingSet& ws = *sets.back();
@@ -544,39 +543,71 @@ TEST(SparseOpsTest, DISABLED_Timing) {
     std::copy(k.begin(), k.end(), ws.k.data());
     std::copy(v.begin(), v.end(), ws.v.data());
     std::fill(ws.counts.begin(), ws.counts.end(), static_cast<int32_t>(slots));
-    sparse.push_back({i, 1, ws.view()});
     caches.push_back(
         std::make_unique<PagedKv>(slots / page_size, page_size, kv_heads, d, static_cast<uint32_t>(i)));
     caches.back()->fill(slots, static_cast<uint32_t>(100 + i));
-    dense.push_back({i, 1, slots - 1, caches.back()->view});
   }
   const auto q = random_floats(static_cast<size_t>(n_seq * n_heads * d), 5);
   std::vector<float> out(q.size());
-  for (int threads : {1, 2}) {
-    auto cpu = make_cpu({.num_threads = threads});
-    ASSERT_NE(cpu, nullptr);
-    auto time_ms = [&](auto&& op) {
-      for (int i = 0; i < 3; ++i) ASSERT_TRUE(op().is_ok());  // warm-up
-      std::vector<double> ms;
-      const std::clock_t cpu0 = std::clock();
-      for (int i = 0; i < 15; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        ASSERT_TRUE(op().is_ok());
-        ms.push_back(
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    // 16-bit copies of the same caches and working sets.
+    std::vector<std::unique_ptr<PagedKv>> narrow;
+    std::vector<std::vector<uint16_t>> ws_bits;
+    std::vector<SparseAttentionItem> sparse;
+    std::vector<AttentionItem> dense;
+    for (int64_t i = 0; i < n_seq; ++i) {
+      WorkingSet& ws = *sets[static_cast<size_t>(i)];
+      PagedKv& cache = *caches[static_cast<size_t>(i)];
+      if (t == DType::kF32) {
+        sparse.push_back({i, 1, ws.view()});
+        dense.push_back({i, 1, slots - 1, cache.view});
+        continue;
       }
-      // Process CPU time per call: about threads x wall when the threads really ran in parallel
-      // (on a loaded machine they may not get their cores).
-      const double cpu_ms = 1000.0 * static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC / 15;
-      std::sort(ms.begin(), ms.end());
-      std::printf("  %d thread(s): median %.2f ms, min %.2f ms, cpu %.2f ms/call\n", threads,
-                  ms[ms.size() / 2], ms[0], cpu_ms);
-    };
-    std::printf("attention_sparse (16 x 8 x 2048 x 128):\n");
-    time_ms([&] { return cpu->attention_sparse(q.data(), sparse.data(), n_seq, n_heads, out.data()); });
-    ASSERT_TRUE(all_finite(out.data(), out.size()));
-    std::printf("dense attention, context 2048:\n");
-    time_ms([&] { return cpu->attention(q.data(), dense.data(), n_seq, n_heads, out.data()); });
+      ws_bits.emplace_back(ws.k.size());
+      convert_from_f32(t, ws.k.data(), ws_bits.back().data(), ws.k.size());
+      uint16_t* kb = ws_bits.back().data();
+      ws_bits.emplace_back(ws.v.size());
+      convert_from_f32(t, ws.v.data(), ws_bits.back().data(), ws.v.size());
+      uint16_t* vb = ws_bits.back().data();
+      sparse.push_back({i, 1, WorkingSetView{kb, vb, kv_heads, slots, d, ws.counts.data(), t}});
+      narrow.push_back(std::make_unique<PagedKv>(slots / page_size, page_size, kv_heads, d,
+                                                 static_cast<uint32_t>(i), t));
+      const size_t page_elems = static_cast<size_t>(kv_heads * page_size * d);
+      for (int64_t p = 0; p < slots / page_size; ++p) {
+        convert_from_f32(t, static_cast<const float*>(cache.k_pages[static_cast<size_t>(p)]),
+                         narrow.back()->k_pages[static_cast<size_t>(p)], page_elems);
+        convert_from_f32(t, static_cast<const float*>(cache.v_pages[static_cast<size_t>(p)]),
+                         narrow.back()->v_pages[static_cast<size_t>(p)], page_elems);
+      }
+      dense.push_back({i, 1, slots - 1, narrow.back()->view});
+    }
+    for (int threads : {1, 2}) {
+      auto cpu = make_cpu({.num_threads = threads});
+      ASSERT_NE(cpu, nullptr);
+      auto time_ms = [&](auto&& op) {
+        for (int i = 0; i < 3; ++i) ASSERT_TRUE(op().is_ok());  // warm-up
+        std::vector<double> ms;
+        const std::clock_t cpu0 = std::clock();
+        for (int i = 0; i < 15; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          ASSERT_TRUE(op().is_ok());
+          ms.push_back(
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        }
+        // Process CPU time per call: about threads x wall when the threads really ran in parallel
+        // (on a loaded machine they may not get their cores).
+        const double cpu_ms = 1000.0 * static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC / 15;
+        std::sort(ms.begin(), ms.end());
+        std::printf("  %s KV, %d thread(s): median %.2f ms, min %.2f ms, cpu %.2f ms/call\n", std::string(dtype_name(t)).c_str(),
+                    threads, ms[ms.size() / 2], ms[0], cpu_ms);
+      };
+      std::printf("attention_sparse (16 x 8 x 2048 x 128):\n");
+      time_ms([&] { return cpu->attention_sparse(q.data(), sparse.data(), n_seq, n_heads, out.data()); });
+      ASSERT_TRUE(all_finite(out.data(), out.size()));
+      std::printf("dense attention, context 2048:\n");
+      time_ms([&] { return cpu->attention(q.data(), dense.data(), n_seq, n_heads, out.data()); });
+      ASSERT_TRUE(all_finite(out.data(), out.size()));
+    }
   }
 }
 

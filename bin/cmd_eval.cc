@@ -62,6 +62,9 @@ void register_eval(CLI::App& app, EvalArgs& a) {
       ->check(CLI::IsMember({"passkey", "multikey", "multivalue", "kv", "vt"}));
   cmd->add_option("--task-trials", a.task_trials, "prompts per task x length x depth")->check(CLI::PositiveNumber);
   cmd->add_flag("--no-fidelity", a.no_fidelity, "run only the task suite (no recall / KL / divergence protocol)");
+  cmd->add_flag("--no-tasks", a.no_tasks, "run only the fidelity protocol (not the task suite found beside the model)")
+      ->excludes("--no-fidelity")
+      ->excludes("--tasks");
 }
 
 namespace {
@@ -297,7 +300,9 @@ int run_eval(const EvalArgs& a) {
   std::fprintf(stderr, "\n");
   std::shared_ptr<Backend> shared_backend(std::move(*backend));
   const std::string tasks_path =
-      !a.tasks.empty() ? a.tasks : (synthetic_model ? std::string() : find_beside_model(a.model.model_path, "tasks.json"));
+      !a.tasks.empty() ? a.tasks
+      : (synthetic_model || a.no_tasks) ? std::string()
+                                         : find_beside_model(a.model.model_path, "tasks.json");
   if (a.no_fidelity && tasks_path.empty()) return fail(invalid_argument("eval: --no-fidelity needs a task suite (--tasks)"));
   if (!tasks_path.empty() && (tok == nullptr || text.empty())) {
     return fail(invalid_argument("eval: the task suite needs a tokenizer and --text prose for its filler"));

@@ -113,6 +113,7 @@ struct EvalArgs {
   std::vector<std::string> task_kinds;   // empty = all
   int64_t task_trials = 2;
   bool no_fidelity = false;              // tasks only
+  bool no_tasks = false;                 // fidelity only
 };
 void register_eval(CLI::App& app, EvalArgs& args);
 int run_eval(const EvalArgs& args);

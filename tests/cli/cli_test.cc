@@ -73,6 +73,27 @@ TEST(Cli, GenerateJsonReplacesInvalidUtf8InsteadOfAborting) {
   EXPECT_NE(text.find("\xEF\xBF\xBD"), std::string::npos);
 }
 
+// eval runs the task suite found beside the model (models/longctx/tasks.json) after the fidelity
+// protocol; --no-tasks runs the fidelity protocol alone, and excludes --no-fidelity.
+TEST(Cli, EvalNoTasksRunsOnlyTheFidelityProtocol) {
+  const std::string args = "eval -m " + repo_path("models/longctx/hf") + " --text " +
+                           repo_path("data/austen/persuasion.txt") +
+                           " --context 256 --positions 2 --needles 0 --methods streaming --budgets 64"
+                           " --task-lengths 256 --task-kinds kv --task-depths 0.5 --task-trials 1 --json -";
+  for (const bool no_tasks : {false, true}) {
+    SCOPED_TRACE(no_tasks ? "--no-tasks" : "default");
+    const CliRun r = run_cli(args + (no_tasks ? " --no-tasks" : ""), false);
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r.out;
+    EXPECT_TRUE(j.contains("records"));
+    EXPECT_EQ(j.contains("tasks"), !no_tasks);
+  }
+  const CliRun both = run_cli(args + " --no-tasks --no-fidelity");
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.out.find("--no-tasks"), std::string::npos) << both.out;
+}
+
 // --prefix-caching: a batch of the same prompt computes it once (the others wait for it and fork
 // its pages), with the text of computing it alone; SpeContext forks the head's keys too.
 TEST(Cli, PrefixCachingComputesABatchesSharedPromptOnce) {

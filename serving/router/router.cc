@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "core/base/json_depth.h"
+#include "core/tls/server_stream.h"
 #include "core/tls/tls_context.h"
 #include "serving/openai/http_request.h"
 #include "serving/openai/openai_api.h"
@@ -37,51 +38,8 @@ namespace {
 
 constexpr auto kAwait = asio::use_awaitable;
 
-// A client connection's byte stream, TCP or TLS over TCP (as the server's ConnStream).
-class ClientStream {
- public:
-  using executor_type = beast::tcp_stream::executor_type;
-  using TlsStream = beast::ssl_stream<beast::tcp_stream>;
-  ClientStream(tcp::socket socket, asio::ssl::context* tls) {
-    if (tls != nullptr) {
-      tls_ = std::make_unique<TlsStream>(std::move(socket), *tls);
-    } else {
-      tcp_.emplace(std::move(socket));
-    }
-  }
-  bool is_tls() const { return tls_ != nullptr; }
-  beast::tcp_stream& tcp_layer() { return tls_ ? tls_->next_layer() : *tcp_; }
-  executor_type get_executor() { return tcp_layer().get_executor(); }
-  void expires_after(std::chrono::steady_clock::duration d) { tcp_layer().expires_after(d); }
-  void expires_never() { tcp_layer().expires_never(); }
-  template <typename Buffers, typename Token>
-  auto async_read_some(const Buffers& buffers, Token&& token) {
-    if (tls_) return tls_->async_read_some(buffers, std::forward<Token>(token));
-    return tcp_->async_read_some(buffers, std::forward<Token>(token));
-  }
-  template <typename Buffers, typename Token>
-  auto async_write_some(const Buffers& buffers, Token&& token) {
-    if (tls_) return tls_->async_write_some(buffers, std::forward<Token>(token));
-    return tcp_->async_write_some(buffers, std::forward<Token>(token));
-  }
-  asio::awaitable<beast::error_code> handshake() {
-    beast::error_code ec;
-    if (tls_) co_await tls_->async_handshake(asio::ssl::stream_base::server, asio::redirect_error(kAwait, ec));
-    co_return ec;
-  }
-  asio::awaitable<void> shutdown_send() {
-    beast::error_code ec;
-    if (tls_) {
-      expires_after(std::chrono::seconds(1));
-      co_await tls_->async_shutdown(asio::redirect_error(kAwait, ec));
-    }
-    tcp_layer().socket().shutdown(tcp::socket::shutdown_send, ec);
-  }
-
- private:
-  std::optional<beast::tcp_stream> tcp_;
-  std::unique_ptr<TlsStream> tls_;
-};
+// A connection's byte stream, TCP or TLS over TCP (core/tls/server_stream.h).
+using ClientStream = tls::ServerStream;
 
 using Request = http::request<http::string_body>;
 using UpstreamParser = http::response_parser<http::buffer_body>;

@@ -1641,6 +1641,10 @@ void OpenAiServer::stop(std::chrono::milliseconds drain) {
     }
     s.ioc.stop();
     if (s.io_thread.joinable()) s.io_thread.join();
+    // The close posted above may not have run before ioc.stop(): close here, the I/O thread gone,
+    // so a new connection is refused now, not accepted into a backlog nobody serves.
+    beast::error_code ec;
+    s.acceptor.close(ec);
     if (s.workers) {  // a job still queued is dropped; one running finishes
       s.workers->stop();
       s.workers->join();

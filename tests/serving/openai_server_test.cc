@@ -2293,6 +2293,31 @@ TEST(OpenAiServer, APromptPastTheByteLimitIsA400NamingTheFieldBeforeTokenizing) 
 
 // Issue 26, item 6: connections that never send a request fill the limit; /health and /metrics
 // are still answered on a new connection, anything else gets the 503 naming the limit.
+// Once stop() returns, the listening port refuses connections (a router in front of the server
+// sees it down at once instead of waiting on a backlog nobody serves; the close stop() posted to
+// the I/O thread could be dropped by ioc.stop() before it ran). Several start/stop cycles, with
+// and without a connection open, since that was a race.
+TEST(OpenAiServer, AfterStopTheListeningPortRefusesConnections) {
+  Fixture f = make_fixture(1);
+  for (int round = 0; round < 8; ++round) {
+    SCOPED_TRACE(round);
+    auto server = OpenAiServer::start(*f.engine, *f.tokenizer, options_for(*f.tokenizer));
+    ASSERT_TRUE(server.is_ok()) << server.status().to_string();
+    const tcp::endpoint where(asio::ip::make_address("127.0.0.1"), (*server)->port());
+    asio::io_context ioc;
+    tcp::socket open(ioc);
+    if (round % 2 == 1) {
+      open.connect(where);
+      ASSERT_TRUE(eventually([&] { return (*server)->counters().open_connections == 1; }));
+    }
+    (*server)->stop(std::chrono::milliseconds(0));
+    tcp::socket late(ioc);
+    beast::error_code ec;
+    late.connect(where, ec);
+    EXPECT_EQ(ec, asio::error::connection_refused) << ec.message();
+  }
+}
+
 TEST(OpenAiServer, HealthAndMetricsAnswerWhileIdleConnectionsFillTheLimit) {
   Fixture f = make_fixture(1);
   ServerOptions o = options_for(*f.tokenizer);

@@ -10,9 +10,15 @@
 #include <boost/beast/core/tcp_stream.hpp>
 #include <boost/beast/ssl/ssl_stream.hpp>
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
+
+#include "core/base/status.h"
 
 namespace specontext::tls {
 
@@ -72,5 +78,38 @@ class ServerStream {
   std::optional<boost::beast::tcp_stream> tcp_;
   std::unique_ptr<TlsStream> tls_;
 };
+
+// Opens `acceptor` listening on host:port (reuse_address; port 0: any free one). kInvalidArgument
+// when `host` is not an IP address, kUnavailable naming host:port when it cannot listen; every
+// message starts with `who` (the command: "serve", "router").
+inline Status listen_on(boost::asio::ip::tcp::acceptor& acceptor, const std::string& host, uint16_t port,
+                        const std::string& who) {
+  boost::beast::error_code ec;
+  const auto address = boost::asio::ip::make_address(host, ec);
+  if (ec) return invalid_argument(who + ": listen host '" + host + "' is not an IP address: " + ec.message());
+  const boost::asio::ip::tcp::endpoint endpoint(address, port);
+  const std::string where = host + ":" + std::to_string(port);
+  if (acceptor.open(endpoint.protocol(), ec); ec)
+    return Status(StatusCode::kUnavailable, who + ": " + where + ": " + ec.message());
+  acceptor.set_option(boost::asio::socket_base::reuse_address(true), ec);
+  if (acceptor.bind(endpoint, ec); ec)
+    return Status(StatusCode::kUnavailable, who + ": cannot listen on " + where + ": " + ec.message());
+  if (acceptor.listen(boost::asio::socket_base::max_listen_connections, ec); ec)
+    return Status(StatusCode::kUnavailable, who + ": cannot listen on " + where + ": " + ec.message());
+  return Status::ok();
+}
+
+// The I/O thread's body: runs `ioc` until it is stopped; an exception escaping a connection's
+// handler is printed ("WHO: what (connection handling goes on)") and the loop runs on.
+inline void run_until_stopped(boost::asio::io_context& ioc, const char* who) {
+  for (;;) {
+    try {
+      ioc.run();
+      return;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: %s (connection handling goes on)\n", who, e.what());
+    }
+  }
+}
 
 }  // namespace specontext::tls

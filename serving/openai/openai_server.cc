@@ -1578,37 +1578,13 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::start(Engine& engine, const 
                                : static_cast<size_t>(std::max<int64_t>(engine.max_context(), 1)) * 32;
   impl->scheduler_owned = std::make_unique<Scheduler>(engine, options.scheduling);
   if (Status st = impl->scheduler_owned->open_prefix_disk(); !st.is_ok()) return st.with_context("serve");
-  beast::error_code ec;
-  const auto address = asio::ip::make_address(options.host, ec);
-  if (ec)
-    return invalid_argument("serve: listen host '" + options.host +
-                            "' is not an IP address: " + ec.message());
-  const tcp::endpoint endpoint(address, options.port);
-  const std::string where = options.host + ":" + std::to_string(options.port);
-  if (impl->acceptor.open(endpoint.protocol(), ec); ec)
-    return Status(StatusCode::kUnavailable, "serve: " + where + ": " + ec.message());
-  impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
-  if (impl->acceptor.bind(endpoint, ec); ec) {
-    return Status(StatusCode::kUnavailable, "serve: cannot listen on " + where + ": " + ec.message());
-  }
-  if (impl->acceptor.listen(asio::socket_base::max_listen_connections, ec); ec) {
-    return Status(StatusCode::kUnavailable, "serve: cannot listen on " + where + ": " + ec.message());
-  }
+  if (Status st = tls::listen_on(impl->acceptor, options.host, options.port, "serve"); !st.is_ok()) return st;
   impl->port = impl->acceptor.local_endpoint().port();
   Impl* p = impl.get();
   p->workers = std::make_unique<asio::thread_pool>(options.request_workers);
   asio::co_spawn(p->ioc, p->accept_loop(), asio::detached);
   p->engine_thread = std::thread([p] { p->engine_loop(); });
-  p->io_thread = std::thread([p] {
-    for (;;) {
-      try {
-        p->ioc.run();
-        return;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "serve: %s (connection handling goes on)\n", e.what());
-      }
-    }
-  });
+  p->io_thread = std::thread([p] { tls::run_until_stopped(p->ioc, "serve"); });
   return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
 

@@ -789,34 +789,14 @@ Result<std::unique_ptr<Router>> Router::start(const RouterOptions& options) {
   }
   impl->replica_counters.resize(options.replicas.size());
   impl->up.assign(options.replicas.size(), true);
-  beast::error_code ec;
-  const auto address = asio::ip::make_address(options.host, ec);
-  if (ec) return invalid_argument("router: listen host '" + options.host + "' is not an IP address: " + ec.message());
-  const tcp::endpoint endpoint(address, options.port);
-  const std::string where = options.host + ":" + std::to_string(options.port);
-  if (impl->acceptor.open(endpoint.protocol(), ec); ec)
-    return Status(StatusCode::kUnavailable, "router: " + where + ": " + ec.message());
-  impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
-  if (impl->acceptor.bind(endpoint, ec); ec)
-    return Status(StatusCode::kUnavailable, "router: cannot listen on " + where + ": " + ec.message());
-  if (impl->acceptor.listen(asio::socket_base::max_listen_connections, ec); ec)
-    return Status(StatusCode::kUnavailable, "router: cannot listen on " + where + ": " + ec.message());
+  if (Status st = tls::listen_on(impl->acceptor, options.host, options.port, "router"); !st.is_ok()) return st;
   impl->port = impl->acceptor.local_endpoint().port();
   Impl* p = impl.get();
   p->workers = std::make_unique<asio::thread_pool>(options.parse_workers);
   p->health_timer = std::make_unique<asio::steady_timer>(p->ioc);
   asio::co_spawn(p->ioc, p->accept_loop(), asio::detached);
   if (options.health_interval.count() > 0) asio::co_spawn(p->ioc, p->health_loop(), asio::detached);
-  p->io_thread = std::thread([p] {
-    for (;;) {
-      try {
-        p->ioc.run();
-        return;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "router: %s (connection handling goes on)\n", e.what());
-      }
-    }
-  });
+  p->io_thread = std::thread([p] { tls::run_until_stopped(p->ioc, "router"); });
   return std::unique_ptr<Router>(new Router(std::move(impl)));
 }
 

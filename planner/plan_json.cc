@@ -1,6 +1,11 @@
 #include "planner/plan_json.h"
 
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace specontext::planner {
 
@@ -8,10 +13,46 @@ using nlohmann::json;
 
 namespace {
 
+// nlohmann's get<int64_t>() casts a float such as 1e30 without a check (undefined behaviour),
+// and get<int32_t>() truncates a large integer. Every integer field is read through these, which
+// accept only a JSON integer inside T's range and name the field otherwise.
+struct FieldError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename T>
+T integer(const json& v, std::string_view field) {
+  const bool in_range =
+      v.is_number_unsigned()
+          ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+          : v.is_number_integer() && v.get<int64_t>() >= std::numeric_limits<T>::min() &&
+                v.get<int64_t>() <= std::numeric_limits<T>::max();
+  if (!in_range) {
+    throw FieldError("'" + std::string(field) + "' must be an integer in [" +
+                     std::to_string(std::numeric_limits<T>::min()) + ", " +
+                     std::to_string(std::numeric_limits<T>::max()) + "], got " + v.dump());
+  }
+  return static_cast<T>(v.is_number_unsigned() ? static_cast<int64_t>(v.get<uint64_t>()) : v.get<int64_t>());
+}
+
+template <typename T>
+T integer_at(const json& j, const char* key) { return integer<T>(j.at(key), key); }
+
+int64_t integer_or(const json& j, const char* key, int64_t fallback) {
+  auto it = j.find(key);
+  return it == j.end() ? fallback : integer<int64_t>(*it, key);
+}
+
+std::vector<int64_t> integers_at(const json& j, const char* key) {
+  std::vector<int64_t> out;
+  for (const json& v : j.at(key)) out.push_back(integer<int64_t>(v, key));
+  return out;
+}
+
 json tier_id_json(TierId id) { return id.valid() ? json(id.value()) : json(nullptr); }
 
 TierId tier_id_from(const json& j) {
-  return j.is_null() ? TierId() : TierId(j.get<int32_t>());
+  return j.is_null() ? TierId() : TierId(integer<int32_t>(j, "tier id"));
 }
 
 std::string_view item_name(MigrationItem m) {
@@ -55,35 +96,37 @@ Result<PlannerSnapshot> snapshot_from_json(const json& j) {
   try {
     PlannerSnapshot s;
     const json& m = j.at("model");
-    s.model.layers = m.at("layers").get<int64_t>();
-    s.model.kv_heads = m.at("kv_heads").get<int64_t>();
-    s.model.head_dim = m.at("head_dim").get<int64_t>();
-    s.model.q_heads = m.at("q_heads").get<int64_t>();
-    s.model.head_kv_heads = m.value("head_kv_heads", int64_t{0});
-    s.kv_elem_bytes = j.at("kv_elem_bytes").get<int64_t>();
-    s.model_bytes = j.at("model_bytes").get<int64_t>();
-    s.head_bytes = j.at("head_bytes").get<int64_t>();
+    s.model.layers = integer_at<int64_t>(m, "layers");
+    s.model.kv_heads = integer_at<int64_t>(m, "kv_heads");
+    s.model.head_dim = integer_at<int64_t>(m, "head_dim");
+    s.model.q_heads = integer_at<int64_t>(m, "q_heads");
+    s.model.head_kv_heads = integer_or(m, "head_kv_heads", 0);
+    s.kv_elem_bytes = integer_at<int64_t>(j, "kv_elem_bytes");
+    s.model_bytes = integer_at<int64_t>(j, "model_bytes");
+    s.head_bytes = integer_at<int64_t>(j, "head_bytes");
     s.runtime_factor = j.value("runtime_factor", 1.3);
-    s.budget = j.at("budget").get<int64_t>();
-    s.requests = j.at("requests").get<int64_t>();
-    s.device_bytes = j.at("device_bytes").get<int64_t>();
+    s.budget = integer_at<int64_t>(j, "budget");
+    s.requests = integer_at<int64_t>(j, "requests");
+    s.device_bytes = integer_at<int64_t>(j, "device_bytes");
     for (const json& h : j.value("host", json::array())) {
-      s.host.push_back({h.at("numa_node").get<int32_t>(), h.at("capacity_bytes").get<int64_t>(),
+      s.host.push_back({integer_at<int32_t>(h, "numa_node"), integer_at<int64_t>(h, "capacity_bytes"),
                         h.value("device_bandwidth_bps", 0.0)});
     }
     for (const json& r : j.value("remote", json::array())) {
-      s.remote.push_back({r.at("rank").get<int32_t>(), r.at("capacity_bytes").get<int64_t>(),
+      s.remote.push_back({integer_at<int32_t>(r, "rank"), integer_at<int64_t>(r, "capacity_bytes"),
                           r.value("bandwidth_bps", 0.0)});
     }
     s.host_to_host_bandwidth_bps = j.value("host_to_host_bandwidth_bps", 0.0);
-    s.seq_lens = j.value("seq_lens", std::vector<int64_t>{});
-    s.filter_shortlist_tokens = j.value("filter_shortlist_tokens", int64_t{0});
-    s.retrieval_bytes_per_token = j.value("retrieval_bytes_per_token", int64_t{0});
-    s.layer_slack_bytes = j.value("layer_slack_bytes", int64_t{0});
-    s.head_cache_slack_bytes = j.value("head_cache_slack_bytes", int64_t{0});
+    s.seq_lens = j.contains("seq_lens") ? integers_at(j, "seq_lens") : std::vector<int64_t>{};
+    s.filter_shortlist_tokens = integer_or(j, "filter_shortlist_tokens", 0);
+    s.retrieval_bytes_per_token = integer_or(j, "retrieval_bytes_per_token", 0);
+    s.layer_slack_bytes = integer_or(j, "layer_slack_bytes", 0);
+    s.head_cache_slack_bytes = integer_or(j, "head_cache_slack_bytes", 0);
     SPX_RETURN_IF_ERROR(validate_snapshot(s));
     return s;
   } catch (const json::exception& e) {
+    return invalid_argument(std::string("planner snapshot json: ") + e.what());
+  } catch (const FieldError& e) {
     return invalid_argument(std::string("planner snapshot json: ") + e.what());
   }
 }
@@ -137,23 +180,23 @@ json plan_to_json(const Plan& p) {
 Result<Plan> plan_from_json(const json& j) {
   try {
     Plan p;
-    p.requests = j.at("requests").get<int64_t>();
-    p.budget = j.at("budget").get<int64_t>();
-    p.kv_elem_bytes = j.at("kv_elem_bytes").get<int64_t>();
-    p.seq_len = j.at("seq_len").get<int64_t>();
-    p.total_tokens = j.at("total_tokens").get<int64_t>();
-    p.thresholds = j.at("thresholds").get<std::vector<int64_t>>();
-    p.offloaded_layers = j.at("offloaded_layers").get<int64_t>();
+    p.requests = integer_at<int64_t>(j, "requests");
+    p.budget = integer_at<int64_t>(j, "budget");
+    p.kv_elem_bytes = integer_at<int64_t>(j, "kv_elem_bytes");
+    p.seq_len = integer_at<int64_t>(j, "seq_len");
+    p.total_tokens = integer_at<int64_t>(j, "total_tokens");
+    p.thresholds = integers_at(j, "thresholds");
+    p.offloaded_layers = integer_at<int64_t>(j, "offloaded_layers");
     p.cpu_filtering = j.at("cpu_filtering").get<bool>();
     p.head_cache_home = tier_id_from(j.at("head_cache").at("home"));
-    p.head_cache_bytes = j.at("head_cache").at("bytes").get<int64_t>();
+    p.head_cache_bytes = integer_at<int64_t>(j.at("head_cache"), "bytes");
     const json& d = j.at("device");
-    p.device.capacity_bytes = d.at("capacity_bytes").get<int64_t>();
-    p.device.weights_bytes = d.at("weights_bytes").get<int64_t>();
-    p.device.resident_kv_bytes = d.at("resident_kv_bytes").get<int64_t>();
-    p.device.retrieval_bytes = d.at("retrieval_bytes").get<int64_t>();
-    p.device.staging_bytes = d.at("staging_bytes").get<int64_t>();
-    p.device.total_bytes = d.at("total_bytes").get<int64_t>();
+    p.device.capacity_bytes = integer_at<int64_t>(d, "capacity_bytes");
+    p.device.weights_bytes = integer_at<int64_t>(d, "weights_bytes");
+    p.device.resident_kv_bytes = integer_at<int64_t>(d, "resident_kv_bytes");
+    p.device.retrieval_bytes = integer_at<int64_t>(d, "retrieval_bytes");
+    p.device.staging_bytes = integer_at<int64_t>(d, "staging_bytes");
+    p.device.total_bytes = integer_at<int64_t>(d, "total_bytes");
     for (const json& t : j.at("tiers")) {
       TierInfo info;
       info.id = tier_id_from(t.at("id"));
@@ -162,10 +205,10 @@ Result<Plan> plan_from_json(const json& j) {
       else if (kind == "host") info.kind = TierKind::kHost;
       else if (kind == "remote") info.kind = TierKind::kRemote;
       else return invalid_argument("plan json: tiers[].kind '" + kind + "' is not device, host or remote");
-      info.index = t.at("index").get<int32_t>();
+      info.index = integer_at<int32_t>(t, "index");
       info.name = t.at("name").get<std::string>();
-      info.capacity_bytes = t.at("capacity_bytes").get<int64_t>();
-      info.used_bytes = t.at("used_bytes").get<int64_t>();
+      info.capacity_bytes = integer_at<int64_t>(t, "capacity_bytes");
+      info.used_bytes = integer_at<int64_t>(t, "used_bytes");
       info.bandwidth_bps = t.at("bandwidth_bps").get<double>();
       if (info.id != TierId(static_cast<int32_t>(p.tiers.size()))) {
         return invalid_argument("plan json: tiers[" + std::to_string(p.tiers.size()) + "].id must equal its position");
@@ -176,8 +219,8 @@ Result<Plan> plan_from_json(const json& j) {
       return id.valid() && id.value() >= 0 && static_cast<size_t>(id.value()) < p.tiers.size();
     };
     for (const json& l : j.at("layers")) {
-      LayerPlacement lp{LayerId(l.at("layer").get<int32_t>()), tier_id_from(l.at("home")),
-                        l.at("kv_bytes").get<int64_t>()};
+      LayerPlacement lp{LayerId(integer_at<int32_t>(l, "layer")), tier_id_from(l.at("home")),
+                        integer_at<int64_t>(l, "kv_bytes")};
       if (lp.layer != LayerId(static_cast<int32_t>(p.layers.size()))) {
         return invalid_argument("plan json: layers[" + std::to_string(p.layers.size()) + "].layer must equal its position");
       }
@@ -193,19 +236,21 @@ Result<Plan> plan_from_json(const json& j) {
       if (item == "layer") mg.item = MigrationItem::kLayerKv;
       else if (item == "head_k_cache") mg.item = MigrationItem::kHeadKCache;
       else return invalid_argument("plan json: migrations[].item '" + item + "' is not layer or head_k_cache");
-      mg.layer = m.at("layer").is_null() ? LayerId() : LayerId(m.at("layer").get<int32_t>());
+      mg.layer = m.at("layer").is_null() ? LayerId() : LayerId(integer_at<int32_t>(m, "layer"));
       mg.from = tier_id_from(m.at("from"));
       mg.to = tier_id_from(m.at("to"));
       if (!known_tier(mg.from) || !known_tier(mg.to)) {
         return invalid_argument("plan json: a migration names an unknown tier");
       }
-      mg.bytes = m.at("bytes").get<int64_t>();
+      mg.bytes = integer_at<int64_t>(m, "bytes");
       mg.est_seconds = m.at("est_seconds").get<double>();
       mg.reason = m.at("reason").get<std::string>();
       p.migrations.push_back(std::move(mg));
     }
     return p;
   } catch (const json::exception& e) {
+    return invalid_argument(std::string("plan json: ") + e.what());
+  } catch (const FieldError& e) {
     return invalid_argument(std::string("plan json: ") + e.what());
   }
 }

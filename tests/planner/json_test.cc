@@ -78,6 +78,39 @@ TEST(PlannerJson, MalformedInputIsAnErrorNotAnException) {
   EXPECT_NE(sr.status().message().find("q_heads"), std::string::npos);
 }
 
+
+// A number too large for an integer parses as a JSON float (the fuzzer's seq_lens of 1.4e30); a
+// float, a fraction or an out-of-range integer in an integer field is an error naming the field,
+// never a cast (undefined behaviour under UBSan) or a silent truncation.
+TEST(PlannerJson, IntegerFieldsTakeOnlyIntegersInRange) {
+  auto snapshot_error = [](const std::string& field, const json& value) {
+    json s = snapshot_to_json(tiny(12));
+    if (field == "seq_lens") s[field] = json::array({value});
+    else if (field == "layers") s["model"][field] = value;
+    else if (field == "numa_node") s["host"][0][field] = value;
+    else s[field] = value;
+    auto r = snapshot_from_json(s);
+    EXPECT_FALSE(r.is_ok()) << field << " = " << value.dump();
+    return r.is_ok() ? std::string() : r.status().message();
+  };
+  EXPECT_NE(snapshot_error("seq_lens", json::parse("144444444444444444444444444444")).find("'seq_lens'"),
+            std::string::npos);
+  EXPECT_NE(snapshot_error("seq_lens", 12.5).find("'seq_lens'"), std::string::npos);
+  EXPECT_NE(snapshot_error("budget", 1e30).find("'budget'"), std::string::npos);
+  EXPECT_NE(snapshot_error("layers", -1e300).find("'layers'"), std::string::npos);
+  EXPECT_NE(snapshot_error("numa_node", int64_t{1} << 40).find("'numa_node'"), std::string::npos);
+  EXPECT_NE(snapshot_error("filter_shortlist_tokens", 18446744073709551615ULL).find("'filter_shortlist_tokens'"),
+            std::string::npos);
+
+  json p = plan_to_json(*plan(tiny(12)));
+  p["thresholds"][0] = 3.0e19;
+  auto r = plan_from_json(p);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("'thresholds'"), std::string::npos) << r.status().message();
+  p = plan_to_json(*plan(tiny(12)));
+  p["layers"][0]["layer"] = int64_t{1} << 33;  // would truncate to layer 0
+  EXPECT_FALSE(plan_from_json(p).is_ok());
+}
 TEST(PlannerJson, Fixtures) {
   const std::filesystem::path dir = testing::repo_path("tests/planner/fixtures");
   const bool update = std::getenv("SPECONTEXT_UPDATE_FIXTURES") != nullptr;

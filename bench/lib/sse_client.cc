@@ -1,7 +1,9 @@
 #include "bench/lib/sse_client.h"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -10,11 +12,12 @@ namespace specontext::bench {
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
-RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string& body) {
+RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string& body,
+                                const std::string& extra_headers) {
   RequestTiming t;
   const std::string req =
-      "POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: " +
-      std::to_string(body.size()) + "\r\n\r\n" + body;
+      "POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" + extra_headers +
+      "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
   const auto start = Clock::now();
   boost::system::error_code ec;
   asio::write(socket, asio::buffer(req), ec);
@@ -29,6 +32,31 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
     if (ec) return t;
     const auto now = Clock::now();
     got.append(buf, n);
+    if (t.http_status == 0) {
+      const size_t head_end = got.find("\r\n\r\n");
+      if (head_end == std::string::npos) {
+        if (got.size() > 65536) return t;
+        continue;
+      }
+      const size_t sp = got.find(' ');
+      t.http_status = sp != std::string::npos && sp < head_end ? std::atoi(got.c_str() + sp + 1) : -1;
+      scanned = head_end + 4;
+      if (t.http_status != 200) {
+        // The body: Content-Length bytes, or until the end of a chunked body or the close.
+        std::string lower = got.substr(0, head_end);
+        for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        const size_t cl = lower.find("content-length:");
+        const size_t want = cl != std::string::npos ? std::strtoull(lower.c_str() + cl + 15, nullptr, 10) : 65536;
+        while (got.size() - (head_end + 4) < std::min<size_t>(want, 65536) &&
+               got.find("0\r\n\r\n", head_end) == std::string::npos) {
+          const size_t m = socket.read_some(asio::buffer(buf), ec);
+          if (ec) break;
+          got.append(buf, m);
+        }
+        t.error = "HTTP " + std::to_string(t.http_status) + ": " + got.substr(head_end + 4, 300);
+        return t;
+      }
+    }
     size_t pos;
     while ((pos = got.find("data: ", scanned)) != std::string::npos) {
       const size_t end = got.find("\n\n", pos);
@@ -38,8 +66,15 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
       if (event == "[DONE]") continue;
       const auto j = nlohmann::json::parse(event, nullptr, false);
       if (j.is_discarded()) continue;
+      if (j.contains("error")) {
+        const auto& e = j["error"];
+        t.error = e.is_object() && e.contains("message") && e["message"].is_string()
+                      ? e["message"].get<std::string>()
+                      : e.dump();
+      }
       if (j.contains("usage") && j["usage"].is_object()) {
         t.completion_tokens = j["usage"].value("completion_tokens", int64_t{0});
+        t.prompt_tokens = j["usage"].value("prompt_tokens", int64_t{0});
         if (j["usage"].contains("prompt_tokens_details")) {
           t.cached_tokens = j["usage"]["prompt_tokens_details"].value("cached_tokens", int64_t{0});
         }
@@ -60,7 +95,7 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
     if (got.size() >= 5 && got.compare(got.size() - 5, 5, "0\r\n\r\n") == 0 &&
         got.find("data: [DONE]") != std::string::npos) {
       t.latency_s = std::chrono::duration<double>(now - start).count();
-      t.ok = true;
+      t.ok = t.error.empty();
       return t;
     }
   }

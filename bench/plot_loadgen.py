@@ -23,12 +23,14 @@ bad = [r for r in reqs if not r["ok"]]
 a.scatter([r["sent_at_s"] for r in good], [r["ttft_ms"] for r in good], s=12, label="within SLO")
 a.scatter([r["sent_at_s"] for r in late], [r["ttft_ms"] for r in late], s=12, marker="^", label="outside SLO")
 if bad:
-    a.scatter([r["sent_at_s"] for r in bad], [0] * len(bad), s=20, marker="x", color="red", label="failed")
-a.axhline(s["slo"]["ttft_ms"], color="gray", ls="--", lw=1, label="TTFT SLO")
+    floor = min([r["ttft_ms"] for r in reqs if r["ok"]] or [1.0])
+    a.scatter([r["sent_at_s"] for r in bad], [floor] * len(bad), s=20, marker="x", color="red", label="failed")
+a.axhline(s["slo"]["ttft_ms"], color="gray", ls="--", lw=1, label=f"TTFT SLO {s['slo']['ttft_ms']:.0f} ms")
+a.set_yscale("log")
 a.set_xlabel("sent at (s)")
-a.set_ylabel("TTFT (ms)")
+a.set_ylabel("TTFT (ms, log)")
 a.grid(True, alpha=0.3)
-a.legend(fontsize=8, loc="upper left")
+a.legend(fontsize=8, loc="center left")
 # Requests in flight over time (sent → finished).
 events = []
 for r in reqs:
@@ -50,7 +52,8 @@ for key, label, scale in (("ttft_ms", "TTFT", 1e-3), ("latency_s", "request late
     v = sorted(r[key] * scale for r in reqs if r["ok"])
     if v:
         b.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=label)
-b.set_xlabel("seconds")
+b.set_xscale("log")
+b.set_xlabel("seconds (log)")
 b.set_ylabel("fraction of requests")
 b.grid(True, alpha=0.3)
 b.legend(fontsize=8)

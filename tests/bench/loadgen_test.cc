@@ -3,7 +3,7 @@
 // gaps from a fixed seed, bursts, determinism), the synthetic trace, the goodput and percentile
 // accounting on made-up timings, /metrics deltas, and one run against a real `specontext serve`
 // on stories260K (every request answered with its max_tokens, sessions growing, a refused request
-// counted as an error with its HTTP status).
+// counted as an error with its HTTP status), and a silent or absent server costing errors, not a hang.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -291,6 +291,37 @@ TEST(LoadgenMetrics, DeltasOverARunForServeAndRouter) {
   EXPECT_DOUBLE_EQ(d["router"]["prefix_hit_rate"].get<double>(), 0.8);  // 8 of 10 lookups in the run
   EXPECT_EQ(d["router"]["replicas"]["127.0.0.1:81"]["chosen"], 10);
   EXPECT_TRUE(metrics_delta({}, {}).empty());
+}
+
+// A server that accepts (in the kernel's backlog) and never answers costs a request its timeout,
+// counted as an error; a refused connection is an error at once. Both end the run.
+TEST(LoadgenRun, ASilentServerTimesOutAndARefusedConnectionIsAnError) {
+  auto trace = parse("{\"arrival_s\": 0, \"prompt\": \"p\", \"max_tokens\": 8}\n");
+  ASSERT_TRUE(trace.is_ok());
+  boost::asio::io_context ioc;
+  boost::asio::ip::tcp::acceptor silent(ioc, {boost::asio::ip::make_address("127.0.0.1"), 0});
+  RunOptions o;
+  o.port = silent.local_endpoint().port();
+  o.timeout_s = 0.2;
+  auto run = run_trace(*trace, o);
+  ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+  ASSERT_EQ(run->results.size(), 1u);
+  EXPECT_FALSE(run->results[0].ok);
+  EXPECT_EQ(run->results[0].error, "timed out after 0.2 s");
+
+  uint16_t closed_port = 0;
+  {
+    boost::asio::ip::tcp::acceptor a(ioc, {boost::asio::ip::make_address("127.0.0.1"), 0});
+    closed_port = a.local_endpoint().port();
+  }
+  o.port = closed_port;
+  run = run_trace(*trace, o);
+  ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+  EXPECT_FALSE(run->results[0].ok);
+  EXPECT_EQ(run->results[0].error.rfind("connect: ", 0), 0u) << run->results[0].error;
+
+  o.port = 0;
+  EXPECT_FALSE(run_trace(*trace, o).is_ok());
 }
 
 // The end-to-end case: a real server, a handful of short requests (two sessions of three turns,

@@ -1,0 +1,115 @@
+// A discrete-event simulator of a serving cluster (issue #31 item 5): R `serve` replicas behind a
+// router policy (serving/router/router_policy.h, the router's own code), each a continuous-batching
+// engine whose steps cost what a calibration file says (prefill per token, decode step as a
+// function of batch size and context), a prefix cache per replica and optionally a shared prefix
+// store (hits save prefill; the store's latency and link bandwidth cost time; a dead one costs only
+// recomputation), KV placement per the planner's memory model (planner/plan.h: what fits on the
+// device, what goes to host or remote pools, each offloaded layer's KV charged at its tier's
+// bandwidth every decode step), driven by the load generator's trace (bench/lib/loadgen.h, its
+// parser) with its session semantics, and reporting the load generator's summary
+// (loadgen::summarize) so measurement and prediction sit side by side.
+//
+// Time is simulated: nothing sleeps, nothing reads a clock; the same inputs and seed give the same
+// report. Token counts come from text lengths (bytes per token, calibrated), answers are filler
+// text of the calibrated length, so prefix matching works on bytes as the router's does.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench/lib/loadgen.h"
+#include "core/base/status.h"
+#include "planner/snapshot.h"
+#include "serving/router/router_policy.h"
+
+namespace specontext::bench::sim {
+
+// Per-step costs of one replica, in seconds (a calibration file's "costs").
+struct StepCosts {
+  double request_overhead_s = 0;      // per request at its replica before its prefill (HTTP, parse, tokenize)
+  double router_overhead_s = 0;       // per request through the router (0 without one)
+  double prefill_base_s = 0;          // per prefilled request
+  double prefill_per_token_s = 0;     // per computed (not cached) prompt token
+  double decode_base_s = 0;           // per decode step
+  double decode_per_seq_s = 0;        // per sequence in the step
+  double decode_per_ctx_token_s = 0;  // per context token, summed over the step's sequences
+  bool operator==(const StepCosts&) const = default;
+};
+
+// What the simulator knows of the machine and model (JSON: calibration_to_json).
+struct Calibration {
+  std::string source;  // how it was obtained (free text)
+  StepCosts costs;
+  double prompt_bytes_per_token = 4;  // prompt text bytes per token (the model's tokenizer)
+  double output_bytes_per_token = 4;  // answer text bytes per generated token
+  int64_t page_tokens = 16;           // prefix caching works on whole pages
+  int64_t threads_per_replica = 1;    // compute threads of one replica (for --cpus sharing)
+  // The planner's model shape (stories260K by default) and KV element bytes.
+  planner::ModelShape model{5, 4, 8, 8, 0};
+  int64_t kv_elem_bytes = 4;
+  int64_t max_context = 512;
+  int64_t kv_bytes_per_token() const { return 2 * kv_elem_bytes * model.layers * model.kv_heads * model.head_dim; }
+};
+
+Result<Calibration> calibration_from_json(const nlohmann::json& j);
+nlohmann::json calibration_to_json(const Calibration& c);
+Result<Calibration> load_calibration(const std::string& path);
+
+// A prefix store shared by all replicas (Redis in serve: --prefix-store).
+struct StoreOptions {
+  bool enabled = false;
+  bool alive = true;            // false: every lookup fails (after dead_timeout_s) and nothing is stored
+  double bandwidth_bps = 1e9;   // link to the store, bytes/s
+  double latency_s = 0;         // per lookup (hit or miss)
+  double dead_timeout_s = 0;    // what a failed lookup costs
+};
+
+// KV tiers per replica, for the planner (0 device bytes: no limit, no planning).
+struct TierOptions {
+  int64_t device_kv_bytes = 0;
+  int64_t host_kv_bytes = 0;
+  double host_bandwidth_bps = 20e9;
+  int64_t remote_kv_bytes = 0;
+  double remote_bandwidth_bps = 4e9;
+};
+
+struct Topology {
+  int64_t replicas = 1;
+  router::PolicyOptions policy;  // the router's policy (rr, least-load, prefix) and its knobs
+  bool router = true;            // requests pass a router (its overhead); false: one replica, direct
+  int64_t max_batch = 8;         // sequences a replica runs at once (serve --max-batch)
+  bool prefix_caching = true;
+  int64_t prefix_cache_tokens = 16 * 512;  // per replica, LRU over whole pages
+  double cpus = 0;               // cores the replicas share (0: each has its own threads_per_replica)
+  StoreOptions store;
+  TierOptions tiers;
+  double time_scale = 1;         // arrival times multiplied by this (as bench_loadgen --time-scale)
+  double noise = 0;              // log-normal sigma multiplying each step (0: exact)
+  uint64_t seed = 1;             // the noise's
+};
+
+struct SimOutput {
+  std::vector<loadgen::RequestResult> results;  // per trace request, as bench_loadgen's
+  double wall_s = 0;
+  nlohmann::json metrics;  // prefix cache, router, tiers and store, per replica (the loadgen's names)
+};
+
+Result<SimOutput> simulate(const loadgen::Trace& trace, const Calibration& cal, const Topology& topo);
+
+// bench_loadgen's report shape: {"summary": loadgen::summarize(...), "metrics": ..., "topology": ...}.
+nlohmann::json report(const SimOutput& out, const Topology& topo, const loadgen::Slo& slo);
+
+// Fills `base`'s costs and byte ratios from a bench_loadgen report of one replica (its per-request
+// records) and the trace it ran: TTFT = overhead + prefill per computed token (least squares),
+// time per output token = decode base + per sequence in flight + per context token. `base` keeps
+// the rest (model shape, page tokens, threads).
+Result<Calibration> calibrate_from_loadgen(const nlohmann::json& loadgen_report, const loadgen::Trace& trace,
+                                           Calibration base);
+
+// Measured (a bench_loadgen report) beside predicted (report()): per metric both values and the
+// relative error (predicted − measured) / measured.
+nlohmann::json compare(const nlohmann::json& measured, const nlohmann::json& predicted);
+
+}  // namespace specontext::bench::sim

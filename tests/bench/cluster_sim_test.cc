@@ -1,0 +1,278 @@
+// The cluster simulator (bench/sim/cluster_sim.h): determinism, an exact single-request case,
+// M/D/1 queueing, replica scaling, prefix-aware routing, a dead store, the planner's tiers.
+#include "bench/sim/cluster_sim.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <sstream>
+
+namespace lg = specontext::bench::loadgen;
+namespace sim = specontext::bench::sim;
+namespace router = specontext::router;
+using nlohmann::json;
+
+namespace {
+
+lg::Trace parse(const std::string& text) {
+  std::istringstream in(text);
+  auto t = lg::parse_trace(in);
+  EXPECT_TRUE(t.is_ok()) << t.status().to_string();
+  return *t;
+}
+
+lg::Trace synthetic(lg::SynthOptions o) {
+  auto text = lg::synth_trace(o);
+  EXPECT_TRUE(text.is_ok());
+  return parse(*text);
+}
+
+// Requests of `prompt_bytes` bytes each (distinct text), `tokens` output tokens, at `arrivals`.
+lg::Trace independent(const std::vector<double>& arrivals, size_t prompt_bytes, int64_t tokens) {
+  std::string text;
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    std::string p = "q" + std::to_string(i) + " ";
+    while (p.size() < prompt_bytes) p += "x";
+    text += json{{"arrival_s", arrivals[i]}, {"prompt", p}, {"max_tokens", tokens}}.dump() + "\n";
+  }
+  return parse(text);
+}
+
+sim::Calibration simple_costs() {
+  sim::Calibration c;
+  c.prompt_bytes_per_token = 1;
+  c.output_bytes_per_token = 1;
+  c.page_tokens = 16;
+  c.costs.request_overhead_s = 0.003;
+  c.costs.prefill_base_s = 0.001;
+  c.costs.prefill_per_token_s = 0.0001;
+  c.costs.decode_base_s = 0.002;
+  c.costs.decode_per_seq_s = 0.0005;
+  c.costs.decode_per_ctx_token_s = 0;
+  return c;
+}
+
+double mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size()); }
+
+}  // namespace
+
+TEST(ClusterSim, SameSeedSameReportAndNoiseFollowsTheSeed) {
+  lg::SynthOptions o;
+  o.requests = 80;
+  o.arrivals.rate = 20;
+  const lg::Trace t = synthetic(o);
+  sim::Topology topo;
+  topo.replicas = 3;
+  topo.policy.policy = router::Policy::kPrefix;
+  topo.noise = 0.3;
+  topo.seed = 7;
+  const lg::Slo slo;
+  auto a = sim::simulate(t, simple_costs(), topo);
+  auto b = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  EXPECT_EQ(sim::report(*a, topo, slo).dump(), sim::report(*b, topo, slo).dump());
+  topo.seed = 8;
+  auto c = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(c.is_ok());
+  EXPECT_NE(sim::report(*a, topo, slo)["summary"].dump(), sim::report(*c, topo, slo)["summary"].dump());
+}
+
+// One replica, requests far apart: TTFT = overhead + prefill, latency = that + (n − 1) decode steps.
+TEST(ClusterSim, OneRequestAtATimeIsExact) {
+  const int64_t n = 12;
+  const lg::Trace t = independent({0.0, 10.0, 20.0}, 200, n);
+  sim::Calibration c = simple_costs();
+  sim::Topology topo;
+  topo.router = false;
+  auto r = sim::simulate(t, c, topo);
+  ASSERT_TRUE(r.is_ok());
+  for (const lg::RequestResult& q : r->results) {
+    ASSERT_TRUE(q.ok);
+    EXPECT_EQ(q.prompt_tokens, 200);
+    EXPECT_EQ(q.cached_tokens, 0);
+    EXPECT_EQ(q.completion_tokens, n);
+    const double prefill = c.costs.request_overhead_s + c.costs.prefill_base_s + 200 * c.costs.prefill_per_token_s;
+    const double step = c.costs.decode_base_s + c.costs.decode_per_seq_s;
+    EXPECT_NEAR(q.ttft_s, prefill, 1e-12);
+    EXPECT_NEAR(q.latency_s, prefill + (n - 1) * step, 1e-12);
+    ASSERT_EQ(q.gaps_s.size(), static_cast<size_t>(n - 1));
+    for (double g : q.gaps_s) EXPECT_NEAR(g, step, 1e-12);
+  }
+  // With a per-context cost each step grows by one token's worth.
+  c.costs.decode_per_ctx_token_s = 1e-5;
+  auto g = sim::simulate(t, c, topo);
+  ASSERT_TRUE(g.is_ok());
+  const lg::RequestResult& q = g->results[0];
+  for (size_t k = 0; k < q.gaps_s.size(); ++k) {
+    EXPECT_NEAR(q.gaps_s[k], c.costs.decode_base_s + c.costs.decode_per_seq_s + 1e-5 * static_cast<double>(201 + k), 1e-12);
+  }
+}
+
+// One slot, Poisson arrivals, deterministic service D: the mean wait is ρD / (2(1 − ρ)) (M/D/1).
+TEST(ClusterSim, OneSlotQueueingMatchesMD1) {
+  lg::ArrivalOptions a;
+  a.rate = 50;
+  a.seed = 3;
+  auto arrivals = lg::arrival_times(a, 4000);
+  ASSERT_TRUE(arrivals.is_ok());
+  sim::Calibration c;
+  c.prompt_bytes_per_token = 1;
+  c.costs.prefill_per_token_s = 0.0001;  // 100 tokens: 10 ms
+  const lg::Trace t = independent(*arrivals, 100, 1);
+  sim::Topology topo;
+  topo.router = false;
+  topo.max_batch = 1;
+  topo.prefix_caching = false;
+  auto r = sim::simulate(t, c, topo);
+  ASSERT_TRUE(r.is_ok());
+  std::vector<double> waits;
+  for (const auto& q : r->results) waits.push_back(q.ttft_s - 0.01);
+  const double rho = 50 * 0.01;
+  const double expected = rho * 0.01 / (2 * (1 - rho));  // 5 ms
+  EXPECT_NEAR(mean(waits), expected, 0.15 * expected);
+}
+
+// Saturated (all requests at once), round-robin, each replica on its own cores: twice the
+// replicas, about twice the throughput.
+TEST(ClusterSim, DoublingReplicasAtSaturationDoublesThroughput) {
+  const lg::Trace t = independent(std::vector<double>(256, 0.0), 64, 32);
+  sim::Topology topo;
+  topo.policy.policy = router::Policy::kRoundRobin;
+  std::vector<double> tput;
+  for (int64_t n : {1, 2, 4}) {
+    topo.replicas = n;
+    auto r = sim::simulate(t, simple_costs(), topo);
+    ASSERT_TRUE(r.is_ok());
+    tput.push_back(sim::report(*r, topo, lg::Slo{})["summary"]["output_tokens_per_s"].get<double>());
+  }
+  EXPECT_NEAR(tput[1] / tput[0], 2.0, 0.2);
+  EXPECT_NEAR(tput[2] / tput[1], 2.0, 0.2);
+  // On 2 shared cores with 2 threads each, more replicas buy nothing.
+  topo.cpus = 2;
+  sim::Calibration c = simple_costs();
+  c.threads_per_replica = 2;
+  topo.replicas = 1;
+  auto one = sim::simulate(t, c, topo);
+  topo.replicas = 2;
+  auto two = sim::simulate(t, c, topo);
+  ASSERT_TRUE(one.is_ok() && two.is_ok());
+  EXPECT_NEAR(two->wall_s / one->wall_s, 1.0, 0.1);
+}
+
+// Conversations sharing system prompts: prefix-aware routing keeps a conversation on its replica.
+TEST(ClusterSim, PrefixRoutingRaisesTheHitRate) {
+  lg::SynthOptions o;
+  o.requests = 120;
+  o.sessions = 12;
+  o.turns = 5;
+  o.prefixes = 3;
+  o.prefix_words = 16;
+  o.turn_words = 48;
+  o.tool_words = 96;
+  o.arrivals.rate = 10;
+  const lg::Trace t = synthetic(o);
+  sim::Topology topo;
+  topo.replicas = 8;
+  auto hit_rate = [&](router::Policy p) {
+    topo.policy.policy = p;
+    auto r = sim::simulate(t, simple_costs(), topo);
+    EXPECT_TRUE(r.is_ok());
+    return r->metrics["serve"]["prefix_cache_hit_rate"].get<double>();
+  };
+  const double rr = hit_rate(router::Policy::kRoundRobin);
+  const double prefix = hit_rate(router::Policy::kPrefix);
+  EXPECT_GT(prefix, rr + 0.1) << "rr " << rr << " prefix " << prefix;
+  auto r = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(r.is_ok());
+  EXPECT_GT(r->metrics["router"]["prefix_hit_rate"].get<double>(), 0.5);
+}
+
+// A live store lets round-robin replicas find each other's prefixes; a dead one costs only the
+// recomputation: the same report as no store at all.
+TEST(ClusterSim, DeadStoreOnlyCostsRecompute) {
+  lg::SynthOptions o;
+  o.requests = 60;
+  o.prefix_words = 64;
+  o.arrivals.rate = 10;
+  const lg::Trace t = synthetic(o);
+  sim::Topology topo;
+  topo.replicas = 4;
+  topo.policy.policy = router::Policy::kRoundRobin;
+  const lg::Slo slo;
+  auto none = sim::simulate(t, simple_costs(), topo);
+  topo.store.enabled = true;
+  topo.store.alive = false;
+  auto dead = sim::simulate(t, simple_costs(), topo);
+  topo.store.alive = true;
+  auto live = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(none.is_ok() && dead.is_ok() && live.is_ok());
+  EXPECT_EQ(sim::report(*none, topo, slo)["summary"].dump(), sim::report(*dead, topo, slo)["summary"].dump());
+  EXPECT_EQ(dead->metrics["serve"]["shared_store"]["bytes_read"].get<double>(), 0);
+  EXPECT_GT(dead->metrics["serve"]["shared_store"]["errors"].get<int64_t>(), 0);
+  EXPECT_GT(live->metrics["serve"]["prefix_cache_hit_rate"].get<double>(),
+            none->metrics["serve"]["prefix_cache_hit_rate"].get<double>());
+  EXPECT_GT(live->metrics["serve"]["shared_store"]["bytes_read"].get<double>(), 0);
+}
+
+// A device too small for the batch's KV: the planner puts layers on the host pool and every decode
+// step reads them at the host bandwidth (bytes counted, time charged).
+TEST(ClusterSim, PlannerOffloadsAndChargesTheHostLink) {
+  const lg::Trace t = independent(std::vector<double>(4, 0.0), 400, 8);
+  sim::Calibration c = simple_costs();  // stories260K's shape: 1280 KV bytes a token
+  sim::Topology topo;
+  topo.router = false;
+  topo.tiers.device_kv_bytes = 1'000'000;
+  topo.tiers.host_kv_bytes = 64'000'000;
+  topo.tiers.host_bandwidth_bps = 1e6;  // slow enough to dominate
+  auto r = sim::simulate(t, c, topo);
+  ASSERT_TRUE(r.is_ok());
+  EXPECT_GT(r->metrics["serve"]["tiers"]["host"]["bytes_read"].get<double>(), 0);
+  topo.tiers.device_kv_bytes = 0;
+  auto fits = sim::simulate(t, c, topo);
+  ASSERT_TRUE(fits.is_ok());
+  EXPECT_GT(r->wall_s, 2 * fits->wall_s);
+  // Nothing fits anywhere: the request fails, named.
+  topo.tiers.device_kv_bytes = 1000;
+  topo.tiers.host_kv_bytes = 0;
+  auto refused = sim::simulate(t, c, topo);
+  ASSERT_TRUE(refused.is_ok());
+  EXPECT_FALSE(refused->results[0].ok);
+  EXPECT_NE(refused->results[0].error.find("planner"), std::string::npos);
+}
+
+// Calibration: a report generated by the simulator itself is fitted back to its costs.
+TEST(ClusterSim, CalibrationRecoversTheCosts) {
+  std::string text;
+  for (int i = 0; i < 12; ++i) {
+    std::string p = "r" + std::to_string(i) + " ";
+    while (p.size() < static_cast<size_t>(50 + 40 * i)) p += "y";
+    text += json{{"arrival_s", 1.0 * i}, {"prompt", p}, {"max_tokens", 10}}.dump() + "\n";
+  }
+  const lg::Trace trace = parse(text);
+  sim::Calibration truth = simple_costs();
+  sim::Topology topo;
+  topo.router = false;
+  auto r = sim::simulate(trace, truth, topo);
+  ASSERT_TRUE(r.is_ok());
+  json rep = {{"requests", json::array()}};
+  for (const auto& q : r->results) {
+    rep["requests"].push_back({{"index", q.index}, {"ok", q.ok}, {"sent_at_s", q.sent_at_s}, {"ttft_ms", 1e3 * q.ttft_s},
+                               {"latency_s", q.latency_s}, {"prompt_tokens", q.prompt_tokens},
+                               {"cached_tokens", q.cached_tokens}, {"completion_tokens", q.completion_tokens},
+                               {"prompt_bytes", q.prompt_bytes}});
+  }
+  auto fit = sim::calibrate_from_loadgen(rep, trace, sim::Calibration{});
+  ASSERT_TRUE(fit.is_ok()) << fit.status().to_string();
+  EXPECT_NEAR(fit->prompt_bytes_per_token, 1.0, 1e-9);
+  EXPECT_NEAR(fit->costs.prefill_per_token_s, truth.costs.prefill_per_token_s, 1e-7);
+  EXPECT_NEAR(fit->costs.request_overhead_s, truth.costs.request_overhead_s + truth.costs.prefill_base_s, 1e-6);
+  // One sequence per step: base + per-seq is what the fit can see.
+  EXPECT_NEAR(fit->costs.decode_base_s + fit->costs.decode_per_seq_s,
+              truth.costs.decode_base_s + truth.costs.decode_per_seq_s, 1e-6);
+  // Round trip through JSON.
+  auto back = sim::calibration_from_json(sim::calibration_to_json(*fit));
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(back->costs, fit->costs);
+  EXPECT_FALSE(sim::calibration_from_json(json{{"costs", {{"decode_base_s", -1}}}}).is_ok());
+}

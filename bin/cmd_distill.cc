@@ -52,6 +52,15 @@ void register_distill(CLI::App& app, DistillArgs& a) {
                   "leave the last N keys out of the loss (selection's --window keeps them anyway)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--position-weight", a.position_weight,
+                  "weight of each query position in the loss: uniform, or far (the teacher mass on the keys the "
+                  "loss ranks, plus --weight-floor: positions that look far back count, local ones barely)")
+      ->check(CLI::IsMember({"uniform", "far"}))
+      ->capture_default_str();
+  cmd->add_option("--weight-floor", a.weight_floor,
+                  "added to every position's weight with --position-weight far")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--threads", a.threads, "CPU threads of the target forward (0 = all of the NUMA node)");
   cmd->add_flag("--json", a.json, "print the report as one JSON object on stdout");
 }
@@ -143,6 +152,19 @@ std::string describe_split(const LoadedCorpus& c, const DistillArgs& a) {
          ", " + total + ")";
 }
 
+// The loss, for the head's distill_objective ("KL over keys [1, t+1-4)" with uniform weights, as
+// before position weighting existed).
+std::string objective_description(const DistillArgs& a) {
+  std::string out =
+      "KL over keys [" + std::to_string(a.exclude_sinks) + ", t+1-" + std::to_string(a.exclude_window) + ")";
+  if (a.position_weight == "far") {
+    std::ostringstream floor;
+    floor << a.weight_floor;
+    out += ", each position weighted by the teacher mass on those keys + " + floor.str();
+  }
+  return out;
+}
+
 // What the head records about its training text: `specontext eval` refuses a --text whose
 // bytes hash to one of train_text_fnv1a64's, and train_split names the parts held out.
 std::map<std::string, std::string> split_metadata(const DistillArgs& a, std::span<const LoadedCorpus> corpora) {
@@ -158,8 +180,7 @@ std::map<std::string, std::string> split_metadata(const DistillArgs& a, std::spa
           {"train_split", split},
           {"distill_train", a.train},
           {"distill_teacher", "per KV head: layer mean of the GQA group's " + a.teacher + " attention, renormalised"},
-          {"distill_objective", "KL over keys [" + std::to_string(a.exclude_sinks) + ", t+1-" +
-                                    std::to_string(a.exclude_window) + ")"}};
+          {"distill_objective", objective_description(a)}};
 }
 
 // Training and held-out chunks: each corpus is chunked on its own, every chunk led by BOS.
@@ -223,6 +244,8 @@ int run_distill(const DistillArgs& a) {
   if (!train_groups.is_ok()) return fail(train_groups.status());
   auto teacher = parse_teacher_reduction(a.teacher);
   if (!teacher.is_ok()) return fail(teacher.status());
+  auto position_weight = parse_position_weight(a.position_weight);
+  if (!position_weight.is_ok()) return fail(position_weight.status());
   std::vector<LoadedCorpus> corpora;
   for (const std::string& path : a.corpus) {
     auto c = load_corpus(tok, path, a);
@@ -244,7 +267,7 @@ int run_distill(const DistillArgs& a) {
   opts.seed = a.seed;
   opts.train = *train_groups;
   opts.teacher = *teacher;
-  opts.objective = DistillObjective{a.exclude_sinks, a.exclude_window};
+  opts.objective = DistillObjective{a.exclude_sinks, a.exclude_window, *position_weight, a.weight_floor};
   opts.on_step = [&](int64_t step, double kl) {
     if (!a.json)
       std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
@@ -288,6 +311,8 @@ int run_distill(const DistillArgs& a) {
         {"teacher", a.teacher},
         {"exclude_sinks", a.exclude_sinks},
         {"exclude_window", a.exclude_window},
+        {"position_weight", a.position_weight},
+        {"weight_floor", a.weight_floor},
         {"train_split", meta.at("train_split")},
         {"context", rep.context},
         {"train_tokens", rep.train_tokens},

@@ -75,6 +75,8 @@ struct DistillArgs {
   std::string teacher = "max";        // GQA group reduction of the teacher: max or mean
   int64_t exclude_sinks = 1;          // keys the loss leaves out: the first N and the last N,
   int64_t exclude_window = 4;         // which selection keeps anyway (SelectionOptions' defaults)
+  std::string position_weight = "uniform";  // uniform, or far: by the teacher mass on the ranked keys
+  double weight_floor = 0.1;                // added to every weight under far
   std::string out;
   int64_t steps = 800;
   double lr = 5e-3;

@@ -300,13 +300,32 @@ HeadForward forward_head(const RetrievalHead& head, const RopeTable& rope, const
   return f;
 }
 
-// Σ over query heads of KL(T_g(t) ‖ P_h(t)) for one query row q (after RoPE), both restricted
-// to the keys the objective scores (renormalised there). With dq and dk non-null, adds
-// `norm`·∂/∂q into dq [qd] and `norm`·∂/∂k into dk [t+1, kvd] (after RoPE).
-double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj, const float* q,
-                  const float* keys, int64_t t, float norm, float* dq, float* dk) {
-  const int64_t n = ch.length(), len = t + 1;
+// The keys the objective ranks for query row t: [lo, hi) of 0..t.
+struct RankedKeys {
+  int64_t lo = 0, hi = 0;
+};
+RankedKeys ranked_keys(const DistillObjective& obj, int64_t t) {
+  const int64_t len = t + 1;
   const int64_t lo = std::min(obj.exclude_sinks, len), hi = std::max(lo, len - obj.exclude_window);
+  return {lo, hi};
+}
+
+// The teacher mass T_g(t) puts on keys [lo, hi).
+double ranked_mass(const DistillChunk& ch, int64_t g, int64_t t, RankedKeys r) {
+  const float* tg = ch.teacher.data() + g * tri(ch.length()) + tri(t);
+  double tmass = 0.0;
+  for (int64_t j = r.lo; j < r.hi; ++j) tmass += tg[j];
+  return tmass;
+}
+
+// Σ over query heads of weight[h] · KL(T_g(t) ‖ P_h(t)) for one query row q (after RoPE), both
+// restricted to the keys the objective scores (renormalised there). With dq and dk non-null,
+// adds norm[h]·∂KL_h/∂q into dq [qd] and norm[h]·∂KL_h/∂k into dk [t+1, kvd] (after RoPE).
+double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj, const float* q,
+                  const float* keys, int64_t t, const float* norm, const double* weight, float* dq,
+                  float* dk) {
+  const int64_t n = ch.length(), len = t + 1;
+  const auto [lo, hi] = ranked_keys(obj, t);
   if (hi - lo < 2) return 0.0;  // at most one candidate: nothing to rank
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.hd));
   std::vector<float> logit(static_cast<size_t>(len));
@@ -315,9 +334,10 @@ double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjec
     const int64_t g = h / s.group;
     const float* qh = q + h * s.hd;
     const float* tg = ch.teacher.data() + g * tri(n) + tri(t);
-    double tmass = 0.0;
-    for (int64_t j = lo; j < hi; ++j) tmass += tg[j];
+    const double tmass = ranked_mass(ch, g, t, {lo, hi});
     if (tmass <= 0.0) continue;
+    const double w = weight[h];
+    const float gn = norm[h];
     float mx = -INFINITY;
     for (int64_t j = lo; j < hi; ++j) {
       logit[static_cast<size_t>(j)] = dot(qh, keys + j * s.kvd + g * s.hd, s.hd) * scale;
@@ -329,10 +349,10 @@ double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjec
     for (int64_t j = lo; j < hi; ++j) {
       const double log_p = logit[static_cast<size_t>(j)] - log_z;
       const double tj = tg[j] / tmass;
-      if (tj > 0.0) loss += tj * (std::log(tj) - log_p);
+      if (tj > 0.0) loss += w * (tj * (std::log(tj) - log_p));
       if (dq == nullptr) continue;
       // dKL/dlogit = P − T; chain through logit = q·k·scale.
-      const float ds = static_cast<float>(std::exp(log_p) - tj) * norm * scale;
+      const float ds = static_cast<float>(std::exp(log_p) - tj) * gn * scale;
       if (ds == 0.0f) continue;
       axpy(ds, keys + j * s.kvd + g * s.hd, dq + h * s.hd, s.hd);
       axpy(ds, qh, dk + j * s.kvd + g * s.hd, s.hd);
@@ -664,7 +684,24 @@ double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_param
   const int64_t nk = *std::max_element(positions.begin(), positions.end()) + 1;
   const RopeTable rope(rope_params, nk);
   const HeadForward f = forward_head(head, rope, in, nk);
+  // Per-head gradient scale and loss weight of each position: uniform, 1/(positions·heads) and
+  // 1; kFar, w/W and w with w = ranked teacher mass + floor and W their sum.
+  const bool far = objective.position_weight == PositionWeight::kFar;
   const float norm = 1.0f / static_cast<float>(static_cast<int64_t>(positions.size()) * s.nh);
+  double total_weight = 0.0;
+  auto far_weight = [&](int64_t t, int64_t h) {
+    const RankedKeys r = ranked_keys(objective, t);
+    if (r.hi <= r.lo) return 0.0;  // no ranked key: the position is left out
+    return ranked_mass(ch, h / s.group, t, r) + objective.weight_floor;
+  };
+  if (far) {
+    for (int64_t t : positions) {
+      for (int64_t h = 0; h < s.nh; ++h) total_weight += far_weight(t, h);
+    }
+    if (!(total_weight > 0.0)) return 0.0;
+  }
+  std::vector<float> head_norm(static_cast<size_t>(s.nh), norm);
+  std::vector<double> head_weight(static_cast<size_t>(s.nh), 1.0);
   std::vector<float> q(static_cast<size_t>(s.qd)), dq(static_cast<size_t>(s.qd));
   std::vector<float> dk, dx;
   if (grads != nullptr) {
@@ -673,12 +710,19 @@ double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_param
   }
   double loss = 0.0;
   for (int64_t t : positions) {
+    if (far) {
+      for (int64_t h = 0; h < s.nh; ++h) {
+        const double w = far_weight(t, h);
+        head_weight[static_cast<size_t>(h)] = w;
+        head_norm[static_cast<size_t>(h)] = static_cast<float>(w / total_weight);
+      }
+    }
     const float* xt = f.x.data() + t * d2;
     matvec(f32(head.wq), xt, s.qd, d2, q.data());
     for (int64_t h = 0; h < s.nh; ++h) rope.apply(q.data() + h * s.hd, t, false);
     std::fill(dq.begin(), dq.end(), 0.0f);
-    loss += attend_row(s, ch, objective, q.data(), f.k.data(), t, norm, grads ? dq.data() : nullptr,
-                       grads ? dk.data() : nullptr);
+    loss += attend_row(s, ch, objective, q.data(), f.k.data(), t, head_norm.data(), head_weight.data(),
+                       grads ? dq.data() : nullptr, grads ? dk.data() : nullptr);
     if (grads == nullptr) continue;
     // Back through RoPE (its transpose) and q = wq · x.
     for (int64_t h = 0; h < s.nh; ++h) rope.apply(dq.data() + h * s.hd, t, true);
@@ -692,7 +736,7 @@ double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope_param
     }
     backprop_inputs(head, in, f, dx.data(), nk, grads);
   }
-  return loss * norm;
+  return far ? loss / total_weight : loss * norm;
 }
 
 Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
@@ -749,6 +793,13 @@ Result<TeacherReduction> parse_teacher_reduction(std::string_view name) {
   if (name == "max") return TeacherReduction::kGroupMax;
   if (name == "mean") return TeacherReduction::kGroupMean;
   return invalid_argument("distill: unknown teacher reduction '" + std::string(name) + "' (expected max or mean)");
+}
+
+Result<PositionWeight> parse_position_weight(std::string_view name) {
+  if (name == "uniform") return PositionWeight::kUniform;
+  if (name == "far") return PositionWeight::kFar;
+  return invalid_argument("distill: unknown position weighting '" + std::string(name) +
+                          "' (expected uniform or far)");
 }
 
 Result<DistillTrain> parse_distill_train(std::string_view names) {

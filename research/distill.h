@@ -56,9 +56,26 @@ Result<TeacherReduction> parse_teacher_reduction(std::string_view name);  // "ma
 // (SelectionOptions), so the head's scores only decide among the others; excluding them puts
 // the whole KL on that decision (teacher and head renormalised over the remaining keys). 0, 0:
 // the whole distribution.
+//
+// Position weighting: kUniform gives every query position and query head the same weight (the
+// loss is their mean). kFar weighs the KL of position t, query head h (group g) by the teacher
+// mass T_g(t) puts on the ranked keys plus weight_floor, and divides by the sum of those weights:
+// positions whose attention lies in the sinks and the recent window (which selection keeps
+// anyway) barely count, positions that look far back count fully (models/longctx/distill.py's
+// --head-weight far with --head-weight-floor). Positions with no ranked key are left out of the
+// sum. weight_floor applies to kFar only (under kUniform a constant added to every weight would
+// not change the mean).
+enum class PositionWeight {
+  kUniform,
+  kFar,
+};
+Result<PositionWeight> parse_position_weight(std::string_view name);  // "uniform" / "far"
+
 struct DistillObjective {
   int64_t exclude_sinks = 0;
   int64_t exclude_window = 0;
+  PositionWeight position_weight = PositionWeight::kUniform;
+  double weight_floor = 0.1;
 };
 
 struct DistillOptions {
@@ -165,7 +182,8 @@ struct HeadGradients {
 };
 
 // The training objective on one chunk: mean over `positions` (each t ≥ 1) and query heads of
-// KL(T_g(t) ‖ P_h(t)), with the head's forward computed here (the same arithmetic as
+// KL(T_g(t) ‖ P_h(t)) (weighted mean with PositionWeight::kFar), with the head's forward
+// computed here (the same arithmetic as
 // retrieval_qk). When grads is not null, its vectors are resized and overwritten with the
 // gradient. Exposed for a finite-difference test.
 double distill_loss_grad(const RetrievalHead& head, const RopeParams& rope, const DistillChunk& chunk,

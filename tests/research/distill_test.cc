@@ -135,6 +135,10 @@ TEST(Distill, TrainGroupsParse) {
   EXPECT_EQ(distill_train_names(*all), "fc,norms,qk");
   EXPECT_FALSE(parse_distill_train("fc,v").is_ok());
   EXPECT_FALSE(parse_distill_train("").is_ok());
+  EXPECT_EQ(*parse_position_weight("uniform"), PositionWeight::kUniform);
+  EXPECT_EQ(*parse_position_weight("far"), PositionWeight::kFar);
+  EXPECT_FALSE(parse_position_weight("near").is_ok());
+  EXPECT_EQ(DistillObjective{}.position_weight, PositionWeight::kUniform);
 }
 
 TEST(Distill, TeacherRowsAreDistributions) {
@@ -298,11 +302,17 @@ TEST(Distill, TrainingForwardMatchesTheEngineHead) {
   EXPECT_NEAR(loss, fid->kl, 1e-4 * fid->kl);
 }
 
-// The analytic gradient of every parameter group (through the softmax, the dot products, RoPE
-// with YaRN's mscale, the projections, both RMSNorms with their weights and fc) against central
-// finite differences on a small random problem: per entry, and as the relative L2 error of the
-// group's sampled entries.
-TEST(Distill, GradientMatchesFiniteDifferences) {
+// A small random problem for the loss: a perturbed head of a 4-head, 2-KV-head config with
+// YaRN in play, a 12-token chunk with random teacher rows and random inputs.
+struct SyntheticProblem {
+  std::shared_ptr<RetrievalHead> head;
+  RopeParams rope;
+  DistillChunk ch;
+  HeadInputs in;
+  static constexpr int64_t n = 12, d = 8;
+};
+
+SyntheticProblem synthetic_problem() {
   ModelConfig c;
   c.dim = 8;
   c.hidden_dim = 16;
@@ -312,12 +322,12 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
   c.head_dim = 4;
   c.vocab_size = 10;
   c.norm_eps = 1e-5f;
-  std::shared_ptr<RetrievalHead> head = perturbed_head(c, 9);
-  head->config.trained_context = 4;  // so that YaRN (mscale > 1) is in play
-  const RopeParams rope = make_head_rope_params(head->config, 12);
-  ASSERT_GT(rope.mscale, 1.0f);
-  const int64_t n = 12, d = 8;
-  DistillChunk ch;
+  SyntheticProblem p;
+  p.head = perturbed_head(c, 9);
+  p.head->config.trained_context = 4;  // so that YaRN (mscale > 1) is in play
+  p.rope = make_head_rope_params(p.head->config, 12);
+  const int64_t n = SyntheticProblem::n, d = SyntheticProblem::d;
+  DistillChunk& ch = p.ch;
   ch.tokens.assign(static_cast<size_t>(n), 0);
   ch.teacher.resize(static_cast<size_t>(2 * n * (n + 1) / 2));
   uint32_t s = 12345;
@@ -333,11 +343,26 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
       for (int64_t j = 0; j <= t; ++j) row[j] /= sum;
     }
   }
-  HeadInputs in;
+  HeadInputs& in = p.in;
   in.embed.resize(static_cast<size_t>(n * d));
   in.fused_prev.assign(static_cast<size_t>(n * 3 * d), 0.0f);  // row 0: zeros, as for position 0
   for (float& v : in.embed) v = 2.0f * next() - 1.0f;
   for (size_t i = 3 * d; i < in.fused_prev.size(); ++i) in.fused_prev[i] = 4.0f * next() - 2.0f;
+  return p;
+}
+
+// The analytic gradient of every parameter group (through the softmax, the dot products, RoPE
+// with YaRN's mscale, the projections, both RMSNorms with their weights and fc) against central
+// finite differences on a small random problem: per entry, and as the relative L2 error of the
+// group's sampled entries; then for the masked objective, with uniform and far position weighting.
+TEST(Distill, GradientMatchesFiniteDifferences) {
+  SyntheticProblem p = synthetic_problem();
+  std::shared_ptr<RetrievalHead> head = p.head;
+  const RopeParams& rope = p.rope;
+  ASSERT_GT(rope.mscale, 1.0f);
+  const int64_t d = SyntheticProblem::d;
+  const DistillChunk& ch = p.ch;
+  const HeadInputs& in = p.in;
   const std::vector<int64_t> positions = {1, 4, 7, 11};
   HeadGradients grads;
   const double loss = distill_loss_grad(*head, rope, ch, in, positions, &grads);
@@ -371,7 +396,7 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
   check(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 7, "wk");
 
   // The loss restricted to keys [1, t+1−2): the teacher and the head renormalised there.
-  const DistillObjective skip{1, 2};
+  DistillObjective skip{1, 2};
   const double masked = distill_loss_grad(*head, rope, ch, in, positions, &grads, skip);
   EXPECT_GT(masked, 0.0);
   EXPECT_NE(masked, loss);
@@ -392,6 +417,89 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
   check_masked(head->hidden_norm.data(), static_cast<size_t>(d), grads.hidden_norm, 1, "hidden_norm");
   check_masked(mat(head->wq), static_cast<size_t>(head->wq.rows * head->wq.cols), grads.wq, 7, "wq");
   check_masked(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 7, "wk");
+
+  // The same with each position weighted by its ranked teacher mass + 0.1 (PositionWeight::kFar).
+  skip.position_weight = PositionWeight::kFar;
+  skip.weight_floor = 0.1;
+  const double far = distill_loss_grad(*head, rope, ch, in, positions, &grads, skip);
+  EXPECT_GT(far, 0.0);
+  EXPECT_NE(far, masked);
+  check_masked(mat(head->fc), static_cast<size_t>(d * 3 * d), grads.fc, 5, "fc (far)");
+  check_masked(head->input_norm.data(), static_cast<size_t>(d), grads.input_norm, 1, "input_layernorm (far)");
+  check_masked(head->hidden_norm.data(), static_cast<size_t>(d), grads.hidden_norm, 1, "hidden_norm (far)");
+  check_masked(mat(head->wq), static_cast<size_t>(head->wq.rows * head->wq.cols), grads.wq, 7, "wq (far)");
+  check_masked(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 7, "wk (far)");
+}
+
+bool same_gradients(const HeadGradients& a, const HeadGradients& b) {
+  return a.fc == b.fc && a.input_norm == b.input_norm && a.hidden_norm == b.hidden_norm && a.wq == b.wq &&
+         a.wk == b.wk;
+}
+
+// Position weighting. Uniform (the default) ignores weight_floor: the same loss and gradients,
+// bit for bit. Far: a position whose teacher mass lies all in the kept sink and window adds
+// nothing to the loss or the gradient (uniform weighting still counts it in the mean), one with
+// almost none there almost nothing, and a floor much larger than any mass gives the uniform mean.
+TEST(Distill, FarPositionWeightingFollowsTheRankedTeacherMass) {
+  SyntheticProblem p = synthetic_problem();
+  const RetrievalHead& head = *p.head;
+  const int64_t n = SyntheticProblem::n;
+  auto row = [&p](int64_t g, int64_t t) {
+    return p.ch.teacher.data() + g * n * (n + 1) / 2 + t * (t + 1) / 2;
+  };
+  const DistillObjective uniform{1, 2};  // ranked keys of row t: [1, t−1)
+  DistillObjective uniform_floor = uniform;
+  uniform_floor.weight_floor = 0.7;
+  DistillObjective far = uniform;
+  far.position_weight = PositionWeight::kFar;
+  far.weight_floor = 0.0;
+  auto loss = [&](std::vector<int64_t> positions, const DistillObjective& o, HeadGradients* g = nullptr) {
+    return distill_loss_grad(head, p.rope, p.ch, p.in, positions, g, o);
+  };
+
+  HeadGradients ga, gb;
+  const std::vector<int64_t> all = {1, 4, 7, 11};
+  EXPECT_EQ(loss(all, uniform, &ga), loss(all, uniform_floor, &gb));
+  EXPECT_TRUE(same_gradients(ga, gb));
+  EXPECT_EQ(loss(all, DistillObjective{1, 2}),
+            loss(all, DistillObjective{1, 2, PositionWeight::kUniform, 0.1}));
+
+  // A floor far above every mass: the weights are all but equal, the uniform mean over
+  // positions that have ranked keys (t ≥ 3 here).
+  DistillObjective flat = far;
+  flat.weight_floor = 1e6;
+  EXPECT_NEAR(loss({4, 7, 11}, flat), loss({4, 7, 11}, uniform), 1e-5 * loss({4, 7, 11}, uniform));
+
+  // Row 7: half the mass on the sink (key 0), the rest on the window (keys 6, 7).
+  for (int64_t g = 0; g < 2; ++g) {
+    float* r = row(g, 7);
+    std::fill(r, r + 8, 0.0f);
+    r[0] = 0.5f;
+    r[6] = r[7] = 0.25f;
+  }
+  EXPECT_EQ(loss({7, 11}, far, &ga), loss({11}, far, &gb));
+  EXPECT_TRUE(same_gradients(ga, gb));
+  EXPECT_GT(loss({11}, far), 0.0);
+  // Uniform weighting still counts row 7 (with no loss) in the mean: half of row 11's.
+  EXPECT_NEAR(loss({7, 11}, uniform), 0.5 * loss({11}, uniform), 1e-9);
+
+  // Row 4: a millionth of its mass on the ranked keys 1, 2 (unevenly: a KL the head pays for
+  // under uniform weighting), the rest on the sink and the window.
+  for (int64_t g = 0; g < 2; ++g) {
+    float* r = row(g, 4);
+    r[0] = 0.5f;
+    r[1] = 0.9e-6f;
+    r[2] = 0.1e-6f;
+    r[3] = r[4] = 0.25f - 0.5e-6f;
+  }
+  const double only_11 = loss({11}, far);
+  EXPECT_NEAR(loss({4, 11}, far), only_11, 1e-4 * only_11);
+  EXPECT_GT(std::abs(loss({4, 11}, uniform) - 0.5 * loss({11}, uniform)), 1e-3);
+
+  // The floor makes such positions count again, as much as any other.
+  DistillObjective floored = far;
+  floored.weight_floor = 0.1;
+  EXPECT_GT(std::abs(loss({4, 11}, floored) - loss({11}, floored)), 1e-4);
 }
 
 // Two short distillations of stories260K on the same data, seeds and steps: every parameter

@@ -203,6 +203,26 @@ SPX_INLINE void matmul_rows_bf16_body(const float* x, int64_t m, int64_t k, cons
   }
 }
 
+// The online-softmax step every attention block shares: s[0..nv) holds one query's scores of the
+// block and becomes exp(s − m_new); the running max m, the running sum l and the accumulator row
+// ar [d] are rescaled to the new max, and l gains the block's sum.
+SPX_INLINE void online_softmax_fold(float* s, int64_t nv, int64_t d, float& m, float& l, float* ar) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < nv; ++j) block_max = std::max(block_max, s[j]);
+  const float m_old = m;
+  const float m_new = std::max(m_old, block_max);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < nv; ++j) s[j] = fast_exp(s[j] - m_new);
+  for (int64_t j = 0; j < nv; ++j) sum += s[j];
+  if (m_new != m_old) {
+    const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m_old - m_new);
+    l *= alpha;
+    for (int64_t e = 0; e < d; ++e) ar[e] *= alpha;
+    m = m_new;
+  }
+  l += sum;
+}
+
 // One block of `n` consecutive keys (contiguous rows of K and V) folded into the online-softmax
 // state of `nq` queries. q is pre-scaled by 1/sqrt(d). valid[r] = how many leading keys of the
 // block query r may see (causal mask). s is scratch of >= n floats.
@@ -218,21 +238,8 @@ SPX_INLINE void attend_block_body(const float* q, int64_t nq, int64_t d, const i
     int64_t j = 0;
     for (; j + 4 <= nv; j += 4) dot4(qr, k + j * d, d, s + j);
     for (; j < nv; ++j) s[j] = dot(qr, k + j * d, d);
-    float block_max = -std::numeric_limits<float>::infinity();
-    for (j = 0; j < nv; ++j) block_max = std::max(block_max, s[j]);
-    const float m_old = m_state[r];
-    const float m_new = std::max(m_old, block_max);
-    float sum = 0.0f;
-    for (j = 0; j < nv; ++j) s[j] = fast_exp(s[j] - m_new);
-    for (j = 0; j < nv; ++j) sum += s[j];
     float* ar = acc + r * d;
-    if (m_new != m_old) {
-      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m_old - m_new);
-      l_state[r] *= alpha;
-      for (int64_t e = 0; e < d; ++e) ar[e] *= alpha;
-      m_state[r] = m_new;
-    }
-    l_state[r] += sum;
+    online_softmax_fold(s, nv, d, m_state[r], l_state[r], ar);
     // Four V rows per pass: one load/store of the accumulator row per four keys.
     for (j = 0; j + 4 <= nv; j += 4) {
       const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
@@ -409,21 +416,8 @@ void attend_block(const float* q, int64_t nq, int64_t d, const int64_t* valid, c
     int64_t j = 0;
     for (; j + 4 <= nv; j += 4) dot4(qr, k + j * d, d, s + j);
     for (; j < nv; ++j) s[j] = dot1(qr, k + j * d, d);
-    float block_max = -std::numeric_limits<float>::infinity();
-    for (j = 0; j < nv; ++j) block_max = std::max(block_max, s[j]);
-    const float m_old = m_state[r];
-    const float m_new = std::max(m_old, block_max);
-    float sum = 0.0f;
-    for (j = 0; j < nv; ++j) s[j] = fast_exp(s[j] - m_new);
-    for (j = 0; j < nv; ++j) sum += s[j];
     float* ar = acc + r * d;
-    if (m_new != m_old) {
-      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m_old - m_new);
-      l_state[r] *= alpha;
-      for (int64_t e = 0; e < d; ++e) ar[e] *= alpha;
-      m_state[r] = m_new;
-    }
-    l_state[r] += sum;
+    online_softmax_fold(s, nv, d, m_state[r], l_state[r], ar);
     for (j = 0; j + 4 <= nv; j += 4) {
       const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
       const __m256 p0v = _mm256_set1_ps(p0), p1v = _mm256_set1_ps(p1), p2v = _mm256_set1_ps(p2),

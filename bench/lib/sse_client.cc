@@ -23,6 +23,11 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
   asio::write(socket, asio::buffer(req), ec);
   if (ec) return t;
   std::string got;
+  // The body de-chunked: a relay (the router) cuts a stream into chunks anywhere, so an event can
+  // span chunks and chunk framing must not be read as event text.
+  std::string body_text;
+  size_t raw_pos = 0;  // next unread byte of `got` (a chunk-size line or chunk data)
+  bool chunked = false, body_done = false;
   size_t scanned = 0;
   auto last = start;
   bool first = true;
@@ -40,7 +45,12 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
       }
       const size_t sp = got.find(' ');
       t.http_status = sp != std::string::npos && sp < head_end ? std::atoi(got.c_str() + sp + 1) : -1;
-      scanned = head_end + 4;
+      raw_pos = head_end + 4;
+      {
+        std::string lower = got.substr(0, head_end);
+        for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        chunked = lower.find("transfer-encoding: chunked") != std::string::npos;
+      }
       if (t.http_status != 200) {
         // The body: Content-Length bytes, or until the end of a chunked body or the close.
         std::string lower = got.substr(0, head_end);
@@ -57,11 +67,27 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
         return t;
       }
     }
+    if (!chunked) {
+      body_text.append(got, raw_pos, std::string::npos);
+      raw_pos = got.size();
+    }
+    while (chunked && !body_done) {
+      const size_t eol = got.find("\r\n", raw_pos);
+      if (eol == std::string::npos) break;
+      const size_t size = std::strtoull(got.c_str() + raw_pos, nullptr, 16);
+      if (size == 0) {
+        body_done = true;
+        break;
+      }
+      if (got.size() < eol + 2 + size + 2) break;
+      body_text.append(got, eol + 2, size);
+      raw_pos = eol + 2 + size + 2;
+    }
     size_t pos;
-    while ((pos = got.find("data: ", scanned)) != std::string::npos) {
-      const size_t end = got.find("\n\n", pos);
+    while ((pos = body_text.find("data: ", scanned)) != std::string::npos) {
+      const size_t end = body_text.find("\n\n", pos);
       if (end == std::string::npos) break;
-      const std::string event = got.substr(pos + 6, end - pos - 6);
+      const std::string event = body_text.substr(pos + 6, end - pos - 6);
       scanned = end + 2;
       if (event == "[DONE]") continue;
       const auto j = nlohmann::json::parse(event, nullptr, false);
@@ -92,10 +118,11 @@ RequestTiming stream_completion(asio::ip::tcp::socket& socket, const std::string
       }
       last = now;
     }
-    if (got.size() >= 5 && got.compare(got.size() - 5, 5, "0\r\n\r\n") == 0 &&
-        got.find("data: [DONE]") != std::string::npos) {
+    const bool done_seen = body_text.find("data: [DONE]") != std::string::npos;
+    if (body_done || (!chunked && done_seen)) {
       t.latency_s = std::chrono::duration<double>(now - start).count();
-      t.ok = t.error.empty();
+      t.ok = t.error.empty() && done_seen;
+      if (!done_seen && t.error.empty()) t.error = "the stream ended without data: [DONE]";
       return t;
     }
   }

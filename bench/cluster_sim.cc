@@ -26,7 +26,8 @@ using json = nlohmann::json;
 
 int main(int argc, char** argv) {
   CLI::App app{"discrete-event simulator of serve replicas behind the router (predicts bench_loadgen's report)"};
-  std::string trace_path, calibration_path, calibrate_from, write_calibration, compare_path, replicas_list = "1";
+  std::vector<std::string> calibrate_from, calibrate_traces;
+  std::string trace_path, calibration_path, write_calibration, compare_path, replicas_list = "1";
   std::string policy = "rr", device_kv, host_kv, remote_kv, out = "bench_out/cluster_sim.json";
   bool plot = false, no_router = false, no_prefix_caching = false, store = false, store_dead = false;
   double store_gbps = 1, store_latency_ms = 0.2, store_dead_ms = 0, host_gbps = 20, remote_gbps = 4;
@@ -38,7 +39,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_path, "JSONL trace (bench/lib/loadgen.h); default: the synthetic trace below");
   app.add_option("--calibration", calibration_path, "calibration JSON (per-step costs; bench/sim/README in bench/README.md)");
   app.add_option("--calibrate", calibrate_from,
-                 "fit the costs from this bench_loadgen report of one replica on --trace; writes --write-calibration");
+                 "fit the costs from bench_loadgen reports of one replica (repeat; each with a --calibrate-trace, "
+                 "else --trace); writes --write-calibration");
+  app.add_option("--calibrate-trace", calibrate_traces, "the trace of each --calibrate report, in order");
   app.add_option("--write-calibration", write_calibration, "where --calibrate writes the calibration");
   app.add_option("--threads-per-replica", threads_per_replica, "compute threads of one replica (--calibrate; default 1)");
   app.add_option("--replicas", replicas_list, "replica count, or a list (1,2,4,...,64) for a sweep");
@@ -49,7 +52,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-router", no_router, "clients talk to the replica directly (no router overhead)");
   app.add_option("--max-batch", topo.max_batch, "sequences per replica at once (serve --max-batch)");
   app.add_flag("--no-prefix-caching", no_prefix_caching, "no prefix cache in the replicas");
-  app.add_option("--prefix-cache-tokens", topo.prefix_cache_tokens, "prefix cache per replica, tokens (whole pages)");
+  app.add_option("--prefix-cache-slots", topo.prefix_cache_slots, "finished sequences a replica keeps (serve's 16)");
   app.add_option("--cpus", topo.cpus, "cores the replicas share (0: each has its own)");
   app.add_flag("--store", store, "a shared prefix store (Redis) behind every replica");
   app.add_flag("--store-dead", store_dead, "the store is down: every lookup fails");
@@ -62,7 +65,7 @@ int main(int argc, char** argv) {
   app.add_option("--remote-kv", remote_kv, "remote KV pool per replica");
   app.add_option("--remote-gbps", remote_gbps, "remote pool link, GB/s");
   app.add_option("--time-scale", topo.time_scale, "multiply the trace's arrival times (0.5: twice the rate)");
-  app.add_option("--noise", topo.noise, "log-normal sigma on each step (0: exact)");
+  app.add_option("--noise", topo.noise, "log-normal sigma on each step (0: exact; -1: the calibration's)");
   app.add_option("--sim-seed", topo.seed, "the noise's seed");
   app.add_option("--slo-ttft-ms", slo_ttft_ms, "goodput SLO: time to first token");
   app.add_option("--slo-tpot-ms", slo_tpot_ms, "goodput SLO: time per output token after the first");
@@ -106,13 +109,26 @@ int main(int argc, char** argv) {
     cal = *c;
   }
   if (!calibrate_from.empty()) {
-    std::ifstream f(calibrate_from);
-    const json measured = f ? json::parse(f, nullptr, false) : json();
-    if (measured.is_discarded() || measured.is_null()) return fail(invalid_argument("cannot read " + calibrate_from));
+    if (!calibrate_traces.empty() && calibrate_traces.size() != calibrate_from.size()) {
+      return fail(invalid_argument("--calibrate-trace: one per --calibrate report"));
+    }
+    std::vector<sim::MeasuredRun> runs;
+    for (size_t k = 0; k < calibrate_from.size(); ++k) {
+      std::ifstream f(calibrate_from[k]);
+      const json measured = f ? json::parse(f, nullptr, false) : json();
+      if (measured.is_discarded() || measured.is_null()) return fail(invalid_argument("cannot read " + calibrate_from[k]));
+      lg::Trace t = trace;
+      if (!calibrate_traces.empty()) {
+        auto ct = lg::load_trace(calibrate_traces[k]);
+        if (!ct.is_ok()) return fail(ct.status());
+        t = std::move(*ct);
+      }
+      runs.push_back({measured, std::move(t)});
+    }
     if (threads_per_replica > 0) cal.threads_per_replica = threads_per_replica;
-    auto c = sim::calibrate_from_loadgen(measured, trace, cal);
+    auto c = sim::calibrate_from_loadgen(runs, cal);
     if (!c.is_ok()) return fail(c.status());
-    c->source += " of " + calibrate_from;
+    for (const auto& f : calibrate_from) c->source += " " + f;
     const json j = sim::calibration_to_json(*c);
     if (write_calibration.empty()) {
       std::printf("%s\n", j.dump(2).c_str());

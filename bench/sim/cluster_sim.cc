@@ -58,13 +58,42 @@ class LruSet {
   std::unordered_map<uint64_t, std::list<uint64_t>::iterator> index_;
 };
 
+size_t common_prefix(const std::vector<uint64_t>& a, const std::vector<uint64_t>& b) {
+  size_t k = 0;
+  while (k < a.size() && k < b.size() && a[k] == b[k]) ++k;
+  return k;
+}
+
+// A replica's prefix cache as serve keeps it: the KV of up to `slots` finished sequences (LRU), a
+// sequence's pages found by any later prompt that starts with them. A new entry that extends an
+// older one (the next turn of a conversation) replaces it.
+class SequenceCache {
+ public:
+  explicit SequenceCache(size_t slots) : slots_(slots) {}
+  size_t match(const std::vector<uint64_t>& chain) const {
+    size_t best = 0;
+    for (const auto& e : entries_) best = std::max(best, common_prefix(e, chain));
+    return best;
+  }
+  void insert(std::vector<uint64_t> chain) {
+    if (slots_ == 0 || chain.empty()) return;
+    entries_.remove_if([&](const std::vector<uint64_t>& e) { return common_prefix(e, chain) == e.size(); });
+    entries_.push_front(std::move(chain));
+    while (entries_.size() > slots_) entries_.pop_back();
+  }
+
+ private:
+  size_t slots_;
+  std::list<std::vector<uint64_t>> entries_;  // most recent first
+};
+
 double uniform01(std::mt19937_64& g) { return (static_cast<double>(g() >> 11) + 0.5) * 0x1.0p-53; }
 double standard_normal(std::mt19937_64& g) {
   const double u1 = uniform01(g), u2 = uniform01(g);
   return std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
 }
 
-enum class EventKind { kArrive, kReach, kStepDone };
+enum class EventKind { kArrive, kReach, kEnqueue, kStepDone };
 struct Event {
   double t;
   int64_t seq;  // ties: in order of scheduling
@@ -91,9 +120,9 @@ struct Replica {
   std::vector<int64_t> decoding;  // decoded by the step in progress
   bool busy = false;
   double busy_s = 0;
-  LruSet cache;
+  SequenceCache cache;
   int64_t chosen = 0, computed = 0, cached = 0, prefix_hits = 0;
-  explicit Replica(size_t pages) : cache(pages) {}
+  explicit Replica(size_t slots) : cache(slots) {}
 };
 
 struct Session {
@@ -116,10 +145,9 @@ class Simulator {
  public:
   Simulator(const lg::Trace& trace, const Calibration& cal, const Topology& topo)
       : trace_(trace), cal_(cal), topo_(topo), policy_(topo.policy, static_cast<size_t>(topo.replicas)),
-        rng_(topo.seed), store_(std::numeric_limits<size_t>::max()) {
-    const size_t cache_pages =
-        topo.prefix_caching ? static_cast<size_t>(std::max<int64_t>(0, topo.prefix_cache_tokens / cal.page_tokens)) : 0;
-    for (int64_t r = 0; r < topo.replicas; ++r) replicas_.emplace_back(cache_pages);
+        rng_(topo.seed), noise_(topo.noise < 0 ? cal.noise : topo.noise), store_(std::numeric_limits<size_t>::max()) {
+    const size_t slots = topo.prefix_caching ? static_cast<size_t>(std::max<int64_t>(0, topo.prefix_cache_slots)) : 0;
+    for (int64_t r = 0; r < topo.replicas; ++r) replicas_.emplace_back(slots);
     page_bytes_ = std::max<size_t>(1, static_cast<size_t>(std::llround(static_cast<double>(cal.page_tokens) *
                                                                         cal.prompt_bytes_per_token)));
     results_.resize(trace.requests.size());
@@ -145,6 +173,7 @@ class Simulator {
       switch (e.kind) {
         case EventKind::kArrive: arrive(e.a); break;
         case EventKind::kReach: reach(e.a); break;
+        case EventKind::kEnqueue: enqueue(e.a); break;
         case EventKind::kStepDone: step_done(e.a); break;
       }
     }
@@ -219,10 +248,33 @@ class Simulator {
     push(now_ + overhead, EventKind::kReach, i);
   }
 
+  // At the replica: the part of the prompt's per-token cost that is not the engine's (parsing,
+  // tokenizing on request workers, in parallel) delays the request before it queues.
   void reach(int64_t i) {
-    Replica& R = replicas_[static_cast<size_t>(reqs_[static_cast<size_t>(i)].replica)];
-    R.waiting.push_back(i);
-    start_step(static_cast<size_t>(reqs_[static_cast<size_t>(i)].replica));
+    const Request& q = reqs_[static_cast<size_t>(i)];
+    const double off_engine = 1 - cal_.costs.prefill_serial_fraction;
+    if (off_engine > 0) {
+      const Replica& R = replicas_[static_cast<size_t>(q.replica)];
+      size_t found = R.cache.match(q.pages);
+      for (int64_t o : R.running) found = std::max(found, common_prefix(reqs_[static_cast<size_t>(o)].pages, q.pages));
+      const int64_t max_pages = (q.prompt_tokens - 1) / cal_.page_tokens;
+      const int64_t cached =
+          topo_.prefix_caching ? std::min<int64_t>(static_cast<int64_t>(found), max_pages) * cal_.page_tokens : 0;
+      const double delay =
+          off_engine * (cal_.costs.prefill_base_s +
+                        cal_.costs.prefill_per_token_s * static_cast<double>(q.prompt_tokens - cached));
+      if (delay > 0) {
+        push(now_ + delay, EventKind::kEnqueue, i);
+        return;
+      }
+    }
+    enqueue(i);
+  }
+
+  void enqueue(int64_t i) {
+    const size_t rep = static_cast<size_t>(reqs_[static_cast<size_t>(i)].replica);
+    replicas_[rep].waiting.push_back(i);
+    start_step(rep);
   }
 
   // The planner's snapshot of a replica with these live lengths.
@@ -289,7 +341,11 @@ class Simulator {
       const int64_t page = cal_.page_tokens;
       const int64_t max_pages = (q.prompt_tokens - 1) / page;  // at least one token is computed
       const auto usable_pages = [&](size_t m) { return std::min<int64_t>(static_cast<int64_t>(m), max_pages); };
-      const int64_t local = topo_.prefix_caching ? usable_pages(R.cache.match(q.pages)) : 0;
+      // Finished sequences kept, and the prompts of those running (or admitted before it).
+      size_t found = R.cache.match(q.pages);
+      for (int64_t o : R.running) found = std::max(found, common_prefix(reqs_[static_cast<size_t>(o)].pages, q.pages));
+      for (int64_t o : R.admitted) found = std::max(found, common_prefix(reqs_[static_cast<size_t>(o)].pages, q.pages));
+      const int64_t local = topo_.prefix_caching ? usable_pages(found) : 0;
       int64_t hit_pages = local;
       if (topo_.store.enabled && local < std::min<int64_t>(max_pages, static_cast<int64_t>(q.pages.size()))) {
         if (!topo_.store.alive) {
@@ -316,8 +372,7 @@ class Simulator {
       results_[static_cast<size_t>(j)].cached_tokens = cached;
       R.cached += cached;
       R.computed += computed;
-      cost += c.prefill_base_s + c.prefill_per_token_s * static_cast<double>(computed);
-      if (topo_.prefix_caching) R.cache.insert(q.pages);
+      cost += c.prefill_serial_fraction * (c.prefill_base_s + c.prefill_per_token_s * static_cast<double>(computed));
       if (topo_.store.enabled && topo_.store.alive) {
         const size_t added = store_.insert(q.pages);
         if (added > 0) {
@@ -356,7 +411,7 @@ class Simulator {
       const double demand = static_cast<double>(busy_replicas_ * cal_.threads_per_replica);
       cost *= std::max(1.0, demand / topo_.cpus);
     }
-    if (topo_.noise > 0) cost *= std::exp(topo_.noise * standard_normal(rng_) - 0.5 * topo_.noise * topo_.noise);
+    if (noise_ > 0) cost *= std::exp(noise_ * standard_normal(rng_) - 0.5 * noise_ * noise_);
     cost += io;
     R.busy = true;
     R.busy_s += cost;
@@ -498,6 +553,7 @@ class Simulator {
   const Topology& topo_;
   router::RoutingPolicy policy_;
   std::mt19937_64 rng_;
+  double noise_ = 0;
   std::vector<Replica> replicas_;
   LruSet store_;
   size_t page_bytes_ = 1;
@@ -589,9 +645,11 @@ json calibration_to_json(const Calibration& c) {
             {"router_overhead_s", c.costs.router_overhead_s},
             {"prefill_base_s", c.costs.prefill_base_s},
             {"prefill_per_token_s", c.costs.prefill_per_token_s},
+            {"prefill_serial_fraction", c.costs.prefill_serial_fraction},
             {"decode_base_s", c.costs.decode_base_s},
             {"decode_per_seq_s", c.costs.decode_per_seq_s},
             {"decode_per_ctx_token_s", c.costs.decode_per_ctx_token_s}}},
+          {"noise", c.noise},
           {"prompt_bytes_per_token", c.prompt_bytes_per_token},
           {"output_bytes_per_token", c.output_bytes_per_token},
           {"page_tokens", c.page_tokens},
@@ -625,6 +683,12 @@ Result<Calibration> calibration_from_json(const json& j) {
       return invalid_argument(std::string("calibration: costs.") + f.name + " must be in [0, 3600] seconds");
     }
   }
+  s.prefill_serial_fraction = checked_num(costs, "prefill_serial_fraction", 1);
+  if (!(s.prefill_serial_fraction >= 0 && s.prefill_serial_fraction <= 1)) {
+    return invalid_argument("calibration: costs.prefill_serial_fraction must be in [0, 1]");
+  }
+  c.noise = checked_num(j, "noise", 0);
+  if (!(c.noise >= 0 && c.noise <= 2)) return invalid_argument("calibration: noise must be in [0, 2]");
   c.prompt_bytes_per_token = checked_num(j, "prompt_bytes_per_token", c.prompt_bytes_per_token);
   c.output_bytes_per_token = checked_num(j, "output_bytes_per_token", c.output_bytes_per_token);
   if (!(c.prompt_bytes_per_token > 0 && c.prompt_bytes_per_token < 1e6) ||
@@ -669,7 +733,7 @@ Result<SimOutput> simulate(const lg::Trace& trace, const Calibration& cal, const
   if (topo.replicas < 1 || topo.replicas > 100000) return invalid_argument("replicas must be in [1, 100000]");
   if (topo.max_batch < 1) return invalid_argument("max batch must be at least 1");
   if (!(topo.time_scale > 0) || !std::isfinite(topo.time_scale)) return invalid_argument("time scale must be > 0");
-  if (topo.cpus < 0 || topo.noise < 0 || topo.noise > 2) return invalid_argument("cpus must be ≥ 0, noise in [0, 2]");
+  if (topo.cpus < 0 || topo.noise > 2) return invalid_argument("cpus must be ≥ 0, noise at most 2");
   if (topo.store.enabled && !(topo.store.bandwidth_bps > 0)) return invalid_argument("store bandwidth must be > 0");
   if (topo.policy.chunk_bytes < 1) return invalid_argument("router chunk bytes must be ≥ 1");
   Simulator s(trace, cal, topo);
@@ -682,7 +746,7 @@ json report(const SimOutput& out, const Topology& topo, const lg::Slo& slo) {
             {"router", topo.router},
             {"max_batch", topo.max_batch},
             {"prefix_caching", topo.prefix_caching},
-            {"prefix_cache_tokens", topo.prefix_cache_tokens},
+            {"prefix_cache_slots", topo.prefix_cache_slots},
             {"cpus", topo.cpus},
             {"store", {{"enabled", topo.store.enabled}, {"alive", topo.store.alive},
                        {"bandwidth_bps", topo.store.bandwidth_bps}, {"latency_s", topo.store.latency_s}}},
@@ -699,22 +763,51 @@ json report(const SimOutput& out, const Topology& topo, const lg::Slo& slo) {
 // ---- calibration from a measured run ---------------------------------------------------------------
 
 Result<Calibration> calibrate_from_loadgen(const json& rep, const lg::Trace& trace, Calibration base) {
-  const json* reqs = find_path(rep, {"requests"});
-  if (reqs == nullptr || !reqs->is_array() || reqs->empty()) {
-    return invalid_argument("calibration: the loadgen report has no 'requests' records");
-  }
+  return calibrate_from_loadgen(std::vector<MeasuredRun>{{rep, trace}}, std::move(base));
+}
+
+Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs, Calibration base) {
   struct Rec {
     double sent, ttft, latency, prompt_tokens, cached, completion, bytes;
     int64_t index;
+    size_t run;
   };
   std::vector<Rec> recs;
-  for (const json& r : *reqs) {
-    if (!r.value("ok", false)) continue;
-    recs.push_back({r.value("sent_at_s", 0.0), r.value("ttft_ms", 0.0) / 1e3, r.value("latency_s", 0.0),
-                    r.value("prompt_tokens", 0.0), r.value("cached_tokens", 0.0), r.value("completion_tokens", 0.0),
-                    r.value("prompt_bytes", 0.0), r.value("index", int64_t{-1})});
+  double answer_bytes = 0, answer_tokens = 0;
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const json* reqs = find_path(runs[k].report, {"requests"});
+    if (reqs == nullptr || !reqs->is_array() || reqs->empty()) {
+      return invalid_argument("calibration: loadgen report " + std::to_string(k + 1) + " has no 'requests' records");
+    }
+    const size_t first = recs.size();
+    for (const json& r : *reqs) {
+      if (!r.value("ok", false)) continue;
+      recs.push_back({r.value("sent_at_s", 0.0), r.value("ttft_ms", 0.0) / 1e3, r.value("latency_s", 0.0),
+                      r.value("prompt_tokens", 0.0), r.value("cached_tokens", 0.0), r.value("completion_tokens", 0.0),
+                      r.value("prompt_bytes", 0.0), r.value("index", int64_t{-1}), k});
+    }
+    // Answer bytes: a session's next prompt less its previous prompt and its own text.
+    std::map<int64_t, size_t> by_index;
+    for (size_t i = first; i < recs.size(); ++i) by_index[recs[i].index] = i;
+    std::map<std::string, int64_t> last_of_session;
+    const lg::Trace& trace = runs[k].trace;
+    for (size_t i = 0; i < trace.requests.size(); ++i) {
+      const lg::TraceRequest& t = trace.requests[i];
+      if (t.session.empty()) continue;
+      auto prev = last_of_session.find(t.session);
+      if (prev != last_of_session.end() && by_index.count(prev->second) && by_index.count(static_cast<int64_t>(i))) {
+        const Rec& a = recs[by_index[prev->second]];
+        const Rec& b = recs[by_index[static_cast<int64_t>(i)]];
+        const double ans = b.bytes - a.bytes - static_cast<double>(t.prompt.size());
+        if (ans >= 0 && a.completion > 0) {
+          answer_bytes += ans;
+          answer_tokens += a.completion;
+        }
+      }
+      last_of_session[t.session] = static_cast<int64_t>(i);
+    }
   }
-  if (recs.size() < 3) return invalid_argument("calibration: fewer than 3 finished requests in the report");
+  if (recs.size() < 3) return invalid_argument("calibration: fewer than 3 finished requests in the reports");
   // Bytes per prompt token.
   double bytes = 0, tokens = 0;
   for (const Rec& r : recs) {
@@ -722,33 +815,13 @@ Result<Calibration> calibrate_from_loadgen(const json& rep, const lg::Trace& tra
     tokens += r.prompt_tokens;
   }
   if (tokens > 0) base.prompt_bytes_per_token = bytes / tokens;
-  // Answer bytes: a session's next prompt less its previous prompt and its own text.
-  std::map<int64_t, const Rec*> by_index;
-  for (const Rec& r : recs) by_index[r.index] = &r;
-  std::map<std::string, int64_t> last_of_session;
-  double answer_bytes = 0, answer_tokens = 0;
-  for (size_t i = 0; i < trace.requests.size(); ++i) {
-    const lg::TraceRequest& t = trace.requests[i];
-    if (t.session.empty()) continue;
-    auto prev = last_of_session.find(t.session);
-    if (prev != last_of_session.end() && by_index.count(prev->second) && by_index.count(static_cast<int64_t>(i))) {
-      const Rec& a = *by_index[prev->second];
-      const Rec& b = *by_index[static_cast<int64_t>(i)];
-      const double ans = b.bytes - a.bytes - static_cast<double>(t.prompt.size());
-      if (ans >= 0 && a.completion > 0) {
-        answer_bytes += ans;
-        answer_tokens += a.completion;
-      }
-    }
-    last_of_session[t.session] = static_cast<int64_t>(i);
-  }
   if (answer_tokens > 0) base.output_bytes_per_token = answer_bytes / answer_tokens;
   // In flight at time t (for the decode fit): requests between their send and their end.
   auto concurrency = [&](const Rec& self, double from, double to) {
     if (!(to > from)) return 0.0;
     double overlap = 0;
     for (const Rec& o : recs) {
-      if (&o == &self) continue;
+      if (&o == &self || o.run != self.run) continue;
       const double lo = std::max(from, o.sent), hi = std::min(to, o.sent + o.latency);
       if (hi > lo) overlap += hi - lo;
     }
@@ -767,6 +840,7 @@ Result<Calibration> calibrate_from_loadgen(const json& rep, const lg::Trace& tra
     }
   }
   const auto ttft = nonneg_least_squares(x, y);
+  const size_t ttft_records = y.size();
   // Time per output token after the first = decode base + per seq · batch + per ctx · Σ context.
   x.clear();
   y.clear();
@@ -785,8 +859,52 @@ Result<Calibration> calibrate_from_loadgen(const json& rep, const lg::Trace& tra
   base.costs.decode_base_s = tpot[0];
   base.costs.decode_per_seq_s = tpot[1];
   base.costs.decode_per_ctx_token_s = tpot[2];
-  base.source = "calibrate_from_loadgen: " + std::to_string(recs.size()) + " requests (TTFT fit on " +
-                std::to_string(y.size()) + " decode records)";
+  // Noise: the spread of the lone requests' TTFT around the fit (log-normal sigma).
+  {
+    double sum = 0, sum2 = 0;
+    int64_t n = 0;
+    for (const Rec& r : recs) {
+      const double fit = ttft[0] + ttft[1] * (r.prompt_tokens - r.cached);
+      if (concurrency(r, r.sent, r.sent + r.ttft) > 0.05 || !(fit > 0) || !(r.ttft > 0)) continue;
+      const double e = std::log(r.ttft / fit);
+      sum += e;
+      sum2 += e * e;
+      ++n;
+    }
+    base.noise = n > 2 ? std::min(2.0, std::sqrt(std::max(0.0, sum2 / static_cast<double>(n) - (sum / n) * (sum / n)))) : 0;
+  }
+  // The engine's share of the prefill cost: the one whose simulation of these runs (one replica
+  // behind the router, no noise) comes closest to their TTFT and latency medians.
+  {
+    double best = std::numeric_limits<double>::infinity();
+    double best_f = 1;
+    for (int step = 20; step >= 1; --step) {  // ties keep the larger share
+      Calibration c = base;
+      c.costs.prefill_serial_fraction = step / 20.0;
+      double err = 0;
+      for (const MeasuredRun& run : runs) {
+        Topology topo;
+        topo.noise = 0;
+        auto out = simulate(run.trace, c, topo);
+        if (!out.is_ok()) return out.status();
+        const json ps = lg::summarize(out->results, out->wall_s, lg::Slo{});
+        const json& ms = run.report.contains("summary") ? run.report["summary"] : json::object();
+        for (const char* k : {"ttft_ms", "latency_s"}) {
+          const json* m = find_path(ms, {k, "p50"});
+          const double pv = ps[k]["p50"].get<double>();
+          if (m != nullptr && m->is_number() && m->get<double>() > 0 && pv > 0) err += std::fabs(std::log(pv / m->get<double>()));
+        }
+      }
+      if (err < best) {
+        best = err;
+        best_f = c.costs.prefill_serial_fraction;
+      }
+    }
+    base.costs.prefill_serial_fraction = best_f;
+  }
+  base.source = "calibrate_from_loadgen: " + std::to_string(recs.size()) + " requests in " +
+                std::to_string(runs.size()) + " run(s); TTFT fit on " + std::to_string(ttft_records) +
+                " (those alone in the server), decode on " + std::to_string(y.size());
   return base;
 }
 

@@ -32,6 +32,9 @@ struct StepCosts {
   double router_overhead_s = 0;       // per request through the router (0 without one)
   double prefill_base_s = 0;          // per prefilled request
   double prefill_per_token_s = 0;     // per computed (not cached) prompt token
+  // The share of the prefill cost that occupies the engine (the rest: request workers parsing and
+  // tokenizing in parallel, a delay before the request queues). 1: all of it.
+  double prefill_serial_fraction = 1;
   double decode_base_s = 0;           // per decode step
   double decode_per_seq_s = 0;        // per sequence in the step
   double decode_per_ctx_token_s = 0;  // per context token, summed over the step's sequences
@@ -44,6 +47,7 @@ struct Calibration {
   StepCosts costs;
   double prompt_bytes_per_token = 4;  // prompt text bytes per token (the model's tokenizer)
   double output_bytes_per_token = 4;  // answer text bytes per generated token
+  double noise = 0;  // log-normal sigma of the steps seen in the calibration runs (Topology::noise < 0 takes it)
   int64_t page_tokens = 16;           // prefix caching works on whole pages
   int64_t threads_per_replica = 1;    // compute threads of one replica (for --cpus sharing)
   // The planner's model shape (stories260K by default) and KV element bytes.
@@ -81,12 +85,12 @@ struct Topology {
   bool router = true;            // requests pass a router (its overhead); false: one replica, direct
   int64_t max_batch = 8;         // sequences a replica runs at once (serve --max-batch)
   bool prefix_caching = true;
-  int64_t prefix_cache_tokens = 16 * 512;  // per replica, LRU over whole pages
+  int64_t prefix_cache_slots = 16;  // finished sequences a replica keeps (serve --prefix-cache-slots)
   double cpus = 0;               // cores the replicas share (0: each has its own threads_per_replica)
   StoreOptions store;
   TierOptions tiers;
   double time_scale = 1;         // arrival times multiplied by this (as bench_loadgen --time-scale)
-  double noise = 0;              // log-normal sigma multiplying each step (0: exact)
+  double noise = 0;              // log-normal sigma multiplying each step (0: exact; < 0: the calibration's)
   uint64_t seed = 1;             // the noise's
 };
 
@@ -107,6 +111,14 @@ nlohmann::json report(const SimOutput& out, const Topology& topo, const loadgen:
 // the rest (model shape, page tokens, threads).
 Result<Calibration> calibrate_from_loadgen(const nlohmann::json& loadgen_report, const loadgen::Trace& trace,
                                            Calibration base);
+
+// The same from several runs (each report with its trace): the byte ratios and both fits pool
+// every run's records (a quiet run pins the overheads, a bursty one the batch slope).
+struct MeasuredRun {
+  nlohmann::json report;
+  loadgen::Trace trace;
+};
+Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs, Calibration base);
 
 // Measured (a bench_loadgen report) beside predicted (report()): per metric both values and the
 // relative error (predicted − measured) / measured.

@@ -265,6 +265,8 @@ TEST(ClusterSim, CalibrationRecoversTheCosts) {
   auto fit = sim::calibrate_from_loadgen(rep, trace, sim::Calibration{});
   ASSERT_TRUE(fit.is_ok()) << fit.status().to_string();
   EXPECT_NEAR(fit->prompt_bytes_per_token, 1.0, 1e-9);
+  EXPECT_EQ(fit->costs.prefill_serial_fraction, 1.0);  // no summary to search against: all of it
+  EXPECT_NEAR(fit->noise, 0.0, 1e-6);
   EXPECT_NEAR(fit->costs.prefill_per_token_s, truth.costs.prefill_per_token_s, 1e-7);
   EXPECT_NEAR(fit->costs.request_overhead_s, truth.costs.request_overhead_s + truth.costs.prefill_base_s, 1e-6);
   // One sequence per step: base + per-seq is what the fit can see.

@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
       runs.push_back({measured, std::move(t)});
     }
     if (threads_per_replica > 0) cal.threads_per_replica = threads_per_replica;
-    auto c = sim::calibrate_from_loadgen(runs, cal);
+    auto c = sim::calibrate_from_loadgen(runs, cal, topo.max_batch);
     if (!c.is_ok()) return fail(c.status());
     for (const auto& f : calibrate_from) c->source += " " + f;
     const json j = sim::calibration_to_json(*c);

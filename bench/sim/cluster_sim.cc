@@ -766,7 +766,7 @@ Result<Calibration> calibrate_from_loadgen(const json& rep, const lg::Trace& tra
   return calibrate_from_loadgen(std::vector<MeasuredRun>{{rep, trace}}, std::move(base));
 }
 
-Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs, Calibration base) {
+Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs, Calibration base, int64_t max_batch) {
   struct Rec {
     double sent, ttft, latency, prompt_tokens, cached, completion, bytes;
     int64_t index;
@@ -847,7 +847,8 @@ Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs,
   for (const Rec& r : recs) {
     if (r.completion < 2) continue;
     const double tpot = (r.latency - r.ttft) / (r.completion - 1);
-    const double batch = 1 + concurrency(r, r.sent + r.ttft, r.sent + r.latency);
+    // Requests in flight past the replica's slots wait in its queue, not in the step.
+    const double batch = std::min(static_cast<double>(max_batch), 1 + concurrency(r, r.sent + r.ttft, r.sent + r.latency));
     const double ctx = r.prompt_tokens + r.completion / 2;
     x.push_back({1.0, batch, batch * ctx});
     y.push_back(tpot);
@@ -885,6 +886,7 @@ Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs,
       for (const MeasuredRun& run : runs) {
         Topology topo;
         topo.noise = 0;
+        topo.max_batch = max_batch;
         auto out = simulate(run.trace, c, topo);
         if (!out.is_ok()) return out.status();
         const json ps = lg::summarize(out->results, out->wall_s, lg::Slo{});

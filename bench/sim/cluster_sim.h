@@ -118,7 +118,8 @@ struct MeasuredRun {
   nlohmann::json report;
   loadgen::Trace trace;
 };
-Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs, Calibration base);
+// `max_batch`: the measured replica's --max-batch (more in flight wait outside the step).
+Result<Calibration> calibrate_from_loadgen(const std::vector<MeasuredRun>& runs, Calibration base, int64_t max_batch = 8);
 
 // Measured (a bench_loadgen report) beside predicted (report()): per metric both values and the
 // relative error (predicted − measured) / measured.

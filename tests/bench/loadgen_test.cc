@@ -3,13 +3,16 @@
 // gaps from a fixed seed, bursts, determinism), the synthetic trace, the goodput and percentile
 // accounting on made-up timings, /metrics deltas, and one run against a real `specontext serve`
 // on stories260K (every request answered with its max_tokens, sessions growing, a refused request
-// counted as an error with its HTTP status), and a silent or absent server costing errors, not a hang.
+// counted as an error with its HTTP status), a silent or absent server costing errors, not a hang,
+// and SSE events split across HTTP chunks (as the router relays them) all read.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/lib/loadgen.h"
@@ -322,6 +325,55 @@ TEST(LoadgenRun, ASilentServerTimesOutAndARefusedConnectionIsAnError) {
 
   o.port = 0;
   EXPECT_FALSE(run_trace(*trace, o).is_ok());
+}
+
+// A relay (the router) cuts a stream into chunks anywhere: events split across chunks, chunk
+// framing in the middle of an event's JSON. Every event still counts (text pieces and usage).
+TEST(LoadgenRun, EventsSplitAcrossChunksAreAllRead) {
+  auto trace = parse("{\"arrival_s\": 0, \"prompt\": \"p\", \"max_tokens\": 2}\n");
+  ASSERT_TRUE(trace.is_ok());
+  boost::asio::io_context ioc;
+  boost::asio::ip::tcp::acceptor acceptor(ioc, {boost::asio::ip::make_address("127.0.0.1"), 0});
+  const std::string events =
+      "data: {\"choices\":[{\"text\":\"a\"}]}\n\n"
+      "data: {\"choices\":[{\"text\":\"b\"}]}\n\n"
+      "data: {\"choices\":[{\"text\":\"\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n"
+      "data: [DONE]\n\n";
+  std::thread server([&] {
+    boost::asio::ip::tcp::socket sock(ioc);
+    acceptor.accept(sock);
+    std::string got;
+    char buf[4096];
+    boost::system::error_code ec;
+    while (got.find("\r\n\r\n") == std::string::npos || got.find("}", got.find("\r\n\r\n")) == std::string::npos) {
+      const size_t n = sock.read_some(boost::asio::buffer(buf), ec);
+      if (ec) return;
+      got.append(buf, n);
+    }
+    std::string out = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n";
+    char hex[16];
+    for (size_t i = 0; i < events.size(); i += 7) {
+      const std::string piece = events.substr(i, 7);
+      std::snprintf(hex, sizeof hex, "%zx\r\n", piece.size());
+      out += hex + piece + "\r\n";
+    }
+    out += "0\r\n\r\n";
+    boost::asio::write(sock, boost::asio::buffer(out), ec);
+    sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
+    while (!ec) sock.read_some(boost::asio::buffer(buf), ec);
+  });
+  RunOptions o;
+  o.port = acceptor.local_endpoint().port();
+  o.timeout_s = 10;
+  auto run = run_trace(*trace, o);
+  server.join();
+  ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+  ASSERT_EQ(run->results.size(), 1u);
+  const RequestResult& r = run->results[0];
+  EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.completion_tokens, 2);
+  EXPECT_EQ(r.prompt_tokens, 3);
+  EXPECT_EQ(r.gaps_s.size(), 1u);
 }
 
 // The end-to-end case: a real server, a handful of short requests (two sessions of three turns,

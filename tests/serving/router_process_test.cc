@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/serving/serve_process.h"
 #include "tests/tests_common.h"
 
 namespace specontext::router {
@@ -24,71 +25,7 @@ namespace http = boost::beast::http;
 using json = nlohmann::json;
 using specontext::testing::repo_path;
 
-// A `specontext SUBCOMMAND` child with stdout and stderr captured; the port comes from its first
-// line (as server_process_test's ServeProcess).
-class Process {
- public:
-  explicit Process(std::vector<std::string> args) {
-    args.insert(args.begin(), SPECONTEXT_BIN);
-    int out[2], err[2];
-    if (pipe(out) != 0 || pipe(err) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      dup2(err[1], STDERR_FILENO);
-      for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(SPECONTEXT_BIN, argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    close(err[1]);
-    out_ = fdopen(out[0], "r");
-    err_ = fdopen(err[0], "r");
-    std::array<char, 4096> line{};
-    if (fgets(line.data(), line.size(), out_) != nullptr) {
-      first_line_ = line.data();
-      auto j = json::parse(first_line_, nullptr, false);
-      if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
-    }
-  }
-  ~Process() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_) fclose(out_);
-    if (err_) fclose(err_);
-  }
-  uint16_t port() const { return port_; }
-  const std::string& first_line() const { return first_line_; }
-  struct Exit {
-    int code = -1;
-    std::string out, err;
-  };
-  Exit wait(int sig) {
-    if (sig != 0) ::kill(pid_, sig);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    Exit e;
-    e.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    std::array<char, 4096> buf{};
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), out_)) > 0) e.out.append(buf.data(), n);
-    while ((n = fread(buf.data(), 1, buf.size(), err_)) > 0) e.err.append(buf.data(), n);
-    return e;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  FILE* err_ = nullptr;
-  uint16_t port_ = 0;
-  std::string first_line_;
-};
+using Process = specontext::testing::SpecontextProcess;
 
 std::pair<int, std::string> request(uint16_t port, http::verb verb, const std::string& target, const std::string& body) {
   asio::io_context ioc;

@@ -1,6 +1,6 @@
-// `specontext serve` as a child process, for the tests that start one (server_process_test,
-// tests/bench/loadgen_test): the port comes from its first stdout line. The including test defines
-// SPECONTEXT_BIN (the `specontext` binary's path).
+// `specontext SUBCOMMAND` as a child process, for the tests that start one (server_process_test,
+// router_process_test, tests/bench/loadgen_test): the port comes from its first stdout line. The
+// including test defines SPECONTEXT_BIN (the `specontext` binary's path).
 #pragma once
 
 #include <signal.h>
@@ -12,15 +12,17 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace specontext::testing {
 
-// A `specontext serve` child with stdout and stderr captured; the port comes from its first line.
-class ServeProcess {
+// A `specontext ARGS...` child (ARGS[0] the subcommand) with stdout and stderr captured; the
+// port comes from its first line.
+class SpecontextProcess {
  public:
-  explicit ServeProcess(std::vector<std::string> args) {
-    args.insert(args.begin(), {SPECONTEXT_BIN, "serve"});
+  explicit SpecontextProcess(std::vector<std::string> args) {
+    args.insert(args.begin(), SPECONTEXT_BIN);
     int out[2], err[2];
     if (pipe(out) != 0 || pipe(err) != 0) return;
     pid_ = fork();
@@ -38,14 +40,14 @@ class ServeProcess {
     close(err[1]);
     out_ = fdopen(out[0], "r");
     err_ = fdopen(err[0], "r");
-    std::array<char, 1024> line{};
+    std::array<char, 4096> line{};
     if (fgets(line.data(), line.size(), out_) != nullptr) {
       first_line_ = line.data();
       auto j = nlohmann::json::parse(first_line_, nullptr, false);
       if (j.is_object() && j.contains("port")) port_ = j["port"].get<uint16_t>();
     }
   }
-  ~ServeProcess() {
+  ~SpecontextProcess() {
     if (pid_ > 0) {
       ::kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
@@ -80,6 +82,18 @@ class ServeProcess {
   FILE* err_ = nullptr;
   uint16_t port_ = 0;
   std::string first_line_;
+};
+
+// `specontext serve ARGS...`.
+class ServeProcess : public SpecontextProcess {
+ public:
+  explicit ServeProcess(std::vector<std::string> args) : SpecontextProcess(with_serve(std::move(args))) {}
+
+ private:
+  static std::vector<std::string> with_serve(std::vector<std::string> args) {
+    args.insert(args.begin(), "serve");
+    return args;
+  }
 };
 
 }  // namespace specontext::testing

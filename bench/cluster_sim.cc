@@ -70,37 +70,14 @@ int main(int argc, char** argv) {
   app.add_option("--slo-ttft-ms", slo_ttft_ms, "goodput SLO: time to first token");
   app.add_option("--slo-tpot-ms", slo_tpot_ms, "goodput SLO: time per output token after the first");
   app.add_option("--compare", compare_path, "a bench_loadgen report to put beside the prediction (one --replicas)");
-  // The synthetic trace (bench_loadgen's options).
-  app.add_option("--arrival", synth.arrivals.process, "poisson, burst or uniform");
-  app.add_option("--rate", synth.arrivals.rate, "requests per second (mean)");
-  app.add_option("--burst-size", synth.arrivals.burst_size, "requests per burst");
-  app.add_option("--seed", synth.arrivals.seed, "arrivals and text");
-  app.add_option("--requests", synth.requests, "requests in the trace");
-  app.add_option("--sessions", synth.sessions, "conversations going on at once");
-  app.add_option("--turns", synth.turns, "requests per conversation");
-  app.add_option("--prefixes", synth.prefixes, "distinct system prompts (0: none)");
-  app.add_option("--prefix-words", synth.prefix_words, "words per system prompt");
-  app.add_option("--turn-words", synth.turn_words, "words of user text per turn");
-  app.add_option("--tool-words", synth.tool_words, "words of tool output per agent turn");
-  app.add_option("--agent-fraction", synth.agent_fraction, "fraction of agent conversations");
-  app.add_option("--max-tokens", synth.max_tokens, "output tokens per request");
+  lg::add_synth_options(app, synth);
   bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
   const auto fail = bench::report_failure;
 
-  lg::Trace trace;
-  if (!trace_path.empty()) {
-    auto t = lg::load_trace(trace_path);
-    if (!t.is_ok()) return fail(t.status());
-    trace = std::move(*t);
-  } else {
-    auto text = lg::synth_trace(synth);
-    if (!text.is_ok()) return fail(text.status());
-    std::istringstream in(*text);
-    auto t = lg::parse_trace(in);
-    if (!t.is_ok()) return fail(t.status());
-    trace = std::move(*t);
-  }
+  auto loaded = lg::trace_or_synth(trace_path, synth);
+  if (!loaded.is_ok()) return fail(loaded.status());
+  lg::Trace trace = std::move(*loaded);
 
   sim::Calibration cal;
   if (!calibration_path.empty()) {

@@ -90,20 +90,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-in-flight", run.max_in_flight, "requests at once (past it arrivals wait; send lag shows it)");
   app.add_option("--time-scale", run.time_scale, "multiply the trace's arrival times (0.5: twice the rate)");
   app.add_flag("--no-ignore-eos", no_ignore_eos, "let answers stop at EOS (default: ignore_eos, max_tokens each)");
-  // The synthetic trace.
-  app.add_option("--arrival", synth.arrivals.process, "poisson, burst or uniform");
-  app.add_option("--rate", synth.arrivals.rate, "requests per second (mean)");
-  app.add_option("--burst-size", synth.arrivals.burst_size, "requests per burst (--arrival burst)");
-  app.add_option("--seed", synth.arrivals.seed, "arrivals and text");
-  app.add_option("--requests", synth.requests, "requests in the trace");
-  app.add_option("--sessions", synth.sessions, "conversations going on at once");
-  app.add_option("--turns", synth.turns, "requests per conversation (its context grows each turn)");
-  app.add_option("--prefixes", synth.prefixes, "distinct system prompts the conversations share (0: none)");
-  app.add_option("--prefix-words", synth.prefix_words, "words per system prompt");
-  app.add_option("--turn-words", synth.turn_words, "words of user text per chat turn (and per agent task)");
-  app.add_option("--tool-words", synth.tool_words, "words of tool output an agent turn appends");
-  app.add_option("--agent-fraction", synth.agent_fraction, "fraction of conversations that are agent trajectories");
-  app.add_option("--max-tokens", synth.max_tokens, "output tokens per request");
+  lg::add_synth_options(app, synth);
   bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
   const auto fail = bench::report_failure;
@@ -132,19 +119,9 @@ int main(int argc, char** argv) {
     if (!run.api_key.empty() && run.api_key.back() == '\r') run.api_key.pop_back();
   }
 
-  lg::Trace trace;
-  if (!trace_path.empty()) {
-    auto t = lg::load_trace(trace_path);
-    if (!t.is_ok()) return fail(t.status());
-    trace = std::move(*t);
-  } else {
-    auto text = lg::synth_trace(synth);
-    if (!text.is_ok()) return fail(text.status());
-    std::istringstream in(*text);
-    auto t = lg::parse_trace(in);
-    if (!t.is_ok()) return fail(t.status());
-    trace = std::move(*t);
-  }
+  auto loaded = lg::trace_or_synth(trace_path, synth);
+  if (!loaded.is_ok()) return fail(loaded.status());
+  lg::Trace trace = std::move(*loaded);
 
   if (scrape.empty()) scrape.push_back(target);
   std::vector<std::pair<std::string, uint16_t>> scraped;

@@ -1,5 +1,7 @@
 #include "bench/lib/loadgen.h"
 
+#include <CLI/CLI.hpp>
+
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -689,6 +691,30 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
   }
   out.wall_s = since_start();
   return out;
+}
+
+void add_synth_options(CLI::App& app, SynthOptions& o) {
+  app.add_option("--arrival", o.arrivals.process, "poisson, burst or uniform");
+  app.add_option("--rate", o.arrivals.rate, "requests per second (mean)");
+  app.add_option("--burst-size", o.arrivals.burst_size, "requests per burst (--arrival burst)");
+  app.add_option("--seed", o.arrivals.seed, "arrivals and text");
+  app.add_option("--requests", o.requests, "requests in the trace");
+  app.add_option("--sessions", o.sessions, "conversations going on at once");
+  app.add_option("--turns", o.turns, "requests per conversation (its context grows each turn)");
+  app.add_option("--prefixes", o.prefixes, "distinct system prompts the conversations share (0: none)");
+  app.add_option("--prefix-words", o.prefix_words, "words per system prompt");
+  app.add_option("--turn-words", o.turn_words, "words of user text per chat turn (and per agent task)");
+  app.add_option("--tool-words", o.tool_words, "words of tool output an agent turn appends");
+  app.add_option("--agent-fraction", o.agent_fraction, "fraction of conversations that are agent trajectories");
+  app.add_option("--max-tokens", o.max_tokens, "output tokens per request");
+}
+
+Result<Trace> trace_or_synth(const std::string& path, const SynthOptions& o) {
+  if (!path.empty()) return load_trace(path);
+  auto text = synth_trace(o);
+  if (!text.is_ok()) return text.status();
+  std::istringstream in(*text);
+  return parse_trace(in);
 }
 
 }  // namespace specontext::bench::loadgen

@@ -24,6 +24,10 @@
 
 #include "core/base/status.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace specontext::bench::loadgen {
 
 struct TraceRequest {
@@ -85,6 +89,13 @@ struct SynthOptions {
   int64_t max_tokens = 16;
 };
 Result<std::string> synth_trace(const SynthOptions& o);  // JSONL
+
+// The synthetic trace's command-line options (--arrival, --rate, ..., --max-tokens), shared by
+// bench_loadgen and bench_cluster_sim.
+void add_synth_options(CLI::App& app, SynthOptions& o);
+
+// The trace in `path`, or the synthetic one of `o` when `path` is empty.
+Result<Trace> trace_or_synth(const std::string& path, const SynthOptions& o);
 
 // What one request did. Times in seconds; *_at_s from the run's start.
 struct RequestResult {

@@ -665,12 +665,7 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
   for (size_t i = 0; i < n; ++i) {
     const TraceRequest& r = trace.requests[i];
     RequestResult& res = out.results[i];
-    res.index = static_cast<int64_t>(i);
-    res.line = r.line;
-    res.session = r.session;
-    res.kind = r.kind;
-    res.max_tokens = r.max_tokens;
-    res.scheduled_at_s = r.arrival_s * o.time_scale;
+    res = scheduled_result(r, i, o.time_scale);
     std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
                                               std::chrono::duration<double>(res.scheduled_at_s)));
     {
@@ -691,6 +686,17 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
   }
   out.wall_s = since_start();
   return out;
+}
+
+RequestResult scheduled_result(const TraceRequest& r, size_t index, double time_scale) {
+  RequestResult res;
+  res.index = static_cast<int64_t>(index);
+  res.line = r.line;
+  res.session = r.session;
+  res.kind = r.kind;
+  res.max_tokens = r.max_tokens;
+  res.scheduled_at_s = r.arrival_s * time_scale;
+  return res;
 }
 
 void add_synth_options(CLI::App& app, SynthOptions& o) {

@@ -113,6 +113,10 @@ struct RequestResult {
   std::string error;
 };
 
+// The result record of trace request `index` before it runs: its identity, output length and
+// arrival (arrival_s × time_scale). Shared by the load generator and the simulator.
+RequestResult scheduled_result(const TraceRequest& r, size_t index, double time_scale);
+
 // Service-level objective for goodput: a request counts when it finished, its TTFT is at most
 // ttft_s and its time per output token after the first at most tpot_s (and latency at most
 // latency_s; 0: no bound on that one).

@@ -158,12 +158,7 @@ class Simulator {
     for (size_t i = 0; i < trace_.requests.size(); ++i) {
       const lg::TraceRequest& r = trace_.requests[i];
       lg::RequestResult& res = results_[i];
-      res.index = static_cast<int64_t>(i);
-      res.line = r.line;
-      res.session = r.session;
-      res.kind = r.kind;
-      res.max_tokens = r.max_tokens;
-      res.scheduled_at_s = r.arrival_s * topo_.time_scale;
+      res = lg::scheduled_result(r, i, topo_.time_scale);
       push(res.scheduled_at_s, EventKind::kArrive, static_cast<int64_t>(i));
     }
     while (!events_.empty()) {

@@ -40,7 +40,7 @@ Result<std::pair<std::string, uint16_t>> host_port(const std::string& s) {
   return std::pair{host, static_cast<uint16_t>(port)};
 }
 
-json request_record(const lg::RequestResult& r, const lg::Slo& slo) {
+json request_record(const lg::RequestResult& r, const lg::Slo& slo, bool record_text) {
   double itl_mean = 0;
   for (double g : r.gaps_s) itl_mean += g;
   if (!r.gaps_s.empty()) itl_mean /= static_cast<double>(r.gaps_s.size());
@@ -61,6 +61,12 @@ json request_record(const lg::RequestResult& r, const lg::Slo& slo) {
             {"ok", r.ok},
             {"within_slo", lg::meets_slo(r, slo)}};
   if (!r.ok) j["error"] = r.error;
+  if (record_text) {
+    char hash[17];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(r.prompt_hash));
+    j["text"] = r.text;
+    j["prompt_fnv1a"] = hash;
+  }
   return j;
 }
 
@@ -70,7 +76,8 @@ int main(int argc, char** argv) {
   CLI::App app{"trace-driven open-loop load generator for an OpenAI-compatible endpoint"};
   std::string target, trace_path, make_trace, model, api_key_file, out = "bench_out/loadgen.json";
   std::vector<std::string> scrape;
-  bool plot = false, no_ignore_eos = false;
+  std::vector<std::string> compare;
+  bool plot = false, no_ignore_eos = false, record_text = false;
   lg::SynthOptions synth;
   lg::RunOptions run;
   lg::Slo slo;
@@ -89,11 +96,31 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-s", run.timeout_s, "per request, from its send");
   app.add_option("--max-in-flight", run.max_in_flight, "requests at once (past it arrivals wait; send lag shows it)");
   app.add_option("--time-scale", run.time_scale, "multiply the trace's arrival times (0.5: twice the rate)");
+  app.add_flag("--record-text", record_text,
+               "keep each request's answer text and its prompt's fnv1a64 in the report (for --compare-texts)");
+  app.add_option("--compare-texts", compare,
+                 "BASELINE.json RUN.json: two --record-text reports of one trace, request by request (same text, "
+                 "different text, failed, prompt changed after a failed turn); JSON on stdout, exit 3 when a "
+                 "text differs")
+      ->expected(2);
   app.add_flag("--no-ignore-eos", no_ignore_eos, "let answers stop at EOS (default: ignore_eos, max_tokens each)");
   lg::add_synth_options(app, synth);
   bench::add_report_options(app, out, plot);
   CLI11_PARSE(app, argc, argv);
   const auto fail = bench::report_failure;
+
+  if (!compare.empty()) {
+    json docs[2];
+    for (int k = 0; k < 2; ++k) {
+      std::ifstream f(compare[k], std::ios::binary);
+      docs[k] = json::parse(f, nullptr, false);
+      if (!f.is_open() || docs[k].is_discarded()) return fail(invalid_argument("cannot read JSON from " + compare[k]));
+    }
+    auto c = lg::compare_texts(docs[0], docs[1]);
+    if (!c.is_ok()) return fail(c.status());
+    std::printf("%s\n", c->dump(2).c_str());
+    return (*c)["different"].get<int64_t>() == 0 ? 0 : 3;
+  }
 
   if (!make_trace.empty()) {
     auto text = lg::synth_trace(synth);
@@ -149,11 +176,12 @@ int main(int argc, char** argv) {
   for (size_t k = 0; k < scrape.size(); ++k) metrics[scrape[k]] = lg::metrics_delta(before[k], after[k]);
   const json summary = lg::summarize(result->results, result->wall_s, slo);
   json requests = json::array();
-  for (const auto& r : result->results) requests.push_back(request_record(r, slo));
+  for (const auto& r : result->results) requests.push_back(request_record(r, slo, record_text));
   json doc = {{"target", target},
               {"trace", trace_path.empty() ? std::string("synthetic") : trace_path},
               {"prefixes", trace.prefixes.size()},
               {"ignore_eos", run.ignore_eos},
+              {"temperature", 0},
               {"time_scale", run.time_scale},
               {"threads", std::thread::hardware_concurrency()},
               {"summary", summary},

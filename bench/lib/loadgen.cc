@@ -653,6 +653,8 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
     res.prompt_tokens = t.prompt_tokens;
     res.completion_tokens = t.completion_tokens;
     res.cached_tokens = t.cached_tokens;
+    res.text = t.text;
+    res.prompt_hash = fnv1a64(prompt);
     if (!r.session.empty()) {
       std::lock_guard<std::mutex> l(mu);
       Session& s = sessions[r.session];
@@ -686,6 +688,68 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
   }
   out.wall_s = since_start();
   return out;
+}
+
+uint64_t fnv1a64(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const char c : s) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+Result<json> compare_texts(const json& baseline, const json& run) {
+  const auto requests = [](const json& doc, const char* which) -> Result<const json*> {
+    if (!doc.is_object() || !doc.contains("requests") || !doc["requests"].is_array()) {
+      return invalid_argument(std::string(which) + ": not a bench_loadgen report (no \"requests\" array)");
+    }
+    for (const json& r : doc["requests"]) {
+      if (!r.is_object() || !r.contains("text") || !r["text"].is_string() || !r.contains("prompt_fnv1a") ||
+          !r.contains("ok") || !r.contains("line")) {
+        return invalid_argument(std::string(which) + ": a request without \"text\" (run bench_loadgen with --record-text)");
+      }
+    }
+    return &doc["requests"];
+  };
+  SPX_ASSIGN_OR_RETURN(const json* a, requests(baseline, "baseline"));
+  SPX_ASSIGN_OR_RETURN(const json* b, requests(run, "run"));
+  if (a->size() != b->size()) {
+    return invalid_argument("the reports are not of one trace: " + std::to_string(a->size()) + " vs " +
+                            std::to_string(b->size()) + " requests");
+  }
+  int64_t same = 0, different = 0, failed = 0, failed_in_baseline = 0, prompt_changed = 0;
+  json different_indices = json::array(), failed_errors = json::object();
+  for (size_t i = 0; i < a->size(); ++i) {
+    const json& x = (*a)[i];
+    const json& y = (*b)[i];
+    if (x["line"] != y["line"]) {
+      return invalid_argument("the reports are not of one trace: request " + std::to_string(i) + " is line " +
+                              x["line"].dump() + " vs " + y["line"].dump());
+    }
+    if (!x["ok"].get<bool>()) {
+      ++failed_in_baseline;
+    } else if (!y["ok"].get<bool>()) {
+      ++failed;
+      const std::string msg = y.value("error", std::string("no answer")).substr(0, 200);
+      failed_errors[msg] = failed_errors.value(msg, int64_t{0}) + 1;
+    } else if (x["prompt_fnv1a"] != y["prompt_fnv1a"]) {
+      ++prompt_changed;
+    } else if (x["text"] == y["text"]) {
+      ++same;
+    } else {
+      ++different;
+      if (different_indices.size() < 20) different_indices.push_back(i);
+    }
+  }
+  return json{{"requests", a->size()},
+              {"same", same},
+              {"different", different},
+              {"different_indices", different_indices},
+              {"failed", failed},
+              {"failed_errors", failed_errors},
+              {"prompt_changed", prompt_changed},
+              {"failed_in_baseline", failed_in_baseline}};
 }
 
 RequestResult scheduled_result(const TraceRequest& r, size_t index, double time_scale) {

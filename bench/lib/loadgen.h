@@ -111,7 +111,12 @@ struct RequestResult {
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;  // usage
   bool ok = false;
   std::string error;
+  std::string text;          // the answer as streamed (the text events, concatenated)
+  uint64_t prompt_hash = 0;  // fnv1a64 of the prompt sent (its session's history in front)
 };
+
+// FNV-1a, 64 bits: a stable fingerprint of a prompt for comparing two runs request by request.
+uint64_t fnv1a64(const std::string& s);
 
 // The result record of trace request `index` before it runs: its identity, output length and
 // arrival (arrival_s × time_scale). Shared by the load generator and the simulator.
@@ -155,6 +160,16 @@ struct RunOutput {
   double wall_s = 0;
 };
 Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o);
+
+// Two bench_loadgen reports of one trace, each run with --record-text (every request record holds
+// "text" and "prompt_fnv1a"), compared request by request ("no wrong token" under faults):
+// "same" (both answered, same prompt, same text), "different" (both answered the same prompt with
+// different text: a wrong token; their indices in "different_indices", the first 20), "failed"
+// (answered in `baseline`, not in `run`: counted by error message in "failed_errors"),
+// "prompt_changed" (both answered but the prompts differ: an earlier turn of the session failed
+// in one run, so the history in front differs; not comparable), "failed_in_baseline". An error
+// when the reports are not of one trace (request counts or lines differ) or hold no text.
+Result<nlohmann::json> compare_texts(const nlohmann::json& baseline, const nlohmann::json& run);
 
 // GET `target` from host:port (plain HTTP/1.1, closed after); the body of a 200.
 Result<std::string> http_get(const std::string& host, uint16_t port, const std::string& target,

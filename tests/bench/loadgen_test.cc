@@ -374,6 +374,58 @@ TEST(LoadgenRun, EventsSplitAcrossChunksAreAllRead) {
   EXPECT_EQ(r.completion_tokens, 2);
   EXPECT_EQ(r.prompt_tokens, 3);
   EXPECT_EQ(r.gaps_s.size(), 1u);
+  EXPECT_EQ(r.text, "ab") << "the answer's text events, concatenated";
+  EXPECT_EQ(r.prompt_hash, fnv1a64("p"));
+}
+
+TEST(LoadgenCompare, FnvIsTheStandardOne) {
+  EXPECT_EQ(fnv1a64(""), 0xcbf29ce484222325ULL);
+  EXPECT_EQ(fnv1a64("a"), 0xaf63dc4c8601ec8cULL);
+  EXPECT_EQ(fnv1a64("foobar"), 0x85944171f73967e8ULL);
+}
+
+// Two runs of one trace, request by request: a changed text is a wrong token; a request that
+// failed in the second run is counted by its error; a later turn whose prompt changed (its
+// session lost an answer) is not compared.
+TEST(LoadgenCompare, SameDifferentFailedAndChangedPromptsAreCountedApart) {
+  auto rec = [](int line, bool ok, const std::string& text, const std::string& hash, const std::string& error = "") {
+    json j = {{"line", line}, {"ok", ok}, {"text", text}, {"prompt_fnv1a", hash}};
+    if (!error.empty()) j["error"] = error;
+    return j;
+  };
+  json base = {{"requests", json::array({rec(3, true, "x y", "01"), rec(4, true, "z", "02"), rec(5, true, "w", "03"),
+                                         rec(6, true, "v", "04"), rec(7, false, "", "05", "HTTP 400"),
+                                         rec(8, true, "u", "06"), rec(9, true, "t", "07")})}};
+  json run = {{"requests", json::array({rec(3, true, "x y", "01"), rec(4, true, "z!", "02"),
+                                        rec(5, false, "w", "03", "connect: refused"), rec(6, true, "q", "0f"),
+                                        rec(7, true, "s", "05"), rec(8, false, "", "06", "connect: refused"),
+                                        rec(9, true, "t", "07")})}};
+  auto c = compare_texts(base, run);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ((*c)["requests"], 7);
+  EXPECT_EQ((*c)["same"], 2);
+  EXPECT_EQ((*c)["different"], 1);
+  EXPECT_EQ((*c)["different_indices"], json::array({1}));
+  EXPECT_EQ((*c)["failed"], 2);
+  EXPECT_EQ((*c)["failed_errors"]["connect: refused"], 2);
+  EXPECT_EQ((*c)["prompt_changed"], 1);
+  EXPECT_EQ((*c)["failed_in_baseline"], 1);
+  auto self = compare_texts(base, base);
+  ASSERT_TRUE(self.is_ok());
+  EXPECT_EQ((*self)["same"], 6);
+  EXPECT_EQ((*self)["different"], 0);
+
+  json shorter = base;
+  shorter["requests"].erase(6);
+  EXPECT_FALSE(compare_texts(base, shorter).is_ok());
+  json moved = base;
+  moved["requests"][2]["line"] = 50;
+  EXPECT_FALSE(compare_texts(base, moved).is_ok());
+  json untexted = base;
+  untexted["requests"][0].erase("text");
+  const auto no_text = compare_texts(base, untexted);
+  ASSERT_FALSE(no_text.is_ok());
+  EXPECT_NE(no_text.status().to_string().find("--record-text"), std::string::npos) << no_text.status().to_string();
 }
 
 // The end-to-end case: a real server, a handful of short requests (two sessions of three turns,
@@ -416,6 +468,7 @@ TEST(LoadgenProcess, RunsATraceAgainstServeAndAccountsForEveryRequest) {
     EXPECT_GE(r.latency_s, r.ttft_s) << i;
     EXPECT_GE(r.sent_at_s, r.scheduled_at_s) << i;
     EXPECT_LE(r.gaps_s.size(), 7u) << i;
+    EXPECT_FALSE(r.text.empty()) << i;
     if (i >= 2) {
       // The session's history (its prefix, earlier prompts and answers) went in front.
       EXPECT_GT(r.prompt_tokens, run->results[i - 2].prompt_tokens) << i;

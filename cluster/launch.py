@@ -15,6 +15,7 @@ The contract and the spec's fields: cluster/README.md ("Topology launcher").
 import argparse
 import asyncio
 import base64
+import fcntl
 import http.client
 import ipaddress
 import json
@@ -175,11 +176,20 @@ class Run:
 # ---------------------------------------------------------------------------------------------
 # network namespaces
 
-def pick_subnet():
+def subnet_in_use(net):
     used = run(["ip", "-4", "-o", "addr"]).stdout
+    for line in used.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            addr = parts[parts.index("inet") + 1].split("/")[0]
+            if ipaddress.ip_address(addr) in net:
+                return True
+    return False
+
+
+def pick_subnet():
     for n in range(1, 255):
-        net = f"10.211.{n}."
-        if net not in used:
+        if not subnet_in_use(ipaddress.ip_network(f"10.211.{n}.0/24")):
             return f"10.211.{n}.0/24"
     raise LaunchError("no free 10.211.N.0/24 subnet")
 
@@ -236,6 +246,11 @@ def setup_netns(r, comp, link):
 def start(r, comp, cmd, env=None):
     out = os.path.join(r.dir, f"{comp['name']}.out")
     err = os.path.join(r.dir, f"{comp['name']}.err")
+    n = comp.get("restarts", 0)
+    if n:  # a restart keeps the earlier process's logs as NAME.out.N / NAME.err.N
+        for f in (out, err):
+            if os.path.exists(f):
+                os.replace(f, f"{f}.{n}")
     full = list(cmd)
     nice = int(r.state.get("nice", 0))
     if nice:
@@ -254,7 +269,7 @@ def start(r, comp, cmd, env=None):
         if st is not None:
             break
         time.sleep(0.01)
-    comp.update(pid=p.pid, starttime=st, cmd=full, stdout=out, stderr=err)
+    comp.update(pid=p.pid, starttime=st, cmd=full, argv=list(cmd), env=env or {}, stdout=out, stderr=err)
     r.save()
     return p
 
@@ -384,9 +399,10 @@ def cmd_up(args):
     r = Run(os.path.abspath(run_dir), {"run_id": rid, "mode": mode, "spec": spec,
                                        "nice": spec.get("nice", 0), "components": []})
     t0 = time.time()
-    if mode == "netns":
-        r.state["subnet"] = spec.get("subnet") or pick_subnet()
-        r.state["bridge"] = f"spxbr{rid}"
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
     r.save()
 
     def link_for(role):
@@ -400,7 +416,18 @@ def cmd_up(args):
 
     try:
         if mode == "netns":
-            setup_bridge(r)
+            # subnet chosen and bridge addressed under one lock: concurrent `up`s pick different /24s
+            with open("/run/spx-launch.lock" if os.path.isdir("/run") else "/tmp/spx-launch.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                r.state["bridge"] = f"spxbr{rid}"
+                if spec.get("subnet"):
+                    net = ipaddress.ip_network(spec["subnet"])
+                    if net.num_addresses < 8 or subnet_in_use(net):
+                        raise LaunchError(f"subnet {net}: in use here, or smaller than /29")
+                    r.state["subnet"] = str(net)
+                else:
+                    r.state["subnet"] = pick_subnet()
+                setup_bridge(r)
         ucx_env = {"UCX_NET_DEVICES": "eth0"} if mode == "netns" else {}
 
         # the store
@@ -596,6 +623,37 @@ def cmd_kill(args):
     print(json.dumps({"killed": name, "signal": args.signal.upper(), "pid": c["pid"], "gone": not alive(c)}))
 
 
+def cmd_restart(args):
+    """Starts a killed component again at its address and port (a kv-node back at its address
+    rejoins its mirrored tiers; the router health-checks a replica back)."""
+    r = Run.load(args.run_dir)
+    if not r.state.get("up"):
+        raise LaunchError(f"{r.dir}: the run is not up")
+    c = r.find("-".join(args.component))
+    if alive(c):
+        raise LaunchError(f"{c['name']} is running (kill it first)")
+    argv = list(c["argv"])
+    for i, a in enumerate(argv):
+        if a == f"{c['addr']}:0":
+            argv[i] = f"{c['addr']}:{c['port']}"
+        if c["role"] == "router" and a == "--port" and argv[i + 1] == "0":
+            argv[i + 1] = str(c["port"])
+    c["restarts"] = c.get("restarts", 0) + 1
+    start(r, c, argv, c.get("env"))
+    timeout = float(r.state["spec"].get("startup_timeout_s", 120))
+    try:
+        if c["role"] != "store":
+            port = wait_port_line(c, timeout)
+            if port != c["port"]:
+                raise LaunchError(f"{c['name']}: came back on port {port}, not {c['port']}")
+        wait_healthy(r, c, timeout)
+    except LaunchError:
+        stop(c, 2.0)
+        raise
+    r.save()
+    print(json.dumps({"restarted": c["name"], "pid": c["pid"], "endpoint": c.get("endpoint")}))
+
+
 def cmd_status(args):
     r = Run.load(args.run_dir)
     rows, ok_all = [], True
@@ -739,6 +797,9 @@ def main():
     p.add_argument("component", nargs="+")
     p.add_argument("--signal", default="KILL", help="KILL (default) or TERM, INT, STOP, ...")
     p.add_argument("--wait", type=float, default=5.0, help="seconds to wait for it to go")
+    p = sub.add_parser("restart", help="start a killed component again at its address and port")
+    p.add_argument("run_dir")
+    p.add_argument("component", nargs="+")
     p = sub.add_parser("bandwidth", help="bulk TCP SRC -> DST (component names or 'host')")
     p.add_argument("run_dir")
     p.add_argument("src")
@@ -750,7 +811,7 @@ def main():
     p.add_argument("--delay-ms", type=float, required=True)
     args = ap.parse_args()
     try:
-        rc = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "kill": cmd_kill,
+        rc = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "kill": cmd_kill, "restart": cmd_restart,
               "bandwidth": cmd_bandwidth, "proxy": cmd_proxy}[args.cmd](args)
     except LaunchError as e:
         sys.stderr.write(f"error: {e}\n")

@@ -7,7 +7,7 @@
 local: a start-up failure is reported with the process's stderr and torn down; then 2 replicas
 (behind delaying proxies) + router + Redis store + kv-node on stories260K: completions through the
 router answer, the store is shared, status is healthy, a killed replica is reported, the router
-still answers, down leaves no process. netns: the same kind of topology, each process in its own
+still answers, a restarted replica is back in the router, down leaves no process. netns: the same kind of topology, each process in its own
 namespace on a bridge with tc tbf links; exits 77 (skipped) where namespaces or tbf are unavailable;
 a bulk transfer over a shaped link measures within (0.3, 2.0) x the configured rate; down leaves no
 namespace, link or process.
@@ -163,6 +163,19 @@ def test_local(a, tmp):
               and health["router"] and health["store"], f"status reports replica-1 down, the rest up ({health})")
         answered = sum(complete(ep["router"], "Lily", 4)[0] == 200 for _ in range(4))
         check(answered == 4, f"the router still answers with one replica killed ({answered}/4)")
+
+        rc, out, err = launcher(a.root, "restart", run_dir, "replica", "1")
+        check(rc == 0, f"restart replica 1 at its port ({out.strip()} {err.strip()})")
+        rc, out, _ = launcher(a.root, "status", run_dir)
+        check(rc == 0 and json.loads(out)["healthy"], f"status: all healthy again after the restart (rc {rc})")
+        up = None
+        for _ in range(600):  # the router's health check (every 1 s) marks it up again
+            status, body = request("GET", ep["router"], "/health")
+            up = json.loads(body).get("replicas_up")
+            if up == 2:
+                break
+            time.sleep(0.1)
+        check(up == 2, f"the router sees the restarted replica (replicas_up {up})")
     finally:
         rc, out, err = launcher(a.root, "down", run_dir)
         check(rc == 0, f"down (rc {rc}) {err}")
@@ -236,6 +249,16 @@ def test_netns(a, tmp):
         rc, out, _ = launcher(a.root, "status", run_dir)
         health = {c["name"]: c["healthy"] for c in json.loads(out)["components"]}
         check(rc == 1 and health["store"] is False and health["router"], f"status reports the killed store ({health})")
+        rc, out, err = launcher(a.root, "restart", run_dir, "store")
+        check(rc == 0, f"restart store ({out.strip()} {err.strip()})")
+        if a.kv_nodes:
+            launcher(a.root, "kill", run_dir, "kv-node", "0")
+            rc, out, err = launcher(a.root, "restart", run_dir, "kv-node", "0")
+            check(rc == 0, f"restart kv-node 0 at its address ({out.strip()} {err.strip()})")
+        rc, out, _ = launcher(a.root, "status", run_dir)
+        check(rc == 0 and json.loads(out)["healthy"], f"status: all healthy after the restarts (rc {rc})")
+        s, b = complete(ep["router"], "Lily", 4)
+        check(s == 200, f"a completion through the router answers after the restarts ({s})")
     finally:
         rc, out, err = launcher(a.root, "down", run_dir)
         check(rc == 0, f"down (rc {rc}) {err}")

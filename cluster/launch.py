@@ -365,6 +365,11 @@ def start_proxy(r, target, delay_ms, timeout):
 def cmd_up(args):
     with open(args.spec) as f:
         spec = json.load(f)
+    known = {"mode", "binary", "model", "serve_args", "replicas", "kv_nodes", "store", "router", "links",
+             "delay_ms", "subnet", "nice", "startup_timeout_s"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise LaunchError(f"{args.spec}: unknown field(s) {unknown}; known: {sorted(known)}")
     mode = spec.get("mode", "local")
     if mode not in ("local", "netns"):
         raise LaunchError(f"{args.spec}: mode {mode!r}: local or netns")
@@ -376,8 +381,12 @@ def cmd_up(args):
         if not os.path.exists(p):
             raise LaunchError(f"{args.spec}: {p} does not exist")
     replicas = int(spec.get("replicas", 1))
+    if not 1 <= replicas <= 200:
+        raise LaunchError(f"{args.spec}: replicas {replicas}: 1 to 200")
     kv = spec.get("kv_nodes") or {}
     kv_count = int(kv.get("count", 0))
+    if not 0 <= kv_count <= 50:
+        raise LaunchError(f"{args.spec}: kv_nodes.count {kv_count}: 0 to 50")
     store = spec.get("store") or {"type": "none"}
     if isinstance(store, str):
         store = {"type": store}
@@ -587,9 +596,9 @@ def teardown(r, grace=10.0):
 def leftovers(r):
     left = [c["name"] for c in r.comps() if alive(c)]
     if r.state["mode"] == "netns":
-        nss = run(["ip", "netns", "list"]).stdout
+        nss = {line.split()[0] for line in run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()}
         links = run(["ip", "-o", "link"]).stdout
-        left += [c["ns"] for c in r.comps() if c.get("ns") and c["ns"] + " " in nss + " "]
+        left += [c["ns"] for c in r.comps() if c.get("ns") and c["ns"] in nss]
         left += [c["veth_host"] for c in r.comps() if c.get("veth_host") and f" {c['veth_host']}@" in links]
         if r.state.get("bridge") and f" {r.state['bridge']}:" in links:
             left.append(r.state["bridge"])

@@ -113,6 +113,11 @@ def test_local(a, tmp):
     check("replica-0" in err and "no-such-flag" in err, "the failure names the replica and shows its stderr")
     no_process_left(run_bad, "failed up")
 
+    # a misspelt field is refused before anything starts
+    rc, out, err = launcher(a.root, "up", write_spec(tmp, "typo.json", {"mode": "local", "replicsa": 2}),
+                            "--run-dir", os.path.join(tmp, "run-typo"))
+    check(rc != 0 and "replicsa" in err, f"a misspelt spec field is refused ({err.strip()[:120]})")
+
     # 2. the topology, replicas behind 50 ms delaying proxies
     spec = base_spec(a, "local")
     spec["replicas"] = 2
@@ -229,7 +234,8 @@ def test_netns(a, tmp):
     st = state_of(run_dir)
     try:
         ep = json.loads(out)
-        nss = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        nss = {l.split()[0] for l in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                      text=True).stdout.splitlines() if l.strip()}
         check(all(c["ns"] in nss for c in st["components"]), "every component has its namespace")
         s, b = complete(ep["router"])
         check(s == 200 and json.loads(b)["choices"][0]["text"], f"a completion through the router answers ({s})")
@@ -263,7 +269,8 @@ def test_netns(a, tmp):
         rc, out, err = launcher(a.root, "down", run_dir)
         check(rc == 0, f"down (rc {rc}) {err}")
     no_process_left(run_dir, "down")
-    nss = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    nss = {l.split()[0] for l in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                  text=True).stdout.splitlines() if l.strip()}
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     check(not any(c["ns"] in nss for c in st["components"]), "down deleted every namespace")
     check(not any(c["veth_host"] + "@" in links for c in st["components"]), "down deleted every veth")

@@ -2,11 +2,13 @@
 
 #include "core/model/ggml_quants.h"
 #include "core/model/gguf_writer.h"
+#include "core/model/random_gguf.h"
 
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -202,27 +204,19 @@ std::vector<uint8_t> random_matrix_bytes(DType t, int64_t rows, int64_t cols, Rn
 
 }  // namespace
 
-Status write_random_gguf(const std::string& path, const ModelConfig& config, DType matrix_type, uint64_t seed) {
-  SPX_RETURN_IF_ERROR(config.validate(path));
-  uint32_t ggml_type = 0;
-  if (matrix_type != DType::kF32) {
-    const std::optional<uint32_t> id = ggml_block_type_id(matrix_type);
-    if (!id) {
-      return invalid_argument(path + ": random GGUF matrices must be f32 or a block type, not " +
-                              std::string(dtype_name(matrix_type)));
-    }
-    ggml_type = *id;
-    const int64_t block = dtype_block_elements(matrix_type);
-    for (int64_t cols : {config.dim, config.q_dim(), config.hidden_dim}) {
-      if (cols % block != 0) {
-        return invalid_argument(path + ": " + std::string(dtype_name(matrix_type)) + " needs rows of whole " +
-                                std::to_string(block) + "-element blocks, got " + std::to_string(cols) + " columns");
-      }
-    }
-  }
-  const ModelConfig& c = config;
+namespace {
+
+// The writer behind write_random_gguf and write_random_gguf_mix: matrix `name` of type_of(name)
+// (f32 or a block type whose rows the caller checked), general.file_type when given.
+template <typename TypeOf>
+Status write_random_gguf_typed(const std::string& path, const ModelConfig& c, const TypeOf& type_of,
+                               std::optional<uint32_t> file_type, uint64_t seed) {
   GgufWriter w;
   w.add_string("general.architecture", "llama");
+  if (file_type) {
+    w.add_u32("general.file_type", *file_type);
+    w.add_u32("general.quantization_version", 2);
+  }
   w.add_u32("llama.embedding_length", static_cast<uint32_t>(c.dim));
   w.add_u32("llama.feed_forward_length", static_cast<uint32_t>(c.hidden_dim));
   w.add_u32("llama.block_count", static_cast<uint32_t>(c.n_layers));
@@ -236,7 +230,9 @@ Status write_random_gguf(const std::string& path, const ModelConfig& config, DTy
   w.add_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(std::max(c.eos_token_id, 0)));
   Rng rng{seed * 0x9E3779B97F4A7C15ull + 1};
   auto matrix = [&](const std::string& name, int64_t rows, int64_t cols) {
-    w.add_tensor(name, {cols, rows}, ggml_type, random_matrix_bytes(matrix_type, rows, cols, rng));
+    const DType t = type_of(name);
+    const uint32_t id = t == DType::kF32 ? 0u : *ggml_block_type_id(t);
+    w.add_tensor(name, {cols, rows}, id, random_matrix_bytes(t, rows, cols, rng));
   };
   auto ones = [&](const std::string& name, int64_t n) {
     const std::vector<float> v(static_cast<size_t>(n), 1.0f);
@@ -260,6 +256,72 @@ Status write_random_gguf(const std::string& path, const ModelConfig& config, DTy
   ones("output_norm.weight", c.dim);
   if (!c.tie_embeddings) matrix("output.weight", c.vocab_size, c.dim);
   return w.write(path);
+}
+
+Status check_whole_blocks(const std::string& path, const ModelConfig& c, DType t) {
+  const int64_t block = dtype_block_elements(t);
+  for (int64_t cols : {c.dim, c.q_dim(), c.hidden_dim}) {
+    if (cols % block != 0) {
+      return invalid_argument(path + ": " + std::string(dtype_name(t)) + " needs rows of whole " +
+                              std::to_string(block) + "-element blocks, got " + std::to_string(cols) + " columns");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status write_random_gguf(const std::string& path, const ModelConfig& config, DType matrix_type, uint64_t seed) {
+  SPX_RETURN_IF_ERROR(config.validate(path));
+  if (matrix_type != DType::kF32) {
+    if (!ggml_block_type_id(matrix_type)) {
+      return invalid_argument(path + ": random GGUF matrices must be f32 or a block type, not " +
+                              std::string(dtype_name(matrix_type)));
+    }
+    SPX_RETURN_IF_ERROR(check_whole_blocks(path, config, matrix_type));
+  }
+  return write_random_gguf_typed(
+      path, config, [&](const std::string&) { return matrix_type; }, std::nullopt, seed);
+}
+
+std::optional<GgufMix> gguf_mix_from_name(std::string_view name) {
+  if (name == "q4_k_m") return GgufMix::kQ4_K_M;
+  if (name == "q5_k_m") return GgufMix::kQ5_K_M;
+  return std::nullopt;
+}
+
+std::string_view gguf_mix_name(GgufMix mix) { return mix == GgufMix::kQ4_K_M ? "q4_k_m" : "q5_k_m"; }
+
+uint32_t gguf_mix_file_type(GgufMix mix) { return mix == GgufMix::kQ4_K_M ? 15u : 17u; }
+
+bool gguf_mix_use_more_bits(int64_t layer, int64_t n_layers) {
+  return layer < n_layers / 8 || layer >= 7 * n_layers / 8 || (layer - n_layers / 8) % 3 == 2;
+}
+
+DType gguf_mix_tensor_type(GgufMix mix, const ModelConfig& config, const std::string& name) {
+  const DType base = mix == GgufMix::kQ4_K_M ? DType::kQ4_K : DType::kQ5_K;
+  if (name == "output.weight" || (config.tie_embeddings && name == "token_embd.weight")) {
+    return config.dim % 256 == 0 ? DType::kQ6_K : DType::kQ8_0;
+  }
+  int64_t layer = -1;
+  if (name.rfind("blk.", 0) == 0) {
+    const char* first = name.data() + 4;
+    const char* last = name.data() + name.size();
+    int64_t v = 0;
+    const auto [ptr, ec] = std::from_chars(first, last, v);
+    if (ec == std::errc() && ptr != first && ptr < last && *ptr == '.') layer = v;
+  }
+  const bool v_or_down = name.find("attn_v.weight") != std::string::npos || name.find("ffn_down") != std::string::npos;
+  if (layer >= 0 && v_or_down && gguf_mix_use_more_bits(layer, config.n_layers)) return DType::kQ6_K;
+  return base;
+}
+
+Status write_random_gguf_mix(const std::string& path, const ModelConfig& config, GgufMix mix, uint64_t seed) {
+  SPX_RETURN_IF_ERROR(config.validate(path));
+  for (DType t : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) SPX_RETURN_IF_ERROR(check_whole_blocks(path, config, t));
+  return write_random_gguf_typed(
+      path, config, [&](const std::string& name) { return gguf_mix_tensor_type(mix, config, name); },
+      gguf_mix_file_type(mix), seed);
 }
 
 }  // namespace specontext

@@ -719,6 +719,7 @@ Result<json> compare_texts(const json& baseline, const json& run) {
                             std::to_string(b->size()) + " requests");
   }
   int64_t same = 0, different = 0, failed = 0, failed_in_baseline = 0, prompt_changed = 0;
+  int64_t cached_differ = 0, different_cached_differ = 0;
   json different_indices = json::array(), failed_errors = json::object();
   for (size_t i = 0; i < a->size(); ++i) {
     const json& x = (*a)[i];
@@ -735,17 +736,26 @@ Result<json> compare_texts(const json& baseline, const json& run) {
       failed_errors[msg] = failed_errors.value(msg, int64_t{0}) + 1;
     } else if (x["prompt_fnv1a"] != y["prompt_fnv1a"]) {
       ++prompt_changed;
-    } else if (x["text"] == y["text"]) {
-      ++same;
     } else {
-      ++different;
-      if (different_indices.size() < 20) different_indices.push_back(i);
+      const bool cached_differs = x.contains("cached_tokens") && y.contains("cached_tokens") &&
+                                  x["cached_tokens"] != y["cached_tokens"];
+      cached_differ += cached_differs;
+      if (x["text"] == y["text"]) {
+        ++same;
+      } else {
+        ++different;
+        different_cached_differ += cached_differs;
+        if (different_indices.size() < 20) different_indices.push_back(i);
+      }
     }
   }
   return json{{"requests", a->size()},
               {"same", same},
               {"different", different},
               {"different_indices", different_indices},
+              {"cached_differs", cached_differ},
+              {"different_cached_differs", different_cached_differ},
+              {"different_same_cached", different - different_cached_differ},
               {"failed", failed},
               {"failed_errors", failed_errors},
               {"prompt_changed", prompt_changed},

@@ -167,7 +167,10 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o);
 // different text: a wrong token; their indices in "different_indices", the first 20), "failed"
 // (answered in `baseline`, not in `run`: counted by error message in "failed_errors"),
 // "prompt_changed" (both answered but the prompts differ: an earlier turn of the session failed
-// in one run, so the history in front differs; not comparable), "failed_in_baseline". An error
+// in one run, so the history in front differs; not comparable), "failed_in_baseline"; of the
+// requests compared (both answered the same prompt), "cached_differs" took a different number of
+// prompt tokens from a prefix cache or store in the two runs (records' "cached_tokens"), and the
+// different ones are split into "different_cached_differs" and "different_same_cached". An error
 // when the reports are not of one trace (request counts or lines differ) or hold no text.
 Result<nlohmann::json> compare_texts(const nlohmann::json& baseline, const nlohmann::json& run);
 

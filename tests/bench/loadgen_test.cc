@@ -396,12 +396,21 @@ TEST(LoadgenCompare, SameDifferentFailedAndChangedPromptsAreCountedApart) {
   json base = {{"requests", json::array({rec(3, true, "x y", "01"), rec(4, true, "z", "02"), rec(5, true, "w", "03"),
                                          rec(6, true, "v", "04"), rec(7, false, "", "05", "HTTP 400"),
                                          rec(8, true, "u", "06"), rec(9, true, "t", "07")})}};
+  base["requests"][0]["cached_tokens"] = 16;
+  base["requests"][1]["cached_tokens"] = 32;
+  base["requests"][6]["cached_tokens"] = 0;
   json run = {{"requests", json::array({rec(3, true, "x y", "01"), rec(4, true, "z!", "02"),
                                         rec(5, false, "w", "03", "connect: refused"), rec(6, true, "q", "0f"),
                                         rec(7, true, "s", "05"), rec(8, false, "", "06", "connect: refused"),
                                         rec(9, true, "t", "07")})}};
+  run["requests"][0]["cached_tokens"] = 32;  // same text with more of the prompt from a cache
+  run["requests"][1]["cached_tokens"] = 48;  // a different text with more of it from a cache
+  run["requests"][6]["cached_tokens"] = 0;
   auto c = compare_texts(base, run);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ((*c)["cached_differs"], 2);
+  EXPECT_EQ((*c)["different_cached_differs"], 1);
+  EXPECT_EQ((*c)["different_same_cached"], 0);
   EXPECT_EQ((*c)["requests"], 7);
   EXPECT_EQ((*c)["same"], 2);
   EXPECT_EQ((*c)["different"], 1);
@@ -414,6 +423,11 @@ TEST(LoadgenCompare, SameDifferentFailedAndChangedPromptsAreCountedApart) {
   ASSERT_TRUE(self.is_ok());
   EXPECT_EQ((*self)["same"], 6);
   EXPECT_EQ((*self)["different"], 0);
+  EXPECT_EQ((*self)["cached_differs"], 0);
+  run["requests"][1]["cached_tokens"] = 32;  // the same cached amount: a wrong token for sure
+  auto strict = compare_texts(base, run);
+  ASSERT_TRUE(strict.is_ok());
+  EXPECT_EQ((*strict)["different_same_cached"], 1);
 
   json shorter = base;
   shorter["requests"].erase(6);

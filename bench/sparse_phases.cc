@@ -3,8 +3,9 @@
 // a synthetic model's shapes (random retrieval head, random keys and KV: speed, not quality).
 // It calls what Engine::forward calls for a SpeContext decode step (core/engine/engine_sparse.cc,
 // engine_forward.cc), in the engine's order:
-//   per sequence: head    retrieval_qk (fc, wq, wk: the engine's run_head, one sequence a call)
-//                 score   Backend::retrieval_group_scores over the head's paged K cache
+//   per step:     head    retrieval_qk (fc, wq, wk: the engine's project_head, one row per sequence,
+//                         one call for the batch; --head-per-sequence: one call per sequence)
+//   per sequence: score   Backend::retrieval_group_scores over the head's paged K cache
 //                 topk    Backend::select_top_tokens (per KV head top-B, sinks, window)
 //                 diff    ElasticWorkingSet::update (S_now − S_last → gather entries)
 //   per layer:    gather  Backend::kv_gather, one call per sequence (its loads, K and V)
@@ -17,7 +18,7 @@
 // so that each step's elastic diff loads what a step with that overlap loads (the overlap is
 // reported). Each phase's bytes are what it must move at least (weights once per step, each key
 // of the head cache once, each gathered row read and written once, working sets read once);
-// `bytes_as_called` counts the head's weights once per call as the engine calls it. Roofline
+// `bytes_as_called` counts the head's weights once per call as the bench calls them. Roofline
 // time = bytes ÷ read bandwidth (bench/lib/membw.h measure_read, in this run); the fraction is
 // roofline time ÷ measured time. Flops: 2 per multiply-add, exp counted as one.
 //
@@ -110,7 +111,7 @@ int main(int argc, char** argv) {
   double drift = 0.3;
   int64_t kv_pool_mib = 2048, evict_mib = 256;
   std::string kv_dtype_name = "f32", out = "bench_out/sparse_phases.json";
-  bool plot = false;
+  bool plot = false, head_per_sequence = false;
   app.add_option("--synthetic", model_name, "synthetic model shape")->capture_default_str();
   app.add_option("--layers", layers, "layers")->capture_default_str();
   app.add_option("--context", context, "tokens cached per sequence")->capture_default_str();
@@ -128,6 +129,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-pool-mib", kv_pool_mib, "KV page pool (MiB)")->capture_default_str();
   app.add_option("--evict-mib", evict_mib, "buffer read between phases (untimed)")->capture_default_str();
   app.add_option("--out", out, "JSON output path")->capture_default_str();
+  app.add_flag("--head-per-sequence", head_per_sequence,
+               "head phase: one retrieval_qk call per sequence (the engine before its batching) instead of one per step");
   app.add_flag("--plot", plot, "also write a PNG next to the JSON (bench/plot_sparse_phases.py)");
   CLI11_PARSE(app, argc, argv);
 
@@ -211,14 +214,18 @@ int main(int argc, char** argv) {
     Buffer scores(static_cast<size_t>(hc.n_kv_heads * length) * 4);
     // Queries: q_A from the head itself, q_B = q_A + drift · noise of q_A's norm, per sequence.
     std::vector<std::vector<float>> q_ab(static_cast<size_t>(2 * batch), std::vector<float>(static_cast<size_t>(qd)));
-    std::vector<float> fused(static_cast<size_t>(3 * d)), k_new(static_cast<size_t>(kd)), q_new(static_cast<size_t>(qd));
+    std::vector<float> fused(static_cast<size_t>(batch * 3 * d)), k_new(static_cast<size_t>(batch * kd)),
+        q_new(static_cast<size_t>(batch * qd));
     fill_random(fused.data(), fused.size(), 17, 1.0f);
+    std::vector<TokenId> step_tokens(static_cast<size_t>(batch));
+    const std::vector<int64_t> positions(static_cast<size_t>(batch), length - 1);
     std::mt19937_64 rng(23);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (int64_t s = 0; s < batch; ++s) {
       const TokenId tok = static_cast<TokenId>(s % vocab);
       const int64_t pos = length - 1;
-      fail(retrieval_qk(be, head, rope, embeddings, &tok, fused.data(), &pos, 1, q_ab[2 * s].data(), k_new.data()),
+      fail(retrieval_qk(be, head, rope, embeddings, &tok, fused.data() + s * 3 * d, &pos, 1, q_ab[2 * s].data(),
+                        k_new.data()),
            "retrieval_qk");
       double norm = 0.0, nn = 0.0;
       std::vector<float> noise(static_cast<size_t>(qd));
@@ -241,14 +248,30 @@ int main(int argc, char** argv) {
       double t[kNumPhases] = {};
       int64_t step_loads = 0, step_selected = 0, step_kept = 0;
       evict(evict_buf, evict_buf.bytes.size() - 64);
-      for (int64_t s = 0; s < batch; ++s) {
-        const TokenId tok = static_cast<TokenId>((s + step) % vocab);
+      // head: q and k of every sequence's token; one call for the batch (one row a sequence) as
+      // the engine's make_shared_selections does, or with --head-per-sequence one call a sequence
+      // (the engine before #30's batching). Each key row goes into its sequence's cache.
+      {
         const int64_t pos = length - 1;
+        for (int64_t s = 0; s < batch; ++s) step_tokens[s] = static_cast<TokenId>((s + step) % vocab);
         auto t0 = std::chrono::steady_clock::now();
-        fail(retrieval_qk(be, head, rope, embeddings, &tok, fused.data(), &pos, 1, q_new.data(), k_new.data()),
-             "retrieval_qk");
-        std::memcpy(head_cache[s].f32() + pos * kd, k_new.data(),
-                    static_cast<size_t>(kd) * 4);
+        if (head_per_sequence) {
+          for (int64_t s = 0; s < batch; ++s) {
+            fail(retrieval_qk(be, head, rope, embeddings, &step_tokens[s], fused.data() + s * 3 * d, &positions[s], 1,
+                              q_new.data() + s * qd, k_new.data() + s * kd),
+                 "retrieval_qk");
+          }
+        } else {
+          fail(retrieval_qk(be, head, rope, embeddings, step_tokens.data(), fused.data(), positions.data(), batch,
+                            q_new.data(), k_new.data()),
+               "retrieval_qk");
+        }
+        for (int64_t s = 0; s < batch; ++s) {
+          std::memcpy(head_cache[s].f32() + pos * kd, k_new.data() + s * kd, static_cast<size_t>(kd) * 4);
+        }
+        t[0] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+      for (int64_t s = 0; s < batch; ++s) {
         auto t1 = std::chrono::steady_clock::now();
         const float* q = q_ab[static_cast<size_t>(2 * s + (step % 2))].data();
         fail(be.retrieval_group_scores(q, head_tables[s].data(), block_tokens, length, hc.n_heads, hc.n_kv_heads,
@@ -260,7 +283,6 @@ int main(int argc, char** argv) {
         loads[s].clear();
         const ElasticStats st = elastic[s].update(selection[s], loads[s]);
         auto t4 = std::chrono::steady_clock::now();
-        t[0] += std::chrono::duration<double>(t1 - t0).count();
         t[1] += std::chrono::duration<double>(t2 - t1).count();
         t[2] += std::chrono::duration<double>(t3 - t2).count();
         t[3] += std::chrono::duration<double>(t4 - t3).count();
@@ -348,8 +370,10 @@ int main(int argc, char** argv) {
     };
     const Cost cost[kNumPhases] = {
         // head: weights once per step; the engine's calls (one per sequence) read them B times.
-        {static_cast<double>(head_weight_bytes) + B * per_seq_io, B * (static_cast<double>(head_weight_bytes) + per_seq_io),
-         B * 2.0 * head_params, B},
+        {static_cast<double>(head_weight_bytes) + B * per_seq_io,
+         head_per_sequence ? B * (static_cast<double>(head_weight_bytes) + per_seq_io)
+                           : static_cast<double>(head_weight_bytes) + B * per_seq_io,
+         B * 2.0 * head_params, head_per_sequence ? B : 1.0},
         // score: every key of every sequence's head cache once, the group scores written once.
         {B * (L * kd * 4.0 + qd * 4.0 + nkv * L * 4.0), 0, B * (2.0 * nh * hdim * L + 4.0 * nh * L + nh * L), B},
         // topk: the group scores read once, the selection written.
@@ -414,6 +438,7 @@ int main(int argc, char** argv) {
                         {"kv_pool_mib", kv_pool_mib},
                         {"read_gb_per_s", rd.read_gb_per_s},
                         {"head_weight_bytes", head_weight_bytes},
+                        {"head_calls", head_per_sequence ? "per sequence" : "one per step (batched)"},
                         {"note", "random head, keys and KV: measures speed, not quality; seconds are medians per step"},
                         {"batches", batch_info},
                         {"results", results}};

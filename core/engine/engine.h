@@ -304,8 +304,15 @@ class Engine {
   // the head cache at start_pos.. and the query rows to q_out.
   Status run_head(Sequence& s, const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
                   int64_t start_pos, int64_t n, float* q_out);
-  Status shared_selection_for(Sequence& s, SeqId id, const TokenId* token_dev, const int64_t* position_dev,
-                              int64_t start_pos);
+  // The head's q [n, n_heads·head_dim] and k [n, n_kv_heads·head_dim] of n rows, each row its own
+  // token, fused(p−1) and position (rows of one sequence or of many: one matmul per weight).
+  Status project_head(const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev, int64_t n,
+                      float* q_out, float* k_out);
+  // k [n, kd] into s's head cache at start_pos.., one run of rows per block touched.
+  Status store_head_keys(Sequence& s, const float* k, int64_t start_pos, int64_t n);
+  // The shared selection of s's decode token at start_pos; head_q is its head query (SpeContext,
+  // computed for the whole step by make_shared_selections), unused for streaming.
+  Status shared_selection_for(Sequence& s, SeqId id, const float* head_q, int64_t start_pos);
   Status select_for_layer(Sequence& s, LayerId layer, const AttentionItem& item, const float* q,
                           const Selection** selection);
   Status update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n);

@@ -313,21 +313,75 @@ Status Engine::fit_activations(ForwardStep& st) {
 }
 
 // ---- sparse decode: selections that serve every layer, made before layer 0 ----
+// SpeContext: the retrieval head runs once for all sparse sequences of the step, one row each
+// (its weights are read once a step, not once per sequence); each row's key goes into its
+// sequence's head cache, then each sequence selects from its own query row.
 
 Status Engine::make_shared_selections(ForwardStep& st) {
   st.method = options_.sparse.method;
   st.shared = shares_selection(st.method);
+  std::vector<size_t> rows;  // the sparse requests in request order: row j of the head's batch
   for (size_t i = 0; i < st.n_req; ++i) {
     if (!st.sparse[i]) continue;
-    Sequence& s = *st.seqs[i];
-    SPX_RETURN_IF_ERROR(memory_->ensure_sparse_state(s));
-    if (st.shared) {
-      const int64_t off = items_[i].token_offset;
-      SPX_RETURN_IF_ERROR(shared_selection_for(s, st.requests[i].seq, st.ids_dev + off,
-                                               st.positions_dev + off, items_[i].start_pos));
-      s.shared_loads.clear();
-      s.shared_stats = s.shared_ws.update(s.shared_selection, s.shared_loads);
+    SPX_RETURN_IF_ERROR(memory_->ensure_sparse_state(*st.seqs[i]));
+    rows.push_back(i);
+  }
+  if (!st.shared || rows.empty()) return Status::ok();
+  const float* head_q = nullptr;
+  int64_t qd = 0;
+  if (st.method == SparseMethod::kSpeContext) {
+    const RetrievalHeadConfig& hc = options_.retrieval_head->config;
+    Backend& be = *backend_;
+    const int64_t n = static_cast<int64_t>(rows.size());
+    const int64_t fd = 3 * config().dim, kd = hc.n_kv_heads * hc.head_dim;
+    qd = hc.n_heads * hc.head_dim;
+    auto row_item = [&](int64_t j) -> const AttentionItem& { return items_[rows[at(j)]]; };
+    // Inputs of the batch (backend memory): each row's token and position, read in place when
+    // the rows' tokens lie consecutively in the step (every request decoding), else gathered
+    // behind the key rows in head_k_rows_; each row's fused(p−1), gathered.
+    const size_t k_bytes = (static_cast<size_t>(n * kd) * sizeof(float) + 7) / 8 * 8;
+    SPX_ASSIGN_OR_RETURN(void* kp, fit(head_k_rows_, k_bytes + static_cast<size_t>(n) * (sizeof(int64_t) + sizeof(TokenId))));
+    float* k = static_cast<float*>(kp);
+    const TokenId* ids = st.ids_dev + row_item(0).token_offset;
+    const int64_t* positions = st.positions_dev + row_item(0).token_offset;
+    bool consecutive = true;
+    for (int64_t j = 0; j < n; ++j) consecutive = consecutive && row_item(j).token_offset == row_item(0).token_offset + j;
+    if (!consecutive) {
+      auto* pos_rows = reinterpret_cast<int64_t*>(static_cast<char*>(kp) + k_bytes);
+      auto* id_rows = reinterpret_cast<TokenId*>(pos_rows + n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t off = row_item(j).token_offset;
+        SPX_RETURN_IF_ERROR(be.copy_rows(pos_rows + j, sizeof(int64_t), st.positions_dev + off, sizeof(int64_t),
+                                         sizeof(int64_t), 1));
+        SPX_RETURN_IF_ERROR(
+            be.copy_rows(id_rows + j, sizeof(TokenId), st.ids_dev + off, sizeof(TokenId), sizeof(TokenId), 1));
+      }
+      ids = id_rows;
+      positions = pos_rows;
     }
+    const size_t fused_row = static_cast<size_t>(fd) * sizeof(float);
+    SPX_ASSIGN_OR_RETURN(float* fused, fit_floats(fused_prev_, n * fd));
+    for (int64_t j = 0; j < n; ++j) {
+      SPX_RETURN_IF_ERROR(be.copy_rows(fused + j * fd, fused_row, st.seqs[rows[at(j)]]->last_fused.get(), fused_row,
+                                       fused_row, 1));
+    }
+    SPX_ASSIGN_OR_RETURN(float* q, fit_floats(head_q_, n * qd));
+    SPX_RETURN_IF_ERROR(project_head(ids, fused, positions, n, q, k));
+    for (int64_t j = 0; j < n; ++j) {
+      Sequence& s = *st.seqs[rows[at(j)]];
+      const int64_t start_pos = row_item(j).start_pos;
+      SPX_RETURN_IF_ERROR(memory_->ensure_head_capacity(s, start_pos + 1));
+      SPX_RETURN_IF_ERROR(store_head_keys(s, k + j * kd, start_pos, 1));
+    }
+    head_q = q;
+  }
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const size_t i = rows[j];
+    Sequence& s = *st.seqs[i];
+    const float* q = head_q == nullptr ? nullptr : head_q + static_cast<int64_t>(j) * qd;
+    SPX_RETURN_IF_ERROR(shared_selection_for(s, st.requests[i].seq, q, items_[i].start_pos));
+    s.shared_loads.clear();
+    s.shared_stats = s.shared_ws.update(s.shared_selection, s.shared_loads);
   }
   return Status::ok();
 }

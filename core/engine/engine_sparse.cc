@@ -9,18 +9,15 @@
 
 namespace specontext {
 
-Status Engine::run_head(Sequence& s, const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
-                        int64_t start_pos, int64_t n, float* q_out) {
+Status Engine::project_head(const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
+                            int64_t n, float* q_out, float* k_out) {
   const RetrievalHeadConfig& hc = options_.retrieval_head->config;
   Backend& be = *backend_;
   const int64_t d = hc.hidden;
-  const int64_t kd = hc.n_kv_heads * hc.head_dim;
-  if (start_pos + n > memory_->head_capacity(s)) return internal_error("retrieval head cache too small");
-  SPX_ASSIGN_OR_RETURN(void* scratch, fit(head_x_, static_cast<size_t>(n * (4 * d + kd)) * sizeof(float)));
+  SPX_ASSIGN_OR_RETURN(void* scratch, fit(head_x_, static_cast<size_t>(n * 4 * d) * sizeof(float)));
   float* x = static_cast<float*>(scratch);  // [n, 2d]
   float* e = x + n * 2 * d;                 // [n, d]
   float* h = e + n * d;                     // [n, d]
-  float* k = h + n * d;                     // [n, kd]
   // x = RMSNorm_input(embed(token)) ⊕ RMSNorm_hidden(fc · fused(p−1)); see core/sparse/retrieval_head.h.
   SPX_RETURN_IF_ERROR(be.embed(tokens_dev, n, tok_embeddings_, e));
   SPX_RETURN_IF_ERROR(be.rmsnorm(e, head_input_norm_, n, d, hc.norm_eps, e));
@@ -30,36 +27,47 @@ Status Engine::run_head(Sequence& s, const TokenId* tokens_dev, const float* fus
   SPX_RETURN_IF_ERROR(be.copy_rows(x, 2 * row, e, row, row, n));
   SPX_RETURN_IF_ERROR(be.copy_rows(x + d, 2 * row, h, row, row, n));
   SPX_RETURN_IF_ERROR(be.matmul(x, n, head_wq_, nullptr, q_out));
-  SPX_RETURN_IF_ERROR(be.matmul(x, n, head_wk_, nullptr, k));
+  SPX_RETURN_IF_ERROR(be.matmul(x, n, head_wk_, nullptr, k_out));
   SPX_RETURN_IF_ERROR(be.rope(q_out, n, hc.n_heads, positions_dev, head_rope_));
-  SPX_RETURN_IF_ERROR(be.rope(k, n, hc.n_kv_heads, positions_dev, head_rope_));
+  return be.rope(k_out, n, hc.n_kv_heads, positions_dev, head_rope_);
+}
+
+Status Engine::store_head_keys(Sequence& s, const float* k, int64_t start_pos, int64_t n) {
+  const RetrievalHeadConfig& hc = options_.retrieval_head->config;
+  const int64_t kd = hc.n_kv_heads * hc.head_dim;
+  if (start_pos + n > memory_->head_capacity(s)) return internal_error("retrieval head cache too small");
   // Into the paged cache, one run of rows per block touched.
   const size_t key_row = static_cast<size_t>(kd) * sizeof(float);
   for (int64_t t = start_pos; t < start_pos + n;) {
     const int64_t run =
         std::min(start_pos + n - t, memory_->head_block_tokens_ - t % memory_->head_block_tokens_);
-    SPX_RETURN_IF_ERROR(
-        be.copy_rows(memory_->head_row(s, t), key_row, k + (t - start_pos) * kd, key_row, key_row, run));
+    SPX_RETURN_IF_ERROR(backend_->copy_rows(memory_->head_row(s, t), key_row, k + (t - start_pos) * kd, key_row,
+                                            key_row, run));
     t += run;
   }
   return Status::ok();
 }
 
-Status Engine::shared_selection_for(Sequence& s, SeqId id, const TokenId* token_dev, const int64_t* position_dev,
-                                    int64_t start_pos) {
-  const ModelConfig& c = config();
+Status Engine::run_head(Sequence& s, const TokenId* tokens_dev, const float* fused_prev, const int64_t* positions_dev,
+                        int64_t start_pos, int64_t n, float* q_out) {
+  const RetrievalHeadConfig& hc = options_.retrieval_head->config;
+  const int64_t kd = hc.n_kv_heads * hc.head_dim;
+  if (start_pos + n > memory_->head_capacity(s)) return internal_error("retrieval head cache too small");
+  SPX_ASSIGN_OR_RETURN(float* k, fit_floats(head_k_rows_, n * kd));
+  SPX_RETURN_IF_ERROR(project_head(tokens_dev, fused_prev, positions_dev, n, q_out, k));
+  return store_head_keys(s, k, start_pos, n);
+}
+
+Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, int64_t start_pos) {
   const int64_t length = start_pos + 1;  // the current token is attended too
   const SelectionOptions& opts = options_.sparse.selection;
   if (options_.sparse.method == SparseMethod::kStreaming) {
-    select_streaming(c.n_kv_heads, length, opts, s.shared_selection);
+    select_streaming(config().n_kv_heads, length, opts, s.shared_selection);
     return Status::ok();
   }
   const RetrievalHeadConfig& hc = options_.retrieval_head->config;
   Backend& be = *backend_;
-  SPX_RETURN_IF_ERROR(memory_->ensure_head_capacity(s, length));
-  SPX_ASSIGN_OR_RETURN(void* qp, fit(head_q_, static_cast<size_t>(hc.n_heads * hc.head_dim) * sizeof(float)));
-  float* hq = static_cast<float*>(qp);
-  SPX_RETURN_IF_ERROR(run_head(s, token_dev, static_cast<const float*>(s.last_fused.get()), position_dev, start_pos, 1, hq));
+  const float* hq = head_q;
   if (memory_->placement_.cpu_filtering && options_.tiering.candidate_filter) {
     // The CPU shortlists pages from its summaries of the head's keys; the head scores only those
     // candidates (core/ports/candidate_filter.h). Keys and query are read on the host.

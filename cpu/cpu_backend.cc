@@ -27,6 +27,7 @@
 
 #include "core/base/host_math.h"
 #include "core/model/ggml_quants.h"
+#include "core/ports/selection.h"
 #include "cpu/numa.h"
 #include "cpu/quant_dequant.h"
 #include "cpu/quant_gemv.h"
@@ -1486,6 +1487,35 @@ Status CpuBackend::retrieval_group_scores(const float* q, const float* const* k_
     }
     s.parallel(length, 1 << 12, [&](int64_t t0, int64_t t1) {
       group_max(lg, t0, t1, length, n_heads, n_kv_heads, out);
+    });
+    return Status::ok();
+  });
+}
+
+Status CpuBackend::select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
+                                     const SelectionOptions& options, Selection& out) {
+  if (n_kv_heads <= 1 || length <= 0) {
+    select_from_group_scores(std::span<const float>(group_scores, static_cast<size_t>(std::max<int64_t>(n_kv_heads * length, 0))),
+                             n_kv_heads, length, options, out);
+    return Status::ok();
+  }
+  return guarded("select_top_tokens", [&]() -> Status {
+    const int64_t budget = std::max<int64_t>(options.budget, 1);
+    out.kv_heads = n_kv_heads;
+    out.budget = budget;
+    out.indices.resize(static_cast<size_t>(n_kv_heads * budget));
+    out.counts.assign(static_cast<size_t>(n_kv_heads), 0);
+    // Each head on its own: select_from_group_scores of one head is that head's part of the
+    // selection of all (the heads do not interact).
+    impl_->parallel(n_kv_heads, 1, [&](int64_t h0, int64_t h1) {
+      Selection one;
+      for (int64_t h = h0; h < h1; ++h) {
+        select_from_group_scores(std::span<const float>(group_scores + h * length, static_cast<size_t>(length)), 1,
+                                 length, options, one);
+        const int32_t n = one.counts[0];
+        std::copy_n(one.indices.data(), n, out.indices.data() + h * budget);
+        out.counts[static_cast<size_t>(h)] = n;
+      }
     });
     return Status::ok();
   });

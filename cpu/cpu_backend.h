@@ -71,6 +71,10 @@ class CpuBackend final : public Backend {
   // exponentials spread over the arena; each head's normaliser is still summed in token order.
   Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t length,
                                 int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* out) override;
+  // select_from_group_scores (core/ports/selection.h) of each KV head, the heads spread over the
+  // arena, reading the scores in place (the host default copies them first): the same selection.
+  Status select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,
+                           const SelectionOptions& options, Selection& out) override;
   int num_threads() const;
   int numa_node() const;
   // Which path the last matmul of this dtype took: "onednn:<impl>", "rows:small-batch" or

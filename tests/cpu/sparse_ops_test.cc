@@ -476,6 +476,44 @@ TEST(SparseOpsTest, ElasticRefillInPlaceMatchesRestrictedDense) {
 }
 
 // Impossible requests are refused with kInvalidArgument by both backends, before any write.
+// CpuBackend::select_top_tokens (the KV heads spread over the threads, scores read in place)
+// selects what the host default (ReferenceBackend keeps Backend's) selects, head by head: scores
+// with many ties (ties prefer the older token), budgets below, near and above the length, sinks
+// and window larger than the budget.
+TEST(SparseOpsTest, SelectTopTokensEqualsReference) {
+  ReferenceBackend ref;
+  CpuBackendOptions o;
+  o.num_threads = 2;
+  auto cpu = make_cpu(o);
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937 rng(31);
+  struct Case {
+    int64_t kv, length;
+    SelectionOptions opts;
+  };
+  for (const Case& c : {Case{8, 5000, {256, 1, 4}}, Case{3, 200, {64, 2, 8}}, Case{5, 40, {64, 1, 4}},
+                        Case{4, 100, {6, 4, 8}}, Case{1, 300, {32, 1, 4}}, Case{7, 1, {16, 1, 4}}}) {
+    SCOPED_TRACE(std::to_string(c.kv) + " heads, length " + std::to_string(c.length) + ", budget " +
+                 std::to_string(c.opts.budget));
+    // Scores on a coarse grid (ties are common), another grid per head.
+    std::vector<float> scores(static_cast<size_t>(c.kv * c.length));
+    for (int64_t h = 0; h < c.kv; ++h) {
+      std::uniform_int_distribution<int> level(0, static_cast<int>(4 + 6 * h));
+      for (int64_t t = 0; t < c.length; ++t) scores[static_cast<size_t>(h * c.length + t)] = 0.01f * level(rng);
+    }
+    Selection want, got;
+    got.indices.assign(3, 99);  // stale contents must not leak
+    ASSERT_TRUE(ref.select_top_tokens(scores.data(), c.kv, c.length, c.opts, want).is_ok());
+    ASSERT_TRUE(cpu->select_top_tokens(scores.data(), c.kv, c.length, c.opts, got).is_ok());
+    ASSERT_EQ(got.kv_heads, want.kv_heads);
+    ASSERT_EQ(got.budget, want.budget);
+    for (int64_t h = 0; h < c.kv; ++h) {
+      const auto a = got.head(h), b = want.head(h);
+      EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << "head " << h;
+    }
+  }
+}
+
 TEST(SparseOpsTest, RejectsImpossibleShapes) {
   ReferenceBackend ref;
   auto cpu = make_cpu();

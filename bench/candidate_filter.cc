@@ -23,13 +23,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "bench/lib/report.h"
 #include "core/base/host_math.h"
 #include "core/engine/engine.h"
 #include "core/model/model_loader.h"
@@ -646,17 +646,7 @@ int main(int argc, char** argv) {
     doc["real"] = std::move(*r);
   }
   doc["wall_seconds"] = seconds_since(t0);
-  std::filesystem::path p(out);
-  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
-  std::ofstream(out) << doc.dump(2) << "\n";
-  std::fprintf(stderr, "wrote %s (%.0f s)\n", out.c_str(), seconds_since(t0));
-  if (plot) {
-    const std::string script = std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_candidate_filter.py";
-    const std::string cmd = "/usr/bin/python3 '" + script + "' '" + out + "'";
-    if (std::system(cmd.c_str()) != 0) {
-      std::fprintf(stderr, "error: plotting failed (%s)\n", cmd.c_str());
-      return 1;
-    }
-  }
+  std::fprintf(stderr, "took %.0f s\n", seconds_since(t0));
+  bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_candidate_filter.py");
   return 0;
 }

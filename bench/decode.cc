@@ -6,11 +6,10 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "bench/lib/membw.h"
+#include "bench/lib/report.h"
 #include "core/engine/engine.h"
 #include "core/model/synthetic.h"
 #include "cpu/cpu_backend.h"
@@ -130,17 +129,6 @@ int main(int argc, char** argv) {
       {"triad_gb_per_s", bw.triad_gb_per_s}, {"threads", bw.threads},
       {"note", "synthetic weights and random KV: measures speed, not quality"},
       {"results", results}};
-  std::filesystem::path p(out);
-  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
-  std::ofstream(out) << doc.dump(2) << "\n";
-  std::fprintf(stderr, "wrote %s\n", out.c_str());
-  if (plot) {
-    const std::string script = std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_decode.py";
-    const std::string cmd = "/usr/bin/python3 '" + script + "' '" + out + "'";
-    if (std::system(cmd.c_str()) != 0) {
-      std::fprintf(stderr, "error: plotting failed (%s)\n", cmd.c_str());
-      return 1;
-    }
-  }
+  bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_decode.py");
   return 0;
 }

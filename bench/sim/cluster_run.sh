@@ -61,16 +61,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-port_of() {  # file: waits for {"event":"listening","port":P...} (or a "port" field) on its first line
-  for _ in $(seq 600); do
-    if [ -s "$1" ]; then
-      p=$(head -1 "$1" | grep -o '"port": *[0-9]*' | grep -o '[0-9]*$' || true)
-      [ -n "$p" ] && { echo "$p"; return; }
-    fi
-    sleep 0.1
-  done
-  echo "no port in $1: $(cat "$1")" >&2; exit 1
-}
+. "$(dirname "${BASH_SOURCE[0]}")/port_of.sh"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 store_args=()

@@ -12,16 +12,7 @@ dir=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
-port_of() {  # file: waits for {"event":"listening","port":P...} (or a "port" field) on its first line
-  for _ in $(seq 600); do
-    if [ -s "$1" ]; then
-      p=$(head -1 "$1" | grep -o '"port": *[0-9]*' | grep -o '[0-9]*$' || true)
-      [ -n "$p" ] && { echo "$p"; return; }
-    fi
-    sleep 0.1
-  done
-  echo "no port in $1: $(cat "$1")" >&2; exit 1
-}
+. "$(dirname "${BASH_SOURCE[0]}")/port_of.sh"
 replicas=() scrape=()
 for i in $(seq "$N"); do
   nice -n 5 "$BIN" serve -m "$MODEL" --served-model-name stories --listen 127.0.0.1:0 --max-batch 8 \

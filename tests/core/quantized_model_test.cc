@@ -33,6 +33,7 @@
 #include "core/model/synthetic.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/reference_backend.h"
+#include "tests/core/engine_logits_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext {
@@ -92,27 +93,6 @@ std::unique_ptr<Engine> make_engine(std::shared_ptr<const Model> model, std::sha
   return e.is_ok() ? std::move(*e) : nullptr;
 }
 
-// Logits of a 24-token prompt (every position), then of 4 decode steps fed `decode_ids`.
-struct Logits {
-  std::vector<float> prefill, decode;
-};
-Logits run(Engine& e, const std::vector<TokenId>& prompt, const std::vector<TokenId>& decode_ids) {
-  Logits out;
-  auto seq = e.memory().add_sequence();
-  EXPECT_TRUE(seq.is_ok());
-  StepRequest r{*seq, std::span<const TokenId>(prompt), LogitsMode::kAll};
-  auto p = e.forward(std::span<const StepRequest>(&r, 1));
-  EXPECT_TRUE(p.is_ok()) << p.status().to_string();
-  if (p.is_ok()) out.prefill = p->logits;
-  for (const TokenId& id : decode_ids) {
-    StepRequest d{*seq, std::span<const TokenId>(&id, 1), LogitsMode::kLast};
-    auto s = e.forward(std::span<const StepRequest>(&d, 1));
-    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
-    if (s.is_ok()) out.decode.insert(out.decode.end(), s->logits.begin(), s->logits.end());
-  }
-  return out;
-}
-
 TEST(QuantizedModel, KeptMatricesAreViewsOfTheFileAndDecodeToTheDequantisedLoad) {
   for (DType t : kBlockTypes) {
     SCOPED_TRACE(std::string(dtype_name(t)));
@@ -162,8 +142,8 @@ TEST(QuantizedModel, EngineOnTheCpuBackendMatchesTheDequantisedF32Model) {
     ASSERT_TRUE(kept && plain);
     // The engine computes with the blocks as stored: Backend::supports says the CPU runs them.
     EXPECT_EQ(kept->model().held_types(), (std::map<DType, int64_t>{{t, 15}}));
-    const Logits q = run(*kept, prompt, decode_ids);
-    const Logits f = run(*plain, prompt, decode_ids);
+    const testing::PromptLogits q = testing::prompt_then_decode_logits(*kept, prompt, decode_ids);
+    const testing::PromptLogits f = testing::prompt_then_decode_logits(*plain, prompt, decode_ids);
     ASSERT_EQ(q.prefill.size(), f.prefill.size());
     ASSERT_EQ(q.prefill.size(), prompt.size() * 96u);
     ASSERT_EQ(q.decode.size(), f.decode.size());

@@ -20,6 +20,7 @@
 #include "core/model/random_gguf.h"
 #include "core/model/synthetic.h"
 #include "cpu/cpu_backend.h"
+#include "tests/core/engine_logits_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext {
@@ -169,27 +170,6 @@ TEST(RandomGgufMix, RowsMustBeWholeSuperBlocks) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
 }
 
-// Logits of a 24-token prompt (every position), then of 4 decode steps fed the same tokens.
-struct Logits {
-  std::vector<float> prefill, decode;
-};
-Logits run(Engine& e, const std::vector<TokenId>& prompt, const std::vector<TokenId>& decode_ids) {
-  Logits out;
-  auto seq = e.memory().add_sequence();
-  EXPECT_TRUE(seq.is_ok());
-  StepRequest r{*seq, std::span<const TokenId>(prompt), LogitsMode::kAll};
-  auto p = e.forward(std::span<const StepRequest>(&r, 1));
-  EXPECT_TRUE(p.is_ok()) << p.status().to_string();
-  if (p.is_ok()) out.prefill = p->logits;
-  for (const TokenId& id : decode_ids) {
-    StepRequest d{*seq, std::span<const TokenId>(&id, 1), LogitsMode::kLast};
-    auto s = e.forward(std::span<const StepRequest>(&d, 1));
-    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
-    if (s.is_ok()) out.decode.insert(out.decode.end(), s->logits.begin(), s->logits.end());
-  }
-  return out;
-}
-
 TEST(RandomGgufMix, EngineDecodesTheMixLikeTheDequantisedF32Model) {
   const std::vector<TokenId> prompt = {1,  5,  9,  17, 33, 2,  64, 80, 12, 7,  44, 91,
                                        3,  8,  27, 55, 60, 71, 19, 23, 38, 47, 88, 95};
@@ -211,8 +191,8 @@ TEST(RandomGgufMix, EngineDecodesTheMixLikeTheDequantisedF32Model) {
     // The engine runs the blocks as stored: 12 base matrices, attn_v + ffn_down of layer 1 and
     // the tied embedding in Q6_K.
     EXPECT_EQ((*kept)->model().held_types(), (std::map<DType, int64_t>{{base, 12}, {DType::kQ6_K, 3}}));
-    const Logits q = run(**kept, prompt, decode_ids);
-    const Logits f = run(**plain, prompt, decode_ids);
+    const testing::PromptLogits q = testing::prompt_then_decode_logits(**kept, prompt, decode_ids);
+    const testing::PromptLogits f = testing::prompt_then_decode_logits(**plain, prompt, decode_ids);
     ASSERT_EQ(q.prefill.size(), prompt.size() * 96u);
     ASSERT_EQ(q.prefill.size(), f.prefill.size());
     ASSERT_EQ(q.decode.size(), decode_ids.size() * 96u);

@@ -67,8 +67,9 @@ class CpuBackend final : public Backend {
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
                           float* out) override;
 
-  // The host default's arithmetic (core/base/host_math.h), bit for bit, with the dot products and
-  // exponentials spread over the arena; each head's normaliser is still summed in token order.
+  // The host default's arithmetic (core/base/host_math.h), bit for bit: the dot products spread
+  // over the arena by token range, then each head's softmax whole on one thread (its normaliser
+  // summed in token order), the heads spread over the arena.
   Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t length,
                                 int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* out) override;
   // select_from_group_scores (core/ports/selection.h) of each KV head, the heads spread over the

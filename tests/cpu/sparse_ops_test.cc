@@ -476,6 +476,49 @@ TEST(SparseOpsTest, ElasticRefillInPlaceMatchesRestrictedDense) {
 }
 
 // Impossible requests are refused with kInvalidArgument by both backends, before any write.
+// CpuBackend::retrieval_group_scores (dot products over token ranges, each head's softmax on one
+// thread, heads spread over the threads) gives the bits of the host default (ReferenceBackend
+// keeps Backend's), for head counts that do and do not divide among the threads and lengths
+// that end inside a block.
+TEST(SparseOpsTest, RetrievalGroupScoresEqualReferenceBitExactly) {
+  ReferenceBackend ref;
+  CpuBackendOptions o;
+  o.num_threads = 2;
+  auto cpu = make_cpu(o);
+  ASSERT_NE(cpu, nullptr);
+  struct Case {
+    int64_t n_heads, n_kv_heads, head_dim, length, block_tokens;
+  };
+  for (const Case& c : {Case{32, 8, 64, 5000, 512}, Case{6, 2, 16, 777, 64}, Case{3, 1, 8, 33, 16},
+                        Case{4, 4, 32, 1, 8}}) {
+    SCOPED_TRACE(std::to_string(c.n_heads) + "/" + std::to_string(c.n_kv_heads) + " heads, length " +
+                 std::to_string(c.length));
+    const int64_t kd = c.n_kv_heads * c.head_dim;
+    const int64_t n_blocks = (c.length + c.block_tokens - 1) / c.block_tokens;
+    const std::vector<float> q = random_floats(static_cast<size_t>(c.n_heads * c.head_dim), 5, -2.0f, 2.0f);
+    std::vector<std::vector<float>> blocks;
+    std::vector<const float*> table;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      blocks.push_back(random_floats(static_cast<size_t>(c.block_tokens * kd), static_cast<uint32_t>(100 + b)));
+    }
+    for (int64_t b = n_blocks - 1; b >= 0; --b) table.push_back(blocks[static_cast<size_t>(b)].data());  // out of order
+    std::vector<float> want(static_cast<size_t>(c.n_kv_heads * c.length), -1.0f), got(want.size(), -2.0f);
+    ASSERT_TRUE(ref.retrieval_group_scores(q.data(), table.data(), c.block_tokens, c.length, c.n_heads,
+                                           c.n_kv_heads, c.head_dim, want.data())
+                    .is_ok());
+    ASSERT_TRUE(cpu->retrieval_group_scores(q.data(), table.data(), c.block_tokens, c.length, c.n_heads,
+                                            c.n_kv_heads, c.head_dim, got.data())
+                    .is_ok());
+    int64_t differ = 0;
+    for (size_t i = 0; i < want.size(); ++i) differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0) << "of " << want.size();
+    // Group 0's scores are the maximum of softmax rows over its heads: they sum to at least 1.
+    double sum0 = 0.0;
+    for (int64_t t = 0; t < c.length; ++t) sum0 += got[static_cast<size_t>(t)];
+    EXPECT_GE(sum0, 1.0 - 1e-4);
+  }
+}
+
 // CpuBackend::select_top_tokens (the KV heads spread over the threads, scores read in place)
 // selects what the host default (ReferenceBackend keeps Backend's) selects, head by head: scores
 // with many ties (ties prefer the older token), budgets below, near and above the length, sinks

@@ -50,9 +50,9 @@ std::shared_ptr<Backend> backend_named(const std::string& name) {
   return std::shared_ptr<Backend>(std::move(*b));
 }
 
-class SpeContextBatch : public ::testing::TestWithParam<std::string> {};
+class EngineSparseBatch : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(SpeContextBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
+TEST_P(EngineSparseBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
   auto model = testing::toy_model(2);
   auto head = make_random_head(model->config, 9);
   ASSERT_TRUE(head.is_ok());
@@ -152,7 +152,7 @@ TEST_P(SpeContextBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
   EXPECT_FALSE(same_selection(last[1], last[2]));
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, SpeContextBatch, ::testing::Values("cpu", "reference"));
+INSTANTIATE_TEST_SUITE_P(Backends, EngineSparseBatch, ::testing::Values("cpu", "reference"));
 
 }  // namespace
 }  // namespace specontext

@@ -34,8 +34,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -43,6 +41,7 @@
 #include <vector>
 
 #include "bench/lib/membw.h"
+#include "bench/lib/report.h"
 #include "core/base/dtype.h"
 #include "core/model/synthetic.h"
 #include "core/ports/backend.h"
@@ -442,17 +441,6 @@ int main(int argc, char** argv) {
                         {"note", "random head, keys and KV: measures speed, not quality; seconds are medians per step"},
                         {"batches", batch_info},
                         {"results", results}};
-  std::filesystem::path p(out);
-  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
-  std::ofstream(out) << doc.dump(2) << "\n";
-  std::fprintf(stderr, "wrote %s\n", out.c_str());
-  if (plot) {
-    const std::string script = std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_sparse_phases.py";
-    const std::string cmd = "/usr/bin/python3 '" + script + "' '" + out + "'";
-    if (std::system(cmd.c_str()) != 0) {
-      std::fprintf(stderr, "error: plotting failed (%s)\n", cmd.c_str());
-      return 1;
-    }
-  }
+  bench::write_report(doc, out, plot, std::string(SPECONTEXT_SOURCE_DIR) + "/bench/plot_sparse_phases.py");
   return 0;
 }

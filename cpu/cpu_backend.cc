@@ -1471,20 +1471,9 @@ Status CpuBackend::retrieval_group_scores(const float* q, const float* const* k_
     s.parallel(length, grain, [&](int64_t t0, int64_t t1) {
       head_logits(q, k_blocks, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim, lg);
     });
-    // The softmax of each head's row, the heads spread over the threads (each row's max, exp,
-    // sum and scaling whole on one thread: the sum runs in token order, as softmax_rows does, so
-    // the bits are those of the host default).
-    s.parallel(n_heads, 1, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h) {
-        float* row = lg + h * length;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < length; ++t) mx = std::max(mx, row[t]);
-        double sum = 0.0;
-        for (int64_t t = 0; t < length; ++t) sum += (row[t] = std::exp(row[t] - mx));
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t t = 0; t < length; ++t) row[t] *= inv;
-      }
-    });
+    // The softmax of each head's row, the heads spread over the threads (each row whole on one
+    // thread, by the host default's softmax_rows: the same bits).
+    s.parallel(n_heads, 1, [&](int64_t h0, int64_t h1) { softmax_rows(lg + h0 * length, h1 - h0, length); });
     s.parallel(length, 1 << 12, [&](int64_t t0, int64_t t1) {
       group_max(lg, t0, t1, length, n_heads, n_kv_heads, out);
     });

@@ -1,15 +1,26 @@
-// Logits of one sequence through an Engine, for tests that compare two engines (a quantized model
-// against its dequantised f32 load): every position of a prompt, then one decode step per id.
+// Helpers of the tests that compare a quantized model kept as stored with its dequantised f32 load:
+// the model loaded either way, and one sequence's logits through an Engine (every position of a
+// prompt, then one decode step per id).
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/engine/engine.h"
+#include "core/model/model_loader.h"
 
 namespace specontext::testing {
+
+// The model at `path`, its ggml blocks kept as stored (keep) or dequantised on load; null on error.
+inline std::shared_ptr<const Model> load_kept_or_dequantised(const std::string& path, bool keep) {
+  auto m = load_model(path, LoadOptions{.keep_quantized = keep});
+  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+  return m.is_ok() ? std::shared_ptr<const Model>(*m) : nullptr;
+}
 
 struct PromptLogits {
   std::vector<float> prefill;  // [prompt, vocab]

@@ -64,12 +64,6 @@ std::string write_file(DType t, bool tied = true) {
   return path;
 }
 
-std::shared_ptr<const Model> load(const std::string& path, bool keep) {
-  auto m = load_model(path, LoadOptions{.keep_quantized = keep});
-  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
-  return m.is_ok() ? std::shared_ptr<const Model>(*m) : nullptr;
-}
-
 size_t file_size(const std::string& path) {
   struct stat st {};
   EXPECT_EQ(::stat(path.c_str(), &st), 0);
@@ -97,8 +91,8 @@ TEST(QuantizedModel, KeptMatricesAreViewsOfTheFileAndDecodeToTheDequantisedLoad)
   for (DType t : kBlockTypes) {
     SCOPED_TRACE(std::string(dtype_name(t)));
     const std::string path = write_file(t);
-    auto kept = load(path, true);
-    auto plain = load(path, false);
+    auto kept = testing::load_kept_or_dequantised(path, true);
+    auto plain = testing::load_kept_or_dequantised(path, false);
     ASSERT_TRUE(kept && plain);
     EXPECT_TRUE(kept->validate().is_ok());
     const auto km = kept->matrices();
@@ -137,8 +131,8 @@ TEST(QuantizedModel, EngineOnTheCpuBackendMatchesTheDequantisedF32Model) {
     SCOPED_TRACE(std::string(dtype_name(t)));
     const std::string path = write_file(t);
     auto backend = cpu_backend();
-    auto kept = make_engine(load(path, true), backend);
-    auto plain = make_engine(load(path, false), backend);
+    auto kept = make_engine(testing::load_kept_or_dequantised(path, true), backend);
+    auto plain = make_engine(testing::load_kept_or_dequantised(path, false), backend);
     ASSERT_TRUE(kept && plain);
     // The engine computes with the blocks as stored: Backend::supports says the CPU runs them.
     EXPECT_EQ(kept->model().held_types(), (std::map<DType, int64_t>{{t, 15}}));
@@ -159,7 +153,7 @@ TEST(QuantizedModel, EngineOnTheCpuBackendMatchesTheDequantisedF32Model) {
 
 TEST(QuantizedModel, UntiedLmHeadIsKeptToo) {
   const std::string path = write_file(DType::kQ4_K, /*tied=*/false);
-  auto kept = load(path, true);
+  auto kept = testing::load_kept_or_dequantised(path, true);
   ASSERT_TRUE(kept);
   EXPECT_NE(kept->lm_head.data, kept->tok_embeddings.data);
   EXPECT_EQ(kept->lm_head.dtype, DType::kQ4_K);
@@ -168,8 +162,8 @@ TEST(QuantizedModel, UntiedLmHeadIsKeptToo) {
 
 TEST(QuantizedModel, BackendsThatCannotRunBlocksGetDequantisedMatrices) {
   const std::string path = write_file(DType::kQ4_K);
-  auto kept = load(path, true);
-  auto plain = load(path, false);
+  auto kept = testing::load_kept_or_dequantised(path, true);
+  auto plain = testing::load_kept_or_dequantised(path, false);
   ASSERT_TRUE(kept && plain);
   // The capability query decides, not the backend's name.
   cpu::ReferenceBackend reference;
@@ -205,8 +199,8 @@ TEST(QuantizedModel, BackendsThatCannotRunBlocksGetDequantisedMatrices) {
 
 TEST(QuantizedModel, TensorParallelShardsHoldDequantisedMatrices) {
   const std::string path = write_file(DType::kQ8_0);
-  auto kept = load(path, true);
-  auto plain = load(path, false);
+  auto kept = testing::load_kept_or_dequantised(path, true);
+  auto plain = testing::load_kept_or_dequantised(path, false);
   ASSERT_TRUE(kept && plain);
   for (int rank = 0; rank < 2; ++rank) {
     auto a = shard_model(kept, rank, 2);

@@ -97,12 +97,6 @@ std::string write_mix(GgufMix mix, int64_t layers, bool tied) {
   return path;
 }
 
-std::shared_ptr<const Model> load(const std::string& path, bool keep) {
-  auto m = load_model(path, LoadOptions{.keep_quantized = keep});
-  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
-  return m.is_ok() ? std::shared_ptr<const Model>(*m) : nullptr;
-}
-
 TEST(RandomGgufMix, FileHoldsEachTensorOfItsTypeAndSaysItsFileType) {
   for (GgufMix mix : {GgufMix::kQ4_K_M, GgufMix::kQ5_K_M}) {
     for (bool tied : {true, false}) {
@@ -131,8 +125,8 @@ TEST(RandomGgufMix, FileHoldsEachTensorOfItsTypeAndSaysItsFileType) {
       // 4 layers: attn_v and ffn_down of layers 2 and 3, and the output (tied: the embedding).
       EXPECT_EQ(want, (std::map<DType, int64_t>{{base, tied ? 24 : 25}, {DType::kQ6_K, 5}}));
       // The loader keeps each matrix as stored and reports the mix.
-      auto kept = load(path, true);
-      auto plain = load(path, false);
+      auto kept = testing::load_kept_or_dequantised(path, true);
+      auto plain = testing::load_kept_or_dequantised(path, false);
       ASSERT_TRUE(kept && plain);
       EXPECT_TRUE(kept->validate().is_ok());
       EXPECT_EQ(kept->held_types(), want);
@@ -184,8 +178,8 @@ TEST(RandomGgufMix, EngineDecodesTheMixLikeTheDequantisedF32Model) {
     EngineOptions eo;
     eo.max_sequences = 1;
     eo.page_size = 16;
-    auto kept = Engine::create(load(path, true), backend, eo);
-    auto plain = Engine::create(load(path, false), backend, eo);
+    auto kept = Engine::create(testing::load_kept_or_dequantised(path, true), backend, eo);
+    auto plain = Engine::create(testing::load_kept_or_dequantised(path, false), backend, eo);
     ASSERT_TRUE(kept.is_ok() && plain.is_ok());
     const DType base = mix == GgufMix::kQ4_K_M ? DType::kQ4_K : DType::kQ5_K;
     // The engine runs the blocks as stored: 12 base matrices, attn_v + ffn_down of layer 1 and

@@ -49,10 +49,17 @@ Result<std::unique_ptr<RemotePrefixStore>> RemotePrefixStore::create(RemotePrefi
                                                        store->staging_.size()));
   SPX_RETURN_IF_ERROR(store->transport_->register_tier(kRegion, MemoryKind::kRemote, nullptr, o.bytes));
   store->allocator_ = RegionAllocator(o.bytes);
+  store->alive_.assign(o.replicas.size(), true);
+  store->counts_.replicas = store->counts_.live = static_cast<int64_t>(o.replicas.size());
   return store;
 }
 
 Status RemotePrefixStore::move(bool to_remote, uint64_t offset, uint64_t bytes) {
+  // Whatever way it ends (a refused prepare too: a replica may have died in UCX progress since).
+  struct Look {
+    RemotePrefixStore* store;
+    ~Look() { store->look_at_replicas(); }
+  } look{this};
   const TransferRequest request = to_remote ? TransferRequest{kStaging, 0, kRegion, offset, bytes}
                                             : TransferRequest{kRegion, offset, kStaging, 0, bytes};
   SPX_ASSIGN_OR_RETURN(TransferHandle handle, transport_->prepare({request}));
@@ -73,6 +80,24 @@ Status RemotePrefixStore::move(bool to_remote, uint64_t offset, uint64_t bytes) 
     return unavailable(name_ + ": a transfer of " + std::to_string(bytes) + " bytes did not finish in time");
   }
   return st.is_ok() ? st : st.with_context(name_);
+}
+
+void RemotePrefixStore::look_at_replicas() {
+  TierReplicas now;
+  now.tier = kRegion.value();
+  now.name = "prefix offload (--prefix-offload-remote)";
+  now.replicas = transport_->replicas();
+  now.lost_note = "the prefixes offloaded there are dropped and their prompts computed";
+  counts_.live = 0;
+  for (size_t i = 0; i < now.replicas.size() && i < alive_.size(); ++i) {
+    if (alive_[i] && !now.replicas[i].alive) ++counts_.deaths;
+    alive_[i] = now.replicas[i].alive;
+    counts_.live += alive_[i] ? 1 : 0;
+  }
+  const std::vector<std::string> lines = events_.update({now});
+  if (options_.on_event) {
+    for (const std::string& line : lines) options_.on_event(line);
+  }
 }
 
 Result<uint64_t> RemotePrefixStore::put(std::span<const std::byte> blob) {

@@ -9,11 +9,17 @@
 // every put and get is kUnavailable naming the nodes, and the scheduler computes the prompts.
 // Every transfer is bounded by `timeout` (never a hang on a silent node).
 //
+// A replica found dead by a transfer (and the loss of the last one) is told to `on_event` as one
+// line naming the node, in cluster/replica_events.h's words ("kv-node: tier prefix offload
+// (--prefix-offload-remote): replica 0 on HOST:PORT is dead (why); reads fail over, ..."), and
+// counted in replica_counts() (serve's /metrics).
+//
 // Not synchronized (PrefixBlobStore): the scheduler's thread alone uses it.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,6 +27,7 @@
 
 #include "cluster/control_protocol.h"
 #include "cluster/kv_node_client.h"
+#include "cluster/replica_events.h"
 #include "core/base/region_allocator.h"
 #include "core/ports/prefix_blob_store.h"
 #include "transport/ucx_transport.h"
@@ -36,6 +43,9 @@ struct RemotePrefixStoreOptions {
   KvNodeAccess access;  // secret and TLS for the nodes (cluster/kv_node_client.h)
   transport::UcxTransferMode mode = transport::UcxTransferMode::kNodeGather;
   uint64_t staging_bytes = uint64_t{8} << 20;  // host bytes moved per transfer
+  // Fail-over and loss lines (ReplicaEventLog), on the caller's thread after the transfer that
+  // found them; null: none (replica_counts() counts them still).
+  std::function<void(const std::string&)> on_event;
 };
 
 class RemotePrefixStore final : public PrefixBlobStore {
@@ -56,11 +66,14 @@ class RemotePrefixStore final : public PrefixBlobStore {
   size_t blobs() const { return sizes_.size(); }
   uint64_t used_bytes() const { return allocator_.used_bytes(); }
   std::vector<transport::ReplicaReport> replicas() const { return transport_->replicas(); }
+  ReplicaCounts replica_counts() const override { return counts_; }
 
  private:
   explicit RemotePrefixStore(RemotePrefixStoreOptions options);
   // Copies `bytes` between the staging buffer and the region at `offset`, one transfer.
   Status move(bool to_remote, uint64_t offset, uint64_t bytes);
+  // After a transfer: counts the replicas it found dead and tells on_event.
+  void look_at_replicas();
 
   RemotePrefixStoreOptions options_;
   std::string name_;
@@ -71,6 +84,9 @@ class RemotePrefixStore final : public PrefixBlobStore {
   std::unique_ptr<transport::UcxRemoteTransport> transport_;
   RegionAllocator allocator_;
   std::map<uint64_t, uint64_t> sizes_;  // key (offset in the region) → blob bytes
+  ReplicaEventLog events_;
+  std::vector<bool> alive_;  // per replica, as last seen
+  ReplicaCounts counts_;
 };
 
 }  // namespace specontext::cluster

@@ -67,7 +67,8 @@ std::vector<std::string> ReplicaEventLog::update(const std::vector<TierReplicas>
     } else if (!now.empty() && (!died.empty() || !reported_lost_[t.tier])) {
       std::string dead;
       for (const auto& r : now) dead += (dead.empty() ? "" : "; ") + r.node + ": " + why(r);
-      lines.push_back(tier + " lost: no replica alive (" + dead + ")");
+      lines.push_back(tier + " lost: no replica alive (" + dead + ")" +
+                      (t.lost_note.empty() ? "" : "; " + t.lost_note));
       reported_lost_[t.tier] = true;
     }
     before = now;

@@ -4,7 +4,9 @@
 // replica alive: every node named with why it was declared dead). The one place these events are
 // rendered: `specontext generate` in text mode and `specontext serve` print its lines to stderr
 // between steps and at the end (runtime/tier_setup.h, print_kv_node_events); `generate --json`
-// reports the same state as tiering.kv_nodes instead.
+// reports the same state as tiering.kv_nodes instead. The `--prefix-offload-remote` store's
+// replicas too (cluster/remote_prefix_store.h: after each transfer, lines to stderr in generate
+// and serve, JSON mode included).
 //
 // It compares snapshots (UcxRemoteTransport::replicas()), so it needs no hook inside the
 // transport, whose failures are noticed inside UCX progress with its lock held.
@@ -26,6 +28,7 @@ struct TierReplicas {
   int32_t tier = -1;  // the engine's tier id
   std::string name;   // the engine's name for it ("remote0")
   std::vector<transport::ReplicaReport> replicas;
+  std::string lost_note = {};  // appended to its loss line: what happens next ("" for none)
 };
 
 class ReplicaEventLog {

@@ -81,6 +81,10 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
                                                                    a.tiers.kv_client_id));
     o.mode = a.tiers.kv_node_mode == "rma" ? transport::UcxTransferMode::kRma
                                            : transport::UcxTransferMode::kNodeGather;
+    o.on_event = [](const std::string& line) {  // fail-over and loss lines, as the KV tiers' (tier_setup.h)
+      std::fprintf(stderr, "%s\n", line.c_str());
+      std::fflush(stderr);
+    };
     auto store = cluster::RemotePrefixStore::create(std::move(o));
     if (!store.is_ok()) return store.status().with_context(flag + " " + a.prefix_remote);
     g.prefix_blob_store = std::move(store).value();

@@ -154,6 +154,7 @@ class PrefixStore {
   uint64_t offloaded_bytes() const { return host_bytes_; }
   size_t prefixes_on_disk() const { return stored_.size() - offloaded_prefixes(); }
   uint64_t disk_bytes() const { return lower_bytes_; }
+  const PrefixBlobStore* blob_store() const { return options_.blob_store.get(); }  // null: none
   // Where the files go (made at the first one, or by open_disk); empty before.
   const std::string& prefix_disk_directory() const { return disk_dir_; }
   // Why the last file or blob failed to be written or read back; empty when none has.

@@ -30,6 +30,15 @@ class PrefixBlobStore {
   [[nodiscard]] virtual Result<std::vector<std::byte>> get(uint64_t key) = 0;
   // Frees `key`'s bytes. Never fails; an unknown key is ignored.
   virtual void remove(uint64_t key) = 0;
+
+  // A store mirrored on KV nodes: its replicas, those alive as last seen (a transfer finds a dead
+  // one), and those found dead since it started (none is brought back). All 0 for other stores.
+  struct ReplicaCounts {
+    int64_t replicas = 0;
+    int64_t live = 0;
+    int64_t deaths = 0;
+  };
+  virtual ReplicaCounts replica_counts() const { return {}; }
 };
 
 }  // namespace specontext

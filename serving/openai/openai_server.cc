@@ -469,6 +469,11 @@ void OpenAiServer::Impl::publish(const Scheduler& scheduler) {
   p.offloaded_bytes = static_cast<int64_t>(store.offloaded_bytes());
   p.prefixes_on_disk = static_cast<int64_t>(store.prefixes_on_disk());
   p.prefix_disk_bytes = static_cast<int64_t>(store.disk_bytes());
+  if (const PrefixBlobStore* blobs = store.blob_store()) {
+    const PrefixBlobStore::ReplicaCounts r = blobs->replica_counts();
+    p.prefix_remote_replicas_live = r.live;
+    p.prefix_remote_replica_deaths = r.deaths;
+  }
   p.kv_bytes_in_use = engine.memory().kv_bytes_in_use();
   p.waiting = static_cast<int64_t>(scheduler.waiting());
   p.running = static_cast<int64_t>(scheduler.running());

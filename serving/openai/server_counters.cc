@@ -91,6 +91,13 @@ constexpr CounterSpec kSpecs[] = {
      &ServerCounters::prefixes_on_disk, nullptr},
     {"prefix_disk_bytes", nullptr, "specontext_prefix_disk_bytes", "gauge",
      "disk space the prefix files take", &ServerCounters::prefix_disk_bytes, nullptr},
+    {"prefix_remote_replicas_live", nullptr, "specontext_prefix_remote_replicas_live", "gauge",
+     "KV node replicas of the prefix offload store's remote level (--prefix-offload-remote) alive as last "
+     "seen (0 with all dead: its prefixes are computed)",
+     &ServerCounters::prefix_remote_replicas_live, nullptr},
+    {"prefix_remote_replica_deaths", nullptr, "specontext_prefix_remote_replica_deaths_total", "counter",
+     "KV node replicas of --prefix-offload-remote found dead (each named on stderr)",
+     &ServerCounters::prefix_remote_replica_deaths, nullptr},
     {"prefix_shared_hits", "prefix_shared_hits", "specontext_prefix_store_hits_total", "counter",
      "prompts whose longest stored prefix was read back from the shared prefix store",
      &ServerCounters::prefix_shared_hits, &GenerationStats::prefix_shared_hits},

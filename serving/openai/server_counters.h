@@ -45,6 +45,10 @@ struct ServerCounters {
   int64_t prefix_disk_errors = 0;
   int64_t prefixes_on_disk = 0;
   int64_t prefix_disk_bytes = 0;
+  // Its lower level on mirrored KV nodes (`--prefix-offload-remote`, PrefixBlobStore::
+  // replica_counts): replicas alive as last seen (now), and replicas found dead.
+  int64_t prefix_remote_replicas_live = 0;
+  int64_t prefix_remote_replica_deaths = 0;
   // The shared prefix store (GeneratorOptions::prefix_shared_store, `--prefix-store`): prompts read
   // back from it, lookups that found none, prompts written, bytes each way, and failed operations
   // (an unreachable store: the prompt is computed).

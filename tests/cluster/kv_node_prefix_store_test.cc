@@ -32,8 +32,10 @@ std::unique_ptr<KvNode> start_node(uint64_t capacity) {
 }
 
 std::unique_ptr<RemotePrefixStore> make_store(const std::vector<KvNode*>& nodes, uint64_t bytes,
-                                              uint64_t staging = uint64_t{8} << 20) {
+                                              uint64_t staging = uint64_t{8} << 20,
+                                              std::vector<std::string>* events = nullptr) {
   RemotePrefixStoreOptions o;
+  if (events != nullptr) o.on_event = [events](const std::string& line) { events->push_back(line); };
   for (KvNode* n : nodes) o.replicas.push_back(Endpoint{"127.0.0.1", n->port()});
   o.bytes = bytes;
   o.staging_bytes = staging;
@@ -85,21 +87,48 @@ TEST(RemotePrefixStore, AMirroredStoreReadsFromTheSurvivorAndFailsCleanlyWhenNon
   auto a = start_node(1 << 20);
   auto b = start_node(1 << 20);
   ASSERT_TRUE(a && b);
-  auto store = make_store({a.get(), b.get()}, 128 << 10, 8192);
+  std::vector<std::string> events;
+  auto store = make_store({a.get(), b.get()}, 128 << 10, 8192, &events);
   ASSERT_TRUE(store);
+  const std::string node_a = "127.0.0.1:" + std::to_string(a->port());
+  const std::string node_b = "127.0.0.1:" + std::to_string(b->port());
   const auto blob = random_blob(30000, 5);
   auto key = store->put(blob);
   ASSERT_TRUE(key.is_ok()) << key.status().to_string();
+  EXPECT_EQ(store->replica_counts().replicas, 2);
+  EXPECT_EQ(store->replica_counts().live, 2);
+  EXPECT_TRUE(events.empty());
   a->stop();
   auto back = store->get(*key);
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(*back, blob);
+  // The death is told once, naming the node and where the level goes on, and counted.
+  ASSERT_TRUE(store->put(blob).is_ok());
+  EXPECT_EQ(store->replica_counts().live, 1);
+  EXPECT_EQ(store->replica_counts().deaths, 1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].rfind("kv-node: tier prefix offload (--prefix-offload-remote): replica 0 on " + node_a +
+                                " is dead (",
+                            0),
+            0u)
+      << events[0];
+  EXPECT_NE(events[0].find("the tier goes on on " + node_b), std::string::npos) << events[0];
   b->stop();
   const auto t0 = std::chrono::steady_clock::now();
   auto lost = store->get(*key);
   EXPECT_EQ(lost.status().code(), StatusCode::kUnavailable) << lost.status().to_string();
   EXPECT_EQ(store->put(blob).status().code(), StatusCode::kUnavailable);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s) << "bounded by the timeout, no hang";
+  EXPECT_EQ(store->replica_counts().live, 0);
+  EXPECT_EQ(store->replica_counts().deaths, 2);
+  ASSERT_EQ(events.size(), 2u);  // one loss line, not one per failed transfer
+  EXPECT_EQ(events[1].rfind("kv-node: tier prefix offload (--prefix-offload-remote) lost: no replica alive (" +
+                                node_a + ": ",
+                            0),
+            0u)
+      << events[1];
+  EXPECT_NE(events[1].find("; " + node_b + ": "), std::string::npos) << events[1];
+  EXPECT_NE(events[1].find("their prompts computed"), std::string::npos) << events[1];
 }
 
 TEST(RemotePrefixStore, CreateNamesWhatIsWrong) {

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <array>
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,6 +32,7 @@
 
 #include "cluster/kv_node_client.h"
 #include "tests/cluster/kv_node_tls_util.h"
+#include "tests/serving/serve_process.h"
 #include "tests/tests_common.h"
 
 namespace specontext::cluster {
@@ -880,6 +883,109 @@ TEST(KvNodeProcess, SwappedOutRequestsGoToTheNodeAndComeBack) {
     EXPECT_EQ(d["errors"].get<int64_t>(), 0) << d.dump();
   }
   EXPECT_EQ(node.regions(), 0) << "the clients' regions were freed";
+}
+
+// `serve --prefix-offload-remote` on a mirrored pair: prefixes evicted from the cache go to the
+// nodes. SIGKILL of one node: the answers stay those given before, stderr names the dead node and
+// where the level goes on, /metrics counts it; SIGKILL of the other: the level is lost (stderr
+// names both nodes), prompts are computed, the answers stay the same. Polled with generous bounds.
+namespace http = boost::beast::http;
+
+std::string http_call(uint16_t port, http::verb verb, const std::string& target, const std::string& body) {
+  boost::asio::io_context ioc;
+  boost::asio::ip::tcp::socket s(ioc);
+  s.connect({boost::asio::ip::make_address("127.0.0.1"), port});
+  http::request<http::string_body> req{verb, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  if (verb == http::verb::post) {
+    req.set(http::field::content_type, "application/json");
+    req.body() = body;
+    req.prepare_payload();
+  }
+  http::write(s, req);
+  boost::beast::flat_buffer buf;
+  http::response<http::string_body> res;
+  http::read(s, buf, res);
+  return res.body();
+}
+
+// A /metrics value; -1 when the metric is not there.
+int64_t metric(uint16_t port, const std::string& name) {
+  const std::string m = http_call(port, http::verb::get, "/metrics", "");
+  const size_t at = m.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stoll(m.substr(at + name.size() + 2));
+}
+
+TEST(KvNodeProcess, ServeNamesTheDeadNodesOfItsRemotePrefixLevelAndCountsThem) {
+  NodeProcess a("16MiB"), b("16MiB");
+  ASSERT_NE(a.port(), 0);
+  ASSERT_NE(b.port(), 0);
+  specontext::testing::ServeProcess server(
+      {"-m", repo_path("models/stories260K/stories260K.bin"), "--listen", "127.0.0.1:0", "--sparse", "dense",
+       "--max-batch", "1", "--prefix-cache-slots", "1", "--kv-node-timeout-ms", "4000",
+       "--prefix-offload-remote", "8MiB@" + a.endpoint() + "+" + b.endpoint()});
+  ASSERT_NE(server.port(), 0) << server.first_line();
+  const uint16_t port = server.port();
+  const std::vector<std::string> prompts = {"Once upon a time there was a cat", "Once upon a time there was a dog",
+                                            "Once upon a time there was a boy", "Once upon a time there was a girl"};
+  auto ask = [&](const std::string& prompt) {
+    const nlohmann::json body = {{"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0}};
+    const auto j = nlohmann::json::parse(http_call(port, http::verb::post, "/v1/completions", body.dump()),
+                                         nullptr, false);
+    const bool ok = j.is_object() && j.contains("choices") && !j["choices"].empty();
+    EXPECT_TRUE(ok) << j.dump();
+    return ok ? j["choices"][0].value("text", std::string()) : std::string();
+  };
+  std::vector<std::string> answers;
+  for (const std::string& p : prompts) answers.push_back(ask(p));
+  for (int round = 0; round < 8 && metric(port, "specontext_prefix_disk_writes_total") < 1; ++round) {
+    ask(prompts[round % prompts.size()]);
+  }
+  ASSERT_GE(metric(port, "specontext_prefix_disk_writes_total"), 1) << "no prefix reached the nodes";
+  ASSERT_EQ(metric(port, "specontext_prefix_remote_replicas_live"), 2);
+  ASSERT_EQ(metric(port, "specontext_prefix_remote_replica_deaths_total"), 0);
+
+  // Requests until a transfer finds the dead node (writes go to both, reads to one): the answers
+  // stay those of before. The deadline is a safety net, not a timing assertion.
+  auto ask_until_deaths = [&](int64_t deaths) {
+    const auto deadline = std::chrono::steady_clock::now() + 300s;
+    for (size_t i = 0; metric(port, "specontext_prefix_remote_replica_deaths_total") < deaths &&
+                       std::chrono::steady_clock::now() < deadline;
+         ++i) {
+      const size_t k = i % prompts.size();
+      EXPECT_EQ(ask(prompts[k]), answers[k]) << prompts[k];
+      // A new prompt too, so that an eviction writes to the nodes.
+      ask(prompts[k] + " number " + std::to_string(deaths * 1000 + static_cast<int64_t>(i)));
+    }
+    for (size_t k = 0; k < prompts.size(); ++k) EXPECT_EQ(ask(prompts[k]), answers[k]) << prompts[k];
+  };
+  a.kill_now();
+  ask_until_deaths(1);
+  EXPECT_EQ(metric(port, "specontext_prefix_remote_replica_deaths_total"), 1);
+  EXPECT_EQ(metric(port, "specontext_prefix_remote_replicas_live"), 1);
+  b.kill_now();
+  ask_until_deaths(2);
+  EXPECT_EQ(metric(port, "specontext_prefix_remote_replica_deaths_total"), 2);
+  EXPECT_EQ(metric(port, "specontext_prefix_remote_replicas_live"), 0);
+
+  const auto e = server.wait(SIGTERM);
+  EXPECT_EQ(e.code, 0) << e.err;
+  const std::string level = "kv-node: tier prefix offload (--prefix-offload-remote)";
+  EXPECT_NE(e.err.find(level + ": replica 0 on " + a.endpoint() + " is dead ("), std::string::npos) << e.err;
+  EXPECT_NE(e.err.find("reads fail over, the tier goes on on " + b.endpoint()), std::string::npos) << e.err;
+  const size_t lost = e.err.find(level + " lost: no replica alive (" + a.endpoint() + ": ");
+  ASSERT_NE(lost, std::string::npos) << e.err;
+  const std::string lost_line = e.err.substr(lost, e.err.find('\n', lost) - lost);
+  EXPECT_NE(lost_line.find("; " + b.endpoint() + ": "), std::string::npos) << lost_line;
+  EXPECT_NE(lost_line.find("their prompts computed"), std::string::npos) << lost_line;
+  // One line per event, not one per transfer that meets the dead nodes.
+  const auto count = [&](const std::string& what) {
+    size_t n = 0;
+    for (size_t at = e.err.find(what); at != std::string::npos; at = e.err.find(what, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count(level + ": replica "), 1u) << e.err;
+  EXPECT_EQ(count(level + " lost: "), 1u) << e.err;
 }
 
 TEST(KvNodeProcess, BadSpecsAndUnreachableNodesAreNamed) {

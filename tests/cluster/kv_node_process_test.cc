@@ -32,6 +32,7 @@
 
 #include "cluster/kv_node_client.h"
 #include "tests/cluster/kv_node_tls_util.h"
+#include "tests/serving/http_call.h"
 #include "tests/serving/serve_process.h"
 #include "tests/tests_common.h"
 
@@ -892,21 +893,7 @@ TEST(KvNodeProcess, SwappedOutRequestsGoToTheNodeAndComeBack) {
 namespace http = boost::beast::http;
 
 std::string http_call(uint16_t port, http::verb verb, const std::string& target, const std::string& body) {
-  boost::asio::io_context ioc;
-  boost::asio::ip::tcp::socket s(ioc);
-  s.connect({boost::asio::ip::make_address("127.0.0.1"), port});
-  http::request<http::string_body> req{verb, target, 11};
-  req.set(http::field::host, "127.0.0.1");
-  if (verb == http::verb::post) {
-    req.set(http::field::content_type, "application/json");
-    req.body() = body;
-    req.prepare_payload();
-  }
-  http::write(s, req);
-  boost::beast::flat_buffer buf;
-  http::response<http::string_body> res;
-  http::read(s, buf, res);
-  return res.body();
+  return specontext::testing::http_call(port, verb, target, body).second;
 }
 
 // A /metrics value; -1 when the metric is not there.

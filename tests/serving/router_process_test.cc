@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/serving/http_call.h"
 #include "tests/serving/serve_process.h"
 #include "tests/tests_common.h"
 
@@ -26,21 +27,6 @@ using json = nlohmann::json;
 using specontext::testing::repo_path;
 
 using Process = specontext::testing::SpecontextProcess;
-
-std::pair<int, std::string> request(uint16_t port, http::verb verb, const std::string& target, const std::string& body) {
-  asio::io_context ioc;
-  asio::ip::tcp::socket s(ioc);
-  s.connect({asio::ip::make_address("127.0.0.1"), port});
-  http::request<http::string_body> req{verb, target, 11};
-  req.set(http::field::host, "127.0.0.1");
-  req.body() = body;
-  req.prepare_payload();
-  http::write(s, req);
-  boost::beast::flat_buffer buf;
-  http::response<http::string_body> res;
-  http::read(s, buf, res);
-  return {static_cast<int>(res.result_int()), res.body()};
-}
 
 Process serve() {
   return Process({"serve", "-m", repo_path("models/stories260K/stories260K.bin"), "--served-model-name", "stories",
@@ -62,21 +48,21 @@ TEST(RouterProcess, RoutesToServeProcessesAndKeepsAnsweringWhenOneIsKilled) {
   EXPECT_EQ(listening["replicas"].size(), 2u);
 
   const std::string body = json{{"prompt", "Once upon a time"}, {"max_tokens", 24}, {"temperature", 0}}.dump();
-  const auto direct = request(a.port(), http::verb::post, "/v1/completions", body);
+  const auto direct = testing::http_call(a.port(), http::verb::post, "/v1/completions", body);
   ASSERT_EQ(direct.first, 200) << direct.second;
   const std::string expected = json::parse(direct.second)["choices"][0]["text"];
   for (int i = 0; i < 2; ++i) {
-    const auto r = request(router.port(), http::verb::post, "/v1/completions", body);
+    const auto r = testing::http_call(router.port(), http::verb::post, "/v1/completions", body);
     ASSERT_EQ(r.first, 200) << r.second;
     EXPECT_EQ(json::parse(r.second)["choices"][0]["text"], expected);
   }
   a.wait(SIGKILL);  // gone without a goodbye
   for (int i = 0; i < 3; ++i) {
-    const auto r = request(router.port(), http::verb::post, "/v1/completions", body);
+    const auto r = testing::http_call(router.port(), http::verb::post, "/v1/completions", body);
     ASSERT_EQ(r.first, 200) << r.second;
     EXPECT_EQ(json::parse(r.second)["choices"][0]["text"], expected);
   }
-  const auto metrics = request(router.port(), http::verb::get, "/metrics", "");
+  const auto metrics = testing::http_call(router.port(), http::verb::get, "/metrics", "");
   EXPECT_NE(metrics.second.find("\nspecontext_router_replicas_up 1\n"), std::string::npos) << metrics.second;
   const Process::Exit e = router.wait(SIGTERM);
   EXPECT_EQ(e.code, 0) << e.err;

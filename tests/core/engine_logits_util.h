@@ -1,5 +1,5 @@
 // Helpers of the tests that compare a quantized model kept as stored with its dequantised f32 load:
-// the model loaded either way, and one sequence's logits through an Engine (every position of a
+// a small model shape for random files, the model loaded either way, and one sequence's logits through an Engine (every position of a
 // prompt, then one decode step per id).
 #pragma once
 
@@ -14,6 +14,23 @@
 #include "core/model/model_loader.h"
 
 namespace specontext::testing {
+
+// A small Llama whose every matrix holds whole 256-element ggml blocks (dim 256, 4 / 2 heads of 64,
+// SwiGLU 512, vocabulary 96), `layers` deep, its output tied to the embedding or not.
+inline ModelConfig small_block_config(int64_t layers, bool tied) {
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  c.dim = 256;
+  c.hidden_dim = 512;
+  c.n_layers = layers;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 96;
+  c.max_seq_len = 256;
+  c.tie_embeddings = tied;
+  return c;
+}
 
 // The model at `path`, its ggml blocks kept as stored (keep) or dequantised on load; null on error.
 inline std::shared_ptr<const Model> load_kept_or_dequantised(const std::string& path, bool keep) {

@@ -41,25 +41,10 @@ namespace {
 
 constexpr DType kBlockTypes[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
 
-ModelConfig small_config(bool tied) {
-  ModelConfig c;
-  c.arch = Architecture::kLlama;
-  c.dim = 256;
-  c.hidden_dim = 512;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 96;
-  c.max_seq_len = 256;
-  c.tie_embeddings = tied;
-  return c;
-}
-
 // A random-weight GGUF of `t` in a fresh directory.
 std::string write_file(DType t, bool tied = true) {
   const std::string path = testing::temp_dir("quantized_model") + "/" + std::string(dtype_name(t)) + ".gguf";
-  const Status s = write_random_gguf(path, small_config(tied), t, 7);
+  const Status s = write_random_gguf(path, testing::small_block_config(2, tied), t, 7);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   return path;
 }
@@ -227,7 +212,7 @@ TEST(QuantizedModel, WithoutKeepQuantizedTheLoadDequantisesAsBefore) {
 }
 
 TEST(QuantizedModel, BlockRowsMustBeWholeBlocks) {
-  ModelConfig c = small_config(true);
+  ModelConfig c = testing::small_block_config(2, true);
   c.dim = 96;  // Q4_K rows are 256-element blocks
   c.n_heads = 2;
   c.n_kv_heads = 1;

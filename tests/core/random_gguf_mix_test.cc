@@ -26,21 +26,6 @@
 namespace specontext {
 namespace {
 
-ModelConfig small_config(int64_t layers, bool tied) {
-  ModelConfig c;
-  c.arch = Architecture::kLlama;
-  c.dim = 256;
-  c.hidden_dim = 512;
-  c.n_layers = layers;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 96;
-  c.max_seq_len = 256;
-  c.tie_embeddings = tied;
-  return c;
-}
-
 const char* const kLayerMatrices[] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
 
 // The layers whose attn_v and ffn_down llama.cpp raises to Q6_K, written out by hand:
@@ -60,7 +45,7 @@ TEST(RandomGgufMix, TensorTypesFollowLlamaCppsRules) {
     for (const auto& [n, more] : kMoreBitsLayers) {
       for (bool tied : {true, false}) {
         SCOPED_TRACE(std::string(gguf_mix_name(mix)) + " layers " + std::to_string(n) + (tied ? " tied" : " untied"));
-        const ModelConfig c = small_config(n, tied);
+        const ModelConfig c = testing::small_block_config(n, tied);
         int64_t raised = 0;
         for (int64_t l = 0; l < n; ++l) {
           EXPECT_EQ(gguf_mix_use_more_bits(l, n), more.count(l) == 1) << "layer " << l;
@@ -92,7 +77,7 @@ TEST(RandomGgufMix, TensorTypesFollowLlamaCppsRules) {
 std::string write_mix(GgufMix mix, int64_t layers, bool tied) {
   const std::string path = testing::temp_dir("random_gguf_mix") + "/" + std::string(gguf_mix_name(mix)) + "_" +
                            std::to_string(layers) + (tied ? "t" : "u") + ".gguf";
-  const Status s = write_random_gguf_mix(path, small_config(layers, tied), mix, 7);
+  const Status s = write_random_gguf_mix(path, testing::small_block_config(layers, tied), mix, 7);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   return path;
 }
@@ -102,7 +87,7 @@ TEST(RandomGgufMix, FileHoldsEachTensorOfItsTypeAndSaysItsFileType) {
     for (bool tied : {true, false}) {
       SCOPED_TRACE(std::string(gguf_mix_name(mix)) + (tied ? " tied" : " untied"));
       const int64_t layers = 4;
-      const ModelConfig c = small_config(layers, tied);
+      const ModelConfig c = testing::small_block_config(layers, tied);
       const std::string path = write_mix(mix, layers, tied);
       // The file itself: general.file_type and every tensor's ggml type.
       auto file = GgufFile::open(path);
@@ -155,7 +140,7 @@ TEST(RandomGgufMix, FileHoldsEachTensorOfItsTypeAndSaysItsFileType) {
 }
 
 TEST(RandomGgufMix, RowsMustBeWholeSuperBlocks) {
-  ModelConfig c = small_config(2, true);
+  ModelConfig c = testing::small_block_config(2, true);
   c.dim = 96;
   c.n_heads = 2;
   c.n_kv_heads = 1;

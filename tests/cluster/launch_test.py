@@ -194,6 +194,9 @@ def test_local(a, tmp):
 def netns_available():
     if os.geteuid() != 0:
         return "not root"
+    import shutil
+    if not shutil.which("ip"):
+        return "no ip command (iproute2)"
     ns = f"spx-probe-{os.getpid()}"
     try:
         r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)

@@ -49,7 +49,6 @@ Result<std::unique_ptr<RemotePrefixStore>> RemotePrefixStore::create(RemotePrefi
                                                        store->staging_.size()));
   SPX_RETURN_IF_ERROR(store->transport_->register_tier(kRegion, MemoryKind::kRemote, nullptr, o.bytes));
   store->allocator_ = RegionAllocator(o.bytes);
-  store->alive_.assign(o.replicas.size(), true);
   store->counts_.replicas = store->counts_.live = static_cast<int64_t>(o.replicas.size());
   return store;
 }
@@ -88,13 +87,9 @@ void RemotePrefixStore::look_at_replicas() {
   now.name = "prefix offload (--prefix-offload-remote)";
   now.replicas = transport_->replicas();
   now.lost_note = "the prefixes offloaded there are dropped and their prompts computed";
-  counts_.live = 0;
-  for (size_t i = 0; i < now.replicas.size() && i < alive_.size(); ++i) {
-    if (alive_[i] && !now.replicas[i].alive) ++counts_.deaths;
-    alive_[i] = now.replicas[i].alive;
-    counts_.live += alive_[i] ? 1 : 0;
-  }
+  counts_.live = std::count_if(now.replicas.begin(), now.replicas.end(), [](const auto& r) { return r.alive; });
   const std::vector<std::string> lines = events_.update({now});
+  counts_.deaths = events_.deaths();
   if (options_.on_event) {
     for (const std::string& line : lines) options_.on_event(line);
   }

@@ -84,9 +84,8 @@ class RemotePrefixStore final : public PrefixBlobStore {
   std::unique_ptr<transport::UcxRemoteTransport> transport_;
   RegionAllocator allocator_;
   std::map<uint64_t, uint64_t> sizes_;  // key (offset in the region) → blob bytes
-  ReplicaEventLog events_;
-  std::vector<bool> alive_;  // per replica, as last seen
-  ReplicaCounts counts_;
+  ReplicaEventLog events_;  // also counts the deaths
+  ReplicaCounts counts_;    // live and deaths as of the last look
 };
 
 }  // namespace specontext::cluster

@@ -52,6 +52,7 @@ std::vector<std::string> ReplicaEventLog::update(const std::vector<TierReplicas>
       }
       if (!n.alive && (b.alive || rejoined)) died.push_back(i);
     }
+    deaths_ += static_cast<int64_t>(died.size());
     std::vector<std::string> live;
     for (const auto& r : now) {
       if (r.alive) live.push_back(r.node);

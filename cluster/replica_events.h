@@ -38,10 +38,14 @@ class ReplicaEventLog {
   // at set-up) is reported too. A replica that rejoined and died again since the last call gives
   // both lines. When no replica is alive, the newly dead give one loss line naming every node.
   std::vector<std::string> update(const std::vector<TierReplicas>& tiers);
+  // Replicas declared dead by update() so far, over every tier (one that rejoined and died again
+  // counts twice).
+  int64_t deaths() const { return deaths_; }
 
  private:
   std::map<int32_t, std::vector<transport::ReplicaReport>> last_;
   std::map<int32_t, bool> reported_lost_;
+  int64_t deaths_ = 0;
 };
 
 }  // namespace specontext::cluster

@@ -61,7 +61,7 @@ TEST(ReplicaEvents, FailOverRejoinAndLossNameTheNodes) {
   EXPECT_TRUE(log.update(tier({replica(c, false, "silent for 5000 ms", 1, 2 << 20),
                                replica(b, false, "peer failure: Endpoint timeout")}))
                   .empty())
-      << "a loss is reported once";
+      << "a loss is reported once";  EXPECT_EQ(log.deaths(), 3) << "a, then c and b";
 }
 
 TEST(ReplicaEvents, DeadAtTheFirstLookAndRejoinedThenDeadAgainAreBothReported) {
@@ -83,7 +83,7 @@ TEST(ReplicaEvents, DeadAtTheFirstLookAndRejoinedThenDeadAgainAreBothReported) {
   lines = log.update({{2, "remote0", {replica("h:1", false, "flush failed: z")}},
                       {3, "remote1", {replica("h:2", true), replica("h:3", false, "rejoin failed: y", 1, 4096)}}});
   ASSERT_EQ(lines.size(), 1u) << joined(lines);
-  EXPECT_EQ(lines[0], "kv-node: tier remote0 lost: no replica alive (h:1: flush failed: z)");
+  EXPECT_EQ(lines[0], "kv-node: tier remote0 lost: no replica alive (h:1: flush failed: z)");  EXPECT_EQ(log.deaths(), 3) << "h:3 at the first look and again after its rejoin, then h:1";
 }
 
 }  // namespace

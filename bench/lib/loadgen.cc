@@ -690,15 +690,6 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
   return out;
 }
 
-uint64_t fnv1a64(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : s) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
-
 Result<json> compare_texts(const json& baseline, const json& run) {
   const auto requests = [](const json& doc, const char* which) -> Result<const json*> {
     if (!doc.is_object() || !doc.contains("requests") || !doc["requests"].is_array()) {

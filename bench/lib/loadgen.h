@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/base/fnv1a.h"
 #include "core/base/status.h"
 
 namespace CLI {
@@ -112,11 +113,8 @@ struct RequestResult {
   bool ok = false;
   std::string error;
   std::string text;          // the answer as streamed (the text events, concatenated)
-  uint64_t prompt_hash = 0;  // fnv1a64 of the prompt sent (its session's history in front)
+  uint64_t prompt_hash = 0;  // fnv1a64 (core/base/fnv1a.h) of the prompt sent (its session's history in front)
 };
-
-// FNV-1a, 64 bits: a stable fingerprint of a prompt for comparing two runs request by request.
-uint64_t fnv1a64(const std::string& s);
 
 // The result record of trace request `index` before it runs: its identity, output length and
 // arrival (arrival_s × time_scale). Shared by the load generator and the simulator.

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/base/fnv1a.h"
 #include "core/engine/engine.h"
 
 namespace specontext {
@@ -11,10 +12,7 @@ namespace {
 
 class Fnv1a {
  public:
-  void add_bytes(const void* data, size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < n; ++i) hash_ = (hash_ ^ p[i]) * 0x100000001b3ULL;
-  }
+  void add_bytes(const void* data, size_t n) { hash_ = fnv1a64(data, n, hash_); }
   template <typename T>
   void add(const T& v) {
     static_assert(std::is_trivially_copyable_v<T>);
@@ -43,7 +41,7 @@ class Fnv1a {
   uint64_t value() const { return hash_; }
 
  private:
-  uint64_t hash_ = 0xcbf29ce484222325ULL;
+  uint64_t hash_ = kFnv1aBasis;
 };
 
 void add_rope_scaling(Fnv1a& h, const RopeScaling& r) {

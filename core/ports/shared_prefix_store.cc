@@ -2,19 +2,17 @@
 
 #include <cstdio>
 
+#include "core/base/fnv1a.h"
+
 namespace specontext {
 namespace {
 
-constexpr uint64_t kFnvBasis = 14695981039346656037ull;
-constexpr uint64_t kFnvPrime = 1099511628211ull;
-
+// The token id's 4 bytes, little-endian whatever the host's order.
 uint64_t add_token(uint64_t h, TokenId t) {
   const auto v = static_cast<uint32_t>(t);
-  for (int byte = 0; byte < 4; ++byte) {
-    h ^= (v >> (8 * byte)) & 0xffu;
-    h *= kFnvPrime;
-  }
-  return h;
+  const unsigned char le[4] = {static_cast<unsigned char>(v), static_cast<unsigned char>(v >> 8),
+                               static_cast<unsigned char>(v >> 16), static_cast<unsigned char>(v >> 24)};
+  return fnv1a64(le, sizeof le, h);
 }
 
 }  // namespace
@@ -27,7 +25,7 @@ std::string PrefixKey::text() const {
 }
 
 PrefixKey prefix_key(uint64_t identity, std::span<const TokenId> tokens) {
-  uint64_t h = kFnvBasis;
+  uint64_t h = kFnv1aBasis;
   for (TokenId t : tokens) h = add_token(h, t);
   return PrefixKey{identity, static_cast<int64_t>(tokens.size()), h};
 }
@@ -35,7 +33,7 @@ PrefixKey prefix_key(uint64_t identity, std::span<const TokenId> tokens) {
 std::vector<PrefixKey> prefix_keys(uint64_t identity, std::span<const TokenId> tokens, int64_t unit, int64_t floor) {
   std::vector<PrefixKey> keys;
   if (unit <= 0) return keys;
-  uint64_t h = kFnvBasis;
+  uint64_t h = kFnv1aBasis;
   for (size_t i = 0; i < tokens.size(); ++i) {
     h = add_token(h, tokens[i]);
     const auto n = static_cast<int64_t>(i + 1);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/base/fnv1a.h"
+
 namespace specontext::router {
 
 std::optional<Policy> parse_policy(std::string_view name) {
@@ -26,11 +28,7 @@ const char* policy_name(Policy p) {
 namespace {
 // FNV-1a over the chunk, seeded with the previous chunk's hash (the chain).
 uint64_t chain_hash(uint64_t seed, std::string_view chunk) {
-  uint64_t h = seed ^ 0xcbf29ce484222325ull;
-  for (unsigned char c : chunk) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
+  uint64_t h = fnv1a64(chunk, seed ^ kFnv1aBasis);
   // A final mix, so that neighbouring chunks' hashes differ in every bit.
   h ^= h >> 33;
   h *= 0xff51afd7ed558ccdull;

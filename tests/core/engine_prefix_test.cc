@@ -4,10 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 
 #include "core/engine/kv_store.h"
+#include "core/engine/prefix_chunk.h"
 #include "tests/core/tier_test_util.h"
 #include "transport/local_transport.h"
 
@@ -239,6 +243,74 @@ TEST_P(ForkSequence, AnExportedPrefixImportedAgainGoesOnAsAForkOfTheSource) {
   ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
 }
 
+// The shared prefix store's chunks (core/engine/prefix_chunk.h): a prefix cut into chunks (the
+// last one shorter), each encoded and parsed back, and joined again is the exported snapshot
+// (head keys up to the prefix's rows: the last block's rest is never read) and, imported into
+// another engine, goes on exactly as a fork of the source does.
+TEST_P(ForkSequence, APrefixCutIntoChunksAndJoinedAgainGoesOnAsAForkOfTheSource) {
+  Engine& e = *engine;
+  Engine& ref = *reference;
+  const std::vector<TokenId> tail = random_tokens(8, 3, vocab());
+  const int64_t prefix = 32;
+  const int64_t unit = e.memory().fork_granularity();
+  const int64_t chunk = unit == 8 ? 24 : 16;  // [0, 24) [24, 32), or [0, 16) [16, 32) under Quest
+  const int64_t head_block =
+      e.sparse_options().method == SparseMethod::kSpeContext ? e.sparse_options().selection.budget : 0;
+  auto source = e.memory().add_sequence();
+  ASSERT_TRUE(source.is_ok());
+  (void)last_logits(e, *source, prompt);
+  auto fork = e.memory().fork_sequence(*source, prefix);
+  ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
+  auto snap = e.memory().export_prefix(*source, prefix);
+  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  const std::span<const TokenId> tokens = std::span<const TokenId>(prompt).first(prefix);
+  std::vector<PrefixChunk> chunks;
+  for (int64_t start = 0; start < prefix; start += chunk) {
+    auto cut = cut_prefix_chunk(tokens, *snap, 77, chunk, start, std::min(start + chunk, prefix), head_block);
+    ASSERT_TRUE(cut.is_ok()) << cut.status().to_string();
+    const std::vector<std::byte> bytes = encode_prefix_chunk(*cut);
+    auto back = parse_prefix_chunk(bytes, "chunk " + std::to_string(start));
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(back->start, start);
+    EXPECT_EQ(back->tokens, std::vector<TokenId>(tokens.begin(), tokens.begin() + back->end()));
+    EXPECT_EQ(encode_prefix_chunk(*back), bytes);
+    chunks.push_back(std::move(*back));
+  }
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(cut_prefix_chunk(tokens, *snap, 77, chunk, 0, chunk / 2 + 1, head_block).status().code(),
+            StatusCode::kInvalidArgument)
+      << "not a whole unit";
+  auto joined = join_prefix_chunks(chunks, head_block);
+  ASSERT_TRUE(joined.is_ok()) << joined.status().to_string();
+  EXPECT_EQ(joined->tokens, prefix);
+  EXPECT_TRUE(joined->kv == snap->kv);
+  EXPECT_EQ(joined->boundary_fused, snap->boundary_fused);
+  EXPECT_EQ(joined->quest_min, snap->quest_min);
+  EXPECT_EQ(joined->quest_max, snap->quest_max);
+  ASSERT_EQ(joined->head_keys.size(), snap->head_keys.size());
+  if (!snap->head_keys.empty()) {
+    const size_t rows = static_cast<size_t>((prefix + head_block - 1) / head_block * head_block);
+    const size_t used = snap->head_keys.size() / rows * static_cast<size_t>(prefix);
+    EXPECT_TRUE(std::equal(joined->head_keys.begin(),
+                           joined->head_keys.begin() + static_cast<std::ptrdiff_t>(used),
+                           snap->head_keys.begin()));
+  }
+  // Out of order, or the second twice: refused.
+  std::vector<PrefixChunk> swapped{chunks[1], chunks[0]};
+  EXPECT_EQ(join_prefix_chunks(swapped, head_block).status().code(), StatusCode::kDataLoss);
+  std::vector<PrefixChunk> twice{chunks[0], chunks[1], chunks[1]};
+  EXPECT_EQ(join_prefix_chunks(twice, head_block).status().code(), StatusCode::kDataLoss);
+  auto there = ref.memory().import_prefix(*joined);
+  ASSERT_TRUE(there.is_ok()) << there.status().to_string();
+  auto same = [&](std::span<const TokenId> t, const std::string& what) {
+    const std::vector<float> want = last_logits(e, *fork, t);
+    ASSERT_FALSE(want.empty());
+    EXPECT_EQ(max_abs_diff(last_logits(ref, *there, t), want), 0.0f) << what;
+  };
+  same(std::span(prompt).subspan(prefix), "the rest of the prompt");
+  for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Methods, ForkSequence,
     ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
@@ -249,6 +321,24 @@ INSTANTIATE_TEST_SUITE_P(
       std::erase_if(name, [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); });
       return name + (info.param.host_layers ? "_host" : "");
     });
+
+// The chunk fuzzer's seeds (tests/fuzz/corpus/fuzz_prefix_chunk) are chunks the parser takes:
+// the fuzzer starts inside the format, not at its magic.
+TEST(PrefixChunk, TheFuzzersSeedsParseAndEncodeBackTheSame) {
+  int seeds = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(testing::repo_path("tests/fuzz/corpus/fuzz_prefix_chunk"))) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto bytes = std::as_bytes(std::span(text.data(), text.size()));
+    auto c = parse_prefix_chunk(bytes, entry.path().string());
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    const std::vector<std::byte> again = encode_prefix_chunk(*c);
+    EXPECT_TRUE(std::equal(again.begin(), again.end(), bytes.begin(), bytes.end())) << entry.path();
+    ++seeds;
+  }
+  EXPECT_GE(seeds, 2);
+}
 
 TEST(ForkSequence, RefusesPrefixesItCannotShare) {
   auto model = testing::toy_model(2);

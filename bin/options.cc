@@ -65,13 +65,15 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
                  "KV node memory for offloaded prefixes instead of disk: SIZE@HOST:PORT[+HOST:PORT...] (a "
                  "`specontext kv-node`; mirrored on each endpoint, reads fail over; --kv-node-timeout-ms and "
                  "--kv-node-mode apply; needs prefix caching)");
-  cmd.add_option("--prefix-store", a.prefix_store,
-                 "a prefix store other servers share: redis://[USER@]HOST:PORT[/DB] (Redis or Valkey, "
-                 "standalone; cluster mode is refused). Each finished prompt's whole pages are written there "
-                 "under a key of the model, KV layout and tokens; a prompt no local cache serves as far reads "
-                 "the longest one found back instead of computing it. The server evicts (run it with "
-                 "maxmemory-policy allkeys-lru); an unreachable store costs the computation only (needs prefix "
-                 "caching)");
+  cmd.add_option(
+      "--prefix-store", a.prefix_store,
+      "a prefix store other servers share: redis://[USER@]HOST:PORT[/DB] (Redis or Valkey, "
+      "standalone; cluster mode is refused). Each finished prompt's whole pages are written there "
+      "in chunks (--prefix-store-chunk), each under a key of the model, KV layout and tokens, the "
+      "chunks it holds already skipped; a prompt no local cache serves as far reads the longest run "
+      "of chunks found back instead of computing it. The server evicts (run it with "
+      "maxmemory-policy allkeys-lru); an unreachable store costs the computation only (needs prefix "
+      "caching)");
   cmd.add_option("--prefix-store-password-file", a.prefix_store_password_file,
                  "file whose first line is the store's password (AUTH; USER@ in the URL for an ACL user; "
                  "others must not be able to read it); default: the SPECONTEXT_PREFIX_STORE_PASSWORD "
@@ -86,6 +88,11 @@ void add_engine_options(CLI::App& cmd, EngineArgs& a) {
   cmd.add_option("--prefix-store-max-value", a.prefix_store_max_value,
                  "largest prefix (SIZE) written to or read from --prefix-store; longer prompts are not shared "
                  "(Redis's proto-max-bulk-len is 512MB by default)")
+      ->capture_default_str();
+  cmd.add_option("--prefix-store-chunk", a.prefix_store_chunk,
+                 "tokens of one chunk in --prefix-store (rounded up to whole KV pages): a prompt is written "
+                 "as chunks, each under a key of every token up to its end, and only the chunks the store "
+                 "does not hold are written; a later prompt reads the run of chunks from its first token")
       ->capture_default_str();
   cmd.add_option("--lost-tier", a.lost_tier,
                  "when a remote KV tier is lost for good (every replica of a --kv-node tier died): recompute "

@@ -1,7 +1,7 @@
 // RedisPrefixStore: a SharedPrefixStore on a Redis or Valkey server (hiredis), the shared prefix
 // level servers of one model find each other's prompts in (`--prefix-store redis://HOST:PORT/DB`;
-// LMCache's Redis remote backend). Each prefix is one string value, its encoded prefix file,
-// under PrefixKey::text(), written with `SET key value EX ttl`: it expires ttl seconds after its
+// LMCache's Redis remote backend). Each value (a chunk of a prompt, core/engine/prefix_chunk.h) is one
+// string under PrefixKey::text(), written with `SET key value EX ttl`: it expires ttl seconds after its
 // last write; what the server drops for room is its maxmemory-policy's choice (run it with
 // `maxmemory-policy allkeys-lru`: with the default noeviction, writes fail once it is full, and
 // are counted errors).

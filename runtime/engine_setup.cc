@@ -113,6 +113,8 @@ Result<GeneratorOptions> scheduling_options(const EngineArgs& a) {
   if (!bound.is_ok()) return bound.status().with_context("--prefix-store-max-value");
   if (*bound < 1) return invalid_argument("--prefix-store-max-value must be positive");
   o.max_blob_bytes = static_cast<uint64_t>(*bound);
+  if (a.prefix_store_chunk < 1) return invalid_argument("--prefix-store-chunk must be at least 1 token");
+  g.prefix_shared_chunk_tokens = a.prefix_store_chunk;
   auto store = cluster::RedisPrefixStore::create(std::move(o));
   if (!store.is_ok()) return store.status().with_context(flag + " " + a.prefix_store);
   g.prefix_shared_store = std::move(store).value();

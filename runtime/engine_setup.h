@@ -51,6 +51,8 @@ struct EngineArgs {
   int64_t prefix_store_ttl_s = 3600;
   int64_t prefix_store_timeout_ms = 2000;
   std::string prefix_store_max_value = "512MiB";
+  // --prefix-store-chunk TOKENS (GeneratorOptions::prefix_shared_chunk_tokens)
+  int64_t prefix_store_chunk = 256;
   int64_t max_context = 0;
   int threads = 0;
   bool reference = false;

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <tuple>
 
+#include "core/engine/prefix_chunk.h"
+
 namespace specontext {
 namespace {
 
@@ -479,6 +481,22 @@ bool PrefixStore::shared_error(const std::string& why) {
   return false;
 }
 
+int64_t PrefixStore::shared_chunk_tokens() const {
+  const int64_t unit = engine_.memory().fork_granularity();
+  const int64_t want = std::max<int64_t>(options_.shared_chunk_tokens, 1);
+  return (want + unit - 1) / unit * unit;
+}
+
+namespace {
+
+// The retrieval head's key block (KvMemory::head_block_tokens: the budget under SpeContext).
+int64_t head_block_tokens(const Engine& engine) {
+  const SparseOptions& s = engine.sparse_options();
+  return s.method == SparseMethod::kSpeContext ? s.selection.budget : 0;
+}
+
+}  // namespace
+
 bool PrefixStore::publish(SeqId seq, std::span<const TokenId> tokens) {
   SharedPrefixStore* store = options_.shared_store.get();
   if (store == nullptr || !seq.valid()) return false;
@@ -487,18 +505,34 @@ bool PrefixStore::publish(SeqId seq, std::span<const TokenId> tokens) {
   const int64_t whole = held / unit * unit;
   if (whole == 0) return false;
   const std::span<const TokenId> prefix = tokens.first(static_cast<size_t>(whole));
-  const PrefixKey key = prefix_key(identity(), prefix);
-  const auto held_already = store->contains(std::span<const PrefixKey>(&key, 1));
+  const int64_t chunk = shared_chunk_tokens();
+  // Its chunks' keys: every whole chunk, and the last (shorter) one ending at `whole`.
+  const std::vector<PrefixKey> keys = prefix_keys(identity(), prefix, unit, whole - 1, chunk);
+  const auto held_already = store->contains(keys);
   if (!held_already.is_ok()) return shared_error(held_already.status().to_string());
-  if (held_already->at(0)) return false;
+  if (held_already->size() != keys.size())
+    return shared_error(store->name() + ": contains answered another count");
+  const auto missing = static_cast<int64_t>(std::count(held_already->begin(), held_already->end(), false));
+  stats_.prefix_shared_chunks_skipped += static_cast<int64_t>(keys.size()) - missing;
+  if (missing == 0) return false;
   auto snapshot = engine_.memory().export_prefix(seq, whole);
   if (!snapshot.is_ok()) return shared_error(snapshot.status().to_string());
-  const std::vector<std::byte> bytes = encode_prefix_file(prefix, *snapshot, identity());
-  if (Status st = store->put(key, bytes); !st.is_ok()) return shared_error(st.to_string());
-  ++stats_.prefix_shared_writes;
-  stats_.prefix_shared_bytes_written += static_cast<int64_t>(bytes.size());
   probe_.reset();  // a miss asked about may be there now
-  return true;
+  bool wrote = false;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if ((*held_already)[k]) continue;
+    const int64_t start = k == 0 ? 0 : keys[k - 1].tokens;
+    auto piece = cut_prefix_chunk(prefix, *snapshot, identity(), chunk, start, keys[k].tokens,
+                                  head_block_tokens(engine_));
+    if (!piece.is_ok()) return shared_error(piece.status().to_string());
+    const std::vector<std::byte> bytes = encode_prefix_chunk(*piece);
+    if (Status st = store->put(keys[k], bytes); !st.is_ok()) return shared_error(st.to_string());
+    ++stats_.prefix_shared_chunks_written;
+    stats_.prefix_shared_bytes_written += static_cast<int64_t>(bytes.size());
+    if (!wrote) ++stats_.prefix_shared_writes;
+    wrote = true;
+  }
+  return wrote;
 }
 
 int64_t PrefixStore::find_shared(std::span<const TokenId> want, int64_t floor) {
@@ -509,43 +543,70 @@ int64_t PrefixStore::find_shared(std::span<const TokenId> want, int64_t floor) {
       probe_->floor == question.floor) {
     return probe_->found;
   }
-  const std::vector<PrefixKey> keys = prefix_keys(identity(), want, engine_.memory().fork_granularity(), floor);
+  const int64_t chunk = shared_chunk_tokens();
+  const std::vector<PrefixKey> keys =
+      prefix_keys(identity(), want, engine_.memory().fork_granularity(), floor, chunk);
   if (keys.empty()) return 0;
   const auto held = store->contains(keys);
-  if (!held.is_ok()) {
-    (void)shared_error(held.status().to_string());
+  if (!held.is_ok() || held->size() != keys.size()) {
+    (void)shared_error(held.is_ok() ? store->name() + ": contains answered another count"
+                                    : held.status().to_string());
     ++stats_.prefix_shared_misses;
     return 0;  // asked again next time: the store may be back
   }
   probe_ = question;
-  for (size_t k = keys.size(); k-- > 0;) {
-    if (k < held->size() && (*held)[k]) {
-      probe_->found = keys[k].tokens;
-      return probe_->found;
-    }
+  // A prefix is there when the chunk ending at it and every whole chunk before it are: the run
+  // from token 0 stops at the first whole chunk missing.
+  bool whole_chunks = true;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const int64_t n = keys[k].tokens;
+    const bool there = whole_chunks && (*held)[k];
+    if (n % chunk == 0) whole_chunks = there;
+    if (there && n > floor) probe_->found = n;
   }
-  ++stats_.prefix_shared_misses;
-  return 0;
+  if (probe_->found == 0) ++stats_.prefix_shared_misses;
+  return probe_->found;
 }
 
 bool PrefixStore::restore_shared(std::span<const TokenId> want, int64_t tokens) {
   SharedPrefixStore* store = options_.shared_store.get();
   probe_.reset();  // what is found next is asked afresh
-  if (store == nullptr || tokens <= 0 || tokens > static_cast<int64_t>(want.size())) return false;
+  const int64_t unit = engine_.memory().fork_granularity();
+  if (store == nullptr || tokens <= 0 || tokens > static_cast<int64_t>(want.size()) || tokens % unit != 0) {
+    return false;
+  }
   const std::span<const TokenId> prefix = want.first(static_cast<size_t>(tokens));
-  const PrefixKey key = prefix_key(identity(), prefix);
+  const int64_t chunk = shared_chunk_tokens();
+  const std::vector<PrefixKey> keys = prefix_keys(identity(), prefix, unit, tokens - 1, chunk);
   RequestState state = RequestState::kNew;
   move(state, RequestState::kShared);
-  const std::string name = store->name() + " key " + key.text();
-  Result<PrefixFile> read = [&]() -> Result<PrefixFile> {
-    SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store->get(key));
-    stats_.prefix_shared_bytes_read += static_cast<int64_t>(bytes.size());
-    SPX_ASSIGN_OR_RETURN(PrefixFile f, parse_prefix_file(bytes, name));
-    SPX_ASSIGN_OR_RETURN(f, of_identity(std::move(f), identity(), name));
-    if (!std::equal(f.tokens.begin(), f.tokens.end(), prefix.begin(), prefix.end())) {
-      return data_loss("prefix file " + name + ": field 'token_ids' holds other tokens (a hash collision)");
+  // Every chunk read and checked before any is used: a chunk that is gone, of another engine or
+  // of other tokens makes the whole read a miss (the request computes its prompt).
+  Result<PrefixSnapshot> read = [&]() -> Result<PrefixSnapshot> {
+    std::vector<PrefixChunk> chunks;
+    chunks.reserve(keys.size());
+    for (const PrefixKey& key : keys) {
+      const std::string name = store->name() + " key " + key.text();
+      SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store->get(key));
+      stats_.prefix_shared_bytes_read += static_cast<int64_t>(bytes.size());
+      SPX_ASSIGN_OR_RETURN(PrefixChunk c, parse_prefix_chunk(bytes, name));
+      if (c.identity != identity()) {
+        return data_loss("prefix chunk " + name + ": field 'identity' is of another model or KV layout");
+      }
+      const int64_t start = chunks.empty() ? 0 : chunks.back().end();
+      if (c.chunk_tokens != chunk || c.start != start || c.end() != key.tokens) {
+        return data_loss("prefix chunk " + name + ": fields 'chunk_tokens', 'start' and 'end' are " +
+                         std::to_string(c.chunk_tokens) + ", " + std::to_string(c.start) + " and " +
+                         std::to_string(c.end()) + ", not " + std::to_string(chunk) + ", " +
+                         std::to_string(start) + " and " + std::to_string(key.tokens));
+      }
+      if (!std::equal(c.tokens.begin(), c.tokens.end(), prefix.begin())) {
+        return data_loss("prefix chunk " + name +
+                         ": field 'token_ids' holds other tokens (a hash collision)");
+      }
+      chunks.push_back(std::move(c));
     }
-    return f;
+    return join_prefix_chunks(chunks, head_block_tokens(engine_));
   }();
   if (!read.is_ok()) {  // the request computes its prompt instead
     if (read.status().code() == StatusCode::kNotFound) {
@@ -557,13 +618,14 @@ bool PrefixStore::restore_shared(std::span<const TokenId> want, int64_t tokens) 
     return false;
   }
   ++stats_.prefix_shared_hits;
-  if (const std::optional<SeqId> seq = import_evicting(read->snapshot)) {
+  stats_.prefix_shared_chunks_read += static_cast<int64_t>(keys.size());
+  if (const std::optional<SeqId> seq = import_evicting(*read)) {
     ++stats_.prefix_restores;
     move(state, RequestState::kCached);
-    cached_.push_back({*seq, std::move(read->tokens)});
+    cached_.push_back({*seq, std::vector<TokenId>(prefix.begin(), prefix.end())});
     return true;
   }
-  move(state, RequestState::kDropped);  // no room: it stays in the shared store
+  move(state, RequestState::kDropped);  // no room (or a snapshot this engine refuses): it stays in the store
   return false;
 }
 

@@ -11,10 +11,14 @@
 // extends is dropped. A file or blob that cannot be written or read back intact is dropped and
 // counted (the request computes its prompt). Each prefix's moves go through a StateLog.
 //   shared      a SharedPrefixStore other servers see (Redis): every finished request's prompt,
-//               in whole fork units, is written there under its content key (publish); a
-//               request no local level serves as far asks it (find_shared) and reads the longest
-//               prefix found back into the cache (restore_shared). The store decides what it
-//               keeps; an unreachable one costs the prompt's computation only (counted).
+//               in whole fork units, is written there in chunks of shared_chunk_tokens
+//               (core/engine/prefix_chunk.h), each under a key of every token up to its end:
+//               only the chunks the store does not hold yet are written (publish; a later turn
+//               of a conversation writes its new tokens' chunks only). A request no local level
+//               serves as far asks it (find_shared) for the longest run of chunks from token 0 and
+//               reads them back, checked and joined, into the cache (restore_shared). The store
+//               decides what it keeps; an unreachable one costs the prompt's computation only
+//               (counted).
 // Not thread-safe: the Scheduler's thread owns it.
 #pragma once
 
@@ -41,6 +45,8 @@ struct PrefixStoreOptions {
   bool persist = false;      // the directory specontext-<kv_identity> kept across restarts
   std::shared_ptr<PrefixBlobStore> blob_store;  // the lower level in blobs, not files
   std::shared_ptr<SharedPrefixStore> shared_store;  // the shared level; null: none
+  // The shared level's chunk (rounded up to a whole number of fork units): LMCache's 256.
+  int64_t shared_chunk_tokens = 256;
 };
 
 // GenerationStats' prefix counters (GenerationStats derives from this).
@@ -63,6 +69,9 @@ struct PrefixStoreStats {
   int64_t prefix_shared_bytes_read = 0;
   int64_t prefix_shared_bytes_written = 0;
   int64_t prefix_shared_errors = 0;  // unreachable, refused a write, or a blob not of this engine
+  int64_t prefix_shared_chunks_written = 0;  // chunks written (prefix_shared_writes: prompts)
+  int64_t prefix_shared_chunks_skipped = 0;  // chunks of published prompts the store held already
+  int64_t prefix_shared_chunks_read = 0;     // chunks read back intact
 };
 
 // The longest common prefix of `want` and a sequence of `have` tokens (the k-th: at(k)), in
@@ -134,18 +143,22 @@ class PrefixStore {
   bool restore(size_t index);
 
   // The shared level. publish: `seq`'s first whole fork units of `tokens` (at most its length)
-  // written to the shared store unless it holds them already; false when nothing was written (no
-  // store, held already, under one unit, or an error: counted).
+  // written to the shared store, the chunks it does not hold (asked in one round trip); false
+  // when nothing was written (no store, every chunk held already, under one unit, or an error:
+  // counted; chunks written before an error stay).
   bool publish(SeqId seq, std::span<const TokenId> tokens);
-  // The longest prefix of `want` longer than `floor` in whole fork units the shared store holds:
-  // its length, 0 when none (or no store; an error counts and is 0). The same question twice in
-  // a row (a request waiting at the head of the queue) is answered without asking again.
+  // The longest prefix of `want` longer than `floor` in whole fork units the shared store holds
+  // every chunk of (from token 0, in one round trip): its length, 0 when none (or no store; an
+  // error counts and is 0). The same question twice in a row (a request waiting at the head of
+  // the queue) is answered without asking again.
   int64_t find_shared(std::span<const TokenId> want, int64_t floor);
-  // Reads the shared prefix of `want`'s first `tokens` back as the most recently used cached
-  // sequence, evicting others for room; false (counted: gone, unreachable, not of this engine, no
-  // room) when not.
+  // Reads the shared prefix of `want`'s first `tokens` back, chunk by chunk, as the most recently
+  // used cached sequence, evicting others for room; false (counted: a chunk gone, unreachable, not
+  // of this engine, holding other tokens, no room) when not. Each chunk is checked before use
+  // (structure, checksum, identity, chunk size, token range and every token up to its end).
   bool restore_shared(std::span<const TokenId> want, int64_t tokens);
   bool has_shared() const { return options_.shared_store != nullptr; }
+  int64_t shared_chunk_tokens() const;  // the shared level's chunk, in whole fork units
   // Why the last shared-store operation failed; empty when none has.
   const std::string& last_shared_error() const { return last_shared_error_; }
 

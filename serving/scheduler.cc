@@ -16,6 +16,7 @@ PrefixStoreOptions store_options(const GeneratorOptions& o) {
   s.persist = o.prefix_disk_persist;
   s.blob_store = o.prefix_blob_store;
   s.shared_store = o.prefix_shared_store;
+  s.shared_chunk_tokens = o.prefix_shared_chunk_tokens;
   return s;
 }
 

@@ -144,10 +144,13 @@ struct GeneratorOptions {
   // there under their content key (PrefixKey: the engine's kv_identity and the tokens'
   // hash) unless it holds them already; a request that no cached, running or stored prefix
   // serves as far asks it for the longest prefix of its prompt and has that read back instead of
-  // computed. Found only whole: a stored prompt serves a later prompt that starts with all of it.
-  // An unreachable store, or a blob gone or unreadable, costs the prompt's computation only
+  // computed. Stored in chunks of prefix_shared_chunk_tokens (rounded up to whole fork units;
+  // PrefixStore's shared level): a prompt writes only the chunks the store does not hold, and a
+  // later prompt is served by the run of chunks from its first token the store holds.
+  // An unreachable store, or a chunk gone or unreadable, costs the prompt's computation only
   // (counted in prefix_shared_*). Independent of the other levels.
   std::shared_ptr<SharedPrefixStore> prefix_shared_store;
+  int64_t prefix_shared_chunk_tokens = 256;
   // Swap preemption (vLLM's preemption_mode "swap"), under kPreempt with prefix caching and an
   // offload store (prefix_offload_bytes or prefix_disk_bytes): a preempted request's whole fork
   // units go to the store as an evicted cached prefix does, and when it is admitted again they

@@ -117,6 +117,17 @@ constexpr CounterSpec kSpecs[] = {
      "shared prefix store operations that failed (unreachable, refused, not of this model; the prompt is "
      "computed)",
      &ServerCounters::prefix_shared_errors, &GenerationStats::prefix_shared_errors},
+    {"prefix_shared_chunks_written", "prefix_shared_chunks_written",
+     "specontext_prefix_store_chunks_written_total", "counter",
+     "chunks written to the shared prefix store (those of a finished prompt it did not hold)",
+     &ServerCounters::prefix_shared_chunks_written, &GenerationStats::prefix_shared_chunks_written},
+    {"prefix_shared_chunks_skipped", "prefix_shared_chunks_skipped",
+     "specontext_prefix_store_chunks_skipped_total", "counter",
+     "chunks of finished prompts not written: the shared prefix store held them already",
+     &ServerCounters::prefix_shared_chunks_skipped, &GenerationStats::prefix_shared_chunks_skipped},
+    {"prefix_shared_chunks_read", "prefix_shared_chunks_read", "specontext_prefix_store_chunks_read_total",
+     "counter", "chunks read back intact from the shared prefix store",
+     &ServerCounters::prefix_shared_chunks_read, &GenerationStats::prefix_shared_chunks_read},
     {"kv_bytes_in_use", nullptr, "specontext_kv_bytes_in_use", "gauge",
      "KV cache bytes held by live sequences", &ServerCounters::kv_bytes_in_use, nullptr},
 };

@@ -314,7 +314,7 @@ TEST(RedisPrefixStore, WritesCarryTheTtlAndAnExpiredPrefixIsAMiss) {
   std::shared_ptr<RedisPrefixStore> store = std::move(*created);
   const std::vector<TokenId> prompt = specontext::testing::story_prompt(120);
   const std::vector<TokenId> alone = serve(prompt, store);
-  auto keys = redis.command("KEYS spx:prefix:v1:*");
+  auto keys = redis.command("KEYS spx:prefix:v2:*");
   ASSERT_TRUE(keys);
   ASSERT_EQ(keys->type, REDIS_REPLY_ARRAY);
   ASSERT_EQ(keys->elements, 1u);

@@ -66,6 +66,7 @@ class MemorySharedStore : public SharedPrefixStore {
   Status put(const PrefixKey& key, std::span<const std::byte> blob) override {
     if (!alive) return unavailable("memory shared store: gone");
     blobs_[key.text()] = std::vector<std::byte>(blob.begin(), blob.end());
+    ++puts;
     return Status::ok();
   }
   Result<std::vector<std::byte>> get(const PrefixKey& key) override {
@@ -82,8 +83,12 @@ class MemorySharedStore : public SharedPrefixStore {
     return held;
   }
   size_t blobs() const { return blobs_.size(); }
+  // What a store that evicts, or a hostile one, does to a value.
+  std::vector<std::byte>& blob(const PrefixKey& key) { return blobs_.at(key.text()); }
+  void erase(const PrefixKey& key) { blobs_.erase(key.text()); }
   bool alive = true;
   int asked = 0;  // contains calls that reached it
+  int puts = 0;   // values written
 
  private:
   std::string name_ = "memory shared store";
@@ -447,6 +452,205 @@ TEST(PrefixStore, AFoundPrefixIsAskedOnceAndOneGoneSinceIsAMiss) {
   EXPECT_EQ(store.states().count(S::kShared, S::kCached), 1);
   EXPECT_EQ(store.states().count(S::kShared, S::kDropped), 1);
   EXPECT_EQ(store.states().refused(), 0);
+}
+
+// ---- the shared level in chunks ----
+
+// The key of the chunk of `chunk` tokens ending at `end`.
+PrefixKey chunk_key(Engine& engine, const std::vector<TokenId>& tokens, int64_t end, int64_t chunk) {
+  return prefix_key(engine.kv_identity(), std::span<const TokenId>(tokens).first(static_cast<size_t>(end)),
+                    chunk);
+}
+
+// A conversation's second turn: the first turn's prompt, then more.
+std::vector<TokenId> next_turn(const std::vector<TokenId>& turn, size_t more) {
+  std::vector<TokenId> t = turn;
+  const std::vector<TokenId> extra = prompt_of(300, more + 1);
+  t.insert(t.end(), extra.begin() + 1, extra.end());
+  return t;
+}
+
+// Issue #31: a prompt that repeats a stored one's first chunks writes only its new chunks.
+TEST(PrefixStore, ASecondPromptWritesOnlyTheChunksTheSharedStoreDoesNotHold) {
+  auto engine = pool_engine(4, 0);
+  ASSERT_TRUE(engine);
+  auto shared = std::make_shared<MemorySharedStore>();
+  PrefixStoreOptions o;
+  o.shared_store = shared;
+  o.shared_chunk_tokens = 20;  // rounded up to 2 pages
+  PrefixStore store(*engine, o);
+  ASSERT_EQ(store.shared_chunk_tokens(), 32);
+  const std::vector<TokenId> turn1 = story_prompt(60);      // 59 wanted: 48 tokens, [0, 32) [32, 48)
+  const std::vector<TokenId> turn2 = next_turn(turn1, 50);  // 109 wanted: 96, [0, 32) [32, 64) [64, 96)
+  const SeqId one = computed(*engine, turn1);
+  ASSERT_TRUE(store.publish(one, wanted(turn1)));
+  const PrefixStoreStats first = store.stats();
+  EXPECT_EQ(first.prefix_shared_writes, 1);
+  EXPECT_EQ(first.prefix_shared_chunks_written, 2);
+  EXPECT_EQ(first.prefix_shared_chunks_skipped, 0);
+  EXPECT_EQ(first.prefix_shared_bytes_written,
+            static_cast<int64_t>(shared->blob(chunk_key(*engine, turn1, 32, 32)).size() +
+                                 shared->blob(chunk_key(*engine, turn1, 48, 32)).size()));
+  const SeqId two = computed(*engine, turn2);
+  ASSERT_TRUE(store.publish(two, wanted(turn2)));
+  const PrefixStoreStats second = store.stats();
+  EXPECT_EQ(second.prefix_shared_writes, 2);
+  EXPECT_EQ(second.prefix_shared_chunks_written, 4) << "[32, 64) and [64, 96) only";
+  EXPECT_EQ(second.prefix_shared_chunks_skipped, 1) << "[0, 32) held already";
+  EXPECT_EQ(shared->puts, 4);
+  EXPECT_EQ(shared->blobs(), 4u);
+  const int64_t new_bytes = second.prefix_shared_bytes_written - first.prefix_shared_bytes_written;
+  EXPECT_EQ(new_bytes, static_cast<int64_t>(shared->blob(chunk_key(*engine, turn2, 64, 32)).size() +
+                                            shared->blob(chunk_key(*engine, turn2, 96, 32)).size()));
+  // What writing the second prompt whole took before: its pages' KV alone is more.
+  auto whole = engine->memory().export_prefix(two, 96);
+  ASSERT_TRUE(whole.is_ok());
+  EXPECT_LT(new_bytes, static_cast<int64_t>(whole->kv.size()));
+  EXPECT_GT(new_bytes, static_cast<int64_t>(whole->kv.size()) / 3 * 2 - 1) << "2 of its 3 chunks' KV";
+  EXPECT_FALSE(store.publish(two, wanted(turn2))) << "every chunk held";
+  EXPECT_EQ(store.stats().prefix_shared_chunks_skipped, 4);
+  EXPECT_EQ(store.stats().prefix_shared_chunks_written, 4);
+  // An evicted middle chunk is written again, alone.
+  shared->erase(chunk_key(*engine, turn2, 64, 32));
+  EXPECT_TRUE(store.publish(two, wanted(turn2)));
+  EXPECT_EQ(store.stats().prefix_shared_chunks_written, 5);
+  EXPECT_EQ(shared->puts, 5);
+  EXPECT_EQ(store.stats().prefix_shared_errors, 0) << store.last_shared_error();
+}
+
+// Issue #31: servers (engines of their own) read a conversation's turns back from chunks two of
+// them wrote and decode what computing the prompt does (greedy); a corrupted chunk is a miss
+// (an error, the prompt computed), never wrong KV.
+TEST(PrefixStore, EnginesAssembleAPromptFromChunksOthersWroteAndDecodeAsComputed) {
+  const std::vector<TokenId> turn1 = story_prompt(60);
+  const std::vector<TokenId> turn2 = next_turn(turn1, 50);
+  const auto generate = [&](const std::vector<TokenId>& prompt, const GeneratorOptions& o,
+                            GenerationStats* stats) {
+    auto engine = pool_engine(2, 0);
+    EXPECT_TRUE(engine);
+    if (!engine) return std::vector<TokenId>{};
+    Generator g(*engine, o);
+    GenerationRequest r;
+    r.prompt = prompt;
+    r.max_new_tokens = 12;
+    auto out = g.run({r});
+    EXPECT_TRUE(out.is_ok());
+    if (stats) *stats = g.stats();
+    return out.is_ok() ? (*out)[0].tokens : std::vector<TokenId>{};
+  };
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  const std::vector<TokenId> alone1 = generate(turn1, go, nullptr), alone2 = generate(turn2, go, nullptr);
+  ASSERT_EQ(alone2.size(), 12u);
+  auto shared = std::make_shared<MemorySharedStore>();
+  go.prefix_shared_store = shared;
+  go.prefix_shared_chunk_tokens = 32;
+  GenerationStats a, b, c, d;
+  EXPECT_EQ(generate(turn1, go, &a), alone1);
+  EXPECT_EQ(a.prefix_shared_chunks_written, 2);
+  EXPECT_EQ(generate(turn2, go, &b), alone2) << "turn 1's 48 tokens read back";
+  EXPECT_EQ(b.prefix_shared_hits, 1);
+  EXPECT_EQ(b.prefix_shared_chunks_read, 2);
+  EXPECT_EQ(b.cached_prompt_tokens, 48);
+  EXPECT_EQ(b.prefix_shared_chunks_written, 2);
+  EXPECT_EQ(b.prefix_shared_chunks_skipped, 1);
+  EXPECT_EQ(generate(turn2, go, &c), alone2) << "[0, 32) from the first engine, the rest from the second";
+  EXPECT_EQ(c.prefix_shared_hits, 1);
+  EXPECT_EQ(c.prefix_shared_chunks_read, 3);
+  EXPECT_EQ(c.cached_prompt_tokens, 96);
+  auto engine = pool_engine(1, 0);  // for the keys: the same identity
+  ASSERT_TRUE(engine);
+  EXPECT_EQ(c.prefix_shared_bytes_read,
+            static_cast<int64_t>(shared->blob(chunk_key(*engine, turn2, 32, 32)).size() +
+                                 shared->blob(chunk_key(*engine, turn2, 64, 32)).size() +
+                                 shared->blob(chunk_key(*engine, turn2, 96, 32)).size()));
+  EXPECT_EQ(c.prefix_shared_chunks_written, 0);
+  EXPECT_EQ(c.prefix_shared_errors, 0);
+  // One byte of the middle chunk's KV flipped (its checksum no longer matches): computed instead.
+  std::vector<std::byte>& middle = shared->blob(chunk_key(*engine, turn2, 64, 32));
+  middle[middle.size() / 2] ^= std::byte{0x40};
+  EXPECT_EQ(generate(turn2, go, &d), alone2) << "a corrupt chunk is computed, not used";
+  EXPECT_EQ(d.prefix_shared_hits, 0);
+  EXPECT_GE(d.prefix_shared_errors, 1);
+  EXPECT_EQ(d.cached_prompt_tokens, 0);
+}
+
+// Issue #31: a chunk that does not hold what its key says (another prompt's, another place's,
+// corrupt) fails the read as a whole: nothing is imported.
+TEST(PrefixStore, AChunkOfOtherTokensOrAnotherPlaceIsNeverUsed) {
+  auto engine = pool_engine(4, 0);
+  ASSERT_TRUE(engine);
+  auto shared = std::make_shared<MemorySharedStore>();
+  PrefixStoreOptions o;
+  o.shared_store = shared;
+  o.shared_chunk_tokens = 16;
+  PrefixStore store(*engine, o);
+  const std::vector<TokenId> a = story_prompt(60), b = prompt_of(426);  // 48 and 32 tokens
+  ASSERT_TRUE(store.publish(computed(*engine, a), wanted(a)));
+  ASSERT_TRUE(store.publish(computed(*engine, b), wanted(b)));
+  const PrefixKey a32 = chunk_key(*engine, a, 32, 16);
+  const std::vector<std::byte> kept = shared->blob(a32);
+  int64_t errors = 0;
+  const auto refused = [&](const std::vector<std::byte>& value, const std::string& what,
+                           const std::string& named) {
+    shared->blob(a32) = value;
+    EXPECT_EQ(store.find_shared(wanted(a), 0), 48) << what << ": its key is there";
+    EXPECT_FALSE(store.restore_shared(wanted(a), 48)) << what;
+    EXPECT_EQ(store.stats().prefix_shared_errors, ++errors) << what;
+    EXPECT_NE(store.last_shared_error().find(named), std::string::npos)
+        << what << ": " << store.last_shared_error();
+    EXPECT_EQ(store.cached_sequences(), 0u) << what;
+  };
+  // A hash collision: b's [16, 32) under a's key (same place, other tokens).
+  refused(shared->blob(chunk_key(*engine, b, 32, 16)), "another prompt's chunk", "token_ids");
+  refused(shared->blob(chunk_key(*engine, a, 16, 16)), "a's own [0, 16)", "start");
+  std::vector<std::byte> flipped = kept;
+  flipped[flipped.size() / 2] ^= std::byte{1};
+  refused(flipped, "a flipped byte", "crc32");
+  refused(std::vector<std::byte>(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(kept.size() / 2)),
+          "cut short", "prefix chunk");
+  EXPECT_EQ(store.stats().prefix_shared_hits, 0);
+  shared->blob(a32) = kept;
+  ASSERT_TRUE(store.restore_shared(wanted(a), 48)) << store.last_shared_error();
+  EXPECT_EQ(store.stats().prefix_shared_hits, 1);
+  EXPECT_EQ(store.stats().prefix_shared_chunks_read, 3);
+  EXPECT_EQ(store.stats().prefix_shared_errors, errors);
+  ASSERT_EQ(store.cached_sequences(), 1u);
+  EXPECT_EQ(engine->memory().sequence_length(store.cached().front().seq), 48);
+}
+
+// Issue #31: a prefix is found only as far as the run of chunks from token 0 goes: a missing
+// middle chunk limits the hit to the chunks before it; one gone between the question and the
+// read is a miss.
+TEST(PrefixStore, AMissingMiddleChunkLimitsTheHitToTheChunksBeforeIt) {
+  auto engine = pool_engine(4, 0);
+  ASSERT_TRUE(engine);
+  auto shared = std::make_shared<MemorySharedStore>();
+  PrefixStoreOptions o;
+  o.shared_store = shared;
+  o.shared_chunk_tokens = 16;
+  PrefixStore store(*engine, o);
+  const std::vector<TokenId> a = story_prompt(70);  // 69 wanted: 64 tokens, 4 chunks
+  ASSERT_TRUE(store.publish(computed(*engine, a), wanted(a)));
+  EXPECT_EQ(shared->blobs(), 4u);
+  shared->erase(chunk_key(*engine, a, 32, 16));
+  EXPECT_EQ(store.find_shared(wanted(a), 0), 16) << "[16, 32) is gone: [32, 64) cannot be used";
+  EXPECT_EQ(store.find_shared(wanted(a), 16), 0) << "not longer than the floor";
+  ASSERT_TRUE(store.restore_shared(wanted(a), 16)) << store.last_shared_error();
+  EXPECT_EQ(store.stats().prefix_shared_chunks_read, 1);
+  ASSERT_EQ(store.cached_sequences(), 1u);
+  EXPECT_EQ(engine->memory().sequence_length(store.cached().front().seq), 16);
+  // With every chunk there again, found whole; one evicted before it is read: a miss, no error.
+  const std::vector<TokenId> b = story_prompt(70);
+  ASSERT_TRUE(store.publish(computed(*engine, b), wanted(b)));
+  EXPECT_EQ(store.stats().prefix_shared_chunks_written, 5) << "[16, 32) again";
+  EXPECT_EQ(store.find_shared(wanted(a), 0), 64);
+  shared->erase(chunk_key(*engine, a, 48, 16));
+  const int64_t misses = store.stats().prefix_shared_misses;
+  EXPECT_FALSE(store.restore_shared(wanted(a), 64));
+  EXPECT_EQ(store.stats().prefix_shared_misses, misses + 1);
+  EXPECT_EQ(store.stats().prefix_shared_errors, 0) << store.last_shared_error();
+  EXPECT_EQ(store.cached_sequences(), 1u);
 }
 
 // ---- request states ----

@@ -74,7 +74,8 @@ TEST(ServerCounters, JsonHasEachCountedFieldUnderItsKey) {
     EXPECT_EQ(j[s.json_key].get<int64_t>(), c.*s.field) << s.name;
   }
   EXPECT_EQ(j.size(), keyed);
-  // The keys serve's "stopped" event has always printed, and no others.
+  // The keys serve's "stopped" event has always printed (the chunk counters since issue #31), and
+  // no others.
   const std::set<std::string> stopped_keys = {"accepted",
                                               "completed",
                                               "rejected",
@@ -104,7 +105,10 @@ TEST(ServerCounters, JsonHasEachCountedFieldUnderItsKey) {
                                               "prefix_shared_writes",
                                               "prefix_shared_bytes_read",
                                               "prefix_shared_bytes_written",
-                                              "prefix_shared_errors"};
+                                              "prefix_shared_errors",
+                                              "prefix_shared_chunks_written",
+                                              "prefix_shared_chunks_skipped",
+                                              "prefix_shared_chunks_read"};
   std::set<std::string> keys;
   for (const auto& [key, value] : j.items()) keys.insert(key);
   EXPECT_EQ(keys, stopped_keys);

@@ -61,6 +61,16 @@ void register_distill(CLI::App& app, DistillArgs& a) {
                   "added to every position's weight with --position-weight far")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--group-loss", a.group_loss,
+                  "what each KV head's teacher is fitted with: each query head alone, or max (the group's max "
+                  "over its query heads, renormalised: the scores selection ranks by)")
+      ->check(CLI::IsMember({"each", "max"}))
+      ->capture_default_str();
+  cmd->add_option("--q-per-group", a.q_per_group,
+                  "the head's query heads per KV head (0 = the target's; more let --group-loss max split the "
+                  "teacher's layers among them)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--threads", a.threads, "CPU threads of the target forward (0 = all of the NUMA node)");
   cmd->add_flag("--json", a.json, "print the report as one JSON object on stdout");
 }
@@ -162,6 +172,7 @@ std::string objective_description(const DistillArgs& a) {
     floor << a.weight_floor;
     out += ", each position weighted by the teacher mass on those keys + " + floor.str();
   }
+  if (a.group_loss == "max") out += ", against the GQA group's max over the head's query heads";
   return out;
 }
 
@@ -220,7 +231,7 @@ nlohmann::json fidelity_json(const Fidelity& f) {
                       {"streaming", r.streaming},
                       {"oracle", r.oracle}});
   }
-  return {{"positions", f.positions}, {"kl", f.kl}, {"recall", recall}};
+  return {{"positions", f.positions}, {"kl", f.kl}, {"kl_group", f.kl_group}, {"recall", recall}};
 }
 
 }  // namespace
@@ -246,6 +257,8 @@ int run_distill(const DistillArgs& a) {
   if (!teacher.is_ok()) return fail(teacher.status());
   auto position_weight = parse_position_weight(a.position_weight);
   if (!position_weight.is_ok()) return fail(position_weight.status());
+  auto group_loss = parse_group_loss(a.group_loss);
+  if (!group_loss.is_ok()) return fail(group_loss.status());
   std::vector<LoadedCorpus> corpora;
   for (const std::string& path : a.corpus) {
     auto c = load_corpus(tok, path, a);
@@ -267,7 +280,8 @@ int run_distill(const DistillArgs& a) {
   opts.seed = a.seed;
   opts.train = *train_groups;
   opts.teacher = *teacher;
-  opts.objective = DistillObjective{a.exclude_sinks, a.exclude_window, *position_weight, a.weight_floor};
+  opts.objective = DistillObjective{a.exclude_sinks, a.exclude_window, *position_weight, a.weight_floor, *group_loss};
+  opts.q_per_group = a.q_per_group;
   opts.on_step = [&](int64_t step, double kl) {
     if (!a.json)
       std::fprintf(stderr, "step %lld/%lld  train KL %.4f\n", static_cast<long long>(step),
@@ -313,6 +327,8 @@ int run_distill(const DistillArgs& a) {
         {"exclude_window", a.exclude_window},
         {"position_weight", a.position_weight},
         {"weight_floor", a.weight_floor},
+        {"group_loss", a.group_loss},
+        {"q_per_group", a.q_per_group},
         {"train_split", meta.at("train_split")},
         {"context", rep.context},
         {"train_tokens", rep.train_tokens},
@@ -346,6 +362,8 @@ int run_distill(const DistillArgs& a) {
   std::printf("train    KL(target || head): %.4f -> %.4f nats\n", rep.train_kl_before, rep.train_kl_after);
   std::printf("held-out KL(target || head): %.4f -> %.4f nats (%lld positions)\n", rep.before.kl,
               rep.after.kl, static_cast<long long>(rep.after.positions));
+  std::printf("held-out KL(target || group max of the head): %.4f -> %.4f nats\n", rep.before.kl_group,
+              rep.after.kl_group);
   std::printf("held-out target attention mass on the top-B tokens per KV head:\n");
   std::printf("  %6s  %9s  %8s  %8s  %9s  %8s\n", "B", "positions", "before", "after", "streaming", "oracle");
   for (size_t i = 0; i < rep.after.recall.size(); ++i) {

@@ -198,6 +198,22 @@ double kl_row(const float* teacher, const float* p, int64_t n) {
   return kl;
 }
 
+// KL(T_g(t) ‖ the group's max over its query heads of p [heads][t+1], renormalised) over every key;
+// `m` is scratch.
+double kl_group_max_row(const DistillChunk& ch, int64_t g, int64_t t, const float* p, int64_t group,
+                        std::vector<float>& m) {
+  const int64_t len = t + 1;
+  double sum = 0.0;
+  for (int64_t j = 0; j < len; ++j) {
+    float v = 0.0f;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) v = std::max(v, p[h * len + j]);
+    m[static_cast<size_t>(j)] = v;
+    sum += v;
+  }
+  for (int64_t j = 0; j < len; ++j) m[static_cast<size_t>(j)] = static_cast<float>(m[static_cast<size_t>(j)] / sum);
+  return kl_row(ch.teacher.data() + g * tri(ch.length()) + tri(t), m.data(), len);
+}
+
 // Sum of the teacher's weights on the top-B entries of `score` (ties: older token first).
 double top_mass(const float* score, const float* teacher, int64_t n, int64_t budget,
                 std::vector<int32_t>& idx) {
@@ -321,9 +337,14 @@ double ranked_mass(const DistillChunk& ch, int64_t g, int64_t t, RankedKeys r) {
 // Σ over query heads of weight[h] · KL(T_g(t) ‖ P_h(t)) for one query row q (after RoPE), both
 // restricted to the keys the objective scores (renormalised there). With dq and dk non-null,
 // adds norm[h]·∂KL_h/∂q into dq [qd] and norm[h]·∂KL_h/∂k into dk [t+1, kvd] (after RoPE).
+double attend_row_group_max(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj,
+                            const float* q, const float* keys, int64_t t, const float* norm,
+                            const double* weight, float* dq, float* dk);
+
 double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj, const float* q,
                   const float* keys, int64_t t, const float* norm, const double* weight, float* dq,
                   float* dk) {
+  if (obj.group_loss == GroupLoss::kGroupMax) return attend_row_group_max(s, ch, obj, q, keys, t, norm, weight, dq, dk);
   const int64_t n = ch.length(), len = t + 1;
   const auto [lo, hi] = ranked_keys(obj, t);
   if (hi - lo < 2) return 0.0;  // at most one candidate: nothing to rank
@@ -356,6 +377,83 @@ double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjec
       if (ds == 0.0f) continue;
       axpy(ds, keys + j * s.kvd + g * s.hd, dq + h * s.hd, s.hd);
       axpy(ds, qh, dk + j * s.kvd + g * s.hd, s.hd);
+    }
+  }
+  return loss;
+}
+
+// attend_row for GroupLoss::kGroupMax: per KV head g, Σ_{h∈g} weight[h] · KL(T_g ‖ M_g) with
+// M_g(j) = max_{h∈g} P_h(j) / Σ_i max_{h∈g} P_h(i) over the ranked keys (P_h renormalised there).
+// Gradient: with m_j = max_h P_h(j) (head h*(j) attains it) and M = Σ m, ∂KL/∂m_j = −T_j/m_j + 1/M
+// reaches head h*(j) only; through its softmax, ∂KL/∂logit_h(i) = P_h(i)(g_h(i) − Σ_j P_h(j) g_h(j))
+// with P_h(j) g_h(j) = −T_j + m_j/M where h = h*(j), else 0. Scaled by Σ_{h∈g} norm[h].
+double attend_row_group_max(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj,
+                            const float* q, const float* keys, int64_t t, const float* norm,
+                            const double* weight, float* dq, float* dk) {
+  const int64_t n = ch.length();
+  const auto [lo, hi] = ranked_keys(obj, t);
+  if (hi - lo < 2) return 0.0;
+  const int64_t nr = hi - lo;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.hd));
+  std::vector<double> log_p(static_cast<size_t>(s.group * nr));  // [group][ranked key]
+  std::vector<int32_t> best(static_cast<size_t>(nr));
+  std::vector<double> pg(static_cast<size_t>(s.group));
+  double loss = 0.0;
+  for (int64_t g = 0; g < s.nkv; ++g) {
+    const float* tg = ch.teacher.data() + g * tri(n) + tri(t);
+    const double tmass = ranked_mass(ch, g, t, {lo, hi});
+    if (tmass <= 0.0) continue;
+    double w = 0.0;
+    float gn = 0.0f;
+    for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
+      w += weight[h];
+      gn += norm[h];
+    }
+    for (int64_t a = 0; a < s.group; ++a) {  // each head's log-softmax over the ranked keys
+      const float* qh = q + (g * s.group + a) * s.hd;
+      double* lp = log_p.data() + a * nr;
+      double mx = -INFINITY;
+      for (int64_t j = lo; j < hi; ++j) {
+        lp[j - lo] = dot(qh, keys + j * s.kvd + g * s.hd, s.hd) * scale;
+        mx = std::max(mx, lp[j - lo]);
+      }
+      double z = 0.0;
+      for (int64_t r = 0; r < nr; ++r) z += std::exp(lp[r] - mx);
+      const double log_z = std::log(z) + mx;
+      for (int64_t r = 0; r < nr; ++r) lp[r] -= log_z;
+    }
+    double big_m = 0.0;  // Σ_j max_h P_h(j)
+    for (int64_t r = 0; r < nr; ++r) {
+      int32_t b = 0;
+      for (int64_t a = 1; a < s.group; ++a) {
+        if (log_p[static_cast<size_t>(a * nr + r)] > log_p[static_cast<size_t>(b * nr + r)]) b = static_cast<int32_t>(a);
+      }
+      best[static_cast<size_t>(r)] = b;
+      big_m += std::exp(log_p[static_cast<size_t>(b * nr + r)]);
+    }
+    const double log_big_m = std::log(big_m);
+    std::fill(pg.begin(), pg.end(), 0.0);  // Σ_j P_h(j) g_h(j) per head
+    for (int64_t r = 0; r < nr; ++r) {
+      const double tj = tg[lo + r] / tmass;
+      const double log_m = log_p[static_cast<size_t>(best[static_cast<size_t>(r)] * nr + r)];
+      if (tj > 0.0) loss += w * (tj * (std::log(tj) - (log_m - log_big_m)));
+      pg[static_cast<size_t>(best[static_cast<size_t>(r)])] += -tj + std::exp(log_m - log_big_m);
+    }
+    if (dq == nullptr) continue;
+    for (int64_t a = 0; a < s.group; ++a) {
+      const int64_t h = g * s.group + a;
+      const float* qh = q + h * s.hd;
+      for (int64_t r = 0; r < nr; ++r) {
+        const double p = std::exp(log_p[static_cast<size_t>(a * nr + r)]);
+        const double own = best[static_cast<size_t>(r)] == a
+                               ? -tg[lo + r] / tmass + std::exp(log_p[static_cast<size_t>(a * nr + r)] - log_big_m)
+                               : 0.0;  // P_h(j) g_h(j)
+        const float ds = static_cast<float>(own - p * pg[static_cast<size_t>(a)]) * gn * scale;
+        if (ds == 0.0f) continue;
+        const int64_t j = lo + r;
+        axpy(ds, keys + j * s.kvd + g * s.hd, dq + h * s.hd, s.hd);
+        axpy(ds, qh, dk + j * s.kvd + g * s.hd, s.hd);
+      }
     }
   }
   return loss;
@@ -401,8 +499,12 @@ void zero_gradients(const HeadShape& s, HeadGradients* g) {
 
 // The starting point: EAGLE-3 shape, fc = [I/3 I/3 I/3] exactly (the mean of the three taps),
 // norms 1, random wq/wk; trained_context = the window it will see (YaRN applies beyond it).
-Result<std::shared_ptr<RetrievalHead>> initial_head(const ModelConfig& c, uint64_t seed, int64_t context) {
-  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, make_random_head(c, seed));
+// q_per_group > 0: that many query heads per KV head instead of the target's.
+Result<std::shared_ptr<RetrievalHead>> initial_head(const ModelConfig& c, uint64_t seed, int64_t context,
+                                                    int64_t q_per_group) {
+  ModelConfig shape = c;
+  if (q_per_group > 0) shape.n_heads = c.n_kv_heads * q_per_group;
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, make_random_head(shape, seed));
   const int64_t d = head->config.hidden;
   float* fc = mutable_f32(head->fc);
   for (int64_t r = 0; r < d; ++r) {
@@ -605,7 +707,7 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
   }
   Fidelity f;
   for (int64_t b : budgets) f.recall.push_back(BudgetRecall{b});
-  double kl_sum = 0.0;
+  double kl_sum = 0.0, kl_group_sum = 0.0;
   std::vector<float> p, group_score(0);
   std::vector<int32_t> idx;
   for (const DistillChunk& ch : chunks) {
@@ -626,6 +728,7 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
       }
       ++f.positions;
       group_score.resize(static_cast<size_t>(len));
+      for (int64_t g = 0; g < nkv; ++g) kl_group_sum += kl_group_max_row(ch, g, t, p.data(), group, group_score);
       for (BudgetRecall& r : f.recall) {
         if (len <= r.budget) continue;
         ++r.positions;
@@ -652,7 +755,10 @@ Result<Fidelity> evaluate_head(Backend& backend, const Model& model, const Retri
       }
     }
   }
-  if (f.positions > 0) f.kl = kl_sum / static_cast<double>(f.positions * nh);
+  if (f.positions > 0) {
+    f.kl = kl_sum / static_cast<double>(f.positions * nh);
+    f.kl_group = kl_group_sum / static_cast<double>(f.positions * nkv);
+  }
   for (BudgetRecall& r : f.recall) {
     if (r.positions == 0) continue;
     r.head /= static_cast<double>(r.positions);
@@ -745,8 +851,8 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
                                              const std::vector<std::vector<TokenId>>& heldout,
                                              const DistillOptions& o) {
   if (!model || !backend) return invalid_argument("distill: a model and a backend are required");
-  if (o.steps < 0 || o.lr <= 0 || o.batch_positions <= 0) {
-    return invalid_argument("distill: steps must be >= 0, lr and batch_positions positive");
+  if (o.steps < 0 || o.lr <= 0 || o.batch_positions <= 0 || o.q_per_group < 0) {
+    return invalid_argument("distill: steps and q_per_group must be >= 0, lr and batch_positions positive");
   }
   const ModelConfig& c = model->config;
   DistillReport rep;
@@ -768,7 +874,7 @@ Result<DistillReport> distill_retrieval_head(std::shared_ptr<const Model> model,
   rep.train_chunks = static_cast<int64_t>(train_chunks.size());
   rep.heldout_chunks = static_cast<int64_t>(held_chunks.size());
 
-  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, initial_head(c, o.seed, rep.context));
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<RetrievalHead> head, initial_head(c, o.seed, rep.context, o.q_per_group));
   SPX_ASSIGN_OR_RETURN(rep.before, evaluate_head(*backend, *model, *head, held_chunks, o.budgets));
   SPX_ASSIGN_OR_RETURN(Fidelity train_before, evaluate_head(*backend, *model, *head, train_chunks, {}));
   rep.train_kl_before = train_before.kl;
@@ -793,6 +899,12 @@ Result<TeacherReduction> parse_teacher_reduction(std::string_view name) {
   if (name == "max") return TeacherReduction::kGroupMax;
   if (name == "mean") return TeacherReduction::kGroupMean;
   return invalid_argument("distill: unknown teacher reduction '" + std::string(name) + "' (expected max or mean)");
+}
+
+Result<GroupLoss> parse_group_loss(std::string_view name) {
+  if (name == "each") return GroupLoss::kEach;
+  if (name == "max") return GroupLoss::kGroupMax;
+  return invalid_argument("distill: unknown group loss '" + std::string(name) + "' (expected each or max)");
 }
 
 Result<PositionWeight> parse_position_weight(std::string_view name) {

@@ -71,11 +71,24 @@ enum class PositionWeight {
 };
 Result<PositionWeight> parse_position_weight(std::string_view name);  // "uniform" / "far"
 
+// What each KV head's teacher T_g is compared with. kEach: every query head h of the group on its
+// own, KL(T_g ‖ P_h), so the group's heads all learn the same distribution. kGroupMax: the group's
+// max over its query heads, renormalised, KL(T_g ‖ max_h P_h / Σ max_h P_h): the scores selection
+// ranks by (select_tokens takes the group max), so the heads of a group are free to split the
+// teacher's modes (its layers) among them; with more query heads than the target's
+// (DistillOptions::q_per_group) that is where they help.
+enum class GroupLoss {
+  kEach,
+  kGroupMax,
+};
+Result<GroupLoss> parse_group_loss(std::string_view name);  // "each" / "max"
+
 struct DistillObjective {
   int64_t exclude_sinks = 0;
   int64_t exclude_window = 0;
   PositionWeight position_weight = PositionWeight::kUniform;
   double weight_floor = 0.1;
+  GroupLoss group_loss = GroupLoss::kEach;
 };
 
 struct DistillOptions {
@@ -90,6 +103,7 @@ struct DistillOptions {
   DistillTrain train;                           // groups updated (default: all)
   TeacherReduction teacher = TeacherReduction::kGroupMax;
   DistillObjective objective;
+  int64_t q_per_group = 0;                      // the head's query heads per KV head (0 = the target's)
   std::function<void(int64_t step, double train_kl)> on_step;  // progress (optional)
 };
 
@@ -112,6 +126,7 @@ struct BudgetRecall {
 struct Fidelity {
   int64_t positions = 0;  // query positions evaluated (t ≥ 1)
   double kl = 0;          // mean over positions and query heads of KL(T_g ‖ P_h), nats
+  double kl_group = 0;    // mean over positions and KV heads of KL(T_g ‖ max_h P_h renormalised), nats
   std::vector<BudgetRecall> recall;
 };
 

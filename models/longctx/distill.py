@@ -52,6 +52,9 @@ def main(args):
     d, L = cfg["dim"], cfg["n_layers"]
     H, G = cfg["n_heads"], cfg["n_kv_heads"]
     hd = d // H
+    # The head's own query heads: --head-q-per-group per KV head (default the target's H/G). More
+    # than the target's lets the group's heads split the teacher's modes (its layers) among them.
+    Hs = G * (args.head_q_per_group or H // G)
     last = L - 1
     fused_layers = [min(max(i, 0), last) for i in (2, L // 2, L - 3)]
 
@@ -87,7 +90,7 @@ def main(args):
     fc = torch.nn.Parameter(torch.cat([torch.eye(d) / 3] * 3, 1))
     n_in = torch.nn.Parameter(torch.ones(d))
     n_hid = torch.nn.Parameter(torch.ones(d))
-    wq = torch.nn.Parameter(torch.randn(H * hd, 2 * d) * 0.02)
+    wq = torch.nn.Parameter(torch.randn(Hs * hd, 2 * d) * 0.02)
     wk = torch.nn.Parameter(torch.randn(G * hd, 2 * d) * 0.02)
     params = [fc, n_in, n_hid, wq, wk]
     if args.head_init:  # warm start from a head of the same shape (e.g. one distilled before a temper)
@@ -101,6 +104,16 @@ def main(args):
             for name, p in zip(names, params):
                 s0, s1 = hdr[name]["data_offsets"]
                 a = np.frombuffer(raw_init[8 + n_hdr + s0:8 + n_hdr + s1], dtype="<f4").reshape(hdr[name]["shape"])
+                if p is wq and a.shape[0] != p.shape[0]:
+                    # A head with fewer query heads per group: each new head copies one of its
+                    # group's old heads (in turn), plus noise that breaks their symmetry.
+                    old = a.shape[0] // hd // G
+                    assert a.shape[0] == G * old * hd and a.shape[1] == p.shape[1], (name, a.shape, p.shape)
+                    src = a.reshape(G, old, hd, -1)
+                    per = Hs // G
+                    new = np.stack([src[:, j % old] for j in range(per)], 1).reshape(Hs * hd, -1)
+                    noise = np.random.RandomState(args.seed).randn(*new.shape).astype("f4") * 0.1 * float(np.std(a))
+                    a = new + noise
                 assert list(a.shape) == list(p.shape), (name, a.shape, p.shape)
                 p.copy_(torch.from_numpy(a.copy()))
     eps = cfg["norm_eps"]
@@ -117,10 +130,10 @@ def main(args):
         def rope(v):
             v1, v2 = v[..., : hd // 2], v[..., hd // 2:]
             return v * cs[0] + torch.cat([-v2, v1], -1) * cs[1]
-        q = rope((x @ wq.t()).view(B, T, H, hd).transpose(1, 2))
-        k = rope((x @ wk.t()).view(B, T, G, hd).transpose(1, 2)).repeat_interleave(H // G, 1)
+        q = rope((x @ wq.t()).view(B, T, Hs, hd).transpose(1, 2))
+        k = rope((x @ wk.t()).view(B, T, G, hd).transpose(1, 2)).repeat_interleave(Hs // G, 1)
         mask = torch.full((T, T), float("-inf")).triu(1)
-        return torch.log_softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, -1)  # [B,H,T,T]
+        return torch.log_softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, -1)  # [B,Hs,T,T]
 
     def ranked_keys(T):
         """[T, T] bool: the keys selection ranks at query t (causal, past the first --head-sinks
@@ -128,12 +141,18 @@ def main(args):
         i = torch.arange(T)
         return (i[None, :] >= args.head_sinks) & (i[None, :] <= i[:, None] - args.head_window)
 
-    def kl(tch, logp, asks=None):  # tch [B,G,T,T], logp [B,H,T,T], asks [B,T] bool
+    def kl(tch, logp, asks=None):  # tch [B,G,T,T], logp [B,Hs,T,T], asks [B,T] bool
         """Mean over query heads and positions of KL(teacher || head) over the ranked keys, both
         renormalised there; with --head-weight far, each position weighs by the teacher mass it
-        puts on those keys (positions that look far back count, local ones barely)."""
+        puts on those keys (positions that look far back count, local ones barely). With
+        --head-group-loss max the student of a KV head is instead its group's max over query heads
+        (what selection ranks by), renormalised: one KL per KV head."""
         B, _, T, _ = tch.shape
-        tg = tch.repeat_interleave(H // G, 1)
+        if args.head_group_loss == "max":
+            logp = logp.view(B, G, Hs // G, T, T).amax(2)
+            tg = tch
+        else:
+            tg = tch.repeat_interleave(Hs // G, 1)
         keep = ranked_keys(T)
         rows = keep.any(-1)
         tg = tg.masked_fill(~keep, 0)
@@ -167,7 +186,7 @@ def main(args):
         teacher's own weights) and StreamingLLM (the sinks and the most recent B - sinks)."""
         B_, G_, T, _ = tch.shape
         S, W = args.head_sinks, args.head_window
-        sel = logp.view(B_, G, H // G, T, T).amax(2)
+        sel = logp.view(B_, G, Hs // G, T, T).amax(2)
         idx = torch.arange(T)
         ranked = ranked_keys(T)
         fixed = ((idx[None, :] < S) | (idx[None, :] > idx[:, None] - W)) & (idx[None, :] <= idx[:, None])
@@ -199,13 +218,13 @@ def main(args):
                    ("midlayer.self_attn.k_proj.weight", wk)]
         kept = sum(p.numel() for _, p in tensors)
         # A full EAGLE-3 draft of this shape: q, k, v, o (2d inputs for q/k/v), an MLP, fc, 4 norms, lm head.
-        draft = kept + (G * hd * 2 * d) + (d * H * hd) + 3 * d * cfg["hidden_dim"] + 2 * d + d * cfg["vocab_size"]
+        draft = kept + (G * hd * 2 * d) + (d * Hs * hd) + 3 * d * cfg["hidden_dim"] + 2 * d + d * cfg["vocab_size"]
         raw = open(args.text, "rb").read()
         sha = hashlib.sha256(raw).hexdigest()
         fnv = 0xcbf29ce484222325
         for byte in raw:
             fnv = ((fnv ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
-        meta = {"format": "specontext-retrieval-head", "hidden": str(d), "n_heads": str(H), "n_kv_heads": str(G),
+        meta = {"format": "specontext-retrieval-head", "hidden": str(d), "n_heads": str(Hs), "n_kv_heads": str(G),
                 "head_dim": str(hd), "rope_theta": "%.17g" % cfg["rope_theta"], "trained_context": str(cfg["max_pos"]),
                 "norm_eps": "%.9g" % eps, "fused_layers": ",".join(map(str, fused_layers)),
                 "draft_parameters": str(draft), "kept_parameters": str(kept),
@@ -263,6 +282,7 @@ def main(args):
               "recall_before": before, "recall_after": after, "budgets": budgets,
               "context": args.head_len, "steps": args.head_steps, "lr": args.head_lr,
               "ranked_keys": f"past {args.head_sinks} sinks, before the last {args.head_window}",
+              "query_heads": Hs, "group_loss": args.head_group_loss,
               "position_weight": args.head_weight, "position_weight_floor": args.head_weight_floor, "answer_weight": args.head_answer_weight,
               "init": os.path.basename(args.head_init) if args.head_init else "random"}
     with open(os.path.join(args.out, "retrieval_head_report.json"), "w") as f:

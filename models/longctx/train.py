@@ -898,6 +898,10 @@ def main():
                     help="head: also write retrieval_head.partial.safetensors every N steps (0 = only at the end)")
     ap.add_argument("--head-answer-weight", type=float, default=1.0,
                     help="head: weight of the positions whose next token is a task's answer (retrieval queries)")
+    ap.add_argument("--head-q-per-group", type=int, default=0,
+                    help="head: query heads per KV head (0 = the target's); a narrower --head-init is widened")
+    ap.add_argument("--head-group-loss", choices=["each", "max"], default="each",
+                    help="head: fit every query head to its group's teacher, or the group's max (as selection ranks)")
     args = ap.parse_args()
     {"tokenizer": cmd_tokenizer, "train": cmd_train, "probe": cmd_probe, "temper": cmd_temper, "export": lambda a: __import__("export").main(a),
      "head": lambda a: __import__("distill").main(a)}[args.command](args)

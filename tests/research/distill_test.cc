@@ -300,10 +300,19 @@ TEST(Distill, TrainingForwardMatchesTheEngineHead) {
   ASSERT_TRUE(fid.is_ok());
   EXPECT_GT(loss, 0.1);
   EXPECT_NEAR(loss, fid->kl, 1e-4 * fid->kl);
+  // The group-max objective over every key is evaluate_head's kl_group, and differs from the
+  // per-head KL (the group's two query heads differ).
+  DistillObjective group_max;
+  group_max.group_loss = GroupLoss::kGroupMax;
+  const double gloss =
+      distill_loss_grad(*head, make_head_rope_params(head->config, n), (*r)[0], *in, all, nullptr, group_max);
+  EXPECT_GT(gloss, 0.01);
+  EXPECT_NEAR(gloss, fid->kl_group, 1e-4 * fid->kl_group);
+  EXPECT_GT(std::abs(gloss - loss), 1e-3);
 }
 
-// A small random problem for the loss: a perturbed head of a 4-head, 2-KV-head config with
-// YaRN in play, a 12-token chunk with random teacher rows and random inputs.
+// A small random problem for the loss: a perturbed head of a 4-head (or q_heads), 2-KV-head
+// config with YaRN in play, a 12-token chunk with random teacher rows and random inputs.
 struct SyntheticProblem {
   std::shared_ptr<RetrievalHead> head;
   RopeParams rope;
@@ -312,12 +321,12 @@ struct SyntheticProblem {
   static constexpr int64_t n = 12, d = 8;
 };
 
-SyntheticProblem synthetic_problem() {
+SyntheticProblem synthetic_problem(int64_t q_heads = 4) {
   ModelConfig c;
   c.dim = 8;
   c.hidden_dim = 16;
   c.n_layers = 4;
-  c.n_heads = 4;
+  c.n_heads = q_heads;
   c.n_kv_heads = 2;
   c.head_dim = 4;
   c.vocab_size = 10;
@@ -431,6 +440,58 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
   check_masked(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 7, "wk (far)");
 }
 
+// The group-max objective (GroupLoss::kGroupMax) on a head with 4 query heads per KV head: its
+// gradient against central differences for every group, over every key and masked with far
+// weighting; with one query head per KV head it is the per-head objective exactly.
+TEST(Distill, GroupMaxGradientMatchesFiniteDifferences) {
+  SyntheticProblem p = synthetic_problem(/*q_heads=*/8);
+  std::shared_ptr<RetrievalHead> head = p.head;
+  ASSERT_EQ(head->config.n_heads, 8);
+  const int64_t d = SyntheticProblem::d;
+  const std::vector<int64_t> positions = {1, 4, 7, 11};
+  auto mat = [](const WeightMatrix& w) { return const_cast<float*>(static_cast<const float*>(w.data)); };
+  DistillObjective whole;
+  whole.group_loss = GroupLoss::kGroupMax;
+  DistillObjective masked{1, 2, PositionWeight::kFar, 0.1, GroupLoss::kGroupMax};
+  for (const DistillObjective& o : {whole, masked}) {
+    HeadGradients grads;
+    const double loss = distill_loss_grad(*head, p.rope, p.ch, p.in, positions, &grads, o);
+    EXPECT_GT(loss, 0.0);
+    auto check = [&](float* data, size_t size, const std::vector<float>& grad, size_t stride, const char* what) {
+      ASSERT_EQ(grad.size(), size) << what;
+      double diff2 = 0.0, ref2 = 0.0;
+      for (size_t i = 0; i < size; i += stride) {
+        const float keep = data[i];
+        const float eps = 1e-3f;
+        data[i] = keep + eps;
+        const double up = distill_loss_grad(*head, p.rope, p.ch, p.in, positions, nullptr, o);
+        data[i] = keep - eps;
+        const double down = distill_loss_grad(*head, p.rope, p.ch, p.in, positions, nullptr, o);
+        data[i] = keep;
+        const double numeric = (up - down) / (2.0 * eps);
+        EXPECT_NEAR(grad[i], numeric, 5e-4 + 0.05 * std::abs(numeric)) << what << " entry " << i;
+        diff2 += (grad[i] - numeric) * (grad[i] - numeric);
+        ref2 += numeric * numeric;
+      }
+      EXPECT_GT(ref2, 0.0) << what << ": the loss does not depend on it";
+      EXPECT_LT(std::sqrt(diff2 / ref2), 2e-2) << what;
+    };
+    check(mat(head->fc), static_cast<size_t>(d * 3 * d), grads.fc, 5, "fc");
+    check(head->input_norm.data(), static_cast<size_t>(d), grads.input_norm, 1, "input_layernorm");
+    check(head->hidden_norm.data(), static_cast<size_t>(d), grads.hidden_norm, 1, "hidden_norm");
+    check(mat(head->wq), static_cast<size_t>(head->wq.rows * head->wq.cols), grads.wq, 3, "wq");
+    check(mat(head->wk), static_cast<size_t>(head->wk.rows * head->wk.cols), grads.wk, 3, "wk");
+  }
+
+  SyntheticProblem one = synthetic_problem(/*q_heads=*/2);
+  DistillObjective each{1, 2, PositionWeight::kFar, 0.1};
+  HeadGradients ga, gb;
+  const double l_each = distill_loss_grad(*one.head, one.rope, one.ch, one.in, positions, &ga, each);
+  const double l_max = distill_loss_grad(*one.head, one.rope, one.ch, one.in, positions, &gb, masked);
+  EXPECT_NEAR(l_max, l_each, 1e-9 * l_each);
+  for (size_t i = 0; i < ga.wq.size(); ++i) EXPECT_NEAR(gb.wq[i], ga.wq[i], 1e-5 + 1e-4 * std::abs(ga.wq[i]));
+}
+
 bool same_gradients(const HeadGradients& a, const HeadGradients& b) {
   return a.fc == b.fc && a.input_norm == b.input_norm && a.hidden_norm == b.hidden_norm && a.wq == b.wq &&
          a.wk == b.wk;
@@ -519,20 +580,25 @@ class DistillRuns : public ::testing::Test {
 #endif
     all_ = run(DistillTrain{}, &all_reports_);
     qk_ = run(DistillTrain{false, false, true}, nullptr);
+    wide_ = run(DistillTrain{}, nullptr, /*q_per_group=*/4, GroupLoss::kGroupMax);
   }
   static void TearDownTestSuite() {
     delete all_;
     delete qk_;
+    delete wide_;
     delete fixture_;
-    all_ = qk_ = nullptr;
+    all_ = qk_ = wide_ = nullptr;
     fixture_ = nullptr;
   }
   void SetUp() override {
-    if (all_ == nullptr || qk_ == nullptr) GTEST_SKIP() << "suite set-up failed";
+    if (all_ == nullptr || qk_ == nullptr || wide_ == nullptr) GTEST_SKIP() << "suite set-up failed";
   }
 
-  static DistillReport* run(const DistillTrain& groups, int64_t* reports) {
+  static DistillReport* run(const DistillTrain& groups, int64_t* reports, int64_t q_per_group = 0,
+                            GroupLoss group_loss = GroupLoss::kEach) {
     DistillOptions o;
+    o.q_per_group = q_per_group;
+    o.objective.group_loss = group_loss;
     o.steps = kSteps;
     o.lr = 1e-2;
     o.context = kContext;
@@ -558,6 +624,7 @@ class DistillRuns : public ::testing::Test {
   static inline std::vector<TokenId> train_, held_;
   static inline DistillReport* all_ = nullptr;
   static inline DistillReport* qk_ = nullptr;
+  static inline DistillReport* wide_ = nullptr;  // 4 query heads per KV head, group-max objective
   static inline int64_t all_reports_ = 0;
 };
 
@@ -601,6 +668,24 @@ TEST_F(DistillRuns, EveryGroupLowersHeldOutKlMoreThanQkAlone) {
   EXPECT_NE(all_->head->input_norm, ones);
   EXPECT_NE(all_->head->hidden_norm, ones);
   EXPECT_LT(all_->after.kl, qk_->after.kl) << "every group " << all_->after.kl << ", wq/wk only " << qk_->after.kl;
+}
+
+// A head with 4 query heads per KV head trained on the group-max objective fits the group max
+// (what selection ranks by) better than the target-shaped head fitted head by head, and loads
+// back with its own width.
+TEST_F(DistillRuns, AWiderHeadOnTheGroupMaxFitsWhatSelectionRanks) {
+  const ModelConfig& c = fixture_->model->config;
+  EXPECT_EQ(wide_->head->config.n_heads, 4 * c.n_kv_heads);
+  EXPECT_NE(wide_->head->config.n_heads, c.n_heads);
+  EXPECT_LT(wide_->after.kl_group, 0.8 * wide_->before.kl_group);
+  EXPECT_LT(wide_->after.kl_group, all_->after.kl_group)
+      << "wide group-max " << wide_->after.kl_group << ", target-shaped per-head " << all_->after.kl_group;
+  const std::string path = testing::temp_dir("spx-distill-wide") + "/head.safetensors";
+  ASSERT_TRUE(write_distilled_head(path, *wide_->head, {}).is_ok());
+  auto loaded = load_eagle3_head(path, c);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  EXPECT_EQ((*loaded)->config.n_heads, 4 * c.n_kv_heads);
+  EXPECT_EQ((*loaded)->config.head_dim, c.head_dim);
 }
 
 // The written head loads back, scores the held-out text identically, and carries the extra

@@ -1,5 +1,5 @@
 // Quantised GEMV (cpu/quant_gemv.h) against the memory roofline: per ggml type and kernel path,
-// the time of y = W·x (m = 1) for 2048x2048 and 8192x2048 matrices streamed from DRAM (copies
+// the time of y = W·x (m = 1; --m for the small-batch path) for 2048x2048 and 8192x2048 matrices streamed from DRAM (copies
 // of the matrix cycled so the working set exceeds the caches, as a decode step's weights do),
 // its GB/s of stored bytes, the tok/s a Llama-3.2-1B body would reach at that speed, and the
 // roofline (stored bytes / measured read bandwidth); beside it the current path, the f32 GEMV of
@@ -103,6 +103,13 @@ int main(int argc, char** argv) {
   int passes = 5;
   std::string out = "bench_out/quant_gemv.json";
   bool plot = false;
+  int64_t m = 1;
+  std::vector<std::string> type_names;
+  std::vector<std::string> path_names;
+  app.add_option("--m", m, "activation rows per call (1 = decode's GEMV; 2..16 the small-batch path)")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}));
+  app.add_option("--types", type_names, "only these types (Q8_0 Q4_0 Q4_K Q5_K Q6_K; default all, F32 always runs)");
+  app.add_option("--paths", path_names, "only these kernel paths (scalar avx2 avx512; default all available)");
   app.add_option("--threads", threads, "threads (oneTBB arena and CpuBackend)");
   app.add_option("--working-set-mib", working_set_mib, "bytes of matrix copies cycled per measurement");
   app.add_option("--passes", passes, "timed passes over the copies (best is reported)");
@@ -125,18 +132,30 @@ int main(int argc, char** argv) {
   if (!backend.is_ok()) return bench::report_failure(backend.status());
 
   const std::pair<int64_t, int64_t> shapes[] = {{2048, 2048}, {8192, 2048}};
-  const uint32_t types[] = {8, 2, 12, 13, 14};
-  const cpu::QuantPath paths[] = {cpu::QuantPath::kScalar, cpu::QuantPath::kAvx2, cpu::QuantPath::kAvx512};
+  std::vector<uint32_t> types;
+  for (uint32_t t : {8u, 2u, 12u, 13u, 14u}) {
+    const std::string name(ggml_type_info(t)->name);
+    if (type_names.empty() || std::find(type_names.begin(), type_names.end(), name) != type_names.end()) {
+      types.push_back(t);
+    }
+  }
+  std::vector<cpu::QuantPath> paths;
+  for (cpu::QuantPath p : {cpu::QuantPath::kScalar, cpu::QuantPath::kAvx2, cpu::QuantPath::kAvx512}) {
+    const std::string name(cpu::quant_path_name(p));
+    if (path_names.empty() || std::find(path_names.begin(), path_names.end(), name) != path_names.end()) {
+      paths.push_back(p);
+    }
+  }
   nlohmann::json results = nlohmann::json::array();
   for (const auto& [n, k] : shapes) {
     const std::vector<float> x = [&] {
-      std::vector<float> v(static_cast<size_t>(k));
+      std::vector<float> v(static_cast<size_t>(m * k));
       std::mt19937 rng(1);
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
       for (float& e : v) e = u(rng);
       return v;
     }();
-    std::vector<float> y(static_cast<size_t>(n));
+    std::vector<float> y(static_cast<size_t>(m * n));
     // The current path: f32 weights (what loading dequantises to) through CpuBackend::matmul.
     {
       const int64_t bytes = n * k * 4;
@@ -145,7 +164,7 @@ int main(int argc, char** argv) {
       Status st;
       const double s = time_per_call(copies, passes, [&](int c) {
         const WeightMatrix w{DType::kF32, n, k, mats[static_cast<size_t>(c)].data()};
-        st = (*backend)->matmul(x.data(), 1, w, nullptr, y.data());
+        st = (*backend)->matmul(x.data(), m, w, nullptr, y.data());
       });
       if (!st.is_ok()) return bench::report_failure(st);
       results.push_back(row_json("F32", "cpu_backend:" + (*backend)->matmul_path(DType::kF32), n, k, double(bytes),
@@ -166,7 +185,7 @@ int main(int argc, char** argv) {
         const double s = arena.execute([&] {
           return time_per_call(copies, path_passes, [&](int c) {
             const cpu::QuantMatrix w{t, n, k, mats[static_cast<size_t>(c)].data()};
-            st = cpu::quant_gemv(w, x.data(), 1, y.data(), {path, true});
+            st = cpu::quant_gemv(w, x.data(), m, y.data(), {path, true});
           });
         });
         if (!st.is_ok()) return bench::report_failure(st);
@@ -191,7 +210,7 @@ int main(int argc, char** argv) {
       {"read_gb_per_s", read.read_gb_per_s},
       {"read_gb_per_s_first", read_start},
       {"triad_gb_per_s", triad.triad_gb_per_s},
-      {"m", 1},
+      {"m", m},
       {"working_set_mib", working_set_mib},
       {"tok_per_s_equiv_params", kLlama1BParams},
       {"best_path", std::string(cpu::quant_path_name(cpu::resolve_quant_path(cpu::QuantPath::kAuto)))},

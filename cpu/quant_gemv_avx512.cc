@@ -1,14 +1,28 @@
-// AVX-512 (F/BW/VL) + VNNI kernels: vpdpbusd (u8 × s8 → int32, four products a lane) replaces
-// AVX2's maddubs + madd. Signed codes (Q8_0, Q4_0 − 8) move their sign onto the activations;
-// the K types' codes are unsigned already (Q6_K's −32 is −32·Σ sc·bsums); sub-block scales
-// multiply the int32 lanes, so each super-block's integer sum is exact before it meets a float.
-// 32-element blocks go two to a 512-bit vector. Compiled for these extensions by the target
-// pragma below, called only where the CPU has them.
-// GCC 12 warns that the undefined upper half _mm512_cast*256_*512 leaves is "maybe
-// uninitialized" inside its own headers (GCC bug 105593); these casts are always followed by an
-// insert of that half.
+// AVX-512 (F/BW/VL) + VNNI kernels. Compiled for these extensions by the target pragma below,
+// called only where the CPU has them.
+//
+// Design (issue #30: the 4/5/6-bit types were bound by unpacking, not bytes):
+// - Weight codes stay unsigned and go straight into vpdpbusd (u8 × s8 → int32, four products a
+//   lane); each type's offset is moved onto the activations, computed once per activation block
+//   (per activation row and step): Q4_0's −8 and Q8_0's +128 bias (codes XOR 0x80
+//   are unsigned) start the dpbusd accumulator at −c·Σx; Q4_K/Q5_K's mins are Σ mn·bsums, Q6_K's
+//   −32 is −32·Σ sc·bsums.
+// - K-type sub-block scales multiply the int32 lanes with vpdpwssd (a lane's dot product of 4
+//   codes fits int16, the scale sits in the lane's low half), so a super-block's integer sum is
+//   exact and meets a float once.
+// - Activation rows go two at a time (M = 2): each weight block is decoded once per pair. Every
+//   (row, activation row) pair runs the same instructions in the same order whatever the tile,
+//   so results do not depend on where a row split falls or on m.
+// - Q4_0/Q8_0 go four 32-blocks a step (their four f16 scales picked with one vpermw);
+//   Q4_K/Q5_K codes are arranged two sub-blocks a vector ([0|2], [1|3], [4|6], [5|7]) so that a
+//   64-byte load of nibbles gives two vectors, the activations arranged to match.
+// Accumulators are float lanes, reduced once per output.
+// GCC 12 warns that the undefined upper lanes _mm512_cast*128/256_*512 leave are "(maybe)
+// uninitialized" inside its own headers (GCC bug 105593); these casts are always followed by
+// inserts of those lanes or by a permute that reads only the defined ones.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -29,196 +43,377 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline __m512 join(__m256 lo, __m256 hi) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+// Four 16-byte pieces as one vector, p0 in the lowest lane.
+inline __m512i join4(const void* p0, const void* p1, const void* p2, const void* p3) {
+  __m512i v = _mm512_castsi128_si512(load128(p0));
+  v = _mm512_inserti32x4(v, load128(p1), 1);
+  v = _mm512_inserti32x4(v, load128(p2), 2);
+  return _mm512_inserti32x4(v, load128(p3), 3);
+}
+// (a & 0x0F) | (b & 0xF0) per byte.
+inline __m512i nibble_select(__m512i a, __m512i b) {
+  return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi8(0x0F), 0xE4);  // c ? a : b
+}
+inline float hsum128(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
 }
 
-inline __m256i decode_q8_0(const uint8_t* blk) { return load256(blk + 2); }
-inline __m256i decode_q4_0(const uint8_t* blk) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
-  return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
-}
+// ---- 32-element blocks, four a step ----
 
-template <int M, int kBytes, __m256i (*Decode)(const uint8_t*)>
-void tile32(const KernelArgs& a, int64_t r, int64_t i0) {
-  __m512 acc[M];
-  __m256 acc1[M];
-  const ActQ8_0* x[M];
-  for (int i = 0; i < M; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    acc1[i] = _mm256_setzero_ps();
-    x[i] = reinterpret_cast<const ActQ8_0*>(a.act + (i0 + i) * a.act_row_bytes);
+// Q4_0: block = f16 d, 16 bytes of nibbles (low: elements 0..15, high: 16..31).
+struct Q4_0K {
+  using Act = ActQ8_0;
+  static constexpr int kBytes = kQ4_0Bytes;
+  static constexpr int kOffset = 8;  // code − 8
+  struct X {
+    __m512i lo, hi, off;  // lo: elements 0..15 of blocks 0..3 (a 128-bit lane each), hi: 16..31
+    __m128 dx;
+  };
+  struct W {
+    __m512i lo, hi;
+    __m128 dw;
+  };
+  static X prep(const ActQ8_0* x) {
+    X p;
+    p.lo = join4(x[0].qs, x[1].qs, x[2].qs, x[3].qs);
+    p.hi = join4(x[0].qs + 16, x[1].qs + 16, x[2].qs + 16, x[3].qs + 16);
+    const __m512i c = _mm512_set1_epi8(kOffset);
+    p.off = _mm512_sub_epi32(_mm512_setzero_si512(),
+                             _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, p.lo), c, p.hi));
+    p.dx = _mm_setr_ps(x[0].d, x[1].d, x[2].d, x[3].d);
+    return p;
   }
-  const uint8_t* row = a.w + r * a.row_bytes;
-  int64_t b = 0;
-  for (; b + 2 <= a.nb; b += 2) {
-    const uint8_t* blk = row + b * kBytes;
-    const float dw0 = f16_at(blk), dw1 = f16_at(blk + kBytes);
-    const __m512i w = join(Decode(blk), Decode(blk + kBytes));
-    const __m512i aw = _mm512_abs_epi8(w);
-    const __mmask64 neg = _mm512_movepi8_mask(w);
+  static W decode(const uint8_t* g) {
+    W w;
+    const __m512i raw = join4(g + 2, g + 2 + kBytes, g + 2 + 2 * kBytes, g + 2 + 3 * kBytes);
+    const __m512i m = _mm512_set1_epi8(0xF);
+    w.lo = _mm512_and_si512(raw, m);
+    w.hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);
+    // The four f16 scales: words 0, 9, 18, 27 of the group's first 64 bytes.
+    const __m512i d = _mm512_permutexvar_epi16(_mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 27, 18, 9, 0),
+                                               load512(g));
+    w.dw = _mm_cvtph_ps(_mm512_castsi512_si128(d));
+    return w;
+  }
+  static void accum(const W& w, const X& x, __m512& acc) {
+    const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(x.off, w.lo, x.lo), w.hi, x.hi);
+    const __m512 sc = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                            _mm512_castps128_ps512(_mm_mul_ps(w.dw, x.dx)));
+    acc = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(s), acc);
+  }
+  // One block's 32 unsigned codes in element order.
+  static __m256i codes1(const uint8_t* blk) {
+    const __m128i raw = load128(blk + 2);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
+  }
+};
+
+// Q8_0: block = f16 d, int8 qs[32]; codes XOR 0x80 are code + 128, unsigned.
+struct Q8_0K {
+  using Act = ActQ8_0;
+  static constexpr int kBytes = kQ8_0Bytes;
+  static constexpr int kOffset = 128;
+  struct X {
+    __m512i x01, x23, off01, off23;  // blocks 0,1 and 2,3 (a 256-bit half each)
+    __m128 dx;
+  };
+  struct W {
+    __m512i w01, w23;
+    __m128 dw;
+  };
+  static X prep(const ActQ8_0* x) {
+    X p;
+    p.x01 = join(load256(x[0].qs), load256(x[1].qs));
+    p.x23 = join(load256(x[2].qs), load256(x[3].qs));
+    const __m512i c = _mm512_set1_epi8(static_cast<char>(kOffset));
+    p.off01 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, p.x01));
+    p.off23 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, p.x23));
+    p.dx = _mm_setr_ps(x[0].d, x[1].d, x[2].d, x[3].d);
+    return p;
+  }
+  static W decode(const uint8_t* g) {
+    W w;
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    w.w01 = _mm512_xor_si512(join(load256(g + 2), load256(g + 2 + kBytes)), bias);
+    w.w23 = _mm512_xor_si512(join(load256(g + 2 + 2 * kBytes), load256(g + 2 + 3 * kBytes)), bias);
+    // Words 0, 17, 34, 51 of the group's first 128 bytes.
+    const __m512i d = _mm512_permutex2var_epi16(load512(g),
+                                                _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 51, 34, 17, 0),
+                                                load512(g + 64));
+    w.dw = _mm_cvtph_ps(_mm512_castsi512_si128(d));
+    return w;
+  }
+  static void accum(const W& w, const X& x, __m512& acc) {
+    const __m512 sc = _mm512_castps128_ps512(_mm_mul_ps(w.dw, x.dx));
+    const __m512i s01 = _mm512_dpbusd_epi32(x.off01, w.w01, x.x01);
+    const __m512i s23 = _mm512_dpbusd_epi32(x.off23, w.w23, x.x23);
+    const __m512 sc01 = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), sc);
+    const __m512 sc23 = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2), sc);
+    acc = _mm512_fmadd_ps(sc01, _mm512_cvtepi32_ps(s01), acc);
+    acc = _mm512_fmadd_ps(sc23, _mm512_cvtepi32_ps(s23), acc);
+  }
+  static __m256i codes1(const uint8_t* blk) { return _mm256_xor_si256(load256(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80))); }
+};
+
+template <class K, int R, int M>
+void tile32(const KernelArgs& a, int64_t r0, int64_t i0) {
+  __m512 acc[R][M];
+  __m256 acc1[R][M];
+  const ActQ8_0* x[M];
+  const uint8_t* row[R];
+  for (int i = 0; i < M; ++i) x[i] = reinterpret_cast<const ActQ8_0*>(a.act + (i0 + i) * a.act_row_bytes);
+  for (int r = 0; r < R; ++r) {
+    row[r] = a.w + (r0 + r) * a.row_bytes;
     for (int i = 0; i < M; ++i) {
-      const __m512i xv = join(load256(x[i][b].qs), load256(x[i][b + 1].qs));
-      const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs);
-      const __m512 scale = join(_mm256_set1_ps(dw0 * x[i][b].d), _mm256_set1_ps(dw1 * x[i][b + 1].d));
-      acc[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s), acc[i]);
+      acc[r][i] = _mm512_setzero_ps();
+      acc1[r][i] = _mm256_setzero_ps();
     }
   }
-  if (b < a.nb) {  // an odd last block, 256 bits wide
-    const uint8_t* blk = row + b * kBytes;
-    const float dw = f16_at(blk);
-    const __m256i w = Decode(blk);
-    const __m256i aw = _mm256_abs_epi8(w);
-    const __mmask32 neg = _mm256_movepi8_mask(w);
+  int64_t b = 0;
+  for (; b + 4 <= a.nb; b += 4) {
+    typename K::X xs[M];
+    for (int i = 0; i < M; ++i) xs[i] = K::prep(x[i] + b);
+    for (int r = 0; r < R; ++r) {
+      const typename K::W w = K::decode(row[r] + b * K::kBytes);
+      for (int i = 0; i < M; ++i) K::accum(w, xs[i], acc[r][i]);
+    }
+  }
+  for (; b < a.nb; ++b) {  // the last nb % 4 blocks, one at a time
+    const __m256i c = _mm256_set1_epi8(static_cast<char>(K::kOffset));
     for (int i = 0; i < M; ++i) {
       const __m256i xv = load256(x[i][b].qs);
-      const __m256i xs = _mm256_mask_sub_epi8(xv, neg, _mm256_setzero_si256(), xv);
-      const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, xs);
-      acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[i][b].d), _mm256_cvtepi32_ps(s), acc1[i]);
+      const __m256i off = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xv));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = row[r] + b * K::kBytes;
+        const __m256i s = _mm256_dpbusd_epi32(off, K::codes1(blk), xv);
+        acc1[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk) * x[i][b].d), _mm256_cvtepi32_ps(s), acc1[r][i]);
+      }
     }
   }
-  for (int i = 0; i < M; ++i) {
-    const __m512 t = _mm512_add_ps(acc[i], join(acc1[i], _mm256_setzero_ps()));
-    a.y[(i0 + i) * a.ldy + r] = _mm512_reduce_add_ps(t);
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < M; ++i) {
+      const __m256 t = acc1[r][i];
+      a.y[(i0 + i) * a.ldy + r0 + r] =
+          _mm512_reduce_add_ps(acc[r][i]) + hsum128(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
   }
 }
 
-// Q4_K / Q5_K codes of elements 64j..64j+63 in order (sub-blocks 2j, 2j + 1 in the two halves).
-inline __m512i codes_q4_k(const uint8_t* blk, int j, __m256i& /*qh_state*/) {
-  const __m256i q = load256(blk + 16 + 32 * j);
-  return _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), _mm512_set1_epi8(0xF));
-}
-// qh_state starts as qh and is shifted right by 2 per call: bit 0 of each byte is then bit 2j.
-inline __m512i codes_q5_k(const uint8_t* blk, int j, __m256i& qh) {
-  const __m256i q = load256(blk + 48 + 32 * j);
-  const __m512i nib = _mm512_and_si512(join(q, _mm256_srli_epi16(q, 4)), _mm512_set1_epi8(0xF));
-  const __m512i h = _mm512_and_si512(join(qh, _mm256_srli_epi16(qh, 1)), _mm512_set1_epi8(1));
-  qh = _mm256_srli_epi16(qh, 2);
-  return _mm512_or_si512(nib, _mm512_slli_epi16(h, 4));
+// ---- 256-element super-blocks ----
+
+// The activations of one super-block as four vectors of 64 in sub-block pairs [0|2], [1|3],
+// [4|6], [5|7] (Q4_K/Q5_K), the pair sums of bsums (sub-blocks of 32) and d.
+struct XK4 {
+  __m512i v[4];
+  __m128i bsum8;
+  float d;
+};
+inline XK4 prep_k4(const ActQ8K& x) {
+  XK4 p;
+  for (int h = 0; h < 2; ++h) {
+    p.v[2 * h] = join(load256(x.qs + 128 * h), load256(x.qs + 128 * h + 64));
+    p.v[2 * h + 1] = join(load256(x.qs + 128 * h + 32), load256(x.qs + 128 * h + 96));
+  }
+  const __m256i bs = load256(x.bsums);
+  p.bsum8 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+  p.d = x.d;
+  return p;
 }
 
-template <int M, int kBytes, __m512i (*Codes)(const uint8_t*, int, __m256i&)>
-void tile_k4(const KernelArgs& a, int64_t r, int64_t i0) {
-  __m512 acc[M];
-  __m128 accm[M];
+// Q4_K / Q5_K scales and mins (ggml's get_scale_min_k4 for all 8 sub-blocks): bytes 0..7 the
+// scales, 8..15 the mins, from the 12 packed bytes at q (16 bytes are read).
+inline __m128i k4_scales_mins_simd(const uint8_t* q) {
+  const __m128i v = load128(q);  // words u0, u1, u2 (u3 unused)
+  // Target words: u0 & m1, (u2 & m2) | ((u0 >> 6) & m3) << 4, u1 & m1, ((u2 >> 4) & m2) | ((u1 >> 6) & m3) << 4.
+  const __m128i p = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // u0, u2, u1, u2
+  const __m128i q2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // u0, u0, u1, u1
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)),
+                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(q2, 6), _mm_setr_epi32(0, 0x03030303, 0, 0x03030303)), 4);
+  return _mm_or_si128(low, high);
+}
+
+// Q4_K: f16 d, f16 dmin, scales[12], qs[128] (bytes 32h..32h+31 of qs hold sub-blocks 2h (low
+// nibbles) and 2h + 1 (high)).
+struct Q4KK {
+  static constexpr int kBytes = kQ4KBytes;
+  static void codes(const uint8_t* blk, __m512i c[4]) {
+    const __m512i m = _mm512_set1_epi8(0xF);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = load512(blk + 16 + 64 * h);  // sub-blocks 4h..4h+3
+      c[2 * h] = _mm512_and_si512(q, m);                            // [4h | 4h + 2]
+      c[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m);  // [4h + 1 | 4h + 3]
+    }
+  }
+};
+// Q5_K: f16 d, f16 dmin, scales[12], qh[32] (bit j of byte l: element l of sub-block j), qs[128].
+struct Q5KK {
+  static constexpr int kBytes = kQ5KBytes;
+  static void codes(const uint8_t* blk, __m512i c[4]) {
+    const __m256i qh = load256(blk + 16);
+    // Bytes 0..31: qh; 32..63: qh >> 2. Bits 0, 1, 4, 5 are then those of sub-blocks
+    // [0|2], [1|3], [4|6], [5|7] in that vector order.
+    const __m512i hv = join(qh, _mm256_srli_epi16(qh, 2));
+    const __m512i m = _mm512_set1_epi8(0x10);
+    const __m512i h[4] = {_mm512_and_si512(_mm512_slli_epi16(hv, 4), m), _mm512_and_si512(_mm512_slli_epi16(hv, 3), m),
+                          _mm512_and_si512(hv, m), _mm512_and_si512(_mm512_srli_epi16(hv, 1), m)};
+    for (int j = 0; j < 2; ++j) {
+      const __m512i q = load512(blk + 48 + 64 * j);
+      c[2 * j] = nibble_select(q, h[2 * j]);
+      c[2 * j + 1] = nibble_select(_mm512_srli_epi16(q, 4), h[2 * j + 1]);
+    }
+  }
+};
+
+template <class K, int R, int M>
+void tile_k4(const KernelArgs& a, int64_t r0, int64_t i0) {
+  __m512 acc[R][M];
+  __m128 accm[R][M];
   const ActQ8K* x[M];
-  for (int i = 0; i < M; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    accm[i] = _mm_setzero_ps();
-    x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
+  const uint8_t* row[R];
+  for (int i = 0; i < M; ++i) x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
+  for (int r = 0; r < R; ++r) {
+    row[r] = a.w + (r0 + r) * a.row_bytes;
+    for (int i = 0; i < M; ++i) {
+      acc[r][i] = _mm512_setzero_ps();
+      accm[r][i] = _mm_setzero_ps();
+    }
   }
-  const uint8_t* row = a.w + r * a.row_bytes;
+  // Lanes 0..7 of sub-block pair k's scale vector: the first sub-block's, 8..15 the second's.
+  const __m512i idx[4] = {_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+                          _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+                          _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+                          _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
   for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = row + b * kBytes;
-    uint32_t u[4];
-    k4_scales_mins_packed(blk + 4, u);
-    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-    const __m512i sc32 = _mm512_cvtepu8_epi32(sm);  // lanes 0..7 scales, 8..15 mins
-    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
-    __m512i isum[M];
-    for (int i = 0; i < M; ++i) isum[i] = _mm512_setzero_si512();
-    __m256i qh = load256(blk + 16);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i c = Codes(blk, j, qh);
-      const __m512i s = _mm512_permutexvar_epi32(join(_mm256_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1)), sc32);
+    XK4 xs[M];
+    for (int i = 0; i < M; ++i) xs[i] = prep_k4(x[i][b]);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = row[r] + b * K::kBytes;
+      __m512i c[4];
+      K::codes(blk, c);
+      const __m128i sm = k4_scales_mins_simd(blk + 4);
+      const __m512i sc32 = _mm512_cvtepu8_epi32(sm);  // lanes 0..7 scales (8..15 mins, unused)
+      const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+      __m512i s[4];
+      for (int k = 0; k < 4; ++k) s[k] = _mm512_permutexvar_epi32(idx[k], sc32);
+      int32_t d2;
+      std::memcpy(&d2, blk, 4);
+      const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(d2));  // d, dmin
       for (int i = 0; i < M; ++i) {
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, load512(x[i][b].qs + 64 * j));
-        isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, s));
-      }
-    }
-    const float d = f16_at(blk), dmin = f16_at(blk + 2);
-    for (int i = 0; i < M; ++i) {
-      // Σ_j mn[j]·(bsums[2j] + bsums[2j + 1]) in four int32 lanes.
-      const __m256i bs = load256(x[i][b].bsums);
-      const __m128i pm = _mm_madd_epi16(mins16, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
-      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(d * x[i][b].d), _mm512_cvtepi32_ps(isum[i]), acc[i]);
-      accm[i] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[i][b].d), _mm_cvtepi32_ps(pm), accm[i]);
-    }
-  }
-  for (int i = 0; i < M; ++i) {
-    a.y[(i0 + i) * a.ldy + r] =
-        _mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(_mm512_insertf32x4(_mm512_setzero_ps(), accm[i], 0));
-  }
-}
-
-// Q6_K: four 512-bit vectors of codes 0..63 a super-block; scale g (16 elements) covers 4 lanes.
-template <int M>
-void tile_q6_k(const KernelArgs& a, int64_t r, int64_t i0) {
-  __m512 acc[M];
-  const ActQ8K* x[M];
-  for (int i = 0; i < M; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
-  }
-  const uint8_t* row = a.w + r * a.row_bytes;
-  const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3);
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = row + b * kQ6KBytes;
-    const __m512i sc32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-    __m512i isum[M];
-    for (int i = 0; i < M; ++i) {
-      // −32 · sc[g]·bsums[g] per lane g, exact.
-      const __m512i bs = _mm512_cvtepi16_epi32(load256(x[i][b].bsums));
-      isum[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_mullo_epi32(bs, sc32), 5));
-    }
-    for (int c = 0; c < 2; ++c) {
-      const __m512i ql = load512(blk + 64 * c);
-      const __m256i qh = load256(blk + 128 + 32 * c);
-      const __m512i h01 = _mm512_and_si512(join(qh, _mm256_srli_epi16(qh, 2)), m2);
-      const __m512i h23 = _mm512_and_si512(join(_mm256_srli_epi16(qh, 4), _mm256_srli_epi16(qh, 6)), m2);
-      const __m512i v[2] = {
-          _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(h01, 4)),
-          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_slli_epi16(h23, 4)),
-      };
-      for (int t = 0; t < 2; ++t) {
-        const int vi = 2 * c + t;  // elements 64vi..64vi+63: scales 4vi..4vi+3, four lanes each
-        const __m512i idx = _mm512_set_epi32(4 * vi + 3, 4 * vi + 3, 4 * vi + 3, 4 * vi + 3, 4 * vi + 2, 4 * vi + 2,
-                                             4 * vi + 2, 4 * vi + 2, 4 * vi + 1, 4 * vi + 1, 4 * vi + 1, 4 * vi + 1,
-                                             4 * vi, 4 * vi, 4 * vi, 4 * vi);
-        const __m512i s = _mm512_permutexvar_epi32(idx, sc32);
-        for (int i = 0; i < M; ++i) {
-          const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[t], load512(x[i][b].qs + 64 * vi));
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p, s));
+        __m512i isum = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {
+          // A lane's 4 products are at most 4·31·127 < 2^15: exact as the int16 low half of the
+          // lane (the high half is its sign), times the scale in the low half of s[k].
+          isum = _mm512_dpwssd_epi32(isum, _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[k], xs[i].v[k]), s[k]);
         }
+        // Σ_j mn[j]·(bsums[2j] + bsums[2j + 1]) in four int32 lanes.
+        const __m128i pm = _mm_madd_epi16(mins16, xs[i].bsum8);
+        const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(xs[i].d));  // d·dx, dmin·dx
+        acc[r][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), _mm512_cvtepi32_ps(isum), acc[r][i]);
+        accm[r][i] = _mm_fmadd_ps(_mm_shuffle_ps(f, f, 0x55), _mm_cvtepi32_ps(pm), accm[r][i]);
       }
     }
-    const float d = f16_at(blk + 208);
+  }
+  for (int r = 0; r < R; ++r) {
     for (int i = 0; i < M; ++i) {
-      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(d * x[i][b].d), _mm512_cvtepi32_ps(isum[i]), acc[i]);
+      a.y[(i0 + i) * a.ldy + r0 + r] = _mm512_reduce_add_ps(acc[r][i]) - hsum128(accm[r][i]);
     }
   }
-  for (int i = 0; i < M; ++i) a.y[(i0 + i) * a.ldy + r] = _mm512_reduce_add_ps(acc[i]);
 }
 
-template <template <int> class Tile>
+// Q6_K: ql[128], qh[64], int8 scales[16], f16 d. Half h (elements 128h..128h+127): ql bytes
+// 64h..64h+63 hold elements 128h + l (low nibbles of 0..31), +32 (low, 32..63), +64 (high,
+// 0..31), +96 (high, 32..63); qh byte 32h + l bits 0-1, 2-3, 4-5, 6-7 the same four. Vector
+// 2h + t holds elements 128h + 64t..+63 in order: scale g (16 elements) covers its lanes 4g..4g+3.
+template <int R, int M>
+void tile_q6_k(const KernelArgs& a, int64_t r0, int64_t i0) {
+  __m512 acc[R][M];
+  const ActQ8K* x[M];
+  const uint8_t* row[R];
+  for (int i = 0; i < M; ++i) x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
+  for (int r = 0; r < R; ++r) {
+    row[r] = a.w + (r0 + r) * a.row_bytes;
+    for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+  }
+  const __m512i m2 = _mm512_set1_epi8(0x30);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512i xv[M][4];
+    __m256i nbs[M];  // −bsums (|bsums| ≤ 16·127: no int16 overflow)
+    for (int i = 0; i < M; ++i) {
+      for (int k = 0; k < 4; ++k) xv[i][k] = load512(x[i][b].qs + 64 * k);
+      nbs[i] = _mm256_sub_epi16(_mm256_setzero_si256(), load256(x[i][b].bsums));
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = row[r] + b * kQ6KBytes;
+      __m512i v[4];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = load512(blk + 64 * h);
+        const __m256i qh = load256(blk + 128 + 32 * h);
+        const __m512i hv = join(qh, _mm256_srli_epi16(qh, 2));  // bits 0-1 then 4-5: the high bits of vectors 2h, 2h + 1
+        v[2 * h] = nibble_select(ql, _mm512_and_si512(_mm512_slli_epi16(hv, 4), m2));
+        v[2 * h + 1] = nibble_select(_mm512_srli_epi16(ql, 4), _mm512_and_si512(hv, m2));
+      }
+      const __m256i sc16 = _mm256_cvtepi8_epi16(load128(blk + 192));
+      const __m512i sc32 = _mm512_cvtepu16_epi32(sc16);  // signed scale in each lane's low half, high half 0
+      __m512i s[4];
+      for (int k = 0; k < 4; ++k) {
+        s[k] = _mm512_permutexvar_epi32(_mm512_set_epi32(4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 2, 4 * k + 2,
+                                                         4 * k + 2, 4 * k + 2, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1,
+                                                         4 * k, 4 * k, 4 * k, 4 * k),
+                                        sc32);
+      }
+      const float d = f16_at(blk + 208);
+      for (int i = 0; i < M; ++i) {
+        // −32·Σ_g sc[g]·bsums[g] (eight int32 lanes), then the codes' sums on top.
+        __m512i isum = _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(nbs[i], sc16), 5));
+        for (int k = 0; k < 4; ++k) {
+          // ≤ 4·63·127 < 2^15 a lane: exact as its int16 low half (see tile_k4).
+          isum = _mm512_dpwssd_epi32(isum, _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k], xv[i][k]), s[k]);
+        }
+        acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(d * x[i][b].d), _mm512_cvtepi32_ps(isum), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < M; ++i) a.y[(i0 + i) * a.ldy + r0 + r] = _mm512_reduce_add_ps(acc[r][i]);
+  }
+}
+
+template <class K> struct T32 {
+  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i) { tile32<K, R, M>(a, r, i); }
+};
+template <class K> struct TK4 {
+  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_k4<K, R, M>(a, r, i); }
+};
+struct TQ6 {
+  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_q6_k<R, M>(a, r, i); }
+};
+
+// Rows r0..r1 one weight row at a time (R = 1), activation rows two at a time. Tiles of 2 or 4
+// weight rows (R = 2, 4), which share each activation block's arrangement between rows, ran
+// slower at m = 1 with the weights streamed from DRAM (bench_quant_gemv, 2026-12-07: 4 interleaved
+// row streams against one sequential stream), so the kernels keep R as a parameter but use 1.
+template <class T>
 void rows(const KernelArgs& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t i0 = 0; i0 < a.m; i0 += 4) {
-      switch (a.m - i0) {
-        case 1: Tile<1>::run(a, r, i0); break;
-        case 2: Tile<2>::run(a, r, i0); break;
-        case 3: Tile<3>::run(a, r, i0); break;
-        default: Tile<4>::run(a, r, i0); break;
-      }
-    }
+    int64_t i = 0;
+    for (; i + 2 <= a.m; i += 2) T::template run<1, 2>(a, r, i);
+    if (i < a.m) T::template run<1, 1>(a, r, i);
   }
 }
-
-template <int M> struct Q8_0 { static void run(const KernelArgs& a, int64_t r, int64_t i) { tile32<M, kQ8_0Bytes, decode_q8_0>(a, r, i); } };
-template <int M> struct Q4_0 { static void run(const KernelArgs& a, int64_t r, int64_t i) { tile32<M, kQ4_0Bytes, decode_q4_0>(a, r, i); } };
-template <int M> struct Q4K { static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_k4<M, kQ4KBytes, codes_q4_k>(a, r, i); } };
-template <int M> struct Q5K { static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_k4<M, kQ5KBytes, codes_q5_k>(a, r, i); } };
-template <int M> struct Q6K { static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_q6_k<M>(a, r, i); } };
 
 }  // namespace
 
 const Kernels& avx512_kernels() {
-  static constexpr Kernels k{rows<Q8_0>, rows<Q4_0>, rows<Q4K>, rows<Q5K>, rows<Q6K>};
+  static constexpr Kernels k{rows<T32<Q8_0K>>, rows<T32<Q4_0K>>, rows<TK4<Q4KK>>, rows<TK4<Q5KK>>, rows<TQ6>};
   return k;
 }
 

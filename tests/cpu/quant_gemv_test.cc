@@ -1,6 +1,7 @@
 // quant_gemv (cpu/quant_gemv.h): every SIMD path against the scalar reference, the reference
 // against dequantise-then-f32 (core/model/ggml_quants), the non-finite policy, guard regions,
-// odd row counts, padded rows, the row split over oneTBB and argument errors.
+// odd row counts, padded rows, block and batch remainders of the SIMD tiles, the row split over
+// oneTBB and argument errors.
 //
 // Tolerances (per output element, against B = Σ_j |x_j|·|w_j| with w the dequantised weights):
 // - SIMD vs reference: both form the same exact integer block sums; only the float scale
@@ -149,6 +150,57 @@ TEST(QuantGemv, EverySimdPathMatchesTheScalarReference) {
   }
 }
 
+// The AVX-512 path takes Q8_0/Q4_0 four blocks a step (then the last nb % 4 one at a time) and
+// activation rows two at a time (then the odd one): row counts, block counts and m that leave
+// every remainder.
+TEST(QuantGemv, BlockAndActivationRemaindersMatchTheScalarReference) {
+  for (QuantPath path : kSimdPaths) {
+    if (skip_unavailable(path)) continue;
+    for (uint32_t t : kTypes) {
+      const int64_t block = ggml_type_info(t)->block;
+      for (int64_t blocks : {1, 2, 3, 5, 6, 7}) {
+        for (int64_t m : {1, 2, 5}) {
+          const int64_t k = blocks * block - (blocks > 1 ? 3 : 0);  // a partial last block too
+          SCOPED_TRACE(type_name(t) + " " + std::string(quant_path_name(path)) + " blocks=" + std::to_string(blocks) +
+                       " m=" + std::to_string(m));
+          const Problem p = make_problem(t, 13, k, m, static_cast<uint32_t>(t * 31 + blocks * 7 + m));
+          const std::vector<float> ref = run(p, QuantPath::kScalar);
+          const std::vector<float> got = run(p, path);
+          const std::vector<double> bound = abs_bound(p, dequantise(t, p.w, p.n, p.k));
+          int64_t bad = 0;
+          for (size_t e = 0; e < got.size(); ++e) {
+            if (!(std::fabs(double(got[e]) - ref[e]) <= 1e-5 * bound[e])) {
+              if (++bad <= 3) ADD_FAILURE() << "element " << e << ": " << got[e] << " vs " << ref[e];
+            }
+          }
+          EXPECT_EQ(bad, 0);
+        }
+      }
+    }
+  }
+}
+
+// Each (weight row, activation row) pair is computed by the same instructions whatever tile it
+// falls in: an activation row's outputs are bit-identical alone (m = 1) and inside a batch.
+TEST(QuantGemv, AnActivationRowsOutputsDoNotDependOnTheBatch) {
+  for (QuantPath path : {QuantPath::kScalar, QuantPath::kAvx2, QuantPath::kAvx512}) {
+    if (skip_unavailable(path)) continue;
+    for (uint32_t t : kTypes) {
+      SCOPED_TRACE(type_name(t) + " " + std::string(quant_path_name(path)));
+      const Problem batch = make_problem(t, kOddRows, 512, 5, 90 + t);
+      const std::vector<float> all = run(batch, path);
+      for (int64_t i : {0, 3, 4}) {  // in a pair's first and second place, and the odd last row
+        Problem one = batch;
+        one.m = 1;
+        one.x.assign(batch.x.begin() + i * batch.k, batch.x.begin() + (i + 1) * batch.k);
+        const std::vector<float> alone = run(one, path);
+        EXPECT_EQ(alone, std::vector<float>(all.begin() + i * batch.n, all.begin() + (i + 1) * batch.n))
+            << "activation row " << i;
+      }
+    }
+  }
+}
+
 TEST(QuantGemv, ReferenceMatchesDequantisedF32WithinActivationQuantisation) {
   for (uint32_t t : kTypes) {
     const bool k_type = ggml_type_info(t)->block == 256;
@@ -250,11 +302,13 @@ TEST(QuantGemv, PaddedRowsReadOnlyTheFirstColsActivations) {
 }
 
 TEST(QuantGemv, RowSplitOverThreadsIsBitIdenticalToOneThread) {
-  for (uint32_t t : {kQ8_0, kQ4_K, kQ6_K}) {
-    SCOPED_TRACE(type_name(t));
-    const Problem p = make_problem(t, 1031, 4096, 3, 70 + t);  // > 256 KiB: split
-    const QuantPath path = resolve_quant_path(QuantPath::kAuto);
-    EXPECT_EQ(run(p, path, true), run(p, path, false));
+  for (uint32_t t : kTypes) {
+    for (int64_t m : {1, 3}) {
+      SCOPED_TRACE(type_name(t) + " m=" + std::to_string(m));
+      const Problem p = make_problem(t, 1031, 4096, m, 70 + t);  // > 256 KiB: split
+      const QuantPath path = resolve_quant_path(QuantPath::kAuto);
+      EXPECT_EQ(run(p, path, true), run(p, path, false));
+    }
   }
 }
 

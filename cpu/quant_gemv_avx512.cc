@@ -27,6 +27,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "cpu/quant_gemv_kernels.h"
 
@@ -163,8 +165,9 @@ struct Q8_0K {
   static __m256i codes1(const uint8_t* blk) { return _mm256_xor_si256(load256(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80))); }
 };
 
+// xp: the prepared activation steps, a.nb / 4 a row (K::prep of each four blocks).
 template <class K, int R, int M>
-void tile32(const KernelArgs& a, int64_t r0, int64_t i0) {
+void tile32(const KernelArgs& a, int64_t r0, int64_t i0, const typename K::X* xp) {
   __m512 acc[R][M];
   __m256 acc1[R][M];
   const ActQ8_0* x[M];
@@ -179,11 +182,9 @@ void tile32(const KernelArgs& a, int64_t r0, int64_t i0) {
   }
   int64_t b = 0;
   for (; b + 4 <= a.nb; b += 4) {
-    typename K::X xs[M];
-    for (int i = 0; i < M; ++i) xs[i] = K::prep(x[i] + b);
     for (int r = 0; r < R; ++r) {
       const typename K::W w = K::decode(row[r] + b * K::kBytes);
-      for (int i = 0; i < M; ++i) K::accum(w, xs[i], acc[r][i]);
+      for (int i = 0; i < M; ++i) K::accum(w, xp[(i0 + i) * (a.nb / 4) + b / 4], acc[r][i]);
     }
   }
   for (; b < a.nb; ++b) {  // the last nb % 4 blocks, one at a time
@@ -273,13 +274,12 @@ struct Q5KK {
   }
 };
 
+// xp: the prepared activation super-blocks, a.nb a row (prep_k4).
 template <class K, int R, int M>
-void tile_k4(const KernelArgs& a, int64_t r0, int64_t i0) {
+void tile_k4(const KernelArgs& a, int64_t r0, int64_t i0, const XK4* xp) {
   __m512 acc[R][M];
   __m128 accm[R][M];
-  const ActQ8K* x[M];
   const uint8_t* row[R];
-  for (int i = 0; i < M; ++i) x[i] = reinterpret_cast<const ActQ8K*>(a.act + (i0 + i) * a.act_row_bytes);
   for (int r = 0; r < R; ++r) {
     row[r] = a.w + (r0 + r) * a.row_bytes;
     for (int i = 0; i < M; ++i) {
@@ -293,8 +293,8 @@ void tile_k4(const KernelArgs& a, int64_t r0, int64_t i0) {
                           _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
                           _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
   for (int64_t b = 0; b < a.nb; ++b) {
-    XK4 xs[M];
-    for (int i = 0; i < M; ++i) xs[i] = prep_k4(x[i][b]);
+    const XK4* xs[M];
+    for (int i = 0; i < M; ++i) xs[i] = xp + (i0 + i) * a.nb + b;
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row[r] + b * K::kBytes;
       __m512i c[4];
@@ -312,11 +312,11 @@ void tile_k4(const KernelArgs& a, int64_t r0, int64_t i0) {
         for (int k = 0; k < 4; ++k) {
           // A lane's 4 products are at most 4·31·127 < 2^15: exact as the int16 low half of the
           // lane (the high half is its sign), times the scale in the low half of s[k].
-          isum = _mm512_dpwssd_epi32(isum, _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[k], xs[i].v[k]), s[k]);
+          isum = _mm512_dpwssd_epi32(isum, _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[k], xs[i]->v[k]), s[k]);
         }
         // Σ_j mn[j]·(bsums[2j] + bsums[2j + 1]) in four int32 lanes.
-        const __m128i pm = _mm_madd_epi16(mins16, xs[i].bsum8);
-        const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(xs[i].d));  // d·dx, dmin·dx
+        const __m128i pm = _mm_madd_epi16(mins16, xs[i]->bsum8);
+        const __m128 f = _mm_mul_ps(dd, _mm_set1_ps(xs[i]->d));  // d·dx, dmin·dx
         acc[r][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), _mm512_cvtepi32_ps(isum), acc[r][i]);
         accm[r][i] = _mm_fmadd_ps(_mm_shuffle_ps(f, f, 0x55), _mm_cvtepi32_ps(pm), accm[r][i]);
       }
@@ -387,14 +387,47 @@ void tile_q6_k(const KernelArgs& a, int64_t r0, int64_t i0) {
   }
 }
 
+// n elements of X, 64-byte aligned, in a buffer of the calling thread that only grows (X is a
+// trivially copyable bundle of vectors, an implicit-lifetime type).
+template <class X>
+X* scratch(size_t n) {
+  thread_local std::vector<unsigned char> raw;
+  const size_t bytes = n * sizeof(X);
+  if (raw.size() < bytes + alignof(X)) raw.resize(bytes + alignof(X));
+  void* p = raw.data();
+  size_t space = raw.size();
+  return static_cast<X*>(std::align(alignof(X), bytes, p, space));
+}
+
+// Each activation row's steps arranged once per call of rows() (one task of the row split), in a
+// buffer of the calling thread (rows() runs no nested oneTBB work, so it is not re-entered).
 template <class K> struct T32 {
-  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i) { tile32<K, R, M>(a, r, i); }
+  using X = typename K::X;
+  static const X* prepare(const KernelArgs& a) {
+    const int64_t steps = a.nb / 4;
+    X* buf = scratch<X>(static_cast<size_t>(a.m * steps));
+    for (int64_t i = 0; i < a.m; ++i) {
+      const auto* x = reinterpret_cast<const typename K::Act*>(a.act + i * a.act_row_bytes);
+      for (int64_t s = 0; s < steps; ++s) buf[i * steps + s] = K::prep(x + 4 * s);
+    }
+    return buf;
+  }
+  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i, const X* xp) { tile32<K, R, M>(a, r, i, xp); }
 };
 template <class K> struct TK4 {
-  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_k4<K, R, M>(a, r, i); }
+  static const XK4* prepare(const KernelArgs& a) {
+    XK4* buf = scratch<XK4>(static_cast<size_t>(a.m * a.nb));
+    for (int64_t i = 0; i < a.m; ++i) {
+      const auto* x = reinterpret_cast<const ActQ8K*>(a.act + i * a.act_row_bytes);
+      for (int64_t b = 0; b < a.nb; ++b) buf[i * a.nb + b] = prep_k4(x[b]);
+    }
+    return buf;
+  }
+  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i, const XK4* xp) { tile_k4<K, R, M>(a, r, i, xp); }
 };
-struct TQ6 {
-  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i) { tile_q6_k<R, M>(a, r, i); }
+struct TQ6 {  // reads the activations as they are
+  static const void* prepare(const KernelArgs&) { return nullptr; }
+  template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i, const void*) { tile_q6_k<R, M>(a, r, i); }
 };
 
 // Rows r0..r1 one weight row at a time (R = 1), activation rows two at a time. Tiles of 2 or 4
@@ -403,10 +436,11 @@ struct TQ6 {
 // row streams against one sequential stream), so the kernels keep R as a parameter but use 1.
 template <class T>
 void rows(const KernelArgs& a, int64_t r0, int64_t r1) {
+  const auto* xp = T::prepare(a);
   for (int64_t r = r0; r < r1; ++r) {
     int64_t i = 0;
-    for (; i + 2 <= a.m; i += 2) T::template run<1, 2>(a, r, i);
-    if (i < a.m) T::template run<1, 1>(a, r, i);
+    for (; i + 2 <= a.m; i += 2) T::template run<1, 2>(a, r, i, xp);
+    if (i < a.m) T::template run<1, 1>(a, r, i, xp);
   }
 }
 

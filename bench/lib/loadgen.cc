@@ -494,6 +494,9 @@ json metrics_delta(const std::map<std::string, double>& before, const std::map<s
           {"writes", d(p + "prefix_store_writes_total")},
           {"bytes_read", d(p + "prefix_store_read_bytes_total")},
           {"bytes_written", d(p + "prefix_store_written_bytes_total")},
+          {"chunks_written", d(p + "prefix_store_chunks_written_total")},
+          {"chunks_skipped", d(p + "prefix_store_chunks_skipped_total")},
+          {"chunks_read", d(p + "prefix_store_chunks_read_total")},
           {"errors", d(p + "prefix_store_errors_total")}}}};
   }
   if (after.count("specontext_router_requests_total") != 0) {

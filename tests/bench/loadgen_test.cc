@@ -274,6 +274,7 @@ TEST(LoadgenMetrics, DeltasOverARunForServeAndRouter) {
   const std::string after =
       "specontext_prompt_tokens_total 400\nspecontext_prefix_cache_hit_tokens_total 100\n"
       "specontext_prefix_offload_bytes 8192\nspecontext_prefix_store_read_bytes_total 1010\n"
+      "specontext_prefix_store_chunks_written_total 7\n"
       "specontext_router_requests_total 15\nspecontext_router_prefix_lookups_total 14\n"
       "specontext_router_prefix_hits_total 9\n"
       "specontext_router_replica_chosen_total{replica=\"127.0.0.1:81\"} 12\n"
@@ -290,6 +291,7 @@ TEST(LoadgenMetrics, DeltasOverARunForServeAndRouter) {
   EXPECT_EQ(d["serve"]["host_tier"]["bytes"]["before"], 4096);
   EXPECT_EQ(d["serve"]["host_tier"]["bytes"]["after"], 8192);
   EXPECT_EQ(d["serve"]["shared_store"]["bytes_read"], 1000);
+  EXPECT_EQ(d["serve"]["shared_store"]["chunks_written"], 7);  // none before
   EXPECT_EQ(d["router"]["requests"], 10);
   EXPECT_DOUBLE_EQ(d["router"]["prefix_hit_rate"].get<double>(), 0.8);  // 8 of 10 lookups in the run
   EXPECT_EQ(d["router"]["replicas"]["127.0.0.1:81"]["chosen"], 10);

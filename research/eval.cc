@@ -19,10 +19,13 @@ using Clock = std::chrono::steady_clock;
 using eval_internal::seconds_since;
 using eval_internal::splitmix64;
 
-// Collects per-step, per-layer attention fidelity of single-token decode steps.
+// Collects per-step, per-layer attention fidelity of single-token decode steps, and per step the
+// recall of the best selection shared by every layer (shared_oracle_recall).
 class FidelityObserver final : public ForwardObserver {
  public:
-  FidelityObserver(int64_t n_heads, int64_t head_dim) : n_heads_(n_heads), head_dim_(head_dim) {}
+  FidelityObserver(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t n_layers,
+                   const SelectionOptions& selection)
+      : n_heads_(n_heads), n_kv_heads_(n_kv_heads), head_dim_(head_dim), n_layers_(n_layers), selection_(selection) {}
 
   void on_attention(LayerId layer, const float* q, std::span<const AttentionItem> items) override {
     flush();
@@ -37,8 +40,23 @@ class FidelityObserver final : public ForwardObserver {
   void on_sparse_selection(LayerId layer, std::span<const AttentionItem> items,
                            std::span<const Selection* const> selections) override {
     if (!pending_ || layer != layer_ || items.size() != 1 || selections.size() != 1) return;
-    add(attention_fidelity(q_.data(), n_heads_, items[0].kv, items[0].start_pos + 1, selections[0]));
+    const int64_t length = items[0].start_pos + 1;
+    add(attention_fidelity(q_.data(), n_heads_, items[0].kv, length, selections[0]));
     pending_ = false;
+    if (step_weights_.empty()) step_length_ = length;
+    if (length != step_length_) return;
+    step_weights_.emplace_back();
+    attention_weights(q_.data(), n_heads_, items[0].kv, length, step_weights_.back());
+  }
+
+  // Ends a forward: the shared oracle of the step when every layer decoded sparsely.
+  void end_step() {
+    flush();
+    if (static_cast<int64_t>(step_weights_.size()) == n_layers_) {
+      shared_recall_sum += shared_oracle_recall(step_weights_, n_heads_, n_kv_heads_, step_length_, selection_);
+      ++shared_steps;
+    }
+    step_weights_.clear();
   }
 
   // Ends a forward: a layer that saw no selection attended densely.
@@ -51,6 +69,8 @@ class FidelityObserver final : public ForwardObserver {
   double recall_sum = 0.0, rel_l2_sum = 0.0;
   int64_t head_samples = 0;
   int64_t attended_tokens = 0;
+  double shared_recall_sum = 0.0;
+  int64_t shared_steps = 0;
 
  private:
   void add(const StepFidelity& f) {
@@ -59,7 +79,10 @@ class FidelityObserver final : public ForwardObserver {
     head_samples += f.heads;
     attended_tokens += f.attended_tokens;
   }
-  int64_t n_heads_, head_dim_;
+  int64_t n_heads_, n_kv_heads_, head_dim_, n_layers_;
+  SelectionOptions selection_;
+  std::vector<std::vector<double>> step_weights_;  // this step's sparse layers' attention weights
+  int64_t step_length_ = 0;
   bool pending_ = false;
   std::vector<float> q_;
   AttentionItem item_;
@@ -91,6 +114,7 @@ double kl_divergence(const std::vector<double>& lp, const std::vector<double>& l
 struct RunOutput {
   std::vector<float> logits;  // [positions][vocab]
   double recall = 1.0, rel_l2 = 0.0;
+  std::optional<double> shared_oracle_recall;
   double attended_tokens_per_step = 0.0;  // Σ over layers and KV heads, per decode step
   SparseStats stats;
   std::vector<TokenId> greedy;                    // divergence continuation
@@ -264,6 +288,66 @@ std::string leading_digits(const Tokenizer& tok, const std::vector<TokenId>& ans
 }
 
 }  // namespace
+
+void attention_weights(const float* q, int64_t n_heads, const KvLayerView& kv, int64_t length,
+                       std::vector<double>& out) {
+  const int64_t hd = kv.head_dim, group = n_heads / kv.kv_heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  std::vector<float> row(static_cast<size_t>(hd));
+  out.assign(static_cast<size_t>(n_heads * length), 0.0);
+  for (int64_t h = 0; h < n_heads; ++h) {
+    const float* qh = q + h * hd;
+    double* w = out.data() + h * length;
+    double mx = -INFINITY;
+    for (int64_t t = 0; t < length; ++t) {
+      const float* k = kv_row_f32(kv, /*values=*/false, h / group, t, row.data());
+      double d = 0.0;
+      for (int64_t i = 0; i < hd; ++i) d += static_cast<double>(qh[i]) * k[i];
+      w[t] = d * scale;
+      mx = std::max(mx, w[t]);
+    }
+    double sum = 0.0;
+    for (int64_t t = 0; t < length; ++t) sum += (w[t] = std::exp(w[t] - mx));
+    for (int64_t t = 0; t < length; ++t) w[t] /= sum;
+  }
+}
+
+double selection_recall(std::span<const std::vector<double>> layer_weights, int64_t n_heads, int64_t n_kv_heads,
+                        int64_t length, const Selection& selection) {
+  const int64_t group = n_heads / n_kv_heads;
+  double mass = 0.0;
+  for (const std::vector<double>& w : layer_weights) {
+    for (int64_t h = 0; h < n_heads; ++h) {
+      for (int32_t t : selection.head(h / group)) {
+        if (t >= 0 && t < length) mass += w[static_cast<size_t>(h * length + t)];
+      }
+    }
+  }
+  const auto samples = static_cast<double>(layer_weights.size()) * static_cast<double>(n_heads);
+  return samples > 0 ? mass / samples : 0.0;
+}
+
+double shared_oracle_recall(std::span<const std::vector<double>> layer_weights, int64_t n_heads, int64_t n_kv_heads,
+                            int64_t length, const SelectionOptions& options, Selection* selection) {
+  const int64_t group = n_heads / n_kv_heads;
+  // Per KV head, the weight summed over layers and the group's query heads: the recall of a
+  // selection is the sum of this over its tokens (÷ layers·heads), so the top tokens maximise it.
+  std::vector<float> score(static_cast<size_t>(n_kv_heads * length), 0.0f);
+  std::vector<double> sum(static_cast<size_t>(length));
+  for (int64_t g = 0; g < n_kv_heads; ++g) {
+    std::fill(sum.begin(), sum.end(), 0.0);
+    for (const std::vector<double>& w : layer_weights) {
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t t = 0; t < length; ++t) sum[static_cast<size_t>(t)] += w[static_cast<size_t>(h * length + t)];
+      }
+    }
+    for (int64_t t = 0; t < length; ++t) score[static_cast<size_t>(g * length + t)] = static_cast<float>(sum[static_cast<size_t>(t)]);
+  }
+  Selection local;
+  Selection& sel = selection != nullptr ? *selection : local;
+  select_from_group_scores(score, n_kv_heads, length, options, sel);
+  return selection_recall(layer_weights, n_heads, n_kv_heads, length, sel);
+}
 
 StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerView& kv, int64_t length,
                                 const Selection* selection) {
@@ -444,7 +528,7 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
     // Teacher forcing.
     {
       SPX_ASSIGN_OR_RETURN(SeqId seq, e.memory().add_sequence());
-      FidelityObserver obs(c.n_heads, c.head_dim);
+      FidelityObserver obs(c.n_heads, c.n_kv_heads, c.head_dim, c.n_layers, sp.selection);
       auto body = [&]() -> Status {
         SPX_RETURN_IF_ERROR(prefill(e, seq, text.first(static_cast<size_t>(P)), o.prefill_chunk, false).status());
         e.reset_sparse_stats();
@@ -453,7 +537,7 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
         for (int64_t i = 0; i < o.positions; ++i) {
           StepRequest r{seq, text.subspan(static_cast<size_t>(P + i), 1), LogitsMode::kLast};
           auto so = e.forward(std::span<const StepRequest>(&r, 1));
-          obs.flush();
+          obs.end_step();
           if (!so.is_ok()) return so.status();
           auto row = so->row(0);
           std::copy(row.begin(), row.end(), out.logits.begin() + i * vocab);
@@ -470,6 +554,8 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
         out.rel_l2 = obs.rel_l2_sum / static_cast<double>(obs.head_samples);
       }
       out.attended_tokens_per_step = static_cast<double>(obs.attended_tokens) / static_cast<double>(o.positions);
+      if (obs.shared_steps > 0)
+        out.shared_oracle_recall = obs.shared_recall_sum / static_cast<double>(obs.shared_steps);
     }
     // First divergence.
     SPX_ASSIGN_OR_RETURN(out.greedy, greedy_continuation(e, text.first(static_cast<size_t>(rep.divergence_prefix)),
@@ -489,6 +575,7 @@ Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<
     r.method = m;
     r.budget = budget;
     r.attention_recall = run.recall;
+    if (m != SparseMethod::kDense) r.shared_oracle_recall = run.shared_oracle_recall;
     r.output_rel_l2 = run.rel_l2;
     std::vector<double> lp, lq;
     double kl_sum = 0.0;
@@ -590,6 +677,7 @@ nlohmann::json eval_report_to_json(const EvalReport& rep) {
         {"method", method_label(r.method)},
         {"budget", r.budget},
         {"attention_recall", r.attention_recall},
+        {"shared_oracle_recall", opt(r.shared_oracle_recall)},
         {"output_rel_l2", r.output_rel_l2},
         {"kl", r.kl},
         {"kl_max", r.kl_max},
@@ -633,8 +721,8 @@ nlohmann::json eval_report_to_json(const EvalReport& rep) {
 std::string format_eval_table(const EvalReport& rep) {
   std::string s;
   char line[320];
-  std::snprintf(line, sizeof(line), "%-10s %6s %7s %8s %9s %9s %5s %4s %6s %6s %7s %10s %10s %6s\n", "method", "budget",
-                "recall", "out_l2", "KL", "KL_max", "top1", "div", "needle", "agree", "overlap", "loaded_B/t",
+  std::snprintf(line, sizeof(line), "%-10s %6s %7s %7s %8s %9s %9s %5s %4s %6s %6s %7s %10s %10s %6s\n", "method",
+                "budget", "recall", "sh_orc", "out_l2", "KL", "KL_max", "top1", "div", "needle", "agree", "overlap", "loaded_B/t",
                 "attend_B/t", "sec");
   s += line;
   for (const EvalRecord& r : rep.records) {
@@ -643,8 +731,11 @@ std::string format_eval_table(const EvalReport& rep) {
       std::snprintf(b, sizeof(b), "%.2f", v.value_or(0.0));
       return v ? std::string(b) : std::string("-");
     };
-    std::snprintf(line, sizeof(line), "%-10s %6lld %7.4f %8.4f %9.5f %9.5f %5.3f %4lld %6s %6s %7.3f %10.0f %10.0f %6.1f\n",
-                  method_label(r.method).c_str(), static_cast<long long>(r.budget), r.attention_recall, r.output_rel_l2,
+    char shared[16] = "-";
+    if (r.shared_oracle_recall) std::snprintf(shared, sizeof(shared), "%.4f", *r.shared_oracle_recall);
+    std::snprintf(line, sizeof(line), "%-10s %6lld %7.4f %7s %8.4f %9.5f %9.5f %5.3f %4lld %6s %6s %7.3f %10.0f %10.0f %6.1f\n",
+                  method_label(r.method).c_str(), static_cast<long long>(r.budget), r.attention_recall, shared,
+                  r.output_rel_l2,
                   r.kl, r.kl_max, r.top1_agreement, static_cast<long long>(r.first_divergence),
                   opt(r.needle_accuracy).c_str(), opt(r.needle_agreement).c_str(), r.mean_overlap,
                   r.bytes_loaded_per_token, r.attended_bytes_per_token, r.seconds);

@@ -64,6 +64,11 @@ struct EvalRecord {
   SparseMethod method = SparseMethod::kDense;
   int64_t budget = 0;                   // 0 for dense (every cached token)
   double attention_recall = 1.0;        // mean over steps, layers, query heads
+  // The same recall for the best single selection serving every layer (same budget, sinks and
+  // window) on this run's own queries: an upper bound on any shared selection's recall (SpeContext,
+  // streaming), where eval's oracle selects per layer. Mean over the steps whose every layer was
+  // sparse; nullopt for dense and when there were none.
+  std::optional<double> shared_oracle_recall;
   double output_rel_l2 = 0.0;           // ‖o_S − o‖ / ‖o‖, same mean
   double kl = 0.0;                      // mean over steps of KL(dense ‖ method), nats
   double kl_max = 0.0;
@@ -114,6 +119,22 @@ struct StepFidelity {
 // tokens each KV head attends (null = dense: recall 1, error 0). GQA as in Backend::attention.
 StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerView& kv, int64_t length,
                                 const Selection* selection);
+
+// Per query head h (GQA as in Backend::attention), softmax(q_h · K / √head_dim) over tokens
+// [0, length) of the view, in double: out [n_heads][length].
+void attention_weights(const float* q, int64_t n_heads, const KvLayerView& kv, int64_t length,
+                       std::vector<double>& out);
+// The best selection shared by every layer of one step and its recall. layer_weights: per layer
+// attention_weights' output. Per KV head the sinks and the window are kept (as every selection
+// keeps them) and the rest of the budget goes to the tokens of the largest summed weight over all
+// layers and the group's query heads, which maximises the summed mass over layers and heads:
+// no shared selection with the same options has a higher recall. Returns that recall (mean over
+// layers and query heads); `selection` (optional) receives the tokens.
+double shared_oracle_recall(std::span<const std::vector<double>> layer_weights, int64_t n_heads, int64_t n_kv_heads,
+                            int64_t length, const SelectionOptions& options, Selection* selection = nullptr);
+// The recall of a given selection on the same weights (mean over layers and query heads).
+double selection_recall(std::span<const std::vector<double>> layer_weights, int64_t n_heads, int64_t n_kv_heads,
+                        int64_t length, const Selection& selection);
 
 // Runs the whole protocol. `backend` is shared by every engine (used one at a time).
 Result<EvalReport> run_eval(std::shared_ptr<const Model> model, std::shared_ptr<Backend> backend,

@@ -3,6 +3,7 @@
 // JSON records carry every key. Plus attention_fidelity on a hand-built cache.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -268,6 +269,78 @@ TEST_F(EvalStories, SpeContextUsesTheShippedHead) {
   }
 }
 
+// The shared oracle bounds every shared selection on the same queries (streaming's and
+// SpeContext's), is itself below 1 at budgets under the context, and is absent for dense and when
+// no step was sparse.
+TEST_F(EvalStories, TheSharedOracleBoundsEverySharedSelection) {
+  EXPECT_FALSE(find(SparseMethod::kDense, 0)->shared_oracle_recall.has_value());
+  for (SparseMethod m : {SparseMethod::kStreaming, SparseMethod::kSpeContext}) {
+    if (m == SparseMethod::kSpeContext && head_ == nullptr) continue;
+    for (int64_t b : {kBudgetLo, kBudgetHi}) {
+      const EvalRecord* r = find(m, b);
+      ASSERT_NE(r, nullptr);
+      ASSERT_TRUE(r->shared_oracle_recall.has_value()) << sparse_method_name(m) << " " << b;
+      EXPECT_GE(*r->shared_oracle_recall, r->attention_recall - 1e-6) << sparse_method_name(m) << " " << b;
+      EXPECT_LT(*r->shared_oracle_recall, 1.0);
+    }
+    EXPECT_FALSE(find(m, kContext)->shared_oracle_recall.has_value());  // no sparse step
+  }
+  EXPECT_GT(*find(SparseMethod::kStreaming, kBudgetHi)->shared_oracle_recall,
+            *find(SparseMethod::kStreaming, kBudgetLo)->shared_oracle_recall);
+}
+
+// shared_oracle_recall on random weights of 3 layers: its selection's recall is the value it
+// returns, and no other selection of the same options (every random one tried) recalls more.
+TEST(EvalSharedOracle, NoSharedSelectionRecallsMore) {
+  const int64_t n_heads = 4, n_kv = 2, length = 24, layers = 3;
+  std::mt19937 rng(7);
+  std::gamma_distribution<double> gamma(0.3, 1.0);
+  std::vector<std::vector<double>> w(static_cast<size_t>(layers));
+  for (auto& lw : w) {
+    lw.resize(static_cast<size_t>(n_heads * length));
+    for (int64_t h = 0; h < n_heads; ++h) {
+      double sum = 0.0;
+      for (int64_t t = 0; t < length; ++t) sum += lw[static_cast<size_t>(h * length + t)] = gamma(rng) + 1e-9;
+      for (int64_t t = 0; t < length; ++t) lw[static_cast<size_t>(h * length + t)] /= sum;
+    }
+  }
+  SelectionOptions opts;
+  opts.budget = 8;
+  opts.sinks = 1;
+  opts.window = 2;
+  Selection best;
+  const double top = shared_oracle_recall(w, n_heads, n_kv, length, opts, &best);
+  EXPECT_NEAR(top, selection_recall(w, n_heads, n_kv, length, best), 1e-12);
+  EXPECT_GT(top, 0.0);
+  EXPECT_LT(top, 1.0);
+  for (int64_t g = 0; g < n_kv; ++g) {
+    ASSERT_EQ(best.head(g).size(), 8u);
+    EXPECT_EQ(best.head(g).front(), 0);               // the sink
+    EXPECT_EQ(best.head(g).back(), length - 1);       // the window
+  }
+  // Random selections with the same sink and window: never more.
+  std::vector<int32_t> middle;
+  for (int32_t t = 1; t < length - 2; ++t) middle.push_back(t);
+  double best_random = 0.0;
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<std::vector<int32_t>> per(static_cast<size_t>(n_kv));
+    for (auto& p : per) {
+      std::shuffle(middle.begin(), middle.end(), rng);
+      p = {0, static_cast<int32_t>(length - 2), static_cast<int32_t>(length - 1)};
+      p.insert(p.end(), middle.begin(), middle.begin() + 5);
+      std::sort(p.begin(), p.end());
+    }
+    const double r = selection_recall(w, n_heads, n_kv, length, make_selection(n_kv, per, 8));
+    EXPECT_LE(r, top + 1e-9);
+    best_random = std::max(best_random, r);
+  }
+  EXPECT_LT(best_random, top);  // 500 random draws did not find the best one
+  // A per-layer choice can beat it (eval's oracle selects per layer): layer 0's own top tokens.
+  Selection own;
+  const double layer0 = shared_oracle_recall(std::span(w).first(1), n_heads, n_kv, length, opts, &own);
+  EXPECT_GE(layer0, selection_recall(std::span(w).first(1), n_heads, n_kv, length, best) - 1e-12);
+}
+
 TEST_F(EvalStories, JsonRecordsCarryEveryKey) {
   const nlohmann::json j = eval_report_to_json(*report_);
   for (const char* key : {"context", "positions", "prefix", "records", "notes", "budgets"}) {
@@ -278,7 +351,8 @@ TEST_F(EvalStories, JsonRecordsCarryEveryKey) {
   const size_t methods = head_ ? 4 : 3;
   EXPECT_EQ(j["records"].size(), 1 + methods * 3);
   for (const auto& r : j["records"]) {
-    for (const char* key : {"method", "budget", "attention_recall", "output_rel_l2", "kl", "top1_agreement",
+    for (const char* key : {"method", "budget", "attention_recall", "shared_oracle_recall", "output_rel_l2", "kl",
+                            "top1_agreement",
                             "first_divergence", "needle_accuracy", "needle_agreement", "mean_overlap",
                             "bytes_loaded_per_token"}) {
       EXPECT_TRUE(r.contains(key)) << key << " in " << r.dump();

@@ -52,8 +52,7 @@ Status Engine::run_head(Sequence& s, const TokenId* tokens_dev, const float* fus
                         int64_t start_pos, int64_t n, float* q_out) {
   const RetrievalHeadConfig& hc = options_.retrieval_head->config;
   const int64_t kd = hc.n_kv_heads * hc.head_dim;
-  if (start_pos + n > memory_->head_capacity(s)) return internal_error("retrieval head cache too small");
-  SPX_ASSIGN_OR_RETURN(float* k, fit_floats(head_k_rows_, n * kd));
+  SPX_ASSIGN_OR_RETURN(float* k, fit_floats(head_k_rows_, n * kd));  // store_head_keys checks the capacity
   SPX_RETURN_IF_ERROR(project_head(tokens_dev, fused_prev, positions_dev, n, q_out, k));
   return store_head_keys(s, k, start_pos, n);
 }

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   std::string policy = "rr", device_kv, host_kv, remote_kv, out = "bench_out/cluster_sim.json";
   bool plot = false, no_router = false, no_prefix_caching = false, store = false, store_dead = false;
   double store_gbps = 1, store_latency_ms = 0.2, store_dead_ms = 0, host_gbps = 20, remote_gbps = 4;
+  int64_t store_chunk_tokens = 256;
   double slo_ttft_ms = 1000, slo_tpot_ms = 100;
   int64_t threads_per_replica = 0;
   lg::SynthOptions synth;
@@ -59,6 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--store-gbps", store_gbps, "link to the store, GB/s");
   app.add_option("--store-latency-ms", store_latency_ms, "per store lookup");
   app.add_option("--store-dead-ms", store_dead_ms, "what a failed lookup costs");
+  app.add_option("--store-chunk-tokens", store_chunk_tokens,
+                 "serve's --prefix-store-chunk: a prompt writes the chunks the store lacks (and its last one)")
+      ->capture_default_str();
   app.add_option("--device-kv", device_kv, "device KV bytes per replica (planner; default: unlimited)");
   app.add_option("--host-kv", host_kv, "host KV pool per replica");
   app.add_option("--host-gbps", host_gbps, "host pool ↔ device, GB/s");
@@ -124,7 +128,8 @@ int main(int argc, char** argv) {
   topo.policy.policy = *p;
   topo.router = !no_router;
   topo.prefix_caching = !no_prefix_caching;
-  topo.store = {store || store_dead, !store_dead, store_gbps * 1e9, store_latency_ms / 1e3, store_dead_ms / 1e3};
+  topo.store = {store || store_dead, !store_dead, store_gbps * 1e9, store_latency_ms / 1e3, store_dead_ms / 1e3,
+                store_chunk_tokens};
   auto size_of = [](const std::string& s, int64_t& v, const char* what) -> Status {
     if (s.empty()) return Status::ok();
     auto r = planner::parse_size(s);

@@ -264,6 +264,9 @@ int run_generate(const GenerateArgs& a) {
                                {"bytes_read", st.prefix_shared_bytes_read},
                                {"bytes_written", st.prefix_shared_bytes_written},
                                {"errors", st.prefix_shared_errors},
+                               {"chunks_written", st.prefix_shared_chunks_written},
+                               {"chunks_skipped", st.prefix_shared_chunks_skipped},
+                               {"chunks_read", st.prefix_shared_chunks_read},
                                {"cached_prompt_tokens", st.cached_prompt_tokens}};
   }
   summary["refused"] = refused;

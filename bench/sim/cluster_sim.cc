@@ -31,6 +31,7 @@ class LruSet {
     while (k < chain.size() && index_.count(chain[k]) != 0) ++k;
     return k;
   }
+  bool holds(uint64_t h) const { return index_.count(h) != 0; }
   // Inserts (or refreshes) every hash; returns how many were new.
   size_t insert(const std::vector<uint64_t>& chain) {
     size_t added = 0;
@@ -369,10 +370,22 @@ class Simulator {
       R.computed += computed;
       cost += c.prefill_serial_fraction * (c.prefill_base_s + c.prefill_per_token_s * static_cast<double>(computed));
       if (topo_.store.enabled && topo_.store.alive) {
+        // serve's chunks: whole ones the store holds every page of are skipped; the rest, and a
+        // shorter last one, are written whole.
+        const auto total = static_cast<int64_t>(q.pages.size());
+        const int64_t chunk = std::max<int64_t>(1, (topo_.store.chunk_tokens + page - 1) / page);
+        std::vector<bool> held(q.pages.size());
+        for (size_t i = 0; i < q.pages.size(); ++i) held[i] = store_.holds(q.pages[i]);
         const size_t added = store_.insert(q.pages);
         if (added > 0) {
+          int64_t written = 0;
+          for (int64_t a = 0; a < total; a += chunk) {
+            const int64_t b = std::min(total, a + chunk);
+            const bool all = std::all_of(held.begin() + a, held.begin() + b, [](bool h) { return h; });
+            if (!all || b - a < chunk) written += b - a;
+          }
           ++store_writes_;
-          store_bytes_written_ += static_cast<double>(added) * static_cast<double>(page * cal_.kv_bytes_per_token());
+          store_bytes_written_ += static_cast<double>(written) * static_cast<double>(page * cal_.kv_bytes_per_token());
         }
       }
       q.ctx = q.prompt_tokens;
@@ -744,7 +757,8 @@ json report(const SimOutput& out, const Topology& topo, const lg::Slo& slo) {
             {"prefix_cache_slots", topo.prefix_cache_slots},
             {"cpus", topo.cpus},
             {"store", {{"enabled", topo.store.enabled}, {"alive", topo.store.alive},
-                       {"bandwidth_bps", topo.store.bandwidth_bps}, {"latency_s", topo.store.latency_s}}},
+                       {"bandwidth_bps", topo.store.bandwidth_bps}, {"latency_s", topo.store.latency_s},
+                       {"chunk_tokens", topo.store.chunk_tokens}}},
             {"tiers", {{"device_kv_bytes", topo.tiers.device_kv_bytes}, {"host_kv_bytes", topo.tiers.host_kv_bytes},
                        {"host_bandwidth_bps", topo.tiers.host_bandwidth_bps},
                        {"remote_kv_bytes", topo.tiers.remote_kv_bytes},

@@ -68,6 +68,9 @@ struct StoreOptions {
   double bandwidth_bps = 1e9;   // link to the store, bytes/s
   double latency_s = 0;         // per lookup (hit or miss)
   double dead_timeout_s = 0;    // what a failed lookup costs
+  // serve's --prefix-store-chunk (rounded up to whole pages): a prompt writes the chunks the store
+  // lacks, and its last, shorter chunk always (the next turn's key for it differs).
+  int64_t chunk_tokens = 256;
 };
 
 // KV tiers per replica, for the planner (0 device bytes: no limit, no planning).

@@ -215,6 +215,39 @@ TEST(ClusterSim, DeadStoreOnlyCostsRecompute) {
   EXPECT_GT(live->metrics["serve"]["shared_store"]["bytes_read"].get<double>(), 0);
 }
 
+// The store counts what serve writes in chunks (--prefix-store-chunk): with one-page chunks only
+// the pages new to the store; with chunks longer than any prompt every prompt whole (each turn
+// of a conversation writes its earlier turns again); what is found and read is the same.
+TEST(ClusterSim, StoreWritesCountWholeChunksTheStoreLacks) {
+  lg::SynthOptions o;
+  o.requests = 60;
+  o.prefix_words = 64;
+  o.arrivals.rate = 10;
+  const lg::Trace t = synthetic(o);
+  sim::Topology topo;
+  topo.replicas = 2;
+  topo.policy.policy = router::Policy::kRoundRobin;
+  topo.store.enabled = true;
+  auto written = [&](int64_t chunk_tokens, nlohmann::json* store) {
+    topo.store.chunk_tokens = chunk_tokens;
+    auto r = sim::simulate(t, simple_costs(), topo);
+    EXPECT_TRUE(r.is_ok());
+    if (!r.is_ok()) return 0.0;
+    *store = r->metrics["serve"]["shared_store"];
+    return (*store)["bytes_written"].get<double>();
+  };
+  nlohmann::json page_store, mid_store, whole_store;
+  const double page = written(simple_costs().page_tokens, &page_store);
+  const double mid = written(4 * simple_costs().page_tokens, &mid_store);
+  const double whole = written(1 << 20, &whole_store);
+  EXPECT_GT(page, 0);
+  EXPECT_LT(page, mid);
+  EXPECT_LT(mid, whole);
+  EXPECT_EQ(page_store["bytes_read"], whole_store["bytes_read"]);
+  EXPECT_EQ(page_store["hits"], whole_store["hits"]);
+  EXPECT_EQ(page_store["writes"], whole_store["writes"]);
+}
+
 // A device too small for the batch's KV: the planner puts layers on the host pool and every decode
 // step reads them at the host bandwidth (bytes counted, time charged).
 TEST(ClusterSim, PlannerOffloadsAndChargesTheHostLink) {

@@ -141,7 +141,8 @@ TEST(Cli, PrefixOffloadNeedsPrefixCachingAndASize) {
 }
 
 // --prefix-store: needs prefix caching; a password in the URL is refused without being repeated;
-// the password file needs the store; a store nobody listens at is an error at start, named.
+// the password file needs the store; a store nobody listens at is an error at start, named; a
+// chunk under one token is refused before connecting.
 // (The store itself, against a real redis-server: tests/cluster/redis_prefix_store_test.cc.)
 TEST(Cli, PrefixStoreFlagsAreCheckedAtStart) {
   const std::string model = "generate --model " + repo_path("models/stories260K/stories260K.bin") + " -n 4";
@@ -158,6 +159,9 @@ TEST(Cli, PrefixStoreFlagsAreCheckedAtStart) {
   const CliRun nobody = run_cli(model + " --prefix-caching --prefix-store redis://127.0.0.1:1");
   EXPECT_NE(nobody.exit_code, 0);
   EXPECT_NE(nobody.out.find("redis 127.0.0.1:1/0: cannot connect"), std::string::npos) << nobody.out;
+  const CliRun no_chunk = run_cli(model + " --prefix-caching --prefix-store redis://127.0.0.1:1 --prefix-store-chunk 0");
+  EXPECT_NE(no_chunk.exit_code, 0);
+  EXPECT_NE(no_chunk.out.find("--prefix-store-chunk must be at least 1 token"), std::string::npos) << no_chunk.out;
 }
 
 // --prefix-offload-persist: the first run's cached prefix is written at its exit and the next

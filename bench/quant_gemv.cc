@@ -108,8 +108,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> path_names;
   app.add_option("--m", m, "activation rows per call (1 = decode's GEMV; 2..16 the small-batch path)")
       ->check(CLI::Range(int64_t{1}, int64_t{64}));
-  app.add_option("--types", type_names, "only these types (Q8_0 Q4_0 Q4_K Q5_K Q6_K; default all, F32 always runs)");
-  app.add_option("--paths", path_names, "only these kernel paths (scalar avx2 avx512; default all available)");
+  app.add_option("--types", type_names, "only these types (default all; F32 always runs)")
+      ->check(CLI::IsMember({"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"}));
+  app.add_option("--paths", path_names, "only these kernel paths (default all this CPU has)")
+      ->check(CLI::IsMember({"scalar", "avx2", "avx512"}));
   app.add_option("--threads", threads, "threads (oneTBB arena and CpuBackend)");
   app.add_option("--working-set-mib", working_set_mib, "bytes of matrix copies cycled per measurement");
   app.add_option("--passes", passes, "timed passes over the copies (best is reported)");

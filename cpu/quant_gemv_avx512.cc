@@ -25,6 +25,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -413,6 +414,10 @@ template <class K> struct T32 {
     return buf;
   }
   template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i, const X* xp) { tile32<K, R, M>(a, r, i, xp); }
+  // Bytes of one activation row the tiles read: its arranged steps and the last nb % 4 blocks.
+  static int64_t act_bytes(const KernelArgs& a) {
+    return static_cast<int64_t>(sizeof(X)) * (a.nb / 4) + static_cast<int64_t>(sizeof(typename K::Act)) * (a.nb % 4);
+  }
 };
 template <class K> struct TK4 {
   static const XK4* prepare(const KernelArgs& a) {
@@ -424,11 +429,29 @@ template <class K> struct TK4 {
     return buf;
   }
   template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i, const XK4* xp) { tile_k4<K, R, M>(a, r, i, xp); }
+  static int64_t act_bytes(const KernelArgs& a) { return static_cast<int64_t>(sizeof(XK4)) * a.nb; }
 };
 struct TQ6 {  // reads the activations as they are
   static const void* prepare(const KernelArgs&) { return nullptr; }
   template <int R, int M> static void run(const KernelArgs& a, int64_t r, int64_t i, const void*) { tile_q6_k<R, M>(a, r, i); }
+  static int64_t act_bytes(const KernelArgs& a) { return a.act_row_bytes; }
 };
+
+// Activation rows are taken in groups whose bytes (as the tiles read them) fit in L1 beside a
+// weight row: every weight row of a block of rows goes over one group, then over the next, so a
+// group's activations are read from L1 and each block's weights from DRAM once (then from L2).
+// One group holding all m rows (m = 1 and every m whose activations fit) is the plain loop over
+// weight rows. Without the groups, m = 16 at k = 2048 read 80 KiB of Q8_0 activations per weight
+// row from L2 and ran slower than the AVX2 kernel (bench/RESULTS.md, 2026-12-07).
+inline constexpr int64_t kActGroupBytes = int64_t{24} << 10;    // of a 32 KiB L1d
+inline constexpr int64_t kWeightBlockBytes = int64_t{128} << 10;  // of a 1 MiB L2
+
+// Activation rows per group: even (the pairs of a group are the pairs of the whole batch), at
+// least 2, at most m.
+inline int64_t act_group_rows(int64_t m, int64_t act_bytes) {
+  const int64_t g = std::max<int64_t>(2, kActGroupBytes / std::max<int64_t>(1, act_bytes) / 2 * 2);
+  return std::min(g, m);
+}
 
 // Rows r0..r1 one weight row at a time (R = 1), activation rows two at a time. Tiles of 2 or 4
 // weight rows (R = 2, 4), which share each activation block's arrangement between rows, ran
@@ -437,10 +460,18 @@ struct TQ6 {  // reads the activations as they are
 template <class T>
 void rows(const KernelArgs& a, int64_t r0, int64_t r1) {
   const auto* xp = T::prepare(a);
-  for (int64_t r = r0; r < r1; ++r) {
-    int64_t i = 0;
-    for (; i + 2 <= a.m; i += 2) T::template run<1, 2>(a, r, i, xp);
-    if (i < a.m) T::template run<1, 1>(a, r, i, xp);
+  const int64_t group = act_group_rows(a.m, T::act_bytes(a));
+  const int64_t block = group >= a.m ? r1 - r0 : std::max<int64_t>(1, kWeightBlockBytes / a.row_bytes);
+  for (int64_t rs = r0; rs < r1; rs += block) {
+    const int64_t re = std::min(r1, rs + block);
+    for (int64_t i0 = 0; i0 < a.m; i0 += group) {
+      const int64_t ie = std::min(a.m, i0 + group);
+      for (int64_t r = rs; r < re; ++r) {
+        int64_t i = i0;
+        for (; i + 2 <= ie; i += 2) T::template run<1, 2>(a, r, i, xp);
+        if (i < ie) T::template run<1, 1>(a, r, i, xp);
+      }
+    }
   }
 }
 

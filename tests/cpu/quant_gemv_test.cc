@@ -1,7 +1,7 @@
 // quant_gemv (cpu/quant_gemv.h): every SIMD path against the scalar reference, the reference
 // against dequantise-then-f32 (core/model/ggml_quants), the non-finite policy, guard regions,
-// odd row counts, padded rows, block and batch remainders of the SIMD tiles, the row split over
-// oneTBB and argument errors.
+// odd row counts, padded rows, block and batch remainders of the SIMD tiles, the AVX-512 path's
+// activation row groups (m = 1..17), the row split over oneTBB and argument errors.
 //
 // Tolerances (per output element, against B = Σ_j |x_j|·|w_j| with w the dequantised weights):
 // - SIMD vs reference: both form the same exact integer block sums; only the float scale
@@ -196,6 +196,50 @@ TEST(QuantGemv, AnActivationRowsOutputsDoNotDependOnTheBatch) {
         const std::vector<float> alone = run(one, path);
         EXPECT_EQ(alone, std::vector<float>(all.begin() + i * batch.n, all.begin() + (i + 1) * batch.n))
             << "activation row " << i;
+      }
+    }
+  }
+}
+
+// The AVX-512 path takes activation rows in groups whose arranged blocks fit in L1 (k = 2141:
+// 4 rows of Q8_0/Q4_0, 8 of the K types; k = 4096: 2 and 4) and weight rows in blocks of
+// 128 KiB (131 rows: two blocks, the second partial, for every type at k = 2141): every m from
+// 1 to 17 leaves a different last group (partial, odd), and each row's outputs are still those
+// of the row alone, bit for bit.
+TEST(QuantGemv, ActivationRowGroupsMatchTheScalarReferenceAndTheRowAlone) {
+  for (QuantPath path : kSimdPaths) {
+    if (skip_unavailable(path)) continue;
+    for (uint32_t t : kTypes) {
+      for (int64_t k : {2141, 4096}) {
+        const Problem all = make_problem(t, 131, k, 17, static_cast<uint32_t>(t * 57 + k));
+        const std::vector<double> bound = abs_bound(all, dequantise(t, all.w, all.n, all.k));
+        std::vector<std::vector<float>> alone;  // each activation row's outputs with m = 1
+        for (int64_t i = 0; i < all.m; ++i) {
+          Problem one = all;
+          one.m = 1;
+          one.x.assign(all.x.begin() + i * k, all.x.begin() + (i + 1) * k);
+          alone.push_back(run(one, path));
+        }
+        for (int64_t m = 1; m <= all.m; ++m) {
+          SCOPED_TRACE(type_name(t) + " " + std::string(quant_path_name(path)) + " k=" + std::to_string(k) +
+                       " m=" + std::to_string(m));
+          Problem p = all;
+          p.m = m;
+          p.x.resize(static_cast<size_t>(m * k));
+          const std::vector<float> ref = run(p, QuantPath::kScalar);
+          const std::vector<float> got = run(p, path);
+          int64_t bad = 0;
+          for (size_t e = 0; e < got.size(); ++e) {
+            if (!(std::fabs(double(got[e]) - ref[e]) <= 1e-5 * bound[e])) {
+              if (++bad <= 3) ADD_FAILURE() << "element " << e << ": " << got[e] << " vs " << ref[e];
+            }
+          }
+          EXPECT_EQ(bad, 0);
+          for (int64_t i = 0; i < m; ++i) {
+            EXPECT_EQ(alone[static_cast<size_t>(i)], std::vector<float>(got.begin() + i * p.n, got.begin() + (i + 1) * p.n))
+                << "activation row " << i;
+          }
+        }
       }
     }
   }

@@ -1,93 +1,21 @@
 #include "core/engine/prefix_chunk.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <bit>
 #include <cstring>
 
 #include "core/base/mapped_file.h"
+#include "core/engine/prefix_codec.h"
 
 namespace specontext {
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "prefix chunks are written in host order");
 constexpr char kMagic[8] = {'S', 'P', 'X', 'C', 'H', 'N', 'K', '1'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kMaxHeadRow = size_t{1} << 16;  // floats of one token's retrieval head keys
 
-uint32_t crc32_of(const std::byte* data, size_t n) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  constexpr size_t kPiece = size_t{1} << 30;  // zlib takes uInt lengths
-  for (size_t at = 0; at < n; at += kPiece) {
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(data + at), static_cast<uInt>(std::min(kPiece, n - at)));
-  }
-  return static_cast<uint32_t>(crc);
-}
-
-class Writer {
- public:
-  template <typename T>
-  void put(const T& v) {
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    out_.insert(out_.end(), p, p + sizeof(T));
-  }
-  template <typename T>
-  void put_array(std::span<const T> v) {
-    put(static_cast<uint64_t>(v.size()));
-    const auto* p = reinterpret_cast<const std::byte*>(v.data());
-    out_.insert(out_.end(), p, p + v.size_bytes());
-  }
-  void put_rows(const std::vector<std::vector<float>>& rows) {
-    put(static_cast<uint64_t>(rows.size()));
-    for (const auto& r : rows) put_array(std::span<const float>(r));
-  }
-  std::vector<std::byte>& bytes() { return out_; }
-
- private:
-  std::vector<std::byte> out_;
-};
-
-class Parser {
- public:
-  Parser(std::span<const std::byte> bytes, const std::string& name)
-      : reader_(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "prefix chunk " + name),
-        name_(name) {}
-  template <typename T>
-  Status get(T* v, std::string_view field) {
-    return reader_.read(v, field);
-  }
-  // A length-prefixed array; the count is checked against the bytes left before allocating.
-  template <typename T>
-  Status get_array(std::vector<T>* v, std::string_view field) {
-    uint64_t count = 0;
-    SPX_RETURN_IF_ERROR(reader_.read(&count, field));
-    if (count > reader_.remaining() / sizeof(T)) {
-      return bad(field, "holds " + std::to_string(count) + " elements, more than the " +
-                            std::to_string(reader_.remaining()) + " bytes left");
-    }
-    v->resize(static_cast<size_t>(count));
-    return reader_.read_bytes(v->data(), v->size() * sizeof(T), field);
-  }
-  Status get_rows(std::vector<std::vector<float>>* rows, std::string_view field) {
-    uint64_t count = 0;
-    SPX_RETURN_IF_ERROR(reader_.read(&count, field));
-    if (count > reader_.remaining() / sizeof(uint64_t)) {  // every row takes at least its length
-      return bad(field, "holds " + std::to_string(count) + " rows, more than the bytes left");
-    }
-    rows->resize(static_cast<size_t>(count));
-    for (auto& r : *rows) SPX_RETURN_IF_ERROR(get_array(&r, field));
-    return Status::ok();
-  }
-  Status bad(std::string_view field, const std::string& why) const {
-    return data_loss("prefix chunk " + name_ + ": field '" + std::string(field) + "' " + why);
-  }
-  size_t remaining() const { return reader_.remaining(); }
-
- private:
-  ByteReader reader_;
-  std::string name_;
-};
+using prefix_codec::crc32_of;
+using prefix_codec::Writer;
 
 Status chunk_error(size_t k, const std::string& why) {
   return data_loss("prefix chunk " + std::to_string(k) + ": " + why);
@@ -120,7 +48,7 @@ std::vector<std::byte> encode_prefix_chunk(const PrefixChunk& c) {
 }
 
 Result<PrefixChunk> parse_prefix_chunk(std::span<const std::byte> bytes, const std::string& name) {
-  Parser in(bytes, name);
+  prefix_codec::Parser in(bytes, "prefix chunk", name);
   char magic[sizeof(kMagic)];
   SPX_RETURN_IF_ERROR(in.get(&magic, "magic"));
   if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) return in.bad("magic", "is not SPXCHNK1");

@@ -1,7 +1,5 @@
 #include "core/engine/prefix_file.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <bit>
 #include <cerrno>
@@ -14,89 +12,16 @@
 #include <unistd.h>
 
 #include "core/base/mapped_file.h"
+#include "core/engine/prefix_codec.h"
 
 namespace specontext {
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "prefix files are written in host order");
 constexpr char kMagic[8] = {'S', 'P', 'X', 'P', 'R', 'E', 'F', '1'};
 constexpr uint32_t kVersion = 2;  // 2: the identity after the version
 
-uint32_t crc32_of(const std::byte* data, size_t n) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  // zlib takes uInt lengths: feed large buffers in pieces.
-  constexpr size_t kPiece = size_t{1} << 30;
-  for (size_t at = 0; at < n; at += kPiece) {
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(data + at), static_cast<uInt>(std::min(kPiece, n - at)));
-  }
-  return static_cast<uint32_t>(crc);
-}
-
-class Writer {
- public:
-  template <typename T>
-  void put(const T& v) {
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    out_.insert(out_.end(), p, p + sizeof(T));
-  }
-  template <typename T>
-  void put_array(std::span<const T> v) {
-    put(static_cast<uint64_t>(v.size()));
-    const auto* p = reinterpret_cast<const std::byte*>(v.data());
-    out_.insert(out_.end(), p, p + v.size_bytes());
-  }
-  void put_rows(const std::vector<std::vector<float>>& rows) {
-    put(static_cast<uint64_t>(rows.size()));
-    for (const auto& r : rows) put_array(std::span<const float>(r));
-  }
-  std::vector<std::byte>& bytes() { return out_; }
-
- private:
-  std::vector<std::byte> out_;
-};
-
-class Parser {
- public:
-  Parser(std::span<const std::byte> bytes, const std::string& name)
-      : reader_(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "prefix file " + name), name_(name) {}
-
-  template <typename T>
-  Status get(T* v, std::string_view field) {
-    return reader_.read(v, field);
-  }
-  // A length-prefixed array; the count is checked against the bytes left before allocating.
-  template <typename T>
-  Status get_array(std::vector<T>* v, std::string_view field) {
-    uint64_t count = 0;
-    SPX_RETURN_IF_ERROR(reader_.read(&count, field));
-    if (count > reader_.remaining() / sizeof(T)) {
-      return bad(field, "holds " + std::to_string(count) + " elements, more than the " +
-                            std::to_string(reader_.remaining()) + " bytes left");
-    }
-    v->resize(static_cast<size_t>(count));
-    return reader_.read_bytes(v->data(), v->size() * sizeof(T), field);
-  }
-  Status get_rows(std::vector<std::vector<float>>* rows, std::string_view field) {
-    uint64_t count = 0;
-    SPX_RETURN_IF_ERROR(reader_.read(&count, field));
-    // Every row takes at least its 8-byte length.
-    if (count > reader_.remaining() / sizeof(uint64_t)) {
-      return bad(field, "holds " + std::to_string(count) + " rows, more than the bytes left");
-    }
-    rows->resize(static_cast<size_t>(count));
-    for (auto& r : *rows) SPX_RETURN_IF_ERROR(get_array(&r, field));
-    return Status::ok();
-  }
-  Status bad(std::string_view field, const std::string& why) const {
-    return data_loss("prefix file " + name_ + ": field '" + std::string(field) + "' " + why);
-  }
-  size_t offset() const { return reader_.offset(); }
-  size_t remaining() const { return reader_.remaining(); }
-
- private:
-  ByteReader reader_;
-  std::string name_;
-};
+using prefix_codec::crc32_of;
+using prefix_codec::Writer;
 
 }  // namespace
 
@@ -124,7 +49,7 @@ std::vector<std::byte> encode_prefix_file(std::span<const TokenId> tokens, const
 
 Result<PrefixFile> parse_prefix_file(std::span<const std::byte> bytes, const std::string& name,
                                      bool header_only) {
-  Parser in(bytes, name);
+  prefix_codec::Parser in(bytes, "prefix file", name);
   char magic[sizeof(kMagic)];
   SPX_RETURN_IF_ERROR(in.get(&magic, "magic"));
   if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) return in.bad("magic", "is not SPXPREF1");

@@ -447,10 +447,14 @@ inline constexpr int64_t kActGroupBytes = int64_t{24} << 10;    // of a 32 KiB L
 inline constexpr int64_t kWeightBlockBytes = int64_t{128} << 10;  // of a 1 MiB L2
 
 // Activation rows per group: even (the pairs of a group are the pairs of the whole batch), at
-// least 2, at most m.
+// least 2, at most m; the groups as even as that allows (m = 8 with room for 6: 4 and 4, not a
+// full group and a short one that rereads the weights for little work).
 inline int64_t act_group_rows(int64_t m, int64_t act_bytes) {
-  const int64_t g = std::max<int64_t>(2, kActGroupBytes / std::max<int64_t>(1, act_bytes) / 2 * 2);
-  return std::min(g, m);
+  const int64_t most = std::max<int64_t>(2, kActGroupBytes / std::max<int64_t>(1, act_bytes) / 2 * 2);
+  if (most >= m) return m;
+  const int64_t groups = (m + most - 1) / most;
+  const int64_t g = (m + groups - 1) / groups;
+  return g + (g & 1);  // <= most: rounding up to even stays below an even bound
 }
 
 // Rows r0..r1 one weight row at a time (R = 1), activation rows two at a time. Tiles of 2 or 4

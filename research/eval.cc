@@ -13,6 +13,10 @@
 
 namespace specontext {
 
+// attention_fidelity from the layer's attention weights (attention_weights' output) and a selection.
+StepFidelity fidelity_of_weights(std::span<const double> weights, int64_t n_heads, const KvLayerView& kv,
+                                 int64_t length, const Selection& selection);
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -41,12 +45,16 @@ class FidelityObserver final : public ForwardObserver {
                            std::span<const Selection* const> selections) override {
     if (!pending_ || layer != layer_ || items.size() != 1 || selections.size() != 1) return;
     const int64_t length = items[0].start_pos + 1;
-    add(attention_fidelity(q_.data(), n_heads_, items[0].kv, length, selections[0]));
     pending_ = false;
+    if (selections[0] == nullptr) {
+      add(attention_fidelity(q_.data(), n_heads_, items[0].kv, length, nullptr));
+      return;
+    }
+    std::vector<double> w;  // the layer's attention, for its fidelity and the step's shared oracle
+    attention_weights(q_.data(), n_heads_, items[0].kv, length, w);
+    add(fidelity_of_weights(w, n_heads_, items[0].kv, length, *selections[0]));
     if (step_weights_.empty()) step_length_ = length;
-    if (length != step_length_) return;
-    step_weights_.emplace_back();
-    attention_weights(q_.data(), n_heads_, items[0].kv, length, step_weights_.back());
+    if (length == step_length_) step_weights_.push_back(std::move(w));
   }
 
   // Ends a forward: the shared oracle of the step when every layer decoded sparsely.
@@ -349,43 +357,27 @@ double shared_oracle_recall(std::span<const std::vector<double>> layer_weights, 
   return selection_recall(layer_weights, n_heads, n_kv_heads, length, sel);
 }
 
-StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerView& kv, int64_t length,
-                                const Selection* selection) {
+StepFidelity fidelity_of_weights(std::span<const double> weights, int64_t n_heads, const KvLayerView& kv,
+                                 int64_t length, const Selection& selection) {
   StepFidelity f;
   const int64_t hd = kv.head_dim, group = n_heads / kv.kv_heads;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-  std::vector<double> w(static_cast<size_t>(length)), o(static_cast<size_t>(hd)), os(static_cast<size_t>(hd));
+  std::vector<double> o(static_cast<size_t>(hd)), os(static_cast<size_t>(hd));
   std::vector<char> in_sel(static_cast<size_t>(length));
-  std::vector<float> row(static_cast<size_t>(hd));  // a widened K or V row (f16 / bf16 caches)
+  std::vector<float> row(static_cast<size_t>(hd));  // a widened V row (f16 / bf16 caches)
   f.heads = n_heads;
-  if (selection == nullptr) {  // dense: every token, exactly the dense output
-    f.attended_tokens = kv.kv_heads * length;
-    f.recall_sum = static_cast<double>(n_heads);
-    return f;
-  }
-  for (int64_t g = 0; g < kv.kv_heads; ++g) f.attended_tokens += static_cast<int64_t>(selection->head(g).size());
+  for (int64_t g = 0; g < kv.kv_heads; ++g) f.attended_tokens += static_cast<int64_t>(selection.head(g).size());
   for (int64_t h = 0; h < n_heads; ++h) {
     const int64_t g = h / group;
-    const float* qh = q + h * hd;
-    double mx = -INFINITY;
-    for (int64_t t = 0; t < length; ++t) {
-      const float* k = kv_row_f32(kv, /*values=*/false, g, t, row.data());
-      double d = 0.0;
-      for (int64_t i = 0; i < hd; ++i) d += static_cast<double>(qh[i]) * k[i];
-      w[static_cast<size_t>(t)] = d * scale;
-      mx = std::max(mx, d * scale);
-    }
-    double sum = 0.0;
-    for (int64_t t = 0; t < length; ++t) sum += (w[static_cast<size_t>(t)] = std::exp(w[static_cast<size_t>(t)] - mx));
+    const double* w = weights.data() + h * length;
     std::fill(o.begin(), o.end(), 0.0);
     std::fill(os.begin(), os.end(), 0.0);
     std::fill(in_sel.begin(), in_sel.end(), 0);
-    for (int32_t t : selection->head(g)) {
+    for (int32_t t : selection.head(g)) {
       if (t >= 0 && t < length) in_sel[static_cast<size_t>(t)] = 1;
     }
     double mass = 0.0;
     for (int64_t t = 0; t < length; ++t) {
-      const double p = w[static_cast<size_t>(t)] / sum;
+      const double p = w[t];
       const float* v = kv_row_f32(kv, /*values=*/true, g, t, row.data());
       for (int64_t i = 0; i < hd; ++i) o[static_cast<size_t>(i)] += p * v[i];
       if (in_sel[static_cast<size_t>(t)]) {
@@ -403,6 +395,20 @@ StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerVi
     f.rel_l2_sum += den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
   }
   return f;
+}
+
+StepFidelity attention_fidelity(const float* q, int64_t n_heads, const KvLayerView& kv, int64_t length,
+                                const Selection* selection) {
+  if (selection == nullptr) {  // dense: every token, exactly the dense output
+    StepFidelity f;
+    f.heads = n_heads;
+    f.attended_tokens = kv.kv_heads * length;
+    f.recall_sum = static_cast<double>(n_heads);
+    return f;
+  }
+  std::vector<double> w;
+  attention_weights(q, n_heads, kv, length, w);
+  return fidelity_of_weights(w, n_heads, kv, length, *selection);
 }
 
 Result<std::vector<TokenId>> encode_stories(const Tokenizer& tokenizer, std::string_view text) {

@@ -551,6 +551,140 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
   return id;
 }
 
+Result<SeqId> KvMemory::import_prefix_after(SeqId source, int64_t prefix_tokens, const PrefixSnapshot& rest,
+                                            int64_t final_length) {
+  const auto mismatch = [](const std::string& field, int64_t got, int64_t want) {
+    return invalid_argument("import_prefix_after: snapshot field '" + field + "' is " + std::to_string(got) +
+                            ", this engine needs " + std::to_string(want));
+  };
+  const SparseMethod method = options_.sparse.method;
+  if (rest.page_size != kv_->page_size()) return mismatch("page_size", rest.page_size, kv_->page_size());
+  if (rest.layers != kv_->n_layers()) return mismatch("layers", rest.layers, kv_->n_layers());
+  if (rest.page_bytes != kv_->page_bytes()) {
+    return mismatch("page_bytes", static_cast<int64_t>(rest.page_bytes),
+                    static_cast<int64_t>(kv_->page_bytes()));
+  }
+  if (rest.kv_dtype != kv_->dtype()) {
+    return invalid_argument("import_prefix_after: snapshot field 'kv_dtype' is " +
+                            std::string(dtype_name(rest.kv_dtype)) + ", this engine stores " +
+                            std::string(dtype_name(kv_->dtype())));
+  }
+  if (rest.method != method) {
+    return mismatch("method", static_cast<int64_t>(rest.method), static_cast<int64_t>(method));
+  }
+  const int64_t unit = fork_granularity();
+  if (rest.tokens <= 0 || rest.tokens % unit != 0 || prefix_tokens > max_context_ - rest.tokens) {
+    return invalid_argument("import_prefix_after: snapshot field 'tokens' is " + std::to_string(rest.tokens) +
+                            ": it must be a positive multiple of " + std::to_string(unit) + " up to " +
+                            std::to_string(max_context_ - prefix_tokens) + " after " +
+                            std::to_string(prefix_tokens) + " tokens");
+  }
+  const int64_t length = prefix_tokens + rest.tokens;
+  const auto pages = static_cast<size_t>(rest.tokens / kv_->page_size());
+  if (rest.kv.size() != static_cast<size_t>(rest.layers) * pages * rest.page_bytes) {
+    return mismatch("kv", static_cast<int64_t>(rest.kv.size()),
+                    static_cast<int64_t>(static_cast<size_t>(rest.layers) * pages * rest.page_bytes));
+  }
+  const size_t fused_row = static_cast<size_t>(3 * config().dim);
+  size_t head_row = 0;  // floats of one token's head keys
+  if (method == SparseMethod::kSpeContext) {
+    const auto& hc = options_.retrieval_head->config;
+    head_row = static_cast<size_t>(hc.n_kv_heads * hc.head_dim);
+    if (rest.head_keys.size() != head_row * static_cast<size_t>(rest.tokens)) {
+      return mismatch("head_keys", static_cast<int64_t>(rest.head_keys.size()),
+                      static_cast<int64_t>(head_row * static_cast<size_t>(rest.tokens)));
+    }
+    if (rest.boundary_fused.size() != pages) {
+      return mismatch("boundary_fused", static_cast<int64_t>(rest.boundary_fused.size()),
+                      static_cast<int64_t>(pages));
+    }
+    for (const auto& f : rest.boundary_fused) {
+      if (!f.empty() && f.size() != fused_row) {
+        return mismatch("boundary_fused", static_cast<int64_t>(f.size()), static_cast<int64_t>(fused_row));
+      }
+    }
+    if (rest.boundary_fused.back().empty()) {
+      return invalid_argument(
+          "import_prefix_after: snapshot field 'boundary_fused' has no features at its last token");
+    }
+  } else if (method == SparseMethod::kQuest) {
+    const size_t bounds = quest_bound_elements(rest.tokens);
+    if (rest.quest_min.size() != static_cast<size_t>(rest.layers) ||
+        rest.quest_max.size() != rest.quest_min.size()) {
+      return mismatch("quest_min", static_cast<int64_t>(rest.quest_min.size()), rest.layers);
+    }
+    for (size_t l = 0; l < rest.quest_min.size(); ++l) {
+      if (rest.quest_min[l].size() != bounds || rest.quest_max[l].size() != bounds) {
+        return mismatch("quest_min", static_cast<int64_t>(rest.quest_min[l].size()),
+                        static_cast<int64_t>(bounds));
+      }
+    }
+  }
+  // The source and its prefix are checked by fork_sequence (nothing made when it refuses).
+  if (const auto src = sequences_.find(source); src != sequences_.end()) {
+    SPX_RETURN_IF_ERROR(check_prefix(source, src->second, prefix_tokens, "import_prefix_after"));
+  }
+  if (replan_) {
+    std::vector<int64_t> lens;
+    for (const auto& [id, other] : sequences_) lens.push_back(other.length);
+    lens.push_back(length);
+    SPX_RETURN_IF_ERROR_CTX(replan_(lens), "import_prefix_after");
+  }
+  SPX_ASSIGN_OR_RETURN(const SeqId id, fork_sequence(source, prefix_tokens, final_length));
+  KvSequence& s = sequences_.at(id);
+  auto undo = [&](const Status& st) -> Status {
+    (void)remove_sequence(id);
+    return st.with_context("import_prefix_after");
+  };
+  const size_t first = s.pages.size();  // prefix_tokens / page_size: the fork's shared pages
+  std::vector<PageId> fresh;
+  if (Status st = reserve_pages(s, length, fresh); !st.is_ok()) return undo(st);
+  const std::byte* in = rest.kv.data();
+  for (int64_t l = 0; l < rest.layers; ++l) {
+    for (size_t p = 0; p < pages; ++p, in += rest.page_bytes) {
+      const PageLocation loc = kv_->locate(LayerId(static_cast<int32_t>(l)), s.pages[first + p]);
+      if (Status st = write_block(loc.tier, loc.offset, in, rest.page_bytes); !st.is_ok()) return undo(st);
+    }
+  }
+  if (method == SparseMethod::kSpeContext) {
+    if (Status st = ensure_head_capacity(s, length); !st.is_ok()) return undo(st);
+    // Row t of the sequence is row t % T of block t / T: the rows from prefix_tokens on, a run
+    // per block (the first may start inside the fork's last block).
+    const uint64_t row_bytes = head_row * sizeof(float);
+    for (int64_t t = prefix_tokens; t < length;) {
+      const int64_t in_block = t % head_block_tokens_;
+      const int64_t rows = std::min(head_block_tokens_ - in_block, length - t);
+      const float* keys = rest.head_keys.data() + static_cast<size_t>(t - prefix_tokens) * head_row;
+      if (Status st = write_block(s.head_tier, s.head_blocks[static_cast<size_t>(t / head_block_tokens_)] +
+                                                   static_cast<uint64_t>(in_block) * row_bytes,
+                                  keys, static_cast<uint64_t>(rows) * row_bytes);
+          !st.is_ok()) {
+        return undo(st);
+      }
+      t += rows;
+    }
+    s.boundary_fused.resize(first + pages);
+    for (size_t p = 0; p < pages; ++p) {
+      if (rest.boundary_fused[p].empty()) continue;
+      auto mem = backend_->allocate(fused_row * sizeof(float));
+      if (!mem.is_ok()) return undo(mem.status());
+      if (Status st = backend_->upload(mem->get(), rest.boundary_fused[p].data(), fused_row * sizeof(float));
+          !st.is_ok()) {
+        return undo(st);
+      }
+      s.boundary_fused[first + p] = *mem;
+    }
+    if (Status st = resume_fused_at(s, s.boundary_fused.back()); !st.is_ok()) return undo(st);
+  } else if (method == SparseMethod::kQuest) {
+    for (size_t l = 0; l < s.layers.size(); ++l) {  // the fork's bounds of its prefix, then rest's
+      s.layers[l].page_min.insert(s.layers[l].page_min.end(), rest.quest_min[l].begin(), rest.quest_min[l].end());
+      s.layers[l].page_max.insert(s.layers[l].page_max.end(), rest.quest_max[l].begin(), rest.quest_max[l].end());
+    }
+  }
+  s.length = length;
+  return id;
+}
+
 Status KvMemory::write_block(TierId tier, uint64_t offset, const void* host, uint64_t bytes) {
   if (tier == TierId(0) && backend_->memory_kind() != MemoryKind::kHost) {
     return backend_->upload(kv_->address(tier, offset), host, bytes);

@@ -140,6 +140,14 @@ class KvMemory {
   // does not match this memory; kResourceExhausted (nothing changed) when a slot, the pool or a
   // tier is short.
   Result<SeqId> import_prefix(const PrefixSnapshot& snapshot, int64_t final_length = 0);
+  // A new sequence holding `source`'s first `prefix_tokens` tokens, shared as fork_sequence shares
+  // them, then `rest`'s tokens written as import_prefix writes a snapshot's (the shared prefix
+  // store's chunks past what the prefix cache holds). `rest` is laid out as a prefix chunk's piece
+  // (core/engine/prefix_chunk.h): its pages' KV, its tokens' head key rows only (token-major, no
+  // block padding), a boundary_fused row per page, its pages' Quest bounds. Errors as
+  // fork_sequence's and import_prefix's; on any, nothing changed.
+  Result<SeqId> import_prefix_after(SeqId source, int64_t prefix_tokens, const PrefixSnapshot& rest,
+                                    int64_t final_length = 0);
   // Gives back the device memory of the sequence's sparse working sets (allocated again at its next
   // sparse step, reloaded from scratch): for sequences that wait, such as finished ones kept for
   // prefix caching.

@@ -211,7 +211,11 @@ Result<PrefixChunk> cut_prefix_chunk(std::span<const TokenId> tokens, const Pref
   return c;
 }
 
-Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, int64_t head_block_tokens) {
+namespace {
+
+// join_prefix_chunks (from token 0, head keys padded to whole blocks of head_block_tokens) and
+// join_prefix_chunk_tail (from the first chunk's start, head key rows of its tokens only: tail).
+Result<PrefixSnapshot> join_chunks(std::span<const PrefixChunk> chunks, int64_t head_block_tokens, bool tail) {
   if (chunks.empty()) return data_loss("prefix chunks: none to join");
   const PrefixChunk& first = chunks.front();
   const PrefixSnapshot& f = first.piece;
@@ -224,7 +228,8 @@ Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, i
   const size_t head_row = f.tokens > 0 ? f.head_keys.size() / static_cast<size_t>(f.tokens) : 0;
   const bool fused = !f.boundary_fused.empty();
   const size_t quest = f.quest_min.size();
-  int64_t at = 0;
+  const int64_t from = tail ? first.start : 0;
+  int64_t at = from;
   for (size_t k = 0; k < chunks.size(); ++k) {
     const PrefixChunk& c = chunks[k];
     const PrefixSnapshot& s = c.piece;
@@ -251,8 +256,8 @@ Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, i
     }
     at = c.end();
   }
-  out.tokens = at;
-  const auto pages = static_cast<size_t>(at / f.page_size);
+  out.tokens = at - from;
+  const auto pages = static_cast<size_t>(out.tokens / f.page_size);
   const size_t pb = f.page_bytes;
   out.kv.reserve(static_cast<size_t>(f.layers) * pages * pb);
   for (size_t l = 0; l < static_cast<size_t>(f.layers); ++l) {
@@ -263,7 +268,7 @@ Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, i
     }
   }
   if (head_row > 0) {
-    if (head_block_tokens <= 0) return data_loss("prefix chunks: head keys without a head block size");
+    if (!tail && head_block_tokens <= 0) return data_loss("prefix chunks: head keys without a head block size");
     // The padding below is allocated from what the chunks claim: bounded (a retrieval head's key
     // row is n_kv_heads × head_dim floats, far under this).
     if (head_row > kMaxHeadRow) {
@@ -273,9 +278,11 @@ Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, i
     for (const PrefixChunk& c : chunks)
       out.head_keys.insert(out.head_keys.end(), c.piece.head_keys.begin(), c.piece.head_keys.end());
     // The last block's rows past the prefix: never read (the sequence's length bounds them).
-    const auto rows =
-        static_cast<size_t>((at + head_block_tokens - 1) / head_block_tokens * head_block_tokens);
-    out.head_keys.resize(rows * head_row, 0.0f);
+    if (!tail) {
+      const auto rows =
+          static_cast<size_t>((at + head_block_tokens - 1) / head_block_tokens * head_block_tokens);
+      out.head_keys.resize(rows * head_row, 0.0f);
+    }
   }
   for (const PrefixChunk& c : chunks) {
     out.boundary_fused.insert(out.boundary_fused.end(), c.piece.boundary_fused.begin(),
@@ -292,6 +299,16 @@ Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, i
     }
   }
   return out;
+}
+
+}  // namespace
+
+Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, int64_t head_block_tokens) {
+  return join_chunks(chunks, head_block_tokens, /*tail=*/false);
+}
+
+Result<PrefixSnapshot> join_prefix_chunk_tail(std::span<const PrefixChunk> chunks) {
+  return join_chunks(chunks, 0, /*tail=*/true);
 }
 
 }  // namespace specontext

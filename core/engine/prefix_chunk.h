@@ -4,7 +4,8 @@
 // of a prompt may be shorter). A chunk's key depends on every token of [0, end) (PrefixKey with
 // chunk_tokens), so that later turns of a conversation, which repeat the earlier turns' tokens,
 // write only the chunks the store does not hold yet; a reader assembles a prefix from the run of
-// chunks from token 0 (join_prefix_chunks).
+// chunks from token 0 (join_prefix_chunks), or from the first chunk it does not hold itself
+// (join_prefix_chunk_tail, appended to a fork of what it holds).
 //
 // Layout of one chunk (little-endian, no padding): magic "SPXCHNK1", u32 version (1), u64 identity
 // (the writer's Engine::kv_identity), i64 chunk_tokens, i64 start, i64 end, i64 page_size, i64
@@ -60,5 +61,10 @@ Result<PrefixChunk> cut_prefix_chunk(std::span<const TokenId> tokens, const Pref
 // (each one's start the previous one's end, the same identity, chunk_tokens and layout, each
 // one's tokens a prefix of the next one's). kDataLoss naming the chunk and what disagrees.
 Result<PrefixSnapshot> join_prefix_chunks(std::span<const PrefixChunk> chunks, int64_t head_block_tokens);
+// The same checks for chunks that follow each other from the first one's start: tokens [start,
+// last chunk's end) laid out as one chunk's piece (head key rows of those tokens only, unpadded),
+// what KvMemory::import_prefix_after appends to a fork of the tokens before them (a reader that
+// holds the first chunks itself). kDataLoss as join_prefix_chunks.
+Result<PrefixSnapshot> join_prefix_chunk_tail(std::span<const PrefixChunk> chunks);
 
 }  // namespace specontext

@@ -311,6 +311,79 @@ TEST_P(ForkSequence, APrefixCutIntoChunksAndJoinedAgainGoesOnAsAForkOfTheSource)
   for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
 }
 
+// The shared prefix store read past what the prefix cache holds (PrefixStore::restore_shared): the
+// later chunks joined from their start (join_prefix_chunk_tail) and appended to a fork of the
+// source's first chunk (KvMemory::import_prefix_after) make the source's prefix again (the same
+// pages, head key rows, fused features and Quest bounds), sharing the first chunk's pages, and go
+// on exactly as a fork of the source does. What it cannot append onto changes nothing.
+TEST_P(ForkSequence, LaterChunksAppendedToAForkOfTheFirstGoOnAsAForkOfTheSource) {
+  Engine& e = *engine;
+  const std::vector<TokenId> tail = random_tokens(8, 3, vocab());
+  const int64_t prefix = 32;
+  const int64_t chunk = 16;  // a whole fork unit under every method: [0, 16) held, [16, 32) read
+  const int64_t head_block =
+      e.sparse_options().method == SparseMethod::kSpeContext ? e.sparse_options().selection.budget : 0;
+  auto source = e.memory().add_sequence();
+  ASSERT_TRUE(source.is_ok());
+  (void)last_logits(e, *source, prompt);
+  auto fork = e.memory().fork_sequence(*source, prefix);
+  ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
+  auto snap = e.memory().export_prefix(*source, prefix);
+  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  const std::span<const TokenId> tokens = std::span<const TokenId>(prompt).first(prefix);
+  auto cut = cut_prefix_chunk(tokens, *snap, 77, chunk, chunk, prefix, head_block);
+  ASSERT_TRUE(cut.is_ok()) << cut.status().to_string();
+  auto back = parse_prefix_chunk(encode_prefix_chunk(*cut), "chunk 16");
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  const std::vector<PrefixChunk> later{*back};
+  EXPECT_EQ(join_prefix_chunks(later, head_block).status().code(), StatusCode::kDataLoss)
+      << "a prefix starts at token 0";
+  auto rest = join_prefix_chunk_tail(later);
+  ASSERT_TRUE(rest.is_ok()) << rest.status().to_string();
+  EXPECT_EQ(rest->tokens, prefix - chunk);
+  const int64_t pages_before = e.memory().kv_store().used_pages();
+  const int64_t live_before = e.memory().live_sequences();
+  // Refused: a prefix that is not a whole unit or longer than the source, an unknown source, a
+  // rest whose KV is short. Nothing made, no page taken.
+  EXPECT_EQ(e.memory().import_prefix_after(*source, 4, *rest).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.memory().import_prefix_after(*source, 48, *rest).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.memory().import_prefix_after(SeqId(99), chunk, *rest).status().code(),
+            StatusCode::kInvalidArgument);
+  PrefixSnapshot short_kv = *rest;
+  short_kv.kv.pop_back();
+  EXPECT_EQ(e.memory().import_prefix_after(*source, chunk, short_kv).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.memory().live_sequences(), live_before);
+  EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before);
+  auto appended = e.memory().import_prefix_after(*source, chunk, *rest);
+  ASSERT_TRUE(appended.is_ok()) << appended.status().to_string();
+  EXPECT_EQ(e.memory().sequence_length(*appended), prefix);
+  EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before + (prefix - chunk) / 8)
+      << "the first chunk's pages are shared";
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
+  auto again = e.memory().export_prefix(*appended, prefix);
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  EXPECT_TRUE(again->kv == snap->kv);
+  EXPECT_EQ(again->boundary_fused, snap->boundary_fused);
+  EXPECT_EQ(again->quest_min, snap->quest_min);
+  EXPECT_EQ(again->quest_max, snap->quest_max);
+  ASSERT_EQ(again->head_keys.size(), snap->head_keys.size());
+  if (!snap->head_keys.empty()) {
+    const size_t rows = static_cast<size_t>((prefix + head_block - 1) / head_block * head_block);
+    const size_t used = snap->head_keys.size() / rows * static_cast<size_t>(prefix);
+    EXPECT_TRUE(std::equal(again->head_keys.begin(), again->head_keys.begin() + static_cast<std::ptrdiff_t>(used),
+                           snap->head_keys.begin()));
+  }
+  auto same = [&](std::span<const TokenId> t, const std::string& what) {
+    const std::vector<float> want = last_logits(e, *fork, t);
+    ASSERT_FALSE(want.empty());
+    EXPECT_EQ(max_abs_diff(last_logits(e, *appended, t), want), 0.0f) << what;
+  };
+  same(std::span(prompt).subspan(prefix), "the rest of the prompt");
+  for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
+  ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Methods, ForkSequence,
     ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},

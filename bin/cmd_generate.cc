@@ -267,6 +267,7 @@ int run_generate(const GenerateArgs& a) {
                                {"chunks_written", st.prefix_shared_chunks_written},
                                {"chunks_skipped", st.prefix_shared_chunks_skipped},
                                {"chunks_read", st.prefix_shared_chunks_read},
+                               {"chunks_local", st.prefix_shared_chunks_local},
                                {"cached_prompt_tokens", st.cached_prompt_tokens}};
   }
   summary["refused"] = refused;

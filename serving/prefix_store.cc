@@ -463,14 +463,18 @@ bool PrefixStore::restore(size_t index) {
   return false;
 }
 
-std::optional<SeqId> PrefixStore::import_evicting(const PrefixSnapshot& snapshot) {
+std::optional<SeqId> PrefixStore::import_evicting(const PrefixSnapshot& snapshot, SeqId after,
+                                                  int64_t after_tokens) {
   while (true) {
-    auto seq = engine_.memory().import_prefix(snapshot);
+    auto seq = after.valid() ? engine_.memory().import_prefix_after(after, after_tokens, snapshot)
+                             : engine_.memory().import_prefix(snapshot);
     if (seq.is_ok()) {
       (void)engine_.memory().release_working_sets(*seq);  // it waits, as a cached sequence does
       return *seq;
     }
-    if (seq.status().code() == StatusCode::kResourceExhausted && evict()) continue;
+    if (seq.status().code() == StatusCode::kResourceExhausted && evict(after, /*keep_may_go=*/!after.valid())) {
+      continue;
+    }
     return std::nullopt;
   }
 }
@@ -578,14 +582,19 @@ bool PrefixStore::restore_shared(std::span<const TokenId> want, int64_t tokens) 
   const std::span<const TokenId> prefix = want.first(static_cast<size_t>(tokens));
   const int64_t chunk = shared_chunk_tokens();
   const std::vector<PrefixKey> keys = prefix_keys(identity(), prefix, unit, tokens - 1, chunk);
+  // The whole chunks a cached sequence of this engine holds already are not read: the new sequence
+  // forks them and the chunks after them are appended (the last chunk is always read).
+  const Match local = longest_cached(prefix, 0);
+  const int64_t held = std::min(local.tokens, tokens - 1) / chunk * chunk;
   RequestState state = RequestState::kNew;
   move(state, RequestState::kShared);
+  // The chunks from token `skip` on (keys[skip / chunk] on: those before end at or before it).
   // Every chunk read and checked before any is used: a chunk that is gone, of another engine or
   // of other tokens makes the whole read a miss (the request computes its prompt).
-  Result<PrefixSnapshot> read = [&]() -> Result<PrefixSnapshot> {
+  const auto read_from = [&](int64_t skip) -> Result<PrefixSnapshot> {
     std::vector<PrefixChunk> chunks;
-    chunks.reserve(keys.size());
-    for (const PrefixKey& key : keys) {
+    for (size_t k = static_cast<size_t>(skip / chunk); k < keys.size(); ++k) {
+      const PrefixKey& key = keys[k];
       const std::string name = store->name() + " key " + key.text();
       SPX_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, store->get(key));
       stats_.prefix_shared_bytes_read += static_cast<int64_t>(bytes.size());
@@ -593,7 +602,7 @@ bool PrefixStore::restore_shared(std::span<const TokenId> want, int64_t tokens) 
       if (c.identity != identity()) {
         return data_loss("prefix chunk " + name + ": field 'identity' is of another model or KV layout");
       }
-      const int64_t start = chunks.empty() ? 0 : chunks.back().end();
+      const int64_t start = chunks.empty() ? skip : chunks.back().end();
       if (c.chunk_tokens != chunk || c.start != start || c.end() != key.tokens) {
         return data_loss("prefix chunk " + name + ": fields 'chunk_tokens', 'start' and 'end' are " +
                          std::to_string(c.chunk_tokens) + ", " + std::to_string(c.start) + " and " +
@@ -606,20 +615,33 @@ bool PrefixStore::restore_shared(std::span<const TokenId> want, int64_t tokens) 
       }
       chunks.push_back(std::move(c));
     }
-    return join_prefix_chunks(chunks, head_block_tokens(engine_));
-  }();
-  if (!read.is_ok()) {  // the request computes its prompt instead
-    if (read.status().code() == StatusCode::kNotFound) {
+    return skip == 0 ? join_prefix_chunks(chunks, head_block_tokens(engine_)) : join_prefix_chunk_tail(chunks);
+  };
+  const auto failed = [&](const Status& why) {  // the request computes its prompt instead
+    if (why.code() == StatusCode::kNotFound) {
       ++stats_.prefix_shared_misses;  // expired or evicted since it was found
     } else {
-      (void)shared_error(read.status().to_string());
+      (void)shared_error(why.to_string());
     }
     move(state, RequestState::kDropped);
     return false;
-  }
+  };
+  Result<PrefixSnapshot> read = read_from(held);
+  if (!read.is_ok()) return failed(read.status());
   ++stats_.prefix_shared_hits;
-  stats_.prefix_shared_chunks_read += static_cast<int64_t>(keys.size());
-  if (const std::optional<SeqId> seq = import_evicting(*read)) {
+  stats_.prefix_shared_chunks_read += static_cast<int64_t>(keys.size()) - held / chunk;
+  stats_.prefix_shared_chunks_local += held / chunk;
+  std::optional<SeqId> seq = held == 0 ? import_evicting(*read) : import_evicting(*read, local.seq, held);
+  if (!seq && held > 0) {
+    // No room for a fork beside the sequence it forks (one slot, or a full pool): read from 0,
+    // that sequence may give way.
+    read = read_from(0);
+    if (!read.is_ok()) return failed(read.status());
+    stats_.prefix_shared_chunks_read += static_cast<int64_t>(keys.size());  // the later ones twice
+    stats_.prefix_shared_chunks_local -= held / chunk;
+    seq = import_evicting(*read);
+  }
+  if (seq) {
     ++stats_.prefix_restores;
     move(state, RequestState::kCached);
     cached_.push_back({*seq, std::vector<TokenId>(prefix.begin(), prefix.end())});

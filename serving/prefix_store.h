@@ -16,7 +16,8 @@
 //               only the chunks the store does not hold yet are written (publish; a later turn
 //               of a conversation writes its new tokens' chunks only). A request no local level
 //               serves as far asks it (find_shared) for the longest run of chunks from token 0 and
-//               reads them back, checked and joined, into the cache (restore_shared). The store
+//               reads them back, checked and joined, into the cache (restore_shared): those past
+//               the whole chunks a cached sequence holds, appended to a fork of it. The store
 //               decides what it keeps; an unreachable one costs the prompt's computation only
 //               (counted).
 // Not thread-safe: the Scheduler's thread owns it.
@@ -72,6 +73,7 @@ struct PrefixStoreStats {
   int64_t prefix_shared_chunks_written = 0;  // chunks written (prefix_shared_writes: prompts)
   int64_t prefix_shared_chunks_skipped = 0;  // chunks of published prompts the store held already
   int64_t prefix_shared_chunks_read = 0;     // chunks read back intact
+  int64_t prefix_shared_chunks_local = 0;    // chunks of a prefix read back not read: a cached sequence held them
 };
 
 // The longest common prefix of `want` and a sequence of `have` tokens (the k-th: at(k)), in
@@ -155,7 +157,9 @@ class PrefixStore {
   // Reads the shared prefix of `want`'s first `tokens` back, chunk by chunk, as the most recently
   // used cached sequence, evicting others for room; false (counted: a chunk gone, unreachable, not
   // of this engine, holding other tokens, no room) when not. Each chunk is checked before use
-  // (structure, checksum, identity, chunk size, token range and every token up to its end).
+  // (structure, checksum, identity, chunk size, token range and every token up to its end). The
+  // whole chunks a cached sequence holds already are not read: the new sequence forks them
+  // (prefix_shared_chunks_local) and the chunks read after them are appended.
   bool restore_shared(std::span<const TokenId> want, int64_t tokens);
   bool has_shared() const { return options_.shared_store != nullptr; }
   int64_t shared_chunk_tokens() const;  // the shared level's chunk, in whole fork units
@@ -208,8 +212,10 @@ class PrefixStore {
   void drop(Stored& p, bool remove_file);          // forget, and kDropped
   bool lower_error(const std::string& why);        // counted and kept; false
   bool shared_error(const std::string& why);       // counted and kept; false
-  // The snapshot as a new cached sequence (the most recently used), others evicted for room.
-  std::optional<SeqId> import_evicting(const PrefixSnapshot& snapshot);
+  // The snapshot as a new cached sequence (the most recently used), others evicted for room; with
+  // `after` (kept), appended to a fork of its first after_tokens (KvMemory::import_prefix_after).
+  std::optional<SeqId> import_evicting(const PrefixSnapshot& snapshot, SeqId after = SeqId(),
+                                       int64_t after_tokens = 0);
   void drop_extended();  // open_disk: no prefix that another extends, within the budget
 
   Engine& engine_;

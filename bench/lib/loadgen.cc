@@ -497,6 +497,7 @@ json metrics_delta(const std::map<std::string, double>& before, const std::map<s
           {"chunks_written", d(p + "prefix_store_chunks_written_total")},
           {"chunks_skipped", d(p + "prefix_store_chunks_skipped_total")},
           {"chunks_read", d(p + "prefix_store_chunks_read_total")},
+          {"chunks_local", d(p + "prefix_store_chunks_local_total")},
           {"errors", d(p + "prefix_store_errors_total")}}}};
   }
   if (after.count("specontext_router_requests_total") != 0) {

@@ -128,6 +128,9 @@ constexpr CounterSpec kSpecs[] = {
     {"prefix_shared_chunks_read", "prefix_shared_chunks_read", "specontext_prefix_store_chunks_read_total",
      "counter", "chunks read back intact from the shared prefix store",
      &ServerCounters::prefix_shared_chunks_read, &GenerationStats::prefix_shared_chunks_read},
+    {"prefix_shared_chunks_local", "prefix_shared_chunks_local", "specontext_prefix_store_chunks_local_total",
+     "counter", "chunks of prefixes read back from the shared prefix store not read: a cached sequence held them",
+     &ServerCounters::prefix_shared_chunks_local, &GenerationStats::prefix_shared_chunks_local},
     {"kv_bytes_in_use", nullptr, "specontext_kv_bytes_in_use", "gauge",
      "KV cache bytes held by live sequences", &ServerCounters::kv_bytes_in_use, nullptr},
 };

@@ -58,10 +58,12 @@ struct ServerCounters {
   int64_t prefix_shared_bytes_read = 0;
   int64_t prefix_shared_bytes_written = 0;
   int64_t prefix_shared_errors = 0;
-  // Its chunks (serving/prefix_store.h): written, held already when a prompt was written, read.
+  // Its chunks (serving/prefix_store.h): written, held already when a prompt was written, read,
+  // and not read because a cached sequence held them (forked instead).
   int64_t prefix_shared_chunks_written = 0;
   int64_t prefix_shared_chunks_skipped = 0;
   int64_t prefix_shared_chunks_read = 0;
+  int64_t prefix_shared_chunks_local = 0;
   int64_t kv_bytes_in_use = 0;
   // Connections: refused past max_connections (answered 503 and closed), past
   // max_connections_per_ip (429), closed because a request header did not come whole within

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <map>
+#include <tuple>
 #include <string>
 
 #include "core/model/model_loader.h"
@@ -71,6 +72,7 @@ class MemorySharedStore : public SharedPrefixStore {
   }
   Result<std::vector<std::byte>> get(const PrefixKey& key) override {
     if (!alive) return unavailable("memory shared store: gone");
+    ++gets;
     auto it = blobs_.find(key.text());
     if (it == blobs_.end()) return not_found("memory shared store: no " + key.text());
     return it->second;
@@ -89,6 +91,7 @@ class MemorySharedStore : public SharedPrefixStore {
   bool alive = true;
   int asked = 0;  // contains calls that reached it
   int puts = 0;   // values written
+  int gets = 0;   // values asked for
 
  private:
   std::string name_ = "memory shared store";
@@ -651,6 +654,200 @@ TEST(PrefixStore, AMissingMiddleChunkLimitsTheHitToTheChunksBeforeIt) {
   EXPECT_EQ(store.stats().prefix_shared_misses, misses + 1);
   EXPECT_EQ(store.stats().prefix_shared_errors, 0) << store.last_shared_error();
   EXPECT_EQ(store.cached_sequences(), 1u);
+}
+
+// Issue #31: a cached sequence that holds a prefix's first whole chunks is forked for them and
+// only the later chunks are read (each checked, and a bad one makes the read a miss with nothing
+// made); without one, every chunk is read from token 0.
+TEST(PrefixStore, ACachedSequenceHoldingTheFirstChunksIsForkedAndOnlyTheLaterOnesAreRead) {
+  auto engine = pool_engine(6, 0);
+  ASSERT_TRUE(engine);
+  auto shared = std::make_shared<MemorySharedStore>();
+  PrefixStoreOptions o;
+  o.shared_store = shared;
+  o.shared_chunk_tokens = 16;
+  PrefixStore store(*engine, o);
+  const std::vector<TokenId> a = story_prompt(70), b = prompt_of(426, 70);  // 64 tokens: 4 chunks each
+  const SeqId computed_a = computed(*engine, a);
+  ASSERT_TRUE(store.publish(computed_a, wanted(a)));
+  ASSERT_TRUE(store.publish(computed(*engine, b), wanted(b)));
+  const auto blob_bytes = [&](const std::vector<TokenId>& t, std::initializer_list<int64_t> ends) {
+    int64_t n = 0;
+    for (int64_t end : ends) n += static_cast<int64_t>(shared->blob(chunk_key(*engine, t, end, 16)).size());
+    return n;
+  };
+  // Nothing cached: [0, 16) and [16, 32) read.
+  ASSERT_TRUE(store.restore_shared(wanted(a), 32)) << store.last_shared_error();
+  EXPECT_EQ(shared->gets, 2);
+  EXPECT_EQ(store.stats().prefix_shared_chunks_read, 2);
+  EXPECT_EQ(store.stats().prefix_shared_chunks_local, 0);
+  EXPECT_EQ(store.stats().prefix_shared_bytes_read, blob_bytes(a, {16, 32}));
+  ASSERT_EQ(store.cached_sequences(), 1u);
+  const SeqId first = store.cached().front().seq;
+  // The one chunk read, of another prompt (a hash collision), or the last of two, corrupt: the
+  // read is an error and nothing is made; the cached sequence stays as it was.
+  const PrefixKey a48 = chunk_key(*engine, a, 48, 16), a64 = chunk_key(*engine, a, 64, 16);
+  const std::vector<std::byte> kept48 = shared->blob(a48), kept = shared->blob(a64);
+  const int64_t live = engine->memory().live_sequences(), pages = engine->memory().kv_store().used_pages();
+  std::vector<std::byte> flipped = kept;
+  flipped[flipped.size() / 2] ^= std::byte{1};
+  int64_t errors = 0;
+  for (const auto& [key, value, tokens, named] :
+       {std::tuple{a48, shared->blob(chunk_key(*engine, b, 48, 16)), int64_t{48}, "token_ids"},
+        std::tuple{a64, flipped, int64_t{64}, "crc32"}}) {
+    shared->blob(a48) = kept48;
+    shared->blob(key) = value;
+    EXPECT_FALSE(store.restore_shared(wanted(a), tokens)) << named;
+    EXPECT_EQ(store.stats().prefix_shared_errors, ++errors) << named;
+    EXPECT_NE(store.last_shared_error().find(named), std::string::npos) << store.last_shared_error();
+    EXPECT_EQ(store.stats().prefix_shared_hits, 1) << named;
+    EXPECT_EQ(store.cached_sequences(), 1u) << named;
+    EXPECT_EQ(engine->memory().live_sequences(), live) << named;
+    EXPECT_EQ(engine->memory().kv_store().used_pages(), pages) << named;
+  }
+  shared->blob(a48) = kept48;
+  shared->blob(a64) = kept;
+  // The cached [0, 32) is forked: [32, 48) and [48, 64) only are read. A chunk it holds may be
+  // anything in the store: it is not read.
+  shared->blob(chunk_key(*engine, a, 16, 16)) = flipped;
+  const int gets = shared->gets;
+  const int64_t bytes = store.stats().prefix_shared_bytes_read;
+  ASSERT_TRUE(store.restore_shared(wanted(a), 64)) << store.last_shared_error();
+  EXPECT_EQ(shared->gets - gets, 2);
+  EXPECT_EQ(store.stats().prefix_shared_bytes_read - bytes, blob_bytes(a, {48, 64}));
+  EXPECT_EQ(store.stats().prefix_shared_chunks_read, 4);
+  EXPECT_EQ(store.stats().prefix_shared_chunks_local, 2);
+  EXPECT_EQ(store.stats().prefix_shared_hits, 2);
+  EXPECT_EQ(store.stats().prefix_shared_errors, errors);
+  ASSERT_EQ(store.cached_sequences(), 2u);
+  const SeqId whole = store.cached().back().seq;
+  EXPECT_EQ(engine->memory().sequence_length(whole), 64);
+  EXPECT_EQ(store.cached().back().tokens, std::vector<TokenId>(a.begin(), a.begin() + 64));
+  EXPECT_EQ(engine->memory().kv_store().used_pages(), pages + 2) << "[0, 32)'s pages shared";
+  EXPECT_EQ(engine->memory().sequence_length(first), 32) << "the forked one stays";
+  auto got = engine->memory().export_prefix(whole, 64);
+  auto want = engine->memory().export_prefix(computed_a, 64);
+  ASSERT_TRUE(got.is_ok() && want.is_ok());
+  EXPECT_TRUE(got->kv == want->kv) << "the prompt's KV as computed";
+  ASSERT_TRUE(engine->memory().check_invariants().is_ok()) << engine->memory().check_invariants().to_string();
+}
+
+// One sequence slot (as `generate` has): no fork can stand beside the cached sequence holding
+// the first chunks, so it gives way and every chunk is read from token 0, as without it.
+TEST(PrefixStore, WithNoSlotToForkTheCachedSequenceEveryChunkIsReadFromTokenZero) {
+  auto engine = pool_engine(1, 0);
+  ASSERT_TRUE(engine);
+  auto shared = std::make_shared<MemorySharedStore>();
+  PrefixStoreOptions o;
+  o.shared_store = shared;
+  o.shared_chunk_tokens = 16;
+  PrefixStore store(*engine, o);
+  const std::vector<TokenId> a = story_prompt(70);
+  const SeqId computed_a = computed(*engine, a);
+  ASSERT_TRUE(store.publish(computed_a, wanted(a)));
+  ASSERT_TRUE(engine->memory().remove_sequence(computed_a).is_ok());
+  ASSERT_TRUE(store.restore_shared(wanted(a), 32)) << store.last_shared_error();
+  ASSERT_TRUE(store.restore_shared(wanted(a), 64)) << store.last_shared_error();
+  ASSERT_EQ(store.cached_sequences(), 1u);
+  EXPECT_EQ(engine->memory().sequence_length(store.cached().front().seq), 64);
+  EXPECT_EQ(shared->gets, 2 + 2 + 4) << "[0, 32); [32, 64) for a fork that found no slot; all from 0";
+  EXPECT_EQ(store.stats().prefix_shared_chunks_read, shared->gets);
+  EXPECT_EQ(store.stats().prefix_shared_chunks_local, 0);
+  EXPECT_EQ(store.stats().prefix_shared_hits, 2);
+  EXPECT_EQ(store.stats().prefix_shared_errors, 0) << store.last_shared_error();
+}
+
+// Issue #31: a server whose prefix cache holds a conversation's first turn reads only the chunks
+// of the second turn past it when another server wrote them, and decodes what computing the
+// prompt does (greedy); a corrupt later chunk is computed instead; a server holding nothing reads
+// every chunk from token 0.
+TEST(PrefixStore, AServerHoldingTheFirstTurnReadsOnlyTheLaterChunksAndDecodesAsComputed) {
+  const std::vector<TokenId> turn1 = story_prompt(60);      // 59 wanted: 48 tokens
+  const std::vector<TokenId> turn2 = next_turn(turn1, 50);  // 109 wanted: [0, 32) [32, 64) [64, 96)
+  const auto greedy = [](const std::vector<TokenId>& prompt) {
+    GenerationRequest r;
+    r.prompt = prompt;
+    r.max_new_tokens = 12;
+    return r;
+  };
+  GeneratorOptions go;
+  go.prefix_caching = true;
+  const auto generate = [&](const std::vector<TokenId>& prompt, const GeneratorOptions& o, GenerationStats* stats) {
+    auto engine = pool_engine(2, 0);
+    EXPECT_TRUE(engine);
+    if (!engine) return std::vector<TokenId>{};
+    Generator g(*engine, o);
+    auto out = g.run({greedy(prompt)});
+    EXPECT_TRUE(out.is_ok());
+    if (stats) *stats = g.stats();
+    return out.is_ok() ? (*out)[0].tokens : std::vector<TokenId>{};
+  };
+  const std::vector<TokenId> alone2 = generate(turn2, go, nullptr);
+  ASSERT_EQ(alone2.size(), 12u);
+  auto shared = std::make_shared<MemorySharedStore>();
+  go.prefix_shared_store = shared;
+  go.prefix_shared_chunk_tokens = 32;
+  // A request of `prompt` on a scheduler that stays (its prefix cache with it): its tokens and
+  // the counts it added.
+  const auto turn = [&](Scheduler& s, const std::vector<TokenId>& prompt, GenerationStats* added) {
+    const GenerationStats before = s.stats();
+    auto id = s.submit(greedy(prompt));
+    EXPECT_TRUE(id.is_ok());
+    std::vector<TokenId> tokens;
+    std::vector<SchedulerEvent> ev;
+    for (int i = 0; i < 5000 && !s.idle(); ++i) {
+      ev.clear();
+      EXPECT_TRUE(s.step(ev).is_ok());
+      for (const SchedulerEvent& e : ev) {
+        if (e.request == *id && !e.finished) tokens.push_back(e.token);
+      }
+    }
+    const GenerationStats after = s.stats();
+    added->prefix_shared_hits = after.prefix_shared_hits - before.prefix_shared_hits;
+    added->prefix_shared_errors = after.prefix_shared_errors - before.prefix_shared_errors;
+    added->prefix_shared_chunks_read = after.prefix_shared_chunks_read - before.prefix_shared_chunks_read;
+    added->prefix_shared_chunks_local = after.prefix_shared_chunks_local - before.prefix_shared_chunks_local;
+    added->prefix_shared_bytes_read = after.prefix_shared_bytes_read - before.prefix_shared_bytes_read;
+    added->cached_prompt_tokens = after.cached_prompt_tokens - before.cached_prompt_tokens;
+    return tokens;
+  };
+  auto engine_b = pool_engine(3, 0), engine_d = pool_engine(3, 0);
+  ASSERT_TRUE(engine_b && engine_d);
+  Scheduler b(*engine_b, go), d(*engine_d, go);
+  GenerationStats ignored, a_stats, read_later, read_all, corrupt;
+  (void)turn(b, turn1, &ignored);  // B computes turn 1 and writes [0, 32) [32, 48)
+  (void)turn(d, turn1, &ignored);  // D reads them back
+  EXPECT_EQ(generate(turn2, go, &a_stats), alone2);  // A reads 48 tokens, writes [32, 64) [64, 96)
+  EXPECT_EQ(a_stats.prefix_shared_chunks_written, 2);
+  const auto blob_bytes = [&](std::initializer_list<int64_t> ends) {
+    int64_t n = 0;
+    for (int64_t end : ends) n += static_cast<int64_t>(shared->blob(chunk_key(*engine_b, turn2, end, 32)).size());
+    return n;
+  };
+  EXPECT_EQ(turn(b, turn2, &read_later), alone2) << "[0, 32) forked from turn 1's cached sequence";
+  EXPECT_EQ(read_later.prefix_shared_hits, 1);
+  EXPECT_EQ(read_later.prefix_shared_chunks_read, 2);
+  EXPECT_EQ(read_later.prefix_shared_chunks_local, 1);
+  EXPECT_EQ(read_later.prefix_shared_bytes_read, blob_bytes({64, 96}));
+  EXPECT_EQ(read_later.cached_prompt_tokens, 96);
+  EXPECT_EQ(read_later.prefix_shared_errors, 0);
+  // A server holding nothing of it reads all three chunks.
+  EXPECT_EQ(generate(turn2, go, &read_all), alone2);
+  EXPECT_EQ(read_all.prefix_shared_hits, 1);
+  EXPECT_EQ(read_all.prefix_shared_chunks_read, 3);
+  EXPECT_EQ(read_all.prefix_shared_chunks_local, 0);
+  EXPECT_EQ(read_all.prefix_shared_bytes_read, blob_bytes({32, 64, 96}));
+  EXPECT_EQ(read_all.cached_prompt_tokens, 96);
+  std::fprintf(stderr, "turn 2 read from the shared store: %lld bytes holding turn 1, %lld holding nothing\n",
+               static_cast<long long>(read_later.prefix_shared_bytes_read),
+               static_cast<long long>(read_all.prefix_shared_bytes_read));
+  // D holds turn 1 too; turn 2's last chunk is corrupt: computed past D's own 48 tokens.
+  std::vector<std::byte>& last = shared->blob(chunk_key(*engine_b, turn2, 96, 32));
+  last[last.size() / 2] ^= std::byte{0x40};
+  EXPECT_EQ(turn(d, turn2, &corrupt), alone2) << "a corrupt later chunk is computed, not used";
+  EXPECT_EQ(corrupt.prefix_shared_hits, 0);
+  EXPECT_GE(corrupt.prefix_shared_errors, 1);
+  EXPECT_EQ(corrupt.cached_prompt_tokens, 48) << "turn 1's cached pages only";
 }
 
 // ---- request states ----

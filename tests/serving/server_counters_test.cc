@@ -108,7 +108,8 @@ TEST(ServerCounters, JsonHasEachCountedFieldUnderItsKey) {
                                               "prefix_shared_errors",
                                               "prefix_shared_chunks_written",
                                               "prefix_shared_chunks_skipped",
-                                              "prefix_shared_chunks_read"};
+                                              "prefix_shared_chunks_read",
+                                              "prefix_shared_chunks_local"};
   std::set<std::string> keys;
   for (const auto& [key, value] : j.items()) keys.insert(key);
   EXPECT_EQ(keys, stopped_keys);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstring>
 #include <numeric>
+#include <span>
 #include <string>
 #include <unordered_set>
 
@@ -431,96 +432,177 @@ Result<PrefixSnapshot> KvMemory::export_prefix(SeqId seq, int64_t tokens) {
   return snap;
 }
 
-Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_length) {
-  const auto mismatch = [](const std::string& field, int64_t got, int64_t want) {
-    return invalid_argument("import_prefix: snapshot field '" + field + "' is " + std::to_string(got) +
+namespace {
+
+// What import_prefix and import_prefix_after check a snapshot against: the memory's layout, the
+// room its tokens must fit in and the sizes of the sparse method's state for its tokens.
+struct SnapshotFit {
+  std::string what;  // the function, named in the errors
+  int64_t page_size = 0;
+  int64_t layers = 0;
+  uint64_t page_bytes = 0;
+  DType kv_dtype = DType::kF32;
+  SparseMethod method = SparseMethod::kDense;
+  int64_t unit = 0;  // the tokens: a positive multiple of it that fits in max_context after `after`
+  int64_t max_context = 0;
+  int64_t after = 0;
+  bool appended = false;     // import_prefix_after: the errors name the tokens the snapshot's follow
+  bool sharing_off = false;  // import_prefix: SpeContext without EngineOptions::prefix_sharing (refused)
+  size_t head_keys = 0;      // SpeContext: floats of head keys the tokens need
+  size_t fused_row = 0;      // SpeContext: floats of a boundary_fused row
+  size_t quest_bounds = 0;   // Quest: bound elements per layer the tokens need
+};
+
+SnapshotFit layout_fit(const KvStore& kv, SparseMethod method, int64_t unit, std::string what) {
+  SnapshotFit fit;
+  fit.what = std::move(what);
+  fit.page_size = kv.page_size();
+  fit.layers = kv.n_layers();
+  fit.page_bytes = kv.page_bytes();
+  fit.kv_dtype = kv.dtype();
+  fit.method = method;
+  fit.unit = unit;
+  return fit;
+}
+
+// kInvalidArgument naming the first field of the snapshot that does not fit.
+Status check_snapshot(const PrefixSnapshot& snap, const SnapshotFit& fit) {
+  const auto mismatch = [&](const std::string& field, int64_t got, int64_t want) {
+    return invalid_argument(fit.what + ": snapshot field '" + field + "' is " + std::to_string(got) +
                             ", this engine needs " + std::to_string(want));
   };
-  const SparseMethod method = options_.sparse.method;
-  if (snap.page_size != kv_->page_size()) return mismatch("page_size", snap.page_size, kv_->page_size());
-  if (snap.layers != kv_->n_layers()) return mismatch("layers", snap.layers, kv_->n_layers());
-  if (snap.page_bytes != kv_->page_bytes()) {
+  if (snap.page_size != fit.page_size) return mismatch("page_size", snap.page_size, fit.page_size);
+  if (snap.layers != fit.layers) return mismatch("layers", snap.layers, fit.layers);
+  if (snap.page_bytes != fit.page_bytes) {
     return mismatch("page_bytes", static_cast<int64_t>(snap.page_bytes),
-                    static_cast<int64_t>(kv_->page_bytes()));
+                    static_cast<int64_t>(fit.page_bytes));
   }
-  if (snap.kv_dtype != kv_->dtype()) {
-    return invalid_argument("import_prefix: snapshot field 'kv_dtype' is " +
+  if (snap.kv_dtype != fit.kv_dtype) {
+    return invalid_argument(fit.what + ": snapshot field 'kv_dtype' is " +
                             std::string(dtype_name(snap.kv_dtype)) + ", this engine stores " +
-                            std::string(dtype_name(kv_->dtype())));
+                            std::string(dtype_name(fit.kv_dtype)));
   }
-  if (snap.method != method) {
-    return mismatch("method", static_cast<int64_t>(snap.method), static_cast<int64_t>(method));
+  if (snap.method != fit.method) {
+    return mismatch("method", static_cast<int64_t>(snap.method), static_cast<int64_t>(fit.method));
   }
-  const int64_t unit = fork_granularity();
-  if (snap.tokens <= 0 || snap.tokens % unit != 0 || snap.tokens > max_context_) {
-    return invalid_argument("import_prefix: snapshot field 'tokens' is " + std::to_string(snap.tokens) +
-                            ": it must be a positive multiple of " + std::to_string(unit) + " up to " +
-                            std::to_string(max_context_));
+  if (snap.tokens <= 0 || snap.tokens % fit.unit != 0 || fit.after > fit.max_context - snap.tokens) {
+    return invalid_argument(fit.what + ": snapshot field 'tokens' is " + std::to_string(snap.tokens) +
+                            ": it must be a positive multiple of " + std::to_string(fit.unit) + " up to " +
+                            std::to_string(fit.max_context - fit.after) +
+                            (fit.appended ? " after " + std::to_string(fit.after) + " tokens" : ""));
   }
-  const auto pages = static_cast<size_t>(snap.tokens / kv_->page_size());
-  if (snap.kv.size() != static_cast<size_t>(snap.layers) * pages * snap.page_bytes) {
-    return mismatch("kv", static_cast<int64_t>(snap.kv.size()),
-                    static_cast<int64_t>(static_cast<size_t>(snap.layers) * pages * snap.page_bytes));
+  const auto pages = static_cast<size_t>(snap.tokens / snap.page_size);
+  const size_t kv_bytes = static_cast<size_t>(snap.layers) * pages * snap.page_bytes;
+  if (snap.kv.size() != kv_bytes) {
+    return mismatch("kv", static_cast<int64_t>(snap.kv.size()), static_cast<int64_t>(kv_bytes));
   }
-  const size_t fused_row = static_cast<size_t>(3 * config().dim);
-  if (method == SparseMethod::kSpeContext) {
-    if (!options_.prefix_sharing) {
-      return invalid_argument("import_prefix: SpeContext needs EngineOptions::prefix_sharing");
+  if (fit.method == SparseMethod::kSpeContext) {
+    if (fit.sharing_off) {
+      return invalid_argument(fit.what + ": SpeContext needs EngineOptions::prefix_sharing");
     }
-    const auto blocks = static_cast<size_t>((snap.tokens + head_block_tokens_ - 1) / head_block_tokens_);
-    if (snap.head_keys.size() != blocks * head_block_bytes() / sizeof(float)) {
+    if (snap.head_keys.size() != fit.head_keys) {
       return mismatch("head_keys", static_cast<int64_t>(snap.head_keys.size()),
-                      static_cast<int64_t>(blocks * head_block_bytes() / sizeof(float)));
+                      static_cast<int64_t>(fit.head_keys));
     }
     if (snap.boundary_fused.size() != pages) {
       return mismatch("boundary_fused", static_cast<int64_t>(snap.boundary_fused.size()),
                       static_cast<int64_t>(pages));
     }
     for (const auto& f : snap.boundary_fused) {
-      if (!f.empty() && f.size() != fused_row) {
-        return mismatch("boundary_fused", static_cast<int64_t>(f.size()), static_cast<int64_t>(fused_row));
+      if (!f.empty() && f.size() != fit.fused_row) {
+        return mismatch("boundary_fused", static_cast<int64_t>(f.size()),
+                        static_cast<int64_t>(fit.fused_row));
       }
     }
     if (snap.boundary_fused.back().empty()) {
-      return invalid_argument(
-          "import_prefix: snapshot field 'boundary_fused' has no features at its last token");
+      return invalid_argument(fit.what +
+                              ": snapshot field 'boundary_fused' has no features at its last token");
     }
-  } else if (method == SparseMethod::kQuest) {
-    const size_t bounds = quest_bound_elements(snap.tokens);
+  } else if (fit.method == SparseMethod::kQuest) {
     if (snap.quest_min.size() != static_cast<size_t>(snap.layers) ||
         snap.quest_max.size() != snap.quest_min.size()) {
       return mismatch("quest_min", static_cast<int64_t>(snap.quest_min.size()), snap.layers);
     }
     for (size_t l = 0; l < snap.quest_min.size(); ++l) {
-      if (snap.quest_min[l].size() != bounds || snap.quest_max[l].size() != bounds) {
+      if (snap.quest_min[l].size() != fit.quest_bounds || snap.quest_max[l].size() != fit.quest_bounds) {
         return mismatch("quest_min", static_cast<int64_t>(snap.quest_min[l].size()),
-                        static_cast<int64_t>(bounds));
+                        static_cast<int64_t>(fit.quest_bounds));
       }
     }
   }
+  return Status::ok();
+}
 
-  if (replan_) {
-    // As fill_synthetic: the placement for the length the new sequence has at once.
-    std::vector<int64_t> lens;
-    for (const auto& [id, other] : sequences_) lens.push_back(other.length);
-    lens.push_back(snap.tokens);
-    SPX_RETURN_IF_ERROR_CTX(replan_(lens), "import_prefix");
+// Writes a checked snapshot's KV ([layers][pages]) into its pages' places, the first `pages` (one
+// a snapshot page), with `write` (KvMemory::write_block).
+template <class Write>
+Status write_snapshot_kv(const PrefixSnapshot& snap, const KvStore& kv, std::span<const PageId> pages,
+                         Write&& write) {
+  const auto n = static_cast<size_t>(snap.tokens / snap.page_size);
+  const std::byte* in = snap.kv.data();
+  for (int64_t l = 0; l < snap.layers; ++l) {
+    for (size_t p = 0; p < n; ++p, in += snap.page_bytes) {
+      const PageLocation loc = kv.locate(LayerId(static_cast<int32_t>(l)), pages[p]);
+      SPX_RETURN_IF_ERROR(write(loc.tier, loc.offset, in, snap.page_bytes));
+    }
   }
+  return Status::ok();
+}
+
+// A checked snapshot's boundary_fused rows (`row` floats each) in backend memory, as entries
+// `first` on of `out` (resized to end with them); empty rows stay null.
+Status upload_boundary_fused(Backend& backend, const PrefixSnapshot& snap, size_t row, size_t first,
+                             std::vector<std::shared_ptr<const void>>& out) {
+  out.resize(first + snap.boundary_fused.size());
+  for (size_t p = 0; p < snap.boundary_fused.size(); ++p) {
+    if (snap.boundary_fused[p].empty()) continue;
+    SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> mem, backend.allocate(row * sizeof(float)));
+    SPX_RETURN_IF_ERROR(backend.upload(mem.get(), snap.boundary_fused[p].data(), row * sizeof(float)));
+    out[first + p] = std::move(mem);
+  }
+  return Status::ok();
+}
+
+// Before a sequence appears at `length` at once: the re-planner (if any) given the live sequences'
+// lengths plus that one.
+Status replan_with(const KvMemory::Replan& replan, const std::unordered_map<SeqId, KvSequence>& live,
+                   int64_t length) {
+  if (!replan) return Status::ok();
+  std::vector<int64_t> lens;
+  for (const auto& [id, other] : live) lens.push_back(other.length);
+  lens.push_back(length);
+  return replan(lens);
+}
+
+}  // namespace
+
+Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_length) {
+  const SparseMethod method = options_.sparse.method;
+  SnapshotFit fit = layout_fit(*kv_, method, fork_granularity(), "import_prefix");
+  fit.max_context = max_context_;
+  fit.sharing_off = !options_.prefix_sharing;
+  fit.fused_row = static_cast<size_t>(3 * config().dim);
+  if (method == SparseMethod::kSpeContext) {  // whole blocks of head keys
+    const auto blocks = static_cast<size_t>((snap.tokens + head_block_tokens_ - 1) / head_block_tokens_);
+    fit.head_keys = blocks * head_block_bytes() / sizeof(float);
+  } else if (method == SparseMethod::kQuest) {
+    fit.quest_bounds = quest_bound_elements(snap.tokens);
+  }
+  SPX_RETURN_IF_ERROR(check_snapshot(snap, fit));
+  // As fill_synthetic: the placement for the length the new sequence has at once.
+  SPX_RETURN_IF_ERROR_CTX(replan_with(replan_, sequences_, snap.tokens), "import_prefix");
   SPX_ASSIGN_OR_RETURN(const SeqId id, add_sequence(final_length));
   KvSequence& s = sequences_.at(id);
   auto undo = [&](const Status& st) -> Status {
     (void)remove_sequence(id);
     return st.with_context("import_prefix");
   };
+  const auto write = [this](TierId tier, uint64_t offset, const void* host, uint64_t bytes) {
+    return write_block(tier, offset, host, bytes);
+  };
   std::vector<PageId> fresh;
   if (Status st = reserve_pages(s, snap.tokens, fresh); !st.is_ok()) return undo(st);
-  const std::byte* in = snap.kv.data();
-  for (int64_t l = 0; l < snap.layers; ++l) {
-    for (size_t p = 0; p < pages; ++p, in += snap.page_bytes) {
-      const PageLocation loc = kv_->locate(LayerId(static_cast<int32_t>(l)), s.pages[p]);
-      if (Status st = write_block(loc.tier, loc.offset, in, snap.page_bytes); !st.is_ok()) return undo(st);
-    }
-  }
+  if (Status st = write_snapshot_kv(snap, *kv_, s.pages, write); !st.is_ok()) return undo(st);
   if (method == SparseMethod::kSpeContext) {
     if (Status st = ensure_head_capacity(s, snap.tokens); !st.is_ok()) return undo(st);
     const uint64_t block = head_block_bytes();
@@ -528,16 +610,8 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
       const float* keys = snap.head_keys.data() + b * block / sizeof(float);
       if (Status st = write_block(s.head_tier, s.head_blocks[b], keys, block); !st.is_ok()) return undo(st);
     }
-    s.boundary_fused.resize(pages);
-    for (size_t p = 0; p < pages; ++p) {
-      if (snap.boundary_fused[p].empty()) continue;
-      auto mem = backend_->allocate(fused_row * sizeof(float));
-      if (!mem.is_ok()) return undo(mem.status());
-      if (Status st = backend_->upload(mem->get(), snap.boundary_fused[p].data(), fused_row * sizeof(float));
-          !st.is_ok()) {
-        return undo(st);
-      }
-      s.boundary_fused[p] = *mem;
+    if (Status st = upload_boundary_fused(*backend_, snap, fit.fused_row, 0, s.boundary_fused); !st.is_ok()) {
+      return undo(st);
     }
     if (Status st = resume_fused_at(s, s.boundary_fused.back()); !st.is_ok()) return undo(st);
   } else if (method == SparseMethod::kQuest) {
@@ -553,98 +627,42 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
 
 Result<SeqId> KvMemory::import_prefix_after(SeqId source, int64_t prefix_tokens, const PrefixSnapshot& rest,
                                             int64_t final_length) {
-  const auto mismatch = [](const std::string& field, int64_t got, int64_t want) {
-    return invalid_argument("import_prefix_after: snapshot field '" + field + "' is " + std::to_string(got) +
-                            ", this engine needs " + std::to_string(want));
-  };
   const SparseMethod method = options_.sparse.method;
-  if (rest.page_size != kv_->page_size()) return mismatch("page_size", rest.page_size, kv_->page_size());
-  if (rest.layers != kv_->n_layers()) return mismatch("layers", rest.layers, kv_->n_layers());
-  if (rest.page_bytes != kv_->page_bytes()) {
-    return mismatch("page_bytes", static_cast<int64_t>(rest.page_bytes),
-                    static_cast<int64_t>(kv_->page_bytes()));
-  }
-  if (rest.kv_dtype != kv_->dtype()) {
-    return invalid_argument("import_prefix_after: snapshot field 'kv_dtype' is " +
-                            std::string(dtype_name(rest.kv_dtype)) + ", this engine stores " +
-                            std::string(dtype_name(kv_->dtype())));
-  }
-  if (rest.method != method) {
-    return mismatch("method", static_cast<int64_t>(rest.method), static_cast<int64_t>(method));
-  }
-  const int64_t unit = fork_granularity();
-  if (rest.tokens <= 0 || rest.tokens % unit != 0 || prefix_tokens > max_context_ - rest.tokens) {
-    return invalid_argument("import_prefix_after: snapshot field 'tokens' is " + std::to_string(rest.tokens) +
-                            ": it must be a positive multiple of " + std::to_string(unit) + " up to " +
-                            std::to_string(max_context_ - prefix_tokens) + " after " +
-                            std::to_string(prefix_tokens) + " tokens");
-  }
-  const int64_t length = prefix_tokens + rest.tokens;
-  const auto pages = static_cast<size_t>(rest.tokens / kv_->page_size());
-  if (rest.kv.size() != static_cast<size_t>(rest.layers) * pages * rest.page_bytes) {
-    return mismatch("kv", static_cast<int64_t>(rest.kv.size()),
-                    static_cast<int64_t>(static_cast<size_t>(rest.layers) * pages * rest.page_bytes));
-  }
-  const size_t fused_row = static_cast<size_t>(3 * config().dim);
-  size_t head_row = 0;  // floats of one token's head keys
-  if (method == SparseMethod::kSpeContext) {
+  SnapshotFit fit = layout_fit(*kv_, method, fork_granularity(), "import_prefix_after");
+  fit.max_context = max_context_;
+  fit.after = prefix_tokens;
+  fit.appended = true;
+  fit.fused_row = static_cast<size_t>(3 * config().dim);
+  size_t head_row = 0;                        // floats of one token's head keys
+  if (method == SparseMethod::kSpeContext) {  // the tokens' rows only
     const auto& hc = options_.retrieval_head->config;
     head_row = static_cast<size_t>(hc.n_kv_heads * hc.head_dim);
-    if (rest.head_keys.size() != head_row * static_cast<size_t>(rest.tokens)) {
-      return mismatch("head_keys", static_cast<int64_t>(rest.head_keys.size()),
-                      static_cast<int64_t>(head_row * static_cast<size_t>(rest.tokens)));
-    }
-    if (rest.boundary_fused.size() != pages) {
-      return mismatch("boundary_fused", static_cast<int64_t>(rest.boundary_fused.size()),
-                      static_cast<int64_t>(pages));
-    }
-    for (const auto& f : rest.boundary_fused) {
-      if (!f.empty() && f.size() != fused_row) {
-        return mismatch("boundary_fused", static_cast<int64_t>(f.size()), static_cast<int64_t>(fused_row));
-      }
-    }
-    if (rest.boundary_fused.back().empty()) {
-      return invalid_argument(
-          "import_prefix_after: snapshot field 'boundary_fused' has no features at its last token");
-    }
+    fit.head_keys = head_row * static_cast<size_t>(rest.tokens);
   } else if (method == SparseMethod::kQuest) {
-    const size_t bounds = quest_bound_elements(rest.tokens);
-    if (rest.quest_min.size() != static_cast<size_t>(rest.layers) ||
-        rest.quest_max.size() != rest.quest_min.size()) {
-      return mismatch("quest_min", static_cast<int64_t>(rest.quest_min.size()), rest.layers);
-    }
-    for (size_t l = 0; l < rest.quest_min.size(); ++l) {
-      if (rest.quest_min[l].size() != bounds || rest.quest_max[l].size() != bounds) {
-        return mismatch("quest_min", static_cast<int64_t>(rest.quest_min[l].size()),
-                        static_cast<int64_t>(bounds));
-      }
-    }
+    fit.quest_bounds = quest_bound_elements(rest.tokens);
   }
+  SPX_RETURN_IF_ERROR(check_snapshot(rest, fit));
+  const int64_t length = prefix_tokens + rest.tokens;
   // The source and its prefix are checked by fork_sequence (nothing made when it refuses).
   if (const auto src = sequences_.find(source); src != sequences_.end()) {
     SPX_RETURN_IF_ERROR(check_prefix(source, src->second, prefix_tokens, "import_prefix_after"));
   }
-  if (replan_) {
-    std::vector<int64_t> lens;
-    for (const auto& [id, other] : sequences_) lens.push_back(other.length);
-    lens.push_back(length);
-    SPX_RETURN_IF_ERROR_CTX(replan_(lens), "import_prefix_after");
-  }
+  SPX_RETURN_IF_ERROR_CTX(replan_with(replan_, sequences_, length), "import_prefix_after");
   SPX_ASSIGN_OR_RETURN(const SeqId id, fork_sequence(source, prefix_tokens, final_length));
   KvSequence& s = sequences_.at(id);
   auto undo = [&](const Status& st) -> Status {
     (void)remove_sequence(id);
     return st.with_context("import_prefix_after");
   };
+  const auto write = [this](TierId tier, uint64_t offset, const void* host, uint64_t bytes) {
+    return write_block(tier, offset, host, bytes);
+  };
   const size_t first = s.pages.size();  // prefix_tokens / page_size: the fork's shared pages
   std::vector<PageId> fresh;
   if (Status st = reserve_pages(s, length, fresh); !st.is_ok()) return undo(st);
-  const std::byte* in = rest.kv.data();
-  for (int64_t l = 0; l < rest.layers; ++l) {
-    for (size_t p = 0; p < pages; ++p, in += rest.page_bytes) {
-      const PageLocation loc = kv_->locate(LayerId(static_cast<int32_t>(l)), s.pages[first + p]);
-      if (Status st = write_block(loc.tier, loc.offset, in, rest.page_bytes); !st.is_ok()) return undo(st);
-    }
+  if (Status st = write_snapshot_kv(rest, *kv_, std::span<const PageId>(s.pages).subspan(first), write);
+      !st.is_ok()) {
+    return undo(st);
   }
   if (method == SparseMethod::kSpeContext) {
     if (Status st = ensure_head_capacity(s, length); !st.is_ok()) return undo(st);
@@ -663,22 +681,17 @@ Result<SeqId> KvMemory::import_prefix_after(SeqId source, int64_t prefix_tokens,
       }
       t += rows;
     }
-    s.boundary_fused.resize(first + pages);
-    for (size_t p = 0; p < pages; ++p) {
-      if (rest.boundary_fused[p].empty()) continue;
-      auto mem = backend_->allocate(fused_row * sizeof(float));
-      if (!mem.is_ok()) return undo(mem.status());
-      if (Status st = backend_->upload(mem->get(), rest.boundary_fused[p].data(), fused_row * sizeof(float));
-          !st.is_ok()) {
-        return undo(st);
-      }
-      s.boundary_fused[first + p] = *mem;
+    if (Status st = upload_boundary_fused(*backend_, rest, fit.fused_row, first, s.boundary_fused);
+        !st.is_ok()) {
+      return undo(st);
     }
     if (Status st = resume_fused_at(s, s.boundary_fused.back()); !st.is_ok()) return undo(st);
   } else if (method == SparseMethod::kQuest) {
     for (size_t l = 0; l < s.layers.size(); ++l) {  // the fork's bounds of its prefix, then rest's
-      s.layers[l].page_min.insert(s.layers[l].page_min.end(), rest.quest_min[l].begin(), rest.quest_min[l].end());
-      s.layers[l].page_max.insert(s.layers[l].page_max.end(), rest.quest_max[l].begin(), rest.quest_max[l].end());
+      s.layers[l].page_min.insert(s.layers[l].page_min.end(), rest.quest_min[l].begin(),
+                                  rest.quest_min[l].end());
+      s.layers[l].page_max.insert(s.layers[l].page_max.end(), rest.quest_max[l].begin(),
+                                  rest.quest_max[l].end());
     }
   }
   s.length = length;

@@ -85,6 +85,56 @@ class ForkSequence : public ::testing::TestWithParam<Case> {
     prompt = random_tokens(40, 1, vocab());
   }
   int32_t vocab() const { return static_cast<int32_t>(model->config.vocab_size); }
+  // Tokens per block of the retrieval head's key cache (0 without SpeContext).
+  int64_t head_block_tokens() const {
+    return engine->sparse_options().method == SparseMethod::kSpeContext
+               ? engine->sparse_options().selection.budget
+               : 0;
+  }
+  // A source computing the prompt in the engine under test, a fork of its first `prefix` tokens
+  // and their snapshot.
+  void fork_and_export(int64_t prefix, SeqId& source, SeqId& fork, PrefixSnapshot& snap) {
+    Engine& e = *engine;
+    auto s = e.memory().add_sequence();
+    ASSERT_TRUE(s.is_ok());
+    source = *s;
+    (void)last_logits(e, source, prompt);
+    auto f = e.memory().fork_sequence(source, prefix);
+    ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+    fork = *f;
+    auto exported = e.memory().export_prefix(source, prefix);
+    ASSERT_TRUE(exported.is_ok()) << exported.status().to_string();
+    snap = std::move(*exported);
+  }
+  // A snapshot of `prefix` tokens made again (joined from chunks, exported again) is `want`: the
+  // same pages, fused features, Quest bounds and head keys up to the prefix's rows (the last
+  // block's rest is never read).
+  void expect_same_snapshot(const PrefixSnapshot& got, const PrefixSnapshot& want, int64_t prefix) const {
+    EXPECT_TRUE(got.kv == want.kv);
+    EXPECT_EQ(got.boundary_fused, want.boundary_fused);
+    EXPECT_EQ(got.quest_min, want.quest_min);
+    EXPECT_EQ(got.quest_max, want.quest_max);
+    ASSERT_EQ(got.head_keys.size(), want.head_keys.size());
+    if (!want.head_keys.empty()) {
+      const int64_t block = head_block_tokens();
+      const size_t rows = static_cast<size_t>((prefix + block - 1) / block * block);
+      const size_t used = want.head_keys.size() / rows * static_cast<size_t>(prefix);
+      EXPECT_TRUE(std::equal(got.head_keys.begin(), got.head_keys.begin() + static_cast<std::ptrdiff_t>(used),
+                             want.head_keys.begin()));
+    }
+  }
+  // `seq` in `on` goes on exactly as `fork` in the engine under test: the prompt's tokens past the
+  // prefix, then `tail` decoded a token at a time.
+  void expect_goes_on_as(Engine& on, SeqId seq, SeqId fork, int64_t prefix,
+                         const std::vector<TokenId>& tail) {
+    auto same = [&](std::span<const TokenId> t, const std::string& what) {
+      const std::vector<float> want = last_logits(*engine, fork, t);
+      ASSERT_FALSE(want.empty());
+      EXPECT_EQ(max_abs_diff(last_logits(on, seq, t), want), 0.0f) << what;
+    };
+    same(std::span(prompt).subspan(static_cast<size_t>(prefix)), "the rest of the prompt");
+    for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
+  }
   transport::LocalTransport local;  // declared first: outlives the engines
   std::shared_ptr<Model> model;
   std::shared_ptr<RetrievalHead> head;
@@ -254,19 +304,14 @@ TEST_P(ForkSequence, APrefixCutIntoChunksAndJoinedAgainGoesOnAsAForkOfTheSource)
   const int64_t prefix = 32;
   const int64_t unit = e.memory().fork_granularity();
   const int64_t chunk = unit == 8 ? 24 : 16;  // [0, 24) [24, 32), or [0, 16) [16, 32) under Quest
-  const int64_t head_block =
-      e.sparse_options().method == SparseMethod::kSpeContext ? e.sparse_options().selection.budget : 0;
-  auto source = e.memory().add_sequence();
-  ASSERT_TRUE(source.is_ok());
-  (void)last_logits(e, *source, prompt);
-  auto fork = e.memory().fork_sequence(*source, prefix);
-  ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
-  auto snap = e.memory().export_prefix(*source, prefix);
-  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  const int64_t head_block = head_block_tokens();
+  SeqId source, fork;
+  PrefixSnapshot snap;
+  ASSERT_NO_FATAL_FAILURE(fork_and_export(prefix, source, fork, snap));
   const std::span<const TokenId> tokens = std::span<const TokenId>(prompt).first(prefix);
   std::vector<PrefixChunk> chunks;
   for (int64_t start = 0; start < prefix; start += chunk) {
-    auto cut = cut_prefix_chunk(tokens, *snap, 77, chunk, start, std::min(start + chunk, prefix), head_block);
+    auto cut = cut_prefix_chunk(tokens, snap, 77, chunk, start, std::min(start + chunk, prefix), head_block);
     ASSERT_TRUE(cut.is_ok()) << cut.status().to_string();
     const std::vector<std::byte> bytes = encode_prefix_chunk(*cut);
     auto back = parse_prefix_chunk(bytes, "chunk " + std::to_string(start));
@@ -277,24 +322,13 @@ TEST_P(ForkSequence, APrefixCutIntoChunksAndJoinedAgainGoesOnAsAForkOfTheSource)
     chunks.push_back(std::move(*back));
   }
   ASSERT_EQ(chunks.size(), 2u);
-  EXPECT_EQ(cut_prefix_chunk(tokens, *snap, 77, chunk, 0, chunk / 2 + 1, head_block).status().code(),
+  EXPECT_EQ(cut_prefix_chunk(tokens, snap, 77, chunk, 0, chunk / 2 + 1, head_block).status().code(),
             StatusCode::kInvalidArgument)
       << "not a whole unit";
   auto joined = join_prefix_chunks(chunks, head_block);
   ASSERT_TRUE(joined.is_ok()) << joined.status().to_string();
   EXPECT_EQ(joined->tokens, prefix);
-  EXPECT_TRUE(joined->kv == snap->kv);
-  EXPECT_EQ(joined->boundary_fused, snap->boundary_fused);
-  EXPECT_EQ(joined->quest_min, snap->quest_min);
-  EXPECT_EQ(joined->quest_max, snap->quest_max);
-  ASSERT_EQ(joined->head_keys.size(), snap->head_keys.size());
-  if (!snap->head_keys.empty()) {
-    const size_t rows = static_cast<size_t>((prefix + head_block - 1) / head_block * head_block);
-    const size_t used = snap->head_keys.size() / rows * static_cast<size_t>(prefix);
-    EXPECT_TRUE(std::equal(joined->head_keys.begin(),
-                           joined->head_keys.begin() + static_cast<std::ptrdiff_t>(used),
-                           snap->head_keys.begin()));
-  }
+  expect_same_snapshot(*joined, snap, prefix);
   // Out of order, or the second twice: refused.
   std::vector<PrefixChunk> swapped{chunks[1], chunks[0]};
   EXPECT_EQ(join_prefix_chunks(swapped, head_block).status().code(), StatusCode::kDataLoss);
@@ -302,13 +336,7 @@ TEST_P(ForkSequence, APrefixCutIntoChunksAndJoinedAgainGoesOnAsAForkOfTheSource)
   EXPECT_EQ(join_prefix_chunks(twice, head_block).status().code(), StatusCode::kDataLoss);
   auto there = ref.memory().import_prefix(*joined);
   ASSERT_TRUE(there.is_ok()) << there.status().to_string();
-  auto same = [&](std::span<const TokenId> t, const std::string& what) {
-    const std::vector<float> want = last_logits(e, *fork, t);
-    ASSERT_FALSE(want.empty());
-    EXPECT_EQ(max_abs_diff(last_logits(ref, *there, t), want), 0.0f) << what;
-  };
-  same(std::span(prompt).subspan(prefix), "the rest of the prompt");
-  for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
+  expect_goes_on_as(ref, *there, fork, prefix, tail);
 }
 
 // The shared prefix store read past what the prefix cache holds (PrefixStore::restore_shared): the
@@ -321,17 +349,12 @@ TEST_P(ForkSequence, LaterChunksAppendedToAForkOfTheFirstGoOnAsAForkOfTheSource)
   const std::vector<TokenId> tail = random_tokens(8, 3, vocab());
   const int64_t prefix = 32;
   const int64_t chunk = 16;  // a whole fork unit under every method: [0, 16) held, [16, 32) read
-  const int64_t head_block =
-      e.sparse_options().method == SparseMethod::kSpeContext ? e.sparse_options().selection.budget : 0;
-  auto source = e.memory().add_sequence();
-  ASSERT_TRUE(source.is_ok());
-  (void)last_logits(e, *source, prompt);
-  auto fork = e.memory().fork_sequence(*source, prefix);
-  ASSERT_TRUE(fork.is_ok()) << fork.status().to_string();
-  auto snap = e.memory().export_prefix(*source, prefix);
-  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  const int64_t head_block = head_block_tokens();
+  SeqId source, fork;
+  PrefixSnapshot snap;
+  ASSERT_NO_FATAL_FAILURE(fork_and_export(prefix, source, fork, snap));
   const std::span<const TokenId> tokens = std::span<const TokenId>(prompt).first(prefix);
-  auto cut = cut_prefix_chunk(tokens, *snap, 77, chunk, chunk, prefix, head_block);
+  auto cut = cut_prefix_chunk(tokens, snap, 77, chunk, chunk, prefix, head_block);
   ASSERT_TRUE(cut.is_ok()) << cut.status().to_string();
   auto back = parse_prefix_chunk(encode_prefix_chunk(*cut), "chunk 16");
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
@@ -345,17 +368,17 @@ TEST_P(ForkSequence, LaterChunksAppendedToAForkOfTheFirstGoOnAsAForkOfTheSource)
   const int64_t live_before = e.memory().live_sequences();
   // Refused: a prefix that is not a whole unit or longer than the source, an unknown source, a
   // rest whose KV is short. Nothing made, no page taken.
-  EXPECT_EQ(e.memory().import_prefix_after(*source, 4, *rest).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(e.memory().import_prefix_after(*source, 48, *rest).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.memory().import_prefix_after(source, 4, *rest).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.memory().import_prefix_after(source, 48, *rest).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(e.memory().import_prefix_after(SeqId(99), chunk, *rest).status().code(),
             StatusCode::kInvalidArgument);
   PrefixSnapshot short_kv = *rest;
   short_kv.kv.pop_back();
-  EXPECT_EQ(e.memory().import_prefix_after(*source, chunk, short_kv).status().code(),
+  EXPECT_EQ(e.memory().import_prefix_after(source, chunk, short_kv).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(e.memory().live_sequences(), live_before);
   EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before);
-  auto appended = e.memory().import_prefix_after(*source, chunk, *rest);
+  auto appended = e.memory().import_prefix_after(source, chunk, *rest);
   ASSERT_TRUE(appended.is_ok()) << appended.status().to_string();
   EXPECT_EQ(e.memory().sequence_length(*appended), prefix);
   EXPECT_EQ(e.memory().kv_store().used_pages(), pages_before + (prefix - chunk) / 8)
@@ -363,24 +386,8 @@ TEST_P(ForkSequence, LaterChunksAppendedToAForkOfTheFirstGoOnAsAForkOfTheSource)
   ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
   auto again = e.memory().export_prefix(*appended, prefix);
   ASSERT_TRUE(again.is_ok()) << again.status().to_string();
-  EXPECT_TRUE(again->kv == snap->kv);
-  EXPECT_EQ(again->boundary_fused, snap->boundary_fused);
-  EXPECT_EQ(again->quest_min, snap->quest_min);
-  EXPECT_EQ(again->quest_max, snap->quest_max);
-  ASSERT_EQ(again->head_keys.size(), snap->head_keys.size());
-  if (!snap->head_keys.empty()) {
-    const size_t rows = static_cast<size_t>((prefix + head_block - 1) / head_block * head_block);
-    const size_t used = snap->head_keys.size() / rows * static_cast<size_t>(prefix);
-    EXPECT_TRUE(std::equal(again->head_keys.begin(), again->head_keys.begin() + static_cast<std::ptrdiff_t>(used),
-                           snap->head_keys.begin()));
-  }
-  auto same = [&](std::span<const TokenId> t, const std::string& what) {
-    const std::vector<float> want = last_logits(e, *fork, t);
-    ASSERT_FALSE(want.empty());
-    EXPECT_EQ(max_abs_diff(last_logits(e, *appended, t), want), 0.0f) << what;
-  };
-  same(std::span(prompt).subspan(prefix), "the rest of the prompt");
-  for (size_t i = 0; i < tail.size(); ++i) same(std::span(&tail[i], 1), "decode step " + std::to_string(i));
+  expect_same_snapshot(*again, snap, prefix);
+  expect_goes_on_as(e, *appended, fork, prefix, tail);
   ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
 }
 

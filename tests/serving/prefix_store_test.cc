@@ -378,38 +378,52 @@ TEST(PrefixKey, KeysNameIdentityLengthAndTokensAndComeInWholeUnits) {
 // Server A's prompt, written to the shared store when it finishes, is read back by server B (its
 // own engine) instead of computed: same greedy tokens; an unreachable store costs B nothing but
 // the computation (and a counted error).
+// A store whose shared level is `shared`, in chunks of `chunk_tokens`.
+PrefixStoreOptions shared_level(std::shared_ptr<SharedPrefixStore> shared, int64_t chunk_tokens) {
+  PrefixStoreOptions o;
+  o.shared_store = std::move(shared);
+  o.shared_chunk_tokens = chunk_tokens;
+  return o;
+}
+
+// A request for 12 greedy tokens after `prompt`.
+GenerationRequest greedy(const std::vector<TokenId>& prompt) {
+  GenerationRequest r;
+  r.prompt = prompt;
+  r.max_new_tokens = 12;
+  return r;
+}
+
+// What a server of its own (a Generator on a fresh 2-slot engine) decodes for greedy(prompt)
+// under `o`; its counts in `stats` if given.
+std::vector<TokenId> generate(const std::vector<TokenId>& prompt, const GeneratorOptions& o,
+                              GenerationStats* stats) {
+  auto engine = pool_engine(2, 0);
+  EXPECT_TRUE(engine);
+  if (!engine) return {};
+  Generator g(*engine, o);
+  auto out = g.run({greedy(prompt)});
+  EXPECT_TRUE(out.is_ok());
+  if (stats) *stats = g.stats();
+  return out.is_ok() ? (*out)[0].tokens : std::vector<TokenId>{};
+}
+
 TEST(PrefixStore, ASecondEngineReadsTheFirstsPromptFromTheSharedStore) {
   const std::vector<TokenId> prompt = story_prompt(60);  // 59 tokens wanted: 3 whole pages
-  const std::vector<GenerationRequest> requests{[&] {
-    GenerationRequest r;
-    r.prompt = prompt;
-    r.max_new_tokens = 12;
-    return r;
-  }()};
   GeneratorOptions go;
   go.prefix_caching = true;
-  const auto generate = [&](const GeneratorOptions& o, GenerationStats* stats) {
-    auto engine = pool_engine(2, 0);
-    EXPECT_TRUE(engine);
-    if (!engine) return std::vector<TokenId>{};
-    Generator g(*engine, o);
-    auto r = g.run(requests);
-    EXPECT_TRUE(r.is_ok());
-    if (stats) *stats = g.stats();
-    return r.is_ok() ? (*r)[0].tokens : std::vector<TokenId>{};
-  };
-  const std::vector<TokenId> alone = generate(go, nullptr);
+  const std::vector<TokenId> alone = generate(prompt, go, nullptr);
   ASSERT_EQ(alone.size(), 12u);
   auto shared = std::make_shared<MemorySharedStore>();
   go.prefix_shared_store = shared;
   GenerationStats a, b, c;
-  EXPECT_EQ(generate(go, &a), alone);
+  EXPECT_EQ(generate(prompt, go, &a), alone);
   EXPECT_EQ(a.prefix_shared_misses, 1) << "asked, found none";
   EXPECT_EQ(a.prefix_shared_writes, 1);
   EXPECT_GT(a.prefix_shared_bytes_written, 0);
   EXPECT_EQ(a.cached_prompt_tokens, 0);
   EXPECT_EQ(shared->blobs(), 1u);
-  EXPECT_EQ(generate(go, &b), alone) << "the prompt read back decodes as computed";
+  EXPECT_EQ(generate(prompt, go, &b), alone) << "the prompt read back decodes as computed";
   EXPECT_EQ(b.prefix_shared_hits, 1);
   EXPECT_EQ(b.prefix_shared_misses, 0);
   EXPECT_EQ(b.prefix_shared_writes, 0) << "held already";
@@ -417,7 +431,7 @@ TEST(PrefixStore, ASecondEngineReadsTheFirstsPromptFromTheSharedStore) {
   EXPECT_EQ(b.cached_prompt_tokens, 48);
   EXPECT_EQ(b.prefix_shared_errors, 0);
   shared->alive = false;
-  EXPECT_EQ(generate(go, &c), alone) << "a dead store costs the computation only";
+  EXPECT_EQ(generate(prompt, go, &c), alone) << "a dead store costs the computation only";
   EXPECT_EQ(c.prefix_shared_hits, 0);
   EXPECT_EQ(c.prefix_shared_misses, 1);
   EXPECT_GE(c.prefix_shared_errors, 1);
@@ -465,6 +479,16 @@ PrefixKey chunk_key(Engine& engine, const std::vector<TokenId>& tokens, int64_t 
                     chunk);
 }
 
+// Bytes the shared store holds in the chunks of `chunk` tokens of `tokens` ending at `ends`.
+int64_t chunk_bytes(MemorySharedStore& shared, Engine& engine, const std::vector<TokenId>& tokens,
+                    std::initializer_list<int64_t> ends, int64_t chunk) {
+  int64_t n = 0;
+  for (int64_t end : ends) {
+    n += static_cast<int64_t>(shared.blob(chunk_key(engine, tokens, end, chunk)).size());
+  }
+  return n;
+}
+
 // A conversation's second turn: the first turn's prompt, then more.
 std::vector<TokenId> next_turn(const std::vector<TokenId>& turn, size_t more) {
   std::vector<TokenId> t = turn;
@@ -478,10 +502,7 @@ TEST(PrefixStore, ASecondPromptWritesOnlyTheChunksTheSharedStoreDoesNotHold) {
   auto engine = pool_engine(4, 0);
   ASSERT_TRUE(engine);
   auto shared = std::make_shared<MemorySharedStore>();
-  PrefixStoreOptions o;
-  o.shared_store = shared;
-  o.shared_chunk_tokens = 20;  // rounded up to 2 pages
-  PrefixStore store(*engine, o);
+  PrefixStore store(*engine, shared_level(shared, 20));  // rounded up to 2 pages
   ASSERT_EQ(store.shared_chunk_tokens(), 32);
   const std::vector<TokenId> turn1 = story_prompt(60);      // 59 wanted: 48 tokens, [0, 32) [32, 48)
   const std::vector<TokenId> turn2 = next_turn(turn1, 50);  // 109 wanted: 96, [0, 32) [32, 64) [64, 96)
@@ -491,9 +512,7 @@ TEST(PrefixStore, ASecondPromptWritesOnlyTheChunksTheSharedStoreDoesNotHold) {
   EXPECT_EQ(first.prefix_shared_writes, 1);
   EXPECT_EQ(first.prefix_shared_chunks_written, 2);
   EXPECT_EQ(first.prefix_shared_chunks_skipped, 0);
-  EXPECT_EQ(first.prefix_shared_bytes_written,
-            static_cast<int64_t>(shared->blob(chunk_key(*engine, turn1, 32, 32)).size() +
-                                 shared->blob(chunk_key(*engine, turn1, 48, 32)).size()));
+  EXPECT_EQ(first.prefix_shared_bytes_written, chunk_bytes(*shared, *engine, turn1, {32, 48}, 32));
   const SeqId two = computed(*engine, turn2);
   ASSERT_TRUE(store.publish(two, wanted(turn2)));
   const PrefixStoreStats second = store.stats();
@@ -503,8 +522,7 @@ TEST(PrefixStore, ASecondPromptWritesOnlyTheChunksTheSharedStoreDoesNotHold) {
   EXPECT_EQ(shared->puts, 4);
   EXPECT_EQ(shared->blobs(), 4u);
   const int64_t new_bytes = second.prefix_shared_bytes_written - first.prefix_shared_bytes_written;
-  EXPECT_EQ(new_bytes, static_cast<int64_t>(shared->blob(chunk_key(*engine, turn2, 64, 32)).size() +
-                                            shared->blob(chunk_key(*engine, turn2, 96, 32)).size()));
+  EXPECT_EQ(new_bytes, chunk_bytes(*shared, *engine, turn2, {64, 96}, 32));
   // What writing the second prompt whole took before: its pages' KV alone is more.
   auto whole = engine->memory().export_prefix(two, 96);
   ASSERT_TRUE(whole.is_ok());
@@ -527,20 +545,6 @@ TEST(PrefixStore, ASecondPromptWritesOnlyTheChunksTheSharedStoreDoesNotHold) {
 TEST(PrefixStore, EnginesAssembleAPromptFromChunksOthersWroteAndDecodeAsComputed) {
   const std::vector<TokenId> turn1 = story_prompt(60);
   const std::vector<TokenId> turn2 = next_turn(turn1, 50);
-  const auto generate = [&](const std::vector<TokenId>& prompt, const GeneratorOptions& o,
-                            GenerationStats* stats) {
-    auto engine = pool_engine(2, 0);
-    EXPECT_TRUE(engine);
-    if (!engine) return std::vector<TokenId>{};
-    Generator g(*engine, o);
-    GenerationRequest r;
-    r.prompt = prompt;
-    r.max_new_tokens = 12;
-    auto out = g.run({r});
-    EXPECT_TRUE(out.is_ok());
-    if (stats) *stats = g.stats();
-    return out.is_ok() ? (*out)[0].tokens : std::vector<TokenId>{};
-  };
   GeneratorOptions go;
   go.prefix_caching = true;
   const std::vector<TokenId> alone1 = generate(turn1, go, nullptr), alone2 = generate(turn2, go, nullptr);
@@ -563,10 +567,7 @@ TEST(PrefixStore, EnginesAssembleAPromptFromChunksOthersWroteAndDecodeAsComputed
   EXPECT_EQ(c.cached_prompt_tokens, 96);
   auto engine = pool_engine(1, 0);  // for the keys: the same identity
   ASSERT_TRUE(engine);
-  EXPECT_EQ(c.prefix_shared_bytes_read,
-            static_cast<int64_t>(shared->blob(chunk_key(*engine, turn2, 32, 32)).size() +
-                                 shared->blob(chunk_key(*engine, turn2, 64, 32)).size() +
-                                 shared->blob(chunk_key(*engine, turn2, 96, 32)).size()));
+  EXPECT_EQ(c.prefix_shared_bytes_read, chunk_bytes(*shared, *engine, turn2, {32, 64, 96}, 32));
   EXPECT_EQ(c.prefix_shared_chunks_written, 0);
   EXPECT_EQ(c.prefix_shared_errors, 0);
   // One byte of the middle chunk's KV flipped (its checksum no longer matches): computed instead.
@@ -584,10 +585,7 @@ TEST(PrefixStore, AChunkOfOtherTokensOrAnotherPlaceIsNeverUsed) {
   auto engine = pool_engine(4, 0);
   ASSERT_TRUE(engine);
   auto shared = std::make_shared<MemorySharedStore>();
-  PrefixStoreOptions o;
-  o.shared_store = shared;
-  o.shared_chunk_tokens = 16;
-  PrefixStore store(*engine, o);
+  PrefixStore store(*engine, shared_level(shared, 16));
   const std::vector<TokenId> a = story_prompt(60), b = prompt_of(426);  // 48 and 32 tokens
   ASSERT_TRUE(store.publish(computed(*engine, a), wanted(a)));
   ASSERT_TRUE(store.publish(computed(*engine, b), wanted(b)));
@@ -629,10 +627,7 @@ TEST(PrefixStore, AMissingMiddleChunkLimitsTheHitToTheChunksBeforeIt) {
   auto engine = pool_engine(4, 0);
   ASSERT_TRUE(engine);
   auto shared = std::make_shared<MemorySharedStore>();
-  PrefixStoreOptions o;
-  o.shared_store = shared;
-  o.shared_chunk_tokens = 16;
-  PrefixStore store(*engine, o);
+  PrefixStore store(*engine, shared_level(shared, 16));
   const std::vector<TokenId> a = story_prompt(70);  // 69 wanted: 64 tokens, 4 chunks
   ASSERT_TRUE(store.publish(computed(*engine, a), wanted(a)));
   EXPECT_EQ(shared->blobs(), 4u);
@@ -663,25 +658,17 @@ TEST(PrefixStore, ACachedSequenceHoldingTheFirstChunksIsForkedAndOnlyTheLaterOne
   auto engine = pool_engine(6, 0);
   ASSERT_TRUE(engine);
   auto shared = std::make_shared<MemorySharedStore>();
-  PrefixStoreOptions o;
-  o.shared_store = shared;
-  o.shared_chunk_tokens = 16;
-  PrefixStore store(*engine, o);
+  PrefixStore store(*engine, shared_level(shared, 16));
   const std::vector<TokenId> a = story_prompt(70), b = prompt_of(426, 70);  // 64 tokens: 4 chunks each
   const SeqId computed_a = computed(*engine, a);
   ASSERT_TRUE(store.publish(computed_a, wanted(a)));
   ASSERT_TRUE(store.publish(computed(*engine, b), wanted(b)));
-  const auto blob_bytes = [&](const std::vector<TokenId>& t, std::initializer_list<int64_t> ends) {
-    int64_t n = 0;
-    for (int64_t end : ends) n += static_cast<int64_t>(shared->blob(chunk_key(*engine, t, end, 16)).size());
-    return n;
-  };
   // Nothing cached: [0, 16) and [16, 32) read.
   ASSERT_TRUE(store.restore_shared(wanted(a), 32)) << store.last_shared_error();
   EXPECT_EQ(shared->gets, 2);
   EXPECT_EQ(store.stats().prefix_shared_chunks_read, 2);
   EXPECT_EQ(store.stats().prefix_shared_chunks_local, 0);
-  EXPECT_EQ(store.stats().prefix_shared_bytes_read, blob_bytes(a, {16, 32}));
+  EXPECT_EQ(store.stats().prefix_shared_bytes_read, chunk_bytes(*shared, *engine, a, {16, 32}, 16));
   ASSERT_EQ(store.cached_sequences(), 1u);
   const SeqId first = store.cached().front().seq;
   // The one chunk read, of another prompt (a hash collision), or the last of two, corrupt: the
@@ -714,7 +701,7 @@ TEST(PrefixStore, ACachedSequenceHoldingTheFirstChunksIsForkedAndOnlyTheLaterOne
   const int64_t bytes = store.stats().prefix_shared_bytes_read;
   ASSERT_TRUE(store.restore_shared(wanted(a), 64)) << store.last_shared_error();
   EXPECT_EQ(shared->gets - gets, 2);
-  EXPECT_EQ(store.stats().prefix_shared_bytes_read - bytes, blob_bytes(a, {48, 64}));
+  EXPECT_EQ(store.stats().prefix_shared_bytes_read - bytes, chunk_bytes(*shared, *engine, a, {48, 64}, 16));
   EXPECT_EQ(store.stats().prefix_shared_chunks_read, 4);
   EXPECT_EQ(store.stats().prefix_shared_chunks_local, 2);
   EXPECT_EQ(store.stats().prefix_shared_hits, 2);
@@ -738,10 +725,7 @@ TEST(PrefixStore, WithNoSlotToForkTheCachedSequenceEveryChunkIsReadFromTokenZero
   auto engine = pool_engine(1, 0);
   ASSERT_TRUE(engine);
   auto shared = std::make_shared<MemorySharedStore>();
-  PrefixStoreOptions o;
-  o.shared_store = shared;
-  o.shared_chunk_tokens = 16;
-  PrefixStore store(*engine, o);
+  PrefixStore store(*engine, shared_level(shared, 16));
   const std::vector<TokenId> a = story_prompt(70);
   const SeqId computed_a = computed(*engine, a);
   ASSERT_TRUE(store.publish(computed_a, wanted(a)));
@@ -764,24 +748,8 @@ TEST(PrefixStore, WithNoSlotToForkTheCachedSequenceEveryChunkIsReadFromTokenZero
 TEST(PrefixStore, AServerHoldingTheFirstTurnReadsOnlyTheLaterChunksAndDecodesAsComputed) {
   const std::vector<TokenId> turn1 = story_prompt(60);      // 59 wanted: 48 tokens
   const std::vector<TokenId> turn2 = next_turn(turn1, 50);  // 109 wanted: [0, 32) [32, 64) [64, 96)
-  const auto greedy = [](const std::vector<TokenId>& prompt) {
-    GenerationRequest r;
-    r.prompt = prompt;
-    r.max_new_tokens = 12;
-    return r;
-  };
   GeneratorOptions go;
   go.prefix_caching = true;
-  const auto generate = [&](const std::vector<TokenId>& prompt, const GeneratorOptions& o, GenerationStats* stats) {
-    auto engine = pool_engine(2, 0);
-    EXPECT_TRUE(engine);
-    if (!engine) return std::vector<TokenId>{};
-    Generator g(*engine, o);
-    auto out = g.run({greedy(prompt)});
-    EXPECT_TRUE(out.is_ok());
-    if (stats) *stats = g.stats();
-    return out.is_ok() ? (*out)[0].tokens : std::vector<TokenId>{};
-  };
   const std::vector<TokenId> alone2 = generate(turn2, go, nullptr);
   ASSERT_EQ(alone2.size(), 12u);
   auto shared = std::make_shared<MemorySharedStore>();
@@ -819,16 +787,11 @@ TEST(PrefixStore, AServerHoldingTheFirstTurnReadsOnlyTheLaterChunksAndDecodesAsC
   (void)turn(d, turn1, &ignored);  // D reads them back
   EXPECT_EQ(generate(turn2, go, &a_stats), alone2);  // A reads 48 tokens, writes [32, 64) [64, 96)
   EXPECT_EQ(a_stats.prefix_shared_chunks_written, 2);
-  const auto blob_bytes = [&](std::initializer_list<int64_t> ends) {
-    int64_t n = 0;
-    for (int64_t end : ends) n += static_cast<int64_t>(shared->blob(chunk_key(*engine_b, turn2, end, 32)).size());
-    return n;
-  };
   EXPECT_EQ(turn(b, turn2, &read_later), alone2) << "[0, 32) forked from turn 1's cached sequence";
   EXPECT_EQ(read_later.prefix_shared_hits, 1);
   EXPECT_EQ(read_later.prefix_shared_chunks_read, 2);
   EXPECT_EQ(read_later.prefix_shared_chunks_local, 1);
-  EXPECT_EQ(read_later.prefix_shared_bytes_read, blob_bytes({64, 96}));
+  EXPECT_EQ(read_later.prefix_shared_bytes_read, chunk_bytes(*shared, *engine_b, turn2, {64, 96}, 32));
   EXPECT_EQ(read_later.cached_prompt_tokens, 96);
   EXPECT_EQ(read_later.prefix_shared_errors, 0);
   // A server holding nothing of it reads all three chunks.
@@ -836,7 +799,7 @@ TEST(PrefixStore, AServerHoldingTheFirstTurnReadsOnlyTheLaterChunksAndDecodesAsC
   EXPECT_EQ(read_all.prefix_shared_hits, 1);
   EXPECT_EQ(read_all.prefix_shared_chunks_read, 3);
   EXPECT_EQ(read_all.prefix_shared_chunks_local, 0);
-  EXPECT_EQ(read_all.prefix_shared_bytes_read, blob_bytes({32, 64, 96}));
+  EXPECT_EQ(read_all.prefix_shared_bytes_read, chunk_bytes(*shared, *engine_b, turn2, {32, 64, 96}, 32));
   EXPECT_EQ(read_all.cached_prompt_tokens, 96);
   std::fprintf(stderr, "turn 2 read from the shared store: %lld bytes holding turn 1, %lld holding nothing\n",
                static_cast<long long>(read_later.prefix_shared_bytes_read),

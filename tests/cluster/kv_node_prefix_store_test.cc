@@ -13,12 +13,14 @@
 #include "serving/generator.h"
 #include "serving/scheduler.h"
 #include "tests/core/tier_test_util.h"
+#include "tests/serving/scheduler_test_util.h"
 #include "tests/tests_common.h"
 
 namespace specontext::cluster {
 namespace {
 
 using testing::alone;
+using testing::run_request;
 using testing::story_prompt;
 
 using namespace std::chrono_literals;
@@ -156,23 +158,6 @@ GenerationRequest request(std::vector<TokenId> prompt, int64_t n) {
   return r;
 }
 
-std::vector<TokenId> run(Scheduler& s, const GenerationRequest& r, int64_t* cached = nullptr) {
-  auto id = s.submit(r);
-  EXPECT_TRUE(id.is_ok());
-  std::vector<TokenId> tokens;
-  std::vector<SchedulerEvent> ev;
-  for (int i = 0; i < 5000 && !s.idle(); ++i) {
-    ev.clear();
-    EXPECT_TRUE(s.step(ev).is_ok());
-    for (const SchedulerEvent& e : ev) {
-      if (!e.finished) tokens.push_back(e.token);
-      if (e.finished && cached) *cached = e.cached_prompt_tokens;
-    }
-  }
-  EXPECT_TRUE(s.idle());
-  return tokens;
-}
-
 // One sequence slot: each new conversation evicts the last one, whose prefix goes to the node
 // (no host memory for the store) and comes back for its next turn; once the node is gone the
 // next turn computes its prompt, with the error counted, and gets the same tokens.
@@ -187,9 +172,9 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   go.prefix_blob_store = store;
   Scheduler s(*engine, go);
   const GenerationRequest a = request(story_prompt(40), 30);
-  const std::vector<TokenId> ta = run(s, a);
+  const std::vector<TokenId> ta = run_request(s, a);
   const GenerationRequest b = request({1, 426, 298}, 20);  // 22 tokens cached: 16 whole
-  const std::vector<TokenId> tb = run(s, b);               // evicts A: to the node
+  const std::vector<TokenId> tb = run_request(s, b);       // evicts A: to the node
   EXPECT_EQ(s.stats().prefix_disk_writes, 1);
   EXPECT_EQ(s.prefix_store().prefixes_on_disk(), 1u);
   EXPECT_EQ(store->blobs(), 1u);
@@ -199,7 +184,7 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   next.prompt.push_back(403);
   next.max_new_tokens = 10;
   int64_t cached = -1;
-  EXPECT_EQ(run(s, next, &cached), alone(next));
+  EXPECT_EQ(run_request(s, next, &cached), alone(next));
   EXPECT_EQ(cached, 64) << "A's 4 whole pages came from the node";
   EXPECT_EQ(s.stats().prefix_disk_restores, 1);
   EXPECT_EQ(s.stats().prefix_disk_errors, 0) << s.prefix_store().last_prefix_disk_error();
@@ -213,7 +198,7 @@ TEST(RemotePrefixStore, TheSchedulersOffloadedPrefixesLiveOnTheNodeAndOutliveIts
   b_next.prompt.push_back(407);
   b_next.max_new_tokens = 10;
   cached = -1;
-  EXPECT_EQ(run(s, b_next, &cached), alone(b_next));
+  EXPECT_EQ(run_request(s, b_next, &cached), alone(b_next));
   EXPECT_EQ(cached, 0);
   EXPECT_EQ(s.stats().prefix_disk_restores, 1);
   EXPECT_EQ(s.stats().prefix_disk_errors, 2);

@@ -15,6 +15,7 @@
 #include "serving/request_state.h"
 #include "serving/scheduler.h"
 #include "tests/core/tier_test_util.h"
+#include "tests/serving/scheduler_test_util.h"
 
 namespace specontext {
 namespace {
@@ -759,17 +760,7 @@ TEST(PrefixStore, AServerHoldingTheFirstTurnReadsOnlyTheLaterChunksAndDecodesAsC
   // the counts it added.
   const auto turn = [&](Scheduler& s, const std::vector<TokenId>& prompt, GenerationStats* added) {
     const GenerationStats before = s.stats();
-    auto id = s.submit(greedy(prompt));
-    EXPECT_TRUE(id.is_ok());
-    std::vector<TokenId> tokens;
-    std::vector<SchedulerEvent> ev;
-    for (int i = 0; i < 5000 && !s.idle(); ++i) {
-      ev.clear();
-      EXPECT_TRUE(s.step(ev).is_ok());
-      for (const SchedulerEvent& e : ev) {
-        if (e.request == *id && !e.finished) tokens.push_back(e.token);
-      }
-    }
+    std::vector<TokenId> tokens = testing::run_request(s, greedy(prompt));
     const GenerationStats after = s.stats();
     added->prefix_shared_hits = after.prefix_shared_hits - before.prefix_shared_hits;
     added->prefix_shared_errors = after.prefix_shared_errors - before.prefix_shared_errors;

@@ -14,7 +14,6 @@ constexpr char kMagic[8] = {'S', 'P', 'X', 'C', 'H', 'N', 'K', '1'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kMaxHeadRow = size_t{1} << 16;  // floats of one token's retrieval head keys
 
-using prefix_codec::crc32_of;
 using prefix_codec::Writer;
 
 Status chunk_error(size_t k, const std::string& why) {
@@ -26,67 +25,28 @@ Status chunk_error(size_t k, const std::string& why) {
 std::vector<std::byte> encode_prefix_chunk(const PrefixChunk& c) {
   const PrefixSnapshot& s = c.piece;
   Writer w;
-  for (char ch : kMagic) w.put(ch);
-  w.put(kVersion);
+  prefix_codec::put_header(w, kMagic, kVersion);
   w.put(c.identity);
   w.put(c.chunk_tokens);
   w.put(c.start);
   w.put(c.end());
-  w.put(s.page_size);
-  w.put(s.layers);
-  w.put(s.page_bytes);
-  w.put(static_cast<uint8_t>(s.kv_dtype));
-  w.put(static_cast<uint8_t>(s.method));
+  prefix_codec::put_snapshot_layout(w, s);
   w.put_array(std::span<const TokenId>(c.tokens));
-  w.put_array(std::span<const std::byte>(s.kv));
-  w.put_array(std::span<const float>(s.head_keys));
-  w.put_rows(s.boundary_fused);
-  w.put_rows(s.quest_min);
-  w.put_rows(s.quest_max);
-  w.put(crc32_of(w.bytes().data(), w.bytes().size()));
-  return std::move(w.bytes());
+  prefix_codec::put_snapshot_arrays(w, s);
+  return w.finish();
 }
 
 Result<PrefixChunk> parse_prefix_chunk(std::span<const std::byte> bytes, const std::string& name) {
   prefix_codec::Parser in(bytes, "prefix chunk", name);
-  char magic[sizeof(kMagic)];
-  SPX_RETURN_IF_ERROR(in.get(&magic, "magic"));
-  if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) return in.bad("magic", "is not SPXCHNK1");
-  uint32_t version = 0;
-  SPX_RETURN_IF_ERROR(in.get(&version, "version"));
-  if (version != kVersion) {
-    return in.bad("version",
-                  "is " + std::to_string(version) + ", this build reads " + std::to_string(kVersion));
-  }
-  if (bytes.size() < sizeof(kMagic) + 2 * sizeof(uint32_t))
-    return in.bad("crc32", "is missing: the chunk is truncated");
-  const size_t body = bytes.size() - sizeof(uint32_t);
-  uint32_t stored = 0;
-  std::memcpy(&stored, bytes.data() + body, sizeof(stored));
-  if (const uint32_t actual = crc32_of(bytes.data(), body); actual != stored) {
-    return in.bad("crc32", "does not match the contents (stored " + std::to_string(stored) + ", computed " +
-                               std::to_string(actual) + "): the chunk is corrupt or truncated");
-  }
+  SPX_RETURN_IF_ERROR(prefix_codec::get_header(in, bytes, kMagic, kVersion, "chunk", /*check_crc=*/true));
   PrefixChunk c;
   PrefixSnapshot& s = c.piece;
   int64_t end = 0;
-  uint8_t dtype = 0, method = 0;
   SPX_RETURN_IF_ERROR(in.get(&c.identity, "identity"));
   SPX_RETURN_IF_ERROR(in.get(&c.chunk_tokens, "chunk_tokens"));
   SPX_RETURN_IF_ERROR(in.get(&c.start, "start"));
   SPX_RETURN_IF_ERROR(in.get(&end, "end"));
-  SPX_RETURN_IF_ERROR(in.get(&s.page_size, "page_size"));
-  SPX_RETURN_IF_ERROR(in.get(&s.layers, "layers"));
-  SPX_RETURN_IF_ERROR(in.get(&s.page_bytes, "page_bytes"));
-  SPX_RETURN_IF_ERROR(in.get(&dtype, "kv_dtype"));
-  SPX_RETURN_IF_ERROR(in.get(&method, "method"));
-  if (dtype > static_cast<uint8_t>(DType::kU8))
-    return in.bad("kv_dtype", "is " + std::to_string(dtype) + ", no dtype");
-  if (method > static_cast<uint8_t>(SparseMethod::kOracle)) {
-    return in.bad("method", "is " + std::to_string(method) + ", no sparse method");
-  }
-  s.kv_dtype = static_cast<DType>(dtype);
-  s.method = static_cast<SparseMethod>(method);
+  SPX_RETURN_IF_ERROR(prefix_codec::get_snapshot_layout(in, s));
   if (c.chunk_tokens <= 0 || s.page_size <= 0 || s.layers <= 0 || s.page_bytes == 0) {
     return in.bad("chunk_tokens", "and page_size, layers, page_bytes must be positive");
   }
@@ -102,13 +62,8 @@ Result<PrefixChunk> parse_prefix_chunk(std::span<const std::byte> bytes, const s
     return in.bad("token_ids", "holds " + std::to_string(c.tokens.size()) + " ids, not the " +
                                    std::to_string(end) + " tokens up to the chunk's end");
   }
-  SPX_RETURN_IF_ERROR(in.get_array(&s.kv, "kv"));
+  SPX_RETURN_IF_ERROR(prefix_codec::get_snapshot_kv(in, s));
   const uint64_t pages = static_cast<uint64_t>(s.tokens / s.page_size);
-  const uint64_t kv_len = s.kv.size();
-  if (kv_len / s.page_bytes / pages != static_cast<uint64_t>(s.layers) ||
-      kv_len % (s.page_bytes * pages) != 0) {
-    return in.bad("kv", "holds " + std::to_string(kv_len) + " bytes, not layers × pages × page_bytes");
-  }
   SPX_RETURN_IF_ERROR(in.get_array(&s.head_keys, "head_keys"));
   if (s.head_keys.size() % static_cast<uint64_t>(s.tokens) != 0) {
     return in.bad("head_keys", "holds " + std::to_string(s.head_keys.size()) + " floats, not whole rows of " +
@@ -132,10 +87,7 @@ Result<PrefixChunk> parse_prefix_chunk(std::span<const std::byte> bytes, const s
       return in.bad("quest_max", "row " + std::to_string(l) + " is not as long as quest_min's");
     }
   }
-  if (in.remaining() != sizeof(uint32_t)) {
-    return in.bad("crc32",
-                  "is not where the contents end (" + std::to_string(in.remaining()) + " bytes left)");
-  }
+  SPX_RETURN_IF_ERROR(prefix_codec::get_end(in));
   return c;
 }
 

@@ -53,6 +53,23 @@ sim::Calibration simple_costs() {
   return c;
 }
 
+// The shared store's trace: 60 requests at 10 a second whose prompts share 64-word prefixes, on
+// `replicas` round-robin replicas (only the store finds one replica's prefixes on another).
+struct StoreCase {
+  lg::Trace trace;
+  sim::Topology topo;
+};
+StoreCase store_case(int64_t replicas) {
+  lg::SynthOptions o;
+  o.requests = 60;
+  o.prefix_words = 64;
+  o.arrivals.rate = 10;
+  StoreCase c{synthetic(o), {}};
+  c.topo.replicas = replicas;
+  c.topo.policy.policy = router::Policy::kRoundRobin;
+  return c;
+}
+
 double mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size()); }
 
 }  // namespace
@@ -191,14 +208,9 @@ TEST(ClusterSim, PrefixRoutingRaisesTheHitRate) {
 // A live store lets round-robin replicas find each other's prefixes; a dead one costs only the
 // recomputation: the same report as no store at all.
 TEST(ClusterSim, DeadStoreOnlyCostsRecompute) {
-  lg::SynthOptions o;
-  o.requests = 60;
-  o.prefix_words = 64;
-  o.arrivals.rate = 10;
-  const lg::Trace t = synthetic(o);
-  sim::Topology topo;
-  topo.replicas = 4;
-  topo.policy.policy = router::Policy::kRoundRobin;
+  StoreCase sc = store_case(4);
+  const lg::Trace& t = sc.trace;
+  sim::Topology& topo = sc.topo;
   const lg::Slo slo;
   auto none = sim::simulate(t, simple_costs(), topo);
   topo.store.enabled = true;
@@ -219,14 +231,9 @@ TEST(ClusterSim, DeadStoreOnlyCostsRecompute) {
 // the pages new to the store; with chunks longer than any prompt every prompt whole (each turn
 // of a conversation writes its earlier turns again); what is found and read is the same.
 TEST(ClusterSim, StoreWritesCountWholeChunksTheStoreLacks) {
-  lg::SynthOptions o;
-  o.requests = 60;
-  o.prefix_words = 64;
-  o.arrivals.rate = 10;
-  const lg::Trace t = synthetic(o);
-  sim::Topology topo;
-  topo.replicas = 2;
-  topo.policy.policy = router::Policy::kRoundRobin;
+  StoreCase sc = store_case(2);
+  const lg::Trace& t = sc.trace;
+  sim::Topology& topo = sc.topo;
   topo.store.enabled = true;
   auto written = [&](int64_t chunk_tokens, nlohmann::json* store) {
     topo.store.chunk_tokens = chunk_tokens;

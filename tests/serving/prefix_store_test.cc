@@ -21,6 +21,7 @@ namespace specontext {
 namespace {
 
 using S = RequestState;
+using testing::request;
 using testing::story_prompt;
 
 // A PrefixBlobStore in a map: a KV node's memory without the node. `alive` false: get fails as
@@ -829,15 +830,6 @@ TEST(RequestStates, TheTableRefusesWhatTheCodeNeverDoes) {
   }
   EXPECT_EQ(log.count(S::kOnDisk, S::kDropped), 1);
   EXPECT_EQ(log.refused(), 10);
-}
-
-GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
-  GenerationRequest r;
-  r.prompt = std::move(prompt);
-  r.max_new_tokens = n;
-  r.sampling.temperature = temperature;
-  r.sampling.seed = 7;
-  return r;
 }
 
 // Steps until idle (or `limit` steps); errors of failed forwards are expected in some scenarios.

@@ -15,11 +15,13 @@
 #include "serving/generator.h"
 #include "serving/scheduler.h"
 #include "tests/core/tier_test_util.h"
+#include "tests/serving/scheduler_test_util.h"
 
 namespace specontext {
 namespace {
 
 using testing::alone;
+using testing::request;
 using testing::story_prompt;
 
 std::unique_ptr<Engine> make_engine(int64_t max_sequences) { return testing::stories_engine(max_sequences); }
@@ -37,15 +39,6 @@ std::unique_ptr<Engine> pool_engine(int64_t slots, int64_t pages, int64_t runnin
   auto engine = Engine::create(*m, testing::cpu_backend(), eo);
   EXPECT_TRUE(engine.is_ok());
   return engine.is_ok() ? std::move(*engine) : nullptr;
-}
-
-GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
-  GenerationRequest r;
-  r.prompt = std::move(prompt);
-  r.max_new_tokens = n;
-  r.sampling.temperature = temperature;
-  r.sampling.seed = 7;
-  return r;
 }
 
 struct Collected {

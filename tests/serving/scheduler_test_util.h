@@ -5,11 +5,22 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "serving/scheduler.h"
 
 namespace specontext::testing {
+
+// A request for `n` tokens after `prompt` (greedy unless `temperature` is given; seed 7).
+inline GenerationRequest request(std::vector<TokenId> prompt, int64_t n, float temperature = 0.0f) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = n;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 7;
+  return r;
+}
 
 // Submits `r` and steps `s` until it is idle (5000 steps at most): the tokens `r` got; `cached`
 // (if given): the prompt tokens it took from the prefix cache, as its finished event says.

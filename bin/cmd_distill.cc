@@ -62,9 +62,13 @@ void register_distill(CLI::App& app, DistillArgs& a) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--group-loss", a.group_loss,
-                  "what each KV head's teacher is fitted with: each query head alone, or max (the group's max "
-                  "over its query heads, renormalised: the scores selection ranks by)")
-      ->check(CLI::IsMember({"each", "max"}))
+                  "what each KV head's teacher is fitted with: each query head alone, max (the group's max "
+                  "over its query heads, renormalised: the scores selection ranks by), or mix (both, weighted by "
+                  "--group-mix)")
+      ->check(CLI::IsMember({"each", "max", "mix"}))
+      ->capture_default_str();
+  cmd->add_option("--group-mix", a.group_mix, "with --group-loss mix: the max term's weight (each has 1 - this)")
+      ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   cmd->add_option("--q-per-group", a.q_per_group,
                   "the head's query heads per KV head (0 = the target's; more let --group-loss max split the "
@@ -173,6 +177,11 @@ std::string objective_description(const DistillArgs& a) {
     out += ", each position weighted by the teacher mass on those keys + " + floor.str();
   }
   if (a.group_loss == "max") out += ", against the GQA group's max over the head's query heads";
+  if (a.group_loss == "mix") {
+    std::ostringstream mix;
+    mix << a.group_mix;
+    out += ", " + mix.str() + " of it against the GQA group's max over the head's query heads";
+  }
   return out;
 }
 
@@ -280,7 +289,8 @@ int run_distill(const DistillArgs& a) {
   opts.seed = a.seed;
   opts.train = *train_groups;
   opts.teacher = *teacher;
-  opts.objective = DistillObjective{a.exclude_sinks, a.exclude_window, *position_weight, a.weight_floor, *group_loss};
+  opts.objective =
+      DistillObjective{a.exclude_sinks, a.exclude_window, *position_weight, a.weight_floor, *group_loss, a.group_mix};
   opts.q_per_group = a.q_per_group;
   opts.on_step = [&](int64_t step, double kl) {
     if (!a.json)
@@ -328,6 +338,7 @@ int run_distill(const DistillArgs& a) {
         {"position_weight", a.position_weight},
         {"weight_floor", a.weight_floor},
         {"group_loss", a.group_loss},
+        {"group_mix", a.group_mix},
         {"q_per_group", a.q_per_group},
         {"train_split", meta.at("train_split")},
         {"context", rep.context},

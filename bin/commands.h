@@ -77,7 +77,8 @@ struct DistillArgs {
   int64_t exclude_window = 4;         // which selection keeps anyway (SelectionOptions' defaults)
   std::string position_weight = "uniform";  // uniform, or far: by the teacher mass on the ranked keys
   double weight_floor = 0.1;                // added to every weight under far
-  std::string group_loss = "each";          // each query head alone, or the group's max (research/distill.h)
+  std::string group_loss = "each";          // each query head alone, the group's max, or mix (research/distill.h)
+  double group_mix = 0.5;                   // mix: the max term's weight
   int64_t q_per_group = 0;                  // the head's query heads per KV head (0 = the target's)
   std::string out;
   int64_t steps = 800;

@@ -341,10 +341,37 @@ double attend_row_group_max(const HeadShape& s, const DistillChunk& ch, const Di
                             const float* q, const float* keys, int64_t t, const float* norm,
                             const double* weight, float* dq, float* dk);
 
+double attend_row_each(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj,
+                       const float* q, const float* keys, int64_t t, const float* norm, const double* weight,
+                       float* dq, float* dk);
+
 double attend_row(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj, const float* q,
                   const float* keys, int64_t t, const float* norm, const double* weight, float* dq,
                   float* dk) {
-  if (obj.group_loss == GroupLoss::kGroupMax) return attend_row_group_max(s, ch, obj, q, keys, t, norm, weight, dq, dk);
+  switch (obj.group_loss) {
+    case GroupLoss::kEach: return attend_row_each(s, ch, obj, q, keys, t, norm, weight, dq, dk);
+    case GroupLoss::kGroupMax: return attend_row_group_max(s, ch, obj, q, keys, t, norm, weight, dq, dk);
+    case GroupLoss::kMix: break;
+  }
+  // Both terms with their weights (and gradient scales) multiplied by 1 − group_mix and group_mix.
+  const auto scaled = [&](double by, std::vector<float>* n, std::vector<double>* w) {
+    for (int64_t h = 0; h < s.nh; ++h) {
+      (*n)[static_cast<size_t>(h)] = static_cast<float>(norm[h] * by);
+      (*w)[static_cast<size_t>(h)] = weight[h] * by;
+    }
+  };
+  std::vector<float> n(static_cast<size_t>(s.nh));
+  std::vector<double> w(static_cast<size_t>(s.nh));
+  scaled(1.0 - obj.group_mix, &n, &w);
+  double loss = attend_row_each(s, ch, obj, q, keys, t, n.data(), w.data(), dq, dk);
+  scaled(obj.group_mix, &n, &w);
+  loss += attend_row_group_max(s, ch, obj, q, keys, t, n.data(), w.data(), dq, dk);
+  return loss;
+}
+
+double attend_row_each(const HeadShape& s, const DistillChunk& ch, const DistillObjective& obj,
+                       const float* q, const float* keys, int64_t t, const float* norm, const double* weight,
+                       float* dq, float* dk) {
   const int64_t n = ch.length(), len = t + 1;
   const auto [lo, hi] = ranked_keys(obj, t);
   if (hi - lo < 2) return 0.0;  // at most one candidate: nothing to rank
@@ -445,9 +472,7 @@ double attend_row_group_max(const HeadShape& s, const DistillChunk& ch, const Di
       const float* qh = q + h * s.hd;
       for (int64_t r = 0; r < nr; ++r) {
         const double p = std::exp(log_p[static_cast<size_t>(a * nr + r)]);
-        const double own = best[static_cast<size_t>(r)] == a
-                               ? -tg[lo + r] / tmass + std::exp(log_p[static_cast<size_t>(a * nr + r)] - log_big_m)
-                               : 0.0;  // P_h(j) g_h(j)
+        const double own = best[static_cast<size_t>(r)] == a ? -tg[lo + r] / tmass + p / big_m : 0.0;  // P_h(j) g_h(j)
         const float ds = static_cast<float>(own - p * pg[static_cast<size_t>(a)]) * gn * scale;
         if (ds == 0.0f) continue;
         const int64_t j = lo + r;
@@ -904,7 +929,8 @@ Result<TeacherReduction> parse_teacher_reduction(std::string_view name) {
 Result<GroupLoss> parse_group_loss(std::string_view name) {
   if (name == "each") return GroupLoss::kEach;
   if (name == "max") return GroupLoss::kGroupMax;
-  return invalid_argument("distill: unknown group loss '" + std::string(name) + "' (expected each or max)");
+  if (name == "mix") return GroupLoss::kMix;
+  return invalid_argument("distill: unknown group loss '" + std::string(name) + "' (expected each, max or mix)");
 }
 
 Result<PositionWeight> parse_position_weight(std::string_view name) {

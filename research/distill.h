@@ -76,12 +76,14 @@ Result<PositionWeight> parse_position_weight(std::string_view name);  // "unifor
 // max over its query heads, renormalised, KL(T_g ‖ max_h P_h / Σ max_h P_h): the scores selection
 // ranks by (select_tokens takes the group max), so the heads of a group are free to split the
 // teacher's modes (its layers) among them; with more query heads than the target's
-// (DistillOptions::q_per_group) that is where they help.
+// (DistillOptions::q_per_group) that is where they help. kMix: (1 − group_mix)·kEach +
+// group_mix·kGroupMax, each head held to the whole teacher while the max is fitted too.
 enum class GroupLoss {
   kEach,
   kGroupMax,
+  kMix,
 };
-Result<GroupLoss> parse_group_loss(std::string_view name);  // "each" / "max"
+Result<GroupLoss> parse_group_loss(std::string_view name);  // "each" / "max" / "mix"
 
 struct DistillObjective {
   int64_t exclude_sinks = 0;
@@ -89,6 +91,7 @@ struct DistillObjective {
   PositionWeight position_weight = PositionWeight::kUniform;
   double weight_floor = 0.1;
   GroupLoss group_loss = GroupLoss::kEach;
+  double group_mix = 0.5;  // kMix: the kGroupMax term's weight
 };
 
 struct DistillOptions {

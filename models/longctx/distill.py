@@ -146,13 +146,18 @@ def main(args):
         renormalised there; with --head-weight far, each position weighs by the teacher mass it
         puts on those keys (positions that look far back count, local ones barely). With
         --head-group-loss max the student of a KV head is instead its group's max over query heads
-        (what selection ranks by), renormalised: one KL per KV head."""
+        (what selection ranks by), renormalised: one KL per KV head. mix weighs the two:
+        (1 - --head-mix) x each + --head-mix x max."""
         B, _, T, _ = tch.shape
+        if args.head_group_loss == "each":
+            return kl_of(tch.repeat_interleave(Hs // G, 1), logp, asks)
+        lmax = kl_of(tch, logp.view(B, G, Hs // G, T, T).amax(2), asks)
         if args.head_group_loss == "max":
-            logp = logp.view(B, G, Hs // G, T, T).amax(2)
-            tg = tch
-        else:
-            tg = tch.repeat_interleave(Hs // G, 1)
+            return lmax
+        return (1 - args.head_mix) * kl_of(tch.repeat_interleave(Hs // G, 1), logp, asks) + args.head_mix * lmax
+
+    def kl_of(tg, logp, asks):  # tg [B,H,T,T] teacher, logp [B,H,T,T] its student
+        T = tg.shape[-1]
         keep = ranked_keys(T)
         rows = keep.any(-1)
         tg = tg.masked_fill(~keep, 0)
@@ -283,6 +288,7 @@ def main(args):
               "context": args.head_len, "steps": args.head_steps, "lr": args.head_lr,
               "ranked_keys": f"past {args.head_sinks} sinks, before the last {args.head_window}",
               "query_heads": Hs, "group_loss": args.head_group_loss,
+              **({"group_loss_mix": args.head_mix} if args.head_group_loss == "mix" else {}),
               "position_weight": args.head_weight, "position_weight_floor": args.head_weight_floor, "answer_weight": args.head_answer_weight,
               "init": os.path.basename(args.head_init) if args.head_init else "random"}
     with open(os.path.join(args.out, "retrieval_head_report.json"), "w") as f:

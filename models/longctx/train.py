@@ -900,8 +900,10 @@ def main():
                     help="head: weight of the positions whose next token is a task's answer (retrieval queries)")
     ap.add_argument("--head-q-per-group", type=int, default=0,
                     help="head: query heads per KV head (0 = the target's); a narrower --head-init is widened")
-    ap.add_argument("--head-group-loss", choices=["each", "max"], default="each",
-                    help="head: fit every query head to its group's teacher, or the group's max (as selection ranks)")
+    ap.add_argument("--head-group-loss", choices=["each", "max", "mix"], default="each",
+                    help="head: fit every query head to its group's teacher, or the group's max (as selection ranks), or both (mix)")
+    ap.add_argument("--head-mix", type=float, default=0.5,
+                    help="head: with --head-group-loss mix, the max loss's weight (the each loss has 1 - this)")
     args = ap.parse_args()
     {"tokenizer": cmd_tokenizer, "train": cmd_train, "probe": cmd_probe, "temper": cmd_temper, "export": lambda a: __import__("export").main(a),
      "head": lambda a: __import__("distill").main(a)}[args.command](args)

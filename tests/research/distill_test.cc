@@ -309,6 +309,12 @@ TEST(Distill, TrainingForwardMatchesTheEngineHead) {
   EXPECT_GT(gloss, 0.01);
   EXPECT_NEAR(gloss, fid->kl_group, 1e-4 * fid->kl_group);
   EXPECT_GT(std::abs(gloss - loss), 1e-3);
+  // The mix is the two, weighted.
+  DistillObjective mix;
+  mix.group_loss = GroupLoss::kMix;
+  mix.group_mix = 0.3;
+  const double mloss = distill_loss_grad(*head, make_head_rope_params(head->config, n), (*r)[0], *in, all, nullptr, mix);
+  EXPECT_NEAR(mloss, 0.7 * fid->kl + 0.3 * fid->kl_group, 1e-4 * mloss);
 }
 
 // A small random problem for the loss: a perturbed head of a 4-head (or q_heads), 2-KV-head
@@ -442,7 +448,8 @@ TEST(Distill, GradientMatchesFiniteDifferences) {
 
 // The group-max objective (GroupLoss::kGroupMax) on a head with 4 query heads per KV head: its
 // gradient against central differences for every group, over every key and masked with far
-// weighting; with one query head per KV head it is the per-head objective exactly.
+// weighting, and mixed with the per-head one (kMix); with one query head per KV head it is the
+// per-head objective exactly.
 TEST(Distill, GroupMaxGradientMatchesFiniteDifferences) {
   SyntheticProblem p = synthetic_problem(/*q_heads=*/8);
   std::shared_ptr<RetrievalHead> head = p.head;
@@ -453,7 +460,8 @@ TEST(Distill, GroupMaxGradientMatchesFiniteDifferences) {
   DistillObjective whole;
   whole.group_loss = GroupLoss::kGroupMax;
   DistillObjective masked{1, 2, PositionWeight::kFar, 0.1, GroupLoss::kGroupMax};
-  for (const DistillObjective& o : {whole, masked}) {
+  DistillObjective mixed{1, 2, PositionWeight::kFar, 0.1, GroupLoss::kMix, 0.3};
+  for (const DistillObjective& o : {whole, masked, mixed}) {
     HeadGradients grads;
     const double loss = distill_loss_grad(*head, p.rope, p.ch, p.in, positions, &grads, o);
     EXPECT_GT(loss, 0.0);

@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
   app.add_option("--store-latency-ms", store_latency_ms, "per store lookup");
   app.add_option("--store-dead-ms", store_dead_ms, "what a failed lookup costs");
   app.add_option("--store-chunk-tokens", store_chunk_tokens,
-                 "serve's --prefix-store-chunk: a prompt writes the chunks the store lacks (and its last one)")
+                 "serve's --prefix-store-chunk: a prompt writes the chunks the store lacks (and its last one); "
+                 "a hit reads those after the whole chunks a kept sequence holds")
       ->capture_default_str();
   app.add_option("--device-kv", device_kv, "device KV bytes per replica (planner; default: unlimited)");
   app.add_option("--host-kv", host_kv, "host KV pool per replica");

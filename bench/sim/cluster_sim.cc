@@ -293,6 +293,10 @@ class Simulator {
     return s;
   }
   bool planning() const { return topo_.tiers.device_kv_bytes > 0; }
+  // The store's chunk (--prefix-store-chunk) in whole pages.
+  int64_t chunk_pages() const {
+    return std::max<int64_t>(1, (topo_.store.chunk_tokens + cal_.page_tokens - 1) / cal_.page_tokens);
+  }
 
   std::vector<int64_t> live_lengths(const Replica& R) const {
     std::vector<int64_t> lens;
@@ -353,8 +357,15 @@ class Simulator {
           const int64_t remote = usable_pages(store_.match(q.pages));
           if (remote > local) {
             ++store_hits_;
+            // serve's read (PrefixStore::restore_shared): the whole chunks a kept sequence holds
+            // are forked, not read; the chunks after them (the last, shorter one always) are.
+            const int64_t chunk = chunk_pages();
+            const int64_t kept = topo_.prefix_caching ? static_cast<int64_t>(R.cache.match(q.pages)) : 0;
+            const int64_t skip = std::min(kept, remote - 1) / chunk * chunk;
+            store_chunks_local_ += skip / chunk;
+            store_chunks_read_ += (remote + chunk - 1) / chunk - skip / chunk;
             const double bytes =
-                static_cast<double>((remote - local) * page * cal_.kv_bytes_per_token());
+                static_cast<double>((remote - skip) * page * cal_.kv_bytes_per_token());
             store_bytes_read_ += bytes;
             io += bytes / topo_.store.bandwidth_bps;
             hit_pages = remote;
@@ -373,7 +384,7 @@ class Simulator {
         // serve's chunks: whole ones the store holds every page of are skipped; the rest, and a
         // shorter last one, are written whole.
         const auto total = static_cast<int64_t>(q.pages.size());
-        const int64_t chunk = std::max<int64_t>(1, (topo_.store.chunk_tokens + page - 1) / page);
+        const int64_t chunk = chunk_pages();
         std::vector<bool> held(q.pages.size());
         for (size_t i = 0; i < q.pages.size(); ++i) held[i] = store_.holds(q.pages[i]);
         const size_t added = store_.insert(q.pages);
@@ -538,6 +549,8 @@ class Simulator {
           {"writes", store_writes_},
           {"bytes_read", store_bytes_read_},
           {"bytes_written", store_bytes_written_},
+          {"chunks_read", store_chunks_read_},
+          {"chunks_local", store_chunks_local_},
           {"errors", store_errors_}}},
         {"tiers",
          {{"host", {{"bytes_read", tier_bytes_.count("host") ? tier_bytes_.at("host") : 0.0}}},
@@ -574,6 +587,7 @@ class Simulator {
   int64_t busy_replicas_ = 0;
   int64_t router_lookups_ = 0, router_hits_ = 0, router_prompt_chunks_ = 0, router_matched_chunks_ = 0;
   int64_t store_hits_ = 0, store_misses_ = 0, store_writes_ = 0, store_errors_ = 0;
+  int64_t store_chunks_read_ = 0, store_chunks_local_ = 0;  // serve's prefix_shared_chunks_{read,local}
   double store_bytes_read_ = 0, store_bytes_written_ = 0;
   std::map<std::string, double> tier_bytes_;
 };

@@ -69,7 +69,11 @@ struct StoreOptions {
   double latency_s = 0;         // per lookup (hit or miss)
   double dead_timeout_s = 0;    // what a failed lookup costs
   // serve's --prefix-store-chunk (rounded up to whole pages): a prompt writes the chunks the store
-  // lacks, and its last, shorter chunk always (the next turn's key for it differs).
+  // lacks, and its last, shorter chunk always (the next turn's key for it differs). A hit reads
+  // the chunks after the whole ones the replica's kept sequences hold (those are forked, as
+  // serve's PrefixStore::restore_shared does), from chunk 0 when it keeps none; counted as serve's
+  // chunks_read / chunks_local. Not modelled: serve's fallback to a read from 0 when no slot is
+  // left for the fork.
   int64_t chunk_tokens = 256;
 };
 

@@ -229,7 +229,8 @@ TEST(ClusterSim, DeadStoreOnlyCostsRecompute) {
 
 // The store counts what serve writes in chunks (--prefix-store-chunk): with one-page chunks only
 // the pages new to the store; with chunks longer than any prompt every prompt whole (each turn
-// of a conversation writes its earlier turns again); what is found and read is the same.
+// of a conversation writes its earlier turns again); what is found and read is the same (no
+// replica here keeps a whole chunk of a prompt the store holds more of).
 TEST(ClusterSim, StoreWritesCountWholeChunksTheStoreLacks) {
   StoreCase sc = store_case(2);
   const lg::Trace& t = sc.trace;
@@ -253,6 +254,64 @@ TEST(ClusterSim, StoreWritesCountWholeChunksTheStoreLacks) {
   EXPECT_EQ(page_store["bytes_read"], whole_store["bytes_read"]);
   EXPECT_EQ(page_store["hits"], whole_store["hits"]);
   EXPECT_EQ(page_store["writes"], whole_store["writes"]);
+}
+
+// serve's read of the store (PrefixStore::restore_shared): the whole chunks a kept sequence holds
+// are forked, not read. A conversation on two round-robin replicas, 16-byte pages of one token,
+// 4-page chunks: turn 1 (9 pages) on replica 0, turn 2 (20 pages) on replica 1, which holds nothing
+// and reads turn 1's 9 pages from chunk 0 (3 chunks); turn 3 back on replica 0, which keeps turn 1
+// and its answer (10 pages), finds turn 2's 20 pages in the store and reads pages 8-19 only (3
+// chunks read, 2 local). With no slots kept, turn 3 reads all 20 pages from chunk 0 (5 chunks).
+// The link (10 ms a page here) charges turn 3's TTFT for the pages read.
+TEST(ClusterSim, AReplicaKeepingTheFirstTurnReadsOnlyTheLaterChunksFromTheStore) {
+  auto conversation = [](int turns) {
+    std::string text;
+    for (int k = 0; k < turns; ++k) {
+      std::string p = "t" + std::to_string(k) + " ";
+      p.resize(k == 0 ? 144 : 160, 'x');
+      text += json{{"arrival_s", k}, {"prompt", p}, {"max_tokens", 16}, {"session", "s"}}.dump() + "\n";
+    }
+    return parse(text);
+  };
+  const sim::Calibration cal = simple_costs();  // 1 byte a token, 16-token pages
+  const double page_bytes = static_cast<double>(cal.page_tokens * cal.kv_bytes_per_token());
+  sim::Topology topo;
+  topo.replicas = 2;
+  topo.policy.policy = router::Policy::kRoundRobin;
+  topo.store.enabled = true;
+  topo.store.chunk_tokens = 4 * cal.page_tokens;
+  topo.store.bandwidth_bps = page_bytes / 0.01;
+  double last_ttft = 0;
+  auto store_of = [&](int turns) {
+    auto r = sim::simulate(conversation(turns), cal, topo);
+    EXPECT_TRUE(r.is_ok());
+    if (!r.is_ok()) return json();
+    for (const auto& res : r->results) EXPECT_TRUE(res.ok) << res.error;
+    last_ttft = r->results.back().ttft_s;
+    EXPECT_EQ(r->metrics["serve"]["replicas"][0]["chosen"], (turns + 1) / 2);
+    return r->metrics["serve"]["shared_store"];
+  };
+  // Turn 2: replica 1 holds nothing, reads from chunk 0.
+  const json two = store_of(2);
+  EXPECT_EQ(two["hits"], 1);
+  EXPECT_EQ(two["bytes_read"].get<double>(), 9 * page_bytes);
+  EXPECT_EQ(two["chunks_read"], 3);
+  EXPECT_EQ(two["chunks_local"], 0);
+  // Turn 3: replica 0 keeps turn 1's first 2 whole chunks; reads the 3 after them.
+  const json three = store_of(3);
+  EXPECT_EQ(three["hits"], 2);
+  EXPECT_EQ(three["bytes_read"].get<double>() - two["bytes_read"].get<double>(), 12 * page_bytes);
+  EXPECT_EQ(three["chunks_read"].get<int64_t>() - two["chunks_read"].get<int64_t>(), 3);
+  EXPECT_EQ(three["chunks_local"], 2);
+  const double kept_ttft = last_ttft;
+  // Nothing kept: turn 3 reads every chunk from 0.
+  topo.prefix_cache_slots = 0;
+  const json unkept = store_of(3);
+  EXPECT_EQ(unkept["hits"], 2);
+  EXPECT_EQ(unkept["bytes_read"].get<double>(), (9 + 20) * page_bytes);
+  EXPECT_EQ(unkept["chunks_read"], 3 + 5);
+  EXPECT_EQ(unkept["chunks_local"], 0);
+  EXPECT_NEAR(last_ttft - kept_ttft, 8 * 0.01, 1e-9);
 }
 
 // A device too small for the batch's KV: the planner puts layers on the host pool and every decode

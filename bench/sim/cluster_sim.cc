@@ -362,8 +362,10 @@ class Simulator {
             const int64_t chunk = chunk_pages();
             const int64_t kept = topo_.prefix_caching ? static_cast<int64_t>(R.cache.match(q.pages)) : 0;
             const int64_t skip = std::min(kept, remote - 1) / chunk * chunk;
+            const int64_t reads = (remote + chunk - 1) / chunk - skip / chunk;
             store_chunks_local_ += skip / chunk;
-            store_chunks_read_ += (remote + chunk - 1) / chunk - skip / chunk;
+            store_chunks_read_ += reads;
+            io += static_cast<double>(reads) * topo_.store.latency_s;  // one get a chunk
             const double bytes =
                 static_cast<double>((remote - skip) * page * cal_.kv_bytes_per_token());
             store_bytes_read_ += bytes;
@@ -393,10 +395,17 @@ class Simulator {
           for (int64_t a = 0; a < total; a += chunk) {
             const int64_t b = std::min(total, a + chunk);
             const bool all = std::all_of(held.begin() + a, held.begin() + b, [](bool h) { return h; });
-            if (!all || b - a < chunk) written += b - a;
+            if (!all || b - a < chunk) {
+              written += b - a;
+              ++store_chunks_written_;
+            } else {
+              ++store_chunks_skipped_;
+            }
           }
           ++store_writes_;
           store_bytes_written_ += static_cast<double>(written) * static_cast<double>(page * cal_.kv_bytes_per_token());
+        } else {
+          store_chunks_skipped_ += (total + chunk - 1) / chunk;  // the store holds every one
         }
       }
       q.ctx = q.prompt_tokens;
@@ -551,6 +560,8 @@ class Simulator {
           {"bytes_written", store_bytes_written_},
           {"chunks_read", store_chunks_read_},
           {"chunks_local", store_chunks_local_},
+          {"chunks_written", store_chunks_written_},
+          {"chunks_skipped", store_chunks_skipped_},
           {"errors", store_errors_}}},
         {"tiers",
          {{"host", {{"bytes_read", tier_bytes_.count("host") ? tier_bytes_.at("host") : 0.0}}},
@@ -587,7 +598,8 @@ class Simulator {
   int64_t busy_replicas_ = 0;
   int64_t router_lookups_ = 0, router_hits_ = 0, router_prompt_chunks_ = 0, router_matched_chunks_ = 0;
   int64_t store_hits_ = 0, store_misses_ = 0, store_writes_ = 0, store_errors_ = 0;
-  int64_t store_chunks_read_ = 0, store_chunks_local_ = 0;  // serve's prefix_shared_chunks_{read,local}
+  // serve's prefix_shared_chunks_{read,local,written,skipped}
+  int64_t store_chunks_read_ = 0, store_chunks_local_ = 0, store_chunks_written_ = 0, store_chunks_skipped_ = 0;
   double store_bytes_read_ = 0, store_bytes_written_ = 0;
   std::map<std::string, double> tier_bytes_;
 };

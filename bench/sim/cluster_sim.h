@@ -66,10 +66,11 @@ struct StoreOptions {
   bool enabled = false;
   bool alive = true;            // false: every lookup fails (after dead_timeout_s) and nothing is stored
   double bandwidth_bps = 1e9;   // link to the store, bytes/s
-  double latency_s = 0;         // per lookup (hit or miss)
+  double latency_s = 0;         // per round trip: one lookup (hit or miss), then one per chunk read
   double dead_timeout_s = 0;    // what a failed lookup costs
   // serve's --prefix-store-chunk (rounded up to whole pages): a prompt writes the chunks the store
-  // lacks, and its last, shorter chunk always (the next turn's key for it differs). A hit reads
+  // lacks, and its last, shorter chunk always (the next turn's key for it differs), counted as
+  // serve's chunks_written / chunks_skipped. A hit reads
   // the chunks after the whole ones the replica's kept sequences hold (those are forked, as
   // serve's PrefixStore::restore_shared does), from chunk 0 when it keeps none; counted as serve's
   // chunks_read / chunks_local. Not modelled: serve's fallback to a read from 0 when no slot is

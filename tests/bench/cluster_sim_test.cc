@@ -254,6 +254,13 @@ TEST(ClusterSim, StoreWritesCountWholeChunksTheStoreLacks) {
   EXPECT_EQ(page_store["bytes_read"], whole_store["bytes_read"]);
   EXPECT_EQ(page_store["hits"], whole_store["hits"]);
   EXPECT_EQ(page_store["writes"], whole_store["writes"]);
+  // Counted in chunks as serve counts them: one-page chunks are the pages written and the pages
+  // the store held; a chunk longer than any prompt is one written chunk a write.
+  const double page_bytes = static_cast<double>(simple_costs().page_tokens * simple_costs().kv_bytes_per_token());
+  EXPECT_EQ(page_store["chunks_written"].get<double>() * page_bytes, page);
+  EXPECT_GT(page_store["chunks_skipped"].get<int64_t>(), 0);
+  EXPECT_EQ(whole_store["chunks_written"], whole_store["writes"]);
+  EXPECT_EQ(whole_store["chunks_skipped"], 0);
 }
 
 // serve's read of the store (PrefixStore::restore_shared): the whole chunks a kept sequence holds
@@ -262,7 +269,8 @@ TEST(ClusterSim, StoreWritesCountWholeChunksTheStoreLacks) {
 // and reads turn 1's 9 pages from chunk 0 (3 chunks); turn 3 back on replica 0, which keeps turn 1
 // and its answer (10 pages), finds turn 2's 20 pages in the store and reads pages 8-19 only (3
 // chunks read, 2 local). With no slots kept, turn 3 reads all 20 pages from chunk 0 (5 chunks).
-// The link (10 ms a page here) charges turn 3's TTFT for the pages read.
+// The link (10 ms a page here) charges turn 3's TTFT for the pages read, and the store (1 ms a round
+// trip) for one get a chunk read.
 TEST(ClusterSim, AReplicaKeepingTheFirstTurnReadsOnlyTheLaterChunksFromTheStore) {
   auto conversation = [](int turns) {
     std::string text;
@@ -281,6 +289,7 @@ TEST(ClusterSim, AReplicaKeepingTheFirstTurnReadsOnlyTheLaterChunksFromTheStore)
   topo.store.enabled = true;
   topo.store.chunk_tokens = 4 * cal.page_tokens;
   topo.store.bandwidth_bps = page_bytes / 0.01;
+  topo.store.latency_s = 0.001;
   double last_ttft = 0;
   auto store_of = [&](int turns) {
     auto r = sim::simulate(conversation(turns), cal, topo);
@@ -311,7 +320,7 @@ TEST(ClusterSim, AReplicaKeepingTheFirstTurnReadsOnlyTheLaterChunksFromTheStore)
   EXPECT_EQ(unkept["bytes_read"].get<double>(), (9 + 20) * page_bytes);
   EXPECT_EQ(unkept["chunks_read"], 3 + 5);
   EXPECT_EQ(unkept["chunks_local"], 0);
-  EXPECT_NEAR(last_ttft - kept_ttft, 8 * 0.01, 1e-9);
+  EXPECT_NEAR(last_ttft - kept_ttft, 8 * 0.01 + (5 - 3) * 0.001, 1e-9);
 }
 
 // A device too small for the batch's KV: the planner puts layers on the host pool and every decode

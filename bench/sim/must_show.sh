@@ -4,7 +4,9 @@
 #   bench/sim/must_show.sh traces    the validation's three traces (seed 1), as RESULTS.md made them
 #   bench/sim/must_show.sh scaling   1 / 2 / 4 replicas rr, 4 prefix, 1 / 2 / 4 rr + shared store,
 #                                    each trace twice, and bench_cluster_sim's prediction of each
-#                                    (CONFIGS="4 rr,4 rr store" TRACES="sat" REPS="1 2": a subset)
+#                                    (CONFIGS="4 rr,4 rr store" TRACES="sat" REPS="1 2": a subset;
+#                                    SERVE_ARGS="--prefix-store-chunk 32" SIM_ARGS="--store-chunk-tokens 32":
+#                                    serve's and the simulator's options)
 #   bench/sim/must_show.sh faults    2 replicas (rr) + shared store + replica 1's evicted prefixes on
 #                                    a mirrored kv-node pair: two runs without a fault, then kill -9
 #                                    a replica, a kv-node, the store KILL_AFTER s in; texts compared
@@ -36,7 +38,7 @@ case ${1:-} in
         done
         "$SIM" --calibration "$CAL" --trace "$OUT/$t.jsonl" --replicas "$n" --policy "$policy" "${flag[@]}" \
           --cpus 2 --noise -1 --compare "$OUT/${t}_r${n}_${policy}${tag}_1.json" \
-          --out "$OUT/${t}_r${n}_${policy}${tag}_pred.json" > /dev/null 2>&1 || true
+          --out "$OUT/${t}_r${n}_${policy}${tag}_pred.json" ${SIM_ARGS:-} > /dev/null 2>&1 || true
       done
     done
     ;;

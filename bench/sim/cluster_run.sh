@@ -19,7 +19,8 @@
 #                           arrival; default 4)
 #     --logs DIR            keep every process's output there (default: deleted)
 # Prints the kill's time; the report is OUT.json (with --kv-nodes, the nodes' stats before and after
-# in OUT.json.kvnodes.jsonl, read by bench/sim/kv_node_stats.py). Every process runs `nice -n 5`.
+# in OUT.json.kvnodes.jsonl, read by bench/sim/kv_node_stats.py), each process's CPU seconds over the
+# trace in OUT.json.cpu.json (bench/sim/proc_cpu.py; bench/sim/README.md). Every process runs `nice -n 5`.
 set -euo pipefail
 N=1 POLICY=rr STORE=0 KVN=0 KILL="" KILL_AFTER=4 LOGS=""
 while [ $# -gt 0 ]; do
@@ -52,7 +53,7 @@ case $KILL in
   *) echo "--kill: replica, kv-node, kv-node-a or store" >&2; exit 1 ;;
 esac
 dir=$(mktemp -d)
-pids=()
+pids=() roles=()  # roles: ROLE=PID for OUT.json.cpu.json
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
@@ -75,7 +76,7 @@ if [ "$STORE" = 1 ]; then
     echo "maxmemory-policy allkeys-lru"
   } > "$dir/redis.conf"
   chmod 600 "$dir/redis.conf"
-  nice -n 5 redis-server "$dir/redis.conf" & redis_pid=$!; pids+=("$redis_pid")
+  nice -n 5 redis-server "$dir/redis.conf" & redis_pid=$!; pids+=("$redis_pid"); roles+=("redis=$redis_pid")
   for _ in $(seq 100); do
     REDISCLI_AUTH=$(cat "$dir/redis.password") redis-cli -p "$rport" ping 2>/dev/null | grep -q PONG && break
     sleep 0.1
@@ -91,7 +92,7 @@ if [ "$KVN" = 1 ]; then
   for k in a b; do
     nice -n 5 "$BIN" kv-node --capacity 64MiB --listen 127.0.0.1:0 --secret-file "$dir/kv.secret" \
       > "$dir/kvnode_$k.out" 2> "$dir/kvnode_$k.err" & pids+=($!)
-    kv_pids+=($!)
+    kv_pids+=($!) roles+=("kv_node_$k=$!")
     kv_eps+=("127.0.0.1:$(port_of "$dir/kvnode_$k.out")")
   done
   # shellcheck disable=SC2206
@@ -107,11 +108,11 @@ for i in $(seq "$N"); do
   extra=("${store_args[@]}")
   [ "$i" = 1 ] && extra+=("${kv_args[@]}")
   nice -n 5 "$BIN" serve -m "$MODEL" --served-model-name stories --listen 127.0.0.1:0 --max-batch 8 $SERVE_ARGS "${extra[@]}" \
-    > "$dir/serve$i.out" 2> "$dir/serve$i.err" & pids+=($!); serve_pids+=($!)
+    > "$dir/serve$i.out" 2> "$dir/serve$i.err" & pids+=($!); serve_pids+=($!); roles+=("serve$i=$!")
   p=$(port_of "$dir/serve$i.out")
   replicas+=(--replica "http://127.0.0.1:$p") scrape+=(--scrape "127.0.0.1:$p")
 done
-nice -n 5 "$BIN" router "${replicas[@]}" --policy "$POLICY" --port 0 > "$dir/router.out" 2> "$dir/router.err" & pids+=($!)
+nice -n 5 "$BIN" router "${replicas[@]}" --policy "$POLICY" --port 0 > "$dir/router.out" 2> "$dir/router.err" & pids+=($!); roles+=("router=$!")
 rp=$(port_of "$dir/router.out")
 
 kv_stats() {  # label: both kv-nodes' stats, one JSON line each, into OUT.kvnodes.jsonl
@@ -132,8 +133,14 @@ if [ -n "$KILL" ]; then
 fi
 echo "bench_loadgen starts at $(date -u +%T.%N)"
 rc=0
-nice -n 5 "$LOADGEN" --target "127.0.0.1:$rp" --trace "$TRACE" --model stories --scrape "127.0.0.1:$rp" "${scrape[@]}" \
+CPU=$(dirname "${BASH_SOURCE[0]}")/proc_cpu.py
+python3 "$CPU" snap "${roles[@]}" > "$dir/cpu_before.json"
+timed=()  # bench_loadgen's own CPU (rusage): /usr/bin/time where there is one
+[ -x /usr/bin/time ] && timed=(/usr/bin/time -f "%U %S %e" -o "$dir/loadgen.time")
+"${timed[@]}" nice -n 5 "$LOADGEN" --target "127.0.0.1:$rp" --trace "$TRACE" --model stories --scrape "127.0.0.1:$rp" "${scrape[@]}" \
   --out "$OUT" "$@" > /dev/null || rc=$?
+python3 "$CPU" snap "${roles[@]}" > "$dir/cpu_after.json"
+python3 "$CPU" merge "$dir/cpu_before.json" "$dir/cpu_after.json" "$dir/loadgen.time" "$OUT.cpu.json" || true
 [ -n "$KILL" ] && wait "$killer" 2>/dev/null || true
 echo "bench_loadgen exit $rc"
 # the nodes' counters (OUT.kvnodes.jsonl) and serve's own account of them (events on its stderr)

@@ -223,6 +223,16 @@ TEMPLATES = {
     "var_next": " VAR {var} = VAR {prev}.",
     "var_query": " Which variables are equal to {num}? The variables equal to {num} are {vars}.",
 }
+# --distractors: numbers that are not the pass key, placed beside a pass-key needle, so that the
+# model learns to copy the number after "The pass key is" and not any number in view (held-out
+# prose has years: Persuasion's first pages hold eight).
+DISTRACTOR_TEMPLATES = [
+    " It was the year {year}.",
+    " In {year} they moved to the country.",
+    " The sum was {num} pounds.",
+    " She had counted {num} of them.",
+    " The house was number {num}.",
+]
 TOOL = {"type": "function", "function": {
     "name": "lookup_code", "description": "Look up the code for a key.",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
@@ -321,7 +331,15 @@ def make_task_events(rng, pools, kind):
     T = TEMPLATES
     if kind == "passkey":
         num = str(rng.randint(10000, 99999))
-        return [(T["passkey_needle"], (), {"num": num})], [(T["passkey_query"], ("num",), {"num": num})]
+        needles = [(T["passkey_needle"], (), {"num": num})]
+        if DISTRACTORS > 0 and rng.random() < DISTRACTORS:
+            for _ in range(rng.randint(1, 4)):
+                other = str(rng.randint(10000, 99999))
+                if other != num:
+                    needles.append((rng.choice(DISTRACTOR_TEMPLATES), (),
+                                    {"year": str(rng.randint(1700, 1899)), "num": other}))
+            rng.shuffle(needles)
+        return needles, [(T["passkey_query"], ("num",), {"num": num})]
     if kind == "multikey":
         n = rng.randint(2, 8)
         keys = rng.sample(K, n)
@@ -354,6 +372,7 @@ def make_task_events(rng, pools, kind):
 
 KINDS = ["passkey", "multikey", "multivalue", "kv", "vt"]
 KIND_WEIGHTS = None  # --kind-weights; None draws the kinds uniformly (the stream of the first runs)
+DISTRACTORS = 0.0    # --distractors; 0 draws nothing more (the stream of the first runs)
 
 
 def pick_kind(rng):
@@ -724,7 +743,8 @@ def schedule(step, args):
 
 def cmd_train(args):
     import torch
-    global KIND_WEIGHTS
+    global KIND_WEIGHTS, DISTRACTORS
+    DISTRACTORS = args.distractors
     if args.kind_weights:
         KIND_WEIGHTS = [float(x) for x in args.kind_weights.split(",")]
         assert len(KIND_WEIGHTS) == len(KINDS), "--kind-weights needs one weight per kind"
@@ -742,12 +762,13 @@ def cmd_train(args):
         plant_induction(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     ckpt = os.path.join(args.out, "ckpt.pt")
-    step = 0
+    step, attn_scale = 0, 1.0
     if os.path.exists(ckpt):
         st = torch.load(ckpt)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
+        attn_scale = st.get("attn_scale", 1.0)  # a tempered checkpoint trained further stays tempered
         print(f"resumed at step {step}", flush=True)
     print(f"params {sum(p.numel() for p in model.parameters())}", flush=True)
     rng = random.Random(args.seed * 1000003 + step)
@@ -780,7 +801,7 @@ def cmd_train(args):
             acc = []
         if step % args.ckpt_every == 0 or step == args.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "cfg": cfg}, ckpt + ".tmp")
+                        "cfg": cfg, "attn_scale": attn_scale}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
 
 
@@ -789,6 +810,8 @@ def cmd_probe(args):
     prose (progress checks while training; the held-out evaluation is `specontext eval --tasks`
     on Persuasion): one task's needles at random depths, its first query at the end."""
     import torch
+    global DISTRACTORS
+    DISTRACTORS = args.distractors
     torch.set_num_threads(args.threads)
     tok = Tokenizer.load(os.path.join(args.out, "tokenizer.json"))
     filler = tok.encode(load_text(args))
@@ -871,6 +894,8 @@ def main():
     ap.add_argument("--chat-share", type=float, default=0.1)
     ap.add_argument("--kind-weights", default="",
                     help="comma-separated draw weights of " + ",".join(KINDS) + " (default: equal)")
+    ap.add_argument("--distractors", type=float, default=0.0,
+                    help="share of pass-key tasks given 1-4 other numbers (years, sums) as distractors")
     ap.add_argument("--rope-theta", type=float, default=1e8)
     ap.add_argument("--plant", type=int, default=1, help="start from plant_induction (fresh runs)")
     ap.add_argument("--lr", type=float, default=2e-3)

@@ -26,7 +26,7 @@ using json = nlohmann::json;
 
 int main(int argc, char** argv) {
   CLI::App app{"discrete-event simulator of serve replicas behind the router (predicts bench_loadgen's report)"};
-  std::vector<std::string> calibrate_from, calibrate_traces;
+  std::vector<std::string> calibrate_from, calibrate_traces, calibrate_cpu;
   std::string trace_path, calibration_path, write_calibration, compare_path, replicas_list = "1";
   std::string policy = "rr", device_kv, host_kv, remote_kv, out = "bench_out/cluster_sim.json";
   bool plot = false, no_router = false, no_prefix_caching = false, store = false, store_dead = false;
@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
                  "fit the costs from bench_loadgen reports of one replica (repeat; each with a --calibrate-trace, "
                  "else --trace); writes --write-calibration");
   app.add_option("--calibrate-trace", calibrate_traces, "the trace of each --calibrate report, in order");
+  app.add_option("--calibrate-cpu", calibrate_cpu,
+                 "bench_loadgen reports whose REPORT.cpu.json (bench/sim/cluster_run.sh) give the router's, load "
+                 "generator's, store's and replicas' CPU seconds per request (repeat; default: each --calibrate report "
+                 "that has one); the calibration's cpu_per_request");
   app.add_option("--write-calibration", write_calibration, "where --calibrate writes the calibration");
   app.add_option("--threads-per-replica", threads_per_replica, "compute threads of one replica (--calibrate; default 1)");
   app.add_option("--replicas", replicas_list, "replica count, or a list (1,2,4,...,64) for a sweep");
@@ -111,6 +115,38 @@ int main(int argc, char** argv) {
     auto c = sim::calibrate_from_loadgen(runs, cal, topo.max_batch);
     if (!c.is_ok()) return fail(c.status());
     for (const auto& f : calibrate_from) c->source += " " + f;
+    // The CPU the router, load generator, store and replicas (beyond their engines' steps) took
+    // per request: the runs' CPU sidecars; a --calibrate run's engine busy time is simulated.
+    std::vector<sim::CpuRun> cpu_runs;
+    const bool explicit_cpu = !calibrate_cpu.empty();
+    for (const std::string& path : explicit_cpu ? calibrate_cpu : calibrate_from) {
+      std::ifstream fc(path + ".cpu.json");
+      if (!fc) {
+        if (explicit_cpu) return fail(invalid_argument("--calibrate-cpu: cannot read " + path + ".cpu.json"));
+        continue;
+      }
+      sim::CpuRun run{json(), json::parse(fc, nullptr, false), -1};
+      std::ifstream fr(path);
+      run.report = fr ? json::parse(fr, nullptr, false) : json();
+      if (run.cpu.is_discarded() || run.report.is_discarded() || run.report.is_null()) {
+        return fail(invalid_argument("cannot read " + path + " or " + path + ".cpu.json"));
+      }
+      for (size_t k = 0; k < calibrate_from.size(); ++k) {
+        if (calibrate_from[k] != path) continue;
+        sim::Topology one;
+        one.max_batch = topo.max_batch;
+        auto out = sim::simulate(runs[k].trace, *c, one);
+        if (!out.is_ok()) return fail(out.status());
+        run.engine_busy_s = sim::engine_busy_s(*out);
+      }
+      cpu_runs.push_back(std::move(run));
+    }
+    if (!cpu_runs.empty()) {
+      auto p = sim::process_cpu_from_runs(cpu_runs);
+      if (!p.is_ok()) return fail(p.status());
+      c->cpu_per_request = *p;
+      c->source += "; cpu_per_request from " + std::to_string(cpu_runs.size()) + " CPU sidecar(s)";
+    }
     const json j = sim::calibration_to_json(*c);
     if (write_calibration.empty()) {
       std::printf("%s\n", j.dump(2).c_str());

@@ -11,6 +11,7 @@
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "planner/plan.h"
 
@@ -144,8 +145,10 @@ double checked_num(const json& j, const char* key, double def) {
 
 class Simulator {
  public:
-  Simulator(const lg::Trace& trace, const Calibration& cal, const Topology& topo)
-      : trace_(trace), cal_(cal), topo_(topo), policy_(topo.policy, static_cast<size_t>(topo.replicas)),
+  // replica_cpus: the cores the replicas share (Topology::cpus less the other processes' share).
+  Simulator(const lg::Trace& trace, const Calibration& cal, const Topology& topo, double replica_cpus)
+      : trace_(trace), cal_(cal), topo_(topo), replica_cpus_(replica_cpus),
+        policy_(topo.policy, static_cast<size_t>(topo.replicas)),
         rng_(topo.seed), noise_(topo.noise < 0 ? cal.noise : topo.noise), store_(std::numeric_limits<size_t>::max()) {
     const size_t slots = topo.prefix_caching ? static_cast<size_t>(std::max<int64_t>(0, topo.prefix_cache_slots)) : 0;
     for (int64_t r = 0; r < topo.replicas; ++r) replicas_.emplace_back(slots);
@@ -437,7 +440,7 @@ class Simulator {
     ++busy_replicas_;
     if (topo_.cpus > 0) {
       const double demand = static_cast<double>(busy_replicas_ * cal_.threads_per_replica);
-      cost *= std::max(1.0, demand / topo_.cpus);
+      cost *= std::max(1.0, demand / replica_cpus_);
     }
     if (noise_ > 0) cost *= std::exp(noise_ * standard_normal(rng_) - 0.5 * noise_ * noise_);
     cost += io;
@@ -583,6 +586,7 @@ class Simulator {
   const lg::Trace& trace_;
   const Calibration& cal_;
   const Topology& topo_;
+  double replica_cpus_ = 0;
   router::RoutingPolicy policy_;
   std::mt19937_64 rng_;
   double noise_ = 0;
@@ -688,6 +692,11 @@ json calibration_to_json(const Calibration& c) {
           {"output_bytes_per_token", c.output_bytes_per_token},
           {"page_tokens", c.page_tokens},
           {"threads_per_replica", c.threads_per_replica},
+          {"cpu_per_request",
+           {{"router_s", c.cpu_per_request.router_s},
+            {"loadgen_s", c.cpu_per_request.loadgen_s},
+            {"store_s", c.cpu_per_request.store_s},
+            {"replica_s", c.cpu_per_request.replica_s}}},
           {"model",
            {{"layers", c.model.layers},
             {"kv_heads", c.model.kv_heads},
@@ -737,6 +746,18 @@ Result<Calibration> calibration_from_json(const json& j) {
       c.kv_elem_bytes < 1 || c.kv_elem_bytes > 8 || c.max_context < 1) {
     return invalid_argument("calibration: page_tokens, threads_per_replica, kv_elem_bytes or max_context out of range");
   }
+  if (j.contains("cpu_per_request")) {
+    const json& p = j["cpu_per_request"];
+    if (!p.is_object()) return invalid_argument("calibration: 'cpu_per_request' must be an object");
+    using Share = std::pair<const char*, double*>;
+    for (const Share& f : {Share{"router_s", &c.cpu_per_request.router_s}, Share{"loadgen_s", &c.cpu_per_request.loadgen_s},
+                           Share{"store_s", &c.cpu_per_request.store_s}, Share{"replica_s", &c.cpu_per_request.replica_s}}) {
+      *f.second = checked_num(p, f.first, 0);
+      if (!std::isfinite(*f.second) || *f.second < 0 || *f.second > 3600) {
+        return invalid_argument(std::string("calibration: cpu_per_request.") + f.first + " must be in [0, 3600] seconds");
+      }
+    }
+  }
   if (j.contains("model")) {
     const json& m = j["model"];
     c.model.layers = checked_int(m, "layers", c.model.layers);
@@ -770,8 +791,88 @@ Result<SimOutput> simulate(const lg::Trace& trace, const Calibration& cal, const
   if (topo.cpus < 0 || topo.noise > 2) return invalid_argument("cpus must be ≥ 0, noise at most 2");
   if (topo.store.enabled && !(topo.store.bandwidth_bps > 0)) return invalid_argument("store bandwidth must be > 0");
   if (topo.policy.chunk_bytes < 1) return invalid_argument("router chunk bytes must be ≥ 1");
-  Simulator s(trace, cal, topo);
-  return s.run();
+  const double per_request = overhead_cpu_per_request(cal, topo);
+  if (per_request <= 0 || trace.requests.empty()) return Simulator(trace, cal, topo, topo.cpus).run();
+  // The router, load generator, store and the replicas' work beyond their engines' steps take o
+  // cores for the whole run: o = per_request × the
+  // requests ÷ the wall time of the run the replicas make on cpus − o. That wall time grows with o,
+  // so o − per_request · n / wall(o) rises with o: bisection finds where it crosses 0.
+  const double n = static_cast<double>(trace.requests.size());
+  const double max_o = 0.99 * topo.cpus;  // the replicas keep 1% of the cores at least
+  auto run_with = [&](double o) -> Result<SimOutput> {
+    auto out = Simulator(trace, cal, topo, topo.cpus - o).run();
+    if (out.is_ok()) out->overhead_cores = o;
+    return out;
+  };
+  auto demand = [&](const SimOutput& out) { return out.wall_s > 0 ? per_request * n / out.wall_s : max_o; };
+  double lo = 0, hi = max_o;
+  for (int k = 0; k < 40 && hi - lo > 1e-6 * topo.cpus; ++k) {
+    const double mid = 0.5 * (lo + hi);
+    auto out = run_with(mid);
+    if (!out.is_ok()) return out.status();
+    (mid < demand(*out) ? lo : hi) = mid;
+  }
+  return run_with(hi);
+}
+
+double overhead_cpu_per_request(const Calibration& cal, const Topology& topo) {
+  if (!(topo.cpus > 0)) return 0;
+  const ProcessCpu& p = cal.cpu_per_request;
+  return (topo.router ? p.router_s : 0.0) + p.loadgen_s + (topo.store.enabled && topo.store.alive ? p.store_s : 0.0) +
+         p.replica_s;
+}
+
+double engine_busy_s(const SimOutput& out) {
+  double busy = 0;
+  if (const json* reps = find_path(out.metrics, {"serve", "replicas"}); reps != nullptr && reps->is_array()) {
+    for (const json& r : *reps) busy += r.value("busy_s", 0.0);
+  }
+  return busy;
+}
+
+Result<ProcessCpu> process_cpu_from_runs(const std::vector<CpuRun>& runs) {
+  double requests = 0, store_requests = 0, replica_requests = 0, router = 0, loadgen = 0, store = 0, replica = 0;
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const json* n = find_path(runs[k].report, {"summary", "requests"});
+    const json* procs = find_path(runs[k].cpu, {"procs"});
+    if (n == nullptr || !n->is_number() || n->get<double>() <= 0 || procs == nullptr || !procs->is_object()) {
+      return invalid_argument("CPU run " + std::to_string(k + 1) + ": no summary.requests or no procs");
+    }
+    auto cpu_of = [&](const char* role, double& sum) -> Status {
+      const json* v = find_path(*procs, {role, "cpu_s_run"});
+      if (v == nullptr || !v->is_number() || !(v->get<double>() >= 0)) {
+        return invalid_argument("CPU run " + std::to_string(k + 1) + ": no " + role + ".cpu_s_run");
+      }
+      sum += v->get<double>();
+      return Status::ok();
+    };
+    if (auto st = cpu_of("router", router); !st.is_ok()) return st;
+    if (auto st = cpu_of("loadgen", loadgen); !st.is_ok()) return st;
+    requests += n->get<double>();
+    if (procs->contains("redis")) {
+      if (auto st = cpu_of("redis", store); !st.is_ok()) return st;
+      store_requests += n->get<double>();
+    } else if (runs[k].engine_busy_s >= 0) {
+      double serve = 0;
+      int64_t replicas = 0;
+      for (const auto& [role, v] : procs->items()) {
+        if (role.rfind("serve", 0) != 0) continue;
+        if (auto st = cpu_of(role.c_str(), serve); !st.is_ok()) return st;
+        ++replicas;
+      }
+      if (replicas > 0) {
+        replica += serve - runs[k].engine_busy_s;
+        replica_requests += n->get<double>();
+      }
+    }
+  }
+  if (!(requests > 0)) return invalid_argument("CPU runs: none given");
+  ProcessCpu p;
+  p.router_s = router / requests;
+  p.loadgen_s = loadgen / requests;
+  p.store_s = store_requests > 0 ? store / store_requests : 0;
+  p.replica_s = replica_requests > 0 ? std::max(0.0, replica / replica_requests) : 0;
+  return p;
 }
 
 json report(const SimOutput& out, const Topology& topo, const lg::Slo& slo) {
@@ -792,7 +893,11 @@ json report(const SimOutput& out, const Topology& topo, const lg::Slo& slo) {
             {"time_scale", topo.time_scale},
             {"noise", topo.noise},
             {"seed", topo.seed}};
-  return {{"topology", t}, {"summary", lg::summarize(out.results, out.wall_s, slo)}, {"metrics", out.metrics}};
+  json metrics = out.metrics;
+  if (out.overhead_cores > 0) {  // the cores the router, load generator, store and replicas' own work took
+    metrics["cpu"] = {{"overhead_cores", out.overhead_cores}, {"replica_cores", topo.cpus - out.overhead_cores}};
+  }
+  return {{"topology", t}, {"summary", lg::summarize(out.results, out.wall_s, slo)}, {"metrics", metrics}};
 }
 
 // ---- calibration from a measured run ---------------------------------------------------------------

@@ -41,6 +41,19 @@ struct StepCosts {
   bool operator==(const StepCosts&) const = default;
 };
 
+// CPU seconds per trace request of the processes that share the replicas' cores (Topology::cpus
+// > 0): the router, the load generator, the store (a calibration file's "cpu_per_request", from
+// bench/sim/cluster_run.sh's OUT.json.cpu.json of the calibration runs; 0: none, today's model).
+struct ProcessCpu {
+  double router_s = 0;   // charged when requests pass the router (Topology::router)
+  double loadgen_s = 0;  // the load generator, every request
+  double store_s = 0;    // the store (redis-server), when it is enabled and alive
+  // A replica's CPU beyond its engine's steps (HTTP, parsing and tokenizing on request workers,
+  // its other threads): serve's CPU less the simulated engine busy time, per request.
+  double replica_s = 0;
+  bool operator==(const ProcessCpu&) const = default;
+};
+
 // What the simulator knows of the machine and model (JSON: calibration_to_json).
 struct Calibration {
   std::string source;  // how it was obtained (free text)
@@ -50,6 +63,7 @@ struct Calibration {
   double noise = 0;  // log-normal sigma of the steps seen in the calibration runs (Topology::noise < 0 takes it)
   int64_t page_tokens = 16;           // prefix caching works on whole pages
   int64_t threads_per_replica = 1;    // compute threads of one replica (for --cpus sharing)
+  ProcessCpu cpu_per_request;         // the other processes on the replicas' cores (--cpus sharing)
   // The planner's model shape (stories260K by default) and KV element bytes.
   planner::ModelShape model{5, 4, 8, 8, 0};
   int64_t kv_elem_bytes = 4;
@@ -94,7 +108,11 @@ struct Topology {
   int64_t max_batch = 8;         // sequences a replica runs at once (serve --max-batch)
   bool prefix_caching = true;
   int64_t prefix_cache_slots = 16;  // finished sequences a replica keeps (serve --prefix-cache-slots)
-  double cpus = 0;               // cores the replicas share (0: each has its own threads_per_replica)
+  // Cores the replicas share with the router, the load generator and the store (0: each replica
+  // has its own threads_per_replica and the others cost nothing). The others take
+  // o = Σ cpu_per_request × (trace requests ÷ the run's wall time) of them for the whole run (o
+  // solved with the run it predicts); the replicas share cpus − o (SimOutput::overhead_cores).
+  double cpus = 0;
   StoreOptions store;
   TierOptions tiers;
   double time_scale = 1;         // arrival times multiplied by this (as bench_loadgen --time-scale)
@@ -105,10 +123,30 @@ struct Topology {
 struct SimOutput {
   std::vector<loadgen::RequestResult> results;  // per trace request, as bench_loadgen's
   double wall_s = 0;
+  double overhead_cores = 0;  // cores the router, load generator, store and replicas' own work took (Topology::cpus)
   nlohmann::json metrics;  // prefix cache, router, tiers and store, per replica (the loadgen's names)
 };
 
 Result<SimOutput> simulate(const loadgen::Trace& trace, const Calibration& cal, const Topology& topo);
+
+// CPU seconds per request of the processes beside the replicas in this topology (router if any,
+// load generator, store if enabled and alive); 0 when topo.cpus is 0.
+double overhead_cpu_per_request(const Calibration& cal, const Topology& topo);
+
+// The engine busy seconds of a simulated run, summed over its replicas (metrics.serve.replicas[].busy_s).
+double engine_busy_s(const SimOutput& out);
+
+// cpu_per_request from measured runs: each a bench_loadgen report (its summary's "requests") and
+// its cluster_run.sh CPU sidecar ({"procs": {"router": {"cpu_s_run": s}, "loadgen": ..., "redis": ...,
+// "serve1": ...}}). Router and load generator: their CPU seconds over all runs ÷ all runs'
+// requests; the store: over the runs that had one (0 when none did); the replicas: serve's CPU less
+// engine_busy_s over the runs without a store that give engine_busy_s (0 when none do).
+struct CpuRun {
+  nlohmann::json report;
+  nlohmann::json cpu;
+  double engine_busy_s = -1;  // the simulated engine busy seconds of this run (< 0: unknown)
+};
+Result<ProcessCpu> process_cpu_from_runs(const std::vector<CpuRun>& runs);
 
 // bench_loadgen's report shape: {"summary": loadgen::summarize(...), "metrics": ..., "topology": ...}.
 nlohmann::json report(const SimOutput& out, const Topology& topo, const loadgen::Slo& slo);

@@ -1,5 +1,6 @@
 // The cluster simulator (bench/sim/cluster_sim.h): determinism, an exact single-request case,
-// M/D/1 queueing, replica scaling, prefix-aware routing, a dead store, the planner's tiers.
+// M/D/1 queueing, replica scaling, prefix-aware routing, a dead store, the planner's tiers, the
+// router / load generator / store CPU taken from the replicas' shared cores.
 #include "bench/sim/cluster_sim.h"
 
 #include <gtest/gtest.h>
@@ -385,4 +386,139 @@ TEST(ClusterSim, CalibrationRecoversTheCosts) {
   ASSERT_TRUE(back.is_ok());
   EXPECT_EQ(back->costs, fit->costs);
   EXPECT_FALSE(sim::calibration_from_json(json{{"costs", {{"decode_base_s", -1}}}}).is_ok());
+}
+
+// The router, load generator and store on the replicas' cores (Calibration::cpu_per_request): 4
+// replicas of 1 thread saturated on 2 cores run their steps 4 ÷ 2 = 2 times slower; with the
+// others taking o = 0.5 core they run 4 ÷ 1.5 times slower, so the run takes 4/3 as long and the
+// throughput is 3/4 of it. o = c · n ÷ wall with wall = 4/3 · W0 gives c = (2/3) · W0 ÷ n.
+TEST(ClusterSim, OverheadPerRequestTakesItsCoresFromTheReplicas) {
+  const size_t n = 256;
+  const lg::Trace t = independent(std::vector<double>(n, 0.0), 64, 32);
+  sim::Topology topo;
+  topo.policy.policy = router::Policy::kRoundRobin;
+  topo.replicas = 4;
+  topo.cpus = 2;
+  sim::Calibration c = simple_costs();
+  auto base = sim::simulate(t, c, topo);
+  ASSERT_TRUE(base.is_ok());
+  EXPECT_EQ(base->overhead_cores, 0.0);
+  const double w0 = base->wall_s;
+  const double x0 = sim::report(*base, topo, lg::Slo{})["summary"]["requests_per_s"].get<double>();
+  c.cpu_per_request.loadgen_s = 2.0 / 3.0 * w0 / static_cast<double>(n);
+  auto with = sim::simulate(t, c, topo);
+  ASSERT_TRUE(with.is_ok());
+  const json rep = sim::report(*with, topo, lg::Slo{});
+  EXPECT_NEAR(with->overhead_cores, 0.5, 0.01);
+  EXPECT_NEAR(rep["metrics"]["cpu"]["replica_cores"].get<double>(), 1.5, 0.01);
+  EXPECT_NEAR(with->wall_s / w0, 4.0 / 3.0, 0.01);
+  EXPECT_NEAR(rep["summary"]["requests_per_s"].get<double>() / x0, 0.75, 0.01);
+  // The share solves o = c · n ÷ wall for the run it predicts.
+  EXPECT_NEAR(with->overhead_cores, c.cpu_per_request.loadgen_s * static_cast<double>(n) / with->wall_s, 1e-4);
+  // Split between the router, the store and the replicas' own work it is the same sum.
+  sim::Calibration split = simple_costs();
+  split.cpu_per_request = {c.cpu_per_request.loadgen_s / 4, c.cpu_per_request.loadgen_s / 4, 0,
+                           c.cpu_per_request.loadgen_s / 2};
+  auto s = sim::simulate(t, split, topo);
+  ASSERT_TRUE(s.is_ok());
+  EXPECT_NEAR(s->wall_s, with->wall_s, 1e-6 * w0);
+  // Without shared cores (cpus 0) the others cost nothing.
+  topo.cpus = 0;
+  EXPECT_EQ(sim::overhead_cpu_per_request(c, topo), 0.0);
+}
+
+// One replica of 2 threads on 2 cores, one request at a time: every step takes 2 ÷ (2 − o) of
+// its cost, o = c · 3 requests ÷ the wall time (about 20 s): c = 0.2 s gives o ≈ 0.03.
+TEST(ClusterSim, OverheadSlowsEachStepByTheCoresItTakes) {
+  const int64_t tokens = 12;
+  const lg::Trace t = independent({0.0, 10.0, 20.0}, 200, tokens);
+  sim::Calibration c = simple_costs();
+  c.threads_per_replica = 2;
+  c.cpu_per_request.router_s = 0.2;
+  sim::Topology topo;
+  topo.cpus = 2;
+  auto r = sim::simulate(t, c, topo);
+  ASSERT_TRUE(r.is_ok());
+  const double o = r->overhead_cores;
+  EXPECT_NEAR(o, 0.2 * 3 / r->wall_s, 1e-5);
+  EXPECT_NEAR(o, 0.6 / 20.06, 0.001);
+  const double slow = 2 / (2 - o);
+  const double step = c.costs.decode_base_s + c.costs.decode_per_seq_s;
+  for (const lg::RequestResult& q : r->results) {
+    ASSERT_TRUE(q.ok);
+    EXPECT_NEAR(q.ttft_s, c.costs.request_overhead_s + (c.costs.prefill_base_s + 200 * c.costs.prefill_per_token_s) * slow,
+                1e-9);
+    for (double g : q.gaps_s) EXPECT_NEAR(g, step * slow, 1e-9);
+  }
+  // The router's share is charged only when requests pass one; the store's only with a live store.
+  topo.router = false;
+  EXPECT_EQ(sim::overhead_cpu_per_request(c, topo), 0.0);
+  c.cpu_per_request.store_s = 0.1;
+  EXPECT_EQ(sim::overhead_cpu_per_request(c, topo), 0.0);
+  topo.store.enabled = true;
+  EXPECT_EQ(sim::overhead_cpu_per_request(c, topo), 0.1);
+  topo.store.alive = false;
+  EXPECT_EQ(sim::overhead_cpu_per_request(c, topo), 0.0);
+}
+
+// A zero overhead (a calibration file without "cpu_per_request", or with zeros) is today's model:
+// the same report, no "cpu" metrics; the exact single-request case holds on shared cores.
+TEST(ClusterSim, ZeroOverheadIsTheOldPrediction) {
+  auto old_file = sim::calibration_from_json(json{{"costs", {{"decode_per_seq_s", 0.0005}}}});
+  ASSERT_TRUE(old_file.is_ok());
+  EXPECT_EQ(old_file->cpu_per_request, sim::ProcessCpu{});
+  const lg::Trace t = independent({0.0, 10.0, 20.0}, 200, 12);
+  sim::Calibration c = simple_costs();
+  c.threads_per_replica = 2;
+  sim::Topology topo;
+  topo.cpus = 2;
+  topo.store.enabled = true;
+  auto r = sim::simulate(t, c, topo);
+  ASSERT_TRUE(r.is_ok());
+  EXPECT_EQ(r->overhead_cores, 0.0);
+  const json rep = sim::report(*r, topo, lg::Slo{});
+  EXPECT_FALSE(rep["metrics"].contains("cpu"));
+  const double step = c.costs.decode_base_s + c.costs.decode_per_seq_s;
+  for (const lg::RequestResult& q : r->results) {
+    EXPECT_NEAR(q.ttft_s, c.costs.request_overhead_s + c.costs.prefill_base_s + 200 * c.costs.prefill_per_token_s, 1e-12);
+    for (double g : q.gaps_s) EXPECT_NEAR(g, step, 1e-12);
+  }
+  // The JSON's zeros read back as zeros and predict the same; a non-zero share does not.
+  auto back = sim::calibration_from_json(sim::calibration_to_json(c));
+  ASSERT_TRUE(back.is_ok());
+  auto again = sim::simulate(t, *back, topo);
+  ASSERT_TRUE(again.is_ok());
+  EXPECT_EQ(sim::report(*again, topo, lg::Slo{}).dump(), rep.dump());
+  c.cpu_per_request.store_s = 0.5;
+  auto more = sim::simulate(t, c, topo);
+  ASSERT_TRUE(more.is_ok());
+  EXPECT_GT(more->wall_s, r->wall_s);
+}
+
+// cpu_per_request from CPU sidecars: router and load generator over every run's requests, the
+// store over the runs with one, the replicas' CPU less their simulated engine time over the others.
+TEST(ClusterSim, ProcessCpuFromRunsDividesBySentRequests) {
+  auto summary = [](int64_t n) { return json{{"summary", {{"requests", n}}}}; };
+  auto procs = [](double router, double loadgen, double serve, double redis) {
+    json p = {{"router", {{"cpu_s_run", router}}}, {"loadgen", {{"cpu_s_run", loadgen}}},
+              {"serve1", {{"cpu_s_run", serve}}}};
+    if (redis >= 0) p["redis"] = {{"cpu_s_run", redis}};
+    return json{{"procs", p}};
+  };
+  std::vector<sim::CpuRun> runs = {{summary(100), procs(0.2, 0.3, 1.5, -1), 1.0},
+                                   {summary(300), procs(0.6, 0.5, 4.0, -1), 2.5},
+                                   {summary(200), procs(0.2, 0.4, 9.0, 0.6), 1.0}};
+  auto p = sim::process_cpu_from_runs(runs);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_NEAR(p->router_s, 1.0 / 600, 1e-12);
+  EXPECT_NEAR(p->loadgen_s, 1.2 / 600, 1e-12);
+  EXPECT_NEAR(p->store_s, 0.6 / 200, 1e-12);
+  EXPECT_NEAR(p->replica_s, (0.5 + 1.5) / 400, 1e-12);
+  sim::Calibration cal;
+  cal.cpu_per_request = *p;
+  auto back = sim::calibration_from_json(sim::calibration_to_json(cal));
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(back->cpu_per_request, *p);
+  EXPECT_FALSE(sim::process_cpu_from_runs({{summary(10), json{{"procs", {{"router", {{"cpu_s_run", 1}}}}}}, -1}}).is_ok());
+  EXPECT_FALSE(sim::calibration_from_json(json{{"cpu_per_request", {{"router_s", -1}}}}).is_ok());
 }

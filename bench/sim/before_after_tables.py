@@ -6,8 +6,9 @@ MEASURED: bench_loadgen reports (several: their mean is the reference); BEFORE /
 bench_cluster_sim --out reports. Metrics: req/s, cached fraction, store hit rate (cells with a
 store), TTFT p50 / p99. Error = (predicted - mean measured) / mean measured. Then, for cells whose
 reports have cluster_run.sh's CPU sidecars (OUT.json.cpu.json): the cores the router, load
-generator and store took (their CPU seconds / wall) and serve's cores, beside the after-prediction's
-overhead_cores."""
+generator and store took (their CPU seconds / wall) and serve's cores, beside the after-prediction's (its
+overhead_cores split by the calibration's cpu_per_request; serve: its engines' busy time / wall,
+at most the cores left to them, plus its share of the overhead)."""
 import json
 import os
 import sys
@@ -64,7 +65,20 @@ def main(argv):
         side = [p + ".cpu.json" for p in paths if os.path.exists(p + ".cpu.json")]
         if not side:
             continue
+        # the after-prediction's cores: router + load generator + store, and the replicas (their
+        # engines' busy time and their work beyond it)
         o = after.get("metrics", {}).get("cpu", {}).get("overhead_cores", 0.0)
+        share = after.get("calibration", {}).get("cpu_per_request", {})
+        topo = after["topology"]
+        c_others = (share.get("router_s", 0) if topo.get("router", True) else 0) + share.get("loadgen_s", 0) + \
+            (share.get("store_s", 0) if topo["store"]["enabled"] and topo["store"]["alive"] else 0)
+        c_total = c_others + share.get("replica_s", 0)
+        wall = after["summary"]["wall_s"]
+        busy = sum(r["busy_s"] for r in after["metrics"]["serve"]["replicas"])
+        p_others = o * c_others / c_total if c_total > 0 else 0.0
+        cpus = topo.get("cpus", 0)
+        engines = min(busy / wall, cpus - o) if cpus > 0 else busy / wall  # busy_s counts the slowed steps
+        p_serve = engines + (o - p_others)
         meas = []
         for s in side:
             c = load(s)
@@ -74,12 +88,12 @@ def main(argv):
             serve = sum((v["cpu_s_run"] or 0) for k, v in pr.items() if k.startswith("serve"))
             meas.append((others / w, serve / w, c["machine"]["other_busy_s"] / w))
         rows.append(f"| {label} | " + " / ".join(f"{a:.2f}" for a, _, _ in meas) + " | " +
-                    " / ".join(f"{b:.2f}" for _, b, _ in meas) + " | " + " / ".join(f"{x:.2f}" for _, _, x in meas) +
-                    f" | {o:.2f} |")
+                    f"{p_others:.2f} | " + " / ".join(f"{b:.2f}" for _, b, _ in meas) + f" | {p_serve:.2f} | " +
+                    " / ".join(f"{x:.2f}" for _, _, x in meas) + " |")
     if rows:
-        print("\n| cell | router + load generator + store, cores (runs) | serve replicas, cores | "
-              "others on the machine, cores | predicted overhead_cores (incl. replicas' own beyond the engine) |")
-        print("| --- | --- | --- | --- | --- |")
+        print("\n| cell | router + load generator + store: measured cores (runs) | predicted (after) | "
+              "serve replicas: measured cores | predicted (after) | anything else on the machine, cores |")
+        print("| --- | --- | --- | --- | --- | --- |")
         print("\n".join(rows))
 
 

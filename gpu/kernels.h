@@ -338,6 +338,59 @@ cudaError_t sample_sort_temp_bytes(int64_t vocab, int32_t n_slots, int32_t n_seg
 // The group's kernels and sorts, in order on `stream`.
 cudaError_t launch_sample_rows(const SampleLaunch& a, cudaStream_t stream);
 
+// ---- quantised and bf16 weights: matrix-vector and small-batch products (kernels_quant.cu) ----
+
+// The ggml block types the CUDA backend reads as stored (core's DType kQ8_0, kQ4_0, kQ4_K, kQ5_K,
+// kQ6_K; block layouts of ggml-common.h). gpu/quant_blocks.h holds the block decoding the kernels
+// and their host mirrors (tests) share.
+enum class QuantType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+
+// Activation rows the GEMV kernels take (more: dequantised tiles and cuBLAS, or cuBLAS for bf16).
+inline constexpr int64_t kQuantGemvMaxRows = 16;
+// Warps per GEMV block; each warp computes one weight row for every activation row.
+inline constexpr int kQuantGemvWarps = 4;
+
+// Activations quantised per block as ggml's dot products do: quantize_row_q8_0_ref (Q8_0, Q4_0:
+// 32-element blocks, scale rounded to f16) or quantize_row_q8_K_ref (K types: 256-element blocks,
+// f32 scale). x is [m][cols] f32; act_q [m][nb · block] int8 (blocks past cols zero-padded), act_d
+// [m][nb] f32. A block holding a NaN or an infinity gets act_d = NaN and codes 0 (every product with
+// it is NaN, as on the CPU).
+cudaError_t launch_quantize_activations(QuantType type, const float* x, int64_t m, int64_t cols, int64_t nb,
+                                        int8_t* act_q, float* act_d, cudaStream_t stream);
+
+struct QuantGemvLaunch {
+  QuantType type = QuantType::kQ8_0;
+  const uint8_t* w = nullptr;  // [rows] rows of nb blocks, row_bytes apart; 4-byte aligned
+  int64_t row_bytes = 0;
+  int64_t rows = 0;
+  int64_t nb = 0;               // blocks per row
+  const int8_t* act_q = nullptr;  // launch_quantize_activations' output, [m][nb · block]
+  const float* act_d = nullptr;   // [m][nb]
+  int64_t m = 0;                  // 1 .. kQuantGemvMaxRows
+  float* y = nullptr;             // [m][rows]
+};
+
+// y[i][r] = Σ_b d_w · d_x · (integer dot product of block b of weight row r and of activation row
+// i), ggml's integer block sums (K types: sub-block scales and mins as ggml_vec_dot_q*_K_q8_K).
+// One block of kQuantGemvWarps warps per kQuantGemvWarps weight rows, a warp per row, its lanes
+// over the blocks (32-element types: 4 lanes a block, 8 blocks a step; K types: the warp a
+// super-block, 8 elements a lane), float partial sums reduced by shuffles.
+cudaError_t launch_quant_gemv(const QuantGemvLaunch& a, cudaStream_t stream);
+
+// dst[i][c] (row stride ld) = element c < cols of weight row (ids ? ids[i] : first_row + i), decoded
+// as ggml_dequantize (bit for bit: no FMA contraction). An id outside [0, table_rows) gives a NaN
+// row. For embed (ids) and the dequantised tiles of matmuls with more than kQuantGemvMaxRows rows.
+cudaError_t launch_quant_dequantize_rows(QuantType type, const uint8_t* w, int64_t row_bytes, int64_t table_rows,
+                                         const int32_t* ids, int64_t first_row, int64_t n_rows, int64_t cols,
+                                         int64_t ld, float* dst, cudaStream_t stream);
+
+// y[i][r] = Σ_c x[i][c] · w[r][c] with f32 products and accumulation for m <= kQuantGemvMaxRows;
+// w [rows][cols] and x [m][cols] raw bf16 bits (the backend rounds the activations with
+// launch_f32_to_bf16 first, as for cuBLAS). A warp per weight row, its lanes over the columns,
+// 16-byte loads of w and x when cols % 8 == 0 and both are 16-byte aligned (else 2-byte loads).
+cudaError_t launch_bf16_gemv(const uint16_t* w, const uint16_t* x, int64_t m, int64_t rows, int64_t cols, float* y,
+                             cudaStream_t stream);
+
 // ---- transport: many small copies in one kernel ----
 
 // One piece of a gathered transfer: bytes from src to dst, both device-visible addresses (device

@@ -11,6 +11,7 @@
 #include "gpu/cuda_check.h"
 #include "gpu/kernels.h"
 #include "gpu/plan_internal.h"
+#include "gpu/quant_plan.h"
 #include "gpu/retrieval_plan.h"
 #include "gpu/sampling_plan.h"
 #include "gpu/sparse_plan.h"
@@ -213,17 +214,7 @@ Status CudaBackend::upload_metadata() {
   return staging_.copy(meta_dev_.data(), meta_host_.data(), meta_host_.size(), stream_.get());
 }
 
-bool CudaBackend::supports(BackendOp op, DType weight_dtype) const {
-  switch (op) {
-    case BackendOp::kMatmul:
-      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16;
-    case BackendOp::kEmbed:
-      return weight_dtype == DType::kF32 || weight_dtype == DType::kBF16 ||
-             weight_dtype == DType::kF16;
-    default:
-      return true;  // no weight matrix; f32 activations (kRetrievalScores included)
-  }
-}
+bool CudaBackend::supports(BackendOp op, DType weight_dtype) const { return cuda_supports(op, weight_dtype); }
 
 Result<std::shared_ptr<void>> CudaBackend::allocate(size_t bytes) {
   SPX_ENTER_DEVICE();
@@ -302,7 +293,8 @@ Status CudaBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& tab
     case DType::kF16: type = kernels::TableType::kF16; break;
     case DType::kBF16: type = kernels::TableType::kBF16; break;
     default:
-      return unimplemented("CUDA embed supports f32/f16/bf16 tables, not " +
+      if (quant_type_of(table.dtype)) return embed_blocks(ids, n, table, out);
+      return unimplemented("CUDA embed supports f32/f16/bf16 and Q8_0/Q4_0/Q4_K/Q5_K/Q6_K tables, not " +
                            std::string(dtype_name(table.dtype)));
   }
   if (n <= 0) return Status::ok();
@@ -318,8 +310,9 @@ Status CudaBackend::embed(const TokenId* ids, int64_t n, const WeightMatrix& tab
 
 Status CudaBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
                            float* y) {
-  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16) {
-    return unimplemented("CUDA matmul supports f32 and bf16 weights, not " +
+  const bool blocks = quant_type_of(w.dtype).has_value();
+  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && !blocks) {
+    return unimplemented("CUDA matmul supports f32, bf16 and Q8_0/Q4_0/Q4_K/Q5_K/Q6_K weights, not " +
                          std::string(dtype_name(w.dtype)));
   }
   if (m <= 0 || w.rows <= 0) return Status::ok();
@@ -330,6 +323,13 @@ Status CudaBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, con
   cudaStream_t s = stream_.get();
   if (w.cols == 0) {  // empty reduction: y = bias (or 0)
     SPX_CUDA_CHECK(cudaMemsetAsync(y, 0, static_cast<size_t>(m * w.rows) * sizeof(float), s));
+  } else if (blocks) {
+    SPX_RETURN_IF_ERROR(matmul_blocks(x, m, w, y));
+  } else if (w.dtype == DType::kBF16 && m <= kernels::kQuantGemvMaxRows) {
+    SPX_RETURN_IF_ERROR(reserve(act_bf16_, static_cast<size_t>(m * w.cols)));
+    SPX_CUDA_CHECK(kernels::launch_f32_to_bf16(x, m * w.cols, act_bf16_.data(), s));
+    SPX_CUDA_CHECK(kernels::launch_bf16_gemv(static_cast<const uint16_t*>(w.data), act_bf16_.data(), m, w.rows, w.cols,
+                                             y, s));
   } else {
     // Row-major y[m, N] = x[m, K] · W[N, K]ᵀ is column-major yᶜ[N, m] = Wᶜᵀ[N, K] · xᶜ[K, m]
     // with W and x read as column-major [K, N] and [K, m] (leading dimension K).
@@ -354,6 +354,68 @@ Status CudaBackend::matmul(const float* x, int64_t m, const WeightMatrix& w, con
   }
   if (bias != nullptr) SPX_CUDA_CHECK(kernels::launch_bias_add(y, bias, m, w.rows, s));
   return Status::ok();
+}
+
+Status CudaBackend::embed_blocks(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) {
+  if (n <= 0) return Status::ok();
+  if (ids == nullptr || table.data == nullptr || out == nullptr) {
+    return invalid_argument("embed: null ids, table or output");
+  }
+  if (table.rows <= 0 || table.cols <= 0) return invalid_argument("embed: empty table");
+  SPX_ENTER_DEVICE();
+  SPX_CUDA_CHECK(kernels::launch_quant_dequantize_rows(*quant_type_of(table.dtype),
+                                                       static_cast<const uint8_t*>(table.data),
+                                                       static_cast<int64_t>(table.row_bytes()), table.rows, ids, 0, n,
+                                                       table.cols, table.cols, out, stream_.get()));
+  return Status::ok();
+}
+
+Status CudaBackend::matmul_blocks(const float* x, int64_t m, const WeightMatrix& w, float* y) {
+  SPX_ASSIGN_OR_RETURN(const QuantMatmulPlan plan, plan_quant_matmul(w, m));
+  cudaStream_t s = stream_.get();
+  const auto* wb = static_cast<const uint8_t*>(w.data);
+  if (plan.gemv) {
+    SPX_RETURN_IF_ERROR(reserve(quant_act_, plan.scratch_bytes));
+    auto* act_q = reinterpret_cast<int8_t*>(quant_act_.data());
+    auto* act_d = reinterpret_cast<float*>(quant_act_.data() + plan.act_scales_offset);
+    SPX_CUDA_CHECK(kernels::launch_quantize_activations(plan.type, x, m, w.cols, plan.nb, act_q, act_d, s));
+    kernels::QuantGemvLaunch a;
+    a.type = plan.type;
+    a.w = wb;
+    a.row_bytes = plan.row_bytes;
+    a.rows = w.rows;
+    a.nb = plan.nb;
+    a.act_q = act_q;
+    a.act_d = act_d;
+    a.m = m;
+    a.y = y;
+    SPX_CUDA_CHECK(kernels::launch_quant_gemv(a, s));
+    return Status::ok();
+  }
+  // Larger batches (prefill): f32 tiles of decoded rows, each a true-f32 GEMM into its columns of y
+  // (row-major y[m, N]: column-major [N, m], the tile's rows at y + r0, ldc N).
+  SPX_RETURN_IF_ERROR(reserve(dequant_tile_, plan.tile_floats));
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  for (int64_t t = 0; t < plan.tiles; ++t) {
+    const int64_t r0 = t * plan.tile_rows;
+    const int64_t rows = std::min(plan.tile_rows, w.rows - r0);
+    SPX_CUDA_CHECK(kernels::launch_quant_dequantize_rows(plan.type, wb, plan.row_bytes, w.rows, nullptr, r0, rows,
+                                                         plan.padded_cols, plan.padded_cols, dequant_tile_.data(), s));
+    kernels::clear_stale_error();
+    SPX_CUBLAS_CHECK(cublas_.api().gemm_ex(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows),
+                                           static_cast<int>(m), static_cast<int>(w.cols), &alpha, dequant_tile_.data(),
+                                           CUDA_R_32F, static_cast<int>(plan.padded_cols), x, CUDA_R_32F,
+                                           static_cast<int>(w.cols), &beta, y + r0, CUDA_R_32F,
+                                           static_cast<int>(w.rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  return Status::ok();
+}
+
+size_t CudaBackend::imported_weight_bytes() const {
+  size_t total = 0;
+  for (const auto& [host, copy] : imported_) total += copy.bytes;
+  return total;
 }
 
 Status CudaBackend::rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim,

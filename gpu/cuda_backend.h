@@ -85,8 +85,17 @@ class CudaBackend final : public Backend {
 
   // Ids outside the table produce NaN rows (they cannot be checked without a synchronisation).
   Status embed(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out) override;
-  // cuBLAS: f32 weights -> full f32 GEMM (no TF32); bf16 weights -> activations rounded to bf16
-  // in a scratch buffer, bf16 x bf16 with f32 accumulation and f32 output.
+  // Block-type tables (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) are decoded row by row as ggml_dequantize
+  // decodes them (bit for bit).
+  // matmul by the weights' stored type:
+  // - f32: cuBLAS, full f32 GEMM (no TF32).
+  // - bf16: activations rounded to bf16, f32 accumulation: m <= 16 launch_bf16_gemv (a warp per
+  //   weight row), more rows cuBLAS GemmEx (bf16 x bf16, f32 output).
+  // - Q8_0, Q4_0, Q4_K, Q5_K, Q6_K as stored (gpu/kernels_quant.cu): m <= 16 activations quantised
+  //   per block as ggml's dot products do (Q8_0 blocks for Q8_0 / Q4_0, Q8_K for the K types) and
+  //   launch_quant_gemv reading the weight blocks; more rows: tiles of weight rows decoded to f32,
+  //   then a true-f32 cuBLAS GEMM each (the CPU backend's split, cpu/README.md). The weights must be
+  //   4-byte aligned (import_weights' copies are).
   Status matmul(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
                 float* y) override;
   Status rmsnorm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps,
@@ -140,6 +149,8 @@ class CudaBackend final : public Backend {
                      TokenId* tokens) override;
 
   cudaStream_t stream() const { return stream_.get(); }
+  // Bytes held by import_weights' device copies (block-type matrices keep their stored bytes).
+  size_t imported_weight_bytes() const;
   int device_ordinal() const { return device_; }
   int sm_count() const { return sm_count_; }
   SharedMemoryLimits shared_memory_limits() const { return smem_limits_; }
@@ -159,6 +170,9 @@ class CudaBackend final : public Backend {
   // Copies meta_host_ to meta_dev_ on the stream through the staging ring, so meta_host_ may be
   // reused at once; the device copy is stream-ordered.
   Status upload_metadata();
+  // The block-type branches of embed and matmul (bias added by the caller).
+  Status embed_blocks(const TokenId* ids, int64_t n, const WeightMatrix& table, float* out);
+  Status matmul_blocks(const float* x, int64_t m, const WeightMatrix& w, float* y);
 
   int device_ = 0;
   int sm_count_ = 1;
@@ -168,6 +182,8 @@ class CudaBackend final : public Backend {
   CublasHandle cublas_;
 
   DeviceBuffer<uint16_t> act_bf16_;   // bf16 activations for bf16 GEMMs
+  DeviceBuffer<uint8_t> quant_act_;   // quantised activations (codes, then scales) of block GEMVs
+  DeviceBuffer<float> dequant_tile_;  // decoded weight rows of block-type matmuls with m > 16
   DeviceBuffer<uint8_t> meta_dev_;    // page tables and attention item metadata
   std::vector<uint8_t> meta_host_;
   DeviceBuffer<float> partial_o_;     // split-K partial outputs

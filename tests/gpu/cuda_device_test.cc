@@ -264,7 +264,11 @@ TEST_F(CudaDeviceTest, SupportsMatchesImplementedDtypes) {
   EXPECT_TRUE(b.supports(BackendOp::kMatmul, DType::kF32));
   EXPECT_TRUE(b.supports(BackendOp::kMatmul, DType::kBF16));
   EXPECT_FALSE(b.supports(BackendOp::kMatmul, DType::kF16));
-  EXPECT_FALSE(b.supports(BackendOp::kMatmul, DType::kQ8_0));
+  for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {  // read as stored
+    EXPECT_TRUE(b.supports(BackendOp::kMatmul, t)) << dtype_name(t);
+    EXPECT_TRUE(b.supports(BackendOp::kEmbed, t)) << dtype_name(t);
+  }
+  EXPECT_FALSE(b.supports(BackendOp::kMatmul, DType::kI32));
   EXPECT_TRUE(b.supports(BackendOp::kEmbed, DType::kF16));
   EXPECT_TRUE(b.supports(BackendOp::kAttention, DType::kF32));
   WeightMatrix w{DType::kF16, 4, 4, reinterpret_cast<const void*>(16)};

@@ -427,7 +427,7 @@ EOF
 if [ "$HAVE_BIN" -eq 1 ]; then
   TESTS_END=$(($(now) + $(limit "$TESTS_MAX_S" "$BENCH_MIN_S")))
   # The suites that never ran on a device first (the pending-work checks are quick).
-  order=(cuda_device cuda_pending_work cuda_retrieval cuda_sampling cuda_transport cuda_ops cuda_engine)
+  order=(cuda_device cuda_pending_work cuda_retrieval cuda_sampling cuda_transport cuda_ops cuda_quant cuda_engine)
   listed=" "
   tests=()
   for n in "${order[@]}"; do

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "gpu/kernels.h"
 #include "gpu/quant_blocks.h"
@@ -23,6 +24,35 @@ constexpr int64_t kMaxGridBlocks = 1 << 16;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// f(std::integral_constant<QuantType, T>{}) for the run-time block type (nothing for another value).
+template <typename F>
+void with_quant_type(QuantType type, F&& f) {
+  switch (type) {
+    case QuantType::kQ8_0: f(std::integral_constant<QuantType, QuantType::kQ8_0>{}); break;
+    case QuantType::kQ4_0: f(std::integral_constant<QuantType, QuantType::kQ4_0>{}); break;
+    case QuantType::kQ4_K: f(std::integral_constant<QuantType, QuantType::kQ4_K>{}); break;
+    case QuantType::kQ5_K: f(std::integral_constant<QuantType, QuantType::kQ5_K>{}); break;
+    case QuantType::kQ6_K: f(std::integral_constant<QuantType, QuantType::kQ6_K>{}); break;
+  }
+}
+
+// f(std::integral_constant<int, kM>{}) for the GEMVs' activation rows: kM the least of 1, 2, 4, 8
+// and 16 that is >= m (16 for any m above).
+template <typename F>
+void with_batch_rows(int64_t m, F&& f) {
+  if (m <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (m <= 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if (m <= 4) {
+    f(std::integral_constant<int, 4>{});
+  } else if (m <= 8) {
+    f(std::integral_constant<int, 8>{});
+  } else {
+    f(std::integral_constant<int, 16>{});
+  }
+}
+
 // Neither NaN nor ±inf (a NaN compares false).
 __device__ __forceinline__ bool is_finite(float v) { return fabsf(v) <= 3.402823466e+38f; }
 
@@ -34,28 +64,51 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // ---- activations ----
 
+// The (row i, block b) the calling warp of a quantiser takes; false past the last (whole warps).
+__device__ __forceinline__ bool quantize_task(int64_t m, int64_t nb, int64_t& i, int64_t& b) {
+  const int64_t task = static_cast<int64_t>(blockIdx.x) * kQuantizeWarps + (threadIdx.x >> 5);
+  if (task >= m * nb) return false;
+  i = task / nb;
+  b = task % nb;
+  return true;
+}
+
+// Block b (32 · kPer elements) of row i: lane l's elements l + 32k (k < kPer) into v, zero past
+// cols. Whether the whole block is finite; a block holding a NaN or an infinity gets codes 0 and
+// a NaN scale here.
+template <int kPer>
+__device__ __forceinline__ bool load_finite_block(const float* __restrict__ x, int64_t cols, int64_t nb, int64_t i,
+                                                  int64_t b, int lane, float (&v)[kPer], int8_t* __restrict__ q,
+                                                  float* __restrict__ act_d) {
+  bool finite = true;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int64_t c = b * 32 * kPer + lane + 32 * k;
+    v[k] = c < cols ? x[i * cols + c] : 0.0f;
+    finite = finite && is_finite(v[k]);
+  }
+  if (__all_sync(kFullMask, finite)) return true;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) q[lane + 32 * k] = 0;
+  if (lane == 0) act_d[i * nb + b] = __int_as_float(0x7fc00000);
+  return false;
+}
+
 // quantize_row_q8_0_ref: one warp per (row, 32-element block), lane j holds element j.
 __global__ void quantize_q8_0_kernel(const float* __restrict__ x, int64_t m, int64_t cols, int64_t nb,
                                      int8_t* __restrict__ act_q, float* __restrict__ act_d) {
   const int lane = threadIdx.x & 31;
-  const int64_t task = static_cast<int64_t>(blockIdx.x) * kQuantizeWarps + (threadIdx.x >> 5);
-  if (task >= m * nb) return;
-  const int64_t i = task / nb;
-  const int64_t b = task % nb;
-  const int64_t c = b * 32 + lane;
-  const float v = c < cols ? x[i * cols + c] : 0.0f;
+  int64_t i = 0, b = 0;
+  if (!quantize_task(m, nb, i, b)) return;
   int8_t* q = act_q + i * nb * 32 + b * 32;
-  if (!__all_sync(kFullMask, is_finite(v))) {
-    q[lane] = 0;
-    if (lane == 0) act_d[i * nb + b] = __int_as_float(0x7fc00000);
-    return;
-  }
-  float amax = fabsf(v);
+  float v[1];
+  if (!load_finite_block(x, cols, nb, i, b, lane, v, q, act_d)) return;
+  float amax = fabsf(v[0]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, offset));
   const float d = __fdiv_rn(amax, 127.0f);
   const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-  q[lane] = static_cast<int8_t>(roundf(__fmul_rn(v, id)));
+  q[lane] = static_cast<int8_t>(roundf(__fmul_rn(v[0], id)));
   if (lane == 0) act_d[i * nb + b] = __half2float(__float2half_rn(d));
 }
 
@@ -63,25 +116,11 @@ __global__ void quantize_q8_0_kernel(const float* __restrict__ x, int64_t m, int
 __global__ void quantize_q8_k_kernel(const float* __restrict__ x, int64_t m, int64_t cols, int64_t nb,
                                      int8_t* __restrict__ act_q, float* __restrict__ act_d) {
   const int lane = threadIdx.x & 31;
-  const int64_t task = static_cast<int64_t>(blockIdx.x) * kQuantizeWarps + (threadIdx.x >> 5);
-  if (task >= m * nb) return;
-  const int64_t i = task / nb;
-  const int64_t b = task % nb;
-  float v[8];
-  bool finite = true;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const int64_t c = b * 256 + lane + 32 * k;
-    v[k] = c < cols ? x[i * cols + c] : 0.0f;
-    finite = finite && is_finite(v[k]);
-  }
+  int64_t i = 0, b = 0;
+  if (!quantize_task(m, nb, i, b)) return;
   int8_t* q = act_q + i * nb * 256 + b * 256;
-  if (!__all_sync(kFullMask, finite)) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) q[lane + 32 * k] = 0;
-    if (lane == 0) act_d[i * nb + b] = __int_as_float(0x7fc00000);
-    return;
-  }
+  float v[8];
+  if (!load_finite_block(x, cols, nb, i, b, lane, v, q, act_d)) return;
   // The first element of the largest magnitude (the reference keeps a strictly larger one).
   float best = 0.0f;
   float best_v = 0.0f;
@@ -147,23 +186,6 @@ __global__ void __launch_bounds__(kQuantGemvWarps * 32) quant_gemv_kernel(QuantG
       const float s = warp_sum(acc[i]);
       if (lane == 0) a.y[i * a.rows + row] = s;
     }
-  }
-}
-
-template <QuantType T>
-void launch_gemv_type(const QuantGemvLaunch& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(a.rows, kQuantGemvWarps)));
-  const dim3 block(kQuantGemvWarps * 32);
-  if (a.m <= 1) {
-    quant_gemv_kernel<T, 1><<<grid, block, 0, stream>>>(a);
-  } else if (a.m <= 2) {
-    quant_gemv_kernel<T, 2><<<grid, block, 0, stream>>>(a);
-  } else if (a.m <= 4) {
-    quant_gemv_kernel<T, 4><<<grid, block, 0, stream>>>(a);
-  } else if (a.m <= 8) {
-    quant_gemv_kernel<T, 8><<<grid, block, 0, stream>>>(a);
-  } else {
-    quant_gemv_kernel<T, 16><<<grid, block, 0, stream>>>(a);
   }
 }
 
@@ -251,17 +273,10 @@ void launch_bf16_gemv_vec(const uint16_t* w, const uint16_t* x, int64_t m, int64
                           cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, kQuantGemvWarps)));
   const dim3 block(kQuantGemvWarps * 32);
-  if (m <= 1) {
-    bf16_gemv_kernel<1, kVec><<<grid, block, 0, stream>>>(w, x, m, rows, cols, y);
-  } else if (m <= 2) {
-    bf16_gemv_kernel<2, kVec><<<grid, block, 0, stream>>>(w, x, m, rows, cols, y);
-  } else if (m <= 4) {
-    bf16_gemv_kernel<4, kVec><<<grid, block, 0, stream>>>(w, x, m, rows, cols, y);
-  } else if (m <= 8) {
-    bf16_gemv_kernel<8, kVec><<<grid, block, 0, stream>>>(w, x, m, rows, cols, y);
-  } else {
-    bf16_gemv_kernel<16, kVec><<<grid, block, 0, stream>>>(w, x, m, rows, cols, y);
-  }
+  with_batch_rows(m, [&](auto batch) {
+    constexpr int kM = decltype(batch)::value;
+    bf16_gemv_kernel<kM, kVec><<<grid, block, 0, stream>>>(w, x, m, rows, cols, y);
+  });
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -286,13 +301,15 @@ cudaError_t launch_quantize_activations(QuantType type, const float* x, int64_t 
 cudaError_t launch_quant_gemv(const QuantGemvLaunch& a, cudaStream_t stream) {
   clear_stale_error();
   if (a.rows <= 0 || a.m <= 0) return cudaSuccess;
-  switch (a.type) {
-    case QuantType::kQ8_0: launch_gemv_type<QuantType::kQ8_0>(a, stream); break;
-    case QuantType::kQ4_0: launch_gemv_type<QuantType::kQ4_0>(a, stream); break;
-    case QuantType::kQ4_K: launch_gemv_type<QuantType::kQ4_K>(a, stream); break;
-    case QuantType::kQ5_K: launch_gemv_type<QuantType::kQ5_K>(a, stream); break;
-    case QuantType::kQ6_K: launch_gemv_type<QuantType::kQ6_K>(a, stream); break;
-  }
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.rows, kQuantGemvWarps)));
+  const dim3 block(kQuantGemvWarps * 32);
+  with_quant_type(a.type, [&](auto type) {
+    constexpr QuantType kT = decltype(type)::value;
+    with_batch_rows(a.m, [&](auto batch) {
+      constexpr int kM = decltype(batch)::value;
+      quant_gemv_kernel<kT, kM><<<grid, block, 0, stream>>>(a);
+    });
+  });
   return cudaGetLastError();
 }
 
@@ -304,28 +321,11 @@ cudaError_t launch_quant_dequantize_rows(QuantType type, const uint8_t* w, int64
   if (n <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(ceil_div(n, kDequantThreads), 1, kMaxGridBlocks)));
   const dim3 block(kDequantThreads);
-  switch (type) {
-    case QuantType::kQ8_0:
-      dequant_rows_kernel<QuantType::kQ8_0><<<grid, block, 0, stream>>>(w, row_bytes, table_rows, ids, first_row,
-                                                                         n_rows, cols, ld, dst);
-      break;
-    case QuantType::kQ4_0:
-      dequant_rows_kernel<QuantType::kQ4_0><<<grid, block, 0, stream>>>(w, row_bytes, table_rows, ids, first_row,
-                                                                         n_rows, cols, ld, dst);
-      break;
-    case QuantType::kQ4_K:
-      dequant_rows_kernel<QuantType::kQ4_K><<<grid, block, 0, stream>>>(w, row_bytes, table_rows, ids, first_row,
-                                                                         n_rows, cols, ld, dst);
-      break;
-    case QuantType::kQ5_K:
-      dequant_rows_kernel<QuantType::kQ5_K><<<grid, block, 0, stream>>>(w, row_bytes, table_rows, ids, first_row,
-                                                                         n_rows, cols, ld, dst);
-      break;
-    case QuantType::kQ6_K:
-      dequant_rows_kernel<QuantType::kQ6_K><<<grid, block, 0, stream>>>(w, row_bytes, table_rows, ids, first_row,
-                                                                         n_rows, cols, ld, dst);
-      break;
-  }
+  with_quant_type(type, [&](auto tag) {
+    constexpr QuantType kT = decltype(tag)::value;
+    dequant_rows_kernel<kT><<<grid, block, 0, stream>>>(w, row_bytes, table_rows, ids, first_row, n_rows, cols, ld,
+                                                        dst);
+  });
   return cudaGetLastError();
 }
 

@@ -38,28 +38,8 @@ using device_test::pick;
 using device_test::random_floats;
 using device_test::uniform;
 
-class CudaOpsTest : public ::testing::Test {
- public:
-  // Waits for the GPU's queued work and checks it ran without a fault.
-  void sync() {
-    const Status s = gpu_->synchronize();
-    ASSERT_TRUE(s.is_ok()) << s.to_string();
-  }
-
+class CudaOpsTest : public device_test::BackendTest {
  protected:
-  void SetUp() override {
-    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    auto gpu = CudaBackend::create(0);
-    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-    gpu_ = std::move(gpu).value();
-    auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
-    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
-    ref_ = std::move(ref).value();
-  }
-
-  std::unique_ptr<CudaBackend> gpu_;
-  std::unique_ptr<Backend> ref_;
   std::mt19937 rng_{20240611};
 };
 

@@ -47,25 +47,8 @@ using device_test::close;
 using device_test::Guarded;
 using namespace quant_test;
 
-class CudaQuantTest : public ::testing::Test {
- public:
-  void sync() {
-    const Status s = gpu_->synchronize();
-    ASSERT_TRUE(s.is_ok()) << s.to_string();
-  }
-
+class CudaQuantTest : public device_test::BackendTest {
  protected:
-  void SetUp() override {
-    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    auto gpu = CudaBackend::create(0);
-    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-    gpu_ = std::move(gpu).value();
-    auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
-    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
-    ref_ = std::move(ref).value();
-  }
-
   // y [m][n] of the CUDA backend for x [m][k] and a matrix of `bytes` (device copies here).
   std::vector<float> gpu_matmul(DType t, const std::vector<uint8_t>& bytes, int64_t n, int64_t k,
                                 const std::vector<float>& x, int64_t m, const std::vector<float>* bias) {
@@ -82,9 +65,6 @@ class CudaQuantTest : public ::testing::Test {
     EXPECT_EQ(d_x.download(), x) << "matmul changed x";
     return d_y.download();
   }
-
-  std::unique_ptr<CudaBackend> gpu_;
-  std::unique_ptr<Backend> ref_;
 };
 
 TEST_F(CudaQuantTest, GemvMatchesTheScalarReferenceForEveryBlockType) {

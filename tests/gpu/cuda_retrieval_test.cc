@@ -39,25 +39,8 @@ using device_test::uniform;
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
-class CudaRetrievalTest : public ::testing::Test {
+class CudaRetrievalTest : public device_test::BackendTest {
  protected:
-  void SetUp() override {
-    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    auto gpu = CudaBackend::create(0);
-    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-    gpu_ = std::move(gpu).value();
-    auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
-    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
-    ref_ = std::move(ref).value();
-  }
-  void sync() {
-    const Status s = gpu_->synchronize();
-    ASSERT_TRUE(s.is_ok()) << "device fault: " << s.to_string();
-  }
-
-  std::unique_ptr<CudaBackend> gpu_;
-  std::unique_ptr<Backend> ref_;
   std::mt19937 rng_{20250101};
 };
 

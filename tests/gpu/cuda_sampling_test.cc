@@ -294,17 +294,8 @@ TEST(SamplingOracle, AgreesWithHostWhereDecided) {
 
 // ---- on the device ----
 
-class CudaSamplingTest : public ::testing::Test {
+class CudaSamplingTest : public device_test::BackendTest {
  protected:
-  void SetUp() override {
-    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    auto gpu = CudaBackend::create(0);
-    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-    gpu_ = std::move(gpu).value();
-    ref_ = reference_backend();
-  }
-
   std::vector<TokenId> device_tokens(const Case& c) {
     Guarded<float> d_logits(c.logits);
     std::vector<TokenId> out(static_cast<size_t>(c.rows), -1);
@@ -333,9 +324,6 @@ class CudaSamplingTest : public ::testing::Test {
       }
     }
   }
-
-  std::unique_ptr<CudaBackend> gpu_;
-  std::unique_ptr<Backend> ref_;
 };
 
 TEST_F(CudaSamplingTest, GreedyIsExactIncludingTiesAndNaN) {

@@ -1,6 +1,7 @@
-// Helpers of the device tests (tests/gpu/cuda_*_test.cc): device buffers between sentinel guard
-// regions, random inputs, and the relative-L2 comparison with its NaN/inf and non-zero checks.
-// Infrastructure failures (not the code under test) abort loudly.
+// Helpers of the device tests (tests/gpu/cuda_*_test.cc): the fixture holding a CUDA backend and
+// the CPU reference backend, device buffers between sentinel guard regions, random inputs, and the
+// relative-L2 comparison with its NaN/inf and non-zero checks. Infrastructure failures (not the
+// code under test) abort loudly.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -14,11 +15,16 @@
 #include <cstdlib>
 #include <fstream>
 #include <initializer_list>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "core/ports/backend.h"
+#include "cpu/cpu_backend.h"
+#include "gpu/cuda_backend.h"
 
 namespace specontext::gpu::device_test {
 
@@ -28,6 +34,33 @@ inline void cuda_or_die(cudaError_t err, const char* what) {
   std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(err));
   std::abort();
 }
+
+// A fixture with the CUDA backend of device 0 (gpu_) and the CPU reference backend (ref_); every
+// case skips without a device ("no CUDA device"). A fixture deriving from it that overrides SetUp
+// calls BackendTest::SetUp() first and returns if IsSkipped() or HasFatalFailure().
+class BackendTest : public ::testing::Test {
+ public:
+  // Waits for the GPU's queued work and checks it ran without a fault.
+  void sync() {
+    const Status s = gpu_->synchronize();
+    ASSERT_TRUE(s.is_ok()) << "device fault: " << s.to_string();
+  }
+
+ protected:
+  void SetUp() override {
+    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    auto gpu = CudaBackend::create(0);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    gpu_ = std::move(gpu).value();
+    auto ref = cpu::create_cpu_backend(cpu::CpuBackendOptions{.reference = true});
+    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
+    ref_ = std::move(ref).value();
+  }
+
+  std::unique_ptr<CudaBackend> gpu_;
+  std::unique_ptr<Backend> ref_;
+};
 
 // n elements of T in device memory with kGuard elements of sentinel bytes on each side.
 template <typename T>

@@ -249,16 +249,7 @@ TEST_F(CudaQuantTest, Bf16GemvMatchesTheSumOfRoundedProducts) {
 }
 
 TEST_F(CudaQuantTest, AnEngineOnAQ4KFileKeepsTheBlocksAndMatchesTheCpuEngine) {
-  ModelConfig c;
-  c.arch = Architecture::kLlama;
-  c.dim = 256;
-  c.hidden_dim = 768;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 512;
-  c.max_seq_len = 64;
+  const ModelConfig c = gguf_test_config();
   const std::string path = specontext::testing::temp_dir("cuda_quant") + "/q4k.gguf";
   ASSERT_TRUE(write_random_gguf(path, c, DType::kQ4_K, 21).is_ok());
   auto loaded = load_model(path, LoadOptions{.keep_quantized = true});

@@ -80,16 +80,7 @@ TEST(QuantPlan, DeviceBytesAreTheStoredBytes) {
 }
 
 TEST(QuantPlan, ARandomGgufFilesMatricesAreHeldAsStored) {
-  ModelConfig c;
-  c.arch = Architecture::kLlama;
-  c.dim = 256;
-  c.hidden_dim = 768;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 512;
-  c.max_seq_len = 64;
+  const ModelConfig c = gguf_test_config();
   for (DType t : kBlockTypes) {
     SCOPED_TRACE(std::string(dtype_name(t)));
     const std::string path = specontext::testing::temp_dir("quant_plan") + "/m.gguf";

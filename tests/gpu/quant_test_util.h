@@ -1,7 +1,8 @@
 // Helpers of the quantised-weight tests (quant_plan_test.cc on the host, cuda_quant_test.cc on a
 // device): random block matrices with realistic scales, ggml's reference activation quantisers
 // (quantize_row_q8_0_ref / quantize_row_q8_K_ref, as cpu/quant_gemv.cc runs them), the CPU oracle
-// (cpu::quant_gemv's scalar path), the dequantised matrix and the per-element error bound.
+// (cpu::quant_gemv's scalar path), the dequantised matrix, the per-element error bound and the
+// model shape of the random GGUF files. Random floats are tests/cpu/cpu_test_util.h's.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -17,12 +18,15 @@
 
 #include "core/base/dtype.h"
 #include "core/model/ggml_quants.h"
+#include "core/model/model_config.h"
 #include "cpu/quant_gemv.h"
 #include "gpu/kernels.h"
 #include "gpu/quant_blocks.h"
+#include "tests/cpu/cpu_test_util.h"
 
 namespace specontext::gpu::quant_test {
 
+using cpu::testing::random_floats;
 using kernels::QuantType;
 
 constexpr DType kBlockTypes[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
@@ -66,14 +70,6 @@ inline std::vector<uint8_t> random_matrix(DType t, int64_t n, int64_t k, uint32_
     }
   }
   return w;
-}
-
-inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
 }
 
 // Row-major f32 [n][k] (each row decoded whole by ggml_dequantize, then cut to k).
@@ -209,6 +205,22 @@ inline ::testing::AssertionResult within_bound(const std::vector<float>& got, co
     return ::testing::AssertionFailure() << "only " << nonzero << " of " << got.size() << " outputs non-zero";
   }
   return ::testing::AssertionSuccess() << "worst |diff| / B " << worst;
+}
+
+// The Llama model of the random GGUF files: dim 256 and hidden 768 (every matrix whole blocks of
+// each type), 2 layers, 4 heads over 2 KV heads of 64, a vocabulary of 512, 64 positions.
+inline ModelConfig gguf_test_config() {
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  c.dim = 256;
+  c.hidden_dim = 768;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 512;
+  c.max_seq_len = 64;
+  return c;
 }
 
 }  // namespace specontext::gpu::quant_test

@@ -31,6 +31,7 @@ def main(args):
     import torch
     import torch.nn.functional as F
     import train as tr
+    tr.DISTRACTORS = args.distractors  # the documents' pass-key distractors, as train.py's (0: none)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed + 1)
     st = torch.load(os.path.join(args.out, "ckpt.pt"))
@@ -289,6 +290,7 @@ def main(args):
               "ranked_keys": f"past {args.head_sinks} sinks, before the last {args.head_window}",
               "query_heads": Hs, "group_loss": args.head_group_loss,
               **({"group_loss_mix": args.head_mix} if args.head_group_loss == "mix" else {}),
+              **({"distractors": args.distractors} if args.distractors else {}),
               "position_weight": args.head_weight, "position_weight_floor": args.head_weight_floor, "answer_weight": args.head_answer_weight,
               "init": os.path.basename(args.head_init) if args.head_init else "random"}
     with open(os.path.join(args.out, "retrieval_head_report.json"), "w") as f:

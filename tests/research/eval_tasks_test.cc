@@ -50,7 +50,9 @@ TEST_F(EvalTasksTest, PromptsHaveTheirLengthAndTheNeedleAtItsDepth) {
     // The needle's tokens start at needle_at, near its depth in the prompt (at 512 tokens the
     // other needles are a large share of the prompt and shift it).
     const double at = static_cast<double>(p.needle_at) / static_cast<double>(n);
-    if (p.length >= 2048) EXPECT_NEAR(at, p.depth, 0.1) << task_kind_name(p.kind) << " length " << p.length << " depth " << p.depth;
+    if (p.length >= 2048) {
+      EXPECT_NEAR(at, p.depth, 0.1) << task_kind_name(p.kind) << " length " << p.length << " depth " << p.depth;
+    }
     const std::string from_needle = tok_->decode(std::vector<TokenId>(p.prompt.begin() + p.needle_at, p.prompt.end()));
     const std::string text = tok_->decode(p.prompt);
     if (p.ordered) {  // the asked needle holds the answer

@@ -78,6 +78,27 @@ int nearest_int(float v) {
   return (i & 0x007fffff) - 0x00400000;
 }
 
+// All m rows of x as activation blocks, each row `nb` blocks.
+void quantize_activations(const TypeLayout& l, const float* x, int64_t m, int64_t k, int64_t nb,
+                          uint8_t* out, int64_t act_row_bytes) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * k;
+    uint8_t* row = out + i * act_row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t valid = std::min(l.block, k - b * l.block);
+      if (l.k_type) {
+        quant::quantize_block_q8_k(xr + b * l.block, valid, reinterpret_cast<ActQ8K*>(row) + b);
+      } else {
+        quant::quantize_block_q8_0(xr + b * l.block, valid, reinterpret_cast<ActQ8_0*>(row) + b);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace quant {
+
 // quantize_row_q8_0_ref on one block of 32 (zero-padded past `valid`); a block holding a
 // non-finite value gets d = NaN so every product with it is NaN.
 void quantize_block_q8_0(const float* x, int64_t valid, ActQ8_0* out) {
@@ -129,24 +150,7 @@ void quantize_block_q8_k(const float* x, int64_t valid, ActQ8K* out) {
   out->d = 1.0f / iscale;
 }
 
-// All m rows of x as activation blocks, each row `nb` blocks.
-void quantize_activations(const TypeLayout& l, const float* x, int64_t m, int64_t k, int64_t nb,
-                          uint8_t* out, int64_t act_row_bytes) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xr = x + i * k;
-    uint8_t* row = out + i * act_row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t valid = std::min(l.block, k - b * l.block);
-      if (l.k_type) {
-        quantize_block_q8_k(xr + b * l.block, valid, reinterpret_cast<ActQ8K*>(row) + b);
-      } else {
-        quantize_block_q8_0(xr + b * l.block, valid, reinterpret_cast<ActQ8_0*>(row) + b);
-      }
-    }
-  }
-}
-
-}  // namespace
+}  // namespace quant
 
 std::string_view quant_path_name(QuantPath path) {
   switch (path) {

@@ -30,6 +30,12 @@ struct ActQ8K {
   int8_t qs[256];
 };
 
+// ggml's quantize_row_q8_0_ref / quantize_row_q8_K_ref on one block of 32 / 256 elements (zero-padded
+// past `valid`); a block holding a non-finite value gets d = NaN and codes 0, so every product with it
+// is NaN. What quant_gemv does to activations; the CUDA quantisers' tests compare against these.
+void quantize_block_q8_0(const float* x, int64_t valid, ActQ8_0* out);
+void quantize_block_q8_k(const float* x, int64_t valid, ActQ8K* out);
+
 struct KernelArgs {
   const uint8_t* w;      // row 0 of the weights
   int64_t row_bytes;     // bytes per weight row

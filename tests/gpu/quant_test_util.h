@@ -20,6 +20,7 @@
 #include "core/model/ggml_quants.h"
 #include "core/model/model_config.h"
 #include "cpu/quant_gemv.h"
+#include "cpu/quant_gemv_kernels.h"
 #include "gpu/kernels.h"
 #include "gpu/quant_blocks.h"
 #include "tests/cpu/cpu_test_util.h"
@@ -89,55 +90,21 @@ struct Activations {
   std::vector<float> d;
 };
 
-// ggml's quantize_row_q8_0_ref on one zero-padded block; a non-finite block gets d = NaN, codes 0.
+// The CPU path's activation quantisers (cpu/quant_gemv_kernels.h: ggml's quantize_row_q8_0_ref /
+// quantize_row_q8_K_ref on one zero-padded block; a non-finite block gets d = NaN, codes 0), with
+// the codes and the scale written where the kernels take them.
 inline void quantize_q8_0(const float* x, int64_t valid, int8_t* q, float* d) {
-  float v[32] = {};
-  for (int64_t j = 0; j < valid; ++j) v[j] = x[j];
-  std::fill(q, q + 32, int8_t{0});
-  for (float e : v) {
-    if (!std::isfinite(e)) {
-      *d = std::numeric_limits<float>::quiet_NaN();
-      return;
-    }
-  }
-  float amax = 0.0f;
-  for (float e : v) amax = std::fmax(amax, std::fabs(e));
-  const float dd = amax / 127.0f;
-  const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-  *d = f16_to_f32(f32_to_f16(dd));
-  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::roundf(v[j] * id));
+  cpu::quant::ActQ8_0 a;
+  cpu::quant::quantize_block_q8_0(x, valid, &a);
+  std::copy(a.qs, a.qs + 32, q);
+  *d = a.d;
 }
 
-inline int nearest_int(float v) {
-  const float biased = v + 12582912.f;
-  int32_t i = 0;
-  std::memcpy(&i, &biased, 4);
-  return (i & 0x007fffff) - 0x00400000;
-}
-
-// ggml's quantize_row_q8_K_ref on one zero-padded block, same non-finite rule.
 inline void quantize_q8_k(const float* x, int64_t valid, int8_t* q, float* d) {
-  float v[256] = {};
-  for (int64_t j = 0; j < valid; ++j) v[j] = x[j];
-  std::fill(q, q + 256, int8_t{0});
-  *d = 0.0f;
-  for (float e : v) {
-    if (!std::isfinite(e)) {
-      *d = std::numeric_limits<float>::quiet_NaN();
-      return;
-    }
-  }
-  float max = 0.0f, amax = 0.0f;
-  for (float e : v) {
-    if (std::fabs(e) > amax) {
-      amax = std::fabs(e);
-      max = e;
-    }
-  }
-  if (amax == 0.0f) return;
-  const float iscale = -127.0f / max;
-  for (int j = 0; j < 256; ++j) q[j] = static_cast<int8_t>(std::min(127, nearest_int(iscale * v[j])));
-  *d = 1.0f / iscale;
+  cpu::quant::ActQ8K a;
+  cpu::quant::quantize_block_q8_k(x, valid, &a);
+  std::copy(a.qs, a.qs + 256, q);
+  *d = a.d;
 }
 
 inline Activations quantize(DType t, const std::vector<float>& x, int64_t m, int64_t k) {

@@ -218,7 +218,10 @@ TEST(OpenAiServer, CompletionEqualsTheGeneratorAndStreamingAddsUpToIt) {
     streamed += c["choices"][0]["text"].get<std::string>();
     ++text_chunks;
   }
-  EXPECT_GT(text_chunks, 1u) << "tokens are streamed as they come, not in one piece";
+  // Events that are ready together go out as one delta: on a loaded machine all 48 tokens can be
+  // ready before the connection's coroutine runs, so this counts at least one chunk. That text
+  // leaves before generation ends is AClientThatDisconnectsMidStreamHasItsRequestCancelled's check.
+  EXPECT_GE(text_chunks, 1u);
   EXPECT_EQ(streamed, expected);
   EXPECT_EQ(json::parse(events[events.size() - 3])["choices"][0]["finish_reason"], "length");
   const json usage = json::parse(events[events.size() - 2]);

@@ -1216,7 +1216,9 @@ TEST(OpenAiServer, TextThatIsNotUtf8ReachesEveryAnswerAsReplacementCharactersAnd
     streamed += piece;
     ++chunks;
   }
-  EXPECT_GT(chunks, 2u) << "the text came in pieces";
+  // At least a text chunk and the finish chunk: how many text chunks depends on how many tokens
+  // were ready together when the connection's coroutine ran (one, on a loaded machine).
+  EXPECT_GE(chunks, 2u);
   EXPECT_EQ(streamed, whole_text);
 
   // The chat API over the same model (a ChatML template; stories260K spells its tags in pieces):

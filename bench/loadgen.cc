@@ -185,6 +185,13 @@ int main(int argc, char** argv) {
               {"time_scale", run.time_scale},
               {"threads", std::thread::hardware_concurrency()},
               {"summary", summary},
+              {"scheduler",
+               {{"workers", result->workers},
+                {"turns_handed_on", result->turns_handed_on},
+                {"wakeups", result->wakeups},
+                {"wakeups_per_request",
+                 result->results.empty() ? 0.0
+                                         : static_cast<double>(result->wakeups) / result->results.size()}}},
               {"metrics", metrics},
               {"requests", requests}};
   if (trace_path.empty()) {

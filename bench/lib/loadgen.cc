@@ -11,8 +11,11 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <fstream>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -590,31 +593,42 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
       if (!trace.requests[i].session.empty()) turn[i] = count[trace.requests[i].session]++;
     }
   }
+  // The scheduler (all under `mu`). The dispatcher (this thread) sleeps until each arrival and
+  // takes an in-flight slot; a request whose session's previous turn is still running waits in
+  // that session's queue (no thread), any other goes to a worker. A worker that finishes a turn
+  // runs the session's next turn itself when it has already arrived (handed on: no wake-up),
+  // else it parks on its own condition variable until the dispatcher hands it a request. So each
+  // request costs at most one wake-up, and threads are the most requests ever sent at once (at
+  // most max_in_flight), created once and joined at the end.
   struct Session {
-    std::string history;  // prefix, prompts and answers so far
-    int64_t done = 0;     // turns finished
+    std::string history;        // prefix, prompts and answers so far
+    int64_t done = 0;           // turns finished
+    std::deque<size_t> queued;  // arrived turns waiting for the previous one, in turn order
+  };
+  struct Worker {
+    std::condition_variable cv;
+    std::optional<size_t> task;
+    bool stop = false;
+    std::thread thread;
   };
   std::map<std::string, Session> sessions;
   std::mutex mu;
-  std::condition_variable session_cv, slots_cv;
-  int64_t in_flight = 0;
+  std::condition_variable dispatcher_cv;
+  bool dispatcher_waiting = false;
+  int64_t dispatcher_until = 0;  // it waits for in_flight <= this
+  int64_t in_flight = 0;         // requests dispatched and not finished (queued in a session or sent)
+  std::deque<std::unique_ptr<Worker>> workers;
+  std::vector<Worker*> idle;
   Watchdog watchdog;
   RunOutput out;
   out.results.resize(n);
   const auto start = Clock::now();
   const auto since_start = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
 
-  auto one = [&](size_t i) {
+  // Request i, its session's history already read; the new history (empty without a session).
+  auto send = [&](size_t i, std::string prompt) {
     const TraceRequest& r = trace.requests[i];
     RequestResult& res = out.results[i];
-    std::string prompt;
-    if (!r.prefix.empty()) prompt = trace.prefixes.at(r.prefix);
-    if (!r.session.empty()) {
-      std::unique_lock<std::mutex> l(mu);
-      Session& s = sessions[r.session];
-      session_cv.wait(l, [&] { return s.done == turn[i]; });
-      if (s.done > 0) prompt = s.history;
-    }
     prompt += r.prompt;
     res.prompt_bytes = static_cast<int64_t>(prompt.size());
     json body = {{"prompt", prompt},
@@ -659,38 +673,99 @@ Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o) {
     res.cached_tokens = t.cached_tokens;
     res.text = t.text;
     res.prompt_hash = fnv1a64(prompt);
+    return r.session.empty() ? std::string() : prompt + (t.ok ? t.text : std::string());
+  };
+  // The prompt's start for request i (under mu): its session's history, or its prefix's text.
+  auto history_of = [&](size_t i) {
+    const TraceRequest& r = trace.requests[i];
     if (!r.session.empty()) {
-      std::lock_guard<std::mutex> l(mu);
-      Session& s = sessions[r.session];
-      s.history = prompt + (t.ok ? t.text : std::string());
-      ++s.done;
+      const Session& s = sessions[r.session];
+      if (s.done > 0) return s.history;
     }
-    session_cv.notify_all();
+    return r.prefix.empty() ? std::string() : trace.prefixes.at(r.prefix);
+  };
+  auto worker_loop = [&](Worker* w) {
+    std::unique_lock<std::mutex> l(mu);
+    for (;;) {
+      while (!w->task && !w->stop) {
+        w->cv.wait(l);
+        ++out.wakeups;
+      }
+      if (!w->task) return;
+      size_t i = *w->task;
+      w->task.reset();
+      for (;;) {  // i and the turns handed on after it
+        std::string prompt = history_of(i);
+        l.unlock();
+        std::string history = send(i, std::move(prompt));
+        l.lock();
+        --in_flight;
+        if (dispatcher_waiting && in_flight <= dispatcher_until) dispatcher_cv.notify_one();
+        const std::string& session = trace.requests[i].session;
+        if (session.empty()) break;
+        Session& s = sessions[session];
+        s.history = std::move(history);
+        ++s.done;
+        if (s.queued.empty()) break;
+        i = s.queued.front();
+        s.queued.pop_front();
+        ++out.turns_handed_on;
+      }
+      idle.push_back(w);
+    }
+  };
+  // Under mu: request i to an idle worker, or to a new one.
+  auto start_request = [&](size_t i) {
+    if (!idle.empty()) {
+      Worker* w = idle.back();
+      idle.pop_back();
+      w->task = i;
+      w->cv.notify_one();
+      return;
+    }
+    workers.push_back(std::make_unique<Worker>());
+    Worker* w = workers.back().get();
+    w->task = i;
+    w->thread = std::thread(worker_loop, w);
+    ++out.workers;
+  };
+  auto dispatcher_wait = [&](std::unique_lock<std::mutex>& l, int64_t until) {
+    dispatcher_until = until;
+    while (in_flight > until) {
+      dispatcher_waiting = true;
+      dispatcher_cv.wait(l);
+      ++out.wakeups;
+    }
+    dispatcher_waiting = false;
   };
 
   for (size_t i = 0; i < n; ++i) {
     const TraceRequest& r = trace.requests[i];
-    RequestResult& res = out.results[i];
-    res = scheduled_result(r, i, o.time_scale);
+    out.results[i] = scheduled_result(r, i, o.time_scale);
     std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
-                                              std::chrono::duration<double>(res.scheduled_at_s)));
-    {
-      std::unique_lock<std::mutex> l(mu);
-      slots_cv.wait(l, [&] { return in_flight < o.max_in_flight; });
-      ++in_flight;
+                                              std::chrono::duration<double>(out.results[i].scheduled_at_s)));
+    std::unique_lock<std::mutex> l(mu);
+    dispatcher_wait(l, o.max_in_flight - 1);
+    ++in_flight;
+    if (!r.session.empty()) {
+      Session& s = sessions[r.session];
+      if (s.done < turn[i]) {  // its previous turn is queued or running: the one that finishes it sends this
+        s.queued.push_back(i);
+        continue;
+      }
     }
-    std::thread([&, i] {
-      one(i);
-      std::lock_guard<std::mutex> l(mu);
-      --in_flight;
-      slots_cv.notify_all();
-    }).detach();
+    start_request(i);
   }
   {
     std::unique_lock<std::mutex> l(mu);
-    slots_cv.wait(l, [&] { return in_flight == 0; });
+    dispatcher_wait(l, 0);
+    out.wall_s = since_start();
+    for (auto& w : workers) {
+      w->stop = true;
+      w->cv.notify_one();
+    }
   }
-  out.wall_s = since_start();
+  for (auto& w : workers) w->thread.join();
   return out;
 }
 

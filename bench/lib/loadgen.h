@@ -1,8 +1,8 @@
 // The pieces of bench_loadgen (issue #31 item 4), a trace-driven open-loop load generator for any
 // OpenAI-compatible endpoint (`specontext serve`, `specontext router`): the JSONL trace and its
 // parser (bounded, errors naming the line and field), arrival schedules (Poisson, bursts,
-// uniform) and a synthetic trace from a seed, the run itself (one thread and connection per
-// request, streaming completions timed by lib/sse_client), the report's accounting (goodput under
+// uniform) and a synthetic trace from a seed, the run itself (a connection per request on a pool of
+// worker threads, streaming completions timed by lib/sse_client), the report's accounting (goodput under
 // an SLO, TTFT / ITL / latency percentiles) and /metrics deltas over the run.
 //
 // Trace lines (JSON objects, one a line; blank lines and lines starting with '#' skipped):
@@ -150,12 +150,21 @@ struct RunOptions {
   std::string api_key;  // Authorization: Bearer (empty: none)
   bool ignore_eos = true;
   double timeout_s = 600;        // per request, from its send
-  int64_t max_in_flight = 1024;  // threads at once (sending or waiting for their session)
+  int64_t max_in_flight = 1024;  // requests at once (sending or waiting for their session's previous turn)
   double time_scale = 1;         // arrival times are multiplied by this
 };
 struct RunOutput {
   std::vector<RequestResult> results;
   double wall_s = 0;
+  // The scheduler's own work, the same per request whatever the load: a request waiting for its
+  // session's previous turn holds no thread (the worker that finishes that turn sends it:
+  // turns_handed_on), a worker thread is started only when none is idle (workers: the most
+  // requests sent at once, at most max_in_flight), and a thread is woken only to take a request
+  // or a free slot (wakeups: every return from a condition-variable wait, at most one per request
+  // plus one per worker at the end and the dispatcher's waits for a slot).
+  int64_t workers = 0;
+  int64_t turns_handed_on = 0;
+  int64_t wakeups = 0;
 };
 Result<RunOutput> run_trace(const Trace& trace, const RunOptions& o);
 

@@ -4,12 +4,17 @@
 // accounting on made-up timings, /metrics deltas, and one run against a real `specontext serve`
 // on stories260K (every request answered with its max_tokens, sessions growing, a refused request
 // counted as an error with its HTTP status), a silent or absent server costing errors, not a hang,
-// and SSE events split across HTTP chunks (as the router relays them) all read.
+// SSE events split across HTTP chunks (as the router relays them) all read, and the scheduler's
+// own work bounded per request (turns waiting for their session hold no thread and wake no one;
+// workers no more than the requests sent at once).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -378,6 +383,145 @@ TEST(LoadgenRun, EventsSplitAcrossChunksAreAllRead) {
   EXPECT_EQ(r.gaps_s.size(), 1u);
   EXPECT_EQ(r.text, "ab") << "the answer's text events, concatenated";
   EXPECT_EQ(r.prompt_hash, fnv1a64("p"));
+}
+
+// A server answering every completion with the text "ab" after `delay_ms`, each connection on its
+// own thread; counts the requests.
+class EchoServer {
+ public:
+  explicit EchoServer(int delay_ms)
+      : delay_ms_(delay_ms), acceptor_(ioc_, {boost::asio::ip::make_address("127.0.0.1"), 0}) {
+    thread_ = std::thread([this] { accept_loop(); });
+  }
+  ~EchoServer() {
+    stop_ = true;
+    boost::system::error_code ec;
+    // Wake the blocking accept with one last connection.
+    boost::asio::io_context c;
+    boost::asio::ip::tcp::socket s(c);
+    s.connect(acceptor_.local_endpoint(), ec);
+    thread_.join();
+    for (auto& t : conns_) t.join();
+  }
+  uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  int64_t requests() const { return requests_; }
+
+ private:
+  void accept_loop() {
+    for (;;) {
+      auto sock = std::make_shared<boost::asio::ip::tcp::socket>(ioc_);
+      boost::system::error_code ec;
+      acceptor_.accept(*sock, ec);
+      if (stop_ || ec) return;
+      conns_.emplace_back([this, sock] { serve(*sock); });
+    }
+  }
+  void serve(boost::asio::ip::tcp::socket& sock) {
+    std::string got;
+    char buf[4096];
+    boost::system::error_code ec;
+    for (;;) {
+      const size_t head = got.find("\r\n\r\n");
+      if (head != std::string::npos) {
+        const size_t cl = got.find("Content-Length: ");
+        if (cl != std::string::npos && cl < head &&
+            got.size() >= head + 4 + std::stoul(got.substr(cl + 16, got.find("\r\n", cl) - cl - 16))) {
+          break;
+        }
+      }
+      const size_t n = sock.read_some(boost::asio::buffer(buf), ec);
+      if (ec) return;
+      got.append(buf, n);
+    }
+    ++requests_;
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+    const std::string events =
+        "data: {\"choices\":[{\"text\":\"a\"}]}\n\n"
+        "data: {\"choices\":[{\"text\":\"b\"}]}\n\n"
+        "data: {\"choices\":[{\"text\":\"\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n"
+        "data: [DONE]\n\n";
+    const std::string out = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: " +
+                            std::to_string(events.size()) + "\r\nConnection: close\r\n\r\n" + events;
+    boost::asio::write(sock, boost::asio::buffer(out), ec);
+    sock.shutdown(boost::asio::ip::tcp::socket::shutdown_send, ec);
+    while (!ec) sock.read_some(boost::asio::buffer(buf), ec);
+  }
+  int delay_ms_;
+  boost::asio::io_context ioc_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> requests_{0};
+  std::vector<std::thread> conns_;
+  std::thread thread_;
+};
+
+// Many turns of a few conversations arrive at once, so most wait for their session's previous
+// turn. Each is sent after that turn with its answer in front (the prompt's hash says so), no
+// thread waits for a turn (workers: at most one per conversation, as at most one request of each
+// is sent at once), and a request costs at most one wake-up however many wait: the thread per
+// request that woke every waiting thread at each completion took thousands here.
+TEST(LoadgenRun, WaitingTurnsHoldNoThreadAndWakeNoOne) {
+  constexpr int kSessions = 6, kTurns = 20;
+  std::string text = "{\"define_prefix\": \"sys\", \"text\": \"S.\"}\n";
+  for (int t = 0; t < kTurns; ++t) {
+    for (int s = 0; s < kSessions; ++s) {
+      text += json{{"arrival_s", 0}, {"session", "s" + std::to_string(s)}, {"prefix", "sys"},
+                   {"prompt", " t" + std::to_string(t)}, {"max_tokens", 2}}
+                  .dump() +
+              "\n";
+    }
+  }
+  auto trace = parse(text);
+  ASSERT_TRUE(trace.is_ok()) << trace.status().to_string();
+  EchoServer server(2);
+  RunOptions o;
+  o.port = server.port();
+  o.timeout_s = 60;
+  auto run = run_trace(*trace, o);
+  ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+  const int64_t n = kSessions * kTurns;
+  ASSERT_EQ(static_cast<int64_t>(run->results.size()), n);
+  EXPECT_EQ(server.requests(), n);
+  for (int s = 0; s < kSessions; ++s) {
+    std::string prompt = "S.";
+    for (int t = 0; t < kTurns; ++t) {
+      const RequestResult& r = run->results[static_cast<size_t>(t * kSessions + s)];
+      ASSERT_TRUE(r.ok) << r.error;
+      prompt += " t" + std::to_string(t);
+      EXPECT_EQ(r.prompt_hash, fnv1a64(prompt)) << "session " << s << " turn " << t;
+      prompt += "ab";
+      if (t > 0) {
+        const RequestResult& prev = run->results[static_cast<size_t>((t - 1) * kSessions + s)];
+        EXPECT_GE(r.sent_at_s, prev.sent_at_s + prev.latency_s - 1e-3) << "session " << s << " turn " << t;
+      }
+    }
+  }
+  EXPECT_LE(run->workers, kSessions);
+  EXPECT_GE(run->workers, 1);
+  EXPECT_LE(run->turns_handed_on, n - kSessions);
+  EXPECT_LE(run->wakeups, n + run->workers + 1) << "at most one wake-up a request, one a worker at the end and "
+                                                    "the dispatcher's last wait";
+}
+
+// Past --max-in-flight arrivals wait for a slot; the workers are never more than the slots.
+TEST(LoadgenRun, TheInFlightCapBoundsTheWorkers) {
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "{\"arrival_s\": 0, \"prompt\": \"p\", \"max_tokens\": 2}\n";
+  auto trace = parse(text);
+  ASSERT_TRUE(trace.is_ok()) << trace.status().to_string();
+  EchoServer server(2);
+  RunOptions o;
+  o.port = server.port();
+  o.timeout_s = 60;
+  o.max_in_flight = 3;
+  auto run = run_trace(*trace, o);
+  ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+  ASSERT_EQ(run->results.size(), 40u);
+  for (const RequestResult& r : run->results) EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(server.requests(), 40);
+  EXPECT_LE(run->workers, 3);
+  EXPECT_EQ(run->turns_handed_on, 0);
+  EXPECT_LE(run->wakeups, 2 * 40 + run->workers + 1);
 }
 
 TEST(LoadgenCompare, FnvIsTheStandardOne) {

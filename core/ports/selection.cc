@@ -75,17 +75,47 @@ void select_from_group_scores(std::span<const float> group_scores, int64_t n_kv_
   }
 }
 
-void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
-                   const SelectionOptions& o, Selection& out) {
+void reduce_group_scores(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
+                         const SelectionOptions& o, GroupReduce reduce, std::vector<float>& group_scores) {
   const int64_t group = n_q_heads / n_kv_heads;
-  std::vector<float> group_max(static_cast<size_t>(std::max<int64_t>(n_kv_heads * length, 0)), 0.0f);
+  group_scores.assign(static_cast<size_t>(std::max<int64_t>(n_kv_heads * length, 0)), 0.0f);
+  if (reduce == GroupReduce::kMax) {
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      float* dst = group_scores.data() + h * length;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* row = scores.data() + (h * group + g) * length;
+        for (int64_t t = 0; t < length; ++t) dst[t] = std::max(dst[t], row[t]);
+      }
+    }
+    return;
+  }
+  // kTurns: the middle as select_from_group_scores bounds it; the fixed tokens score 0 (kept anyway).
+  const int64_t budget = std::max<int64_t>(o.budget, 1);
+  const int64_t sinks = std::min(o.sinks, budget);
+  const int64_t window = std::min(o.window, budget - sinks);
+  const int64_t lo = std::min(sinks, length), hi = std::max(lo, length - window);
+  std::vector<int32_t> order(static_cast<size_t>(hi - lo));
   for (int64_t h = 0; h < n_kv_heads; ++h) {
-    float* dst = group_max.data() + h * length;
+    float* dst = group_scores.data() + h * length;
+    std::fill(dst + lo, dst + hi, -static_cast<float>(hi - lo));
     for (int64_t g = 0; g < group; ++g) {
       const float* row = scores.data() + (h * group + g) * length;
-      for (int64_t t = 0; t < length; ++t) dst[t] = std::max(dst[t], row[t]);
+      std::iota(order.begin(), order.end(), static_cast<int32_t>(lo));
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return row[a] > row[b] || (row[a] == row[b] && a < b);
+      });
+      for (size_t rank = 0; rank < order.size(); ++rank) {
+        float& s = dst[order[rank]];
+        s = std::max(s, -static_cast<float>(rank));
+      }
     }
   }
+}
+
+void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
+                   const SelectionOptions& o, Selection& out) {
+  std::vector<float> group_max;
+  reduce_group_scores(scores, n_q_heads, n_kv_heads, length, o, GroupReduce::kMax, group_max);
   select_from_group_scores(group_max, n_kv_heads, length, o, out);
 }
 

@@ -42,6 +42,20 @@ void select_tokens(std::span<const float> scores, int64_t n_q_heads, int64_t n_k
 void select_from_group_scores(std::span<const float> group_scores, int64_t n_kv_heads, int64_t length,
                               const SelectionOptions& options, Selection& out);
 
+// How a head's query heads of one KV group combine into the group's scores.
+//   kMax:   the max of their attention weights (the paper's rule; select_tokens).
+//   kTurns: the heads take turns: each query head ranks the middle tokens (past the sinks, before
+//           the window, as select_from_group_scores shrinks them to the budget) by its weights,
+//           and a token scores minus its best rank over the group, so the top-k is the union of
+//           every head's best ranks (at the last rank reached, the older tokens first). A head
+//           whose query heads each learned one target layer's attention keeps every layer's best.
+enum class GroupReduce : uint8_t { kMax, kTurns };
+
+// group_scores [n_kv_heads][length] for select_from_group_scores from per-query-head scores
+// [n_q_heads][length] by `reduce`; query head q belongs to KV head q / (n_q_heads / n_kv_heads).
+void reduce_group_scores(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
+                         const SelectionOptions& options, GroupReduce reduce, std::vector<float>& group_scores);
+
 // Sinks and window only (StreamingLLM), same output shape.
 void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions& options,
                       Selection& out);

@@ -430,6 +430,16 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
   cfg.get_double("rms_norm_eps", "norm_eps", &eps);
   c.norm_eps = static_cast<float>(eps);
   c.fused_layers = eagle3_fused_layers(target.n_layers);
+  if (ours) {
+    const auto sg = file->metadata().find("select_group");
+    if (sg != file->metadata().end()) {
+      if (sg->second == "turns") {
+        c.select_group = GroupReduce::kTurns;
+      } else if (sg->second != "max") {
+        return invalid_argument(cfg_name + ": select_group is \"" + sg->second + "\"; expected \"max\" or \"turns\"");
+      }
+    }
+  }
   if (c.rope_theta <= 0 || c.trained_context <= 0) {
     return invalid_argument(cfg_name + ": rope_theta and max_position_embeddings must be positive");
   }
@@ -454,6 +464,34 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
   if (meta_only.get_int("", "draft_parameters", &recorded)) draft = std::max(draft, recorded);
   head->draft_parameters = draft;
   return head;
+}
+
+Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const float* hq,
+                       const float* const* k_blocks, int64_t block_tokens, int64_t length,
+                       const SelectionOptions& options, Selection& out) {
+  const int64_t group = c.n_heads / c.n_kv_heads, hd = c.head_dim;
+  const size_t q_bytes = static_cast<size_t>(c.n_kv_heads * hd) * sizeof(float);
+  const size_t s_bytes = static_cast<size_t>(c.n_kv_heads * length) * sizeof(float);
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> qj, backend.allocate(q_bytes));
+  SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> sj, backend.allocate(s_bytes));
+  std::vector<float> per_head(static_cast<size_t>(c.n_heads * length)), part(static_cast<size_t>(c.n_kv_heads * length));
+  for (int64_t j = 0; j < group; ++j) {
+    // Query head j of every group: rows g·group + j of hq, one per KV head.
+    SPX_RETURN_IF_ERROR(backend.copy_rows(qj.get(), static_cast<size_t>(hd) * sizeof(float), hq + j * hd,
+                                          static_cast<size_t>(group * hd) * sizeof(float),
+                                          static_cast<size_t>(hd) * sizeof(float), c.n_kv_heads));
+    SPX_RETURN_IF_ERROR(backend.retrieval_group_scores(static_cast<const float*>(qj.get()), k_blocks, block_tokens,
+                                                       length, c.n_kv_heads, c.n_kv_heads, hd,
+                                                       static_cast<float*>(sj.get())));
+    SPX_RETURN_IF_ERROR(backend.download(part.data(), sj.get(), s_bytes));
+    for (int64_t g = 0; g < c.n_kv_heads; ++g) {
+      std::copy_n(part.data() + g * length, length, per_head.data() + (g * group + j) * length);
+    }
+  }
+  std::vector<float> group_scores;
+  reduce_group_scores(per_head, c.n_heads, c.n_kv_heads, length, options, c.select_group, group_scores);
+  select_from_group_scores(group_scores, c.n_kv_heads, length, options, out);
+  return Status::ok();
 }
 
 Status write_retrieval_head(const std::string& path, const RetrievalHead& head) {
@@ -487,6 +525,7 @@ Status write_retrieval_head(const std::string& path, const RetrievalHead& head) 
                            std::to_string(c.fused_layers[2])},
       {"draft_parameters", std::to_string(head.draft_parameters)},
       {"kept_parameters", std::to_string(head.kept_parameters)},
+      {"select_group", c.select_group == GroupReduce::kTurns ? "turns" : "max"},
   };
   return write_safetensors(path, tensors, meta);
 }

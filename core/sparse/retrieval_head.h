@@ -18,6 +18,7 @@
 #include "core/model/model.h"
 #include "core/model/model_config.h"
 #include "core/ports/backend.h"
+#include "core/ports/selection.h"
 
 namespace specontext {
 
@@ -31,6 +32,10 @@ struct RetrievalHeadConfig {
   RopeScaling rope_scaling;        // YaRN set up by make_head_rope_params for long targets
   float norm_eps = 1e-5f;
   std::array<int64_t, 3> fused_layers{};  // target layer indices (2, L/2, L−3)
+  // How selection combines a group's query heads (metadata "select_group": "max" or "turns"):
+  // kTurns for a head whose query heads each learned one target layer (models/longctx/distill.py
+  // --head-teacher layers). EAGLE-3 drafts and heads without the field: kMax.
+  GroupReduce select_group = GroupReduce::kMax;
 };
 
 struct RetrievalHead {
@@ -73,6 +78,15 @@ Status retrieval_qk(Backend& backend, const RetrievalHead& head, const RopeParam
 // written to scores [n_heads, length] — the layout select_tokens expects.
 void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_cache,
                       int64_t length, float* scores);
+
+// The shared selection of a head whose group combines by GroupReduce::kTurns: each query head's
+// softmax scores (Backend::retrieval_group_scores, one query head of every group at a time, so
+// any backend serves it), downloaded, reduced by reduce_group_scores and selected on the host.
+// hq [n_heads·head_dim] and k_blocks as retrieval_group_scores takes them; scratch from
+// backend.allocate.
+Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const float* hq,
+                       const float* const* k_blocks, int64_t block_tokens, int64_t length,
+                       const SelectionOptions& options, Selection& out);
 
 // Loads an EAGLE-3 draft checkpoint and prunes it to the retrieval head. `path` is a weights file
 // (safetensors, or PyTorch's zip checkpoint `pytorch_model.bin` as official drafts ship: see

@@ -5,7 +5,9 @@ and k_proj. The input is EAGLE-3's: x(t) = RMSNorm_in(embed(token_t)) ⊕ RMSNor
 fused(t−1)), fused = the target's residual stream entering layers (2, L/2, L−3) (clamped), zero
 at t = 0; q, k get RoPE (rotate_half, the target's theta). Teacher, per KV head g and position t:
 the target's attention over keys 0..t, max over the query heads of g (as selection takes it),
-averaged over layers and renormalised. Loss: KL(teacher ‖ softmax(q_h·kᵀ/√head_dim)) per query
+averaged over layers and renormalised (with --head-teacher layers, query head j of each group
+learns layer j's map instead, and selection takes the group's heads in turns: GroupReduce::kTurns,
+core/ports/selection.h). Loss: KL(teacher ‖ softmax(q_h·kᵀ/√head_dim)) per query
 head and position over the keys selection ranks (past --head-sinks, before the last
 --head-window: those are kept anyway), both renormalised there; a position weighs by the teacher
 mass on those keys (--head-weight far: positions that look far back count, local ones barely),
@@ -56,6 +58,8 @@ def main(args):
     # The head's own query heads: --head-q-per-group per KV head (default the target's H/G). More
     # than the target's lets the group's heads split the teacher's modes (its layers) among them.
     Hs = G * (args.head_q_per_group or H // G)
+    by_layer = args.head_teacher == "layers"
+    assert not by_layer or Hs // G == L, "--head-teacher layers needs --head-q-per-group = the target's layers"
     last = L - 1
     fused_layers = [min(max(i, 0), last) for i in (2, L // 2, L - 3)]
 
@@ -81,11 +85,12 @@ def main(args):
             a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, -1)  # [B,H,T,T]
             maps.append(a.view(B, G, H // G, T, T).amax(2))
             x = layer(x, cs, mask)
-        t = torch.stack(maps).mean(0)
+        per_layer = torch.stack(maps, 2)  # [B,G,L,T,T]
+        t = per_layer.mean(2)
         t = t / t.sum(-1, keepdim=True)
         fused = torch.cat([entering[i] for i in fused_layers], -1)  # [B,T,3d] at t
         fused_prev = torch.cat([torch.zeros_like(fused[:, :1]), fused[:, :-1]], 1)
-        return t, fused_prev, cs
+        return (t, per_layer), fused_prev, cs
 
     # ---- student ----
     fc = torch.nn.Parameter(torch.cat([torch.eye(d) / 3] * 3, 1))
@@ -142,14 +147,18 @@ def main(args):
         i = torch.arange(T)
         return (i[None, :] >= args.head_sinks) & (i[None, :] <= i[:, None] - args.head_window)
 
-    def kl(tch, logp, asks=None):  # tch [B,G,T,T], logp [B,Hs,T,T], asks [B,T] bool
+    def kl(tch, logp, asks=None):  # tch ([B,G,T,T], [B,G,L,T,T]), logp [B,Hs,T,T], asks [B,T] bool
         """Mean over query heads and positions of KL(teacher || head) over the ranked keys, both
         renormalised there; with --head-weight far, each position weighs by the teacher mass it
         puts on those keys (positions that look far back count, local ones barely). With
         --head-group-loss max the student of a KV head is instead its group's max over query heads
         (what selection ranks by), renormalised: one KL per KV head. mix weighs the two:
-        (1 - --head-mix) x each + --head-mix x max."""
+        (1 - --head-mix) x each + --head-mix x max. With --head-teacher layers, query head j of a
+        group against layer j's map ("each")."""
+        tch, per_layer = tch
         B, _, T, _ = tch.shape
+        if by_layer:
+            return kl_of(per_layer.reshape(B, Hs, T, T), logp, asks)
         if args.head_group_loss == "each":
             return kl_of(tch.repeat_interleave(Hs // G, 1), logp, asks)
         lmax = kl_of(tch, logp.view(B, G, Hs // G, T, T).amax(2), asks)
@@ -189,12 +198,19 @@ def main(args):
         """Teacher mass on the tokens each method keeps per KV head, over positions t >= B, as the
         engine selects them (budget B with --head-sinks sinks and a --head-window window included):
         the head (the rest by its scores, max over the group's heads), the oracle (the rest by the
-        teacher's own weights) and StreamingLLM (the sinks and the most recent B - sinks)."""
+        teacher's own weights) and StreamingLLM (the sinks and the most recent B - sinks). With
+        --head-teacher layers the head's score of a key is minus its best rank over the group's
+        heads (the heads take turns), as GroupReduce::kTurns ranks."""
+        tch = tch[0]
         B_, G_, T, _ = tch.shape
         S, W = args.head_sinks, args.head_window
-        sel = logp.view(B_, G, Hs // G, T, T).amax(2)
         idx = torch.arange(T)
         ranked = ranked_keys(T)
+        if by_layer:
+            lg = logp.view(B_, G, Hs // G, T, T).masked_fill(~ranked, float("-inf"))
+            sel = -lg.argsort(-1, descending=True).argsort(-1).amin(2).float()
+        else:
+            sel = logp.view(B_, G, Hs // G, T, T).amax(2)
         fixed = ((idx[None, :] < S) | (idx[None, :] > idx[:, None] - W)) & (idx[None, :] <= idx[:, None])
         out = {}
         for b in budgets:
@@ -233,6 +249,7 @@ def main(args):
         meta = {"format": "specontext-retrieval-head", "hidden": str(d), "n_heads": str(Hs), "n_kv_heads": str(G),
                 "head_dim": str(hd), "rope_theta": "%.17g" % cfg["rope_theta"], "trained_context": str(cfg["max_pos"]),
                 "norm_eps": "%.9g" % eps, "fused_layers": ",".join(map(str, fused_layers)),
+                **({"select_group": "turns"} if by_layer else {}),
                 "draft_parameters": str(draft), "kept_parameters": str(kept),
                 "train_text": os.path.basename(args.text), "train_text_sha256": sha, "train_text_fnv1a64": "%016x" % fnv,
                 "train_split": f"tokens [0, {split}) of {len(ids)}; report on [{split}, {len(ids)})"}
@@ -288,7 +305,8 @@ def main(args):
               "recall_before": before, "recall_after": after, "budgets": budgets,
               "context": args.head_len, "steps": args.head_steps, "lr": args.head_lr,
               "ranked_keys": f"past {args.head_sinks} sinks, before the last {args.head_window}",
-              "query_heads": Hs, "group_loss": args.head_group_loss,
+              "query_heads": Hs, "teacher": args.head_teacher,
+              **({"group_loss": args.head_group_loss} if not by_layer else {"select_group": "turns"}),
               **({"group_loss_mix": args.head_mix} if args.head_group_loss == "mix" else {}),
               **({"distractors": args.distractors} if args.distractors else {}),
               "position_weight": args.head_weight, "position_weight_floor": args.head_weight_floor, "answer_weight": args.head_answer_weight,

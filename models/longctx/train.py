@@ -927,6 +927,9 @@ def main():
                     help="head: query heads per KV head (0 = the target's); a narrower --head-init is widened")
     ap.add_argument("--head-group-loss", choices=["each", "max", "mix"], default="each",
                     help="head: fit every query head to its group's teacher, or the group's max (as selection ranks), or both (mix)")
+    ap.add_argument("--head-teacher", choices=["mean", "layers"], default="mean",
+                    help="head: the layers' attention averaged (one map per KV head), or one layer per query "
+                         "head of a group (needs --head-q-per-group = layers; selection: the heads in turns)")
     ap.add_argument("--head-mix", type=float, default=0.5,
                     help="head: with --head-group-loss mix, the max loss's weight (the each loss has 1 - this)")
     args = ap.parse_args()

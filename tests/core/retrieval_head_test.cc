@@ -310,6 +310,25 @@ TEST(RetrievalHead, WriterRoundTrip) {
   EXPECT_EQ(std::memcmp(g.wk.data, h.wk.data, h.wk.bytes()), 0);
   EXPECT_EQ(std::memcmp(g.fc.data, h.fc.data, h.fc.bytes()), 0);
   EXPECT_EQ(g.input_norm, h.input_norm);
+  EXPECT_EQ(g.config.select_group, GroupReduce::kMax);
+
+  // A head whose groups take turns says so in its metadata; an unknown rule is refused by name.
+  h.config.select_group = GroupReduce::kTurns;
+  ASSERT_TRUE(write_retrieval_head(path, h).is_ok());
+  auto turns = load_eagle3_head(path, small_target());
+  ASSERT_TRUE(turns.is_ok()) << turns.status().to_string();
+  EXPECT_EQ((*turns)->config.select_group, GroupReduce::kTurns);
+  auto file = SafetensorsFile::open(path);
+  ASSERT_TRUE(file.is_ok());
+  std::map<std::string, std::string> meta = (*file)->metadata();
+  meta["select_group"] = "mean";
+  std::vector<NamedTensor> tensors;
+  for (const SafetensorsTensor& t : (*file)->tensors()) tensors.push_back({t.name, t.dtype, t.shape, t.data});
+  const std::string bad = temp_dir("spx-head-rt") + "/bad.safetensors";
+  ASSERT_TRUE(write_safetensors(bad, tensors, meta).is_ok());
+  auto refused = load_eagle3_head(bad, small_target());
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("select_group"), std::string::npos) << refused.status().to_string();
 }
 
 TEST(RetrievalHead, RandomHeadShape) {
@@ -445,6 +464,48 @@ TEST(RetrievalHead, ScoresAreSoftmaxRowsPerQueryHead) {
       sum += p;
     }
     EXPECT_NEAR(sum, 1.0, 1e-5) << "head " << head;
+  }
+}
+
+TEST(RetrievalHead, SelectionByTurnsEqualsTheHostReference) {
+  // select_by_turns on the CPU backend over paged keys (blocks out of order) against
+  // retrieval_scores + reduce_group_scores(kTurns) + select_from_group_scores on the host.
+  auto hr = make_random_head(small_target(), 9);
+  ASSERT_TRUE(hr.is_ok());
+  RetrievalHead& h = **hr;
+  h.config.select_group = GroupReduce::kTurns;
+  auto be = cpu::CpuBackend::create(cpu::CpuBackendOptions{.num_threads = 2});
+  ASSERT_TRUE(be.is_ok());
+  const int64_t length = 300, qd = 16, kd = 8, bt = 32, n_blocks = (length + bt - 1) / bt;
+  std::vector<float> q = randn(static_cast<size_t>(qd), 41, 1.0f);
+  std::vector<float> k = randn(static_cast<size_t>(length * kd), 42, 1.0f);
+  std::vector<std::vector<float>> blocks(static_cast<size_t>(n_blocks), std::vector<float>(static_cast<size_t>(bt * kd)));
+  std::vector<const float*> table(static_cast<size_t>(n_blocks));
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    auto& blk = blocks[static_cast<size_t>(n_blocks - 1 - b)];
+    for (int64_t t = b * bt; t < std::min(length, (b + 1) * bt); ++t) {
+      std::copy_n(k.data() + t * kd, kd, blk.data() + (t - b * bt) * kd);
+    }
+    table[static_cast<size_t>(b)] = blk.data();
+  }
+  std::vector<float> scores(static_cast<size_t>(4 * length));
+  retrieval_scores(h, q.data(), k.data(), length, scores.data());
+  for (const SelectionOptions o : {SelectionOptions{64, 4, 8}, SelectionOptions{16, 1, 4}, SelectionOptions{400, 1, 4}}) {
+    std::vector<float> g;
+    reduce_group_scores(scores, 4, 2, length, o, GroupReduce::kTurns, g);
+    Selection want, got;
+    select_from_group_scores(g, 2, length, o, want);
+    ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table.data(), bt, length, o, got).is_ok());
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      const auto w = want.head(kv), x = got.head(kv);
+      EXPECT_EQ(std::vector<int32_t>(x.begin(), x.end()), std::vector<int32_t>(w.begin(), w.end()))
+          << "budget " << o.budget << " kv head " << kv;
+    }
+    if (o.budget < length) {  // and not the max rule's selection (the heads disagree somewhere)
+      Selection by_max;
+      select_tokens(scores, 4, 2, length, o, by_max);
+      EXPECT_NE(by_max.indices, got.indices) << "budget " << o.budget;
+    }
   }
 }
 

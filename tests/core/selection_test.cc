@@ -37,6 +37,33 @@ TEST(Selection, GqaMaxOverTheGroupThenTopK) {
   // each query head's favourite.
 }
 
+TEST(Selection, GroupsTakingTurnsKeepEveryQueryHeadsBestRanks) {
+  // One KV head, 2 query heads, 12 tokens, budget 6 = 1 sink + 1 window + 4 chosen. Head 0 is
+  // sharp (large weights on 2, 3, 4, 5), head 1 flat (small weights, best 9 > 8 > 7 > 6).
+  const int64_t L = 12;
+  std::vector<float> scores(2 * L, 0.001f);
+  for (int t : {2, 3, 4, 5}) scores[t] = 0.3f - 0.01f * static_cast<float>(t);
+  for (int t : {6, 7, 8, 9}) scores[L + t] = 0.002f + 0.001f * static_cast<float>(t - 6);
+  const SelectionOptions o{6, 1, 1};
+  Selection max_sel, turns_sel;
+  select_tokens(scores, 2, 1, L, o, max_sel);
+  EXPECT_EQ(head_vec(max_sel, 0), (std::vector<int32_t>{0, 2, 3, 4, 5, 11})) << "the max keeps only the sharp head's";
+  std::vector<float> g;
+  reduce_group_scores(scores, 2, 1, L, o, GroupReduce::kTurns, g);
+  select_from_group_scores(g, 1, L, o, turns_sel);
+  EXPECT_EQ(head_vec(turns_sel, 0), (std::vector<int32_t>{0, 2, 3, 8, 9, 11})) << "two best of each head";
+  // A rank counts within the middle only: the sink and the window score 0 and are kept anyway.
+  EXPECT_EQ(g[0], 0.0f);
+  EXPECT_EQ(g[L - 1], 0.0f);
+  EXPECT_EQ(g[2], 0.0f);   // head 0's best
+  EXPECT_EQ(g[9], 0.0f);   // head 1's best
+  EXPECT_EQ(g[8], -1.0f);  // head 1's second
+  // kMax through reduce_group_scores is select_tokens' group max.
+  reduce_group_scores(scores, 2, 1, L, o, GroupReduce::kMax, g);
+  EXPECT_EQ(g[2], scores[2]);
+  EXPECT_EQ(g[9], scores[L + 9]);
+}
+
 TEST(Selection, TiesPreferOlderTokensAndAreDeterministic) {
   const int64_t L = 12;
   std::vector<float> scores(L, 1.0f / L);  // MQA, all equal

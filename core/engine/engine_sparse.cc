@@ -74,6 +74,10 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
       return unimplemented("CPU candidate filtering reads the retrieval head's keys on the host, but they are in " +
                            kv_->tiers()[static_cast<size_t>(s.head_tier.value())].desc.name);
     }
+    if (hc.select_group == GroupReduce::kTurns) {
+      return unimplemented("CPU candidate filtering ranks by the group max; this retrieval head's groups take turns "
+                           "(select_group \"turns\")");
+    }
     CandidateFilter& filter = *options_.tiering.candidate_filter;
     // Catch the summaries up to the keys written so far, this step's included (a failed step
     // leaves its key summarised: a summary only bounds a page, so that loosens, never breaks, it).
@@ -91,6 +95,10 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
     return select_among_candidates(host_q_.data(), memory_->head_block_table(s), memory_->head_block_tokens_,
                                    hc.n_heads, hc.n_kv_heads, hc.head_dim, candidates_, opts,
                                    s.shared_selection);
+  }
+  if (hc.select_group == GroupReduce::kTurns) {  // a head whose query heads learned one layer each
+    return select_by_turns(be, hc, hq, memory_->head_block_table(s), memory_->head_block_tokens_, length, opts,
+                           s.shared_selection);
   }
   SPX_ASSIGN_OR_RETURN(void* sp, fit(scores_, static_cast<size_t>(hc.n_kv_heads * length) * sizeof(float)));
   float* scores = static_cast<float*>(sp);

@@ -52,10 +52,14 @@ std::shared_ptr<Backend> backend_named(const std::string& name) {
 
 class EngineSparseBatch : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(EngineSparseBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
+// The whole check for a head whose groups combine by `reduce`; `last` gets the batch's
+// selections of the last step.
+void batch_selects_what_each_sequence_selects_alone(const std::string& backend, GroupReduce reduce,
+                                                    std::vector<Selection>& last) {
   auto model = testing::toy_model(2);
   auto head = make_random_head(model->config, 9);
   ASSERT_TRUE(head.is_ok());
+  (*head)->config.select_group = reduce;
   EngineOptions o;
   o.max_sequences = 5;
   o.max_context = 256;
@@ -63,8 +67,8 @@ TEST_P(EngineSparseBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
   o.sparse.method = SparseMethod::kSpeContext;
   o.sparse.selection = {12, 1, 3};
   o.retrieval_head = *head;
-  auto alone_or = Engine::create(model, backend_named(GetParam()), o);
-  auto batch_or = Engine::create(model, backend_named(GetParam()), o);
+  auto alone_or = Engine::create(model, backend_named(backend), o);
+  auto batch_or = Engine::create(model, backend_named(backend), o);
   ASSERT_TRUE(alone_or.is_ok() && batch_or.is_ok());
   Engine& alone = **alone_or;
   Engine& batch = **batch_or;
@@ -145,11 +149,27 @@ TEST_P(EngineSparseBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
   }
   EXPECT_EQ(compared, 5 * kSeqs);
   // The selections differ between the sequences (else a mix-up of rows could go unseen).
-  std::vector<Selection> last;
   for (const auto& [off, sel] : batch_sel.by_offset) last.push_back(sel);
   ASSERT_EQ(last.size(), static_cast<size_t>(kSeqs));
   EXPECT_FALSE(same_selection(last[0], last[1]));
   EXPECT_FALSE(same_selection(last[1], last[2]));
+}
+
+TEST_P(EngineSparseBatch, BatchSelectsWhatEachSequenceSelectsAlone) {
+  std::vector<Selection> last;
+  batch_selects_what_each_sequence_selects_alone(GetParam(), GroupReduce::kMax, last);
+}
+
+// A head whose query heads take turns (select_group "turns") goes through select_by_turns, batched
+// as alone, and selects otherwise than the same head's group max at some sequence.
+TEST_P(EngineSparseBatch, AHeadWhoseGroupsTakeTurnsSelectsByTurnsBatchedAsAlone) {
+  std::vector<Selection> by_max, by_turns;
+  batch_selects_what_each_sequence_selects_alone(GetParam(), GroupReduce::kMax, by_max);
+  batch_selects_what_each_sequence_selects_alone(GetParam(), GroupReduce::kTurns, by_turns);
+  ASSERT_EQ(by_max.size(), by_turns.size());
+  bool differ = false;
+  for (size_t i = 0; i < by_max.size(); ++i) differ |= !same_selection(by_max[i], by_turns[i]);
+  EXPECT_TRUE(differ);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineSparseBatch, ::testing::Values("cpu", "reference"));

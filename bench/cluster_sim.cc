@@ -58,6 +58,16 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", topo.max_batch, "sequences per replica at once (serve --max-batch)");
   app.add_flag("--no-prefix-caching", no_prefix_caching, "no prefix cache in the replicas");
   app.add_option("--prefix-cache-slots", topo.prefix_cache_slots, "finished sequences a replica keeps (serve's 16)");
+  app.add_option("--max-waiting", topo.max_waiting, "serve --max-waiting: queued requests before 503 (0: no bound)")
+      ->capture_default_str();
+  app.add_option("--max-connections", topo.max_connections, "serve --max-connections: 503 past it (0: no bound)")
+      ->capture_default_str();
+  app.add_option("--max-connections-per-ip", topo.max_connections_per_ip,
+                 "serve --max-connections-per-ip: 429 past it (0: no bound)")
+      ->capture_default_str();
+  app.add_option("--router-max-connections", topo.router_max_connections,
+                 "router --max-connections: 503 past it (0: no bound)")
+      ->capture_default_str();
   app.add_option("--cpus", topo.cpus, "cores the replicas share (0: each has its own)");
   app.add_flag("--store", store, "a shared prefix store (Redis) behind every replica");
   app.add_flag("--store-dead", store_dead, "the store is down: every lookup fails");

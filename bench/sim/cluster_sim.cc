@@ -106,7 +106,12 @@ struct Event {
 
 struct Request {
   std::string prompt;
-  std::vector<uint64_t> pages;  // chain hashes of the prompt's whole pages
+  std::vector<uint64_t> pages;   // chain hashes of the prompt's whole pages
+  std::vector<uint64_t> chunks;  // the router's prefix chunks (prefix policy)
+  std::vector<bool> tried;       // replicas the router tried (a 503 sends it to another)
+  bool started = false;          // counted in the router policy's in-flight (policy_.started)
+  bool open = false;             // holds a connection at its replica
+  bool via_router = false;       // holds a connection at the router
   int64_t prompt_tokens = 0;
   int64_t replica = -1;
   int64_t produced = 0;
@@ -124,6 +129,9 @@ struct Replica {
   double busy_s = 0;
   SequenceCache cache;
   int64_t chosen = 0, computed = 0, cached = 0, prefix_hits = 0;
+  int64_t open = 0;  // connections: requests admitted and not finished
+  // Refused: at max_connections (503), at max_connections_per_ip (429), at max_waiting (503).
+  int64_t refused_connections = 0, refused_per_ip = 0, refused_waiting = 0;
   explicit Replica(size_t slots) : cache(slots) {}
 };
 
@@ -178,8 +186,8 @@ class Simulator {
     }
     SimOutput out;
     out.wall_s = wall_;
+    out.metrics = metrics();  // before the results move out: it counts the completed ones
     out.results = std::move(results_);
-    out.metrics = metrics();
     return out;
   }
 
@@ -222,29 +230,93 @@ class Simulator {
     res.prompt_bytes = static_cast<int64_t>(q.prompt.size());
     res.prompt_tokens = q.prompt_tokens;
 
-    std::vector<uint64_t> chunks;
-    const bool by_prefix = topo_.policy.policy == router::Policy::kPrefix;
-    if (by_prefix) {
-      chunks = router::prefix_chunk_hashes(q.prompt, topo_.policy.chunk_bytes, topo_.policy.max_prefix_bytes);
+    if (topo_.policy.policy == router::Policy::kPrefix) {
+      q.chunks = router::prefix_chunk_hashes(q.prompt, topo_.policy.chunk_bytes, topo_.policy.max_prefix_bytes);
     }
-    const std::vector<bool> usable(static_cast<size_t>(topo_.replicas), true);
-    const auto choice = policy_.choose(usable, chunks);
-    const size_t rep = choice ? choice->replica : 0;
+    q.tried.assign(static_cast<size_t>(topo_.replicas), false);
+    if (topo_.router) {
+      if (topo_.router_max_connections > 0 && router_open_ >= topo_.router_max_connections) {
+        ++router_refused_;
+        refuse(i, 503,
+               "router at its connection limit (" + std::to_string(topo_.router_max_connections) +
+                   " connections are open)");
+        return;
+      }
+      ++router_open_;
+      q.via_router = true;
+    }
+    route(i, true);
+  }
+
+  // The router's choice among the replicas not yet tried, and the connection to it (counted from
+  // the choice; its overheads follow).
+  void route(int64_t i, bool first) {
+    Request& q = reqs_[static_cast<size_t>(i)];
+    std::vector<bool> usable(static_cast<size_t>(topo_.replicas));
+    for (size_t r = 0; r < usable.size(); ++r) usable[r] = !q.tried[r];
+    const auto choice = policy_.choose(usable, q.chunks);
+    if (!choice) {  // not reached: busy() retries only while a replica is left
+      ++router_unavailable_;
+      refuse(i, 503, "no replica could take the request");
+      return;
+    }
+    const size_t rep = choice->replica;
+    if (!first) ++router_retries_;
     policy_.started(rep);
+    q.started = true;
+    q.tried[rep] = true;
     q.replica = static_cast<int64_t>(rep);
     Replica& R = replicas_[rep];
     ++R.chosen;
-    if (by_prefix && !chunks.empty()) {
+    if (first && !q.chunks.empty()) {
       ++router_lookups_;
-      router_prompt_chunks_ += static_cast<int64_t>(chunks.size());
-      router_matched_chunks_ += static_cast<int64_t>(choice ? choice->matched_chunks : 0);
-      if (choice && choice->reason == router::ChoiceReason::kPrefixHit) {
+      router_prompt_chunks_ += static_cast<int64_t>(q.chunks.size());
+      router_matched_chunks_ += static_cast<int64_t>(choice->matched_chunks);
+      if (choice->reason == router::ChoiceReason::kPrefixHit) {
         ++router_hits_;
         ++R.prefix_hits;
       }
     }
+    // serve's accept: its connection limit (503), then one address's (429).
+    if (topo_.max_connections > 0 && R.open >= topo_.max_connections) {
+      ++R.refused_connections;
+      busy(i, "server at its connection limit (" + std::to_string(topo_.max_connections) +
+                  " connections are open); retry later");
+      return;
+    }
+    if (topo_.max_connections_per_ip > 0 && R.open >= topo_.max_connections_per_ip) {
+      ++R.refused_per_ip;
+      refuse(i, 429,
+             "too many connections from 127.0.0.1: " + std::to_string(R.open) +
+                 " are open, the most one client address may hold (max_connections_per_ip)");
+      return;
+    }
+    ++R.open;
+    q.open = true;
     const double overhead = cal_.costs.request_overhead_s + (topo_.router ? cal_.costs.router_overhead_s : 0.0);
     push(now_ + overhead, EventKind::kReach, i);
+  }
+
+  // A 503 from request i's replica before any byte: the router tries a replica not yet tried,
+  // else the 503 reaches the client.
+  void busy(int64_t i, const std::string& why) {
+    Request& q = reqs_[static_cast<size_t>(i)];
+    policy_.finished(static_cast<size_t>(q.replica));
+    q.started = false;
+    if (q.open) {
+      --replicas_[static_cast<size_t>(q.replica)].open;
+      q.open = false;
+    }
+    if (topo_.router && std::find(q.tried.begin(), q.tried.end(), false) != q.tried.end()) {
+      route(i, false);
+      return;
+    }
+    refuse(i, 503, why);
+  }
+
+  // Request i answered `status` without a completion (an error in the report, as bench_loadgen's).
+  void refuse(int64_t i, int status, const std::string& why) {
+    fail(i, "HTTP " + std::to_string(status) + ": " + why);
   }
 
   // At the replica: the part of the prompt's per-token cost that is not the engine's (parsing,
@@ -272,6 +344,11 @@ class Simulator {
 
   void enqueue(int64_t i) {
     const size_t rep = static_cast<size_t>(reqs_[static_cast<size_t>(i)].replica);
+    if (topo_.max_waiting > 0 && static_cast<int64_t>(replicas_[rep].waiting.size()) >= topo_.max_waiting) {
+      ++replicas_[rep].refused_waiting;
+      busy(i, "server busy: " + std::to_string(topo_.max_waiting) + " requests are waiting; retry later");
+      return;
+    }
     replicas_[rep].waiting.push_back(i);
     start_step(rep);
   }
@@ -509,7 +586,12 @@ class Simulator {
   void finish_common(int64_t i, const std::string& answer) {
     Request& q = reqs_[static_cast<size_t>(i)];
     wall_ = std::max(wall_, now_);
-    policy_.finished(static_cast<size_t>(q.replica));
+    if (q.started) policy_.finished(static_cast<size_t>(q.replica));
+    q.started = false;
+    if (q.open) --replicas_[static_cast<size_t>(q.replica)].open;
+    q.open = false;
+    if (q.via_router) --router_open_;
+    q.via_router = false;
     const lg::TraceRequest& r = trace_.requests[static_cast<size_t>(i)];
     if (r.session.empty()) return;
     Session& s = sessions_[r.session];
@@ -526,16 +608,23 @@ class Simulator {
 
   json metrics() const {
     int64_t computed = 0, cached = 0, completed = 0, generated = 0;
+    int64_t rejected = 0, refused_connections = 0, refused_per_ip = 0;
     json reps = json::array();
     for (size_t r = 0; r < replicas_.size(); ++r) {
       const Replica& R = replicas_[r];
       computed += R.computed;
       cached += R.cached;
+      rejected += R.refused_waiting;
+      refused_connections += R.refused_connections;
+      refused_per_ip += R.refused_per_ip;
       reps.push_back({{"replica", r},
                       {"chosen", R.chosen},
                       {"prompt_tokens_computed", R.computed},
                       {"prompt_tokens_cached", R.cached},
                       {"prefix_hits", R.prefix_hits},
+                      {"rejected", R.refused_waiting},
+                      {"connections_refused", R.refused_connections},
+                      {"connections_refused_per_ip", R.refused_per_ip},
                       {"busy_s", R.busy_s},
                       {"utilisation", wall_ > 0 ? R.busy_s / wall_ : 0.0}});
     }
@@ -548,6 +637,9 @@ class Simulator {
     auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
     json serve = {
         {"completed", completed},
+        {"rejected", rejected},                        // max_waiting (serve's requests_rejected_total)
+        {"connections_refused", refused_connections},  // max_connections
+        {"connections_refused_per_ip", refused_per_ip},
         {"generated_tokens", generated},
         {"prompt_tokens_computed", computed},
         {"prompt_tokens_cached", cached},
@@ -574,6 +666,9 @@ class Simulator {
     if (topo_.router) {
       out["router"] = {{"policy", router::policy_name(topo_.policy.policy)},
                        {"requests", static_cast<int64_t>(results_.size())},
+                       {"retries", router_retries_},
+                       {"unavailable", router_unavailable_},
+                       {"connections_refused", router_refused_},
                        {"prefix_lookups", router_lookups_},
                        {"prefix_hits", router_hits_},
                        {"prefix_hit_rate", ratio(static_cast<double>(router_hits_), static_cast<double>(router_lookups_))},
@@ -601,6 +696,7 @@ class Simulator {
   double now_ = 0, wall_ = 0;
   int64_t busy_replicas_ = 0;
   int64_t router_lookups_ = 0, router_hits_ = 0, router_prompt_chunks_ = 0, router_matched_chunks_ = 0;
+  int64_t router_open_ = 0, router_refused_ = 0, router_retries_ = 0, router_unavailable_ = 0;
   int64_t store_hits_ = 0, store_misses_ = 0, store_writes_ = 0, store_errors_ = 0;
   // serve's prefix_shared_chunks_{read,local,written,skipped}
   int64_t store_chunks_read_ = 0, store_chunks_local_ = 0, store_chunks_written_ = 0, store_chunks_skipped_ = 0;
@@ -882,6 +978,10 @@ json report(const SimOutput& out, const Topology& topo, const lg::Slo& slo) {
             {"max_batch", topo.max_batch},
             {"prefix_caching", topo.prefix_caching},
             {"prefix_cache_slots", topo.prefix_cache_slots},
+            {"max_connections", topo.max_connections},
+            {"max_connections_per_ip", topo.max_connections_per_ip},
+            {"max_waiting", topo.max_waiting},
+            {"router_max_connections", topo.router_max_connections},
             {"cpus", topo.cpus},
             {"store", {{"enabled", topo.store.enabled}, {"alive", topo.store.alive},
                        {"bandwidth_bps", topo.store.bandwidth_bps}, {"latency_s", topo.store.latency_s},

@@ -108,6 +108,22 @@ struct Topology {
   int64_t max_batch = 8;         // sequences a replica runs at once (serve --max-batch)
   bool prefix_caching = true;
   int64_t prefix_cache_slots = 16;  // finished sequences a replica keeps (serve --prefix-cache-slots)
+  // serve's admission bounds (their defaults: bin/commands.h ServeArgs; 0: no bound), checked as
+  // serve checks them. When the router (or, without one, the load generator) opens a connection
+  // to a replica: at max_connections open it is answered 503 ("server at its connection limit"),
+  // else at max_connections_per_ip open from one address 429 ("too many connections from ...";
+  // every connection comes from one address, the router's or the load generator's). A request
+  // holds its connection until its answer ends. When it is submitted after its preparation: with
+  // max_waiting requests queued behind the running batch, 503 ("server busy"). The router relays a
+  // 429; a 503 it tries on a replica not yet tried (counted as a retry), relaying the 503 when
+  // none is left (router.unavailable). router_max_connections: the router's own --max-connections
+  // (503 to the client, no replica tried). Refused requests are errors in the report, as
+  // bench_loadgen counts them ("HTTP 429: ..." / "HTTP 503: ..."), and a refused turn ends its
+  // session's turn without an answer (the next turn goes on, as bench_loadgen's does).
+  int64_t max_connections = 1024;
+  int64_t max_connections_per_ip = 256;
+  int64_t max_waiting = 256;
+  int64_t router_max_connections = 1024;
   // Cores the replicas share with the router, the load generator and the store (0: each replica
   // has its own threads_per_replica and the others cost nothing). The others take
   // o = Σ cpu_per_request × (trace requests ÷ the run's wall time) of them for the whole run (o

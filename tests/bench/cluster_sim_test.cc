@@ -1,6 +1,7 @@
 // The cluster simulator (bench/sim/cluster_sim.h): determinism, an exact single-request case,
 // M/D/1 queueing, replica scaling, prefix-aware routing, a dead store, the planner's tiers, the
-// router / load generator / store CPU taken from the replicas' shared cores.
+// router / load generator / store CPU taken from the replicas' shared cores, serve's admission
+// bounds (429 past the connections from one address, 503 past max_waiting, the router's retry).
 #include "bench/sim/cluster_sim.h"
 
 #include <gtest/gtest.h>
@@ -521,4 +522,107 @@ TEST(ClusterSim, ProcessCpuFromRunsDividesBySentRequests) {
   EXPECT_EQ(back->cpu_per_request, *p);
   EXPECT_FALSE(sim::process_cpu_from_runs({{summary(10), json{{"procs", {{"router", {{"cpu_s_run", 1}}}}}}, -1}}).is_ok());
   EXPECT_FALSE(sim::calibration_from_json(json{{"cpu_per_request", {{"router_s", -1}}}}).is_ok());
+}
+
+// serve's bound on connections from one address (the router's): 300 requests at once at one
+// replica, the first 256 hold a connection each, the other 44 are answered 429 at once and
+// counted as errors, as bench_loadgen counts them; throughput is the completed ones over the wall.
+TEST(ClusterSim, ConnectionsPastServesPerAddressBoundAre429) {
+  const lg::Trace t = independent(std::vector<double>(300, 0.0), 64, 4);
+  sim::Topology topo;
+  ASSERT_EQ(topo.max_connections_per_ip, 256) << "serve's default (bin/commands.h)";
+  ASSERT_EQ(topo.max_waiting, 256);
+  auto r = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(r.is_ok());
+  int64_t refused = 0;
+  for (size_t i = 0; i < r->results.size(); ++i) {
+    const lg::RequestResult& q = r->results[i];
+    if (i < 256) {
+      EXPECT_TRUE(q.ok) << i << ": " << q.error;
+    } else {
+      EXPECT_FALSE(q.ok) << i;
+      EXPECT_EQ(q.error.rfind("HTTP 429: ", 0), 0u) << q.error;
+      EXPECT_EQ(q.completion_tokens, 0);
+      EXPECT_DOUBLE_EQ(q.latency_s, 0.0) << "answered at its connection";
+      ++refused;
+    }
+  }
+  EXPECT_EQ(refused, 44);
+  const json rep = sim::report(*r, topo, lg::Slo{});
+  EXPECT_EQ(rep["summary"]["ok"], 256);
+  EXPECT_EQ(rep["summary"]["errors"], 44);
+  ASSERT_EQ(rep["summary"]["error_messages"].size(), 1u);
+  EXPECT_EQ(rep["summary"]["error_messages"][0]["count"], 44);
+  EXPECT_NEAR(rep["summary"]["requests_per_s"].get<double>(), 256 / r->wall_s, 1e-9);
+  EXPECT_EQ(rep["metrics"]["serve"]["connections_refused_per_ip"], 44);
+  EXPECT_EQ(rep["metrics"]["serve"]["completed"], 256);
+  EXPECT_EQ(rep["metrics"]["serve"]["rejected"], 0);
+  EXPECT_EQ(rep["metrics"]["router"]["retries"], 0) << "the router relays a 429";
+  // Without the bound serve's queue bound refuses (503) what it cannot queue; without both every
+  // request is served, over a longer run.
+  topo.max_connections_per_ip = 0;
+  auto queued = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(queued.is_ok());
+  EXPECT_EQ(sim::report(*queued, topo, lg::Slo{})["metrics"]["serve"]["rejected"], 300 - 256 - 1)
+      << "the first request runs, 256 wait";
+  topo.max_waiting = 0;
+  auto all = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(all.is_ok());
+  for (const auto& q : all->results) EXPECT_TRUE(q.ok) << q.error;
+  EXPECT_GT(all->wall_s, r->wall_s);
+}
+
+// serve's queue bound: with max_waiting queued behind the running batch a request is answered 503
+// at its submission. One replica: the first request runs, the next 10 wait, the other 19 are
+// refused. Two round-robin replicas: each refuses 4 of its 15, the router tries each on the other
+// replica (a retry), also full, and relays the 503.
+TEST(ClusterSim, RequestsPastMaxWaitingAre503AndTheRouterTriesAnotherReplica) {
+  const lg::Trace t = independent(std::vector<double>(30, 0.0), 64, 4);
+  sim::Topology topo;
+  topo.max_connections_per_ip = 0;
+  topo.max_waiting = 10;
+  topo.max_batch = 2;
+  auto one = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(one.is_ok());
+  json rep = sim::report(*one, topo, lg::Slo{});
+  EXPECT_EQ(rep["summary"]["ok"], 11);
+  EXPECT_EQ(rep["summary"]["errors"], 19);
+  for (size_t i = 11; i < 30; ++i) EXPECT_EQ(one->results[i].error.rfind("HTTP 503: server busy", 0), 0u) << i;
+  EXPECT_EQ(rep["metrics"]["serve"]["rejected"], 19);
+  EXPECT_EQ(rep["metrics"]["router"]["retries"], 0);
+
+  topo.replicas = 2;
+  topo.policy.policy = router::Policy::kRoundRobin;
+  auto two = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(two.is_ok());
+  rep = sim::report(*two, topo, lg::Slo{});
+  EXPECT_EQ(rep["summary"]["ok"], 22);
+  EXPECT_EQ(rep["summary"]["errors"], 8);
+  EXPECT_EQ(rep["metrics"]["router"]["retries"], 8);
+  EXPECT_EQ(rep["metrics"]["serve"]["rejected"], 16) << "each of the 8 refused by both replicas";
+  EXPECT_EQ(rep["metrics"]["serve"]["replicas"][0]["chosen"], 19);
+  EXPECT_EQ(rep["metrics"]["serve"]["replicas"][1]["chosen"], 19);
+  // No bound: all served.
+  topo.max_waiting = 0;
+  auto all = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(all.is_ok());
+  for (const auto& q : all->results) EXPECT_TRUE(q.ok) << q.error;
+}
+
+// A refused turn ends its turn without an answer: the conversation's next turn goes out with the
+// refused prompt (no answer) in front, as bench_loadgen sends it.
+TEST(ClusterSim, ARefusedTurnLetsItsConversationGoOn) {
+  std::string text;
+  for (int i = 0; i < 3; ++i) text += json{{"arrival_s", 0}, {"prompt", "x" + std::string(40, 'a')}, {"max_tokens", 4}}.dump() + "\n";
+  text += json{{"arrival_s", 0}, {"session", "s"}, {"prompt", "first turn"}, {"max_tokens", 4}}.dump() + "\n";
+  text += json{{"arrival_s", 10}, {"session", "s"}, {"prompt", " second"}, {"max_tokens", 4}}.dump() + "\n";
+  const lg::Trace t = parse(text);
+  sim::Topology topo;
+  topo.max_connections_per_ip = 3;
+  auto r = sim::simulate(t, simple_costs(), topo);
+  ASSERT_TRUE(r.is_ok());
+  EXPECT_FALSE(r->results[3].ok);
+  EXPECT_EQ(r->results[3].error.rfind("HTTP 429: ", 0), 0u) << r->results[3].error;
+  ASSERT_TRUE(r->results[4].ok) << r->results[4].error;
+  EXPECT_EQ(r->results[4].prompt_bytes, static_cast<int64_t>(std::string("first turn second").size()));
 }

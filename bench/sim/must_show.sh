@@ -14,7 +14,7 @@ set -euo pipefail
 OUT=${OUT:-bench_out/i31}
 LOADGEN=${LOADGEN:-build/release/bench/bench_loadgen}
 SIM=${SIM:-build/release/bench/bench_cluster_sim}
-CAL=${CAL:-bench/sim/stories260k_shared2core.json}
+CAL=${CAL:-bench/sim/stories260k_2core_cpu.json}  # with cpu_per_request: --cpus 2 takes the other processes' CPU from the replicas
 RUN=bench/sim/cluster_run.sh
 mkdir -p "$OUT"
 case ${1:-} in

@@ -27,6 +27,7 @@
 
 #include "core/base/host_math.h"
 #include "core/model/ggml_quants.h"
+#include "core/ports/backend_checks.h"
 #include "core/ports/selection.h"
 #include "cpu/numa.h"
 #include "cpu/quant_dequant.h"
@@ -725,7 +726,8 @@ struct CpuBackend::Impl {
   // Runs one slice primitive with the stream and scratchpad of arena slot `slot`: dst is y's
   // first column of the slice (row stride per the primitive), or a dense buffer when staged.
   void execute_slice(const MatmulSlice& sl, int slot, const void* src, const void* w, const float* bias, float* dst);
-  // attention and attention_sparse: one kernel over a KV reader (PagedCausalKv, WorkingSetKv).
+  // attention, attention_sparse and attention_indexed: one kernel over a KV reader
+  // (PagedCausalKv, WorkingSetKv, IndexedPagedKv).
   template <typename Kv>
   Status attend(const float* q, const Kv& kv, int64_t n_items, int64_t n_heads, float* out);
   // Tasks per (item, KV head, token tile) before splitting, and the key chunks wanted per task
@@ -1101,6 +1103,48 @@ struct WorkingSetKv {
   KvBlock block(int64_t i, int64_t kvh, int64_t pos, int64_t k1) const {
     const WorkingSetView& ws = items[i].ws;
     return {ws.k, ws.v, (kvh * ws.slots + pos) * ws.head_dim, std::min(kKeyBlock, k1 - pos)};
+  }
+};
+
+// Selected positions of the paged cache, read in place (attention_indexed): head h of an item
+// sees indices[h·stride + j], j < counts[h]; no mask. Blocks are WorkingSetKv's (kKeyBlock keys
+// from pos), so over indices in a working set's slot order the arithmetic is attention_sparse's
+// bit for bit. A block whose positions are consecutive within one page is read where it lies;
+// any other is copied, as stored (no conversion), into a per-thread block that attend_rows then
+// reads as it reads a working set.
+struct IndexedPagedKv {
+  static constexpr bool kCausal = false;
+  const IndexedAttentionItem* items;
+  static const KvLayerView& view(const IndexedAttentionItem& it) { return it.kv; }
+  int64_t head_dim() const { return items[0].kv.head_dim; }
+  int64_t keys(int64_t i, int64_t /*t1*/, int64_t kvh) const { return items[i].counts[kvh]; }
+  KvBlock block(int64_t i, int64_t kvh, int64_t pos, int64_t k1) const {
+    const IndexedAttentionItem& it = items[i];
+    const KvLayerView& kv = it.kv;
+    const int64_t d = kv.head_dim;
+    const int32_t* idx = it.indices + kvh * it.stride + pos;
+    const int64_t n = std::min(kKeyBlock, k1 - pos);
+    const int64_t t0 = idx[0];
+    const int64_t slot = t0 % kv.page_size;
+    int64_t run = 1;
+    while (run < n && slot + run < kv.page_size && idx[run] == t0 + run) ++run;
+    if (run == n) {
+      const int64_t page = t0 / kv.page_size;
+      return {kv.k_pages[page], kv.v_pages[page], (kvh * kv.page_size + slot) * d, n};
+    }
+    const size_t row_bytes = static_cast<size_t>(d) * dtype_size(kv.dtype);
+    thread_local std::vector<float> rows;  // [K block][V block], kKeyBlock rows each
+    const size_t need = (2 * static_cast<size_t>(kKeyBlock) * row_bytes + sizeof(float) - 1) / sizeof(float);
+    if (rows.size() < need) rows.resize(need);
+    auto* k_dst = reinterpret_cast<std::byte*>(rows.data());
+    std::byte* v_dst = k_dst + static_cast<size_t>(kKeyBlock) * row_bytes;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = idx[r];
+      const int64_t off = (kvh * kv.page_size + t % kv.page_size) * d;
+      std::memcpy(k_dst + r * row_bytes, element_at(kv.k_pages[t / kv.page_size], kv.dtype, off), row_bytes);
+      std::memcpy(v_dst + r * row_bytes, element_at(kv.v_pages[t / kv.page_size], kv.dtype, off), row_bytes);
+    }
+    return {k_dst, v_dst, 0, n};
   }
 };
 
@@ -1575,6 +1619,13 @@ Status CpuBackend::attention_sparse(const float* q, const SparseAttentionItem* i
   SPX_RETURN_IF_ERROR(check_attention_sparse_args(items, n_items, n_heads));
   return guarded("attention_sparse",
                  [&]() -> Status { return impl_->attend(q, WorkingSetKv{items}, n_items, n_heads, out); });
+}
+
+Status CpuBackend::attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items,
+                                     int64_t n_heads, float* out) {
+  SPX_RETURN_IF_ERROR(check_attention_indexed_args(items, n_items, n_heads));
+  return guarded("attention_indexed",
+                 [&]() -> Status { return impl_->attend(q, IndexedPagedKv{items}, n_items, n_heads, out); });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -66,6 +66,13 @@ class CpuBackend final : public Backend {
   // counts[h] == 0 gets a zero output row.
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
                           float* out) override;
+  // Same task split and key blocks as attention_sparse over the selected positions of the paged
+  // cache: a block of consecutive positions within one page is read in place, any other copied
+  // (as stored) into a per-thread block first; f32 / f16 / bf16 as attention(). Over indices in a
+  // working set's slot order the result equals attention_sparse's bit for bit. counts[h] == 0
+  // gives zeros.
+  Status attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items, int64_t n_heads,
+                           float* out) override;
 
   // The host default's arithmetic (core/base/host_math.h), bit for bit: the dot products spread
   // over the arena by token range, then each head's softmax whole on one thread (its normaliser

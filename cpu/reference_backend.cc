@@ -316,7 +316,9 @@ struct PagedCausalKv {
   static const KvLayerView& view(const AttentionItem& item) { return item.kv; }
   static int64_t n_keys(const AttentionItem& item, int64_t t, int64_t) { return item.start_pos + t + 1; }
   static const void* row(const AttentionItem& item, bool values, int64_t kvh, int64_t j) {
-    const KvLayerView& kv = item.kv;
+    return row_at(item.kv, values, kvh, j);
+  }
+  static const void* row_at(const KvLayerView& kv, bool values, int64_t kvh, int64_t j) {
     void* const* pages = values ? kv.v_pages : kv.k_pages;
     return element_at(pages[j / kv.page_size], kv.dtype,
                       (kvh * kv.page_size + j % kv.page_size) * kv.head_dim);
@@ -330,6 +332,15 @@ struct WorkingSetKv {
   static const void* row(const SparseAttentionItem& item, bool values, int64_t kvh, int64_t j) {
     const WorkingSetView& ws = item.ws;
     return element_at(values ? ws.v : ws.k, ws.dtype, (kvh * ws.slots + j) * ws.head_dim);
+  }
+};
+// Selected positions of the paged cache, in place: head kvh sees indices[kvh·stride + j], j <
+// counts[kvh]; no mask.
+struct IndexedPagedKv {
+  static const KvLayerView& view(const IndexedAttentionItem& item) { return item.kv; }
+  static int64_t n_keys(const IndexedAttentionItem& item, int64_t, int64_t kvh) { return item.counts[kvh]; }
+  static const void* row(const IndexedAttentionItem& item, bool values, int64_t kvh, int64_t j) {
+    return PagedCausalKv::row_at(item.kv, values, kvh, item.indices[kvh * item.stride + j]);
   }
 };
 }  // namespace
@@ -360,6 +371,13 @@ Status ReferenceBackend::attention_sparse(const float* q, const SparseAttentionI
                                           int64_t n_heads, float* out) {
   SPX_RETURN_IF_ERROR(check_attention_sparse_args(items, n_items, n_heads));
   attend_items(q, items, n_items, n_heads, WorkingSetKv{}, out);
+  return Status::ok();
+}
+
+Status ReferenceBackend::attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items,
+                                           int64_t n_heads, float* out) {
+  SPX_RETURN_IF_ERROR(check_attention_indexed_args(items, n_items, n_heads));
+  attend_items(q, items, n_items, n_heads, IndexedPagedKv{}, out);
   return Status::ok();
 }
 

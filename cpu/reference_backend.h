@@ -30,6 +30,10 @@ class ReferenceBackend final : public Backend {
   // A head whose working set is empty (counts[h] == 0) gets a zero output row.
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items, int64_t n_heads,
                           float* out) override;
+  // Over the selected positions of the paged cache, read in place; softmax in double. A head with
+  // counts[h] == 0 gets a zero output row.
+  Status attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items, int64_t n_heads,
+                           float* out) override;
 };
 
 // Checks shared by both CPU backends (cheap, O(items)); the engine validates shapes too, these

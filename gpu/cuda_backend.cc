@@ -553,6 +553,30 @@ Status CudaBackend::attention_sparse(const float* q, const SparseAttentionItem* 
   return Status::ok();
 }
 
+Status CudaBackend::attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items,
+                                      int64_t n_heads, float* out) {
+  SPX_ASSIGN_OR_RETURN(SparseAttentionPlan plan, plan_attention_indexed(items, n_items, n_heads, sm_count_));
+  if (plan.launch.total_blocks == 0) return Status::ok();
+  SPX_ENTER_DEVICE();
+  meta_host_.clear();
+  const SplitMetaOffsets at = append_split_metadata(meta_host_, plan, plan.counts);
+  const size_t pages_at = append_bytes(meta_host_, plan.pages.data(), plan.pages.size());
+  const size_t indices_at = append_bytes(meta_host_, plan.indices.data(), plan.indices.size());
+  // Scratch growth synchronises the stream; do it before the metadata upload is queued.
+  SPX_RETURN_IF_ERROR(reserve(partial_o_, plan.partial_o_floats()));
+  SPX_RETURN_IF_ERROR(reserve(partial_ml_, plan.partial_ml_floats()));
+  SPX_RETURN_IF_ERROR(upload_metadata());
+
+  kernels::SparseAttentionLaunch& a = plan.launch;
+  bind_split_launch(a, q, out, meta_dev_.data(), at, partial_o_.data(), partial_ml_.data(),
+                    plan.partial_ml_floats());
+  a.counts = reinterpret_cast<const int32_t*>(meta_dev_.data() + at.extra);
+  a.page_table = reinterpret_cast<void* const*>(meta_dev_.data() + pages_at);
+  a.indices = reinterpret_cast<const int32_t*>(meta_dev_.data() + indices_at);
+  SPX_CUDA_CHECK(kernels::launch_attention_indexed(a, stream_.get()));
+  return Status::ok();
+}
+
 // ---- retrieval head ----
 
 Status CudaBackend::retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,

@@ -120,6 +120,10 @@ class CudaBackend final : public Backend {
   // with counts == 0 gets zeros.
   Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
                           int64_t n_heads, float* out) override;
+  // attention_sparse's kernel pair over the selected positions of the paged cache, in place
+  // (gpu/sparse_plan.h plan_attention_indexed): indices, counts and page tables copied per call.
+  Status attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items, int64_t n_heads,
+                           float* out) override;
 
   // ---- retrieval head ----
   // Softmax per query head over the K cache, max over each GQA group (gpu/kernels_retrieval.cu).

@@ -167,6 +167,13 @@ struct SparseItemMeta {
   int64_t n_tiles;        // query tiles (per KV head)
   int64_t n_chunks;       // slot chunks: ceil(max_h counts[h] / chunk_size), at least 1
   int64_t row_begin;      // compact index of the item's first row (prefix of n_tokens)
+  // attention_indexed only (k, v unused; slots is the stride of one head's indices): the item's
+  // K page pointers at page_table[pages_offset ..], then its n_pages V pointers; its indices at
+  // indices[indices_offset + kvh · slots + j].
+  int64_t pages_offset;
+  int64_t n_pages;
+  int64_t page_size;
+  int64_t indices_offset;
 };
 
 // Same work split as AttentionLaunch: blocks of (item, query tile, key chunk) x KV heads, a
@@ -194,9 +201,16 @@ struct SparseAttentionLaunch {
   float* partial_o = nullptr;
   float* partial_m = nullptr;  // log2 units
   float* partial_l = nullptr;
+  // attention_indexed only: device page tables and token indices of every item (see
+  // SparseItemMeta); null for working sets.
+  void* const* page_table = nullptr;
+  const int32_t* indices = nullptr;
 };
 
 cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t stream);
+// The same kernel pair over the selected positions of each item's paged cache, read in place:
+// key j of KV head h is token indices[indices_offset + h · slots + j] (j < counts[h]).
+cudaError_t launch_attention_indexed(const SparseAttentionLaunch& a, cudaStream_t stream);
 
 // ---- retrieval head (SpeContext): scores and top-k selection ----
 

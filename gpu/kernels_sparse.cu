@@ -1,5 +1,6 @@
 // Sparse decode (SpeContext): kv_gather fills per-sequence working sets from the paged cache,
-// and attention runs over a working set instead of the whole cache.
+// and attention runs over a working set instead of the whole cache, or (attention_indexed, layers
+// in device memory) over the selected positions of the paged cache in place.
 //
 // Attention is the kernel pair of attention_common.cuh (the flash-decoding split of
 // kernels_attention.cu) over the reader WorkingSetKv. Differences: the rows of one head are contiguous
@@ -120,6 +121,36 @@ struct WorkingSetKv {
   }
 };
 
+// attention_indexed: the selected positions of the paged cache, read in place. Ranges, empty
+// heads and the merge as WorkingSetKv (counts per head, no mask); key j of head kvh is token
+// indices[kvh · slots + j] of the item, found through its page table (K pointers, then V).
+struct IndexedPagedKv : WorkingSetKv {
+  template <typename T>
+  struct Rows {
+    const int32_t* idx;
+    void* const* k_pages;
+    void* const* v_pages;
+    int32_t page_size;
+    int64_t head_offset;  // elements of the head's rows before its first slot in a page
+    int hd;
+    __device__ __forceinline__ Rows(const Launch& a, const SparseItemMeta& it, int64_t kvh, int hd_)
+        : idx(a.indices + it.indices_offset + kvh * it.slots),
+          k_pages(a.page_table + it.pages_offset),
+          v_pages(a.page_table + it.pages_offset + it.n_pages),
+          page_size(static_cast<int32_t>(it.page_size)),
+          head_offset(kvh * it.page_size * hd_),
+          hd(hd_) {}
+    __device__ __forceinline__ void at(int64_t pos, const T*& k, const T*& v) const {
+      const int32_t token = idx[pos];
+      // 32-bit division (the planner bounds page_size by INT_MAX), as kv_gather.
+      const int32_t page = token / page_size;
+      const int64_t offset = head_offset + static_cast<int64_t>(token - page * page_size) * hd;
+      k = static_cast<const T*>(k_pages[page]) + offset;
+      v = static_cast<const T*>(v_pages[page]) + offset;
+    }
+  };
+};
+
 }  // namespace
 
 cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream) {
@@ -141,6 +172,11 @@ cudaError_t launch_kv_gather(const KvGatherLaunch& g, cudaStream_t stream) {
 cudaError_t launch_attention_sparse(const SparseAttentionLaunch& a, cudaStream_t stream) {
   clear_stale_error();
   return launch_split_attention<WorkingSetKv>(a, stream);
+}
+
+cudaError_t launch_attention_indexed(const SparseAttentionLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
+  return launch_split_attention<IndexedPagedKv>(a, stream);
 }
 
 }  // namespace specontext::gpu::kernels

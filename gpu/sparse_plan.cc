@@ -96,45 +96,41 @@ size_t SparseAttentionPlan::partial_o_floats() const {
   return partial_ml_floats() / 2 * static_cast<size_t>(launch.head_dim);
 }
 
-Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* items, int64_t n_items,
-                                                  int64_t n_heads, int sm_count) {
+namespace {
+
+// One item as the split planner sees it: rows, per-head key counts, and where the keys are.
+struct SplitItem {
+  int64_t token_offset = 0;
+  int64_t n_tokens = 0;
+  const int32_t* counts = nullptr;  // host [kv_heads]
+  int64_t slots = 0;                // working set: slots; indexed: the stride of the indices
+  const void* k = nullptr;          // working set only
+  const void* v = nullptr;
+  const IndexedAttentionItem* indexed = nullptr;
+};
+
+// The split-K plan shared by attention_sparse and attention_indexed (checks done by the caller).
+Result<SparseAttentionPlan> plan_over_counts(const char* op, const std::vector<SplitItem>& items, int64_t n_heads,
+                                             int64_t kv_heads, int64_t head_dim, DType dtype, int sm_count) {
   SparseAttentionPlan plan;
-  if (n_items < 0) return invalid_argument("attention_sparse: negative item count");
-  if (n_items == 0) return plan;
-  if (items == nullptr || n_heads <= 0) return invalid_argument("attention_sparse: no items or heads");
-  const int64_t kv_heads = items[0].ws.kv_heads;
-  const int64_t head_dim = items[0].ws.head_dim;
-  const DType dtype = items[0].ws.dtype;
-  for (int64_t i = 0; i < n_items; ++i) {
-    const SparseAttentionItem& it = items[i];
-    SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype(
-        "attention_sparse", "items[" + std::to_string(i) + "].ws.dtype", it.ws.dtype, dtype));
-    SPX_RETURN_IF_ERROR(check_working_set(it.ws, "attention_sparse", /*need_counts=*/true));
-    if (it.ws.kv_heads != kv_heads || it.ws.head_dim != head_dim) {
-      return invalid_argument("attention_sparse: items disagree on kv_heads or head_dim");
-    }
-    if (it.n_tokens < 0 || it.token_offset < 0) {
-      return invalid_argument("attention_sparse: item " + std::to_string(i) + " has negative rows");
-    }
-  }
-  SPX_RETURN_IF_ERROR(plan_internal::check_head_shape("attention_sparse", "CUDA sparse attention", n_heads,
-                                                      kv_heads, head_dim));
+  const auto n_items = static_cast<int64_t>(items.size());
+  SPX_RETURN_IF_ERROR(plan_internal::check_head_shape(op, "CUDA sparse attention", n_heads, kv_heads, head_dim));
   const int64_t group = n_heads / kv_heads;
 
   int64_t max_pairs = 0;
   int64_t max_count = 0;
   int64_t total_rows = 0;
-  for (int64_t i = 0; i < n_items; ++i) {
-    if (items[i].n_tokens == 0) continue;
-    total_rows += items[i].n_tokens;
-    max_pairs = std::max(max_pairs, items[i].n_tokens * group);
-    for (int64_t h = 0; h < kv_heads; ++h) max_count = std::max<int64_t>(max_count, items[i].ws.counts[h]);
+  for (const SplitItem& it : items) {
+    if (it.n_tokens == 0) continue;
+    total_rows += it.n_tokens;
+    max_pairs = std::max(max_pairs, it.n_tokens * group);
+    for (int64_t h = 0; h < kv_heads; ++h) max_count = std::max<int64_t>(max_count, it.counts[h]);
   }
   if (total_rows == 0) return plan;  // only empty items
   const int qpw = plan_internal::queries_per_warp(max_pairs);
   const int64_t queries_per_block = static_cast<int64_t>(kernels::kAttentionWarps) * qpw;
   int64_t base_blocks = 0;
-  for (int64_t i = 0; i < n_items; ++i) base_blocks += ceil_div(items[i].n_tokens * group, queries_per_block);
+  for (const SplitItem& it : items) base_blocks += ceil_div(it.n_tokens * group, queries_per_block);
   base_blocks *= kv_heads;
 
   // Split the slots only while the unsplit grid would leave SMs idle (as plan_attention).
@@ -147,28 +143,89 @@ Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* ite
   plan.counts.reserve(static_cast<size_t>(n_items * kv_heads));
   for (int64_t i = 0; i < n_items; ++i) {
     const size_t ui = static_cast<size_t>(i);
-    const SparseAttentionItem& it = items[i];
+    const SplitItem& it = items[ui];
     int64_t item_max = 0;
-    for (int64_t h = 0; h < kv_heads; ++h) item_max = std::max<int64_t>(item_max, it.ws.counts[h]);
+    for (int64_t h = 0; h < kv_heads; ++h) item_max = std::max<int64_t>(item_max, it.counts[h]);
     kernels::SparseItemMeta& meta = plan.items[ui];
-    meta.k = it.ws.k;
-    meta.v = it.ws.v;
+    meta.k = it.k;
+    meta.v = it.v;
     meta.token_offset = it.token_offset;
     meta.n_tokens = it.n_tokens;
-    meta.slots = it.ws.slots;
+    meta.slots = it.slots;
     meta.counts_offset = static_cast<int64_t>(plan.counts.size());
     meta.n_tiles = ceil_div(it.n_tokens * group, queries_per_block);
     meta.n_chunks = std::max<int64_t>(1, ceil_div(item_max, chunk));
     meta.row_begin = plan.row_begin[ui];
-    plan.counts.insert(plan.counts.end(), it.ws.counts, it.ws.counts + kv_heads);
+    if (it.indexed != nullptr) {
+      // Only the item's indices and its page table travel to the device.
+      const KvLayerView& kv = it.indexed->kv;
+      meta.pages_offset = static_cast<int64_t>(plan.pages.size());
+      meta.n_pages = kv.n_pages;
+      meta.page_size = kv.page_size;
+      meta.indices_offset = static_cast<int64_t>(plan.indices.size());
+      plan.pages.insert(plan.pages.end(), kv.k_pages, kv.k_pages + kv.n_pages);
+      plan.pages.insert(plan.pages.end(), kv.v_pages, kv.v_pages + kv.n_pages);
+      if (it.slots > 0) {
+        plan.indices.insert(plan.indices.end(), it.indexed->indices, it.indexed->indices + kv_heads * it.slots);
+      }
+    }
+    plan.counts.insert(plan.counts.end(), it.counts, it.counts + kv_heads);
     plan.block_begin[ui + 1] = plan.block_begin[ui] + meta.n_tiles * meta.n_chunks;
     plan.row_begin[ui + 1] = plan.row_begin[ui] + it.n_tokens;
   }
 
-  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, "attention_sparse", n_items, n_heads, kv_heads,
-                                                 head_dim, chunk, n_chunks_max, qpw));
+  SPX_RETURN_IF_ERROR(plan_internal::fill_launch(plan, op, n_items, n_heads, kv_heads, head_dim, chunk,
+                                                 n_chunks_max, qpw));
   plan.launch.kv_type = plan_internal::kv_type_of(dtype);
   return plan;
+}
+
+}  // namespace
+
+Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* items, int64_t n_items,
+                                                  int64_t n_heads, int sm_count) {
+  if (n_items < 0) return invalid_argument("attention_sparse: negative item count");
+  if (n_items == 0) return SparseAttentionPlan{};
+  if (items == nullptr || n_heads <= 0) return invalid_argument("attention_sparse: no items or heads");
+  const int64_t kv_heads = items[0].ws.kv_heads;
+  const int64_t head_dim = items[0].ws.head_dim;
+  const DType dtype = items[0].ws.dtype;
+  std::vector<SplitItem> split(static_cast<size_t>(n_items));
+  for (int64_t i = 0; i < n_items; ++i) {
+    const SparseAttentionItem& it = items[i];
+    SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype(
+        "attention_sparse", "items[" + std::to_string(i) + "].ws.dtype", it.ws.dtype, dtype));
+    SPX_RETURN_IF_ERROR(check_working_set(it.ws, "attention_sparse", /*need_counts=*/true));
+    if (it.ws.kv_heads != kv_heads || it.ws.head_dim != head_dim) {
+      return invalid_argument("attention_sparse: items disagree on kv_heads or head_dim");
+    }
+    if (it.n_tokens < 0 || it.token_offset < 0) {
+      return invalid_argument("attention_sparse: item " + std::to_string(i) + " has negative rows");
+    }
+    split[static_cast<size_t>(i)] = {it.token_offset, it.n_tokens, it.ws.counts, it.ws.slots, it.ws.k, it.ws.v, nullptr};
+  }
+  return plan_over_counts("attention_sparse", split, n_heads, kv_heads, head_dim, dtype, sm_count);
+}
+
+Result<SparseAttentionPlan> plan_attention_indexed(const IndexedAttentionItem* items, int64_t n_items,
+                                                   int64_t n_heads, int sm_count) {
+  SPX_RETURN_IF_ERROR(check_attention_indexed_args(items, n_items, n_heads));
+  if (n_items == 0) return SparseAttentionPlan{};
+  const int64_t kv_heads = items[0].kv.kv_heads;
+  const int64_t head_dim = items[0].kv.head_dim;
+  const DType dtype = items[0].kv.dtype;
+  std::vector<SplitItem> split(static_cast<size_t>(n_items));
+  for (int64_t i = 0; i < n_items; ++i) {
+    const IndexedAttentionItem& it = items[i];
+    SPX_RETURN_IF_ERROR(plan_internal::check_kv_dtype(
+        "attention_indexed", "items[" + std::to_string(i) + "].kv.dtype", it.kv.dtype, dtype));
+    if (it.kv.kv_heads != kv_heads) return invalid_argument("attention_indexed: items disagree on kv_heads");
+    if (it.kv.page_size > INT_MAX || it.kv.capacity() > INT_MAX) {
+      return invalid_argument("attention_indexed: items[" + std::to_string(i) + "].kv too large for one launch");
+    }
+    split[static_cast<size_t>(i)] = {it.token_offset, it.n_tokens, it.counts, it.stride, nullptr, nullptr, &it};
+  }
+  return plan_over_counts("attention_indexed", split, n_heads, kv_heads, head_dim, dtype, sm_count);
 }
 
 }  // namespace specontext::gpu

@@ -34,6 +34,10 @@ struct SparseAttentionPlan {
   std::vector<int64_t> block_begin;  // [n_items + 1]
   std::vector<int64_t> row_begin;    // [n_items + 1]
   std::vector<int32_t> counts;       // [n_items · kv_heads], copied from the host counts
+  // attention_indexed only: every item's K then V page pointers, and its indices
+  // ([kv_heads][stride] each), as SparseItemMeta's offsets say. Empty for working sets.
+  std::vector<void*> pages;
+  std::vector<int32_t> indices;
   // Device pointers (q, out, metadata, partials) left null for the caller.
   // launch.total_blocks == 0: nothing to compute.
   kernels::SparseAttentionLaunch launch;
@@ -49,5 +53,12 @@ struct SparseAttentionPlan {
 // unsplit grid has fewer than kAttentionTargetBlocksPerSm blocks per SM.
 Result<SparseAttentionPlan> plan_attention_sparse(const SparseAttentionItem* items, int64_t n_items,
                                                   int64_t n_heads, int sm_count);
+
+// attention_indexed: check_attention_indexed_args (core/ports/backend_checks.h), then
+// kInvalidArgument for items disagreeing on kv_heads or dtype, a page size or capacity past
+// INT_MAX; kUnimplemented for head_dim > 256. The same split as plan_attention_sparse over the
+// counts; pages and indices copied from the host arrays.
+Result<SparseAttentionPlan> plan_attention_indexed(const IndexedAttentionItem* items, int64_t n_items,
+                                                   int64_t n_heads, int sm_count);
 
 }  // namespace specontext::gpu

@@ -108,4 +108,8 @@ Status Backend::attention_sparse(const float*, const SparseAttentionItem*, int64
   return unimplemented("backend " + std::string(name()) + " has no sparse attention");
 }
 
+Status Backend::attention_indexed(const float*, const IndexedAttentionItem*, int64_t, int64_t, float*) {
+  return unimplemented("backend " + std::string(name()) + " has no attention_indexed");
+}
+
 }  // namespace specontext

@@ -22,7 +22,7 @@ namespace specontext {
 
 enum class BackendOp {
   kEmbed, kMatmul, kRmsNorm, kRope, kSwiglu, kAdd, kKvAppend, kAttention,
-  kKvGather, kAttentionSparse, kRetrievalScores,
+  kKvGather, kAttentionSparse, kRetrievalScores, kAttentionIndexed,
 };
 
 // RoPE frequencies after scaling (llama3 / yarn / linear), computed once per model.
@@ -87,6 +87,19 @@ struct SparseAttentionItem {
   int64_t token_offset = 0;  // first row of this sequence in q / out
   int64_t n_tokens = 0;      // rows (each attends to the whole working set)
   WorkingSetView ws;
+};
+
+// One sequence's decode rows attending, in place, to selected tokens of its paged cache (a layer
+// whose KV lives in backend memory needs no working-set copy). `indices` and `counts` are HOST
+// arrays (descriptions, as GatherEntry): KV head h attends to the cached positions
+// indices[h·stride + j], j < counts[h] (any order; each < kv.capacity()).
+struct IndexedAttentionItem {
+  int64_t token_offset = 0;          // first row of this sequence in q / out
+  int64_t n_tokens = 0;              // rows (each attends to every selected token)
+  KvLayerView kv;                    // the paged cache, backend memory
+  const int32_t* indices = nullptr;  // host [kv_heads][stride]
+  const int32_t* counts = nullptr;   // host [kv_heads], each in [0, stride]
+  int64_t stride = 0;
 };
 
 class Backend {
@@ -159,6 +172,11 @@ class Backend {
   // holds exactly the tokens to attend). GQA as in attention(). Scale 1/sqrt(head_dim).
   virtual Status attention_sparse(const float* q, const SparseAttentionItem* items, int64_t n_items,
                                   int64_t n_heads, float* out);
+  // Attention of each item's rows over the selected (head, token) pairs of its paged cache, read
+  // in place (no mask: the indices name exactly the tokens to attend). GQA and scale as in
+  // attention(); a head with counts[h] == 0 gets zeros. Optional: supports(kAttentionIndexed).
+  virtual Status attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n_items,
+                                   int64_t n_heads, float* out);
 
   // ---- retrieval head (SpeContext); optional: supports(kRetrievalScores) says ----
   // Scores of one decode query of the retrieval head against its K cache, reduced over each GQA

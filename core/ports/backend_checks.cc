@@ -63,4 +63,51 @@ Status check_gather_entries(const GatherEntry* entries, int64_t n_entries, const
   return Status::ok();
 }
 
+Status check_attention_indexed_args(const IndexedAttentionItem* items, int64_t n_items, int64_t n_heads) {
+  const std::string op = "attention_indexed: ";
+  if (n_items < 0) return invalid_argument(op + "negative item count");
+  if (n_items == 0) return Status::ok();
+  if (items == nullptr || n_heads <= 0) return invalid_argument(op + "no items or heads");
+  const int64_t head_dim = items[0].kv.head_dim;
+  for (int64_t i = 0; i < n_items; ++i) {
+    const IndexedAttentionItem& it = items[i];
+    const KvLayerView& kv = it.kv;
+    const std::string at = op + "items[" + std::to_string(i) + "]";
+    if (kv.page_size <= 0 || kv.kv_heads <= 0 || kv.head_dim <= 0 || kv.n_pages < 0) {
+      return invalid_argument(at + ".kv: page_size, kv_heads and head_dim must be positive");
+    }
+    if (kv.n_pages > 0 && (kv.k_pages == nullptr || kv.v_pages == nullptr)) {
+      return invalid_argument(at + ".kv: null page tables");
+    }
+    if (!is_kv_dtype(kv.dtype)) {
+      return invalid_argument(at + ".kv.dtype " + std::string(dtype_name(kv.dtype)) + " is not f32, f16 or bf16");
+    }
+    if (kv.head_dim != head_dim) return invalid_argument(op + "items disagree on head_dim");
+    if (n_heads % kv.kv_heads != 0) {
+      return invalid_argument(op + "n_heads " + std::to_string(n_heads) + " not a multiple of kv_heads " +
+                              std::to_string(kv.kv_heads));
+    }
+    if (it.n_tokens < 0 || it.token_offset < 0) return invalid_argument(at + " has negative rows");
+    if (it.stride < 0) return invalid_argument(at + ".stride is negative");
+    if (it.counts == nullptr) return invalid_argument(at + ".counts is null");
+    const int64_t capacity = kv.capacity();
+    for (int64_t h = 0; h < kv.kv_heads; ++h) {
+      const int64_t c = it.counts[h];
+      if (c < 0 || c > it.stride) {
+        return invalid_argument(at + ".counts[" + std::to_string(h) + "] = " + std::to_string(c) +
+                                " outside [0, " + std::to_string(it.stride) + "]");
+      }
+      if (c > 0 && it.indices == nullptr) return invalid_argument(at + ".indices is null");
+      for (int64_t j = 0; j < c; ++j) {
+        const int64_t t = it.indices[h * it.stride + j];
+        if (t < 0 || t >= capacity) {
+          return invalid_argument(at + ".indices[" + std::to_string(h * it.stride + j) + "] = " + std::to_string(t) +
+                                  " outside the cache [0, " + std::to_string(capacity) + ")");
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace specontext

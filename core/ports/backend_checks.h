@@ -19,4 +19,10 @@ Status check_working_set(const WorkingSetView& ws, const char* op, bool need_cou
 Status check_gather_entries(const GatherEntry* entries, int64_t n_entries, const WorkingSetView& ws,
                             int64_t capacity, int64_t* min_token, int64_t* max_token);
 
+// attention_indexed: every item's view sane (positive shape, page tables, f32 / f16 / bf16), one
+// head_dim for all items, n_heads a multiple of each kv_heads, rows >= 0, counts in [0, stride],
+// every index in [0, kv.capacity()). All failures are kInvalidArgument naming items[i] and the
+// field; O(indices).
+Status check_attention_indexed_args(const IndexedAttentionItem* items, int64_t n_items, int64_t n_heads);
+
 }  // namespace specontext

@@ -63,8 +63,10 @@ void emulate_gather(const KvGatherPlan& plan, const GatherEntry* entries) {
   }
 }
 
-// Host mirror of split_attention_partial_kernel and split_attention_merge_kernel over WorkingSetKv.
-void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* out) {
+// Host mirror of split_attention_partial_kernel and split_attention_merge_kernel over WorkingSetKv,
+// or (`indexed`, a plan_attention_indexed plan) over IndexedPagedKv: key j of head kvh is token
+// indices[indices_offset + kvh · slots + j] of the item's pages.
+void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* out, bool indexed = false) {
   const kernels::SparseAttentionLaunch& a = plan.launch;
   const DType dtype = dtype_of(a.kv_type);
   const int hd = static_cast<int>(a.head_dim);
@@ -104,9 +106,20 @@ void emulate_attention(const SparseAttentionPlan& plan, const float* q, float* o
       for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeyTile) {
         const int n_keys = static_cast<int>(std::min<int64_t>(kKeyTile, key_end - t0));
         for (int j = 0; j < n_keys; ++j) {
+          const void* k_base = it.k;
+          const void* v_base = it.v;
+          int64_t row = head + (t0 + j) * hd;
+          if (indexed) {
+            const int32_t token =
+                plan.indices[static_cast<size_t>(it.indices_offset + kvh * it.slots + t0 + j)];
+            const int64_t page = token / it.page_size;
+            k_base = plan.pages[static_cast<size_t>(it.pages_offset + page)];
+            v_base = plan.pages[static_cast<size_t>(it.pages_offset + it.n_pages + page)];
+            row = (kvh * it.page_size + (token - page * it.page_size)) * hd;
+          }
           for (int d = 0; d < hd; ++d) {
-            k_s[static_cast<size_t>(j * hd + d)] = kv_load(it.k, dtype, head + (t0 + j) * hd + d);
-            v_s[static_cast<size_t>(j * hd + d)] = kv_load(it.v, dtype, head + (t0 + j) * hd + d);
+            k_s[static_cast<size_t>(j * hd + d)] = kv_load(k_base, dtype, row + d);
+            v_s[static_cast<size_t>(j * hd + d)] = kv_load(v_base, dtype, row + d);
           }
         }
         for (int slot = 0; slot < qpb; ++slot) {  // no mask: every key of the set is visible
@@ -277,6 +290,89 @@ TEST_F(SparsePlanTest, NoSplitWhenBlocksSufficeOrSetsAreShort) {
   run({"one SM", 8, 8, 8, {{2, {900, 1, 0, 5, 900, 7, 800, 2}, 900}}, 1, false});
   run({"all heads empty", 8, 2, 64, {{1, {0, 0}, 16}, {2, {0, 0}, 0}}, 132, false});
   run({"mixed with an empty item", 12, 4, 64, {{0, {5, 5, 5, 5}, 8}, {1, {8, 0, 3, 8}, 8}}, 132, false});
+}
+
+// plan_attention_indexed: the same split over the selected positions of paged caches (random
+// pages in shuffled order; indices ascending or shuffled, runs and scattered; counts 0 .. stride),
+// every KV dtype, with and without a split; the mirror against the reference's attention_indexed.
+TEST_F(SparsePlanTest, IndexedAttentionMatchesReference) {
+  struct IndexedCase {
+    int64_t n_heads, kv_heads, head_dim, sm_count;
+    std::vector<int64_t> lengths;  // per item; rows alternate 1, 2
+    int64_t stride;
+    bool expect_split;
+  };
+  const IndexedCase cases[] = {{32, 8, 128, 132, {2100}, 2048, true},
+                               {8, 1, 64, 132, {1600, 50, 900}, 800, true},
+                               {8, 2, 64, 132, {300, 70}, 64, false},
+                               {4, 4, 80, 1, {500}, 300, false}};
+  for (const IndexedCase& c : cases) {
+    for (DType dtype : kKvDtypes) {
+      SCOPED_TRACE("heads " + std::to_string(c.n_heads) + "/" + std::to_string(c.kv_heads) + " d " +
+                   std::to_string(c.head_dim) + " " + std::string(dtype_name(dtype)));
+      const int64_t ps = 16;
+      std::vector<std::unique_ptr<plan_test::HostCache>> caches;
+      std::vector<std::vector<int32_t>> indices, counts;
+      std::vector<IndexedAttentionItem> items;
+      int64_t rows = 0;
+      for (size_t i = 0; i < c.lengths.size(); ++i) {
+        const int64_t length = c.lengths[i];
+        caches.push_back(make_cache(rng_, (length + ps - 1) / ps, ps, c.kv_heads, c.head_dim, dtype));
+        std::vector<int32_t> idx(static_cast<size_t>(c.kv_heads * c.stride), -1), cnt;
+        for (int64_t h = 0; h < c.kv_heads; ++h) {
+          std::vector<int32_t> all(static_cast<size_t>(length));
+          std::iota(all.begin(), all.end(), 0);
+          std::shuffle(all.begin(), all.end(), rng_);
+          const int64_t most = std::min(c.stride, length);
+          const int64_t n = h == 0 && i == 0 && c.kv_heads > 1 ? 0  // an empty head
+                            : h == c.kv_heads - 1              ? most  // a full one
+                                                               : static_cast<int64_t>(rng_() % static_cast<uint32_t>(most + 1));
+          all.resize(static_cast<size_t>(n));
+          if (h % 2 == 0) std::sort(all.begin(), all.end());
+          std::copy(all.begin(), all.end(), idx.begin() + h * c.stride);
+          cnt.push_back(static_cast<int32_t>(n));
+        }
+        indices.push_back(std::move(idx));
+        counts.push_back(std::move(cnt));
+        const int64_t n_tokens = 1 + static_cast<int64_t>(i % 2);
+        items.push_back({rows, n_tokens, caches.back()->view, indices.back().data(), counts.back().data(), c.stride});
+        rows += n_tokens;
+      }
+      const size_t size = static_cast<size_t>(rows * c.n_heads * c.head_dim);
+      std::vector<float> q(size);
+      std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+      for (float& x : q) x = dist(rng_);
+      auto plan = plan_attention_indexed(items.data(), static_cast<int64_t>(items.size()), c.n_heads, c.sm_count);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+      EXPECT_EQ(dtype_of(plan->launch.kv_type), dtype);
+      EXPECT_EQ(plan->launch.n_chunks_max > 1, c.expect_split);
+      std::vector<float> got(size, kNan);
+      emulate_attention(*plan, q.data(), got.data(), /*indexed=*/true);
+      std::vector<float> want(size);
+      ASSERT_TRUE(ref_->attention_indexed(q.data(), items.data(), static_cast<int64_t>(items.size()), c.n_heads,
+                                          want.data())
+                      .is_ok());
+      double num = 0.0, den = 0.0;
+      for (size_t e = 0; e < size; ++e) {
+        ASSERT_TRUE(std::isfinite(got[e])) << "element " << e << " not written or not finite";
+        if (want[e] == 0.0f) {
+          EXPECT_EQ(got[e], 0.0f) << "element " << e;
+        }
+        num += (static_cast<double>(got[e]) - want[e]) * (static_cast<double>(got[e]) - want[e]);
+        den += static_cast<double>(want[e]) * want[e];
+      }
+      ASSERT_GT(den, 0.0);
+      EXPECT_LT(std::sqrt(num / den), 1e-5);
+    }
+  }
+  // Bad batches are refused as the CPU backends refuse them.
+  auto cache = make_cache(rng_, 2, 4, 2, 8);
+  std::vector<int32_t> idx = {0, 3, 5, 7, 1, 8}, cnt = {3, 3};
+  IndexedAttentionItem bad{0, 1, cache->view, idx.data(), cnt.data(), 3};
+  EXPECT_EQ(plan_attention_indexed(&bad, 1, 4, 132).status().code(), StatusCode::kInvalidArgument);  // 8 >= 8
+  cnt = {3, 2};
+  EXPECT_TRUE(plan_attention_indexed(&bad, 1, 4, 132).is_ok());
+  EXPECT_EQ(plan_attention_indexed(&bad, 1, 3, 132).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(SparsePlanTest, EmptyBatchesPlanNothing) {

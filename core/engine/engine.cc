@@ -98,7 +98,7 @@ Result<std::unique_ptr<Engine>> Engine::create(std::shared_ptr<const Model> mode
     }
     if (sp.selection.sinks < 0) return invalid_argument("sparse sinks must be >= 0");
     if (sp.quest_page_size < 1) return invalid_argument("quest page size must be positive");
-    for (BackendOp op : {BackendOp::kKvGather, BackendOp::kAttentionSparse}) {
+    for (BackendOp op : {BackendOp::kKvGather, BackendOp::kAttentionSparse, BackendOp::kAttentionIndexed}) {
       if (!e->backend_->supports(op, e->model_->weight_dtype)) {
         return unimplemented("backend " + std::string(e->backend_->name()) + " has no sparse decode ops");
       }
@@ -369,10 +369,8 @@ Status Engine::fits(std::span<const int64_t> grown, int64_t new_length) const {
 uint64_t Engine::new_sequence_reserve() const {
   // placement_input's growth terms, for one more sequence.
   const ModelConfig& c = config();
+  // (Working sets are the planner's staging term, counted for every running slot.)
   uint64_t r = static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
-  if (options_.sparse.method != SparseMethod::kDense) {
-    r += static_cast<uint64_t>(c.n_layers) * 2 * memory_->working_set_bytes();
-  }
   if (options_.sparse.method == SparseMethod::kSpeContext) r += memory_->head_block_bytes();
   return r;
 }

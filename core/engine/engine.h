@@ -281,6 +281,8 @@ class Engine {
   KvLayerView staged_view(ForwardStep& st, size_t i, int64_t l);
   Status attend_sparse(ForwardStep& st, int64_t l);
   Status add_sparse_item(ForwardStep& st, size_t i, int64_t l);  // selection, gathers, stats
+  // Every (head, slot) of a slot map as a load: what a working set allocated this step needs.
+  const std::vector<GatherEntry>& all_slots(const ElasticWorkingSet& ws);
   const std::vector<GatherEntry>& sparse_gathers(ForwardStep& st, size_t i, int64_t l, const Selection& sel,
                                                  ElasticStats& es);
   void count_sparse_stats(const ElasticStats& es);
@@ -368,10 +370,11 @@ class Engine {
   std::vector<TokenId> sampled_;
   std::vector<float> host_q_, host_rows_;  // downloads for host-side selection (Quest, oracle, filter)
   std::vector<AttentionItem> items_, dense_items_;
-  std::vector<SparseAttentionItem> sparse_items_;
+  std::vector<SparseAttentionItem> sparse_items_;    // layers off the device: over working sets
+  std::vector<IndexedAttentionItem> indexed_items_;  // device-homed layers: in place, by index
   std::vector<size_t> sparse_index_;  // request index of each sparse item
   std::vector<std::vector<void*>> k_ptrs_, v_ptrs_;
-  std::vector<GatherEntry> loads_, current_loads_;
+  std::vector<GatherEntry> loads_, current_loads_, full_loads_;
   std::vector<const Selection*> selections_;
 };
 

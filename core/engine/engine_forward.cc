@@ -494,7 +494,7 @@ std::vector<TransferRequest> Engine::layer_loads(ForwardStep& st, int64_t l) {
     const int64_t start = items_[i].start_pos;
     if (st.sparse[i] && st.shared) {
       const LayerSparseState& ls = s.layers[at(l)];
-      for (const GatherEntry& e : s.shared_loads) {
+      for (const GatherEntry& e : ls.ws_fresh ? all_slots(s.shared_ws) : s.shared_loads) {
         if (e.token >= start) continue;  // this step's token: appended, then gathered on the device
         const PageLocation loc = kv_->locate(layer, s.pages[at(e.token / ps)]);
         const uint64_t in_block = static_cast<uint64_t>(e.kv_head * ps + e.token % ps) * row_bytes;
@@ -627,21 +627,29 @@ KvLayerView Engine::staged_view(ForwardStep& st, size_t i, int64_t l) {
 Status Engine::attend_sparse(ForwardStep& st, int64_t l) {
   const LayerId layer(static_cast<int32_t>(l));
   sparse_items_.clear();
+  indexed_items_.clear();
   sparse_index_.clear();
   selections_.clear();
   for (size_t i = 0; i < st.n_req; ++i) {
     if (st.sparse[i]) SPX_RETURN_IF_ERROR(add_sparse_item(st, i, l));
   }
-  if (sparse_items_.empty()) return Status::ok();
+  if (sparse_index_.empty()) return Status::ok();
   if (observer_ != nullptr) {
     std::vector<AttentionItem> sparse_attention_items;
     for (size_t idx : sparse_index_) sparse_attention_items.push_back(items_[idx]);
     observer_->on_sparse_selection(layer, sparse_attention_items, selections_);
   }
+  const int64_t n_heads = config().n_heads;
+  if (!indexed_items_.empty()) {
+    // A device-homed layer: the selection is attended where the pages are, no working set.
+    SPX_RETURN_IF_ERROR(backend_->attention_indexed(st.q, indexed_items_.data(),
+                                                    static_cast<int64_t>(indexed_items_.size()), n_heads, st.att));
+  }
+  if (sparse_items_.empty()) return Status::ok();
   // The layer waits for its own loads only (posted before layer 0).
   SPX_RETURN_IF_ERROR(wait_ticket(st.load_ticket[at(l)]));
-  return backend_->attention_sparse(st.q, sparse_items_.data(), static_cast<int64_t>(sparse_items_.size()),
-                                    config().n_heads, st.att);
+  return backend_->attention_sparse(st.q, sparse_items_.data(), static_cast<int64_t>(sparse_items_.size()), n_heads,
+                                    st.att);
 }
 
 Status Engine::add_sparse_item(ForwardStep& st, size_t i, int64_t l) {
@@ -652,9 +660,24 @@ Status Engine::add_sparse_item(ForwardStep& st, size_t i, int64_t l) {
   const Selection* sel = nullptr;
   SPX_RETURN_IF_ERROR(select_for_layer(s, layer, items_[i], st.q + items_[i].token_offset * c.q_dim(), &sel));
   selections_.push_back(sel);
+  sparse_index_.push_back(i);
   const ElasticWorkingSet& ws = st.shared ? s.shared_ws : ls.ws;
   ElasticStats es = s.shared_stats;
   const std::vector<GatherEntry>& gathers = sparse_gathers(st, i, l, *sel, es);
+  count_sparse_stats(es);
+  if (kv_->home(layer) == TierId(0)) {
+    // The selection in the slot map's order (the order a working set would hold it: the
+    // attention is then the working set's, bit for bit on the CPU), read where the pages are.
+    IndexedAttentionItem ii;
+    ii.token_offset = items_[i].token_offset;
+    ii.n_tokens = items_[i].n_tokens;
+    ii.kv = items_[i].kv;
+    ii.indices = ws.slot_tokens().data();
+    ii.counts = ws.counts().data();
+    ii.stride = ws.slots();
+    indexed_items_.push_back(ii);
+    return Status::ok();
+  }
   WorkingSetView wsv;
   wsv.k = kv_->address(TierId(0), ls.ws_k.offset);
   wsv.v = kv_->address(TierId(0), ls.ws_v.offset);
@@ -667,13 +690,11 @@ Status Engine::add_sparse_item(ForwardStep& st, size_t i, int64_t l) {
     SPX_RETURN_IF_ERROR(
         backend_->kv_gather(items_[i].kv, gathers.data(), static_cast<int64_t>(gathers.size()), wsv));
   }
-  count_sparse_stats(es);
   SparseAttentionItem si;
   si.token_offset = items_[i].token_offset;
   si.n_tokens = items_[i].n_tokens;
   si.ws = wsv;
   sparse_items_.push_back(si);
-  sparse_index_.push_back(i);
   return Status::ok();
 }
 
@@ -682,29 +703,40 @@ const std::vector<GatherEntry>& Engine::sparse_gathers(ForwardStep& st, size_t i
   const TierId device(0);
   const TierId home = kv_->home(LayerId(static_cast<int32_t>(l)));
   Sequence& s = *st.seqs[i];
-  const std::vector<GatherEntry>* gathers = &loads_;
+  LayerSparseState& ls = s.layers[at(l)];
+  const bool fresh = ls.ws_fresh;  // a working set allocated this step loads its whole map
+  ls.ws_fresh = false;
+  loads_.clear();
   if (!st.shared) {
-    loads_.clear();
-    es = s.layers[at(l)].ws.update(sel, loads_);
-    if (home != device) {
-      traffic(home).tokens_loaded += es.tokens_loaded;
-      traffic(home).tokens_hit += es.tokens_kept;
+    // The slot map moves on for every layer (the diff is the elastic statistics); only a layer
+    // with a working set loads it.
+    es = ls.ws.update(sel, loads_);
+    if (home == device) {
+      loads_.clear();
+      return loads_;
     }
-  } else if (home == device) {
-    gathers = &s.shared_loads;  // every load is an on-device gather
-  } else {
-    // Cached tokens arrive through the copy engine; this step's token is gathered here.
-    current_loads_.clear();
-    for (const GatherEntry& e : s.shared_loads) {
-      if (e.token >= items_[i].start_pos) current_loads_.push_back(e);
+    const std::vector<GatherEntry>& loads = fresh ? all_slots(ls.ws) : loads_;
+    traffic(home).tokens_loaded += static_cast<int64_t>(loads.size());
+    traffic(home).tokens_hit += fresh ? 0 : es.tokens_kept;
+    return loads;
+  }
+  if (home == device) return loads_;  // attended in place: nothing to load
+  // Cached tokens arrive through the copy engine; this step's token is gathered here.
+  current_loads_.clear();
+  for (const GatherEntry& e : fresh ? all_slots(s.shared_ws) : s.shared_loads) {
+    if (e.token >= items_[i].start_pos) current_loads_.push_back(e);
+  }
+  return current_loads_;
+}
+
+const std::vector<GatherEntry>& Engine::all_slots(const ElasticWorkingSet& ws) {
+  full_loads_.clear();
+  for (int64_t h = 0; h < ws.kv_heads(); ++h) {
+    for (int64_t slot = 0; slot < ws.counts()[static_cast<size_t>(h)]; ++slot) {
+      full_loads_.push_back({static_cast<int32_t>(h), ws.token_at(h, slot), static_cast<int32_t>(slot)});
     }
-    gathers = &current_loads_;
   }
-  if (home == device) {
-    traffic(device).tokens_loaded += es.tokens_loaded;
-    traffic(device).tokens_hit += es.tokens_kept;
-  }
-  return *gathers;
+  return full_loads_;
 }
 
 void Engine::count_sparse_stats(const ElasticStats& es) {

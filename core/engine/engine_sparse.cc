@@ -109,7 +109,7 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
 
 Status Engine::update_quest_bounds(Sequence& s, LayerId layer, const float* k_rows, int64_t start_pos, int64_t n) {
   const ModelConfig& c = config();
-  SPX_RETURN_IF_ERROR(memory_->ensure_sparse_state(s));
+  memory_->ensure_layers(s);
   LayerSparseState& ls = s.layers[static_cast<size_t>(layer.value())];
   const int64_t ps = options_.sparse.quest_page_size, kvd = c.kv_dim();
   const int64_t pages = (start_pos + n + ps - 1) / ps;

@@ -41,26 +41,22 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
   }
   // What the planner's model does not count on the device. It must not depend on the placement,
   // or moving a layer would change the room the planner sees and the plan would oscillate: so it
-  // is everything used beyond resident KV chunks and the head's key blocks (working sets of every
-  // layer — the planner's staging term counts offloaded ones again, erring on the safe side —,
-  // staging, alignment), plus what the coming step may take at once: a chunk per layer for each
-  // sequence's next page, a first sparse step's working sets, a head key block per sequence.
+  // is everything used beyond what the model counts — resident KV chunks, the head's key blocks
+  // (its (1 + α) term) and the working sets of offloaded layers (its staging term i·R·B·H·D·kvc;
+  // device-homed layers have none) —, i.e. staging and alignment, plus what the coming step may
+  // take at once: a chunk per layer for each sequence's next page, a head key block per sequence.
   const ModelConfig& c = config();
   const TierId device(0);
-  uint64_t modelled = 0;
+  uint64_t modelled = memory_->working_set_bytes_in_use();
   for (int64_t l = 0; l < kv_->n_layers(); ++l) {
     const LayerId layer(static_cast<int32_t>(l));
     if (kv_->resident(layer)) modelled += kv_->layer_bytes(layer);
   }
-  const uint64_t ws_bytes = 2 * memory_->working_set_bytes();
   uint64_t growth = 0;
   for (const auto& [id, s] : memory_->sequences_) {
     if (!s.head_blocks.empty() && s.head_tier == device)
       modelled += s.head_blocks.size() * memory_->head_block_bytes();
     growth += static_cast<uint64_t>(c.n_layers) * kv_->chunk_bytes();
-    if (options_.sparse.method != SparseMethod::kDense && !memory_->has_working_sets(s)) {
-      growth += static_cast<uint64_t>(c.n_layers) * ws_bytes;
-    }
     if (options_.sparse.method == SparseMethod::kSpeContext) growth += memory_->head_block_bytes();
   }
   const uint64_t used = kv_->tier_used_bytes(device);
@@ -70,9 +66,10 @@ PlacementInput Engine::placement_input(const std::vector<int64_t>& seq_lens) con
 
 uint64_t Engine::staging_reserve(std::span<const int64_t> lengths) const {
   // Under a shared selection a sequence stages whole pages only while it is within the budget,
-  // before it has working sets; the growth term above already reserves those working sets (every
-  // layer's), which exceed the staging (at most staging_layers layers of B tokens, and a page
-  // per remote layer). Past the budget its remote layers load elastic into working sets.
+  // before it has working sets; the planner's staging term reserves those working sets (B tokens
+  // per offloaded layer and request), which exceed the staging (at most staging_layers layers of
+  // B tokens, and a page per remote layer). Past the budget its remote layers load elastic into
+  // working sets.
   if (shares_selection(options_.sparse.method)) return 0;
   bool stages = false;  // a tier the backend cannot read, so its layers are staged
   for (const TierMemory& t : kv_->tiers()) {

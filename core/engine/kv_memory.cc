@@ -121,7 +121,7 @@ Result<SeqId> KvMemory::fork_sequence(SeqId source, int64_t prefix_tokens, int64
     }
     s.boundary_fused.assign(src.boundary_fused.begin(), src.boundary_fused.begin() + n_pages);
   } else if (options_.sparse.method == SparseMethod::kQuest) {
-    if (Status st = ensure_sparse_state(s); !st.is_ok()) return undo(st);
+    ensure_layers(s);
     const size_t bounds = quest_bound_elements(prefix_tokens);
     for (size_t l = 0; l < s.layers.size(); ++l) {
       const KvLayerSparseState& from = src.layers[l];
@@ -253,8 +253,12 @@ void KvMemory::give_back_pages(const std::vector<PageId>& newly_allocated) {
   for (PageId p : newly_allocated) kv_->free_page(p);
 }
 
-bool KvMemory::has_working_sets(const KvSequence& s) {
-  return !s.layers.empty() && s.layers.front().ws_k.valid();
+uint64_t KvMemory::working_set_bytes_in_use() const {
+  uint64_t bytes = 0;
+  for (const auto& [id, s] : sequences_) {
+    for (const KvLayerSparseState& ls : s.layers) bytes += ls.ws_k.bytes + ls.ws_v.bytes;
+  }
+  return bytes;
 }
 
 void KvMemory::release_slices(std::vector<KvLayerSparseState>& layers) {
@@ -262,43 +266,49 @@ void KvMemory::release_slices(std::vector<KvLayerSparseState>& layers) {
     if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
     if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
     ls.ws_k = ls.ws_v = KvSlice{};
+    ls.ws_fresh = false;
     ls.ws.clear();
   }
 }
 
+void KvMemory::ensure_layers(KvSequence& s) {
+  if (s.layers.empty()) s.layers.resize(static_cast<size_t>(config().n_layers));
+}
+
 Status KvMemory::ensure_sparse_state(KvSequence& s) {
-  if (has_working_sets(s)) return Status::ok();
   const ModelConfig& c = config();
   const int64_t slots = options_.sparse.selection.budget;
   const uint64_t bytes = working_set_bytes();
-  // New, or released by release_working_sets (the layers keep Quest's bounds).
-  const bool fresh = s.layers.empty();
-  std::vector<KvLayerSparseState> layers =
-      fresh ? std::vector<KvLayerSparseState>(static_cast<size_t>(c.n_layers)) : std::move(s.layers);
+  const bool shared = shares_selection(options_.sparse.method);
+  ensure_layers(s);
   const TierId device(0);
-  Status st;
-  for (auto& ls : layers) {
-    if (!shares_selection(options_.sparse.method)) ls.ws = ElasticWorkingSet(c.n_kv_heads, slots);
-    auto k = kv_->allocate(device, bytes);
-    if (!k.is_ok()) {
-      st = k.status();
-      break;
+  // Slot maps (host bookkeeping: the elastic diff, and what an offloaded layer's working set holds).
+  if (shared && s.shared_ws.slots() != slots) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    KvLayerSparseState& ls = s.layers[l];
+    if (!shared && ls.ws.slots() != slots) ls.ws = ElasticWorkingSet(c.n_kv_heads, slots);
+    // A layer homed on the device is attended in place by index (Backend::attention_indexed):
+    // no working set. Every other layer loads its selection elastic into one on the device.
+    const bool wanted = kv_->home(LayerId(static_cast<int32_t>(l))) != device;
+    if (!wanted) {
+      if (ls.ws_k.valid()) (void)kv_->release(ls.ws_k.tier, ls.ws_k.offset);
+      if (ls.ws_v.valid()) (void)kv_->release(ls.ws_v.tier, ls.ws_v.offset);
+      ls.ws_k = ls.ws_v = KvSlice{};
+      ls.ws_fresh = false;
+      continue;
     }
-    ls.ws_k = KvSlice{device, *k, bytes};
+    if (ls.ws_k.valid()) continue;
+    auto k = kv_->allocate(device, bytes);
+    if (!k.is_ok()) return k.status().with_context("working sets of a sparse sequence");
     auto v = kv_->allocate(device, bytes);
     if (!v.is_ok()) {
-      st = v.status();
-      break;
+      (void)kv_->release(device, *k);
+      return v.status().with_context("working sets of a sparse sequence");
     }
+    ls.ws_k = KvSlice{device, *k, bytes};
     ls.ws_v = KvSlice{device, *v, bytes};
+    ls.ws_fresh = true;
   }
-  if (!st.is_ok()) {
-    release_slices(layers);
-    if (!fresh) s.layers = std::move(layers);  // as they were: released
-    return st.with_context("working sets of a sparse sequence");
-  }
-  if (shares_selection(options_.sparse.method)) s.shared_ws = ElasticWorkingSet(c.n_kv_heads, slots);
-  s.layers = std::move(layers);
   return Status::ok();
 }
 
@@ -311,7 +321,7 @@ Status KvMemory::release_working_sets(SeqId seq) {
     drop_sparse_state(s);
   } else {  // Quest's bounds stay: forks copy them
     release_slices(s.layers);
-    s.shared_ws = ElasticWorkingSet();
+    s.shared_ws.clear();
   }
   return Status::ok();
 }
@@ -319,7 +329,7 @@ Status KvMemory::release_working_sets(SeqId seq) {
 void KvMemory::drop_sparse_state(KvSequence& s) {
   release_slices(s.layers);
   s.layers.clear();
-  s.shared_ws = ElasticWorkingSet();
+  s.shared_ws.clear();
 }
 
 void KvMemory::invalidate_working_sets(KvSequence& s) {
@@ -615,7 +625,7 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
     }
     if (Status st = resume_fused_at(s, s.boundary_fused.back()); !st.is_ok()) return undo(st);
   } else if (method == SparseMethod::kQuest) {
-    if (Status st = ensure_sparse_state(s); !st.is_ok()) return undo(st);
+    ensure_layers(s);
     for (size_t l = 0; l < s.layers.size(); ++l) {
       s.layers[l].page_min = snap.quest_min[l];
       s.layers[l].page_max = snap.quest_max[l];

@@ -60,8 +60,11 @@ struct KvSlice {
 };
 // Per-layer sparse-decode state of one sequence.
 struct KvLayerSparseState {
-  ElasticWorkingSet ws;                   // per-layer selections (Quest, oracle) only
-  KvSlice ws_k, ws_v;                     // [kv_heads][budget][head_dim] each, in the device tier
+  ElasticWorkingSet ws;                   // per-layer selections (Quest, oracle) only: the slot map
+  // [kv_heads][budget][head_dim] each, in the device tier, only while the layer's home is not the
+  // device (a device-homed layer is attended in place by index, Backend::attention_indexed).
+  KvSlice ws_k, ws_v;
+  bool ws_fresh = false;                  // allocated this step: loads every slot of its map, not the diff
   Selection selection;                    // per-layer methods (Quest, oracle)
   std::vector<float> page_min, page_max;  // Quest key bounds [pages][kv_heads][head_dim]
 };
@@ -183,8 +186,14 @@ class KvMemory {
   Status check_prefix(SeqId seq, const KvSequence& s, int64_t tokens, std::string_view what) const;
   Status resume_fused_at(KvSequence& s, const std::shared_ptr<const void>& boundary);
   size_t quest_bound_elements(int64_t tokens) const;  // Quest bounds of whole pages of `tokens`
+  // Every sparse step, before the selection's diff: slot maps for every layer (kept by device-homed
+  // layers too: the order their indexed attention reads, and the elastic statistics); a working set
+  // for each layer not homed on the device (allocated when missing and marked ws_fresh: that step
+  // loads every slot of the map, so it holds what the map says), none for a device-homed one
+  // (released when it came back). On failure the working sets allocated so far stay (the next
+  // step or remove_sequence gives them back).
   Status ensure_sparse_state(KvSequence& s);
-  static bool has_working_sets(const KvSequence& s);             // allocated (not new, not released)
+  void ensure_layers(KvSequence& s);                             // the per-layer state vector (Quest's bounds)
   void release_slices(std::vector<KvLayerSparseState>& layers);  // their working-set memory, and maps
   void drop_sparse_state(KvSequence& s);
   void invalidate_working_sets(KvSequence& s);
@@ -196,6 +205,11 @@ class KvMemory {
   uint64_t head_block_bytes() const;
   // Bytes of K (or V) of one (sequence, layer) working set: kv_heads · budget · head_dim elements.
   uint64_t working_set_bytes() const;
+ public:
+  // Device-tier bytes held by working sets now (K + V of every offloaded layer of every sequence
+  // that has decoded sparsely): the planner's staging term i·R·B·H·D·kvc when all R decode.
+  uint64_t working_set_bytes_in_use() const;
+ private:
   float* head_row(const KvSequence& s, int64_t token) const;  // address of token's key row
   const float* const* head_block_table(const KvSequence& s);  // backend pointers, valid until the next call
   void release_head_cache(KvSequence& s);

@@ -33,6 +33,9 @@ class ElasticWorkingSet {
   const std::vector<int32_t>& counts() const { return counts_; }
   // Token held by a slot (-1 when empty).
   int32_t token_at(int64_t head, int64_t slot) const { return slot_token_[static_cast<size_t>(head * slots_ + slot)]; }
+  // The whole slot map, [kv_heads][slots] (-1 where empty): the indices of the tokens a working set
+  // holds, in slot order (Backend::attention_indexed reads a device-homed layer's KV by it).
+  const std::vector<int32_t>& slot_tokens() const { return slot_token_; }
   void clear();
 
  private:

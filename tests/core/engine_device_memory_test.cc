@@ -126,6 +126,22 @@ class ProtectedMemoryBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) check(items[i].ws.k, "sparse ws");
     return run([&] { return inner_->attention_sparse(q, items, n, heads, out); });
   }
+  Status attention_indexed(const float* q, const IndexedAttentionItem* items, int64_t n, int64_t heads,
+                           float* out) override {
+    check(q, "indexed q");
+    check(out, "indexed out");
+    for (int64_t i = 0; i < n; ++i) {
+      // The indices and counts are host descriptions; every page they name is backend memory.
+      for (int64_t h = 0; h < items[i].kv.kv_heads; ++h) {
+        for (int64_t j = 0; j < items[i].counts[h]; ++j) {
+          check_view(items[i].kv, items[i].indices[h * items[i].stride + j], 1);
+        }
+      }
+    }
+    ++indexed_calls_;
+    return run([&] { return inner_->attention_indexed(q, items, n, heads, out); });
+  }
+  int64_t indexed_calls() const { return indexed_calls_; }
   Status retrieval_group_scores(const float* q, const float* const* blocks, int64_t bt, int64_t length, int64_t nh,
                                 int64_t nkv, int64_t hd, float* out) override {
     check(q, "scores q");
@@ -169,6 +185,7 @@ class ProtectedMemoryBackend final : public Backend {
   std::map<std::byte*, size_t> regions_;
   std::map<const void*, std::shared_ptr<void>> imported_;
   int64_t foreign_ = 0;
+  int64_t indexed_calls_ = 0;
 };
 
 TEST(EngineDeviceMemory, DeviceBackendGivesTheHostLogitsWithoutHostAccess) {
@@ -217,6 +234,8 @@ TEST(EngineDeviceMemory, DeviceBackendGivesTheHostLogitsWithoutHostAccess) {
     EXPECT_EQ(protected_backend->foreign_pointers(), 0);
     if (method != SparseMethod::kDense) {
       EXPECT_GT((*dev)->sparse_stats().sparse_steps, 0);
+      // Every layer is homed on the device: attended in place, by index.
+      EXPECT_GT(protected_backend->indexed_calls(), 0);
     }
   }
 }

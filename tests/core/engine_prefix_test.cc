@@ -224,10 +224,20 @@ TEST_P(ForkSequence, ATruncatedSequenceGoesOnAsIfItHadStoppedThere) {
   EXPECT_EQ(e.memory().kv_store().used_pages(), 4);
   ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
   // Waiting sequences give their working sets back; the next sparse step allocates them again.
+  // Only the layers homed off the device have them: a device-homed layer is attended in place.
   const uint64_t device_before = e.memory().kv_store().tier_used_bytes(TierId(0));
+  const bool has_sets = c.method != SparseMethod::kDense && c.host_layers;
+  if (has_sets) {
+    EXPECT_GT(e.memory().working_set_bytes_in_use(), 0u) << "host-homed layers without working sets";
+  } else {
+    EXPECT_EQ(e.memory().working_set_bytes_in_use(), 0u) << "a device-homed layer with a working set";
+  }
   ASSERT_TRUE(e.memory().release_working_sets(*seq).is_ok());
-  if (c.method != SparseMethod::kDense) {
+  EXPECT_EQ(e.memory().working_set_bytes_in_use(), 0u);
+  if (has_sets) {
     EXPECT_LT(e.memory().kv_store().tier_used_bytes(TierId(0)), device_before) << "working sets released";
+  } else {
+    EXPECT_EQ(e.memory().kv_store().tier_used_bytes(TierId(0)), device_before);
   }
   auto whole = ref.memory().add_sequence();
   ASSERT_TRUE(whole.is_ok());

@@ -856,6 +856,10 @@ class RecordingBackend final : public Backend {
     log_.events.push_back("attend");
     return inner_->attention_sparse(q, it, n, h, o);
   }
+  Status attention_indexed(const float* q, const IndexedAttentionItem* it, int64_t n, int64_t h, float* o) override {
+    log_.events.push_back("attend");
+    return inner_->attention_indexed(q, it, n, h, o);
+  }
 
  private:
   std::shared_ptr<Backend> inner_;
@@ -991,6 +995,9 @@ class QueueingBackend final : public Backend {
   }
   Status attention_sparse(const float* q, const SparseAttentionItem* it, int64_t n, int64_t h, float* o) override {
     return queue(inner_->attention_sparse(q, it, n, h, o));
+  }
+  Status attention_indexed(const float* q, const IndexedAttentionItem* it, int64_t n, int64_t h, float* o) override {
+    return queue(inner_->attention_indexed(q, it, n, h, o));
   }
   Status retrieval_group_scores(const float* q, const float* const* kb, int64_t bt, int64_t len, int64_t h, int64_t kv,
                                 int64_t hd, float* o) override {

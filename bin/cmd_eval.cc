@@ -44,6 +44,10 @@ void register_eval(CLI::App& app, EvalArgs& a) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--needles", a.needles, "passkey trials per depth (0 = none)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--head", a.head_path, "retrieval head (default: retrieval_head.safetensors beside the model)");
+  cmd->add_option("--head-groups", a.head_groups,
+                  "how the head's query heads of a KV group combine: max (the paper's) or turns (each head's best "
+                  "ranks in turn); default: the head's metadata select_group, else max")
+      ->check(CLI::IsMember({"max", "turns"}));
   cmd->add_option("--seed", a.seed, "seed of the needle digits and of --synthetic-text");
   cmd->add_option("--json", a.json_out, "write the records as JSON to this file ('-' = stdout)");
   cmd->add_flag("--plot", a.plot, "also write a PNG next to the JSON (bench/plot_eval.py, /usr/bin/python3)");
@@ -284,6 +288,9 @@ int run_eval(const EvalArgs& a) {
         o.head = *h;
         std::fprintf(stderr, "retrieval head: %s (%s)\n", head_path.c_str(), pruning_report(**h).c_str());
         if (!(*h)->load_note.empty()) std::fprintf(stderr, "warning: %s: %s\n", head_path.c_str(), (*h)->load_note.c_str());
+        if (!a.head_groups.empty()) {
+          (*h)->config.select_group = a.head_groups == "turns" ? GroupReduce::kTurns : GroupReduce::kMax;
+        }
         if (Status st = check_head_not_trained_on(head_path, text, a.text); !st.is_ok()) return fail(st);
       }
     }
@@ -329,6 +336,7 @@ int run_eval(const EvalArgs& a) {
   j["command"] = command_line();
   j["text"] = a.text.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.text);
   j["head"] = head_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(head_path);
+  if (o.head) j["head_groups"] = o.head->config.select_group == GroupReduce::kTurns ? "turns" : "max";
   if (a.json_out == "-") {
     std::cout << j.dump(2) << "\n";
   } else if (!a.json_out.empty()) {

@@ -107,6 +107,7 @@ struct EvalArgs {
   int64_t divergence_tokens = 32;
   int64_t needles = 4;            // passkey trials per depth
   std::string head_path;          // default: retrieval_head.safetensors beside the model
+  std::string head_groups;        // --head-groups max | turns; default: the head's select_group
   uint64_t seed = 1;
   std::string json_out;
   bool plot = false;

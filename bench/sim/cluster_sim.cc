@@ -112,6 +112,7 @@ struct Request {
   bool started = false;          // counted in the router policy's in-flight (policy_.started)
   bool open = false;             // holds a connection at its replica
   bool via_router = false;       // holds a connection at the router
+  bool accepted = false;         // a replica accepted its connection (once: a retry is not counted again)
   int64_t prompt_tokens = 0;
   int64_t replica = -1;
   int64_t produced = 0;
@@ -186,6 +187,7 @@ class Simulator {
     }
     SimOutput out;
     out.wall_s = wall_;
+    out.accepted = accepted_;
     out.metrics = metrics();  // before the results move out: it counts the completed ones
     out.results = std::move(results_);
     return out;
@@ -293,6 +295,8 @@ class Simulator {
     }
     ++R.open;
     q.open = true;
+    if (!q.accepted) ++accepted_;
+    q.accepted = true;
     const double overhead = cal_.costs.request_overhead_s + (topo_.router ? cal_.costs.router_overhead_s : 0.0);
     push(now_ + overhead, EventKind::kReach, i);
   }
@@ -697,6 +701,7 @@ class Simulator {
   int64_t busy_replicas_ = 0;
   int64_t router_lookups_ = 0, router_hits_ = 0, router_prompt_chunks_ = 0, router_matched_chunks_ = 0;
   int64_t router_open_ = 0, router_refused_ = 0, router_retries_ = 0, router_unavailable_ = 0;
+  size_t accepted_ = 0;  // requests a replica accepted a connection for
   int64_t store_hits_ = 0, store_misses_ = 0, store_writes_ = 0, store_errors_ = 0;
   // serve's prefix_shared_chunks_{read,local,written,skipped}
   int64_t store_chunks_read_ = 0, store_chunks_local_ = 0, store_chunks_written_ = 0, store_chunks_skipped_ = 0;
@@ -900,7 +905,14 @@ Result<SimOutput> simulate(const lg::Trace& trace, const Calibration& cal, const
     if (out.is_ok()) out->overhead_cores = o;
     return out;
   };
-  auto demand = [&](const SimOutput& out) { return out.wall_s > 0 ? per_request * n / out.wall_s : max_o; };
+  // A request refused at its connection (429, or 503 at every replica tried) costs the replicas and
+  // the store nothing: their shares count the requests a replica accepted.
+  const double served_only = cal.cpu_per_request.replica_s +
+                             (topo.store.enabled && topo.store.alive ? cal.cpu_per_request.store_s : 0.0);
+  auto demand = [&](const SimOutput& out) {
+    const double cpu_s = per_request * n - served_only * static_cast<double>(trace.requests.size() - out.accepted);
+    return out.wall_s > 0 ? cpu_s / out.wall_s : max_o;
+  };
   double lo = 0, hi = max_o;
   for (int k = 0; k < 40 && hi - lo > 1e-6 * topo.cpus; ++k) {
     const double mid = 0.5 * (lo + hi);

@@ -127,7 +127,9 @@ struct Topology {
   // Cores the replicas share with the router, the load generator and the store (0: each replica
   // has its own threads_per_replica and the others cost nothing). The others take
   // o = Σ cpu_per_request × (trace requests ÷ the run's wall time) of them for the whole run (o
-  // solved with the run it predicts); the replicas share cpus − o (SimOutput::overhead_cores).
+  // solved with the run it predicts; the store's and the replicas' own shares count only the
+  // requests a replica accepted, SimOutput::accepted); the replicas share cpus − o
+  // (SimOutput::overhead_cores).
   double cpus = 0;
   StoreOptions store;
   TierOptions tiers;
@@ -140,6 +142,9 @@ struct SimOutput {
   std::vector<loadgen::RequestResult> results;  // per trace request, as bench_loadgen's
   double wall_s = 0;
   double overhead_cores = 0;  // cores the router, load generator, store and replicas' own work took (Topology::cpus)
+  // Requests a replica accepted a connection for (the others were refused at it: 429, or 503 at
+  // every replica tried); the replicas' and the store's CPU per request count these only.
+  size_t accepted = 0;
   nlohmann::json metrics;  // prefix cache, router, tiers and store, per replica (the loadgen's names)
 };
 

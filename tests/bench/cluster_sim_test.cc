@@ -626,3 +626,23 @@ TEST(ClusterSim, ARefusedTurnLetsItsConversationGoOn) {
   ASSERT_TRUE(r->results[4].ok) << r->results[4].error;
   EXPECT_EQ(r->results[4].prompt_bytes, static_cast<int64_t>(std::string("first turn second").size()));
 }
+
+// A request refused at its connection costs the replica nothing: the replicas' own CPU per
+// request counts the accepted ones (256 of 300 at once), the load generator's every one.
+TEST(ClusterSim, RefusedRequestsTakeNoReplicaCpu) {
+  const lg::Trace t = independent(std::vector<double>(300, 0.0), 64, 4);
+  sim::Topology topo;
+  topo.cpus = 2;
+  sim::Calibration c = simple_costs();
+  c.cpu_per_request.replica_s = 0.002;
+  auto r = sim::simulate(t, c, topo);
+  ASSERT_TRUE(r.is_ok());
+  EXPECT_EQ(r->accepted, 256u);
+  EXPECT_NEAR(r->overhead_cores * r->wall_s, 0.002 * 256, 0.002 * 256 * 1e-3);
+  c.cpu_per_request.replica_s = 0;
+  c.cpu_per_request.loadgen_s = 0.002;
+  auto l = sim::simulate(t, c, topo);
+  ASSERT_TRUE(l.is_ok());
+  EXPECT_EQ(l->accepted, 256u);
+  EXPECT_NEAR(l->overhead_cores * l->wall_s, 0.002 * 300, 0.002 * 300 * 1e-3);
+}

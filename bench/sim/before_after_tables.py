@@ -3,8 +3,9 @@
 and metric (bench/RESULTS.md, issue #31).
     before_after_tables.py [--within 0.15] LABEL=MEASURED[,MEASURED...]:BEFORE.json:AFTER.json ...
 MEASURED: bench_loadgen reports (several: their mean is the reference); BEFORE / AFTER:
-bench_cluster_sim --out reports. Metrics: req/s, cached fraction, store hit rate (cells with a
-store), TTFT p50 / p99. Error = (predicted - mean measured) / mean measured. Then, for cells whose
+bench_cluster_sim --out reports. Metrics: req/s (completed requests / wall), refused (the
+report's errors: serve's 429 / 503), cached fraction, store hit rate (cells with a store), TTFT
+p50 / p99. Error = (predicted - mean measured) / mean measured. Then, for cells whose
 reports have cluster_run.sh's CPU sidecars (OUT.json.cpu.json): the cores the router, load
 generator and store took (their CPU seconds / wall) and serve's cores, beside the after-prediction's (its
 overhead_cores split by the calibration's cpu_per_request; serve: its engines' busy time / wall,
@@ -16,8 +17,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from must_show_tables import fmt, measured, predicted  # noqa: E402
 
-METRICS = [("requests_per_s", "req/s"), ("cached_fraction", "cached fraction"), ("store_hit_rate", "store hit rate"),
-           ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms")]
+METRICS = [("requests_per_s", "req/s"), ("errors", "refused"), ("cached_fraction", "cached fraction"),
+           ("store_hit_rate", "store hit rate"), ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms")]
 
 
 def load(p):

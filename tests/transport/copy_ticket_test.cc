@@ -3,6 +3,7 @@
 // the engine's configured timeouts, so a bug shows up as a failure, not a hang.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -398,7 +399,7 @@ TEST(CopyTicket, TimeoutsCancelAndReleaseTheBuffers) {
   for (std::byte b : m.work) ASSERT_EQ(b, std::byte{0});
 }
 
-// Two 50 ms transfers in flight together count 50 ms of busy time, not 100; two in sequence
+// Two 50 ms transfers in flight together count their union, not 100 ms; two in sequence
 // count 100 ms, and the gap between them does not count.
 TEST(CopyTicket, BusySecondsIsTheUnionOfIntervals) {
   Memory m;
@@ -420,7 +421,11 @@ TEST(CopyTicket, BusySecondsIsTheUnionOfIntervals) {
   ASSERT_EQ(st.layers.size(), 2u);
   EXPECT_GE(st.layers[0].copy_seconds + st.layers[1].copy_seconds, 0.1);
   EXPECT_GE(together.busy_seconds, 0.05);
-  EXPECT_LT(together.busy_seconds, 0.09) << "overlapping intervals were summed";
+  // Both were submitted at once and each layer's copy_seconds runs from that submission to its
+  // end, so their union lies within the longer one (a sum would exceed it by the other's >= 50 ms).
+  // No wall-clock bound: a loaded machine may post the second late.
+  EXPECT_LE(together.busy_seconds, std::max(st.layers[0].copy_seconds, st.layers[1].copy_seconds) + 1e-3)
+      << "overlapping intervals were summed";
   EXPECT_GT(together.wait_seconds, 0.03);
   EXPECT_LE(together.wait_seconds, together.busy_seconds + 0.01);
 

@@ -97,8 +97,9 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
                                    s.shared_selection);
   }
   if (hc.select_group == GroupReduce::kTurns) {  // a head whose query heads learned one layer each
+    SPX_ASSIGN_OR_RETURN(float* scratch, fit_floats(scores_, select_by_turns_scratch_floats(hc, length)));
     return select_by_turns(be, hc, hq, memory_->head_block_table(s), memory_->head_block_tokens_, length, opts,
-                           s.shared_selection);
+                           scratch, s.shared_selection);
   }
   SPX_ASSIGN_OR_RETURN(void* sp, fit(scores_, static_cast<size_t>(hc.n_kv_heads * length) * sizeof(float)));
   float* scores = static_cast<float*>(sp);

@@ -94,17 +94,20 @@ void reduce_group_scores(std::span<const float> scores, int64_t n_q_heads, int64
   const int64_t sinks = std::min(o.sinks, budget);
   const int64_t window = std::min(o.window, budget - sinks);
   const int64_t lo = std::min(sinks, length), hi = std::max(lo, length - window);
+  // Only the first `take` ranks can be selected (one head's alone fill the free slots), so each
+  // head sorts only those; every later rank scores -take.
+  const int64_t take = std::clamp<int64_t>(budget - (lo + length - hi), 0, hi - lo);
   std::vector<int32_t> order(static_cast<size_t>(hi - lo));
   for (int64_t h = 0; h < n_kv_heads; ++h) {
     float* dst = group_scores.data() + h * length;
-    std::fill(dst + lo, dst + hi, -static_cast<float>(hi - lo));
+    std::fill(dst + lo, dst + hi, -static_cast<float>(take));
     for (int64_t g = 0; g < group; ++g) {
       const float* row = scores.data() + (h * group + g) * length;
       std::iota(order.begin(), order.end(), static_cast<int32_t>(lo));
-      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int32_t a, int32_t b) {
         return row[a] > row[b] || (row[a] == row[b] && a < b);
       });
-      for (size_t rank = 0; rank < order.size(); ++rank) {
+      for (size_t rank = 0; rank < static_cast<size_t>(take); ++rank) {
         float& s = dst[order[rank]];
         s = std::max(s, -static_cast<float>(rank));
       }

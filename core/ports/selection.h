@@ -46,7 +46,8 @@ void select_from_group_scores(std::span<const float> group_scores, int64_t n_kv_
 //   kMax:   the max of their attention weights (the paper's rule; select_tokens).
 //   kTurns: the heads take turns: each query head ranks the middle tokens (past the sinks, before
 //           the window, as select_from_group_scores shrinks them to the budget) by its weights,
-//           and a token scores minus its best rank over the group, so the top-k is the union of
+//           and a token scores minus its best rank over the group (ranks past the budget's free
+//           slots, which cannot be selected, all score minus that count), so the top-k is the union of
 //           every head's best ranks (at the last rank reached, the older tokens first). A head
 //           whose query heads each learned one target layer's attention keeps every layer's best.
 enum class GroupReduce : uint8_t { kMax, kTurns };

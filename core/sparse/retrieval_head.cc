@@ -468,22 +468,20 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
 
 Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const float* hq,
                        const float* const* k_blocks, int64_t block_tokens, int64_t length,
-                       const SelectionOptions& options, Selection& out) {
+                       const SelectionOptions& options, float* scratch, Selection& out) {
   const int64_t group = c.n_heads / c.n_kv_heads, hd = c.head_dim;
-  const size_t q_bytes = static_cast<size_t>(c.n_kv_heads * hd) * sizeof(float);
   const size_t s_bytes = static_cast<size_t>(c.n_kv_heads * length) * sizeof(float);
-  SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> qj, backend.allocate(q_bytes));
-  SPX_ASSIGN_OR_RETURN(std::shared_ptr<void> sj, backend.allocate(s_bytes));
+  float* sj = scratch;                          // [n_kv_heads][length]: one query head of each group
+  float* qj = scratch + c.n_kv_heads * length;  // [n_kv_heads][head_dim]: its rows of hq
   std::vector<float> per_head(static_cast<size_t>(c.n_heads * length)), part(static_cast<size_t>(c.n_kv_heads * length));
   for (int64_t j = 0; j < group; ++j) {
     // Query head j of every group: rows g·group + j of hq, one per KV head.
-    SPX_RETURN_IF_ERROR(backend.copy_rows(qj.get(), static_cast<size_t>(hd) * sizeof(float), hq + j * hd,
+    SPX_RETURN_IF_ERROR(backend.copy_rows(qj, static_cast<size_t>(hd) * sizeof(float), hq + j * hd,
                                           static_cast<size_t>(group * hd) * sizeof(float),
                                           static_cast<size_t>(hd) * sizeof(float), c.n_kv_heads));
-    SPX_RETURN_IF_ERROR(backend.retrieval_group_scores(static_cast<const float*>(qj.get()), k_blocks, block_tokens,
-                                                       length, c.n_kv_heads, c.n_kv_heads, hd,
-                                                       static_cast<float*>(sj.get())));
-    SPX_RETURN_IF_ERROR(backend.download(part.data(), sj.get(), s_bytes));
+    SPX_RETURN_IF_ERROR(
+        backend.retrieval_group_scores(qj, k_blocks, block_tokens, length, c.n_kv_heads, c.n_kv_heads, hd, sj));
+    SPX_RETURN_IF_ERROR(backend.download(part.data(), sj, s_bytes));
     for (int64_t g = 0; g < c.n_kv_heads; ++g) {
       std::copy_n(part.data() + g * length, length, per_head.data() + (g * group + j) * length);
     }
@@ -492,6 +490,10 @@ Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const flo
   reduce_group_scores(per_head, c.n_heads, c.n_kv_heads, length, options, c.select_group, group_scores);
   select_from_group_scores(group_scores, c.n_kv_heads, length, options, out);
   return Status::ok();
+}
+
+int64_t select_by_turns_scratch_floats(const RetrievalHeadConfig& c, int64_t length) {
+  return c.n_kv_heads * (length + c.head_dim);
 }
 
 Status write_retrieval_head(const std::string& path, const RetrievalHead& head) {

@@ -495,7 +495,8 @@ TEST(RetrievalHead, SelectionByTurnsEqualsTheHostReference) {
     reduce_group_scores(scores, 4, 2, length, o, GroupReduce::kTurns, g);
     Selection want, got;
     select_from_group_scores(g, 2, length, o, want);
-    ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table.data(), bt, length, o, got).is_ok());
+    std::vector<float> scratch(static_cast<size_t>(select_by_turns_scratch_floats(h.config, length)));
+    ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table.data(), bt, length, o, scratch.data(), got).is_ok());
     for (int64_t kv = 0; kv < 2; ++kv) {
       const auto w = want.head(kv), x = got.head(kv);
       EXPECT_EQ(std::vector<int32_t>(x.begin(), x.end()), std::vector<int32_t>(w.begin(), w.end()))

@@ -509,7 +509,7 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
   // 400 tokens in well under a second, so on a loaded machine the stream can end before stop()
   // lands; then the case is tried again (it did not test anything).
   bool stopped_mid_stream = false;
-  for (int attempt = 0; attempt < 5 && !stopped_mid_stream; ++attempt) {
+  for (int attempt = 0; attempt < 10 && !stopped_mid_stream; ++attempt) {
     Fixture g = make_fixture(1);
     auto server2 = OpenAiServer::start(*g.engine, *g.tokenizer, options_for(*g.tokenizer));
     ASSERT_TRUE(server2.is_ok());
@@ -521,7 +521,14 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
     ASSERT_TRUE(eventually([&] { return (*server2)->counters().generated_tokens > 3; }));
     (*server2)->stop();
     c.join();
-    ASSERT_EQ(cut.status, 200);
+    // On a loaded machine the connection's coroutine may not have written the stream's headers
+    // before stop(): the tokens and the cancellation then arrive together and the answer is a
+    // plain 503 naming the shutdown. Correct, but not the case under test: try again.
+    if (cut.status == 503) {
+      EXPECT_NE(cut.body.find("shutting down"), std::string::npos) << cut.body;
+      continue;
+    }
+    ASSERT_EQ(cut.status, 200) << cut.body;
     const auto events = events_of(cut.body);
     ASSERT_GE(events.size(), 2u);
     EXPECT_EQ(events.back(), "[DONE]");
@@ -530,7 +537,7 @@ TEST(OpenAiServer, StopDrainsAcceptedRequestsThenRefusesAndWithoutDrainEndsStrea
     const json err = json::parse(events[events.size() - 2]);
     EXPECT_NE(err["error"]["message"].get<std::string>().find("shutting down"), std::string::npos) << cut.body;
   }
-  EXPECT_TRUE(stopped_mid_stream) << "five streams all finished before stop()";
+  EXPECT_TRUE(stopped_mid_stream) << "ten streams all finished, or were refused whole, before stop()";
 }
 
 // A byte-level ChatML tokenizer (256 byte tokens + <|im_start|> 256 + <|im_end|> 257) over a

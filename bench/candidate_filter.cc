@@ -367,8 +367,8 @@ Result<nlohmann::json> run_synthetic(const SyntheticConfig& cfg) {
       q = world.query(L, qi);
       G.resize(static_cast<size_t>(sh.n_kv_heads * L));
       t0 = Clock::now();
-      const float* table[1] = {world.keys.data()};
-      SPX_RETURN_IF_ERROR(host.retrieval_group_scores(q.data(), table, std::max<int64_t>(L, 1), L, sh.n_heads,
+      const void* table[1] = {world.keys.data()};
+      SPX_RETURN_IF_ERROR(host.retrieval_group_scores(q.data(), table, DType::kF32, std::max<int64_t>(L, 1), L, sh.n_heads,
                                                       sh.n_kv_heads, sh.head_dim, G.data()));
       full_serial_s.push_back(seconds_since(t0));
       t0 = Clock::now();
@@ -528,8 +528,9 @@ Result<nlohmann::json> run_real(const RealConfig& cfg) {
         const int64_t L = t + 1;
         const float* qt = q.data() + t * qd;
         G.resize(static_cast<size_t>(nkv * L));
-        const float* table[1] = {k.data()};
-        SPX_RETURN_IF_ERROR(host.retrieval_group_scores(qt, table, std::max<int64_t>(L, 1), L, nh, nkv, hd, G.data()));
+        const void* table[1] = {k.data()};
+        SPX_RETURN_IF_ERROR(
+            host.retrieval_group_scores(qt, table, DType::kF32, std::max<int64_t>(L, 1), L, nh, nkv, hd, G.data()));
         for (size_t bi = 0; bi < cfg.budgets.size(); ++bi) {
           const SelectionOptions sel{cfg.budgets[bi], 1, 4};
           select_from_group_scores(G, nkv, L, sel, full);

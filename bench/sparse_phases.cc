@@ -182,15 +182,21 @@ int main(int argc, char** argv) {
   nlohmann::json batch_info = nlohmann::json::array();
   for (int64_t batch : batches) {
     std::fprintf(stderr, "batch %lld: setting up\n", static_cast<long long>(batch));
-    // Per sequence: the head's K cache (blocks of `budget` tokens, as the engine pages it).
+    // Per sequence: the head's K cache (blocks of `budget` tokens of the KV dtype, as the engine
+    // pages it).
     const int64_t block_tokens = budget;
     const int64_t n_blocks = (length + block_tokens - 1) / block_tokens;
+    const size_t block_elems = static_cast<size_t>(block_tokens * kd);
     std::vector<Buffer> head_cache;
-    std::vector<std::vector<const float*>> head_tables(static_cast<size_t>(batch));
+    std::vector<std::vector<const void*>> head_tables(static_cast<size_t>(batch));
+    std::vector<float> keys_f32(static_cast<size_t>(n_blocks) * block_elems);  // one sequence's, rounded into its cache
     for (int64_t s = 0; s < batch; ++s) {
-      head_cache.emplace_back(static_cast<size_t>(n_blocks * block_tokens * kd) * 4);
-      fill_random(head_cache.back().f32(), static_cast<size_t>(n_blocks * block_tokens * kd), 100 + s, 1.0f);
-      for (int64_t b = 0; b < n_blocks; ++b) head_tables[s].push_back(head_cache.back().f32() + b * block_tokens * kd);
+      head_cache.emplace_back(keys_f32.size() * esz);
+      fill_random(keys_f32.data(), keys_f32.size(), 100 + s, 1.0f);
+      convert_from_f32(kv_dtype, keys_f32.data(), head_cache.back().data, keys_f32.size());
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        head_tables[s].push_back(head_cache.back().data + static_cast<size_t>(b) * block_elems * esz);
+      }
     }
     // Per (sequence, layer): page tables into the pool, a working set.
     std::vector<std::vector<void*>> kpages(static_cast<size_t>(batch * layers)), vpages(kpages.size());
@@ -266,14 +272,15 @@ int main(int argc, char** argv) {
                "retrieval_qk");
         }
         for (int64_t s = 0; s < batch; ++s) {
-          std::memcpy(head_cache[s].f32() + pos * kd, k_new.data() + s * kd, static_cast<size_t>(kd) * 4);
+          convert_from_f32(kv_dtype, k_new.data() + s * kd, head_cache[s].data + static_cast<size_t>(pos * kd) * esz,
+                           static_cast<size_t>(kd));
         }
         t[0] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
       for (int64_t s = 0; s < batch; ++s) {
         auto t1 = std::chrono::steady_clock::now();
         const float* q = q_ab[static_cast<size_t>(2 * s + (step % 2))].data();
-        fail(be.retrieval_group_scores(q, head_tables[s].data(), block_tokens, length, hc.n_heads, hc.n_kv_heads,
+        fail(be.retrieval_group_scores(q, head_tables[s].data(), kv_dtype, block_tokens, length, hc.n_heads, hc.n_kv_heads,
                                        hc.head_dim, scores.f32()),
              "retrieval_group_scores");
         auto t2 = std::chrono::steady_clock::now();
@@ -374,7 +381,7 @@ int main(int argc, char** argv) {
                            : static_cast<double>(head_weight_bytes) + B * per_seq_io,
          B * 2.0 * head_params, head_per_sequence ? B : 1.0},
         // score: every key of every sequence's head cache once, the group scores written once.
-        {B * (L * kd * 4.0 + qd * 4.0 + nkv * L * 4.0), 0, B * (2.0 * nh * hdim * L + 4.0 * nh * L + nh * L), B},
+        {B * (L * kd * static_cast<double>(esz) + qd * 4.0 + nkv * L * 4.0), 0, B * (2.0 * nh * hdim * L + 4.0 * nh * L + nh * L), B},
         // topk: the group scores read once, the selection written.
         {B * (nkv * L * 4.0 + nkv * budget * 4.0), 0, B * nkv * L, B},
         // diff: the selection read, the slot map read and written, the loads written (12 bytes each).

@@ -1498,12 +1498,14 @@ Status CpuBackend::add(float* x, const float* y, int64_t n) {
   });
 }
 
-Status CpuBackend::retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
-                                          int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                          float* out) {
+Status CpuBackend::retrieval_group_scores(const float* q, const void* const* k_blocks, DType k_dtype,
+                                          int64_t block_tokens, int64_t length, int64_t n_heads, int64_t n_kv_heads,
+                                          int64_t head_dim, float* out) {
   if (length <= 0) return Status::ok();
-  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 || block_tokens <= 0) {
-    return Backend::retrieval_group_scores(q, k_blocks, block_tokens, length, n_heads, n_kv_heads, head_dim, out);
+  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 || block_tokens <= 0 ||
+      !is_head_key_dtype(k_dtype)) {  // the default names the argument
+    return Backend::retrieval_group_scores(q, k_blocks, k_dtype, block_tokens, length, n_heads, n_kv_heads,
+                                           head_dim, out);
   }
   return guarded("retrieval_group_scores", [&]() -> Status {
     Impl& s = *impl_;
@@ -1513,7 +1515,7 @@ Status CpuBackend::retrieval_group_scores(const float* q, const float* const* k_
     float* lg = logits.data();
     const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 14) / std::max<int64_t>(n_heads * head_dim, 1));
     s.parallel(length, grain, [&](int64_t t0, int64_t t1) {
-      head_logits(q, k_blocks, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim, lg);
+      head_logits(q, k_blocks, k_dtype, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim, lg);
     });
     // The softmax of each head's row, the heads spread over the threads (each row whole on one
     // thread, by the host default's softmax_rows: the same bits).

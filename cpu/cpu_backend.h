@@ -77,8 +77,9 @@ class CpuBackend final : public Backend {
   // The host default's arithmetic (core/base/host_math.h), bit for bit: the dot products spread
   // over the arena by token range, then each head's softmax whole on one thread (its normaliser
   // summed in token order), the heads spread over the arena.
-  Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t length,
-                                int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* out) override;
+  Status retrieval_group_scores(const float* q, const void* const* k_blocks, DType k_dtype, int64_t block_tokens,
+                                int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                float* out) override;
   // select_from_group_scores (core/ports/selection.h) of each KV head, the heads spread over the
   // arena, reading the scores in place (the host default copies them first): the same selection.
   Status select_top_tokens(const float* group_scores, int64_t n_kv_heads, int64_t length,

@@ -579,18 +579,18 @@ Status CudaBackend::attention_indexed(const float* q, const IndexedAttentionItem
 
 // ---- retrieval head ----
 
-Status CudaBackend::retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
-                                           int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                           float* out) {
-  SPX_ASSIGN_OR_RETURN(RetrievalScoresPlan plan, plan_retrieval_scores(q, k_blocks, block_tokens, length, n_heads,
-                                                                       n_kv_heads, head_dim, out, sm_count_,
+Status CudaBackend::retrieval_group_scores(const float* q, const void* const* k_blocks, DType k_dtype,
+                                           int64_t block_tokens, int64_t length, int64_t n_heads, int64_t n_kv_heads,
+                                           int64_t head_dim, float* out) {
+  SPX_ASSIGN_OR_RETURN(RetrievalScoresPlan plan, plan_retrieval_scores(q, k_blocks, k_dtype, block_tokens, length,
+                                                                       n_heads, n_kv_heads, head_dim, out, sm_count_,
                                                                        smem_limits_));
   if (plan.launch.length <= 0) return Status::ok();
   SPX_ENTER_DEVICE();
   meta_host_.clear();
   const size_t table_at = append_bytes(meta_host_, k_blocks, static_cast<size_t>(plan.n_blocks));
   SPX_RETURN_IF_ERROR(upload_metadata());
-  plan.launch.k_blocks = reinterpret_cast<const float* const*>(meta_dev_.data() + table_at);
+  plan.launch.k_blocks = reinterpret_cast<const void* const*>(meta_dev_.data() + table_at);
   SPX_RETURN_IF_ERROR(reserve(retrieval_logits_, plan.logits_floats));
   SPX_RETURN_IF_ERROR(reserve(retrieval_partials_, plan.partial_floats + plan.stats_floats));
   kernels::RetrievalScoresLaunch& a = plan.launch;

@@ -130,7 +130,7 @@ class CudaBackend final : public Backend {
   // head_dim <= 256 (kUnimplemented beyond); q, the K blocks and out device memory. Asynchronous. Scratch:
   // n_heads · length floats of logits (grow-only) plus small per-block partials.
   // The paged K cache's block table (a host array of device pointers) travels with the call.
-  Status retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
+  Status retrieval_group_scores(const float* q, const void* const* k_blocks, DType k_dtype, int64_t block_tokens,
                                 int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                 float* out) override;
   // The exact set of select_from_group_scores (core/ports/selection.h) from device scores, by a radix

@@ -226,9 +226,11 @@ inline constexpr size_t kRetrievalStaticSmemBytes = kRetrievalThreads * sizeof(c
 struct RetrievalScoresLaunch {
   const float* q = nullptr;        // device [n_heads][head_dim]
   // The head's paged K cache: block b holds tokens [b·block_tokens, (b+1)·block_tokens),
-  // [block_tokens][n_kv_heads][head_dim]. A device array of device pointers in a launch (the
-  // plan holds the caller's host table until CudaBackend uploads it).
-  const float* const* k_blocks = nullptr;
+  // [block_tokens][n_kv_heads][head_dim] elements of k_type (the KV cache's), widened to f32 as
+  // the score kernel stages them. A device array of device pointers in a launch (the plan holds
+  // the caller's host table until CudaBackend uploads it).
+  const void* const* k_blocks = nullptr;
+  KvType k_type = KvType::kF32;
   int64_t block_tokens = 0;
   float* out = nullptr;            // device [n_kv_heads][length]
   float* logits = nullptr;         // scratch [n_heads][length], log2 units (q pre-scaled)
@@ -246,7 +248,8 @@ struct RetrievalScoresLaunch {
   int tile = 0;                  // rows per stage: kRetrievalThreads / parts
   int part_dims = 0;             // dims per part, multiple of 4 (zero-padded beyond head_dim)
   int k_stride = 0;              // floats between staged rows: ≡ 4 (mod 32), conflict-free float4 reads
-  bool vec4 = false;             // K rows load as float4 (head_dim % 4 == 0, every block 16-byte aligned)
+  bool vec4 = false;             // K rows load 4 elements at a time (head_dim % 4 == 0, every block
+                                 // aligned to 4 elements: 16 bytes for f32, 8 for f16 / bf16)
   float q_scale = 0.0f;          // log2(e) / sqrt(head_dim)
   size_t smem_bytes = 0;         // dynamic shared memory of the score kernel
   // smem_bytes + kRetrievalStaticSmemBytes exceeds the default per-block limit: the launcher

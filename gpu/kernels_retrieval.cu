@@ -2,7 +2,8 @@
 // per-KV-head top-k selection over them.
 //
 // Scores: three kernels. (1) A block owns tokens_per_block tokens of one KV head; it stages `tile`
-// K rows at a time in shared memory (coalesced, float4 when possible) and each thread scores one
+// K rows at a time in shared memory as f32 (coalesced, 4 elements per load when possible; f16 /
+// bf16 keys are widened as they are loaded, the only conversion) and each thread scores one
 // (row, part) against every query of the GQA group, 8 heads per pass, from the staged rows (float4
 // reads, a row stride ≡ 4 mod 32 keeps them conflict-free) and broadcast queries. Logits go to a
 // scratch row per query head in log2 units; at the end the block reduces its own logits to a
@@ -24,6 +25,7 @@
 #include <cstdint>
 
 #include "gpu/kernels.h"
+#include "gpu/kv_convert.h"
 #include "gpu/topk_radix.h"
 
 namespace specontext::gpu::kernels {
@@ -58,6 +60,22 @@ __device__ __forceinline__ void warp_merge_ml(float& m, float& l) {
 
 // ---- retrieval scores ----
 
+// Four consecutive key elements as f32 (p aligned to four elements).
+__device__ __forceinline__ float4 load_key4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load_key4(const __half* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);  // element 0 in the low half of u.x
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ float4 load_key4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+
+// T: the keys' element type (float, __half, __nv_bfloat16).
+template <typename T>
 __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(const RetrievalScoresLaunch a) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -86,7 +104,7 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
   const int64_t kvd = a.n_kv_heads * a.head_dim;
   const float* k_row = k_s + (part * tile + row) * ks;
   // Where each staged row of this KV head starts in the paged cache (rows may cross blocks).
-  __shared__ const float* row_base[kRetrievalThreads];
+  __shared__ const T* row_base[kRetrievalThreads];
   static_assert(sizeof(row_base) == kRetrievalStaticSmemBytes, "the plan counts this array");
 
   for (int64_t t0 = t_begin; t0 < t_end; t0 += tile) {
@@ -94,7 +112,8 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
     __syncthreads();  // q_s staged (first tile) / the previous tile consumed
     if (tid < n_rows) {
       const int64_t t = t0 + tid;
-      row_base[tid] = a.k_blocks[t / a.block_tokens] + (t % a.block_tokens) * kvd + g * a.head_dim;
+      row_base[tid] = static_cast<const T*>(a.k_blocks[t / a.block_tokens]) + (t % a.block_tokens) * kvd +
+                      g * a.head_dim;
     }
     __syncthreads();
     if (a.vec4) {
@@ -103,7 +122,7 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
         const int r = i / n4;
         const int d = (i - r * n4) * 4;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r < n_rows && d < hd) v = *reinterpret_cast<const float4*>(row_base[r] + d);
+        if (r < n_rows && d < hd) v = load_key4(row_base[r] + d);
         const int p = d / pd;
         *reinterpret_cast<float4*>(k_s + (p * tile + r) * ks + (d - p * pd)) = v;
       }
@@ -111,7 +130,7 @@ __global__ void __launch_bounds__(kRetrievalThreads) retrieval_logits_kernel(con
       for (int i = tid; i < tile * qd; i += kRetrievalThreads) {
         const int r = i / qd;
         const int d = i - r * qd;
-        const float v = r < n_rows && d < hd ? row_base[r][d] : 0.0f;
+        const float v = r < n_rows && d < hd ? kv_to_f32(row_base[r][d]) : 0.0f;
         const int p = d / pd;
         k_s[(p * tile + r) * ks + (d - p * pd)] = v;
       }
@@ -371,17 +390,27 @@ __global__ void __launch_bounds__(kSelectThreads) select_write_kernel(const Sele
 
 }  // namespace
 
-cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t stream) {
-  clear_stale_error();
-  if (a.length <= 0) return cudaSuccess;
+template <typename T>
+cudaError_t launch_retrieval_logits(const RetrievalScoresLaunch& a, cudaStream_t stream) {
   if (a.smem_opt_in) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        retrieval_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(a.smem_bytes));
+    const cudaError_t err = cudaFuncSetAttribute(retrieval_logits_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(a.smem_bytes));
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(static_cast<unsigned>(a.blocks_per_head), static_cast<unsigned>(a.n_kv_heads));
-  retrieval_logits_kernel<<<grid, kRetrievalThreads, a.smem_bytes, stream>>>(a);
-  cudaError_t err = cudaGetLastError();
+  retrieval_logits_kernel<T><<<grid, kRetrievalThreads, a.smem_bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_retrieval_scores(const RetrievalScoresLaunch& a, cudaStream_t stream) {
+  clear_stale_error();
+  if (a.length <= 0) return cudaSuccess;
+  cudaError_t err = cudaErrorInvalidValue;  // not a KvType
+  switch (a.k_type) {
+    case KvType::kF32: err = launch_retrieval_logits<float>(a, stream); break;
+    case KvType::kF16: err = launch_retrieval_logits<__half>(a, stream); break;
+    case KvType::kBF16: err = launch_retrieval_logits<__nv_bfloat16>(a, stream); break;
+  }
   if (err != cudaSuccess) return err;
   retrieval_stats_kernel<<<static_cast<unsigned>(a.n_heads), kRetrievalThreads, 0, stream>>>(a);
   err = cudaGetLastError();

@@ -7,13 +7,15 @@
 #include <numeric>
 #include <string>
 
+#include "core/base/dtype.h"
+#include "gpu/plan_internal.h"
+
 namespace specontext::gpu {
 
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Blocks per SM the score and selection grids aim for before they stop splitting further.
 constexpr int64_t kTargetBlocksPerSm = 2;
@@ -26,7 +28,7 @@ constexpr int64_t kSelectMaxBlocksPerSegment = 64;
 
 // ---- retrieval_group_scores ----
 
-Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* const* k_blocks,
+Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const void* const* k_blocks, DType k_dtype,
                                                   int64_t block_tokens, int64_t length, int64_t n_heads,
                                                   int64_t n_kv_heads, int64_t head_dim, float* out,
                                                   int sm_count, SharedMemoryLimits limits) {
@@ -46,13 +48,20 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* c
   if (block_tokens <= 0) {
     return invalid_argument("retrieval_group_scores: blocks of " + std::to_string(block_tokens) + " tokens");
   }
+  if (!is_kv_dtype(k_dtype)) {
+    return invalid_argument("retrieval_group_scores: keys of dtype " + std::string(dtype_name(k_dtype)) +
+                            " (f32, f16 or bf16)");
+  }
+  const kernels::KvType k_type = plan_internal::kv_type_of(k_dtype);
+  // 4-element loads: 16 bytes of f32, 8 of f16 / bf16.
+  const uintptr_t vec_align = static_cast<uintptr_t>(4 * kernels::kv_type_bytes(k_type)) - 1;
   const int64_t n_blocks = (length + block_tokens - 1) / block_tokens;
   bool blocks_aligned = true;
   for (int64_t b = 0; b < n_blocks; ++b) {
     if (k_blocks[b] == nullptr) {
       return invalid_argument("retrieval_group_scores: K block " + std::to_string(b) + " is null");
     }
-    blocks_aligned = blocks_aligned && aligned16(k_blocks[b]);
+    blocks_aligned = blocks_aligned && (reinterpret_cast<uintptr_t>(k_blocks[b]) & vec_align) == 0;
   }
   if (length > INT32_MAX) {
     return invalid_argument("retrieval_group_scores: length " + std::to_string(length) +
@@ -63,6 +72,7 @@ Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* c
   kernels::RetrievalScoresLaunch& a = plan.launch;
   a.q = q;
   a.k_blocks = k_blocks;
+  a.k_type = k_type;
   a.block_tokens = block_tokens;
   plan.n_blocks = n_blocks;
   a.out = out;

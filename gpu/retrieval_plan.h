@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/base/dtype.h"
 #include "core/base/status.h"
 #include "core/ports/selection.h"
 #include "gpu/kernels.h"
@@ -40,9 +41,10 @@ struct SharedMemoryLimits {
 // Shared memory: launch.smem_bytes (dynamic) plus kRetrievalStaticSmemBytes must fit
 // limits.per_block_optin (else kUnimplemented), and launch.smem_opt_in is set when they exceed
 // limits.per_block.
-// k_blocks is the HOST table of the paged K cache (Backend::retrieval_group_scores); the plan
-// points launch.k_blocks at it and CudaBackend replaces that with the uploaded copy.
-Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const float* const* k_blocks,
+// k_blocks is the HOST table of the paged K cache (Backend::retrieval_group_scores), elements of
+// k_dtype (f32, f16 or bf16; another dtype: kInvalidArgument); the plan points launch.k_blocks at
+// it and CudaBackend replaces that with the uploaded copy.
+Result<RetrievalScoresPlan> plan_retrieval_scores(const float* q, const void* const* k_blocks, DType k_dtype,
                                                   int64_t block_tokens, int64_t length, int64_t n_heads,
                                                   int64_t n_kv_heads, int64_t head_dim, float* out,
                                                   int sm_count, SharedMemoryLimits limits = {});

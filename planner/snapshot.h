@@ -58,8 +58,8 @@ struct PlannerSnapshot {
   int64_t filter_shortlist_tokens = 0;
   // Device bytes per token of context that the retrieval side needs (the head's K cache and
   // whatever buffers its scoring keeps). 0 = the paper's (1 + α)·kvc·H·D: a K cache plus the
-  // repeat_kv expansion of a PyTorch implementation. Our engine keeps K only, no expansion, and
-  // passes H_head·D·elem.
+  // repeat_kv expansion of a PyTorch implementation. Our engine keeps K only, in the KV dtype, no
+  // expansion, and passes H_head·D·kvc (KvMemory::head_block_bytes / head_block_tokens).
   int64_t retrieval_bytes_per_token = 0;
   // Allocation granularity of the off-device pools (the engine's; 0 in the paper's model). An
   // offloaded layer's KV takes up to layer_slack_bytes more than Σ S_r·H·D·kvc in its pool (its

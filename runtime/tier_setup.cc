@@ -298,7 +298,8 @@ Status start_tiers(TierRuntime& rt, Engine& engine, const EngineOptions& eopts,
   if (pc.base.host.size() > 1) pc.base.host_to_host_bandwidth_bps = measured(TierId(1), TierId(2));
   if (eopts.sparse.method == SparseMethod::kSpeContext && eopts.retrieval_head) {
     const auto& hc = eopts.retrieval_head->config;
-    pc.base.retrieval_bytes_per_token = hc.n_kv_heads * hc.head_dim * 4;  // K only, f32, no repeat_kv
+    // K only, in the KV dtype (KvMemory::head_row_bytes), no repeat_kv.
+    pc.base.retrieval_bytes_per_token = hc.n_kv_heads * hc.head_dim * static_cast<int64_t>(dtype_size(eopts.kv_dtype));
     // Engine::head_block_bytes: the head's keys live in blocks of `budget` tokens per sequence.
     pc.head_block_bytes = static_cast<uint64_t>(pc.base.retrieval_bytes_per_token * eopts.sparse.selection.budget);
   } else {

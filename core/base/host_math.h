@@ -1,11 +1,17 @@
 // Host loops of the retrieval head's scoring, shared so that every host scorer (the Backend
 // default, the CPU backend, retrieval_scores, select_among_candidates) gives bit-identical values.
+// The head's keys are stored in the KV dtype (f32, f16 or bf16); f16 / bf16 keys are widened to
+// f32 element by element inside the dot product (exact: every f16 / bf16 value is an f32 value),
+// so the sums are those of f32 keys holding the same values.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "core/base/dtype.h"
 
 namespace specontext {
 
@@ -21,21 +27,94 @@ inline float dot8(const float* a, const float* b, int64_t n) {
   return dot;
 }
 
-// logits[h][t] = q_h · k_t / √head_dim for tokens [t0, t1), token-major (each key row is read once
-// for all query heads of its group). Keys are paged: block b of k_blocks holds tokens
-// [b·block_tokens, (b+1)·block_tokens), [block_tokens][n_kv_heads·head_dim].
-inline void head_logits(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t t0, int64_t t1,
-                        int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* logits) {
+// f16 bits to f32, exact for every value (subnormals, inf, NaN), branch-free so that the dot
+// loops below vectorise with it (the bit trick of the FP16 library, Maratyszcza/FP16).
+inline float f16_bits_to_f32(uint16_t h) {
+  auto as_float = [](uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; };
+  auto as_bits = [](float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; };
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = as_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = as_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  return as_float(sign | (two_w < (1u << 27) ? as_bits(denormalized) : as_bits(normalized)));
+}
+
+// Element i of a key row of dtype T (f32, f16 or bf16), as f32.
+template <DType T>
+inline float key_at(const void* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return static_cast<const float*>(row)[i];
+  } else if constexpr (T == DType::kF16) {
+    return f16_bits_to_f32(static_cast<const uint16_t*>(row)[i]);
+  } else {
+    static_assert(T == DType::kBF16, "head keys are f32, f16 or bf16");
+    return bf16_to_f32(static_cast<const uint16_t*>(row)[i]);
+  }
+}
+
+// dot8 with b a key row of dtype T, widened on load: for T = f32 the very arithmetic of dot8.
+template <DType T>
+inline float dot8_key(const float* a, const void* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int u = 0; u < 8; ++u) acc[u] += a[i + u] * key_at<T>(b, i + u);
+  }
+  float dot = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) dot += a[i] * key_at<T>(b, i);
+  return dot;
+}
+
+// dot8_key for a dtype known at run time (f32, f16 or bf16; anything else reads as bf16 and is
+// refused by the callers' argument checks first).
+inline float dot8_key(DType t, const float* a, const void* b, int64_t n) {
+  switch (t) {
+    case DType::kF32: return dot8_key<DType::kF32>(a, b, n);
+    case DType::kF16: return dot8_key<DType::kF16>(a, b, n);
+    default: return dot8_key<DType::kBF16>(a, b, n);
+  }
+}
+
+// Whether `t` is a dtype the head's keys may be stored in (the KV dtypes).
+inline bool is_head_key_dtype(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
+
+template <DType T>
+inline void head_logits_of(const float* q, const void* const* k_blocks, int64_t block_tokens, int64_t t0, int64_t t1,
+                           int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* logits) {
   const int64_t group = n_heads / n_kv_heads;
   const int64_t kvd = n_kv_heads * head_dim;
+  const size_t elem = T == DType::kF32 ? 4 : 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   for (int64_t t = t0; t < t1; ++t) {
-    const float* row = k_blocks[t / block_tokens] + (t % block_tokens) * kvd;
+    const auto* row = static_cast<const unsigned char*>(k_blocks[t / block_tokens]) +
+                      static_cast<size_t>((t % block_tokens) * kvd) * elem;
     for (int64_t g = 0; g < n_kv_heads; ++g) {
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        logits[h * length + t] = dot8(q + h * head_dim, row + g * head_dim, head_dim) * scale;
+        logits[h * length + t] =
+            dot8_key<T>(q + h * head_dim, row + static_cast<size_t>(g * head_dim) * elem, head_dim) * scale;
       }
     }
+  }
+}
+
+// logits[h][t] = q_h · k_t / √head_dim for tokens [t0, t1), token-major (each key row is read once
+// for all query heads of its group). Keys are paged: block b of k_blocks holds tokens
+// [b·block_tokens, (b+1)·block_tokens), [block_tokens][n_kv_heads·head_dim] elements of k_dtype
+// (f32, f16 or bf16: is_head_key_dtype), converted on load.
+inline void head_logits(const float* q, const void* const* k_blocks, DType k_dtype, int64_t block_tokens, int64_t t0,
+                        int64_t t1, int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                        float* logits) {
+  switch (k_dtype) {
+    case DType::kF32:
+      return head_logits_of<DType::kF32>(q, k_blocks, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim,
+                                         logits);
+    case DType::kF16:
+      return head_logits_of<DType::kF16>(q, k_blocks, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim,
+                                         logits);
+    default:
+      return head_logits_of<DType::kBF16>(q, k_blocks, block_tokens, t0, t1, length, n_heads, n_kv_heads, head_dim,
+                                          logits);
   }
 }
 

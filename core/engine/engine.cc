@@ -191,12 +191,12 @@ uint64_t Engine::all_device_bytes(const ModelConfig& c, const EngineOptions& o) 
     allocations += static_cast<uint64_t>(running * c.n_layers) * 2;
   }
   if (o.sparse.method == SparseMethod::kSpeContext && o.retrieval_head) {
-    // The head's key blocks: `budget` tokens each, f32 (head_block_bytes).
+    // The head's key blocks: `budget` tokens each, in the KV dtype (head_block_bytes).
     const auto& hc = o.retrieval_head->config;
     // Waiting sequences hold tokens of the same pool: a partly filled block each beyond it.
     const int64_t blocks = running * ((max_context + budget - 1) / budget) + waiting;
     bytes += static_cast<uint64_t>(blocks) * static_cast<uint64_t>(budget * hc.n_kv_heads * hc.head_dim) *
-             sizeof(float);
+             dtype_size(o.kv_dtype);
     allocations += static_cast<uint64_t>(blocks);
   }
   return bytes + allocations * 256 + (uint64_t{1} << 20);  // alignment slack per allocation

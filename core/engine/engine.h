@@ -369,6 +369,7 @@ class Engine {
   std::vector<TokenDraw> draw_values_;  // kSample rows of this step, in row order
   std::vector<TokenId> sampled_;
   std::vector<float> host_q_, host_rows_;  // downloads for host-side selection (Quest, oracle, filter)
+  std::vector<float> host_keys_;          // f16 / bf16 head keys widened for the candidate filter
   std::vector<AttentionItem> items_, dense_items_;
   std::vector<SparseAttentionItem> sparse_items_;    // layers off the device: over working sets
   std::vector<IndexedAttentionItem> indexed_items_;  // device-homed layers: in place, by index

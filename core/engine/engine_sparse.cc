@@ -36,6 +36,22 @@ Status Engine::store_head_keys(Sequence& s, const float* k, int64_t start_pos, i
   const RetrievalHeadConfig& hc = options_.retrieval_head->config;
   const int64_t kd = hc.n_kv_heads * hc.head_dim;
   if (start_pos + n > memory_->head_capacity(s)) return internal_error("retrieval head cache too small");
+  if (options_.kv_dtype != DType::kF32) {
+    // Rounded to the KV dtype as KV is (nearest even), by kv_append over the key blocks seen as
+    // pages of one "head" of kd elements: [1][block_tokens][kd] is the blocks' token-major layout.
+    // The V pages are the K pages and v = k, so each element is written twice with the same value
+    // by the same thread (every backend's kv_append handles a (token, head) row on one thread).
+    const void* const* table = memory_->head_block_table(s);
+    KvLayerView view;
+    view.k_pages = const_cast<void* const*>(table);
+    view.v_pages = view.k_pages;
+    view.n_pages = memory_->head_capacity(s) / memory_->head_block_tokens_;
+    view.page_size = memory_->head_block_tokens_;
+    view.kv_heads = 1;
+    view.head_dim = kd;
+    view.dtype = options_.kv_dtype;
+    return backend_->kv_append(k, k, n, start_pos, view);
+  }
   // Into the paged cache, one run of rows per block touched.
   const size_t key_row = static_cast<size_t>(kd) * sizeof(float);
   for (int64_t t = start_pos; t < start_pos + n;) {
@@ -81,10 +97,19 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
     CandidateFilter& filter = *options_.tiering.candidate_filter;
     // Catch the summaries up to the keys written so far, this step's included (a failed step
     // leaves its key summarised: a summary only bounds a page, so that loosens, never breaks, it).
+    // The filter summarises f32 rows: keys of an f16 / bf16 cache are widened a run (at most one
+    // block) at a time into host_keys_.
+    const int64_t kd = hc.n_kv_heads * hc.head_dim;
     while (s.filter_tokens < length) {
       const int64_t t = s.filter_tokens;
       const int64_t run = std::min(length - t, memory_->head_block_tokens_ - t % memory_->head_block_tokens_);
-      SPX_RETURN_IF_ERROR(filter.append_keys(id, memory_->head_row(s, t), t, run));
+      const void* rows = memory_->head_row(s, t);
+      if (options_.kv_dtype != DType::kF32) {
+        host_keys_.resize(static_cast<size_t>(run * kd));
+        convert_to_f32(options_.kv_dtype, rows, host_keys_.data(), host_keys_.size());
+        rows = host_keys_.data();
+      }
+      SPX_RETURN_IF_ERROR(filter.append_keys(id, static_cast<const float*>(rows), t, run));
       s.filter_tokens += run;
     }
     host_q_.resize(static_cast<size_t>(hc.n_heads * hc.head_dim));
@@ -92,18 +117,21 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
     const int64_t shortlist = options_.tiering.shortlist_tokens > 0 ? options_.tiering.shortlist_tokens : 4 * opts.budget;
     SPX_RETURN_IF_ERROR(filter.shortlist(id, host_q_.data(), length, shortlist, opts, candidates_));
     ++filtered_steps_;
-    return select_among_candidates(host_q_.data(), memory_->head_block_table(s), memory_->head_block_tokens_,
+    return select_among_candidates(host_q_.data(), memory_->head_block_table(s), options_.kv_dtype,
+                                   memory_->head_block_tokens_,
                                    hc.n_heads, hc.n_kv_heads, hc.head_dim, candidates_, opts,
                                    s.shared_selection);
   }
   if (hc.select_group == GroupReduce::kTurns) {  // a head whose query heads learned one layer each
     SPX_ASSIGN_OR_RETURN(float* scratch, fit_floats(scores_, select_by_turns_scratch_floats(hc, length)));
-    return select_by_turns(be, hc, hq, memory_->head_block_table(s), memory_->head_block_tokens_, length, opts,
+    return select_by_turns(be, hc, hq, memory_->head_block_table(s), options_.kv_dtype, memory_->head_block_tokens_,
+                           length, opts,
                            scratch, s.shared_selection);
   }
   SPX_ASSIGN_OR_RETURN(void* sp, fit(scores_, static_cast<size_t>(hc.n_kv_heads * length) * sizeof(float)));
   float* scores = static_cast<float*>(sp);
-  SPX_RETURN_IF_ERROR(be.retrieval_group_scores(hq, memory_->head_block_table(s), memory_->head_block_tokens_,
+  SPX_RETURN_IF_ERROR(be.retrieval_group_scores(hq, memory_->head_block_table(s), options_.kv_dtype,
+                                                memory_->head_block_tokens_,
                                                 length, hc.n_heads, hc.n_kv_heads, hc.head_dim, scores));
   return be.select_top_tokens(scores, hc.n_kv_heads, length, opts, s.shared_selection);
 }

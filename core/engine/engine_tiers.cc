@@ -401,9 +401,11 @@ Status Engine::fill_synthetic(SeqId seq, int64_t n_tokens, uint64_t seed) {
     SyntheticValues r{seed * 0xD1B54A32D192ED03ull + 7};
     st = memory_->ensure_head_capacity(s, n_tokens);
     std::vector<float> keys(static_cast<size_t>(memory_->head_block_tokens_ * hc.n_kv_heads * hc.head_dim));
+    std::vector<std::byte> stored(memory_->head_block_bytes());  // the keys in the KV dtype
     for (size_t b = 0; b < s.head_blocks.size() && st.is_ok(); ++b) {
       for (auto& x : keys) x = r.next();
-      st = memory_->write_block(s.head_tier, s.head_blocks[b], keys.data(), keys.size() * sizeof(float));
+      convert_from_f32(options_.kv_dtype, keys.data(), stored.data(), keys.size());
+      st = memory_->write_block(s.head_tier, s.head_blocks[b], stored.data(), stored.size());
     }
     if (st.is_ok()) {
       std::vector<float> fused(static_cast<size_t>(3 * c.dim));

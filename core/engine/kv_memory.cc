@@ -343,22 +343,25 @@ uint64_t KvMemory::working_set_bytes() const {
          dtype_size(options_.kv_dtype);
 }
 
+size_t KvMemory::head_row_bytes() const {
+  const auto& hc = options_.retrieval_head->config;
+  return static_cast<size_t>(hc.n_kv_heads * hc.head_dim) * dtype_size(options_.kv_dtype);
+}
+
 uint64_t KvMemory::head_block_bytes() const {
-  const auto& hc = options_.retrieval_head->config;
-  return static_cast<uint64_t>(head_block_tokens_ * hc.n_kv_heads * hc.head_dim) * sizeof(float);
+  return static_cast<uint64_t>(head_block_tokens_) * head_row_bytes();
 }
 
-float* KvMemory::head_row(const KvSequence& s, int64_t token) const {
-  const auto& hc = options_.retrieval_head->config;
-  auto* block = static_cast<float*>(
+void* KvMemory::head_row(const KvSequence& s, int64_t token) const {
+  auto* block = static_cast<std::byte*>(
       kv_->address(s.head_tier, s.head_blocks[static_cast<size_t>(token / head_block_tokens_)]));
-  return block + (token % head_block_tokens_) * hc.n_kv_heads * hc.head_dim;
+  return block + static_cast<size_t>(token % head_block_tokens_) * head_row_bytes();
 }
 
-const float* const* KvMemory::head_block_table(const KvSequence& s) {
+const void* const* KvMemory::head_block_table(const KvSequence& s) {
   head_table_.resize(s.head_blocks.size());
   for (size_t b = 0; b < s.head_blocks.size(); ++b) {
-    head_table_[b] = static_cast<const float*>(kv_->address(s.head_tier, s.head_blocks[b]));
+    head_table_[b] = kv_->address(s.head_tier, s.head_blocks[b]);
   }
   return head_table_.data();
 }
@@ -412,13 +415,17 @@ Result<PrefixSnapshot> KvMemory::export_prefix(SeqId seq, int64_t tokens) {
     }
   }
   if (method == SparseMethod::kSpeContext) {
+    // Widened to f32 block by block (the snapshot's format does not depend on the KV dtype).
     const uint64_t block = head_block_bytes();
+    const size_t block_elems = static_cast<size_t>(block / dtype_size(options_.kv_dtype));
     const auto blocks = static_cast<size_t>((tokens + head_block_tokens_ - 1) / head_block_tokens_);
-    snap.head_keys.resize(blocks * block / sizeof(float));
+    snap.head_keys.resize(blocks * block_elems);
+    std::vector<std::byte> stored(options_.kv_dtype == DType::kF32 ? 0 : block);
     for (size_t b = 0; b < blocks; ++b) {
-      SPX_RETURN_IF_ERROR_CTX(
-          read_block(s.head_tier, s.head_blocks[b], snap.head_keys.data() + b * block / sizeof(float), block),
-          "export_prefix");
+      float* keys = snap.head_keys.data() + b * block_elems;
+      void* into = stored.empty() ? static_cast<void*>(keys) : stored.data();
+      SPX_RETURN_IF_ERROR_CTX(read_block(s.head_tier, s.head_blocks[b], into, block), "export_prefix");
+      if (!stored.empty()) convert_to_f32(options_.kv_dtype, stored.data(), keys, block_elems);
     }
     const size_t fused_row = static_cast<size_t>(3 * config().dim);
     snap.boundary_fused.resize(pages);
@@ -594,7 +601,7 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
   fit.fused_row = static_cast<size_t>(3 * config().dim);
   if (method == SparseMethod::kSpeContext) {  // whole blocks of head keys
     const auto blocks = static_cast<size_t>((snap.tokens + head_block_tokens_ - 1) / head_block_tokens_);
-    fit.head_keys = blocks * head_block_bytes() / sizeof(float);
+    fit.head_keys = blocks * static_cast<size_t>(head_block_tokens_) * head_row_bytes() / dtype_size(options_.kv_dtype);
   } else if (method == SparseMethod::kQuest) {
     fit.quest_bounds = quest_bound_elements(snap.tokens);
   }
@@ -615,10 +622,18 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
   if (Status st = write_snapshot_kv(snap, *kv_, s.pages, write); !st.is_ok()) return undo(st);
   if (method == SparseMethod::kSpeContext) {
     if (Status st = ensure_head_capacity(s, snap.tokens); !st.is_ok()) return undo(st);
+    // The snapshot's f32 keys rounded to the KV dtype block by block, as store_head_keys rounds them.
     const uint64_t block = head_block_bytes();
-    for (size_t b = 0; b * block < snap.head_keys.size() * sizeof(float); ++b) {
-      const float* keys = snap.head_keys.data() + b * block / sizeof(float);
-      if (Status st = write_block(s.head_tier, s.head_blocks[b], keys, block); !st.is_ok()) return undo(st);
+    const size_t block_elems = static_cast<size_t>(block / dtype_size(options_.kv_dtype));
+    std::vector<std::byte> stored(options_.kv_dtype == DType::kF32 ? 0 : block);
+    for (size_t b = 0; b * block_elems < snap.head_keys.size(); ++b) {
+      const float* keys = snap.head_keys.data() + b * block_elems;
+      const void* from = keys;
+      if (!stored.empty()) {
+        convert_from_f32(options_.kv_dtype, keys, stored.data(), block_elems);
+        from = stored.data();
+      }
+      if (Status st = write_block(s.head_tier, s.head_blocks[b], from, block); !st.is_ok()) return undo(st);
     }
     if (Status st = upload_boundary_fused(*backend_, snap, fit.fused_row, 0, s.boundary_fused); !st.is_ok()) {
       return undo(st);
@@ -678,14 +693,21 @@ Result<SeqId> KvMemory::import_prefix_after(SeqId source, int64_t prefix_tokens,
     if (Status st = ensure_head_capacity(s, length); !st.is_ok()) return undo(st);
     // Row t of the sequence is row t % T of block t / T: the rows from prefix_tokens on, a run
     // per block (the first may start inside the fork's last block).
-    const uint64_t row_bytes = head_row * sizeof(float);
+    // The snapshot's f32 rows rounded to the KV dtype, a run at a time.
+    const uint64_t row_bytes = head_row_bytes();
+    std::vector<std::byte> stored(options_.kv_dtype == DType::kF32 ? 0 : head_block_bytes());
     for (int64_t t = prefix_tokens; t < length;) {
       const int64_t in_block = t % head_block_tokens_;
       const int64_t rows = std::min(head_block_tokens_ - in_block, length - t);
       const float* keys = rest.head_keys.data() + static_cast<size_t>(t - prefix_tokens) * head_row;
+      const void* from = keys;
+      if (!stored.empty()) {
+        convert_from_f32(options_.kv_dtype, keys, stored.data(), static_cast<size_t>(rows) * head_row);
+        from = stored.data();
+      }
       if (Status st = write_block(s.head_tier, s.head_blocks[static_cast<size_t>(t / head_block_tokens_)] +
                                                    static_cast<uint64_t>(in_block) * row_bytes,
-                                  keys, static_cast<uint64_t>(rows) * row_bytes);
+                                  from, static_cast<uint64_t>(rows) * row_bytes);
           !st.is_ok()) {
         return undo(st);
       }

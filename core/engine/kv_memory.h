@@ -43,7 +43,9 @@ struct PrefixSnapshot {
   SparseMethod method = SparseMethod::kDense;
   std::vector<std::byte> kv;  // [layers][pages][K block, V block], as the pages are stored
   // SpeContext: the retrieval head's key blocks covering the tokens ([blocks][T][head kv_dim]),
-  // and per page the fused features of its last position ([3·dim]; empty where none were kept).
+  // as f32 (the engine keeps them in kv_dtype: export widens them, import rounds them back, which
+  // gives the same values), and per page the fused features of its last position ([3·dim]; empty
+  // where none were kept).
   std::vector<float> head_keys;
   std::vector<std::vector<float>> boundary_fused;
   // Quest: per layer, the page bounds of the tokens ([pages][kv_heads][head_dim] each).
@@ -202,7 +204,10 @@ class KvMemory {
   int64_t head_capacity(const KvSequence& s) const {
     return static_cast<int64_t>(s.head_blocks.size()) * head_block_tokens_;
   }
+  // Bytes of one block of the retrieval head's keys: head_block_tokens · n_kv_heads · head_dim
+  // elements of the KV dtype (EngineOptions::kv_dtype; the head's keys are rounded to it as stored).
   uint64_t head_block_bytes() const;
+  size_t head_row_bytes() const;  // one token's key row: n_kv_heads · head_dim elements of the KV dtype
   // Bytes of K (or V) of one (sequence, layer) working set: kv_heads · budget · head_dim elements.
   uint64_t working_set_bytes() const;
  public:
@@ -210,8 +215,8 @@ class KvMemory {
   // that has decoded sparsely): the planner's staging term i·R·B·H·D·kvc when all R decode.
   uint64_t working_set_bytes_in_use() const;
  private:
-  float* head_row(const KvSequence& s, int64_t token) const;  // address of token's key row
-  const float* const* head_block_table(const KvSequence& s);  // backend pointers, valid until the next call
+  void* head_row(const KvSequence& s, int64_t token) const;  // address of token's key row (KV dtype)
+  const void* const* head_block_table(const KvSequence& s);  // backend pointers, valid until the next call
   void release_head_cache(KvSequence& s);
   bool host_visible(TierId tier) const;   // the engine thread may read/write it directly
   bool backend_reads(TierId tier) const;  // backend ops may take pointers into it
@@ -232,7 +237,7 @@ class KvMemory {
   Replan replan_;
   int64_t next_seq_id_ = 0;
   std::unordered_map<SeqId, KvSequence> sequences_;
-  std::vector<const float*> head_table_;
+  std::vector<const void*> head_table_;
 };
 
 }  // namespace specontext

@@ -57,17 +57,21 @@ Status Backend::copy_rows(void* dst, size_t dst_stride, const void* src, size_t 
 
 Status Backend::synchronize() { return Status::ok(); }
 
-Status Backend::retrieval_group_scores(const float* q, const float* const* k_blocks, int64_t block_tokens,
-                                       int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                       float* out) {
+Status Backend::retrieval_group_scores(const float* q, const void* const* k_blocks, DType k_dtype,
+                                       int64_t block_tokens, int64_t length, int64_t n_heads, int64_t n_kv_heads,
+                                       int64_t head_dim, float* out) {
   if (length <= 0) return Status::ok();
   if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 || block_tokens <= 0) {
     return invalid_argument("retrieval_group_scores: " + std::to_string(n_heads) + " query heads, " +
                             std::to_string(n_kv_heads) + " KV heads, head_dim " + std::to_string(head_dim) +
                             ", blocks of " + std::to_string(block_tokens) + " tokens");
   }
+  if (!is_head_key_dtype(k_dtype)) {
+    return invalid_argument("retrieval_group_scores: keys of dtype " + std::string(dtype_name(k_dtype)) +
+                            " (f32, f16 or bf16)");
+  }
   std::vector<float> logits(static_cast<size_t>(n_heads * length));
-  head_logits(q, k_blocks, block_tokens, 0, length, length, n_heads, n_kv_heads, head_dim, logits.data());
+  head_logits(q, k_blocks, k_dtype, block_tokens, 0, length, length, n_heads, n_kv_heads, head_dim, logits.data());
   softmax_rows(logits.data(), n_heads, length);
   group_max(logits.data(), 0, length, length, n_heads, n_kv_heads, out);
   return Status::ok();

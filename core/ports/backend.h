@@ -183,9 +183,10 @@ class Backend {
   // group: out[g][t] = max over the query heads h of group g of softmax_t(q_h · k_t / √head_dim).
   // q [n_heads · head_dim] and out [n_kv_heads][length] in backend memory. The K cache is paged
   // like the KV cache: k_blocks is a HOST array of backend pointers, block b holding tokens
-  // [b·block_tokens, (b+1)·block_tokens) token-major ([block_tokens][n_kv_heads · head_dim]).
-  // Default: host loops.
-  virtual Status retrieval_group_scores(const float* q, const float* const* k_blocks,
+  // [b·block_tokens, (b+1)·block_tokens) token-major ([block_tokens][n_kv_heads · head_dim]),
+  // elements of k_dtype (the KV dtype: f32, f16 or bf16), widened to f32 as they are loaded for
+  // the dot products (no f32 copy of the cache). Default: host loops.
+  virtual Status retrieval_group_scores(const float* q, const void* const* k_blocks, DType k_dtype,
                                         int64_t block_tokens, int64_t length, int64_t n_heads,
                                         int64_t n_kv_heads, int64_t head_dim, float* out);
   // Per KV head: sinks ∪ window ∪ the best of the rest by group score (ties prefer the older

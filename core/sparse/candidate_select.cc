@@ -187,16 +187,20 @@ Status check_shortlist(std::string_view who, SeqId seq, const float* q, int64_t 
 Status select_among_candidates(const float* q, const float* k_cache, int64_t n_heads, int64_t n_kv_heads,
                                int64_t head_dim, const Candidates& cand, const SelectionOptions& opts,
                                Selection& out) {
-  const float* table[1] = {k_cache};
-  return select_among_candidates(q, table, std::max<int64_t>(cand.length, 1), n_heads, n_kv_heads, head_dim, cand,
-                                 opts, out);
+  const void* table[1] = {k_cache};
+  return select_among_candidates(q, table, DType::kF32, std::max<int64_t>(cand.length, 1), n_heads, n_kv_heads,
+                                 head_dim, cand, opts, out);
 }
 
-Status select_among_candidates(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t n_heads,
-                               int64_t n_kv_heads, int64_t head_dim, const Candidates& cand,
+Status select_among_candidates(const float* q, const void* const* k_blocks, DType k_dtype, int64_t block_tokens,
+                               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const Candidates& cand,
                                const SelectionOptions& opts, Selection& out) {
   constexpr std::string_view kWho = "select_among_candidates";
   if (block_tokens <= 0) return invalid_argument("select_among_candidates: block_tokens must be positive");
+  if (!is_head_key_dtype(k_dtype)) {
+    return invalid_argument("select_among_candidates: keys of dtype " + std::string(dtype_name(k_dtype)) +
+                            " (f32, f16 or bf16)");
+  }
   SPX_RETURN_IF_ERROR(check_heads(kWho, n_heads, n_kv_heads, head_dim, ""));
   SPX_RETURN_IF_ERROR(check_selection_options(opts, kWho));
   SPX_RETURN_IF_ERROR(check_candidates(cand, n_kv_heads));
@@ -245,9 +249,10 @@ Status select_among_candidates(const float* q, const float* const* k_blocks, int
       score.assign(static_cast<size_t>(n_cand), 0.0f);
       for (int64_t c = 0; c < n_cand; ++c) {
         const int64_t t = tok[c];
-        const float* kt = k_blocks[t / block_tokens] + (t % block_tokens) * kvd + g * head_dim;
+        const void* kt = element_at(k_blocks[t / block_tokens], k_dtype, (t % block_tokens) * kvd + g * head_dim);
         for (int64_t j = 0; j < group; ++j) {
-          row[static_cast<size_t>(j * n_cand + c)] = dot8(q + (g * group + j) * head_dim, kt, head_dim) * scale;
+          row[static_cast<size_t>(j * n_cand + c)] =
+              dot8_key(k_dtype, q + (g * group + j) * head_dim, kt, head_dim) * scale;
         }
       }
       for (int64_t j = 0; j < group; ++j) {

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/base/dtype.h"
 #include "core/base/ids.h"
 #include "core/base/status.h"
 #include "core/ports/candidate_filter.h"
@@ -38,8 +39,10 @@ Status select_among_candidates(const float* q, const float* k_cache, int64_t n_h
                                int64_t head_dim, const Candidates& cand, const SelectionOptions& opts,
                                Selection& out);
 // The same over a paged K cache (the engine's): block b of the host table holds tokens
-// [b·block_tokens, (b+1)·block_tokens), token-major.
-Status select_among_candidates(const float* q, const float* const* k_blocks, int64_t block_tokens, int64_t n_heads,
+// [b·block_tokens, (b+1)·block_tokens), token-major, elements of k_dtype (f32, f16 or bf16, widened
+// on load inside the dot products as Backend::retrieval_group_scores' default does).
+Status select_among_candidates(const float* q, const void* const* k_blocks, DType k_dtype, int64_t block_tokens,
+                               int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, const Candidates& cand,
                                const SelectionOptions& opts, Selection& out);
 

@@ -285,8 +285,8 @@ void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_
   const RetrievalHeadConfig& c = head.config;
   const int64_t hd = c.head_dim, nh = c.n_heads, nkv = c.n_kv_heads;
   if (length <= 0 || nh <= 0 || nkv <= 0) return;
-  const float* table[1] = {k_cache};
-  head_logits(q, table, length, 0, length, length, nh, nkv, hd, scores);
+  const void* table[1] = {k_cache};
+  head_logits(q, table, DType::kF32, length, 0, length, length, nh, nkv, hd, scores);
   softmax_rows(scores, nh, length);
 }
 
@@ -467,7 +467,7 @@ Result<std::shared_ptr<RetrievalHead>> load_eagle3_head(const std::string& path,
 }
 
 Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const float* hq,
-                       const float* const* k_blocks, int64_t block_tokens, int64_t length,
+                       const void* const* k_blocks, DType k_dtype, int64_t block_tokens, int64_t length,
                        const SelectionOptions& options, float* scratch, Selection& out) {
   const int64_t group = c.n_heads / c.n_kv_heads, hd = c.head_dim;
   const size_t s_bytes = static_cast<size_t>(c.n_kv_heads * length) * sizeof(float);
@@ -480,7 +480,7 @@ Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const flo
                                           static_cast<size_t>(group * hd) * sizeof(float),
                                           static_cast<size_t>(hd) * sizeof(float), c.n_kv_heads));
     SPX_RETURN_IF_ERROR(
-        backend.retrieval_group_scores(qj, k_blocks, block_tokens, length, c.n_kv_heads, c.n_kv_heads, hd, sj));
+        backend.retrieval_group_scores(qj, k_blocks, k_dtype, block_tokens, length, c.n_kv_heads, c.n_kv_heads, hd, sj));
     SPX_RETURN_IF_ERROR(backend.download(part.data(), sj, s_bytes));
     for (int64_t g = 0; g < c.n_kv_heads; ++g) {
       std::copy_n(part.data() + g * length, length, per_head.data() + (g * group + j) * length);

@@ -82,10 +82,10 @@ void retrieval_scores(const RetrievalHead& head, const float* q, const float* k_
 // The shared selection of a head whose group combines by GroupReduce::kTurns: each query head's
 // softmax scores (Backend::retrieval_group_scores, one query head of every group at a time, so
 // any backend serves it), downloaded, reduced by reduce_group_scores and selected on the host.
-// hq [n_heads·head_dim] and k_blocks as retrieval_group_scores takes them; scratch is backend
+// hq [n_heads·head_dim] and k_blocks / k_dtype as retrieval_group_scores takes them; scratch is backend
 // memory of select_by_turns_scratch_floats (the caller's workspace: nothing is allocated per step).
 Status select_by_turns(Backend& backend, const RetrievalHeadConfig& c, const float* hq,
-                       const float* const* k_blocks, int64_t block_tokens, int64_t length,
+                       const void* const* k_blocks, DType k_dtype, int64_t block_tokens, int64_t length,
                        const SelectionOptions& options, float* scratch, Selection& out);
 int64_t select_by_turns_scratch_floats(const RetrievalHeadConfig& c, int64_t length);
 

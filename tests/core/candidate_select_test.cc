@@ -98,9 +98,10 @@ TEST(SelectAmongCandidates, AllTokensEqualSelectTokensExactly) {
       std::vector<float> scores(static_cast<size_t>(sh.n_heads * length));
       retrieval_scores(head, q.data(), k.data(), length, scores.data());
       std::vector<float> group(static_cast<size_t>(sh.n_kv_heads * length));
-      const float* table[1] = {k.data()};
+      const void* table[1] = {k.data()};
       ASSERT_TRUE(backend
-                      .retrieval_group_scores(q.data(), table, std::max<int64_t>(length, 1), length, sh.n_heads,
+                      .retrieval_group_scores(q.data(), table, DType::kF32, std::max<int64_t>(length, 1), length,
+                                              sh.n_heads,
                                               sh.n_kv_heads, sh.head_dim, group.data())
                       .is_ok());
       Candidates cand;
@@ -123,6 +124,82 @@ TEST(SelectAmongCandidates, AllTokensEqualSelectTokensExactly) {
     }
   }
   EXPECT_EQ(compared, 4 * 4 * 8);
+}
+
+// Keys stored in f16 / bf16 (the KV dtype) and paged: with every token a candidate, the selection
+// is exactly that of Backend::retrieval_group_scores over the same stored keys (the host default,
+// widening on load) + select_from_group_scores, and that of the f32 path over the keys widened
+// beforehand; a random half of the tokens as candidates also gives the f32 path's selection.
+TEST(SelectAmongCandidates, F16AndBf16PagedKeysSelectAsTheWidenedF32Keys) {
+  cpu::ReferenceBackend backend;
+  const Shape sh{8, 2, 24};
+  const int64_t length = 300, bt = 32, kd = sh.n_kv_heads * sh.head_dim, n_blocks = (length + bt - 1) / bt;
+  int compared = 0;
+  for (const DType dt : {DType::kF16, DType::kBF16}) {
+    const auto q = randn(static_cast<size_t>(sh.n_heads * sh.head_dim), 71, 2.0f);
+    const auto k = randn(static_cast<size_t>(n_blocks * bt * kd), 72);
+    std::vector<uint16_t> stored(k.size());
+    convert_from_f32(dt, k.data(), stored.data(), k.size());
+    std::vector<float> widened(k.size());
+    convert_to_f32(dt, stored.data(), widened.data(), k.size());
+    size_t changed = 0;
+    for (size_t i = 0; i < k.size(); ++i) changed += widened[i] != k[i];
+    EXPECT_GT(changed, k.size() / 2) << "the keys were rounded";
+    std::vector<const void*> t_stored, t_widened;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      t_stored.push_back(stored.data() + b * bt * kd);
+      t_widened.push_back(widened.data() + b * bt * kd);
+    }
+    std::vector<float> group(static_cast<size_t>(sh.n_kv_heads * length));
+    ASSERT_TRUE(backend
+                    .retrieval_group_scores(q.data(), t_stored.data(), dt, bt, length, sh.n_heads, sh.n_kv_heads,
+                                            sh.head_dim, group.data())
+                    .is_ok());
+    for (float v : group) ASSERT_TRUE(std::isfinite(v));
+    Candidates all, half;
+    all_candidates(sh.n_kv_heads, length, all);
+    half.kv_heads = sh.n_kv_heads;
+    half.length = length;
+    half.offsets.push_back(0);
+    std::mt19937 rng(5);
+    for (int64_t g = 0; g < sh.n_kv_heads; ++g) {
+      for (int64_t t = 0; t < length; ++t) {
+        if (t < 1 || t >= length - 4 || rng() % 2 == 0) half.tokens.push_back(static_cast<int32_t>(t));
+      }
+      half.offsets.push_back(static_cast<int64_t>(half.tokens.size()));
+    }
+    for (const SelectionOptions& o : {SelectionOptions{16, 1, 4}, SelectionOptions{64, 1, 4}}) {
+      Selection want_group, got, got_f32, got_half, got_half_f32;
+      select_from_group_scores(group, sh.n_kv_heads, length, o, want_group);
+      ASSERT_TRUE(select_among_candidates(q.data(), t_stored.data(), dt, bt, sh.n_heads, sh.n_kv_heads, sh.head_dim,
+                                          all, o, got)
+                      .is_ok());
+      ASSERT_TRUE(select_among_candidates(q.data(), t_widened.data(), DType::kF32, bt, sh.n_heads, sh.n_kv_heads,
+                                          sh.head_dim, all, o, got_f32)
+                      .is_ok());
+      ASSERT_TRUE(select_among_candidates(q.data(), t_stored.data(), dt, bt, sh.n_heads, sh.n_kv_heads, sh.head_dim,
+                                          half, o, got_half)
+                      .is_ok());
+      ASSERT_TRUE(select_among_candidates(q.data(), t_widened.data(), DType::kF32, bt, sh.n_heads, sh.n_kv_heads,
+                                          sh.head_dim, half, o, got_half_f32)
+                      .is_ok());
+      for (int64_t h = 0; h < sh.n_kv_heads; ++h) {
+        EXPECT_EQ(head_vec(got, h), head_vec(want_group, h)) << dtype_name(dt) << " budget " << o.budget;
+        EXPECT_EQ(head_vec(got, h), head_vec(got_f32, h));
+        EXPECT_EQ(head_vec(got_half, h), head_vec(got_half_f32, h));
+        EXPECT_EQ(static_cast<int64_t>(got.counts[static_cast<size_t>(h)]), o.budget);
+      }
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 4);
+  // Not a KV dtype: refused.
+  const float x = 0.0f;
+  const void* one[1] = {&x};
+  Candidates c;
+  all_candidates(1, 1, c);
+  Selection out;
+  expect_invalid(select_among_candidates(&x, one, DType::kQ8_0, 1, 1, 1, 1, c, {1, 0, 0}, out), "dtype");
 }
 
 // A subset of candidates: softmax over the candidates only (double precision here), group max,

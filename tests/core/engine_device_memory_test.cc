@@ -142,12 +142,12 @@ class ProtectedMemoryBackend final : public Backend {
     return run([&] { return inner_->attention_indexed(q, items, n, heads, out); });
   }
   int64_t indexed_calls() const { return indexed_calls_; }
-  Status retrieval_group_scores(const float* q, const float* const* blocks, int64_t bt, int64_t length, int64_t nh,
-                                int64_t nkv, int64_t hd, float* out) override {
+  Status retrieval_group_scores(const float* q, const void* const* blocks, DType kt, int64_t bt, int64_t length,
+                                int64_t nh, int64_t nkv, int64_t hd, float* out) override {
     check(q, "scores q");
     check(out, "scores out");
     for (int64_t b = 0; b < (length + bt - 1) / bt; ++b) check(blocks[b], "scores key block");
-    return run([&] { return Backend::retrieval_group_scores(q, blocks, bt, length, nh, nkv, hd, out); });
+    return run([&] { return Backend::retrieval_group_scores(q, blocks, kt, bt, length, nh, nkv, hd, out); });
   }
   // select_top_tokens: the base class downloads the scores through download() above.
 

@@ -46,7 +46,8 @@ EngineOptions options(const std::shared_ptr<RetrievalHead>& head, DType kv_dtype
 }
 
 // The planner's snapshot of the engine: no weights in the device tier (they live outside it),
-// f32 head keys, R running slots, the live lengths.
+// head keys in the KV dtype (H_head·D·kvc bytes a token, as runtime/tier_setup.cc passes it),
+// R running slots, the live lengths.
 planner::PlannerSnapshot snapshot(const Model& m, const RetrievalHead& head, DType kv_dtype) {
   planner::PlannerSnapshot s;
   auto shape = planner::shape_from_config(m.config);
@@ -60,7 +61,7 @@ planner::PlannerSnapshot snapshot(const Model& m, const RetrievalHead& head, DTy
   s.budget = kBudget;
   s.requests = kRequests;
   s.host.push_back({0, 64 << 20, 0});
-  s.retrieval_bytes_per_token = head.config.n_kv_heads * head.config.head_dim * 4;
+  s.retrieval_bytes_per_token = head.config.n_kv_heads * head.config.head_dim * static_cast<int64_t>(dtype_size(kv_dtype));
   s.seq_lens.assign(kRequests, kLength);
   return s;
 }
@@ -168,6 +169,11 @@ TEST_P(DeviceUsageMatchesPlanner, AllResidentAndPartlyOffloaded) {
     }
     EXPECT_GT(u.resident_kv_bytes, 0);
     EXPECT_GT(u.retrieval_bytes, 0);
+    // The head's keys are kept in the KV dtype: T tokens of H_head·D elements of it, no more (for
+    // f16 / bf16 half the f32 bytes).
+    const uint64_t head_elems =
+        static_cast<uint64_t>(kRequests * kLength * (*head)->config.n_kv_heads * (*head)->config.head_dim);
+    EXPECT_EQ(r.device_used - r.resident - r.working_sets, head_elems * dtype_size(kv_dtype));
     ASSERT_EQ(r.logits.size(), all_device.logits.size());
     for (size_t step = 0; step < r.logits.size(); ++step) {
       EXPECT_EQ(testing::max_abs_diff(r.logits[step], all_device.logits[step]), 0.0f) << "step " << step;

@@ -20,8 +20,10 @@ namespace {
 
 using testing::max_abs_diff;
 
-EngineOptions prefix_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head) {
+EngineOptions prefix_options(SparseMethod method, const std::shared_ptr<RetrievalHead>& head,
+                             DType kv_dtype = DType::kF32) {
   EngineOptions o;
+  o.kv_dtype = kv_dtype;
   o.max_sequences = 4;
   o.max_context = 256;
   o.page_size = 8;
@@ -53,6 +55,7 @@ std::vector<float> last_logits(Engine& e, SeqId seq, std::span<const TokenId> to
 struct Case {
   SparseMethod method;
   bool host_layers;  // layers 1 and 2 homed in a host tier
+  DType kv_dtype = DType::kF32;  // KV and, under SpeContext, the retrieval head's keys
 };
 
 // The engine under test (layers 1 and 2 in a host tier when asked) and the reference: the same
@@ -65,7 +68,7 @@ class ForkSequence : public ::testing::TestWithParam<Case> {
     auto h = make_random_head(model->config, 9);
     ASSERT_TRUE(h.is_ok());
     head = *h;
-    EngineOptions o = prefix_options(c.method, head);
+    EngineOptions o = prefix_options(c.method, head, c.kv_dtype);
     if (c.host_layers) {
       o.tiering.host.push_back(testing::host_tier(8 << 20));
       o.tiering.transport = &local;
@@ -79,7 +82,7 @@ class ForkSequence : public ::testing::TestWithParam<Case> {
       place.layer_home = {TierId(0), TierId(1), TierId(1)};
       ASSERT_TRUE(engine->apply_placement(place).is_ok());
     }
-    auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, head));
+    auto ref_made = Engine::create(model, testing::cpu_backend(), prefix_options(c.method, head, c.kv_dtype));
     ASSERT_TRUE(ref_made.is_ok());
     reference = std::move(*ref_made);
     prompt = random_tokens(40, 1, vocab());
@@ -273,6 +276,24 @@ TEST_P(ForkSequence, AnExportedPrefixImportedAgainGoesOnAsAForkOfTheSource) {
   EXPECT_EQ(snap->kv.size(), 3u * (prefix / 8) * e.memory().kv_store().page_bytes());
   EXPECT_EQ(e.memory().export_prefix(*source, 36).status().code(), StatusCode::kInvalidArgument)
       << "not a whole unit";
+  if (c.method == SparseMethod::kSpeContext) {
+    // The snapshot's head keys are f32 whatever the KV dtype, holding the values the engine keeps:
+    // rounded to the KV dtype (each one converts to it and back unchanged), and not all zero.
+    ASSERT_FALSE(snap->head_keys.empty());
+    std::vector<uint16_t> narrow(snap->head_keys.size());
+    std::vector<float> back(snap->head_keys.size());
+    if (c.kv_dtype != DType::kF32) {
+      convert_from_f32(c.kv_dtype, snap->head_keys.data(), narrow.data(), narrow.size());
+      convert_to_f32(c.kv_dtype, narrow.data(), back.data(), back.size());
+      EXPECT_TRUE(back == snap->head_keys) << "head keys rounded to " << dtype_name(c.kv_dtype);
+    }
+    const size_t used = snap->head_keys.size() / static_cast<size_t>((prefix + head_block_tokens() - 1) /
+                                                                     head_block_tokens() * head_block_tokens()) *
+                        static_cast<size_t>(prefix);
+    size_t nonzero = 0;
+    for (size_t i = 0; i < used; ++i) nonzero += snap->head_keys[i] != 0.0f;
+    EXPECT_GT(nonzero, used / 2);
+  }
   EXPECT_EQ(e.memory().export_prefix(SeqId(99), 8).status().code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(e.memory().remove_sequence(*source).is_ok());
   const int64_t pages_before = e.memory().kv_store().used_pages();  // the fork's 4 shared pages
@@ -298,6 +319,7 @@ TEST_P(ForkSequence, AnExportedPrefixImportedAgainGoesOnAsAForkOfTheSource) {
   auto again = e.memory().export_prefix(*here, prefix);
   ASSERT_TRUE(again.is_ok());
   EXPECT_TRUE(again->kv == snap->kv) << "the same pages";
+  expect_same_snapshot(*again, *snap, prefix);  // head keys: rounded on import to what they were
   auto fork_of_import = e.memory().fork_sequence(*here, e.memory().fork_granularity());
   EXPECT_TRUE(fork_of_import.is_ok()) << fork_of_import.status().to_string();
   ASSERT_TRUE(e.memory().check_invariants().is_ok()) << e.memory().check_invariants().to_string();
@@ -405,11 +427,16 @@ INSTANTIATE_TEST_SUITE_P(
     Methods, ForkSequence,
     ::testing::Values(Case{SparseMethod::kDense, false}, Case{SparseMethod::kSpeContext, false},
                       Case{SparseMethod::kQuest, false}, Case{SparseMethod::kStreaming, false},
-                      Case{SparseMethod::kSpeContext, true}, Case{SparseMethod::kDense, true}),
+                      Case{SparseMethod::kSpeContext, true}, Case{SparseMethod::kDense, true},
+                      // The head's keys in f16 / bf16 (the KV dtype): forks copy, exports widen,
+                      // imports round back.
+                      Case{SparseMethod::kSpeContext, false, DType::kF16},
+                      Case{SparseMethod::kSpeContext, true, DType::kBF16}),
     [](const auto& info) {
       std::string name(sparse_method_name(info.param.method));
       std::erase_if(name, [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); });
-      return name + (info.param.host_layers ? "_host" : "");
+      return name + (info.param.host_layers ? "_host" : "") +
+             (info.param.kv_dtype != DType::kF32 ? "_" + std::string(dtype_name(info.param.kv_dtype)) : "");
     });
 
 // The chunk fuzzer's seeds (tests/fuzz/corpus/fuzz_prefix_chunk) are chunks the parser takes:

@@ -721,14 +721,17 @@ namespace {
 // CPU candidate filtering in the engine: the head's keys move to the host pool, the CPU filter
 // shortlists candidates and the head scores only those. With a shortlist covering the whole
 // context the selections, hence the logits, equal full scoring exactly; with a short one the
-// engine still decodes sparsely from the candidates.
+// engine still decodes sparsely from the candidates. With an f16 KV cache the head's keys are
+// f16 (moved block by block at their own size, handed to the filter widened, scored widened on
+// load) and the same holds.
 TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCandidates) {
+  for (const DType kv_dtype : {DType::kF32, DType::kF16})
   for (int64_t shortlist : {int64_t{4096}, int64_t{32}}) {
-    SCOPED_TRACE("shortlist " + std::to_string(shortlist));
-    Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost);
+    SCOPED_TRACE("shortlist " + std::to_string(shortlist) + ", KV " + std::string(dtype_name(kv_dtype)));
+    Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 0, nullptr, 5, 8 << 20, 4, true, kv_dtype);
     ASSERT_TRUE(p.tiered);
     // Rebuild the tiered engine with a filter (make_pair has none).
-    EngineOptions t = sparse_options(SparseMethod::kSpeContext, p.head);
+    EngineOptions t = sparse_options(SparseMethod::kSpeContext, p.head, 4, kv_dtype);
     t.tiering.host.push_back(testing::host_tier(8 << 20));
     t.tiering.transport = p.transport.get();
     t.tiering.copies = p.copies;
@@ -999,9 +1002,9 @@ class QueueingBackend final : public Backend {
   Status attention_indexed(const float* q, const IndexedAttentionItem* it, int64_t n, int64_t h, float* o) override {
     return queue(inner_->attention_indexed(q, it, n, h, o));
   }
-  Status retrieval_group_scores(const float* q, const float* const* kb, int64_t bt, int64_t len, int64_t h, int64_t kv,
-                                int64_t hd, float* o) override {
-    return queue(inner_->retrieval_group_scores(q, kb, bt, len, h, kv, hd, o));
+  Status retrieval_group_scores(const float* q, const void* const* kb, DType kt, int64_t bt, int64_t len, int64_t h,
+                                int64_t kv, int64_t hd, float* o) override {
+    return queue(inner_->retrieval_group_scores(q, kb, kt, bt, len, h, kv, hd, o));
   }
   Status select_top_tokens(const float* s, int64_t kv, int64_t len, const SelectionOptions& o, Selection& out) override {
     return drain(inner_->select_top_tokens(s, kv, len, o, out));

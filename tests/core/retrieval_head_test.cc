@@ -480,7 +480,7 @@ TEST(RetrievalHead, SelectionByTurnsEqualsTheHostReference) {
   std::vector<float> q = randn(static_cast<size_t>(qd), 41, 1.0f);
   std::vector<float> k = randn(static_cast<size_t>(length * kd), 42, 1.0f);
   std::vector<std::vector<float>> blocks(static_cast<size_t>(n_blocks), std::vector<float>(static_cast<size_t>(bt * kd)));
-  std::vector<const float*> table(static_cast<size_t>(n_blocks));
+  std::vector<const void*> table(static_cast<size_t>(n_blocks));
   for (int64_t b = 0; b < n_blocks; ++b) {
     auto& blk = blocks[static_cast<size_t>(n_blocks - 1 - b)];
     for (int64_t t = b * bt; t < std::min(length, (b + 1) * bt); ++t) {
@@ -496,7 +496,7 @@ TEST(RetrievalHead, SelectionByTurnsEqualsTheHostReference) {
     Selection want, got;
     select_from_group_scores(g, 2, length, o, want);
     std::vector<float> scratch(static_cast<size_t>(select_by_turns_scratch_floats(h.config, length)));
-    ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table.data(), bt, length, o, scratch.data(), got).is_ok());
+    ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table.data(), DType::kF32, bt, length, o, scratch.data(), got).is_ok());
     for (int64_t kv = 0; kv < 2; ++kv) {
       const auto w = want.head(kv), x = got.head(kv);
       EXPECT_EQ(std::vector<int32_t>(x.begin(), x.end()), std::vector<int32_t>(w.begin(), w.end()))

@@ -221,7 +221,7 @@ TEST(Selection, BackendDefaultRetrievalOpsEqualScoresThenSelect) {
     // Paged keys: blocks of 32 tokens, stored out of order.
     const int64_t bt = 32, n_blocks = (L + bt - 1) / bt;
     std::vector<std::vector<float>> blocks(static_cast<size_t>(n_blocks), std::vector<float>(static_cast<size_t>(bt * nkv * hd)));
-    std::vector<const float*> table(static_cast<size_t>(n_blocks));
+    std::vector<const void*> table(static_cast<size_t>(n_blocks));
     for (int64_t b = 0; b < n_blocks; ++b) {
       auto& blk = blocks[static_cast<size_t>(n_blocks - 1 - b)];
       for (int64_t t = b * bt; t < std::min(L, (b + 1) * bt); ++t) {
@@ -229,7 +229,7 @@ TEST(Selection, BackendDefaultRetrievalOpsEqualScoresThenSelect) {
       }
       table[static_cast<size_t>(b)] = blk.data();
     }
-    ASSERT_TRUE(be.retrieval_group_scores(q.data(), table.data(), bt, L, nh, nkv, hd, group_scores.data()).is_ok());
+    ASSERT_TRUE(be.retrieval_group_scores(q.data(), table.data(), DType::kF32, bt, L, nh, nkv, hd, group_scores.data()).is_ok());
     double max_err = 0;
     for (int64_t g = 0; g < nkv; ++g) {
       for (int64_t t = 0; t < L; ++t) {
@@ -252,7 +252,7 @@ TEST(Selection, BackendDefaultRetrievalOpsEqualScoresThenSelect) {
       EXPECT_NEAR(mass_got, mass_want, 1e-4 * std::max(1.0, mass_want));
     }
   }
-  EXPECT_FALSE(HostOnlyBackend().retrieval_group_scores(nullptr, nullptr, 16, 4, 3, 2, 8, nullptr).is_ok());
+  EXPECT_FALSE(HostOnlyBackend().retrieval_group_scores(nullptr, nullptr, DType::kF32, 16, 4, 3, 2, 8, nullptr).is_ok());
 }
 
 }  // namespace

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "core/base/dtype.h"
+#include "core/base/host_math.h"
 #include "core/ports/selection.h"
 #include "core/sparse/elastic.h"
 #include "cpu/cpu_backend.h"
@@ -497,17 +499,17 @@ TEST(SparseOpsTest, RetrievalGroupScoresEqualReferenceBitExactly) {
     const int64_t n_blocks = (c.length + c.block_tokens - 1) / c.block_tokens;
     const std::vector<float> q = random_floats(static_cast<size_t>(c.n_heads * c.head_dim), 5, -2.0f, 2.0f);
     std::vector<std::vector<float>> blocks;
-    std::vector<const float*> table;
+    std::vector<const void*> table;
     for (int64_t b = 0; b < n_blocks; ++b) {
       blocks.push_back(random_floats(static_cast<size_t>(c.block_tokens * kd), static_cast<uint32_t>(100 + b)));
     }
     for (int64_t b = n_blocks - 1; b >= 0; --b) table.push_back(blocks[static_cast<size_t>(b)].data());  // out of order
     std::vector<float> want(static_cast<size_t>(c.n_kv_heads * c.length), -1.0f), got(want.size(), -2.0f);
-    ASSERT_TRUE(ref.retrieval_group_scores(q.data(), table.data(), c.block_tokens, c.length, c.n_heads,
+    ASSERT_TRUE(ref.retrieval_group_scores(q.data(), table.data(), DType::kF32, c.block_tokens, c.length, c.n_heads,
                                            c.n_kv_heads, c.head_dim, want.data())
                     .is_ok());
-    ASSERT_TRUE(cpu->retrieval_group_scores(q.data(), table.data(), c.block_tokens, c.length, c.n_heads,
-                                            c.n_kv_heads, c.head_dim, got.data())
+    ASSERT_TRUE(cpu->retrieval_group_scores(q.data(), table.data(), DType::kF32, c.block_tokens, c.length,
+                                            c.n_heads, c.n_kv_heads, c.head_dim, got.data())
                     .is_ok());
     int64_t differ = 0;
     for (size_t i = 0; i < want.size(); ++i) differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
@@ -517,6 +519,144 @@ TEST(SparseOpsTest, RetrievalGroupScoresEqualReferenceBitExactly) {
     for (int64_t t = 0; t < c.length; ++t) sum0 += got[static_cast<size_t>(t)];
     EXPECT_GE(sum0, 1.0 - 1e-4);
   }
+}
+
+// The inline f16 widening of the head's key loads (core/base/host_math.h) is core's f16_to_f32 for
+// every one of the 65536 bit patterns (NaN for NaN: the payload is not compared).
+TEST(SparseOpsTest, HeadKeyF16WideningIsExactForEveryValue) {
+  int64_t differ = 0;
+  for (uint32_t h = 0; h <= 0xffffu; ++h) {
+    const float want = f16_to_f32(static_cast<uint16_t>(h)), got = f16_bits_to_f32(static_cast<uint16_t>(h));
+    if (std::isnan(want)) {
+      differ += std::isnan(got) ? 0 : 1;
+    } else {
+      differ += std::memcmp(&want, &got, sizeof(float)) != 0 ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(differ, 0);
+}
+
+// Head keys stored in f16 / bf16 (the KV dtype): retrieval_group_scores widens each element as it
+// loads it. (1) CpuBackend gives the bits of the host default (ReferenceBackend) for the same
+// stored keys; (2) both give the bits of the f32 path over the keys widened beforehand (the
+// conversion is exact and the arithmetic the same); (3) against the f32 reference over the
+// unrounded keys the scores stay within the bound the rounding allows: with δ = max over (h, t)
+// of (Σ_i |q_hi|·|k_ti − k̃_ti| + the f32 dot products' rounding) / √head_dim, every logit moves
+// by at most δ, so every softmax
+// probability (and so each group's max) by a factor within [e^−2δ, e^2δ]; the tolerance is
+// want·(e^2δ − 1) + 1e-6·want + 1e-9 (float rounding of the softmax itself). Scores are finite,
+// each group's row sums to at least 1, and they are not all equal.
+TEST(SparseOpsTest, RetrievalGroupScoresOfF16AndBf16KeysMatchTheF32Reference) {
+  ReferenceBackend ref;
+  CpuBackendOptions o;
+  o.num_threads = 2;
+  auto cpu = make_cpu(o);
+  ASSERT_NE(cpu, nullptr);
+  struct Case {
+    int64_t n_heads, n_kv_heads, head_dim, length, block_tokens;
+  };
+  for (const DType dt : {DType::kF16, DType::kBF16}) {
+    for (const Case& c : {Case{32, 8, 64, 3000, 512}, Case{6, 2, 16, 777, 64}, Case{3, 1, 13, 33, 16},
+                          Case{4, 4, 32, 1, 8}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " " + std::to_string(c.n_heads) + "/" +
+                   std::to_string(c.n_kv_heads) + " heads, head_dim " + std::to_string(c.head_dim) + ", length " +
+                   std::to_string(c.length));
+      const int64_t kd = c.n_kv_heads * c.head_dim;
+      const int64_t n_blocks = (c.length + c.block_tokens - 1) / c.block_tokens;
+      const size_t block_elems = static_cast<size_t>(c.block_tokens * kd);
+      const std::vector<float> q = random_floats(static_cast<size_t>(c.n_heads * c.head_dim), 7, -2.0f, 2.0f);
+      std::vector<std::vector<float>> exact, widened;
+      std::vector<std::vector<uint16_t>> stored;
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        exact.push_back(random_floats(block_elems, static_cast<uint32_t>(300 + b), -3.0f, 3.0f));
+        stored.emplace_back(block_elems);
+        convert_from_f32(dt, exact.back().data(), stored.back().data(), block_elems);
+        widened.emplace_back(block_elems);
+        convert_to_f32(dt, stored.back().data(), widened.back().data(), block_elems);
+      }
+      std::vector<const void*> t_exact, t_stored, t_widened;
+      for (int64_t b = n_blocks - 1; b >= 0; --b) {  // out of order
+        const size_t i = static_cast<size_t>(b);
+        t_exact.push_back(exact[i].data());
+        t_stored.push_back(stored[i].data());
+        t_widened.push_back(widened[i].data());
+      }
+      // The table lists the blocks in reverse: token t is in table[t / bt], i.e. block n_blocks-1-t/bt.
+      auto key = [&](const std::vector<std::vector<float>>& v, int64_t t, int64_t e) {
+        return v[static_cast<size_t>(n_blocks - 1 - t / c.block_tokens)][static_cast<size_t>((t % c.block_tokens) * kd + e)];
+      };
+      const size_t n_out = static_cast<size_t>(c.n_kv_heads * c.length);
+      std::vector<float> want(n_out, -1.0f), ref_got(n_out, -2.0f), cpu_got(n_out, -3.0f), via_f32(n_out, -4.0f);
+      auto call = [&](Backend& be, const std::vector<const void*>& table, DType kt, std::vector<float>& out) {
+        return be.retrieval_group_scores(q.data(), table.data(), kt, c.block_tokens, c.length, c.n_heads,
+                                         c.n_kv_heads, c.head_dim, out.data());
+      };
+      ASSERT_TRUE(call(ref, t_exact, DType::kF32, want).is_ok());
+      ASSERT_TRUE(call(ref, t_stored, dt, ref_got).is_ok());
+      ASSERT_TRUE(call(*cpu, t_stored, dt, cpu_got).is_ok());
+      ASSERT_TRUE(call(*cpu, t_widened, DType::kF32, via_f32).is_ok());
+      int64_t differ_ref = 0, differ_f32 = 0;
+      for (size_t i = 0; i < n_out; ++i) {
+        differ_ref += std::memcmp(&cpu_got[i], &ref_got[i], sizeof(float)) != 0;
+        differ_f32 += std::memcmp(&cpu_got[i], &via_f32[i], sizeof(float)) != 0;
+      }
+      EXPECT_EQ(differ_ref, 0) << "CPU vs host default, of " << n_out;
+      EXPECT_EQ(differ_f32, 0) << "stored keys vs the same keys widened beforehand, of " << n_out;
+      // The rounding's bound.
+      const int64_t group = c.n_heads / c.n_kv_heads;
+      double delta = 0.0;
+      for (int64_t t = 0; t < c.length; ++t) {
+        for (int64_t h = 0; h < c.n_heads; ++h) {
+          const int64_t g = h / group;
+          double d = 0.0, mag = 0.0;
+          for (int64_t i = 0; i < c.head_dim; ++i) {
+            const int64_t e = g * c.head_dim + i;
+            const double qa = std::abs(static_cast<double>(q[static_cast<size_t>(h * c.head_dim + i)]));
+            d += qa * std::abs(static_cast<double>(key(exact, t, e)) - key(widened, t, e));
+            mag += qa * std::abs(static_cast<double>(key(exact, t, e)));
+          }
+          // Plus the f32 dot products' own rounding on both sides: (head_dim + 2)·2^-24·Σ|q||k| each.
+          const double roundoff = 2.0 * static_cast<double>(c.head_dim + 2) * std::ldexp(1.0, -24) * mag;
+          delta = std::max(delta, (d + roundoff) / std::sqrt(static_cast<double>(c.head_dim)));
+        }
+      }
+      EXPECT_GT(delta, 0.0) << "the keys were rounded";
+      const double factor = std::expm1(2.0 * delta);
+      int64_t outside = 0, non_finite = 0;
+      double worst = 0.0;
+      for (size_t i = 0; i < n_out; ++i) {
+        if (!std::isfinite(cpu_got[i])) ++non_finite;
+        const double err = std::abs(static_cast<double>(cpu_got[i]) - want[i]);
+        const double tol = want[i] * (factor + 1e-6) + 1e-9;
+        outside += err > tol ? 1 : 0;
+        worst = std::max(worst, err);
+      }
+      EXPECT_EQ(non_finite, 0);
+      EXPECT_EQ(outside, 0) << "of " << n_out << "; δ = " << delta << ", worst |Δ| = " << worst;
+      for (int64_t g = 0; g < c.n_kv_heads; ++g) {
+        double sum = 0.0;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t t = 0; t < c.length; ++t) {
+          const float v = cpu_got[static_cast<size_t>(g * c.length + t)];
+          sum += v;
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+        }
+        EXPECT_GE(sum, 1.0 - 1e-4) << "group " << g;
+        if (c.length > 1) {
+          EXPECT_LT(lo, hi) << "group " << g;
+        }
+      }
+    }
+  }
+  // A dtype that is not a KV dtype is refused by both.
+  float x = 0.0f;
+  const void* one[1] = {&x};
+  std::vector<float> out(1);
+  EXPECT_EQ(ref.retrieval_group_scores(&x, one, DType::kQ8_0, 1, 1, 1, 1, 1, out.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu->retrieval_group_scores(&x, one, DType::kQ8_0, 1, 1, 1, 1, 1, out.data()).code(),
+            StatusCode::kInvalidArgument);
 }
 
 // CpuBackend::select_top_tokens (the KV heads spread over the threads, scores read in place)

@@ -189,20 +189,24 @@ TEST(ContentHash, EveryByteAndTheLengthCount) {
 
 struct ScoreCase {
   int64_t n_heads, n_kv_heads, head_dim, length;
-  bool misaligned_k = false;  // K blocks one float past a 16-byte boundary: scalar staging
+  bool misaligned_k = false;  // K blocks one element past a 4-element boundary: scalar staging
   int64_t block_tokens = 0;   // 0: one block holds everything
+  DType k_dtype = DType::kF32;  // the keys as stored (the KV dtype): f32, f16 or bf16
 };
 
 // A paged K cache as the engine keeps it: blocks of block_tokens rows, stored in reverse order in
 // one buffer (so a kernel that ignores the table reads the wrong rows).
 struct PagedKeys {
   int64_t block_tokens = 0, n_blocks = 0;
-  std::vector<float> host;  // [n_blocks][block_tokens][kvd] (+1 float when misaligned)
+  std::vector<float> host;  // [n_blocks][block_tokens][kvd] (+1 element when misaligned)
   std::vector<int64_t> slot_of_block;
-  std::vector<const float*> table(const float* base, bool misaligned, int64_t kvd) const {
-    std::vector<const float*> t(static_cast<size_t>(n_blocks));
+  // Pointers into a buffer of `elem`-byte elements.
+  std::vector<const void*> table(const void* base, size_t elem, bool misaligned, int64_t kvd) const {
+    std::vector<const void*> t(static_cast<size_t>(n_blocks));
+    const auto* bytes = static_cast<const unsigned char*>(base);
     for (int64_t b = 0; b < n_blocks; ++b) {
-      t[static_cast<size_t>(b)] = base + (misaligned ? 1 : 0) + slot_of_block[static_cast<size_t>(b)] * block_tokens * kvd;
+      t[static_cast<size_t>(b)] =
+          bytes + ((misaligned ? 1 : 0) + slot_of_block[static_cast<size_t>(b)] * block_tokens * kvd) * elem;
     }
     return t;
   }
@@ -221,23 +225,32 @@ PagedKeys page_keys(std::mt19937& rng, const ScoreCase& c) {
 void run_score_case(CudaBackend& gpu, Backend& ref, std::mt19937& rng, const ScoreCase& c) {
   const std::string what = "heads " + std::to_string(c.n_heads) + " kv " + std::to_string(c.n_kv_heads) +
                            " hd " + std::to_string(c.head_dim) + " length " + std::to_string(c.length) +
-                           " blocks of " + std::to_string(c.block_tokens) + (c.misaligned_k ? " misaligned" : "");
+                           " blocks of " + std::to_string(c.block_tokens) + (c.misaligned_k ? " misaligned" : "") +
+                           " keys " + std::string(dtype_name(c.k_dtype));
   SCOPED_TRACE(what);
   // Logits of a few units: a realistic, peaked softmax.
   const std::vector<float> q = random_floats(rng, static_cast<size_t>(c.n_heads * c.head_dim), -1.5f, 1.5f);
   const int64_t kvd = c.n_kv_heads * c.head_dim;
   const PagedKeys keys = page_keys(rng, c);
   Guarded<float> d_q(q);
-  Guarded<float> d_k(keys.host);
   Guarded<float> d_out(static_cast<size_t>(c.n_kv_heads * c.length));
-  const std::vector<const float*> dev_table = keys.table(d_k.data(), c.misaligned_k, kvd);
-  const std::vector<const float*> host_table = keys.table(keys.host.data(), c.misaligned_k, kvd);
-  const Status s = gpu.retrieval_group_scores(d_q.data(), dev_table.data(), keys.block_tokens, c.length, c.n_heads,
-                                              c.n_kv_heads, c.head_dim, d_out.data());
+  // f16 / bf16: the keys rounded to the dtype, the host default reading the same stored bits.
+  const bool narrow = c.k_dtype != DType::kF32;
+  std::vector<uint16_t> host16(narrow ? keys.host.size() : 1);
+  if (narrow) convert_from_f32(c.k_dtype, keys.host.data(), host16.data(), keys.host.size());
+  Guarded<float> d_k(narrow ? std::vector<float>(1) : keys.host);
+  Guarded<uint16_t> d_k16(host16);
+  const size_t elem = dtype_size(c.k_dtype);
+  const void* dev_base = narrow ? static_cast<const void*>(d_k16.data()) : d_k.data();
+  const void* host_base = narrow ? static_cast<const void*>(host16.data()) : keys.host.data();
+  const std::vector<const void*> dev_table = keys.table(dev_base, elem, c.misaligned_k, kvd);
+  const std::vector<const void*> host_table = keys.table(host_base, elem, c.misaligned_k, kvd);
+  const Status s = gpu.retrieval_group_scores(d_q.data(), dev_table.data(), c.k_dtype, keys.block_tokens, c.length,
+                                              c.n_heads, c.n_kv_heads, c.head_dim, d_out.data());
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   std::vector<float> want(d_out.size());
-  ASSERT_TRUE(ref.retrieval_group_scores(q.data(), host_table.data(), keys.block_tokens, c.length, c.n_heads,
-                                         c.n_kv_heads, c.head_dim, want.data())
+  ASSERT_TRUE(ref.retrieval_group_scores(q.data(), host_table.data(), c.k_dtype, keys.block_tokens, c.length,
+                                         c.n_heads, c.n_kv_heads, c.head_dim, want.data())
                   .is_ok());
   const Status synced = gpu.synchronize();
   ASSERT_TRUE(synced.is_ok()) << "device fault: " << synced.to_string();
@@ -260,6 +273,11 @@ TEST_F(CudaRetrievalTest, ScoresMatchHostDefaultOnRandomShapes) {
       // At most 48 KiB of dynamic shared memory but more with the kernel's static array: these
       // launches need the opt-in (they failed when the plan counted the dynamic part alone).
       {20, 1, 128, 3000, false, 256}, {38, 2, 128, 700}, {10, 1, 256, 1500, false, 64}, {56, 1, 64, 900},
+      // Keys in f16 / bf16 (the KV dtype), widened as the kernel stages them: 4-element loads,
+      // scalar loads (misaligned, head_dim not a multiple of 4), and the shared-memory opt-in.
+      {32, 8, 128, 4096, false, 2048, DType::kF16}, {8, 2, 64, 1000, false, 7, DType::kBF16},
+      {3, 1, 7, 33, true, 5, DType::kF16},          {8, 4, 128, 1025, true, 256, DType::kBF16},
+      {20, 1, 128, 3000, false, 256, DType::kF16},  {16, 16, 80, 2049, false, 2048, DType::kBF16},
   };
   for (const ScoreCase& c : fixed) run_score_case(*gpu_, *ref_, rng_, c);
   for (int trial = 0; trial < 10; ++trial) {
@@ -268,7 +286,8 @@ TEST_F(CudaRetrievalTest, ScoresMatchHostDefaultOnRandomShapes) {
     const int64_t hd = pick(rng_, {16, 48, 64, 96, 128, 192, 256});
     const int64_t length = pick(rng_, {1, 31, 129, 1000, 8191, 20000});
     const int64_t block = pick(rng_, {0, 16, 200, 2048});
-    run_score_case(*gpu_, *ref_, rng_, ScoreCase{kv * group, kv, hd, length, trial % 3 == 0, block});
+    const DType dt = trial % 3 == 1 ? DType::kF16 : trial % 3 == 2 ? DType::kBF16 : DType::kF32;
+    run_score_case(*gpu_, *ref_, rng_, ScoreCase{kv * group, kv, hd, length, trial % 4 == 0, block, dt});
   }
 }
 
@@ -280,17 +299,20 @@ TEST_F(CudaRetrievalTest, ScoresScratchReuseAcrossShapes) {
 
 TEST_F(CudaRetrievalTest, ScoresRejectBadArguments) {
   Guarded<float> buf(4096);
-  const float* table[1] = {buf.data()};
-  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, 16, 4, 3, 2, 8, buf.data()).code(),
+  const void* table[1] = {buf.data()};
+  const DType f32 = DType::kF32;
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, f32, 16, 4, 3, 2, 8, buf.data()).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, 16, 4, 2, 1, 300, buf.data()).code(),
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, f32, 16, 4, 2, 1, 300, buf.data()).code(),
             StatusCode::kUnimplemented);
-  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, 0, 4, 2, 1, 8, buf.data()).code(),
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, f32, 0, 4, 2, 1, 8, buf.data()).code(),
             StatusCode::kInvalidArgument);
-  const float* null_block[1] = {nullptr};
-  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), null_block, 16, 4, 2, 1, 8, buf.data()).code(),
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), table, DType::kQ8_0, 16, 4, 2, 1, 8, buf.data()).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_TRUE(gpu_->retrieval_group_scores(nullptr, nullptr, 16, 0, 2, 1, 8, nullptr).is_ok()) << "empty context";
+  const void* null_block[1] = {nullptr};
+  EXPECT_EQ(gpu_->retrieval_group_scores(buf.data(), null_block, f32, 16, 4, 2, 1, 8, buf.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(gpu_->retrieval_group_scores(nullptr, nullptr, f32, 16, 0, 2, 1, 8, nullptr).is_ok()) << "empty context";
   sync();
 }
 
@@ -382,9 +404,10 @@ TEST_F(CudaRetrievalTest, SelectOnDeviceScores) {
   Guarded<float> d_q(q);
   Guarded<float> d_k(k);
   Guarded<float> d_scores(static_cast<size_t>(kv * length));
-  const float* table[1] = {d_k.data()};
-  ASSERT_TRUE(
-      gpu_->retrieval_group_scores(d_q.data(), table, length, length, heads, kv, hd, d_scores.data()).is_ok());
+  const void* table[1] = {d_k.data()};
+  ASSERT_TRUE(gpu_->retrieval_group_scores(d_q.data(), table, DType::kF32, length, length, heads, kv, hd,
+                                           d_scores.data())
+                  .is_ok());
   Selection got;
   const SelectionOptions o{2048, 1, 4};
   ASSERT_TRUE(gpu_->select_top_tokens(d_scores.data(), kv, length, o, got).is_ok());

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/dtype.h"
 #include "core/ports/backend.h"
 #include "core/ports/selection.h"
 #include "cpu/cpu_backend.h"
@@ -42,9 +43,18 @@ void merge_ml(float& m, float& l, float om, float ol) {
   m = mn;
 }
 
+// Key element i of a staged row as the kernel widens it (k_type: f32, f16 or bf16).
+float key_element(const kernels::RetrievalScoresLaunch& a, const void* block, int64_t i) {
+  switch (a.k_type) {
+    case kernels::KvType::kF16: return f16_to_f32(static_cast<const uint16_t*>(block)[i]);
+    case kernels::KvType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(block)[i]);
+    default: return static_cast<const float*>(block)[i];
+  }
+}
+
 // Host mirror of retrieval_logits_kernel, retrieval_stats_kernel and retrieval_group_max_kernel:
-// the same staging layout (part-major rows of k_stride floats, zero padding), dot products from
-// it, and per-block softmax partials.
+// the same staging layout (part-major rows of k_stride floats, zero padding; keys widened to f32
+// as staged), dot products from it, and per-block softmax partials.
 void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
   const kernels::RetrievalScoresLaunch& a = plan.launch;
   const int tile = a.tile, pd = a.part_dims, ks = a.k_stride, hd = static_cast<int>(a.head_dim);
@@ -77,7 +87,7 @@ void emulate_scores(const RetrievalScoresPlan& plan, std::vector<float>& out) {
           for (int d = 0; d < qd; ++d) {
             const int64_t t = t0 + r;
             const float v = r < n_rows && d < hd
-                                ? a.k_blocks[t / a.block_tokens][(t % a.block_tokens) * kvd + g * hd + d]
+                                ? key_element(a, a.k_blocks[t / a.block_tokens], (t % a.block_tokens) * kvd + g * hd + d)
                                 : 0.0f;
             const int p = d / pd;
             k_s[static_cast<size_t>((p * tile + r) * ks + (d - p * pd))] = v;
@@ -161,32 +171,49 @@ TEST(RetrievalScoresPlan, HostMirrorMatchesHostDefault) {
     const std::vector<float> q = random_floats(rng, static_cast<size_t>(s.heads * s.hd), -2.0f, 2.0f);
     const std::vector<float> k = random_floats(rng, static_cast<size_t>(s.length * s.kv * s.hd), -2.0f, 2.0f);
     std::vector<float> out_placeholder(1);
-    // Paged as the engine keeps it: blocks of 37 tokens, the table pointing into k in order.
+    // Paged as the engine keeps it: blocks of 37 tokens, the table pointing into k in order; the
+    // keys in f32, and rounded to f16 and bf16 (the KV dtypes), which the kernel widens as it
+    // stages them: the mirror must match the host default over the same stored keys.
     const int64_t bt = 37, kvd = s.kv * s.hd;
-    std::vector<const float*> table;
-    for (int64_t t = 0; t < s.length; t += bt) table.push_back(k.data() + t * kvd);
-    auto plan = plan_retrieval_scores(q.data(), table.data(), bt, s.length, s.heads, s.kv, s.hd,
-                                      out_placeholder.data(), s.sms);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-    EXPECT_EQ(plan->launch.parts, s.hd <= 64 ? 1 : s.hd <= 128 ? 2 : 4);
-    EXPECT_EQ(plan->launch.vec4, s.hd % 4 == 0 && (bt * kvd) % 4 == 0);  // every block 16-byte aligned
-    EXPECT_LE(plan->launch.smem_bytes + kernels::kRetrievalStaticSmemBytes, SharedMemoryLimits{}.per_block_optin);
-    std::vector<float> got;
-    emulate_scores(*plan, got);
-    std::vector<float> want(static_cast<size_t>(s.kv * s.length));
-    ASSERT_TRUE((*ref)
-                    ->retrieval_group_scores(q.data(), table.data(), bt, s.length, s.heads, s.kv, s.hd, want.data())
-                    .is_ok());
-    EXPECT_LT(rel_l2(got, want), 1e-5);
+    std::vector<uint16_t> k16(k.size());
+    for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)));
+      if (dt != DType::kF32) convert_from_f32(dt, k.data(), k16.data(), k.size());
+      std::vector<const void*> table;
+      for (int64_t t = 0; t < s.length; t += bt) {
+        table.push_back(dt == DType::kF32 ? static_cast<const void*>(k.data() + t * kvd) : k16.data() + t * kvd);
+      }
+      auto plan = plan_retrieval_scores(q.data(), table.data(), dt, bt, s.length, s.heads, s.kv, s.hd,
+                                        out_placeholder.data(), s.sms);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+      EXPECT_EQ(plan->launch.parts, s.hd <= 64 ? 1 : s.hd <= 128 ? 2 : 4);
+      // Every block aligned to 4 elements (16 bytes of f32, 8 of f16 / bf16).
+      EXPECT_EQ(plan->launch.vec4, s.hd % 4 == 0 && (bt * kvd) % 4 == 0);
+      EXPECT_EQ(plan->launch.k_type, dt == DType::kF32   ? kernels::KvType::kF32
+                                     : dt == DType::kF16 ? kernels::KvType::kF16
+                                                         : kernels::KvType::kBF16);
+      EXPECT_LE(plan->launch.smem_bytes + kernels::kRetrievalStaticSmemBytes, SharedMemoryLimits{}.per_block_optin);
+      std::vector<float> got;
+      emulate_scores(*plan, got);
+      std::vector<float> want(static_cast<size_t>(s.kv * s.length));
+      ASSERT_TRUE((*ref)
+                      ->retrieval_group_scores(q.data(), table.data(), dt, bt, s.length, s.heads, s.kv, s.hd,
+                                               want.data())
+                      .is_ok());
+      EXPECT_LT(rel_l2(got, want), 1e-5);
+      for (float v : got) ASSERT_TRUE(std::isfinite(v));
+    }
   }
 }
 
 TEST(RetrievalScoresPlan, ArgumentChecks) {
   float x = 0.0f;
-  const float* table[1] = {&x};
+  const void* table[1] = {&x};
   auto code = [&](int64_t length, int64_t heads, int64_t kv, int64_t hd, const float* q = nullptr) {
     const float* qq = q == nullptr ? &x : q;
-    return plan_retrieval_scores(qq, table, length > 0 ? length : 1, length, heads, kv, hd, &x, 132).status().code();
+    return plan_retrieval_scores(qq, table, DType::kF32, length > 0 ? length : 1, length, heads, kv, hd, &x, 132)
+        .status()
+        .code();
   };
   EXPECT_EQ(code(0, 0, 0, 0), StatusCode::kOk) << "empty context: nothing to check or do";
   EXPECT_EQ(code(4, 3, 2, 8), StatusCode::kInvalidArgument);
@@ -194,22 +221,37 @@ TEST(RetrievalScoresPlan, ArgumentChecks) {
   EXPECT_EQ(code(4, 2, 1, 0), StatusCode::kInvalidArgument);
   EXPECT_EQ(code(4, 2, 1, 257), StatusCode::kUnimplemented);
   EXPECT_EQ(code(int64_t{1} << 32, 2, 1, 8), StatusCode::kInvalidArgument);
-  EXPECT_EQ(plan_retrieval_scores(nullptr, table, 4, 4, 2, 1, 8, &x, 132).status().code(),
+  EXPECT_EQ(plan_retrieval_scores(nullptr, table, DType::kF32, 4, 4, 2, 1, 8, &x, 132).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(plan_retrieval_scores(&x, table, 0, 4, 2, 1, 8, &x, 132).status().code(), StatusCode::kInvalidArgument);
-  const float* null_table[1] = {nullptr};
-  EXPECT_EQ(plan_retrieval_scores(&x, null_table, 4, 4, 2, 1, 8, &x, 132).status().code(),
+  EXPECT_EQ(plan_retrieval_scores(&x, table, DType::kF32, 0, 4, 2, 1, 8, &x, 132).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(plan_retrieval_scores(&x, table, DType::kQ8_0, 4, 4, 2, 1, 8, &x, 132).status().code(),
+            StatusCode::kInvalidArgument)
+      << "keys are f32, f16 or bf16";
+  const void* null_table[1] = {nullptr};
+  EXPECT_EQ(plan_retrieval_scores(&x, null_table, DType::kF32, 4, 4, 2, 1, 8, &x, 132).status().code(),
             StatusCode::kInvalidArgument);
   // 512 query heads of 256 dims per KV head cannot stage their queries in shared memory.
-  const Status big = plan_retrieval_scores(&x, table, 4, 4, 512, 1, 256, &x, 132).status();
+  const Status big = plan_retrieval_scores(&x, table, DType::kF32, 4, 4, 512, 1, 256, &x, 132).status();
   EXPECT_EQ(big.code(), StatusCode::kUnimplemented);
   EXPECT_NE(big.message().find("shared memory"), std::string::npos) << big.message();
   // Misaligned K: scalar staging.
   std::vector<float> k(64);
-  const float* misaligned[1] = {k.data() + 1};
-  auto plan = plan_retrieval_scores(&x, misaligned, 4, 4, 1, 1, 8, &x, 132);
+  const void* misaligned[1] = {k.data() + 1};
+  auto plan = plan_retrieval_scores(&x, misaligned, DType::kF32, 4, 4, 1, 1, 8, &x, 132);
   ASSERT_TRUE(plan.is_ok());
   EXPECT_FALSE(plan->launch.vec4);
+  // f16 / bf16 keys load 4 elements (8 bytes) at a time: 8-byte alignment suffices, 2 does not.
+  const auto* bytes = reinterpret_cast<const unsigned char*>(k.data());
+  for (const DType dt : {DType::kF16, DType::kBF16}) {
+    const void* eight[1] = {bytes + 8};
+    const void* two[1] = {bytes + 2};
+    auto p8 = plan_retrieval_scores(&x, eight, dt, 4, 4, 1, 1, 8, &x, 132);
+    auto p2 = plan_retrieval_scores(&x, two, dt, 4, 4, 1, 1, 8, &x, 132);
+    ASSERT_TRUE(p8.is_ok() && p2.is_ok());
+    EXPECT_TRUE(p8->launch.vec4);
+    EXPECT_FALSE(p2->launch.vec4);
+  }
 }
 
 // The shared memory the score kernel needs, from its layout as kernels_retrieval.cu declares it
@@ -241,7 +283,7 @@ bool launch_accepted(const RetrievalScoresPlan& plan, SharedMemoryLimits device)
 TEST(RetrievalScoresPlan, LaunchFitsTheDeviceSharedMemoryAtEveryGqaRatio) {
   float x = 0.0f;
   std::vector<float> k(64);
-  const float* table[1] = {k.data()};
+  const void* table[1] = {k.data()};
   const SharedMemoryLimits devices[] = {{48 * 1024, 163 * 1024}, {48 * 1024, 227 * 1024}};
   int opt_ins = 0, refusals = 0;
   for (const SharedMemoryLimits& device : devices) {
@@ -250,7 +292,7 @@ TEST(RetrievalScoresPlan, LaunchFitsTheDeviceSharedMemoryAtEveryGqaRatio) {
         SCOPED_TRACE("head_dim " + std::to_string(hd) + ", " + std::to_string(group) + " query heads per KV head, opt-in " +
                      std::to_string(device.per_block_optin));
         const size_t need = score_kernel_smem_need(group, hd);
-        auto plan = plan_retrieval_scores(&x, table, 4, 4, group * 2, 2, hd, &x, 132, device);
+        auto plan = plan_retrieval_scores(&x, table, DType::kF32, 4, 4, group * 2, 2, hd, &x, 132, device);
         if (need > device.per_block_optin) {
           ASSERT_EQ(plan.status().code(), StatusCode::kUnimplemented) << need << " bytes";
           EXPECT_NE(plan.status().message().find("shared memory"), std::string::npos);
@@ -269,7 +311,7 @@ TEST(RetrievalScoresPlan, LaunchFitsTheDeviceSharedMemoryAtEveryGqaRatio) {
   EXPECT_GT(refusals, 0);
   // The ratios the issue named: dynamic shared memory at most 48 KiB, the total above it.
   for (auto [hd, group] : {std::pair<int64_t, int64_t>{128, 19}, {128, 20}, {256, 10}, {64, 53}, {64, 56}}) {
-    auto plan = plan_retrieval_scores(&x, table, 4, 4, group, 1, hd, &x, 132, devices[0]);
+    auto plan = plan_retrieval_scores(&x, table, DType::kF32, 4, 4, group, 1, hd, &x, 132, devices[0]);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     EXPECT_LE(plan->launch.smem_bytes, size_t{48 * 1024}) << hd << " x " << group;
     EXPECT_TRUE(plan->launch.smem_opt_in) << hd << " x " << group;

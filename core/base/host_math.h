@@ -13,6 +13,10 @@
 
 #include "core/base/dtype.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
 namespace specontext {
 
 // Eight partial sums: the compiler vectorises them without reassociating one float chain.
@@ -37,7 +41,8 @@ inline float f16_bits_to_f32(uint16_t h) {
   const uint32_t two_w = w + w;
   const float normalized = as_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   const float denormalized = as_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  return as_float(sign | (two_w < (1u << 27) ? as_bits(denormalized) : as_bits(normalized)));
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones or zero: no branch
+  return as_float(sign | (as_bits(denormalized) & is_subnormal) | (as_bits(normalized) & ~is_subnormal));
 }
 
 // Element i of a key row of dtype T (f32, f16 or bf16), as f32.
@@ -79,6 +84,64 @@ inline float dot8_key(DType t, const float* a, const void* b, int64_t n) {
 // Whether `t` is a dtype the head's keys may be stored in (the KV dtypes).
 inline bool is_head_key_dtype(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
 
+// A key row of at most this many elements is widened once into a stack buffer for all query heads
+// of its group (the same values dot8_key reads, so the same sums); longer rows widen per head.
+inline constexpr int64_t kWidenRowMax = 512;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// f16 → f32 by F16C (vcvtph2ps: exact, as f16_bits_to_f32), 8 at a time; the run-time check
+// below decides whether it may run.
+__attribute__((target("avx,f16c"))) inline void widen_f16_f16c(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = f16_bits_to_f32(src[i]);
+}
+inline bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+// dst[i] = key_at<T>(src, i) for i < n (F16C where the CPU has it: the same values).
+template <DType T>
+inline void widen_key_row(const void* src, float* dst, int64_t n) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if constexpr (T == DType::kF16) {
+    if (cpu_has_f16c()) return widen_f16_f16c(static_cast<const uint16_t*>(src), dst, n);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = key_at<T>(src, i);
+}
+
+// logit_h = q_h · k / √head_dim for the `group` query heads q_0.. (rows of head_dim) that share
+// the key row k of dtype T, written to out[j·stride]. f16 / bf16 rows are widened once for the
+// group (at most kWidenRowMax elements: a stack buffer, never a copy of the cache).
+template <DType T>
+inline void group_logits(const float* q, const void* k, int64_t group, int64_t head_dim, float scale, float* out,
+                         int64_t stride) {
+  if constexpr (T != DType::kF32) {
+    if (group > 1 && head_dim <= kWidenRowMax) {
+      float row[kWidenRowMax];
+      widen_key_row<T>(k, row, head_dim);
+      for (int64_t j = 0; j < group; ++j) out[j * stride] = dot8(q + j * head_dim, row, head_dim) * scale;
+      return;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) out[j * stride] = dot8_key<T>(q + j * head_dim, k, head_dim) * scale;
+}
+
+// group_logits for a dtype known at run time (f32, f16 or bf16).
+inline void group_logits(DType t, const float* q, const void* k, int64_t group, int64_t head_dim, float scale,
+                         float* out, int64_t stride) {
+  switch (t) {
+    case DType::kF32: return group_logits<DType::kF32>(q, k, group, head_dim, scale, out, stride);
+    case DType::kF16: return group_logits<DType::kF16>(q, k, group, head_dim, scale, out, stride);
+    default: return group_logits<DType::kBF16>(q, k, group, head_dim, scale, out, stride);
+  }
+}
+
 template <DType T>
 inline void head_logits_of(const float* q, const void* const* k_blocks, int64_t block_tokens, int64_t t0, int64_t t1,
                            int64_t length, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float* logits) {
@@ -90,10 +153,8 @@ inline void head_logits_of(const float* q, const void* const* k_blocks, int64_t 
     const auto* row = static_cast<const unsigned char*>(k_blocks[t / block_tokens]) +
                       static_cast<size_t>((t % block_tokens) * kvd) * elem;
     for (int64_t g = 0; g < n_kv_heads; ++g) {
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        logits[h * length + t] =
-            dot8_key<T>(q + h * head_dim, row + static_cast<size_t>(g * head_dim) * elem, head_dim) * scale;
-      }
+      group_logits<T>(q + g * group * head_dim, row + static_cast<size_t>(g * head_dim) * elem, group, head_dim,
+                      scale, logits + g * group * length + t, length);
     }
   }
 }

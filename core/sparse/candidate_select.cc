@@ -250,10 +250,7 @@ Status select_among_candidates(const float* q, const void* const* k_blocks, DTyp
       for (int64_t c = 0; c < n_cand; ++c) {
         const int64_t t = tok[c];
         const void* kt = element_at(k_blocks[t / block_tokens], k_dtype, (t % block_tokens) * kvd + g * head_dim);
-        for (int64_t j = 0; j < group; ++j) {
-          row[static_cast<size_t>(j * n_cand + c)] =
-              dot8_key(k_dtype, q + (g * group + j) * head_dim, kt, head_dim) * scale;
-        }
+        group_logits(k_dtype, q + g * group * head_dim, kt, group, head_dim, scale, row.data() + c, n_cand);
       }
       for (int64_t j = 0; j < group; ++j) {
         float* r = row.data() + j * n_cand;

@@ -521,19 +521,38 @@ TEST(SparseOpsTest, RetrievalGroupScoresEqualReferenceBitExactly) {
   }
 }
 
-// The inline f16 widening of the head's key loads (core/base/host_math.h) is core's f16_to_f32 for
-// every one of the 65536 bit patterns (NaN for NaN: the payload is not compared).
+// The f16 widenings of the head's key loads (core/base/host_math.h: the inline bit trick, and
+// widen_key_row, F16C where the CPU has it, over rows of every length 0..40 and one of all values)
+// are core's f16_to_f32 for every one of the 65536 bit patterns (NaN for NaN: the payload is not
+// compared); bf16's is a shift, checked the same way.
 TEST(SparseOpsTest, HeadKeyF16WideningIsExactForEveryValue) {
-  int64_t differ = 0;
-  for (uint32_t h = 0; h <= 0xffffu; ++h) {
-    const float want = f16_to_f32(static_cast<uint16_t>(h)), got = f16_bits_to_f32(static_cast<uint16_t>(h));
-    if (std::isnan(want)) {
-      differ += std::isnan(got) ? 0 : 1;
-    } else {
-      differ += std::memcmp(&want, &got, sizeof(float)) != 0 ? 1 : 0;
-    }
+  auto same = [](float want, float got) {
+    return std::isnan(want) ? std::isnan(got) : std::memcmp(&want, &got, sizeof(float)) == 0;
+  };
+  std::vector<uint16_t> all(1u << 16);
+  std::iota(all.begin(), all.end(), uint16_t{0});
+  std::vector<float> row(all.size());
+  int64_t differ = 0, differ_row = 0, differ_bf16 = 0;
+  widen_key_row<DType::kF16>(all.data(), row.data(), static_cast<int64_t>(all.size()));
+  for (size_t h = 0; h < all.size(); ++h) {
+    const float want = f16_to_f32(all[h]);
+    differ += same(want, f16_bits_to_f32(all[h])) ? 0 : 1;
+    differ_row += same(want, row[h]) ? 0 : 1;
   }
+  widen_key_row<DType::kBF16>(all.data(), row.data(), static_cast<int64_t>(all.size()));
+  for (size_t h = 0; h < all.size(); ++h) differ_bf16 += same(bf16_to_f32(all[h]), row[h]) ? 0 : 1;
   EXPECT_EQ(differ, 0);
+  EXPECT_EQ(differ_row, 0);
+  EXPECT_EQ(differ_bf16, 0);
+  // Short rows and tails (the vector loop's remainder), at odd offsets.
+  for (int64_t n = 0; n <= 40; ++n) {
+    std::vector<float> out(static_cast<size_t>(n) + 1, -7.0f);
+    widen_key_row<DType::kF16>(all.data() + 15000 + n, out.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(same(f16_to_f32(all[static_cast<size_t>(15000 + n + i)]), out[static_cast<size_t>(i)])) << n;
+    }
+    EXPECT_EQ(out[static_cast<size_t>(n)], -7.0f) << "wrote past the row of " << n;
+  }
 }
 
 // Head keys stored in f16 / bf16 (the KV dtype): retrieval_group_scores widens each element as it

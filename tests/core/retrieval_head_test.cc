@@ -490,12 +490,37 @@ TEST(RetrievalHead, SelectionByTurnsEqualsTheHostReference) {
   }
   std::vector<float> scores(static_cast<size_t>(4 * length));
   retrieval_scores(h, q.data(), k.data(), length, scores.data());
+  // The same blocks in f16 (the KV dtype of an f16 cache), and the reference over those keys
+  // widened: select_by_turns widens on load, so it selects exactly as over the widened keys.
+  std::vector<std::vector<uint16_t>> blocks16(static_cast<size_t>(n_blocks), std::vector<uint16_t>(static_cast<size_t>(bt * kd)));
+  std::vector<const void*> table16(static_cast<size_t>(n_blocks));
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const auto& blk = blocks[static_cast<size_t>(n_blocks - 1 - b)];
+    auto& blk16 = blocks16[static_cast<size_t>(n_blocks - 1 - b)];
+    convert_from_f32(DType::kF16, blk.data(), blk16.data(), blk.size());
+    table16[static_cast<size_t>(b)] = blk16.data();
+  }
+  std::vector<uint16_t> k16(k.size());
+  std::vector<float> k_widened(k.size()), scores16(scores.size());
+  convert_from_f32(DType::kF16, k.data(), k16.data(), k.size());
+  convert_to_f32(DType::kF16, k16.data(), k_widened.data(), k.size());
+  retrieval_scores(h, q.data(), k_widened.data(), length, scores16.data());
   for (const SelectionOptions o : {SelectionOptions{64, 4, 8}, SelectionOptions{16, 1, 4}, SelectionOptions{400, 1, 4}}) {
-    std::vector<float> g;
+    std::vector<float> g, g16;
     reduce_group_scores(scores, 4, 2, length, o, GroupReduce::kTurns, g);
-    Selection want, got;
+    reduce_group_scores(scores16, 4, 2, length, o, GroupReduce::kTurns, g16);
+    Selection want, got, want16, got16;
     select_from_group_scores(g, 2, length, o, want);
+    select_from_group_scores(g16, 2, length, o, want16);
     std::vector<float> scratch(static_cast<size_t>(select_by_turns_scratch_floats(h.config, length)));
+    ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table16.data(), DType::kF16, bt, length, o, scratch.data(),
+                                got16)
+                    .is_ok());
+    for (int64_t kv = 0; kv < 2; ++kv) {
+      const auto w = want16.head(kv), x = got16.head(kv);
+      EXPECT_EQ(std::vector<int32_t>(x.begin(), x.end()), std::vector<int32_t>(w.begin(), w.end()))
+          << "f16 keys, budget " << o.budget << " kv head " << kv;
+    }
     ASSERT_TRUE(select_by_turns(**be, h.config, q.data(), table.data(), DType::kF32, bt, length, o, scratch.data(), got).is_ok());
     for (int64_t kv = 0; kv < 2; ++kv) {
       const auto w = want.head(kv), x = got.head(kv);

@@ -171,18 +171,16 @@ TEST(SelectAmongCandidates, F16AndBf16PagedKeysSelectAsTheWidenedF32Keys) {
     for (const SelectionOptions& o : {SelectionOptions{16, 1, 4}, SelectionOptions{64, 1, 4}}) {
       Selection want_group, got, got_f32, got_half, got_half_f32;
       select_from_group_scores(group, sh.n_kv_heads, length, o, want_group);
-      ASSERT_TRUE(select_among_candidates(q.data(), t_stored.data(), dt, bt, sh.n_heads, sh.n_kv_heads, sh.head_dim,
-                                          all, o, got)
-                      .is_ok());
-      ASSERT_TRUE(select_among_candidates(q.data(), t_widened.data(), DType::kF32, bt, sh.n_heads, sh.n_kv_heads,
-                                          sh.head_dim, all, o, got_f32)
-                      .is_ok());
-      ASSERT_TRUE(select_among_candidates(q.data(), t_stored.data(), dt, bt, sh.n_heads, sh.n_kv_heads, sh.head_dim,
-                                          half, o, got_half)
-                      .is_ok());
-      ASSERT_TRUE(select_among_candidates(q.data(), t_widened.data(), DType::kF32, bt, sh.n_heads, sh.n_kv_heads,
-                                          sh.head_dim, half, o, got_half_f32)
-                      .is_ok());
+      const auto select = [&](const std::vector<const void*>& table, DType kdt, const Candidates& cands,
+                              Selection& out) {
+        ASSERT_TRUE(select_among_candidates(q.data(), table.data(), kdt, bt, sh.n_heads, sh.n_kv_heads, sh.head_dim,
+                                            cands, o, out)
+                        .is_ok());
+      };
+      select(t_stored, dt, all, got);
+      select(t_widened, DType::kF32, all, got_f32);
+      select(t_stored, dt, half, got_half);
+      select(t_widened, DType::kF32, half, got_half_f32);
       for (int64_t h = 0; h < sh.n_kv_heads; ++h) {
         EXPECT_EQ(head_vec(got, h), head_vec(want_group, h)) << dtype_name(dt) << " budget " << o.budget;
         EXPECT_EQ(head_vec(got, h), head_vec(got_f32, h));

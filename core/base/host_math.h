@@ -14,6 +14,7 @@
 #include "core/base/dtype.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -98,8 +99,13 @@ __attribute__((target("avx,f16c"))) inline void widen_f16_f16c(const uint16_t* s
   }
   for (; i < n; ++i) dst[i] = f16_bits_to_f32(src[i]);
 }
+// AVX (which __builtin_cpu_supports checks with the OS's YMM state) and CPUID.1:ECX.F16C read
+// directly: clang 16 (the fuzz build) has no "f16c" feature string for the builtin.
 inline bool cpu_has_f16c() {
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+  }();
   return has;
 }
 #endif

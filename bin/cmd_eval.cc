@@ -65,6 +65,8 @@ void register_eval(CLI::App& app, EvalArgs& a) {
       ->delimiter(',')
       ->check(CLI::IsMember({"passkey", "multikey", "multivalue", "kv", "vt"}));
   cmd->add_option("--task-trials", a.task_trials, "prompts per task x length x depth")->check(CLI::PositiveNumber);
+  cmd->add_option("--task-prompts-out", a.task_prompts_out,
+                  "write every task prompt (kind, depth, trial, needle position, answers, token ids) to this JSONL file");
   cmd->add_flag("--no-fidelity", a.no_fidelity, "run only the task suite (no recall / KL / divergence protocol)");
   cmd->add_flag("--no-tasks", a.no_tasks, "run only the fidelity protocol (not the task suite found beside the model)")
       ->excludes("--no-fidelity")
@@ -128,6 +130,15 @@ Result<std::string> read_file(const std::string& path, const std::string& what) 
   return ss.str();
 }
 
+Status write_file(const std::string& path, const std::string& bytes, const std::string& what) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return not_found(path + ": cannot write " + what);
+  out << bytes;
+  if (!out) return data_loss(path + ": " + what + " write failed");
+  std::fprintf(stderr, "wrote %s\n", path.c_str());
+  return Status::ok();
+}
+
 // A head's metadata names the text it was trained on by FNV-1a (research/distill.h fnv1a64:
 // train_text_fnv1a64, written by models/longctx/distill.py and specontext distill; a
 // comma-separated list when the head was distilled from several files).
@@ -181,6 +192,9 @@ Result<TaskReport> run_tasks(const EvalArgs& a, const std::string& tasks_path, c
   po.trials = a.task_trials;
   po.seed = a.seed;
   SPX_ASSIGN_OR_RETURN(std::vector<TaskPrompt> prompts, build_task_prompts(tok, suite, filler, po));
+  if (!a.task_prompts_out.empty()) {
+    SPX_RETURN_IF_ERROR(write_file(a.task_prompts_out, task_prompts_to_jsonl(prompts), "the --task-prompts-out file"));
+  }
   TaskEvalOptions to;
   to.methods = eo.methods;
   to.budgets = eo.budgets;
@@ -340,11 +354,7 @@ int run_eval(const EvalArgs& a) {
   if (a.json_out == "-") {
     std::cout << j.dump(2) << "\n";
   } else if (!a.json_out.empty()) {
-    std::ofstream out(a.json_out);
-    if (!out) return fail(not_found(a.json_out + ": cannot write the --json file"));
-    out << j.dump(2) << "\n";
-    if (!out) return fail(data_loss(a.json_out + ": write failed"));
-    std::fprintf(stderr, "wrote %s\n", a.json_out.c_str());
+    if (Status st = write_file(a.json_out, j.dump(2) + "\n", "the --json file"); !st.is_ok()) return fail(st);
   }
   if (a.plot) {
     if (a.json_out.empty() || a.json_out == "-") return fail(invalid_argument("eval: --plot needs --json FILE"));

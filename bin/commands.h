@@ -118,6 +118,7 @@ struct EvalArgs {
   std::vector<double> task_depths;       // empty = 0,0.25,0.5,0.75,1
   std::vector<std::string> task_kinds;   // empty = all
   int64_t task_trials = 2;
+  std::string task_prompts_out;          // JSONL of the prompts' tokens (task_prompts_to_jsonl)
   bool no_fidelity = false;              // tasks only
   bool no_tasks = false;                 // fidelity only
 };

@@ -299,6 +299,7 @@ Result<std::vector<TaskPrompt>> build_task_prompts(const Tokenizer& tok, const T
           p.answers = sp.answers;
           p.ordered = sp.ordered;
           p.answer_tokens = static_cast<int64_t>(answer.size()) + 2;
+          p.trial = trial;
           const int64_t n_fill = length - (bos ? 1 : 0) - needle_tokens - static_cast<int64_t>(query.size()) - p.answer_tokens;
           if (n_fill < 16) {
             return invalid_argument("eval tasks: length " + std::to_string(length) + " leaves no room for filler (" +
@@ -469,8 +470,10 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       r.depth = p.depth;
       ++r.trials;
       const std::string text = eval_internal::decode_inline(tok, run.answers[i], ctx_of(p));
-      r.correct += task_answer_correct(p, text) ? 1 : 0;
+      const bool correct = task_answer_correct(p, text);
+      r.correct += correct ? 1 : 0;
       r.score += task_answer_score(p, text);
+      rep.prompts[i].answers.push_back({m, budget, text, correct});
       r.same_as_dense += run.answers[i] == ref.answers[i] ? 1 : 0;
     }
     int64_t correct = 0;
@@ -490,15 +493,15 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
   };
 
   SPX_ASSIGN_OR_RETURN(Run ref, run_config(SparseOptions{}, 0));
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    if (i > 0 && prompts[i].kind == prompts[i - 1].kind && prompts[i].length == prompts[i - 1].length &&
-        prompts[i].depth == prompts[i - 1].depth) {
-      continue;
-    }
-    std::string want;
-    for (const std::string& a : prompts[i].answers) want += (want.empty() ? "" : " | ") + a;
-    rep.examples.push_back({std::string(task_kind_name(prompts[i].kind)), prompts[i].length, prompts[i].depth, want,
-                            eval_internal::decode_inline(tok, ref.answers[i], ctx_of(prompts[i]))});
+  for (const TaskPrompt& p : prompts) {
+    TaskReport::PromptResult& pr = rep.prompts.emplace_back();
+    pr.kind = p.kind;
+    pr.length = p.length;
+    pr.trial = p.trial;
+    pr.needle_at = p.needle_at;
+    pr.tokens = static_cast<int64_t>(p.prompt.size());
+    pr.depth = p.depth;
+    for (const std::string& a : p.answers) pr.want += (pr.want.empty() ? "" : " | ") + a;
   }
   if (std::find(o.methods.begin(), o.methods.end(), SparseMethod::kDense) != o.methods.end()) {
     add_records(SparseMethod::kDense, 0, ref, ref);
@@ -519,6 +522,18 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
       "bytes_loaded_per_token: elastic loads into working sets.");
   rep.seconds = seconds_since(t_all);
   return rep;
+}
+
+std::string task_prompts_to_jsonl(const std::vector<TaskPrompt>& prompts) {
+  std::string out;
+  for (const TaskPrompt& p : prompts) {
+    out += nlohmann::json{{"task", task_kind_name(p.kind)}, {"length", p.length}, {"depth", p.depth},
+                          {"trial", p.trial}, {"needle_at", p.needle_at}, {"answers", p.answers},
+                          {"ordered", p.ordered}, {"answer_tokens", p.answer_tokens}, {"tokens", p.prompt}}
+               .dump();
+    out += '\n';
+  }
+  return out;
 }
 
 nlohmann::json task_report_to_json(const TaskReport& r) {
@@ -563,15 +578,23 @@ nlohmann::json task_report_to_json(const TaskReport& r) {
                      {"bytes_loaded_per_token", s.bytes_loaded_per_token},
                      {"attended_bytes_per_token", s.attended_bytes_per_token}});
   }
-  json examples = json::array();
-  for (const auto& e : r.examples) {
-    examples.push_back({{"task", e.kind}, {"length", e.length}, {"depth", e.depth}, {"answer", e.answer},
-                        {"dense_answer", sanitize_utf8(e.dense_answer)}});
+  json prompts = json::array();
+  for (const TaskReport::PromptResult& p : r.prompts) {
+    json answers = json::array();
+    for (const TaskReport::Answer& a : p.answers) {
+      answers.push_back({{"method", sparse_method_name(a.method)},
+                         {"budget", a.budget},
+                         {"text", sanitize_utf8(a.text)},
+                         {"correct", a.correct}});
+    }
+    prompts.push_back({{"task", task_kind_name(p.kind)}, {"length", p.length}, {"depth", p.depth},
+                       {"trial", p.trial}, {"needle_at", p.needle_at}, {"tokens", p.tokens},
+                       {"want", p.want}, {"answers", std::move(answers)}});
   }
   return {{"lengths", r.lengths}, {"depths", r.depths}, {"budgets", r.budgets}, {"trials", r.trials},
           {"sinks", r.sinks}, {"window", r.window}, {"quest_page_size", r.quest_page_size},
           {"records", records}, {"summary", summary}, {"summary_ruler_score", ruler_summary},
-          {"speed", speed}, {"examples", examples},
+          {"speed", speed}, {"prompts", prompts},
           {"notes", r.notes}, {"seconds", r.seconds}};
 }
 

@@ -58,6 +58,7 @@ struct TaskPrompt {
   bool ordered = true;          // one answer, right after the prompt; else all, in any order
   int64_t needle_at = 0;        // token index of the needle at `depth`
   int64_t answer_tokens = 0;    // greedy tokens decoded
+  int64_t trial = 0;            // index among the prompts of one kind × length × depth
 };
 
 struct TaskPromptOptions {
@@ -130,13 +131,20 @@ struct TaskReport {
   std::vector<int64_t> lengths, budgets;
   std::vector<double> depths;
   int64_t trials = 0, sinks = 0, window = 0, quest_page_size = 0;
-  struct Example {
-    std::string kind;
-    int64_t length = 0;
-    double depth = 0.0;
-    std::string answer, dense_answer;
+  struct Answer {
+    SparseMethod method = SparseMethod::kDense;
+    int64_t budget = 0;
+    std::string text;  // the greedy answer tokens, decoded
+    bool correct = false;
   };
-  std::vector<Example> examples;  // the first trial of every kind × length × depth, dense
+  struct PromptResult {  // one per prompt, in prompt order: which prompts each method misses
+    TaskKind kind = TaskKind::kPasskey;
+    int64_t length = 0, trial = 0, needle_at = 0, tokens = 0;
+    double depth = 0.0;
+    std::string want;  // the answers asked for, joined by " | "
+    std::vector<Answer> answers;  // every method × budget run
+  };
+  std::vector<PromptResult> prompts;
   std::vector<std::string> notes;
   double seconds = 0.0;
 };
@@ -145,7 +153,10 @@ Result<TaskReport> run_task_eval(std::shared_ptr<const Model> model, std::shared
                                  const Tokenizer& tok, const std::vector<TaskPrompt>& prompts,
                                  const TaskPromptOptions& prompt_options, const TaskEvalOptions& o);
 
-// {"records": [...], "speed": [...], "summary": {method: {budget: {kind: accuracy}}}, ...}
+// One JSON line per prompt: kind, length, depth, trial, needle_at, answers and the token ids, for
+// analysis outside the engine (models/longctx/attend.py reads it).
+std::string task_prompts_to_jsonl(const std::vector<TaskPrompt>& prompts);
+// {"records": [...], "speed": [...], "summary": {method: {budget: {kind: accuracy}}}, "prompts": [...], ...}
 nlohmann::json task_report_to_json(const TaskReport& r);
 // Accuracy per method × budget (rows) and kind (columns), every length and depth pooled, then
 // per length.

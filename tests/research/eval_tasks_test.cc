@@ -3,6 +3,8 @@
 // model's own tokenizer and task file.
 #include "research/eval_tasks.h"
 
+#include <map>
+
 #include <gtest/gtest.h>
 
 #include "core/model/model_loader.h"
@@ -28,6 +30,25 @@ class EvalTasksTest : public ::testing::Test {
     auto f = tok_->encode(normalize_paragraphs(read_text_file(repo_path("data/austen/persuasion.txt")).substr(0, 60000)), false);
     ASSERT_TRUE(f.is_ok());
     filler_ = *f;
+  }
+  // A passkey and a kv prompt of 512 tokens, needle at depth 0.
+  static TaskPromptOptions short_prompts() {
+    TaskPromptOptions po;
+    po.kinds = {TaskKind::kPasskey, TaskKind::kKvLookup};
+    po.lengths = {512};
+    po.depths = {0.0};
+    po.trials = 1;
+    return po;
+  }
+  // The bundled long-context model on the CPU over `prompts`, budget 64.
+  Result<TaskReport> run_short(const std::vector<TaskPrompt>& prompts, const TaskPromptOptions& po,
+                                      std::vector<SparseMethod> methods) {
+    SPX_ASSIGN_OR_RETURN(auto m, load_model(repo_path("models/longctx/hf")));
+    SPX_ASSIGN_OR_RETURN(auto b, cpu::create_cpu_backend(cpu::CpuBackendOptions{}));
+    TaskEvalOptions o;
+    o.methods = std::move(methods);
+    o.budgets = {64};
+    return run_task_eval(m, std::shared_ptr<Backend>(std::move(b)), *tok_, prompts, po, o);
   }
   std::unique_ptr<Tokenizer> tok_;
   TaskSuite suite_;
@@ -160,21 +181,10 @@ TEST(EvalTasks, ParagraphsAreJoinedAsTheTrainingScriptJoinsThem) {
 TEST_F(EvalTasksTest, EveryAnswerTokenIsDecodedByTheMethodNotPrefilledDensely) {
   // The prompt's last token is decoded under the method, so even the first answer token (the
   // whole answer of a single-token task) comes from sparse attention, not from dense prefill.
-  TaskPromptOptions po;
-  po.kinds = {TaskKind::kPasskey, TaskKind::kKvLookup};
-  po.lengths = {512};
-  po.depths = {0.0};
-  po.trials = 1;
+  const TaskPromptOptions po = short_prompts();
   auto prompts = build_task_prompts(*tok_, suite_, filler_, po);
   ASSERT_TRUE(prompts.is_ok()) << prompts.status().to_string();
-  auto m = load_model(repo_path("models/longctx/hf"));
-  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-  auto b = cpu::create_cpu_backend(cpu::CpuBackendOptions{});
-  ASSERT_TRUE(b.is_ok());
-  TaskEvalOptions o;
-  o.methods = {SparseMethod::kStreaming};
-  o.budgets = {64};
-  auto rep = run_task_eval(*m, std::shared_ptr<Backend>(std::move(*b)), *tok_, *prompts, po, o);
+  auto rep = run_short(*prompts, po, {SparseMethod::kStreaming});
   ASSERT_TRUE(rep.is_ok()) << rep.status().to_string();
   int64_t answer_tokens = 0;
   for (const TaskPrompt& p : *prompts) answer_tokens += p.answer_tokens;
@@ -182,6 +192,52 @@ TEST_F(EvalTasksTest, EveryAnswerTokenIsDecodedByTheMethodNotPrefilledDensely) {
   for (const TaskSpeed& sp : rep->speed) {
     EXPECT_EQ(sp.decode_tokens, answer_tokens) << sparse_method_name(sp.method) << " budget " << sp.budget;
   }
+}
+
+TEST_F(EvalTasksTest, EveryPromptReportsEachMethodsAnswerAndTheJsonlHoldsItsTokens) {
+  const TaskPromptOptions po = short_prompts();
+  auto prompts = build_task_prompts(*tok_, suite_, filler_, po);
+  ASSERT_TRUE(prompts.is_ok()) << prompts.status().to_string();
+  auto rep = run_short(*prompts, po, {SparseMethod::kDense, SparseMethod::kStreaming});
+  ASSERT_TRUE(rep.is_ok()) << rep.status().to_string();
+  ASSERT_EQ(rep->prompts.size(), prompts->size());
+  // Per prompt, one answer per run, in run order; the records' counts are the sums of its flags.
+  std::map<std::string, int64_t> correct_by_run;
+  for (size_t i = 0; i < prompts->size(); ++i) {
+    const TaskReport::PromptResult& pr = rep->prompts[i];
+    EXPECT_EQ(pr.kind, (*prompts)[i].kind);
+    EXPECT_EQ(pr.tokens, static_cast<int64_t>((*prompts)[i].prompt.size()));
+    EXPECT_EQ(pr.needle_at, (*prompts)[i].needle_at);
+    ASSERT_EQ(pr.answers.size(), 2u);
+    EXPECT_EQ(pr.answers[0].method, SparseMethod::kDense);
+    EXPECT_EQ(pr.answers[1].method, SparseMethod::kStreaming);
+    EXPECT_EQ(pr.answers[1].budget, 64);
+    for (const TaskReport::Answer& a : pr.answers) {
+      EXPECT_FALSE(a.text.empty());
+      EXPECT_EQ(a.correct, task_answer_correct((*prompts)[i], a.text));
+      correct_by_run[std::string(sparse_method_name(a.method))] += a.correct ? 1 : 0;
+    }
+  }
+  std::map<std::string, int64_t> correct_in_records;
+  for (const TaskRecord& r : rep->records) correct_in_records[std::string(sparse_method_name(r.method))] += r.correct;
+  EXPECT_EQ(correct_by_run, correct_in_records);
+  const nlohmann::json j = task_report_to_json(*rep);
+  ASSERT_EQ(j["prompts"].size(), prompts->size());
+  EXPECT_EQ(j["prompts"][1]["task"], "kv");
+  EXPECT_EQ(j["prompts"][1]["answers"][1]["method"], "streaming");
+  // The JSONL: one line per prompt with its tokens.
+  const std::string lines = task_prompts_to_jsonl(*prompts);
+  size_t at = 0;
+  for (const TaskPrompt& p : *prompts) {
+    const size_t end = lines.find('\n', at);
+    ASSERT_NE(end, std::string::npos);
+    const nlohmann::json line = nlohmann::json::parse(lines.substr(at, end - at));
+    EXPECT_EQ(line["tokens"].get<std::vector<TokenId>>(), p.prompt);
+    EXPECT_EQ(line["needle_at"], p.needle_at);
+    EXPECT_EQ(line["answers"].get<std::vector<std::string>>(), p.answers);
+    at = end + 1;
+  }
+  EXPECT_EQ(at, lines.size());
 }
 
 }  // namespace

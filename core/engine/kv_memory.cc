@@ -343,10 +343,12 @@ uint64_t KvMemory::working_set_bytes() const {
          dtype_size(options_.kv_dtype);
 }
 
-size_t KvMemory::head_row_bytes() const {
+size_t KvMemory::head_row_elements() const {
   const auto& hc = options_.retrieval_head->config;
-  return static_cast<size_t>(hc.n_kv_heads * hc.head_dim) * dtype_size(options_.kv_dtype);
+  return static_cast<size_t>(hc.n_kv_heads * hc.head_dim);
 }
+
+size_t KvMemory::head_row_bytes() const { return head_row_elements() * dtype_size(options_.kv_dtype); }
 
 uint64_t KvMemory::head_block_bytes() const {
   return static_cast<uint64_t>(head_block_tokens_) * head_row_bytes();
@@ -601,7 +603,7 @@ Result<SeqId> KvMemory::import_prefix(const PrefixSnapshot& snap, int64_t final_
   fit.fused_row = static_cast<size_t>(3 * config().dim);
   if (method == SparseMethod::kSpeContext) {  // whole blocks of head keys
     const auto blocks = static_cast<size_t>((snap.tokens + head_block_tokens_ - 1) / head_block_tokens_);
-    fit.head_keys = blocks * static_cast<size_t>(head_block_tokens_) * head_row_bytes() / dtype_size(options_.kv_dtype);
+    fit.head_keys = blocks * static_cast<size_t>(head_block_tokens_) * head_row_elements();
   } else if (method == SparseMethod::kQuest) {
     fit.quest_bounds = quest_bound_elements(snap.tokens);
   }
@@ -658,11 +660,8 @@ Result<SeqId> KvMemory::import_prefix_after(SeqId source, int64_t prefix_tokens,
   fit.after = prefix_tokens;
   fit.appended = true;
   fit.fused_row = static_cast<size_t>(3 * config().dim);
-  size_t head_row = 0;                        // floats of one token's head keys
   if (method == SparseMethod::kSpeContext) {  // the tokens' rows only
-    const auto& hc = options_.retrieval_head->config;
-    head_row = static_cast<size_t>(hc.n_kv_heads * hc.head_dim);
-    fit.head_keys = head_row * static_cast<size_t>(rest.tokens);
+    fit.head_keys = head_row_elements() * static_cast<size_t>(rest.tokens);
   } else if (method == SparseMethod::kQuest) {
     fit.quest_bounds = quest_bound_elements(rest.tokens);
   }
@@ -699,10 +698,10 @@ Result<SeqId> KvMemory::import_prefix_after(SeqId source, int64_t prefix_tokens,
     for (int64_t t = prefix_tokens; t < length;) {
       const int64_t in_block = t % head_block_tokens_;
       const int64_t rows = std::min(head_block_tokens_ - in_block, length - t);
-      const float* keys = rest.head_keys.data() + static_cast<size_t>(t - prefix_tokens) * head_row;
+      const float* keys = rest.head_keys.data() + static_cast<size_t>(t - prefix_tokens) * head_row_elements();
       const void* from = keys;
       if (!stored.empty()) {
-        convert_from_f32(options_.kv_dtype, keys, stored.data(), static_cast<size_t>(rows) * head_row);
+        convert_from_f32(options_.kv_dtype, keys, stored.data(), static_cast<size_t>(rows) * head_row_elements());
         from = stored.data();
       }
       if (Status st = write_block(s.head_tier, s.head_blocks[static_cast<size_t>(t / head_block_tokens_)] +

@@ -207,7 +207,8 @@ class KvMemory {
   // Bytes of one block of the retrieval head's keys: head_block_tokens · n_kv_heads · head_dim
   // elements of the KV dtype (EngineOptions::kv_dtype; the head's keys are rounded to it as stored).
   uint64_t head_block_bytes() const;
-  size_t head_row_bytes() const;  // one token's key row: n_kv_heads · head_dim elements of the KV dtype
+  size_t head_row_elements() const;  // one token's key row: the head's n_kv_heads · head_dim
+  size_t head_row_bytes() const;     // that row in the KV dtype
   // Bytes of K (or V) of one (sequence, layer) working set: kv_heads · budget · head_dim elements.
   uint64_t working_set_bytes() const;
  public:

@@ -13,38 +13,66 @@ import struct
 import numpy as np
 
 
+def _names(cfg):
+    """(checkpoint name, HF name, GGUF name) of every weight, in file order."""
+    out = [("tok_embeddings.weight", "model.embed_tokens.weight", "token_embd.weight")]
+    for i in range(cfg["n_layers"]):
+        p, h, g = f"layers.{i}.", f"model.layers.{i}.", f"blk.{i}."
+        out += [(p + ours, h + hf, g + gg) for ours, hf, gg in (
+            ("attention_norm.weight", "input_layernorm.weight", "attn_norm.weight"),
+            ("wq.weight", "self_attn.q_proj.weight", "attn_q.weight"),
+            ("wk.weight", "self_attn.k_proj.weight", "attn_k.weight"),
+            ("wv.weight", "self_attn.v_proj.weight", "attn_v.weight"),
+            ("wo.weight", "self_attn.o_proj.weight", "attn_output.weight"),
+            ("ffn_norm.weight", "post_attention_layernorm.weight", "ffn_norm.weight"),
+            ("w1.weight", "mlp.gate_proj.weight", "ffn_gate.weight"),
+            ("w3.weight", "mlp.up_proj.weight", "ffn_up.weight"),
+            ("w2.weight", "mlp.down_proj.weight", "ffn_down.weight"))]
+    out.append(("norm.weight", "model.norm.weight", "output_norm.weight"))
+    return out
+
+
 def _tensors(model, cfg):
-    """(HF name, GGUF name, array) for every weight; q/k rows permuted for GGUF as llama.cpp's
-    convert_hf_to_gguf does (its llama RoPE rotates adjacent pairs)."""
+    """(HF name, array) and (GGUF name, array) for every weight; q/k rows permuted for GGUF as
+    llama.cpp's convert_hf_to_gguf does (its llama RoPE rotates adjacent pairs)."""
     def permute(w, n_head):
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    out = [("model.embed_tokens.weight", "token_embd.weight", sd["tok_embeddings.weight"])]
-    for i in range(cfg["n_layers"]):
-        p = f"layers.{i}."
-        h, g = f"model.layers.{i}.", f"blk.{i}."
-        out += [
-            (h + "input_layernorm.weight", g + "attn_norm.weight", sd[p + "attention_norm.weight"]),
-            (h + "self_attn.q_proj.weight", g + "attn_q.weight", sd[p + "wq.weight"]),
-            (h + "self_attn.k_proj.weight", g + "attn_k.weight", sd[p + "wk.weight"]),
-            (h + "self_attn.v_proj.weight", g + "attn_v.weight", sd[p + "wv.weight"]),
-            (h + "self_attn.o_proj.weight", g + "attn_output.weight", sd[p + "wo.weight"]),
-            (h + "post_attention_layernorm.weight", g + "ffn_norm.weight", sd[p + "ffn_norm.weight"]),
-            (h + "mlp.gate_proj.weight", g + "ffn_gate.weight", sd[p + "w1.weight"]),
-            (h + "mlp.up_proj.weight", g + "ffn_up.weight", sd[p + "w3.weight"]),
-            (h + "mlp.down_proj.weight", g + "ffn_down.weight", sd[p + "w2.weight"]),
-        ]
-    out.append(("model.norm.weight", "output_norm.weight", sd["norm.weight"]))
-    gguf = []
-    for hname, gname, a in out:
+    hf, gguf = [], []
+    for ours, hname, gname in _names(cfg):
+        a = sd[ours]
+        hf.append((hname, np.ascontiguousarray(a, dtype=np.float32)))
         if gname.endswith("attn_q.weight"):
             a = permute(a, cfg["n_heads"])
         elif gname.endswith("attn_k.weight"):
             a = permute(a, cfg["n_kv_heads"])
         gguf.append((gname, np.ascontiguousarray(a, dtype=np.float32)))
-    hf = [(h, np.ascontiguousarray(a, dtype=np.float32)) for h, _, a in out]
     return hf, gguf
+
+
+def read_hf(tr, hf_dir):
+    """(model, cfg) of an HF export written by main(): config.json and model.safetensors, f32, the
+    names of _tensors read back (no q/k permutation: the HF tensors are the checkpoint's)."""
+    import torch
+    c = json.load(open(os.path.join(hf_dir, "config.json")))
+    cfg = tr.model_config(c["vocab_size"], c["max_position_embeddings"], c["rope_theta"])
+    got = (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+           c["intermediate_size"], c["rms_norm_eps"])
+    want = (cfg["dim"], cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["hidden_dim"], cfg["norm_eps"])
+    assert got == want, f"{hf_dir}: shape {got} is not train.py's {want}"
+    raw = open(os.path.join(hf_dir, "model.safetensors"), "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    hdr = json.loads(raw[8:8 + n])
+    model = tr.build_model(cfg)
+    sd = {}
+    for ours, theirs, _ in _names(cfg):
+        e = hdr[theirs]
+        assert e["dtype"] == "F32", f"{theirs}: {e['dtype']} (only f32 exports are read)"
+        s0, s1 = e["data_offsets"]
+        sd[ours] = torch.from_numpy(np.frombuffer(raw[8 + n + s0:8 + n + s1], dtype="<f4").reshape(e["shape"]).copy())
+    model.load_state_dict(sd)
+    return model, cfg
 
 
 def write_safetensors(path, tensors):

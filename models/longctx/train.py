@@ -758,11 +758,16 @@ def cmd_train(args):
     pools = {k: tasks[k] for k in ("keys", "values", "vars")}
     cfg = model_config(len(tok.vocab), args.max_pos, args.rope_theta)
     model = build_model(cfg)
-    if args.plant:
+    if args.init:  # fine-tuning an exported candidate: its weights, a fresh optimizer and schedule
+        import export
+        model, init_cfg = export.read_hf(sys.modules[__name__], args.init)
+        assert init_cfg == cfg, f"--init {args.init}: config {init_cfg} is not {cfg}"
+    elif args.plant:
         plant_induction(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     ckpt = os.path.join(args.out, "ckpt.pt")
-    step, attn_scale = 0, 1.0
+    # An HF export does not record its tempering: "unknown" keeps cmd_temper from applying it twice.
+    step, attn_scale = 0, ("unknown" if args.init else 1.0)
     if os.path.exists(ckpt):
         st = torch.load(ckpt)
         model.load_state_dict(st["model"])
@@ -898,6 +903,7 @@ def main():
                     help="share of pass-key tasks given 1-4 other numbers (years, sums) as distractors")
     ap.add_argument("--rope-theta", type=float, default=1e8)
     ap.add_argument("--plant", type=int, default=1, help="start from plant_induction (fresh runs)")
+    ap.add_argument("--init", default="", help="train: start from this HF export (hf/ dir) when --out has no ckpt.pt")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)

@@ -1,0 +1,114 @@
+"""Where a model looks when it answers one task prompt: a dense PyTorch forward of a prompt that
+`specontext eval --task-prompts-out FILE` wrote, the greedy answer, and for the answer's first
+query, per layer and head, the attention mass on the asked needle and the positions attended most
+(with their text), and the mass on every position holding the answer's first token (a wrong
+answer copied from several places shows there). For reading why a prompt is missed, not for scoring (the engine scores).
+
+    /usr/bin/python3 models/longctx/attend.py --model models/longctx/candidates/ft2/hf \\
+        --prompts /tmp/prompts.jsonl --task kv --depth 0 [--trial 1] [--top 6]
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def last_row_attention(model, cfg, ids):
+    """Logits of every position and, per layer, the last position's attention [H, T]."""
+    import torch
+    T = len(ids)
+    H, G = cfg["n_heads"], cfg["n_kv_heads"]
+    hd = cfg["dim"] // H
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().float(), ang.sin().float()
+
+    def rope(v):
+        v1, v2 = v[..., : hd // 2], v[..., hd // 2:]
+        return v * cos + torch.cat([-v2, v1], -1) * sin
+
+    rows = []
+    with torch.no_grad():
+        x = model.tok_embeddings(torch.tensor(ids))
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        for layer in model.layers:
+            h = layer.attention_norm(x)
+            q = rope(layer.wq(h).view(T, H, hd).transpose(0, 1))
+            k = rope(layer.wk(h).view(T, G, hd).transpose(0, 1))
+            v = layer.wv(h).view(T, G, hd).transpose(0, 1)
+            o = torch.empty(H, T, hd)
+            last = torch.empty(H, T)
+            for hh in range(H):  # one head at a time: [T, T] scores
+                a = torch.softmax(q[hh] @ k[hh // (H // G)].t() / math.sqrt(hd) + mask, -1)
+                o[hh] = a @ v[hh // (H // G)]
+                last[hh] = a[-1]
+            rows.append(last)
+            x = x + layer.wo(o.transpose(0, 1).reshape(T, -1))
+            hf = layer.ffn_norm(x)
+            x = x + layer.w2(torch.nn.functional.silu(layer.w1(hf)) * layer.w3(hf))
+        logits = model.norm(x) @ model.tok_embeddings.weight.t()
+    return logits, rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, help="an HF export directory (config.json, model.safetensors)")
+    ap.add_argument("--prompts", required=True, help="JSONL from specontext eval --task-prompts-out")
+    ap.add_argument("--task", default="kv")
+    ap.add_argument("--length", type=int, default=0, help="0: any")
+    ap.add_argument("--depth", type=float, default=0.0)
+    ap.add_argument("--trial", type=int, default=-1, help="-1: every trial")
+    ap.add_argument("--top", type=int, default=6, help="most attended positions shown per layer and head")
+    ap.add_argument("--greedy", type=int, default=1, help="answer tokens decoded (each a full forward)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    sys.path.insert(0, HERE)
+    import train as tr
+    torch.set_num_threads(args.threads)
+    import export
+    model, cfg = export.read_hf(tr, args.model)
+    model.eval()
+    tok = tr.Tokenizer.load(os.path.join(args.model, "tokenizer.json"))
+    for line in open(args.prompts, encoding="utf-8"):
+        p = json.loads(line)
+        if p["task"] != args.task or abs(p["depth"] - args.depth) > 1e-9 or (args.length and p["length"] != args.length) \
+                or (args.trial >= 0 and p["trial"] != args.trial):
+            continue
+        ids = list(p["tokens"])
+        answer = []
+        for _ in range(min(args.greedy, p["answer_tokens"])):  # greedy, dense, a full forward each
+            logits, rows = last_row_attention(model, cfg, ids + answer)
+            if not answer:
+                first_rows, first_logits = rows, logits[-1]
+            answer.append(int(logits[-1].argmax()))
+        n = len(ids)
+        at = p["needle_at"]
+        needle_end = at
+        while needle_end < n and "." not in tok.decode([ids[needle_end]]):
+            needle_end += 1
+        needle_end += 1
+        top5 = torch.topk(torch.softmax(first_logits, -1), 5)
+        print(f"== {p['task']} length {p['length']} depth {p['depth']} trial {p['trial']}: {n} tokens, "
+              f"want {p['answers']}, dense answer {tok.decode(answer)!r}")
+        print(f"   needle [{at}, {needle_end}): {tok.decode(ids[at:needle_end])!r}")
+        print("   first answer token: " + ", ".join(f"{tok.decode([int(i)])!r} {float(v):.3f}"
+                                                    for v, i in zip(top5.values, top5.indices)))
+        same = torch.tensor(ids) == answer[0]  # positions holding the first answer token
+        for li, last in enumerate(first_rows):
+            for hh in range(last.shape[0]):
+                mass = float(last[hh, at:needle_end].sum())
+                on_answer = float(last[hh, :n][same].sum())
+                top = torch.topk(last[hh], args.top)
+                shown = "; ".join(f"{int(i)}:{tok.decode(ids[int(i):int(i) + 1])!r} {float(v):.2f}"
+                                  for v, i in zip(top.values, top.indices))
+                print(f"   layer {li} head {hh}: needle mass {mass:.3f}, on the answer's token {on_answer:.3f} | {shown}")
+
+
+if __name__ == "__main__":
+    main()

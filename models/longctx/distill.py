@@ -100,16 +100,13 @@ def main(args):
     wk = torch.nn.Parameter(torch.randn(G * hd, 2 * d) * 0.02)
     params = [fc, n_in, n_hid, wq, wk]
     if args.head_init:  # warm start from a head of the same shape (e.g. one distilled before a temper)
-        with open(args.head_init, "rb") as f:
-            raw_init = f.read()
-        n_hdr = struct.unpack("<Q", raw_init[:8])[0]
-        hdr = json.loads(raw_init[8:8 + n_hdr])
+        from export import read_safetensors
+        init, _ = read_safetensors(args.head_init)
         names = ["fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
                  "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight"]
         with torch.no_grad():
             for name, p in zip(names, params):
-                s0, s1 = hdr[name]["data_offsets"]
-                a = np.frombuffer(raw_init[8 + n_hdr + s0:8 + n_hdr + s1], dtype="<f4").reshape(hdr[name]["shape"])
+                a = init[name]
                 if p is wq and a.shape[0] != p.shape[0]:
                     # A head with fewer query heads per group: each new head copies one of its
                     # group's old heads (in turn), plus noise that breaks their symmetry.

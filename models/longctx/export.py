@@ -61,18 +61,27 @@ def read_hf(tr, hf_dir):
            c["intermediate_size"], c["rms_norm_eps"])
     want = (cfg["dim"], cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["hidden_dim"], cfg["norm_eps"])
     assert got == want, f"{hf_dir}: shape {got} is not train.py's {want}"
-    raw = open(os.path.join(hf_dir, "model.safetensors"), "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    hdr = json.loads(raw[8:8 + n])
+    tensors, _ = read_safetensors(os.path.join(hf_dir, "model.safetensors"))
     model = tr.build_model(cfg)
-    sd = {}
-    for ours, theirs, _ in _names(cfg):
-        e = hdr[theirs]
-        assert e["dtype"] == "F32", f"{theirs}: {e['dtype']} (only f32 exports are read)"
-        s0, s1 = e["data_offsets"]
-        sd[ours] = torch.from_numpy(np.frombuffer(raw[8 + n + s0:8 + n + s1], dtype="<f4").reshape(e["shape"]).copy())
+    sd = {ours: torch.from_numpy(tensors[theirs]) for ours, theirs, _ in _names(cfg)}
     model.load_state_dict(sd)
     return model, cfg
+
+
+def read_safetensors(path):
+    """({name: float32 array}, __metadata__) of an f32 safetensors file (what write_safetensors
+    writes: the exports and the retrieval heads)."""
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    hdr = json.loads(raw[8:8 + n])
+    out = {}
+    for name, e in hdr.items():
+        if name == "__metadata__":
+            continue
+        assert e["dtype"] == "F32", f"{path}: {name} is {e['dtype']} (only f32 files are read)"
+        s0, s1 = e["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + s0:8 + n + s1], dtype="<f4").reshape(e["shape"]).copy()
+    return out, hdr.get("__metadata__", {})
 
 
 def write_safetensors(path, tensors):

@@ -19,25 +19,11 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def load_head(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    hdr = json.loads(raw[8:8 + n])
-    out = {}
-    for name, e in hdr.items():
-        if name == "__metadata__":
-            continue
-        s0, s1 = e["data_offsets"]
-        out[name] = np.frombuffer(raw[8 + n + s0:8 + n + s1], dtype="<f4").reshape(e["shape"]).copy()
-    return out, hdr.get("__metadata__", {})
 
 
 def main():
@@ -56,6 +42,7 @@ def main():
     import torch
     sys.path.insert(0, HERE)
     import train as tr
+    from export import read_safetensors
     torch.set_num_threads(args.threads)
     st = torch.load(os.path.join(HERE, "ckpt.pt"))
     cfg = st["cfg"]
@@ -82,7 +69,7 @@ def main():
         v1, v2 = v[..., : hd // 2], v[..., hd // 2:]
         return v * cos[rows] + torch.cat([-v2, v1], -1) * sin[rows]
 
-    W, meta = load_head(args.head)
+    W, meta = read_safetensors(args.head)
     fc, n_in, n_hid = (torch.from_numpy(W[k]) for k in ("fc.weight", "midlayer.input_layernorm.weight",
                                                          "midlayer.hidden_norm.weight"))
     hq, hk = torch.from_numpy(W["midlayer.self_attn.q_proj.weight"]), torch.from_numpy(W["midlayer.self_attn.k_proj.weight"])

@@ -73,6 +73,11 @@ def main():
     fc, n_in, n_hid = (torch.from_numpy(W[k]) for k in ("fc.weight", "midlayer.input_layernorm.weight",
                                                          "midlayer.hidden_norm.weight"))
     hq, hk = torch.from_numpy(W["midlayer.self_attn.q_proj.weight"]), torch.from_numpy(W["midlayer.self_attn.k_proj.weight"])
+    # The head's own query heads (a layers head has one per target layer and KV head) and how
+    # selection combines a group's heads: the max of their weights, or turns (GroupReduce::kTurns).
+    Hs = hq.shape[0] // hd
+    hgrp = Hs // G
+    turns = meta.get("select_group", "max") == "turns"
     eps = cfg["norm_eps"]
 
     def rms(x, w):
@@ -80,7 +85,7 @@ def main():
 
     def head_qk(tok_ids, fused_prev, rows):
         x = torch.cat([rms(model.tok_embeddings(tok_ids), n_in), rms(fused_prev @ fc.t(), n_hid)], -1)
-        q = rope((x @ hq.t()).view(-1, H, hd).transpose(0, 1), rows)  # [H, T, hd]
+        q = rope((x @ hq.t()).view(-1, Hs, hd).transpose(0, 1), rows)  # [Hs, T, hd]
         k = rope((x @ hk.t()).view(-1, G, hd).transpose(0, 1), rows)  # [G, T, hd]
         return q, k
 
@@ -130,9 +135,10 @@ def main():
             if method == "specontext":
                 q_h, k_h = head_qk(ids[t:t + 1], prev[None, :], r)
                 hk_cache = torch.cat([hk_cache, k_h], 1)
-                s = torch.softmax((q_h @ hk_cache.repeat_interleave(grp, 0).transpose(-1, -2)).squeeze(1) / math.sqrt(hd), -1)
-                s = s.view(G, grp, n).amax(1)
-                sel = topk_sel(s, fixed, B - args.sinks - window)
+                s = torch.softmax((q_h @ hk_cache.repeat_interleave(hgrp, 0).transpose(-1, -2)).squeeze(1) / math.sqrt(hd), -1)
+                free = B - args.sinks - window
+                s = by_turns(s.view(G, hgrp, n), fixed, free) if turns else s.view(G, hgrp, n).amax(1)
+                sel = topk_sel(s, fixed, free)
             ent = []
             for li, layer in enumerate(model.layers):
                 ent.append(x)
@@ -162,6 +168,19 @@ def main():
             prev = torch.cat([ent[i] for i in fused_layers], -1)[0]
             logits.append((model.norm(x) @ model.tok_embeddings.weight.t())[0])
         return torch.stack(logits), (rec / n_rec if n_rec else 1.0)
+
+    def by_turns(s, fixed, free):  # s [G, hgrp, n] -> [G, n]: minus each token's best rank over the group
+        """GroupReduce::kTurns: each query head ranks the middle tokens (not `fixed`) by its weights,
+        older first on ties; a token scores minus its best rank over the group's heads, ranks past the
+        `free` slots all minus `free`, and older tokens win the ties (float64: exact for any n here)."""
+        n = s.shape[-1]
+        idx = torch.arange(n, dtype=torch.float64)
+        key = s.double().masked_fill(fixed, float("-inf"))
+        order = torch.sort(-key, dim=-1, stable=True).indices  # stable: equal weights keep index order
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, torch.arange(n).expand_as(order).contiguous())
+        best = rank.amin(1).clamp_max(max(free, 0)).double()
+        return -best * (n + 1) - idx / (n + 1)
 
     def topk_sel(scores, fixed, k):  # scores [G, n], fixed [n] -> [G, n] bool
         keep = fixed[None, :].expand_as(scores).clone()

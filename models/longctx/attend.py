@@ -9,7 +9,6 @@ answer copied from several places shows there). For reading why a prompt is miss
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -19,37 +18,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def last_row_attention(model, cfg, ids):
     """Logits of every position and, per layer, the last position's attention [H, T]."""
     import torch
-    T = len(ids)
-    H, G = cfg["n_heads"], cfg["n_kv_heads"]
-    hd = cfg["dim"] // H
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
-    ang = torch.cat([ang, ang], -1)
-    cos, sin = ang.cos().float(), ang.sin().float()
-
-    def rope(v):
-        v1, v2 = v[..., : hd // 2], v[..., hd // 2:]
-        return v * cos + torch.cat([-v2, v1], -1) * sin
-
-    rows = []
+    from forward import dense_layers, rope_tables
     with torch.no_grad():
-        x = model.tok_embeddings(torch.tensor(ids))
-        mask = torch.full((T, T), float("-inf")).triu(1)
-        for layer in model.layers:
-            h = layer.attention_norm(x)
-            q = rope(layer.wq(h).view(T, H, hd).transpose(0, 1))
-            k = rope(layer.wk(h).view(T, G, hd).transpose(0, 1))
-            v = layer.wv(h).view(T, G, hd).transpose(0, 1)
-            o = torch.empty(H, T, hd)
-            last = torch.empty(H, T)
-            for hh in range(H):  # one head at a time: [T, T] scores
-                a = torch.softmax(q[hh] @ k[hh // (H // G)].t() / math.sqrt(hd) + mask, -1)
-                o[hh] = a @ v[hh // (H // G)]
-                last[hh] = a[-1]
-            rows.append(last)
-            x = x + layer.wo(o.transpose(0, 1).reshape(T, -1))
-            hf = layer.ffn_norm(x)
-            x = x + layer.w2(torch.nn.functional.silu(layer.w1(hf)) * layer.w3(hf))
+        cos, sin = rope_tables(cfg, len(ids))
+        x, _, _, _, rows = dense_layers(model, cfg, torch.tensor(ids), cos, sin)
         logits = model.norm(x) @ model.tok_embeddings.weight.t()
     return logits, rows
 

@@ -60,14 +60,11 @@ def main():
     hd, grp = d // H, H // G
     last = L - 1
     fused_layers = [min(max(i, 0), last) for i in (2, L // 2, L - 3)]
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = torch.arange(N, dtype=torch.float64)[:, None] * inv
-    ang = torch.cat([ang, ang], -1)
-    cos, sin = ang.cos().float(), ang.sin().float()  # [N, hd]
+    from forward import apply_rope, dense_layers, rope_tables
+    cos, sin = rope_tables(cfg, N)  # [N, hd]
 
     def rope(v, rows):  # v [..., T, hd]
-        v1, v2 = v[..., : hd // 2], v[..., hd // 2:]
-        return v * cos[rows] + torch.cat([-v2, v1], -1) * sin[rows]
+        return apply_rope(v, cos[rows], sin[rows])
 
     W, meta = read_safetensors(args.head)
     fc, n_in, n_hid = (torch.from_numpy(W[k]) for k in ("fc.weight", "midlayer.input_layernorm.weight",
@@ -92,24 +89,7 @@ def main():
     # ---- dense prefill of [0, P): per-layer K/V caches, fused features, head keys ----
     with torch.no_grad():
         rows = torch.arange(P)
-        x = model.tok_embeddings(ids[:P])
-        Kc, Vc, entering = [], [], []
-        mask = torch.full((P, P), float("-inf")).triu(1)
-        for layer in model.layers:
-            entering.append(x)
-            h = layer.attention_norm(x)
-            q = rope(layer.wq(h).view(P, H, hd).transpose(0, 1), rows)
-            k = rope(layer.wk(h).view(P, G, hd).transpose(0, 1), rows)
-            v = layer.wv(h).view(P, G, hd).transpose(0, 1)
-            Kc.append(k)
-            Vc.append(v)
-            o = torch.empty(H, P, hd)
-            for hh in range(H):  # one head at a time: [P, P] scores
-                a = torch.softmax(q[hh] @ k[hh // grp].t() / math.sqrt(hd) + mask, -1)
-                o[hh] = a @ v[hh // grp]
-            x = x + layer.wo(o.transpose(0, 1).reshape(P, -1))
-            hf = layer.ffn_norm(x)
-            x = x + layer.w2(torch.nn.functional.silu(layer.w1(hf)) * layer.w3(hf))
+        _, Kc, Vc, entering, _ = dense_layers(model, cfg, ids[:P], cos, sin)
         fused = torch.cat([entering[i] for i in fused_layers], -1)
         fused_prev = torch.cat([torch.zeros_like(fused[:1]), fused[:-1]], 0)
         _, HK = head_qk(ids[:P], fused_prev, rows)

@@ -757,13 +757,14 @@ def cmd_train(args):
         tasks = json.load(f)
     pools = {k: tasks[k] for k in ("keys", "values", "vars")}
     cfg = model_config(len(tok.vocab), args.max_pos, args.rope_theta)
-    model = build_model(cfg)
     if args.init:  # fine-tuning an exported candidate: its weights, a fresh optimizer and schedule
         import export
         model, init_cfg = export.read_hf(sys.modules[__name__], args.init)
         assert init_cfg == cfg, f"--init {args.init}: config {init_cfg} is not {cfg}"
-    elif args.plant:
-        plant_induction(model, cfg)
+    else:
+        model = build_model(cfg)
+        if args.plant:
+            plant_induction(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     ckpt = os.path.join(args.out, "ckpt.pt")
     # An HF export does not record its tempering: "unknown" keeps cmd_temper from applying it twice.

@@ -5,7 +5,10 @@ query, per layer and head, the attention mass on the asked needle and the positi
 answer copied from several places shows there). For reading why a prompt is missed, not for scoring (the engine scores).
 
     /usr/bin/python3 models/longctx/attend.py --model models/longctx/candidates/ft2/hf \\
-        --prompts /tmp/prompts.jsonl --task kv --depth 0 [--trial 1] [--top 6]
+        --prompts /tmp/prompts.jsonl --task kv --depth 0 [--trial 1] [--top 6] [--ablate 256,1024]
+
+With --ablate, also which layer's sparse attention changes the answer's second token (the first
+decoded sparsely in `specontext eval`: the prompt's last token is prefilled densely).
 """
 import argparse
 import json
@@ -26,6 +29,60 @@ def last_row_attention(model, cfg, ids):
     return logits, rows
 
 
+def oracle_step(model, cfg, ids, budget, sparse_layers, sinks, window):
+    """Next-token probabilities of ids' last position when the layers in sparse_layers attend only
+    to the per-layer oracle's selection (sinks, the last `window` and the rest by that layer's own
+    dense weights, max over the GQA group; the engine's oracle) and the others densely; every
+    earlier position is a dense prefill, as in a decode step of `specontext eval`."""
+    import math
+    import torch
+    from forward import apply_rope, dense_layers, rope_tables
+    H, G = cfg["n_heads"], cfg["n_kv_heads"]
+    hd, grp = cfg["dim"] // H, H // G
+    n = len(ids)
+    cos, sin = rope_tables(cfg, n)
+    with torch.no_grad():
+        _, K, V, _, _ = dense_layers(model, cfg, torch.tensor(ids[:-1]), cos, sin)
+        c, s = cos[n - 1:n], sin[n - 1:n]
+        idx = torch.arange(n)
+        fixed = (idx < sinks) | (idx > n - 1 - window)
+        x = model.tok_embeddings(torch.tensor(ids[-1:]))
+        for li, layer in enumerate(model.layers):
+            h = layer.attention_norm(x)
+            q = apply_rope(layer.wq(h).view(1, H, hd).transpose(0, 1), c, s)
+            k = torch.cat([K[li], apply_rope(layer.wk(h).view(1, G, hd).transpose(0, 1), c, s)], 1)
+            v = torch.cat([V[li], layer.wv(h).view(1, G, hd).transpose(0, 1)], 1)
+            logit = (q @ k.repeat_interleave(grp, 0).transpose(-1, -2)).squeeze(1) / math.sqrt(hd)  # [H, n]
+            if li in sparse_layers and budget < n:
+                score = torch.softmax(logit, -1).view(G, grp, n).amax(1).masked_fill(fixed[None, :], -1.0)
+                keep = fixed[None, :].expand(G, n).clone()
+                keep.scatter_(1, score.topk(budget - sinks - window, -1).indices, True)
+                logit = logit.masked_fill(~keep.repeat_interleave(grp, 0), float("-inf"))
+            o = (torch.softmax(logit, -1)[:, None, :] @ v.repeat_interleave(grp, 0)).squeeze(1)
+            x = x + layer.wo(o.reshape(1, -1))
+            hf = layer.ffn_norm(x)
+            x = x + layer.w2(torch.nn.functional.silu(layer.w1(hf)) * layer.w3(hf))
+        return torch.softmax(model.norm(x) @ model.tok_embeddings.weight.t(), -1)[0]
+
+
+def print_ablation(model, cfg, tok, ids, budgets, sinks, window):
+    """Which layer's sparse attention changes the answer: the oracle at each budget in every layer,
+    in one layer alone and in all layers but one."""
+    L = cfg["n_layers"]
+
+    def top(pr):
+        import torch
+        t = torch.topk(pr, 3)
+        return ", ".join(f"{tok.decode([int(i)])!r} {float(v):.2f}" for v, i in zip(t.values, t.indices))
+    print(f"   next token after {tok.decode(ids[-3:])!r}, dense: {top(oracle_step(model, cfg, ids, 0, [], sinks, window))}")
+    for b in budgets:
+        print(f"   oracle B {b}, every layer sparse: {top(oracle_step(model, cfg, ids, b, range(L), sinks, window))}")
+        for li in range(L):
+            only = top(oracle_step(model, cfg, ids, b, [li], sinks, window))
+            but = top(oracle_step(model, cfg, ids, b, [j for j in range(L) if j != li], sinks, window))
+            print(f"   oracle B {b}, layer {li} alone sparse: {only} | every layer but {li}: {but}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="an HF export directory (config.json, model.safetensors)")
@@ -36,6 +93,10 @@ def main():
     ap.add_argument("--trial", type=int, default=-1, help="-1: every trial")
     ap.add_argument("--top", type=int, default=6, help="most attended positions shown per layer and head")
     ap.add_argument("--greedy", type=int, default=1, help="answer tokens decoded (each a full forward)")
+    ap.add_argument("--ablate", default="", help="budgets B,..: after the dense answer's first token, "
+                    "the next token with the per-layer oracle in every layer, one layer, all but one")
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
@@ -80,6 +141,9 @@ def main():
                 shown = "; ".join(f"{int(i)}:{tok.decode(ids[int(i):int(i) + 1])!r} {float(v):.2f}"
                                   for v, i in zip(top.values, top.indices))
                 print(f"   layer {li} head {hh}: needle mass {mass:.3f}, on the answer's token {on_answer:.3f} | {shown}")
+        if args.ablate:
+            print_ablation(model, cfg, tok, ids + answer[:1], [int(b) for b in args.ablate.split(",")],
+                           args.sinks, args.window)
 
 
 if __name__ == "__main__":

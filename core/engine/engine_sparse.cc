@@ -85,14 +85,12 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
   const float* hq = head_q;
   if (memory_->placement_.cpu_filtering && options_.tiering.candidate_filter) {
     // The CPU shortlists pages from its summaries of the head's keys; the head scores only those
-    // candidates (core/ports/candidate_filter.h). Keys and query are read on the host.
+    // candidates (core/ports/candidate_filter.h). Keys and query are read on the host. A head
+    // whose query heads take turns is shortlisted by the same bound (the group's max: a page that
+    // any one head ranks high has a high max) and ranks its candidates by turns.
     if (!memory_->host_visible(s.head_tier)) {
       return unimplemented("CPU candidate filtering reads the retrieval head's keys on the host, but they are in " +
                            kv_->tiers()[static_cast<size_t>(s.head_tier.value())].desc.name);
-    }
-    if (hc.select_group == GroupReduce::kTurns) {
-      return unimplemented("CPU candidate filtering ranks by the group max; this retrieval head's groups take turns "
-                           "(select_group \"turns\")");
     }
     CandidateFilter& filter = *options_.tiering.candidate_filter;
     // Catch the summaries up to the keys written so far, this step's included (a failed step
@@ -120,7 +118,7 @@ Status Engine::shared_selection_for(Sequence& s, SeqId id, const float* head_q, 
     return select_among_candidates(host_q_.data(), memory_->head_block_table(s), options_.kv_dtype,
                                    memory_->head_block_tokens_,
                                    hc.n_heads, hc.n_kv_heads, hc.head_dim, candidates_, opts,
-                                   s.shared_selection);
+                                   s.shared_selection, hc.select_group);
   }
   if (hc.select_group == GroupReduce::kTurns) {  // a head whose query heads learned one layer each
     SPX_ASSIGN_OR_RETURN(float* scratch, fit_floats(scores_, select_by_turns_scratch_floats(hc, length)));

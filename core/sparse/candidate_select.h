@@ -35,16 +35,22 @@ namespace specontext {
 // ascending or outside [0, cand.length)), a sink' or window' token missing from a head's
 // candidates when that head has more candidates than the budget, options out of range
 // (budget < 1, sinks/window < 0), null pointers, non-finite scores (NaN/inf in q or keys).
+// `reduce` combines a group's query heads as reduce_group_scores does (core/ports/selection.h):
+// kMax, the group score is the max of their weights; kTurns, each query head ranks the middle
+// candidates by its weights and a candidate scores minus its best rank (ranks past the free slots
+// all minus that count). With every token a candidate, kTurns equals reduce_group_scores(kTurns)
+// + select_from_group_scores on the full per-head scores, exactly.
 Status select_among_candidates(const float* q, const float* k_cache, int64_t n_heads, int64_t n_kv_heads,
                                int64_t head_dim, const Candidates& cand, const SelectionOptions& opts,
-                               Selection& out);
+                               Selection& out, GroupReduce reduce = GroupReduce::kMax);
 // The same over a paged K cache (the engine's): block b of the host table holds tokens
 // [b·block_tokens, (b+1)·block_tokens), token-major, elements of k_dtype (f32, f16 or bf16, widened
 // on load inside the dot products as Backend::retrieval_group_scores' default does).
 Status select_among_candidates(const float* q, const void* const* k_blocks, DType k_dtype, int64_t block_tokens,
                                int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, const Candidates& cand,
-                               const SelectionOptions& opts, Selection& out);
+                               const SelectionOptions& opts, Selection& out,
+                               GroupReduce reduce = GroupReduce::kMax);
 
 // The Quest bound of one page for one query head: Σ_i max(q_i·min_i, q_i·max_i), accumulated in
 // 16 lanes and reduced in a fixed order. Both filters call this one function, so their page

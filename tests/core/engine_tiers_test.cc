@@ -723,13 +723,18 @@ namespace {
 // context the selections, hence the logits, equal full scoring exactly; with a short one the
 // engine still decodes sparsely from the candidates. With an f16 KV cache the head's keys are
 // f16 (moved block by block at their own size, handed to the filter widened, scored widened on
-// load) and the same holds.
+// load) and the same holds. A head whose query heads take turns (select_group "turns") ranks the
+// candidates by turns as full scoring does (select_by_turns), with the same exact equality.
 TEST(CpuFiltering, EngineSelectsFromCandidatesAndEqualsFullScoringWhenAllAreCandidates) {
+  for (const GroupReduce reduce : {GroupReduce::kMax, GroupReduce::kTurns})
   for (const DType kv_dtype : {DType::kF32, DType::kF16})
   for (int64_t shortlist : {int64_t{4096}, int64_t{32}}) {
-    SCOPED_TRACE("shortlist " + std::to_string(shortlist) + ", KV " + std::string(dtype_name(kv_dtype)));
+    SCOPED_TRACE("shortlist " + std::to_string(shortlist) + ", KV " + std::string(dtype_name(kv_dtype)) +
+                 (reduce == GroupReduce::kTurns ? ", turns" : ", group max"));
     Pair p = make_pair(SparseMethod::kSpeContext, Where::kHost, nullptr, 0, nullptr, 5, 8 << 20, 4, true, kv_dtype);
     ASSERT_TRUE(p.tiered);
+    ASSERT_EQ(p.head->config.n_heads, 2 * p.head->config.n_kv_heads);  // groups of 2: turns differ from max
+    p.head->config.select_group = reduce;  // read by both engines at every step
     // Rebuild the tiered engine with a filter (make_pair has none).
     EngineOptions t = sparse_options(SparseMethod::kSpeContext, p.head, 4, kv_dtype);
     t.tiering.host.push_back(testing::host_tier(8 << 20));

@@ -37,6 +37,33 @@ std::vector<int32_t> cand_vec(const Candidates& c, int64_t h) {
           c.tokens.begin() + c.offsets[static_cast<size_t>(h + 1)]};
 }
 
+// Per KV head, the forced tokens (sinks and window of fx) and a random third of the others.
+Candidates random_candidates(int64_t kv_heads, int64_t length, const FixedTokens& fx, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Candidates cand;
+  cand.kv_heads = kv_heads;
+  cand.length = length;
+  cand.offsets = {0};
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    for (int64_t t = 0; t < length; ++t) {
+      const bool forced = t < fx.sinks || t >= length - fx.window;
+      if (forced || rng() % 3 == 0) cand.tokens.push_back(static_cast<int32_t>(t));
+    }
+    cand.offsets.push_back(static_cast<int64_t>(cand.tokens.size()));
+  }
+  return cand;
+}
+
+// q_h · k_t of KV head g, in double (q [n_heads][head_dim], k token-major [length][kvd]).
+double qk(const std::vector<float>& q, const std::vector<float>& k, int64_t h, int64_t t, int64_t g,
+          int64_t head_dim, int64_t kvd) {
+  double d = 0;
+  for (int64_t j = 0; j < head_dim; ++j) {
+    d += double(q[static_cast<size_t>(h * head_dim + j)]) * k[static_cast<size_t>(t * kvd + g * head_dim + j)];
+  }
+  return d;
+}
+
 void expect_invalid(const Status& st, const std::string& needle) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find(needle), std::string::npos)
@@ -79,13 +106,15 @@ struct Shape {
 };
 
 // Every token a candidate: the selection of select_tokens on the full per-head softmax
-// (retrieval_scores) and of Backend::retrieval_group_scores + select_from_group_scores, exactly.
+// (retrieval_scores) and of Backend::retrieval_group_scores + select_from_group_scores, exactly;
+// with GroupReduce::kTurns (query heads take turns), exactly reduce_group_scores(kTurns) +
+// select_from_group_scores on the same scores, and not the group max's selection everywhere.
 TEST(SelectAmongCandidates, AllTokensEqualSelectTokensExactly) {
   cpu::ReferenceBackend backend;
   const std::vector<Shape> shapes = {{4, 4, 8}, {8, 2, 13}, {4, 1, 64}, {6, 3, 16}};
   const std::vector<SelectionOptions> opts = {{1, 1, 4},  {4, 1, 4},  {16, 0, 0},  {16, 4, 16},
                                               {64, 3, 0}, {33, 0, 1}, {512, 1, 4}, {2, 5, 5}};
-  int compared = 0;
+  int compared = 0, turns_differ = 0;
   uint32_t seed = 1;
   for (const Shape& sh : shapes) {
     RetrievalHead head;
@@ -119,122 +148,23 @@ TEST(SelectAmongCandidates, AllTokensEqualSelectTokensExactly) {
           EXPECT_EQ(head_vec(got, h), head_vec(want, h)) << "length " << length << " budget " << o.budget;
           EXPECT_EQ(head_vec(got, h), head_vec(want_group, h));
         }
+        std::vector<float> turns;
+        reduce_group_scores(scores, sh.n_heads, sh.n_kv_heads, length, o, GroupReduce::kTurns, turns);
+        Selection want_turns, got_turns;
+        select_from_group_scores(turns, sh.n_kv_heads, length, o, want_turns);
+        ASSERT_TRUE(select_among_candidates(q.data(), k.data(), sh.n_heads, sh.n_kv_heads, sh.head_dim, cand, o,
+                                            got_turns, GroupReduce::kTurns)
+                        .is_ok());
+        for (int64_t h = 0; h < sh.n_kv_heads; ++h) {
+          EXPECT_EQ(head_vec(got_turns, h), head_vec(want_turns, h)) << "turns, length " << length;
+          turns_differ += head_vec(got_turns, h) != head_vec(got, h) ? 1 : 0;
+        }
         ++compared;
       }
     }
   }
   EXPECT_EQ(compared, 4 * 4 * 8);
-}
-
-// A head whose query heads take turns (GroupReduce::kTurns): with every token a candidate, exactly
-// reduce_group_scores(kTurns) + select_from_group_scores on the full per-head softmax, and not the
-// group max's selection everywhere (the rule is exercised).
-TEST(SelectAmongCandidates, AllTokensByTurnsEqualReduceGroupScoresExactly) {
-  const std::vector<Shape> shapes = {{8, 2, 13}, {4, 1, 64}, {6, 3, 16}, {4, 4, 8}};
-  const std::vector<SelectionOptions> opts = {{1, 1, 4}, {16, 0, 0}, {16, 4, 16}, {64, 3, 0}, {33, 0, 1}, {2, 5, 5}};
-  int compared = 0, differs_from_max = 0;
-  uint32_t seed = 300;
-  for (const Shape& sh : shapes) {
-    RetrievalHead head;
-    head.config.n_heads = sh.n_heads;
-    head.config.n_kv_heads = sh.n_kv_heads;
-    head.config.head_dim = sh.head_dim;
-    for (int64_t length : {1, 5, 64, 300}) {
-      const auto q = randn(static_cast<size_t>(sh.n_heads * sh.head_dim), ++seed, 2.0f);
-      const auto k = randn(static_cast<size_t>(length * sh.n_kv_heads * sh.head_dim), ++seed);
-      std::vector<float> scores(static_cast<size_t>(sh.n_heads * length));
-      retrieval_scores(head, q.data(), k.data(), length, scores.data());
-      Candidates cand;
-      all_candidates(sh.n_kv_heads, length, cand);
-      for (const SelectionOptions& o : opts) {
-        std::vector<float> group;
-        reduce_group_scores(scores, sh.n_heads, sh.n_kv_heads, length, o, GroupReduce::kTurns, group);
-        Selection want, got, by_max;
-        select_from_group_scores(group, sh.n_kv_heads, length, o, want);
-        ASSERT_TRUE(select_among_candidates(q.data(), k.data(), sh.n_heads, sh.n_kv_heads, sh.head_dim, cand, o, got,
-                                            GroupReduce::kTurns)
-                        .is_ok());
-        ASSERT_TRUE(
-            select_among_candidates(q.data(), k.data(), sh.n_heads, sh.n_kv_heads, sh.head_dim, cand, o, by_max)
-                .is_ok());
-        for (int64_t h = 0; h < sh.n_kv_heads; ++h) {
-          EXPECT_EQ(head_vec(got, h), head_vec(want, h)) << "length " << length << " budget " << o.budget;
-          differs_from_max += head_vec(got, h) != head_vec(by_max, h) ? 1 : 0;
-        }
-        ++compared;
-      }
-    }
-  }
-  EXPECT_EQ(compared, 4 * 4 * 6);
-  EXPECT_GT(differs_from_max, 5);
-}
-
-// Turns over a subset of candidates: each query head ranks the middle candidates by its logits
-// (double precision here; equal to ranking its softmax over the candidates), every head's best
-// ranks fill the free slots, the older candidate first at the last rank reached.
-TEST(SelectAmongCandidates, SubsetByTurnsMatchesNaiveRanks) {
-  const std::vector<Shape> shapes = {{8, 2, 16}, {4, 1, 32}, {6, 3, 8}};
-  uint32_t seed = 900;
-  int nontrivial = 0;
-  for (const Shape& sh : shapes) {
-    const int64_t length = 200, kvd = sh.n_kv_heads * sh.head_dim, group = sh.n_heads / sh.n_kv_heads;
-    const auto q = randn(static_cast<size_t>(sh.n_heads * sh.head_dim), ++seed, 2.0f);
-    const auto k = randn(static_cast<size_t>(length * kvd), ++seed);
-    for (const SelectionOptions& o : std::vector<SelectionOptions>{{8, 1, 4}, {20, 0, 2}, {12, 3, 0}, {40, 1, 4}}) {
-      const FixedTokens fx = fixed_tokens(o);
-      std::mt19937 rng(++seed);
-      Candidates cand;
-      cand.kv_heads = sh.n_kv_heads;
-      cand.length = length;
-      cand.offsets = {0};
-      for (int64_t g = 0; g < sh.n_kv_heads; ++g) {
-        for (int64_t t = 0; t < length; ++t) {
-          const bool forced = t < fx.sinks || t >= length - fx.window;
-          if (forced || rng() % 3 == 0) cand.tokens.push_back(static_cast<int32_t>(t));
-        }
-        cand.offsets.push_back(static_cast<int64_t>(cand.tokens.size()));
-      }
-      Selection got;
-      ASSERT_TRUE(select_among_candidates(q.data(), k.data(), sh.n_heads, sh.n_kv_heads, sh.head_dim, cand, o, got,
-                                          GroupReduce::kTurns)
-                      .is_ok());
-      for (int64_t g = 0; g < sh.n_kv_heads; ++g) {
-        const auto c = cand_vec(cand, g);
-        std::vector<int32_t> want, middle;
-        for (size_t i = 0; i < c.size(); ++i) {
-          if (c[i] < fx.sinks || c[i] >= length - fx.window) {
-            want.push_back(c[i]);
-          } else {
-            middle.push_back(static_cast<int32_t>(i));
-          }
-        }
-        const size_t free = std::min(static_cast<size_t>(o.budget) - std::min(want.size(), size_t(o.budget)), middle.size());
-        std::vector<size_t> best(c.size(), c.size());  // best rank over the group's heads
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          std::vector<double> logit(c.size());
-          for (size_t i = 0; i < c.size(); ++i) {
-            double d = 0;
-            for (int64_t j = 0; j < sh.head_dim; ++j) {
-              d += double(q[static_cast<size_t>(h * sh.head_dim + j)]) *
-                   k[static_cast<size_t>(c[i] * kvd + g * sh.head_dim + j)];
-            }
-            logit[i] = d;
-          }
-          std::vector<int32_t> order = middle;
-          std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logit[a] > logit[b]; });
-          for (size_t r = 0; r < free; ++r) best[static_cast<size_t>(order[r])] = std::min(best[static_cast<size_t>(order[r])], r);
-        }
-        std::vector<int32_t> rest = middle;
-        std::stable_sort(rest.begin(), rest.end(), [&](int32_t a, int32_t b) { return best[a] < best[b]; });
-        for (size_t i = 0; i < free; ++i) want.push_back(c[static_cast<size_t>(rest[i])]);
-        std::sort(want.begin(), want.end());
-        if (static_cast<int64_t>(c.size()) <= o.budget) want = c;
-        EXPECT_EQ(head_vec(got, g), want) << "KV head " << g << " budget " << o.budget;
-        nontrivial += static_cast<int64_t>(c.size()) > o.budget && group > 1 ? 1 : 0;
-      }
-    }
-  }
-  EXPECT_GT(nontrivial, 10);
+  EXPECT_GT(turns_differ, 5);
 }
 
 // Keys stored in f16 / bf16 (the KV dtype) and paged: with every token a candidate, the selection
@@ -312,71 +242,73 @@ TEST(SelectAmongCandidates, F16AndBf16PagedKeysSelectAsTheWidenedF32Keys) {
 }
 
 // A subset of candidates: softmax over the candidates only (double precision here), group max,
-// sinks and window forced, the rest by score with ties to the older token.
+// sinks and window forced, the rest by score with ties to the older token. With GroupReduce::kTurns
+// each query head ranks the middle candidates by its softmax there instead, every head's best ranks
+// fill the free slots, the older candidate first at the last rank reached.
 TEST(SelectAmongCandidates, SubsetMatchesNaiveSoftmaxOverCandidates) {
-  const std::vector<Shape> shapes = {{4, 4, 8}, {8, 2, 16}, {4, 1, 32}};
+  const std::vector<Shape> shapes = {{4, 4, 8}, {8, 2, 16}, {4, 1, 32}, {6, 3, 8}};
   uint32_t seed = 77;
-  int nontrivial = 0;
+  int nontrivial = 0, nontrivial_turns = 0;
   for (const Shape& sh : shapes) {
     const int64_t length = 200, kvd = sh.n_kv_heads * sh.head_dim, group = sh.n_heads / sh.n_kv_heads;
     const auto q = randn(static_cast<size_t>(sh.n_heads * sh.head_dim), ++seed, 2.0f);
     const auto k = randn(static_cast<size_t>(length * kvd), ++seed);
-    for (const SelectionOptions& o : std::vector<SelectionOptions>{{8, 1, 4}, {20, 0, 2}, {12, 3, 0}}) {
+    for (const SelectionOptions& o : std::vector<SelectionOptions>{{8, 1, 4}, {20, 0, 2}, {12, 3, 0}, {40, 1, 4}}) {
       const FixedTokens fx = fixed_tokens(o);
-      std::mt19937 rng(++seed);
-      Candidates cand;
-      cand.kv_heads = sh.n_kv_heads;
-      cand.length = length;
-      cand.offsets = {0};
-      for (int64_t g = 0; g < sh.n_kv_heads; ++g) {
-        for (int64_t t = 0; t < length; ++t) {
-          const bool forced = t < fx.sinks || t >= length - fx.window;
-          if (forced || rng() % 3 == 0) cand.tokens.push_back(static_cast<int32_t>(t));
-        }
-        cand.offsets.push_back(static_cast<int64_t>(cand.tokens.size()));
-      }
-      Selection got;
+      const Candidates cand = random_candidates(sh.n_kv_heads, length, fx, ++seed);
+      Selection got, got_turns;
       ASSERT_TRUE(
           select_among_candidates(q.data(), k.data(), sh.n_heads, sh.n_kv_heads, sh.head_dim, cand, o, got)
               .is_ok());
+      ASSERT_TRUE(select_among_candidates(q.data(), k.data(), sh.n_heads, sh.n_kv_heads, sh.head_dim, cand, o,
+                                          got_turns, GroupReduce::kTurns)
+                      .is_ok());
       for (int64_t g = 0; g < sh.n_kv_heads; ++g) {
         const auto c = cand_vec(cand, g);
-        std::vector<double> score(c.size(), 0.0);
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          std::vector<double> logit(c.size());
-          double mx = -INFINITY, sum = 0;
-          for (size_t i = 0; i < c.size(); ++i) {
-            double d = 0;
-            for (int64_t j = 0; j < sh.head_dim; ++j) {
-              d += double(q[static_cast<size_t>(h * sh.head_dim + j)]) *
-                   k[static_cast<size_t>(c[i] * kvd + g * sh.head_dim + j)];
-            }
-            logit[i] = d / std::sqrt(double(sh.head_dim));
-            mx = std::max(mx, logit[i]);
-          }
-          for (double& l : logit) sum += (l = std::exp(l - mx));
-          for (size_t i = 0; i < c.size(); ++i) score[i] = std::max(score[i], logit[i] / sum);
-        }
-        std::vector<int32_t> want, rest;
+        std::vector<int32_t> want, middle;
         for (size_t i = 0; i < c.size(); ++i) {
           if (c[i] < fx.sinks || c[i] >= length - fx.window) {
             want.push_back(c[i]);
           } else {
-            rest.push_back(static_cast<int32_t>(i));
+            middle.push_back(static_cast<int32_t>(i));
           }
         }
+        const size_t free = std::min(static_cast<size_t>(std::max<int64_t>(o.budget - static_cast<int64_t>(want.size()), 0)),
+                                     middle.size());
+        std::vector<double> score(c.size(), 0.0);
+        std::vector<size_t> best(c.size(), c.size());  // turns: best rank over the group's heads
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          std::vector<double> logit(c.size());
+          double mx = -INFINITY, sum = 0;
+          for (size_t i = 0; i < c.size(); ++i) {
+            logit[i] = qk(q, k, h, c[i], g, sh.head_dim, kvd) / std::sqrt(double(sh.head_dim));
+            mx = std::max(mx, logit[i]);
+          }
+          for (double& l : logit) sum += (l = std::exp(l - mx));
+          for (size_t i = 0; i < c.size(); ++i) score[i] = std::max(score[i], logit[i] / sum);
+          std::vector<int32_t> order = middle;
+          std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return logit[x] > logit[y]; });
+          for (size_t r = 0; r < free; ++r) best[static_cast<size_t>(order[r])] = std::min(best[static_cast<size_t>(order[r])], r);
+        }
+        std::vector<int32_t> want_turns = want, rest = middle, by_rank = middle;
         std::stable_sort(rest.begin(), rest.end(), [&](int32_t a, int32_t b) { return score[a] > score[b]; });
-        for (int32_t i : rest) {
-          if (static_cast<int64_t>(want.size()) >= o.budget) break;
-          want.push_back(c[static_cast<size_t>(i)]);
+        std::stable_sort(by_rank.begin(), by_rank.end(), [&](int32_t a, int32_t b) { return best[a] < best[b]; });
+        for (size_t i = 0; i < free; ++i) {
+          want.push_back(c[static_cast<size_t>(rest[i])]);
+          want_turns.push_back(c[static_cast<size_t>(by_rank[i])]);
         }
         std::sort(want.begin(), want.end());
+        std::sort(want_turns.begin(), want_turns.end());
+        if (static_cast<int64_t>(c.size()) <= o.budget) want = want_turns = c;
         EXPECT_EQ(head_vec(got, g), want) << "KV head " << g << " budget " << o.budget;
+        EXPECT_EQ(head_vec(got_turns, g), want_turns) << "turns, KV head " << g << " budget " << o.budget;
         nontrivial += static_cast<int64_t>(c.size()) > o.budget ? 1 : 0;
+        nontrivial_turns += want_turns != want ? 1 : 0;
       }
     }
   }
   EXPECT_GT(nontrivial, 10);
+  EXPECT_GT(nontrivial_turns, 5);
 }
 
 // The normaliser covers the candidates only: with full-sequence softmaxes query head B would win

@@ -97,20 +97,26 @@ void reduce_group_scores(std::span<const float> scores, int64_t n_q_heads, int64
   // Only the first `take` ranks can be selected (one head's alone fill the free slots), so each
   // head sorts only those; every later rank scores -take.
   const int64_t take = std::clamp<int64_t>(budget - (lo + length - hi), 0, hi - lo);
-  std::vector<int32_t> order(static_cast<size_t>(hi - lo));
+  std::vector<int32_t> middle(static_cast<size_t>(hi - lo));
+  std::iota(middle.begin(), middle.end(), static_cast<int32_t>(lo));
   for (int64_t h = 0; h < n_kv_heads; ++h) {
-    float* dst = group_scores.data() + h * length;
-    std::fill(dst + lo, dst + hi, -static_cast<float>(take));
-    for (int64_t g = 0; g < group; ++g) {
-      const float* row = scores.data() + (h * group + g) * length;
-      std::iota(order.begin(), order.end(), static_cast<int32_t>(lo));
-      std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int32_t a, int32_t b) {
-        return row[a] > row[b] || (row[a] == row[b] && a < b);
-      });
-      for (size_t rank = 0; rank < static_cast<size_t>(take); ++rank) {
-        float& s = dst[order[rank]];
-        s = std::max(s, -static_cast<float>(rank));
-      }
+    score_group_by_turns(scores.data() + h * group * length, length, group, take, middle,
+                         group_scores.data() + h * length);
+  }
+}
+
+void score_group_by_turns(const float* weights, int64_t stride, int64_t group, int64_t take,
+                          std::span<const int32_t> middle, float* score) {
+  for (int32_t i : middle) score[i] = -static_cast<float>(take);
+  std::vector<int32_t> order;
+  for (int64_t j = 0; j < group; ++j) {
+    const float* w = weights + j * stride;
+    order.assign(middle.begin(), middle.end());
+    std::partial_sort(order.begin(), order.begin() + take, order.end(),
+                      [&](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
+    for (int64_t rank = 0; rank < take; ++rank) {
+      float& s = score[order[static_cast<size_t>(rank)]];
+      s = std::max(s, -static_cast<float>(rank));
     }
   }
 }

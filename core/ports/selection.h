@@ -57,6 +57,15 @@ enum class GroupReduce : uint8_t { kMax, kTurns };
 void reduce_group_scores(std::span<const float> scores, int64_t n_q_heads, int64_t n_kv_heads, int64_t length,
                          const SelectionOptions& options, GroupReduce reduce, std::vector<float>& group_scores);
 
+// The kTurns rule on one KV group, over any index space: `middle` lists the indices that compete
+// (ascending: a smaller index is an older token); query head j of the group weighs index i at
+// weights[j·stride + i]. Each head ranks `middle` by its weights (equal weights: the smaller index
+// first), only its first `take` ranks count, and score[i] becomes minus i's best rank over the
+// group, -take where no head ranks it that high. Entries of `score` outside `middle` are not touched.
+// reduce_group_scores(kTurns) applies it to tokens, select_among_candidates to a head's candidates.
+void score_group_by_turns(const float* weights, int64_t stride, int64_t group, int64_t take,
+                          std::span<const int32_t> middle, float* score);
+
 // Sinks and window only (StreamingLLM), same output shape.
 void select_streaming(int64_t n_kv_heads, int64_t length, const SelectionOptions& options,
                       Selection& out);

@@ -184,30 +184,6 @@ Status check_shortlist(std::string_view who, SeqId seq, const float* q, int64_t 
 
 // ---- select_among_candidates ----
 
-namespace {
-
-// GroupReduce::kTurns over a head's middle candidates `middle` (candidate indices, ascending):
-// each query head j ranks them by its weights weights[j·n_cand + c] (equal weights: the older
-// first), only its first `take` ranks count (as reduce_group_scores), and score[c] becomes minus
-// the candidate's best rank over the group, -take past every head's first `take`.
-void score_by_turns(const float* weights, int64_t n_cand, int64_t group, int64_t take,
-                    const std::vector<int32_t>& middle, std::vector<float>& score) {
-  for (int32_t c : middle) score[static_cast<size_t>(c)] = -static_cast<float>(take);
-  std::vector<int32_t> order(middle);
-  for (int64_t j = 0; j < group; ++j) {
-    const float* w = weights + j * n_cand;
-    order.assign(middle.begin(), middle.end());
-    std::partial_sort(order.begin(), order.begin() + take, order.end(),
-                      [&](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
-    for (int64_t rank = 0; rank < take; ++rank) {
-      float& s = score[static_cast<size_t>(order[static_cast<size_t>(rank)])];
-      s = std::max(s, -static_cast<float>(rank));
-    }
-  }
-}
-
-}  // namespace
-
 Status select_among_candidates(const float* q, const float* k_cache, int64_t n_heads, int64_t n_kv_heads,
                                int64_t head_dim, const Candidates& cand, const SelectionOptions& opts,
                                Selection& out, GroupReduce reduce) {
@@ -308,8 +284,8 @@ Status select_among_candidates(const float* q, const void* const* k_blocks, DTyp
         }
       }
       const int64_t take = std::min<int64_t>(budget - n, static_cast<int64_t>(order.size()));
-      if (take > 0 && reduce == GroupReduce::kTurns) score_by_turns(row.data(), n_cand, group, take, order, score);
       if (take > 0) {
+        if (reduce == GroupReduce::kTurns) score_group_by_turns(row.data(), n_cand, group, take, order, score.data());
         auto better = [&](int32_t a, int32_t b) {
           const float sa = score[static_cast<size_t>(a)], sb = score[static_cast<size_t>(b)];
           return sa > sb || (sa == sb && a < b);

@@ -29,58 +29,59 @@ def last_row_attention(model, cfg, ids):
     return logits, rows
 
 
-def oracle_step(model, cfg, ids, budget, sparse_layers, sinks, window):
+def prefill(model, cfg, ids):
+    """The dense prefill of ids[:-1] (per layer K, V) and the RoPE tables of all of ids."""
+    import torch
+    from forward import dense_layers, rope_tables
+    cos, sin = rope_tables(cfg, len(ids))
+    with torch.no_grad():
+        _, K, V, _, _ = dense_layers(model, cfg, torch.tensor(ids[:-1]), cos, sin)
+    return K, V, cos, sin
+
+
+def oracle_step(model, cfg, ids, pre, budget, sparse_layers, sinks, window):
     """Next-token probabilities of ids' last position when the layers in sparse_layers attend only
     to the per-layer oracle's selection (sinks, the last `window` and the rest by that layer's own
     dense weights, max over the GQA group; the engine's oracle) and the others densely; every
-    earlier position is a dense prefill, as in a decode step of `specontext eval`."""
-    import math
+    earlier position is the dense prefill `pre` (prefill(ids)), as in a decode step of `specontext eval`."""
     import torch
-    from forward import apply_rope, dense_layers, rope_tables
-    H, G = cfg["n_heads"], cfg["n_kv_heads"]
-    hd, grp = cfg["dim"] // H, H // G
+    from forward import decode_layer, top_keep
+    K, V, cos, sin = pre
+    G, grp = cfg["n_kv_heads"], cfg["n_heads"] // cfg["n_kv_heads"]
     n = len(ids)
-    cos, sin = rope_tables(cfg, n)
+    idx = torch.arange(n)
+    fixed = (idx < sinks) | (idx > n - 1 - window)
+
+    def oracle(dense):
+        return top_keep(dense.view(G, grp, n).amax(1), fixed, budget - sinks - window)
     with torch.no_grad():
-        _, K, V, _, _ = dense_layers(model, cfg, torch.tensor(ids[:-1]), cos, sin)
-        c, s = cos[n - 1:n], sin[n - 1:n]
-        idx = torch.arange(n)
-        fixed = (idx < sinks) | (idx > n - 1 - window)
         x = model.tok_embeddings(torch.tensor(ids[-1:]))
         for li, layer in enumerate(model.layers):
-            h = layer.attention_norm(x)
-            q = apply_rope(layer.wq(h).view(1, H, hd).transpose(0, 1), c, s)
-            k = torch.cat([K[li], apply_rope(layer.wk(h).view(1, G, hd).transpose(0, 1), c, s)], 1)
-            v = torch.cat([V[li], layer.wv(h).view(1, G, hd).transpose(0, 1)], 1)
-            logit = (q @ k.repeat_interleave(grp, 0).transpose(-1, -2)).squeeze(1) / math.sqrt(hd)  # [H, n]
-            if li in sparse_layers and budget < n:
-                score = torch.softmax(logit, -1).view(G, grp, n).amax(1).masked_fill(fixed[None, :], -1.0)
-                keep = fixed[None, :].expand(G, n).clone()
-                keep.scatter_(1, score.topk(budget - sinks - window, -1).indices, True)
-                logit = logit.masked_fill(~keep.repeat_interleave(grp, 0), float("-inf"))
-            o = (torch.softmax(logit, -1)[:, None, :] @ v.repeat_interleave(grp, 0)).squeeze(1)
-            x = x + layer.wo(o.reshape(1, -1))
-            hf = layer.ffn_norm(x)
-            x = x + layer.w2(torch.nn.functional.silu(layer.w1(hf)) * layer.w3(hf))
+            sparse = li in sparse_layers and budget < n
+            x, _, _, _, _ = decode_layer(layer, cfg, x, K[li], V[li], cos[n - 1:n], sin[n - 1:n],
+                                         oracle if sparse else None)
         return torch.softmax(model.norm(x) @ model.tok_embeddings.weight.t(), -1)[0]
 
 
 def print_ablation(model, cfg, tok, ids, budgets, sinks, window):
     """Which layer's sparse attention changes the answer: the oracle at each budget in every layer,
-    in one layer alone and in all layers but one."""
+    in one layer alone and in all layers but one (one dense prefill for all of them)."""
     L = cfg["n_layers"]
+    pre = prefill(model, cfg, ids)
 
     def top(pr):
         import torch
         t = torch.topk(pr, 3)
         return ", ".join(f"{tok.decode([int(i)])!r} {float(v):.2f}" for v, i in zip(t.values, t.indices))
-    print(f"   next token after {tok.decode(ids[-3:])!r}, dense: {top(oracle_step(model, cfg, ids, 0, [], sinks, window))}")
+
+    def step(b, layers):
+        return top(oracle_step(model, cfg, ids, pre, b, layers, sinks, window))
+    print(f"   next token after {tok.decode(ids[-3:])!r}, dense: {step(0, [])}")
     for b in budgets:
-        print(f"   oracle B {b}, every layer sparse: {top(oracle_step(model, cfg, ids, b, range(L), sinks, window))}")
+        print(f"   oracle B {b}, every layer sparse: {step(b, range(L))}")
         for li in range(L):
-            only = top(oracle_step(model, cfg, ids, b, [li], sinks, window))
-            but = top(oracle_step(model, cfg, ids, b, [j for j in range(L) if j != li], sinks, window))
-            print(f"   oracle B {b}, layer {li} alone sparse: {only} | every layer but {li}: {but}")
+            print(f"   oracle B {b}, layer {li} alone sparse: {step(b, [li])} | "
+                  f"every layer but {li}: {step(b, [j for j in range(L) if j != li])}")
 
 
 def main():

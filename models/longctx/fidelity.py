@@ -21,8 +21,6 @@ import math
 import os
 import sys
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -60,7 +58,7 @@ def main():
     hd, grp = d // H, H // G
     last = L - 1
     fused_layers = [min(max(i, 0), last) for i in (2, L // 2, L - 3)]
-    from forward import apply_rope, dense_layers, rope_tables
+    from forward import apply_rope, decode_layer, dense_layers, rope_tables, top_keep
     cos, sin = rope_tables(cfg, N)  # [N, hd]
 
     def rope(v, rows):  # v [..., T, hd]
@@ -118,33 +116,22 @@ def main():
                 s = torch.softmax((q_h @ hk_cache.repeat_interleave(hgrp, 0).transpose(-1, -2)).squeeze(1) / math.sqrt(hd), -1)
                 free = B - args.sinks - window
                 s = by_turns(s.view(G, hgrp, n), fixed, free) if turns else s.view(G, hgrp, n).amax(1)
-                sel = topk_sel(s, fixed, free)
+                sel = top_keep(s, fixed, free)
+            if method == "oracle":  # per layer: its own dense weights, max over the GQA group
+                def select(dense):
+                    return top_keep(dense.view(G, grp, n).amax(1), fixed, B - args.sinks - window)
+            elif sel is not None:  # one selection for every layer
+                def select(dense):
+                    return sel
+            else:
+                select = None
             ent = []
             for li, layer in enumerate(model.layers):
                 ent.append(x)
-                h = layer.attention_norm(x)
-                q = rope(layer.wq(h).view(1, H, hd).transpose(0, 1), r)  # [H,1,hd]
-                k = rope(layer.wk(h).view(1, G, hd).transpose(0, 1), r)
-                v = layer.wv(h).view(1, G, hd).transpose(0, 1)
-                K[li] = torch.cat([K[li], k], 1)
-                V[li] = torch.cat([V[li], v], 1)
-                kk, vv = K[li].repeat_interleave(grp, 0), V[li].repeat_interleave(grp, 0)
-                logit = (q @ kk.transpose(-1, -2)).squeeze(1) / math.sqrt(hd)  # [H, n]
-                dense = torch.softmax(logit, -1)
-                s_l = sel
-                if method == "oracle":
-                    s_l = topk_sel(dense.view(G, grp, n).amax(1), fixed, B - args.sinks - window)
-                if s_l is None:
-                    a = dense
-                else:
-                    m = s_l.repeat_interleave(grp, 0)
+                x, K[li], V[li], dense, m = decode_layer(layer, cfg, x, K[li], V[li], cos[r], sin[r], select)
+                if m is not None:
                     rec += (dense * m).sum().item()
                     n_rec += H
-                    a = torch.softmax(logit.masked_fill(~m, float("-inf")), -1)
-                o = (a[:, None, :] @ vv).squeeze(1)  # [H, hd]
-                x = x + layer.wo(o.reshape(1, -1))
-                hf = layer.ffn_norm(x)
-                x = x + layer.w2(torch.nn.functional.silu(layer.w1(hf)) * layer.w3(hf))
             prev = torch.cat([ent[i] for i in fused_layers], -1)[0]
             logits.append((model.norm(x) @ model.tok_embeddings.weight.t())[0])
         return torch.stack(logits), (rec / n_rec if n_rec else 1.0)
@@ -161,14 +148,6 @@ def main():
         rank.scatter_(-1, order, torch.arange(n).expand_as(order).contiguous())
         best = rank.amin(1).clamp_max(max(free, 0)).double()
         return -best * (n + 1) - idx / (n + 1)
-
-    def topk_sel(scores, fixed, k):  # scores [G, n], fixed [n] -> [G, n] bool
-        keep = fixed[None, :].expand_as(scores).clone()
-        if k > 0:
-            s = scores.masked_fill(fixed[None, :], float("-inf"))
-            top = s.topk(min(k, int((~fixed).sum())), -1).indices
-            keep.scatter_(1, top, True)
-        return keep
 
     out = {"text": os.path.basename(args.text), "context": N, "positions": args.positions, "sinks": args.sinks,
            "head": os.path.basename(args.head), "rows": []}

@@ -1,8 +1,8 @@
 """The bundled longctx model through `specontext serve`'s /v1/chat/completions, as train.py's chat
 documents taught it: 20 context questions (facts "The code for K is V." in VAL prose in the user
 turn, then "What is the code for K?") and 20 `lookup_code` tool calls (is the call's argument the
-asked key?). Greedy; keys and values from tasks.json; prose from the last 8.5% of Pride and
-Prejudice (VAL, never Persuasion).
+asked key?). Greedy; the tool, system prompt, fact sentence, keys and values from tasks.json (as
+train.py wrote them); prose from the last 8.5% of Pride and Prejudice (VAL, never Persuasion).
 
     specontext serve -m models/longctx/hf --listen 127.0.0.1:PORT &
     /usr/bin/python3 models/longctx/chat_check.py --port PORT [--model hf]
@@ -14,30 +14,29 @@ import random
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOL = {"type": "function", "function": {"name": "lookup_code", "description": "Look up the code for a key.",
-        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
-SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
 
-def chat(args, body):
-    body = {"model": args.model, "temperature": 0, **body}
+def chat(args, tasks, user, **body):
+    """The assistant's message for one user turn after the trained system prompt."""
+    body = {"model": args.model, "temperature": 0, **body,
+            "messages": [{"role": "system", "content": tasks["system"]}, {"role": "user", "content": user}]}
     req = urllib.request.Request(f"http://{args.host}:{args.port}/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=300))["choices"][0]["message"]
 
 
-def context_questions(args, keys, vals, prose, rng):
+def context_questions(args, tasks, prose, rng):
     ok = 0
     for _ in range(args.n):
         n = rng.randint(2, 6)
-        ks, vs = rng.sample(keys, n), [rng.choice(vals) for _ in range(n)]
+        ks, vs = rng.sample(tasks["keys"], n), [rng.choice(tasks["values"]) for _ in range(n)]
         sentences = prose[rng.randrange(len(prose) - 3000):][:1200].split(". ")
         ctx = ""
         for j, s in enumerate(sentences[:2 * n]):
-            ctx += s + ". " + (f"The code for {ks[j // 2]} is {vs[j // 2]}. " if j % 2 == 1 else "")
+            fact = tasks["templates"]["code_fact"].format(key=ks[j // 2], val=vs[j // 2]) if j % 2 == 1 else ""
+            ctx += s + "." + fact + " "
         q = rng.randrange(n)
-        m = chat(args, {"max_tokens": 16, "messages": [
-            SYSTEM, {"role": "user", "content": ctx.strip() + "\n\nWhat is the code for " + ks[q] + "?"}]})
+        m = chat(args, tasks, ctx.strip() + "\n\nWhat is the code for " + ks[q] + "?", max_tokens=16)
         text = m.get("content") or ""
         good = text.strip().startswith(f"The code for {ks[q]} is {vs[q]}")
         ok += good
@@ -45,11 +44,10 @@ def context_questions(args, keys, vals, prose, rng):
     return ok
 
 
-def tool_calls(args, keys, rng):
+def tool_calls(args, tasks, rng):
     ok = called = 0
-    for k in rng.sample(keys, args.n):
-        m = chat(args, {"max_tokens": 48, "tools": [TOOL], "messages": [
-            SYSTEM, {"role": "user", "content": "What is the code for " + k + "?"}]})
+    for k in rng.sample(tasks["keys"], args.n):
+        m = chat(args, tasks, "What is the code for " + k + "?", max_tokens=48, tools=[tasks["tool"]])
         calls = m.get("tool_calls") or []
         arg = None
         if calls:
@@ -75,8 +73,8 @@ def main():
     tasks = json.load(open(os.path.join(HERE, "tasks.json"), encoding="utf-8"))
     text = open(os.path.join(HERE, "..", "..", "data", "austen", "prideprejudice.txt"), encoding="utf-8").read()
     rng = random.Random(args.seed)
-    answered = context_questions(args, tasks["keys"], tasks["values"], text[int(0.915 * len(text)):], rng)
-    called, right = tool_calls(args, tasks["keys"], rng)
+    answered = context_questions(args, tasks, text[int(0.915 * len(text)):], rng)
+    called, right = tool_calls(args, tasks, rng)
     print(json.dumps({"context_questions": args.n, "answered": answered,
                       "tool_requests": args.n, "tool_calls_parsed": called, "argument_is_the_key": right}))
 
